@@ -1,0 +1,256 @@
+"""Side-by-side end-to-end benchmark: shmgate against the naive baseline and LitServe.
+
+For each selected scenario this starts the server under test as a subprocess on a free loopback
+port, waits until it answers its readiness path, drives it with ``gateway.loadgen.run`` at each
+concurrency (1, 8, 32 by default) on the 1024 px test photos, then stops it. Results print as a
+markdown table (and JSON lines with ``--json``).
+
+Invariants: every server is started in its own session and stopped as a process group (SIGTERM,
+then SIGKILL after a grace period), in a ``finally``, so no worker a server forked outlives the
+run. Only 127.0.0.1 is ever contacted. Each load run is bounded by its request count and the
+load generator's per-request timeout.
+
+The command lines live in ``SCENARIOS``, a plain table, so they can be adjusted as the shmgate CLI
+changes. Placeholders: ``{python}`` (this interpreter), ``{bin}`` (its bin folder), ``{repo}``,
+``{port}``, ``{litserve_python}``.
+
+Usage: ``python bench/e2e.py [--quick] [--scenario NAME ...] [--stream] [--json] [--out FILE]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from gateway import loadgen  # noqa: E402
+
+LITSERVE_PYTHON = REPO / "bench" / ".venv-litserve" / "bin" / "python"
+IMAGES = sorted((REPO / "tests" / "data" / "images").glob("*_1024.jpg"))
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One server under test and how to load it."""
+
+    command: tuple[str, ...]  # with placeholders, see the module docstring
+    model: str  # the model id the load generator sends
+    ready_path: str = "/health"  # GET that answers 200 once the server can serve
+    bench_flags: tuple[str, ...] = ("--unique",)  # distinct bytes per request: no cache hits
+    needs: Path | None = None  # a file that must exist for the scenario to run
+    ready_timeout_s: float = 180.0
+
+
+NAIVE = ("{python}", "{repo}/bench/naive_server.py", "--port", "{port}")
+SHMGATE = ("{bin}/shmgate", "serve", "--host", "127.0.0.1", "--port", "{port}")
+SCENARIOS: dict[str, Scenario] = {
+    "naive-checksum": Scenario(NAIVE + ("--mode", "checksum"), "checksum"),
+    "naive-efficientnet": Scenario(NAIVE + ("--mode", "efficientnet"), "efficientnet-lite0"),
+    "litserve": Scenario(("{litserve_python}", "{repo}/bench/litserve_server.py", "--port", "{port}"),
+                         "efficientnet-lite0", needs=LITSERVE_PYTHON),
+    "shmgate-checksum": Scenario(SHMGATE + ("--model", "checksum"), "checksum", ready_path="/v1/models"),
+    "shmgate-checksum-cached": Scenario(SHMGATE + ("--model", "checksum"), "checksum", ready_path="/v1/models",
+                                        bench_flags=("--repeat-one",)),
+    "shmgate-efficientnet": Scenario(SHMGATE + ("--model", "efficientnet-lite0"), "efficientnet-lite0",
+                                     ready_path="/v1/models"),
+}
+DEFAULT_SCENARIOS = ["naive-checksum", "naive-efficientnet", "litserve"]
+
+
+@dataclass
+class ServerProcess:
+    """A server under test, started in its own session so its whole tree can be stopped."""
+
+    argv: list[str]
+    log_path: Path
+    process: subprocess.Popen[bytes] | None = field(default=None, init=False)
+
+    def start(self) -> None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        with self.log_path.open("wb") as log:
+            self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                            cwd=REPO, start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None, "start() first"
+        return self.process.pid
+
+    def log_tail(self, nbytes: int = 3000) -> str:
+        return self.log_path.read_bytes()[-nbytes:].decode(errors="replace")
+
+    async def wait_ready(self, url: str, timeout_s: float) -> None:
+        """Poll ``url`` until it answers 200. Raises RuntimeError if the server exits or times out."""
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            while time.monotonic() < deadline:
+                if self.process is None or self.process.poll() is not None:
+                    raise RuntimeError(f"server exited before it was ready:\n{self.log_tail()}")
+                try:
+                    if (await client.get(url)).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                await asyncio.sleep(0.25)
+        raise RuntimeError(f"server not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM the process group, wait, then SIGKILL whatever is left of it."""
+        if self.process is None:
+            return
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.process.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                continue
+            if not _group_alive(self.process.pid):
+                break
+            time.sleep(0.5)  # the leader is gone; give its children a moment before the next signal
+        self.process.wait()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def expand(command: tuple[str, ...], port: int) -> list[str]:
+    values = {"python": sys.executable, "bin": str(Path(sys.executable).parent), "repo": str(REPO),
+              "port": str(port), "litserve_python": str(LITSERVE_PYTHON)}
+    return [part.format(**values) for part in command]
+
+
+async def bench_scenario(name: str, scenario: Scenario, args: argparse.Namespace, images_dir: Path,
+                         log_dir: Path) -> list[dict[str, Any]]:
+    """Start the scenario's server, load it at every concurrency, stop it. One result per concurrency."""
+    port = free_port()
+    server = ServerProcess(expand(scenario.command, port), log_dir / f"{name}.log")
+    base_url = f"http://127.0.0.1:{port}"
+    results = []
+    started = time.monotonic()
+    server.start()
+    try:
+        await server.wait_ready(base_url + scenario.ready_path, scenario.ready_timeout_s)
+        startup_s = time.monotonic() - started
+        for concurrency in args.concurrency:
+            argv = ["--base-url", base_url, "--model", scenario.model, "--concurrency", str(concurrency),
+                    "--requests", str(args.requests), "--images", str(images_dir),
+                    "--server-pid", str(server.pid), *scenario.bench_flags]
+            if args.stream:
+                argv.append("--stream")
+            parser = argparse.ArgumentParser()
+            loadgen.add_arguments(parser)
+            began = time.monotonic()
+            result = await loadgen.run(parser.parse_args(argv))
+            result.update(scenario=name, run_s=round(time.monotonic() - began, 2), startup_s=round(startup_s, 2))
+            results.append(result)
+            emit_progress(result, args)
+    finally:
+        server.stop()
+    return results
+
+
+def emit_progress(result: dict[str, Any], args: argparse.Namespace) -> None:
+    if args.json:
+        print(json.dumps(result), flush=True)
+    else:
+        print(f"  {result['scenario']:<24} c={result['concurrency']:<3} {result['requests_per_s']:>8} req/s  "
+              f"p50 {result['p50_ms']} ms  p99 {result['p99_ms']} ms  errors {result['errors']}  "
+              f"mismatches {result['mismatches']}  ({result['run_s']} s)", file=sys.stderr, flush=True)
+
+
+def markdown_table(results: list[dict[str, Any]]) -> str:
+    """The comparison table; server CPU is per request, all of the server's processes included."""
+    head = ("| scenario | conc | req/s | p50 ms | p90 ms | p99 ms | ttft p50 ms | errors | mismatches "
+            "| server CPU ms/req | run s |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    rows = []
+    for r in results:
+        cpu = r["cpu_s_per_request"]
+        cells = [r["scenario"], r["concurrency"], r["requests_per_s"], _fmt(r["p50_ms"]), _fmt(r["p90_ms"]),
+                 _fmt(r["p99_ms"]), _fmt(r["ttft_p50_ms"]), r["errors"], r["mismatches"],
+                 "-" if cpu is None else f"{cpu * 1000:.1f}", r["run_s"]]
+        rows.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join([head, *rows])
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+async def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
+    results: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="shmgate-e2e-") as tmp:
+        images_dir = Path(tmp) / "images"
+        images_dir.mkdir()
+        for image in IMAGES:  # the load generator takes a folder: give it only the 1024 px photos
+            (images_dir / image.name).symlink_to(image)
+        log_dir = Path(args.log_dir) if args.log_dir else Path(tmp)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        for name in args.scenario:
+            scenario = SCENARIOS[name]
+            if scenario.needs is not None and not scenario.needs.exists():
+                print(f"skipping {name}: {scenario.needs} is missing (run bench/setup_litserve.sh)", file=sys.stderr)
+                continue
+            print(f"{name}: {' '.join(expand(scenario.command, 0))}", file=sys.stderr, flush=True)
+            try:
+                results += await bench_scenario(name, scenario, args, images_dir, log_dir)
+            except RuntimeError as exc:
+                print(f"{name} failed: {exc}", file=sys.stderr)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scenario", action="append", choices=sorted(SCENARIOS),
+                        help=f"repeatable; default: {', '.join(DEFAULT_SCENARIOS)}")
+    parser.add_argument("--all", action="store_true", help="every scenario of the table")
+    parser.add_argument("--quick", action="store_true", help="48 requests per point instead of 200")
+    parser.add_argument("--requests", type=int, default=None)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--stream", action="store_true", help="streaming requests")
+    parser.add_argument("--json", action="store_true", help="print JSON lines as results come")
+    parser.add_argument("--out", default=None, help="also write the markdown table to this file")
+    parser.add_argument("--log-dir", default=None, help="keep the servers' logs here")
+    args = parser.parse_args(argv)
+    args.scenario = sorted(SCENARIOS) if args.all else (args.scenario or DEFAULT_SCENARIOS)
+    args.requests = args.requests or (48 if args.quick else 200)
+    results = asyncio.run(run_all(args))
+    table = markdown_table(results)
+    if not args.json:
+        print(table)
+    if args.out:
+        Path(args.out).write_text(table + "\n")
+    return 0 if results and all(r["errors"] == 0 and r["mismatches"] == 0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

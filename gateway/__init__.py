@@ -1,0 +1,1 @@
+"""The HTTP gateway: OpenAI-compatible routes, image intake and preprocessing into shared memory."""

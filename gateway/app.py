@@ -1,0 +1,246 @@
+"""The HTTP surface of one frontend process: routes and lifespan.
+
+Routes:
+    POST /v1/chat/completions   OpenAI chat, streaming (SSE) or not
+    GET  /v1/models             the served model
+    GET  /health                this process is up and attached (always open)
+    GET  /ready                 a worker for the model heartbeats and we are not draining
+    GET  /metrics               Prometheus text for the whole node (optionally behind the key)
+
+Every error is an OpenAI error object with the right status (gateway/http_errors.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import StreamingResponse
+
+from gateway.frontend import Frontend, FrontendLimits, RequestState
+from gateway.http_errors import error_body, error_response
+from gateway.intake import IntakeLimits, parse_chat_request
+from gateway.metrics import Counter, render
+from gateway.preprocess import get_preprocessor
+from gateway.sse import Completion
+from shared.errors import ImageTooLarge, InvalidRequest, ShmgateError, Unauthorized
+from shared.instance import Instance
+from shared.wire import Delta, Failed, Finished
+
+__all__ = ["AppOptions", "create_app"]
+
+log = logging.getLogger("shmgate.app")
+
+
+@dataclass(frozen=True)
+class AppOptions:
+    instance_id: str
+    slot: int
+    model: str
+    api_key: str | None = None
+    metrics_need_key: bool = False
+    max_body_bytes: int = 32 << 20
+    intake: IntakeLimits = IntakeLimits()
+    limits: FrontendLimits = FrontendLimits()
+
+
+def create_app(options: AppOptions) -> FastAPI:
+    frontend_box: dict[str, Frontend] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        instance = Instance.attach(options.instance_id)
+        preprocessor = get_preprocessor(options.model, max_images=options.intake.max_images)
+        frontend = Frontend(instance, options.slot, preprocessor, options.limits)
+        await frontend.start()
+        frontend_box["f"] = frontend
+        try:
+            yield
+        finally:
+            await frontend.stop()
+            instance.close()
+
+    app = FastAPI(title="shmgate", lifespan=lifespan, docs_url=None, redoc_url=None)
+
+    def frontend() -> Frontend:
+        return frontend_box["f"]
+
+    def check_key(request: Request) -> None:
+        if options.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), options.api_key.encode()):
+            raise Unauthorized("missing or invalid API key; send 'Authorization: Bearer <key>'")
+
+    @app.exception_handler(ShmgateError)
+    async def _shmgate_error(request: Request, exc: ShmgateError) -> Response:
+        return error_response(exc)
+
+    @app.exception_handler(404)
+    async def _not_found(request: Request, exc: Exception) -> Response:
+        return JSONResponse(error_body("no such route", "invalid_request_error", "not_found"), status_code=404)
+
+    @app.exception_handler(405)
+    async def _not_allowed(request: Request, exc: Exception) -> Response:
+        return JSONResponse(error_body("method not allowed", "invalid_request_error", "method_not_allowed"),
+                            status_code=405)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        if frontend().ready():
+            return JSONResponse({"status": "ready"})
+        return JSONResponse({"status": "not ready"}, status_code=503, headers={"Retry-After": "1"})
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, object]:
+        check_key(request)
+        return {
+            "object": "list",
+            "data": [{"id": frontend().preprocessor.model, "object": "model", "created": 0, "owned_by": "shmgate"}],
+        }
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        if options.metrics_need_key:
+            check_key(request)
+        f = frontend()
+        return PlainTextResponse(render(f.segment, f._requests.current_messages()),
+                                 media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        f = frontend()
+        started = time.monotonic()
+        try:
+            check_key(request)
+            body = await _read_body(request, options.max_body_bytes)
+            chat = parse_chat_request(body, options.intake)
+            state = await f.submit(chat)
+        except ShmgateError as exc:
+            _count_error(f, exc)
+            return error_response(exc)
+        if chat.stream:
+            return await _stream(f, state, chat.model, chat.include_usage, started)
+        return await _complete(f, state, chat.model, started)
+
+    return app
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise ImageTooLarge(f"the request body is larger than {limit} bytes")
+    chunks = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ImageTooLarge(f"the request body is larger than {limit} bytes")
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    if not body:
+        raise InvalidRequest("the request body is empty; send a JSON chat completion request")
+    return body
+
+
+def _count_error(f: Frontend, exc: ShmgateError) -> None:
+    if exc.status_hint in (429, 503):
+        f.stats.add(Counter.REQUESTS_OVERLOADED)
+    elif exc.status_hint < 500:
+        f.stats.add(Counter.REQUESTS_CLIENT_ERROR)
+    else:
+        f.stats.add(Counter.REQUESTS_SERVER_ERROR)
+
+
+def _failure(event: Failed) -> ShmgateError:
+    error = ShmgateError(event.message)
+    error.status_hint = event.status_hint
+    error.code = event.code
+    if event.status_hint < 500:
+        error.error_type = "invalid_request_error"
+    return error
+
+
+async def _complete(f: Frontend, state: RequestState, model: str, started: float) -> Response:
+    completion = Completion(model)
+    parts: list[str] = []
+    try:
+        async for event in f.events(state):
+            if isinstance(event, Delta):
+                parts.append(event.text)
+            elif isinstance(event, Failed):
+                error = _failure(event)
+                _count_error(f, error)
+                return error_response(error)
+            elif isinstance(event, Finished):
+                elapsed = time.monotonic() - started
+                f.stats.add(Counter.REQUESTS_OK)
+                f.stats.observe(Counter.LATENCY_BUCKETS, elapsed)
+                f.stats.observe(Counter.TTFT_BUCKETS, elapsed)
+                return JSONResponse(
+                    completion.completion("".join(parts), event.finish_reason, event.prompt_tokens,
+                                          event.completion_tokens)
+                )
+    finally:
+        if not state.done:
+            f.abandon(state)
+    raise AssertionError("events() always ends with Finished or Failed")
+
+
+async def _stream(f: Frontend, state: RequestState, model: str, include_usage: bool, started: float) -> Response:
+    """Wait for the first event so an early failure is a proper HTTP error, then stream."""
+    events = f.events(state).__aiter__()
+    try:
+        first = await events.__anext__()
+    except (asyncio.CancelledError, Exception):
+        f.abandon(state)
+        raise
+    if isinstance(first, Failed):
+        error = _failure(first)
+        _count_error(f, error)
+        return error_response(error)
+    completion = Completion(model)
+
+    async def body() -> AsyncIterator[bytes]:
+        ttft_seen = False
+        try:
+            yield completion.role_chunk()
+            event: Delta | Finished | Failed | None = first
+            while event is not None:
+                if isinstance(event, Delta):
+                    if not ttft_seen:
+                        ttft_seen = True
+                        f.stats.observe(Counter.TTFT_BUCKETS, time.monotonic() - started)
+                    yield completion.content_chunk(event.text)
+                elif isinstance(event, Finished):
+                    yield completion.finish_chunk(event.finish_reason)
+                    if include_usage:
+                        yield completion.usage_chunk(event.prompt_tokens, event.completion_tokens)
+                    yield completion.done()
+                    f.stats.add(Counter.REQUESTS_OK)
+                    f.stats.observe(Counter.LATENCY_BUCKETS, time.monotonic() - started)
+                    return
+                elif isinstance(event, Failed):
+                    error = _failure(event)
+                    _count_error(f, error)
+                    yield completion.error_event(error_body(error.message, error.error_type, error.code))
+                    return
+                event = await events.__anext__()
+        finally:
+            if not state.done:
+                f.abandon(state)  # the client disconnected mid-stream
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

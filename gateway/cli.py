@@ -1,0 +1,234 @@
+"""The ``shmgate`` command: serve, gateway, worker, cleanup, bench (and the internal frontend).
+
+Settings are parsed here once and each part gets only the values it uses; this
+is the only module that calls ``sys.exit`` (through ``main``'s return code).
+
+    shmgate serve     gateway + supervised workers, one command (the embedded default model)
+    shmgate gateway   frontends only: owns the IPC objects; workers attach from elsewhere
+    shmgate worker    one model worker (exec of ``python -m worker``, the command compose runs)
+    shmgate cleanup   remove the IPC objects of dead instances
+    shmgate bench     the load generator (gateway/loadgen.py)
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+
+from shared.errors import SetupError
+from shared.names import parse_size
+
+__all__ = ["main"]
+
+log = logging.getLogger("shmgate")
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(f"SHMGATE_{name}", default)
+
+
+def _gpu_count() -> int:
+    """GPUs visible to this machine, without importing torch (frontends stay light)."""
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+
+
+def _add_gateway_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=int(_env("PORT", "8000") or 8000))
+    p.add_argument("--frontends", type=int, default=int(_env("FRONTENDS", "0") or 0),
+                   help="frontend processes (default: number of cores)")
+    p.add_argument("--model", default=_env("MODEL", "efficientnet-lite0"))
+    p.add_argument("--arena-size", default=_env("ARENA_SIZE", "1GiB"))
+    p.add_argument("--api-key", default=_env("API_KEY"))
+    p.add_argument("--metrics-need-key", action="store_true", default=_env("METRICS_NEED_KEY") == "1")
+    p.add_argument("--label", default=_env("LABEL", "default"))
+    p.add_argument("--max-images", type=int, default=int(_env("MAX_IMAGES", "8") or 8))
+    p.add_argument("--max-in-flight", type=int, default=int(_env("MAX_IN_FLIGHT", "256") or 256),
+                   help="per frontend; beyond it requests get 429")
+    p.add_argument("--request-timeout-s", type=float, default=float(_env("REQUEST_TIMEOUT_S", "60") or 60))
+    p.add_argument("--max-body-mb", type=float, default=float(_env("MAX_BODY_MB", "32") or 32))
+    p.add_argument("--max-pixels", type=int, default=int(_env("MAX_PIXELS", "40000000") or 40_000_000))
+    p.add_argument("--decode-threads", type=int, default=int(_env("DECODE_THREADS", "2") or 2))
+    p.add_argument("--max-workers", type=int, default=int(_env("MAX_WORKERS", "16") or 16),
+                   help="worker slots in the segment (workers that may attach)")
+    p.add_argument("--queue-depth", type=int, default=int(_env("QUEUE_DEPTH", "64") or 64),
+                   help="message queue depth (capped by /proc/sys/fs/mqueue/msg_max)")
+    p.add_argument("--drain-timeout-s", type=float, default=float(_env("DRAIN_TIMEOUT_S", "30") or 30))
+    p.add_argument("--log-level", default=_env("LOG_LEVEL", "info"))
+
+
+def _add_worker_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workers", type=int, default=int(_env("WORKERS", "0") or 0),
+                   help="worker processes (default: one per GPU, one on CPU when there is none)")
+    p.add_argument("--workers-per-gpu", type=int, default=int(_env("WORKERS_PER_GPU", "1") or 1))
+    p.add_argument("--device", default=_env("DEVICE"), help="cpu or cuda (default: cuda when a GPU is present)")
+    p.add_argument("--max-batch-size", type=int, default=int(_env("MAX_BATCH_SIZE", "8") or 8))
+    p.add_argument("--max-batch-wait-ms", type=float, default=float(_env("MAX_BATCH_WAIT_MS", "5") or 5))
+    p.add_argument("--threads", type=int, default=int(_env("THREADS", "0") or 0),
+                   help="torch threads per CPU worker (default: cores / workers)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shmgate", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="gateway and workers in one command")
+    _add_gateway_flags(serve)
+    _add_worker_flags(serve)
+    gateway = sub.add_parser("gateway", help="frontends only; workers attach by label")
+    _add_gateway_flags(gateway)
+    sub.add_parser("worker", help="one model worker (see shmgate worker --help)", add_help=False)
+    sub.add_parser("cleanup", help="remove IPC objects of dead instances")
+    sub.add_parser("bench", help="load generator (see shmgate bench --help)", add_help=False)
+    frontend = sub.add_parser("frontend", help=argparse.SUPPRESS)
+    frontend.add_argument("--instance", required=True)
+    frontend.add_argument("--slot", type=int, required=True)
+    frontend.add_argument("--fd", type=int, required=True)
+    _add_gateway_flags(frontend)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "worker":
+        os.execv(sys.executable, [sys.executable, "-m", "worker", *argv[1:]])
+    if argv and argv[0] == "bench":
+        from gateway.loadgen import main as bench_main
+
+        return bench_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper() if hasattr(args, "log_level") else "INFO",
+                        format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s")
+    try:
+        if args.command == "cleanup":
+            from shared.instance import cleanup_leftovers
+
+            removed = cleanup_leftovers()
+            print(f"removed {len(removed)} dead instance(s)" + (f": {', '.join(removed)}" if removed else ""))
+            return 0
+        if args.command == "frontend":
+            return _run_frontend(args)
+        return _run_supervised(args, with_workers=args.command == "serve")
+    except SetupError as exc:
+        log.error("%s", exc)
+        return 2
+
+
+def _frontend_argv(args: argparse.Namespace, instance_id: str, slot: int, fd: int) -> list[str]:
+    return [
+        sys.executable, "-m", "gateway", "frontend",
+        "--instance", instance_id, "--slot", str(slot), "--fd", str(fd),
+        "--model", args.model, "--label", args.label,
+        "--max-images", str(args.max_images), "--max-in-flight", str(args.max_in_flight),
+        "--request-timeout-s", str(args.request_timeout_s), "--max-body-mb", str(args.max_body_mb),
+        "--max-pixels", str(args.max_pixels), "--decode-threads", str(args.decode_threads),
+        "--drain-timeout-s", str(args.drain_timeout_s), "--log-level", args.log_level,
+    ] + (["--metrics-need-key"] if args.metrics_need_key else [])
+
+
+def _worker_children(args: argparse.Namespace, instance_id: str) -> list[tuple[list[str], dict[str, str]]]:
+    gpus = _gpu_count()
+    device = args.device or ("cuda" if gpus else "cpu")
+    if device.startswith("cuda"):
+        n = args.workers or max(1, gpus) * args.workers_per_gpu
+    else:
+        n = args.workers or 1
+    cores = os.cpu_count() or 1
+    threads = args.threads or max(1, cores // n)
+    children = []
+    for i in range(n):
+        env: dict[str, str] = {}
+        if device == "cuda" and gpus > 1:
+            env["CUDA_VISIBLE_DEVICES"] = str(i % gpus)  # one GPU per worker, round robin
+        argv = [
+            sys.executable, "-m", "worker", "--instance", instance_id, "--model", args.model,
+            "--device", device, "--max-batch-size", str(args.max_batch_size),
+            "--max-batch-wait-ms", str(args.max_batch_wait_ms), "--threads", str(threads),
+            "--log-level", args.log_level,
+        ]
+        children.append((argv, env))
+    return children
+
+
+def _run_supervised(args: argparse.Namespace, *, with_workers: bool) -> int:
+    from gateway.supervisor import ChildProcess, Supervisor, child_env
+    from shared.instance import Instance, cleanup_leftovers
+
+    removed = cleanup_leftovers()
+    if removed:
+        log.warning("removed leftovers of %d dead instance(s)", len(removed))
+    n_frontends = args.frontends or os.cpu_count() or 1
+    worker_children = _worker_children(args, "0" * 16) if with_workers else []
+    n_worker_slots = max(args.max_workers, 2 * len(worker_children))
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as exc:
+        raise SetupError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from exc
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    instance = Instance.create(
+        arena_size=parse_size(args.arena_size),
+        n_frontends=n_frontends,
+        n_workers=n_worker_slots,
+        label=args.label,
+        queue_depth=args.queue_depth,
+    )
+    instance_id = instance.names.instance_id
+    secrets_env = {"SHMGATE_API_KEY": args.api_key} if args.api_key else {}
+    frontends = [
+        ChildProcess("frontend", k, _frontend_argv(args, instance_id, k, sock.fileno()), child_env(secrets_env),
+                     pass_fds=(sock.fileno(),))
+        for k in range(n_frontends)
+    ]
+    workers = [
+        ChildProcess("worker", i, argv, child_env(env))
+        for i, (argv, env) in enumerate(_worker_children(args, instance_id) if with_workers else [])
+    ]
+    log.info("instance %s listening on http://%s:%d with %d frontends and %d workers (model %s)", instance_id,
+             args.host, args.port, n_frontends, len(workers), args.model)
+    try:
+        Supervisor(instance, frontends, workers, drain_timeout_s=args.drain_timeout_s).run()
+    finally:
+        sock.close()
+    return 0
+
+
+def _run_frontend(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from gateway.app import AppOptions, create_app
+    from gateway.frontend import FrontendLimits
+    from gateway.intake import IntakeLimits
+
+    options = AppOptions(
+        instance_id=args.instance,
+        slot=args.slot,
+        model=args.model,
+        api_key=args.api_key,
+        metrics_need_key=args.metrics_need_key,
+        max_body_bytes=int(args.max_body_mb * (1 << 20)),
+        intake=IntakeLimits(max_images=args.max_images),
+        limits=FrontendLimits(
+            max_in_flight=args.max_in_flight,
+            request_timeout_s=args.request_timeout_s,
+            max_pixels=args.max_pixels,
+            decode_threads=args.decode_threads,
+        ),
+    )
+    config = uvicorn.Config(
+        create_app(options),
+        fd=args.fd,
+        log_level=args.log_level.lower() if args.log_level.lower() != "info" else "warning",
+        timeout_graceful_shutdown=int(args.drain_timeout_s),
+        access_log=False,
+        lifespan="on",
+    )
+    uvicorn.Server(config).run()
+    return 0

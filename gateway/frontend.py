@@ -1,0 +1,360 @@
+"""One frontend's side of the data path: images -> arena -> descriptor -> replies -> client.
+
+Who runs this: every frontend process, one ``Frontend`` per process, on its
+event loop. The loop never blocks (invariant 3): decoding, cache look-ups
+(which may wait on the index semaphore) and prompt building run in a thread
+pool; channels are awaited through their file descriptors.
+
+Life of a request (``RequestState``), every step owned by this class:
+
+    admit      in-flight bound, a ready worker, instance not draining   else 429/503
+    resolve    each image: cache hit (no decode) or decode into the arena; held
+    submit     descriptor on the shared request channel (waits for space, bounded)
+    claimed    a worker took it (Claimed): we now know whom to watch
+    released   the worker copied the tensors out (Released)
+    streaming  Delta* -> the client
+    terminal   Finished / Failed -> holds released, state removed
+
+Nothing is lost silently (invariant 5): the watchdog checks, ten times a
+second, that every claimed request's worker is alive. A request whose worker
+died before producing output is resubmitted (its tensors are still held); one
+that had streamed output ends with an in-band error. Unclaimed requests past
+their deadline fail with a timeout. A client that goes away marks its request
+abandoned: a Cancel goes to its worker and the holds are released when the
+worker's terminal message (or its death) arrives, never earlier, because the
+worker may still be reading the arena.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from gateway.intake import ChatRequest
+from gateway.metrics import Counter, FrontendStats
+from gateway.preprocess.base import ImageTensorSpec, Preprocessor, PromptInputs
+from shared.cache import ContentCache, TensorGroup, content_key
+from shared.channels import AsyncQueueReader, Queue, send_async
+from shared.errors import ChannelFull, Overloaded, PeerDied, RequestTimeout, ShmgateError, UnknownModel
+from shared.instance import DEAD_AFTER_S, Instance
+from shared.locks import HolderKind
+from shared.segment import Heartbeat, InstanceState, LockId, SlotState, now_ns
+from shared.arena import Partition
+from shared.wire import (
+    INLINE_MAX_BYTES,
+    MAX_SUBMIT_TEXT_CHARS,
+    Cancel,
+    Claimed,
+    Delta,
+    Failed,
+    Finished,
+    Released,
+    Submit,
+    TensorRef,
+)
+
+__all__ = ["Frontend", "FrontendLimits", "RequestState"]
+
+log = logging.getLogger("shmgate.frontend")
+
+INLINE_TENSOR = "__inline__"  # the worker's name for a prompt payload moved into the arena
+MAX_ATTEMPTS = 3
+WATCHDOG_INTERVAL_S = 0.1
+GRACE_S = 5.0  # how long past its deadline an unanswered request may hold arena space
+
+
+@dataclass(frozen=True)
+class FrontendLimits:
+    max_in_flight: int = 256
+    request_timeout_s: float = 60.0
+    max_pixels: int = 40_000_000
+    decode_threads: int = 2
+
+
+@dataclass(eq=False)
+class RequestState:
+    request_id: int
+    submit: Submit
+    groups: list[TensorGroup]
+    started: float
+    events: asyncio.Queue[Delta | Finished | Failed] = field(default_factory=asyncio.Queue)
+    worker: tuple[int, int] | None = None  # (slot, epoch) of the claiming worker
+    produced_output: bool = False
+    abandoned: bool = False
+    done: bool = False
+    released: bool = False
+
+
+class Frontend:
+    def __init__(self, instance: Instance, slot: int, preprocessor: Preprocessor, limits: FrontendLimits) -> None:
+        self.instance = instance
+        self.slot = slot
+        self.preprocessor = preprocessor
+        self.limits = limits
+        self.segment = instance.segment
+        self._states: dict[int, RequestState] = {}
+        self._counter = 0
+        self._pool = ThreadPoolExecutor(max_workers=limits.decode_threads, thread_name_prefix="decode")
+        self._control: dict[int, Queue] = {}
+        self._watchdog: asyncio.Task[None] | None = None
+        self.epoch = 0
+
+    # -- life cycle ---------------------------------------------------------------
+
+    async def start(self) -> None:
+        seg = self.segment
+        table_lock = self.instance.lock(LockId.TABLE, (HolderKind.FRONTEND, self.slot, 0))
+        if not table_lock.acquire(10.0):
+            raise Overloaded("could not claim a frontend slot")
+        try:
+            self.epoch = seg.claim_slot(seg.frontends, self.slot)
+        finally:
+            table_lock.release()
+        self._heartbeat = Heartbeat(seg.frontends, self.slot, self.epoch).start()
+        index_lock = self.instance.lock(LockId.INDEX, (HolderKind.FRONTEND, self.slot, self.epoch))
+        index = self.instance.cache_index()
+        with index_lock.hold(10.0):
+            index.purge_partition(self.slot)  # a predecessor's entries: its partition starts empty again
+        self.cache = ContentCache(Partition(seg, self.slot), index, index_lock, self.epoch)
+        self.stats = FrontendStats(seg, self.slot)
+        self.stats.set(Counter.ARENA_SIZE_BYTES, self.cache.partition.size)
+        self.stats.set(Counter.ARENA_USED_BYTES, 0)
+        self.stats.set(Counter.IN_FLIGHT, 0)
+        self._requests = self.instance.request_queue()
+        self._replies = self.instance.reply_queue(self.slot)
+        while self._replies.try_receive() is not None:
+            pass  # answers addressed to our predecessor
+        self._reader = AsyncQueueReader(self._replies, self._on_reply, self._on_reply_error)
+        self._reader.start()
+        self._watchdog = asyncio.create_task(self._watch())
+        seg.frontends[self.slot]["state"] = SlotState.READY
+
+    async def stop(self) -> None:
+        self.segment.frontends[self.slot]["state"] = SlotState.DRAINING
+        if self._watchdog:
+            self._watchdog.cancel()
+        self._reader.stop()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._heartbeat.stop()
+        if int(self.segment.frontends[self.slot]["epoch"]) == self.epoch:
+            self.segment.frontends[self.slot]["state"] = SlotState.FREE
+
+    # -- readiness ------------------------------------------------------------------
+
+    def draining(self) -> bool:
+        return int(self.segment.header[0]["state"]) != InstanceState.RUNNING
+
+    def ready(self) -> bool:
+        return not self.draining() and bool(self.segment.live_workers(DEAD_AFTER_S, self.preprocessor.model))
+
+    # -- the request path ---------------------------------------------------------------
+
+    async def submit(self, chat: ChatRequest) -> RequestState:
+        """Admit, resolve images, build and send the descriptor. Raises ShmgateError."""
+        if chat.model != self.preprocessor.model:
+            raise UnknownModel(f"model {chat.model[:100]!r} is not served here; GET /v1/models lists it",
+                               param="model")
+        if self.draining():
+            raise Overloaded("the server is shutting down", retry_after_s=2.0)
+        if len(self._states) >= self.limits.max_in_flight:
+            raise Overloaded("too many requests in flight; retry shortly", retry_after_s=1.0, status_hint=429)
+        if not self.segment.live_workers(DEAD_AFTER_S, self.preprocessor.model):
+            raise Overloaded("no model worker is ready yet", retry_after_s=2.0)
+        loop = asyncio.get_running_loop()
+        started = time.monotonic()
+        groups: list[TensorGroup] = []
+        try:
+            results = await asyncio.gather(
+                *(loop.run_in_executor(self._pool, self._resolve_image, data) for data in chat.images),
+                return_exceptions=True,
+            )
+            for result in results:
+                if isinstance(result, TensorGroup):
+                    groups.append(result)
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
+            specs: list[ImageTensorSpec] = [{r.name: (r.dtype, r.shape) for r in g.refs} for g in groups]
+            prompt = await loop.run_in_executor(self._pool, self.preprocessor.build_prompt, chat.messages, specs)
+            inline = prompt.inline
+            if len(inline) > INLINE_MAX_BYTES:
+                groups.append(await loop.run_in_executor(self._pool, self._inline_group, prompt))
+                inline = b""
+            self._counter += 1
+            request_id = (self.epoch << 40) | self._counter
+            deadline_ns = now_ns() + int(self.limits.request_timeout_s * 1e9)
+            refs: list[TensorRef] = [ref for g in groups for ref in g.refs]
+            submit = Submit(
+                request_id,
+                self.slot,
+                self.preprocessor.model,
+                tuple(refs),
+                inline,
+                chat.params,
+                deadline_ns,
+                0,
+                prompt.text[:MAX_SUBMIT_TEXT_CHARS],
+            )
+            state = RequestState(request_id, submit, groups, started)
+            self._states[request_id] = state
+            self.stats.set(Counter.IN_FLIGHT, len(self._states))
+        except BaseException:
+            for group in groups:
+                self.cache.release(group)
+            self._sync_cache_stats()
+            raise
+        try:
+            await send_async(self._requests, submit, min(10.0, self.limits.request_timeout_s))
+        except ChannelFull:
+            self._finish(state)
+            raise Overloaded("every worker is busy and the request queue is full", retry_after_s=1.0) from None
+        except BaseException:
+            self._finish(state)
+            raise
+        return state
+
+    def _resolve_image(self, data: bytes) -> TensorGroup:
+        """Thread pool: the cached tensors of one image, decoding only on a miss."""
+        key = content_key(data, self.preprocessor.cache_params())
+        group, _ = self.cache.acquire(
+            key, lambda allocate: self.preprocessor.preprocess_image(data, allocate, max_pixels=self.limits.max_pixels)
+        )
+        return group
+
+    def _inline_group(self, prompt: PromptInputs) -> TensorGroup:
+        payload = prompt.inline
+
+        def make(allocate: Any) -> None:
+            out = allocate(INLINE_TENSOR, "uint8", (len(payload),))
+            out[:] = memoryview(payload)
+
+        return self.cache.acquire_private(make)
+
+    async def events(self, state: RequestState) -> AsyncIterator[Delta | Finished | Failed]:
+        """The request's output, ending with exactly one Finished or Failed."""
+        while True:
+            event = await state.events.get()
+            yield event
+            if isinstance(event, (Finished, Failed)):
+                return
+
+    def abandon(self, state: RequestState) -> None:
+        """The client went away before the end: cancel the work, release when the worker is done."""
+        if state.done:
+            return
+        state.abandoned = True
+        self.stats.add(Counter.CANCELLED)
+        if state.worker is not None:
+            self._send_cancel(state)
+
+    # -- replies ------------------------------------------------------------------------
+
+    def _on_reply(self, message: object) -> None:
+        request_id = getattr(message, "request_id", None)
+        state = self._states.get(request_id) if request_id is not None else None
+        if state is None or state.done:
+            return  # a predecessor's request, or one that already ended
+        if isinstance(message, Claimed):
+            state.worker = (message.worker_slot, message.worker_epoch)
+            if state.abandoned:
+                self._send_cancel(state)
+        elif isinstance(message, Released):
+            state.released = True
+        elif isinstance(message, Delta):
+            state.produced_output = True
+            state.events.put_nowait(message)
+        elif isinstance(message, (Finished, Failed)):
+            state.events.put_nowait(message)
+            self._finish(state)
+
+    def _on_reply_error(self, exc: BaseException) -> None:
+        log.warning("bad message on the reply channel: %r", exc)
+
+    def _finish(self, state: RequestState) -> None:
+        if state.done:
+            return
+        state.done = True
+        self._states.pop(state.request_id, None)
+        for group in state.groups:
+            self.cache.release(group)
+        state.groups = []
+        self.stats.set(Counter.IN_FLIGHT, len(self._states))
+        self._sync_cache_stats()
+
+    def _sync_cache_stats(self) -> None:
+        s = self.cache.stats
+        self.stats.set(Counter.CACHE_HITS, s.hits)
+        self.stats.set(Counter.CACHE_REMOTE_HITS, s.remote_hits)
+        self.stats.set(Counter.CACHE_MISSES, s.misses)
+        self.stats.set(Counter.CACHE_EVICTIONS, s.evictions)
+        self.stats.set(Counter.ARENA_USED_BYTES, self.cache.partition.used_bytes)
+
+    def _fail(self, state: RequestState, error: ShmgateError) -> None:
+        seq = 0
+        state.events.put_nowait(Failed(state.request_id, seq, error.code, error.message, error.status_hint))
+        self._finish(state)
+
+    def _send_cancel(self, state: RequestState) -> None:
+        assert state.worker is not None
+        slot = state.worker[0]
+        if slot >= self.segment.layout.n_workers:
+            return
+        queue = self._control.get(slot)
+        if queue is None:
+            queue = self._control[slot] = self.instance.control_queue(slot)
+        queue.try_send(Cancel(state.request_id, self.slot))  # best effort: a full queue means a busy worker
+
+    # -- watchdog -----------------------------------------------------------------------
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(WATCHDOG_INTERVAL_S)
+            try:
+                await self._check_requests()
+            except Exception:
+                log.exception("watchdog pass failed; continuing")
+
+    async def _check_requests(self) -> None:
+        if not self._states:
+            return
+        self._reader._drain()  # answers already queued count before any verdict
+        now = now_ns()
+        seg = self.segment
+        verdicts: dict[tuple[int, int], bool] = {}
+        for state in list(self._states.values()):
+            if state.done:
+                continue
+            if state.worker is not None:
+                alive = verdicts.get(state.worker)
+                if alive is None:
+                    alive = verdicts[state.worker] = seg.slot_alive(seg.workers, state.worker[0], DEAD_AFTER_S,
+                                                                    state.worker[1])
+                if not alive:
+                    await self._worker_died(state)
+                    continue
+            if now > state.submit.deadline_ns + (int(GRACE_S * 1e9) if state.worker else 0):
+                if state.worker is not None:
+                    self._send_cancel(state)
+                self._fail(state, RequestTimeout("the request timed out before the model answered"))
+
+    async def _worker_died(self, state: RequestState) -> None:
+        if state.produced_output or state.abandoned or state.submit.attempt + 1 >= MAX_ATTEMPTS:
+            self._fail(state, PeerDied("the model worker died while serving this request"))
+            return
+        state.submit = msgspec.structs.replace(state.submit, attempt=state.submit.attempt + 1)
+        state.worker = None
+        state.released = False
+        self.stats.add(Counter.RETRIES)
+        log.warning("worker died before answering request %x; retrying (attempt %d)", state.request_id,
+                    state.submit.attempt)
+        try:
+            await send_async(self._requests, state.submit, 5.0)
+        except ChannelFull:
+            self._fail(state, Overloaded("the request could not be retried: every worker is busy"))

@@ -1,0 +1,25 @@
+"""The one place where errors become HTTP responses (OpenAI error objects)."""
+
+from __future__ import annotations
+
+import math
+
+from starlette.responses import JSONResponse
+
+from shared.errors import Overloaded, ShmgateError
+
+__all__ = ["error_body", "error_response"]
+
+
+def error_body(message: str, error_type: str, code: str, param: str | None = None) -> dict[str, object]:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def error_response(exc: ShmgateError) -> JSONResponse:
+    headers = {}
+    if isinstance(exc, Overloaded) or exc.status_hint in (429, 503):
+        retry_after = getattr(exc, "retry_after_s", 1.0)
+        headers["Retry-After"] = str(max(1, math.ceil(retry_after)))
+    return JSONResponse(
+        error_body(exc.message, exc.error_type, exc.code, exc.param), status_code=exc.status_hint, headers=headers
+    )

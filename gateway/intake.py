@@ -1,0 +1,207 @@
+"""OpenAI chat request -> ChatRequest: parsing and validation of what clients send.
+
+Client-facing types are plain JSON msgspec Structs (not array_like). Unknown
+fields are ignored, as the OpenAI API does for forward compatibility. Every
+failure is a RequestError naming the offending ``param``; nothing here reaches
+shared memory.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal, Union
+
+import msgspec
+
+from shared.errors import ImageTooLarge, InvalidRequest, TooManyImages, UndecodableImage
+from shared.wire import SamplingParams
+
+__all__ = ["ChatRequest", "IntakeLimits", "parse_chat_request"]
+
+ACCEPTED_IMAGE_TYPES = ("image/jpeg", "image/jpg", "image/png", "image/webp")
+_DATA_URL = re.compile(r"^data:([\w.+-]+/[\w.+-]+)?((?:;[\w-]+=[^;,]*)*)(;base64)?,", re.IGNORECASE)
+
+
+class ImageURL(msgspec.Struct):
+    url: str
+    detail: str | None = None
+
+
+class TextPart(msgspec.Struct, tag="text", tag_field="type"):
+    text: str
+
+
+class ImagePart(msgspec.Struct, tag="image_url", tag_field="type"):
+    image_url: ImageURL
+
+
+Part = Union[TextPart, ImagePart]
+
+
+class Message(msgspec.Struct):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[Part] | None = None
+    name: str | None = None
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(msgspec.Struct):
+    model: str
+    messages: list[Message]
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = None
+    user: str | None = None
+
+
+_decoder = msgspec.json.Decoder(ChatCompletionRequest)
+
+
+@dataclass(frozen=True)
+class IntakeLimits:
+    max_images: int = 8
+    max_image_bytes: int = 20 << 20  # decoded from base64
+    max_text_chars: int = 1 << 20
+    max_parts: int = 256
+    max_messages: int = 256
+
+
+@dataclass
+class ChatRequest:
+    model: str
+    messages: list[dict[str, Any]]  # Hugging Face chat-template form; images as {"type": "image"}
+    images: list[bytes]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    text: str = ""  # all user text, joined
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_chat_request(body: bytes, limits: IntakeLimits) -> ChatRequest:
+    """Parse and validate a request body. Raises RequestError subclasses."""
+    try:
+        req = _decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequest(f"invalid request: {exc}", param=_param_of(exc)) from None
+    except msgspec.DecodeError:
+        raise InvalidRequest("the request body is not valid JSON") from None
+    if not req.messages:
+        raise InvalidRequest("messages must not be empty", param="messages")
+    if len(req.messages) > limits.max_messages:
+        raise InvalidRequest(f"at most {limits.max_messages} messages are accepted", param="messages")
+    if req.n not in (None, 1):
+        raise InvalidRequest("only n=1 is supported", param="n")
+    params = _sampling(req)
+    messages: list[dict[str, Any]] = []
+    images: list[bytes] = []
+    texts: list[str] = []
+    n_chars = n_parts = 0
+    for i, message in enumerate(req.messages):
+        content = message.content
+        parts: list[dict[str, Any]] = []
+        if isinstance(content, str) or content is None:
+            parts.append({"type": "text", "text": content or ""})
+            n_chars += len(content or "")
+            if message.role == "user":
+                texts.append(content or "")
+        else:
+            for j, part in enumerate(content):
+                n_parts += 1
+                if isinstance(part, TextPart):
+                    parts.append({"type": "text", "text": part.text})
+                    n_chars += len(part.text)
+                    if message.role == "user":
+                        texts.append(part.text)
+                else:
+                    if len(images) >= limits.max_images:
+                        raise TooManyImages(
+                            f"at most {limits.max_images} images per request", param=f"messages[{i}].content"
+                        )
+                    images.append(_image_bytes(part.image_url.url, limits, f"messages[{i}].content[{j}].image_url"))
+                    parts.append({"type": "image"})
+        if n_parts > limits.max_parts:
+            raise InvalidRequest(f"at most {limits.max_parts} content parts are accepted", param="messages")
+        if n_chars > limits.max_text_chars:
+            raise InvalidRequest(f"the text is longer than {limits.max_text_chars} characters", param="messages")
+        messages.append({"role": message.role, "content": parts})
+    return ChatRequest(
+        model=req.model,
+        messages=messages,
+        images=images,
+        params=params,
+        stream=req.stream,
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        text="\n".join(texts),
+    )
+
+
+def _sampling(req: ChatCompletionRequest) -> SamplingParams:
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if max_tokens is not None and not 1 <= max_tokens <= 1 << 20:
+        raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
+    temperature = 1.0 if req.temperature is None else req.temperature
+    if not 0.0 <= temperature <= 2.0:
+        raise InvalidRequest("temperature must be between 0 and 2", param="temperature")
+    top_p = 1.0 if req.top_p is None else req.top_p
+    if not 0.0 < top_p <= 1.0:
+        raise InvalidRequest("top_p must be in (0, 1]", param="top_p")
+    stop: tuple[str, ...] = ()
+    if isinstance(req.stop, str):
+        stop = (req.stop,)
+    elif req.stop:
+        stop = tuple(req.stop)
+    if len(stop) > 4 or any(not s or len(s) > 256 for s in stop):
+        raise InvalidRequest("stop takes up to 4 non-empty strings", param="stop")
+    seed = req.seed
+    if seed is not None and not -(1 << 63) <= seed < 1 << 63:
+        raise InvalidRequest("seed is out of range", param="seed")
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop)
+
+
+def _image_bytes(url: str, limits: IntakeLimits, param: str) -> bytes:
+    if url.startswith(("http://", "https://")):
+        raise InvalidRequest(
+            "image URLs are not fetched by this server; send the image inline as a data URL "
+            "(data:image/jpeg;base64,...)",
+            param=param,
+        )
+    match = _DATA_URL.match(url[:256])
+    if not match:
+        raise InvalidRequest("image_url must be a data URL (data:image/jpeg;base64,...)", param=param)
+    mime = (match.group(1) or "").lower()
+    if mime not in ACCEPTED_IMAGE_TYPES:
+        raise UndecodableImage(
+            f"unsupported image type {mime[:40]!r}; send image/jpeg, image/png or image/webp", param=param
+        )
+    if not match.group(3):
+        raise InvalidRequest("image data URLs must be base64-encoded", param=param)
+    payload = url[match.end() :]
+    if len(payload) > (limits.max_image_bytes * 4) // 3 + 1024:
+        raise ImageTooLarge(f"the image is larger than {limits.max_image_bytes} bytes", param=param)
+    try:
+        data = base64.b64decode("".join(payload.split()), validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequest("the image data URL is not valid base64", param=param) from None
+    if not data:
+        raise UndecodableImage("the image is empty", param=param)
+    if len(data) > limits.max_image_bytes:
+        raise ImageTooLarge(f"the image is larger than {limits.max_image_bytes} bytes", param=param)
+    return data
+
+
+def _param_of(exc: msgspec.ValidationError) -> str | None:
+    match = re.search(r"at `\$\.?([^`]*)`", str(exc))
+    return match.group(1) if match else None

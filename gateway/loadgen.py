@@ -1,0 +1,358 @@
+"""`shmgate bench`: a closed-loop load generator for OpenAI-compatible image chat servers.
+
+It measures what a client sees (throughput, latency, time to first token, errors) and checks one
+correctness property that only shows under load: every answer for the same image must be the same
+text. A server that mixes up replies between concurrent requests (cross-talk) breaks that, so a
+non-zero ``mismatches`` is a bug, never noise, for a deterministic model.
+
+Theory of operation: the images are read and base64-encoded once, before the clock starts. C tasks
+share one counter and each takes the next request index until N have been sent, so at most C
+requests are in flight (closed loop: a slow server is offered less load, as real clients are).
+A warm-up round of min(C, N) requests runs first and is not counted: it opens the keep-alive
+connections and lets the server load lazily-initialised state.
+
+With ``--server-pid`` the server's CPU time (the pids and all their descendants, from /proc) is
+sampled before and after the timed phase, so servers that burn different amounts of CPU for the same
+throughput can be told apart. The load generator runs on the same machine, so its own CPU time is
+reported too: on a small machine it competes with the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import itertools
+import json
+import os
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+__all__ = ["add_arguments", "count_mismatches", "main", "percentile", "run", "tree_cpu_seconds"]
+
+IMAGE_TYPES = {".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".png": "image/png", ".webp": "image/webp"}
+PROMPT = "What is in this image?"
+NONCE_BYTES = 15  # a multiple of 3, so its base64 appends to the image's without re-encoding
+
+
+@dataclass(frozen=True)
+class BenchImage:
+    """One source image, encoded once. ``b64`` is padded to a multiple of 3 bytes (see ``data_url``)."""
+
+    name: str
+    mime: str
+    b64: str
+
+    def data_url(self, nonce: int | None) -> str:
+        """The data URL to send; with a nonce, bytes no other request sends (defeats content caches).
+
+        The nonce goes after the image's end marker (JPEG EOI, PNG IEND, the RIFF size of WebP), where
+        decoders stop reading, so the pixels, and hence a deterministic answer, stay the same.
+        """
+        if nonce is None:
+            return f"data:{self.mime};base64,{self.b64}"
+        tail = base64.b64encode(f"{nonce:0{NONCE_BYTES}d}".encode()[-NONCE_BYTES:]).decode()
+        return f"data:{self.mime};base64,{self.b64}{tail}"
+
+
+@dataclass
+class Outcome:
+    """What one request produced. ``error`` is None for a success."""
+
+    image: str
+    latency_s: float
+    ttft_s: float | None
+    status: int | None
+    text: str
+    error: str | None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare the `bench` options on ``parser`` (the `shmgate` CLI and ``main`` both call this)."""
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, without /v1")
+    parser.add_argument("--model", required=True, help="model id sent in each request")
+    parser.add_argument("--concurrency", "-c", type=int, default=8, help="requests in flight at once")
+    parser.add_argument("--requests", "-n", type=int, default=200, help="timed requests to send")
+    parser.add_argument("--images", required=True, type=Path, help="folder of jpg/jpeg/png/webp images")
+    parser.add_argument("--stream", action="store_true", help="ask for SSE streaming")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a report")
+    parser.add_argument("--repeat-one", action="store_true", help="always send the first image (cache hits)")
+    parser.add_argument("--unique", action="store_true",
+                        help="make every request's bytes unique (same pixels), so no content cache can hit")
+    parser.add_argument("--api-key", default=None, help="sent as a Bearer token")
+    parser.add_argument("--max-tokens", type=int, default=None, help="max_tokens of each request")
+    parser.add_argument("--timeout", type=float, default=60.0, help="per-request timeout in seconds")
+    parser.add_argument("--warmup", type=int, default=None, help="uncounted requests first (default min(C, N))")
+    parser.add_argument("--server-pid", action="append", default=[],
+                        help="server pid whose CPU time (with descendants) to measure; repeat or comma list")
+
+
+def load_images(folder: Path) -> list[BenchImage]:
+    """Read and encode every image of ``folder``, sorted by name so `--repeat-one` is stable.
+
+    Raises ValueError when the folder has none, since a bench of nothing would report nonsense.
+    """
+    images = []
+    for path in sorted(folder.iterdir()):
+        mime = IMAGE_TYPES.get(path.suffix.lower())
+        if mime is None or not path.is_file():
+            continue
+        data = path.read_bytes()
+        data += b"\0" * (-len(data) % 3)  # padding after the end marker, so a nonce appends cleanly
+        images.append(BenchImage(path.name, mime, base64.b64encode(data).decode()))
+    if not images:
+        raise ValueError(f"no .jpg/.jpeg/.png/.webp images in {folder}")
+    return images
+
+
+def build_body(model: str, url: str, *, stream: bool, max_tokens: int | None) -> dict[str, Any]:
+    """The OpenAI chat request for one image."""
+    content = [{"type": "text", "text": PROMPT}, {"type": "image_url", "image_url": {"url": url}}]
+    body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": content}], "stream": stream}
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
+    return body
+
+
+async def send_one(client: httpx.AsyncClient, body: dict[str, Any], image: str) -> Outcome:
+    """Send one request and time it. Never raises for server or transport failures: they are outcomes."""
+    start = time.perf_counter()
+    try:
+        if body["stream"]:
+            status, text, ttft, error = await _send_streaming(client, body, start)
+        else:
+            status, text, error = await _send_plain(client, body)
+            ttft = None
+    except httpx.HTTPError as exc:  # connect, read, timeout: the server never gave an answer
+        return Outcome(image, time.perf_counter() - start, None, None, "", f"transport:{type(exc).__name__}")
+    latency = time.perf_counter() - start
+    return Outcome(image, latency, latency if ttft is None else ttft, status, text, error)
+
+
+async def _send_plain(client: httpx.AsyncClient, body: dict[str, Any]) -> tuple[int, str, str | None]:
+    response = await client.post("/v1/chat/completions", json=body)
+    if not response.is_success:
+        return response.status_code, "", str(response.status_code)
+    try:
+        text = response.json()["choices"][0]["message"]["content"] or ""
+    except (ValueError, KeyError, IndexError, TypeError):
+        return response.status_code, "", "bad_body"
+    return response.status_code, text, None
+
+
+async def _send_streaming(
+    client: httpx.AsyncClient, body: dict[str, Any], start: float
+) -> tuple[int, str, float | None, str | None]:
+    """Read the SSE reply; ttft is the first `data:` line whose delta has content."""
+    parts: list[str] = []
+    ttft: float | None = None
+    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        if not response.is_success:
+            await response.aread()
+            return response.status_code, "", None, str(response.status_code)
+        event = "message"
+        async for line in response.aiter_lines():
+            if line.startswith("event:"):
+                event = line[6:].strip()
+                continue
+            if not line.startswith("data:"):
+                if not line:
+                    event = "message"  # a blank line ends one SSE event
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            try:
+                chunk = json.loads(data)
+            except ValueError:
+                return response.status_code, "".join(parts), ttft, "bad_sse"
+            if event == "error" or "error" in chunk:
+                return response.status_code, "".join(parts), ttft, "sse_error"
+            for choice in chunk.get("choices") or ():
+                piece = (choice.get("delta") or {}).get("content")
+                if piece:
+                    if ttft is None:
+                        ttft = time.perf_counter() - start
+                    parts.append(piece)
+        return response.status_code, "".join(parts), ttft, None
+
+
+def count_mismatches(answers: Iterable[tuple[str, str]]) -> int:
+    """Count answers that differ from the first answer seen for the same image.
+
+    ``answers`` are (image, text) pairs of successful requests, in completion order. The first
+    answer of each image is the reference; with a deterministic model any difference means one
+    request got another's reply (or a corrupted one).
+    """
+    first: dict[str, str] = {}
+    mismatches = 0
+    for image, text in answers:
+        if first.setdefault(image, text) != text:
+            mismatches += 1
+    return mismatches
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0-100) with linear interpolation, as numpy's default; None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100.0
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def parse_pids(raw: Iterable[str]) -> list[int]:
+    """`--server-pid 1 --server-pid 2,3` -> [1, 2, 3]."""
+    return [int(p) for item in raw for p in str(item).split(",") if p.strip()]
+
+
+def _read_stat(pid: int) -> tuple[int, int] | None:
+    """(ppid, utime+stime+cutime+cstime in ticks) of ``pid``, or None when it is gone.
+
+    cutime/cstime hold the time of children that exited and were reaped, which are no longer in
+    /proc; counting them keeps short-lived helpers in the total without counting anyone twice.
+    """
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = raw[raw.rfind(")") + 2:].split()  # the command name may hold spaces and parentheses
+    return int(fields[1]), sum(int(f) for f in fields[11:15])
+
+
+def tree_cpu_seconds(roots: Iterable[int]) -> float:
+    """CPU seconds used so far by ``roots`` and all their live descendants (Linux /proc)."""
+    stats: dict[int, tuple[int, int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (stat := _read_stat(int(entry))) is not None:
+            stats[int(entry)] = stat
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in stats.items():
+        children.setdefault(ppid, []).append(pid)
+    seen: set[int] = set()
+    pending = [p for p in roots if p in stats]
+    while pending:
+        pid = pending.pop()
+        if pid not in seen:
+            seen.add(pid)
+            pending.extend(children.get(pid, ()))
+    return sum(stats[p][1] for p in seen) / os.sysconf("SC_CLK_TCK")
+
+
+async def _drive(
+    client: httpx.AsyncClient, args: argparse.Namespace, images: list[BenchImage], count: int, first: int
+) -> list[Outcome]:
+    """Send ``count`` requests from ``args.concurrency`` tasks; ``first`` offsets the nonces."""
+    counter = itertools.count()
+    outcomes: list[Outcome] = []
+
+    async def worker() -> None:
+        while (index := next(counter)) < count:
+            image = images[0] if args.repeat_one else images[index % len(images)]
+            url = image.data_url(first + index if args.unique else None)
+            body = build_body(args.model, url, stream=args.stream, max_tokens=args.max_tokens)
+            outcomes.append(await send_one(client, body, image.name))
+
+    await asyncio.gather(*(worker() for _ in range(min(args.concurrency, count))))
+    return outcomes
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the benchmark described by ``args`` (see ``add_arguments``) and return the result dict."""
+    if args.concurrency < 1 or args.requests < 1:
+        raise ValueError("--concurrency and --requests must be at least 1")
+    images = load_images(Path(args.images))
+    pids = parse_pids(args.server_pid)
+    if missing := [p for p in pids if not Path(f"/proc/{p}").exists()]:
+        raise ValueError(f"--server-pid: no process {', '.join(map(str, missing))}")
+    warmup = min(args.concurrency, args.requests) if args.warmup is None else args.warmup
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
+    async with httpx.AsyncClient(base_url=args.base_url.rstrip("/"), headers=headers, limits=limits,
+                                 timeout=httpx.Timeout(args.timeout), http2=False) as client:
+        warm = await _drive(client, args, images, warmup, 0) if warmup > 0 else []
+        cpu_before = tree_cpu_seconds(pids) if pids else None
+        client_cpu_before = time.process_time()
+        start = time.perf_counter()
+        outcomes = await _drive(client, args, images, args.requests, warmup)
+        wall = time.perf_counter() - start
+        client_cpu = time.process_time() - client_cpu_before
+        cpu_after = tree_cpu_seconds(pids) if pids else None
+    return summarize(args, outcomes, wall, warm, client_cpu,
+                     None if cpu_before is None or cpu_after is None else cpu_after - cpu_before)
+
+
+def summarize(args: argparse.Namespace, outcomes: list[Outcome], wall_s: float, warm: list[Outcome],
+              client_cpu_s: float, server_cpu_s: float | None) -> dict[str, Any]:
+    """Turn the timed outcomes into the result dict (latencies of successful requests only)."""
+    ok = [o for o in outcomes if o.error is None]
+    latencies = [o.latency_s for o in ok]
+    ttfts = [o.ttft_s for o in ok if o.ttft_s is not None]
+    errors = Counter(o.error for o in outcomes if o.error is not None)
+    # Warm-up answers count for agreement too: they are the same images from the same server.
+    mismatches = count_mismatches((o.image, o.text) for o in warm + outcomes if o.error is None)
+
+    def ms(value: float | None) -> float | None:
+        return None if value is None else round(value * 1000.0, 3)
+
+    n = len(outcomes)
+    return {
+        "model": args.model, "stream": bool(args.stream), "concurrency": args.concurrency, "requests": n,
+        "repeat_one": bool(args.repeat_one), "unique": bool(args.unique), "warmup": len(warm),
+        "duration_s": round(wall_s, 3), "requests_per_s": round(n / wall_s, 2) if wall_s > 0 else None,
+        "p50_ms": ms(percentile(latencies, 50)), "p90_ms": ms(percentile(latencies, 90)),
+        "p99_ms": ms(percentile(latencies, 99)), "ttft_p50_ms": ms(percentile(ttfts, 50)),
+        "ttft_p90_ms": ms(percentile(ttfts, 90)), "errors": sum(errors.values()),
+        "errors_by_kind": dict(sorted(errors.items())), "mismatches": mismatches,
+        "distinct_answers": len({(o.image, o.text) for o in ok}),
+        "cpu_s_per_request": None if server_cpu_s is None else round(server_cpu_s / n, 6),
+        "client_cpu_s_per_request": round(client_cpu_s / n, 6),
+    }
+
+
+def format_report(result: dict[str, Any]) -> str:
+    """The human-readable form of a result."""
+    def f(key: str) -> str:
+        value = result[key]
+        return "-" if value is None else f"{value:.1f}"
+
+    cpu = result["cpu_s_per_request"]
+    lines = [
+        f"model {result['model']}  stream={result['stream']}  concurrency {result['concurrency']}  "
+        f"requests {result['requests']} (+{result['warmup']} warm-up) in {result['duration_s']:.2f} s",
+        f"throughput   {result['requests_per_s']} req/s",
+        f"latency ms   p50 {f('p50_ms')}  p90 {f('p90_ms')}  p99 {f('p99_ms')}",
+        f"ttft ms      p50 {f('ttft_p50_ms')}  p90 {f('ttft_p90_ms')}",
+        f"errors       {result['errors']} {result['errors_by_kind'] or ''}".rstrip(),
+        f"mismatches   {result['mismatches']}",
+        f"server cpu   {'-' if cpu is None else f'{cpu * 1000:.2f} ms/request'}",
+        f"client cpu   {result['client_cpu_s_per_request'] * 1000:.2f} ms/request",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse, run, print. Exit status 1 when any request failed or answers disagreed."""
+    parser = argparse.ArgumentParser(prog="shmgate bench", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        result = asyncio.run(run(args))
+    except (ValueError, OSError) as exc:
+        print(f"shmgate bench: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result) if args.json else format_report(result))
+    return 1 if result["errors"] or result["mismatches"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""Frontend half of a Hugging Face vision-language model served as ``hf:<directory>``.
+
+What runs here, and what never does:
+- The image processor, the tokenizer and the chat template run here; the model never
+  does. Only ``preprocessor_config.json``, the tokenizer files, the chat template and
+  ``config.json`` are read (``AutoImageProcessor``, ``AutoTokenizer``, ``AutoConfig``);
+  the weights are never opened, and nothing here imports torch itself (transformers
+  imports it when it is installed; with it absent this module works all the same, which
+  tests/test_hf.py checks by hiding torch).
+- ``AutoProcessor`` is not used: in transformers 5.x ``Qwen2VLProcessor`` requires a
+  video processor, which requires torchvision, even for images. The processor's parts
+  are loaded directly and its one text step (expanding each image placeholder into one
+  token per merged patch) is done here; tests check the ids equal the processor's.
+- The image processor is pinned to the PIL/numpy backend, so the pixels a frontend
+  writes do not depend on whether torchvision happens to be installed next to it.
+
+Invariants:
+1. ``preprocess_image`` asks ``allocate`` for each output array once, after decoding and
+   processing succeeded (a bad image never holds arena space), and copies it in once.
+   For Qwen2-VL: ``pixel_values`` float32 ``[t*h*w, 3*2*14*14]``, ``image_grid_thw``
+   int64 ``[1, 3]``, bit-identical to ``image_processor(images=[image])``.
+2. ``build_prompt`` expands image placeholders with counts computed from the tensor
+   *shapes* alone (``pixel_values`` rows = t*h*w, so tokens = rows // merge_size**2),
+   because the cache hands the gateway shapes, not values.
+3. Control tokens that a user writes in message text (``<|image_pad|>``, ``<|im_end|>``)
+   are tokenized as plain text (transformers' ``sanitize_control_tokens``): a client
+   cannot forge image slots or end a turn early.
+
+Model id: the directory's base name (``hf:/models/Qwen2-VL-2B`` is served as
+``Qwen2-VL-2B``), unless ``model_id`` is given; the worker's backend (worker/backends/
+hf.py) derives its name by the same rule.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from gateway.imaging import decode_image
+from gateway.preprocess.base import AllocateFn, ImageTensorSpec, PromptInputs
+from shared.errors import InvalidRequest, UndecodableImage
+
+__all__ = ["HFPreprocessor", "model_id_for"]
+
+PIXEL_VALUES = "pixel_values"
+
+
+def model_id_for(model_dir: str | os.PathLike[str]) -> str:
+    """The id a model directory is served under: its base name (``/m/Qwen2-VL/`` -> ``Qwen2-VL``)."""
+    return os.path.basename(os.path.normpath(os.fspath(model_dir)))
+
+
+def _processor_chat_template(path: str) -> str | None:
+    """The processor's chat template file, which wins over the tokenizer's (as in ProcessorMixin)."""
+    jinja = os.path.join(path, "chat_template.jinja")
+    if os.path.isfile(jinja):
+        with open(jinja, encoding="utf-8") as f:
+            return f.read()
+    legacy = os.path.join(path, "chat_template.json")
+    if os.path.isfile(legacy):
+        with open(legacy, encoding="utf-8") as f:
+            template = json.load(f).get("chat_template")
+        return template if isinstance(template, str) else None
+    return None
+
+
+@dataclass(frozen=True)
+class _Architecture:
+    """What differs between processor families: the placeholder token and its count per image."""
+
+    image_token: str
+    tokens_per_image: Callable[[Any, ImageTensorSpec], int]
+
+
+def _merged_patches(image_processor: Any, spec: ImageTensorSpec) -> int:
+    """Qwen2-VL family: one token per ``merge_size x merge_size`` block of 14 px patches."""
+    if PIXEL_VALUES not in spec:
+        raise InvalidRequest(f"An image has no '{PIXEL_VALUES}' tensor; it was not made by this preprocessor.")
+    patches = spec[PIXEL_VALUES][1][0]
+    merge = int(image_processor.merge_size) ** 2
+    if patches <= 0 or patches % merge:
+        raise InvalidRequest(f"An image has {patches} patches, not a positive multiple of {merge}.")
+    return patches // merge
+
+
+# Keyed by the image processor class without its backend suffix. Qwen2.5-VL checkpoints
+# use the same image processor and placeholder.
+_ARCHITECTURES: dict[str, _Architecture] = {
+    "Qwen2VLImageProcessor": _Architecture("<|image_pad|>", _merged_patches),
+}
+
+
+class HFPreprocessor:
+    """Frontend half of ``hf:<directory>``: image processor, chat template and tokenizer.
+
+    Thread-safety: ``preprocess_image`` keeps no state and may run in many threads at
+    once. ``build_prompt`` takes a lock: to encode user-written control tokens as text,
+    transformers flips a flag on the shared Rust tokenizer (``encode_special_tokens``)
+    around each piece, and two prompts encoded at once could see each other's setting.
+    """
+
+    def __init__(
+        self, model_dir: str | os.PathLike[str], *, max_images: int = 8, model_id: str | None = None
+    ) -> None:
+        """Load the processor parts from ``model_dir``.
+
+        Raises ValueError when the directory holds an architecture this module does not
+        know how to prompt (see ``_ARCHITECTURES``), ImportError without transformers.
+        """
+        try:
+            from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
+        except ImportError as exc:  # pragma: no cover - depends on the installation
+            raise ImportError("hf:<directory> models need transformers: pip install 'shmgate[hf]'") from exc
+
+        assert max_images >= 0, "max_images must be >= 0"
+        path = os.fspath(model_dir)
+        self.model = model_id or model_id_for(path)
+        self.max_images = max_images
+        self.image_processor = AutoImageProcessor.from_pretrained(path, backend="pil")
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        kind = type(self.image_processor).__name__.removesuffix("Pil").removesuffix("Fast")
+        if kind not in _ARCHITECTURES:
+            raise ValueError(f"{path}: image processor {kind} is not supported; known: {', '.join(_ARCHITECTURES)}")
+        self._arch = _ARCHITECTURES[kind]
+        self._image_token_id = int(self.tokenizer.convert_tokens_to_ids(self._arch.image_token))
+        # Some checkpoints keep the (multimodal) template beside the processor only.
+        self.tokenizer.chat_template = _processor_chat_template(path) or self.tokenizer.chat_template
+        if not self.tokenizer.chat_template:
+            raise ValueError(f"{path}: no chat template (chat_template.jinja / .json or tokenizer_config.json)")
+        text_config = AutoConfig.from_pretrained(path).get_text_config()
+        self.max_prompt_tokens: int | None = getattr(text_config, "max_position_embeddings", None)
+        self._tokenizer_lock = threading.Lock()
+        self._cache_params = self._describe_processing()
+
+    def cache_params(self) -> bytes:
+        """The image processor's full configuration, its class and the library versions.
+
+        The model id is deliberately left out: two models whose image processors agree
+        produce identical tensors, and may share cached ones.
+        """
+        return self._cache_params
+
+    def _describe_processing(self) -> bytes:
+        import PIL
+        import transformers
+
+        params = {
+            "kind": "hf/1",
+            "image_processor": type(self.image_processor).__name__,
+            "config": self.image_processor.to_dict(),
+            "transformers": transformers.__version__,
+            "pillow": PIL.__version__,
+        }
+        return json.dumps(params, sort_keys=True, default=str).encode()
+
+    def preprocess_image(self, data: bytes, allocate: AllocateFn, *, max_pixels: int) -> None:
+        """Decode ``data``, run the image processor on it, and copy each output into the arena.
+
+        Raises UndecodableImage / ImageTooLarge for bad input (before allocating), and
+        whatever ``allocate`` raises (ArenaFull, Overloaded).
+        """
+        image = decode_image(data, max_pixels=max_pixels)
+        try:
+            # channels_last: never let the processor guess the layout of a 3-pixel-tall image.
+            out = self.image_processor(images=[image], return_tensors="np", input_data_format="channels_last")
+        except ValueError as exc:  # e.g. Qwen2-VL refuses aspect ratios above 200:1
+            raise UndecodableImage(f"The image cannot be processed for this model: {exc}") from None
+        arrays = {name: np.ascontiguousarray(value) for name, value in out.items()}
+        for name, array in arrays.items():
+            destination = allocate(name, array.dtype.name, tuple(array.shape))
+            np.copyto(destination, array, casting="no")
+
+    def build_prompt(self, messages: Sequence[dict[str, Any]], images: Sequence[ImageTensorSpec]) -> PromptInputs:
+        """Render the chat template, tokenize, and expand each image placeholder.
+
+        Returns int32 token ids as ``inline`` and the rendered prompt (one placeholder per
+        image) as ``text``. Raises InvalidRequest when the template rejects the
+        conversation, when the image parts and ``images`` differ in number, or when the
+        prompt leaves the model no room to answer.
+        """
+        import jinja2
+
+        try:
+            with self._tokenizer_lock:
+                encoded = self.tokenizer.apply_chat_template(
+                    list(messages),
+                    tokenize=True,
+                    add_generation_prompt=True,
+                    sanitize_control_tokens=True,
+                    return_dict=True,
+                )
+        except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError) as exc:
+            raise InvalidRequest(f"The conversation does not fit this model's chat template: {exc}") from None
+        ids = np.asarray(encoded["input_ids"], dtype=np.int32)
+        slots = np.flatnonzero(ids == self._image_token_id)
+        if len(slots) != len(images):
+            raise InvalidRequest(f"The messages hold {len(slots)} image parts but {len(images)} images were sent.")
+        repeats = np.ones(len(ids), dtype=np.int64)
+        repeats[slots] = [self._arch.tokens_per_image(self.image_processor, spec) for spec in images]
+        expanded = np.repeat(ids, repeats)
+        if self.max_prompt_tokens is not None and len(expanded) >= self.max_prompt_tokens:
+            raise InvalidRequest(
+                f"The prompt is {len(expanded)} tokens (images included); this model reads at most "
+                f"{self.max_prompt_tokens - 1} before answering. Shorten the conversation or send smaller images."
+            )
+        with self._tokenizer_lock:
+            text = self.tokenizer.decode(ids.tolist(), skip_special_tokens=False)
+        return PromptInputs(inline=expanded.tobytes(), text=text, prompt_tokens=len(expanded))

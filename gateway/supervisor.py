@@ -1,0 +1,203 @@
+"""The supervisor: owns the node's IPC objects and keeps frontends and workers running.
+
+Modelled on uvicorn's multiprocess supervisor: signal handlers only record the
+signal; a loop wakes every ``TICK_S``, stamps the instance heartbeat, drains the
+signals and checks the children. Children are fresh interpreters running the
+same commands docker compose runs (``python -m gateway frontend ...``,
+``python -m worker ...``), so the supervisor knows processes, not HTTP or models.
+
+A child that exits or whose heartbeat goes stale is killed, joined, marked DEAD
+in its slot row (so frontends retry its requests at once instead of waiting for
+the heartbeat to age) and the locks it may have held are repaired; then it is
+restarted in its slot with an exponential backoff.
+
+Shutdown (SIGTERM, or the first SIGINT): the instance is marked DRAINING (new
+requests get 503, /ready turns 503), frontends get SIGTERM and finish their
+in-flight requests (uvicorn's graceful shutdown), then workers get SIGTERM, then
+anything left is killed, and in a ``finally`` every IPC object is unlinked.
+A second SIGINT skips the drain.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from shared.instance import DEAD_AFTER_S, Instance
+from shared.locks import HolderKind
+from shared.segment import InstanceState, LockId, SlotState, own_pidns
+
+__all__ = ["ChildProcess", "Supervisor"]
+
+log = logging.getLogger("shmgate.supervisor")
+
+TICK_S = 0.2
+STARTUP_GRACE_S = 120.0  # a worker loading a large model may not beat its slot for a while
+
+
+@dataclass
+class ChildProcess:
+    """One child in one slot: how to start it, and its current process."""
+
+    role: str  # "frontend" | "worker"
+    slot: int
+    argv: list[str]
+    env: dict[str, str]
+    pass_fds: tuple[int, ...] = ()
+    process: subprocess.Popen[bytes] | None = None
+    started_at: float = 0.0
+    failures: int = 0
+    restart_at: float = 0.0
+    starts: int = 0
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(self.argv, env=self.env, pass_fds=self.pass_fds)
+        self.started_at = time.monotonic()
+        self.starts += 1
+        log.info("started %s %d (pid %d)", self.role, self.slot, self.process.pid)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid if self.process else 0
+
+    def is_alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def terminate(self) -> None:
+        if self.is_alive():
+            assert self.process is not None
+            self.process.terminate()
+
+    def kill(self) -> None:
+        if self.is_alive():
+            assert self.process is not None
+            self.process.kill()
+
+    def join(self, timeout_s: float) -> bool:
+        if self.process is None:
+            return True
+        try:
+            self.process.wait(timeout_s)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+
+
+@dataclass
+class Supervisor:
+    instance: Instance
+    frontends: list[ChildProcess]
+    workers: list[ChildProcess]
+    drain_timeout_s: float = 30.0
+    _signals: list[int] = field(default_factory=list)
+    _force: bool = False
+
+    # -- signals --------------------------------------------------------------------
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        if signum == signal.SIGINT and self._signals:
+            self._force = True
+        self._signals.append(signum)
+
+    def run(self) -> None:
+        """Start the children and supervise until a signal asks to stop; always unlinks."""
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        beat_stop = threading.Event()
+        beat = threading.Thread(target=self._beat, args=(beat_stop,), daemon=True)
+        beat.start()
+        try:
+            for child in self.frontends + self.workers:
+                child.start()
+            while not self._signals:
+                time.sleep(TICK_S)
+                self._check_children()
+            log.info("shutting down (signal %d)", self._signals[0])
+            self._shutdown()
+        finally:
+            beat_stop.set()
+            for child in self.frontends + self.workers:
+                child.kill()
+                child.join(5)
+            self.instance.mark_state(InstanceState.STOPPED)
+            self.instance.unlink()
+            self.instance.close()
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            log.info("stopped; IPC objects unlinked")
+
+    def _beat(self, stop: threading.Event) -> None:
+        # A thread, so a slow tick (joining a child) never makes the instance look dead.
+        while not stop.wait(TICK_S):
+            self.instance.beat_supervisor()
+
+    # -- checking -------------------------------------------------------------------
+
+    def _check_children(self) -> None:
+        now = time.monotonic()
+        seg = self.instance.segment
+        for child in self.frontends + self.workers:
+            if child.process is None:
+                if now >= child.restart_at:
+                    child.start()
+                continue
+            if child.is_alive():
+                if child.role == "frontend" and now - child.started_at > STARTUP_GRACE_S / 4:
+                    if not seg.slot_alive(seg.frontends, child.slot, DEAD_AFTER_S):
+                        log.error("frontend %d stopped beating; killing it", child.slot)
+                        child.kill()
+                        child.join(5)
+                        self._after_death(child)
+                continue
+            self._after_death(child)
+
+    def _after_death(self, child: ChildProcess) -> None:
+        assert child.process is not None
+        code = child.process.returncode
+        log.error("%s %d (pid %d) exited with %s; restarting", child.role, child.slot, child.pid, code)
+        self._mark_dead(child)
+        for which in (LockId.INDEX, LockId.TABLE):
+            lock = self.instance.lock(which, (HolderKind.SUPERVISOR, 0, 0))
+            if lock.repair_after_death():
+                log.warning("repaired a lock held by the dead %s", child.role)
+        ran_s = time.monotonic() - child.started_at
+        child.failures = 0 if ran_s > 30 else child.failures + 1
+        child.restart_at = time.monotonic() + min(30.0, 0.25 * (2**child.failures) if child.failures else 0.0)
+        child.process = None
+
+    def _mark_dead(self, child: ChildProcess) -> None:
+        seg = self.instance.segment
+        table = seg.frontends if child.role == "frontend" else seg.workers
+        pidns = own_pidns()
+        for slot in range(len(table)):
+            row = table[slot]
+            if int(row["pid"]) == child.pid and int(row["pidns"]) == pidns:
+                row["state"] = SlotState.DEAD
+
+    # -- shutdown -------------------------------------------------------------------
+
+    def _shutdown(self) -> None:
+        self.instance.mark_state(InstanceState.DRAINING)
+        if not self._force:
+            self._stop_group(self.frontends, self.drain_timeout_s)
+        self._stop_group(self.workers, 0.0 if self._force else 10.0)
+
+    def _stop_group(self, children: Sequence[ChildProcess], timeout_s: float) -> None:
+        for child in children:
+            child.terminate()
+        deadline = time.monotonic() + timeout_s
+        for child in children:
+            if not child.join(max(0.0, deadline - time.monotonic())) or self._force:
+                child.kill()
+                child.join(5)
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(extra or {})
+    return env

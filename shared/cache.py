@@ -1,0 +1,246 @@
+"""A frontend's content cache: held tensor groups in its partition, indexed for every frontend.
+
+Who calls this: a frontend's decode threads (never the event loop: ``acquire``
+may wait on the index semaphore and runs the decode).
+
+Life of a tensor group (one image's tensors):
+
+    miss   -> make() writes into fresh allocations -> inserted in the shared index
+              -> held by the request (holds = 1)
+    hit    -> found in our own partition -> holds + 1 (no decode, no copy)
+    remote -> found in another frontend's partition -> copied into ours (a memcpy,
+              checked by generation before and after) -> private, not indexed
+    release-> holds - 1; at 0 an indexed group becomes evictable (LRU order),
+              a private group is freed at once
+    evict  -> when an allocation does not fit: the least recently used unheld
+              group is removed from the index first, then freed
+
+Holds are process-local: only the owner can free its partition, so a crashed
+frontend's holds vanish with it and its successor resets the partition (and
+purges its index entries) on take-over. Concurrent misses of one key in one
+frontend wait for the first decode instead of decoding twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from shared.arena import Allocation, Partition, read_tensor
+from shared.cache_index import CacheIndex, IndexEntry
+from shared.errors import ArenaFull, DescriptorError, Overloaded
+from shared.locks import SharedLock
+from shared.wire import DTYPE_ITEMSIZE, TensorRef
+
+__all__ = ["CacheStats", "ContentCache", "TensorGroup", "content_key"]
+
+AllocateFn = Callable[[str, str, tuple[int, ...]], np.ndarray]
+
+
+def content_key(data: bytes, params: bytes) -> bytes:
+    """16-byte key of an image: its bytes plus the model's preprocessing parameters."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(len(params).to_bytes(4, "little"))
+    h.update(params)
+    h.update(data)
+    return h.digest()
+
+
+@dataclass(eq=False)
+class TensorGroup:
+    """The tensors of one image, in this frontend's partition."""
+
+    key: bytes | None
+    allocations: list[Allocation] = field(default_factory=list)
+    refs: list[TensorRef] = field(default_factory=list)
+    holds: int = 0
+    indexed: bool = False
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    remote_hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+
+
+class ContentCache:
+    def __init__(
+        self,
+        partition: Partition,
+        index: CacheIndex,
+        index_lock: SharedLock,
+        partition_epoch: int,
+        *,
+        lock_timeout_s: float = 2.0,
+    ) -> None:
+        self.partition = partition
+        self._index = index
+        self._index_lock = index_lock
+        self._epoch = partition_epoch
+        self._lock_timeout_s = lock_timeout_s
+        self._mutex = threading.Lock()
+        self._groups: dict[bytes, TensorGroup] = {}  # our indexed groups by key
+        self._evictable: OrderedDict[int, TensorGroup] = OrderedDict()  # unheld indexed groups, LRU first
+        self._pending: dict[bytes, threading.Event] = {}
+        self.stats = CacheStats()
+
+    # -- the one entry point ----------------------------------------------------
+
+    def acquire(self, key: bytes, make: Callable[[AllocateFn], None]) -> tuple[TensorGroup, str]:
+        """A held group for ``key``: ("hit" | "remote" | "miss"). ``make`` runs on a miss.
+
+        Raises whatever ``make`` raises (the partial group is freed), ArenaFull, Overloaded.
+        """
+        while True:
+            with self._mutex:
+                group = self._groups.get(key)
+                if group is not None:
+                    self._hold(group)
+                    self.stats.hits += 1
+                    return group, "hit"
+                pending = self._pending.get(key)
+                if pending is None:
+                    self._pending[key] = threading.Event()
+                    break
+            pending.wait()  # another thread of ours is decoding this very image
+        try:
+            group = self._copy_remote(key)
+            kind = "remote"
+            if group is None:
+                group = self._make(key, make)
+                kind = "miss"
+            return group, kind
+        finally:
+            with self._mutex:
+                self._pending.pop(key).set()
+
+    def release(self, group: TensorGroup) -> None:
+        with self._mutex:
+            group.holds -= 1
+            if group.holds > 0:
+                return
+            if group.indexed:
+                self._evictable[id(group)] = group
+                return
+        self._free_group(group)
+
+    # -- internals ----------------------------------------------------------------
+
+    def _hold(self, group: TensorGroup) -> None:
+        group.holds += 1
+        self._evictable.pop(id(group), None)
+
+    def _make(self, key: bytes | None, make: Callable[[AllocateFn], None]) -> TensorGroup:
+        group = TensorGroup(key, holds=1)
+
+        def allocate(name: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+            nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPE_ITEMSIZE[dtype]
+            allocation = self._allocate(nbytes)
+            group.allocations.append(allocation)
+            group.refs.append(TensorRef(allocation.offset, nbytes, allocation.generation, dtype, tuple(shape), name))
+            return self.partition.array(allocation, dtype, tuple(shape))
+
+        try:
+            make(allocate)
+        except BaseException:
+            self._free_group(group)
+            raise
+        if key is not None:
+            self.stats.misses += 1
+            self._publish(group)
+        return group
+
+    def acquire_private(self, make: Callable[[AllocateFn], None]) -> TensorGroup:
+        """A held group that is never indexed (e.g. a large prompt payload). Freed on release."""
+        return self._make(None, make)
+
+    def _publish(self, group: TensorGroup) -> None:
+        assert group.key is not None
+        entry = IndexEntry(group.key, self.partition.slot, self._epoch, tuple(group.refs))
+        try:
+            with self._index_lock.hold(self._lock_timeout_s):
+                inserted = self._index.insert(entry)
+        except Overloaded:
+            return  # the group stays private to this request: correct, just not shared
+        if inserted:
+            with self._mutex:
+                group.indexed = True
+                self._groups[group.key] = group
+
+    def _copy_remote(self, key: bytes) -> TensorGroup | None:
+        with self._index_lock.hold(self._lock_timeout_s):
+            entry = self._index.lookup(key, self.partition.segment.frontends["epoch"])
+        if entry is None or entry.partition == self.partition.slot:
+            return None
+        group = TensorGroup(key, holds=1)
+        try:
+            for ref in entry.tensors:
+                allocation = self._allocate(ref.nbytes)
+                group.allocations.append(allocation)
+                out = self.partition.array(allocation, "uint8", (ref.nbytes,))
+                read_tensor(self.partition.segment, ref, out)
+                group.refs.append(
+                    TensorRef(allocation.offset, ref.nbytes, allocation.generation, ref.dtype, ref.shape, ref.name)
+                )
+        except DescriptorError:
+            self._free_group(group)  # the owner evicted it meanwhile: decode instead
+            return None
+        except BaseException:
+            self._free_group(group)
+            raise
+        self.stats.remote_hits += 1
+        return group
+
+    def _allocate(self, nbytes: int) -> Allocation:
+        while True:
+            allocation = self.partition.allocate(nbytes)
+            if allocation is not None:
+                return allocation
+            if not self._evict_one():
+                raise ArenaFull(
+                    f"no room for a {nbytes}-byte tensor: every cached tensor is held by a request in flight"
+                )
+
+    def _evict_one(self) -> bool:
+        with self._mutex:
+            if not self._evictable:
+                return False
+            _, group = self._evictable.popitem(last=False)
+            group.indexed = False
+            if group.key is not None:
+                self._groups.pop(group.key, None)
+        try:
+            with self._index_lock.hold(self._lock_timeout_s):
+                self._index.remove(group.key or b"", self.partition.slot, group.refs[0].generation if group.refs else 0)
+        except Overloaded:
+            # Still published, so it must not be freed; put it back rather than leak it.
+            with self._mutex:
+                group.indexed = True
+                if group.key is not None:
+                    self._groups[group.key] = group
+                self._evictable[id(group)] = group
+                self._evictable.move_to_end(id(group), last=False)
+            raise
+        self._free_group(group)
+        self.stats.evictions += 1
+        return True
+
+    def _free_group(self, group: TensorGroup) -> None:
+        for allocation in group.allocations:
+            self.partition.free(allocation)
+        group.allocations.clear()
+
+    def evictable_count(self) -> int:
+        return len(self._evictable)
+
+    def clear(self) -> None:
+        """Evict everything unheld (used by tests and shutdown)."""
+        while self._evict_one():
+            pass

@@ -1,0 +1,195 @@
+"""The exception tree of shmgate.
+
+Every error a component raises on purpose is one of these. Each class carries a
+``status_hint`` (the HTTP status a server should answer with, as h11 does) and a
+``code`` (the OpenAI-style machine-readable code); the mapping to an HTTP
+response happens in one place, ``gateway/http_errors.py``.
+
+    ShmgateError
+    ├── TransportError            the shared-memory transport failed us
+    │   ├── ArenaFull             no space in the arena, even after eviction
+    │   ├── ChannelFull           a message queue stayed full past its timeout
+    │   ├── PeerDied              the process on the other side is gone
+    │   ├── RequestTimeout        no answer within the request's deadline
+    │   └── SetupError            IPC objects cannot be created / attached
+    ├── DescriptorError           a descriptor failed validation on the reading side
+    │   ├── OutOfBounds           offset / size outside the arena or overflowing
+    │   ├── InconsistentTensor    dtype x shape does not match nbytes
+    │   └── StaleGeneration       the allocation was freed or reused
+    ├── RequestError              the client sent something we will not serve
+    │   ├── InvalidRequest
+    │   ├── UnknownModel
+    │   ├── TooManyImages
+    │   ├── ImageTooLarge
+    │   ├── UndecodableImage
+    │   └── Unauthorized
+    └── Overloaded                a bound was reached; retry after ``retry_after_s``
+
+Messages are written for the person reading them and never contain the name of
+an IPC object (Triton's CVE chain started with a leaked shm name).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ArenaFull",
+    "ChannelFull",
+    "DescriptorError",
+    "ImageTooLarge",
+    "InconsistentTensor",
+    "InvalidRequest",
+    "OutOfBounds",
+    "Overloaded",
+    "PeerDied",
+    "RequestTimeout",
+    "RequestError",
+    "SetupError",
+    "ShmgateError",
+    "StaleGeneration",
+    "TooManyImages",
+    "TransportError",
+    "Unauthorized",
+    "UndecodableImage",
+    "UnknownModel",
+]
+
+
+class ShmgateError(Exception):
+    """Base of every deliberate shmgate error."""
+
+    status_hint: int = 500
+    code: str = "internal_error"
+    error_type: str = "server_error"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.message!r}, param={self.param!r})"
+
+
+# -- transport ---------------------------------------------------------------
+
+
+class TransportError(ShmgateError):
+    """The shared-memory transport could not do what was asked."""
+
+    status_hint = 503
+    code = "transport_error"
+
+
+class ArenaFull(TransportError):
+    """Raised by an allocator when the partition has no room even after eviction."""
+
+    status_hint = 503
+    code = "arena_full"
+
+
+class ChannelFull(TransportError):
+    """Raised when a message queue stayed full for longer than the caller's timeout."""
+
+    status_hint = 503
+    code = "channel_full"
+
+
+class PeerDied(TransportError):
+    """Raised when the process serving a request died before it produced output we could keep."""
+
+    status_hint = 502
+    code = "worker_died"
+
+
+class RequestTimeout(TransportError):
+    """The request's deadline passed before its worker answered."""
+
+    status_hint = 504
+    code = "timeout"
+
+
+class SetupError(TransportError):
+    """IPC objects could not be created or attached (no space in /dev/shm, version mismatch, ...)."""
+
+    code = "setup_error"
+
+
+# -- descriptors ---------------------------------------------------------------
+
+
+class DescriptorError(ShmgateError):
+    """A descriptor failed validation in the worker; the request fails, the worker carries on."""
+
+    status_hint = 500
+    code = "bad_descriptor"
+
+
+class OutOfBounds(DescriptorError):
+    """Offset or size point outside the arena, outside a partition, or overflow."""
+
+
+class InconsistentTensor(DescriptorError):
+    """dtype x shape does not equal the number of bytes the descriptor claims."""
+
+
+class StaleGeneration(DescriptorError):
+    """The allocation header's generation differs from the descriptor's: freed or reused."""
+
+
+# -- requests ------------------------------------------------------------------
+
+
+class RequestError(ShmgateError):
+    """The client's request is wrong; answered with a 4xx."""
+
+    status_hint = 400
+    code = "invalid_request"
+    error_type = "invalid_request_error"
+
+
+class InvalidRequest(RequestError):
+    """Malformed JSON, a missing field, a value out of range."""
+
+
+class UnknownModel(RequestError):
+    status_hint = 404
+    code = "model_not_found"
+
+
+class TooManyImages(RequestError):
+    code = "too_many_images"
+
+
+class ImageTooLarge(RequestError):
+    """The image (encoded bytes or decoded pixels) exceeds the configured bound."""
+
+    status_hint = 413
+    code = "image_too_large"
+
+
+class UndecodableImage(RequestError):
+    """Not an image, a truncated one, or a format we do not accept."""
+
+    code = "invalid_image"
+
+
+class Unauthorized(RequestError):
+    status_hint = 401
+    code = "invalid_api_key"
+    error_type = "authentication_error"
+
+
+# -- overload ------------------------------------------------------------------
+
+
+class Overloaded(ShmgateError):
+    """A bound was reached (in-flight requests, arena, queue); the client should retry later."""
+
+    status_hint = 503
+    code = "overloaded"
+    error_type = "server_error"
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0, status_hint: int = 503) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        self.status_hint = status_hint

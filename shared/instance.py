@@ -1,0 +1,284 @@
+"""One running shmgate instance's IPC objects: create, attach, unlink, find leftovers.
+
+The gateway's supervisor creates an instance (segment, three semaphores, the
+request queue, one reply queue per frontend slot, one control queue per worker
+slot) and is the one that unlinks it on shutdown, in a ``finally``. Frontends
+and workers attach. Workers in another container find the instance by label
+(the newest live arena whose header carries that label), so no PID or file
+needs to be shared between containers.
+
+Leftovers: an arena whose supervisor heartbeat has stopped belongs to a dead
+instance; ``cleanup_leftovers`` unlinks it and every object named after it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+import posix_ipc
+
+from shared.cache_index import CacheIndex
+from shared.channels import Queue, create_queue, open_queue, unlink_queue
+from shared.errors import SetupError
+from shared.locks import HolderKind, Identity, SharedLock
+from shared.names import IPC_MODE, InstanceNames, list_arena_instances, list_orphan_semaphore_ids, new_instance_id
+from shared.segment import InstanceState, LockId, Segment, SlotState, now_ns, own_pidns
+from shared.wire import (
+    CONTROL_MESSAGE_BYTES,
+    MAX_MESSAGE_BYTES,
+    REPLY_MESSAGE_BYTES,
+    gateway_decoder,
+    worker_decoder,
+)
+
+__all__ = ["DEAD_AFTER_S", "Instance", "cleanup_leftovers", "find_instance", "instance_alive"]
+
+log = logging.getLogger("shmgate.instance")
+
+# A process whose heartbeat is older than this is dead. Heartbeats tick every 0.2 s.
+DEAD_AFTER_S = 3.0
+
+
+@dataclass
+class Instance:
+    """Handles to one instance's IPC objects, as seen by one process."""
+
+    names: InstanceNames
+    segment: Segment
+    index_sem: posix_ipc.Semaphore
+    repair_sem: posix_ipc.Semaphore
+    table_sem: posix_ipc.Semaphore
+    owner: bool = False
+
+    # -- construction -------------------------------------------------------------
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        arena_size: int,
+        n_frontends: int,
+        n_workers: int,
+        label: str = "default",
+        queue_depth: int = 64,
+        index_capacity: int = 4096,
+        instance_id: str | None = None,
+    ) -> Instance:
+        names = InstanceNames(instance_id or new_instance_id())
+        segment = Segment.create(
+            names,
+            arena_size=arena_size,
+            n_frontends=n_frontends,
+            n_workers=n_workers,
+            index_capacity=index_capacity,
+            label=label,
+        )
+        created: list[str] = []
+        try:
+            sems = []
+            for name in names.semaphores():
+                sems.append(posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=IPC_MODE, initial_value=1))
+                created.append(name)
+            queues = [create_queue(names.request_queue, worker_decoder, queue_depth, MAX_MESSAGE_BYTES)]
+            queues += [
+                create_queue(names.reply_queue(k), gateway_decoder, queue_depth, REPLY_MESSAGE_BYTES)
+                for k in range(n_frontends)
+            ]
+            queues += [
+                create_queue(names.control_queue(w), worker_decoder, 8, CONTROL_MESSAGE_BYTES) for w in range(n_workers)
+            ]
+            for q in queues:
+                q.close()
+        except BaseException:
+            _unlink_all(names, n_frontends, n_workers)
+            segment.close()
+            raise
+        return cls(names, segment, sems[0], sems[1], sems[2], owner=True)
+
+    @classmethod
+    def attach(cls, instance_id: str) -> Instance:
+        names = InstanceNames(instance_id)
+        segment = Segment.attach(names)
+        try:
+            sems = [posix_ipc.Semaphore(name) for name in names.semaphores()]
+        except posix_ipc.ExistentialError as exc:
+            segment.close()
+            raise SetupError("the instance's semaphores are missing; it is shutting down or broken") from exc
+        return cls(names, segment, sems[0], sems[1], sems[2])
+
+    # -- parts --------------------------------------------------------------------
+
+    def lock(self, which: LockId, identity: Identity) -> SharedLock:
+        sem = {LockId.INDEX: self.index_sem, LockId.TABLE: self.table_sem}[which]
+        return SharedLock(
+            sem,
+            self.segment.locks[int(which)],
+            self.repair_sem,
+            self.segment.locks[int(LockId.REPAIR)],
+            identity,
+            self.holder_is_dead,
+        )
+
+    def cache_index(self) -> CacheIndex:
+        return CacheIndex.in_segment(self.segment)
+
+    def request_queue(self) -> Queue:
+        return open_queue(self.names.request_queue, worker_decoder)
+
+    def reply_queue(self, frontend_slot: int) -> Queue:
+        return open_queue(self.names.reply_queue(frontend_slot), gateway_decoder)
+
+    def control_queue(self, worker_slot: int) -> Queue:
+        return open_queue(self.names.control_queue(worker_slot), worker_decoder)
+
+    def holder_is_dead(self, kind: int, slot: int, epoch: int, pid: int) -> bool:
+        """Liveness of a lock holder by its identity, from the slot tables (works across containers)."""
+        seg = self.segment
+        if kind == HolderKind.FRONTEND and slot < seg.layout.n_frontends:
+            return not seg.slot_alive(seg.frontends, slot, DEAD_AFTER_S, epoch)
+        if kind == HolderKind.WORKER and slot < seg.layout.n_workers:
+            return not seg.slot_alive(seg.workers, slot, DEAD_AFTER_S, epoch)
+        # supervisor and tools have no slot: only a same-namespace pid check can tell
+        if pid and int(seg.header[0]["supervisor_pidns"]) == own_pidns():
+            return not _pid_exists(pid)
+        return False
+
+    # -- worker slots -------------------------------------------------------------
+
+    def claim_worker_slot(self, model: str, identity_pid_hint: int = 0) -> tuple[int, int]:
+        """Claim a free or dead worker slot for this process. Returns (slot, epoch). Raises SetupError."""
+        seg = self.segment
+        table_lock = self.lock(LockId.TABLE, (HolderKind.TOOL, 0, 0))
+        if not table_lock.acquire(10.0):
+            raise SetupError("could not take the slot-table lock")
+        try:
+            for slot in range(seg.layout.n_workers):
+                if not seg.slot_alive(seg.workers, slot, DEAD_AFTER_S):
+                    epoch = seg.claim_slot(seg.workers, slot, model=model)
+                    return slot, epoch
+        finally:
+            table_lock.release()
+        raise SetupError(f"all {seg.layout.n_workers} worker slots are taken; start the gateway with more")
+
+    def set_worker_state(self, slot: int, state: SlotState) -> None:
+        self.segment.workers[slot]["state"] = state
+
+    # -- life cycle -----------------------------------------------------------------
+
+    def beat_supervisor(self) -> None:
+        self.segment.header[0]["supervisor_beat_ns"] = now_ns()
+
+    def mark_state(self, state: InstanceState) -> None:
+        self.segment.header[0]["state"] = state
+
+    def close(self) -> None:
+        for sem in (self.index_sem, self.repair_sem, self.table_sem):
+            with contextlib.suppress(posix_ipc.Error):
+                sem.close()
+        self.segment.close()
+
+    def unlink(self) -> None:
+        """Remove every IPC object of the instance (owner, at shutdown)."""
+        layout = self.segment.layout
+        _unlink_all(self.names, layout.n_frontends, layout.n_workers)
+
+
+def _pid_exists(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _unlink_all(names: InstanceNames, n_frontends: int, n_workers: int) -> None:
+    unlink_queue(names.request_queue)
+    for k in range(n_frontends):
+        unlink_queue(names.reply_queue(k))
+    for w in range(n_workers):
+        unlink_queue(names.control_queue(w))
+    for name in names.semaphores():
+        with contextlib.suppress(posix_ipc.ExistentialError):
+            posix_ipc.unlink_semaphore(name)
+    with contextlib.suppress(posix_ipc.ExistentialError):
+        posix_ipc.unlink_shared_memory(names.arena)
+
+
+def instance_alive(segment: Segment, dead_after_s: float = DEAD_AFTER_S) -> bool:
+    """Is the instance's supervisor alive and not stopped? (Heartbeat-based: works across containers.)"""
+    return _supervisor_alive(segment, dead_after_s)
+
+
+def _supervisor_alive(segment: Segment, dead_after_s: float) -> bool:
+    h = segment.header[0]
+    if int(h["state"]) == InstanceState.STOPPED:
+        return False
+    pid = int(h["supervisor_pid"])
+    if pid and int(h["supervisor_pidns"]) == own_pidns() and not _pid_exists(pid):
+        return False
+    return now_ns() - int(h["supervisor_beat_ns"]) <= int(dead_after_s * 1e9)
+
+
+def find_instance(label: str = "default", *, wait_s: float = 0.0) -> str:
+    """The id of the newest live instance published under ``label``. Raises SetupError.
+
+    Waits up to ``wait_s`` for one to appear (a worker container starting before the gateway).
+    """
+    deadline = time.monotonic() + wait_s
+    while True:
+        best: tuple[int, str] | None = None
+        for instance_id in list_arena_instances():
+            try:
+                segment = Segment.attach(InstanceNames(instance_id))
+            except SetupError:
+                continue
+            try:
+                if segment.label == label and _supervisor_alive(segment, DEAD_AFTER_S):
+                    created = int(segment.header[0]["created_ns"])
+                    if best is None or created > best[0]:
+                        best = (created, instance_id)
+            finally:
+                segment.close()
+        if best is not None:
+            return best[1]
+        if time.monotonic() >= deadline:
+            raise SetupError(f"no running shmgate gateway with label {label!r} in this IPC namespace")
+        time.sleep(0.25)
+
+
+def cleanup_leftovers(dead_after_s: float = DEAD_AFTER_S) -> list[str]:
+    """Unlink the IPC objects of every dead instance. Returns the instance ids removed."""
+    removed = []
+    for instance_id in list_arena_instances():
+        names = InstanceNames(instance_id)
+        try:
+            segment = Segment.attach(names)
+        except SetupError:
+            # not even a valid header: a creator died mid-initialisation long ago, or garbage
+            with contextlib.suppress(posix_ipc.ExistentialError):
+                posix_ipc.unlink_shared_memory(names.arena)
+            removed.append(instance_id)
+            continue
+        try:
+            if _supervisor_alive(segment, dead_after_s):
+                continue
+            layout = segment.layout
+        finally:
+            segment.close()
+        log.warning("removing leftovers of dead instance %s", instance_id)
+        _unlink_all(names, layout.n_frontends, layout.n_workers)
+        removed.append(instance_id)
+    for instance_id in list_orphan_semaphore_ids():
+        names = InstanceNames(instance_id)
+        for name in names.semaphores():
+            with contextlib.suppress(posix_ipc.ExistentialError):
+                posix_ipc.unlink_semaphore(name)
+        removed.append(instance_id)
+    return removed

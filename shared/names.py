@@ -1,0 +1,143 @@
+"""Names of IPC objects, instance ids, /dev/shm space checks.
+
+Rules kept here:
+- Every IPC object of one running instance carries the same random instance id
+  (``secrets.token_hex(8)``), so two instances never collide and a leftover can
+  be attributed to its (dead) instance.
+- Objects are created with mode 0600 (``IPC_MODE``).
+- Names are built in this module only; nothing outside shared/ spells one, and
+  no name ever appears in a client-facing message.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+from dataclasses import dataclass
+
+__all__ = [
+    "IPC_MODE",
+    "PREFIX",
+    "InstanceNames",
+    "check_shm_space",
+    "list_arena_instances",
+    "new_instance_id",
+]
+
+PREFIX = "shmgate"
+IPC_MODE = 0o600
+SHM_DIR = "/dev/shm"
+_ID_RE = re.compile(r"^[0-9a-f]{16}$")
+
+
+def new_instance_id() -> str:
+    """An unguessable id for a new instance."""
+    return secrets.token_hex(8)
+
+
+@dataclass(frozen=True)
+class InstanceNames:
+    """Every IPC object name of one instance, derived from its id."""
+
+    instance_id: str
+
+    def __post_init__(self) -> None:
+        if not _ID_RE.match(self.instance_id):
+            raise ValueError(f"instance id must be 16 hex digits, got {self.instance_id!r}")
+
+    @property
+    def arena(self) -> str:
+        return f"/{PREFIX}.{self.instance_id}.arena"
+
+    @property
+    def index_lock(self) -> str:
+        return f"/{PREFIX}.{self.instance_id}.index"
+
+    @property
+    def repair_lock(self) -> str:
+        return f"/{PREFIX}.{self.instance_id}.repair"
+
+    @property
+    def table_lock(self) -> str:
+        return f"/{PREFIX}.{self.instance_id}.table"
+
+    @property
+    def request_queue(self) -> str:
+        return f"/{PREFIX}.{self.instance_id}.req"
+
+    def reply_queue(self, frontend_slot: int) -> str:
+        return f"/{PREFIX}.{self.instance_id}.rep{frontend_slot}"
+
+    def control_queue(self, worker_slot: int) -> str:
+        return f"/{PREFIX}.{self.instance_id}.ctl{worker_slot}"
+
+    def semaphores(self) -> list[str]:
+        return [self.index_lock, self.repair_lock, self.table_lock]
+
+
+def list_arena_instances() -> list[str]:
+    """Instance ids that have an arena segment in /dev/shm (alive or not)."""
+    ids = []
+    try:
+        entries = os.listdir(SHM_DIR)
+    except FileNotFoundError:
+        return []
+    for entry in entries:
+        parts = entry.split(".")
+        if len(parts) == 3 and parts[0] == PREFIX and parts[2] == "arena" and _ID_RE.match(parts[1]):
+            ids.append(parts[1])
+    return sorted(ids)
+
+
+def list_orphan_semaphore_ids() -> list[str]:
+    """Instance ids that have semaphores in /dev/shm but no arena any more."""
+    arenas = set(list_arena_instances())
+    ids = set()
+    try:
+        entries = os.listdir(SHM_DIR)
+    except FileNotFoundError:
+        return []
+    for entry in entries:
+        parts = entry.split(".")
+        if len(parts) == 4 and parts[0] == "sem" and parts[1] == PREFIX and _ID_RE.match(parts[2]):
+            if parts[2] not in arenas:
+                ids.add(parts[2])
+    return sorted(ids)
+
+
+def format_bytes(nbytes: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.1f} {unit}".replace(".0 ", " ")
+    return f"{nbytes} B"
+
+
+def parse_size(text: str) -> int:
+    """'1GiB', '512MiB', '64M', '1000000' -> bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*", text.lower())
+    if not match:
+        raise ValueError(f"not a size: {text!r} (use e.g. 512MiB or 1GiB)")
+    number, unit, _ = match.groups()
+    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[unit]
+    return int(float(number) * scale)
+
+
+def check_shm_space(nbytes: int) -> None:
+    """Raise SetupError when /dev/shm cannot hold an arena of ``nbytes``.
+
+    Docker's default /dev/shm is 64 MB, which is the usual cause; the message
+    says what to change.
+    """
+    from shared.errors import SetupError
+
+    try:
+        stat = os.statvfs(SHM_DIR)
+    except FileNotFoundError as exc:
+        raise SetupError("/dev/shm is not mounted; shmgate needs POSIX shared memory") from exc
+    free = stat.f_bavail * stat.f_frsize
+    if free < nbytes:
+        raise SetupError(
+            f"/dev/shm has {format_bytes(free)} free but the arena needs {format_bytes(nbytes)}; "
+            "set shm_size in the compose file (or --shm-size for docker run), or lower --arena-size"
+        )

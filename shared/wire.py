@@ -1,0 +1,166 @@
+"""Every message that crosses a process boundary, as msgspec Structs.
+
+Two rules for this file:
+1. Only descriptors travel: offsets, sizes, dtypes, shapes, generations, ids,
+   deadlines and sampling parameters. Pixels stay in the arena; small payloads
+   (under ``INLINE_MAX_BYTES``) may ride inline, and the receiver knows which
+   path from the descriptor alone (``TensorRef`` vs ``Submit.inline``).
+2. The wire is append-only. Each kind has an explicit short tag, so renaming a
+   class never changes the bytes; new fields go at the end with a default.
+   ``WIRE_VERSION`` is stamped in the segment header and checked on attach.
+
+Messages are msgpack arrays (``array_like=True``): the tag is the first element.
+Nothing here is pickled.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Union
+
+import msgspec
+from msgspec import Meta, Struct
+
+__all__ = [
+    "INLINE_MAX_BYTES",
+    "MAX_MESSAGE_BYTES",
+    "WIRE_VERSION",
+    "Cancel",
+    "Claimed",
+    "Delta",
+    "Failed",
+    "Finished",
+    "Released",
+    "SamplingParams",
+    "Submit",
+    "TensorRef",
+    "ToGateway",
+    "ToWorker",
+    "gateway_decoder",
+    "encoder",
+    "worker_decoder",
+]
+
+WIRE_VERSION = 1
+
+# Linux's default mq_msgsize_max is 8 KiB; every message must fit in one. Queue memory
+# counts against RLIMIT_MSGQUEUE (800 KiB by default), so each channel uses the smallest
+# size its messages need: requests 8 KiB, replies 4 KiB (Delta text is cut to fit), control 256 B.
+MAX_MESSAGE_BYTES = 8192
+REPLY_MESSAGE_BYTES = 4096
+CONTROL_MESSAGE_BYTES = 256
+MAX_DELTA_CHARS = 900  # 900 characters are at most 3,600 bytes of UTF-8
+MAX_SUBMIT_TEXT_CHARS = 512
+# Payloads up to this size ride inline in a Submit; larger ones go to the arena.
+INLINE_MAX_BYTES = 4096
+
+NonNegative = Annotated[int, Meta(ge=0)]
+U64 = Annotated[int, Meta(ge=0, le=2**63 - 1)]  # msgspec bounds must fit in int64
+
+# dtypes a TensorRef may name, with their item sizes. Both sides use this table.
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "uint8": 1,
+    "int8": 1,
+    "bool": 1,
+    "int16": 2,
+    "float16": 2,
+    "bfloat16": 2,
+    "int32": 4,
+    "float32": 4,
+    "int64": 8,
+    "float64": 8,
+}
+
+
+class TensorRef(Struct, array_like=True, frozen=True, gc=False):
+    """Where a tensor lies in the arena. Distrusted by the worker (see worker/checks.py)."""
+
+    offset: NonNegative  # absolute byte offset of the tensor's data in the segment
+    nbytes: NonNegative
+    generation: U64  # must equal the allocation header's generation, before and after reading
+    dtype: str
+    shape: tuple[NonNegative, ...]
+    name: str = ""  # role of the tensor for the backend, e.g. "pixels", "pixel_values", "image_grid_thw"
+
+
+class SamplingParams(Struct, array_like=True, frozen=True, gc=False, omit_defaults=True):
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+class Message(Struct, tag=True, array_like=True, frozen=True):
+    """Base of every message; the tag (set per subclass) is the first array element."""
+
+
+class Submit(Message, tag="s"):
+    """Frontend -> any worker: run this request. Shared request channel."""
+
+    request_id: U64
+    reply_slot: NonNegative  # which frontend's reply channel answers go to
+    model: str
+    tensors: tuple[TensorRef, ...] = ()
+    inline: bytes = b""  # small payload (e.g. token ids); meaning is the backend's
+    params: SamplingParams = SamplingParams()
+    deadline_ns: int = 0  # CLOCK_MONOTONIC; 0 = none
+    attempt: int = 0  # 0 for the first try, +1 per retry after a worker died
+    text: str = ""  # the user's text, when a backend wants it (bounded by INLINE_MAX_BYTES)
+
+
+class Cancel(Message, tag="c"):
+    """Frontend -> the worker that claimed a request: stop working on it (client went away)."""
+
+    request_id: U64
+    reply_slot: NonNegative
+
+
+class Claimed(Message, tag="a"):
+    """Worker -> frontend: this worker took the request off the queue (it now owns the work)."""
+
+    request_id: U64
+    worker_slot: NonNegative
+    worker_epoch: NonNegative
+
+
+class Released(Message, tag="r"):
+    """Worker -> frontend: the worker will not read this request's tensors again."""
+
+    request_id: U64
+
+
+class Delta(Message, tag="d"):
+    """Worker -> frontend: a piece of streamed output. ``seq`` counts from 0 per request."""
+
+    request_id: U64
+    seq: NonNegative
+    text: str
+
+
+class Finished(Message, tag="f"):
+    """Worker -> frontend: the request completed normally (terminal)."""
+
+    request_id: U64
+    seq: NonNegative
+    finish_reason: str  # "stop" | "length"
+    prompt_tokens: NonNegative = 0
+    completion_tokens: NonNegative = 0
+
+
+class Failed(Message, tag="x"):
+    """Worker -> frontend: the request failed (terminal). ``code`` is an errors.py code."""
+
+    request_id: U64
+    seq: NonNegative
+    code: str
+    message: str
+    status_hint: int = 500
+
+
+ToWorker = Union[Submit, Cancel]
+ToGateway = Union[Claimed, Released, Delta, Finished, Failed]
+
+# Built once and reused (msgspec perf tips). Encoders and decoders are stateless.
+encoder = msgspec.msgpack.Encoder()
+worker_decoder: msgspec.msgpack.Decoder[ToWorker] = msgspec.msgpack.Decoder(ToWorker)
+gateway_decoder: msgspec.msgpack.Decoder[ToGateway] = msgspec.msgpack.Decoder(ToGateway)

@@ -1,0 +1,28 @@
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.serving import Server, shm_entries, start_server
+
+
+def _serve(model: str, tmp_path_factory: pytest.TempPathFactory, *extra: str) -> Iterator[Server]:
+    server = start_server(model, tmp_path_factory.mktemp("serve"), *extra)
+    try:
+        yield server
+    finally:
+        code = server.stop()
+        leaked = {name for name in shm_entries() if server.instance_id in name}
+        assert code == 0, server.log_path.read_text()[-3000:]
+        assert not leaked, f"left in /dev/shm after shutdown: {leaked}"
+
+
+@pytest.fixture(scope="module")
+def checksum_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from _serve("checksum", tmp_path_factory, "--workers", "2", "--max-batch-size", "8")
+
+
+@pytest.fixture(scope="module")
+def efficientnet_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from _serve("efficientnet-lite0", tmp_path_factory)

@@ -1,0 +1,180 @@
+"""Build a tiny, randomly initialised Qwen2-VL checkpoint on disk, for tests only.
+
+Why Qwen2-VL: it is the common dynamic-resolution architecture. Its processor
+turns each image into a variable number of patches (``pixel_values`` of shape
+``[t*h*w, 3*2*14*14]`` plus ``image_grid_thw``) and the prompt holds one
+``<|image_pad|>`` per merged patch, so it exercises exactly what the gateway has
+to carry: variable-size tensors and a prompt whose length depends on the image.
+
+Everything is built locally (no hub access): a byte-level BPE tokenizer trained
+in-process on a small corpus, wrapped as the real ``Qwen2Tokenizer`` class with
+Qwen2-VL's special tokens and chat template; the real image processor with small
+pixel bounds; and a 2-layer, 64-wide model. Weights come from a fixed seed, so
+two builds produce identical files. The output is random text, which is all the
+tests need: they check plumbing (shapes, streaming, seeds, stops), not quality.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = ["TINY_MAX_PIXELS", "TINY_MIN_PIXELS", "build_tiny_vlm"]
+
+# Small resize bounds: a 1024x681 photo becomes 8x12 patches of 14 px (24 image tokens).
+TINY_MIN_PIXELS = 28 * 28 * 4
+TINY_MAX_PIXELS = 28 * 28 * 32
+
+_SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+
+# Qwen2-VL's own chat template (system prompt by default, one vision block per image).
+_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}"
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}"
+    "{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_CORPUS = """
+The quick brown fox jumps over the lazy dog. A cat sits on the mat and looks at the camera.
+What is in this image? Describe the picture in one sentence. There is a cup of coffee on a
+table, a camera on a tripod, and a cat near the window. You are a helpful assistant.
+Please answer the question about the photo: how many objects are there, what colour are
+they, where is the light coming from? The image shows a small animal with stripes, an
+espresso in a white cup, a lens, a screen, a dog, a tree, a house, a car, a street, a city.
+Numbers 0 1 2 3 4 5 6 7 8 9 10 100 1024 640. Yes, no, maybe, hello, world, thanks, sorry.
+Café, naïve, über, 日本語, 東京, 猫, 🙂, 📷, ☕ — unicode text the tokenizer should round-trip.
+"""
+
+
+def _train_tokenizer_files() -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """Train a byte-level BPE with Qwen2's pre-tokenizer; return (vocab, merges)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=448,
+        min_frequency=1,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    model = json.loads(tok.to_str())["model"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    return dict(model["vocab"]), merges  # type: ignore[return-value]
+
+
+def _build_processor(path: Path) -> Any:
+    """Save tokenizer (with chat template) and image processor; return the tokenizer.
+
+    The parts are saved one by one, not through ``Qwen2VLProcessor``: in
+    transformers 5.x that class insists on a video processor, which needs
+    torchvision, and a frontend has no use for either. ``processor_config.json``
+    still names the processor class, so ``AutoProcessor`` works where torchvision is
+    installed, as it does for a real Qwen2-VL checkpoint.
+    """
+    from transformers import Qwen2Tokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    vocab, merges = _train_tokenizer_files()
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=4096)
+    tokenizer.add_special_tokens({"additional_special_tokens": _SPECIAL_TOKENS[1:]})
+    tokenizer.eos_token = "<|im_end|>"
+    tokenizer.chat_template = _CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(path))
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=TINY_MIN_PIXELS, max_pixels=TINY_MAX_PIXELS)
+    image_processor.save_pretrained(str(path))
+    (path / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2VLProcessor"}) + "\n")
+    return tokenizer
+
+
+def _build_model(path: Path, tokenizer: Any) -> None:
+    import torch
+    from transformers import GenerationConfig, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in _SPECIAL_TOKENS}
+    config = Qwen2VLConfig(
+        text_config={
+            "vocab_size": len(tokenizer),
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 4096,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+            "bos_token_id": ids["<|endoftext|>"],
+            "eos_token_id": ids["<|im_end|>"],
+            "pad_token_id": ids["<|endoftext|>"],
+        },
+        vision_config={
+            "depth": 1,
+            "embed_dim": 32,
+            "hidden_size": 64,  # the merger projects to the text width
+            "num_heads": 2,
+            "mlp_ratio": 2,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+        },
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+    torch.manual_seed(0)
+    model = Qwen2VLForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        # Random logits are nearly uniform; silence the control tokens so greedy
+        # decoding never ends on its first step and tests see long streams.
+        model.lm_head.weight[list(ids.values())] = 0.0
+    model.generation_config = GenerationConfig(
+        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
+        pad_token_id=ids["<|endoftext|>"],
+        bos_token_id=ids["<|endoftext|>"],
+    )
+    model.save_pretrained(str(path))
+
+
+def build_tiny_vlm(path: Path) -> Path:
+    """Write a tiny Qwen2-VL model and its processor into ``path`` (created if needed) and return it.
+
+    Deterministic and fast (a couple of seconds on CPU). The directory loads with
+    ``AutoImageProcessor``, ``AutoTokenizer`` and ``AutoModelForImageTextToText`` (and
+    ``AutoProcessor`` where torchvision is installed).
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = _build_processor(path)
+    _build_model(path, tokenizer)
+    return path

@@ -1,0 +1,154 @@
+"""Starting a real ``shmgate serve`` for tests, and the checks every test makes after it stops.
+
+Each server is a real process tree (supervisor, frontends, workers) on a free
+port; stopping it sends SIGTERM and waits, and the caller then asserts nothing
+of the instance is left in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+DATA = Path(__file__).parent / "data"
+IMAGES = DATA / "images"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def shm_entries() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if "shmgate" in name}
+
+
+def data_url(data: bytes, mime: str = "image/jpeg") -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+def image_request(model: str, data: bytes, *, mime: str = "image/jpeg", stream: bool = False,
+                  text: str = "What is in this image?") -> dict[str, object]:
+    return {
+        "model": model,
+        "stream": stream,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": text},
+                    {"type": "image_url", "image_url": {"url": data_url(data, mime)}},
+                ],
+            }
+        ],
+    }
+
+
+def noise_png(seed: int, size: int = 96) -> bytes:
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    img = Image.fromarray(rng.integers(0, 256, (size, size + seed % 7, 3), dtype=np.uint8))
+    out = io.BytesIO()
+    img.save(out, format="PNG")
+    return out.getvalue()
+
+
+@dataclass
+class Server:
+    process: subprocess.Popen[bytes]
+    port: int
+    model: str
+    log_path: Path
+
+    @property
+    def instance_id(self) -> str:
+        match = re.search(r"instance ([0-9a-f]{16}) listening", self.log_path.read_text())
+        assert match, "the supervisor did not log its instance id"
+        return match.group(1)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def children(self) -> list[tuple[int, str]]:
+        """(pid, command line) of every process below the supervisor."""
+        out = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                if ppid != self.process.pid:
+                    continue
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode()
+            except (OSError, ValueError, IndexError):
+                continue
+            out.append((int(entry), cmd))
+        return out
+
+    def pids(self, role: str) -> list[int]:
+        marker = "-m worker" if role == "worker" else "-m gateway frontend"
+        return [pid for pid, cmd in self.children() if marker in cmd]
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(self.base_url + "/metrics", timeout=10).text
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def wait_ready(self, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited early:\n{self.log_path.read_text()[-4000:]}")
+            try:
+                if httpx.get(self.base_url + "/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"server not ready:\n{self.log_path.read_text()[-4000:]}")
+
+    def stop(self, timeout_s: float = 60) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+                raise
+        return self.process.returncode
+
+
+def start_server(model: str, tmp_dir: Path, *extra: str) -> Server:
+    port = free_port()
+    log_path = tmp_dir / f"serve-{model.replace('/', '_').replace(':', '_')}-{port}.log"
+    log = open(log_path, "wb")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--model", model,
+         "--frontends", "2", "--arena-size", "128MiB", *extra],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    server = Server(process, port, model, log_path)
+    server.wait_ready()
+    return server

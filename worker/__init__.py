@@ -1,0 +1,1 @@
+"""The worker process: receive descriptors, batch, run a model backend, stream replies."""

@@ -1,0 +1,55 @@
+"""``python -m worker``: the command the supervisor runs for each worker, and docker compose too.
+
+Every flag also reads a ``SHMGATE_*`` environment variable; flags win.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from worker.main import WorkerOptions, run_worker
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(f"SHMGATE_{name}", default)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="shmgate worker", description="Run one model worker.")
+    parser.add_argument("--model", default=_env("MODEL", "efficientnet-lite0"))
+    parser.add_argument("--device", default=_env("DEVICE"), help="cpu, cuda or cuda:N (default: cuda when present)")
+    parser.add_argument("--max-batch-size", type=int, default=int(_env("MAX_BATCH_SIZE", "8") or 8))
+    parser.add_argument("--max-batch-wait-ms", type=float, default=float(_env("MAX_BATCH_WAIT_MS", "5") or 5))
+    parser.add_argument("--threads", type=int, default=int(_env("THREADS", "0") or 0), help="torch threads (0: auto)")
+    parser.add_argument("--instance", default=_env("INSTANCE"), help="instance id (default: find by --label)")
+    parser.add_argument("--label", default=_env("LABEL", "default"))
+    parser.add_argument("--attach-wait-s", type=float, default=60.0)
+    parser.add_argument("--log-level", default=_env("LOG_LEVEL", "info"))
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s worker[%(process)d] %(levelname)s %(message)s"
+    )
+    device = args.device
+    if not device:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    options = WorkerOptions(
+        model=args.model,
+        device=device,
+        max_batch_size=args.max_batch_size,
+        max_batch_wait_ms=args.max_batch_wait_ms,
+        threads=args.threads or None,
+    )
+    return run_worker(options=options, instance_id=args.instance, label=args.label, attach_wait_s=args.attach_wait_s)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""The model backend interface: what a worker needs from a model.
+
+A backend receives a batch of ``WorkItem``s whose tensors are already on the
+backend's device (the worker copied them out of the arena and released the
+arena space), and yields ``BackendEvent``s as output becomes available, so the
+worker can stream each one back before the batch is done.
+
+Preprocessing is *not* here: the frontend runs it (gateway/preprocessors.py)
+and the worker only ever sees tensors. A backend never touches shared memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from shared.wire import SamplingParams
+
+__all__ = ["BackendEvent", "ModelBackend", "WorkItem"]
+
+
+@dataclass
+class WorkItem:
+    """One request of a batch, as the backend sees it."""
+
+    request_id: int
+    tensors: dict[str, list[torch.Tensor]]  # by TensorRef.name, in descriptor order; on the device
+    params: SamplingParams = field(default_factory=SamplingParams)
+    inline: bytes = b""  # small payload from the frontend (e.g. token ids), meaning is the backend's
+    text: str = ""  # the user's text
+    cancelled: bool = False  # set by the worker when the client went away; backends may stop early
+
+
+@dataclass
+class BackendEvent:
+    """A piece of output for ``batch[index]``.
+
+    ``text`` is appended to the answer. A non-None ``finish_reason`` ("stop" or
+    "length") ends that item; a backend must end every item exactly once.
+    """
+
+    index: int
+    text: str = ""
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class ModelBackend(Protocol):
+    """What the worker calls. Implementations: efficientnet.py, checksum.py (hf.py later)."""
+
+    name: str
+
+    def run(self, batch: Sequence[WorkItem]) -> Iterator[BackendEvent]:
+        """Run one batch and yield its output as it is produced.
+
+        Raises: any exception fails every unfinished item of the batch with a
+        server error; the worker survives it.
+        """
+        ...

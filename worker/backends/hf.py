@@ -1,0 +1,395 @@
+"""Worker half of a Hugging Face vision-language model (``hf:<directory>``): streamed generation.
+
+The frontend (gateway/preprocess/hf.py) sends int32 token ids with every image
+placeholder already expanded, plus each image's ``pixel_values`` and
+``image_grid_thw``. This module rebuilds the model inputs, prefills once and then
+decodes one token at a time with the KV cache, so every token reaches the client as
+soon as it exists (no ``generate``, no streamer thread: each step is ours to sample,
+seed, stop or cancel).
+
+Invariants:
+1. An item's output depends only on that item: batch mates never share a forward pass,
+   and each request samples from its own ``torch.Generator`` (seeded by ``seed``), so a
+   request gives the same text alone or in any batch.
+2. Positions are computed here and passed explicitly. Qwen2-VL's multimodal RoPE needs
+   3-D positions for the prefill and an offset (``rope delta``) for every later token;
+   the model would otherwise keep that delta in ``model.model.rope_deltas``, one slot
+   shared by every request, which interleaved requests would overwrite.
+3. Streamed text is exactly the decoded completion, cut before the first stop string:
+   pieces are emitted only when they are final (no dangling half of a UTF-8 character,
+   no text that may turn out to start a stop string).
+4. Every item ends with exactly one event carrying ``finish_reason`` and usage.
+   ``completion_tokens`` counts every sampled token, the EOS token included.
+
+Inputs come from our own frontend, but a worker checks them anyway before they touch
+the device (an out-of-range id is a device-side assert on CUDA, which kills the
+process's CUDA context): a mismatch raises InvalidRequest and fails the batch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from shared.errors import InvalidRequest
+from shared.wire import SamplingParams
+from worker.backends.base import BackendEvent, WorkItem
+
+__all__ = ["HFBackend", "IncrementalDetokenizer", "StopStringFilter", "sample_token"]
+
+DEFAULT_MAX_TOKENS = 256
+# config.model_type values this backend was run against. Both use Qwen2-VL's image
+# processor, placeholder token and multimodal RoPE (Qwen2.5-VL checked once by hand).
+SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+# The image tensors this backend passes to the model, by TensorRef name.
+IMAGE_TENSORS = ("pixel_values", "image_grid_thw")
+
+
+class HFBackend:
+    """Streams generations of a local ``AutoModelForImageTextToText`` checkpoint.
+
+    Supports the Qwen2-VL family (``SUPPORTED_MODEL_TYPES``): dynamic resolution,
+    multimodal RoPE.
+
+    Batching: the items of a batch are decoded round-robin, one token per item per
+    turn, each with its own KV cache. Every stream starts after the prefills ahead of
+    it and then advances at the same pace; total throughput equals running them one
+    after another (a padded batched forward would be faster on a GPU, at the cost of
+    per-row masks and RoPE offsets; not done yet).
+    """
+
+    def __init__(
+        self,
+        model_dir: str,
+        device: torch.device,
+        *,
+        dtype: torch.dtype | None = None,
+        name: str | None = None,
+        default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    ) -> None:
+        """Load the model (fp32 on CPU, bf16 on CUDA unless ``dtype``) and its tokenizer.
+
+        ``name`` defaults to the directory's base name, the id the frontend serves it
+        under (gateway/preprocess/hf.py ``model_id_for``). Raises ValueError for an
+        architecture outside ``SUPPORTED_MODEL_TYPES`` (before reading any weights).
+        """
+        from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
+
+        model_type = AutoConfig.from_pretrained(model_dir).model_type
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"{model_dir}: model type {model_type!r} is not supported; known: {SUPPORTED_MODEL_TYPES}")
+        self.name = name or os.path.basename(os.path.normpath(model_dir))
+        self.device = device
+        self.dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        self.default_max_tokens = default_max_tokens
+        model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=self.dtype)
+        self.model: Any = model.to(device).eval()
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(model_dir)
+        self._layout = _InputLayout.from_config(self.model.config)
+        self.eos_token_ids: frozenset[int] = _eos_ids(self.model, self.tokenizer)
+
+    def run(self, batch: Sequence[WorkItem]) -> Iterator[BackendEvent]:
+        """Generate every item of ``batch``, yielding text as it is decoded.
+
+        All items are checked before any work starts. Raises InvalidRequest when an
+        item's token ids or tensors are not what the frontend writes.
+        """
+        inputs = [self._layout.check(item, self.device) for item in batch]
+        streams = [self._stream(i, item, x) for i, (item, x) in enumerate(zip(batch, inputs))]
+        while streams:
+            for stream in list(streams):
+                events = next(stream, None)
+                if events is None:
+                    streams.remove(stream)
+                else:
+                    yield from events
+
+    def _stream(self, index: int, item: WorkItem, inputs: _Inputs) -> Iterator[list[BackendEvent]]:
+        """One item's generation; yields the events of each decoding step (maybe none)."""
+        params = item.params
+        prompt_tokens = inputs.input_ids.shape[1]
+        limit = _token_budget(params, self.default_max_tokens, self._layout.max_positions - prompt_tokens)
+        detok = IncrementalDetokenizer(self.tokenizer)
+        stops = StopStringFilter(params.stop)
+        generator = _generator(self.device, params.seed)
+        completion_tokens = 0
+        finish = "length"
+        logits: torch.Tensor | None = None
+        cache: Any = None
+        delta = 0
+        while completion_tokens < limit:
+            if item.cancelled:
+                finish = "stop"
+                break
+            if logits is None:
+                logits, cache, delta = self._prefill(inputs)
+            token = sample_token(logits, params.temperature, params.top_p, generator)
+            completion_tokens += 1
+            if token in self.eos_token_ids:
+                finish = "stop"
+                break
+            text = stops.push(detok.push(token))
+            events = [BackendEvent(index, text=text)] if text else []
+            if stops.stopped:
+                finish = "stop"
+                yield events
+                break
+            if completion_tokens < limit:  # no forward pass for a token nobody will read
+                position = prompt_tokens + completion_tokens - 1 + delta
+                logits = self._decode_step(token, position, cache)
+            yield events
+        tail = ""
+        if not stops.stopped:  # EOS, length or cancel: release what was held back
+            tail = stops.push(detok.flush())
+            tail += stops.flush()
+        final = [BackendEvent(index, text=tail)] if tail else []
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
+        final.append(BackendEvent(index, finish_reason=finish, **usage))
+        yield final
+
+    def _prefill(self, inputs: _Inputs) -> tuple[torch.Tensor, Any, int]:
+        """Run the prompt (and images); return the last logits, the KV cache and the RoPE delta."""
+        ids = inputs.input_ids
+        kwargs: dict[str, Any] = {"input_ids": ids, "use_cache": True, "logits_to_keep": 1}
+        if inputs.pixel_values is not None:
+            kwargs["pixel_values"] = inputs.pixel_values
+            kwargs["image_grid_thw"] = inputs.image_grid_thw
+        with torch.inference_mode():
+            kwargs["position_ids"], delta = self._mrope_positions(ids, inputs.image_grid_thw)
+            out = self.model(**kwargs)
+        return out.logits[0, -1], out.past_key_values, delta
+
+    def _mrope_positions(self, ids: torch.Tensor, grid: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+        """3-D positions of the prompt and the offset of the tokens after it (invariant 2)."""
+        if grid is None:
+            positions = torch.arange(ids.shape[1], device=ids.device).view(1, 1, -1).expand(3, 1, -1)
+            return positions, 0
+        mm_token_type_ids = (ids == self._layout.image_token_id).to(torch.int32)
+        positions, deltas = self.model.model.get_rope_index(
+            ids, mm_token_type_ids=mm_token_type_ids, image_grid_thw=grid
+        )
+        return positions, int(deltas.reshape(-1)[0])
+
+    def _decode_step(self, token: int, position: int, cache: Any) -> torch.Tensor:
+        """Feed one sampled token; return the next logits (the cache grows in place)."""
+        with torch.inference_mode():
+            ids = torch.tensor([[token]], device=self.device)
+            positions = torch.tensor([[position]], device=self.device)
+            out = self.model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True)
+        return out.logits[0, -1]
+
+
+# -- inputs ----------------------------------------------------------------------
+
+
+@dataclass
+class _Inputs:
+    input_ids: torch.Tensor  # int64 [1, L] on the device
+    pixel_values: torch.Tensor | None  # [sum of t*h*w, patch_dim]
+    image_grid_thw: torch.Tensor | None  # int64 [n_images, 3]
+
+
+@dataclass(frozen=True)
+class _InputLayout:
+    """What a well-formed item looks like for this model, read from its config once."""
+
+    vocab_size: int
+    max_positions: int
+    image_token_id: int
+    merge: int  # spatial_merge_size ** 2: patches per image token
+    patch_dim: int  # channels * temporal_patch_size * patch_size ** 2
+
+    @classmethod
+    def from_config(cls, config: Any) -> _InputLayout:
+        text, vision = config.get_text_config(), config.vision_config
+        patch = vision.patch_size
+        return cls(
+            vocab_size=text.vocab_size,
+            max_positions=text.max_position_embeddings,
+            image_token_id=config.image_token_id,
+            merge=vision.spatial_merge_size**2,
+            patch_dim=vision.in_channels * vision.temporal_patch_size * patch * patch,
+        )
+
+    def check(self, item: WorkItem, device: torch.device) -> _Inputs:
+        """Validate ``item`` on the host and build its model inputs on ``device``. Raises InvalidRequest."""
+        rid = item.request_id
+        if not item.inline or len(item.inline) % 4:
+            raise InvalidRequest(f"Request {rid}: the token ids are {len(item.inline)} bytes, not int32s.")
+        ids = np.frombuffer(item.inline, dtype=np.int32)
+        if ids.min() < 0 or ids.max() >= self.vocab_size:
+            raise InvalidRequest(f"Request {rid}: a token id is outside the vocabulary (0..{self.vocab_size - 1}).")
+        unknown = set(item.tensors) - set(IMAGE_TENSORS)
+        if unknown:
+            raise InvalidRequest(f"Request {rid}: unexpected tensors {sorted(unknown)}.")
+        pixels, grids = item.tensors.get("pixel_values", []), item.tensors.get("image_grid_thw", [])
+        if len(pixels) != len(grids):
+            raise InvalidRequest(f"Request {rid}: {len(pixels)} pixel_values but {len(grids)} image_grid_thw.")
+        image_tokens = 0
+        for p, g in zip(pixels, grids):
+            image_tokens += self._check_image(rid, p, g)
+        if int((ids == self.image_token_id).sum()) != image_tokens:
+            raise InvalidRequest(f"Request {rid}: the prompt's image slots do not match its images' patches.")
+        input_ids = torch.from_numpy(ids.astype(np.int64)).view(1, -1).to(device)
+        if not pixels:
+            return _Inputs(input_ids, None, None)
+        return _Inputs(input_ids, torch.cat(pixels).to(device), torch.cat(grids).to(device))
+
+    def _check_image(self, rid: int, pixels: torch.Tensor, grid: torch.Tensor) -> int:
+        """Check one image's pair of tensors; return its number of image tokens."""
+        if grid.dtype != torch.int64 or tuple(grid.shape) != (1, 3):
+            raise InvalidRequest(
+                f"Request {rid}: image_grid_thw must be int64 (1, 3), got {grid.dtype} {tuple(grid.shape)}."
+            )
+        t, h, w = (int(v) for v in grid[0].tolist())
+        patches = t * h * w
+        if min(t, h, w) <= 0 or patches % self.merge:
+            raise InvalidRequest(f"Request {rid}: bad image grid {(t, h, w)}.")
+        if not pixels.is_floating_point() or tuple(pixels.shape) != (patches, self.patch_dim):
+            raise InvalidRequest(
+                f"Request {rid}: pixel_values must be float ({patches}, {self.patch_dim}), "
+                f"got {pixels.dtype} {tuple(pixels.shape)}."
+            )
+        return patches // self.merge
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    """EOS ids from the generation config (an int or a list) and the tokenizer."""
+    found: set[int] = set()
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if isinstance(configured, int):
+        found.add(configured)
+    elif configured:
+        found.update(int(t) for t in configured)
+    if tokenizer.eos_token_id is not None:
+        found.add(int(tokenizer.eos_token_id))
+    return frozenset(found)
+
+
+def _token_budget(params: SamplingParams, default: int, room: int) -> int:
+    """How many tokens to sample: ``max_tokens`` (or the default), within the context left."""
+    wanted = default if params.max_tokens is None else params.max_tokens
+    return max(0, min(wanted, room))
+
+
+# -- sampling --------------------------------------------------------------------
+
+
+def _generator(device: torch.device, seed: int | None) -> torch.Generator:
+    """A generator owned by one request: seeded when asked, else from OS entropy."""
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)  # any JSON int; torch wants 64 bits
+    return generator
+
+
+def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
+    """Pick the next token from 1-D ``logits``: greedy at temperature 0, else nucleus sampling.
+
+    ``top_p`` keeps the smallest set of most likely tokens whose mass reaches it (the
+    most likely token always stays). Ties in greedy mode go to the lowest id.
+    """
+    if temperature <= 0.0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p >= 1.0:
+        return int(torch.multinomial(probs, 1, generator=generator))
+    sorted_probs, order = torch.sort(probs, descending=True)
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    keep = mass_before < top_p
+    keep[0] = True
+    choice = torch.multinomial(sorted_probs * keep, 1, generator=generator)
+    return int(order[choice])
+
+
+# -- text ------------------------------------------------------------------------
+
+
+class IncrementalDetokenizer:
+    """Turns token ids into text pieces as they arrive, each final when emitted.
+
+    Decoding one token at a time is wrong for byte-level BPE (a character may span
+    tokens) and for SentencePiece (a token's leading space depends on its left
+    neighbour). So a short window is decoded twice, with and without the new tokens,
+    and only the difference is emitted, once it no longer ends in a half character
+    (U+FFFD). The window restarts at the last emitted boundary, so the cost per token
+    stays constant. The concatenated pieces equal ``decode(all ids)``.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._prefix = 0  # start of the window: one piece behind, for context
+        self._read = 0  # end of what has been emitted
+
+    def push(self, token: int) -> str:
+        """Add ``token``; return the text it completes (often "", sometimes several characters)."""
+        self._ids.append(token)
+        return self._take(final=False)
+
+    def flush(self) -> str:
+        """Return whatever is left, half characters included (the generation is over)."""
+        return self._take(final=True)
+
+    def _take(self, *, final: bool) -> str:
+        seen = self._decode(self._ids[self._prefix : self._read])
+        text = self._decode(self._ids[self._prefix :])
+        if len(text) <= len(seen) and not final:
+            return ""
+        if text.endswith("\ufffd") and not final:
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(seen) :]
+
+    def _decode(self, ids: list[int]) -> str:
+        return str(self._tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False))
+
+
+class StopStringFilter:
+    """Cuts the streamed text before the first stop string and holds back possible starts of one.
+
+    Text that could be the beginning of a stop string is held until the next piece
+    shows whether it is; the rest is released at once. ``stopped`` turns true when a
+    stop string has been seen; nothing from it onwards is ever released.
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops = tuple(s for s in stops if s)
+        self._held = ""
+        self.stopped = False
+
+    def push(self, text: str) -> str:
+        """Add decoded ``text``; return what may be streamed now."""
+        if self.stopped:
+            return ""
+        if not self._stops:
+            return text
+        buffer = self._held + text
+        hits = [i for i in (buffer.find(s) for s in self._stops) if i >= 0]
+        if hits:
+            self.stopped = True
+            self._held = ""
+            return buffer[: min(hits)]
+        keep = max((_overlap(buffer, s) for s in self._stops), default=0)
+        self._held = buffer[len(buffer) - keep :]
+        return buffer[: len(buffer) - keep]
+
+    def flush(self) -> str:
+        """Release the held text (the generation ended without completing a stop string)."""
+        held, self._held = self._held, ""
+        return "" if self.stopped else held
+
+
+def _overlap(text: str, stop: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``stop``."""
+    for k in range(min(len(stop) - 1, len(text)), 0, -1):
+        if text.endswith(stop[:k]):
+            return k
+    return 0

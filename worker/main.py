@@ -1,0 +1,278 @@
+"""The worker loop: receive -> batch -> copy to the device -> run -> stream replies.
+
+One worker is one process with one model on one device. Per request it sends,
+in order: Claimed (as soon as it takes the descriptor), Released (after its
+tensors were copied to the device and the generation re-checked), then Delta*
+and exactly one terminal Finished or Failed. A bad descriptor, an expired
+deadline or a backend exception fails that request (or that batch) and the
+worker carries on; only SIGTERM/SIGINT stops it, after the current batch.
+
+Liveness: a heartbeat thread stamps the worker's slot row; the main loop also
+stamps ``busy_ns`` so the gateway can tell a turning loop from a stuck one.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.arena import recheck, validate
+from shared.channels import Queue
+from shared.errors import ChannelFull, DescriptorError, SetupError
+from shared.instance import DEAD_AFTER_S, Instance, instance_alive
+from shared.segment import Heartbeat, SlotState, now_ns
+from shared.wire import MAX_DELTA_CHARS, Cancel, Claimed, Delta, Failed, Finished, Released, Submit
+from worker.backends import load_backend
+from worker.backends.base import ModelBackend, WorkItem
+from worker.batcher import Batcher
+from worker.device import DeviceCopier
+
+__all__ = ["Worker", "WorkerOptions"]
+
+log = logging.getLogger("shmgate.worker")
+
+INLINE_TENSOR = "__inline__"  # the gateway's name for an inline payload too big for the descriptor
+REPLY_TIMEOUT_S = 2.0
+
+
+@dataclass
+class WorkerOptions:
+    model: str
+    device: str = "cpu"
+    max_batch_size: int = 8
+    max_batch_wait_ms: float = 5.0
+    threads: int | None = None
+
+
+@dataclass
+class _Job:
+    submit: Submit
+    item: WorkItem | None = None
+    seq: int = 0
+    done: bool = False
+    text_len: int = 0
+    pending: list[str] = field(default_factory=list)
+
+
+class Worker:
+    def __init__(self, instance: Instance, options: WorkerOptions) -> None:
+        self.instance = instance
+        self.options = options
+        self.device = torch.device(options.device)
+        self._stop = threading.Event()
+        self.exit_code = 0
+        self._replies: dict[int, Queue] = {}
+        self._cancelled: set[int] = set()
+        self.slot, self.epoch = instance.claim_worker_slot(options.model)
+        self._heartbeat = Heartbeat(instance.segment.workers, self.slot, self.epoch).start()
+        self._requests = instance.request_queue()
+        self._control = instance.control_queue(self.slot)
+        while self._control.try_receive() is not None:
+            pass  # cancels addressed to this slot's previous owner
+        self.backend: ModelBackend = load_backend(options.model, self.device, threads=options.threads)
+        # the public model id (hf:<dir> is served under the directory's name): what frontends match
+        instance.segment.workers[self.slot]["model"] = self.backend.name.encode()[:48]
+        self.copier = DeviceCopier(self.device, instance.segment.mm)
+        self.batcher = Batcher(
+            self._requests,
+            max_batch_size=options.max_batch_size,
+            max_batch_wait_s=options.max_batch_wait_ms / 1000,
+            on_take=self._claim,
+            on_invalid=lambda what: log.warning("dropped an invalid message on the request channel: %r", what),
+        )
+
+    # -- life cycle -----------------------------------------------------------------
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self) -> None:
+        seg = self.instance.segment
+        seg.workers[self.slot]["state"] = SlotState.READY
+        log.info("worker slot %d ready: model %s on %s", self.slot, self.options.model, self.device)
+        try:
+            while not self._stop.is_set():
+                if int(seg.workers[self.slot]["epoch"]) != self.epoch:
+                    log.error("this worker's slot was taken over (declared dead); exiting")
+                    self.exit_code = 1
+                    return
+                if not instance_alive(seg, DEAD_AFTER_S):
+                    # the gateway is gone or stopping: exit so the supervisor (or compose's restart
+                    # policy) starts a worker that attaches to the new instance
+                    log.warning("the gateway instance stopped; exiting")
+                    self.exit_code = 0 if self._stop.is_set() else 1
+                    return
+                batch = self.batcher.collect(idle_timeout_s=0.25)
+                if batch:
+                    started = now_ns()
+                    self._run_batch(batch)
+                    seg.workers[self.slot]["busy_ns"] = int(seg.workers[self.slot]["busy_ns"]) + now_ns() - started
+        finally:
+            if int(seg.workers[self.slot]["epoch"]) == self.epoch:
+                seg.workers[self.slot]["state"] = SlotState.FREE
+            self._heartbeat.stop()
+            self.copier.close()
+
+    # -- one batch --------------------------------------------------------------------
+
+    def _claim(self, submit: Submit) -> bool:
+        self._reply(submit, Claimed(submit.request_id, self.slot, self.epoch))
+        if submit.model != self.backend.name:
+            self._fail(submit, 0, "model_not_found", f"this worker serves {self.backend.name}", 404)
+            return False
+        if submit.deadline_ns and now_ns() > submit.deadline_ns:
+            self._fail(submit, 0, "timeout", "the request expired before a worker could start it", 504)
+            return False
+        return True
+
+    def _run_batch(self, batch: Sequence[Submit]) -> None:
+        self._drain_cancels()
+        jobs = [_Job(s) for s in batch]
+        for job in jobs:
+            job.item = self._load(job)
+        live = [job for job in jobs if job.item is not None]
+        if not live:
+            return
+        items = [job.item for job in live if job.item is not None]
+        try:
+            for event in self.backend.run(items):
+                job = live[event.index]
+                if job.done:
+                    continue
+                if event.text:
+                    self._send_text(job, event.text)
+                if event.finish_reason is not None:
+                    job.done = True
+                    self._reply(
+                        job.submit,
+                        Finished(
+                            job.submit.request_id,
+                            job.seq,
+                            event.finish_reason,
+                            event.prompt_tokens,
+                            event.completion_tokens,
+                        ),
+                    )
+                self._drain_cancels(items)
+        except Exception as exc:
+            log.exception("backend failed on a batch of %d", len(items))
+            for job in live:
+                if not job.done:
+                    job.done = True
+                    self._fail(job.submit, job.seq, "model_error", f"the model failed: {type(exc).__name__}", 500)
+            return
+        for job in live:
+            if not job.done:  # a backend that forgot an item: never leave a request hanging
+                self._fail(job.submit, job.seq, "model_error", "the model produced no final answer", 500)
+
+    def _load(self, job: _Job) -> WorkItem | None:
+        """Copy a request's tensors to the device and release the arena. None when it failed."""
+        submit = job.submit
+        if submit.request_id in self._cancelled:
+            self._cancelled.discard(submit.request_id)
+            self._reply(submit, Released(submit.request_id))
+            self._fail(submit, 0, "cancelled", "the client cancelled the request", 499)
+            return None
+        seg = self.instance.segment
+        try:
+            for ref in submit.tensors:
+                validate(seg, ref)
+            tensors = self.copier.copy(submit.tensors)
+            for ref in submit.tensors:
+                recheck(seg, ref)  # seqlock: still the same allocation after the copy
+        except DescriptorError as exc:
+            self._reply(submit, Released(submit.request_id))
+            self._fail(submit, 0, "bad_descriptor", str(exc), 500)
+            return None
+        self._reply(submit, Released(submit.request_id))
+        by_name: dict[str, list[torch.Tensor]] = {}
+        inline = submit.inline
+        for ref, tensor in zip(submit.tensors, tensors):
+            if ref.name == INLINE_TENSOR:
+                inline = tensor.cpu().numpy().tobytes()
+            else:
+                by_name.setdefault(ref.name, []).append(tensor)
+        return WorkItem(submit.request_id, by_name, submit.params, inline, submit.text)
+
+    # -- replies ----------------------------------------------------------------------
+
+    def _send_text(self, job: _Job, text: str) -> None:
+        # Split so every message fits the reply channel's message size.
+        for start in range(0, len(text), MAX_DELTA_CHARS):
+            self._reply(job.submit, Delta(job.submit.request_id, job.seq, text[start : start + MAX_DELTA_CHARS]))
+            job.seq += 1
+
+    def _fail(self, submit: Submit, seq: int, code: str, message: str, status: int) -> None:
+        self._reply(submit, Failed(submit.request_id, seq, code, message[:MAX_DELTA_CHARS], status))
+
+    def _reply(self, submit: Submit, message: object) -> None:
+        slot = submit.reply_slot
+        seg = self.instance.segment
+        if slot >= seg.layout.n_frontends:
+            return  # a forged or corrupt descriptor: nobody to answer
+        queue = self._replies.get(slot)
+        if queue is None:
+            queue = self._replies[slot] = self.instance.reply_queue(slot)
+        for _ in range(3):
+            try:
+                queue.send(message, REPLY_TIMEOUT_S)
+                return
+            except ChannelFull:
+                if not seg.slot_alive(seg.frontends, slot, DEAD_AFTER_S):
+                    return  # the frontend is gone; its successor ignores old request ids anyway
+        log.warning("dropped a reply: frontend %d is alive but not reading its channel", slot)
+
+    def _drain_cancels(self, items: Sequence[WorkItem] = ()) -> None:
+        while True:
+            try:
+                message = self._control.try_receive()
+            except Exception:
+                continue
+            if message is None:
+                break
+            if isinstance(message, Cancel):
+                self._cancelled.add(message.request_id)
+        if items and self._cancelled:
+            for item in items:
+                if item.request_id in self._cancelled:
+                    item.cancelled = True
+        if len(self._cancelled) > 10_000:
+            self._cancelled.clear()  # cancels of requests that finished before they arrived
+
+
+def run_worker(
+    *,
+    options: WorkerOptions,
+    instance_id: str | None,
+    label: str,
+    attach_wait_s: float = 60.0,
+) -> int:
+    """Entry point of ``python -m worker`` / ``shmgate worker``. Returns an exit code."""
+    from shared.instance import find_instance
+
+    try:
+        if instance_id is None:
+            instance_id = find_instance(label, wait_s=attach_wait_s)
+        instance = Instance.attach(instance_id)
+    except SetupError as exc:
+        log.error("%s", exc)
+        return 2
+    try:
+        worker = Worker(instance, options)
+    except SetupError as exc:
+        log.error("%s", exc)
+        instance.close()
+        return 2
+    signal.signal(signal.SIGTERM, lambda *_: worker.stop())
+    signal.signal(signal.SIGINT, lambda *_: worker.stop())
+    try:
+        worker.run()
+    finally:
+        instance.close()
+    return worker.exit_code
+
