@@ -56,17 +56,18 @@ class Scenario:
 
 
 NAIVE = ("{python}", "{repo}/bench/naive_server.py", "--port", "{port}")
+LITSERVE = ("{litserve_python}", "{repo}/bench/litserve_server.py", "--port", "{port}")
 SHMGATE = ("{bin}/shmgate", "serve", "--host", "127.0.0.1", "--port", "{port}")
 SCENARIOS: dict[str, Scenario] = {
     "naive-checksum": Scenario(NAIVE + ("--mode", "checksum"), "checksum"),
     "naive-efficientnet": Scenario(NAIVE + ("--mode", "efficientnet"), "efficientnet-lite0"),
-    "litserve": Scenario(("{litserve_python}", "{repo}/bench/litserve_server.py", "--port", "{port}"),
-                         "efficientnet-lite0", needs=LITSERVE_PYTHON),
-    "shmgate-checksum": Scenario(SHMGATE + ("--model", "checksum"), "checksum", ready_path="/v1/models"),
-    "shmgate-checksum-cached": Scenario(SHMGATE + ("--model", "checksum"), "checksum", ready_path="/v1/models",
+    "litserve": Scenario(LITSERVE, "efficientnet-lite0", needs=LITSERVE_PYTHON),
+    "litserve-checksum": Scenario(LITSERVE + ("--mode", "checksum"), "checksum", needs=LITSERVE_PYTHON),
+    "shmgate-checksum": Scenario(SHMGATE + ("--model", "checksum"), "checksum", ready_path="/ready"),
+    "shmgate-checksum-cached": Scenario(SHMGATE + ("--model", "checksum"), "checksum", ready_path="/ready",
                                         bench_flags=("--repeat-one",)),
     "shmgate-efficientnet": Scenario(SHMGATE + ("--model", "efficientnet-lite0"), "efficientnet-lite0",
-                                     ready_path="/v1/models"),
+                                     ready_path="/ready"),
 }
 DEFAULT_SCENARIOS = ["naive-checksum", "naive-efficientnet", "litserve"]
 
@@ -185,19 +186,20 @@ def emit_progress(result: dict[str, Any], args: argparse.Namespace) -> None:
     else:
         print(f"  {result['scenario']:<24} c={result['concurrency']:<3} {result['requests_per_s']:>8} req/s  "
               f"p50 {result['p50_ms']} ms  p99 {result['p99_ms']} ms  errors {result['errors']}  "
-              f"mismatches {result['mismatches']}  ({result['run_s']} s)", file=sys.stderr, flush=True)
+              f"mismatches {result['mismatches']}  other load {result['other_load_cores']} cores  "
+              f"({result['run_s']} s)", file=sys.stderr, flush=True)
 
 
 def markdown_table(results: list[dict[str, Any]]) -> str:
     """The comparison table; server CPU is per request, all of the server's processes included."""
     head = ("| scenario | conc | req/s | p50 ms | p90 ms | p99 ms | ttft p50 ms | errors | mismatches "
-            "| server CPU ms/req | run s |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+            "| server CPU ms/req | other load (cores) | run s |\n|---" + "|---:" * 11 + "|")
     rows = []
     for r in results:
         cpu = r["cpu_s_per_request"]
         cells = [r["scenario"], r["concurrency"], r["requests_per_s"], _fmt(r["p50_ms"]), _fmt(r["p90_ms"]),
                  _fmt(r["p99_ms"]), _fmt(r["ttft_p50_ms"]), r["errors"], r["mismatches"],
-                 "-" if cpu is None else f"{cpu * 1000:.1f}", r["run_s"]]
+                 "-" if cpu is None else f"{cpu * 1000:.1f}", _fmt(r.get("other_load_cores")), r["run_s"]]
         rows.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join([head, *rows])
 

@@ -12,6 +12,9 @@ Transports (the producer is this process; each consumer is a spawned child proce
                         memory and passed as a file descriptor), ack back
     memcpy              one np.copyto of the same bytes into destinations cycling through 256 MiB
                         (larger than any cache): the physical limit, no second process
+    memcpy_shm          diagnostic: the same copy into a POSIX shared-memory mapping (tmpfs,
+                        4 KiB pages where /sys/kernel/mm/transparent_hugepage/shmem_enabled is
+                        "never"), i.e. the limit for any copy into the arena
 
 Latency (p50/p99, microseconds) is the producer's round trip with one item in flight: from the
 tensor in hand to the consumer's acknowledgement (for shmgate: the Released notice, after which
@@ -57,7 +60,7 @@ SIZES: list[tuple[int, str, tuple[int, ...]]] = [
     (2_408_448, "float32", (3, 448, 448)),
     (12_582_912, "float32", (3, 1024, 1024)),
 ]
-TRANSPORTS = ["memcpy", "shmgate_descriptor", "shmgate", "mp_queue_pickle", "torch_mp_queue"]
+TRANSPORTS = ["memcpy", "memcpy_shm", "shmgate_descriptor", "shmgate", "mp_queue_pickle", "torch_mp_queue"]
 COLD_BYTES = 256 << 20
 WARMUP = 20
 SPAWN = multiprocessing.get_context("spawn")
@@ -119,18 +122,29 @@ def source(nbytes: int) -> np.ndarray:
 # -- memcpy: the physical limit ------------------------------------------------------------------------
 
 
-def bench_memcpy(nbytes: int, quick: bool, inflight: int) -> dict[str, float]:
+def bench_memcpy(nbytes: int, quick: bool, shm: bool = False) -> dict[str, float]:
     slots = max(2, COLD_BYTES // nbytes)
-    pool = np.ones(slots * nbytes, np.uint8)  # touched, so page faults are not measured
-    src = source(nbytes)
-    position = [0]
+    if shm:
+        inst = Instance.create(arena_size=slots * nbytes + (1 << 20), n_frontends=1, n_workers=1, queue_depth=1)
+        pool = np.frombuffer(inst.segment.mm, np.uint8, slots * nbytes, inst.segment.data_offset)
+    else:
+        pool = np.empty(slots * nbytes, np.uint8)
+    try:
+        pool[:] = 1  # touched, so page faults are not measured
+        src = source(nbytes)
+        position = [0]
 
-    def copy(_: str) -> None:
-        i = position[0] = (position[0] + 1) % slots
-        np.copyto(pool[i * nbytes : (i + 1) * nbytes], src)
+        def copy(_: str) -> None:
+            i = position[0] = (position[0] + 1) % slots
+            np.copyto(pool[i * nbytes : (i + 1) * nbytes], src)
 
-    n_lat, n_tp = counts(nbytes, quick)
-    return drive(copy, lambda: None, n_lat, max(n_tp, 2 * slots), 1, nbytes)
+        n_lat, n_tp = counts(nbytes, quick)
+        return drive(copy, lambda: None, n_lat, max(n_tp, 2 * slots), 1, nbytes)
+    finally:
+        del pool
+        if shm:
+            inst.unlink()
+            inst.close()
 
 
 # -- shmgate --------------------------------------------------------------------------------------------
@@ -454,7 +468,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 print(json.dumps(row), flush=True)
 
     if "memcpy" in which:
-        emit([{"transport": "memcpy", "size_bytes": n, **bench_memcpy(n, args.quick, args.inflight)}
+        emit([{"transport": "memcpy", "size_bytes": n, **bench_memcpy(n, args.quick)} for n, _, _ in sizes])
+    if "memcpy_shm" in which:
+        emit([{"transport": "memcpy_shm", "size_bytes": n, **bench_memcpy(n, args.quick, shm=True)}
               for n, _, _ in sizes])
     if "shmgate" in which or "shmgate_descriptor" in which:
         emit(bench_shmgate(sizes, args.quick, args.inflight, which))

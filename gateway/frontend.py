@@ -41,7 +41,7 @@ from gateway.intake import ChatRequest
 from gateway.metrics import Counter, FrontendStats
 from gateway.preprocess.base import ImageTensorSpec, Preprocessor, PromptInputs
 from shared.cache import ContentCache, TensorGroup, content_key
-from shared.channels import AsyncQueueReader, Queue, send_async
+from shared.channels import AsyncQueueReader, AsyncSender, Queue
 from shared.errors import ChannelFull, Overloaded, PeerDied, RequestTimeout, ShmgateError, UnknownModel
 from shared.instance import DEAD_AFTER_S, Instance
 from shared.locks import HolderKind
@@ -128,6 +128,7 @@ class Frontend:
         self.stats.set(Counter.ARENA_USED_BYTES, 0)
         self.stats.set(Counter.IN_FLIGHT, 0)
         self._requests = self.instance.request_queue()
+        self._sender = AsyncSender(self._requests)
         self._replies = self.instance.reply_queue(self.slot)
         while self._replies.try_receive() is not None:
             pass  # answers addressed to our predecessor
@@ -211,7 +212,7 @@ class Frontend:
             self._sync_cache_stats()
             raise
         try:
-            await send_async(self._requests, submit, min(10.0, self.limits.request_timeout_s))
+            await self._sender.send(submit, min(10.0, self.limits.request_timeout_s))
         except ChannelFull:
             self._finish(state)
             raise Overloaded("every worker is busy and the request queue is full", retry_after_s=1.0) from None
@@ -355,6 +356,6 @@ class Frontend:
         log.warning("worker died before answering request %x; retrying (attempt %d)", state.request_id,
                     state.submit.attempt)
         try:
-            await send_async(self._requests, state.submit, 5.0)
+            await self._sender.send(state.submit, 5.0)
         except ChannelFull:
             self._fail(state, Overloaded("the request could not be retried: every worker is busy"))

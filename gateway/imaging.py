@@ -140,8 +140,10 @@ def decode(data: bytes, *, max_pixels: int, draft_to: tuple[int, int] | None = N
         raise UndecodableImage("The image is empty (0 bytes).")
     try:
         return _decode(data, max_pixels, draft_to)
-    except Image.DecompressionBombError as exc:
-        raise ImageTooLarge(f"The image has too many pixels to decode safely ({exc}).") from None
+    except Image.DecompressionBombError:
+        raise ImageTooLarge(
+            "The image has more pixels than can be decoded safely. Resize it before sending."
+        ) from None
     except _DECODE_ERRORS as exc:
         raise UndecodableImage(
             f"The image could not be decoded: {_describe(exc)}. Send a complete {_ACCEPTED_TEXT} file."

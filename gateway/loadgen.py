@@ -248,6 +248,14 @@ def tree_cpu_seconds(roots: Iterable[int]) -> float:
     return sum(stats[p][1] for p in seen) / os.sysconf("SC_CLK_TCK")
 
 
+def machine_busy_seconds() -> float:
+    """CPU seconds the whole machine has been busy (all cores), from the first line of /proc/stat."""
+    with open("/proc/stat") as stat:
+        fields = [int(f) for f in stat.readline().split()[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
 async def _drive(
     client: httpx.AsyncClient, args: argparse.Namespace, images: list[BenchImage], count: int, first: int
 ) -> list[Outcome]:
@@ -281,14 +289,18 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                  timeout=httpx.Timeout(args.timeout), http2=False) as client:
         warm = await _drive(client, args, images, warmup, 0) if warmup > 0 else []
         cpu_before = tree_cpu_seconds(pids) if pids else None
-        client_cpu_before = time.process_time()
+        busy_before, client_cpu_before = machine_busy_seconds(), time.process_time()
         start = time.perf_counter()
         outcomes = await _drive(client, args, images, args.requests, warmup)
         wall = time.perf_counter() - start
-        client_cpu = time.process_time() - client_cpu_before
-        cpu_after = tree_cpu_seconds(pids) if pids else None
-    return summarize(args, outcomes, wall, warm, client_cpu,
-                     None if cpu_before is None or cpu_after is None else cpu_after - cpu_before)
+        busy, client_cpu = machine_busy_seconds() - busy_before, time.process_time() - client_cpu_before
+        server_cpu = None if cpu_before is None else tree_cpu_seconds(pids) - cpu_before
+    result = summarize(args, outcomes, wall, warm, client_cpu, server_cpu)
+    # Whatever else ran during the timed phase took CPU from the server: on a small machine that
+    # skews a comparison, so say how much (only known when the server's own share is).
+    result["other_load_cores"] = (None if server_cpu is None or wall <= 0
+                                  else round(max(0.0, busy - server_cpu - client_cpu) / wall, 2))
+    return result
 
 
 def summarize(args: argparse.Namespace, outcomes: list[Outcome], wall_s: float, warm: list[Outcome],
@@ -336,6 +348,8 @@ def format_report(result: dict[str, Any]) -> str:
         f"mismatches   {result['mismatches']}",
         f"server cpu   {'-' if cpu is None else f'{cpu * 1000:.2f} ms/request'}",
         f"client cpu   {result['client_cpu_s_per_request'] * 1000:.2f} ms/request",
+        f"other load   {'-' if result['other_load_cores'] is None else result['other_load_cores']} cores "
+        "(CPU used by other processes while timing)",
     ]
     return "\n".join(lines)
 

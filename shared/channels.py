@@ -38,7 +38,7 @@ __all__ = [
     "Queue",
     "create_queue",
     "open_queue",
-    "send_async",
+    "AsyncSender",
     "system_queue_depth",
     "unlink_queue",
 ]
@@ -146,23 +146,52 @@ def unlink_queue(name: str) -> None:
         posix_ipc.unlink_message_queue(name)
 
 
-async def send_async(queue: Queue, message: Any, timeout_s: float) -> None:
-    """Send from the event loop without blocking it. Raises ChannelFull after ``timeout_s``."""
-    if queue.try_send(message):
-        return
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while True:
-        writable = loop.create_future()
-        loop.add_writer(queue.fd, lambda: writable.done() or writable.set_result(None))
-        try:
-            await asyncio.wait_for(writable, max(0.0, deadline - loop.time()))
-        except asyncio.TimeoutError as exc:
-            raise ChannelFull("the request channel stayed full; workers are saturated") from exc
-        finally:
-            loop.remove_writer(queue.fd)
-        if queue.try_send(message):
+class AsyncSender:
+    """Sends from the event loop without blocking it; many tasks may wait on one full queue.
+
+    asyncio allows one writer callback per file descriptor, so the waiters share
+    one registration: when the queue becomes writable every waiter wakes and
+    retries (the losers wait again).
+    """
+
+    def __init__(self, queue: Queue) -> None:
+        self._queue = queue
+        self._waiters: list[asyncio.Future[None]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def send(self, message: Any, timeout_s: float) -> None:
+        """Raises ChannelFull after ``timeout_s``."""
+        if self._queue.try_send(message):
             return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            waiter = loop.create_future()
+            self._waiters.append(waiter)
+            if self._loop is None:
+                self._loop = loop
+                loop.add_writer(self._queue.fd, self._wake)
+            try:
+                await asyncio.wait_for(waiter, max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError as exc:
+                raise ChannelFull("the channel stayed full; its receivers are saturated") from exc
+            finally:
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
+                if not self._waiters and self._loop is not None:
+                    self._loop.remove_writer(self._queue.fd)
+                    self._loop = None
+            if self._queue.try_send(message):
+                return
+
+    def _wake(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        if self._loop is not None:
+            self._loop.remove_writer(self._queue.fd)
+            self._loop = None
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
 
 class AsyncQueueReader:

@@ -221,8 +221,8 @@ def _supervisor_alive(segment: Segment, dead_after_s: float) -> bool:
     if int(h["state"]) == InstanceState.STOPPED:
         return False
     pid = int(h["supervisor_pid"])
-    if pid and int(h["supervisor_pidns"]) == own_pidns() and not _pid_exists(pid):
-        return False
+    if pid and int(h["supervisor_pidns"]) == own_pidns():
+        return _pid_exists(pid)  # same PID namespace: the kernel knows better than a heartbeat
     return now_ns() - int(h["supervisor_beat_ns"]) <= int(dead_after_s * 1e9)
 
 

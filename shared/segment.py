@@ -28,6 +28,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import posix_ipc
@@ -131,38 +132,40 @@ def _align(value: int, to: int) -> int:
 
 @dataclass(frozen=True)
 class Layout:
+    """Where everything lies. Offsets are cached: readers consult them for every descriptor."""
+
     n_frontends: int
     n_workers: int
     index_capacity: int
     arena_size: int
 
-    @property
+    @cached_property
     def frontend_offset(self) -> int:
         return 1024
 
-    @property
+    @cached_property
     def worker_offset(self) -> int:
         return _align(self.frontend_offset + self.n_frontends * SLOT.itemsize, ALIGN)
 
-    @property
+    @cached_property
     def stats_offset(self) -> int:
         return _align(self.worker_offset + self.n_workers * SLOT.itemsize, ALIGN)
 
-    @property
+    @cached_property
     def index_offset(self) -> int:
         return _align(self.stats_offset + self.n_frontends * STATS_WORDS * 8, PAGE)
 
-    @property
+    @cached_property
     def data_offset(self) -> int:
         from shared.cache_index import ENTRY
 
         return _align(self.index_offset + self.index_capacity * ENTRY.itemsize, PAGE)
 
-    @property
+    @cached_property
     def partition_size(self) -> int:
         return (self.arena_size // self.n_frontends) // PAGE * PAGE
 
-    @property
+    @cached_property
     def total_size(self) -> int:
         return self.data_offset + self.partition_size * self.n_frontends
 

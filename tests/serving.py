@@ -150,5 +150,9 @@ def start_server(model: str, tmp_dir: Path, *extra: str) -> Server:
         stderr=subprocess.STDOUT,
     )
     server = Server(process, port, model, log_path)
-    server.wait_ready()
+    try:
+        server.wait_ready()
+    except BaseException:
+        server.stop()  # never leave a half-started server behind
+        raise
     return server

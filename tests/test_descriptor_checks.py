@@ -15,7 +15,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from shared.arena import BLOCK_HEADER_BYTES, Partition, read_tensor, recheck, validate, view_tensor
+from shared.arena import BLOCK_HEADER_BYTES, Allocation, Partition, read_tensor, recheck, validate, view_tensor
 from shared.errors import (
     ChannelFull,
     DescriptorError,
@@ -205,13 +205,13 @@ def test_negative_huge_or_too_many_dims_are_inconsistent(arena: Arena, shape: tu
 
 
 def test_freed_allocation_is_stale(arena: Arena) -> None:
-    allocation = next(_allocation_of(arena))
+    allocation = allocation_of(arena.good)
     arena.partition.free(allocation)
     rejects(arena, arena.good, StaleGeneration)
 
 
 def test_reused_allocation_is_stale_for_the_old_descriptor(arena: Arena) -> None:
-    old = next(_allocation_of(arena))
+    old = allocation_of(arena.good)
     arena.partition.free(old)
     new = arena.partition.allocate(NBYTES)
     assert new is not None and new.offset == old.offset and new.generation != old.generation
@@ -241,17 +241,15 @@ def test_offset_into_the_middle_of_a_tensor_is_refused(arena: Arena) -> None:
 
 def test_free_between_view_and_recheck_is_caught_by_recheck(arena: Arena) -> None:
     view = view_tensor(arena.seg, arena.good)
-    arena.partition.free(next(_allocation_of(arena)))
+    arena.partition.free(allocation_of(arena.good))
     with pytest.raises(StaleGeneration):
         recheck(arena.seg, arena.good)
     del view
 
 
-def _allocation_of(arena: Arena) -> Iterator[object]:
-    from shared.arena import Allocation
-
-    good = arena.good
-    yield Allocation(good.offset - BLOCK_HEADER_BYTES, good.offset, good.nbytes, good.generation)
+def allocation_of(ref: TensorRef) -> Allocation:
+    """The owner's handle of the block a (good) descriptor points at."""
+    return Allocation(ref.offset - BLOCK_HEADER_BYTES, ref.offset, ref.nbytes, ref.generation)
 
 
 # -- messages never name IPC objects --------------------------------------------------------------------

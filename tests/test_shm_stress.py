@@ -17,11 +17,11 @@ import multiprocessing
 import time
 
 import pytest
-from tests import shm_children
-from tests.shm_children import STOP_ID, leftovers
 
 from shared.instance import Instance
 from shared.wire import Cancel
+from tests import shm_children
+from tests.shm_children import STOP_ID, leftovers
 
 N_WRITERS = 4
 N_READERS = 2

@@ -222,7 +222,7 @@ class EfficientNetBackend:
         if not live:
             return
         images = [_checked_pixels(batch[i]) for i in live]
-        probs, labels = self._classify([t for item_images in images for t in item_images])
+        probs, labels = self.classify([t for item_images in images for t in item_images])
         row = 0
         for i, item_images in zip(live, images):
             lines = 0
@@ -235,8 +235,8 @@ class EfficientNetBackend:
                 row += 1
             yield BackendEvent(i, finish_reason="stop", prompt_tokens=0, completion_tokens=lines)
 
-    def _classify(self, pixels: list[torch.Tensor]) -> tuple[list[list[float]], list[list[int]]]:
-        """Top-k probabilities and class indices for each (3, 224, 224) uint8 image."""
+    def classify(self, pixels: Sequence[torch.Tensor]) -> tuple[list[list[float]], list[list[int]]]:
+        """Top-k probabilities and class indices, most probable first, per (3, 224, 224) uint8 image."""
         with torch.inference_mode():
             x = torch.stack(pixels).to(self.device, non_blocking=True)
             x = x.to(torch.float32).div_(127.5).sub_(1.0).contiguous(memory_format=self._memory_format)
