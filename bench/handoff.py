@@ -275,13 +275,14 @@ class ShmgateProducer:
         return report
 
 
-def bench_shmgate(sizes: list[tuple[int, str, tuple[int, ...]]], quick: bool, inflight: int,
-                  which: list[str]) -> list[dict[str, Any]]:
+def bench_shmgate(sizes: list[tuple[int, str, tuple[int, ...]]], quick: bool, inflight: int, which: list[str],
+                  before_each_size: Callable[[int], None]) -> list[dict[str, Any]]:
     largest = max(n for n, _, _ in sizes)
     producer = ShmgateProducer(max(64 << 20, (inflight + 2) * (largest + 4096)))
     rows: list[dict[str, Any]] = []
     try:
         for nbytes, dtype, shape in sizes:
+            before_each_size(nbytes)
             src = source(nbytes)
             if "shmgate" in which:
                 producer.stages = {}
@@ -467,13 +468,19 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             if args.json:
                 print(json.dumps(row), flush=True)
 
-    if "memcpy" in which:
-        emit([{"transport": "memcpy", "size_bytes": n, **bench_memcpy(n, args.quick)} for n, _, _ in sizes])
-    if "memcpy_shm" in which:
-        emit([{"transport": "memcpy_shm", "size_bytes": n, **bench_memcpy(n, args.quick, shm=True)}
-              for n, _, _ in sizes])
+    def copies(nbytes: int) -> None:
+        if "memcpy" in which:
+            emit([{"transport": "memcpy", "size_bytes": nbytes, **bench_memcpy(nbytes, args.quick)}])
+        if "memcpy_shm" in which:
+            emit([{"transport": "memcpy_shm", "size_bytes": nbytes, **bench_memcpy(nbytes, args.quick, shm=True)}])
+
+    # The copy baselines run right before shmgate at each size, so that a ratio compares two
+    # measurements taken under the same machine load (this machine is shared).
     if "shmgate" in which or "shmgate_descriptor" in which:
-        emit(bench_shmgate(sizes, args.quick, args.inflight, which))
+        emit(bench_shmgate(sizes, args.quick, args.inflight, which, copies))
+    else:
+        for nbytes, _, _ in sizes:
+            copies(nbytes)
     if "mp_queue_pickle" in which:
         emit(bench_mp_queue("pickle", sizes, args.quick, args.inflight))
     if "torch_mp_queue" in which:

@@ -46,11 +46,12 @@ from worker.backends.base import ModelBackend, WorkItem  # noqa: E402
 
 PREPROCESSORS = {"checksum": ChecksumPreprocessor, "efficientnet": EfficientNetPreprocessor}
 MAX_PIXELS = 8192 * 8192  # generous: the naive server has no real bound, this only stops decompression bombs
-# Measured on the 2-core bench machine, 1024 px photos, efficientnet, 200 requests, req/s at
-# concurrency 1 / 8 / 32: thread 17.9 / 24.4 / 19.7, async 2.1 / 1.9 / 1.6. Inline on the event
-# loop, torch's second OpenMP thread spins against the loop thread and the client (~290 ms of CPU
-# per request instead of ~40); async with 1 torch thread reaches 18 / 19 but never beats thread.
-# Checksum: thread 72 / 78 / 104, async 62 / 60 / 46 (only the threadpool overlaps decodes).
+# Measured on the 2-core bench machine (shared with other jobs, ~1 core busy elsewhere), 1024 px
+# photos, 200 requests, req/s at concurrency 1 / 8 / 32. efficientnet: thread 17.9 / 24.4 / 19.7,
+# async 2.1 / 1.9 / 1.6: inline on the event loop, torch's second OpenMP thread spins against the
+# loop thread and the client (~290 ms of CPU per request instead of ~40); async with 1 torch thread
+# reaches 18 / 19 but never beats thread. checksum: two rounds each, thread 114-151 / 65-162 /
+# 83-88, async 42-72 / 43-142 / 40-100: within the noise, thread never clearly worse.
 DEFAULT_HANDLER = "thread"
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,10 +31,11 @@ def run_one(item: WorkItem) -> list[BackendEvent]:
     return events
 
 
-def answer(item: WorkItem) -> dict:
+def answer(item: WorkItem) -> dict[str, Any]:
     events = run_one(item)
     assert events[-1].finish_reason == "stop"
-    return json.loads("".join(e.text for e in events))
+    body: dict[str, Any] = json.loads("".join(e.text for e in events))
+    return body
 
 
 def blake2b_16(data: bytes) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ from worker.backends.base import BackendEvent, WorkItem
 from worker.backends.efficientnet import EfficientNetBackend, EfficientNetLite0, load_lite0_state_dict
 
 IMAGES = Path(__file__).parent / "data" / "images"
-LABELS: dict[str, dict] = json.loads((IMAGES / "labels.json").read_text())["images"]
+LABELS: dict[str, dict[str, Any]] = json.loads((IMAGES / "labels.json").read_text())["images"]
 PHOTOS = sorted(LABELS)
 LINE = re.compile(r"^(?P<label>[^\n]+): (?P<prob>[01]\.\d{4})\n$")
 
@@ -69,7 +70,7 @@ def parse_answer(events: list[BackendEvent]) -> list[tuple[str, float]]:
 def worst_deviation(name: str, top: list[tuple[str, float]]) -> float:
     """Largest |ours - reference| over the reference top 5 (a label we did not list counts as 0)."""
     ours = dict(top)
-    return max(abs(ours.get(ref["label"], 0.0) - ref["prob"]) for ref in LABELS[name]["reference_top5"])
+    return max(abs(ours.get(ref["label"], 0.0) - float(ref["prob"])) for ref in LABELS[name]["reference_top5"])
 
 
 def test_published_weights_load_strictly_into_all_296_tensors() -> None:
@@ -133,7 +134,7 @@ def test_cancelled_item_finishes_without_output(backend: EfficientNetBackend) ->
     "tensors",
     [{}, {"pixels": [torch.zeros(3, 224, 224)]}, {"pixels": [torch.zeros(3, 256, 256, dtype=torch.uint8)]}],
 )
-def test_malformed_pixels_are_refused(backend: EfficientNetBackend, tensors: dict) -> None:
+def test_malformed_pixels_are_refused(backend: EfficientNetBackend, tensors: dict[str, list[torch.Tensor]]) -> None:
     with pytest.raises(InvalidRequest):
         list(backend.run([WorkItem(1, tensors)]))
 
@@ -142,7 +143,7 @@ def test_malformed_pixels_are_refused(backend: EfficientNetBackend, tensors: dic
 
 
 def test_prompt_carries_the_user_text_only() -> None:
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"role": "system", "content": "be terse"},
         {"role": "user", "content": [{"type": "text", "text": "what is this?"}, {"type": "image"}]},
         {"role": "user", "content": "and now?"},
@@ -155,8 +156,9 @@ def test_prompt_carries_the_user_text_only() -> None:
 
 def test_image_count_is_bounded() -> None:
     spec = EfficientNetPreprocessor().tensor_spec()
+    no_messages: list[dict[str, Any]] = []
     with pytest.raises(TooManyImages):
-        EfficientNetPreprocessor(max_images=2).build_prompt([], [spec] * 3)
+        EfficientNetPreprocessor(max_images=2).build_prompt(no_messages, [spec] * 3)
     with pytest.raises(InvalidRequest):
         EfficientNetPreprocessor().build_prompt([{"role": "user", "content": "hi"}], [])
     assert ChecksumPreprocessor().build_prompt([{"role": "user", "content": "hi"}], []).text == "hi"
