@@ -157,23 +157,35 @@ def _decode(data: bytes, max_pixels: int, draft_to: tuple[int, int] | None) -> D
     img = _open(data)
     width, height = img.size
     _check_size(width, height, max_pixels)
-    orientation = _orientation(img)
-    swapped = orientation in (5, 6, 7, 8)
     draft_scale = 1
     if draft_to is not None and img.format in ("JPEG", "MPO"):
-        want = (draft_to[1], draft_to[0]) if swapped else draft_to
-        if want[0] > 0 and want[1] > 0:
-            drafted = img.draft(None, want)
-            if drafted is not None:
-                # The box is the file's picture in shrunk pixels: (0, 0, width/s, height/s).
-                draft_scale = max(1, round(width / drafted[1][2]))
-    img.load()  # the first frame only; raises OSError on truncated data
+        draft_scale = _draft(img, draft_to)
+    img.load()  # the first frame only; raises OSError on truncated or corrupt data
+    # Read only after load(): PNG's getexif() loads the image itself, and a failed load
+    # swallowed there would leave a half-decoded image that a second load() accepts.
+    orientation = _orientation(img)
     rgb = _to_rgb(img)
     fix = _ORIENTATION_FIX.get(orientation)
     if fix is not None:
         rgb = rgb.transpose(fix)
+    swapped = orientation in (5, 6, 7, 8)
     original = (height, width) if swapped else (width, height)
     return DecodedImage(rgb, original, draft_scale)
+
+
+def _draft(img: ImageFile.ImageFile, draft_to: tuple[int, int]) -> int:
+    """Ask libjpeg for a 1/2, 1/4 or 1/8 decode no smaller than ``draft_to`` (upright); the factor."""
+    # A JPEG's EXIF comes from its header (APP1), so this reads no pixels.
+    if _orientation(img) in (5, 6, 7, 8):
+        draft_to = (draft_to[1], draft_to[0])
+    if draft_to[0] < 1 or draft_to[1] < 1:
+        return 1
+    full_width = img.size[0]
+    drafted = img.draft(None, draft_to)
+    if drafted is None:
+        return 1
+    # The box is the file's picture in shrunk pixels: (0, 0, width / s, height / s).
+    return max(1, round(full_width / drafted[1][2]))
 
 
 def _open(data: bytes) -> ImageFile.ImageFile:

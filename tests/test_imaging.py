@@ -284,3 +284,15 @@ def test_corrupted_images_raise_only_shmgate_errors(seed: int, edits: list[tuple
     except (UndecodableImage, ImageTooLarge):
         return
     assert img.mode == "RGB" and img.width >= 1 and img.height >= 1
+    # Whatever we accept, Pillow decodes in one clean load: nothing half-decoded slips through.
+    with Image.open(io.BytesIO(bytes(data))) as plain:
+        plain.load()
+
+
+def test_png_with_corrupt_pixel_data_is_undecodable() -> None:
+    data = bytearray(encode(Image.open(IMAGES / "coffee_640.jpg"), "PNG"))
+    idat = data.index(b"IDAT")
+    for offset in (200, 5000, 50_000):
+        data[idat + offset] ^= 0xFF
+    with pytest.raises(UndecodableImage):
+        decode_image(bytes(data), max_pixels=MAX_PIXELS)
