@@ -222,13 +222,16 @@ def _run_frontend(args: argparse.Namespace) -> int:
             decode_threads=args.decode_threads,
         ),
     )
+    # uvicorn's own fd= support wraps the descriptor as AF_UNIX, so accepted connections
+    # would miss asyncio's TCP_NODELAY and keep-alive clients would hit Nagle + delayed-ACK
+    # stalls of 40 ms. Wrapping it with its real family avoids that.
+    sock = socket.socket(fileno=args.fd)
     config = uvicorn.Config(
         create_app(options),
-        fd=args.fd,
         log_level=args.log_level.lower() if args.log_level.lower() != "info" else "warning",
         timeout_graceful_shutdown=int(args.drain_timeout_s),
         access_log=False,
         lifespan="on",
     )
-    uvicorn.Server(config).run()
+    uvicorn.Server(config).run(sockets=[sock])
     return 0
