@@ -24,7 +24,7 @@ the consumer holding a usable view, on CLOCK_MONOTONIC, which both processes sha
 partition block), ``index_lock`` (the index critical section, acquire to release, around an
 insert, a lookup and a remove) and ``shmgate_stages`` (where one full handoff's time goes).
 
-Usage: ``python bench/handoff.py [--quick] [--json] [--inflight 8] [--transport NAME ...]``.
+Usage: ``python bench/handoff.py [--quick] [--json] [--inflight 8] [--transport NAME ...] [--pin same|split]``.
 Every child is joined (or killed) and the instance unlinked in a ``finally``.
 """
 
@@ -115,6 +115,19 @@ def drive(
     return {"p50_us": round(p50, 1), "p99_us": round(p99, 1), "gb_per_s": round(nbytes * n_tp / elapsed_s / 1e9, 3)}
 
 
+def start_child(process: Any, cpus: set[int] | None) -> None:
+    """Start a child, pinned to ``cpus`` if given (a spawned child inherits the affinity mask)."""
+    if cpus is None:
+        process.start()
+        return
+    mine = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        process.start()
+    finally:
+        os.sched_setaffinity(0, mine)
+
+
 def source(nbytes: int) -> np.ndarray:
     return np.random.default_rng(nbytes).integers(0, 255, nbytes, dtype=np.uint8)
 
@@ -196,7 +209,7 @@ def shm_consumer(instance_id: str, results: Any) -> None:
 class ShmgateProducer:
     """Frontend slot 0 of a one-frontend instance; the consumer child is worker slot 0."""
 
-    def __init__(self, arena_bytes: int) -> None:
+    def __init__(self, arena_bytes: int, consumer_cpus: set[int] | None) -> None:
         self.inst = Instance.create(arena_size=arena_bytes, n_frontends=1, n_workers=1, queue_depth=10)
         self.consumer: Any = None
         try:
@@ -209,7 +222,7 @@ class ShmgateProducer:
             ours, theirs = SPAWN.Pipe(duplex=False)
             self.results = ours
             self.consumer = SPAWN.Process(target=shm_consumer, args=(self.inst.names.instance_id, theirs), daemon=True)
-            self.consumer.start()
+            start_child(self.consumer, consumer_cpus)
             theirs.close()
         except BaseException:
             self.close()
@@ -276,9 +289,9 @@ class ShmgateProducer:
 
 
 def bench_shmgate(sizes: list[tuple[int, str, tuple[int, ...]]], quick: bool, inflight: int, which: list[str],
-                  before_each_size: Callable[[int], None]) -> list[dict[str, Any]]:
+                  before_each_size: Callable[[int], None], consumer_cpus: set[int] | None) -> list[dict[str, Any]]:
     largest = max(n for n, _, _ in sizes)
-    producer = ShmgateProducer(max(64 << 20, (inflight + 2) * (largest + 4096)))
+    producer = ShmgateProducer(max(64 << 20, (inflight + 2) * (largest + 4096)), consumer_cpus)
     rows: list[dict[str, Any]] = []
     try:
         for nbytes, dtype, shape in sizes:
@@ -352,8 +365,8 @@ def mp_consumer(kind: str, items: Any, acks: Any) -> None:
         del item
 
 
-def bench_mp_queue(kind: str, sizes: list[tuple[int, str, tuple[int, ...]]], quick: bool,
-                   inflight: int) -> list[dict[str, Any]]:
+def bench_mp_queue(kind: str, sizes: list[tuple[int, str, tuple[int, ...]]], quick: bool, inflight: int,
+                   consumer_cpus: set[int] | None) -> list[dict[str, Any]]:
     if kind == "torch":
         import torch
         import torch.multiprocessing as tmp
@@ -365,7 +378,7 @@ def bench_mp_queue(kind: str, sizes: list[tuple[int, str, tuple[int, ...]]], qui
         transport = "mp_queue_pickle"
     items, acks = ctx.Queue(), ctx.Queue()
     consumer = ctx.Process(target=mp_consumer, args=(kind, items, acks), daemon=True)
-    consumer.start()
+    start_child(consumer, consumer_cpus)
     rows = []
     try:
         for nbytes, dtype, shape in sizes:
@@ -474,17 +487,22 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         if "memcpy_shm" in which:
             emit([{"transport": "memcpy_shm", "size_bytes": nbytes, **bench_memcpy(nbytes, args.quick, shm=True)}])
 
+    consumer_cpus = None
+    if args.pin:  # the producer on CPU 0; the consumer on the same CPU or the other one
+        os.sched_setaffinity(0, {0})
+        consumer_cpus = {0} if args.pin == "same" else {1}
+
     # The copy baselines run right before shmgate at each size, so that a ratio compares two
     # measurements taken under the same machine load (this machine is shared).
     if "shmgate" in which or "shmgate_descriptor" in which:
-        emit(bench_shmgate(sizes, args.quick, args.inflight, which, copies))
+        emit(bench_shmgate(sizes, args.quick, args.inflight, which, copies, consumer_cpus))
     else:
         for nbytes, _, _ in sizes:
             copies(nbytes)
     if "mp_queue_pickle" in which:
-        emit(bench_mp_queue("pickle", sizes, args.quick, args.inflight))
+        emit(bench_mp_queue("pickle", sizes, args.quick, args.inflight, consumer_cpus))
     if "torch_mp_queue" in which:
-        emit(bench_mp_queue("torch", sizes, args.quick, args.inflight))
+        emit(bench_mp_queue("torch", sizes, args.quick, args.inflight, consumer_cpus))
     if not args.transport:
         emit(bench_alloc_and_index(args.quick))
     emit([{"transport": "machine", "cpus": os.cpu_count(), "loadavg_1m_at_end": round(os.getloadavg()[0], 2)}])
@@ -509,6 +527,8 @@ def main() -> None:
     parser.add_argument("--inflight", type=int, default=8, help="items in flight for throughput (<= 10)")
     parser.add_argument("--transport", action="append", choices=TRANSPORTS, help="run only these (repeatable)")
     parser.add_argument("--sizes", type=int, nargs="*", help="only these sizes in bytes")
+    parser.add_argument("--pin", choices=["same", "split"],
+                        help="pin producer and consumer to one CPU, or to CPUs 0 and 1 (default: the scheduler decides)")
     args = parser.parse_args()
     if not 1 <= args.inflight <= 10:
         parser.error("--inflight must be 1..10 (the POSIX queue depth here is 10)")

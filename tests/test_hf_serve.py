@@ -1,0 +1,79 @@
+"""A tiny Qwen2-VL served by a real ``shmgate serve --model hf:<dir>``, through the OpenAI client."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from tests.hf_fixture import build_tiny_vlm
+from tests.serving import IMAGES, Server, data_url, shm_entries, start_server
+
+
+@pytest.fixture(scope="module")
+def hf_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    model_dir = build_tiny_vlm(tmp_path_factory.mktemp("models") / "tiny-qwen2-vl")
+    server = start_server(f"hf:{model_dir}", tmp_path_factory.mktemp("serve"), "--threads", "1")
+    try:
+        yield server
+    finally:
+        assert server.stop() == 0
+        assert not {name for name in shm_entries() if server.instance_id in name}
+
+
+def _messages(photo: str, text: str) -> list[dict[str, object]]:
+    return [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url((IMAGES / photo).read_bytes())}},
+        {"type": "text", "text": text},
+    ]}]
+
+
+def test_streamed_tokens_equal_the_non_streamed_answer_with_the_same_seed(hf_server: Server) -> None:
+    client = openai.OpenAI(base_url=hf_server.base_url + "/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    assert model == "tiny-qwen2-vl"
+    kwargs = dict(model=model, messages=_messages("chelsea_640.jpg", "Describe the photo."), seed=7,
+                  temperature=0.8, max_tokens=12)
+    whole = client.chat.completions.create(**kwargs)  # type: ignore[call-overload]
+    stream = client.chat.completions.create(stream=True, stream_options={"include_usage": True},
+                                            **kwargs)  # type: ignore[call-overload]
+    chunks = list(stream)
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(pieces) >= 2, "tokens must arrive as they are generated, not in one piece"
+    assert "".join(pieces) == whole.choices[0].message.content
+    assert finish == [whole.choices[0].finish_reason]
+    usage = chunks[-1].usage
+    assert usage is not None and usage.prompt_tokens == whole.usage.prompt_tokens > 0
+
+
+def test_max_tokens_ends_with_length_and_exact_usage(hf_server: Server) -> None:
+    client = openai.OpenAI(base_url=hf_server.base_url + "/v1", api_key="unused")
+    reply = client.chat.completions.create(model="tiny-qwen2-vl", messages=_messages("coffee_1024.jpg", "Hi"),
+                                           max_tokens=5, temperature=0)
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage is not None and reply.usage.completion_tokens == 5
+
+
+def test_concurrent_requests_with_different_images_do_not_mix(hf_server: Server) -> None:
+    cases = [("chelsea_1024.jpg", "What animal?"), ("coffee_640.jpg", "What drink?"),
+             ("camera_640.jpg", "What object?"), ("chelsea_640.jpg", "Colour?")]
+    body = lambda photo, text: {"model": "tiny-qwen2-vl", "messages": _messages(photo, text),  # noqa: E731
+                                "max_tokens": 8, "temperature": 0}
+
+    def alone(photo: str, text: str) -> str:
+        r = httpx.post(hf_server.base_url + "/v1/chat/completions", json=body(photo, text), timeout=120)
+        return r.json()["choices"][0]["message"]["content"]
+
+    expected = [alone(*case) for case in cases]
+
+    async def together() -> list[str]:
+        async with httpx.AsyncClient(base_url=hf_server.base_url, timeout=120) as client:
+            responses = await asyncio.gather(*(client.post("/v1/chat/completions", json=body(*case))
+                                               for case in cases * 2))
+        return [r.json()["choices"][0]["message"]["content"] for r in responses]
+
+    assert asyncio.run(together()) == expected * 2
