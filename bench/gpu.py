@@ -25,7 +25,7 @@ What it measures, in one run:
    at concurrency 32 and 128 on the 1024 px photos of tests/data/images, after an uncounted warm-up
    run. The GPU busy fraction is sampled every 100 ms during the timed run, from
    ``torch.cuda.utilization()`` (needs pynvml / nvidia-ml-py) or else from
-   ``nvidia-smi --query-gpu=utilization.gpu -lms 100``; the result names which. Servers start in
+   ``nvidia-smi --query-gpu=utilization.gpu`` run once per tick; the result names which. Servers start in
    their own session and are stopped as a process group (SIGTERM, then SIGKILL); /dev/shm is
    compared before and after.
 
