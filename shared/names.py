@@ -76,34 +76,27 @@ class InstanceNames:
         return [self.index_lock, self.repair_lock, self.table_lock]
 
 
-def list_arena_instances() -> list[str]:
-    """Instance ids that have an arena segment in /dev/shm (alive or not)."""
-    ids = []
+def _shm_names() -> list[list[str]]:
+    """Entries of /dev/shm, split on dots (semaphores appear there as ``sem.<name>``)."""
     try:
-        entries = os.listdir(SHM_DIR)
+        return [entry.split(".") for entry in os.listdir(SHM_DIR)]
     except FileNotFoundError:
         return []
-    for entry in entries:
-        parts = entry.split(".")
-        if len(parts) == 3 and parts[0] == PREFIX and parts[2] == "arena" and _ID_RE.match(parts[1]):
-            ids.append(parts[1])
-    return sorted(ids)
+
+
+def list_arena_instances() -> list[str]:
+    """Instance ids that have an arena segment in /dev/shm (alive or not)."""
+    return sorted(
+        p[1] for p in _shm_names() if len(p) == 3 and p[0] == PREFIX and p[2] == "arena" and _ID_RE.match(p[1])
+    )
 
 
 def list_orphan_semaphore_ids() -> list[str]:
     """Instance ids that have semaphores in /dev/shm but no arena any more."""
     arenas = set(list_arena_instances())
-    ids = set()
-    try:
-        entries = os.listdir(SHM_DIR)
-    except FileNotFoundError:
-        return []
-    for entry in entries:
-        parts = entry.split(".")
-        if len(parts) == 4 and parts[0] == "sem" and parts[1] == PREFIX and _ID_RE.match(parts[2]):
-            if parts[2] not in arenas:
-                ids.add(parts[2])
-    return sorted(ids)
+    return sorted(
+        {p[2] for p in _shm_names() if len(p) == 4 and p[:2] == ["sem", PREFIX] and _ID_RE.match(p[2])} - arenas
+    )
 
 
 def format_bytes(nbytes: int) -> str:
