@@ -116,8 +116,7 @@ def create_app(options: AppOptions) -> FastAPI:
         if options.metrics_need_key:
             check_key(request)
         f = frontend()
-        return PlainTextResponse(render(f.segment, f._requests.current_messages()),
-                                 media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(render(f.segment, f.queue_depth()), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

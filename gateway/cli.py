@@ -131,15 +131,20 @@ def _frontend_argv(args: argparse.Namespace, instance_id: str, slot: int, fd: in
     ] + (["--metrics-need-key"] if args.metrics_need_key else [])
 
 
-def _worker_children(args: argparse.Namespace, instance_id: str) -> list[tuple[list[str], dict[str, str]]]:
+def _worker_plan(args: argparse.Namespace) -> tuple[str, int, int, int]:
+    """(device, workers, torch threads per worker, GPUs) from the flags and the machine."""
     gpus = _gpu_count()
     device = args.device or ("cuda" if gpus else "cpu")
     if device.startswith("cuda"):
         n = args.workers or max(1, gpus) * args.workers_per_gpu
     else:
         n = args.workers or 1
-    cores = os.cpu_count() or 1
-    threads = args.threads or max(1, cores // n)
+    threads = args.threads or max(1, (os.cpu_count() or 1) // n)
+    return device, n, threads, gpus
+
+
+def _worker_children(args: argparse.Namespace, instance_id: str) -> list[tuple[list[str], dict[str, str]]]:
+    device, n, threads, gpus = _worker_plan(args)
     children = []
     for i in range(n):
         env: dict[str, str] = {}
@@ -163,8 +168,8 @@ def _run_supervised(args: argparse.Namespace, *, with_workers: bool) -> int:
     if removed:
         log.warning("removed leftovers of %d dead instance(s)", len(removed))
     n_frontends = args.frontends or os.cpu_count() or 1
-    worker_children = _worker_children(args, "0" * 16) if with_workers else []
-    n_worker_slots = max(args.max_workers, 2 * len(worker_children))
+    n_workers = _worker_plan(args)[1] if with_workers else 0
+    n_worker_slots = max(args.max_workers, 2 * n_workers)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:

@@ -49,6 +49,7 @@ from shared.segment import Heartbeat, InstanceState, LockId, SlotState, now_ns
 from shared.arena import Partition
 from shared.wire import (
     INLINE_MAX_BYTES,
+    INLINE_TENSOR,
     MAX_SUBMIT_TEXT_CHARS,
     Cancel,
     Claimed,
@@ -64,7 +65,6 @@ __all__ = ["Frontend", "FrontendLimits", "RequestState"]
 
 log = logging.getLogger("shmgate.frontend")
 
-INLINE_TENSOR = "__inline__"  # the worker's name for a prompt payload moved into the arena
 MAX_ATTEMPTS = 3
 WATCHDOG_INTERVAL_S = 0.1
 GRACE_S = 5.0  # how long past its deadline an unanswered request may hold arena space
@@ -151,6 +151,10 @@ class Frontend:
 
     def draining(self) -> bool:
         return int(self.segment.header[0]["state"]) != InstanceState.RUNNING
+
+    def queue_depth(self) -> int:
+        """Descriptors waiting on the shared request channel (for /metrics)."""
+        return self._requests.current_messages()
 
     def ready(self) -> bool:
         return not self.draining() and bool(self.segment.live_workers(DEAD_AFTER_S, self.preprocessor.model))
@@ -298,8 +302,7 @@ class Frontend:
         self.stats.set(Counter.ARENA_USED_BYTES, self.cache.partition.used_bytes)
 
     def _fail(self, state: RequestState, error: ShmgateError) -> None:
-        seq = 0
-        state.events.put_nowait(Failed(state.request_id, seq, error.code, error.message, error.status_hint))
+        state.events.put_nowait(Failed(state.request_id, 0, error.code, error.message, error.status_hint))
         self._finish(state)
 
     def _send_cancel(self, state: RequestState) -> None:
@@ -325,7 +328,7 @@ class Frontend:
     async def _check_requests(self) -> None:
         if not self._states:
             return
-        self._reader._drain()  # answers already queued count before any verdict
+        self._reader.drain()  # answers already queued count before any verdict
         now = now_ns()
         seg = self.segment
         verdicts: dict[tuple[int, int], bool] = {}

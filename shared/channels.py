@@ -215,15 +215,16 @@ class AsyncQueueReader:
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(self._queue.fd, self._drain)
-        self._drain()
+        self._loop.add_reader(self._queue.fd, self.drain)
+        self.drain()
 
     def stop(self) -> None:
         if self._loop is not None:
             self._loop.remove_reader(self._queue.fd)
             self._loop = None
 
-    def _drain(self) -> None:
+    def drain(self) -> None:
+        """Deliver what is queued now (also called by the frontend's watchdog before a verdict)."""
         for _ in range(1024):  # bounded, so a flood cannot starve the loop
             try:
                 message = self._queue.try_receive()

@@ -25,7 +25,7 @@ from shared.channels import Queue, create_queue, open_queue, unlink_queue
 from shared.errors import SetupError
 from shared.locks import HolderKind, Identity, SharedLock
 from shared.names import IPC_MODE, InstanceNames, list_arena_instances, list_orphan_semaphore_ids, new_instance_id
-from shared.segment import InstanceState, LockId, Segment, SlotState, now_ns, own_pidns
+from shared.segment import InstanceState, LockId, Segment, now_ns, own_pidns
 from shared.wire import (
     CONTROL_MESSAGE_BYTES,
     MAX_MESSAGE_BYTES,
@@ -148,7 +148,7 @@ class Instance:
 
     # -- worker slots -------------------------------------------------------------
 
-    def claim_worker_slot(self, model: str, identity_pid_hint: int = 0) -> tuple[int, int]:
+    def claim_worker_slot(self, model: str) -> tuple[int, int]:
         """Claim a free or dead worker slot for this process. Returns (slot, epoch). Raises SetupError."""
         seg = self.segment
         table_lock = self.lock(LockId.TABLE, (HolderKind.TOOL, 0, 0))
@@ -162,9 +162,6 @@ class Instance:
         finally:
             table_lock.release()
         raise SetupError(f"all {seg.layout.n_workers} worker slots are taken; start the gateway with more")
-
-    def set_worker_state(self, slot: int, state: SlotState) -> None:
-        self.segment.workers[slot]["state"] = state
 
     # -- life cycle -----------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from msgspec import Meta, Struct
 
 __all__ = [
     "INLINE_MAX_BYTES",
+    "INLINE_TENSOR",
     "MAX_MESSAGE_BYTES",
     "WIRE_VERSION",
     "Cancel",
@@ -50,6 +51,9 @@ REPLY_MESSAGE_BYTES = 4096
 CONTROL_MESSAGE_BYTES = 256
 MAX_DELTA_CHARS = 900  # 900 characters are at most 3,600 bytes of UTF-8
 MAX_SUBMIT_TEXT_CHARS = 512
+# TensorRef.name of a prompt payload too large to ride inline: the worker hands its bytes to the
+# backend as WorkItem.inline, exactly as if it had come in Submit.inline.
+INLINE_TENSOR = "__inline__"
 # Payloads up to this size ride inline in a Submit; larger ones go to the arena.
 INLINE_MAX_BYTES = 4096
 

@@ -17,7 +17,7 @@ import logging
 import signal
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -26,7 +26,7 @@ from shared.channels import Queue
 from shared.errors import ChannelFull, DescriptorError, SetupError
 from shared.instance import DEAD_AFTER_S, Instance, instance_alive
 from shared.segment import Heartbeat, SlotState, now_ns
-from shared.wire import MAX_DELTA_CHARS, Cancel, Claimed, Delta, Failed, Finished, Released, Submit
+from shared.wire import INLINE_TENSOR, MAX_DELTA_CHARS, Cancel, Claimed, Delta, Failed, Finished, Released, Submit
 from worker.backends import load_backend
 from worker.backends.base import ModelBackend, WorkItem
 from worker.batcher import Batcher
@@ -36,7 +36,6 @@ __all__ = ["Worker", "WorkerOptions"]
 
 log = logging.getLogger("shmgate.worker")
 
-INLINE_TENSOR = "__inline__"  # the gateway's name for an inline payload too big for the descriptor
 REPLY_TIMEOUT_S = 2.0
 
 
@@ -55,8 +54,6 @@ class _Job:
     item: WorkItem | None = None
     seq: int = 0
     done: bool = False
-    text_len: int = 0
-    pending: list[str] = field(default_factory=list)
 
 
 class Worker:
