@@ -41,6 +41,7 @@ from gateway.intake import ChatRequest
 from gateway.metrics import Counter, FrontendStats
 from gateway.preprocess.base import ImageTensorSpec, Preprocessor, PromptInputs
 from shared.cache import ContentCache, TensorGroup, content_key
+from shared.cache_index import CacheIndex
 from shared.channels import AsyncQueueReader, AsyncSender, Queue
 from shared.errors import ChannelFull, Overloaded, PeerDied, RequestTimeout, ShmgateError, UnknownModel
 from shared.instance import DEAD_AFTER_S, Instance
@@ -109,19 +110,11 @@ class Frontend:
     # -- life cycle ---------------------------------------------------------------
 
     async def start(self) -> None:
+        # Both steps wait on semaphores (a dead predecessor may hold one until it is repaired),
+        # so they run in a thread: the event loop never waits on a semaphore (invariant 3).
+        index = await asyncio.to_thread(self._take_over_slot)
         seg = self.segment
-        table_lock = self.instance.lock(LockId.TABLE, (HolderKind.FRONTEND, self.slot, 0))
-        if not table_lock.acquire(10.0):
-            raise Overloaded("could not claim a frontend slot")
-        try:
-            self.epoch = seg.claim_slot(seg.frontends, self.slot)
-        finally:
-            table_lock.release()
-        self._heartbeat = Heartbeat(seg.frontends, self.slot, self.epoch).start()
         index_lock = self.instance.lock(LockId.INDEX, (HolderKind.FRONTEND, self.slot, self.epoch))
-        index = self.instance.cache_index()
-        with index_lock.hold(10.0):
-            index.purge_partition(self.slot)  # a predecessor's entries: its partition starts empty again
         self.cache = ContentCache(Partition(seg, self.slot), index, index_lock, self.epoch)
         self.stats = FrontendStats(seg, self.slot)
         self.stats.set(Counter.ARENA_SIZE_BYTES, self.cache.partition.size)
@@ -136,6 +129,23 @@ class Frontend:
         self._reader.start()
         self._watchdog = asyncio.create_task(self._watch())
         seg.frontends[self.slot]["state"] = SlotState.READY
+
+    def _take_over_slot(self) -> CacheIndex:
+        """Claim our slot (new epoch), start beating, and purge a predecessor's cache entries."""
+        seg = self.segment
+        table_lock = self.instance.lock(LockId.TABLE, (HolderKind.FRONTEND, self.slot, 0))
+        if not table_lock.acquire(10.0):
+            raise Overloaded("could not claim a frontend slot")
+        try:
+            self.epoch = seg.claim_slot(seg.frontends, self.slot)
+        finally:
+            table_lock.release()
+        self._heartbeat = Heartbeat(seg.frontends, self.slot, self.epoch).start()
+        index = self.instance.cache_index()
+        index_lock = self.instance.lock(LockId.INDEX, (HolderKind.FRONTEND, self.slot, self.epoch))
+        with index_lock.hold(10.0):
+            index.purge_partition(self.slot)  # its partition starts empty again
+        return index
 
     async def stop(self) -> None:
         self.segment.frontends[self.slot]["state"] = SlotState.DRAINING
