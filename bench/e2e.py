@@ -193,22 +193,30 @@ def emit_progress(result: dict[str, Any], args: argparse.Namespace) -> None:
               f"({result['run_s']} s)", file=sys.stderr, flush=True)
 
 
+def render_table(columns: list[str], rows: list[list[object]], *, left: int = 1) -> str:
+    """A markdown table; the first ``left`` columns are text, the rest right-aligned numbers."""
+    align = ["---"] * left + ["---:"] * (len(columns) - left)
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join(align) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def fmt(value: float | None, digits: int = 1) -> str:
+    """A number for a table; '-' when it was not measured."""
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
 def markdown_table(results: list[dict[str, Any]]) -> str:
     """The comparison table; server CPU is per request, all of the server's processes included."""
-    head = ("| scenario | conc | req/s | p50 ms | p90 ms | p99 ms | ttft p50 ms | errors | mismatches "
-            "| server CPU ms/req | other load (cores) | run s |\n|---" + "|---:" * 11 + "|")
+    columns = ["scenario", "conc", "req/s", "p50 ms", "p90 ms", "p99 ms", "ttft p50 ms", "errors", "mismatches",
+               "server CPU ms/req", "other load (cores)", "run s"]
     rows = []
     for r in results:
         cpu = r["cpu_s_per_request"]
-        cells = [r["scenario"], r["concurrency"], r["requests_per_s"], _fmt(r["p50_ms"]), _fmt(r["p90_ms"]),
-                 _fmt(r["p99_ms"]), _fmt(r["ttft_p50_ms"]), r["errors"], r["mismatches"],
-                 "-" if cpu is None else f"{cpu * 1000:.1f}", _fmt(r.get("other_load_cores")), r["run_s"]]
-        rows.append("| " + " | ".join(str(c) for c in cells) + " |")
-    return "\n".join([head, *rows])
-
-
-def _fmt(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
+        rows.append([r["scenario"], r["concurrency"], r["requests_per_s"], fmt(r["p50_ms"]), fmt(r["p90_ms"]),
+                     fmt(r["p99_ms"]), fmt(r["ttft_p50_ms"]), r["errors"], r["mismatches"],
+                     fmt(None if cpu is None else cpu * 1000), fmt(r.get("other_load_cores")), r["run_s"]])
+    return render_table(columns, rows)
 
 
 async def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -62,7 +62,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.e2e import IMAGES, ServerProcess, free_port  # noqa: E402
+from bench.e2e import IMAGES, ServerProcess, fmt, free_port, render_table  # noqa: E402
 from gateway import loadgen  # noqa: E402
 from shared.arena import Allocation, Partition, validate  # noqa: E402
 from shared.errors import SetupError  # noqa: E402
@@ -108,30 +108,24 @@ def emit(row: dict[str, Any], args: argparse.Namespace) -> None:
         print(f"  {row['section']}: {brief}", file=sys.stderr, flush=True)
 
 
-def _f(value: float | None, digits: int = 1) -> str:
-    return "-" if value is None else f"{value:,.{digits}f}"
-
-
 def h2d_table(rows: list[dict[str, Any]]) -> str:
-    head = ("| source | size (bytes) | shape, dtype | GB/s | x peak | p50 µs | p99 µs | wall p50 µs | timing |\n"
-            "|---|---:|---|---:|---:|---:|---:|---:|---|")
-    lines = [head]
-    for r in rows:
-        lines.append(f"| {r['source']} | {r['size_bytes']:,} | {r['shape']}, {r['dtype']} | {_f(r['gb_per_s'], 2)} "
-                     f"| {_f(r.get('ratio_to_peak'), 2)} | {_f(r['p50_us'])} | {_f(r['p99_us'])} "
-                     f"| {_f(r['wall_p50_us'])} | {r['timing']} |")
-    return "\n".join(lines)
+    columns = ["source", "shape, dtype", "timing", "size (bytes)", "GB/s", "x peak", "p50 µs", "p99 µs", "wall p50 µs"]
+    return render_table(columns, [
+        [r["source"], f"{r['shape']}, {r['dtype']}", r["timing"], f"{r['size_bytes']:,}", fmt(r["gb_per_s"], 2),
+         fmt(r.get("ratio_to_peak"), 2), fmt(r["p50_us"]), fmt(r["p99_us"]), fmt(r["wall_p50_us"])]
+        for r in rows
+    ], left=3)
 
 
 def e2e_table(rows: list[dict[str, Any]]) -> str:
-    head = ("| frontends | conc | req/s | p50 ms | p99 ms | errors | mismatches | GPU busy % (mean) | GPU busy % (max) "
-            "| samples | busy source |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
-    lines = [head]
-    for r in rows:
-        lines.append(f"| {r['frontends']} | {r['concurrency']} | {r['requests_per_s']} | {_f(r['p50_ms'])} "
-                     f"| {_f(r['p99_ms'])} | {r['errors']} | {r['mismatches']} | {_f(r['gpu_busy_pct'])} "
-                     f"| {_f(r['gpu_busy_max_pct'], 0)} | {r['gpu_busy_samples']} | {r['gpu_busy_source']} |")
-    return "\n".join(lines)
+    columns = ["busy source", "frontends", "conc", "req/s", "p50 ms", "p99 ms", "errors", "mismatches",
+               "GPU busy % (mean)", "GPU busy % (max)", "samples"]
+    return render_table(columns, [
+        [r["gpu_busy_source"], r["frontends"], r["concurrency"], r["requests_per_s"], fmt(r["p50_ms"]),
+         fmt(r["p99_ms"]), r["errors"], r["mismatches"], fmt(r["gpu_busy_pct"]), fmt(r["gpu_busy_max_pct"], 0),
+         r["gpu_busy_samples"]]
+        for r in rows
+    ])
 
 
 def percentiles(samples: list[float]) -> tuple[float | None, float | None]:
