@@ -4,7 +4,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.serving import Server, shm_entries, start_server
+from tests.serving import Server, start_server
+from tests.shm_children import leftovers
 
 
 def _serve(model: str, tmp_path_factory: pytest.TempPathFactory, *extra: str) -> Iterator[Server]:
@@ -13,7 +14,7 @@ def _serve(model: str, tmp_path_factory: pytest.TempPathFactory, *extra: str) ->
         yield server
     finally:
         code = server.stop()
-        leaked = {name for name in shm_entries() if server.instance_id in name}
+        leaked = leftovers(server.instance_id, slots=64)
         assert code == 0, server.log_path.read_text()[-3000:]
         assert not leaked, f"left in /dev/shm after shutdown: {leaked}"
 

@@ -51,12 +51,15 @@ def entry_key(slot: int, seq: int) -> bytes:
     return hashlib.blake2b(f"{slot}:{seq}".encode(), digest_size=16).digest()
 
 
-def leftovers(instance_id: str) -> list[str]:
-    """What of the instance is still there: /dev/shm entries, and queues that still open."""
+def leftovers(instance_id: str, slots: int = 8) -> list[str]:
+    """What of the instance is still there: /dev/shm entries, and queues that still open.
+
+    Queues are probed by name (no /dev/mqueue mount here) for slots below ``slots``.
+    """
     found = [entry for entry in os.listdir("/dev/shm") if instance_id in entry]
     names = InstanceNames(instance_id)
-    candidates = [names.request_queue] + [names.reply_queue(k) for k in range(8)]
-    candidates += [names.control_queue(w) for w in range(8)]
+    candidates = [names.request_queue] + [names.reply_queue(k) for k in range(slots)]
+    candidates += [names.control_queue(w) for w in range(slots)]
     for name in candidates:
         try:
             posix_ipc.MessageQueue(name).close()

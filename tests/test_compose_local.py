@@ -34,13 +34,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-import posix_ipc
 import pytest
 
 from shared.instance import DEAD_AFTER_S
-from shared.names import InstanceNames
 from tests.compose_util import compose_commands, dockerfile_instructions, load_compose
 from tests.serving import free_port, shm_entries
+from tests.shm_children import leftovers
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker" / "compose.yaml"
@@ -289,17 +288,7 @@ class LocalCompose:
         instance_id = self.instance_id()
         if instance_id is None:  # no id logged: anything named shmgate that appeared meanwhile
             return shm_entries() - self.shm_before
-        left = {name for name in shm_entries() if instance_id in name}
-        names = InstanceNames(instance_id)
-        queues = [names.request_queue] + [names.reply_queue(k) for k in range(64)]
-        queues += [names.control_queue(w) for w in range(64)]
-        for name in queues:
-            try:
-                posix_ipc.MessageQueue(name).close()
-            except posix_ipc.ExistentialError:
-                continue
-            left.add("mqueue:" + name)
-        return left
+        return set(leftovers(instance_id, slots=64))
 
 
 def wait_for_backend(model: str, timeout_s: float = 300.0) -> None:

@@ -10,7 +10,8 @@ import openai
 import pytest
 
 from tests.hf_fixture import build_tiny_vlm
-from tests.serving import IMAGES, Server, data_url, shm_entries, start_server
+from tests.serving import IMAGES, Server, data_url, start_server
+from tests.shm_children import leftovers
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +22,7 @@ def hf_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         yield server
     finally:
         assert server.stop() == 0
-        assert not {name for name in shm_entries() if server.instance_id in name}
+        assert not leftovers(server.instance_id, slots=64)
 
 
 def _messages(photo: str, text: str) -> list[dict[str, object]]:
