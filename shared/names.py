@@ -77,11 +77,24 @@ class InstanceNames:
 
 
 def _shm_names() -> list[list[str]]:
-    """Entries of /dev/shm, split on dots (semaphores appear there as ``sem.<name>``)."""
+    """Our entries of /dev/shm, split on dots (semaphores appear there as ``sem.<name>``).
+
+    Only objects owned by our effective uid: another user's instance is created 0600, so we can
+    neither attach to it nor unlink it (/dev/shm is sticky), and must not trip over it at start-up.
+    """
+    uid = os.geteuid()
+    names = []
     try:
-        return [entry.split(".") for entry in os.listdir(SHM_DIR)]
+        with os.scandir(SHM_DIR) as entries:
+            for entry in entries:
+                try:
+                    if entry.stat(follow_symlinks=False).st_uid == uid:
+                        names.append(entry.name.split("."))
+                except FileNotFoundError:
+                    continue  # unlinked while we looked
     except FileNotFoundError:
         return []
+    return names
 
 
 def list_arena_instances() -> list[str]:

@@ -353,3 +353,21 @@ def test_cleanup_removes_the_instance_of_a_killed_creator() -> None:
     removed = cleanup_leftovers(dead_after_s=3600)
     assert instance_id in removed
     assert leftovers(instance_id) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making an object owned by another user needs root")
+def test_cleanup_leaves_another_users_instance_alone() -> None:
+    """Another user's instance is 0600: we can neither attach to it nor unlink it. It must not stop us."""
+    from shared.names import list_arena_instances, new_instance_id
+
+    other = new_instance_id()
+    path = f"/dev/shm/shmgate.{other}.arena"
+    with open(path, "wb") as f:
+        f.write(b"\0" * 4096)  # not even a valid header: ours would be removed as garbage
+    os.chown(path, 65534, 65534)
+    try:
+        assert other not in list_arena_instances()
+        assert other not in cleanup_leftovers()
+        assert os.path.exists(path)
+    finally:
+        os.unlink(path)
