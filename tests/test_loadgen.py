@@ -162,3 +162,13 @@ def test_missing_server_pid_is_refused() -> None:
     args = _args("--model", "m", "--images", str(IMAGES), "--server-pid", "999999999")
     with pytest.raises(ValueError, match="no process"):
         asyncio.run(loadgen.run(args))
+
+
+@pytest.mark.parametrize("stream,max_tokens", [(False, None), (True, 7)])
+def test_body_template_gives_the_bytes_json_dumps_would(stream: bool, max_tokens: int | None) -> None:
+    image = loadgen.load_images(IMAGES)[0]
+    template = loadgen.BodyTemplate("checksum", stream=stream, max_tokens=max_tokens)
+    for nonce in (None, 12345):
+        url = image.data_url(nonce)
+        expected = json.dumps(loadgen.build_body("checksum", url, stream=stream, max_tokens=max_tokens)).encode()
+        assert template.render(url) == expected
