@@ -69,6 +69,7 @@ log = logging.getLogger("shmgate.frontend")
 MAX_ATTEMPTS = 3
 WATCHDOG_INTERVAL_S = 0.1
 GRACE_S = 5.0  # how long past its deadline an unanswered request may hold arena space
+LOOP_HASH_MAX_BYTES = 1 << 20  # images up to this size are hashed on the loop to look for a local hit
 
 
 @dataclass(frozen=True)
@@ -186,18 +187,12 @@ class Frontend:
         started = time.monotonic()
         groups: list[TensorGroup] = []
         try:
-            results = await asyncio.gather(
-                *(loop.run_in_executor(self._pool, self._resolve_image, data) for data in chat.images),
-                return_exceptions=True,
-            )
-            for result in results:
-                if isinstance(result, TensorGroup):
-                    groups.append(result)
-            for result in results:
-                if isinstance(result, BaseException):
-                    raise result
+            await self._resolve_images(chat.images, groups)
             specs: list[ImageTensorSpec] = [{r.name: (r.dtype, r.shape) for r in g.refs} for g in groups]
-            prompt = await loop.run_in_executor(self._pool, self.preprocessor.build_prompt, chat.messages, specs)
+            if self.preprocessor.prompt_is_cheap:
+                prompt = self.preprocessor.build_prompt(chat.messages, specs)
+            else:
+                prompt = await loop.run_in_executor(self._pool, self.preprocessor.build_prompt, chat.messages, specs)
             inline = prompt.inline
             if len(inline) > INLINE_MAX_BYTES:
                 groups.append(await loop.run_in_executor(self._pool, self._inline_group, prompt))
@@ -235,9 +230,45 @@ class Frontend:
             raise
         return state
 
-    def _resolve_image(self, data: bytes) -> TensorGroup:
+    async def _resolve_images(self, images: list[bytes], groups: list[TensorGroup]) -> None:
+        """Append each image's held tensor group to ``groups``, in order. Raises the first failure.
+
+        Local cache hits are taken on the event loop: hashing a small image costs about as much as
+        the thread hop it saves (~0.2 ms for 200 KB), and the hit itself only takes a process-local
+        mutex. Everything else (large images, remote hits, misses) runs in the decode pool.
+        Groups acquired before a failure are still appended, so the caller releases them.
+        """
+        loop = asyncio.get_running_loop()
+        params = self.preprocessor.cache_params()
+        slots: list[TensorGroup | asyncio.Future[TensorGroup]] = []
+        for data in images:
+            group = None
+            key = None
+            if len(data) <= LOOP_HASH_MAX_BYTES:
+                key = content_key(data, params)
+                group = self.cache.try_hit(key)
+            if group is None:
+                slots.append(loop.run_in_executor(self._pool, self._resolve_image, data, key))
+            else:
+                slots.append(group)
+        futures = [s for s in slots if isinstance(s, asyncio.Future)]
+        if futures:
+            await asyncio.gather(*futures, return_exceptions=True)
+        failure: BaseException | None = None
+        for slot in slots:
+            if isinstance(slot, TensorGroup):
+                groups.append(slot)
+            elif slot.exception() is None:
+                groups.append(slot.result())
+            elif failure is None:
+                failure = slot.exception()
+        if failure is not None:
+            raise failure
+
+    def _resolve_image(self, data: bytes, key: bytes | None) -> TensorGroup:
         """Thread pool: the cached tensors of one image, decoding only on a miss."""
-        key = content_key(data, self.preprocessor.cache_params())
+        if key is None:
+            key = content_key(data, self.preprocessor.cache_params())
         group, _ = self.cache.acquire(
             key, lambda allocate: self.preprocessor.preprocess_image(data, allocate, max_pixels=self.limits.max_pixels)
         )

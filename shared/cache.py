@@ -121,6 +121,21 @@ class ContentCache:
             with self._mutex:
                 self._pending.pop(key).set()
 
+    def try_hit(self, key: bytes) -> TensorGroup | None:
+        """A held group for ``key`` when this frontend already has it indexed, else None.
+
+        Why: a local hit needs only the process-local mutex (held for microseconds, never across
+        a semaphore wait), so the event loop may call this directly and skip a thread hop. Anything
+        else (a remote hit, a miss, a decode in progress) goes through ``acquire`` in a thread.
+        """
+        with self._mutex:
+            group = self._groups.get(key)
+            if group is None:
+                return None
+            self._hold(group)
+            self.stats.hits += 1
+            return group
+
     def release(self, group: TensorGroup) -> None:
         with self._mutex:
             group.holds -= 1

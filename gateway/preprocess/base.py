@@ -44,6 +44,9 @@ class Preprocessor(Protocol):
 
     model: str  # the public model id served under /v1/models
     max_images: int  # per request; more is a 400
+    # True when build_prompt is microseconds of plain Python (no tokenizer): the frontend then calls it
+    # on the event loop instead of paying a thread hop per request.
+    prompt_is_cheap: bool
 
     def cache_params(self) -> bytes:
         """Bytes that identify the preprocessing configuration; part of the content cache key."""

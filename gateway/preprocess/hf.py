@@ -105,6 +105,8 @@ class HFPreprocessor:
     around each piece, and two prompts encoded at once could see each other's setting.
     """
 
+    prompt_is_cheap = False  # the chat template and the tokenizer take milliseconds: keep them off the loop
+
     def __init__(
         self, model_dir: str | os.PathLike[str], *, max_images: int = 8, model_id: str | None = None
     ) -> None:
