@@ -317,6 +317,9 @@ class Frontend:
             state.produced_output = True
             state.events.put_nowait(message)
         elif isinstance(message, (Finished, Failed)):
+            if isinstance(message, Finished) and message.text:
+                state.produced_output = True
+                state.events.put_nowait(Delta(message.request_id, message.seq, message.text))
             state.events.put_nowait(message)
             self._finish(state)
 

@@ -142,13 +142,18 @@ class Delta(Message, tag="d"):
 
 
 class Finished(Message, tag="f"):
-    """Worker -> frontend: the request completed normally (terminal)."""
+    """Worker -> frontend: the request completed normally (terminal).
+
+    ``text`` is the last piece of output (at most MAX_DELTA_CHARS), folded in here so that an
+    answer produced all at once costs one reply message instead of a Delta plus a Finished.
+    """
 
     request_id: U64
     seq: NonNegative
     finish_reason: str  # "stop" | "length"
     prompt_tokens: NonNegative = 0
     completion_tokens: NonNegative = 0
+    text: str = ""
 
 
 class Failed(Message, tag="x"):

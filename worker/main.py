@@ -17,7 +17,7 @@ import logging
 import signal
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -54,6 +54,7 @@ class _Job:
     item: WorkItem | None = None
     seq: int = 0
     done: bool = False
+    pending: list[str] = field(default_factory=list)  # text not sent yet (see BackendEvent.flush)
 
 
 class Worker:
@@ -142,9 +143,10 @@ class Worker:
                 if job.done:
                     continue
                 if event.text:
-                    self._send_text(job, event.text)
+                    job.pending.append(event.text)
                 if event.finish_reason is not None:
                     job.done = True
+                    last = self._flush_text(job, keep_last=True)
                     self._reply(
                         job.submit,
                         Finished(
@@ -153,8 +155,11 @@ class Worker:
                             event.finish_reason,
                             event.prompt_tokens,
                             event.completion_tokens,
+                            last,
                         ),
                     )
+                elif event.flush:
+                    self._flush_text(job)
                 self._drain_cancels(items)
         except Exception as exc:
             log.exception("backend failed on a batch of %d", len(items))
@@ -198,11 +203,19 @@ class Worker:
 
     # -- replies ----------------------------------------------------------------------
 
-    def _send_text(self, job: _Job, text: str) -> None:
-        # Split so every message fits the reply channel's message size.
-        for start in range(0, len(text), MAX_DELTA_CHARS):
-            self._reply(job.submit, Delta(job.submit.request_id, job.seq, text[start : start + MAX_DELTA_CHARS]))
+    def _flush_text(self, job: _Job, *, keep_last: bool = False) -> str:
+        """Send the job's held text as Deltas, each within the reply channel's message size.
+
+        With ``keep_last`` the final piece is returned instead of sent, to ride in the Finished.
+        """
+        text = "".join(job.pending)
+        job.pending.clear()
+        pieces = [text[start : start + MAX_DELTA_CHARS] for start in range(0, len(text), MAX_DELTA_CHARS)]
+        last = pieces.pop() if keep_last and pieces else ""
+        for piece in pieces:
+            self._reply(job.submit, Delta(job.submit.request_id, job.seq, piece))
             job.seq += 1
+        return last
 
     def _fail(self, submit: Submit, seq: int, code: str, message: str, status: int) -> None:
         self._reply(submit, Failed(submit.request_id, seq, code, message[:MAX_DELTA_CHARS], status))

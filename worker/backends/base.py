@@ -40,6 +40,10 @@ class BackendEvent:
 
     ``text`` is appended to the answer. A non-None ``finish_reason`` ("stop" or
     "length") ends that item; a backend must end every item exactly once.
+
+    ``flush=False`` says more output for this item follows at once (no model work in between):
+    the worker then holds the text and sends it with the next flushed event, so a burst of small
+    pieces costs one reply message, not one each. A token-streaming backend leaves it True.
     """
 
     index: int
@@ -47,6 +51,7 @@ class BackendEvent:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    flush: bool = True
 
 
 class ModelBackend(Protocol):

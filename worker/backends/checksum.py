@@ -58,7 +58,7 @@ class ChecksumBackend:
             if item.cancelled:
                 yield BackendEvent(i, finish_reason="stop")
                 continue
-            yield BackendEvent(i, text=OPENING)
+            yield BackendEvent(i, text=OPENING, flush=False)
             count = 0
             for name in sorted(item.tensors):
                 for index, t in enumerate(item.tensors[name]):
@@ -70,7 +70,7 @@ class ChecksumBackend:
                         "blake2b": tensor_digest(t),
                     }
                     prefix = "," if count else ""
-                    yield BackendEvent(i, text=prefix + json.dumps(entry, separators=(",", ":")))
+                    yield BackendEvent(i, text=prefix + json.dumps(entry, separators=(",", ":")), flush=False)
                     count += 1
-            yield BackendEvent(i, text=CLOSING)
+            yield BackendEvent(i, text=CLOSING, flush=False)
             yield BackendEvent(i, finish_reason="stop", prompt_tokens=0, completion_tokens=count)

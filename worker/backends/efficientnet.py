@@ -233,14 +233,16 @@ class EfficientNetBackend:
             return
         images = [_checked_pixels(batch[i]) for i in live]
         probs, labels = self.classify([t for item_images in images for t in item_images])
+        # Each item streams as two chunks: its first line at once, the rest with the finish (the
+        # whole answer exists already; more chunks would only cost reply messages).
         row = 0
         for i, item_images in zip(live, images):
             lines = 0
             for n in range(len(item_images)):
                 if len(item_images) > 1:
-                    yield BackendEvent(i, text=f"image {n + 1}:\n")
+                    yield BackendEvent(i, text=f"image {n + 1}:\n", flush=False)
                 for p, label in zip(probs[row], labels[row]):
-                    yield BackendEvent(i, text=f"{self.class_names[label]}: {p:.4f}\n")
+                    yield BackendEvent(i, text=f"{self.class_names[label]}: {p:.4f}\n", flush=lines == 0)
                     lines += 1
                 row += 1
             yield BackendEvent(i, finish_reason="stop", prompt_tokens=0, completion_tokens=lines)
