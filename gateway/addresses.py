@@ -64,9 +64,9 @@ _IPV4 = _table(
 _IPV6 = _table(
     ("::/128", K.UNSPECIFIED),
     ("::1/128", K.LOOPBACK),
+    ("64:ff9b:1::/48", K.PRIVATE),  # local-use NAT64 (RFC 8215): translates into private space
     ("::/8", K.RESERVED),  # IPv4-compatible (deprecated) and SIIT forms; mapped ones are caught before
     ("100::/64", K.RESERVED),  # discard-only
-    ("64:ff9b:1::/48", K.PRIVATE),  # local-use NAT64 (RFC 8215): translates into private space
     ("2001::/23", K.RESERVED),  # IETF protocol assignments: Teredo, benchmarking, ORCHID, ...
     ("2001:db8::/32", K.RESERVED),  # documentation
     ("3fff::/20", K.RESERVED),  # documentation (RFC 9637)
