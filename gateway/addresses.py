@@ -20,12 +20,11 @@ import enum
 import ipaddress
 import re
 from dataclasses import dataclass
-from typing import Union
 
 __all__ = ["AddressKind", "AllowList", "IPAddress", "classify"]
 
-IPAddress = Union[ipaddress.IPv4Address, ipaddress.IPv6Address]
-IPNetwork = Union[ipaddress.IPv4Network, ipaddress.IPv6Network]
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
 class AddressKind(enum.Enum):

@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -50,7 +50,7 @@ class AppOptions:
     max_body_bytes: int = 32 << 20
     intake: IntakeLimits = IntakeLimits()
     limits: FrontendLimits = FrontendLimits()
-    image_urls: FetchPolicy = FetchPolicy()  # used only when intake.allow_image_urls is set
+    image_urls: FetchPolicy = field(default_factory=FetchPolicy)  # used only when intake.allow_image_urls is set
 
 
 def create_app(options: AppOptions) -> FastAPI:

@@ -27,7 +27,7 @@ import ipaddress
 import socket
 import ssl
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -58,7 +58,7 @@ Resolver = Callable[[str, int], Awaitable[Sequence[IPAddress]]]
 class FetchPolicy:
     """What ``--allow-image-urls`` and its companion flags configure (off unless given to the app)."""
 
-    allowlist: AllowList = AllowList()
+    allowlist: AllowList = field(default_factory=AllowList)
     max_bytes: int = 20 << 20
     timeout_s: float = 10.0
 

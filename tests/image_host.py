@@ -55,7 +55,7 @@ def _handler(host: ImageHost) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.0"  # one request per connection; close-delimited bodies work
 
-        def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        def do_GET(self) -> None:
             host.seen.append(Seen(self.path, {k.lower(): v for k, v in self.headers.items()}))
             route = host.routes.get(self.path, Route(404, b"not found"))
             try:
