@@ -143,8 +143,9 @@ def test_allow_listed_local_url_returns_the_bytes_with_our_headers(image_host: I
 
 def test_loopback_without_allow_list_is_refused_before_connecting(image_host: ImageHost) -> None:
     before = len(image_host.seen)
+    shorthand = ("2130706433", "0x7f.1", "127.1")  # the system resolver reads these as 127.0.0.1
     for url in (image_host.url("/photo.jpg"), image_host.url("/photo.jpg", "[::ffff:127.0.0.1]"),
-                image_host.url("/photo.jpg", "localhost")):
+                image_host.url("/photo.jpg", "localhost"), *(image_host.url("/photo.jpg", h) for h in shorthand)):
         with pytest.raises(ImageURLForbidden, match="loopback"):
             fetch(url, AllowList())
     assert len(image_host.seen) == before
