@@ -228,6 +228,35 @@ def test_https_is_pinned_yet_verified_against_the_name(tmp_path: Path) -> None:
             fetch(host.url("/photo.jpg", "images.test"), resolve=dns)
 
 
+# -- configuration -----------------------------------------------------------------------------
+
+
+def test_env_settings_reach_the_frontend_command_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gateway.cli import _frontend_argv, build_parser
+
+    monkeypatch.setenv("SHMGATE_ALLOW_IMAGE_URLS", "1")
+    monkeypatch.setenv("SHMGATE_IMAGE_URL_ALLOWLIST", "10.0.0.0/8,images.internal")
+    monkeypatch.setenv("SHMGATE_IMAGE_URL_MAX_BYTES", "3MiB")
+    monkeypatch.setenv("SHMGATE_IMAGE_URL_TIMEOUT_S", "2.5")
+    serve = build_parser().parse_args(["serve"])
+    argv = _frontend_argv(serve, "0" * 16, 0, 3)
+    for name in ("SHMGATE_ALLOW_IMAGE_URLS", "SHMGATE_IMAGE_URL_ALLOWLIST", "SHMGATE_IMAGE_URL_MAX_BYTES",
+                 "SHMGATE_IMAGE_URL_TIMEOUT_S"):
+        monkeypatch.delenv(name)  # the frontend must get them from its command line alone
+    frontend = build_parser().parse_args(argv[argv.index("frontend"):])
+    assert frontend.allow_image_urls is True
+    assert AllowList.parse(frontend.image_url_allowlist) == AllowList.parse("images.internal,10.0.0.0/8")
+    assert (frontend.image_url_max_bytes, frontend.image_url_timeout_s) == (3 << 20, 2.5)
+    assert build_parser().parse_args(["serve"]).allow_image_urls is False  # off by default
+
+
+def test_a_malformed_allow_list_stops_the_command_at_parse_time() -> None:
+    from gateway.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--image-url-allowlist", "10.0.0.0/33"])
+
+
 # -- through a real server ---------------------------------------------------------------------
 
 
