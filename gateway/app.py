@@ -18,12 +18,13 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.responses import StreamingResponse
 
+from gateway.fetch import FetchPolicy, fetch_pending
 from gateway.frontend import Frontend, FrontendLimits, RequestState
 from gateway.http_errors import error_body, error_response
 from gateway.intake import IntakeLimits, parse_chat_request
@@ -49,6 +50,7 @@ class AppOptions:
     max_body_bytes: int = 32 << 20
     intake: IntakeLimits = IntakeLimits()
     limits: FrontendLimits = FrontendLimits()
+    image_urls: FetchPolicy = field(default_factory=FetchPolicy)  # used only when intake.allow_image_urls is set
 
 
 def create_app(options: AppOptions) -> FastAPI:
@@ -126,6 +128,8 @@ def create_app(options: AppOptions) -> FastAPI:
             check_key(request)
             body = await _read_body(request, options.max_body_bytes)
             chat = parse_chat_request(body, options.intake)
+            if chat.pending_urls:
+                await fetch_pending(chat, options.image_urls)
             state = await f.submit(chat)
         except ShmgateError as exc:
             _count_error(f, exc)

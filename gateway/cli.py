@@ -61,6 +61,23 @@ def _add_gateway_flags(p: argparse.ArgumentParser) -> None:
                    help="message queue depth (capped by /proc/sys/fs/mqueue/msg_max)")
     p.add_argument("--drain-timeout-s", type=float, default=float(_env("DRAIN_TIMEOUT_S", "30") or 30))
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "info"))
+    p.add_argument("--allow-image-urls", action="store_true", default=_env("ALLOW_IMAGE_URLS") == "1",
+                   help="fetch http(s) image URLs (off by default; see docs/SECURITY.md)")
+    p.add_argument("--image-url-allowlist", type=_allowlist, default=_env("IMAGE_URL_ALLOWLIST", ""),
+                   help="comma list of CIDRs / host names that image URLs may reach besides public addresses")
+    p.add_argument("--image-url-max-bytes", type=parse_size, default=_env("IMAGE_URL_MAX_BYTES", "20MiB"))
+    p.add_argument("--image-url-timeout-s", type=float, default=float(_env("IMAGE_URL_TIMEOUT_S", "10") or 10))
+
+
+def _allowlist(text: str) -> str:
+    """Validate the allow-list when the flags are parsed, so a typo stops ``serve`` at once."""
+    from gateway.addresses import AllowList
+
+    try:
+        AllowList.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _add_worker_flags(p: argparse.ArgumentParser) -> None:
@@ -128,7 +145,10 @@ def _frontend_argv(args: argparse.Namespace, instance_id: str, slot: int, fd: in
         "--request-timeout-s", str(args.request_timeout_s), "--max-body-mb", str(args.max_body_mb),
         "--max-pixels", str(args.max_pixels), "--decode-threads", str(args.decode_threads),
         "--drain-timeout-s", str(args.drain_timeout_s), "--log-level", args.log_level,
-    ] + (["--metrics-need-key"] if args.metrics_need_key else [])
+        "--image-url-allowlist", args.image_url_allowlist, "--image-url-max-bytes", str(args.image_url_max_bytes),
+        "--image-url-timeout-s", str(args.image_url_timeout_s),
+    ] + (["--metrics-need-key"] if args.metrics_need_key else []) + (
+        ["--allow-image-urls"] if args.allow_image_urls else [])
 
 
 def _worker_plan(args: argparse.Namespace) -> tuple[str, int, int, int]:
@@ -208,7 +228,9 @@ def _run_supervised(args: argparse.Namespace, *, with_workers: bool) -> int:
 def _run_frontend(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from gateway.addresses import AllowList
     from gateway.app import AppOptions, create_app
+    from gateway.fetch import FetchPolicy
     from gateway.frontend import FrontendLimits
     from gateway.intake import IntakeLimits
 
@@ -219,12 +241,17 @@ def _run_frontend(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         metrics_need_key=args.metrics_need_key,
         max_body_bytes=int(args.max_body_mb * (1 << 20)),
-        intake=IntakeLimits(max_images=args.max_images),
+        intake=IntakeLimits(max_images=args.max_images, allow_image_urls=args.allow_image_urls),
         limits=FrontendLimits(
             max_in_flight=args.max_in_flight,
             request_timeout_s=args.request_timeout_s,
             max_pixels=args.max_pixels,
             decode_threads=args.decode_threads,
+        ),
+        image_urls=FetchPolicy(
+            allowlist=AllowList.parse(args.image_url_allowlist),
+            max_bytes=args.image_url_max_bytes,
+            timeout_s=args.image_url_timeout_s,
         ),
     )
     # uvicorn's own fd= support wraps the descriptor as AF_UNIX, so accepted connections

@@ -19,7 +19,7 @@ import msgspec
 from shared.errors import ImageTooLarge, InvalidRequest, TooManyImages, UndecodableImage
 from shared.wire import SamplingParams
 
-__all__ = ["ChatRequest", "IntakeLimits", "parse_chat_request"]
+__all__ = ["ChatRequest", "IntakeLimits", "PendingImageURL", "parse_chat_request"]
 
 ACCEPTED_IMAGE_TYPES = ("image/jpeg", "image/jpg", "image/png", "image/webp")
 _DATA_URL = re.compile(r"^data:([\w.+-]+/[\w.+-]+)?((?:;[\w-]+=[^;,]*)*)(;base64)?,", re.IGNORECASE)
@@ -76,6 +76,16 @@ class IntakeLimits:
     max_text_chars: int = 1 << 20
     max_parts: int = 256
     max_messages: int = 256
+    allow_image_urls: bool = False  # http(s) URLs become PendingImageURLs (gateway/fetch.py) instead of a 400
+
+
+@dataclass(frozen=True)
+class PendingImageURL:
+    """An http(s) image still to be fetched; ``ChatRequest.images[index]`` is b"" until then."""
+
+    index: int
+    url: str
+    param: str
 
 
 @dataclass
@@ -88,6 +98,7 @@ class ChatRequest:
     include_usage: bool
     text: str = ""  # all user text, joined
     extra: dict[str, Any] = field(default_factory=dict)
+    pending_urls: list[PendingImageURL] = field(default_factory=list)  # filled by gateway.fetch.fetch_pending
 
 
 def parse_chat_request(body: bytes, limits: IntakeLimits) -> ChatRequest:
@@ -108,6 +119,7 @@ def parse_chat_request(body: bytes, limits: IntakeLimits) -> ChatRequest:
     messages: list[dict[str, Any]] = []
     images: list[bytes] = []
     texts: list[str] = []
+    pending: list[PendingImageURL] = []
     n_chars = n_parts = 0
     for i, message in enumerate(req.messages):
         content = message.content
@@ -130,7 +142,12 @@ def parse_chat_request(body: bytes, limits: IntakeLimits) -> ChatRequest:
                         raise TooManyImages(
                             f"at most {limits.max_images} images per request", param=f"messages[{i}].content"
                         )
-                    images.append(_image_bytes(part.image_url.url, limits, f"messages[{i}].content[{j}].image_url"))
+                    url, param = part.image_url.url, f"messages[{i}].content[{j}].image_url"
+                    if limits.allow_image_urls and url[:8].lower().startswith(("http://", "https://")):
+                        pending.append(PendingImageURL(len(images), url, param))
+                        images.append(b"")
+                    else:
+                        images.append(_image_bytes(url, limits, param))
                     parts.append({"type": "image"})
         if n_parts > limits.max_parts:
             raise InvalidRequest(f"at most {limits.max_parts} content parts are accepted", param="messages")
@@ -145,6 +162,7 @@ def parse_chat_request(body: bytes, limits: IntakeLimits) -> ChatRequest:
         stream=req.stream,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         text="\n".join(texts),
+        pending_urls=pending,
     )
 
 

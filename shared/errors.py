@@ -22,6 +22,9 @@ response happens in one place, ``gateway/http_errors.py``.
     │   ├── TooManyImages
     │   ├── ImageTooLarge
     │   ├── UndecodableImage
+    │   ├── InvalidImageURL       an image URL that cannot be fetched (bad URL, HTTP error)
+    │   │   ├── ImageURLForbidden a URL whose address may not be fetched (SSRF rules)
+    │   │   └── ImageURLTimeout   the fetch did not finish within its time cap
     │   └── Unauthorized
     └── Overloaded                a bound was reached; retry after ``retry_after_s``
 
@@ -36,7 +39,10 @@ __all__ = [
     "ChannelFull",
     "DescriptorError",
     "ImageTooLarge",
+    "ImageURLForbidden",
+    "ImageURLTimeout",
     "InconsistentTensor",
+    "InvalidImageURL",
     "InvalidRequest",
     "OutOfBounds",
     "Overloaded",
@@ -171,6 +177,25 @@ class UndecodableImage(RequestError):
     """Not an image, a truncated one, or a format we do not accept."""
 
     code = "invalid_image"
+
+
+class InvalidImageURL(RequestError):
+    """An http(s) image URL that is malformed, unreachable, or answered with a non-2xx status."""
+
+    code = "invalid_image_url"
+
+
+class ImageURLForbidden(InvalidImageURL):
+    """The URL's scheme, userinfo or resolved address is refused by the fetch rules (gateway/fetch.py)."""
+
+    code = "image_url_forbidden"
+
+
+class ImageURLTimeout(InvalidImageURL):
+    """Fetching the image took longer than its cap. A 400, not a 504: the slow party is the
+    server the client chose, and retrying against us will not help."""
+
+    code = "image_url_timeout"
 
 
 class Unauthorized(RequestError):
