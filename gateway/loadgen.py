@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
+from gateway.rawhttp import RawClient, Response, TransportError
 
 __all__ = ["add_arguments", "count_mismatches", "main", "percentile", "run", "tree_cpu_seconds"]
 
@@ -141,70 +141,83 @@ class BodyTemplate:
         return b"".join((self.prefix, b'"', url.encode("ascii"), b'"', self.suffix))
 
 
-JSON_HEADERS = {"Content-Type": "application/json"}
-
-
-async def send_one(client: httpx.AsyncClient, body: bytes, image: str, *, stream: bool) -> Outcome:
+async def send_one(client: RawClient, body: bytes, image: str, *, stream: bool) -> Outcome:
     """Send one request (a JSON body) and time it. Never raises for server or transport failures."""
     start = time.perf_counter()
     try:
         if stream:
-            status, text, ttft, error = await _send_streaming(client, body, start)
+            status, text, ttft, error = await asyncio.wait_for(_send_streaming(client, body, start), client.timeout_s)
         else:
-            status, text, error = await _send_plain(client, body)
+            status, text, error = await asyncio.wait_for(_send_plain(client, body), client.timeout_s)
             ttft = None
-    except httpx.HTTPError as exc:  # connect, read, timeout: the server never gave an answer
-        return Outcome(image, time.perf_counter() - start, None, None, "", f"transport:{type(exc).__name__}")
+    except (TransportError, asyncio.TimeoutError) as exc:  # the server never gave a full answer
+        kind = exc.kind if isinstance(exc, TransportError) else "Timeout"
+        return Outcome(image, time.perf_counter() - start, None, None, "", f"transport:{kind}")
     latency = time.perf_counter() - start
     return Outcome(image, latency, latency if ttft is None else ttft, status, text, error)
 
 
-async def _send_plain(client: httpx.AsyncClient, body: bytes) -> tuple[int, str, str | None]:
-    response = await client.post("/v1/chat/completions", content=body, headers=JSON_HEADERS)
-    if not response.is_success:
-        return response.status_code, "", str(response.status_code)
+async def _send_plain(client: RawClient, body: bytes) -> tuple[int, str, str | None]:
+    response, lease = await client.post("/v1/chat/completions", body)
     try:
-        text = response.json()["choices"][0]["message"]["content"] or ""
+        payload = await response.read()
+    finally:
+        lease.release()
+    if not response.is_success:
+        return response.status, "", str(response.status)
+    try:
+        text = json.loads(payload)["choices"][0]["message"]["content"] or ""
     except (ValueError, KeyError, IndexError, TypeError):
-        return response.status_code, "", "bad_body"
-    return response.status_code, text, None
+        return response.status, "", "bad_body"
+    return response.status, text, None
 
 
-async def _send_streaming(
-    client: httpx.AsyncClient, body: bytes, start: float
-) -> tuple[int, str, float | None, str | None]:
+async def _send_streaming(client: RawClient, body: bytes, start: float) -> tuple[int, str, float | None, str | None]:
     """Read the SSE reply; ttft is the first `data:` line whose delta has content."""
+    response, lease = await client.post("/v1/chat/completions", body)
+    try:
+        return await _read_sse(response, start)
+    finally:
+        lease.release()
+
+
+async def _read_sse(response: Response, start: float) -> tuple[int, str, float | None, str | None]:
     parts: list[str] = []
     ttft: float | None = None
-    async with client.stream("POST", "/v1/chat/completions", content=body, headers=JSON_HEADERS) as response:
-        if not response.is_success:
-            await response.aread()
-            return response.status_code, "", None, str(response.status_code)
-        event = "message"
-        async for line in response.aiter_lines():
-            if line.startswith("event:"):
-                event = line[6:].strip()
-                continue
-            if not line.startswith("data:"):
-                if not line:
-                    event = "message"  # a blank line ends one SSE event
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            try:
-                chunk = json.loads(data)
-            except ValueError:
-                return response.status_code, "".join(parts), ttft, "bad_sse"
-            if event == "error" or "error" in chunk:
-                return response.status_code, "".join(parts), ttft, "sse_error"
-            for choice in chunk.get("choices") or ():
-                piece = (choice.get("delta") or {}).get("content")
-                if piece:
-                    if ttft is None:
-                        ttft = time.perf_counter() - start
-                    parts.append(piece)
-        return response.status_code, "".join(parts), ttft, None
+    if not response.is_success:
+        await response.read()
+        return response.status, "", None, str(response.status)
+    event = "message"
+    outcome: tuple[int, str, float | None, str | None] | None = None
+    async for line in response.lines():
+        if outcome is not None:
+            continue  # read to the end so the connection can be reused
+        if line.startswith("event:"):
+            event = line[6:].strip()
+            continue
+        if not line.startswith("data:"):
+            if not line:
+                event = "message"  # a blank line ends one SSE event
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            outcome = (response.status, "".join(parts), ttft, None)
+            continue
+        try:
+            chunk = json.loads(data)
+        except ValueError:
+            outcome = (response.status, "".join(parts), ttft, "bad_sse")
+            continue
+        if event == "error" or "error" in chunk:
+            outcome = (response.status, "".join(parts), ttft, "sse_error")
+            continue
+        for choice in chunk.get("choices") or ():
+            piece = (choice.get("delta") or {}).get("content")
+            if piece:
+                if ttft is None:
+                    ttft = time.perf_counter() - start
+                parts.append(piece)
+    return outcome if outcome is not None else (response.status, "".join(parts), ttft, "no_done")
 
 
 def count_mismatches(answers: Iterable[tuple[str, str]]) -> int:
@@ -280,7 +293,7 @@ def machine_busy_seconds() -> float:
 
 
 async def _drive(
-    client: httpx.AsyncClient, args: argparse.Namespace, images: list[BenchImage], count: int, first: int
+    client: RawClient, args: argparse.Namespace, images: list[BenchImage], count: int, first: int
 ) -> list[Outcome]:
     """Send ``count`` requests from ``args.concurrency`` tasks; ``first`` offsets the nonces."""
     counter = itertools.count()
@@ -307,9 +320,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--server-pid: no process {', '.join(map(str, missing))}")
     warmup = min(args.concurrency, args.requests) if args.warmup is None else args.warmup
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
-    async with httpx.AsyncClient(base_url=args.base_url.rstrip("/"), headers=headers, limits=limits,
-                                 timeout=httpx.Timeout(args.timeout), http2=False) as client:
+    client = RawClient(args.base_url, headers=headers, timeout_s=args.timeout)
+    try:
         warm = await _drive(client, args, images, warmup, 0) if warmup > 0 else []
         cpu_before = tree_cpu_seconds(pids) if pids else None
         busy_before, client_cpu_before = machine_busy_seconds(), time.process_time()
@@ -318,6 +330,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         wall = time.perf_counter() - start
         busy, client_cpu = machine_busy_seconds() - busy_before, time.process_time() - client_cpu_before
         server_cpu = None if cpu_before is None else tree_cpu_seconds(pids) - cpu_before
+    finally:
+        await client.aclose()
     result = summarize(args, outcomes, wall, warm, client_cpu, server_cpu)
     # Whatever else ran during the timed phase took CPU from the server: on a small machine that
     # skews a comparison, so say how much (only known when the server's own share is).

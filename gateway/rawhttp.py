@@ -1,0 +1,159 @@
+"""A minimal keep-alive HTTP/1.1 client on asyncio streams, for the load generator only.
+
+Why not httpx: on the 2-core machines we benchmark on, the load generator shares the cores with
+the server it measures, and httpx spends ~3-4 ms of CPU per 200 KB request (its h11 state machine
+and layers of abstraction). Every millisecond the client burns is taken from the server, so a
+heavy client compresses the differences the benchmark exists to show. This client does only what
+`shmgate bench` needs: POST a body, read a Content-Length or chunked response, optionally line
+by line (SSE). It speaks to servers we start ourselves on loopback; it is not a general client.
+
+Failures (connection refused or reset, malformed response, timeout) raise ``TransportError``.
+A connection is reused only after a response was read to its end; anything else closes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from urllib.parse import urlsplit
+
+__all__ = ["Lease", "RawClient", "Response", "TransportError"]
+
+MAX_HEADER_BYTES = 64 << 10
+
+
+class TransportError(Exception):
+    """The server gave no usable HTTP answer. ``kind``: ConnectError, ReadError or ProtocolError."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class Response:
+    """A response whose body is read through ``read()`` or ``lines()`` (once)."""
+
+    def __init__(self, status: int, headers: dict[str, str], reader: asyncio.StreamReader) -> None:
+        self.status = status
+        self.headers = headers
+        self._reader = reader
+        self.complete = False
+
+    @property
+    def is_success(self) -> bool:
+        return 200 <= self.status < 300
+
+    async def read(self) -> bytes:
+        return b"".join([chunk async for chunk in self._chunks()])
+
+    async def lines(self) -> AsyncIterator[str]:
+        """The body split on newlines (without them), as SSE readers want it."""
+        pending = b""
+        async for chunk in self._chunks():
+            pending += chunk
+            *done, pending = pending.split(b"\n")
+            for line in done:
+                yield line.rstrip(b"\r").decode()
+        if pending:
+            yield pending.decode()
+
+    async def _chunks(self) -> AsyncIterator[bytes]:
+        reader = self._reader
+        try:
+            if self.headers.get("transfer-encoding", "").lower() == "chunked":
+                while True:
+                    size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+                    if size == 0:
+                        await reader.readuntil(b"\r\n")  # no trailers from the servers we test
+                        break
+                    data = await reader.readexactly(size + 2)
+                    yield data[:-2]
+            else:
+                length = int(self.headers.get("content-length", "0"))
+                if length:
+                    yield await reader.readexactly(length)
+        except (ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, OSError) as exc:
+            raise TransportError("ReadError", f"bad response body: {exc!r}") from exc
+        self.complete = True
+
+
+class RawClient:
+    """Keep-alive connections to one ``http://host:port`` base URL, at most one request each at a time."""
+
+    def __init__(self, base_url: str, *, headers: dict[str, str] | None = None, timeout_s: float = 60.0) -> None:
+        parts = urlsplit(base_url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"the load generator speaks plain http only: {base_url!r}")
+        self._host = parts.hostname
+        self._port = parts.port or 80
+        self._prefix = parts.path.rstrip("/")
+        extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+        self._fixed_headers = f"Host: {parts.netloc}\r\nContent-Type: application/json\r\n{extra}"
+        self.timeout_s = timeout_s
+        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self._all: set[asyncio.StreamWriter] = set()
+
+    async def post(self, path: str, body: bytes) -> tuple[Response, Lease]:
+        """Send a POST and read the status line and headers. Release the lease when done with the body."""
+        conn = self._idle.pop() if self._idle else await self._connect()
+        reader, writer = conn
+        head = (f"POST {self._prefix}{path} HTTP/1.1\r\n{self._fixed_headers}"
+                f"Content-Length: {len(body)}\r\n\r\n").encode()
+        try:
+            writer.write(head)
+            writer.write(body)
+            raw = await reader.readuntil(b"\r\n\r\n")
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
+            self._discard(writer)
+            raise TransportError("ReadError", f"no response: {exc!r}") from exc
+        except BaseException:  # cancelled (a timeout) mid-exchange: the connection is unusable
+            self._discard(writer)
+            raise
+        lines = raw.decode("latin-1").split("\r\n")
+        try:
+            status = int(lines[0].split(" ", 2)[1])
+        except (IndexError, ValueError) as exc:
+            self._discard(writer)
+            raise TransportError("ProtocolError", f"bad status line {lines[0]!r}") from exc
+        headers = {}
+        for line in lines[1:]:
+            name, sep, value = line.partition(":")
+            if sep:
+                headers[name.strip().lower()] = value.strip()
+        response = Response(status, headers, reader)
+        return response, Lease(self, conn, response)
+
+    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        try:
+            reader, writer = await asyncio.open_connection(self._host, self._port, limit=MAX_HEADER_BYTES)
+        except OSError as exc:
+            raise TransportError("ConnectError", f"cannot connect: {exc!r}") from exc
+        self._all.add(writer)
+        return reader, writer
+
+    def _discard(self, writer: asyncio.StreamWriter) -> None:
+        self._all.discard(writer)
+        writer.close()
+
+    async def aclose(self) -> None:
+        for writer in list(self._all):
+            writer.close()
+        self._all.clear()
+        self._idle.clear()
+
+
+class Lease:
+    """Gives a connection back for reuse when its response was read to the end, else closes it."""
+
+    def __init__(self, client: RawClient, conn: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+                 response: Response) -> None:
+        self._client = client
+        self._conn = conn
+        self._response = response
+
+    def release(self) -> None:
+        reusable = self._response.complete and self._response.headers.get("connection", "").lower() != "close"
+        if reusable:
+            self._client._idle.append(self._conn)
+        else:
+            self._client._discard(self._conn[1])

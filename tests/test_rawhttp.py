@@ -1,0 +1,129 @@
+"""The load generator's HTTP client against a scripted loopback server: framing, reuse, failures."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import pytest
+
+from gateway.rawhttp import RawClient, TransportError
+
+Reply = Callable[[bytes], bytes | None]  # request head+body -> raw response bytes (None: close the connection)
+
+
+async def _serve(reply: Reply) -> tuple[asyncio.Server, str, list[int]]:
+    connections: list[int] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(1)
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                                  if line.lower().startswith(b"content-length")))
+                body = await reader.readexactly(length)
+                raw = reply(head + body)
+                if raw is None:
+                    break
+                writer.write(raw)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    return server, f"http://127.0.0.1:{port}", connections
+
+
+def _run(reply: Reply, exchange: Callable[[RawClient], object], timeout_s: float = 5.0) -> tuple[object, int]:
+    async def main() -> tuple[object, int]:
+        server, url, connections = await _serve(reply)
+        client = RawClient(url, timeout_s=timeout_s)
+        try:
+            return await exchange(client), len(connections)  # type: ignore[misc]
+        finally:
+            await client.aclose()
+            server.close()
+    return asyncio.run(main())
+
+
+def _fixed(body: bytes) -> bytes:
+    return b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+
+
+def test_content_length_responses_reuse_one_connection() -> None:
+    async def exchange(client: RawClient) -> list[bytes]:
+        out = []
+        for _ in range(3):
+            response, lease = await client.post("/x", b'{"a":1}')
+            out.append(await response.read())
+            lease.release()
+        return out
+
+    bodies, connections = _run(lambda request: _fixed(request.rsplit(b"\r\n\r\n", 1)[1]), exchange)
+    assert bodies == [b'{"a":1}'] * 3 and connections == 1
+
+
+def test_chunked_body_is_read_as_lines() -> None:
+    chunked = (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+               b"7\r\ndata: a\r\n5\r\n\ndata\r\n4\r\n: b\n\r\n0\r\n\r\n")
+
+    async def exchange(client: RawClient) -> list[str]:
+        response, lease = await client.post("/x", b"{}")
+        lines = [line async for line in response.lines()]
+        lease.release()
+        return lines
+
+    lines, _ = _run(lambda request: chunked, exchange)
+    assert lines == ["data: a", "data: b"]
+
+
+def test_a_closed_connection_is_a_transport_error_and_not_reused() -> None:
+    calls = []
+
+    def reply(request: bytes) -> bytes | None:
+        calls.append(1)
+        return None if len(calls) == 1 else _fixed(b"ok")
+
+    async def exchange(client: RawClient) -> tuple[str, bytes]:
+        with pytest.raises(TransportError) as failure:
+            await client.post("/x", b"{}")
+        response, lease = await client.post("/x", b"{}")
+        body = await response.read()
+        lease.release()
+        return failure.value.kind, body
+
+    (kind, body), connections = _run(reply, exchange)
+    assert kind == "ReadError" and body == b"ok" and connections == 2
+
+
+def test_garbage_status_line_is_a_protocol_error() -> None:
+    async def exchange(client: RawClient) -> str:
+        with pytest.raises(TransportError) as failure:
+            await client.post("/x", b"{}")
+        return failure.value.kind
+
+    kind, _ = _run(lambda request: b"SMTP ready\r\n\r\n", exchange)
+    assert kind == "ProtocolError"
+
+
+def test_refused_connection_is_a_connect_error() -> None:
+    async def main() -> str:
+        server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        server.close()
+        await server.wait_closed()
+        client = RawClient(f"http://127.0.0.1:{port}")
+        with pytest.raises(TransportError) as failure:
+            await client.post("/x", b"{}")
+        return failure.value.kind
+
+    assert asyncio.run(main()) == "ConnectError"
+
+
+def test_only_plain_http_base_urls() -> None:
+    with pytest.raises(ValueError):
+        RawClient("https://127.0.0.1:1")
