@@ -72,6 +72,8 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-wait-ms", type=float, default=float(_env("MAX_BATCH_WAIT_MS", "5") or 5))
     p.add_argument("--threads", type=int, default=int(_env("THREADS", "0") or 0),
                    help="torch threads per CPU worker (default: cores / workers)")
+    p.add_argument("--dtype", default=_env("DTYPE", "auto"), choices=("auto", "float32", "bfloat16", "float16"),
+                   help="weights of hf: models (auto: bfloat16 on CUDA, float32 on CPU)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -154,7 +156,7 @@ def _worker_children(args: argparse.Namespace, instance_id: str) -> list[tuple[l
             sys.executable, "-m", "worker", "--instance", instance_id, "--model", args.model,
             "--device", device, "--max-batch-size", str(args.max_batch_size),
             "--max-batch-wait-ms", str(args.max_batch_wait_ms), "--threads", str(threads),
-            "--log-level", args.log_level,
+            "--dtype", args.dtype, "--log-level", args.log_level,
         ]
         children.append((argv, env))
     return children

@@ -33,7 +33,7 @@ from gateway.preprocess.base import ImageTensorSpec  # noqa: E402
 from gateway.preprocess.hf import HFPreprocessor  # noqa: E402
 from shared.errors import InvalidRequest, UndecodableImage  # noqa: E402
 from shared.wire import SamplingParams  # noqa: E402
-from tests.hf_fixture import build_tiny_vlm  # noqa: E402
+from tests.hf_fixture import build_tiny_vlm, reference_processor  # noqa: E402
 from worker.backends.base import BackendEvent, WorkItem  # noqa: E402
 from worker.backends.hf import HFBackend, IncrementalDetokenizer, StopStringFilter, sample_token  # noqa: E402
 
@@ -68,24 +68,7 @@ def backend(model_dir: Path) -> Iterator[HFBackend]:
 
 @pytest.fixture(scope="module")
 def reference(model_dir: Path) -> Any:
-    """transformers' Qwen2VLProcessor built from the same files.
-
-    In transformers 5.x its constructor insists on a video processor, which needs
-    torchvision; the type check is skipped for that one argument (images never use it).
-    """
-    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLProcessor
-    from transformers.processing_utils import ProcessorMixin
-
-    check = ProcessorMixin.check_argument_for_proper_class
-
-    def check_except_video(self: Any, name: str, arg: Any) -> Any:
-        return None if name == "video_processor" and arg is None else check(self, name, arg)
-
-    image_processor = AutoImageProcessor.from_pretrained(model_dir, backend="pil")
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ProcessorMixin, "check_argument_for_proper_class", check_except_video)
-        return Qwen2VLProcessor(image_processor, tokenizer, None, chat_template=tokenizer.chat_template)
+    return reference_processor(model_dir)
 
 
 def preprocess(pre: HFPreprocessor, path: Path) -> dict[str, np.ndarray]:

@@ -40,7 +40,7 @@ from shared.errors import InvalidRequest
 from shared.wire import SamplingParams
 from worker.backends.base import BackendEvent, WorkItem
 
-__all__ = ["HFBackend", "IncrementalDetokenizer", "StopStringFilter", "sample_token"]
+__all__ = ["DTYPES", "HFBackend", "IncrementalDetokenizer", "StopStringFilter", "model_id_for", "sample_token"]
 
 DEFAULT_MAX_TOKENS = 256
 # config.model_type values this backend was run against. Both use Qwen2-VL's image
@@ -48,6 +48,23 @@ DEFAULT_MAX_TOKENS = 256
 SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 # The image tensors this backend passes to the model, by TensorRef name.
 IMAGE_TENSORS = ("pixel_values", "image_grid_thw")
+# --dtype values. "auto": bfloat16 on CUDA, float32 on CPU (CPU half precision is slow and
+# poorly supported by the kernels these models use).
+DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def model_id_for(model_dir: str) -> str:
+    """The id ``hf:<model_dir>`` is served under: the directory's base name.
+
+    The same rule as the frontend's (gateway/preprocess/hf.py); the two halves never
+    import each other, and the worker's id must equal the one the frontend sends.
+    """
+    return os.path.basename(os.path.normpath(model_dir))
 
 
 class HFBackend:
@@ -71,19 +88,24 @@ class HFBackend:
         dtype: torch.dtype | None = None,
         name: str | None = None,
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
+        threads: int | None = None,
     ) -> None:
         """Load the model (fp32 on CPU, bf16 on CUDA unless ``dtype``) and its tokenizer.
 
         ``name`` defaults to the directory's base name, the id the frontend serves it
-        under (gateway/preprocess/hf.py ``model_id_for``). Raises ValueError for an
-        architecture outside ``SUPPORTED_MODEL_TYPES`` (before reading any weights).
+        under (gateway/preprocess/hf.py ``model_id_for``). ``threads`` sets torch's
+        intra-op threads of this process (a CPU worker owns its process). Raises
+        ValueError for an architecture outside ``SUPPORTED_MODEL_TYPES`` (before reading
+        any weights).
         """
         from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
 
         model_type = AutoConfig.from_pretrained(model_dir).model_type
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"{model_dir}: model type {model_type!r} is not supported; known: {SUPPORTED_MODEL_TYPES}")
-        self.name = name or os.path.basename(os.path.normpath(model_dir))
+        if threads is not None:
+            torch.set_num_threads(threads)
+        self.name = name or model_id_for(model_dir)
         self.device = device
         self.dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         self.default_max_tokens = default_max_tokens
