@@ -1,18 +1,21 @@
 """Where should a VLM's image processing run? shmgate's frontends vs the model's own process.
 
-Two servers of the same tiny Qwen2-VL (tests/hf_fixture.py, built into a temporary directory),
+Servers of the same tiny Qwen2-VL (tests/hf_fixture.py, built into a temporary directory),
 side by side in one run:
 - ``shmgate``: ``shmgate serve --model hf:<dir>``: decoding, the image processor, chat template
   and tokenizer run in the frontend processes; the worker only copies tensors out of the arena
-  and generates.
+  and generates, up to 8 requests per padded batched forward (the default).
+- ``shmgate, --max-batch-size 1``: the same, one request at a time start to finish, to separate
+  the effect of batching from that of where processing runs.
 - ``naive``: bench/naive_hf_server.py: one process; the same preprocessing and backend code runs
   on the thread that owns the model, right before each request's generation (what a plain
   FastAPI + transformers server does).
 
 Why this comparison, and not shmgate with processing moved into its worker: the naive server
-is the design people actually deploy, and with the same code, the same one-model-thread
-round-robin scheduling and the same greedy answers, the only differences left are where the
-processing runs and the transport, which is the claim under test. Both give the model one torch
+is the design people actually deploy, and with the same code, one model thread and the same
+greedy answers, what differs is where the processing runs, the transport, and scheduling: the
+naive server interleaves its requests per token (each with its own forward pass), shmgate
+decodes a batch in one forward per token (or, at batch size 1, runs one request at a time). Both give the model one torch
 thread (a 64-wide model gains nothing from more; the machine has 2 cores).
 
 Per concurrency (1 and 16 by default), ``gateway.loadgen`` sends streamed, greedy
@@ -72,6 +75,10 @@ CONTENDERS = (
     Contender("shmgate (frontend processing)",
               ("{python}", "-m", "gateway", "serve", "--host", "127.0.0.1", "--port", "{port}",
                "--model", "hf:{model_dir}", "--workers", "1", "--threads", "1"), "/ready", "/metrics"),
+    Contender("shmgate, --max-batch-size 1",
+              ("{python}", "-m", "gateway", "serve", "--host", "127.0.0.1", "--port", "{port}",
+               "--model", "hf:{model_dir}", "--workers", "1", "--threads", "1", "--max-batch-size", "1"),
+              "/ready", "/metrics"),
     Contender("naive (processing in the model thread)",
               ("{python}", "{repo}/bench/naive_hf_server.py", "--port", "{port}", "--model-dir", "{model_dir}",
                "--threads", "1"), "/health", "/stats"),
