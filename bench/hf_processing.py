@@ -60,7 +60,7 @@ class Contender:
     """A server of the tiny model: how to start it, and how to read its model's busy seconds."""
 
     name: str
-    command: tuple[str, ...]  # placeholders: {python}, {repo}, {port}, {model_dir}
+    command: tuple[str, ...]  # placeholders: {python}, {repo}, {port}, {model_dir}, {device}
     ready_path: str
     busy_path: str
 
@@ -78,14 +78,16 @@ class Contender:
 CONTENDERS = (
     Contender("shmgate (frontend processing)",
               ("{python}", "-m", "gateway", "serve", "--host", "127.0.0.1", "--port", "{port}",
-               "--model", "hf:{model_dir}", "--workers", "1", "--threads", "1"), "/ready", "/metrics"),
+               "--model", "hf:{model_dir}", "--workers", "1", "--threads", "1", "--device", "{device}"),
+              "/ready", "/metrics"),
     Contender("shmgate, --max-batch-size 1",
               ("{python}", "-m", "gateway", "serve", "--host", "127.0.0.1", "--port", "{port}",
-               "--model", "hf:{model_dir}", "--workers", "1", "--threads", "1", "--max-batch-size", "1"),
+               "--model", "hf:{model_dir}", "--workers", "1", "--threads", "1", "--max-batch-size", "1",
+               "--device", "{device}"),
               "/ready", "/metrics"),
     Contender("naive (processing in the model thread)",
               ("{python}", "{repo}/bench/naive_hf_server.py", "--port", "{port}", "--model-dir", "{model_dir}",
-               "--threads", "1"), "/health", "/stats"),
+               "--threads", "1", "--device", "{device}"), "/health", "/stats"),
 )
 
 
@@ -93,7 +95,8 @@ async def measure(contender: Contender, model_dir: Path, images: Path, log_dir: 
                   args: argparse.Namespace) -> list[dict[str, Any]]:
     """Start one server, load it at every concurrency, stop it."""
     port = free_port()
-    values = {"python": sys.executable, "repo": str(REPO), "port": str(port), "model_dir": str(model_dir)}
+    values = {"python": sys.executable, "repo": str(REPO), "port": str(port), "model_dir": str(model_dir),
+              "device": args.device}
     server = ServerProcess([part.format(**values) for part in contender.command],
                            log_dir / f"{contender.name.split()[0]}.log")
     base_url = f"http://127.0.0.1:{port}"
@@ -181,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=96, help="timed requests per point")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request")
+    parser.add_argument("--device", default="cpu", help="where every server runs the model: cpu or cuda")
     parser.add_argument("--rounds", type=int, default=3, help="rounds over all servers; the table shows medians")
     parser.add_argument("--log-dir", default=None, help="keep the servers' logs here")
     args = parser.parse_args(argv)

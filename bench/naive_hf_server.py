@@ -19,7 +19,7 @@ To be a fair baseline, not a straw man, it shares everything else with shmgate's
 ``processing_s`` (the part of it that was image + prompt processing): the counterpart of
 shmgate's ``shmgate_worker_busy_seconds_total``.
 
-Usage: ``python bench/naive_hf_server.py --port P --model-dir DIR [--threads N]``.
+Usage: ``python bench/naive_hf_server.py --port P --model-dir DIR [--threads N] [--device cpu|cuda]``.
 Only for benchmarks: it binds 127.0.0.1 by default and has no limits of any kind.
 """
 
@@ -60,9 +60,9 @@ T = TypeVar("T")
 class ModelThread:
     """The one thread that owns the model; everything that touches it runs there, one call at a time."""
 
-    def __init__(self, model_dir: str, threads: int) -> None:
+    def __init__(self, model_dir: str, threads: int, device: str = "cpu") -> None:
         self.preprocessor = HFPreprocessor(model_dir)
-        self.backend = HFBackend(model_dir, torch.device("cpu"), threads=threads)
+        self.backend = HFBackend(model_dir, torch.device(device), threads=threads)
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="model")
         self.busy_s = 0.0
         self.processing_s = 0.0
@@ -190,8 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=8001)
     parser.add_argument("--model-dir", required=True)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch intra-op threads")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (the model's dtype: bfloat16 on CUDA)")
     args = parser.parse_args(argv)
-    app = create_app(ModelThread(args.model_dir, args.threads))
+    app = create_app(ModelThread(args.model_dir, args.threads, args.device))
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
     return 0
 
