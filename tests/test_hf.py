@@ -408,3 +408,16 @@ def test_greedy_stream_equals_transformers_generate(pre: HFPreprocessor, backend
         do_sample=False,
     )
     assert text == backend.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+def test_dtype_flag_picks_the_weights_dtype(pre: HFPreprocessor, model_dir: Path) -> None:
+    from worker.backends import load_backend
+
+    half = load_backend(f"hf:{model_dir}", torch.device("cpu"), dtype="bfloat16")
+    assert {p.dtype for p in half.model.parameters()} == {torch.bfloat16}
+    item = work_item(pre, "Hi", [SQUARE], SamplingParams(max_tokens=3, temperature=0.0))
+    _, finish = answer(list(half.run([item])))
+    assert (finish.finish_reason, finish.completion_tokens) == ("length", 3)
+    assert load_backend(f"hf:{model_dir}", torch.device("cpu")).model.dtype == torch.float32  # auto on CPU
+    with pytest.raises(ValueError, match="unknown dtype"):
+        load_backend(f"hf:{model_dir}", torch.device("cpu"), dtype="int8")
