@@ -144,8 +144,7 @@ class HFBackend:
                 yield from self._finish(row, "length" if row.limit == 0 else "stop")
                 continue
             logits, row.cache, row.delta = self._prefill(row.inputs)
-            events = self._accept(row, logits)
-            yield from events
+            yield from self._accept(row, logits)
             if row.finish is None:
                 live.append(row)
         if len(live) > 1:
@@ -155,7 +154,7 @@ class HFBackend:
                 if row.item.cancelled:
                     yield from self._finish(row, "stop")
             still = [row for row in live if row.finish is None]
-            if still and len(still) < len(live) and len(live) > 1:
+            if still and len(still) < len(live):  # (two or more rows: they share a merged cache)
                 _select_rows(live, still)
             live = still
             if not live:
