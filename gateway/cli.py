@@ -17,6 +17,7 @@ import logging
 import os
 import socket
 import sys
+from collections.abc import Mapping
 
 from shared.errors import SetupError
 from shared.names import parse_size
@@ -31,11 +32,24 @@ def _env(name: str, default: str | None = None) -> str | None:
 
 
 def _gpu_count() -> int:
-    """GPUs visible to this machine, without importing torch (frontends stay light)."""
+    """GPUs of this machine, without importing torch (frontends stay light)."""
     try:
         return len(os.listdir("/proc/driver/nvidia/gpus"))
     except OSError:
         return 0
+
+
+def visible_gpus(environ: Mapping[str, str], machine_gpus: int) -> list[str]:
+    """The GPUs workers may use: ``CUDA_VISIBLE_DEVICES`` when it is set (indices or UUIDs, as
+    CUDA takes them; empty means none), else every GPU of the machine.
+
+    Without this, ``CUDA_VISIBLE_DEVICES=2,3 shmgate serve`` on a 4-GPU machine would start four
+    workers and hand them GPUs 0..3, overriding the restriction the user asked for.
+    """
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return [str(i) for i in range(machine_gpus)]
+    return [part.strip() for part in visible.split(",") if part.strip()]
 
 
 def _add_gateway_flags(p: argparse.ArgumentParser) -> None:
@@ -89,6 +103,8 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-wait-ms", type=float, default=float(_env("MAX_BATCH_WAIT_MS", "5") or 5))
     p.add_argument("--threads", type=int, default=int(_env("THREADS", "0") or 0),
                    help="torch threads per CPU worker (default: cores / workers)")
+    p.add_argument("--dtype", default=_env("DTYPE", "auto"), choices=("auto", "float32", "bfloat16", "float16"),
+                   help="weights of hf: models (auto: bfloat16 on CUDA, float32 on CPU)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -151,30 +167,31 @@ def _frontend_argv(args: argparse.Namespace, instance_id: str, slot: int, fd: in
         ["--allow-image-urls"] if args.allow_image_urls else [])
 
 
-def _worker_plan(args: argparse.Namespace) -> tuple[str, int, int, int]:
-    """(device, workers, torch threads per worker, GPUs) from the flags and the machine."""
-    gpus = _gpu_count()
+def _worker_plan(args: argparse.Namespace) -> tuple[str, int, int, list[str]]:
+    """(device, workers, torch threads per worker, GPU ids) from the flags and the machine."""
+    gpu_ids = visible_gpus(os.environ, _gpu_count())
+    gpus = len(gpu_ids)
     device = args.device or ("cuda" if gpus else "cpu")
     if device.startswith("cuda"):
         n = args.workers or max(1, gpus) * args.workers_per_gpu
     else:
         n = args.workers or 1
     threads = args.threads or max(1, (os.cpu_count() or 1) // n)
-    return device, n, threads, gpus
+    return device, n, threads, gpu_ids
 
 
 def _worker_children(args: argparse.Namespace, instance_id: str) -> list[tuple[list[str], dict[str, str]]]:
-    device, n, threads, gpus = _worker_plan(args)
+    device, n, threads, gpu_ids = _worker_plan(args)
     children = []
     for i in range(n):
         env: dict[str, str] = {}
-        if device == "cuda" and gpus > 1:
-            env["CUDA_VISIBLE_DEVICES"] = str(i % gpus)  # one GPU per worker, round robin
+        if device == "cuda" and len(gpu_ids) > 1:
+            env["CUDA_VISIBLE_DEVICES"] = gpu_ids[i % len(gpu_ids)]  # one GPU per worker, round robin
         argv = [
             sys.executable, "-m", "worker", "--instance", instance_id, "--model", args.model,
             "--device", device, "--max-batch-size", str(args.max_batch_size),
             "--max-batch-wait-ms", str(args.max_batch_wait_ms), "--threads", str(threads),
-            "--log-level", args.log_level,
+            "--dtype", args.dtype, "--log-level", args.log_level,
         ]
         children.append((argv, env))
     return children

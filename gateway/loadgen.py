@@ -88,6 +88,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="make every request's bytes unique (same pixels), so no content cache can hit")
     parser.add_argument("--api-key", default=None, help="sent as a Bearer token")
     parser.add_argument("--max-tokens", type=int, default=None, help="max_tokens of each request")
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="temperature of each request (0: greedy, so a generative model's answers can agree)")
     parser.add_argument("--timeout", type=float, default=60.0, help="per-request timeout in seconds")
     parser.add_argument("--warmup", type=int, default=None, help="uncounted requests first (default min(C, N))")
     parser.add_argument("--server-pid", action="append", default=[],
@@ -112,12 +114,15 @@ def load_images(folder: Path) -> list[BenchImage]:
     return images
 
 
-def build_body(model: str, url: str, *, stream: bool, max_tokens: int | None) -> dict[str, Any]:
+def build_body(model: str, url: str, *, stream: bool, max_tokens: int | None,
+               temperature: float | None = None) -> dict[str, Any]:
     """The OpenAI chat request for one image."""
     content = [{"type": "text", "text": PROMPT}, {"type": "image_url", "image_url": {"url": url}}]
     body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": content}], "stream": stream}
     if max_tokens is not None:
         body["max_tokens"] = max_tokens
+    if temperature is not None:
+        body["temperature"] = temperature
     return body
 
 
@@ -132,8 +137,9 @@ class BodyTemplate:
 
     _MARK = "\x00url\x00"
 
-    def __init__(self, model: str, *, stream: bool, max_tokens: int | None) -> None:
-        encoded = json.dumps(build_body(model, self._MARK, stream=stream, max_tokens=max_tokens)).encode()
+    def __init__(self, model: str, *, stream: bool, max_tokens: int | None, temperature: float | None = None) -> None:
+        body = build_body(model, self._MARK, stream=stream, max_tokens=max_tokens, temperature=temperature)
+        encoded = json.dumps(body).encode()
         self.prefix, self.suffix = encoded.split(json.dumps(self._MARK).encode())
         self.stream = stream
 
@@ -298,7 +304,8 @@ async def _drive(
     """Send ``count`` requests from ``args.concurrency`` tasks; ``first`` offsets the nonces."""
     counter = itertools.count()
     outcomes: list[Outcome] = []
-    template = BodyTemplate(args.model, stream=args.stream, max_tokens=args.max_tokens)
+    template = BodyTemplate(args.model, stream=args.stream, max_tokens=args.max_tokens,
+                            temperature=args.temperature)
 
     async def worker() -> None:
         while (index := next(counter)) < count:

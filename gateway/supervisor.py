@@ -39,6 +39,9 @@ log = logging.getLogger("shmgate.supervisor")
 
 TICK_S = 0.2
 STARTUP_GRACE_S = 120.0  # a worker loading a large model may not beat its slot for a while
+# A frontend beats once its preprocessor is loaded; for hf:<dir> that imports transformers and
+# torch, which took over 30 s on a busy 2-core machine (frontends were killed and restarted).
+FRONTEND_STARTUP_GRACE_S = 90.0
 
 
 @dataclass
@@ -147,7 +150,7 @@ class Supervisor:
                     child.start()
                 continue
             if child.is_alive():
-                if child.role == "frontend" and now - child.started_at > STARTUP_GRACE_S / 4:
+                if child.role == "frontend" and now - child.started_at > FRONTEND_STARTUP_GRACE_S:
                     if not seg.slot_alive(seg.frontends, child.slot, DEAD_AFTER_S):
                         log.error("frontend %d stopped beating; killing it", child.slot)
                         child.kill()

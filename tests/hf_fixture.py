@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TINY_MAX_PIXELS", "TINY_MIN_PIXELS", "build_tiny_vlm"]
+__all__ = ["TINY_MAX_PIXELS", "TINY_MIN_PIXELS", "build_tiny_vlm", "reference_processor"]
 
 # Small resize bounds: a 1024x681 photo becomes 8x12 patches of 14 px (24 image tokens).
 TINY_MIN_PIXELS = 28 * 28 * 4
@@ -178,3 +178,25 @@ def build_tiny_vlm(path: Path) -> Path:
     tokenizer = _build_processor(path)
     _build_model(path, tokenizer)
     return path
+
+
+def reference_processor(model_dir: Path) -> Any:
+    """transformers' own ``Qwen2VLProcessor`` built from ``model_dir``: the tests' reference.
+
+    In transformers 5.x its constructor insists on a video processor, which needs
+    torchvision; the type check is skipped for that one argument (images never use it).
+    """
+    from unittest import mock
+
+    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLProcessor
+    from transformers.processing_utils import ProcessorMixin
+
+    check = ProcessorMixin.check_argument_for_proper_class
+
+    def check_except_video(self: Any, name: str, arg: Any) -> Any:
+        return None if name == "video_processor" and arg is None else check(self, name, arg)
+
+    image_processor = AutoImageProcessor.from_pretrained(model_dir, backend="pil")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    with mock.patch.object(ProcessorMixin, "check_argument_for_proper_class", check_except_video):
+        return Qwen2VLProcessor(image_processor, tokenizer, None, chat_template=tokenizer.chat_template)

@@ -33,7 +33,7 @@ from gateway.preprocess.base import ImageTensorSpec  # noqa: E402
 from gateway.preprocess.hf import HFPreprocessor  # noqa: E402
 from shared.errors import InvalidRequest, UndecodableImage  # noqa: E402
 from shared.wire import SamplingParams  # noqa: E402
-from tests.hf_fixture import build_tiny_vlm  # noqa: E402
+from tests.hf_fixture import build_tiny_vlm, reference_processor  # noqa: E402
 from worker.backends.base import BackendEvent, WorkItem  # noqa: E402
 from worker.backends.hf import HFBackend, IncrementalDetokenizer, StopStringFilter, sample_token  # noqa: E402
 
@@ -68,24 +68,7 @@ def backend(model_dir: Path) -> Iterator[HFBackend]:
 
 @pytest.fixture(scope="module")
 def reference(model_dir: Path) -> Any:
-    """transformers' Qwen2VLProcessor built from the same files.
-
-    In transformers 5.x its constructor insists on a video processor, which needs
-    torchvision; the type check is skipped for that one argument (images never use it).
-    """
-    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLProcessor
-    from transformers.processing_utils import ProcessorMixin
-
-    check = ProcessorMixin.check_argument_for_proper_class
-
-    def check_except_video(self: Any, name: str, arg: Any) -> Any:
-        return None if name == "video_processor" and arg is None else check(self, name, arg)
-
-    image_processor = AutoImageProcessor.from_pretrained(model_dir, backend="pil")
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ProcessorMixin, "check_argument_for_proper_class", check_except_video)
-        return Qwen2VLProcessor(image_processor, tokenizer, None, chat_template=tokenizer.chat_template)
+    return reference_processor(model_dir)
 
 
 def preprocess(pre: HFPreprocessor, path: Path) -> dict[str, np.ndarray]:
@@ -307,12 +290,20 @@ def test_eos_ends_with_stop(pre: HFPreprocessor, backend: HFBackend, monkeypatch
     assert (text, finish.finish_reason, finish.completion_tokens) == ("", "stop", 1)
 
 
-def test_two_items_in_one_batch_answer_as_when_alone(pre: HFPreprocessor, backend: HFBackend) -> None:
-    a = work_item(pre, "What is this?", [WIDE], SamplingParams(max_tokens=12, temperature=0.8, seed=5), 1)
-    b = work_item(pre, "Two pictures, compare.", [SQUARE, WIDE], GREEDY, 2)
-    alone = [answer(list(backend.run([a]))), answer(list(backend.run([b])))]
-    events = list(backend.run([a, b]))
-    together = [answer(events, 0), answer(events, 1)]
+def test_items_of_a_padded_batch_answer_as_when_alone(pre: HFPreprocessor, backend: HFBackend) -> None:
+    # Prompts of different lengths (different left padding), rows that end at different steps
+    # (max_tokens, a stop string), greedy and seeded sampling: each answer equals its solo answer.
+    items = [
+        work_item(pre, "What is this?", [WIDE], SamplingParams(max_tokens=12, temperature=0.8, seed=5), 1),
+        work_item(pre, "Two pictures, compare.", [SQUARE, WIDE], SamplingParams(max_tokens=40, temperature=0.0), 2),
+        work_item(pre, "No picture, just talk for a while please.", [], SamplingParams(max_tokens=3, temperature=0.0), 3),
+        work_item(pre, "Square one.", [SQUARE], SamplingParams(max_tokens=30, temperature=0.0, stop=("e",)), 4),
+        work_item(pre, "Wide one, sampled.", [WIDE], SamplingParams(max_tokens=40, temperature=1.0, top_p=0.9,
+                                                                    seed=11), 5),
+    ]
+    alone = [answer(list(backend.run([item]))) for item in items]
+    events = list(backend.run(items))
+    together = [answer(events, i) for i in range(len(items))]
     for (text_alone, end_alone), (text_together, end_together) in zip(alone, together):
         assert text_together == text_alone
         assert (end_together.finish_reason, end_together.prompt_tokens, end_together.completion_tokens) == (
@@ -320,9 +311,25 @@ def test_two_items_in_one_batch_answer_as_when_alone(pre: HFPreprocessor, backen
             end_alone.prompt_tokens,
             end_alone.completion_tokens,
         )
-    # Round-robin: the second item streams before the first one finishes.
+    assert {end.finish_reason for _, end in together} == {"stop", "length"}
+    # Streaming: the last item's text starts before the first item finishes.
     first_finish = next(i for i, e in enumerate(events) if e.finish_reason is not None)
-    assert any(e.index == 1 and e.text for e in events[:first_finish])
+    assert any(e.index == len(items) - 1 and e.text for e in events[:first_finish])
+
+
+def test_a_cancelled_row_leaves_its_batch_mates_intact(pre: HFPreprocessor, backend: HFBackend) -> None:
+    a = work_item(pre, "Keep going.", [WIDE], SamplingParams(max_tokens=20, temperature=0.0), 1)
+    b = work_item(pre, "Stop me.", [SQUARE], SamplingParams(max_tokens=20, temperature=0.0), 2)
+    text_alone, _ = answer(list(backend.run([a])))
+    events = []
+    for event in backend.run([a, b]):
+        events.append(event)
+        if event.index == 1 and event.text:
+            b.cancelled = True
+    text_a, end_a = answer(events, 0)
+    _, end_b = answer(events, 1)
+    assert (text_a, end_a.completion_tokens) == (text_alone, 20)
+    assert end_b.finish_reason == "stop" and end_b.completion_tokens < 20
 
 
 def test_text_only_prompt_runs(pre: HFPreprocessor, backend: HFBackend) -> None:
@@ -401,3 +408,16 @@ def test_greedy_stream_equals_transformers_generate(pre: HFPreprocessor, backend
         do_sample=False,
     )
     assert text == backend.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+def test_dtype_flag_picks_the_weights_dtype(pre: HFPreprocessor, model_dir: Path) -> None:
+    from worker.backends import load_backend
+
+    half = load_backend(f"hf:{model_dir}", torch.device("cpu"), dtype="bfloat16")
+    assert {p.dtype for p in half.model.parameters()} == {torch.bfloat16}
+    item = work_item(pre, "Hi", [SQUARE], SamplingParams(max_tokens=3, temperature=0.0))
+    _, finish = answer(list(half.run([item])))
+    assert (finish.finish_reason, finish.completion_tokens) == ("length", 3)
+    assert load_backend(f"hf:{model_dir}", torch.device("cpu")).model.dtype == torch.float32  # auto on CPU
+    with pytest.raises(ValueError, match="unknown dtype"):
+        load_backend(f"hf:{model_dir}", torch.device("cpu"), dtype="int8")

@@ -46,6 +46,7 @@ class WorkerOptions:
     max_batch_size: int = 8
     max_batch_wait_ms: float = 5.0
     threads: int | None = None
+    dtype: str = "auto"  # hf: models only (worker/backends/hf.py DTYPES)
 
 
 @dataclass
@@ -72,7 +73,9 @@ class Worker:
         self._control = instance.control_queue(self.slot)
         while self._control.try_receive() is not None:
             pass  # cancels addressed to this slot's previous owner
-        self.backend: ModelBackend = load_backend(options.model, self.device, threads=options.threads)
+        self.backend: ModelBackend = load_backend(
+            options.model, self.device, threads=options.threads, dtype=options.dtype
+        )
         # the public model id (hf:<dir> is served under the directory's name): what frontends match
         instance.segment.workers[self.slot]["model"] = self.backend.name.encode()[:48]
         self.copier = DeviceCopier(self.device, instance.segment.mm)

@@ -26,4 +26,13 @@ def get_preprocessor(model: str, *, max_images: int = 8) -> Preprocessor:
         from gateway.preprocess.hf import HFPreprocessor
 
         return HFPreprocessor(model[3:], max_images=max_images)
-    raise ValueError(f"unknown model {model!r}; known: efficientnet-lite0, checksum, hf:<directory>")
+    if model.startswith("checksum:hf:"):
+        # The transport's witness for a real processor: the HF preprocessing feeds a worker
+        # that answers with digests (worker/backends/checksum.py), served as checksum:<name>.
+        from gateway.preprocess.hf import HFPreprocessor, model_id_for
+
+        directory = model.removeprefix("checksum:hf:")
+        return HFPreprocessor(directory, max_images=max_images, model_id="checksum:" + model_id_for(directory))
+    raise ValueError(
+        f"unknown model {model!r}; known: efficientnet-lite0, checksum, hf:<directory>, checksum:hf:<directory>"
+    )

@@ -9,8 +9,14 @@ from worker.backends.base import ModelBackend
 __all__ = ["load_backend"]
 
 
-def load_backend(model: str, device: torch.device, *, threads: int | None = None) -> ModelBackend:
-    """Build the backend serving ``model``. Raises ValueError for an unknown model."""
+def load_backend(
+    model: str, device: torch.device, *, threads: int | None = None, dtype: str = "auto"
+) -> ModelBackend:
+    """Build the backend serving ``model``. Raises ValueError for an unknown model or dtype.
+
+    ``dtype`` (``auto``, ``float32``, ``bfloat16``, ``float16``) applies to ``hf:`` models;
+    the classifier runs float32 and the checksum backend has no weights.
+    """
     if model == "efficientnet-lite0":
         from worker.backends.efficientnet import EfficientNetBackend
 
@@ -20,7 +26,17 @@ def load_backend(model: str, device: torch.device, *, threads: int | None = None
 
         return ChecksumBackend()
     if model.startswith("hf:"):
-        from worker.backends.hf import HFBackend
+        from worker.backends.hf import DTYPES, HFBackend
 
-        return HFBackend(model[3:], device)
-    raise ValueError(f"unknown model {model!r}; known: efficientnet-lite0, checksum, hf:<directory>")
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
+        return HFBackend(model[3:], device, threads=threads, dtype=DTYPES[dtype])
+    if model.startswith("checksum:hf:"):
+        # Digests of what the HF preprocessor sent, instead of the model (gateway/preprocess/__init__.py).
+        from worker.backends.checksum import ChecksumBackend
+        from worker.backends.hf import model_id_for
+
+        return ChecksumBackend(name="checksum:" + model_id_for(model.removeprefix("checksum:hf:")))
+    raise ValueError(
+        f"unknown model {model!r}; known: efficientnet-lite0, checksum, hf:<directory>, checksum:hf:<directory>"
+    )

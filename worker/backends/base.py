@@ -55,7 +55,7 @@ class BackendEvent:
 
 
 class ModelBackend(Protocol):
-    """What the worker calls. Implementations: efficientnet.py, checksum.py (hf.py later)."""
+    """What the worker calls. Implementations: efficientnet.py, checksum.py, hf.py."""
 
     name: str
 

@@ -16,9 +16,21 @@ Answer format (compact JSON, no spaces, keys in this order), for item i:
   (``t.contiguous().cpu().numpy().tobytes()``; bfloat16 is hashed through an int16 view of
   the same bytes, since numpy has no bfloat16). For uint8 pixels that is the raw arena bytes.
 
+When the item carries an inline payload (the token ids of ``checksum:hf:<dir>``, whether
+they rode in the descriptor or in the arena as ``__inline__``), the answer also has
+
+    "inline":{"nbytes":<int>,"blake2b":"<32 hex digits>"}
+
+after the tensor list, hashed the same way over the exact payload bytes. Without one the
+key is absent, so the classifier pipeline's answers are unchanged.
+
 Streaming: the first event is ``{"tensors":[``, then one event per entry (with its leading
-comma after the first), then ``]}``, then a finish event ("stop"). completion_tokens counts
-the entries, prompt_tokens is 0.
+comma after the first), then ``]}`` (or ``],"inline":{...}}``), then a finish event
+("stop"). completion_tokens counts the entries, prompt_tokens is 0.
+
+Served as ``checksum`` behind the classifier preprocessing, and as ``checksum:<name>``
+behind the Hugging Face preprocessing of ``hf:<dir>`` (model spec ``checksum:hf:<dir>``):
+the same witness for any frontend pipeline.
 """
 
 from __future__ import annotations
@@ -45,12 +57,19 @@ def tensor_digest(t: torch.Tensor) -> str:
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
+def _closing(inline: bytes) -> str:
+    """The end of the answer: the tensor list's bracket, and the inline payload's digest if any."""
+    if not inline:
+        return CLOSING
+    digest = {"nbytes": len(inline), "blake2b": hashlib.blake2b(inline, digest_size=16).hexdigest()}
+    return '],"inline":' + json.dumps(digest, separators=(",", ":")) + "}"
+
+
 class ChecksumBackend:
     """Digests each item's tensors; never fails on tensor content (any dtype, any shape)."""
 
-    name = "checksum"
-
-    def __init__(self, device: torch.device | None = None) -> None:
+    def __init__(self, device: torch.device | None = None, *, name: str = "checksum") -> None:
+        self.name = name  # the model id the frontends send: checksum, or checksum:<name> for checksum:hf:<dir>
         self.device = device  # unused: tensors are hashed wherever the worker put them
 
     def run(self, batch: Sequence[WorkItem]) -> Iterator[BackendEvent]:
@@ -72,5 +91,5 @@ class ChecksumBackend:
                     prefix = "," if count else ""
                     yield BackendEvent(i, text=prefix + json.dumps(entry, separators=(",", ":")), flush=False)
                     count += 1
-            yield BackendEvent(i, text=CLOSING, flush=False)
+            yield BackendEvent(i, text=_closing(item.inline), flush=False)
             yield BackendEvent(i, finish_reason="stop", prompt_tokens=0, completion_tokens=count)

@@ -7,10 +7,26 @@ decodes one token at a time with the KV cache, so every token reaches the client
 soon as it exists (no ``generate``, no streamer thread: each step is ours to sample,
 seed, stop or cancel).
 
+Batching (padded decode): each item of a batch is prefilled alone (its prompt length
+and images are its own), then the items' KV caches are merged into one, left-padded
+with zeros to the longest, and every decode step is ONE forward pass over all live
+rows: ``input_ids [rows, 1]``, a per-row position (prompt length + tokens so far +
+that row's RoPE delta) and an attention mask that hides each row's padding. A row that
+ends (EOS, stop string, max_tokens, cancel) is dropped from the cache at once, with the
+padding all remaining rows share; the last row left has no padding and decodes exactly
+as it would alone. A batch is fixed when it starts: requests that arrive meanwhile
+wait for the next one (no continuous batching).
+
 Invariants:
-1. An item's output depends only on that item: batch mates never share a forward pass,
-   and each request samples from its own ``torch.Generator`` (seeded by ``seed``), so a
-   request gives the same text alone or in any batch.
+1. An item's output depends only on that item: each request samples from its own
+   ``torch.Generator`` (seeded by ``seed``), its positions are its own, and padding is
+   masked, so a request gives the same text alone or in any batch. Caveat, measured on
+   the tiny test model in float32 on CPU: a masked, padded attention sums in another
+   order than an unpadded one, so logits differ by ~1e-7 (same-length rows: bitwise
+   equal). A greedy pick flips only where two tokens tie to within that; in bfloat16
+   the rounding is coarser and such flips are likelier. tests/test_hf.py checks that
+   batched answers (greedy and seeded sampling, mixed lengths, rows ending early)
+   equal their solo answers.
 2. Positions are computed here and passed explicitly. Qwen2-VL's multimodal RoPE needs
    3-D positions for the prefill and an offset (``rope delta``) for every later token;
    the model would otherwise keep that delta in ``model.model.rope_deltas``, one slot
@@ -35,12 +51,13 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from shared.errors import InvalidRequest
 from shared.wire import SamplingParams
 from worker.backends.base import BackendEvent, WorkItem
 
-__all__ = ["HFBackend", "IncrementalDetokenizer", "StopStringFilter", "sample_token"]
+__all__ = ["DTYPES", "HFBackend", "IncrementalDetokenizer", "StopStringFilter", "model_id_for", "sample_token"]
 
 DEFAULT_MAX_TOKENS = 256
 # config.model_type values this backend was run against. Both use Qwen2-VL's image
@@ -48,6 +65,23 @@ DEFAULT_MAX_TOKENS = 256
 SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 # The image tensors this backend passes to the model, by TensorRef name.
 IMAGE_TENSORS = ("pixel_values", "image_grid_thw")
+# --dtype values. "auto": bfloat16 on CUDA, float32 on CPU (CPU half precision is slow and
+# poorly supported by the kernels these models use).
+DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def model_id_for(model_dir: str) -> str:
+    """The id ``hf:<model_dir>`` is served under: the directory's base name.
+
+    The same rule as the frontend's (gateway/preprocess/hf.py); the two halves never
+    import each other, and the worker's id must equal the one the frontend sends.
+    """
+    return os.path.basename(os.path.normpath(model_dir))
 
 
 class HFBackend:
@@ -56,11 +90,9 @@ class HFBackend:
     Supports the Qwen2-VL family (``SUPPORTED_MODEL_TYPES``): dynamic resolution,
     multimodal RoPE.
 
-    Batching: the items of a batch are decoded round-robin, one token per item per
-    turn, each with its own KV cache. Every stream starts after the prefills ahead of
-    it and then advances at the same pace; total throughput equals running them one
-    after another (a padded batched forward would be faster on a GPU, at the cost of
-    per-row masks and RoPE offsets; not done yet).
+    Batching: prefill per item, then padded batched decode (module docstring). Every
+    stream starts after the prefills ahead of it in the batch, then all advance one
+    token per forward pass over the whole batch.
     """
 
     def __init__(
@@ -71,19 +103,24 @@ class HFBackend:
         dtype: torch.dtype | None = None,
         name: str | None = None,
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
+        threads: int | None = None,
     ) -> None:
         """Load the model (fp32 on CPU, bf16 on CUDA unless ``dtype``) and its tokenizer.
 
         ``name`` defaults to the directory's base name, the id the frontend serves it
-        under (gateway/preprocess/hf.py ``model_id_for``). Raises ValueError for an
-        architecture outside ``SUPPORTED_MODEL_TYPES`` (before reading any weights).
+        under (gateway/preprocess/hf.py ``model_id_for``). ``threads`` sets torch's
+        intra-op threads of this process (a CPU worker owns its process). Raises
+        ValueError for an architecture outside ``SUPPORTED_MODEL_TYPES`` (before reading
+        any weights).
         """
         from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
 
         model_type = AutoConfig.from_pretrained(model_dir).model_type
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"{model_dir}: model type {model_type!r} is not supported; known: {SUPPORTED_MODEL_TYPES}")
-        self.name = name or os.path.basename(os.path.normpath(model_dir))
+        if threads is not None:
+            torch.set_num_threads(threads)
+        self.name = name or model_id_for(model_dir)
         self.device = device
         self.dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         self.default_max_tokens = default_max_tokens
@@ -100,57 +137,74 @@ class HFBackend:
         item's token ids or tensors are not what the frontend writes.
         """
         inputs = [self._layout.check(item, self.device) for item in batch]
-        streams = [self._stream(i, item, x) for i, (item, x) in enumerate(zip(batch, inputs))]
-        while streams:
-            for stream in list(streams):
-                events = next(stream, None)
-                if events is None:
-                    streams.remove(stream)
-                else:
-                    yield from events
+        rows = [self._row(i, item, x) for i, (item, x) in enumerate(zip(batch, inputs))]
+        live: list[_Row] = []
+        for row in rows:  # prefill one at a time: every prompt has its own length and images
+            if row.limit == 0 or row.item.cancelled:
+                yield from self._finish(row, "length" if row.limit == 0 else "stop")
+                continue
+            logits, row.cache, row.delta = self._prefill(row.inputs)
+            yield from self._accept(row, logits)
+            if row.finish is None:
+                live.append(row)
+        if len(live) > 1:
+            _merge_caches(live)
+        while live:
+            for row in live:
+                if row.item.cancelled:
+                    yield from self._finish(row, "stop")
+            still = [row for row in live if row.finish is None]
+            if still and len(still) < len(live):  # (two or more rows: they share a merged cache)
+                _select_rows(live, still)
+            live = still
+            if not live:
+                break
+            logits = self._decode_step(live)
+            for row, row_logits in zip(live, logits):
+                yield from self._accept(row, row_logits)
 
-    def _stream(self, index: int, item: WorkItem, inputs: _Inputs) -> Iterator[list[BackendEvent]]:
-        """One item's generation; yields the events of each decoding step (maybe none)."""
-        params = item.params
+    def _row(self, index: int, item: WorkItem, inputs: _Inputs) -> _Row:
         prompt_tokens = inputs.input_ids.shape[1]
-        limit = _token_budget(params, self.default_max_tokens, self._layout.max_positions - prompt_tokens)
-        detok = IncrementalDetokenizer(self.tokenizer)
-        stops = StopStringFilter(params.stop)
-        generator = _generator(self.device, params.seed)
-        completion_tokens = 0
-        finish = "length"
-        logits: torch.Tensor | None = None
-        cache: Any = None
-        delta = 0
-        while completion_tokens < limit:
-            if item.cancelled:
-                finish = "stop"
-                break
-            if logits is None:
-                logits, cache, delta = self._prefill(inputs)
-            token = sample_token(logits, params.temperature, params.top_p, generator)
-            completion_tokens += 1
-            if token in self.eos_token_ids:
-                finish = "stop"
-                break
-            text = stops.push(detok.push(token))
-            events = [BackendEvent(index, text=text)] if text else []
-            if stops.stopped:
-                finish = "stop"
-                yield events
-                break
-            if completion_tokens < limit:  # no forward pass for a token nobody will read
-                position = prompt_tokens + completion_tokens - 1 + delta
-                logits = self._decode_step(token, position, cache)
-            yield events
+        params = item.params
+        return _Row(
+            index=index,
+            item=item,
+            inputs=inputs,
+            prompt_tokens=prompt_tokens,
+            limit=_token_budget(params, self.default_max_tokens, self._layout.max_positions - prompt_tokens),
+            detok=IncrementalDetokenizer(self.tokenizer),
+            stops=StopStringFilter(params.stop),
+            generator=_generator(self.device, params.seed),
+        )
+
+    def _accept(self, row: _Row, logits: torch.Tensor) -> list[BackendEvent]:
+        """Sample the row's next token from ``logits``; return its text, and the end if it ended."""
+        params = row.item.params
+        token = sample_token(logits, params.temperature, params.top_p, row.generator)
+        row.completion_tokens += 1
+        row.token = token
+        if token in self.eos_token_ids:
+            return self._finish(row, "stop")
+        text = row.stops.push(row.detok.push(token))
+        events = [BackendEvent(row.index, text=text)] if text else []
+        if row.stops.stopped:
+            return events + self._finish(row, "stop")
+        if row.completion_tokens >= row.limit:  # no forward pass for a token nobody will read
+            return events + self._finish(row, "length")
+        return events
+
+    def _finish(self, row: _Row, reason: str) -> list[BackendEvent]:
+        """End the row: release held-back text (unless a stop string cut it) and report usage."""
+        row.finish = reason
+        row.cache = None
         tail = ""
-        if not stops.stopped:  # EOS, length or cancel: release what was held back
-            tail = stops.push(detok.flush())
-            tail += stops.flush()
-        final = [BackendEvent(index, text=tail)] if tail else []
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
-        final.append(BackendEvent(index, finish_reason=finish, **usage))
-        yield final
+        if not row.stops.stopped:  # EOS, length or cancel: release what was held back
+            tail = row.stops.push(row.detok.flush())
+            tail += row.stops.flush()
+        events = [BackendEvent(row.index, text=tail)] if tail else []
+        usage = {"prompt_tokens": row.prompt_tokens, "completion_tokens": row.completion_tokens}
+        events.append(BackendEvent(row.index, finish_reason=reason, **usage))
+        return events
 
     def _prefill(self, inputs: _Inputs) -> tuple[torch.Tensor, Any, int]:
         """Run the prompt (and images); return the last logits, the KV cache and the RoPE delta."""
@@ -175,13 +229,80 @@ class HFBackend:
         )
         return positions, int(deltas.reshape(-1)[0])
 
-    def _decode_step(self, token: int, position: int, cache: Any) -> torch.Tensor:
-        """Feed one sampled token; return the next logits (the cache grows in place)."""
+    def _decode_step(self, rows: Sequence[_Row]) -> torch.Tensor:
+        """Feed each row's last sampled token in one forward pass; return logits ``[rows, vocab]``.
+
+        The rows share one cache, left-padded to a common length (``_merge_caches``); the
+        attention mask hides each row's padding and every row gets its own position.
+        """
+        cache = rows[0].cache
         with torch.inference_mode():
-            ids = torch.tensor([[token]], device=self.device)
-            positions = torch.tensor([[position]], device=self.device)
-            out = self.model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True)
-        return out.logits[0, -1]
+            ids = torch.tensor([[row.token] for row in rows], device=self.device)
+            positions = torch.tensor(
+                [[row.prompt_tokens + row.completion_tokens - 1 + row.delta] for row in rows], device=self.device
+            )
+            kwargs: dict[str, Any] = {"input_ids": ids, "position_ids": positions, "past_key_values": cache}
+            if any(row.pad for row in rows):
+                mask = torch.ones(len(rows), cache.get_seq_length() + 1, dtype=torch.long, device=self.device)
+                for i, row in enumerate(rows):
+                    mask[i, : row.pad] = 0
+                kwargs["attention_mask"] = mask
+            out = self.model(**kwargs, use_cache=True)
+        return out.logits[:, -1]
+
+
+# -- padded batches ------------------------------------------------------------------
+
+
+@dataclass
+class _Row:
+    """One item's generation state; rows decoded together share one left-padded cache."""
+
+    index: int
+    item: WorkItem
+    inputs: _Inputs
+    prompt_tokens: int
+    limit: int
+    detok: IncrementalDetokenizer
+    stops: StopStringFilter
+    generator: torch.Generator
+    completion_tokens: int = 0
+    token: int = -1  # the last sampled token: the next decode step's input
+    finish: str | None = None
+    cache: Any = None
+    delta: int = 0  # multimodal RoPE offset of the tokens after the prompt
+    pad: int = 0  # zero positions on the left of this row in the shared cache
+
+
+def _merge_caches(rows: Sequence[_Row]) -> None:
+    """Turn the rows' own caches (batch 1 each) into one, left-padded with zeros to the longest."""
+    caches = [row.cache for row in rows]
+    lengths = [cache.get_seq_length() for cache in caches]
+    longest = max(lengths)
+    merged = caches[0]
+    for i, layer in enumerate(merged.layers):
+        if type(layer).__name__ != "DynamicLayer":
+            raise RuntimeError(f"cannot batch a {type(layer).__name__} cache layer (sliding-window attention?)")
+        for attr in ("keys", "values"):
+            parts = [F.pad(getattr(cache.layers[i], attr), (0, 0, longest - n, 0)) for cache, n in zip(caches, lengths)]
+            setattr(layer, attr, torch.cat(parts))
+    for row, n in zip(rows, lengths):
+        row.cache, row.pad = merged, longest - n
+
+
+def _select_rows(rows: Sequence[_Row], keep: Sequence[_Row]) -> None:
+    """Drop finished rows from the shared cache, and the padding every kept row has in common.
+
+    When a single row is left, its padding is gone too and it decodes exactly as it would alone.
+    """
+    cache = keep[0].cache
+    index = torch.tensor([rows.index(row) for row in keep], device=cache.layers[0].keys.device)
+    trim = min(row.pad for row in keep)
+    for layer in cache.layers:
+        layer.keys = layer.keys.index_select(0, index)[..., trim:, :]
+        layer.values = layer.values.index_select(0, index)[..., trim:, :]
+    for row in keep:
+        row.pad -= trim
 
 
 # -- inputs ----------------------------------------------------------------------

@@ -1,0 +1,19 @@
+"""Which GPUs ``shmgate serve`` hands its workers: CUDA_VISIBLE_DEVICES is a restriction, not a hint."""
+
+from __future__ import annotations
+
+from gateway.cli import visible_gpus
+
+
+def test_without_cuda_visible_devices_every_gpu_of_the_machine() -> None:
+    assert visible_gpus({}, 4) == ["0", "1", "2", "3"]
+    assert visible_gpus({}, 0) == []
+
+
+def test_cuda_visible_devices_restricts_and_keeps_its_ids() -> None:
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "2,3"}, 4) == ["2", "3"]
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": " GPU-1a2b , GPU-3c4d "}, 8) == ["GPU-1a2b", "GPU-3c4d"]
+
+
+def test_empty_cuda_visible_devices_means_no_gpu() -> None:
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}, 4) == []
