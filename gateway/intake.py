@@ -98,6 +98,10 @@ def parse_chat_request(body: bytes, limits: IntakeLimits) -> ChatRequest:
         raise InvalidRequest(f"invalid request: {exc}", param=_param_of(exc)) from None
     except msgspec.DecodeError:
         raise InvalidRequest("the request body is not valid JSON") from None
+    except UnicodeDecodeError:  # msgspec lets invalid UTF-8 inside a string out as this, not DecodeError
+        raise InvalidRequest("the request body is not valid UTF-8 JSON") from None
+    except RecursionError:  # msgspec's own depth guard, also hit while skipping unknown fields
+        raise InvalidRequest("the request body nests arrays or objects too deeply") from None
     if not req.messages:
         raise InvalidRequest("messages must not be empty", param="messages")
     if len(req.messages) > limits.max_messages:
