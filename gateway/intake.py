@@ -155,7 +155,7 @@ def parse_chat_request(body: bytes, limits: IntakeLimits) -> ChatRequest:
 def _sampling(req: ChatCompletionRequest) -> SamplingParams:
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is not None and not 1 <= max_tokens <= 1 << 20:
-        raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
+        raise InvalidRequest(f"max_tokens must be between 1 and {1 << 20}", param="max_tokens")
     temperature = 1.0 if req.temperature is None else req.temperature
     if not 0.0 <= temperature <= 2.0:
         raise InvalidRequest("temperature must be between 0 and 2", param="temperature")
