@@ -32,4 +32,5 @@ def efficientnet_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Se
 @pytest.fixture(scope="module")
 def spare_slot_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """One worker (so its pid identifies it) and one frontend slot no process uses, for a test to attach to."""
-    yield from _serve("checksum", tmp_path_factory, "--workers", "1", "--spare-frontend-slots", "1")
+    yield from _serve("checksum", tmp_path_factory, "--workers", "1", "--max-workers", "2",
+                      "--spare-frontend-slots", "1")
