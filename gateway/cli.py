@@ -214,6 +214,7 @@ def _run_frontend(args: argparse.Namespace) -> int:
 
     from gateway.app import AppOptions, create_app
     from gateway.frontend import FrontendLimits
+    from gateway.http_limits import http_protocol
     from gateway.intake import IntakeLimits
 
     options = AppOptions(
@@ -237,6 +238,7 @@ def _run_frontend(args: argparse.Namespace) -> int:
     sock = socket.socket(fileno=args.fd)
     config = uvicorn.Config(
         create_app(options),
+        http=http_protocol(),  # a bounded request head (gateway/http_limits.py)
         log_level=args.log_level.lower() if args.log_level.lower() != "info" else "warning",
         timeout_graceful_shutdown=int(args.drain_timeout_s),
         access_log=False,
