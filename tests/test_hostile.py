@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import io
 import json
+import re
+import socket
 import struct
 from dataclasses import dataclass
 
@@ -266,3 +269,59 @@ def test_every_hostile_input_at_once_leaves_the_good_requests_intact(spare_slot_
         _check_digest(response, _expected_checksum(data))
     assert httpx.get(spare_slot_server.base_url + "/ready", timeout=10).status_code == 200
     assert spare_slot_server.metric('shmgate_requests_total{outcome="server_error"}') == 0
+
+
+# -- the HTTP layer: heads and bodies that never end ------------------------------------------------------
+
+
+def _raw_exchange(server: Server, head: bytes, filler: bytes, max_mib: int) -> bytes:
+    """Send ``head`` then up to ``max_mib`` MiB of ``filler`` until the server answers or closes; its answer."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
+        sock.sendall(head)
+        try:
+            for _ in range(max_mib):
+                sock.sendall(filler * max(1, (1 << 20) // len(filler)))
+        except OSError:  # the server closed the connection: its answer is waiting
+            pass
+        answer = b""
+        with contextlib.suppress(OSError):
+            while not _complete(answer) and (chunk := sock.recv(65536)):
+                answer += chunk
+    return answer
+
+
+def _complete(answer: bytes) -> bool:
+    """A whole response is in (the server may keep the connection open after a 413)."""
+    head, found, body = answer.partition(b"\r\n\r\n")
+    length = re.search(rb"content-length: *(\d+)", head, re.IGNORECASE)
+    return bool(found and length and len(body) >= int(length.group(1)))
+
+
+def _answer_json(answer: bytes) -> tuple[int, dict[str, object]]:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), json.loads(body)
+
+
+@pytest.mark.parametrize(("name", "head", "filler"), [
+    ("an endless header value", b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-A: ", b"a"),
+    ("an endless request line", b"GET /v1/models?q=", b"a"),
+    ("endless headers", b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n", b"X-B: 1\r\n"),
+])
+def test_an_endless_request_head_is_cut_off_with_a_431(spare_slot_server: Server, name: str, head: bytes,
+                                                       filler: bytes) -> None:
+    # 64 MiB offered; the answer after ~1 MiB proves the frontend stopped buffering (it grew by
+    # 400 MB on the same input before gateway/http_limits.py).
+    status, body = _answer_json(_raw_exchange(spare_slot_server, head, filler, max_mib=64))
+    assert status == 431
+    assert body["error"]["code"] == "headers_too_large"  # type: ignore[index]
+    _send_and_check(spare_slot_server, Case(_chat("hi"), 200), seed=400)
+
+
+def test_a_chunked_body_without_length_is_cut_off_at_the_limit(spare_slot_server: Server) -> None:
+    chunk = b"x" * (1 << 20)
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head += b"Transfer-Encoding: chunked\r\n\r\n"
+    framed = b"%x\r\n" % len(chunk) + chunk + b"\r\n"
+    status, body = _answer_json(_raw_exchange(spare_slot_server, head, framed, max_mib=40))
+    assert status == 413 and body["error"]["code"] == "image_too_large"  # type: ignore[index]
+    _send_and_check(spare_slot_server, Case(_chat("hi"), 200), seed=401)
