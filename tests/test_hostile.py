@@ -183,6 +183,20 @@ WRONG_TYPES: dict[str, object] = {
     "max_completion_tokens": 2.5, "temperature": "hot", "top_p": [1], "seed": "x", "stop": 5, "n": "2", "user": 5,
 }
 
+# Wrong types inside a message: the 400 names the path to the offending value.
+NESTED_WRONG_TYPES: dict[str, tuple[object, str]] = {
+    "messages[0].role": ({"role": 1, "content": "hi"}, "messages[0].role"),
+    "messages[0].content": ({"role": "user", "content": 5}, "messages[0].content"),
+    "messages[0].name": ({"role": "user", "content": "hi", "name": []}, "messages[0].name"),
+    "a part's text": ({"role": "user", "content": [{"type": "text", "text": 5}]}, "messages[0].content[0].text"),
+    "a part's type": ({"role": "user", "content": [{"type": 5, "text": "x"}]}, "messages[0].content[0].type"),
+    "image_url as a string": ({"role": "user", "content": [{"type": "image_url", "image_url": "data:,"}]},
+                              "messages[0].content[0].image_url"),
+    "image_url.url": ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": None}}]},
+                      "messages[0].content[0].image_url.url"),
+    "a message that is a string": ("hi", "messages[0]"),
+}
+
 CASES = _cases()
 
 
@@ -236,6 +250,14 @@ def test_hostile_input_is_answered_precisely_and_a_concurrent_request_is_unaffec
 def test_a_wrongly_typed_field_is_a_400_naming_it(spare_slot_server: Server, field: str) -> None:
     body = {"model": "checksum", "messages": [{"role": "user", "content": "hi"}], field: WRONG_TYPES[field]}
     _send_and_check(spare_slot_server, Case(_json(body), 400, "invalid_request", field), seed=100 + len(field))
+
+
+@pytest.mark.parametrize("name", list(NESTED_WRONG_TYPES))
+def test_a_wrongly_typed_value_inside_a_message_is_a_400_naming_its_path(spare_slot_server: Server,
+                                                                         name: str) -> None:
+    message, param = NESTED_WRONG_TYPES[name]
+    body = _json({"model": "checksum", "messages": [message]})
+    _send_and_check(spare_slot_server, Case(body, 400, "invalid_request", param), seed=150 + len(name))
 
 
 @pytest.mark.parametrize("orientation", range(1, 9))
