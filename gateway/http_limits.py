@@ -11,6 +11,10 @@ the connection is closed.
 The count is of whole socket reads, so a read that also carries the tail of a previous
 (pipelined) request's body counts against the next head; one read is at most 256 KiB, hence
 the generous 1 MiB bound, which still caps the memory a connection can pin before the app runs.
+
+The same protocol answers requests httptools cannot parse (``Content-Length: abc``, a bad
+request line) with an OpenAI error object instead of uvicorn's plain-text 400, so that every
+error a client can get from a frontend has one shape.
 """
 
 from __future__ import annotations
@@ -18,18 +22,24 @@ from __future__ import annotations
 import asyncio
 import json
 
+from gateway.http_errors import error_body
+
 __all__ = ["MAX_HEAD_BYTES", "http_protocol"]
 
 MAX_HEAD_BYTES = 1 << 20
 
-_BODY = json.dumps({"error": {
-    "message": f"the request line and headers are larger than {MAX_HEAD_BYTES} bytes",
-    "type": "invalid_request_error", "param": None, "code": "headers_too_large",
-}}).encode()
-_RESPONSE = (
-    b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
-    + b"content-length: %d\r\nconnection: close\r\n\r\n" % len(_BODY) + _BODY
-)
+
+def _closing_response(status: bytes, message: str, code: str) -> bytes:
+    """A complete HTTP/1.1 response carrying an OpenAI error object, after which we close."""
+    body = json.dumps(error_body(message, "invalid_request_error", code)).encode()
+    head = b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+    return head % (status, len(body)) + body
+
+
+_TOO_LARGE = _closing_response(b"431 Request Header Fields Too Large",
+                               f"the request line and headers are larger than {MAX_HEAD_BYTES} bytes",
+                               "headers_too_large")
+_UNPARSABLE = _closing_response(b"400 Bad Request", "the HTTP request could not be parsed", "invalid_http")
 
 
 def http_protocol() -> type[asyncio.Protocol] | str:
@@ -58,7 +68,11 @@ def http_protocol() -> type[asyncio.Protocol] | str:
                 return
             self._head_bytes += len(data)
             if self._head_bytes > MAX_HEAD_BYTES:
-                self.transport.write(_RESPONSE)
+                self.transport.write(_TOO_LARGE)
                 self.transport.close()
+
+        def send_400_response(self, msg: str) -> None:  # httptools could not parse the request
+            self.transport.write(_UNPARSABLE)
+            self.transport.close()
 
     return BoundedHttpToolsProtocol

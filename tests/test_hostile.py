@@ -339,6 +339,13 @@ def test_an_endless_request_head_is_cut_off_with_a_431(spare_slot_server: Server
     _send_and_check(spare_slot_server, Case(_chat("hi"), 200), seed=400)
 
 
+def test_an_unparsable_http_request_gets_an_openai_error(spare_slot_server: Server) -> None:
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n"
+    status, body = _answer_json(_raw_exchange(spare_slot_server, head, b"{}", max_mib=0))
+    assert status == 400 and body["error"]["code"] == "invalid_http"  # type: ignore[index]
+    _send_and_check(spare_slot_server, Case(_chat("hi"), 200), seed=402)
+
+
 def test_a_chunked_body_without_length_is_cut_off_at_the_limit(spare_slot_server: Server) -> None:
     chunk = b"x" * (1 << 20)
     head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
