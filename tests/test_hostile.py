@@ -149,6 +149,7 @@ def _cases() -> dict[str, Case]:
         "5000 messages": Case(_json({"model": "checksum", "messages": [hi] * 5000}), 400, "invalid_request",
                               "messages"),
         "a 3 MiB prompt": Case(_chat("x" * (3 << 20)), 400, "invalid_request", "messages"),
+        "a 1,000,000-character prompt (under the limit)": Case(_chat("é" * 1_000_000), 200),
         "invalid utf-8 in a string": Case(b'{"model":"checksum","messages":[{"role":"user","content":"\xc3("}]}',
                                           400, "invalid_request"),
         "a lone surrogate escape": Case(_chat("\\ud800").replace(b"\\\\", b"\\"), 400, "invalid_request"),
