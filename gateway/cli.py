@@ -113,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="gateway and workers in one command")
     _add_gateway_flags(serve)
     _add_worker_flags(serve)
+    # Slots with a partition and a reply channel but no HTTP process: a diagnostic tool (or a
+    # test forging descriptors) attaches as a frontend there without stealing a real
+    # frontend's replies. They take a share of the arena, so the default is none.
+    serve.add_argument("--spare-frontend-slots", type=int, default=0, help=argparse.SUPPRESS)
     gateway = sub.add_parser("gateway", help="frontends only; workers attach by label")
     _add_gateway_flags(gateway)
     sub.add_parser("worker", help="one model worker (see shmgate worker --help)", add_help=False)
@@ -217,7 +221,7 @@ def _run_supervised(args: argparse.Namespace, *, with_workers: bool) -> int:
     sock.set_inheritable(True)
     instance = Instance.create(
         arena_size=parse_size(args.arena_size),
-        n_frontends=n_frontends,
+        n_frontends=n_frontends + getattr(args, "spare_frontend_slots", 0),
         n_workers=n_worker_slots,
         label=args.label,
         queue_depth=args.queue_depth,
@@ -249,6 +253,7 @@ def _run_frontend(args: argparse.Namespace) -> int:
     from gateway.app import AppOptions, create_app
     from gateway.fetch import FetchPolicy
     from gateway.frontend import FrontendLimits
+    from gateway.http_limits import http_protocol
     from gateway.intake import IntakeLimits
 
     options = AppOptions(
@@ -277,6 +282,7 @@ def _run_frontend(args: argparse.Namespace) -> int:
     sock = socket.socket(fileno=args.fd)
     config = uvicorn.Config(
         create_app(options),
+        http=http_protocol(),  # a bounded request head (gateway/http_limits.py)
         log_level=args.log_level.lower() if args.log_level.lower() != "info" else "warning",
         timeout_graceful_shutdown=int(args.drain_timeout_s),
         access_log=False,

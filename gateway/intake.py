@@ -109,6 +109,10 @@ def parse_chat_request(body: bytes, limits: IntakeLimits) -> ChatRequest:
         raise InvalidRequest(f"invalid request: {exc}", param=_param_of(exc)) from None
     except msgspec.DecodeError:
         raise InvalidRequest("the request body is not valid JSON") from None
+    except UnicodeDecodeError:  # msgspec lets invalid UTF-8 inside a string out as this, not DecodeError
+        raise InvalidRequest("the request body is not valid UTF-8 JSON") from None
+    except RecursionError:  # msgspec's own depth guard, also hit while skipping unknown fields
+        raise InvalidRequest("the request body nests arrays or objects too deeply") from None
     if not req.messages:
         raise InvalidRequest("messages must not be empty", param="messages")
     if len(req.messages) > limits.max_messages:
@@ -169,7 +173,7 @@ def parse_chat_request(body: bytes, limits: IntakeLimits) -> ChatRequest:
 def _sampling(req: ChatCompletionRequest) -> SamplingParams:
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is not None and not 1 <= max_tokens <= 1 << 20:
-        raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
+        raise InvalidRequest(f"max_tokens must be between 1 and {1 << 20}", param="max_tokens")
     temperature = 1.0 if req.temperature is None else req.temperature
     if not 0.0 <= temperature <= 2.0:
         raise InvalidRequest("temperature must be between 0 and 2", param="temperature")

@@ -27,3 +27,10 @@ def checksum_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server
 @pytest.fixture(scope="module")
 def efficientnet_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     yield from _serve("efficientnet-lite0", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def spare_slot_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """One worker (so its pid identifies it) and one frontend slot no process uses, for a test to attach to."""
+    yield from _serve("checksum", tmp_path_factory, "--workers", "1", "--max-workers", "2",
+                      "--spare-frontend-slots", "1")

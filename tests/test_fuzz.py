@@ -1,0 +1,243 @@
+"""Fuzzing the request schema and the image intake: zero 5xx, zero stray exceptions, no hangs.
+
+(a) Chat request bodies, from almost valid (the OpenAI structure with random values and
+    random extra fields) to random JSON and random bytes, are POSTed to a running server:
+    every answer is a 200 or an OpenAI error below 500, and the server stays ready.
+(b) Real JPEG/PNG/WebP files, mutated (bit flips, byte sets, truncation, deletions,
+    duplications and splices of another file), go through the frontend's image pipeline
+    (``preprocess_image``: header check, decode, EXIF, resize, write) many times, and a smaller
+    number through the server: only UndecodableImage / ImageTooLarge, and 400/413 over HTTP.
+
+Counts stay small for CI (the file runs in well under 40 s); ``SHMGATE_FUZZ_EXAMPLES=N`` runs
+N examples per component test and N/10 per server test, with fresh randomness.
+tests/test_imaging.py has a simpler decode-only corruption fuzz; this one adds structural
+mutations, more formats and the server.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from datetime import timedelta
+
+import httpx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from PIL import Image
+
+from gateway.intake import IntakeLimits, parse_chat_request
+from gateway.preprocess.vision import ChecksumPreprocessor
+from shared.errors import ImageTooLarge, RequestError, UndecodableImage
+from tests.serving import IMAGES, Server, data_url
+from tests.test_imaging import encode, exif_rotated_jpeg
+
+FUZZ_EXAMPLES = int(os.environ.get("SHMGATE_FUZZ_EXAMPLES", "0"))
+MAX_PIXELS = 4_000_000
+HANG_GUARD = timedelta(seconds=30)  # per example: generous, only a hang trips it
+
+
+def fuzz_settings(default: int, *, server: bool = False) -> settings:
+    wanted = FUZZ_EXAMPLES // 10 if server else FUZZ_EXAMPLES
+    return settings(
+        max_examples=max(default, wanted),
+        deadline=HANG_GUARD,
+        derandomize=FUZZ_EXAMPLES == 0,  # CI: the same examples every run; big runs: fresh ones
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much,
+                               HealthCheck.function_scoped_fixture],
+    )
+
+
+# -- seeds: real files of every format and mode the intake accepts ------------------------------------------
+
+
+def _seeds() -> list[bytes]:
+    photo = Image.open(IMAGES / "camera_640.jpg").convert("RGB").resize((80, 60))
+    frames = [photo, photo.rotate(90), photo.transpose(Image.Transpose.FLIP_LEFT_RIGHT)]
+    return [
+        encode(photo, "JPEG", quality=85),
+        encode(photo, "JPEG", quality=70, progressive=True, subsampling=2),
+        encode(photo.convert("CMYK"), "JPEG"),
+        exif_rotated_jpeg((64, 40), 6),
+        encode(photo, "PNG"),
+        encode(photo.convert("RGBA"), "PNG"),
+        encode(photo.convert("P", palette=Image.Palette.ADAPTIVE), "PNG", transparency=0),
+        encode(Image.fromarray(np.asarray(photo.convert("L"), np.uint16) * 257), "PNG"),
+        encode(photo, "WEBP", quality=80),
+        encode(photo, "WEBP", lossless=True),
+        encode(frames[0], "WEBP", save_all=True, append_images=frames[1:], duration=40),
+        encode(frames[0], "PNG", save_all=True, append_images=frames[1:], duration=40),  # APNG
+    ]
+
+
+SEEDS = _seeds()
+
+# One mutation: (kind, position, argument); positions and lengths are taken modulo the file size.
+MUTATION = st.tuples(
+    st.sampled_from(["flip", "set", "truncate", "delete", "duplicate", "splice", "zero_run"]),
+    st.integers(0, 1 << 20),
+    st.integers(0, 1 << 16),
+)
+
+
+def mutate(data: bytes, mutations: list[tuple[str, int, int]], donor: bytes) -> bytes:
+    out = bytearray(data)
+    for kind, position, argument in mutations:
+        if not out:
+            break
+        at = position % len(out)
+        if kind == "flip":
+            out[at] ^= 1 << (argument % 8)
+        elif kind == "set":
+            out[at] = argument % 256
+        elif kind == "truncate":
+            del out[max(1, at) :]
+        elif kind == "delete":
+            del out[at : at + 1 + argument % 64]
+        elif kind == "duplicate":
+            out[at:at] = out[at : at + 1 + argument % 256]
+        elif kind == "splice":  # a slice of another file, e.g. a PNG chunk inside a JPEG segment
+            start = argument % len(donor)
+            out[at:at] = donor[start : start + 1 + position % 512]
+        else:  # zero_run: lengths and sizes in headers become 0
+            out[at : at + 1 + argument % 16] = bytes(len(out[at : at + 1 + argument % 16]))
+    return bytes(out)
+
+
+MUTATED_IMAGE = st.builds(
+    lambda seed, donor, mutations: mutate(SEEDS[seed], mutations, SEEDS[donor]),
+    st.integers(0, len(SEEDS) - 1),
+    st.integers(0, len(SEEDS) - 1),
+    st.lists(MUTATION, min_size=1, max_size=6),
+)
+
+
+def _run_pipeline(data: bytes) -> np.ndarray | None:
+    """The frontend's image pipeline into a plain array; None when it refused the image."""
+    out: dict[str, np.ndarray] = {}
+
+    def allocate(name: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+        out[name] = np.zeros(shape, dtype)
+        return out[name]
+
+    try:
+        ChecksumPreprocessor().preprocess_image(data, allocate, max_pixels=MAX_PIXELS)
+    except (UndecodableImage, ImageTooLarge):
+        assert not out, "a refused image must not have allocated"
+        return None
+    return out["pixels"]
+
+
+def test_every_seed_is_accepted_unmutated() -> None:
+    for data in SEEDS:
+        pixels = _run_pipeline(data)
+        assert pixels is not None and pixels.shape == (3, 224, 224)
+
+
+@fuzz_settings(300)
+@given(data=MUTATED_IMAGE)
+def test_mutated_images_give_pixels_or_our_errors_only(data: bytes) -> None:
+    pixels = _run_pipeline(data)
+    assert pixels is None or (pixels.shape == (3, 224, 224) and pixels.dtype == np.uint8)
+
+
+@fuzz_settings(150)
+@given(data=MUTATED_IMAGE, wrap=st.integers(0, 200))
+def test_mutated_data_urls_through_request_parsing_give_request_errors_only(data: bytes, wrap: int) -> None:
+    url = data_url(data, "image/png")
+    if wrap:  # line-wrapped base64, as some encoders write it
+        head, payload = url.split(",", 1)
+        url = head + "," + "\n".join(payload[i : i + wrap] for i in range(0, len(payload), wrap))
+    body = json.dumps({"model": "checksum", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}}]}]}).encode()
+    try:
+        chat = parse_chat_request(body, IntakeLimits())
+    except RequestError:
+        return
+    assert chat.images == [data]
+    _run_pipeline(chat.images[0])
+
+
+# -- the server ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def client(spare_slot_server: Server) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=spare_slot_server.base_url, timeout=60) as c:
+        yield c
+    assert httpx.get(spare_slot_server.base_url + "/ready", timeout=10).status_code == 200
+
+
+def _post(client: httpx.Client, body: bytes, *, allowed: tuple[int, ...]) -> httpx.Response:
+    response = client.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+    assert response.status_code in allowed, (response.status_code, response.text[:300], body[:300])
+    if response.status_code != 200:
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and "shmgate." not in error["message"]
+    return response
+
+
+def _png(seed: int) -> str:
+    rng = np.random.default_rng(seed)
+    return data_url(encode(Image.fromarray(rng.integers(0, 256, (12, 9, 3), dtype=np.uint8)), "PNG"), "image/png")
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=20,
+)
+ANY = st.one_of(JSON, st.just(2**70), st.just(-1), st.just(""), st.just(1e308))
+URL = st.one_of(st.integers(0, 3).map(_png), st.text(max_size=40),
+                st.builds(lambda t, p: f"data:{t};base64,{p}", st.sampled_from(["image/png", "image/gif", ""]),
+                          st.text("ABCDEFabc0123+/=\n _-", max_size=60)))
+PART = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": st.one_of(st.text(max_size=50), ANY)}),
+    st.fixed_dictionaries({"type": st.just("image_url"), "image_url": st.one_of(
+        st.fixed_dictionaries({"url": URL}, optional={"detail": ANY, "extra": ANY}), ANY)}),
+    st.fixed_dictionaries({"type": st.one_of(st.sampled_from(["input_audio", "file", "refusal"]), ANY)}),
+)
+MESSAGE = st.fixed_dictionaries(
+    {"role": st.one_of(st.sampled_from(["user", "system", "assistant", "developer", "tool"]), ANY)},
+    optional={"content": st.one_of(st.text(max_size=50), st.lists(PART, max_size=4), ANY), "name": ANY,
+              "surprise": ANY},
+)
+OPTIONAL = {name: ANY for name in ["stream_options", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+                                   "seed", "stop", "n", "user", "tools", "logprobs", "response_format"]}
+OPTIONAL |= {"stream": st.booleans()}
+CHAT_BODY = st.fixed_dictionaries(
+    {"model": st.one_of(st.just("checksum"), ANY), "messages": st.one_of(st.lists(MESSAGE, max_size=3), ANY)},
+    optional=OPTIONAL,
+)
+
+
+@fuzz_settings(150, server=True)
+@given(body=CHAT_BODY)
+def test_almost_valid_chat_requests_never_get_a_5xx(client: httpx.Client, body: dict[str, object]) -> None:
+    response = _post(client, json.dumps(body).encode(), allowed=(200, 400, 404, 413))
+    if response.status_code == 200 and body.get("stream") is True:
+        assert response.text.rstrip().endswith("data: [DONE]")
+
+
+@fuzz_settings(100, server=True)
+@given(body=st.one_of(JSON.map(lambda v: json.dumps(v).encode()), st.binary(max_size=300)))
+def test_random_json_and_random_bytes_get_a_400(client: httpx.Client, body: bytes) -> None:
+    _post(client, body, allowed=(400,))
+
+
+@fuzz_settings(40, server=True)
+@given(data=MUTATED_IMAGE)
+def test_mutated_images_through_the_server_get_200_or_our_4xx(client: httpx.Client, data: bytes) -> None:
+    body = json.dumps({"model": "checksum", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(data, "image/webp")}}]}]}).encode()
+    response = _post(client, body, allowed=(200, 400, 413))
+    if response.status_code == 200:  # the worker saw exactly the pixels the pipeline makes locally
+        pixels = _run_pipeline(data)
+        assert pixels is not None
+        assert hashlib.blake2b(pixels.tobytes(), digest_size=16).hexdigest() in response.text
+    else:
+        assert response.json()["error"]["code"] in ("invalid_image", "image_too_large")
