@@ -30,6 +30,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-batch-size", type=int, default=int(_env("MAX_BATCH_SIZE", "8") or 8))
     parser.add_argument("--max-batch-wait-ms", type=float, default=float(_env("MAX_BATCH_WAIT_MS", "5") or 5))
     parser.add_argument("--threads", type=int, default=int(_env("THREADS", "0") or 0), help="torch threads (0: auto)")
+    parser.add_argument("--diag-batch-delay-ms", type=float, default=float(_env("DIAG_BATCH_DELAY_MS", "0") or 0),
+                        help="diagnostics and tests: sleep this long before each batch runs (simulates a slow model)")
     parser.add_argument("--instance", default=_env("INSTANCE"), help="instance id (default: find by --label)")
     parser.add_argument("--label", default=_env("LABEL", "default"))
     parser.add_argument("--attach-wait-s", type=float, default=60.0)
@@ -53,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         max_batch_size=args.max_batch_size,
         max_batch_wait_ms=args.max_batch_wait_ms,
         threads=args.threads or None,
+        diag_batch_delay_ms=args.diag_batch_delay_ms,
     )
     return run_worker(options=options, instance_id=args.instance, label=args.label, attach_wait_s=args.attach_wait_s)
 
