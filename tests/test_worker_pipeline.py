@@ -75,13 +75,19 @@ class Rig:
             self.queues[which] = opener()
         return self.queues[which]
 
-    def submit(self, request_id: int) -> tuple[Allocation, TensorRef]:
+    def place(self, request_id: int) -> tuple[Allocation, TensorRef]:
+        """Write request ``request_id``'s tensor into the arena, as a frontend does."""
         allocation = self.partition.allocate(NBYTES)
         assert allocation is not None
         self.partition.array(allocation, "uint8", (NBYTES,))[:] = pattern(request_id, NBYTES)
-        ref = TensorRef(allocation.offset, NBYTES, allocation.generation, "uint8", SHAPE, "pixels")
+        return allocation, TensorRef(allocation.offset, NBYTES, allocation.generation, "uint8", SHAPE, "pixels")
+
+    def submit(self, request_id: int, ref: TensorRef | None = None) -> Allocation | None:
+        allocation = None
+        if ref is None:
+            allocation, ref = self.place(request_id)
         self.queue("requests").send(Submit(request_id, 0, "checksum", (ref,)), HANG_S)
-        return allocation, ref
+        return allocation
 
     def read_until(self, done: object) -> None:
         """Read replies into ``log`` until ``done(log)`` is true."""
@@ -119,7 +125,9 @@ def rig() -> Iterator[Rig]:
     finally:
         backend.gate.set()
         worker.stop()
-        thread.join(HANG_S)
+        deadline = time.monotonic() + HANG_S
+        while thread.is_alive() and time.monotonic() < deadline:
+            rig.queue("replies").receive(0.1)  # keep reading, so a worker never waits on a full channel
         for q in rig.queues.values():
             q.close()
         heartbeat.stop()
@@ -141,7 +149,8 @@ def _answer(rig: Rig, request_id: int) -> str:
 def test_next_batch_is_copied_and_released_while_the_current_one_runs(rig: Rig) -> None:
     rig.submit(1)
     assert rig.started() == [1]  # request 1 is on the model, held there by the gate
-    allocation, _ = rig.submit(2)
+    allocation = rig.submit(2)
+    assert allocation is not None
     rig.read_until(_has(Released, 2))  # would never come without the pipeline: the model is busy
     assert rig.kinds(1) == ["Claimed", "Released"]
     assert rig.kinds(2) == ["Claimed", "Released"]
@@ -186,8 +195,9 @@ def test_a_cancel_for_a_prepared_request_ends_it_without_output(rig: Rig) -> Non
 def test_a_bad_descriptor_in_the_prepared_batch_fails_only_that_request(rig: Rig) -> None:
     rig.submit(31)
     assert rig.started() == [31]
-    allocation, ref = rig.submit(32)
+    allocation, ref = rig.place(32)
     rig.partition.free(allocation)  # the owner freed it: the descriptor's generation is stale now
+    rig.submit(32, ref)
     rig.submit(33)
     rig.read_until(lambda log: _has(Failed, 32)(log) and _has(Released, 33)(log))  # while 31 still runs
     assert rig.kinds(32) == ["Claimed", "Released", "Failed"]
@@ -204,9 +214,9 @@ def test_a_bad_descriptor_in_the_prepared_batch_fails_only_that_request(rig: Rig
 def slow_checksum_server(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Iterator[Server]:
     from tests.conftest import _serve
 
-    # Each batch sleeps 400 ms before it runs, so a busy worker always holds a running batch and a
+    # Each batch sleeps 300 ms before it runs, so a busy worker always holds a running batch and a
     # prepared (claimed, copied, released) one while the queue has work.
-    monkeypatch.setenv("SHMGATE_DIAG_BATCH_DELAY_MS", "400")
+    monkeypatch.setenv("SHMGATE_DIAG_BATCH_DELAY_MS", "300")
     yield from _serve("checksum", tmp_path_factory, "--workers", "2", "--max-batch-size", "2")
 
 
@@ -217,14 +227,14 @@ def test_requests_of_a_worker_killed_while_it_holds_a_prepared_batch_are_retried
 
     server = slow_checksum_server
     retries = server.metric("shmgate_retries_total")
-    images = [noise_png(9000 + i, size=64) for i in range(16)]
+    images = [noise_png(9000 + i, size=64) for i in range(12)]
     bodies = [image_request("checksum", d, mime="image/png") for d in images]
 
     async def run() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=120,
                                      limits=httpx.Limits(max_connections=len(bodies))) as client:
             task = asyncio.gather(*(client.post("/v1/chat/completions", json=b) for b in bodies))
-            await asyncio.sleep(1.0)  # both workers busy: 16 requests, 4 per second per worker
+            await asyncio.sleep(0.8)  # both workers busy: 12 requests, ~6 per second per worker
             os.kill(server.pids("worker")[0], signal.SIGKILL)
             return await asyncio.wait_for(task, 90)
 
