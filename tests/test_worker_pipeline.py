@@ -25,7 +25,15 @@ import pytest
 from shared.arena import Allocation, Partition
 from shared.channels import Queue
 from shared.instance import Instance
-from shared.wire import Cancel, Claimed, Delta, Failed, Finished, Released, Submit, TensorRef
+from shared.wire import (
+    Cancel,
+    Delta,
+    Failed,
+    Finished,
+    Released,
+    Submit,
+    TensorRef,
+)
 from tests.serving import Server, image_request, noise_png
 from tests.shm_children import claim_frontend, leftovers, pattern
 from tests.test_e2e import _expected_checksum
