@@ -1,6 +1,6 @@
 """uint8 -> float32 [-1, 1] channels_last input normalisation: which form is fastest on this device.
 
-    .venv/bin/python bench/normalise.py [--rounds N] [--batch 1 8] [--device cpu|cuda] [--json]
+    .venv/bin/python bench/normalise.py [--rounds N] [--batch 1 8] [--device cpu|cuda] [--threads T] [--json]
 
 Variants, side by side in one process on (N, 3, 224, 224) uint8 tensors already on the device:
 - ``eager (served)``: worker/backends/efficientnet.py ``normalise``: reorder the uint8 tensor to
@@ -17,6 +17,10 @@ call is timed between CUDA events. The machine may be shared: read ratios, not a
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as worker/__main__.py: before torch is imported
+
 import argparse
 import json
 import statistics
@@ -29,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from worker.backends.efficientnet import (  # noqa: E402
+from worker.backends.efficientnet import (
     PIXEL_SCALE,
     FusedNormaliser,
     _normalise_out_of_place,
@@ -70,9 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     variants: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
         "eager (served)": normalise, "cast first": cast_first, "mul reciprocal": mul_reciprocal,
         "out of place": _normalise_out_of_place,
