@@ -27,6 +27,7 @@ from shared.channels import Queue
 from shared.instance import Instance
 from shared.wire import (
     Cancel,
+    Claimed,
     Delta,
     Failed,
     Finished,
@@ -120,11 +121,13 @@ def _has(kind: type, request_id: int) -> object:
 
 
 @pytest.fixture()
-def rig() -> Iterator[Rig]:
+def rig(request: pytest.FixtureRequest) -> Iterator[Rig]:
+    """Max batch size 1 (or the test's indirect parameter), batch window 0."""
     inst = Instance.create(arena_size=4 << 20, n_frontends=1, n_workers=1, queue_depth=4)
     _, heartbeat = claim_frontend(inst, 0)
     backend = GatedChecksum()
-    worker = Worker(inst, WorkerOptions(model="checksum", max_batch_size=1, max_batch_wait_ms=0), backend=backend)
+    options = WorkerOptions(model="checksum", max_batch_size=getattr(request, "param", 1), max_batch_wait_ms=0)
+    worker = Worker(inst, options, backend=backend)
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
     rig = Rig(inst, Partition(inst.segment, 0), backend, worker, thread)
@@ -173,6 +176,22 @@ def test_next_batch_is_copied_and_released_while_the_current_one_runs(rig: Rig) 
         assert kinds[:2] == ["Claimed", "Released"] and kinds[-1] == "Finished"
         assert set(kinds[2:-1]) == {"Delta"}
         assert _digest(request_id) in _answer(rig, request_id)  # the bytes before the overwrite
+
+
+@pytest.mark.parametrize("rig", [4], indirect=True)
+def test_the_prepared_batch_stays_open_while_the_model_is_busy(rig: Rig) -> None:
+    rig.submit(41)
+    assert rig.started() == [41]
+    rig.submit(42)
+    rig.read_until(_has(Claimed, 42))  # taken; its window (0 ms) is over, but the model is busy
+    rig.submit(43)
+    rig.read_until(_has(Claimed, 43))  # would never come if 42's batch had been cut alone
+    rig.backend.gate.set()
+    rig.read_until(lambda log: all(_has(Finished, r)(log) for r in (41, 42, 43)))
+    assert rig.started() == [42, 43]  # one batch: what arrived while 41 ran
+    for request_id in (42, 43):
+        assert rig.kinds(request_id)[:2] == ["Claimed", "Released"]
+        assert _digest(request_id) in _answer(rig, request_id)
 
 
 def test_the_prepared_batch_still_runs_when_the_worker_stops(rig: Rig) -> None:

@@ -102,11 +102,12 @@ class Worker:
         # the public model id (hf:<dir> is served under the directory's name): what frontends match
         instance.segment.workers[self.slot]["model"] = self.backend.name.encode()[:48]
         self.copier = DeviceCopier(self.device, instance.segment.mm)
-        self.batcher = Batcher(
+        self._prefetcher: Prefetcher[list[_Job]] | None = None
+        self.batcher: Batcher[_Job] = Batcher(
             self._requests,
             max_batch_size=options.max_batch_size,
             max_batch_wait_s=options.max_batch_wait_ms / 1000,
-            on_take=self._claim,
+            on_take=self._take,
             on_invalid=lambda what: log.warning("dropped an invalid message on the request channel: %r", what),
         )
 
@@ -119,7 +120,8 @@ class Worker:
         seg = self.instance.segment
         seg.workers[self.slot]["state"] = SlotState.READY
         log.info("worker slot %d ready: model %s on %s", self.slot, self.options.model, self.device)
-        prefetcher: Prefetcher[list[_Job]] = Prefetcher(self._prepare, name=f"prefetch-{self.slot}").start()
+        prefetcher: Prefetcher[list[_Job]] = Prefetcher(self._prepare, name=f"prefetch-{self.slot}")
+        self._prefetcher = prefetcher.start()
         try:
             while not self._stop.is_set():
                 if int(seg.workers[self.slot]["epoch"]) != self.epoch:
@@ -161,12 +163,16 @@ class Worker:
 
     # -- one batch --------------------------------------------------------------------
 
-    def _claim(self, submit: Submit) -> bool:
+    def _take(self, submit: Submit) -> _Job | None:
+        """Claim a request the batcher took and start its device copy. None when it was answered already."""
         self._reply(submit, Claimed(submit.request_id, self.slot, self.epoch))
         if submit.model != self.backend.name:
             self._fail(submit, 0, "model_not_found", f"this worker serves {self.backend.name}", 404)
-            return False
-        return not self._expired(submit)
+            return None
+        if self._expired(submit):
+            return None
+        copy = self._start_copy(submit)
+        return None if copy is None else _Job(submit, copy=copy)
 
     def _expired(self, submit: Submit) -> bool:
         """Fail a request whose deadline passed before it could start; True when it did."""
@@ -180,22 +186,19 @@ class Worker:
     def _prepare(self) -> list[_Job] | None:
         """Collect a batch, copy it to the device and release the arena. None when nothing is left to run.
 
-        Runs in the prefetch thread while the main thread runs the previous batch. All
-        copies of the batch are started before the first wait, so they queue back to back
-        on the copy stream.
+        Runs in the prefetch thread while the main thread runs the previous batch. Each
+        request's copy started when it was taken (``_take``), so copies overlap the running
+        batch; the batch stays open while the model is busy, then every copy is waited for.
         """
-        batch = self.batcher.collect(idle_timeout_s=0.25)
-        if not batch:
-            return None
-        self._drain_cancels()
-        jobs = [_Job(s) for s in batch]
+        jobs = self.batcher.collect(idle_timeout_s=0.25, hold_open=self._model_busy)
         for job in jobs:
-            job.copy = self._start_copy(job.submit)
-        for job in jobs:
-            if job.copy is not None:
-                job.item = self._finish_copy(job.submit, job.copy)
+            assert job.copy is not None
+            job.item = self._finish_copy(job.submit, job.copy)
         live = [job for job in jobs if job.item is not None]
         return live or None
+
+    def _model_busy(self) -> bool:
+        return not self._stop.is_set() and self._prefetcher is not None and self._prefetcher.consumer_busy
 
     def _start_copy(self, submit: Submit) -> Copy | None:
         """Validate a request's descriptors and start its device copy. None when it failed (answered)."""

@@ -38,6 +38,7 @@ class Prefetcher(Generic[T]):
         self._ready: queue.Queue[T] = queue.Queue(maxsize=1)
         self._credit = threading.Semaphore(1)  # 1: the hand-off is free and nothing is being produced
         self._stop = threading.Event()
+        self._waiting = threading.Event()  # the consumer is in get(): it has nothing to run
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
 
@@ -49,14 +50,21 @@ class Prefetcher(Generic[T]):
     def running(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def consumer_busy(self) -> bool:
+        """True while the consumer works on an item it took (the producer may keep gathering)."""
+        return not self._waiting.is_set()
+
     def get(self, timeout_s: float) -> T | None:
         """The next prepared item, or None after ``timeout_s``. Re-raises the producer's exception."""
+        self._waiting.set()
         try:
             item = self._ready.get(timeout=timeout_s)
         except queue.Empty:
             if self._error is not None:
-                raise self._error
+                raise self._error from None
             return None
+        self._waiting.clear()
         self._credit.release()  # the consumer holds it now: prepare the next one
         return item
 
@@ -67,6 +75,7 @@ class Prefetcher(Generic[T]):
     def drain(self, timeout_s: float) -> list[T]:
         """Stop, wait up to ``timeout_s`` for the thread, and return the items nobody took."""
         self.stop()
+        self._waiting.set()  # nobody is busy any more: a producer holding a batch open cuts it now
         self._thread.join(timeout_s)
         left = []
         while True:
