@@ -12,15 +12,20 @@ What it measures, in one run:
    - ``arena``: a tensor allocated in a real ``Instance``'s 1 GiB arena (Partition of frontend
      slot 0), the whole mapping registered by ``worker.device.DeviceCopier`` itself, copied with
      ``non_blocking=True`` on the copier's side stream;
-   - ``arena_copier``: ``DeviceCopier.copy`` itself (what a worker calls: new device tensor, event
-     wait, stream hand-over), timed by the wall clock;
+   - ``arena_copier``: ``DeviceCopier.copy`` (start, host wait for the event, hand-over to the
+     current stream: one copy as the worker makes it, without the pipeline), timed by the wall clock;
    - ``pageable``: ``torch.empty(..., pin_memory=False)``;
    - ``pinned``: a staging buffer from ``torch.empty(..., pin_memory=True)``;
    - ``peak``: one 256 MiB pinned buffer, the bus's practical peak.
    GB/s comes from back-to-back copies between two CUDA events (rounds rotate over the sources,
    median of rounds); latency p50/p99 from one copy at a time between CUDA events (wall-clock p50
    alongside). Every source is checked to arrive byte-exact on the device.
-2. End to end (unless ``--skip-serve``): ``shmgate serve --model efficientnet-lite0 --device cuda
+2. Copy overlapped with compute (bench/gpu_overlap.py): 8 uint8 3x224x224 images in the arena,
+   EfficientNet-Lite0 batches run ``serial`` (copy, wait, compute: the worker before its pipeline)
+   and ``pipelined`` (batch k+1's copy on the copy stream while batch k computes, as
+   worker/main.py does); per mode batches/s, copy and compute µs (CUDA events) and the share of
+   each copy that overlapped compute.
+3. End to end (unless ``--skip-serve``): ``shmgate serve --model efficientnet-lite0 --device cuda
    --frontends F`` for F = 1 and min(8, cores - 2), driven by ``gateway.loadgen`` with ``--unique``
    at concurrency 32 and 128 on the 1024 px photos of tests/data/images, after an uncounted warm-up
    run. The GPU busy fraction is sampled every 100 ms during the timed run, from
@@ -30,10 +35,11 @@ What it measures, in one run:
    compared before and after.
 
 Without CUDA it prints one line saying so and exits 0. ``--dry-run`` runs everything except CUDA
-calls (arena instance, allocation, fill, validation, DeviceCopier's CPU path, unlink; and, unless
-``--skip-serve``, a tiny serve run with ``--device cpu``), so the script can be smoke-tested anywhere.
+calls (arena instance, allocation, fill, validation, DeviceCopier's CPU path, unlink; the overlap
+loops on the CPU; and, unless ``--skip-serve``, a tiny serve run with ``--device cpu``), so the
+script can be smoke-tested anywhere.
 
-Usage: ``python bench/gpu.py [--quick] [--json] [--skip-serve] [--dry-run] [--out FILE]``
+Usage: ``python bench/gpu.py [--quick] [--json] [--skip-serve] [--skip-overlap] [--dry-run] [--out FILE]``
 """
 
 from __future__ import annotations
@@ -63,12 +69,14 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.e2e import IMAGES, ServerProcess, fmt, free_port, render_table  # noqa: E402
+from bench.gpu_overlap import overlap_rows  # noqa: E402
 from gateway import loadgen  # noqa: E402
 from shared.arena import Allocation, Partition, validate  # noqa: E402
 from shared.errors import SetupError  # noqa: E402
 from shared.instance import Instance  # noqa: E402
 from shared.segment import SlotState  # noqa: E402
 from shared.wire import TensorRef  # noqa: E402
+from worker.backends.efficientnet import EfficientNetBackend  # noqa: E402
 from worker.device import TORCH_DTYPES, DeviceCopier  # noqa: E402
 
 SIZES: list[tuple[str, tuple[int, ...]]] = [
@@ -77,6 +85,7 @@ SIZES: list[tuple[str, tuple[int, ...]]] = [
     ("float32", (3, 1024, 1024)),  # 12,582,912 B
 ]
 PEAK_BYTES = 256 << 20
+OVERLAP_BATCH = 8  # images per batch in the overlap section (the worker's default max batch)
 MODEL = "efficientnet-lite0"
 NO_CUDA = "bench/gpu.py: these measurements need a CUDA device (torch.cuda.is_available() is false); skipping."
 
@@ -90,10 +99,12 @@ class Plan:
     rounds: int  # bandwidth batches per source and size (rotating over the sources)
     peak_batch: int
     requests: int
+    overlap_batches: int  # model batches per mode in the overlap section
 
 
-QUICK = Plan(latency_iters=50, batch_bytes=128 << 20, rounds=3, peak_batch=4, requests=160)
-FULL = Plan(latency_iters=400, batch_bytes=512 << 20, rounds=5, peak_batch=8, requests=400)
+QUICK = Plan(latency_iters=50, batch_bytes=128 << 20, rounds=3, peak_batch=4, requests=160, overlap_batches=30)
+FULL = Plan(latency_iters=400, batch_bytes=512 << 20, rounds=5, peak_batch=8, requests=400, overlap_batches=200)
+DRY_OVERLAP_BATCHES = 3
 
 
 # -- output -----------------------------------------------------------------------------------------
@@ -156,8 +167,9 @@ class ArenaTensor:
 
 
 @contextmanager
-def arena_tensors(arena_size: int, seed: int = 0) -> Iterator[tuple[Instance, list[ArenaTensor]]]:
-    """A real instance with one frontend partition holding one filled tensor per size; unlinked on exit."""
+def arena_tensors(arena_size: int, seed: int = 0, *,
+                  shapes: list[tuple[str, tuple[int, ...]]] = SIZES) -> Iterator[tuple[Instance, list[ArenaTensor]]]:
+    """A real instance with one frontend partition holding one filled tensor per shape; unlinked on exit."""
     inst = Instance.create(arena_size=arena_size, n_frontends=1, n_workers=1, queue_depth=1)
     tensors: list[ArenaTensor] = []
     try:
@@ -166,7 +178,7 @@ def arena_tensors(arena_size: int, seed: int = 0) -> Iterator[tuple[Instance, li
         seg.frontends[0]["state"] = SlotState.READY
         partition = Partition(seg, 0)
         rng = np.random.default_rng(seed)
-        for dtype, shape in SIZES:
+        for dtype, shape in shapes:
             tensors.append(_place(partition, rng, dtype, shape))
         yield inst, tensors
     finally:
@@ -349,6 +361,39 @@ def dry_run_h2d(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+# -- copy overlapped with compute --------------------------------------------------------------------
+
+
+def run_overlap(args: argparse.Namespace, plan: Plan) -> list[dict[str, Any]]:
+    """bench/gpu_overlap.py on this device (the CPU in a dry run): serial vs pipelined batches."""
+    cuda = not args.dry_run
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    backend = EfficientNetBackend(device)
+    pixels = [("uint8", (3, 224, 224))] * OVERLAP_BATCH
+    with arena_tensors(args.arena_size, seed=1, shapes=pixels) as (inst, items):
+        copier = DeviceCopier(device, inst.segment.mm)
+        try:
+            rows = overlap_rows(backend, copier, [item.ref for item in items],
+                                plan.overlap_batches if cuda else DRY_OVERLAP_BATCHES)
+        finally:
+            if cuda:
+                torch.cuda.synchronize()
+            copier.close()  # unregister before the mapping goes away
+    for row in rows:
+        emit(row, args)
+    return rows
+
+
+def overlap_table(rows: list[dict[str, Any]]) -> str:
+    columns = ["mode", "batch", "batches", "batches/s", "images/s", "copy µs p50", "compute µs p50",
+               "copy overlapped %"]
+    return render_table(columns, [
+        [r["mode"], r["batch"], r["batches"], fmt(r["batches_per_s"]), fmt(r["images_per_s"]),
+         fmt(r["copy_us_p50"]), fmt(r["compute_us_p50"]), fmt(r["overlap_pct"])]
+        for r in rows
+    ])
+
+
 # -- GPU busy sampling ---------------------------------------------------------------------------
 
 
@@ -501,7 +546,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer iterations and 160 requests per point")
     parser.add_argument("--json", action="store_true", help="JSON lines on stdout instead of markdown tables")
-    parser.add_argument("--skip-serve", action="store_true", help="only the H2D section")
+    parser.add_argument("--skip-serve", action="store_true", help="no end-to-end section")
+    parser.add_argument("--skip-overlap", action="store_true", help="no copy/compute overlap section")
     parser.add_argument("--dry-run", action="store_true", help="everything except CUDA calls (serve on --device cpu)")
     parser.add_argument("--arena-size", type=int, default=1 << 30, help="bytes (default 1 GiB)")
     parser.add_argument("--frontends", type=int, nargs="+", default=None,
@@ -528,10 +574,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def report(h2d: list[dict[str, Any]], e2e: list[dict[str, Any]], args: argparse.Namespace) -> None:
+def report(h2d: list[dict[str, Any]], overlap: list[dict[str, Any]], e2e: list[dict[str, Any]],
+           args: argparse.Namespace) -> None:
     parts = []
     if h2d:
         parts.append("### H2D copies\n\n" + h2d_table(h2d))
+    if overlap:
+        parts.append("### Copy overlapped with compute\n\n" + overlap_table(overlap))
     done = [r for r in e2e if "failed" not in r]
     if done:
         parts.append("### End to end\n\n" + e2e_table(done))
@@ -550,11 +599,12 @@ def main(argv: list[str] | None = None) -> int:
     before = shm_names()
     try:
         h2d = dry_run_h2d(args) if args.dry_run else run_h2d(args, args.plan)
+        overlap = [] if args.skip_overlap else run_overlap(args, args.plan)
         e2e = [] if args.skip_serve else asyncio.run(run_e2e(args))
     except SetupError as exc:
         print(f"bench/gpu.py: {exc}", file=sys.stderr)
         return 2
-    report(h2d, e2e, args)
+    report(h2d, overlap, e2e, args)
     return finish(before, h2d, e2e)
 
 

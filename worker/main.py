@@ -1,11 +1,20 @@
-"""The worker loop: receive -> batch -> copy to the device -> run -> stream replies.
+"""The worker loop: receive -> batch -> copy to the device -> run -> stream replies, pipelined.
 
-One worker is one process with one model on one device. Per request it sends,
-in order: Claimed (as soon as it takes the descriptor), Released (after its
-tensors were copied to the device and the generation re-checked), then Delta*
-and exactly one terminal Finished or Failed. A bad descriptor, an expired
-deadline or a backend exception fails that request (or that batch) and the
-worker carries on; only SIGTERM/SIGINT stops it, after the current batch.
+One worker is one process with one model on one device. Two threads share the
+work (worker/prefetch.py): while the main thread runs batch k on the model, a
+prefetch thread collects batch k+1, validates its descriptors, copies its
+tensors to the device (CUDA: on the copy stream, then waits for the copy's
+event), re-checks the generations and sends Released. The main thread makes
+the compute stream wait for the copy's event (no host sync on the compute
+path) and runs the model.
+
+Per request the worker sends, in order: Claimed (as soon as it takes the
+descriptor), Released (after its tensors were copied to the device and the
+generation re-checked; never before the copy finished reading the arena), then
+Delta* and exactly one terminal Finished or Failed. A bad descriptor, an
+expired deadline or a backend exception fails that request (or that batch) and
+the worker carries on; only SIGTERM/SIGINT stops it, after the current batch
+and the prepared one (both were claimed: they run, nothing is dropped).
 
 Liveness: a heartbeat thread stamps the worker's slot row; the main loop also
 stamps ``busy_ns`` so the gateway can tell a turning loop from a stuck one.
@@ -16,6 +25,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -26,17 +36,29 @@ from shared.channels import Queue
 from shared.errors import ChannelFull, DescriptorError, SetupError
 from shared.instance import DEAD_AFTER_S, Instance, instance_alive
 from shared.segment import Heartbeat, SlotState, now_ns
-from shared.wire import INLINE_TENSOR, MAX_DELTA_CHARS, Cancel, Claimed, Delta, Failed, Finished, Released, Submit
+from shared.wire import (
+    INLINE_TENSOR,
+    MAX_DELTA_CHARS,
+    Cancel,
+    Claimed,
+    Delta,
+    Failed,
+    Finished,
+    Released,
+    Submit,
+)
 from worker.backends import load_backend
 from worker.backends.base import ModelBackend, WorkItem
 from worker.batcher import Batcher
-from worker.device import DeviceCopier
+from worker.device import Copy, DeviceCopier
+from worker.prefetch import Prefetcher
 
 __all__ = ["Worker", "WorkerOptions"]
 
 log = logging.getLogger("shmgate.worker")
 
 REPLY_TIMEOUT_S = 2.0
+PREFETCH_JOIN_S = 10.0  # at stop: how long to wait for the prefetch thread's current batch
 
 
 @dataclass
@@ -47,43 +69,49 @@ class WorkerOptions:
     max_batch_wait_ms: float = 5.0
     threads: int | None = None
     dtype: str = "auto"  # hf: models only (worker/backends/hf.py DTYPES)
+    diag_batch_delay_ms: float = 0.0  # diagnostics/tests: sleep this long before each batch runs (a slow model)
 
 
 @dataclass
 class _Job:
     submit: Submit
     item: WorkItem | None = None
+    copy: Copy | None = None
     seq: int = 0
     done: bool = False
     pending: list[str] = field(default_factory=list)  # text not sent yet (see BackendEvent.flush)
 
 
 class Worker:
-    def __init__(self, instance: Instance, options: WorkerOptions) -> None:
+    def __init__(self, instance: Instance, options: WorkerOptions, backend: ModelBackend | None = None) -> None:
+        """``backend``: a ready backend to serve instead of loading ``options.model`` (embedding, tests)."""
         self.instance = instance
         self.options = options
         self.device = torch.device(options.device)
         self._stop = threading.Event()
         self.exit_code = 0
         self._replies: dict[int, Queue] = {}
+        self._replies_lock = threading.Lock()  # both threads reply; one Queue object per frontend
         self._cancelled: set[int] = set()
+        self._cancel_lock = threading.Lock()
         self.slot, self.epoch = instance.claim_worker_slot(options.model)
         self._heartbeat = Heartbeat(instance.segment.workers, self.slot, self.epoch).start()
         self._requests = instance.request_queue()
         self._control = instance.control_queue(self.slot)
         while self._control.try_receive() is not None:
             pass  # cancels addressed to this slot's previous owner
-        self.backend: ModelBackend = load_backend(
+        self.backend: ModelBackend = backend or load_backend(
             options.model, self.device, threads=options.threads, dtype=options.dtype
         )
         # the public model id (hf:<dir> is served under the directory's name): what frontends match
         instance.segment.workers[self.slot]["model"] = self.backend.name.encode()[:48]
         self.copier = DeviceCopier(self.device, instance.segment.mm)
-        self.batcher = Batcher(
+        self._prefetcher: Prefetcher[list[_Job]] | None = None
+        self.batcher: Batcher[_Job] = Batcher(
             self._requests,
             max_batch_size=options.max_batch_size,
             max_batch_wait_s=options.max_batch_wait_ms / 1000,
-            on_take=self._claim,
+            on_take=self._take,
             on_invalid=lambda what: log.warning("dropped an invalid message on the request channel: %r", what),
         )
 
@@ -96,6 +124,8 @@ class Worker:
         seg = self.instance.segment
         seg.workers[self.slot]["state"] = SlotState.READY
         log.info("worker slot %d ready: model %s on %s", self.slot, self.options.model, self.device)
+        prefetcher: Prefetcher[list[_Job]] = Prefetcher(self._prepare, name=f"prefetch-{self.slot}")
+        self._prefetcher = prefetcher.start()
         try:
             while not self._stop.is_set():
                 if int(seg.workers[self.slot]["epoch"]) != self.epoch:
@@ -108,38 +138,126 @@ class Worker:
                     log.warning("the gateway instance stopped; exiting")
                     self.exit_code = 0 if self._stop.is_set() else 1
                     return
-                batch = self.batcher.collect(idle_timeout_s=0.25)
-                if batch:
-                    started = now_ns()
-                    self._run_batch(batch)
-                    seg.workers[self.slot]["busy_ns"] = int(seg.workers[self.slot]["busy_ns"]) + now_ns() - started
+                jobs = prefetcher.get(timeout_s=0.25)
+                if jobs:
+                    self._timed_run(jobs)
+            # Stopping: the prepared batch was claimed and released; run it rather than drop it.
+            for jobs in prefetcher.drain(PREFETCH_JOIN_S):
+                self._timed_run(jobs)
         finally:
+            left = prefetcher.drain(PREFETCH_JOIN_S)  # the thread must be done before the copier closes
+            if left:  # only when the slot or the instance is gone: the frontends' watchdogs retry these
+                log.warning("dropped %d prepared requests on exit", sum(len(jobs) for jobs in left))
             if int(seg.workers[self.slot]["epoch"]) == self.epoch:
                 seg.workers[self.slot]["state"] = SlotState.FREE
             self._heartbeat.stop()
             self.copier.close()
+            self._close_queues()
+
+    def _close_queues(self) -> None:
+        """Close this worker's queue descriptors: an unlinked queue's memory counts until the last close."""
+        for q in (self._requests, self._control, *self._replies.values()):
+            q.close()
+
+    def _timed_run(self, jobs: list[_Job]) -> None:
+        seg = self.instance.segment
+        started = now_ns()
+        self._run_batch(jobs)
+        seg.workers[self.slot]["busy_ns"] = int(seg.workers[self.slot]["busy_ns"]) + now_ns() - started
 
     # -- one batch --------------------------------------------------------------------
 
-    def _claim(self, submit: Submit) -> bool:
+    def _take(self, submit: Submit) -> _Job | None:
+        """Claim a request the batcher took and start its device copy. None when it was answered already."""
         self._reply(submit, Claimed(submit.request_id, self.slot, self.epoch))
         if submit.model != self.backend.name:
             self._fail(submit, 0, "model_not_found", f"this worker serves {self.backend.name}", 404)
-            return False
+            return None
+        if self._expired(submit):
+            return None
+        copy = self._start_copy(submit)
+        return None if copy is None else _Job(submit, copy=copy)
+
+    def _expired(self, submit: Submit) -> bool:
+        """Fail a request whose deadline passed before it could start; True when it did."""
         if submit.deadline_ns and now_ns() > submit.deadline_ns:
             self._fail(submit, 0, "timeout", "the request expired before a worker could start it", 504)
-            return False
-        return True
+            return True
+        return False
 
-    def _run_batch(self, batch: Sequence[Submit]) -> None:
-        self._drain_cancels()
-        jobs = [_Job(s) for s in batch]
+    # -- the prefetch thread: the next batch, up to Released ----------------------------------
+
+    def _prepare(self) -> list[_Job] | None:
+        """Collect a batch, copy it to the device and release the arena. None when nothing is left to run.
+
+        Runs in the prefetch thread while the main thread runs the previous batch. Each
+        request's copy started when it was taken (``_take``), so copies overlap the running
+        batch; the batch stays open while the model is busy, then every copy is waited for.
+        """
+        jobs = self.batcher.collect(idle_timeout_s=0.25, hold_open=self._model_busy)
         for job in jobs:
-            job.item = self._load(job)
+            assert job.copy is not None
+            job.item = self._finish_copy(job.submit, job.copy)
         live = [job for job in jobs if job.item is not None]
+        return live or None
+
+    def _model_busy(self) -> bool:
+        return not self._stop.is_set() and self._prefetcher is not None and self._prefetcher.consumer_busy
+
+    def _start_copy(self, submit: Submit) -> Copy | None:
+        """Validate a request's descriptors and start its device copy. None when it failed (answered)."""
+        with self._cancel_lock:
+            cancelled = submit.request_id in self._cancelled
+            self._cancelled.discard(submit.request_id)
+        if cancelled:
+            self._reply(submit, Released(submit.request_id))
+            self._fail(submit, 0, "cancelled", "the client cancelled the request", 499)
+            return None
+        try:
+            for ref in submit.tensors:
+                validate(self.instance.segment, ref)
+        except DescriptorError as exc:
+            self._reply(submit, Released(submit.request_id))
+            self._fail(submit, 0, "bad_descriptor", str(exc), 500)
+            return None
+        return self.copier.start(submit.tensors)
+
+    def _finish_copy(self, submit: Submit, copy: Copy) -> WorkItem | None:
+        """Wait for the copy, re-check the generations, send Released. None when it failed (answered)."""
+        copy.wait_host()  # the DMA has finished reading the arena: only now may the owner reuse it
+        try:
+            for ref in submit.tensors:
+                recheck(self.instance.segment, ref)  # seqlock: still the same allocation after the copy
+        except DescriptorError as exc:
+            self._reply(submit, Released(submit.request_id))
+            self._fail(submit, 0, "bad_descriptor", str(exc), 500)
+            return None
+        self._reply(submit, Released(submit.request_id))
+        by_name: dict[str, list[torch.Tensor]] = {}
+        inline = submit.inline
+        for ref, tensor in zip(submit.tensors, copy.tensors):
+            if ref.name == INLINE_TENSOR:
+                inline = tensor.cpu().numpy().tobytes()
+            else:
+                by_name.setdefault(ref.name, []).append(tensor)
+        return WorkItem(submit.request_id, by_name, submit.params, inline, submit.text)
+
+    # -- the main thread: run a prepared batch ------------------------------------------------
+
+    def _run_batch(self, prepared: Sequence[_Job]) -> None:
+        compute = self.copier.compute_stream()
+        live: list[_Job] = []
+        for job in prepared:
+            assert job.copy is not None and job.item is not None
+            job.copy.hand_to(compute)  # the compute stream waits for the copy's event; the host does not
+            if not self._expired(job.submit):  # it may have waited one batch since it was claimed
+                live.append(job)
         if not live:
             return
         items = [job.item for job in live if job.item is not None]
+        self._drain_cancels(items)  # cancels that arrived while the batch was prepared
+        if self.options.diag_batch_delay_ms > 0:
+            time.sleep(self.options.diag_batch_delay_ms / 1000)
         try:
             for event in self.backend.run(items):
                 job = live[event.index]
@@ -175,35 +293,6 @@ class Worker:
             if not job.done:  # a backend that forgot an item: never leave a request hanging
                 self._fail(job.submit, job.seq, "model_error", "the model produced no final answer", 500)
 
-    def _load(self, job: _Job) -> WorkItem | None:
-        """Copy a request's tensors to the device and release the arena. None when it failed."""
-        submit = job.submit
-        if submit.request_id in self._cancelled:
-            self._cancelled.discard(submit.request_id)
-            self._reply(submit, Released(submit.request_id))
-            self._fail(submit, 0, "cancelled", "the client cancelled the request", 499)
-            return None
-        seg = self.instance.segment
-        try:
-            for ref in submit.tensors:
-                validate(seg, ref)
-            tensors = self.copier.copy(submit.tensors)
-            for ref in submit.tensors:
-                recheck(seg, ref)  # seqlock: still the same allocation after the copy
-        except DescriptorError as exc:
-            self._reply(submit, Released(submit.request_id))
-            self._fail(submit, 0, "bad_descriptor", str(exc), 500)
-            return None
-        self._reply(submit, Released(submit.request_id))
-        by_name: dict[str, list[torch.Tensor]] = {}
-        inline = submit.inline
-        for ref, tensor in zip(submit.tensors, tensors):
-            if ref.name == INLINE_TENSOR:
-                inline = tensor.cpu().numpy().tobytes()
-            else:
-                by_name.setdefault(ref.name, []).append(tensor)
-        return WorkItem(submit.request_id, by_name, submit.params, inline, submit.text)
-
     # -- replies ----------------------------------------------------------------------
 
     def _flush_text(self, job: _Job, *, keep_last: bool = False) -> str:
@@ -228,9 +317,10 @@ class Worker:
         seg = self.instance.segment
         if slot >= seg.layout.n_frontends:
             return  # a forged or corrupt descriptor: nobody to answer
-        queue = self._replies.get(slot)
-        if queue is None:
-            queue = self._replies[slot] = self.instance.reply_queue(slot)
+        with self._replies_lock:
+            queue = self._replies.get(slot)
+            if queue is None:
+                queue = self._replies[slot] = self.instance.reply_queue(slot)
         for _ in range(3):
             try:
                 queue.send(message, REPLY_TIMEOUT_S)
@@ -249,13 +339,15 @@ class Worker:
             if message is None:
                 break
             if isinstance(message, Cancel):
-                self._cancelled.add(message.request_id)
-        if items and self._cancelled:
-            for item in items:
-                if item.request_id in self._cancelled:
-                    item.cancelled = True
-        if len(self._cancelled) > 10_000:
-            self._cancelled.clear()  # cancels of requests that finished before they arrived
+                with self._cancel_lock:
+                    self._cancelled.add(message.request_id)
+        with self._cancel_lock:
+            if items and self._cancelled:
+                for item in items:
+                    if item.request_id in self._cancelled:
+                        item.cancelled = True
+            if len(self._cancelled) > 10_000:
+                self._cancelled.clear()  # cancels of requests that finished before they arrived
 
 
 def run_worker(

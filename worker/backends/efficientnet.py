@@ -23,7 +23,17 @@ cache); with 2 threads it is about even. Timings on this shared box vary by +-30
 BatchNorm is folded into the preceding convolutions after the strict load (the state-dict
 names stay those of the published weights), and the model and its input run channels_last
 on every device. torch.backends.mkldnn is left enabled (the default): disabling it is ~4x slower.
-No torch.jit / torch.compile: worker start-up time matters more than the last few percent.
+No torch.jit / torch.compile of the network: worker start-up time matters more than the last few
+percent.
+
+Input normalisation (uint8 -> float32 in [-1, 1], channels_last) runs on the worker's device. Eager
+it is four kernels (reorder, cast, divide, subtract) and three passes over the float tensor; on CUDA
+``FusedNormaliser`` compiles it (torch.compile, Inductor) into one pointwise kernel that reads uint8
+and writes float32 channels_last, compiled once at start-up for every batch size (dynamic shapes),
+with a fallback to eager when compiling is unavailable (no Triton, no compiler). torch.compile over a
+hand-written Triton kernel: the same one fused kernel (Inductor emits Triton), nothing of our own to
+keep correct across dtypes, strides and GPUs, and a clean eager fallback. CPU keeps the eager
+function: bench/normalise.py measured it against the alternatives (docs/BENCHMARKS.md).
 
 Answer text (one streamed event per line, then a finish event with no text):
     "{label}: {probability:.4f}\n"      e.g. "tiger cat: 0.3678\n"
@@ -34,8 +44,9 @@ completion_tokens counts label lines; prompt_tokens is 0.
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -45,7 +56,17 @@ from torch import nn
 from shared.errors import InvalidRequest
 from worker.backends.base import BackendEvent, WorkItem
 
-__all__ = ["EfficientNetBackend", "EfficientNetLite0", "load_class_names", "load_lite0_state_dict"]
+__all__ = [
+    "EfficientNetBackend",
+    "EfficientNetLite0",
+    "FusedNormaliser",
+    "load_class_names",
+    "load_lite0_state_dict",
+    "make_normaliser",
+    "normalise",
+]
+
+log = logging.getLogger("shmgate.worker.efficientnet")
 
 PIXELS = "pixels"  # the TensorRef name the frontend writes (gateway/preprocess/vision.py)
 INPUT_SIZE = 224
@@ -66,6 +87,59 @@ HEAD_CHANNELS = 1280
 NUM_CLASSES = 1000
 BN_EPS = 1e-3  # TensorFlow's default, which the weights were trained with
 BN_MOMENTUM = 0.01  # irrelevant for inference; matches the TF port
+PIXEL_SCALE = 127.5  # uint8 x -> x / 127.5 - 1 in [-1, 1]
+WARM_UP_BATCHES = (1, 2)  # compiled once for size 1 (specialised) and once for any other size (dynamic)
+
+
+def normalise(pixels: torch.Tensor) -> torch.Tensor:
+    """uint8 (N, 3, H, W) -> float32 in [-1, 1], channels_last. The eager path and the reference.
+
+    Reorders while still uint8 (4x fewer bytes); the float conversion keeps the layout.
+    """
+    x = pixels.contiguous(memory_format=torch.channels_last)
+    return x.to(torch.float32).div_(PIXEL_SCALE).sub_(1.0)
+
+
+def _normalise_out_of_place(pixels: torch.Tensor) -> torch.Tensor:
+    """The same computation written for the compiler (no in-place ops): fused into one kernel."""
+    return (pixels.to(torch.float32) / PIXEL_SCALE - 1.0).contiguous(memory_format=torch.channels_last)
+
+
+class FusedNormaliser:
+    """``normalise`` compiled into one kernel, falling back to eager (once, with a warning) if compiling fails.
+
+    ``backend`` is torch.compile's: "inductor" on CUDA; tests on CPU use "aot_eager" (traces, no
+    code generation) to exercise the wrapper without a compiler.
+    """
+
+    def __init__(self, backend: str | Callable[..., object] = "inductor") -> None:
+        self._compiled = torch.compile(_normalise_out_of_place, backend=backend, dynamic=True, fullgraph=True)
+        self.fused = True
+
+    def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            try:
+                out: torch.Tensor = self._compiled(pixels)
+                return out
+            except Exception as exc:  # noqa: BLE001 - an optimisation: fall back, say why
+                log.warning("fused normalisation unavailable (%s: %s); using eager", type(exc).__name__, exc)
+                self.fused = False
+        return normalise(pixels)
+
+    def warm_up(self, device: torch.device, size: int = 224) -> None:
+        """Compile now (start-up), not on the first request; under inference mode, as ``classify`` calls it."""
+        with torch.inference_mode():
+            for n in WARM_UP_BATCHES:
+                self(torch.zeros(n, 3, size, size, dtype=torch.uint8, device=device))
+
+
+def make_normaliser(device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The normalisation a backend on ``device`` uses: fused and warmed up on CUDA, eager elsewhere."""
+    if device.type != "cuda":
+        return normalise
+    fused = FusedNormaliser()
+    fused.warm_up(device)
+    return fused
 
 
 class SameConv2d(nn.Conv2d):
@@ -218,6 +292,7 @@ class EfficientNetBackend:
         # Measured faster on CPU at batch 1 and 8 (module docstring); the usual choice on CUDA.
         # (Module.to accepts memory_format at run time; torch's type stubs omit it.)
         self.model = model.to(device).to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+        self.normalise = make_normaliser(device)
 
     def run(self, batch: Sequence[WorkItem]) -> Iterator[BackendEvent]:
         """Classify every image of every item in one forward pass; stream each item's lines.
@@ -250,9 +325,7 @@ class EfficientNetBackend:
     def classify(self, pixels: Sequence[torch.Tensor]) -> tuple[list[list[float]], list[list[int]]]:
         """Top-k probabilities and class indices, most probable first, per (3, 224, 224) uint8 image."""
         with torch.inference_mode():
-            # Reorder while still uint8 (4x fewer bytes); the float conversion keeps the layout.
-            x = torch.stack(list(pixels)).to(self.device).contiguous(memory_format=torch.channels_last)
-            x = x.to(torch.float32).div_(127.5).sub_(1.0)
+            x = self.normalise(torch.stack(list(pixels)).to(self.device))
             probs = torch.softmax(self.model(x), dim=1)
             top = torch.topk(probs, self.top_k, dim=1)
             return top.values.cpu().tolist(), top.indices.cpu().tolist()

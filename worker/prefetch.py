@@ -1,0 +1,98 @@
+"""One batch ahead: a thread prepares the next batch while the current one runs.
+
+Who uses this: worker/main.py. ``produce`` (collect a batch, validate it, start
+its device copy, wait for the copy, release the arena) runs in a daemon thread;
+the worker's main thread takes each result with ``get`` and runs the model on
+it. The hand-off holds at most one prepared batch, and the thread starts
+collecting the next only after the consumer took the previous one (a credit),
+so a worker never holds more than one running and one prepared batch: other
+workers can still take the rest from the shared request queue.
+
+Rules this keeps:
+- a produced batch is never dropped: after ``stop`` the thread finishes the
+  ``produce`` call it is in and hands the result over; ``drain`` returns every
+  result the consumer has not taken, for the worker to run or fail;
+- an exception in ``produce`` is not swallowed: the thread stops and ``get``
+  re-raises it in the consumer (the worker then dies like it did before the
+  pipeline, and the frontends retry what it had claimed).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+__all__ = ["Prefetcher"]
+
+T = TypeVar("T")
+
+_CREDIT_POLL_S = 0.1  # how often a producer waiting for the consumer looks at the stop flag
+
+
+class Prefetcher(Generic[T]):
+    def __init__(self, produce: Callable[[], T | None], *, name: str = "prefetch") -> None:
+        """``produce()`` returns the next item, or None when there was nothing to do (it is called again)."""
+        self._produce = produce
+        self._ready: queue.Queue[T] = queue.Queue(maxsize=1)
+        self._credit = threading.Semaphore(1)  # 1: the hand-off is free and nothing is being produced
+        self._stop = threading.Event()
+        self._waiting = threading.Event()  # the consumer is in get(): it has nothing to run
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+
+    def start(self) -> Prefetcher[T]:
+        self._thread.start()
+        return self
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def consumer_busy(self) -> bool:
+        """True while the consumer works on an item it took (the producer may keep gathering)."""
+        return not self._waiting.is_set()
+
+    def get(self, timeout_s: float) -> T | None:
+        """The next prepared item, or None after ``timeout_s``. Re-raises the producer's exception."""
+        self._waiting.set()
+        try:
+            item = self._ready.get(timeout=timeout_s)
+        except queue.Empty:
+            if self._error is not None:
+                raise self._error from None
+            return None
+        self._waiting.clear()
+        self._credit.release()  # the consumer holds it now: prepare the next one
+        return item
+
+    def stop(self) -> None:
+        """Ask the thread to stop after the item it is producing (which is still handed over)."""
+        self._stop.set()
+
+    def drain(self, timeout_s: float) -> list[T]:
+        """Stop, wait up to ``timeout_s`` for the thread, and return the items nobody took."""
+        self.stop()
+        self._waiting.set()  # nobody is busy any more: a producer holding a batch open cuts it now
+        self._thread.join(timeout_s)
+        left = []
+        while True:
+            try:
+                left.append(self._ready.get_nowait())
+            except queue.Empty:
+                return left
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if not self._credit.acquire(timeout=_CREDIT_POLL_S):
+                    continue
+                item = self._produce()
+                if item is None:
+                    self._credit.release()
+                    continue
+                self._ready.put_nowait(item)  # never full: the credit says the consumer took the last one
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which decides (worker/main.py: die)
+            self._error = exc
