@@ -154,7 +154,7 @@ def _digest(request_id: int) -> str:
 
 
 def _answer(rig: Rig, request_id: int) -> str:
-    return "".join(m.text for m in rig.log[request_id] if isinstance(m, Delta))
+    return "".join(m.text for m in rig.log[request_id] if isinstance(m, (Delta, Finished)))  # last piece in Finished
 
 
 def test_next_batch_is_copied_and_released_while_the_current_one_runs(rig: Rig) -> None:
@@ -174,7 +174,7 @@ def test_next_batch_is_copied_and_released_while_the_current_one_runs(rig: Rig) 
         kinds = rig.kinds(request_id)
         # Claimed, then Released before any Delta, then exactly one terminal message, last
         assert kinds[:2] == ["Claimed", "Released"] and kinds[-1] == "Finished"
-        assert set(kinds[2:-1]) == {"Delta"}
+        assert set(kinds[2:-1]) <= {"Delta"}  # a burst of output may ride entirely in the Finished
         assert _digest(request_id) in _answer(rig, request_id)  # the bytes before the overwrite
 
 
