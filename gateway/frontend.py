@@ -119,6 +119,7 @@ class Frontend:
         self.stats = FrontendStats(seg, self.slot)
         self.stats.set(Counter.ARENA_SIZE_BYTES, self.cache.partition.size)
         self.stats.set(Counter.ARENA_USED_BYTES, 0)
+        self.stats.set(Counter.ARENA_HELD_BYTES, 0)  # a dead predecessor's holds died with it
         self.stats.set(Counter.IN_FLIGHT, 0)
         self._requests = self.instance.request_queue()
         self._sender = AsyncSender(self._requests)
@@ -310,6 +311,7 @@ class Frontend:
         self.stats.set(Counter.CACHE_MISSES, s.misses)
         self.stats.set(Counter.CACHE_EVICTIONS, s.evictions)
         self.stats.set(Counter.ARENA_USED_BYTES, self.cache.partition.used_bytes)
+        self.stats.set(Counter.ARENA_HELD_BYTES, self.cache.held_bytes)
 
     def _fail(self, state: RequestState, error: ShmgateError) -> None:
         state.events.put_nowait(Failed(state.request_id, 0, error.code, error.message, error.status_hint))
