@@ -217,6 +217,40 @@ def test_a_worker_killed_mid_batch_loses_no_request_and_frees_its_space(checksum
           f" holds back to 0 in {took:.1f} s")
 
 
+def test_requests_claimed_by_killed_workers_before_any_output_are_retried_on_their_replacements(
+        checksum_server: Server) -> None:
+    server = checksum_server
+    wait_until(lambda: server.metric("shmgate_workers_ready") == 2, HANG_GUARD_S, "two workers")
+    wait_idle(server)
+    retries = server.metric("shmgate_retries_total")
+    starts = server.metric("shmgate_worker_starts_total")
+    images = [noise_png(45_000 + i, size=128) for i in range(16)]
+    # Each batch waits 2 s before any output. Once the queue is empty every request is claimed by a worker
+    # that has produced nothing for it; then every worker is killed (which of the two holds claims
+    # depends on arrival times), so every claimed request must be retried, on the restarted workers.
+    bodies = [image_request("checksum", d, mime="image/png", text="checksum:hold 100") for d in images]
+
+    async def run() -> list[httpx.Response]:
+        limits = httpx.Limits(max_connections=len(bodies))
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=HANG_GUARD_S, limits=limits) as client:
+            task = asyncio.gather(*(client.post("/v1/chat/completions", json=b) for b in bodies))
+            await asyncio.to_thread(wait_until, lambda: server.metric("shmgate_in_flight_requests") == 16
+                                    and server.metric("shmgate_request_queue_depth") == 0, HANG_GUARD_S,
+                                    "every request claimed")
+            for pid in server.pids("worker"):
+                os.kill(pid, signal.SIGKILL)
+            return await asyncio.wait_for(task, HANG_GUARD_S)
+
+    responses = asyncio.run(run())
+    assert all(answer_is_right(r, d) for r, d in zip(responses, images)), [r.status_code for r in responses]
+    retried = server.metric("shmgate_retries_total") - retries
+    assert retried >= 1
+    took = wait_idle(server)
+    wait_until(lambda: server.metric("shmgate_worker_starts_total") >= starts + 2
+               and server.metric("shmgate_workers_ready") == 2, HANG_GUARD_S, "both workers restarted")
+    print(f"\nall workers killed before output: 16/16 answered 200, {retried:g} retried; holds 0 in {took:.1f} s")
+
+
 # -- SIGTERM during load -----------------------------------------------------------------------------------
 
 

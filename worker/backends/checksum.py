@@ -27,6 +27,10 @@ extra single-space events before the closing ``]}`` (still the same JSON), one e
 finished, so a batch lasts as long as its longest trickle, not their sum. A trickling item
 whose client went away (``item.cancelled``) stops at once: the test's witness that a Cancel
 reached the worker.
+
+Diagnostic hold: ``checksum:hold <n>`` makes the whole batch wait ``n`` intervals before its
+first output, so a test can kill a worker that has claimed requests but produced nothing for
+them (they must be retried on another worker, not failed).
 """
 
 from __future__ import annotations
@@ -47,12 +51,19 @@ OPENING = '{"tensors":['
 CLOSING = "]}"
 TRICKLE_INTERVAL_S = 0.02
 _TRICKLE = re.compile(r"checksum:trickle (\d{1,6})")
+_HOLD = re.compile(r"checksum:hold (\d{1,4})")
 
 
 def trickle_steps(text: str) -> int:
     """The trickle length the user's text asks for (0: an ordinary request)."""
     match = _TRICKLE.fullmatch(text.strip())
     return min(int(match.group(1)), 100_000) if match else 0
+
+
+def hold_steps(text: str) -> int:
+    """How many intervals the user's text asks the batch to wait before any output."""
+    match = _HOLD.fullmatch(text.strip())
+    return int(match.group(1)) if match else 0
 
 
 def tensor_digest(t: torch.Tensor) -> str:
@@ -72,6 +83,8 @@ class ChecksumBackend:
         self.device = device  # unused: tensors are hashed wherever the worker put them
 
     def run(self, batch: Sequence[WorkItem]) -> Iterator[BackendEvent]:
+        for _ in range(max((hold_steps(item.text) for item in batch), default=0)):
+            time.sleep(TRICKLE_INTERVAL_S)
         trickling: dict[int, tuple[int, int]] = {}  # index -> (steps left, entries)
         for i, item in enumerate(batch):
             if item.cancelled:
