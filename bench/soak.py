@@ -11,11 +11,11 @@ its descendants, from /proc) resident memory, open file descriptors and threads.
 ``--requests`` requests from ``--concurrency`` tasks; request i is a cache hit (one of a few images,
 same bytes every time), a miss (unique bytes, same pixels: gateway/loadgen.py's nonce) or a bad input
 (a rotation of malformed bodies, each must get its 4xx OpenAI error), by ``i % 20`` in the proportion
-of ``--mix``. The client closes again and the server is measured at rest ("after").
+of ``--mix``. The run is sent in two halves; the server is measured at rest after each ("mid", "after").
 
 Exit status 1 when: any hit/miss failed or two answers for one image disagreed, any bad input got
 anything but its expected 4xx, the arena holds are not back to their baseline (0), any process's fds
-or threads grew, a process was replaced (a crash), or resident memory grew by more than
+or threads grew in the second half, a process was replaced (a crash), or resident memory grew by more than
 ``--max-rss-growth-mib`` in one process. Figures go to docs/RELIABILITY.md.
 """
 
@@ -87,26 +87,8 @@ def sample_process(pid: int) -> ProcessSample | None:
                          int(fields["Threads"]))
 
 
-def process_tree(root: int) -> list[int]:
-    """``root`` and all its live descendants."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            parents[int(entry)] = int(stat[stat.rfind(")") + 2:].split()[1])
-    tree, pending = [], [root]
-    while pending:
-        pid = pending.pop()
-        tree.append(pid)
-        pending.extend(p for p, parent in parents.items() if parent == pid)
-    return sorted(tree)
-
-
 def sample_tree(root: int) -> dict[int, ProcessSample]:
-    return {pid: s for pid in process_tree(root) if (s := sample_process(pid)) is not None}
+    return {pid: s for pid in sorted(loadgen.process_tree([root])) if (s := sample_process(pid)) is not None}
 
 
 def metric(base_url: str, name: str) -> float:
@@ -212,33 +194,40 @@ def snapshot(base_url: str, server_pid: int) -> Snapshot:
                     metric(base_url, "shmgate_in_flight_requests"), sample_tree(server_pid))
 
 
-def problems(before: Snapshot, after: Snapshot, max_rss_growth_kib: int) -> list[str]:
-    """Everything that accumulated between the two snapshots (empty: the server is where it started)."""
+def problems(before: Snapshot, after: Snapshot, max_rss_growth_kib: int, mid: Snapshot | None = None) -> list[str]:
+    """Everything that accumulated (empty: the server is where it started).
+
+    Holds and memory compare ``after`` with ``before``; fds and threads compare it with ``mid`` (at rest
+    half-way through, when given): a pool that starts its last thread only under the timed load's
+    concurrency has done so by then, while a leak keeps growing in the second half too.
+    """
     found = []
+    counts = mid or before
     if after.held_bytes != before.held_bytes or after.in_flight:
         found.append(f"arena holds {after.held_bytes:g} B (baseline {before.held_bytes:g}), "
                      f"{after.in_flight:g} requests in flight")
     if set(after.processes) != set(before.processes):
         found.append(f"server processes changed: {sorted(before.processes)} -> {sorted(after.processes)}")
     for pid, b in before.processes.items():
-        a = after.processes.get(pid)
-        if a is None:
+        a, m = after.processes.get(pid), counts.processes.get(pid)
+        if a is None or m is None:
             continue
-        if a.fds > b.fds:
-            found.append(f"{b.role} (pid {pid}): open fds {b.fds} -> {a.fds}")
-        if a.threads > b.threads:
-            found.append(f"{b.role} (pid {pid}): threads {b.threads} -> {a.threads}")
+        if a.fds > m.fds:
+            found.append(f"{b.role} (pid {pid}): open fds {m.fds} -> {a.fds}")
+        if a.threads > m.threads:
+            found.append(f"{b.role} (pid {pid}): threads {m.threads} -> {a.threads}")
         if a.anon_kib - b.anon_kib > max_rss_growth_kib:
             found.append(f"{b.role} (pid {pid}): private RSS {b.anon_kib} -> {a.anon_kib} KiB")
     return found
 
 
-def settle(base_url: str, server_pid: int, before: Snapshot, max_rss_growth_kib: int) -> Snapshot:
+def settle(base_url: str, server_pid: int, before: Snapshot, max_rss_growth_kib: int,
+           mid: Snapshot | None = None) -> Snapshot:
     """The server at rest after the load: retried for a while, as closing sockets takes a moment."""
     deadline = time.monotonic() + SETTLE_S
     while True:
         after = snapshot(base_url, server_pid)
-        if not problems(before, after, max_rss_growth_kib) or time.monotonic() > deadline:
+        if not problems(before, after, max_rss_growth_kib, mid) or time.monotonic() > deadline:
             return after
         time.sleep(0.25)
 
@@ -247,17 +236,19 @@ def _counts(s: Snapshot) -> dict[int, tuple[int, int]]:
     return {pid: (p.fds, p.threads) for pid, p in s.processes.items()}
 
 
-def table(before: Snapshot, after: Snapshot) -> str:
-    rows = [("| process | pid | RSS KiB before | after | private RSS KiB before | after | fds before | after "
-            "| threads before | after |"),
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+def table(before: Snapshot, mid: Snapshot, after: Snapshot) -> str:
+    rows = [("| process | pid | RSS KiB before | after | private RSS KiB before | after "
+             "| fds before / mid / after | threads before / mid / after |"),
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for pid, b in sorted(before.processes.items(), key=lambda kv: kv[1].role):
-        a = after.processes.get(pid)
-        rows.append(f"| {b.role} | {pid} | {b.rss_kib} | {a.rss_kib if a else '-'} | {b.anon_kib} | "
-                    f"{a.anon_kib if a else '-'} | {b.fds} | {a.fds if a else '-'} | {b.threads} | "
-                    f"{a.threads if a else '-'} |")
-    rows.append(f"| arena held bytes | | {before.held_bytes:.0f} | {after.held_bytes:.0f} | | | | | | |")
-    rows.append(f"| arena used bytes (cache) | | {before.used_bytes:.0f} | {after.used_bytes:.0f} | | | | | | |")
+        a, m = after.processes.get(pid), mid.processes.get(pid)
+        if a is None or m is None:
+            rows.append(f"| {b.role} | {pid} | {b.rss_kib} | gone | {b.anon_kib} | gone | {b.fds} | {b.threads} |")
+            continue
+        rows.append(f"| {b.role} | {pid} | {b.rss_kib} | {a.rss_kib} | {b.anon_kib} | {a.anon_kib} | "
+                    f"{b.fds} / {m.fds} / {a.fds} | {b.threads} / {m.threads} / {a.threads} |")
+    rows.append(f"| arena held bytes | | {before.held_bytes:.0f} | {after.held_bytes:.0f} | | | | |")
+    rows.append(f"| arena used bytes (cache) | | {before.used_bytes:.0f} | {after.used_bytes:.0f} | | | | |")
     return "\n".join(rows)
 
 
@@ -282,13 +273,22 @@ def run(args: argparse.Namespace, base_url: str, server_pid: int) -> dict[str, A
         previous, before = before, settle(base_url, server_pid, before, 1 << 30)
         if _counts(previous) == _counts(before):
             break
+    first = round_ * args.warmup
+    half = args.requests // 2
     started = time.perf_counter()
-    tally = load(args.requests, round_ * args.warmup)
-    wall_s = time.perf_counter() - started
-    after = settle(base_url, server_pid, before, args.max_rss_growth_mib * 1024)
+    tally = load(half, first)
+    paused = time.perf_counter()
+    mid = settle(base_url, server_pid, before, 1 << 30)
+    resumed = time.perf_counter()
+    second = load(args.requests - half, first + half)
+    wall_s = time.perf_counter() - started - (resumed - paused)
+    tally.outcomes += second.outcomes
+    tally.answers += second.answers
+    tally.latencies_s += second.latencies_s
+    after = settle(base_url, server_pid, before, args.max_rss_growth_mib * 1024, mid)
     failed = {k: v for k, v in tally.outcomes.items() if not k.endswith(":ok")}
     mismatches = loadgen.count_mismatches(warm.answers + tally.answers)
-    found = problems(before, after, args.max_rss_growth_mib * 1024)
+    found = problems(before, after, args.max_rss_growth_mib * 1024, mid)
     if failed:
         found.append(f"requests that did not get their expected answer: {failed}")
     if mismatches:
@@ -303,7 +303,8 @@ def run(args: argparse.Namespace, base_url: str, server_pid: int) -> dict[str, A
                    "processes": [vars(p) for p in before.processes.values()]},
         "after": {"held_bytes": after.held_bytes, "used_bytes": after.used_bytes,
                   "processes": [vars(p) for p in after.processes.values()]},
-        "table": table(before, after), "problems": found, "ok": not found,
+        "mid": {"processes": [vars(p) for p in mid.processes.values()]},
+        "table": table(before, mid, after), "problems": found, "ok": not found,
     }
 
 
