@@ -101,6 +101,7 @@ class Frontend:
         self.limits = limits
         self.segment = instance.segment
         self._states: dict[int, RequestState] = {}
+        self._resolving = 0  # admitted requests still resolving their images (not in _states yet)
         self._counter = 0
         self._pool = ThreadPoolExecutor(max_workers=limits.decode_threads, thread_name_prefix="decode")
         self._control: dict[int, Queue] = {}
@@ -179,13 +180,14 @@ class Frontend:
                                param="model")
         if self.draining():
             raise Overloaded("the server is shutting down", retry_after_s=2.0)
-        if len(self._states) >= self.limits.max_in_flight:
+        if len(self._states) + self._resolving >= self.limits.max_in_flight:
             raise Overloaded("too many requests in flight; retry shortly", retry_after_s=1.0, status_hint=429)
         if not self.segment.live_workers(DEAD_AFTER_S, self.preprocessor.model):
             raise Overloaded("no model worker is ready yet", retry_after_s=2.0)
         loop = asyncio.get_running_loop()
         started = time.monotonic()
         groups: list[TensorGroup] = []
+        self._resolving += 1  # admitted: counts against the bound while its images decode
         try:
             results = await asyncio.gather(
                 *(loop.run_in_executor(self._pool, self._resolve_image, data) for data in chat.images),
@@ -226,6 +228,8 @@ class Frontend:
                 self.cache.release(group)
             self._sync_cache_stats()
             raise
+        finally:
+            self._resolving -= 1
         try:
             await self._sender.send(submit, min(10.0, self.limits.request_timeout_s))
         except ChannelFull:
