@@ -1,10 +1,10 @@
 """A flood: ten times more concurrent requests than a deliberately small server can hold.
 
 The server gets 2 frontends of at most 4 requests in flight each, a 2 MiB arena (1 MiB, about six
-preprocessed images, per frontend), a request queue 4 deep and one worker: it can hold 8 requests,
-and with two images per request the arena fills before the in-flight bound. Three waves of 80
-concurrent requests, each on its own connection and each held in flight ~0.5 s by the checksum
-backend's trickle, must each get a correct answer or a quick 429/503 OpenAI error with
+preprocessed images, per frontend), a request queue 4 deep and one worker: it can hold 8 requests.
+Three waves of 80 concurrent requests (two images per request, then one, then two: the arena or the
+in-flight bound is met first), each on its own connection and each held in flight ~0.5 s by the
+checksum backend's trickle, must each get a correct answer or a quick 429/503 OpenAI error with
 Retry-After (in-flight bound, full arena, full queue); frontend private memory stays bounded; and
 afterwards the service recovers on its own: arena holds back to 0, a normal request answered.
 """
@@ -51,11 +51,11 @@ def small_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         stop_and_check(server)
 
 
-def _two_image_request(seed: int) -> tuple[list[bytes], dict[str, object]]:
-    images = [noise_png(seed, size=128), noise_png(seed + 50_000, size=128)]
+def _request(seed: int, n_images: int) -> tuple[list[bytes], dict[str, object]]:
+    images = [noise_png(seed + 50_000 * k, size=128) for k in range(n_images)]
     body = image_request("checksum", images[0], mime="image/png", text="checksum:trickle 25")
     content = body["messages"][0]["content"]  # type: ignore[index]
-    content.append({"type": "image_url", "image_url": {"url": data_url(images[1], "image/png")}})
+    content += [{"type": "image_url", "image_url": {"url": data_url(d, "image/png")}} for d in images[1:]]
     return images, body
 
 
@@ -66,8 +66,8 @@ async def _one(client: httpx.AsyncClient, data: list[bytes], body: dict[str, obj
     return response, time.monotonic() - started, data
 
 
-def _wave(base_url: str, seed: int) -> list[tuple[httpx.Response, float, list[bytes]]]:
-    bodies = [_two_image_request(seed + i) for i in range(FLOOD)]
+def _wave(base_url: str, seed: int, n_images: int) -> list[tuple[httpx.Response, float, list[bytes]]]:
+    bodies = [_request(seed + i, n_images) for i in range(FLOOD)]
 
     async def run() -> list[tuple[httpx.Response, float, list[bytes]]]:
         limits = httpx.Limits(max_connections=FLOOD)  # all at once: one connection each
@@ -90,7 +90,9 @@ def test_a_flood_of_ten_times_capacity_is_refused_quickly_and_the_server_recover
     outcomes: Counter[str] = Counter()
     slowest_refusal_s = 0.0
     for wave in range(WAVES):
-        for response, took_s, data in _wave(server.base_url, 100_000 + wave * FLOOD):
+        # two images per request fill the arena first (503 arena_full), one per request mostly meets
+        # the in-flight bound first (429 overloaded)
+        for response, took_s, data in _wave(server.base_url, 100_000 + wave * FLOOD, 2 - wave % 2):
             if response.status_code == 200:
                 answer = response.json()["choices"][0]["message"]["content"]
                 assert all(expected_checksum(d) in answer for d in data), answer
