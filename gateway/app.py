@@ -8,6 +8,9 @@ Routes:
     GET  /metrics               Prometheus text for the whole node (optionally behind the key)
 
 Every error is an OpenAI error object with the right status (gateway/http_errors.py).
+Every response carries ``x-shmgate-frontend: <slot>``, the frontend process that
+answered it: all frontends share one port, so this is how an operator (or a fault
+test) tells which process served a connection.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.responses import StreamingResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.fetch import FetchPolicy, fetch_pending
 from gateway.frontend import Frontend, FrontendLimits, RequestState
@@ -70,6 +74,7 @@ def create_app(options: AppOptions) -> FastAPI:
             instance.close()
 
     app = FastAPI(title="shmgate", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(FrontendHeader, slot=options.slot)
 
     def frontend() -> Frontend:
         return frontend_box["f"]
@@ -139,6 +144,26 @@ def create_app(options: AppOptions) -> FastAPI:
         return await _complete(f, state, chat.model, started)
 
     return app
+
+
+class FrontendHeader:
+    """Pure ASGI middleware adding ``x-shmgate-frontend`` to every HTTP response (a few µs; no body buffering)."""
+
+    def __init__(self, app: ASGIApp, slot: int) -> None:
+        self.app = app
+        self.header = (b"x-shmgate-frontend", str(slot).encode())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_header(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), self.header]
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)
 
 
 async def _read_body(request: Request, limit: int) -> bytes:

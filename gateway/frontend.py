@@ -102,6 +102,7 @@ class Frontend:
         self.limits = limits
         self.segment = instance.segment
         self._states: dict[int, RequestState] = {}
+        self._resolving = 0  # admitted requests still resolving their images (not in _states yet)
         self._counter = 0
         self._pool = ThreadPoolExecutor(max_workers=limits.decode_threads, thread_name_prefix="decode")
         self._control: dict[int, Queue] = {}
@@ -120,6 +121,7 @@ class Frontend:
         self.stats = FrontendStats(seg, self.slot)
         self.stats.set(Counter.ARENA_SIZE_BYTES, self.cache.partition.size)
         self.stats.set(Counter.ARENA_USED_BYTES, 0)
+        self.stats.set(Counter.ARENA_HELD_BYTES, 0)  # a dead predecessor's holds died with it
         self.stats.set(Counter.IN_FLIGHT, 0)
         self._requests = self.instance.request_queue()
         self._sender = AsyncSender(self._requests)
@@ -179,13 +181,14 @@ class Frontend:
                                param="model")
         if self.draining():
             raise Overloaded("the server is shutting down", retry_after_s=2.0)
-        if len(self._states) >= self.limits.max_in_flight:
+        if len(self._states) + self._resolving >= self.limits.max_in_flight:
             raise Overloaded("too many requests in flight; retry shortly", retry_after_s=1.0, status_hint=429)
         if not self.segment.live_workers(DEAD_AFTER_S, self.preprocessor.model):
             raise Overloaded("no model worker is ready yet", retry_after_s=2.0)
         loop = asyncio.get_running_loop()
         started = time.monotonic()
         groups: list[TensorGroup] = []
+        self._resolving += 1  # admitted: counts against the bound while its images decode
         try:
             await self._resolve_images(chat.images, groups)
             specs: list[ImageTensorSpec] = [{r.name: (r.dtype, r.shape) for r in g.refs} for g in groups]
@@ -220,6 +223,8 @@ class Frontend:
                 self.cache.release(group)
             self._sync_cache_stats()
             raise
+        finally:
+            self._resolving -= 1
         try:
             await self._sender.send(submit, min(10.0, self.limits.request_timeout_s))
         except ChannelFull:
@@ -344,6 +349,7 @@ class Frontend:
         self.stats.set(Counter.CACHE_MISSES, s.misses)
         self.stats.set(Counter.CACHE_EVICTIONS, s.evictions)
         self.stats.set(Counter.ARENA_USED_BYTES, self.cache.partition.used_bytes)
+        self.stats.set(Counter.ARENA_HELD_BYTES, self.cache.held_bytes)
 
     def _fail(self, state: RequestState, error: ShmgateError) -> None:
         state.events.put_nowait(Failed(state.request_id, 0, error.code, error.message, error.status_hint))

@@ -35,7 +35,7 @@ from typing import Any
 
 from gateway.rawhttp import RawClient, Response, TransportError
 
-__all__ = ["add_arguments", "count_mismatches", "main", "percentile", "run", "tree_cpu_seconds"]
+__all__ = ["add_arguments", "count_mismatches", "main", "percentile", "process_tree", "run", "tree_cpu_seconds"]
 
 IMAGE_TYPES = {".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".png": "image/png", ".webp": "image/webp"}
 PROMPT = "What is in this image?"
@@ -271,12 +271,15 @@ def _read_stat(pid: int) -> tuple[int, int] | None:
     return int(fields[1]), sum(int(f) for f in fields[11:15])
 
 
-def tree_cpu_seconds(roots: Iterable[int]) -> float:
-    """CPU seconds used so far by ``roots`` and all their live descendants (Linux /proc)."""
+def _all_stats() -> dict[int, tuple[int, int]]:
     stats: dict[int, tuple[int, int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit() and (stat := _read_stat(int(entry))) is not None:
             stats[int(entry)] = stat
+    return stats
+
+
+def _tree(roots: Iterable[int], stats: dict[int, tuple[int, int]]) -> set[int]:
     children: dict[int, list[int]] = {}
     for pid, (ppid, _) in stats.items():
         children.setdefault(ppid, []).append(pid)
@@ -287,7 +290,18 @@ def tree_cpu_seconds(roots: Iterable[int]) -> float:
         if pid not in seen:
             seen.add(pid)
             pending.extend(children.get(pid, ()))
-    return sum(stats[p][1] for p in seen) / os.sysconf("SC_CLK_TCK")
+    return seen
+
+
+def process_tree(roots: Iterable[int]) -> set[int]:
+    """``roots`` and all their live descendants (Linux /proc)."""
+    return _tree(roots, _all_stats())
+
+
+def tree_cpu_seconds(roots: Iterable[int]) -> float:
+    """CPU seconds used so far by ``roots`` and all their live descendants (Linux /proc)."""
+    stats = _all_stats()
+    return sum(stats[p][1] for p in _tree(roots, stats)) / os.sysconf("SC_CLK_TCK")
 
 
 def machine_busy_seconds() -> float:

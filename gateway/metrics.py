@@ -40,6 +40,7 @@ class Counter(enum.IntEnum):
     ARENA_USED_BYTES = 60  # gauges
     ARENA_SIZE_BYTES = 61
     IN_FLIGHT = 62
+    ARENA_HELD_BYTES = 63  # arena bytes pinned by requests in flight (0 when idle)
 
 
 class FrontendStats:
@@ -105,6 +106,8 @@ def render(segment: Segment, queue_depth: int) -> str:
     used = int(total[Counter.ARENA_USED_BYTES])
     size = int(total[Counter.ARENA_SIZE_BYTES])
     metric("shmgate_arena_used_bytes", "gauge", "Arena bytes allocated.", [("", used)])
+    metric("shmgate_arena_held_bytes", "gauge", "Arena bytes pinned by requests in flight (cached tensors excluded).",
+           [("", int(total[Counter.ARENA_HELD_BYTES]))])
     metric("shmgate_arena_free_bytes", "gauge", "Arena bytes free.", [("", size - used)])
     metric("shmgate_in_flight_requests", "gauge", "Requests being served.", [("", int(total[Counter.IN_FLIGHT]))])
     metric("shmgate_request_queue_depth", "gauge", "Descriptors waiting for a worker.", [("", queue_depth)])

@@ -12,9 +12,13 @@ the heartbeat to age) and the locks it may have held are repaired; then it is
 restarted in its slot with an exponential backoff.
 
 Shutdown (SIGTERM, or the first SIGINT): the instance is marked DRAINING (new
-requests get 503, /ready turns 503), frontends get SIGTERM and finish their
-in-flight requests (uvicorn's graceful shutdown), then workers get SIGTERM, then
-anything left is killed, and in a ``finally`` every IPC object is unlinked.
+requests get 503 with Retry-After, /ready turns 503) while the frontends keep
+accepting until their in-flight requests have ended (or the drain timeout):
+uvicorn stops accepting and closes idle keep-alive connections as soon as it gets
+SIGTERM, so signalling it first would turn "503, retry elsewhere" into dropped
+connections. Then frontends get SIGTERM and finish sending what they have
+(uvicorn's graceful shutdown), then workers get SIGTERM, then anything left is
+killed, and in a ``finally`` every IPC object is unlinked.
 A second SIGINT skips the drain.
 """
 
@@ -29,6 +33,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from gateway.metrics import Counter
 from shared.instance import DEAD_AFTER_S, Instance
 from shared.locks import HolderKind
 from shared.segment import InstanceState, LockId, SlotState, own_pidns
@@ -187,8 +192,19 @@ class Supervisor:
     def _shutdown(self) -> None:
         self.instance.mark_state(InstanceState.DRAINING)
         if not self._force:
-            self._stop_group(self.frontends, self.drain_timeout_s)
+            deadline = time.monotonic() + self.drain_timeout_s
+            self._wait_in_flight(deadline)
+            self._stop_group(self.frontends, max(1.0, deadline - time.monotonic()))
         self._stop_group(self.workers, 0.0 if self._force else 10.0)
+
+    def _wait_in_flight(self, deadline: float) -> None:
+        """Until no live frontend has a request in flight (they answer new ones 503 meanwhile)."""
+        stats = self.instance.segment.stats
+        while time.monotonic() < deadline and not self._force:
+            slots = [child.slot for child in self.frontends if child.is_alive()]
+            if not any(int(stats[slot][Counter.IN_FLIGHT]) for slot in slots):
+                return
+            time.sleep(TICK_S / 4)
 
     def _stop_group(self, children: Sequence[ChildProcess], timeout_s: float) -> None:
         for child in children:

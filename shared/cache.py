@@ -89,7 +89,17 @@ class ContentCache:
         self._groups: dict[bytes, TensorGroup] = {}  # our indexed groups by key
         self._evictable: OrderedDict[int, TensorGroup] = OrderedDict()  # unheld indexed groups, LRU first
         self._pending: dict[bytes, threading.Event] = {}
+        self._held_bytes = 0  # data bytes of groups with holds > 0: what requests in flight pin
         self.stats = CacheStats()
+
+    @property
+    def held_bytes(self) -> int:
+        """Arena data bytes pinned by requests in flight (cached, unheld tensors excluded).
+
+        Zero whenever no request is in flight: the witness that every request, whatever its
+        end (answer, error, cancel, dead worker), gave its space back.
+        """
+        return self._held_bytes
 
     # -- the one entry point ----------------------------------------------------
 
@@ -141,6 +151,7 @@ class ContentCache:
             group.holds -= 1
             if group.holds > 0:
                 return
+            self._held_bytes -= _group_nbytes(group)
             if group.indexed:
                 self._evictable[id(group)] = group
                 return
@@ -149,6 +160,8 @@ class ContentCache:
     # -- internals ----------------------------------------------------------------
 
     def _hold(self, group: TensorGroup) -> None:
+        if group.holds == 0:
+            self._held_bytes += _group_nbytes(group)
         group.holds += 1
         self._evictable.pop(id(group), None)
 
@@ -167,6 +180,8 @@ class ContentCache:
         except BaseException:
             self._free_group(group)
             raise
+        with self._mutex:
+            self._held_bytes += _group_nbytes(group)
         if key is not None:
             self.stats.misses += 1
             self._publish(group)
@@ -210,6 +225,8 @@ class ContentCache:
         except BaseException:
             self._free_group(group)
             raise
+        with self._mutex:
+            self._held_bytes += _group_nbytes(group)
         self.stats.remote_hits += 1
         return group
 
@@ -259,3 +276,7 @@ class ContentCache:
         """Evict everything unheld (used by tests and shutdown)."""
         while self._evict_one():
             pass
+
+
+def _group_nbytes(group: TensorGroup) -> int:
+    return sum(a.nbytes for a in group.allocations)

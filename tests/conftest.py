@@ -4,8 +4,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.serving import Server, start_server
-from tests.shm_children import leftovers
+from tests.serving import Server, start_server, stop_and_check
 
 
 def _serve(model: str, tmp_path_factory: pytest.TempPathFactory, *extra: str) -> Iterator[Server]:
@@ -13,10 +12,7 @@ def _serve(model: str, tmp_path_factory: pytest.TempPathFactory, *extra: str) ->
     try:
         yield server
     finally:
-        code = server.stop()
-        leaked = leftovers(server.instance_id, slots=64)
-        assert code == 0, server.log_path.read_text()[-3000:]
-        assert not leaked, f"left in /dev/shm after shutdown: {leaked}"
+        stop_and_check(server)
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ of the instance is left in /dev/shm.
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import os
 import re
@@ -16,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,6 +69,31 @@ def noise_png(seed: int, size: int = 96) -> bytes:
     return out.getvalue()
 
 
+def expected_checksum(data: bytes) -> str:
+    """The digest the checksum backend must report for ``data``'s preprocessed pixels."""
+    import numpy as np
+
+    from gateway.preprocess.vision import ChecksumPreprocessor
+
+    arrays: list[np.ndarray] = []
+
+    def allocate(name: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+        arrays.append(np.empty(shape, dtype))
+        return arrays[-1]
+
+    ChecksumPreprocessor().preprocess_image(data, allocate, max_pixels=40_000_000)
+    return hashlib.blake2b(arrays[0].tobytes(), digest_size=16).hexdigest()
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> float:
+    """Poll ``predicate`` until true; returns the seconds it took. A hang guard, not a timing check."""
+    started = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - started < timeout_s, f"{what}: not after {timeout_s:.0f} s"
+        time.sleep(0.1)
+    return time.monotonic() - started
+
+
 @dataclass
 class Server:
     process: subprocess.Popen[bytes]
@@ -106,6 +133,13 @@ class Server:
         marker = "-m worker" if role == "worker" else "-m gateway frontend"
         return [pid for pid, cmd in self.children() if marker in cmd]
 
+    def frontend_pid(self, slot: int) -> int | None:
+        """The pid of the frontend process in ``slot`` (None while it is being restarted)."""
+        for pid, cmd in self.children():
+            if "-m gateway frontend" in cmd and f" --slot {slot} " in cmd:
+                return pid
+        return None
+
     def metric(self, name: str) -> float:
         text = httpx.get(self.base_url + "/metrics", timeout=10).text
         total = 0.0
@@ -137,6 +171,16 @@ class Server:
                 self.process.wait()
                 raise
         return self.process.returncode
+
+
+def stop_and_check(server: Server) -> None:
+    """SIGTERM the server, then require a clean exit and nothing of the instance left (shm, queues)."""
+    from tests.shm_children import leftovers
+
+    code = server.stop()
+    leaked = leftovers(server.instance_id, slots=64)
+    assert code == 0, server.log_path.read_text()[-3000:]
+    assert not leaked, f"left in /dev/shm after shutdown: {leaked}"
 
 
 def start_server(model: str, tmp_dir: Path, *extra: str) -> Server:

@@ -299,6 +299,12 @@ class CacheMachine(RuleBasedStateMachine):
         indexed = sum(len(cache._groups) for cache in self.caches)
         assert self.inst.cache_index().count() == indexed
 
+    @invariant()
+    def held_bytes_are_the_data_bytes_of_the_groups_requests_hold(self) -> None:
+        for c, cache in enumerate(self.caches):
+            held = {id(g): g for k, _, g in self.held if k == c}
+            assert cache.held_bytes == sum(a.nbytes for g in held.values() for a in g.allocations)
+
     def teardown(self) -> None:
         try:
             for c, _, group in self.held:

@@ -97,3 +97,26 @@ def test_every_item_of_a_batch_is_answered_cancelled_ones_without_text() -> None
     finished = [e.index for e in events if e.finish_reason == "stop"]
     assert sorted(finished) == [0, 1, 2]
     assert all(e.text == "" for e in events if e.index == 1)
+
+
+def test_a_trickle_adds_spaces_to_the_same_answer_and_trickles_of_a_batch_advance_together() -> None:
+    tensors = {"pixels": [torch.arange(12, dtype=torch.uint8).reshape(3, 2, 2)]}
+    plain = answer(WorkItem(1, tensors))
+    batch = [WorkItem(2, tensors, text="checksum:trickle 5"), WorkItem(3, tensors, text="checksum:trickle 3")]
+    events = list(ChecksumBackend().run(batch))
+    for index, steps in ((0, 5), (1, 3)):
+        text = "".join(e.text for e in events if e.index == index)
+        assert json.loads(text) == plain and text.count(" ") == steps
+    finishes = [e.index for e in events if e.finish_reason]
+    assert finishes == [1, 0]  # the shorter trickle ends first: they ran side by side
+
+
+def test_a_trickle_stops_as_soon_as_its_item_is_cancelled() -> None:
+    item = WorkItem(4, {"pixels": [torch.zeros(3, dtype=torch.uint8)]}, text="checksum:trickle 100000")
+    events = []
+    for event in ChecksumBackend().run([item]):
+        events.append(event)
+        if event.text == " ":
+            item.cancelled = True  # what the worker does when a Cancel arrives
+    assert events[-1].finish_reason == "stop"
+    assert sum(e.text == " " for e in events) == 1

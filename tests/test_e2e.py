@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import os
 import signal
@@ -15,8 +14,14 @@ import numpy as np
 import openai
 import pytest
 
-from gateway.preprocess.vision import ChecksumPreprocessor
-from tests.serving import IMAGES, Server, data_url, image_request, noise_png
+from tests.serving import (
+    IMAGES,
+    Server,
+    data_url,
+    expected_checksum,
+    image_request,
+    noise_png,
+)
 
 LABELS = json.loads((IMAGES / "labels.json").read_text())["images"]
 
@@ -30,17 +35,6 @@ def _content(path: str) -> list[dict[str, object]]:
 
 def _top1(answer: str) -> str:
     return answer.strip().splitlines()[0].rsplit(":", 1)[0].strip()
-
-
-def _expected_checksum(data: bytes) -> str:
-    arrays: list[np.ndarray] = []
-
-    def allocate(name: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
-        arrays.append(np.empty(shape, dtype))
-        return arrays[-1]
-
-    ChecksumPreprocessor().preprocess_image(data, allocate, max_pixels=40_000_000)
-    return hashlib.blake2b(arrays[0].tobytes(), digest_size=16).hexdigest()
 
 
 # -- the model, through the real OpenAI client ------------------------------------------------
@@ -109,7 +103,7 @@ def test_64_concurrent_distinct_images_each_get_their_own_answer(checksum_server
     for data, response in zip(images, responses):
         assert response.status_code == 200, response.text
         answer = response.json()["choices"][0]["message"]["content"]
-        assert _expected_checksum(data) in answer
+        assert expected_checksum(data) in answer
 
 
 def test_a_repeated_image_is_a_cache_hit_not_a_second_decode(checksum_server: Server) -> None:
@@ -139,8 +133,9 @@ def _bad_bodies() -> dict[str, tuple[bytes, int]]:
         return json.dumps(body).encode()
 
     big = np.random.default_rng(0).integers(0, 255, (20, 20, 3), dtype=np.uint8)
-    from PIL import Image
     import io
+
+    from PIL import Image
 
     buf = io.BytesIO()
     Image.fromarray(big).resize((9000, 9000)).save(buf, format="PNG", compress_level=1)
@@ -197,7 +192,7 @@ def test_a_killed_worker_is_restarted_and_no_request_is_lost(checksum_server: Se
     responses = asyncio.run(run())
     for data, response in zip(images, responses):
         if response.status_code == 200:  # completed, on the first try or retried on another worker
-            assert _expected_checksum(data) in response.json()["choices"][0]["message"]["content"]
+            assert expected_checksum(data) in response.json()["choices"][0]["message"]["content"]
         else:  # only if output had already streamed; never a hang, never a wrong answer
             assert response.json()["error"]["code"] == "worker_died"
     deadline = time.monotonic() + 60

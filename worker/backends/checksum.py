@@ -31,12 +31,26 @@ comma after the first), then ``]}`` (or ``],"inline":{...}}``), then a finish ev
 Served as ``checksum`` behind the classifier preprocessing, and as ``checksum:<name>``
 behind the Hugging Face preprocessing of ``hf:<dir>`` (model spec ``checksum:hf:<dir>``):
 the same witness for any frontend pipeline.
+
+Diagnostic trickle (for fault tests that need a request to stay in flight): when the user's
+text is exactly ``checksum:trickle <n>`` (1 <= n <= 100000), the item's answer gets ``n``
+extra single-space events before the closing ``]}`` (still the same JSON), one every
+``TRICKLE_INTERVAL_S``. Trickles of one batch advance together, after every normal item has
+finished, so a batch lasts as long as its longest trickle, not their sum. A trickling item
+whose client went away (``item.cancelled``) stops at once: the test's witness that a Cancel
+reached the worker.
+
+Diagnostic hold: ``checksum:hold <n>`` makes the whole batch wait ``n`` intervals before its
+first output, so a test can kill a worker that has claimed requests but produced nothing for
+them (they must be retried on another worker, not failed).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
+import time
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -47,6 +61,21 @@ __all__ = ["ChecksumBackend", "tensor_digest"]
 
 OPENING = '{"tensors":['
 CLOSING = "]}"
+TRICKLE_INTERVAL_S = 0.02
+_TRICKLE = re.compile(r"checksum:trickle (\d{1,6})")
+_HOLD = re.compile(r"checksum:hold (\d{1,4})")
+
+
+def trickle_steps(text: str) -> int:
+    """The trickle length the user's text asks for (0: an ordinary request)."""
+    match = _TRICKLE.fullmatch(text.strip())
+    return min(int(match.group(1)), 100_000) if match else 0
+
+
+def hold_steps(text: str) -> int:
+    """How many intervals the user's text asks the batch to wait before any output."""
+    match = _HOLD.fullmatch(text.strip())
+    return int(match.group(1)) if match else 0
 
 
 def tensor_digest(t: torch.Tensor) -> str:
@@ -73,23 +102,53 @@ class ChecksumBackend:
         self.device = device  # unused: tensors are hashed wherever the worker put them
 
     def run(self, batch: Sequence[WorkItem]) -> Iterator[BackendEvent]:
+        for _ in range(max((hold_steps(item.text) for item in batch), default=0)):
+            time.sleep(TRICKLE_INTERVAL_S)
+        trickling: dict[int, tuple[int, int]] = {}  # index -> (steps left, entries)
         for i, item in enumerate(batch):
             if item.cancelled:
                 yield BackendEvent(i, finish_reason="stop")
                 continue
-            yield BackendEvent(i, text=OPENING, flush=False)
-            count = 0
-            for name in sorted(item.tensors):
-                for index, t in enumerate(item.tensors[name]):
-                    entry = {
-                        "name": name,
-                        "index": index,
-                        "dtype": str(t.dtype).removeprefix("torch."),
-                        "shape": list(t.shape),
-                        "blake2b": tensor_digest(t),
-                    }
-                    prefix = "," if count else ""
-                    yield BackendEvent(i, text=prefix + json.dumps(entry, separators=(",", ":")), flush=False)
-                    count += 1
+            count = yield from self._entries(i, item)
+            steps = trickle_steps(item.text)
+            if steps:
+                trickling[i] = (steps, count)
+                continue
             yield BackendEvent(i, text=_closing(item.inline), flush=False)
             yield BackendEvent(i, finish_reason="stop", prompt_tokens=0, completion_tokens=count)
+        yield from self._trickle(batch, trickling)
+
+    def _entries(self, i: int, item: WorkItem) -> Iterator[BackendEvent]:
+        """The opening and one event per tensor; returns how many entries were sent."""
+        yield BackendEvent(i, text=OPENING, flush=False)  # the whole answer exists: one reply message
+        count = 0
+        for name in sorted(item.tensors):
+            for index, t in enumerate(item.tensors[name]):
+                entry = {
+                    "name": name,
+                    "index": index,
+                    "dtype": str(t.dtype).removeprefix("torch."),
+                    "shape": list(t.shape),
+                    "blake2b": tensor_digest(t),
+                }
+                prefix = "," if count else ""
+                yield BackendEvent(i, text=prefix + json.dumps(entry, separators=(",", ":")), flush=False)
+                count += 1
+        return count
+
+    @staticmethod
+    def _trickle(batch: Sequence[WorkItem], trickling: dict[int, tuple[int, int]]) -> Iterator[BackendEvent]:
+        while trickling:
+            time.sleep(TRICKLE_INTERVAL_S)
+            for i, (steps, count) in list(trickling.items()):
+                if batch[i].cancelled:  # the worker saw a Cancel: stop producing for it
+                    del trickling[i]
+                    yield BackendEvent(i, finish_reason="stop", prompt_tokens=0, completion_tokens=count)
+                    continue
+                yield BackendEvent(i, text=" ")
+                if steps > 1:
+                    trickling[i] = (steps - 1, count)
+                    continue
+                del trickling[i]
+                yield BackendEvent(i, text=_closing(batch[i].inline), flush=False)
+                yield BackendEvent(i, finish_reason="stop", prompt_tokens=0, completion_tokens=count)

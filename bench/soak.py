@@ -1,0 +1,370 @@
+"""Soak: many requests mixing cache hits, misses and bad inputs, then proof that nothing accumulated.
+
+    python bench/soak.py                          # 20,000 requests against a server it starts
+    python bench/soak.py -n 300 --json            # short (what tests/test_soak.py runs)
+    python bench/soak.py --base-url http://127.0.0.1:8000 --server-pid <supervisor pid>
+
+Theory of operation: a warm-up round (same mix) opens the server's thread pools and fills its cache,
+then the client closes its connections and the server is measured at rest ("before"): arena bytes
+held by requests and in use (from /metrics), and for every server process (the supervisor and all
+its descendants, from /proc) resident memory, open file descriptors and threads. The timed run sends
+``--requests`` requests from ``--concurrency`` tasks; request i is a cache hit (one of a few images,
+same bytes every time), a miss (unique bytes, same pixels: gateway/loadgen.py's nonce) or a bad input
+(a rotation of malformed bodies, each must get its 4xx OpenAI error), by ``i % 20`` in the proportion
+of ``--mix``. The run is sent in two halves; the server is measured at rest after each ("mid", "after").
+
+Exit status 1 when: any hit/miss failed or two answers for one image disagreed, any bad input got
+anything but its expected 4xx, the arena holds are not back to their baseline (0), any process's fds
+or threads grew in the second half, a process was replaced (a crash), or resident memory grew by more than
+``--max-rss-growth-mib`` in one process. Figures go to docs/RELIABILITY.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import httpx
+
+from bench.e2e import ServerProcess, free_port
+from gateway import loadgen
+
+IMAGES = REPO / "tests" / "data" / "images"
+MAX_WARMUP_ROUNDS = 5
+SETTLE_S = 10.0  # how long the server gets to close client sockets and finish after the load
+
+
+# -- the server's processes, from /proc -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ProcessSample:
+    pid: int
+    role: str  # supervisor | frontend <slot> | worker
+    rss_kib: int  # all resident pages, including touched pages of the shared arena
+    anon_kib: int  # private heap: what would grow with a leak (the arena is RssShmem, bounded by its size)
+    fds: int
+    threads: int
+
+
+def _role(pid: int) -> str:
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "?"
+    words = [a.decode(errors="replace") for a in argv]
+    if "frontend" in words and "--slot" in words:
+        return f"frontend {words[words.index('--slot') + 1]}"
+    if "worker" in words:
+        return "worker"
+    return "supervisor" if "serve" in words or "gateway" in words else "?"
+
+
+def sample_process(pid: int) -> ProcessSample | None:
+    """RSS, open fds and threads of one process; None when it is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        fds = len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return None
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    return ProcessSample(pid, _role(pid), int(fields["VmRSS"].split()[0]), int(fields["RssAnon"].split()[0]), fds,
+                         int(fields["Threads"]))
+
+
+def sample_tree(root: int) -> dict[int, ProcessSample]:
+    return {pid: s for pid in sorted(loadgen.process_tree([root])) if (s := sample_process(pid)) is not None}
+
+
+def metric(base_url: str, name: str) -> float:
+    """One gauge or counter from /metrics, summed over its label sets."""
+    text = httpx.get(base_url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith((name + " ", name + "{")))
+
+
+# -- the request mix ----------------------------------------------------------------------------------
+
+
+def bad_bodies(model: str) -> list[tuple[str, bytes, int]]:
+    """(kind, raw body, expected status): malformed requests a client may send by mistake."""
+    def with_url(url: str) -> bytes:
+        return json.dumps(loadgen.build_body(model, url, stream=False, max_tokens=None)).encode()
+
+    return [
+        ("invalid_json", b'{"model": "' + model.encode() + b'", "messages": [', 400),
+        ("bad_base64", with_url("data:image/jpeg;base64,@@not base64@@"), 400),
+        ("not_an_image", with_url("data:image/png;base64,aGVsbG8sIEkgYW0gdGV4dA=="), 400),
+        ("unknown_model", json.dumps({"model": "gpt-99", "messages": [{"role": "user", "content": "hi"}]}).encode(),
+         404),
+        ("no_messages", json.dumps({"model": model}).encode(), 400),
+    ]
+
+
+def parse_mix(text: str) -> tuple[int, int, int]:
+    """'hit=9,miss=9,bad=2' -> slots out of 20 for each kind (they must add up to 20)."""
+    parts = dict(item.split("=") for item in text.split(","))
+    mix = int(parts.get("hit", 0)), int(parts.get("miss", 0)), int(parts.get("bad", 0))
+    if sum(mix) != 20 or min(mix) < 0:
+        raise ValueError("--mix needs hit+miss+bad = 20, e.g. hit=9,miss=9,bad=2")
+    return mix
+
+
+@dataclass
+class Tally:
+    """What the requests of one run produced."""
+
+    outcomes: Counter[str]
+    answers: list[tuple[str, str]]  # (image, text) of successful hits and misses, for agreement
+    latencies_s: list[float]
+
+
+async def _send_bad(client: httpx.AsyncClient, body: bytes, expected: int) -> bool:
+    try:
+        response = await client.post("/v1/chat/completions", content=body,
+                                     headers={"Content-Type": "application/json"})
+        error = response.json().get("error", {})
+    except (httpx.HTTPError, ValueError):
+        return False
+    return response.status_code == expected and set(error) == {"message", "type", "param", "code"}
+
+
+async def drive(base_url: str, model: str, images: list[loadgen.BenchImage], count: int, first: int,
+                concurrency: int, mix: tuple[int, int, int], timeout_s: float) -> Tally:
+    """Send ``count`` requests of the mix; request numbers start at ``first`` (nonces stay unique)."""
+    hits, misses, _ = mix
+    bad = bad_bodies(model)
+    tally = Tally(Counter(), [], [])
+    counter = itertools.count()
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+
+    async def one(client: httpx.AsyncClient, i: int) -> None:
+        slot = i % 20
+        if slot < hits + misses:
+            kind = "hit" if slot < hits else "miss"
+            image = images[i % min(3, len(images))] if kind == "hit" else images[i % len(images)]
+            body = loadgen.build_body(model, image.data_url(None if kind == "hit" else i), stream=False,
+                                      max_tokens=None)
+            outcome = await loadgen.send_one(client, body, image.name)
+            if outcome.error is None:
+                tally.answers.append((image.name, outcome.text))
+                tally.latencies_s.append(outcome.latency_s)
+            tally.outcomes[f"{kind}:{'ok' if outcome.error is None else outcome.error}"] += 1
+            return
+        _, raw, expected = bad[(i // 20) % len(bad)]
+        tally.outcomes[f"bad:{'ok' if await _send_bad(client, raw, expected) else 'unexpected'}"] += 1
+
+    async def task(client: httpx.AsyncClient) -> None:
+        while (index := next(counter)) < count:
+            await one(client, first + index)
+
+    async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=httpx.Timeout(timeout_s)) as client:
+        await asyncio.gather(*(task(client) for _ in range(min(concurrency, count))))
+    return tally
+
+
+# -- before / after --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Snapshot:
+    held_bytes: float
+    used_bytes: float
+    in_flight: float
+    processes: dict[int, ProcessSample]
+
+
+def snapshot(base_url: str, server_pid: int) -> Snapshot:
+    return Snapshot(metric(base_url, "shmgate_arena_held_bytes"), metric(base_url, "shmgate_arena_used_bytes"),
+                    metric(base_url, "shmgate_in_flight_requests"), sample_tree(server_pid))
+
+
+def problems(before: Snapshot, after: Snapshot, max_rss_growth_kib: int, mid: Snapshot | None = None) -> list[str]:
+    """Everything that accumulated (empty: the server is where it started).
+
+    Holds and memory compare ``after`` with ``before``; fds and threads compare it with ``mid`` (at rest
+    half-way through, when given): a pool that starts its last thread only under the timed load's
+    concurrency has done so by then, while a leak keeps growing in the second half too.
+    """
+    found = []
+    counts = mid or before
+    if after.held_bytes != before.held_bytes or after.in_flight:
+        found.append(f"arena holds {after.held_bytes:g} B (baseline {before.held_bytes:g}), "
+                     f"{after.in_flight:g} requests in flight")
+    if set(after.processes) != set(before.processes):
+        found.append(f"server processes changed: {sorted(before.processes)} -> {sorted(after.processes)}")
+    for pid, b in before.processes.items():
+        a, m = after.processes.get(pid), counts.processes.get(pid)
+        if a is None or m is None:
+            continue
+        if a.fds > m.fds:
+            found.append(f"{b.role} (pid {pid}): open fds {m.fds} -> {a.fds}")
+        if a.threads > m.threads:
+            found.append(f"{b.role} (pid {pid}): threads {m.threads} -> {a.threads}")
+        if a.anon_kib - b.anon_kib > max_rss_growth_kib:
+            found.append(f"{b.role} (pid {pid}): private RSS {b.anon_kib} -> {a.anon_kib} KiB")
+    return found
+
+
+def settle(base_url: str, server_pid: int, before: Snapshot, max_rss_growth_kib: int,
+           mid: Snapshot | None = None) -> Snapshot:
+    """The server at rest after the load: retried for a while, as closing sockets takes a moment."""
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        after = snapshot(base_url, server_pid)
+        if not problems(before, after, max_rss_growth_kib, mid) or time.monotonic() > deadline:
+            return after
+        time.sleep(0.25)
+
+
+def _counts(s: Snapshot) -> dict[int, tuple[int, int]]:
+    return {pid: (p.fds, p.threads) for pid, p in s.processes.items()}
+
+
+def table(before: Snapshot, mid: Snapshot, after: Snapshot) -> str:
+    rows = [("| process | pid | RSS KiB before | after | private RSS KiB before | after "
+             "| fds before / mid / after | threads before / mid / after |"),
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for pid, b in sorted(before.processes.items(), key=lambda kv: kv[1].role):
+        a, m = after.processes.get(pid), mid.processes.get(pid)
+        if a is None or m is None:
+            rows.append(f"| {b.role} | {pid} | {b.rss_kib} | gone | {b.anon_kib} | gone | {b.fds} | {b.threads} |")
+            continue
+        rows.append(f"| {b.role} | {pid} | {b.rss_kib} | {a.rss_kib} | {b.anon_kib} | {a.anon_kib} | "
+                    f"{b.fds} / {m.fds} / {a.fds} | {b.threads} / {m.threads} / {a.threads} |")
+    rows.append(f"| arena held bytes | | {before.held_bytes:.0f} | {after.held_bytes:.0f} | | | | |")
+    rows.append(f"| arena used bytes (cache) | | {before.used_bytes:.0f} | {after.used_bytes:.0f} | | | | |")
+    return "\n".join(rows)
+
+
+# -- main ----------------------------------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace, base_url: str, server_pid: int) -> dict[str, Any]:
+    images = loadgen.load_images(Path(args.images))
+    mix = parse_mix(args.mix)
+
+    def load(count: int, first: int) -> Tally:
+        return asyncio.run(drive(base_url, args.model, images, count, first, args.concurrency, mix, args.timeout))
+
+    # Warm up in rounds, each on fresh connections (the kernel spreads them over the frontends), until
+    # a round leaves fds and threads where the previous one did: lazily started pools and lazily
+    # opened queues are then all there, and what grows afterwards is accumulation.
+    warm = Tally(Counter(), [], [])
+    before = snapshot(base_url, server_pid)
+    for round_ in range(1, 1 + MAX_WARMUP_ROUNDS):
+        w = load(args.warmup, (round_ - 1) * args.warmup)
+        warm.answers += w.answers
+        previous, before = before, settle(base_url, server_pid, before, 1 << 30)
+        if _counts(previous) == _counts(before):
+            break
+    first = round_ * args.warmup
+    half = args.requests // 2
+    started = time.perf_counter()
+    tally = load(half, first)
+    paused = time.perf_counter()
+    mid = settle(base_url, server_pid, before, 1 << 30)
+    resumed = time.perf_counter()
+    second = load(args.requests - half, first + half)
+    wall_s = time.perf_counter() - started - (resumed - paused)
+    tally.outcomes += second.outcomes
+    tally.answers += second.answers
+    tally.latencies_s += second.latencies_s
+    after = settle(base_url, server_pid, before, args.max_rss_growth_mib * 1024, mid)
+    failed = {k: v for k, v in tally.outcomes.items() if not k.endswith(":ok")}
+    mismatches = loadgen.count_mismatches(warm.answers + tally.answers)
+    found = problems(before, after, args.max_rss_growth_mib * 1024, mid)
+    if failed:
+        found.append(f"requests that did not get their expected answer: {failed}")
+    if mismatches:
+        found.append(f"{mismatches} answers disagreed with an earlier answer for the same image")
+    return {
+        "requests": args.requests, "warmup": round_ * args.warmup, "concurrency": args.concurrency, "mix": args.mix,
+        "duration_s": round(wall_s, 2), "requests_per_s": round(args.requests / wall_s, 1),
+        "p50_ms": round(1000 * (loadgen.percentile(tally.latencies_s, 50) or 0), 1),
+        "p99_ms": round(1000 * (loadgen.percentile(tally.latencies_s, 99) or 0), 1),
+        "outcomes": dict(sorted(tally.outcomes.items())), "mismatches": mismatches,
+        "before": {"held_bytes": before.held_bytes, "used_bytes": before.used_bytes,
+                   "processes": [vars(p) for p in before.processes.values()]},
+        "after": {"held_bytes": after.held_bytes, "used_bytes": after.used_bytes,
+                  "processes": [vars(p) for p in after.processes.values()]},
+        "mid": {"processes": [vars(p) for p in mid.processes.values()]},
+        "table": table(before, mid, after), "problems": found, "ok": not found,
+    }
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bench/soak.py", description=__doc__.splitlines()[0])
+    p.add_argument("--requests", "-n", type=int, default=20_000)
+    p.add_argument("--warmup", type=int, default=200,
+                   help="uncounted requests per warm-up round (rounds repeat until fds/threads are steady)")
+    p.add_argument("--concurrency", "-c", type=int, default=16)
+    p.add_argument("--mix", default="hit=9,miss=9,bad=2", help="of every 20 requests: hits, misses, bad inputs")
+    p.add_argument("--model", default="checksum")
+    p.add_argument("--images", type=Path, default=IMAGES)
+    p.add_argument("--timeout", type=float, default=60.0, help="per-request timeout in seconds")
+    p.add_argument("--max-rss-growth-mib", type=int, default=64, help="per process, before -> after")
+    p.add_argument("--base-url", help="an already running server (then --server-pid is required)")
+    p.add_argument("--server-pid", type=int, help="the server's root pid (its descendants are measured too)")
+    p.add_argument("--serve-arg", action="append", default=[], help="extra `shmgate serve` flag (repeat)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    args = p.parse_args(argv)
+    if bool(args.base_url) != bool(args.server_pid):
+        p.error("--base-url and --server-pid go together")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    report: Callable[[dict[str, Any]], str] = (json.dumps if args.json else _human)
+    if args.base_url:
+        result = run(args, args.base_url.rstrip("/"), args.server_pid)
+        print(report(result))
+        return 0 if result["ok"] else 1
+    port = free_port()
+    log_path = Path(tempfile.mkdtemp(prefix="shmgate-soak-")) / "serve.log"
+    server = ServerProcess([sys.executable, "-m", "gateway", "serve", "--host", "127.0.0.1", "--port", str(port),
+                            "--model", args.model, *args.serve_arg], log_path)
+    base_url = f"http://127.0.0.1:{port}"
+    server.start()
+    try:
+        asyncio.run(server.wait_ready(base_url + "/ready", 180))
+        result = run(args, base_url, server.pid)
+    finally:
+        server.stop()
+    result["server_log"] = str(log_path)
+    print(report(result))
+    return 0 if result["ok"] else 1
+
+
+def _human(result: dict[str, Any]) -> str:
+    lines = [
+        (f"soak: {result['requests']} requests (+{result['warmup']} warm-up), "
+         f"concurrency {result['concurrency']}, mix {result['mix']}: {result['duration_s']} s, "
+         f"{result['requests_per_s']} req/s, p50 {result['p50_ms']} ms, p99 {result['p99_ms']} ms"),
+        f"outcomes {result['outcomes']}  mismatches {result['mismatches']}",
+        "",
+        result["table"],
+        "",
+        "OK: nothing accumulated" if result["ok"] else "PROBLEMS:\n  " + "\n  ".join(result["problems"]),
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
