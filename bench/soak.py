@@ -43,6 +43,7 @@ import httpx
 
 from bench.e2e import ServerProcess, free_port
 from gateway import loadgen
+from gateway.rawhttp import RawClient, TransportError
 
 IMAGES = REPO / "tests" / "data" / "images"
 MAX_WARMUP_ROUNDS = 5
@@ -134,14 +135,17 @@ class Tally:
     latencies_s: list[float]
 
 
-async def _send_bad(client: httpx.AsyncClient, body: bytes, expected: int) -> bool:
+async def _send_bad(client: RawClient, body: bytes, expected: int) -> bool:
     try:
-        response = await client.post("/v1/chat/completions", content=body,
-                                     headers={"Content-Type": "application/json"})
-        error = response.json().get("error", {})
-    except (httpx.HTTPError, ValueError):
+        response, lease = await client.post("/v1/chat/completions", body)
+        try:
+            payload = await asyncio.wait_for(response.read(), client.timeout_s)
+        finally:
+            lease.release()
+        error = json.loads(payload).get("error", {})
+    except (TransportError, asyncio.TimeoutError, ValueError, AttributeError):
         return False
-    return response.status_code == expected and set(error) == {"message", "type", "param", "code"}
+    return response.status == expected and set(error) == {"message", "type", "param", "code"}
 
 
 async def drive(base_url: str, model: str, images: list[loadgen.BenchImage], count: int, first: int,
@@ -151,16 +155,14 @@ async def drive(base_url: str, model: str, images: list[loadgen.BenchImage], cou
     bad = bad_bodies(model)
     tally = Tally(Counter(), [], [])
     counter = itertools.count()
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-
-    async def one(client: httpx.AsyncClient, i: int) -> None:
+    template = loadgen.BodyTemplate(model, stream=False, max_tokens=None)
+    async def one(client: RawClient, i: int) -> None:
         slot = i % 20
         if slot < hits + misses:
             kind = "hit" if slot < hits else "miss"
             image = images[i % min(3, len(images))] if kind == "hit" else images[i % len(images)]
-            body = loadgen.build_body(model, image.data_url(None if kind == "hit" else i), stream=False,
-                                      max_tokens=None)
-            outcome = await loadgen.send_one(client, body, image.name)
+            body = template.render(image.data_url(None if kind == "hit" else i))
+            outcome = await loadgen.send_one(client, body, image.name, stream=False)
             if outcome.error is None:
                 tally.answers.append((image.name, outcome.text))
                 tally.latencies_s.append(outcome.latency_s)
@@ -169,12 +171,15 @@ async def drive(base_url: str, model: str, images: list[loadgen.BenchImage], cou
         _, raw, expected = bad[(i // 20) % len(bad)]
         tally.outcomes[f"bad:{'ok' if await _send_bad(client, raw, expected) else 'unexpected'}"] += 1
 
-    async def task(client: httpx.AsyncClient) -> None:
+    async def task(client: RawClient) -> None:
         while (index := next(counter)) < count:
             await one(client, first + index)
 
-    async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=httpx.Timeout(timeout_s)) as client:
+    client = RawClient(base_url, timeout_s=timeout_s)
+    try:
         await asyncio.gather(*(task(client) for _ in range(min(concurrency, count))))
+    finally:
+        await client.aclose()
     return tally
 
 

@@ -14,8 +14,7 @@ import openai
 import pytest
 
 from tests.conftest import _serve
-from tests.serving import Server, data_url, image_request, noise_png
-from tests.test_e2e import _expected_checksum
+from tests.serving import Server, data_url, expected_checksum, image_request, noise_png
 
 KEY = "sk-test-5f0c1e7a9b"
 CHAT = "/v1/chat/completions"
@@ -69,7 +68,7 @@ def test_the_openai_client_with_the_key_works(keyed_server: Server) -> None:
     content = [{"type": "image_url", "image_url": {"url": data_url(image, "image/png")}}]
     reply = client.chat.completions.create(model="checksum", messages=[{"role": "user", "content": content}])
     digest = json.loads(reply.choices[0].message.content or "")["tensors"][0]["blake2b"]
-    assert digest == _expected_checksum(image)
+    assert digest == expected_checksum(image)
     stream = client.chat.completions.create(model="checksum", messages=[{"role": "user", "content": content}],
                                             stream=True)
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import signal
@@ -124,6 +125,7 @@ def test_a_repeated_image_is_a_cache_hit_not_a_second_decode(checksum_server: Se
 # -- bad input ------------------------------------------------------------------------------------------
 
 
+@functools.cache  # one 81-megapixel PNG to encode, not one per case (6 s each)
 def _bad_bodies() -> dict[str, tuple[bytes, int]]:
     photo = (IMAGES / "coffee_640.jpg").read_bytes()
 

@@ -30,9 +30,8 @@ from shared.channels import Queue
 from shared.instance import Instance
 from shared.segment import SlotState
 from shared.wire import Claimed, Delta, Failed, Finished, Released, Submit, TensorRef
-from tests.serving import Server, image_request, noise_png
+from tests.serving import Server, expected_checksum, image_request, noise_png
 from tests.shm_children import claim_frontend
-from tests.test_e2e import _expected_checksum
 
 SHAPE = (3, 224, 224)
 NBYTES = 3 * 224 * 224
@@ -229,7 +228,7 @@ def test_http_requests_still_complete_after_the_forgeries(spare_slot_server: Ser
         response = httpx.post(spare_slot_server.base_url + "/v1/chat/completions",
                               json=image_request("checksum", image, mime="image/png"), timeout=60)
         assert response.status_code == 200
-        assert _expected_checksum(image) in response.json()["choices"][0]["message"]["content"]
+        assert expected_checksum(image) in response.json()["choices"][0]["message"]["content"]
 
 
 # -- IPC hygiene (DESIGN invariant 8) -----------------------------------------------------------------------

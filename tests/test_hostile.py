@@ -34,8 +34,14 @@ import numpy as np
 import pytest
 from PIL import Image, ImageOps
 
-from tests.serving import IMAGES, Server, data_url, image_request, noise_png
-from tests.test_e2e import _expected_checksum
+from tests.serving import (
+    IMAGES,
+    Server,
+    data_url,
+    expected_checksum,
+    image_request,
+    noise_png,
+)
 from tests.test_imaging import encode, exif_rotated_jpeg, handmade_png
 
 CHAT = "/v1/chat/completions"
@@ -113,9 +119,9 @@ def _cases() -> dict[str, Case]:
                             200, digest=_solid_digest((7, 8, 9))),
         # -- metadata, animation, modes
         "jpeg with a 65 KB garbage EXIF": Case(_image(data_url(_jpeg_with_segments(jpeg, [huge_exif]))), 200,
-                                               digest=_expected_checksum(jpeg)),
+                                               digest=expected_checksum(jpeg)),
         "jpeg with 4000 APP segments": Case(_image(data_url(_jpeg_with_segments(jpeg, many_apps))), 200,
-                                            digest=_expected_checksum(jpeg)),
+                                            digest=expected_checksum(jpeg)),
         "animated webp: first frame": Case(_image(data_url(animated_webp, "image/webp")), 200,
                                            digest=_solid_digest((255, 0, 0))),
         "animated gif, honest mime": Case(_image(data_url(animated_gif, "image/gif")), 400, "invalid_image",
@@ -123,7 +129,7 @@ def _cases() -> dict[str, Case]:
         "animated gif sent as png": Case(_image(data_url(animated_gif, "image/png")), 400, "invalid_image"),
         "16-bit grayscale png": Case(_image(data_url(sixteen_bit, "image/png")), 200,
                                      digest=_solid_digest((100, 100, 100))),
-        "cmyk jpeg": Case(_image(data_url(cmyk)), 200, digest=_expected_checksum(cmyk)),
+        "cmyk jpeg": Case(_image(data_url(cmyk)), 200, digest=expected_checksum(cmyk)),
         # -- data URLs and base64
         "png sent as image/jpeg": Case(_image(data_url(png, "image/jpeg")), 200, digest=_solid_digest((200, 10, 10))),
         "png sent as text/plain": Case(_image(data_url(png, "text/plain")), 400, "invalid_image",
@@ -238,7 +244,7 @@ def _send_and_check(server: Server, case: Case, seed: int) -> None:
         _check_digest(hostile, case.digest)
     else:
         _check_error(hostile, case.status, case.code, case.param)
-    _check_digest(ok, _expected_checksum(good))
+    _check_digest(ok, expected_checksum(good))
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -266,7 +272,7 @@ def test_exif_orientation_is_applied_before_preprocessing(spare_slot_server: Ser
     stored = exif_rotated_jpeg((200, 120), orientation)  # small: never drafted, so both paths decode fully
     # Pillow's own exif_transpose is the reference; the pre-rotated copy carries no orientation.
     pre_rotated = encode(ImageOps.exif_transpose(Image.open(io.BytesIO(stored))).convert("RGB"), "PNG")
-    _send_and_check(spare_slot_server, Case(_image(data_url(stored)), 200, digest=_expected_checksum(pre_rotated)),
+    _send_and_check(spare_slot_server, Case(_image(data_url(stored)), 200, digest=expected_checksum(pre_rotated)),
                     seed=200 + orientation)
 
 
@@ -289,7 +295,7 @@ def test_every_hostile_input_at_once_leaves_the_good_requests_intact(spare_slot_
         else:
             _check_error(response, case.status, case.code, case.param)
     for data, response in zip(goods, good):
-        _check_digest(response, _expected_checksum(data))
+        _check_digest(response, expected_checksum(data))
     assert httpx.get(spare_slot_server.base_url + "/ready", timeout=10).status_code == 200
     assert spare_slot_server.metric('shmgate_requests_total{outcome="server_error"}') == 0
 

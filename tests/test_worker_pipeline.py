@@ -35,9 +35,8 @@ from shared.wire import (
     Submit,
     TensorRef,
 )
-from tests.serving import Server, image_request, noise_png
+from tests.serving import Server, expected_checksum, image_request, noise_png
 from tests.shm_children import claim_frontend, leftovers, pattern
-from tests.test_e2e import _expected_checksum
 from worker.backends.base import BackendEvent, WorkItem
 from worker.backends.checksum import ChecksumBackend
 from worker.main import Worker, WorkerOptions
@@ -268,7 +267,7 @@ def test_requests_of_a_worker_killed_while_it_holds_a_prepared_batch_are_retried
     responses = asyncio.run(run())
     for data, response in zip(images, responses):
         if response.status_code == 200:
-            assert _expected_checksum(data) in response.json()["choices"][0]["message"]["content"]
+            assert expected_checksum(data) in response.json()["choices"][0]["message"]["content"]
         else:  # only a request whose output had already streamed
             assert response.json()["error"]["code"] == "worker_died", response.text
     # the killed worker held at least its prepared batch (claimed, nothing streamed): retried
