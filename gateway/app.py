@@ -31,11 +31,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway.fetch import FetchPolicy, fetch_pending
 from gateway.frontend import Frontend, FrontendLimits, RequestState
 from gateway.http_errors import error_body, error_response
+from gateway.http_limits import read_capped
 from gateway.intake import IntakeLimits, parse_chat_request
 from gateway.metrics import Counter, render
 from gateway.preprocess import get_preprocessor
 from gateway.sse import Completion
-from shared.errors import ImageTooLarge, InvalidRequest, ShmgateError, Unauthorized
+from shared.errors import InvalidRequest, ShmgateError, Unauthorized
 from shared.instance import Instance
 from shared.wire import Delta, Failed, Finished
 
@@ -167,17 +168,7 @@ class FrontendHeader:
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise ImageTooLarge(f"the request body is larger than {limit} bytes")
-    chunks = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ImageTooLarge(f"the request body is larger than {limit} bytes")
-        chunks.append(chunk)
-    body = b"".join(chunks)
+    body = await read_capped(request.headers.get("content-length"), request.stream(), limit, "the request body")
     if not body:
         raise InvalidRequest("the request body is empty; send a JSON chat completion request")
     return body

@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 import httpx
 
 from gateway.addresses import AddressKind, AllowList, IPAddress, classify
+from gateway.http_limits import read_capped
 from gateway.intake import ChatRequest, PendingImageURL
 from shared.errors import (
-    ImageTooLarge,
     ImageURLForbidden,
     ImageURLTimeout,
     InvalidImageURL,
@@ -153,7 +153,8 @@ async def _follow(url: httpx.URL, policy: FetchPolicy, resolve: Resolver, contex
                         raise InvalidImageURL(
                             f"fetching the image from {url.host!r} returned HTTP {response.status_code}"
                         )
-                    return await _read_capped(response, policy.max_bytes)
+                    return await read_capped(response.headers.get("content-length"), response.aiter_raw(),
+                                             policy.max_bytes, "the image")
                 finally:
                     await response.aclose()
             except httpx.TimeoutException:
@@ -223,21 +224,6 @@ def _next_hop(url: httpx.URL, response: httpx.Response) -> httpx.URL:
     except (httpx.InvalidURL, ValueError, TypeError):
         raise InvalidImageURL(f"{url.host!r} redirected to an invalid URL") from None
     return _parse(str(target))
-
-
-async def _read_capped(response: httpx.Response, max_bytes: int) -> bytes:
-    """Rule 4: the raw body, refused as soon as it is known to exceed ``max_bytes``."""
-    declared = response.headers.get("content-length", "").strip()
-    if declared.isdigit() and int(declared) > max_bytes:
-        raise ImageTooLarge(f"the image is larger than {max_bytes} bytes")
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in response.aiter_raw():
-        size += len(chunk)
-        if size > max_bytes:
-            raise ImageTooLarge(f"the image is larger than {max_bytes} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def _is_literal(host: str) -> bool:

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
 
 from gateway.http_errors import error_body
+from shared.errors import ImageTooLarge
 
-__all__ = ["MAX_HEAD_BYTES", "http_protocol"]
+__all__ = ["MAX_HEAD_BYTES", "http_protocol", "read_capped"]
 
 MAX_HEAD_BYTES = 1 << 20
 
@@ -76,3 +78,24 @@ def http_protocol() -> type[asyncio.Protocol] | str:
             self.transport.close()
 
     return BoundedHttpToolsProtocol
+
+
+async def read_capped(declared_length: str | None, chunks: AsyncIterator[bytes], limit: int, what: str) -> bytes:
+    """A body of at most ``limit`` bytes, refused (413) as soon as it is known to be larger.
+
+    One reader for both bodies we accept from the network, a client's request and a fetched image:
+    a declared Content-Length over the limit is refused before reading, and a body without one
+    (chunked) is cut off at the limit instead of being buffered whole. ``what`` names the body in
+    the error message ("the request body", "the image").
+    """
+    declared = (declared_length or "").strip()
+    if declared.isdigit() and int(declared) > limit:
+        raise ImageTooLarge(f"{what} is larger than {limit} bytes")
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in chunks:
+        size += len(chunk)
+        if size > limit:
+            raise ImageTooLarge(f"{what} is larger than {limit} bytes")
+        parts.append(chunk)
+    return b"".join(parts)
