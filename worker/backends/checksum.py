@@ -26,7 +26,8 @@ key is absent, so the classifier pipeline's answers are unchanged.
 
 Streaming: the first event is ``{"tensors":[``, then one event per entry (with its leading
 comma after the first), then ``]}`` (or ``],"inline":{...}}``), then a finish event
-("stop"). completion_tokens counts the entries, prompt_tokens is 0.
+("stop"). completion_tokens counts the entries, prompt_tokens is 0. Every piece but the
+trickle's is marked ``flush=False``, so the worker sends the whole answer in its Finished message.
 
 Served as ``checksum`` behind the classifier preprocessing, and as ``checksum:<name>``
 behind the Hugging Face preprocessing of ``hf:<dir>`` (model spec ``checksum:hf:<dir>``):
