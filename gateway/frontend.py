@@ -188,7 +188,7 @@ class Frontend:
         loop = asyncio.get_running_loop()
         started = time.monotonic()
         groups: list[TensorGroup] = []
-        self._resolving += 1  # admitted: counts against the bound while its images decode
+        self._set_resolving(+1)  # admitted: counts against the bound while its images decode
         try:
             await self._resolve_images(chat.images, groups)
             specs: list[ImageTensorSpec] = [{r.name: (r.dtype, r.shape) for r in g.refs} for g in groups]
@@ -224,7 +224,7 @@ class Frontend:
             self._sync_cache_stats()
             raise
         finally:
-            self._resolving -= 1
+            self._set_resolving(-1)  # from here on it is on the request queue (or failed)
         try:
             await self._sender.send(submit, min(10.0, self.limits.request_timeout_s))
         except ChannelFull:
@@ -234,6 +234,15 @@ class Frontend:
             self._finish(state)
             raise
         return state
+
+    def _set_resolving(self, change: int) -> None:
+        """Count admitted requests still decoding, and publish the count in our slot row.
+
+        Workers read it (``Segment.preparing_requests``): a batch waits its window only for
+        requests known to be on their way, so a lone request runs at once.
+        """
+        self._resolving += change
+        self.segment.frontends[self.slot]["preparing"] = self._resolving
 
     async def _resolve_images(self, images: list[bytes], groups: list[TensorGroup]) -> None:
         """Append each image's held tensor group to ``groups``, in order. Raises the first failure.

@@ -13,7 +13,7 @@ import enum
 
 import numpy as np
 
-from shared.segment import Segment, SlotState
+from shared.segment import BATCH_BUCKETS, Segment, SlotState
 
 __all__ = ["Counter", "FrontendStats", "render"]
 
@@ -118,6 +118,15 @@ def render(segment: Segment, queue_depth: int) -> str:
     metric("shmgate_worker_starts_total", "counter", "Worker (re)starts; restarts = starts - workers.", [("", starts)])
     busy = float(workers["busy_ns"].sum()) / 1e9
     metric("shmgate_worker_busy_seconds_total", "counter", "Time workers spent running batches.", [("", busy)])
+    lines.append("# HELP shmgate_batch_size Requests per batch the workers ran.")
+    lines.append("# TYPE shmgate_batch_size histogram")
+    per_bucket = workers["batch_hist"].sum(axis=0)
+    for bound, cumulative in zip((*map(str, BATCH_BUCKETS), "+Inf"), np.cumsum(per_bucket)):
+        lines.append(f'shmgate_batch_size_bucket{{le="{bound}"}} {int(cumulative)}')
+    lines.append(f"shmgate_batch_size_sum {int(workers['batched_requests'].sum())}")
+    lines.append(f"shmgate_batch_size_count {int(workers['batches'].sum())}")
+    metric("shmgate_preparing_requests", "gauge", "Admitted requests still being decoded and preprocessed.",
+           [("", segment.preparing_requests())])
     return "\n".join(lines) + "\n"
 
 

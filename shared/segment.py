@@ -37,10 +37,10 @@ from shared.errors import SetupError
 from shared.names import IPC_MODE, InstanceNames, check_shm_space
 from shared.wire import WIRE_VERSION
 
-__all__ = ["Heartbeat", "Segment", "SlotState", "now_ns", "own_pidns"]
+__all__ = ["BATCH_BUCKETS", "Heartbeat", "Segment", "SlotState", "now_ns", "own_pidns"]
 
 MAGIC = int.from_bytes(b"SHMGATE1", "little")
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: slot rows carry ``preparing`` and the worker batch-size counters
 ALIGN = 64
 PAGE = 4096
 
@@ -77,6 +77,8 @@ LOCK_RECORD = np.dtype(
     ]
 )
 
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # upper bounds of the batch-size histogram
+
 SLOT = np.dtype(
     [
         ("epoch", "<u8"),  # +1 at every claim; a message stamped with an older epoch is stale
@@ -87,6 +89,10 @@ SLOT = np.dtype(
         ("gen_counter", "<u8"),  # frontend rows: last generation handed out in this partition
         ("busy_ns", "<u8"),  # worker rows: total time spent running batches
         ("model", "S48"),  # worker rows: the model it serves
+        ("preparing", "<u8"),  # frontend rows: admitted requests still decoding (a batch window waits for them)
+        ("batches", "<u8"),  # worker rows, never reset: batches run ...
+        ("batched_requests", "<u8"),  # ... and the requests in them
+        ("batch_hist", "<u8", (len(BATCH_BUCKETS) + 1,)),  # batches of size <= BATCH_BUCKETS[i]; last: larger
     ]
 )
 
@@ -336,9 +342,16 @@ class Segment:
         row["pidns"] = own_pidns()
         row["beat_ns"] = now_ns()
         row["busy_ns"] = 0
+        row["preparing"] = 0  # a dead predecessor's requests died with it
         row["model"] = model.encode()[:48]
         row["state"] = SlotState.STARTING
         return epoch
+
+    def preparing_requests(self) -> int:
+        """Requests the serving frontends admitted and are still decoding: they reach the queue soon."""
+        rows = self.frontends
+        serving = (rows["state"] == SlotState.READY) | (rows["state"] == SlotState.DRAINING)
+        return int(rows["preparing"][serving].sum())
 
     def live_workers(self, dead_after_s: float, model: str | None = None) -> list[int]:
         """Slots of workers that are READY (and serve ``model``, if given)."""

@@ -11,10 +11,21 @@ starts its device copy.
 A batch prepared while the model is still busy stays open after its window
 (``hold_open``), so it gathers what arrives until the model is free, as the
 batch of an unpipelined worker did; each item's copy has started on arrival.
+
+The window is only waited for what is known to be coming: while the model is
+idle, a batch is cut as soon as the request queue is empty and no frontend is
+still decoding a request (``more_coming``). A lone request (concurrency 1, a
+quiet service) then runs at once instead of paying the whole window; under load
+the queue or the frontends' decode pools are rarely empty, and the window
+batches as before. Waits after the first request also watch ``wake_fd``: the
+model becoming free is written there, so a held batch is cut at that moment
+rather than at the next poll.
 """
 
 from __future__ import annotations
 
+import os
+import select
 import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
@@ -26,11 +37,16 @@ __all__ = ["Batcher"]
 
 T = TypeVar("T")
 
-HOLD_SLICE_S = 0.005  # while held open: how often to ask whether the model is free yet
+HOLD_SLICE_S = 0.005  # while held open without a wake_fd: how often to ask whether the model is free yet
+WAKE_SLICE_S = 0.1  # with a wake_fd the wake-up says it; this only bounds a missed one
 
 
 def _never() -> bool:
     return False
+
+
+def _always() -> bool:
+    return True
 
 
 class Batcher(Generic[T]):
@@ -42,9 +58,18 @@ class Batcher(Generic[T]):
         max_batch_wait_s: float,
         on_take: Callable[[Submit], T | None],
         on_invalid: Callable[[object], None],
+        more_coming: Callable[[], bool] = _always,
+        wake_fd: int | None = None,
     ) -> None:
-        """``on_take(submit)`` claims a request and returns what the batch keeps, or None to drop it."""
+        """``on_take(submit)`` claims a request and returns what the batch keeps, or None to drop it.
+
+        ``more_coming()``: are requests on their way that the queue does not show yet (default:
+        assume so, i.e. always wait the window). ``wake_fd``: a readable descriptor that becomes
+        readable when ``hold_open()`` may have turned false; the batcher drains it.
+        """
         self._queue = queue
+        self._more_coming = more_coming
+        self._wake_fd = wake_fd
         self._max_batch_size = max(1, max_batch_size)
         self._max_batch_wait_s = max(0.0, max_batch_wait_s)
         self._on_take = on_take
@@ -53,7 +78,9 @@ class Batcher(Generic[T]):
     def collect(self, idle_timeout_s: float = 0.5, *, hold_open: Callable[[], bool] = _never) -> list[T]:
         """The next batch; empty when nothing arrived within ``idle_timeout_s``.
 
-        After the batch window a non-empty batch stays open while ``hold_open()`` is true.
+        ``hold_open()`` says the model is busy: the batch keeps gathering (past its window, too),
+        since running sooner is impossible anyway. While it is false, the batch is cut when the
+        window ends or when nothing more is on its way.
         """
         batch: list[T] = []
         first = self._take(idle_timeout_s)
@@ -63,20 +90,30 @@ class Batcher(Generic[T]):
             batch.append(first)  # type: ignore[arg-type]
         deadline = time.monotonic() + self._max_batch_wait_s
         while len(batch) < self._max_batch_size:
+            holding = hold_open()
+            if batch and not holding and not self._waiting_helps():
+                break
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                if not batch or not hold_open():
+                if not batch or not holding:
                     break
-                remaining = HOLD_SLICE_S
-            item = self._take(remaining)
+                remaining = HOLD_SLICE_S if self._wake_fd is None else WAKE_SLICE_S
+            item = self._take(remaining, wakeable=True)
             if item is not None and item is not False:
                 batch.append(item)  # type: ignore[arg-type]
         return batch
 
-    def _take(self, timeout_s: float) -> T | None | bool:
-        """A kept item, None on timeout, False for a message that was taken and dropped."""
+    def _waiting_helps(self) -> bool:
+        """Is a request on its way: queued already, or admitted by a frontend and still decoding?"""
+        return self._queue.current_messages() > 0 or self._more_coming()
+
+    def _take(self, timeout_s: float, *, wakeable: bool = False) -> T | None | bool:
+        """A kept item, None on timeout (or a wake-up), False for a message taken and dropped."""
         try:
-            message = self._queue.receive(timeout_s)
+            if wakeable and self._wake_fd is not None:
+                message = self._receive_or_wake(timeout_s)
+            else:
+                message = self._queue.receive(timeout_s)
         except Exception as exc:  # malformed bytes on the queue: report and carry on
             self._on_invalid(exc)
             return False
@@ -87,3 +124,19 @@ class Batcher(Generic[T]):
             return False
         kept = self._on_take(message)
         return False if kept is None else kept
+
+    def _receive_or_wake(self, timeout_s: float) -> object | None:
+        """Wait for a message or the wake descriptor; None on timeout, a wake-up, or a lost race.
+
+        A POSIX message queue descriptor is pollable on Linux, so one select covers both.
+        """
+        assert self._wake_fd is not None
+        readable, _, _ = select.select([self._queue.fd, self._wake_fd], [], [], max(0.0, timeout_s))
+        if self._wake_fd in readable:
+            try:
+                os.read(self._wake_fd, 4096)
+            except BlockingIOError:
+                pass
+        if self._queue.fd in readable:
+            return self._queue.try_receive()  # None when another worker took it first
+        return None

@@ -22,6 +22,7 @@ stamps ``busy_ns`` so the gateway can tell a turning loop from a stuck one.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import signal
 import threading
@@ -35,7 +36,7 @@ from shared.arena import recheck, validate
 from shared.channels import Queue
 from shared.errors import ChannelFull, DescriptorError, SetupError
 from shared.instance import DEAD_AFTER_S, Instance, instance_alive
-from shared.segment import Heartbeat, SlotState, now_ns
+from shared.segment import BATCH_BUCKETS, Heartbeat, SlotState, now_ns
 from shared.wire import (
     INLINE_TENSOR,
     MAX_DELTA_CHARS,
@@ -106,13 +107,15 @@ class Worker:
         # the public model id (hf:<dir> is served under the directory's name): what frontends match
         instance.segment.workers[self.slot]["model"] = self.backend.name.encode()[:48]
         self.copier = DeviceCopier(self.device, instance.segment.mm)
-        self._prefetcher: Prefetcher[list[_Job]] | None = None
+        self._prefetcher: Prefetcher[list[_Job]] = Prefetcher(self._prepare, name=f"prefetch-{self.slot}")
         self.batcher: Batcher[_Job] = Batcher(
             self._requests,
             max_batch_size=options.max_batch_size,
             max_batch_wait_s=options.max_batch_wait_ms / 1000,
             on_take=self._take,
             on_invalid=lambda what: log.warning("dropped an invalid message on the request channel: %r", what),
+            more_coming=lambda: instance.segment.preparing_requests() > 0,
+            wake_fd=self._prefetcher.wake_fd,
         )
 
     # -- life cycle -----------------------------------------------------------------
@@ -124,8 +127,7 @@ class Worker:
         seg = self.instance.segment
         seg.workers[self.slot]["state"] = SlotState.READY
         log.info("worker slot %d ready: model %s on %s", self.slot, self.options.model, self.device)
-        prefetcher: Prefetcher[list[_Job]] = Prefetcher(self._prepare, name=f"prefetch-{self.slot}")
-        self._prefetcher = prefetcher.start()
+        prefetcher = self._prefetcher.start()
         try:
             while not self._stop.is_set():
                 if int(seg.workers[self.slot]["epoch"]) != self.epoch:
@@ -148,6 +150,7 @@ class Worker:
             left = prefetcher.drain(PREFETCH_JOIN_S)  # the thread must be done before the copier closes
             if left:  # only when the slot or the instance is gone: the frontends' watchdogs retry these
                 log.warning("dropped %d prepared requests on exit", sum(len(jobs) for jobs in left))
+            prefetcher.close()
             if int(seg.workers[self.slot]["epoch"]) == self.epoch:
                 seg.workers[self.slot]["state"] = SlotState.FREE
             self._heartbeat.stop()
@@ -160,10 +163,14 @@ class Worker:
             q.close()
 
     def _timed_run(self, jobs: list[_Job]) -> None:
-        seg = self.instance.segment
+        """Run a batch; count it in this worker's row (busy time, batch-size histogram for /metrics)."""
+        workers = self.instance.segment.workers
         started = now_ns()
         self._run_batch(jobs)
-        seg.workers[self.slot]["busy_ns"] = int(seg.workers[self.slot]["busy_ns"]) + now_ns() - started
+        workers["busy_ns"][self.slot] += now_ns() - started
+        workers["batches"][self.slot] += 1
+        workers["batched_requests"][self.slot] += len(jobs)
+        workers["batch_hist"][self.slot, bisect.bisect_left(BATCH_BUCKETS, len(jobs))] += 1
 
     # -- one batch --------------------------------------------------------------------
 
@@ -202,7 +209,7 @@ class Worker:
         return live or None
 
     def _model_busy(self) -> bool:
-        return not self._stop.is_set() and self._prefetcher is not None and self._prefetcher.consumer_busy
+        return not self._stop.is_set() and self._prefetcher.consumer_busy
 
     def _start_copy(self, submit: Submit) -> Copy | None:
         """Validate a request's descriptors and start its device copy. None when it failed (answered)."""

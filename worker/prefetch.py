@@ -19,6 +19,7 @@ Rules this keeps:
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -39,6 +40,9 @@ class Prefetcher(Generic[T]):
         self._credit = threading.Semaphore(1)  # 1: the hand-off is free and nothing is being produced
         self._stop = threading.Event()
         self._waiting = threading.Event()  # the consumer is in get(): it has nothing to run
+        self._wake_r, self._wake_w = os.pipe()  # a byte each time the consumer starts waiting
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
 
@@ -51,13 +55,26 @@ class Prefetcher(Generic[T]):
         return self._thread.is_alive()
 
     @property
+    def wake_fd(self) -> int:
+        """Readable when the consumer started waiting: a producer holding a batch open should cut it."""
+        return self._wake_r
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"w")
+        except (BlockingIOError, OSError):  # full (the producer drains it) or closed: nothing to tell
+            pass
+
+    @property
     def consumer_busy(self) -> bool:
         """True while the consumer works on an item it took (the producer may keep gathering)."""
         return not self._waiting.is_set()
 
     def get(self, timeout_s: float) -> T | None:
         """The next prepared item, or None after ``timeout_s``. Re-raises the producer's exception."""
-        self._waiting.set()
+        if not self._waiting.is_set():
+            self._waiting.set()
+            self._wake()
         try:
             item = self._ready.get(timeout=timeout_s)
         except queue.Empty:
@@ -76,6 +93,7 @@ class Prefetcher(Generic[T]):
         """Stop, wait up to ``timeout_s`` for the thread, and return the items nobody took."""
         self.stop()
         self._waiting.set()  # nobody is busy any more: a producer holding a batch open cuts it now
+        self._wake()
         self._thread.join(timeout_s)
         left = []
         while True:
@@ -83,6 +101,15 @@ class Prefetcher(Generic[T]):
                 left.append(self._ready.get_nowait())
             except queue.Empty:
                 return left
+
+    def close(self) -> None:
+        """Close the wake pipe; after ``drain`` (the thread no longer reads it)."""
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._wake_r = self._wake_w = -1
 
     def _loop(self) -> None:
         try:

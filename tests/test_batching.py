@@ -1,0 +1,195 @@
+"""The batch window: waited only for requests known to be coming, cut when the model frees up.
+
+The first tests drive a real ``Batcher`` on a real instance's request queue (POSIX message
+queue), playing the frontends by hand: what "more is coming" and "the model is busy" say is
+set by the test, so each outcome is a state, not a race. Windows are far longer than the hang
+guards, so "the batch was cut early" is a yes/no outcome (old behaviour: the whole window).
+The last test runs a real ``shmgate serve`` and reads the batch-size histogram from /metrics.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from shared.channels import Queue
+from shared.instance import Instance
+from shared.wire import Submit
+from tests.serving import Server, expected_checksum, image_request, noise_png, start_server, stop_and_check
+from tests.shm_children import leftovers
+from worker import batcher as batcher_module
+from worker.batcher import Batcher
+
+LONG_WINDOW_S = 120.0  # a window no test may wait out
+HANG_S = 30.0  # hang guard: the outcome is "cut early" (seconds at most) or "waited the window"
+
+
+@pytest.fixture()
+def instance() -> Iterator[Instance]:
+    inst = Instance.create(arena_size=1 << 20, n_frontends=1, n_workers=1, queue_depth=8)
+    try:
+        yield inst
+    finally:
+        instance_id = inst.names.instance_id
+        inst.unlink()
+        inst.close()
+        assert leftovers(instance_id) == []
+
+
+@pytest.fixture()
+def requests(instance: Instance) -> Iterator[Queue]:
+    """The worker side of the request queue (closed after the test: its memory counts until then)."""
+    q = instance.request_queue()
+    try:
+        yield q
+    finally:
+        q.close()
+
+
+def _batcher(requests: Queue, *, max_batch_wait_s: float = LONG_WINDOW_S, **kwargs: object) -> Batcher[int]:
+    return Batcher(
+        requests,
+        max_batch_size=8,
+        max_batch_wait_s=max_batch_wait_s,
+        on_take=lambda submit: submit.request_id,
+        on_invalid=lambda what: pytest.fail(f"invalid message {what!r}"),
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+def _send(inst: Instance, *request_ids: int) -> None:
+    q = inst.request_queue()
+    try:
+        for request_id in request_ids:
+            q.send(Submit(request_id, 0, "checksum"), HANG_S)
+    finally:
+        q.close()
+
+
+def _timed_collect(batcher: Batcher[int], **kwargs: object) -> tuple[list[int], float]:
+    started = time.monotonic()
+    batch = batcher.collect(idle_timeout_s=HANG_S, **kwargs)  # type: ignore[arg-type]
+    return batch, time.monotonic() - started
+
+
+def test_a_lone_request_runs_at_once_instead_of_waiting_the_window(instance: Instance, requests: Queue) -> None:
+    _send(instance, 1)
+    batch, took = _timed_collect(_batcher(requests, more_coming=lambda: False))
+    assert batch == [1]
+    assert took < HANG_S
+
+
+def test_queued_requests_join_the_batch_without_waiting_the_window(instance: Instance, requests: Queue) -> None:
+    _send(instance, 1, 2, 3)
+    batch, took = _timed_collect(_batcher(requests, more_coming=lambda: False))
+    assert batch == [1, 2, 3]
+    assert took < HANG_S
+
+
+def test_the_window_waits_for_a_request_a_frontend_is_still_decoding(instance: Instance, requests: Queue) -> None:
+    decoding = threading.Event()
+    decoding.set()  # request 2 is admitted and decoding when the batch starts
+
+    def frontend() -> None:
+        time.sleep(0.3)  # the decode; the batch must wait for it however long it takes
+        _send(instance, 2)
+        decoding.clear()
+
+    _send(instance, 1)
+    thread = threading.Thread(target=frontend)
+    thread.start()
+    batch, took = _timed_collect(_batcher(requests, more_coming=decoding.is_set))
+    thread.join()
+    assert batch == [1, 2]
+    assert took < HANG_S
+
+
+def test_the_window_still_bounds_the_wait(instance: Instance, requests: Queue) -> None:
+    _send(instance, 1)
+    # a frontend that never finishes decoding: the window (0.2 s) ends the wait
+    batch, took = _timed_collect(_batcher(requests, max_batch_wait_s=0.2, more_coming=lambda: True))
+    assert batch == [1]
+    assert took < HANG_S
+
+
+def test_a_batch_held_open_while_the_model_is_busy_is_cut_by_the_wake_up(
+    instance: Instance, requests: Queue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hold polls every WAKE_SLICE_S only as a fallback; the wake descriptor cuts it at once."""
+    monkeypatch.setattr(batcher_module, "WAKE_SLICE_S", LONG_WINDOW_S)
+    wake_r, wake_w = os.pipe()
+    busy = threading.Event()
+    busy.set()
+    try:
+        batcher = _batcher(requests, max_batch_wait_s=0.0, more_coming=lambda: False, wake_fd=wake_r)
+
+        def model_finishes() -> None:
+            time.sleep(0.3)
+            _send(instance, 2)  # arrives while the model is still busy: joins the held batch
+            time.sleep(0.3)
+            busy.clear()
+            os.write(wake_w, b"w")
+
+        _send(instance, 1)
+        thread = threading.Thread(target=model_finishes)
+        thread.start()
+        batch, took = _timed_collect(batcher, hold_open=busy.is_set)
+        thread.join()
+        assert batch == [1, 2]
+        assert took < HANG_S
+    finally:
+        os.close(wake_r)
+        os.close(wake_w)
+
+
+@pytest.fixture(scope="module")
+def slow_model_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """checksum with a 300 ms model and a two-minute window: batches form only while the model is busy."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("SHMGATE_DIAG_BATCH_DELAY_MS", "300")  # read by the workers serve starts
+        server = start_server("checksum", tmp_path_factory.mktemp("batching"), "--workers", "1",
+                              "--max-batch-size", "8", "--max-batch-wait-ms", str(int(LONG_WINDOW_S * 1000)))
+    try:
+        yield server
+    finally:
+        stop_and_check(server)
+
+
+def _ask(server: Server, data: bytes) -> str:
+    r = httpx.post(server.base_url + "/v1/chat/completions", json=image_request("checksum", data), timeout=HANG_S)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def test_a_lone_request_is_not_held_for_the_window_end_to_end(slow_model_server: Server) -> None:
+    image = noise_png(1)
+    started = time.monotonic()
+    assert expected_checksum(image) in _ask(slow_model_server, image)
+    assert time.monotonic() - started < HANG_S
+
+
+def test_metrics_count_every_batch_and_its_size(slow_model_server: Server) -> None:
+    before_count = slow_model_server.metric("shmgate_batch_size_count")
+    before_sum = slow_model_server.metric("shmgate_batch_size_sum")
+    before_single = _bucket(slow_model_server, "1")
+    images = [noise_png(100 + i) for i in range(12)]
+    with concurrent.futures.ThreadPoolExecutor(len(images)) as pool:
+        answers = list(pool.map(lambda image: _ask(slow_model_server, image), images))
+    for image, answer in zip(images, answers):
+        assert expected_checksum(image) in answer
+    batches = slow_model_server.metric("shmgate_batch_size_count") - before_count
+    assert slow_model_server.metric("shmgate_batch_size_sum") - before_sum == len(images)
+    assert 2 <= batches < len(images)  # 12 requests at max batch 8: at least 2 batches, and some batched
+    assert _bucket(slow_model_server, "1") - before_single < batches
+    assert _bucket(slow_model_server, "+Inf") == slow_model_server.metric("shmgate_batch_size_count")
+    assert slow_model_server.metric("shmgate_preparing_requests") == 0
+
+
+def _bucket(server: Server, le: str) -> float:
+    return server.metric(f'shmgate_batch_size_bucket{{le="{le}"}}')
