@@ -96,7 +96,7 @@ def _allowlist(text: str) -> str:
 
 def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=int(_env("WORKERS", "0") or 0),
-                   help="worker processes (default: one per GPU, one on CPU when there is none)")
+                   help="worker processes (default: one per GPU; on CPU two, one for hf: models)")
     p.add_argument("--workers-per-gpu", type=int, default=int(_env("WORKERS_PER_GPU", "1") or 1))
     p.add_argument("--device", default=_env("DEVICE"), help="cpu or cuda (default: cuda when a GPU is present)")
     p.add_argument("--max-batch-size", type=int, default=int(_env("MAX_BATCH_SIZE", "8") or 8))
@@ -171,6 +171,19 @@ def _frontend_argv(args: argparse.Namespace, instance_id: str, slot: int, fd: in
         ["--allow-image-urls"] if args.allow_image_urls else [])
 
 
+def _default_cpu_workers(model: str, cores: int) -> int:
+    """Two workers splitting the cores, for models small enough to load twice; else one.
+
+    Two processes of cores/2 torch threads beat one of all cores for EfficientNet-Lite0 on
+    2 cores (docs/BENCHMARKS.md, "Workers on CPU"): one runs a batch while the other's
+    batch forms and its Python overhead runs, where one process leaves cores idle between
+    batches. A Hugging Face VLM's weights (GBs) are loaded once.
+    """
+    if model.startswith("hf:") or cores < 2:
+        return 1
+    return 2
+
+
 def _worker_plan(args: argparse.Namespace) -> tuple[str, int, int, list[str]]:
     """(device, workers, torch threads per worker, GPU ids) from the flags and the machine."""
     gpu_ids = visible_gpus(os.environ, _gpu_count())
@@ -179,7 +192,7 @@ def _worker_plan(args: argparse.Namespace) -> tuple[str, int, int, list[str]]:
     if device.startswith("cuda"):
         n = args.workers or max(1, gpus) * args.workers_per_gpu
     else:
-        n = args.workers or 1
+        n = args.workers or _default_cpu_workers(args.model, os.cpu_count() or 1)
     threads = args.threads or max(1, (os.cpu_count() or 1) // n)
     return device, n, threads, gpu_ids
 
