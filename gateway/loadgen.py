@@ -25,6 +25,7 @@ import base64
 import itertools
 import json
 import os
+import secrets
 import sys
 import time
 from collections import Counter
@@ -342,12 +343,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     warmup = min(args.concurrency, args.requests) if args.warmup is None else args.warmup
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     client = RawClient(args.base_url, headers=headers, timeout_s=args.timeout)
+    # Nonces must differ between runs, too: a bench run against a server an earlier run warmed
+    # would otherwise send it bytes it has cached, and "--unique" would measure cache hits.
+    nonces = secrets.randbelow(10**5) * 10**10
     try:
-        warm = await _drive(client, args, images, warmup, 0) if warmup > 0 else []
+        warm = await _drive(client, args, images, warmup, nonces) if warmup > 0 else []
         cpu_before = tree_cpu_seconds(pids) if pids else None
         busy_before, client_cpu_before = machine_busy_seconds(), time.process_time()
         start = time.perf_counter()
-        outcomes = await _drive(client, args, images, args.requests, warmup)
+        outcomes = await _drive(client, args, images, args.requests, nonces + warmup)
         wall = time.perf_counter() - start
         busy, client_cpu = machine_busy_seconds() - busy_before, time.process_time() - client_cpu_before
         server_cpu = None if cpu_before is None else tree_cpu_seconds(pids) - cpu_before

@@ -2,6 +2,7 @@
 
 The naive server runs as a real subprocess on a free loopback port, so these tests cover the HTTP,
 SSE and keep-alive paths the benchmarks use. The accounting functions are tested on made-up data.
+Whether ``--unique`` defeats a content cache is checked against a real ``shmgate serve``.
 """
 
 from __future__ import annotations
@@ -172,3 +173,18 @@ def test_body_template_gives_the_bytes_json_dumps_would(stream: bool, max_tokens
         url = image.data_url(nonce)
         expected = json.dumps(loadgen.build_body("checksum", url, stream=stream, max_tokens=max_tokens)).encode()
         assert template.render(url) == expected
+
+
+def test_unique_runs_never_repeat_bytes_an_earlier_run_sent(checksum_server) -> None:  # type: ignore[no-untyped-def]
+    """Two --unique runs against one server: every request is a cache miss (a warmed server must not hit)."""
+    def cache(kind: str) -> float:
+        return checksum_server.metric(f"shmgate_cache_{kind}_total")
+
+    hits, misses = cache("hits") + cache("remote_hits"), cache("misses")
+    sent = 0
+    for _ in range(2):
+        result = _bench(checksum_server.base_url, "--unique")
+        assert result["errors"] == 0 and result["mismatches"] == 0
+        sent += result["requests"] + result["warmup"]
+    assert cache("misses") - misses == sent
+    assert cache("hits") + cache("remote_hits") == hits
