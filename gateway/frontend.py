@@ -37,10 +37,10 @@ from typing import Any
 
 import msgspec
 
-from gateway.intake import ChatRequest
+from gateway.intake import ChatRequest, EncodedImage
 from gateway.metrics import Counter, FrontendStats
 from gateway.preprocess.base import ImageTensorSpec, Preprocessor, PromptInputs
-from shared.cache import ContentCache, TensorGroup, content_key
+from shared.cache import AllocateFn, ContentCache, TensorGroup, content_key
 from shared.cache_index import CacheIndex
 from shared.channels import AsyncQueueReader, AsyncSender, Queue
 from shared.errors import ChannelFull, Overloaded, PeerDied, RequestTimeout, ShmgateError, UnknownModel
@@ -244,27 +244,29 @@ class Frontend:
         self._resolving += change
         self.segment.frontends[self.slot]["preparing"] = self._resolving
 
-    async def _resolve_images(self, images: list[bytes], groups: list[TensorGroup]) -> None:
+    async def _resolve_images(self, images: list[bytes | EncodedImage], groups: list[TensorGroup]) -> None:
         """Append each image's held tensor group to ``groups``, in order. Raises the first failure.
 
         Local cache hits are taken on the event loop, where the hit itself only takes a process-local
-        mutex. The content key is computed either way; computing it here moves ~0.17 ms of hashing
-        (a 160 KB photo) onto the loop and saves a pool hop of ~0.1 ms CPU for the image and one for
-        the prompt (``python bench/loop_costs.py``). Up to LOOP_HASH_MAX_BYTES that is at most ~1 ms
-        of loop time; larger images, remote hits and misses run in the decode pool.
+        mutex. The content key is computed either way: for a data URL it hashes the base64 text
+        (~0.09 ms for a 150 KB photo, ``python bench/loop_costs.py``), so a hit costs no base64
+        decode at all, and doing it here saves a pool hop of ~0.1 ms CPU for the image and one for
+        the prompt. Up to LOOP_HASH_MAX_BYTES that is at most ~0.5 ms of loop time; larger images,
+        remote hits and misses (base64 decode included) run in the decode pool.
         Groups acquired before a failure are still appended, so the caller releases them.
         """
         loop = asyncio.get_running_loop()
         params = self.preprocessor.cache_params()
         slots: list[TensorGroup | asyncio.Future[TensorGroup]] = []
-        for data in images:
+        for image in images:
             group = None
             key = None
-            if len(data) <= LOOP_HASH_MAX_BYTES:
-                key = content_key(data, params)
+            material = image.text if isinstance(image, EncodedImage) else image
+            if len(material) <= LOOP_HASH_MAX_BYTES:
+                key = content_key(material, params)
                 group = self.cache.try_hit(key)
             if group is None:
-                slots.append(loop.run_in_executor(self._pool, self._resolve_image, data, key))
+                slots.append(loop.run_in_executor(self._pool, self._resolve_image, image, key))
             else:
                 slots.append(group)
         futures = [s for s in slots if isinstance(s, asyncio.Future)]
@@ -281,13 +283,21 @@ class Frontend:
         if failure is not None:
             raise failure
 
-    def _resolve_image(self, data: bytes, key: bytes | None) -> TensorGroup:
-        """Thread pool: the cached tensors of one image, decoding only on a miss."""
+    def _resolve_image(self, image: bytes | EncodedImage, key: bytes | None) -> TensorGroup:
+        """Thread pool: the cached tensors of one image, decoding (base64, then pixels) only on a miss."""
         if key is None:
-            key = content_key(data, self.preprocessor.cache_params())
-        group, _ = self.cache.acquire(
-            key, lambda allocate: self.preprocessor.preprocess_image(data, allocate, max_pixels=self.limits.max_pixels)
-        )
+            key = content_key(image.text if isinstance(image, EncodedImage) else image, self.preprocessor.cache_params())
+
+        def make(allocate: AllocateFn) -> None:
+            data = image.decode() if isinstance(image, EncodedImage) else image
+            self.preprocessor.preprocess_image(data, allocate, max_pixels=self.limits.max_pixels)
+
+        try:
+            group, _ = self.cache.acquire(key, make)
+        except ShmgateError as exc:
+            if exc.param is None and isinstance(image, EncodedImage):
+                exc.param = image.param  # which image of the request could not be decoded
+            raise
         return group
 
     def _inline_group(self, prompt: PromptInputs) -> TensorGroup:

@@ -107,10 +107,10 @@ def _cases() -> dict[str, Case]:
     return {
         # -- bombs and sizes
         "png claiming 100000x100000": Case(_image(data_url(handmade_png(100_000, 100_000), "image/png")), 413,
-                                           "image_too_large"),
+                                           "image_too_large", "messages[0].content[1].image_url"),
         "jpeg claiming 65500x65500": Case(_image(data_url(_jpeg_claiming(jpeg, 65500, 65500))), 413,
-                                          "image_too_large"),
-        "png 0x0": Case(_image(data_url(handmade_png(0, 0), "image/png")), 400, "invalid_image"),
+                                          "image_too_large", "messages[0].content[1].image_url"),
+        "png 0x0": Case(_image(data_url(handmade_png(0, 0), "image/png")), 400, "invalid_image", "messages[0].content[1].image_url"),
         "png 1x1": Case(_image(data_url(encode(Image.new("RGB", (1, 1), (1, 2, 3)), "PNG"), "image/png")), 200,
                         digest=_solid_digest((1, 2, 3))),
         "png 1x10000": Case(_image(data_url(encode(Image.new("RGB", (1, 10000), (9, 8, 7)), "PNG"), "image/png")),
@@ -126,7 +126,8 @@ def _cases() -> dict[str, Case]:
                                            digest=_solid_digest((255, 0, 0))),
         "animated gif, honest mime": Case(_image(data_url(animated_gif, "image/gif")), 400, "invalid_image",
                                           "messages[0].content[1].image_url"),
-        "animated gif sent as png": Case(_image(data_url(animated_gif, "image/png")), 400, "invalid_image"),
+        "animated gif sent as png": Case(_image(data_url(animated_gif, "image/png")), 400, "invalid_image",
+                                         "messages[0].content[1].image_url"),
         "16-bit grayscale png": Case(_image(data_url(sixteen_bit, "image/png")), 200,
                                      digest=_solid_digest((100, 100, 100))),
         "cmyk jpeg": Case(_image(data_url(cmyk)), 200, digest=expected_checksum(cmyk)),
