@@ -125,11 +125,20 @@ def now_ns() -> int:
     return time.monotonic_ns()
 
 
+_pidns: tuple[int, int] = (-1, 0)  # (pid, inode): a process's PID namespace is fixed, but a fork may differ
+
+
 def own_pidns() -> int:
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
+    """Inode of our PID namespace; cached per pid, since liveness checks ask on every request."""
+    global _pidns
+    pid = os.getpid()
+    if _pidns[0] != pid:
+        try:
+            inode = os.stat("/proc/self/ns/pid").st_ino
+        except OSError:
+            inode = 0
+        _pidns = (pid, inode)
+    return _pidns[1]
 
 
 def _align(value: int, to: int) -> int:
