@@ -59,6 +59,10 @@ __all__ = ["Worker", "WorkerOptions"]
 log = logging.getLogger("shmgate.worker")
 
 REPLY_TIMEOUT_S = 2.0
+# Between a batch's events, cancels are read at most this often: each read is a syscall (and an
+# exception when empty), and a fast backend emits events microseconds apart (10% of a checksum
+# worker's CPU went there). A generating model's token steps are slower than this anyway.
+CANCEL_POLL_S = 0.002
 PREFETCH_JOIN_S = 10.0  # at stop: how long to wait for the prefetch thread's current batch
 
 
@@ -94,6 +98,7 @@ class Worker:
         self._replies: dict[int, Queue] = {}
         self._replies_lock = threading.Lock()  # both threads reply; one Queue object per frontend
         self._cancelled: set[int] = set()
+        self._cancels_read_at = 0.0
         self._cancel_lock = threading.Lock()
         self.slot, self.epoch = instance.claim_worker_slot(options.model)
         self._heartbeat = Heartbeat(instance.segment.workers, self.slot, self.epoch).start()
@@ -288,7 +293,8 @@ class Worker:
                     )
                 elif event.flush:
                     self._flush_text(job)
-                self._drain_cancels(items)
+                if time.monotonic() - self._cancels_read_at >= CANCEL_POLL_S:
+                    self._drain_cancels(items)
         except Exception as exc:
             log.exception("backend failed on a batch of %d", len(items))
             for job in live:
@@ -338,6 +344,7 @@ class Worker:
         log.warning("dropped a reply: frontend %d is alive but not reading its channel", slot)
 
     def _drain_cancels(self, items: Sequence[WorkItem] = ()) -> None:
+        self._cancels_read_at = time.monotonic()
         while True:
             try:
                 message = self._control.try_receive()
