@@ -16,6 +16,7 @@ import hashlib
 import os
 import random
 import time
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -67,6 +68,19 @@ def leftovers(instance_id: str, slots: int = 8) -> list[str]:
             continue
         found.append(name)
     return found
+
+
+@contextlib.contextmanager
+def scratch_instance(**create: Any) -> Iterator[Instance]:
+    """A fresh instance (``Instance.create(**create)``), removed afterwards and proven gone."""
+    inst = Instance.create(**create)
+    try:
+        yield inst
+    finally:
+        instance_id = inst.names.instance_id
+        inst.unlink()
+        inst.close()
+        assert leftovers(instance_id) == []
 
 
 def claim_frontend(inst: Instance, k: int) -> tuple[int, Heartbeat]:

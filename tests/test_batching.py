@@ -21,8 +21,15 @@ import pytest
 from shared.channels import Queue
 from shared.instance import Instance
 from shared.wire import Submit
-from tests.serving import Server, expected_checksum, image_request, noise_png, start_server, stop_and_check
-from tests.shm_children import leftovers
+from tests.serving import (
+    Server,
+    expected_checksum,
+    image_request,
+    noise_png,
+    start_server,
+    stop_and_check,
+)
+from tests.shm_children import scratch_instance
 from worker import batcher as batcher_module
 from worker.batcher import Batcher
 
@@ -32,14 +39,8 @@ HANG_S = 30.0  # hang guard: the outcome is "cut early" (seconds at most) or "wa
 
 @pytest.fixture()
 def instance() -> Iterator[Instance]:
-    inst = Instance.create(arena_size=1 << 20, n_frontends=1, n_workers=1, queue_depth=8)
-    try:
+    with scratch_instance(arena_size=1 << 20, n_frontends=1, n_workers=1, queue_depth=8) as inst:
         yield inst
-    finally:
-        instance_id = inst.names.instance_id
-        inst.unlink()
-        inst.close()
-        assert leftovers(instance_id) == []
 
 
 @pytest.fixture()

@@ -27,7 +27,15 @@ from shared.locks import HolderKind
 from shared.segment import LockId
 from shared.wire import Claimed, Released, Submit, TensorRef
 from tests import shm_children
-from tests.shm_children import claim_frontend, claim_worker, entry_key, index_entry, leftovers, pattern
+from tests.shm_children import (
+    claim_frontend,
+    claim_worker,
+    entry_key,
+    index_entry,
+    leftovers,
+    pattern,
+    scratch_instance,
+)
 
 SPAWN = multiprocessing.get_context("spawn")
 PARTITION = 4 << 20
@@ -36,14 +44,8 @@ REPAIR_BOUND_S = DEAD_AFTER_S + 5  # a survivor must get the lock within this (u
 
 @pytest.fixture()
 def instance() -> Iterator[Instance]:
-    inst = Instance.create(arena_size=2 * PARTITION, n_frontends=2, n_workers=2, queue_depth=4)
-    try:
+    with scratch_instance(arena_size=2 * PARTITION, n_frontends=2, n_workers=2, queue_depth=4) as inst:
         yield inst
-    finally:
-        instance_id = inst.names.instance_id
-        inst.unlink()
-        inst.close()
-        assert leftovers(instance_id) == []
 
 
 def start(target: Any, *args: Any) -> tuple[Any, Any]:

@@ -21,7 +21,7 @@ import pytest
 from shared.instance import Instance
 from shared.wire import Cancel
 from tests import shm_children
-from tests.shm_children import STOP_ID, leftovers
+from tests.shm_children import STOP_ID, scratch_instance
 
 N_WRITERS = 4
 N_READERS = 2
@@ -31,16 +31,10 @@ PARTITION = 4 << 20
 
 @pytest.fixture()
 def instance():  # type: ignore[no-untyped-def]
-    inst = Instance.create(
+    with scratch_instance(
         arena_size=N_WRITERS * PARTITION, n_frontends=N_WRITERS, n_workers=N_READERS, queue_depth=4
-    )
-    try:
+    ) as inst:
         yield inst
-    finally:
-        instance_id = inst.names.instance_id
-        inst.unlink()
-        inst.close()
-        assert leftovers(instance_id) == []
 
 
 def test_writers_and_readers_exchange_10k_tensors_without_corruption_or_leaks(instance: Instance) -> None:
