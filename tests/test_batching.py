@@ -4,7 +4,8 @@ The first tests drive a real ``Batcher`` on a real instance's request queue (POS
 queue), playing the frontends by hand: what "more is coming" and "the model is busy" say is
 set by the test, so each outcome is a state, not a race. Windows are far longer than the hang
 guards, so "the batch was cut early" is a yes/no outcome (old behaviour: the whole window).
-The last test runs a real ``shmgate serve`` and reads the batch-size histogram from /metrics.
+The last two tests run a real ``shmgate serve`` (a slow model, a two-minute window): a lone
+request is not held for the window, and /metrics counts every batch and its size.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import concurrent.futures
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
@@ -53,14 +54,28 @@ def requests(instance: Instance) -> Iterator[Queue]:
         q.close()
 
 
-def _batcher(requests: Queue, *, max_batch_wait_s: float = LONG_WINDOW_S, **kwargs: object) -> Batcher[int]:
+@pytest.fixture()
+def wake() -> Iterator[tuple[int, int]]:
+    """The wake pipe a worker's prefetcher gives its batcher: (read end, write end), non-blocking."""
+    read_end, write_end = os.pipe()
+    os.set_blocking(read_end, False)
+    try:
+        yield read_end, write_end
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+
+
+def _batcher(requests: Queue, wake: tuple[int, int], *, max_batch_wait_s: float = LONG_WINDOW_S,
+             more_coming: Callable[[], bool]) -> Batcher[int]:
     return Batcher(
         requests,
         max_batch_size=8,
         max_batch_wait_s=max_batch_wait_s,
         on_take=lambda submit: submit.request_id,
         on_invalid=lambda what: pytest.fail(f"invalid message {what!r}"),
-        **kwargs,  # type: ignore[arg-type]
+        more_coming=more_coming,
+        wake_fd=wake[0],
     )
 
 
@@ -79,21 +94,27 @@ def _timed_collect(batcher: Batcher[int], **kwargs: object) -> tuple[list[int], 
     return batch, time.monotonic() - started
 
 
-def test_a_lone_request_runs_at_once_instead_of_waiting_the_window(instance: Instance, requests: Queue) -> None:
+def test_a_lone_request_runs_at_once_instead_of_waiting_the_window(
+    instance: Instance, requests: Queue, wake: tuple[int, int]
+) -> None:
     _send(instance, 1)
-    batch, took = _timed_collect(_batcher(requests, more_coming=lambda: False))
+    batch, took = _timed_collect(_batcher(requests, wake, more_coming=lambda: False))
     assert batch == [1]
     assert took < HANG_S
 
 
-def test_queued_requests_join_the_batch_without_waiting_the_window(instance: Instance, requests: Queue) -> None:
+def test_queued_requests_join_the_batch_without_waiting_the_window(
+    instance: Instance, requests: Queue, wake: tuple[int, int]
+) -> None:
     _send(instance, 1, 2, 3)
-    batch, took = _timed_collect(_batcher(requests, more_coming=lambda: False))
+    batch, took = _timed_collect(_batcher(requests, wake, more_coming=lambda: False))
     assert batch == [1, 2, 3]
     assert took < HANG_S
 
 
-def test_the_window_waits_for_a_request_a_frontend_is_still_decoding(instance: Instance, requests: Queue) -> None:
+def test_the_window_waits_for_a_request_a_frontend_is_still_decoding(
+    instance: Instance, requests: Queue, wake: tuple[int, int]
+) -> None:
     decoding = threading.Event()
     decoding.set()  # request 2 is admitted and decoding when the batch starts
 
@@ -105,48 +126,45 @@ def test_the_window_waits_for_a_request_a_frontend_is_still_decoding(instance: I
     _send(instance, 1)
     thread = threading.Thread(target=frontend)
     thread.start()
-    batch, took = _timed_collect(_batcher(requests, more_coming=decoding.is_set))
+    batch, took = _timed_collect(_batcher(requests, wake, more_coming=decoding.is_set))
     thread.join()
     assert batch == [1, 2]
     assert took < HANG_S
 
 
-def test_the_window_still_bounds_the_wait(instance: Instance, requests: Queue) -> None:
+def test_the_window_still_bounds_the_wait(
+    instance: Instance, requests: Queue, wake: tuple[int, int]
+) -> None:
     _send(instance, 1)
     # a frontend that never finishes decoding: the window (0.2 s) ends the wait
-    batch, took = _timed_collect(_batcher(requests, max_batch_wait_s=0.2, more_coming=lambda: True))
+    batch, took = _timed_collect(_batcher(requests, wake, max_batch_wait_s=0.2, more_coming=lambda: True))
     assert batch == [1]
     assert took < HANG_S
 
 
 def test_a_batch_held_open_while_the_model_is_busy_is_cut_by_the_wake_up(
-    instance: Instance, requests: Queue, monkeypatch: pytest.MonkeyPatch
+    instance: Instance, requests: Queue, wake: tuple[int, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The hold polls every WAKE_SLICE_S only as a fallback; the wake descriptor cuts it at once."""
     monkeypatch.setattr(batcher_module, "WAKE_SLICE_S", LONG_WINDOW_S)
-    wake_r, wake_w = os.pipe()
     busy = threading.Event()
     busy.set()
-    try:
-        batcher = _batcher(requests, max_batch_wait_s=0.0, more_coming=lambda: False, wake_fd=wake_r)
+    batcher = _batcher(requests, wake, max_batch_wait_s=0.0, more_coming=lambda: False)
 
-        def model_finishes() -> None:
-            time.sleep(0.3)
-            _send(instance, 2)  # arrives while the model is still busy: joins the held batch
-            time.sleep(0.3)
-            busy.clear()
-            os.write(wake_w, b"w")
+    def model_finishes() -> None:
+        time.sleep(0.3)
+        _send(instance, 2)  # arrives while the model is still busy: joins the held batch
+        time.sleep(0.3)
+        busy.clear()
+        os.write(wake[1], b"w")
 
-        _send(instance, 1)
-        thread = threading.Thread(target=model_finishes)
-        thread.start()
-        batch, took = _timed_collect(batcher, hold_open=busy.is_set)
-        thread.join()
-        assert batch == [1, 2]
-        assert took < HANG_S
-    finally:
-        os.close(wake_r)
-        os.close(wake_w)
+    _send(instance, 1)
+    thread = threading.Thread(target=model_finishes)
+    thread.start()
+    batch, took = _timed_collect(batcher, hold_open=busy.is_set)
+    thread.join()
+    assert batch == [1, 2]
+    assert took < HANG_S
 
 
 @pytest.fixture(scope="module")

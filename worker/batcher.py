@@ -37,16 +37,11 @@ __all__ = ["Batcher"]
 
 T = TypeVar("T")
 
-HOLD_SLICE_S = 0.005  # while held open without a wake_fd: how often to ask whether the model is free yet
-WAKE_SLICE_S = 0.1  # with a wake_fd the wake-up says it; this only bounds a missed one
+WAKE_SLICE_S = 0.1  # while held open: the wake-up says when the model is free; this only bounds a missed one
 
 
 def _never() -> bool:
     return False
-
-
-def _always() -> bool:
-    return True
 
 
 class Batcher(Generic[T]):
@@ -58,14 +53,14 @@ class Batcher(Generic[T]):
         max_batch_wait_s: float,
         on_take: Callable[[Submit], T | None],
         on_invalid: Callable[[object], None],
-        more_coming: Callable[[], bool] = _always,
-        wake_fd: int | None = None,
+        more_coming: Callable[[], bool],
+        wake_fd: int,
     ) -> None:
         """``on_take(submit)`` claims a request and returns what the batch keeps, or None to drop it.
 
-        ``more_coming()``: are requests on their way that the queue does not show yet (default:
-        assume so, i.e. always wait the window). ``wake_fd``: a readable descriptor that becomes
-        readable when ``hold_open()`` may have turned false; the batcher drains it.
+        ``more_coming()``: are requests on their way that the queue does not show yet (a constant
+        True makes every batch wait its whole window). ``wake_fd``: a non-blocking descriptor that
+        becomes readable when ``hold_open()`` may have turned false; the batcher drains it.
         """
         self._queue = queue
         self._more_coming = more_coming
@@ -97,7 +92,7 @@ class Batcher(Generic[T]):
             if remaining <= 0:
                 if not batch or not holding:
                     break
-                remaining = HOLD_SLICE_S if self._wake_fd is None else WAKE_SLICE_S
+                remaining = WAKE_SLICE_S
             item = self._take(remaining, wakeable=True)
             if item is not None and item is not False:
                 batch.append(item)  # type: ignore[arg-type]
@@ -110,7 +105,7 @@ class Batcher(Generic[T]):
     def _take(self, timeout_s: float, *, wakeable: bool = False) -> T | None | bool:
         """A kept item, None on timeout (or a wake-up), False for a message taken and dropped."""
         try:
-            if wakeable and self._wake_fd is not None:
+            if wakeable:
                 message = self._receive_or_wake(timeout_s)
             else:
                 message = self._queue.receive(timeout_s)
@@ -130,7 +125,6 @@ class Batcher(Generic[T]):
 
         A POSIX message queue descriptor is pollable on Linux, so one select covers both.
         """
-        assert self._wake_fd is not None
         readable, _, _ = select.select([self._queue.fd, self._wake_fd], [], [], max(0.0, timeout_s))
         if self._wake_fd in readable:
             try:
