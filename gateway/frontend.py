@@ -37,7 +37,7 @@ from typing import Any
 
 import msgspec
 
-from gateway.intake import ChatRequest, EncodedImage
+from gateway.intake import ChatRequest, EncodedImage, image_bytes, key_material
 from gateway.metrics import Counter, FrontendStats
 from gateway.preprocess.base import ImageTensorSpec, Preprocessor, PromptInputs
 from shared.cache import AllocateFn, ContentCache, TensorGroup, content_key
@@ -261,7 +261,7 @@ class Frontend:
         for image in images:
             group = None
             key = None
-            material = image.text if isinstance(image, EncodedImage) else image
+            material = key_material(image)
             if len(material) <= LOOP_HASH_MAX_BYTES:
                 key = content_key(material, params)
                 group = self.cache.try_hit(key)
@@ -286,11 +286,10 @@ class Frontend:
     def _resolve_image(self, image: bytes | EncodedImage, key: bytes | None) -> TensorGroup:
         """Thread pool: the cached tensors of one image, decoding (base64, then pixels) only on a miss."""
         if key is None:
-            key = content_key(image.text if isinstance(image, EncodedImage) else image, self.preprocessor.cache_params())
+            key = content_key(key_material(image), self.preprocessor.cache_params())
 
         def make(allocate: AllocateFn) -> None:
-            data = image.decode() if isinstance(image, EncodedImage) else image
-            self.preprocessor.preprocess_image(data, allocate, max_pixels=self.limits.max_pixels)
+            self.preprocessor.preprocess_image(image_bytes(image), allocate, max_pixels=self.limits.max_pixels)
 
         try:
             group, _ = self.cache.acquire(key, make)

@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from gateway.intake import EncodedImage, IntakeLimits, parse_chat_request
+from gateway.intake import IntakeLimits, image_bytes, parse_chat_request
 from gateway.preprocess.vision import ChecksumPreprocessor
 from shared.errors import ImageTooLarge, RequestError, UndecodableImage
 from tests.serving import IMAGES, Server, data_url
@@ -157,7 +157,7 @@ def test_mutated_data_urls_through_request_parsing_give_request_errors_only(data
     try:
         chat = parse_chat_request(body, IntakeLimits())
         (image,) = chat.images
-        decoded = image.decode() if isinstance(image, EncodedImage) else image  # base64 is checked here
+        decoded = image_bytes(image)  # base64 is checked here
     except RequestError:
         return
     assert decoded == data
