@@ -18,7 +18,7 @@ import torch
 from gateway.preprocess.vision import ChecksumPreprocessor, EfficientNetPreprocessor, FixedSizePreprocessor
 from shared.errors import InvalidRequest, TooManyImages
 from worker.backends.base import BackendEvent, WorkItem
-from worker.backends.efficientnet import EfficientNetBackend, EfficientNetLite0, load_lite0_state_dict
+from worker.backends.efficientnet import EfficientNetBackend, EfficientNetLite0, _groups, load_lite0_state_dict
 
 IMAGES = Path(__file__).parent / "data" / "images"
 LABELS: dict[str, dict[str, Any]] = json.loads((IMAGES / "labels.json").read_text())["images"]
@@ -169,3 +169,38 @@ def test_cache_params_name_the_model_and_the_pipeline() -> None:
     assert efficientnet != checksum
     assert b"efficientnet-lite0" in efficientnet and b"resize_shorter=256" in efficientnet and b"crop=224" in efficientnet
     assert EfficientNetPreprocessor(draft_margin=0).cache_params() != efficientnet
+
+
+def test_forward_passes_of_two_give_the_answers_of_one_pass(backend: EfficientNetBackend) -> None:
+    pixels = [torch.from_numpy(preprocess(name)) for name in PHOTOS]
+    assert backend.pass_images == 2  # CPU default
+    split_probs, split_labels = backend.classify(pixels)
+    backend.pass_images = None
+    try:
+        whole_probs, whole_labels = backend.classify(pixels)
+    finally:
+        backend.pass_images = 2
+    assert split_labels == whole_labels
+    np.testing.assert_allclose(split_probs, whole_probs, atol=1e-4)
+
+
+def test_groups_keep_items_whole_within_the_pass_size() -> None:
+    assert _groups([0, 1, 2, 3, 4], [1, 1, 1, 3, 1], 2) == [[0, 1], [2], [3], [4]]
+    assert _groups([0, 2, 5], [1, 2, 1], None) == [[0, 2, 5]]
+    assert _groups([], [], 2) == []
+
+
+def test_a_group_answers_before_the_next_runs_and_a_late_cancel_is_honoured(backend: EfficientNetBackend) -> None:
+    items = [WorkItem(i, {"pixels": [torch.from_numpy(preprocess(name))]}) for i, name in enumerate(PHOTOS)]
+    finished: list[int] = []
+    events: dict[int, list[BackendEvent]] = {i: [] for i in range(len(items))}
+    for event in backend.run(items):
+        events[event.index].append(event)
+        if event.finish_reason is not None:
+            finished.append(event.index)
+            if event.index == 0:  # the first pass (items 0 and 1) is answered; the last has not run
+                items[-1].cancelled = True
+    assert finished[:2] == [0, 1] and sorted(finished) == list(range(len(items)))
+    assert [(e.text, e.finish_reason) for e in events[len(items) - 1]] == [("", "stop")]
+    for i, name in enumerate(PHOTOS[:-1]):
+        assert parse_answer(events[i])[0][0] in LABELS[name]["accept_top1"], name

@@ -20,11 +20,18 @@ Serving choices (2-core CPU box shared with other jobs; best of 15 runs, ms per 
     (the above + uint8->float; a second run)                                         median ~20 % higher)
 Batch 8 is not cheaper per image than batch 1 on one thread here (activations outgrow the
 cache); with 2 threads it is about even. Timings on this shared box vary by +-30 %.
+So on CPU a batch runs in forward passes of at most ``CPU_PASS_IMAGES`` images, and each pass's
+items are answered before the next pass starts. `python bench/cpu_passes.py` (ms per image, one
+single-thread process / two side by side as in the default two-worker layout): passes of 1:
+21.5 / 21.3, of 2: 21.3 / 21.0, of 4: 20.5 / 21.8, of 8: 30.1 / 30.7. The worker's batch itself
+is unchanged (it amortises the hand-off); only the forward pass is split. CUDA runs the whole
+batch in one pass.
 BatchNorm is folded into the preceding convolutions after the strict load (the state-dict
 names stay those of the published weights), and the model and its input run channels_last
 on every device. torch.backends.mkldnn is left enabled (the default): disabling it is ~4x slower.
-No torch.jit / torch.compile of the network: worker start-up time matters more than the last few
-percent.
+No torch.jit / torch.compile of the network: trace + freeze + optimize_for_inference measured
+15.3 vs 15.7 ms per image at batch 1 and 20.1 vs 15.3 at batch 4 (slower), and start-up time
+matters more than the last few percent.
 
 Input normalisation (uint8 -> float32 in [-1, 1], channels_last) runs on the worker's device. Eager
 it is four kernels (reorder, cast, divide, subtract) and three passes over the float tensor; on CUDA
@@ -88,6 +95,7 @@ NUM_CLASSES = 1000
 BN_EPS = 1e-3  # TensorFlow's default, which the weights were trained with
 BN_MOMENTUM = 0.01  # irrelevant for inference; matches the TF port
 PIXEL_SCALE = 127.5  # uint8 x -> x / 127.5 - 1 in [-1, 1]
+CPU_PASS_IMAGES = 2  # images per forward pass on CPU (module docstring: larger passes cost more per image)
 WARM_UP_BATCHES = (1, 2)  # compiled once for size 1 (specialised) and once for any other size (dynamic)
 
 
@@ -293,25 +301,38 @@ class EfficientNetBackend:
         # (Module.to accepts memory_format at run time; torch's type stubs omit it.)
         self.model = model.to(device).to(memory_format=torch.channels_last)  # type: ignore[call-overload]
         self.normalise = make_normaliser(device)
+        self.pass_images: int | None = CPU_PASS_IMAGES if device.type == "cpu" else None  # None: whole batch
 
     def run(self, batch: Sequence[WorkItem]) -> Iterator[BackendEvent]:
-        """Classify every image of every item in one forward pass; stream each item's lines.
+        """Classify every image of every item, one forward pass per group of items; stream each item's lines.
 
-        Cancelled items are finished without running them. Raises InvalidRequest when an
-        item's tensors are not what the frontend writes (a frontend bug: fails the batch).
+        A group is as many consecutive items as fit in ``pass_images`` images (the whole batch on
+        CUDA): its answers stream before the next group runs, so the first requests of a batch do
+        not wait for the last. Cancelled items are finished without running them, also when the
+        cancel arrived while an earlier group ran. Raises InvalidRequest when an item's tensors are
+        not what the frontend writes (a frontend bug: fails the batch).
         """
-        live = [i for i, item in enumerate(batch) if not item.cancelled]
+        images = [None if item.cancelled else _checked_pixels(item) for item in batch]
         for i, item in enumerate(batch):
             if item.cancelled:
                 yield BackendEvent(i, finish_reason="stop")
-        if not live:
-            return
-        images = [_checked_pixels(batch[i]) for i in live]
+        live = [i for i, pixels in enumerate(images) if pixels is not None]
+        for group in _groups(live, [len(images[i] or ()) for i in live], self.pass_images):
+            for i in [i for i in group if batch[i].cancelled]:  # cancelled while an earlier group ran
+                yield BackendEvent(i, finish_reason="stop")
+            group = [i for i in group if not batch[i].cancelled]
+            if group:
+                yield from self._answer(group, [images[i] or [] for i in group])
+
+    def _answer(self, indices: list[int], images: list[list[torch.Tensor]]) -> Iterator[BackendEvent]:
+        """One forward pass over these items' images, then each item's answer.
+
+        Each item streams as two chunks: its first line at once, the rest with the finish (the
+        whole answer exists already; more chunks would only cost reply messages).
+        """
         probs, labels = self.classify([t for item_images in images for t in item_images])
-        # Each item streams as two chunks: its first line at once, the rest with the finish (the
-        # whole answer exists already; more chunks would only cost reply messages).
         row = 0
-        for i, item_images in zip(live, images):
+        for i, item_images in zip(indices, images):
             lines = 0
             for n in range(len(item_images)):
                 if len(item_images) > 1:
@@ -323,12 +344,35 @@ class EfficientNetBackend:
             yield BackendEvent(i, finish_reason="stop", prompt_tokens=0, completion_tokens=lines)
 
     def classify(self, pixels: Sequence[torch.Tensor]) -> tuple[list[list[float]], list[list[int]]]:
-        """Top-k probabilities and class indices, most probable first, per (3, 224, 224) uint8 image."""
+        """Top-k probabilities and class indices, most probable first, per (3, 224, 224) uint8 image.
+
+        In forward passes of at most ``pass_images`` images (all at once when None).
+        """
+        step = self.pass_images or max(1, len(pixels))
+        probs: list[list[float]] = []
+        labels: list[list[int]] = []
         with torch.inference_mode():
-            x = self.normalise(torch.stack(list(pixels)).to(self.device))
-            probs = torch.softmax(self.model(x), dim=1)
-            top = torch.topk(probs, self.top_k, dim=1)
-            return top.values.cpu().tolist(), top.indices.cpu().tolist()
+            for start in range(0, len(pixels), step):
+                x = self.normalise(torch.stack(list(pixels[start : start + step])).to(self.device))
+                top = torch.topk(torch.softmax(self.model(x), dim=1), self.top_k, dim=1)
+                probs += top.values.cpu().tolist()
+                labels += top.indices.cpu().tolist()
+        return probs, labels
+
+
+def _groups(indices: list[int], sizes: list[int], limit: int | None) -> list[list[int]]:
+    """Consecutive indices whose sizes add up to at most ``limit`` (None: one group); an index over it alone."""
+    if limit is None:
+        return [indices] if indices else []
+    groups: list[list[int]] = []
+    total = limit  # forces a new group first
+    for index, size in zip(indices, sizes):
+        if total + size > limit:
+            groups.append([])
+            total = 0
+        groups[-1].append(index)
+        total += size
+    return groups
 
 
 def _checked_pixels(item: WorkItem) -> list[torch.Tensor]:
