@@ -29,6 +29,9 @@ batch in one pass.
 BatchNorm is folded into the preceding convolutions after the strict load (the state-dict
 names stay those of the published weights), and the model and its input run channels_last
 on every device. torch.backends.mkldnn is left enabled (the default): disabling it is ~4x slower.
+ReLU6 runs in place on the fresh output of the convolution before it (no new tensor, one pass
+less over memory): 21.0 -> 18.4 ms per image at passes of 2, one thread, identical outputs
+(py-spy had put 14 % of a worker's samples in ``relu6``).
 No torch.jit / torch.compile of the network: trace + freeze + optimize_for_inference measured
 15.3 vs 15.7 ms per image at batch 1 and 20.1 vs 15.3 at batch 4 (slower), and start-up time
 matters more than the last few percent.
@@ -200,8 +203,8 @@ class MBConvBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = x
         if self.has_expand:
-            y = F.relu6(self._bn0(self._expand_conv(y)))
-        y = F.relu6(self._bn1(self._depthwise_conv(y)))
+            y = F.relu6(self._bn0(self._expand_conv(y)), inplace=True)
+        y = F.relu6(self._bn1(self._depthwise_conv(y)), inplace=True)
         y = self._bn2(self._project_conv(y))
         out: torch.Tensor = y + x if self.has_skip else y  # drop-connect is training-only
         return out
@@ -226,10 +229,10 @@ class EfficientNetLite0(nn.Module):
         self._fc = nn.Linear(HEAD_CHANNELS, NUM_CLASSES)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.relu6(self._bn0(self._conv_stem(x)))
+        x = F.relu6(self._bn0(self._conv_stem(x)), inplace=True)
         for block in self._blocks:
             x = block(x)
-        x = F.relu6(self._bn1(self._conv_head(x)))
+        x = F.relu6(self._bn1(self._conv_head(x)), inplace=True)
         logits: torch.Tensor = self._fc(x.mean(dim=(2, 3)))  # dropout is training-only
         return logits
 
