@@ -36,7 +36,7 @@ from gateway.intake import IntakeLimits, parse_chat_request
 from gateway.metrics import Counter, render
 from gateway.preprocess import get_preprocessor
 from gateway.sse import Completion
-from shared.errors import InvalidRequest, ShmgateError, Unauthorized
+from shared.errors import InvalidRequest, RequestTooLarge, ShmgateError, Unauthorized
 from shared.instance import Instance
 from shared.wire import Delta, Failed, Finished
 
@@ -168,7 +168,7 @@ class FrontendHeader:
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
-    body = await read_capped(request.headers.get("content-length"), request.stream(), limit, "the request body")
+    body = await read_capped(request.headers.get("content-length"), request.stream(), limit, "the request body", RequestTooLarge)
     if not body:
         raise InvalidRequest("the request body is empty; send a JSON chat completion request")
     return body

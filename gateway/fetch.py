@@ -35,6 +35,7 @@ from gateway.addresses import AddressKind, AllowList, IPAddress, classify
 from gateway.http_limits import read_capped
 from gateway.intake import ChatRequest, PendingImageURL
 from shared.errors import (
+    ImageTooLarge,
     ImageURLForbidden,
     ImageURLTimeout,
     InvalidImageURL,
@@ -154,7 +155,7 @@ async def _follow(url: httpx.URL, policy: FetchPolicy, resolve: Resolver, contex
                             f"fetching the image from {url.host!r} returned HTTP {response.status_code}"
                         )
                     return await read_capped(response.headers.get("content-length"), response.aiter_raw(),
-                                             policy.max_bytes, "the image")
+                                             policy.max_bytes, "the image", ImageTooLarge)
                 finally:
                     await response.aclose()
             except httpx.TimeoutException:

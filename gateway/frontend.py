@@ -190,7 +190,7 @@ class Frontend:
         groups: list[TensorGroup] = []
         self._set_resolving(+1)  # admitted: counts against the bound while its images decode
         try:
-            await self._resolve_images(chat.images, groups)
+            await self._resolve_images(chat.images, chat.image_params, groups)
             specs: list[ImageTensorSpec] = [{r.name: (r.dtype, r.shape) for r in g.refs} for g in groups]
             if self.preprocessor.prompt_is_cheap:
                 prompt = self.preprocessor.build_prompt(chat.messages, specs)
@@ -244,7 +244,9 @@ class Frontend:
         self._resolving += change
         self.segment.frontends[self.slot]["preparing"] = self._resolving
 
-    async def _resolve_images(self, images: list[bytes | EncodedImage], groups: list[TensorGroup]) -> None:
+    async def _resolve_images(
+        self, images: list[bytes | EncodedImage], params: list[str], groups: list[TensorGroup]
+    ) -> None:
         """Append each image's held tensor group to ``groups``, in order. Raises the first failure.
 
         Local cache hits are taken on the event loop, where the hit itself only takes a process-local
@@ -256,17 +258,17 @@ class Frontend:
         Groups acquired before a failure are still appended, so the caller releases them.
         """
         loop = asyncio.get_running_loop()
-        params = self.preprocessor.cache_params()
+        cache_params = self.preprocessor.cache_params()
         slots: list[TensorGroup | asyncio.Future[TensorGroup]] = []
-        for image in images:
+        for image, param in zip(images, params, strict=True):
             group = None
             key = None
             material = key_material(image)
             if len(material) <= LOOP_HASH_MAX_BYTES:
-                key = content_key(material, params)
+                key = content_key(material, cache_params)
                 group = self.cache.try_hit(key)
             if group is None:
-                slots.append(loop.run_in_executor(self._pool, self._resolve_image, image, key))
+                slots.append(loop.run_in_executor(self._pool, self._resolve_image, image, param, key))
             else:
                 slots.append(group)
         futures = [s for s in slots if isinstance(s, asyncio.Future)]
@@ -283,8 +285,11 @@ class Frontend:
         if failure is not None:
             raise failure
 
-    def _resolve_image(self, image: bytes | EncodedImage, key: bytes | None) -> TensorGroup:
-        """Thread pool: the cached tensors of one image, decoding (base64, then pixels) only on a miss."""
+    def _resolve_image(self, image: bytes | EncodedImage, param: str, key: bytes | None) -> TensorGroup:
+        """Thread pool: the cached tensors of one image, decoding (base64, then pixels) only on a miss.
+
+        A decode error names ``param``, the request field the image came from (data URL or fetched).
+        """
         if key is None:
             key = content_key(key_material(image), self.preprocessor.cache_params())
 
@@ -294,8 +299,8 @@ class Frontend:
         try:
             group, _ = self.cache.acquire(key, make)
         except ShmgateError as exc:
-            if exc.param is None and isinstance(image, EncodedImage):
-                exc.param = image.param  # which image of the request could not be decoded
+            if exc.param is None:
+                exc.param = param  # which image of the request could not be decoded
             raise
         return group
 

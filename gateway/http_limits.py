@@ -24,7 +24,7 @@ import json
 from collections.abc import AsyncIterator
 
 from gateway.http_errors import error_body
-from shared.errors import ImageTooLarge
+from shared.errors import RequestError
 
 __all__ = ["MAX_HEAD_BYTES", "http_protocol", "read_capped"]
 
@@ -80,8 +80,10 @@ def http_protocol() -> type[asyncio.Protocol] | str:
     return BoundedHttpToolsProtocol
 
 
-async def read_capped(declared_length: str | None, chunks: AsyncIterator[bytes], limit: int, what: str) -> bytes:
-    """A body of at most ``limit`` bytes, refused (413) as soon as it is known to be larger.
+async def read_capped(
+    declared_length: str | None, chunks: AsyncIterator[bytes], limit: int, what: str, too_large: type[RequestError]
+) -> bytes:
+    """A body of at most ``limit`` bytes, refused with ``too_large`` (a 413) as soon as it is known to be larger.
 
     One reader for both bodies we accept from the network, a client's request and a fetched image:
     a declared Content-Length over the limit is refused before reading, and a body without one
@@ -90,12 +92,12 @@ async def read_capped(declared_length: str | None, chunks: AsyncIterator[bytes],
     """
     declared = (declared_length or "").strip()
     if declared.isdigit() and int(declared) > limit:
-        raise ImageTooLarge(f"{what} is larger than {limit} bytes")
+        raise too_large(f"{what} is larger than {limit} bytes")
     parts: list[bytes] = []
     size = 0
     async for chunk in chunks:
         size += len(chunk)
         if size > limit:
-            raise ImageTooLarge(f"{what} is larger than {limit} bytes")
+            raise too_large(f"{what} is larger than {limit} bytes")
         parts.append(chunk)
     return b"".join(parts)

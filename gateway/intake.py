@@ -145,6 +145,7 @@ class ChatRequest:
     model: str
     messages: list[dict[str, Any]]  # Hugging Face chat-template form; images as {"type": "image"}
     images: list[bytes | EncodedImage]  # bytes: fetched from an http(s) URL
+    image_params: list[str]  # the request field each image came from: what its errors name as param
     params: SamplingParams
     stream: bool
     include_usage: bool
@@ -174,6 +175,7 @@ def parse_chat_request(body: bytes, limits: IntakeLimits) -> ChatRequest:
     params = _sampling(req)
     messages: list[dict[str, Any]] = []
     images: list[bytes | EncodedImage] = []
+    image_params: list[str] = []
     texts: list[str] = []
     pending: list[PendingImageURL] = []
     n_chars = n_parts = 0
@@ -204,6 +206,7 @@ def parse_chat_request(body: bytes, limits: IntakeLimits) -> ChatRequest:
                         images.append(b"")
                     else:
                         images.append(_data_url_image(url, limits, param))
+                    image_params.append(param)
                     parts.append({"type": "image"})
         if n_parts > limits.max_parts:
             raise InvalidRequest(f"at most {limits.max_parts} content parts are accepted", param="messages")
@@ -214,6 +217,7 @@ def parse_chat_request(body: bytes, limits: IntakeLimits) -> ChatRequest:
         model=req.model,
         messages=messages,
         images=images,
+        image_params=image_params,
         params=params,
         stream=req.stream,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),

@@ -173,6 +173,13 @@ class ImageTooLarge(RequestError):
     code = "image_too_large"
 
 
+class RequestTooLarge(RequestError):
+    """The request body exceeds ``--max-body-mb`` (whatever it holds: images are checked on their own)."""
+
+    status_hint = 413
+    code = "request_too_large"
+
+
 class UndecodableImage(RequestError):
     """Not an image, a truncated one, or a format we do not accept."""
 

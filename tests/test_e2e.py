@@ -173,7 +173,7 @@ def test_a_body_over_the_limit_is_refused(checksum_server: Server) -> None:
     response = httpx.post(checksum_server.base_url + "/v1/chat/completions", content=b"x" * (33 << 20),
                           headers={"Content-Type": "application/json"}, timeout=60)
     assert response.status_code == 413
-    assert response.json()["error"]["code"] == "image_too_large"
+    assert response.json()["error"]["code"] == "request_too_large"
 
 
 # -- faults -----------------------------------------------------------------------------------------------

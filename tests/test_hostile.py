@@ -360,5 +360,5 @@ def test_a_chunked_body_without_length_is_cut_off_at_the_limit(spare_slot_server
     head += b"Transfer-Encoding: chunked\r\n\r\n"
     framed = b"%x\r\n" % len(chunk) + chunk + b"\r\n"
     status, body = _answer_json(_raw_exchange(spare_slot_server, head, framed, max_mib=40))
-    assert status == 413 and body["error"]["code"] == "image_too_large"  # type: ignore[index]
+    assert status == 413 and body["error"]["code"] == "request_too_large"  # type: ignore[index]
     _send_and_check(spare_slot_server, Case(_chat("hi"), 200), seed=401)

@@ -347,5 +347,7 @@ def test_fetch_failures_are_openai_errors(url_server: Server, image_host: ImageH
                                           code: str) -> None:
     response = post(url_server, url_request(image_host.url(path)))
     assert response.status_code == status, response.text
-    assert error_of(response)["code"] == code
+    error = error_of(response)
+    assert error["code"] == code
+    assert error["param"] == "messages[0].content[1].image_url"  # fetch and decode errors name the image
     assert post(url_server, image_request("checksum", PHOTO)).status_code == 200  # and the server carries on
