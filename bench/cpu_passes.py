@@ -4,7 +4,7 @@
 
 Each point runs 8 images through ``EfficientNetBackend.classify`` in passes of P images, in one
 process and in two processes side by side (the default CPU layout: two workers of one torch
-thread), for S seconds, and reports ms per image. This is what ``CPU_PASS_IMAGES`` in
+thread), for S seconds, and reports ms per image. This is what ``CPU_PASS_IMAGES_PER_THREAD`` in
 worker/backends/efficientnet.py was chosen from: on a 2-core machine, passes of 8 cost ~40 %
 more per image than passes of 2 (activations outgrow the caches).
 """
@@ -63,7 +63,8 @@ def main() -> None:
     for pass_images in args.passes:
         for processes in (1, 2):
             ms = side_by_side(pass_images, processes, args.seconds)
-            rows.append({"pass_images": pass_images, "processes": processes, "ms_per_image": round(sum(ms) / len(ms), 1)})
+            mean_ms = round(sum(ms) / len(ms), 1)
+            rows.append({"pass_images": pass_images, "processes": processes, "ms_per_image": mean_ms})
             if args.json:
                 print(json.dumps(rows[-1]), flush=True)
     if not args.json:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -171,15 +172,24 @@ def test_cache_params_name_the_model_and_the_pipeline() -> None:
     assert EfficientNetPreprocessor(draft_margin=0).cache_params() != efficientnet
 
 
-def test_forward_passes_of_two_give_the_answers_of_one_pass(backend: EfficientNetBackend) -> None:
+@pytest.fixture
+def passes_of_two(backend: EfficientNetBackend) -> Iterator[EfficientNetBackend]:
+    """The backend with CPU forward passes of 2 images (the default with one torch thread)."""
+    default = backend.pass_images
+    backend.pass_images = 2
+    yield backend
+    backend.pass_images = default
+
+
+def test_cpu_passes_are_two_images_per_torch_thread(backend: EfficientNetBackend) -> None:
+    assert backend.pass_images == 2 * torch.get_num_threads()
+
+
+def test_forward_passes_of_two_give_the_answers_of_one_pass(passes_of_two: EfficientNetBackend) -> None:
     pixels = [torch.from_numpy(preprocess(name)) for name in PHOTOS]
-    assert backend.pass_images == 2  # CPU default
-    split_probs, split_labels = backend.classify(pixels)
-    backend.pass_images = None
-    try:
-        whole_probs, whole_labels = backend.classify(pixels)
-    finally:
-        backend.pass_images = 2
+    split_probs, split_labels = passes_of_two.classify(pixels)
+    passes_of_two.pass_images = None
+    whole_probs, whole_labels = passes_of_two.classify(pixels)
     assert split_labels == whole_labels
     np.testing.assert_allclose(split_probs, whole_probs, atol=1e-4)
 
@@ -190,11 +200,13 @@ def test_groups_keep_items_whole_within_the_pass_size() -> None:
     assert _groups([], [], 2) == []
 
 
-def test_a_group_answers_before_the_next_runs_and_a_late_cancel_is_honoured(backend: EfficientNetBackend) -> None:
+def test_a_group_answers_before_the_next_runs_and_a_late_cancel_is_honoured(
+    passes_of_two: EfficientNetBackend,
+) -> None:
     items = [WorkItem(i, {"pixels": [torch.from_numpy(preprocess(name))]}) for i, name in enumerate(PHOTOS)]
     finished: list[int] = []
     events: dict[int, list[BackendEvent]] = {i: [] for i in range(len(items))}
-    for event in backend.run(items):
+    for event in passes_of_two.run(items):
         events[event.index].append(event)
         if event.finish_reason is not None:
             finished.append(event.index)
