@@ -120,8 +120,8 @@ def test_the_window_waits_for_a_request_a_frontend_is_still_decoding(
 
     def frontend() -> None:
         time.sleep(0.3)  # the decode; the batch must wait for it however long it takes
+        decoding.clear()  # as Frontend.submit does: it stops counting the request, then sends it
         _send(instance, 2)
-        decoding.clear()
 
     _send(instance, 1)
     thread = threading.Thread(target=frontend)
