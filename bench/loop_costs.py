@@ -52,7 +52,7 @@ def main() -> None:
     for path in sorted((REPO / "tests" / "data" / "images").glob("*.jpg")):
         data = path.read_bytes()
         text = base64.b64encode(data).decode()
-        image = EncodedImage(text, "image", 20 << 20)
+        image = EncodedImage(text, 20 << 20)
         print(f"{path.name} ({len(data) // 1024} KiB, {len(text) // 1024} KiB as base64): "
               f"BLAKE2b of the bytes (the old key) "
               f"{_us(lambda: hashlib.blake2b(data, digest_size=16).digest(), args.iters):.0f} µs, "

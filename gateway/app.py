@@ -168,7 +168,8 @@ class FrontendHeader:
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
-    body = await read_capped(request.headers.get("content-length"), request.stream(), limit, "the request body", RequestTooLarge)
+    declared = request.headers.get("content-length")
+    body = await read_capped(declared, request.stream(), limit, "the request body", RequestTooLarge)
     if not body:
         raise InvalidRequest("the request body is empty; send a JSON chat completion request")
     return body

@@ -107,19 +107,21 @@ class EncodedImage:
     """
 
     text: str  # the base64 payload after the comma, as sent
-    param: str
     max_bytes: int
 
     def decode(self) -> bytes:
-        """The image bytes. Raises InvalidRequest, UndecodableImage or ImageTooLarge (with ``param``)."""
+        """The image bytes. Raises InvalidRequest, UndecodableImage or ImageTooLarge.
+
+        The errors carry no ``param``: the frontend names the image (``ChatRequest.image_params``).
+        """
         try:
             data = binascii.a2b_base64(self.text, strict_mode=True)
         except (binascii.Error, ValueError):
             data = self._decode_wrapped()
         if not data:
-            raise UndecodableImage("the image is empty", param=self.param)
+            raise UndecodableImage("the image is empty")
         if len(data) > self.max_bytes:
-            raise ImageTooLarge(f"the image is larger than {self.max_bytes} bytes", param=self.param)
+            raise ImageTooLarge(f"the image is larger than {self.max_bytes} bytes")
         return data
 
     def _decode_wrapped(self) -> bytes:
@@ -127,7 +129,7 @@ class EncodedImage:
         try:
             return binascii.a2b_base64("".join(self.text.split()), strict_mode=True)
         except (binascii.Error, ValueError):
-            raise InvalidRequest("the image data URL is not valid base64", param=self.param) from None
+            raise InvalidRequest("the image data URL is not valid base64") from None
 
 
 def key_material(image: bytes | EncodedImage) -> bytes | str:
@@ -271,7 +273,7 @@ def _data_url_image(url: str, limits: IntakeLimits, param: str) -> EncodedImage:
         raise ImageTooLarge(f"the image is larger than {limits.max_image_bytes} bytes", param=param)
     if not payload or payload.isspace():
         raise UndecodableImage("the image is empty", param=param)
-    return EncodedImage(payload, param, limits.max_image_bytes)
+    return EncodedImage(payload, limits.max_image_bytes)
 
 
 def _param_of(exc: msgspec.ValidationError) -> str | None:

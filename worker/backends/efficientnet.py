@@ -23,8 +23,8 @@ cache); with 2 threads it is about even. Timings on this shared box vary by +-30
 So on CPU a batch runs in forward passes of at most ``CPU_PASS_IMAGES_PER_THREAD`` images per
 torch thread, and each pass's items are answered before the next pass starts.
 `python bench/cpu_passes.py` (ms per image, one single-thread process / two side by side as in
-the default two-worker layout): passes of 1:
-21.5 / 21.3, of 2: 21.3 / 21.0, of 4: 20.5 / 21.8, of 8: 30.1 / 30.7. The worker's batch itself
+the default two-worker layout): passes of 1: 21.5 / 21.3, of 2: 21.3 / 21.0, of 4: 20.5 / 21.8,
+of 8: 30.1 / 30.7. The worker's batch itself
 is unchanged (it amortises the hand-off); only the forward pass is split. With 2 threads (one
 worker owning both cores) larger passes parallelise better: passes of 2 ran the `-1w` layout at
 46.5 req/s at concurrency 32, hence per thread. CUDA runs the whole batch in one pass.
