@@ -318,17 +318,19 @@ class EfficientNetBackend:
         cancel arrived while an earlier group ran. Raises InvalidRequest when an item's tensors are
         not what the frontend writes (a frontend bug: fails the batch).
         """
-        images = [None if item.cancelled else _checked_pixels(item) for item in batch]
-        for i, item in enumerate(batch):
-            if item.cancelled:
+        pixels = {i: _checked_pixels(item) for i, item in enumerate(batch) if not item.cancelled}
+        for i in range(len(batch)):
+            if i not in pixels:
                 yield BackendEvent(i, finish_reason="stop")
-        live = [i for i, pixels in enumerate(images) if pixels is not None]
-        for group in _groups(live, [len(images[i] or ()) for i in live], self.pass_images):
-            for i in [i for i in group if batch[i].cancelled]:  # cancelled while an earlier group ran
-                yield BackendEvent(i, finish_reason="stop")
-            group = [i for i in group if not batch[i].cancelled]
-            if group:
-                yield from self._answer(group, [images[i] or [] for i in group])
+        for group in _groups(list(pixels), [len(images) for images in pixels.values()], self.pass_images):
+            live = []
+            for i in group:
+                if batch[i].cancelled:  # cancelled while an earlier group ran
+                    yield BackendEvent(i, finish_reason="stop")
+                else:
+                    live.append(i)
+            if live:
+                yield from self._answer(live, [pixels[i] for i in live])
 
     def _answer(self, indices: list[int], images: list[list[torch.Tensor]]) -> Iterator[BackendEvent]:
         """One forward pass over these items' images, then each item's answer.
