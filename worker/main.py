@@ -51,7 +51,7 @@ from shared.wire import (
 from worker.backends import load_backend
 from worker.backends.base import ModelBackend, WorkItem
 from worker.batcher import Batcher
-from worker.device import Copy, DeviceCopier
+from worker.device import Copy, DeviceCopier, pick_device, use_device
 from worker.prefetch import Prefetcher
 
 __all__ = ["Worker", "WorkerOptions"]
@@ -92,7 +92,7 @@ class Worker:
         """``backend``: a ready backend to serve instead of loading ``options.model`` (embedding, tests)."""
         self.instance = instance
         self.options = options
-        self.device = torch.device(options.device)
+        torch.device(options.device)  # a bad device name raises ValueError before a slot is claimed
         self._stop = threading.Event()
         self.exit_code = 0
         self._replies: dict[int, Queue] = {}
@@ -101,6 +101,10 @@ class Worker:
         self._cancels_read_at = 0.0
         self._cancel_lock = threading.Lock()
         self.slot, self.epoch = instance.claim_worker_slot(options.model)
+        # After the slot: with several GPUs visible, the slot picks one (worker/device.py pick_device).
+        self.device = pick_device(options.device, self.slot, _visible_gpus(options.device))
+        use_device(self.device)  # this thread's CUDA calls (model load, compute) go to that GPU only
+        self._prefetch_bound = False
         self._heartbeat = Heartbeat(instance.segment.workers, self.slot, self.epoch).start()
         self._requests = instance.request_queue()
         self._control = instance.control_queue(self.slot)
@@ -206,6 +210,9 @@ class Worker:
         request's copy started when it was taken (``_take``), so copies overlap the running
         batch; the batch stays open while the model is busy, then every copy is waited for.
         """
+        if not self._prefetch_bound:  # a new thread's current CUDA device is 0, whatever the main thread's
+            use_device(self.device)
+            self._prefetch_bound = True
         jobs = self.batcher.collect(idle_timeout_s=0.25, hold_open=self._model_busy)
         for job in jobs:
             assert job.copy is not None
@@ -232,7 +239,8 @@ class Worker:
             self._reply(submit, Released(submit.request_id))
             self._fail(submit, 0, "bad_descriptor", str(exc), 500)
             return None
-        return self.copier.start(submit.tensors)
+        # The prompt's token ids stay on the host: the backend reads them there (worker/device.py).
+        return self.copier.start(submit.tensors, host_only=(INLINE_TENSOR,))
 
     def _finish_copy(self, submit: Submit, copy: Copy) -> WorkItem | None:
         """Wait for the copy, re-check the generations, send Released. None when it failed (answered)."""
@@ -246,12 +254,9 @@ class Worker:
             return None
         self._reply(submit, Released(submit.request_id))
         by_name: dict[str, list[torch.Tensor]] = {}
-        inline = submit.inline
-        for ref, tensor in zip(submit.tensors, copy.tensors):
-            if ref.name == INLINE_TENSOR:
-                inline = tensor.cpu().numpy().tobytes()
-            else:
-                by_name.setdefault(ref.name, []).append(tensor)
+        for name, tensor in zip(copy.names, copy.tensors):
+            by_name.setdefault(name, []).append(tensor)
+        inline = copy.host.get(INLINE_TENSOR, submit.inline)
         return WorkItem(submit.request_id, by_name, submit.params, inline, submit.text)
 
     # -- the main thread: run a prepared batch ------------------------------------------------
@@ -362,6 +367,11 @@ class Worker:
                         item.cancelled = True
             if len(self._cancelled) > 10_000:
                 self._cancelled.clear()  # cancels of requests that finished before they arrived
+
+
+def _visible_gpus(device: str) -> int:
+    """GPUs this process sees, counted only when a GPU was asked for (CPU workers never touch CUDA)."""
+    return torch.cuda.device_count() if device.startswith("cuda") else 0
 
 
 def run_worker(
