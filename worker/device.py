@@ -80,7 +80,7 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 
 
 def pick_device(requested: str, slot: int, visible_gpus: int) -> torch.device:
-    """The device a worker in ``slot`` runs on. Raises ValueError for a device torch does not know.
+    """The device a worker in ``slot`` runs on. Raises RuntimeError for a device torch does not know.
 
     ``cuda`` (no index) with several visible GPUs: ``cuda:(slot mod visible_gpus)`` (worker slots
     are claimed lowest first, so N replicas on N GPUs get one each). ``cuda:N`` is kept as asked.

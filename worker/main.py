@@ -92,7 +92,7 @@ class Worker:
         """``backend``: a ready backend to serve instead of loading ``options.model`` (embedding, tests)."""
         self.instance = instance
         self.options = options
-        torch.device(options.device)  # a bad device name raises ValueError before a slot is claimed
+        torch.device(options.device)  # a bad device name raises (RuntimeError) before a slot is claimed
         self._stop = threading.Event()
         self.exit_code = 0
         self._replies: dict[int, Queue] = {}
