@@ -22,8 +22,9 @@ waits follow, by different threads (worker/main.py):
   no host sync on the compute path. ``hand_to`` also records the compute stream on each tensor,
   so the caching allocator does not give a tensor's block back to the copy stream while compute
   still reads it.
-Small host-side payloads (the prompt's token ids, ``host_only`` names) are read into bytes and
-never go to the device: a device copy and a ``.cpu()`` back would queue behind the running batch.
+Small payloads the backend reads on the host (``host_only`` names: the prompt's token ids, image
+grid sizes) are cloned on the host and never go to the device: a device copy and a ``.cpu()`` or
+``.tolist()`` back would queue behind the running batch and sync the host with it.
 
 Registration failing is not about RLIMIT_MEMLOCK (the NVIDIA driver pins without memlock
 accounting): registering faults in every page of the arena (charged to the memory cgroup of the
@@ -176,14 +177,14 @@ class Copy:
     """Device tensors whose copy may still be in flight, and the event that says when it is not.
 
     ``names[i]`` is the TensorRef name of ``tensors[i]``; ``host`` holds the ``host_only``
-    payloads, already read. ``done`` is None on CPU (the clone is complete when
+    tensors by name, already cloned on the host. ``done`` is None on CPU (the clone is complete when
     ``DeviceCopier.start`` returns).
     """
 
     tensors: list[torch.Tensor]
     done: torch.cuda.Event | None = None
     names: list[str] = field(default_factory=list)
-    host: dict[str, bytes] = field(default_factory=dict)
+    host: dict[str, list[torch.Tensor]] = field(default_factory=dict)
 
     def wait_host(self) -> None:
         """Block this thread until the copy has finished reading the arena (prefetch thread only)."""
@@ -247,19 +248,16 @@ class DeviceCopier:
             tensors.append(host.view(TORCH_DTYPES[ref.dtype]).reshape(ref.shape))
         return tensors
 
-    def read_bytes(self, ref: TensorRef) -> bytes:
-        """A (validated) tensor's bytes, copied on the host."""
-        if self._host is None:
-            raise RuntimeError("the copier is closed")
-        return self._host[ref.offset : ref.offset + ref.nbytes].tobytes()
-
     def start(self, refs: Sequence[TensorRef], *, host_only: Collection[str] = ()) -> Copy:
         """Start copying each (already validated) tensor to the device. Raises nothing of its own.
 
-        Tensors named in ``host_only`` are read into ``Copy.host`` instead (at once). The caller
-        must ``wait_host`` before it re-checks generations or releases the arena.
+        Tensors named in ``host_only`` are cloned into ``Copy.host`` on the host instead (at
+        once). The caller must ``wait_host`` before it re-checks generations or releases the arena.
         """
-        host = {ref.name: self.read_bytes(ref) for ref in refs if ref.name in host_only}
+        host: dict[str, list[torch.Tensor]] = {}
+        staying = [ref for ref in refs if ref.name in host_only]
+        for ref, view in zip(staying, self.views(staying)):
+            host.setdefault(ref.name, []).append(view.clone())
         moving = [ref for ref in refs if ref.name not in host_only]
         names = [ref.name for ref in moving]
         tensors = self.views(moving)

@@ -116,6 +116,7 @@ class Worker:
         # the public model id (hf:<dir> is served under the directory's name): what frontends match
         instance.segment.workers[self.slot]["model"] = self.backend.name.encode()[:48]
         self.copier = DeviceCopier(self.device, instance.segment.mm)
+        self._host_only = frozenset((INLINE_TENSOR, *getattr(self.backend, "host_tensors", ())))
         self._prefetcher: Prefetcher[list[_Job]] = Prefetcher(self._prepare, name=f"prefetch-{self.slot}")
         self.batcher: Batcher[_Job] = Batcher(
             self._requests,
@@ -239,8 +240,8 @@ class Worker:
             self._reply(submit, Released(submit.request_id))
             self._fail(submit, 0, "bad_descriptor", str(exc), 500)
             return None
-        # The prompt's token ids stay on the host: the backend reads them there (worker/device.py).
-        return self.copier.start(submit.tensors, host_only=(INLINE_TENSOR,))
+        # The prompt's token ids (and what the backend reads on the host) stay there (worker/device.py).
+        return self.copier.start(submit.tensors, host_only=self._host_only)
 
     def _finish_copy(self, submit: Submit, copy: Copy) -> WorkItem | None:
         """Wait for the copy, re-check the generations, send Released. None when it failed (answered)."""
@@ -256,7 +257,12 @@ class Worker:
         by_name: dict[str, list[torch.Tensor]] = {}
         for name, tensor in zip(copy.names, copy.tensors):
             by_name.setdefault(name, []).append(tensor)
-        inline = copy.host.get(INLINE_TENSOR, submit.inline)
+        inline = submit.inline
+        for name, tensors in copy.host.items():
+            if name == INLINE_TENSOR:
+                inline = b"".join(t.numpy().tobytes() for t in tensors)
+            else:
+                by_name.setdefault(name, []).extend(tensors)  # on the host: the backend asked for that
         return WorkItem(submit.request_id, by_name, submit.params, inline, submit.text)
 
     # -- the main thread: run a prepared batch ------------------------------------------------
