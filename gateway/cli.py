@@ -107,6 +107,8 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
                    help="torch threads per CPU worker (default: cores / workers)")
     p.add_argument("--dtype", default=_env("DTYPE", "auto"), choices=("auto", "float32", "bfloat16", "float16"),
                    help="weights of hf: models (auto: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--compile-normalise", action="store_true", default=_env("COMPILE_NORMALISE") == "1",
+                   help="efficientnet: compile the input normalisation (needs a C compiler; see docs/ARCHITECTURE.md)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -209,7 +211,7 @@ def _worker_children(args: argparse.Namespace, instance_id: str) -> list[tuple[l
             "--device", placement.device, "--max-batch-size", str(args.max_batch_size),
             "--max-batch-wait-ms", str(args.max_batch_wait_ms), "--threads", str(threads),
             "--dtype", args.dtype, "--log-level", args.log_level,
-        ]
+        ] + (["--compile-normalise"] if args.compile_normalise else [])
         children.append((argv, env))
     return children
 

@@ -75,6 +75,7 @@ class WorkerOptions:
     threads: int | None = None
     dtype: str = "auto"  # hf: models only (worker/backends/hf.py DTYPES)
     diag_batch_delay_ms: float = 0.0  # diagnostics/tests: sleep this long before each batch runs (a slow model)
+    compile_normalise: bool = False  # efficientnet: torch.compile the input normalisation (opt-in; see there)
 
 
 @dataclass
@@ -111,7 +112,11 @@ class Worker:
         while self._control.try_receive() is not None:
             pass  # cancels addressed to this slot's previous owner
         self.backend: ModelBackend = backend or load_backend(
-            options.model, self.device, threads=options.threads, dtype=options.dtype
+            options.model,
+            self.device,
+            threads=options.threads,
+            dtype=options.dtype,
+            compile_normalise=options.compile_normalise,
         )
         # the public model id (hf:<dir> is served under the directory's name): what frontends match
         instance.segment.workers[self.slot]["model"] = self.backend.name.encode()[:48]
