@@ -593,6 +593,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", action="store_true", help="JSON lines on stdout instead of markdown tables")
     parser.add_argument("--skip-serve", action="store_true", help="no end-to-end section")
     parser.add_argument("--skip-overlap", action="store_true", help="no copy/compute overlap section")
+    parser.add_argument("--skip-h2d", action="store_true", help="no H2D copy section")
     parser.add_argument("--dry-run", action="store_true", help="everything except CUDA calls (serve on --device cpu)")
     parser.add_argument("--arena-size", type=int, default=1 << 30, help="bytes (default 1 GiB)")
     parser.add_argument("--frontends", type=int, nargs="+", default=None,
@@ -651,7 +652,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     before = shm_names()
     try:
-        h2d = dry_run_h2d(args) if args.dry_run else run_h2d(args, args.plan)
+        h2d = [] if args.skip_h2d else dry_run_h2d(args) if args.dry_run else run_h2d(args, args.plan)
         overlap = [] if args.skip_overlap else run_overlap(args, args.plan)
         e2e = [] if args.skip_serve else asyncio.run(run_e2e(args))
     except SetupError as exc:

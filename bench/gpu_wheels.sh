@@ -23,7 +23,7 @@ mkdir -p .whl
 frozen="$(.venv/bin/python -m pip freeze 2>/dev/null || true)"
 specs=()
 for name in "${PACKAGES[@]}"; do
-    pattern="$(echo "$name" | sed 's/[-_]/[-_]/g')"
+    pattern="${name//[-_]/[-_]}"
     pinned="$(echo "$frozen" | grep -i -E "^${pattern}==" | head -1 || true)"
     specs+=("${pinned:-$name}")
 done
