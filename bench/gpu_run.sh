@@ -99,10 +99,10 @@ for s in "${stages[@]}"; do
             stage h2d 90 "$py" bench/gpu.py "${bench_mode[@]}" --skip-serve --arena-size $((256 << 20)) \
                 --out "$out/h2d.md" ;;
         costs)
-            stage costs 75 bash -c "'$py' bench/startup.py --device $startup_device --runs 1 && \
-                '$py' bench/preprocess_model.py --rounds 5" ;;
+            stage costs 90 bash -c "'$py' bench/preprocess_model.py --rounds 5; \
+                '$py' bench/startup.py --device $startup_device --runs 1" ;;
         e2e)
-            stage e2e 210 "$py" bench/gpu.py "${bench_mode[@]}" --skip-h2d --skip-overlap --litserve \
+            stage e2e 200 "$py" bench/gpu.py "${bench_mode[@]}" --skip-h2d --skip-overlap --litserve \
                 --arena-size $((1 << 30)) "${e2e[@]}" --out "$out/e2e.md" ;;
     esac
 done
