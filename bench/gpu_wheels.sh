@@ -4,7 +4,8 @@
 # The GPU machine (docs: /work/.library/device) has Python 3.12, torch with CUDA, transformers,
 # accelerate, httpx, uvloop, pillow, numpy, pytest and pyyaml, but no network and none of shmgate's
 # serving packages. This downloads those (and LitServe, for the comparison) as cp312 manylinux wheels
-# into .whl/ at the repository root (ignored by git), without dependencies: the list below is complete for that image.
+# into .whl/ at the repository root (ignored by git), without dependencies: the list below covers what that
+# image lacks as far as its package list shows (an ImportError there names the next one to add).
 # Versions follow this checkout's .venv where it has the package (one consistent set: fastapi's
 # starlette range, pydantic's exact pydantic-core); the others take the newest. About 20 MiB in all
 # (the EfficientNet-Lite0 weights are 17 MiB of it); the device tool carries at most 64 MiB.
