@@ -34,7 +34,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 from gateway.preprocess.vision import EfficientNetPreprocessor  # noqa: E402
 from shared.arena import Partition  # noqa: E402
 from shared.instance import Instance  # noqa: E402
-from shared.wire import INLINE_TENSOR, Delta, Finished, Submit, TensorRef  # noqa: E402
+from shared.wire import INLINE_TENSOR, Delta, Failed, Finished, Submit, TensorRef  # noqa: E402
 from tests.shm_children import claim_frontend  # noqa: E402
 from worker.backends.base import WorkItem  # noqa: E402
 from worker.backends.efficientnet import EfficientNetBackend  # noqa: E402
@@ -215,17 +215,23 @@ def test_a_cuda_worker_classifies_the_photos_through_its_pipeline(instance: Inst
     thread.start()
     partition = Partition(instance.segment, 0)
     requests, replies = instance.request_queue(), instance.reply_queue(0)
-    try:
+
+    def send_all() -> None:  # a thread: the queues are shallow, and the replies must be read meanwhile
         for rounds in range(3):  # several batches, so copies of batch k+1 overlap batch k
             for i, name in enumerate(PHOTOS):
                 ref = _place(partition, _pixels(name), "pixels")
                 requests.send(Submit(100 * rounds + i, 0, "efficientnet-lite0", (ref,)), HANG_S)
+
+    sender = threading.Thread(target=send_all, daemon=True)
+    try:
+        sender.start()
         texts: dict[int, str] = {}
         done: set[int] = set()
         deadline = time.monotonic() + HANG_S
         while len(done) < 3 * len(PHOTOS):
             assert time.monotonic() < deadline, texts
             message = replies.receive(0.5)
+            assert not isinstance(message, Failed), message
             if isinstance(message, (Delta, Finished)):
                 texts[message.request_id] = texts.get(message.request_id, "") + message.text
             if isinstance(message, Finished):
@@ -234,6 +240,7 @@ def test_a_cuda_worker_classifies_the_photos_through_its_pipeline(instance: Inst
             name = PHOTOS[request_id % 100]
             assert text.split(":")[0] in LABELS[name]["accept_top1"], (name, text)
     finally:
+        sender.join(HANG_S)
         worker.stop()
         thread.join(HANG_S)
         requests.close()
