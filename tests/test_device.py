@@ -7,6 +7,7 @@ show (a real registration, the DMA, the stream-ordering) is tests/test_gpu.py's,
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 from dataclasses import dataclass, field
@@ -227,3 +228,28 @@ def test_a_closed_copier_hands_out_no_views(arena: mmap.mmap) -> None:
     copier.close()
     with pytest.raises(RuntimeError, match="closed"):
         copier.views([_ref(0, 4, "pixels")])
+
+
+def test_on_cuda_the_prompt_is_cloned_on_the_host_and_the_copy_event_blocks(
+        arena: mmap.mmap, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Control flow of the CUDA branch with stand-ins: the token ids never reach a device copy, and the
+    # event the prefetch thread waits on is a blocking one (a waiting thread sleeps, it does not spin).
+    events: list[dict[str, object]] = []
+
+    class FakeEvent:
+        def __init__(self, **kwargs: object) -> None:
+            events.append(dict(kwargs))
+
+        def record(self, stream: object) -> None:
+            events[-1]["recorded_on"] = stream
+
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    arena[0:4] = b"\x01\x00\x00\x00"
+    copier = DeviceCopier(torch.device("cuda", 0), arena, runtime=FakeRuntime(), registrations=HostRegistrations())
+    copy = copier.start([_ref(0, 4, INLINE_TENSOR)], host_only=(INLINE_TENSOR,))
+    assert copy.tensors == [] and copy.host[INLINE_TENSOR][0].device.type == "cpu"
+    assert events == [{"blocking": True, "recorded_on": copier._stream}]
+    copier.close()
