@@ -203,8 +203,10 @@ class Copy:
 class DeviceCopier:
     """Views of the arena and copies of them onto one device; on CUDA, owns a share of the registration.
 
-    ``runtime`` and ``registrations``: tests pass stand-ins; by default the CUDA runtime torch
-    loaded and the process-wide ``HOST_REGISTRATIONS``.
+    On CUDA, building one makes ``device`` the calling thread's current device (the registration
+    and the copy stream must belong to that GPU's context, not GPU 0's). ``runtime`` and
+    ``registrations``: tests pass stand-ins; by default the CUDA runtime torch loaded and the
+    process-wide ``HOST_REGISTRATIONS``.
     """
 
     def __init__(
