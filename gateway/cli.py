@@ -19,7 +19,7 @@ import socket
 import sys
 from collections.abc import Mapping
 
-from gateway.placement import Placement, worker_placements
+from gateway.placement import Placement, gpu_count, worker_placements
 from shared.errors import SetupError
 from shared.names import parse_size
 
@@ -34,10 +34,7 @@ def _env(name: str, default: str | None = None) -> str | None:
 
 def _gpu_count() -> int:
     """GPUs of this machine, without importing torch (frontends stay light)."""
-    try:
-        return len(os.listdir("/proc/driver/nvidia/gpus"))
-    except OSError:
-        return 0
+    return gpu_count()
 
 
 def visible_gpus(environ: Mapping[str, str], machine_gpus: int) -> list[str]:

@@ -17,11 +17,13 @@ Rules:
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass
 
 from shared.errors import SetupError
 
-__all__ = ["Placement", "worker_placements"]
+__all__ = ["Placement", "gpu_count", "worker_placements"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,22 @@ def worker_placements(device: str, *, workers: int, workers_per_gpu: int, gpu_id
     if index >= len(gpu_ids):
         raise SetupError(f"--device {device}: only {len(gpu_ids)} GPU(s) are visible (cuda:0..cuda:{len(gpu_ids) - 1})")
     return [Placement("cuda:0", gpu_ids[index])] * (workers or per_gpu)
+
+
+def gpu_count(proc_dir: str = "/proc/driver/nvidia/gpus", dev_dir: str = "/dev") -> int:
+    """NVIDIA GPUs this machine (or container) has, without importing torch.
+
+    The driver's /proc entries first; where they are not mounted (some container runtimes, gVisor),
+    the device nodes /dev/nvidia0, /dev/nvidia1, ... (a container has those of its granted GPUs).
+    """
+    try:
+        return len(os.listdir(proc_dir))
+    except OSError:
+        pass
+    try:
+        return sum(1 for name in os.listdir(dev_dir) if re.fullmatch(r"nvidia\d+", name))
+    except OSError:
+        return 0
 
 
 def _cuda_index(device: str) -> int | None:

@@ -8,6 +8,7 @@ import pytest
 
 from gateway import cli
 from gateway.cli import _default_cpu_workers, visible_gpus
+from gateway.placement import gpu_count
 from shared.errors import SetupError
 
 
@@ -93,3 +94,16 @@ def test_gpus_not_countable_here_leave_the_choice_to_the_worker(monkeypatch: pyt
 def test_cpu_workers_get_no_gpu_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     workers = _serve_workers(monkeypatch, ["--device", "cpu", "--workers", "3"], gpus=2)
     assert workers == [("cpu", None)] * 3
+
+
+def test_gpus_are_counted_from_the_driver_or_else_from_the_device_nodes(tmp_path) -> None:
+    proc, dev = tmp_path / "gpus", tmp_path / "dev"
+    dev.mkdir()
+    for name in ("nvidia0", "nvidia3", "nvidiactl", "nvidia-uvm", "nvidia-caps", "null"):
+        (dev / name).touch()
+    assert gpu_count(str(proc), str(dev)) == 2  # no /proc entries (gVisor, some runtimes): the nodes
+    proc.mkdir()
+    for bus in ("0000:3b:00.0", "0000:5e:00.0", "0000:86:00.0"):
+        (proc / bus).mkdir()
+    assert gpu_count(str(proc), str(dev)) == 3
+    assert gpu_count(str(tmp_path / "none"), str(tmp_path / "none")) == 0
