@@ -13,7 +13,7 @@ Fallback (no libcudart found, e.g. a build that links it statically): torch's bi
 failure is drained by launching one throwaway kernel under ``try`` (torch's launch check reads
 and so clears the pending error).
 
-Tests pass their own ``Runtime`` (tests/test_device_cuda_mocked.py); nothing here needs a GPU to import.
+Tests pass their own ``Runtime`` (tests/test_device.py); nothing here needs a GPU to import.
 """
 
 from __future__ import annotations
