@@ -95,6 +95,10 @@ class HFBackend:
     token per forward pass over the whole batch.
     """
 
+    # Called after each forward pass (prefill or decode step): the worker stamps its progress
+    # there, so a long generation that yields no text for a while never reads as a hang.
+    on_step: Any = staticmethod(lambda: None)
+
     def __init__(
         self,
         model_dir: str,
@@ -144,6 +148,7 @@ class HFBackend:
                 yield from self._finish(row, "length" if row.limit == 0 else "stop")
                 continue
             logits, row.cache, row.delta = self._prefill(row.inputs)
+            self.on_step()
             yield from self._accept(row, logits)
             if row.finish is None:
                 live.append(row)
@@ -160,6 +165,7 @@ class HFBackend:
             if not live:
                 break
             logits = self._decode_step(live)
+            self.on_step()
             for row, row_logits in zip(live, logits):
                 yield from self._accept(row, row_logits)
 
