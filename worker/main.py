@@ -120,7 +120,8 @@ class Worker:
         self.exit_code = 0
         self._replies: dict[int, Queue] = {}
         self._replies_lock = threading.Lock()  # both threads reply; one Queue object per frontend
-        self._cancelled: set[int] = set()
+        # (reply slot, request id): ids are unique per frontend only (each frontend numbers its own)
+        self._cancelled: set[tuple[int, int]] = set()
         self._cancels_read_at = 0.0
         self._cancel_lock = threading.Lock()
         self._device_error: BaseException | None = None
@@ -291,8 +292,9 @@ class Worker:
     def _start_copy(self, submit: Submit) -> Copy | None:
         """Validate a request's descriptors and start its device copy. None when it failed (answered)."""
         with self._cancel_lock:
-            cancelled = submit.request_id in self._cancelled
-            self._cancelled.discard(submit.request_id)
+            key = (submit.reply_slot, submit.request_id)
+            cancelled = key in self._cancelled
+            self._cancelled.discard(key)
         if cancelled:
             self._reply(submit, Released(submit.request_id))
             self._fail(submit, 0, "cancelled", "the client cancelled the request", 499)
@@ -341,7 +343,7 @@ class Worker:
         if not live:
             return
         items = [job.item for job in live if job.item is not None]
-        self._drain_cancels(items)  # cancels that arrived while the batch was prepared
+        self._drain_cancels(live)  # cancels that arrived while the batch was prepared
         if self.options.diag_batch_delay_ms > 0:
             time.sleep(self.options.diag_batch_delay_ms / 1000)
         self.progress.step()
@@ -370,7 +372,7 @@ class Worker:
                 elif event.flush:
                     self._flush_text(job)
                 if time.monotonic() - self._cancels_read_at >= CANCEL_POLL_S:
-                    self._drain_cancels(items)
+                    self._drain_cancels(live)
         except Exception as exc:
             log.exception("backend failed on a batch of %d", len(items))
             if is_sticky_device_error(exc):
@@ -449,7 +451,7 @@ class Worker:
                     return  # the frontend is gone; its successor ignores old request ids anyway
         log.warning("dropped a reply: frontend %d is alive but not reading its channel", slot)
 
-    def _drain_cancels(self, items: Sequence[WorkItem] = ()) -> None:
+    def _drain_cancels(self, jobs: Sequence[_Job] = ()) -> None:
         self._cancels_read_at = time.monotonic()
         while True:
             try:
@@ -460,11 +462,12 @@ class Worker:
                 break
             if isinstance(message, Cancel):
                 with self._cancel_lock:
-                    self._cancelled.add(message.request_id)
+                    self._cancelled.add((message.reply_slot, message.request_id))
         with self._cancel_lock:
-            if items and self._cancelled:
-                for item in items:
-                    if item.request_id in self._cancelled:
+            if jobs and self._cancelled:
+                for job in jobs:
+                    item = job.item
+                    if item is not None and (job.submit.reply_slot, item.request_id) in self._cancelled:
                         item.cancelled = True
             if len(self._cancelled) > 10_000:
                 self._cancelled.clear()  # cancels of requests that finished before they arrived
