@@ -247,9 +247,10 @@ class ContentCache:
         if BLOCK_HEADER_BYTES + nbytes > self.partition.size:
             # Eviction can never make room for it: 413 naming the limit, not 503 arena_full forever.
             raise ImageTooLarge(
-                f"the preprocessed image needs {format_bytes(nbytes)} of shared memory, more than one "
-                f"frontend's arena partition holds ({format_bytes(self.partition.size)}: --arena-size divided "
-                "by --frontends); send a smaller image or ask the operator to raise --arena-size"
+                f"the preprocessed image needs {BLOCK_HEADER_BYTES + nbytes:,} bytes of shared memory, more than "
+                f"one frontend's arena partition holds ({self.partition.size:,} bytes = "
+                f"{format_bytes(self.partition.size)}: --arena-size divided by --frontends); send a smaller image "
+                "or ask the operator to raise --arena-size"
             )
         while True:
             allocation = self.partition.allocate(nbytes)
