@@ -496,8 +496,9 @@ def run_worker(
         log.error("%s", exc)
         instance.close()
         return 2
-    except ValueError as exc:
-        # An unknown model or dtype, a model id too long: restarting cannot help.
+    except (ValueError, OSError, ImportError) as exc:
+        # An unknown model or dtype, a missing model directory or extra, a model id too long:
+        # restarting cannot help.
         print(f"shmgate worker: configuration error: {exc}", file=sys.stderr)
         instance.close()
         return EXIT_CONFIG
