@@ -172,13 +172,15 @@ def test_a_sigstopped_worker_under_load_is_replaced_and_no_request_fails(faulty_
 def test_a_worker_paused_and_resumed_adds_no_duplicate_answer(faulty_server: Server) -> None:
     """SIGSTOP longer than the heartbeat's 3 s (frontends retry its requests elsewhere) but shorter than the
     stall timeout (nobody kills it), then SIGCONT: the resumed worker finishes what it had claimed, and none
-    of that may reach a client a second time (streamed answers of 10 pieces would interleave)."""
+    of that may reach a client a second time. Answers stream for 3 s (150 pieces), so a retried request is
+    still streaming from its new worker when the resumed one runs the batch it had prepared: before retries
+    got a new request id, the two interleaved into one answer and this test failed."""
     server = faulty_server
     wait_full_capacity(server)
 
     async def run() -> list[tuple[str, float]]:
         stop = asyncio.Event()
-        load = asyncio.ensure_future(_closed_loop(server.base_url, 8, stop, 200_000, "checksum:trickle 10",
+        load = asyncio.ensure_future(_closed_loop(server.base_url, 8, stop, 200_000, "checksum:trickle 150",
                                                   stream=True))
         await asyncio.sleep(1.0)
         victim = server.pids("worker")[0]
