@@ -50,7 +50,7 @@ from gateway.metrics import Counter
 from shared.errors import EXIT_CONFIG
 from shared.instance import DEAD_AFTER_S, Instance
 from shared.locks import HolderKind
-from shared.segment import InstanceState, LockId, SlotState, now_ns, own_pidns
+from shared.segment import InstanceState, LockId, SlotState, own_pidns
 
 __all__ = ["ChildProcess", "Supervisor"]
 
@@ -185,11 +185,12 @@ class Supervisor:
                         child.join(5)
                         self._after_death(child)
                         continue
-                row = self._row_of(child)
-                if row is not None and self._stalled(row):
+                found = self._slot_of(child)
+                if found is not None and seg.stalled(*found):
                     log.error("%s %d (pid %d) made no progress for %.1f s; killing it", child.role, child.slot,
                               child.pid, self.stall_timeout_s)
-                    row["stalls"] += 1
+                    table, slot = found
+                    table["stalls"][slot] += 1
                     child.kill()
                     child.join(5)
                     self._after_death(child)
@@ -205,24 +206,16 @@ class Supervisor:
     def stall_timeout_s(self) -> float:
         return self.instance.segment.stall_timeout_s or 0.0
 
-    def _stalled(self, row: np.void) -> bool:
-        """READY, and its work loop has not stamped progress within the stall timeout."""
-        timeout = self.instance.segment.stall_timeout_s
-        if timeout is None or int(row["state"]) != SlotState.READY:
-            return False
-        return now_ns() - int(row["progress_ns"]) > int(timeout * 1e9)
-
-    def _row_of(self, child: ChildProcess) -> np.void | None:
-        """The slot row ``child`` claimed (frontends claim their own slot; workers the first free one)."""
+    def _slot_of(self, child: ChildProcess) -> tuple[np.ndarray, int] | None:
+        """(table, slot) of the row ``child`` claimed (frontends claim their own slot; workers a free one)."""
         seg = self.instance.segment
         if child.role == "frontend":
-            row = seg.frontends[child.slot]
-            return row if int(row["pid"]) == child.pid else None
+            return (seg.frontends, child.slot) if int(seg.frontends[child.slot]["pid"]) == child.pid else None
         pidns = own_pidns()
         for slot in range(len(seg.workers)):
             row = seg.workers[slot]
             if int(row["pid"]) == child.pid and int(row["pidns"]) == pidns:
-                return row
+                return seg.workers, slot
         return None
 
     def _check_foreign_workers(self) -> None:
@@ -234,7 +227,7 @@ class Supervisor:
             row = seg.workers[slot]
             if int(row["pidns"]) == pidns and int(row["pid"]) in ours:
                 continue
-            if self._stalled(row):
+            if seg.stalled(seg.workers, slot):
                 log.error("worker slot %d (pid %d in another PID namespace or tree) made no progress for %.1f s; "
                           "marking it dead (it exits when it sees that)", slot, int(row["pid"]), self.stall_timeout_s)
                 row["stalls"] += 1
