@@ -234,6 +234,15 @@ class Worker:
 
     def _take(self, submit: Submit) -> _Job | None:
         """Claim a request the batcher took and start its device copy. None when it was answered already."""
+        row = self.instance.segment.workers[self.slot]
+        if int(row["epoch"]) != self.epoch or int(row["state"]) == SlotState.DEAD:
+            # Declared dead, and the heartbeat thread has not exited us yet (it looks every 0.2 s):
+            # a claim now would cost the request an attempt on a worker that will never run it.
+            try:
+                self._requests.send(submit, 1.0)  # back to the queue, for a live worker
+            except ChannelFull:
+                log.error("could not put request %x back on the queue; its deadline will end it", submit.request_id)
+            self._declared_dead()
         self._reply(submit, Claimed(submit.request_id, self.slot, self.epoch))
         if submit.model != self.backend.name:
             self._fail(submit, 0, "model_not_found", f"this worker serves {self.backend.name}", 404)
