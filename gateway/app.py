@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
+import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -36,8 +38,9 @@ from gateway.intake import IntakeLimits, parse_chat_request
 from gateway.metrics import Counter, render
 from gateway.preprocess import get_preprocessor
 from gateway.sse import Completion
-from shared.errors import InvalidRequest, RequestTooLarge, ShmgateError, Unauthorized
+from shared.errors import EXIT_CONFIG, InvalidRequest, RequestTooLarge, ShmgateError, Unauthorized
 from shared.instance import Instance
+from shared.segment import MODEL_NAME_BYTES
 from shared.wire import Delta, Failed, Finished
 
 __all__ = ["AppOptions", "create_app"]
@@ -63,8 +66,18 @@ def create_app(options: AppOptions) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        try:
+            preprocessor = get_preprocessor(options.model, max_images=options.intake.max_images)
+            if len(preprocessor.model.encode()) > MODEL_NAME_BYTES:
+                raise ValueError(f"the model id {preprocessor.model[:60]!r}... is longer than {MODEL_NAME_BYTES} "
+                                 "bytes; serve it from a directory with a shorter name")
+        except (ValueError, OSError, ImportError) as exc:
+            # A configuration error (unknown model, missing model directory, a missing extra):
+            # restarting cannot fix it, so say why and exit with the code that makes the
+            # supervisor stop instead of restarting us every few seconds.
+            print(f"shmgate frontend: configuration error: {exc}", file=sys.stderr, flush=True)
+            os._exit(EXIT_CONFIG)
         instance = Instance.attach(options.instance_id)
-        preprocessor = get_preprocessor(options.model, max_images=options.intake.max_images)
         frontend = Frontend(instance, options.slot, preprocessor, options.limits)
         await frontend.start()
         frontend_box["f"] = frontend

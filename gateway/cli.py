@@ -32,6 +32,26 @@ def _env(name: str, default: str | None = None) -> str | None:
     return os.environ.get(f"SHMGATE_{name}", default)
 
 
+def _float_or_none(text: str | None) -> float | None:
+    return float(text) if text else None
+
+
+# The longest a work loop may go without progress. The embedded classifier's longest step (a
+# batch of 8 on a busy 2-core CPU) is well under a second, so 10 s never fires on a healthy
+# worker and still brings a wedged one back within the 30 s the tests allow. A generative model
+# stamps per decode step, but its prefill of a full batch of large images is one step: the rule
+# is at least 3x the slowest single forward pass under peak load (docs/RELIABILITY.md).
+DEFAULT_STALL_TIMEOUT_S = 10.0
+HF_STALL_TIMEOUT_S = 60.0
+
+
+def stall_timeout_for(model: str, flag: float | None) -> float:
+    """The stall timeout to use: the flag (0 turns detection off), else a default for the model."""
+    if flag is not None:
+        return max(0.0, flag)
+    return HF_STALL_TIMEOUT_S if "hf:" in model else DEFAULT_STALL_TIMEOUT_S
+
+
 def _gpu_count() -> int:
     """GPUs of this machine, without importing torch (frontends stay light)."""
     return gpu_count()
@@ -57,7 +77,8 @@ def _add_gateway_flags(p: argparse.ArgumentParser) -> None:
                    help="frontend processes (default: number of cores)")
     p.add_argument("--model", default=_env("MODEL", "efficientnet-lite0"))
     p.add_argument("--arena-size", default=_env("ARENA_SIZE", "1GiB"))
-    p.add_argument("--api-key", default=_env("API_KEY"))
+    p.add_argument("--api-key", default=_env("API_KEY"),
+                   help="prefer the SHMGATE_API_KEY environment variable: a flag is visible in ps")
     p.add_argument("--metrics-need-key", action="store_true", default=_env("METRICS_NEED_KEY") == "1")
     p.add_argument("--label", default=_env("LABEL", "default"))
     p.add_argument("--max-images", type=int, default=int(_env("MAX_IMAGES", "8") or 8))
@@ -72,6 +93,10 @@ def _add_gateway_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--queue-depth", type=int, default=int(_env("QUEUE_DEPTH", "64") or 64),
                    help="message queue depth (capped by /proc/sys/fs/mqueue/msg_max)")
     p.add_argument("--drain-timeout-s", type=float, default=float(_env("DRAIN_TIMEOUT_S", "30") or 30))
+    p.add_argument("--stall-timeout-s", type=float, default=_float_or_none(_env("STALL_TIMEOUT_S")),
+                   help="replace a frontend or worker whose work loop makes no progress for this long "
+                        f"(default {DEFAULT_STALL_TIMEOUT_S:g} s, {HF_STALL_TIMEOUT_S:g} s for hf: models; 0: never); "
+                        "see docs/RELIABILITY.md for slow models")
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "info"))
     p.add_argument("--allow-image-urls", action="store_true", default=_env("ALLOW_IMAGE_URLS") == "1",
                    help="fetch http(s) image URLs (off by default; see docs/SECURITY.md)")
@@ -142,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper() if hasattr(args, "log_level") else "INFO",
                         format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s")
+    if args.command in ("serve", "gateway") and any(a == "--api-key" or a.startswith("--api-key=") for a in argv):
+        log.warning("--api-key on the command line is visible to every user of this machine (ps, /proc); "
+                    "set SHMGATE_API_KEY in the environment instead")
     try:
         if args.command == "cleanup":
             from shared.instance import cleanup_leftovers
@@ -237,6 +265,7 @@ def _run_supervised(args: argparse.Namespace, *, with_workers: bool) -> int:
         n_workers=n_worker_slots,
         label=args.label,
         queue_depth=args.queue_depth,
+        stall_timeout_s=stall_timeout_for(args.model, args.stall_timeout_s),
     )
     instance_id = instance.names.instance_id
     secrets_env = {"SHMGATE_API_KEY": args.api_key} if args.api_key else {}
@@ -252,10 +281,9 @@ def _run_supervised(args: argparse.Namespace, *, with_workers: bool) -> int:
     log.info("instance %s listening on http://%s:%d with %d frontends and %d workers (model %s)", instance_id,
              args.host, args.port, n_frontends, len(workers), args.model)
     try:
-        Supervisor(instance, frontends, workers, drain_timeout_s=args.drain_timeout_s).run()
+        return Supervisor(instance, frontends, workers, drain_timeout_s=args.drain_timeout_s).run()
     finally:
         sock.close()
-    return 0
 
 
 def _run_frontend(args: argparse.Namespace) -> int:

@@ -66,8 +66,11 @@ __all__ = ["Frontend", "FrontendLimits", "RequestState"]
 
 log = logging.getLogger("shmgate.frontend")
 
-MAX_ATTEMPTS = 3
+# A request whose worker died twice is not tried a third time: a request that kills every
+# worker it reaches would otherwise take the node's workers down one after another.
+MAX_ATTEMPTS = 2
 WATCHDOG_INTERVAL_S = 0.1
+PROGRESS_INTERVAL_S = 0.2  # how often the event loop stamps progress_ns (a loop that cannot, is stalled)
 GRACE_S = 5.0  # how long past its deadline an unanswered request may hold arena space
 LOOP_HASH_MAX_BYTES = 1 << 20  # images up to this size are hashed on the loop to look for a local hit
 
@@ -107,6 +110,7 @@ class Frontend:
         self._pool = ThreadPoolExecutor(max_workers=limits.decode_threads, thread_name_prefix="decode")
         self._control: dict[int, Queue] = {}
         self._watchdog: asyncio.Task[None] | None = None
+        self._progress_handle: asyncio.TimerHandle | None = None
         self.epoch = 0
 
     # -- life cycle ---------------------------------------------------------------
@@ -131,7 +135,17 @@ class Frontend:
         self._reader = AsyncQueueReader(self._replies, self._on_reply, self._on_reply_error)
         self._reader.start()
         self._watchdog = asyncio.create_task(self._watch())
+        self._stamp_progress()
         seg.frontends[self.slot]["state"] = SlotState.READY
+
+    def _stamp_progress(self) -> None:
+        """A callback on the event loop itself: it runs only while the loop turns.
+
+        The heartbeat thread says the process exists; this says the loop serving HTTP is not
+        blocked (a synchronous call stuck on it stops this stamp, and the supervisor replaces us).
+        """
+        self.segment.frontends[self.slot]["progress_ns"] = now_ns()
+        self._progress_handle = asyncio.get_running_loop().call_later(PROGRESS_INTERVAL_S, self._stamp_progress)
 
     def _take_over_slot(self) -> CacheIndex:
         """Claim our slot (new epoch), start beating, and purge a predecessor's cache entries."""
@@ -154,6 +168,8 @@ class Frontend:
         self.segment.frontends[self.slot]["state"] = SlotState.DRAINING
         if self._watchdog:
             self._watchdog.cancel()
+        if self._progress_handle:
+            self._progress_handle.cancel()
         self._reader.stop()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._heartbeat.stop()
@@ -200,8 +216,7 @@ class Frontend:
             if len(inline) > INLINE_MAX_BYTES:
                 groups.append(await loop.run_in_executor(self._pool, self._inline_group, prompt))
                 inline = b""
-            self._counter += 1
-            request_id = (self.epoch << 40) | self._counter
+            request_id = self._next_request_id()
             deadline_ns = now_ns() + int(self.limits.request_timeout_s * 1e9)
             refs: list[TensorRef] = [ref for g in groups for ref in g.refs]
             submit = Submit(
@@ -234,6 +249,10 @@ class Frontend:
             self._finish(state)
             raise
         return state
+
+    def _next_request_id(self) -> int:
+        self._counter += 1
+        return (self.epoch << 40) | self._counter
 
     def _set_resolving(self, change: int) -> None:
         """Count admitted requests still decoding, and publish the count in our slot row.
@@ -427,12 +446,21 @@ class Frontend:
         if state.produced_output or state.abandoned or state.submit.attempt + 1 >= MAX_ATTEMPTS:
             self._fail(state, PeerDied("the model worker died while serving this request"))
             return
-        state.submit = msgspec.structs.replace(state.submit, attempt=state.submit.attempt + 1)
+        # A new id for the new attempt: the worker we gave up on may only be paused (SIGSTOP) and
+        # answer later; its replies carry the old id, which no longer matches, so a resumed worker
+        # can never add a duplicate answer to the retried one.
+        old_id = state.request_id
+        self._states.pop(old_id, None)
+        state.request_id = self._next_request_id()
+        self._states[state.request_id] = state
+        state.submit = msgspec.structs.replace(
+            state.submit, request_id=state.request_id, attempt=state.submit.attempt + 1
+        )
         state.worker = None
         state.released = False
         self.stats.add(Counter.RETRIES)
-        log.warning("worker died before answering request %x; retrying (attempt %d)", state.request_id,
-                    state.submit.attempt)
+        log.warning("worker died before answering request %x; retrying as %x (attempt %d)", old_id,
+                    state.request_id, state.submit.attempt)
         try:
             await self._sender.send(state.submit, 5.0)
         except ChannelFull:

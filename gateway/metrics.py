@@ -113,9 +113,16 @@ def render(segment: Segment, queue_depth: int) -> str:
     metric("shmgate_request_queue_depth", "gauge", "Descriptors waiting for a worker.", [("", queue_depth)])
     workers = segment.workers
     ready = int(np.count_nonzero(workers["state"] == SlotState.READY))
+    ready -= sum(segment.stalled(workers, slot) for slot in range(len(workers)))  # beating but not progressing
     starts = int(workers["epoch"].sum())
     metric("shmgate_workers_ready", "gauge", "Workers serving.", [("", ready)])
     metric("shmgate_worker_starts_total", "counter", "Worker (re)starts; restarts = starts - workers.", [("", starts)])
+    metric("shmgate_worker_stalls_total", "counter",
+           "Workers declared stalled (alive but no progress for --stall-timeout-s) and replaced.",
+           [("", int(workers["stalls"].sum()))])
+    metric("shmgate_frontend_stalls_total", "counter",
+           "Frontends whose event loop stopped turning for --stall-timeout-s, killed and restarted.",
+           [("", int(segment.frontends["stalls"].sum()))])
     busy = float(workers["busy_ns"].sum()) / 1e9
     metric("shmgate_worker_busy_seconds_total", "counter", "Time workers spent running batches.", [("", busy)])
     lines.append("# HELP shmgate_batch_size Requests per batch the workers ran.")

@@ -6,10 +6,21 @@ signals and checks the children. Children are fresh interpreters running the
 same commands docker compose runs (``python -m gateway frontend ...``,
 ``python -m worker ...``), so the supervisor knows processes, not HTTP or models.
 
-A child that exits or whose heartbeat goes stale is killed, joined, marked DEAD
-in its slot row (so frontends retry its requests at once instead of waiting for
-the heartbeat to age) and the locks it may have held are repaired; then it is
-restarted in its slot with an exponential backoff.
+A child that exits, whose heartbeat goes stale (frontends), or whose *progress*
+stalls for longer than ``stall_timeout_s`` (any child: ``progress_ns`` in its
+slot row is stamped only by the loop that does the work, see worker/health.py
+and Frontend._stamp_progress) is killed (SIGKILL: a wedged process may not
+honour SIGTERM), joined, marked DEAD in its slot row (so frontends retry its
+claimed requests at once instead of waiting for the heartbeat to age) and the
+locks it may have held are repaired; then it is restarted in its slot with an
+exponential backoff. A worker this supervisor did not start (attached by label
+from another container) cannot be signalled: when it stalls its row is marked
+DEAD, and the worker's heartbeat thread exits the process when it sees that
+(worker/main.py), so its container's restart policy replaces it.
+
+A child that exits with ``EXIT_CONFIG`` failed on its configuration (an unknown
+model, a missing model directory): restarting cannot help, so the supervisor
+stops everything and ``run`` returns 2, the reason being on the child's stderr.
 
 Shutdown (SIGTERM, or the first SIGINT): the instance is marked DRAINING (new
 requests get 503 with Retry-After, /ready turns 503) while the frontends keep
@@ -33,7 +44,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from gateway.metrics import Counter
+from shared.errors import EXIT_CONFIG
 from shared.instance import DEAD_AFTER_S, Instance
 from shared.locks import HolderKind
 from shared.segment import InstanceState, LockId, SlotState, own_pidns
@@ -105,6 +119,7 @@ class Supervisor:
     drain_timeout_s: float = 30.0
     _signals: list[int] = field(default_factory=list)
     _force: bool = False
+    _fatal: str = ""
 
     # -- signals --------------------------------------------------------------------
 
@@ -113,8 +128,11 @@ class Supervisor:
             self._force = True
         self._signals.append(signum)
 
-    def run(self) -> None:
-        """Start the children and supervise until a signal asks to stop; always unlinks."""
+    def run(self) -> int:
+        """Start the children and supervise until a signal asks to stop; always unlinks.
+
+        Returns 0, or 2 when a child failed on a configuration error.
+        """
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         beat_stop = threading.Event()
         beat = threading.Thread(target=self._beat, args=(beat_stop,), daemon=True)
@@ -122,10 +140,14 @@ class Supervisor:
         try:
             for child in self.frontends + self.workers:
                 child.start()
-            while not self._signals:
+            while not self._signals and not self._fatal:
                 time.sleep(TICK_S)
                 self._check_children()
-            log.info("shutting down (signal %d)", self._signals[0])
+            if self._fatal:
+                log.error("stopping: %s", self._fatal)
+                self._force = True
+            else:
+                log.info("shutting down (signal %d)", self._signals[0])
             self._shutdown()
         finally:
             beat_stop.set()
@@ -138,6 +160,7 @@ class Supervisor:
             for s, handler in previous.items():
                 signal.signal(s, handler)
             log.info("stopped; IPC objects unlinked")
+        return 2 if self._fatal else 0
 
     def _beat(self, stop: threading.Event) -> None:
         # A thread, so a slow tick (joining a child) never makes the instance look dead.
@@ -161,8 +184,54 @@ class Supervisor:
                         child.kill()
                         child.join(5)
                         self._after_death(child)
+                        continue
+                found = self._slot_of(child)
+                if found is not None and seg.stalled(*found):
+                    log.error("%s %d (pid %d) made no progress for %.1f s; killing it", child.role, child.slot,
+                              child.pid, self.stall_timeout_s)
+                    table, slot = found
+                    table["stalls"][slot] += 1
+                    child.kill()
+                    child.join(5)
+                    self._after_death(child)
                 continue
+            if child.process is not None and child.process.returncode == EXIT_CONFIG:
+                self._fatal = f"{child.role} {child.slot} failed on a configuration error (its reason is above)"
+                child.process = None
+                return
             self._after_death(child)
+        self._check_foreign_workers()
+
+    @property
+    def stall_timeout_s(self) -> float:
+        return self.instance.segment.stall_timeout_s or 0.0
+
+    def _slot_of(self, child: ChildProcess) -> tuple[np.ndarray, int] | None:
+        """(table, slot) of the row ``child`` claimed (frontends claim their own slot; workers a free one)."""
+        seg = self.instance.segment
+        if child.role == "frontend":
+            return (seg.frontends, child.slot) if int(seg.frontends[child.slot]["pid"]) == child.pid else None
+        pidns = own_pidns()
+        for slot in range(len(seg.workers)):
+            row = seg.workers[slot]
+            if int(row["pid"]) == child.pid and int(row["pidns"]) == pidns:
+                return seg.workers, slot
+        return None
+
+    def _check_foreign_workers(self) -> None:
+        """Workers we did not start (other containers): mark a stalled one DEAD; it exits on seeing that."""
+        seg = self.instance.segment
+        ours = {child.pid for child in self.workers if child.process is not None}
+        pidns = own_pidns()
+        for slot in range(len(seg.workers)):
+            row = seg.workers[slot]
+            if int(row["pidns"]) == pidns and int(row["pid"]) in ours:
+                continue
+            if seg.stalled(seg.workers, slot):
+                log.error("worker slot %d (pid %d in another PID namespace or tree) made no progress for %.1f s; "
+                          "marking it dead (it exits when it sees that)", slot, int(row["pid"]), self.stall_timeout_s)
+                row["stalls"] += 1
+                row["state"] = SlotState.DEAD
 
     def _after_death(self, child: ChildProcess) -> None:
         assert child.process is not None

@@ -31,10 +31,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shared.arena import Allocation, Partition, read_tensor
+from shared.arena import BLOCK_HEADER_BYTES, Allocation, Partition, read_tensor
 from shared.cache_index import CacheIndex, IndexEntry
-from shared.errors import ArenaFull, DescriptorError, Overloaded
+from shared.errors import ArenaFull, DescriptorError, ImageTooLarge, Overloaded
 from shared.locks import SharedLock
+from shared.names import format_bytes
 from shared.wire import DTYPE_ITEMSIZE, TensorRef
 
 __all__ = ["CacheStats", "ContentCache", "TensorGroup", "content_key"]
@@ -243,6 +244,14 @@ class ContentCache:
         return group
 
     def _allocate(self, nbytes: int) -> Allocation:
+        if BLOCK_HEADER_BYTES + nbytes > self.partition.size:
+            # Eviction can never make room for it: 413 naming the limit, not 503 arena_full forever.
+            raise ImageTooLarge(
+                f"the preprocessed image needs {BLOCK_HEADER_BYTES + nbytes:,} bytes of shared memory, more than "
+                f"one frontend's arena partition holds ({self.partition.size:,} bytes = "
+                f"{format_bytes(self.partition.size)}: --arena-size divided by --frontends); send a smaller image "
+                "or ask the operator to raise --arena-size"
+            )
         while True:
             allocation = self.partition.allocate(nbytes)
             if allocation is not None:

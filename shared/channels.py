@@ -36,6 +36,7 @@ from shared.wire import MAX_MESSAGE_BYTES, encoder
 __all__ = [
     "AsyncQueueReader",
     "Queue",
+    "UndecodableMessage",
     "create_queue",
     "open_queue",
     "AsyncSender",
@@ -58,6 +59,25 @@ def _system_msgsize() -> int:
             return int(f.read())
     except OSError:
         return MAX_MESSAGE_BYTES
+
+
+class UndecodableMessage(msgspec.DecodeError):
+    """A message that does not decode as what the queue carries; ``data`` keeps its bytes.
+
+    The worker reads the request id and reply slot out of a descriptor that fails to decode,
+    so that request gets an error reply instead of waiting for its deadline.
+    """
+
+    def __init__(self, message: str, data: bytes) -> None:
+        super().__init__(message)
+        self.data = data
+
+
+def _decode(decoder: msgspec.msgpack.Decoder[Any], data: bytes) -> Any:
+    try:
+        return decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise UndecodableMessage(str(exc), data) from None
 
 
 class Queue:
@@ -96,7 +116,7 @@ class Queue:
             data, _ = self._mq.receive(0)
         except posix_ipc.BusyError:
             return None
-        return self._decoder.decode(data)
+        return _decode(self._decoder, data)
 
     def receive(self, timeout_s: float) -> Any | None:
         """Blocking receive (worker threads only). None after ``timeout_s``."""
@@ -104,7 +124,7 @@ class Queue:
             data, _ = self._mq.receive(timeout_s)
         except (posix_ipc.BusyError, posix_ipc.SignalError):  # timeout, or a signal (e.g. SIGTERM) woke us
             return None
-        return self._decoder.decode(data)
+        return _decode(self._decoder, data)
 
     def close(self) -> None:
         with contextlib.suppress(posix_ipc.Error):

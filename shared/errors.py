@@ -225,3 +225,15 @@ class Overloaded(ShmgateError):
         super().__init__(message)
         self.retry_after_s = retry_after_s
         self.status_hint = status_hint
+
+
+# -- process exit codes the supervisor acts on -----------------------------------
+
+# A child that exits with EXIT_CONFIG failed on its configuration (an unknown model, a missing
+# model directory, a model id too long): restarting it cannot help, so ``shmgate serve`` stops
+# with the reason instead of restarting it forever (sysexits.h EX_CONFIG).
+EXIT_CONFIG = 78
+# A worker that found itself declared dead (slot marked DEAD or taken over) exits with this.
+EXIT_DECLARED_DEAD = 75
+# A worker whose device hit a sticky error (a device-side assert poisons the CUDA context).
+EXIT_DEVICE_ERROR = 76

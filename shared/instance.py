@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -24,8 +25,15 @@ from shared.cache_index import CacheIndex
 from shared.channels import Queue, create_queue, open_queue, unlink_queue
 from shared.errors import SetupError
 from shared.locks import HolderKind, Identity, SharedLock
-from shared.names import IPC_MODE, InstanceNames, list_arena_instances, list_orphan_semaphore_ids, new_instance_id
-from shared.segment import InstanceState, LockId, Segment, now_ns, own_pidns
+from shared.names import (
+    IPC_MODE,
+    SHM_DIR,
+    InstanceNames,
+    list_arena_instances,
+    list_orphan_semaphore_ids,
+    new_instance_id,
+)
+from shared.segment import InstanceState, LockId, Segment, now_ns, own_pidns, peek_header
 from shared.wire import (
     CONTROL_MESSAGE_BYTES,
     MAX_MESSAGE_BYTES,
@@ -66,6 +74,7 @@ class Instance:
         queue_depth: int = 64,
         index_capacity: int = 4096,
         instance_id: str | None = None,
+        stall_timeout_s: float = 0.0,
     ) -> Instance:
         names = InstanceNames(instance_id or new_instance_id())
         segment = Segment.create(
@@ -75,6 +84,7 @@ class Instance:
             n_workers=n_workers,
             index_capacity=index_capacity,
             label=label,
+            stall_timeout_s=stall_timeout_s,
         )
         created: list[str] = []
         try:
@@ -184,8 +194,6 @@ class Instance:
 
 
 def _pid_exists(pid: int) -> bool:
-    import os
-
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -215,12 +223,16 @@ def instance_alive(segment: Segment, dead_after_s: float = DEAD_AFTER_S) -> bool
 
 def _supervisor_alive(segment: Segment, dead_after_s: float) -> bool:
     h = segment.header[0]
-    if int(h["state"]) == InstanceState.STOPPED:
+    return _alive(int(h["state"]), int(h["supervisor_pid"]), int(h["supervisor_pidns"]),
+                  int(h["supervisor_beat_ns"]), dead_after_s)
+
+
+def _alive(state: int, pid: int, pidns: int, beat_ns: int, dead_after_s: float) -> bool:
+    if state == InstanceState.STOPPED:
         return False
-    pid = int(h["supervisor_pid"])
-    if pid and int(h["supervisor_pidns"]) == own_pidns():
+    if pid and pidns == own_pidns():
         return _pid_exists(pid)  # same PID namespace: the kernel knows better than a heartbeat
-    return now_ns() - int(h["supervisor_beat_ns"]) <= int(dead_after_s * 1e9)
+    return now_ns() - beat_ns <= int(dead_after_s * 1e9)
 
 
 def find_instance(label: str = "default", *, wait_s: float = 0.0) -> str:
@@ -250,27 +262,34 @@ def find_instance(label: str = "default", *, wait_s: float = 0.0) -> str:
         time.sleep(0.25)
 
 
+# An arena without a valid magic number is a creator that died mid-initialisation, or one
+# initialising right now (the magic is written last): only remove it once it is this old.
+HALF_CREATED_GRACE_S = 60.0
+
+
 def cleanup_leftovers(dead_after_s: float = DEAD_AFTER_S) -> list[str]:
-    """Unlink the IPC objects of every dead instance. Returns the instance ids removed."""
+    """Unlink the IPC objects of every dead instance. Returns the instance ids removed.
+
+    Liveness is read from the header's version-independent prefix (``peek_header``), so a live
+    instance of another shmgate version (which ``Segment.attach`` refuses) is never removed.
+    """
     removed = []
     for instance_id in list_arena_instances():
         names = InstanceNames(instance_id)
-        try:
-            segment = Segment.attach(names)
-        except SetupError:
-            # not even a valid header: a creator died mid-initialisation long ago, or garbage
+        peek = peek_header(names)
+        if peek is None:
+            continue  # gone meanwhile, or not ours to read
+        if not peek.magic_ok:
+            if _age_s(names.arena) < HALF_CREATED_GRACE_S:
+                continue  # possibly being created right now
             with contextlib.suppress(posix_ipc.ExistentialError):
                 posix_ipc.unlink_shared_memory(names.arena)
             removed.append(instance_id)
             continue
-        try:
-            if _supervisor_alive(segment, dead_after_s):
-                continue
-            layout = segment.layout
-        finally:
-            segment.close()
+        if _alive(peek.state, peek.supervisor_pid, peek.supervisor_pidns, peek.supervisor_beat_ns, dead_after_s):
+            continue
         log.warning("removing leftovers of dead instance %s", instance_id)
-        _unlink_all(names, layout.n_frontends, layout.n_workers)
+        _unlink_all(names, peek.n_frontends, peek.n_workers)
         removed.append(instance_id)
     for instance_id in list_orphan_semaphore_ids():
         names = InstanceNames(instance_id)
@@ -279,3 +298,10 @@ def cleanup_leftovers(dead_after_s: float = DEAD_AFTER_S) -> list[str]:
                 posix_ipc.unlink_semaphore(name)
         removed.append(instance_id)
     return removed
+
+
+def _age_s(shm_name: str) -> float:
+    try:
+        return time.time() - os.stat(os.path.join(SHM_DIR, shm_name.lstrip("/"))).st_mtime
+    except OSError:
+        return 0.0

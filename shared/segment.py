@@ -27,6 +27,7 @@ import mmap
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -37,13 +38,29 @@ from shared.errors import SetupError
 from shared.names import IPC_MODE, InstanceNames, check_shm_space
 from shared.wire import WIRE_VERSION
 
-__all__ = ["BATCH_BUCKETS", "Heartbeat", "Segment", "SlotState", "now_ns", "own_pidns"]
+__all__ = [
+    "BATCH_BUCKETS",
+    "MODEL_NAME_BYTES",
+    "Heartbeat",
+    "HeaderPeek",
+    "Segment",
+    "SlotState",
+    "now_ns",
+    "own_pidns",
+    "peek_header",
+]
 
 MAGIC = int.from_bytes(b"SHMGATE1", "little")
-LAYOUT_VERSION = 2  # 2: slot rows carry ``preparing`` and the worker batch-size counters
+# 2: slot rows carry ``preparing`` and the worker batch-size counters
+# 3: slot rows carry ``progress_ns`` and ``stalls``; ``model`` widened to MODEL_NAME_BYTES
+LAYOUT_VERSION = 3
+MODEL_NAME_BYTES = 128  # a worker refuses to start with a longer model id (it could never match)
 ALIGN = 64
 PAGE = 4096
 
+# The fields up to ``state`` keep these offsets in every layout version: ``peek_header`` reads
+# them from an instance of any version, so cleanup never mistakes a live instance of another
+# version for a dead one (shared/instance.py: cleanup_leftovers).
 HEADER = np.dtype(
     [
         ("magic", "<u8"),
@@ -63,6 +80,9 @@ HEADER = np.dtype(
         ("state", "<u8"),  # InstanceState
         ("label", "S32"),
         ("instance_id", "S16"),
+        # set by the supervisor: a READY worker whose progress_ns is older than this is stalled
+        # (not counted ready; the supervisor replaces it). 0: stall detection off.
+        ("stall_timeout_ns", "<u8"),
     ]
 )
 
@@ -88,11 +108,16 @@ SLOT = np.dtype(
         ("state", "<u8"),  # SlotState
         ("gen_counter", "<u8"),  # frontend rows: last generation handed out in this partition
         ("busy_ns", "<u8"),  # worker rows: total time spent running batches
-        ("model", "S48"),  # worker rows: the model it serves
+        ("model", f"S{MODEL_NAME_BYTES}"),  # worker rows: the model it serves
         ("preparing", "<u8"),  # frontend rows: admitted requests still decoding (a batch window waits for them)
         ("batches", "<u8"),  # worker rows, never reset: batches run ...
         ("batched_requests", "<u8"),  # ... and the requests in them
         ("batch_hist", "<u8", (len(BATCH_BUCKETS) + 1,)),  # batches of size <= BATCH_BUCKETS[i]; last: larger
+        # Stamped only by the loop that does the work (worker: batching/model loop, per batch and per
+        # decode step; frontend: a callback on its event loop), never by the heartbeat thread: a
+        # process whose beat_ns is fresh but progress_ns old is wedged (gateway/supervisor.py).
+        ("progress_ns", "<u8"),
+        ("stalls", "<u8"),  # times this slot's process was declared stalled (never reset: a counter)
     ]
 )
 
@@ -234,6 +259,7 @@ class Segment:
         n_workers: int,
         index_capacity: int = 4096,
         label: str = "default",
+        stall_timeout_s: float = 0.0,
     ) -> Segment:
         """Create and initialise the segment (owner only). Raises SetupError."""
         if n_frontends < 1 or n_workers < 1:
@@ -268,6 +294,7 @@ class Segment:
         h["state"] = InstanceState.RUNNING
         h["label"] = label.encode()[:32]
         h["instance_id"] = names.instance_id.encode()
+        h["stall_timeout_ns"] = int(stall_timeout_s * 1e9)
         h["magic"] = MAGIC  # last: a half-initialised segment never looks valid
         del h, header
         return cls(names, shm, mm)
@@ -317,6 +344,20 @@ class Segment:
         return rel // self.layout.partition_size
 
     @property
+    def stall_timeout_s(self) -> float | None:
+        """How long a READY worker may go without progress before it counts as stalled (None: never)."""
+        ns = int(self.header[0]["stall_timeout_ns"])
+        return ns / 1e9 if ns else None
+
+    def stalled(self, table: np.ndarray, slot: int) -> bool:
+        """Is the process in ``table[slot]`` serving but its work loop not turning?"""
+        timeout = self.stall_timeout_s
+        row = table[slot]
+        if timeout is None or int(row["state"]) != SlotState.READY:
+            return False
+        return now_ns() - int(row["progress_ns"]) > int(timeout * 1e9)
+
+    @property
     def label(self) -> str:
         return bytes(self.header[0]["label"]).decode(errors="replace")
 
@@ -350,9 +391,10 @@ class Segment:
         row["pid"] = os.getpid()
         row["pidns"] = own_pidns()
         row["beat_ns"] = now_ns()
-        row["busy_ns"] = 0
+        # busy_ns is not reset: it is exported as a counter, which must never go backwards
         row["preparing"] = 0  # a dead predecessor's requests died with it
-        row["model"] = model.encode()[:48]
+        row["progress_ns"] = now_ns()
+        row["model"] = model.encode()[:MODEL_NAME_BYTES]
         row["state"] = SlotState.STARTING
         return epoch
 
@@ -363,7 +405,7 @@ class Segment:
         return int(rows["preparing"][serving].sum())
 
     def live_workers(self, dead_after_s: float, model: str | None = None) -> list[int]:
-        """Slots of workers that are READY (and serve ``model``, if given)."""
+        """Slots of workers that are READY, not stalled (and serve ``model``, if given)."""
         out = []
         for slot in range(self.layout.n_workers):
             row = self.workers[slot]
@@ -371,9 +413,63 @@ class Segment:
                 continue
             if model is not None and bytes(row["model"]).decode(errors="replace") != model:
                 continue
+            if self.stalled(self.workers, slot):
+                continue  # its heartbeat thread beats, but its model loop has not turned
             if self.slot_alive(self.workers, slot, dead_after_s):
                 out.append(slot)
         return out
+
+
+_LIVENESS_PREFIX = np.dtype({name: HEADER.fields[name] for name in HEADER.names[: HEADER.names.index("state") + 1]})
+
+
+@dataclass(frozen=True)
+class HeaderPeek:
+    """The version-independent part of an arena's header (see HEADER)."""
+
+    magic_ok: bool
+    wire_version: int
+    layout_version: int
+    n_frontends: int
+    n_workers: int
+    created_ns: int
+    supervisor_beat_ns: int
+    supervisor_pid: int
+    supervisor_pidns: int
+    state: int
+
+
+def peek_header(names: InstanceNames) -> HeaderPeek | None:
+    """Read the liveness prefix of an arena's header, whatever its version. None when it is gone or short.
+
+    No mapping and no version check: cleanup must tell a live instance of another shmgate
+    version from a dead one, and ``Segment.attach`` refuses other versions.
+    """
+    try:
+        shm = posix_ipc.SharedMemory(names.arena)
+    except (posix_ipc.ExistentialError, posix_ipc.PermissionsError):
+        return None
+    try:
+        data = os.pread(shm.fd, _LIVENESS_PREFIX.itemsize, 0)
+    except OSError:
+        return None
+    finally:
+        shm.close_fd()
+    if len(data) < _LIVENESS_PREFIX.itemsize:
+        return None
+    h = np.frombuffer(data, _LIVENESS_PREFIX, 1)[0]
+    return HeaderPeek(
+        magic_ok=int(h["magic"]) == MAGIC,
+        wire_version=int(h["wire_version"]),
+        layout_version=int(h["layout_version"]),
+        n_frontends=int(h["n_frontends"]),
+        n_workers=int(h["n_workers"]),
+        created_ns=int(h["created_ns"]),
+        supervisor_beat_ns=int(h["supervisor_beat_ns"]),
+        supervisor_pid=int(h["supervisor_pid"]),
+        supervisor_pidns=int(h["supervisor_pidns"]),
+        state=int(h["state"]),
+    )
 
 
 class Heartbeat:
@@ -383,7 +479,19 @@ class Heartbeat:
     make a live process look dead; the worker separately proves its loop turns.
     """
 
-    def __init__(self, table: np.ndarray, slot: int, epoch: int, interval_s: float = 0.2) -> None:
+    def __init__(
+        self,
+        table: np.ndarray,
+        slot: int,
+        epoch: int,
+        interval_s: float = 0.2,
+        on_declared_dead: Callable[[], None] | None = None,
+    ) -> None:
+        """``on_declared_dead``: called (from the heartbeat thread) when the slot is taken over or
+        marked DEAD by someone else; a process that cannot be signalled (another container) uses it
+        to exit, so its restart policy replaces it and it never answers a request it was relieved of.
+        """
+        self._on_declared_dead = on_declared_dead
         self._table = table
         self._slot = slot
         self._epoch = epoch
@@ -398,8 +506,11 @@ class Heartbeat:
     def _run(self) -> None:
         row = self._table[self._slot]
         while not self._stop.wait(self._interval_s):
-            if int(row["epoch"]) != self._epoch:
-                return  # someone else owns the slot now: we were declared dead
+            if int(row["epoch"]) != self._epoch or int(row["state"]) == SlotState.DEAD:
+                # someone else owns the slot now, or the supervisor declared us dead
+                if self._on_declared_dead is not None and not self._stop.is_set():
+                    self._on_declared_dead()
+                return
             row["beat_ns"] = now_ns()
 
     def stop(self) -> None:

@@ -7,7 +7,9 @@ It writes one real tensor into its partition, proves the channel with an honest 
 bends one field at a time. Each forgery must be answered Claimed, Released, Failed
 ("bad_descriptor"), without an IPC name in the message; the worker keeps its pid, and an HTTP
 request still completes afterwards. A descriptor that does not even decode (a negative
-dimension) is dropped by the worker with a log line: there is no reply address to trust.
+dimension) still gets a Failed reply when its request id and reply slot can be read (else it is
+dropped with a log line). A zero-byte tensor (``torch.frombuffer(count=0)`` raised in the prefetch
+thread and killed the worker) fails its request alone.
 """
 
 from __future__ import annotations
@@ -149,6 +151,8 @@ def _forgeries() -> dict[str, Callable[[FakeFrontend], TensorRef]]:
         "nbytes beyond the allocation": more_than_allocated,
         "huge dims": lambda f: f.ref(shape=(2**40, 2**40)),
         "a zero dim beside a huge one": lambda f: f.ref(nbytes=0, shape=(0, 2**62)),
+        "zero bytes": lambda f: f.ref(nbytes=0, shape=(0,)),
+        "zero bytes, three dims": lambda f: f.ref(nbytes=0, shape=(3, 0, 224)),
         "nine dims": lambda f: f.ref(nbytes=1, shape=(1,) * 9),
         "unknown dtype": lambda f: f.ref(dtype="complex128"),
         "a 2000-character dtype": lambda f: f.ref(dtype="x" * 2000),
@@ -168,6 +172,7 @@ CAUGHT_BY = {
     "freed space": STALE, "reused space (stale generation)": STALE, "generation 0": STALE,
     "wrong dtype": MISMATCH, "wrong shape": MISMATCH, "nbytes beyond the allocation": "descriptor claims more",
     "huge dims": BAD_SHAPE, "a zero dim beside a huge one": BAD_SHAPE, "nine dims": BAD_SHAPE,
+    "zero bytes": "a tensor of zero bytes", "zero bytes, three dims": "a tensor of zero bytes",
     "unknown dtype": "unknown dtype 'complex128'", "a 2000-character dtype": "unknown dtype 'xxxxxxxxxxxxxxxx'",
 }
 
@@ -202,14 +207,16 @@ def test_one_forged_tensor_fails_the_whole_request(fake: FakeFrontend) -> None:
     assert isinstance(replies[-1], Failed) and replies[-1].code == "bad_descriptor"
 
 
-def test_an_undecodable_descriptor_is_dropped_and_the_next_one_served(spare_slot_server: Server,
-                                                                      fake: FakeFrontend) -> None:
+def test_an_undecodable_descriptor_gets_an_error_reply_and_the_next_one_is_served(spare_slot_server: Server,
+                                                                                 fake: FakeFrontend) -> None:
     [worker] = spare_slot_server.pids("worker")
-    dropped = fake.submit(fake.ref(shape=(-3, 224, 224)))  # NonNegative on the wire: fails to decode
-    served = fake.submit(fake.good)
-    replies = fake.answers(served)
+    undecodable = fake.submit(fake.ref(shape=(-3, 224, 224)))  # NonNegative on the wire: fails to decode
+    answers = fake.answers(undecodable)
+    assert [type(m) for m in answers] == [Failed], answers
+    assert answers[0].code == "bad_descriptor" and "could not be decoded" in answers[0].message
+    _assert_clean_message(fake, answers[0])
+    replies = fake.answers(fake.submit(fake.good))
     assert isinstance(replies[-1], Finished)
-    assert fake.answers(dropped, timeout_s=0.5) == []
     assert "dropped an invalid message on the request channel" in spare_slot_server.log_path.read_text()
     assert spare_slot_server.pids("worker") == [worker]
 

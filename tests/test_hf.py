@@ -263,6 +263,17 @@ def test_max_tokens_ends_with_length_and_counts_usage(pre: HFPreprocessor, backe
     assert finish.prompt_tokens == len(item.inline) // 4
 
 
+def test_every_forward_pass_reports_progress(pre: HFPreprocessor, backend: HFBackend,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker stamps its progress in ``on_step``: a long generation that yields no text for a
+    while must still read as progress (the supervisor kills workers whose progress stalls)."""
+    steps: list[int] = []
+    monkeypatch.setattr(backend, "on_step", lambda: steps.append(1))
+    item = work_item(pre, "Count to ten.", [WIDE], SamplingParams(max_tokens=5, temperature=0.0))
+    _, finish = answer(list(backend.run([item])))
+    assert len(steps) == finish.completion_tokens  # the prefill gives the first token, each decode step one more
+
+
 def test_same_seed_gives_the_same_text(pre: HFPreprocessor, backend: HFBackend) -> None:
     def sampled(seed: int) -> str:
         params = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=seed)

@@ -16,15 +16,27 @@ expired deadline or a backend exception fails that request (or that batch) and
 the worker carries on; only SIGTERM/SIGINT stops it, after the current batch
 and the prepared one (both were claimed: they run, nothing is dropped).
 
-Liveness: a heartbeat thread stamps the worker's slot row; the main loop also
-stamps ``busy_ns`` so the gateway can tell a turning loop from a stuck one.
+Liveness: a heartbeat thread stamps the worker's slot row ("the process
+exists"); ``progress_ns`` is stamped only by the main loop, per turn, per batch,
+per backend event and per decode step (worker/health.py), so the supervisor can
+tell a turning loop from a stuck one and replace the stuck one. A worker that
+finds its slot marked DEAD or taken over exits at once (from the heartbeat
+thread, whatever the main thread is stuck in): in another container, where the
+supervisor cannot signal it, that is how a wedged worker is replaced.
+
+One request's data never kills the worker: a descriptor that does not decode,
+does not validate, or makes the copy raise fails that request alone. A sticky
+device error (a device-side assert) takes the worker out of the ready set and
+makes it exit at once (``EXIT_DEVICE_ERROR``) so the supervisor restarts it.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
+import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -34,9 +46,19 @@ import torch
 
 from shared.arena import recheck, validate
 from shared.channels import Queue
-from shared.errors import ChannelFull, DescriptorError, SetupError
+import msgspec
+
+from shared.errors import (
+    EXIT_CONFIG,
+    EXIT_DECLARED_DEAD,
+    EXIT_DEVICE_ERROR,
+    ChannelFull,
+    DescriptorError,
+    InconsistentTensor,
+    SetupError,
+)
 from shared.instance import DEAD_AFTER_S, Instance, instance_alive
-from shared.segment import BATCH_BUCKETS, Heartbeat, SlotState, now_ns
+from shared.segment import BATCH_BUCKETS, MODEL_NAME_BYTES, Heartbeat, SlotState, now_ns
 from shared.wire import (
     INLINE_TENSOR,
     MAX_DELTA_CHARS,
@@ -52,6 +74,7 @@ from worker.backends import load_backend
 from worker.backends.base import ModelBackend, WorkItem
 from worker.batcher import Batcher
 from worker.device import Copy, DeviceCopier, pick_device, use_device
+from worker.health import Progress, is_sticky_device_error
 from worker.prefetch import Prefetcher
 
 __all__ = ["Worker", "WorkerOptions"]
@@ -98,15 +121,20 @@ class Worker:
         self.exit_code = 0
         self._replies: dict[int, Queue] = {}
         self._replies_lock = threading.Lock()  # both threads reply; one Queue object per frontend
-        self._cancelled: set[int] = set()
+        # (reply slot, request id): ids are unique per frontend only (each frontend numbers its own)
+        self._cancelled: set[tuple[int, int]] = set()
         self._cancels_read_at = 0.0
         self._cancel_lock = threading.Lock()
+        self._device_error: BaseException | None = None
         self.slot, self.epoch = instance.claim_worker_slot(options.model)
         # After the slot: with several GPUs visible, the slot picks one (worker/device.py pick_device).
         self.device = pick_device(options.device, self.slot, _visible_gpus(options.device))
         use_device(self.device)  # this thread's CUDA calls (model load, compute) go to that GPU only
         self._prefetch_bound = False
-        self._heartbeat = Heartbeat(instance.segment.workers, self.slot, self.epoch).start()
+        self.progress = Progress(instance.segment.workers, self.slot)
+        self._heartbeat = Heartbeat(
+            instance.segment.workers, self.slot, self.epoch, on_declared_dead=self._declared_dead
+        ).start()
         self._requests = instance.request_queue()
         self._control = instance.control_queue(self.slot)
         while self._control.try_receive() is not None:
@@ -119,7 +147,12 @@ class Worker:
             compile_normalise=options.compile_normalise,
         )
         # the public model id (hf:<dir> is served under the directory's name): what frontends match
-        instance.segment.workers[self.slot]["model"] = self.backend.name.encode()[:48]
+        if len(self.backend.name.encode()) > MODEL_NAME_BYTES:
+            raise ValueError(f"the model id {self.backend.name[:60]!r}... is longer than {MODEL_NAME_BYTES} bytes; "
+                             "serve it from a directory with a shorter name")
+        instance.segment.workers[self.slot]["model"] = self.backend.name.encode()
+        if hasattr(self.backend, "on_step"):  # generative backends: progress per decode step
+            self.backend.on_step = self.progress.step
         self.copier = DeviceCopier(self.device, instance.segment.mm)
         self._host_only = frozenset((INLINE_TENSOR, *getattr(self.backend, "host_tensors", ())))
         self._prefetcher: Prefetcher[list[_Job]] = Prefetcher(self._prepare, name=f"prefetch-{self.slot}")
@@ -128,7 +161,7 @@ class Worker:
             max_batch_size=options.max_batch_size,
             max_batch_wait_s=options.max_batch_wait_ms / 1000,
             on_take=self._take,
-            on_invalid=lambda what: log.warning("dropped an invalid message on the request channel: %r", what),
+            on_invalid=self._invalid_message,
             more_coming=lambda: instance.segment.preparing_requests() > 0,
             wake_fd=self._prefetcher.wake_fd,
         )
@@ -138,8 +171,19 @@ class Worker:
     def stop(self) -> None:
         self._stop.set()
 
+    def _declared_dead(self) -> None:
+        """Heartbeat thread: our slot was marked DEAD or taken over. Exit now, answering nothing more.
+
+        The frontends have retried or failed what we claimed; a reply from us now could only
+        duplicate an answer. os._exit: the main thread may be stuck in the model for good.
+        """
+        log.error("this worker was declared dead (stalled, or its slot was taken over); exiting")
+        logging.shutdown()
+        os._exit(EXIT_DECLARED_DEAD)
+
     def run(self) -> None:
         seg = self.instance.segment
+        self.progress.step()  # before READY: loading the model was not a stall
         seg.workers[self.slot]["state"] = SlotState.READY
         log.info("worker slot %d ready: model %s on %s", self.slot, self.options.model, self.device)
         prefetcher = self._prefetcher.start()
@@ -155,9 +199,16 @@ class Worker:
                     log.warning("the gateway instance stopped; exiting")
                     self.exit_code = 0 if self._stop.is_set() else 1
                     return
+                self.progress.idle_turn()
                 jobs = prefetcher.get(timeout_s=0.25)
                 if jobs:
                     self._timed_run(jobs)
+                if self._device_error is not None:
+                    # Out of the ready set at once; the finally frees the slot, so the frontends
+                    # retry what we claimed on another worker, and the supervisor restarts us.
+                    log.error("sticky device error (%s); leaving the ready set and exiting", self._device_error)
+                    self.exit_code = EXIT_DEVICE_ERROR
+                    return
             # Stopping: the prepared batch was claimed and released; run it rather than drop it.
             for jobs in prefetcher.drain(PREFETCH_JOIN_S):
                 self._timed_run(jobs)
@@ -181,7 +232,9 @@ class Worker:
         """Run a batch; count it in this worker's row (busy time, batch-size histogram for /metrics)."""
         workers = self.instance.segment.workers
         started = now_ns()
+        self.progress.step()
         self._run_batch(jobs)
+        self.progress.step()
         workers["busy_ns"][self.slot] += now_ns() - started
         workers["batches"][self.slot] += 1
         workers["batched_requests"][self.slot] += len(jobs)
@@ -191,13 +244,32 @@ class Worker:
 
     def _take(self, submit: Submit) -> _Job | None:
         """Claim a request the batcher took and start its device copy. None when it was answered already."""
+        row = self.instance.segment.workers[self.slot]
+        if int(row["epoch"]) != self.epoch or int(row["state"]) == SlotState.DEAD:
+            # Declared dead, and the heartbeat thread has not exited us yet (it looks every 0.2 s):
+            # a claim now would cost the request an attempt on a worker that will never run it.
+            try:
+                self._requests.send(submit, 1.0)  # back to the queue, for a live worker
+            except ChannelFull:
+                log.error("could not put request %x back on the queue; its deadline will end it", submit.request_id)
+            self._declared_dead()
         self._reply(submit, Claimed(submit.request_id, self.slot, self.epoch))
         if submit.model != self.backend.name:
             self._fail(submit, 0, "model_not_found", f"this worker serves {self.backend.name}", 404)
             return None
         if self._expired(submit):
             return None
-        copy = self._start_copy(submit)
+        self.progress.blocked_since_ns = now_ns()
+        try:
+            copy = self._start_copy(submit)
+        except Exception as exc:  # this request's data (e.g. a view torch refuses): fail it, not the worker
+            log.warning("request %x: its tensors could not be copied: %r", submit.request_id, exc)
+            self._reply(submit, Released(submit.request_id))
+            self._fail(submit, 0, "bad_descriptor", f"the request's tensors could not be read: {type(exc).__name__}",
+                       500)
+            return None
+        finally:
+            self.progress.blocked_since_ns = 0
         return None if copy is None else _Job(submit, copy=copy)
 
     def _expired(self, submit: Submit) -> bool:
@@ -222,7 +294,17 @@ class Worker:
         jobs = self.batcher.collect(idle_timeout_s=0.25, hold_open=self._model_busy)
         for job in jobs:
             assert job.copy is not None
-            job.item = self._finish_copy(job.submit, job.copy)
+            self.progress.blocked_since_ns = now_ns()
+            try:
+                job.item = self._finish_copy(job.submit, job.copy)
+            except Exception as exc:  # one request's data: fail it alone (the thread must live on)
+                log.warning("request %x: its tensors could not be prepared: %r", job.submit.request_id, exc)
+                self._reply(job.submit, Released(job.submit.request_id))
+                self._fail(job.submit, 0, "bad_descriptor",
+                           f"the request's tensors could not be read: {type(exc).__name__}", 500)
+                job.item = None
+            finally:
+                self.progress.blocked_since_ns = 0
         live = [job for job in jobs if job.item is not None]
         return live or None
 
@@ -232,8 +314,9 @@ class Worker:
     def _start_copy(self, submit: Submit) -> Copy | None:
         """Validate a request's descriptors and start its device copy. None when it failed (answered)."""
         with self._cancel_lock:
-            cancelled = submit.request_id in self._cancelled
-            self._cancelled.discard(submit.request_id)
+            key = (submit.reply_slot, submit.request_id)
+            cancelled = key in self._cancelled
+            self._cancelled.discard(key)
         if cancelled:
             self._reply(submit, Released(submit.request_id))
             self._fail(submit, 0, "cancelled", "the client cancelled the request", 499)
@@ -241,6 +324,8 @@ class Worker:
         try:
             for ref in submit.tensors:
                 validate(self.instance.segment, ref)
+                if ref.nbytes == 0:  # torch.frombuffer(count=0) raises; no frontend sends one
+                    raise InconsistentTensor("a tensor of zero bytes")
         except DescriptorError as exc:
             self._reply(submit, Released(submit.request_id))
             self._fail(submit, 0, "bad_descriptor", str(exc), 500)
@@ -283,11 +368,13 @@ class Worker:
         if not live:
             return
         items = [job.item for job in live if job.item is not None]
-        self._drain_cancels(items)  # cancels that arrived while the batch was prepared
+        self._drain_cancels(live)  # cancels that arrived while the batch was prepared
         if self.options.diag_batch_delay_ms > 0:
             time.sleep(self.options.diag_batch_delay_ms / 1000)
+        self.progress.step()
         try:
             for event in self.backend.run(items):
+                self.progress.step()
                 job = live[event.index]
                 if job.done:
                     continue
@@ -310,9 +397,12 @@ class Worker:
                 elif event.flush:
                     self._flush_text(job)
                 if time.monotonic() - self._cancels_read_at >= CANCEL_POLL_S:
-                    self._drain_cancels(items)
+                    self._drain_cancels(live)
         except Exception as exc:
             log.exception("backend failed on a batch of %d", len(items))
+            if is_sticky_device_error(exc):
+                self._device_error = exc
+                self.instance.segment.workers[self.slot]["state"] = SlotState.DRAINING  # not ready from now on
             for job in live:
                 if not job.done:
                     job.done = True
@@ -341,8 +431,35 @@ class Worker:
     def _fail(self, submit: Submit, seq: int, code: str, message: str, status: int) -> None:
         self._reply(submit, Failed(submit.request_id, seq, code, message[:MAX_DELTA_CHARS], status))
 
+    def _invalid_message(self, what: object) -> None:
+        """A message on the request channel that is not a valid Submit: answer it if we can tell whom.
+
+        A descriptor that fails to decode (e.g. a negative dimension) still usually carries its
+        request id and reply slot in its first fields; the frontend then gets an error at once
+        instead of waiting for the request's deadline.
+        """
+        data = getattr(what, "data", None)
+        log.warning("dropped an invalid message on the request channel: %r", what)
+        if not isinstance(data, bytes):
+            return
+        try:
+            fields = msgspec.msgpack.decode(data)
+        except Exception:
+            return
+        if not (isinstance(fields, list) and len(fields) >= 3 and fields[0] == "s"):
+            return
+        request_id, reply_slot = fields[1], fields[2]
+        if not (isinstance(request_id, int) and isinstance(reply_slot, int)):
+            return
+        if not (0 <= request_id < 2**63 and 0 <= reply_slot < self.instance.segment.layout.n_frontends):
+            return
+        message = Failed(request_id, 0, "bad_descriptor", "the request's descriptor could not be decoded", 500)
+        self._reply_to(reply_slot, message)
+
     def _reply(self, submit: Submit, message: object) -> None:
-        slot = submit.reply_slot
+        self._reply_to(submit.reply_slot, message)
+
+    def _reply_to(self, slot: int, message: object) -> None:
         seg = self.instance.segment
         if slot >= seg.layout.n_frontends:
             return  # a forged or corrupt descriptor: nobody to answer
@@ -359,7 +476,7 @@ class Worker:
                     return  # the frontend is gone; its successor ignores old request ids anyway
         log.warning("dropped a reply: frontend %d is alive but not reading its channel", slot)
 
-    def _drain_cancels(self, items: Sequence[WorkItem] = ()) -> None:
+    def _drain_cancels(self, jobs: Sequence[_Job] = ()) -> None:
         self._cancels_read_at = time.monotonic()
         while True:
             try:
@@ -370,11 +487,12 @@ class Worker:
                 break
             if isinstance(message, Cancel):
                 with self._cancel_lock:
-                    self._cancelled.add(message.request_id)
+                    self._cancelled.add((message.reply_slot, message.request_id))
         with self._cancel_lock:
-            if items and self._cancelled:
-                for item in items:
-                    if item.request_id in self._cancelled:
+            if jobs and self._cancelled:
+                for job in jobs:
+                    item = job.item
+                    if item is not None and (job.submit.reply_slot, item.request_id) in self._cancelled:
                         item.cancelled = True
             if len(self._cancelled) > 10_000:
                 self._cancelled.clear()  # cancels of requests that finished before they arrived
@@ -408,6 +526,12 @@ def run_worker(
         log.error("%s", exc)
         instance.close()
         return 2
+    except (ValueError, OSError, ImportError) as exc:
+        # An unknown model or dtype, a missing model directory or extra, a model id too long:
+        # restarting cannot help.
+        print(f"shmgate worker: configuration error: {exc}", file=sys.stderr)
+        instance.close()
+        return EXIT_CONFIG
     signal.signal(signal.SIGTERM, lambda *_: worker.stop())
     signal.signal(signal.SIGINT, lambda *_: worker.stop())
     try:

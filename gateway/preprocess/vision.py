@@ -24,6 +24,9 @@ How it is computed, and why:
 
 from __future__ import annotations
 
+import os
+import re
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -118,6 +121,18 @@ class ChecksumPreprocessor(FixedSizePreprocessor):
 
     model = "checksum"
     min_images = 0
+
+    def build_prompt(self, messages: Sequence[dict[str, Any]], images: Sequence[ImageTensorSpec]) -> PromptInputs:
+        """As the classifier's; with ``SHMGATE_CHECKSUM_FAULTS=1`` (tests only) the text
+        ``checksum:block-loop <s>`` blocks the frontend's event loop for s seconds (build_prompt
+        of this model runs on the loop): a wedged frontend whose heartbeat thread still beats.
+        """
+        prompt = super().build_prompt(messages, images)
+        if os.environ.get("SHMGATE_CHECKSUM_FAULTS") == "1":
+            match = re.fullmatch(r"checksum:block-loop (\d{1,3})", prompt.text.strip())
+            if match:
+                time.sleep(int(match.group(1)))
+        return prompt
 
 
 def centre_crop_box(decoded: DecodedImage, resize_to: int, crop: int) -> tuple[float, float, float, float]:

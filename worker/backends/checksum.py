@@ -44,13 +44,22 @@ reached the worker.
 Diagnostic hold: ``checksum:hold <n>`` makes the whole batch wait ``n`` intervals before its
 first output, so a test can kill a worker that has claimed requests but produced nothing for
 them (they must be retried on another worker, not failed).
+
+Fault diagnostics, honoured only when the worker's environment has ``SHMGATE_CHECKSUM_FAULTS=1``
+(the self-healing tests set it; nothing else does, so a served checksum model never obeys a
+client's text this way): ``checksum:hang`` blocks the batch forever (a wedged model call, which
+the supervisor must detect from the worker's stalled progress), ``checksum:device-assert`` raises
+the error a CUDA device-side assert raises (sticky: the worker must restart), ``checksum:crash``
+kills the worker process (a request that kills every worker it reaches; it must not get a third).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import threading
 import time
 from collections.abc import Iterator, Sequence
 
@@ -65,6 +74,20 @@ CLOSING = "]}"
 TRICKLE_INTERVAL_S = 0.02
 _TRICKLE = re.compile(r"checksum:trickle (\d{1,6})")
 _HOLD = re.compile(r"checksum:hold (\d{1,4})")
+FAULTS_ENV = "SHMGATE_CHECKSUM_FAULTS"
+
+
+def _inject_fault(batch: Sequence[WorkItem]) -> None:
+    """The fault diagnostics of the module docstring; nothing unless FAULTS_ENV is 1."""
+    if os.environ.get(FAULTS_ENV) != "1":
+        return
+    texts = {item.text.strip() for item in batch}
+    if "checksum:crash" in texts:
+        os._exit(70)
+    if "checksum:device-assert" in texts:
+        raise RuntimeError("CUDA error: device-side assert triggered (simulated by the checksum backend)")
+    if "checksum:hang" in texts:
+        threading.Event().wait()  # forever: only the supervisor's SIGKILL ends it
 
 
 def trickle_steps(text: str) -> int:
@@ -103,6 +126,7 @@ class ChecksumBackend:
         self.device = device  # unused: tensors are hashed wherever the worker put them
 
     def run(self, batch: Sequence[WorkItem]) -> Iterator[BackendEvent]:
+        _inject_fault(batch)
         for _ in range(max((hold_steps(item.text) for item in batch), default=0)):
             time.sleep(TRICKLE_INTERVAL_S)
         trickling: dict[int, tuple[int, int]] = {}  # index -> (steps left, entries)

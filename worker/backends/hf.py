@@ -115,6 +115,9 @@ class HFBackend:
     """
 
     host_tensors = HOST_TENSORS
+    # Called after each forward pass (prefill or decode step): the worker stamps its progress
+    # there, so a long generation that yields no text for a while never reads as a hang.
+    on_step: Any = staticmethod(lambda: None)
 
     def __init__(
         self,
@@ -167,6 +170,7 @@ class HFBackend:
                 yield from self._finish(row, "length" if row.limit == 0 else "stop")
                 continue
             logits, row.cache, row.delta = self._prefill(row.inputs)
+            self.on_step()
             yield from self._accept(row, _to_host([self._pick(row, logits)])[0])
             if row.finish is None:
                 live.append(row)
@@ -183,6 +187,7 @@ class HFBackend:
             if not live:
                 break
             logits = self._decode_step(live)
+            self.on_step()
             tokens = _to_host([self._pick(row, row_logits) for row, row_logits in zip(live, logits)])
             for row, token in zip(live, tokens):
                 yield from self._accept(row, token)

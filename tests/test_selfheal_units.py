@@ -1,0 +1,77 @@
+"""Unit-level checks of the reliability gaps closed with self-healing (docs/RELIABILITY.md, "Known gaps").
+
+Real shared memory (scratch instances); no server. The process-level behaviour is in
+tests/test_selfheal.py and tests/test_chaos.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.arena import Partition
+from shared.cache import ContentCache
+from shared.errors import ImageTooLarge
+from shared.instance import cleanup_leftovers
+from shared.locks import HolderKind
+from shared.segment import LAYOUT_VERSION, InstanceState, LockId, SlotState, peek_header
+from tests.shm_children import leftovers, scratch_instance
+
+PARTITION = 1 << 20
+
+
+def test_cleanup_never_removes_a_live_instance_of_another_version() -> None:
+    """Before: attach refused the version, and cleanup took that for a dead instance and unlinked it."""
+    with scratch_instance(arena_size=2 * PARTITION, n_frontends=2, n_workers=1, queue_depth=2) as inst:
+        instance_id = inst.names.instance_id
+        header = inst.segment.header[0]
+        header["layout_version"] = LAYOUT_VERSION + 7  # what a newer shmgate would write
+        header["wire_version"] = 99
+        peek = peek_header(inst.names)
+        assert peek is not None and peek.magic_ok and peek.layout_version == LAYOUT_VERSION + 7
+        assert instance_id not in cleanup_leftovers()  # its supervisor (this process) is alive
+        assert leftovers(instance_id)
+        header["state"] = InstanceState.STOPPED  # now it is dead: its objects go, queues included
+        assert instance_id in cleanup_leftovers()
+        assert leftovers(instance_id, slots=4) == []
+
+
+def test_an_image_larger_than_a_whole_partition_is_413_naming_the_limit() -> None:
+    with scratch_instance(arena_size=2 * PARTITION, n_frontends=2, n_workers=1, queue_depth=2) as inst:
+        seg = inst.segment
+        epoch = seg.claim_slot(seg.frontends, 0)
+        lock = inst.lock(LockId.INDEX, (HolderKind.FRONTEND, 0, epoch))
+        cache = ContentCache(Partition(seg, 0), inst.cache_index(), lock, epoch)
+
+        def make(allocate) -> None:  # type: ignore[no-untyped-def]
+            allocate("pixel_values", "float32", (PARTITION // 4,))  # 1 MiB + the block header: never fits
+
+        with pytest.raises(ImageTooLarge) as caught:
+            cache.acquire(b"k" * 32, make)
+        assert caught.value.status_hint == 413 and "needs 1,048,640 bytes" in caught.value.message
+        assert "partition holds (1,048,576 bytes" in caught.value.message
+        assert "--arena-size" in caught.value.message
+        assert cache.held_bytes == 0 and cache.partition.used_bytes == 0
+
+
+def test_a_worker_rows_busy_time_and_stall_count_survive_a_restart_in_its_slot() -> None:
+    """Exported as counters: a restart must not make them go backwards."""
+    with scratch_instance(arena_size=2 * PARTITION, n_frontends=2, n_workers=1, queue_depth=2) as inst:
+        seg = inst.segment
+        seg.claim_slot(seg.workers, 0, model="m")
+        seg.workers[0]["busy_ns"] = 123
+        seg.workers[0]["stalls"] = 2
+        seg.workers[0]["state"] = SlotState.DEAD
+        seg.claim_slot(seg.workers, 0, model="m" * 128)
+        assert int(seg.workers[0]["busy_ns"]) == 123 and int(seg.workers[0]["stalls"]) == 2
+        assert bytes(seg.workers[0]["model"]) == b"m" * 128  # a 128-byte model id is kept whole
+
+
+def test_a_ready_worker_without_progress_is_stalled_and_not_live() -> None:
+    with scratch_instance(arena_size=2 * PARTITION, n_frontends=2, n_workers=1, queue_depth=2,
+                          stall_timeout_s=5.0) as inst:
+        seg = inst.segment
+        seg.claim_slot(seg.workers, 0, model="m")
+        seg.workers[0]["state"] = SlotState.READY
+        assert seg.live_workers(3.0, "m") == [0] and not seg.stalled(seg.workers, 0)
+        seg.workers[0]["progress_ns"] -= int(6e9)  # the heartbeat is fresh; the model loop is not
+        assert seg.stalled(seg.workers, 0) and seg.live_workers(3.0, "m") == []
