@@ -75,6 +75,9 @@ class WorkerOptions:
     threads: int | None = None
     dtype: str = "auto"  # hf: models only (worker/backends/hf.py DTYPES)
     diag_batch_delay_ms: float = 0.0  # diagnostics/tests: sleep this long before each batch runs (a slow model)
+    # diagnostics/tests: sleep this long between taking a request off the queue and claiming it, widening
+    # the window in which a killed worker holds a request no frontend knows it took (tests/test_take_window.py)
+    diag_claim_delay_ms: float = 0.0
 
 
 @dataclass
@@ -181,6 +184,8 @@ class Worker:
 
     def _take(self, submit: Submit) -> _Job | None:
         """Claim a request the batcher took and start its device copy. None when it was answered already."""
+        if self.options.diag_claim_delay_ms > 0:
+            time.sleep(self.options.diag_claim_delay_ms / 1000)
         self._reply(submit, Claimed(submit.request_id, self.slot, self.epoch))
         if submit.model != self.backend.name:
             self._fail(submit, 0, "model_not_found", f"this worker serves {self.backend.name}", 404)
