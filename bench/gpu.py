@@ -26,9 +26,11 @@ What it measures, in one run:
    worker/main.py does); per mode batches/s, copy and compute µs (CUDA events) and the share of
    each copy that overlapped compute.
 3. End to end (unless ``--skip-serve``): ``shmgate serve --model efficientnet-lite0 --device cuda
-   --frontends F`` for F = 1 and min(8, cores - 2), driven by ``gateway.loadgen`` with ``--unique``
-   at concurrency 32 and 128 on the 1024 px photos of tests/data/images, after an uncounted warm-up
-   run. The GPU busy fraction is sampled every 100 ms during the timed run, from
+   --frontends F --workers-per-gpu W`` for F = 1 and min(8, cores - 2) (or ``--frontends``) and W = 1, 2, 4,
+   and with ``--litserve`` bench/litserve_server.py (same model code, ``--accelerator cuda``, W workers on
+   the GPU) in the same run, each driven by ``gateway.loadgen`` with ``--unique`` (every request a cache
+   miss) at concurrency 1, 8, 32 and 128 on the 1024 px photos of tests/data/images, after an uncounted
+   warm-up run. The GPU busy fraction is sampled every 100 ms during the timed run, from
    ``torch.cuda.utilization()`` (needs pynvml / nvidia-ml-py) or else from
    ``nvidia-smi --query-gpu=utilization.gpu`` run once per tick; the result names which. Servers start in
    their own session and are stopped as a process group (SIGTERM, then SIGKILL); /dev/shm is
@@ -39,7 +41,9 @@ calls (arena instance, allocation, fill, validation, DeviceCopier's CPU path, un
 loops on the CPU; and, unless ``--skip-serve``, a tiny serve run with ``--device cpu``), so the
 script can be smoke-tested anywhere.
 
-Usage: ``python bench/gpu.py [--quick] [--json] [--skip-serve] [--skip-overlap] [--dry-run] [--out FILE]``
+Usage: ``python bench/gpu.py [--quick] [--json] [--skip-serve] [--skip-overlap] [--dry-run] [--litserve]
+[--workers-per-gpu W ...] [--concurrency C ...] [--frontends F ...] [--out FILE]``; bench/gpu_run.sh runs it
+on the GPU machine.
 """
 
 from __future__ import annotations
@@ -68,7 +72,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.e2e import IMAGES, ServerProcess, fmt, free_port, render_table  # noqa: E402
+from bench.e2e import IMAGES, LITSERVE_PYTHON, ServerProcess, fmt, free_port, render_table  # noqa: E402
 from bench.gpu_overlap import overlap_rows  # noqa: E402
 from gateway import loadgen  # noqa: E402
 from shared.arena import Allocation, Partition, validate  # noqa: E402
@@ -129,10 +133,11 @@ def h2d_table(rows: list[dict[str, Any]]) -> str:
 
 
 def e2e_table(rows: list[dict[str, Any]]) -> str:
-    columns = ["busy source", "frontends", "conc", "req/s", "p50 ms", "p99 ms", "errors", "mismatches",
-               "GPU busy % (mean)", "GPU busy % (max)", "samples"]
+    columns = ["server", "workers/GPU", "busy source", "frontends", "conc", "req/s", "p50 ms", "p99 ms", "errors",
+               "mismatches", "GPU busy % (mean)", "GPU busy % (max)", "samples"]
     return render_table(columns, [
-        [r["gpu_busy_source"], r["frontends"], r["concurrency"], r["requests_per_s"], fmt(r["p50_ms"]),
+        [r["server"], r["workers_per_gpu"], r["gpu_busy_source"], r["frontends"], r["concurrency"],
+         r["requests_per_s"], fmt(r["p50_ms"]),
          fmt(r["p99_ms"]), r["errors"], r["mismatches"], fmt(r["gpu_busy_pct"]), fmt(r["gpu_busy_max_pct"], 0),
          r["gpu_busy_samples"]]
         for r in rows
@@ -198,7 +203,9 @@ def _place(partition: Partition, rng: np.random.Generator, dtype: str, shape: tu
     array[...] = rng.integers(0, 256, shape, dtype=np.uint8) if dtype == "uint8" else rng.random(shape, np.float32)
     ref = TensorRef(allocation.offset, nbytes, allocation.generation, dtype, shape, "pixels")
     validate(partition.segment, ref)  # a descriptor a worker would accept
-    view = torch.frombuffer(partition.segment.mm, dtype=torch.uint8, count=nbytes, offset=ref.offset)
+    # Through a memoryview: the view then holds an export, so the mapping cannot be unmapped under it
+    # (worker/device.py, "Lifetime"); arena_tensors drops the views before it closes the instance.
+    view = torch.frombuffer(memoryview(partition.segment.mm), dtype=torch.uint8, count=nbytes, offset=ref.offset)
     return ArenaTensor(allocation, ref, view.view(TORCH_DTYPES[dtype]).reshape(shape))
 
 
@@ -477,11 +484,22 @@ def _nvml_index() -> str:
 # -- end to end --------------------------------------------------------------------------------------
 
 
-def serve_argv(port: int, frontends: int, device: str, extra: list[str]) -> list[str]:
+def serve_argv(port: str, frontends: int, workers_per_gpu: int, args: argparse.Namespace) -> list[str]:
     exe = Path(sys.executable).parent / "shmgate"
     head = [str(exe)] if exe.exists() else [sys.executable, "-m", "gateway"]
-    return [*head, "serve", "--host", "127.0.0.1", "--port", str(port), "--model", MODEL, "--device", device,
-            "--frontends", str(frontends), *extra]
+    # On CPU (dry run) --workers-per-gpu means nothing: the same count as --workers.
+    workers = ["--workers", str(workers_per_gpu)] if args.serve_device == "cpu" else [
+        "--workers-per-gpu", str(workers_per_gpu)]
+    return [*head, "serve", "--host", "127.0.0.1", "--port", port, "--model", MODEL,
+            "--device", args.serve_device, "--frontends", str(frontends), *workers, *args.serve_arg]
+
+
+def litserve_argv(port: str, workers: int, args: argparse.Namespace) -> list[str]:
+    """bench/litserve_server.py with the same model code on the same device, ``workers`` processes on it."""
+    accelerator = "cpu" if args.serve_device == "cpu" else "cuda"
+    return [args.litserve_python, str(REPO / "bench" / "litserve_server.py"), "--port", port,
+            "--accelerator", accelerator, "--workers", str(workers), "--threads", "1",
+            "--max-batch-size", str(args.litserve_max_batch), "--api-servers", str(args.litserve_api_servers)]
 
 
 async def load(base_url: str, pid: int, images: Path, concurrency: int, requests: int) -> dict[str, Any]:
@@ -492,26 +510,30 @@ async def load(base_url: str, pid: int, images: Path, concurrency: int, requests
     return await loadgen.run(parser.parse_args(argv))
 
 
-async def bench_frontends(frontends: int, args: argparse.Namespace, images: Path, log_dir: Path,
-                          sampler: GpuSampler) -> list[dict[str, Any]]:
-    """Start one server, warm it up, load it at each concurrency while sampling the GPU, stop it."""
+async def bench_server(label: dict[str, Any], argv: list[str], ready_path: str, args: argparse.Namespace,
+                       images: Path, log_dir: Path, sampler: GpuSampler) -> list[dict[str, Any]]:
+    """Start one server (``{port}`` in ``argv`` becomes a free port), warm it up, load it at each
+    concurrency while sampling the GPU, stop it."""
     port = free_port()
-    server = ServerProcess(serve_argv(port, frontends, args.serve_device, args.serve_arg),
-                           log_dir / f"serve-f{frontends}.log")
+    argv = [str(port) if a == "{port}" else a for a in argv]
+    name = f"{label['server']}-f{label['frontends']}-w{label['workers_per_gpu']}"
+    server = ServerProcess(argv, log_dir / f"{name}.log")
     base_url = f"http://127.0.0.1:{port}"
-    print(f"serve: {' '.join(server.argv)}", file=sys.stderr, flush=True)
+    print(f"{name}: {' '.join(server.argv)}", file=sys.stderr, flush=True)
     rows = []
+    started = time.monotonic()
     server.start()
     try:
-        await server.wait_ready(base_url + "/ready", 300.0)
+        await server.wait_ready(base_url + ready_path, 300.0)
+        startup_s = round(time.monotonic() - started, 1)
         for concurrency in args.concurrency:
             await load(base_url, server.pid, images, concurrency, max(concurrency, 16))  # warm-up, not reported
             sampler.start()
             try:
-                result = await load(base_url, server.pid, images, concurrency, args.requests)
+                result = await load(base_url, server.pid, images, concurrency, max(args.requests, 2 * concurrency))
             finally:
                 busy = sampler.stop()
-            row = {"section": "e2e", "frontends": frontends, "device": args.serve_device, **result, **busy}
+            row = {"section": "e2e", **label, "device": args.serve_device, "startup_s": startup_s, **result, **busy}
             emit(row, args)
             rows.append(row)
     finally:
@@ -530,13 +552,36 @@ async def run_e2e(args: argparse.Namespace) -> list[dict[str, Any]]:
             (images / image.name).symlink_to(image)
         log_dir = Path(args.log_dir) if args.log_dir else Path(tmp)
         log_dir.mkdir(parents=True, exist_ok=True)
-        for frontends in args.frontends:
+        runs: list[tuple[dict[str, Any], list[str], str]] = []
+        for workers_per_gpu in args.workers_per_gpu:
+            for frontends in args.frontends:
+                label = {"server": "shmgate", "frontends": frontends, "workers_per_gpu": workers_per_gpu}
+                runs.append((label, serve_argv("{port}", frontends, workers_per_gpu, args), "/ready"))
+            if args.litserve_python:
+                label = {"server": "litserve", "frontends": args.litserve_api_servers,
+                         "workers_per_gpu": workers_per_gpu}
+                runs.append((label, litserve_argv("{port}", workers_per_gpu, args), "/health"))
+        for label, argv, ready_path in runs:
             try:
-                rows += await bench_frontends(frontends, args, images, log_dir, sampler)
+                rows += await bench_server(label, argv, ready_path, args, images, log_dir, sampler)
             except RuntimeError as exc:
-                print(f"serve with {frontends} frontends failed: {exc}", file=sys.stderr)
-                rows.append({"section": "e2e", "frontends": frontends, "failed": str(exc)[:2000]})
+                print(f"{label} failed: {exc}", file=sys.stderr)
+                rows.append({"section": "e2e", **label, "failed": str(exc)[:2000]})
     return rows
+
+
+def find_litserve_python(wanted: bool) -> str | None:
+    """An interpreter that imports litserve: this one (the GPU machine's, with the carried wheels), else the
+    bench venv of bench/setup_litserve.sh; None (and a note) when neither does."""
+    if not wanted:
+        return None
+    for python in (sys.executable, str(LITSERVE_PYTHON)):
+        if Path(python).exists() and subprocess.run([python, "-c", "import litserve"], capture_output=True,
+                                                      timeout=120).returncode == 0:
+            return python
+    print("LitServe is not importable here (bench/setup_litserve.sh, or the carried wheels): no LitServe rows",
+          file=sys.stderr)
+    return None
 
 
 # -- main --------------------------------------------------------------------------------------------
@@ -548,11 +593,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", action="store_true", help="JSON lines on stdout instead of markdown tables")
     parser.add_argument("--skip-serve", action="store_true", help="no end-to-end section")
     parser.add_argument("--skip-overlap", action="store_true", help="no copy/compute overlap section")
+    parser.add_argument("--skip-h2d", action="store_true", help="no H2D copy section")
     parser.add_argument("--dry-run", action="store_true", help="everything except CUDA calls (serve on --device cpu)")
     parser.add_argument("--arena-size", type=int, default=1 << 30, help="bytes (default 1 GiB)")
     parser.add_argument("--frontends", type=int, nargs="+", default=None,
                         help="frontend counts to serve with (default: 1 and min(8, cores - 2))")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=None, help="default: 32 128")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=None, help="default: 1 8 32 128")
+    parser.add_argument("--workers-per-gpu", type=int, nargs="+", default=None, help="default: 1 2 4 (dry run: 1)")
+    parser.add_argument("--litserve", action="store_true",
+                        help="also LitServe (bench/litserve_server.py) with the same model, workers and loads")
+    parser.add_argument("--litserve-api-servers", type=int, default=2, help="LitServe's HTTP processes")
+    parser.add_argument("--litserve-max-batch", type=int, default=8)
     parser.add_argument("--requests", type=int, default=None, help="timed requests per point (default 400, quick 160)")
     parser.add_argument("--serve-arg", action="append", default=[], help="extra `shmgate serve` argument (repeat)")
     parser.add_argument("--log-dir", default=None, help="keep the servers' logs here")
@@ -565,11 +616,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.frontends = args.frontends or [1, 2]
         args.concurrency = args.concurrency or [4]
         args.requests = args.requests or 8
+        args.workers_per_gpu = args.workers_per_gpu or [1]
     else:
         args.serve_device = "cuda"
         args.frontends = args.frontends or sorted({1, max(1, min(8, cores - 2))})
-        args.concurrency = args.concurrency or [32, 128]
+        args.concurrency = args.concurrency or [1, 8, 32, 128]
         args.requests = args.requests or plan.requests
+        args.workers_per_gpu = args.workers_per_gpu or [1, 2, 4]
+    args.litserve_python = find_litserve_python(args.litserve)
     args.plan = plan
     return args
 
@@ -598,7 +652,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     before = shm_names()
     try:
-        h2d = dry_run_h2d(args) if args.dry_run else run_h2d(args, args.plan)
+        h2d = [] if args.skip_h2d else dry_run_h2d(args) if args.dry_run else run_h2d(args, args.plan)
         overlap = [] if args.skip_overlap else run_overlap(args, args.plan)
         e2e = [] if args.skip_serve else asyncio.run(run_e2e(args))
     except SetupError as exc:

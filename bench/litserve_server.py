@@ -14,6 +14,9 @@ then ``batch`` / ``predict`` / ``encode_response`` once for the batch. With the 
 worker loop is the streaming one, so ``predict`` is a generator yielding one list of answers per
 step and ``encode_response`` turns each list into chat messages.
 
+On a GPU (``--accelerator cuda``, bench/gpu.py) the model runs there and LitServe's workers still
+decode on the CPU, as its design has it.
+
 Defaults are LitServe's best on the 2-core bench machine: 2 workers of 1 torch thread each (the
 decode of one overlaps the model of the other), batches of up to 4 gathered for 5 ms.
 """
@@ -127,10 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-batch-size", type=int, default=4)
     parser.add_argument("--batch-timeout", type=float, default=0.005, help="seconds to gather a batch")
     parser.add_argument("--api-servers", type=int, default=1, help="HTTP server processes")
+    parser.add_argument("--accelerator", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: one GPU, --workers processes on it (LitServe passes each its cuda:N)")
     args = parser.parse_args(argv)
     api = EfficientNetAPI(mode=args.mode, threads=args.threads, max_batch_size=args.max_batch_size,
                           batch_timeout=args.batch_timeout, spec=ls.OpenAISpec())
-    server = ls.LitServer(api, accelerator="cpu", devices=1, workers_per_device=args.workers, timeout=60)
+    server = ls.LitServer(api, accelerator=args.accelerator, devices=1, workers_per_device=args.workers, timeout=60)
     server.run(host=args.host, port=args.port, num_api_servers=args.api_servers, log_level="warning",
                generate_client_file=False)
     return 0

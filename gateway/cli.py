@@ -19,6 +19,7 @@ import socket
 import sys
 from collections.abc import Mapping
 
+from gateway.placement import Placement, gpu_count, worker_placements
 from shared.errors import SetupError
 from shared.names import parse_size
 
@@ -33,10 +34,7 @@ def _env(name: str, default: str | None = None) -> str | None:
 
 def _gpu_count() -> int:
     """GPUs of this machine, without importing torch (frontends stay light)."""
-    try:
-        return len(os.listdir("/proc/driver/nvidia/gpus"))
-    except OSError:
-        return 0
+    return gpu_count()
 
 
 def visible_gpus(environ: Mapping[str, str], machine_gpus: int) -> list[str]:
@@ -98,13 +96,16 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=int(_env("WORKERS", "0") or 0),
                    help="worker processes (default: one per GPU; on CPU two, one for hf: models)")
     p.add_argument("--workers-per-gpu", type=int, default=int(_env("WORKERS_PER_GPU", "1") or 1))
-    p.add_argument("--device", default=_env("DEVICE"), help="cpu or cuda (default: cuda when a GPU is present)")
+    p.add_argument("--device", default=_env("DEVICE"),
+                   help="cpu, cuda (every GPU) or cuda:N (GPU N only) (default: cuda when a GPU is present)")
     p.add_argument("--max-batch-size", type=int, default=int(_env("MAX_BATCH_SIZE", "8") or 8))
     p.add_argument("--max-batch-wait-ms", type=float, default=float(_env("MAX_BATCH_WAIT_MS", "5") or 5))
     p.add_argument("--threads", type=int, default=int(_env("THREADS", "0") or 0),
                    help="torch threads per CPU worker (default: cores / workers)")
     p.add_argument("--dtype", default=_env("DTYPE", "auto"), choices=("auto", "float32", "bfloat16", "float16"),
                    help="weights of hf: models (auto: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--compile-normalise", action="store_true", default=_env("COMPILE_NORMALISE") == "1",
+                   help="efficientnet: compile the input normalisation (needs a C compiler; see docs/ARCHITECTURE.md)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -185,32 +186,29 @@ def _default_cpu_workers(model: str, cores: int) -> int:
     return 2
 
 
-def _worker_plan(args: argparse.Namespace) -> tuple[str, int, int, list[str]]:
-    """(device, workers, torch threads per worker, GPU ids) from the flags and the machine."""
+def _worker_plan(args: argparse.Namespace) -> tuple[list[Placement], int]:
+    """(each worker's device and visible GPU, torch threads per worker) from the flags and the machine."""
     gpu_ids = visible_gpus(os.environ, _gpu_count())
-    gpus = len(gpu_ids)
-    device = args.device or ("cuda" if gpus else "cpu")
-    if device.startswith("cuda"):
-        n = args.workers or max(1, gpus) * args.workers_per_gpu
-    else:
-        n = args.workers or _default_cpu_workers(args.model, os.cpu_count() or 1)
-    threads = args.threads or max(1, (os.cpu_count() or 1) // n)
-    return device, n, threads, gpu_ids
+    device = args.device or ("cuda" if gpu_ids else "cpu")
+    placements = worker_placements(
+        device, workers=args.workers, workers_per_gpu=args.workers_per_gpu, gpu_ids=gpu_ids,
+        cpu_workers=_default_cpu_workers(args.model, os.cpu_count() or 1),
+    )
+    threads = args.threads or max(1, (os.cpu_count() or 1) // len(placements))
+    return placements, threads
 
 
 def _worker_children(args: argparse.Namespace, instance_id: str) -> list[tuple[list[str], dict[str, str]]]:
-    device, n, threads, gpu_ids = _worker_plan(args)
+    placements, threads = _worker_plan(args)
     children = []
-    for i in range(n):
-        env: dict[str, str] = {}
-        if device == "cuda" and len(gpu_ids) > 1:
-            env["CUDA_VISIBLE_DEVICES"] = gpu_ids[i % len(gpu_ids)]  # one GPU per worker, round robin
+    for placement in placements:
+        env = {} if placement.visible is None else {"CUDA_VISIBLE_DEVICES": placement.visible}
         argv = [
             sys.executable, "-m", "worker", "--instance", instance_id, "--model", args.model,
-            "--device", device, "--max-batch-size", str(args.max_batch_size),
+            "--device", placement.device, "--max-batch-size", str(args.max_batch_size),
             "--max-batch-wait-ms", str(args.max_batch_wait_ms), "--threads", str(threads),
             "--dtype", args.dtype, "--log-level", args.log_level,
-        ]
+        ] + (["--compile-normalise"] if args.compile_normalise else [])
         children.append((argv, env))
     return children
 
@@ -223,7 +221,7 @@ def _run_supervised(args: argparse.Namespace, *, with_workers: bool) -> int:
     if removed:
         log.warning("removed leftovers of %d dead instance(s)", len(removed))
     n_frontends = args.frontends or os.cpu_count() or 1
-    n_workers = _worker_plan(args)[1] if with_workers else 0
+    n_workers = len(_worker_plan(args)[0]) if with_workers else 0
     n_worker_slots = max(args.max_workers, 2 * n_workers)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -421,3 +421,36 @@ def test_dtype_flag_picks_the_weights_dtype(pre: HFPreprocessor, model_dir: Path
     assert load_backend(f"hf:{model_dir}", torch.device("cpu")).model.dtype == torch.float32  # auto on CPU
     with pytest.raises(ValueError, match="unknown dtype"):
         load_backend(f"hf:{model_dir}", torch.device("cpu"), dtype="int8")
+
+
+# -- host syncs and loading (the GPU path's costs, counted on CPU) --------------------------------------
+
+
+def test_one_host_sync_per_prefill_and_per_decode_step_whatever_the_rows(
+        pre: HFPreprocessor, backend: HFBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    # On CUDA every read of a device value waits for the stream: reading each row's token apart
+    # (and each image's grid) cost a sync per row per step. Now a step reads all rows at once.
+    from worker.backends import hf
+
+    reads: list[int] = []
+    real = hf._to_host
+    monkeypatch.setattr(hf, "_to_host", lambda tokens: reads.append(len(tokens)) or real(tokens))
+    items = [work_item(pre, f"Row {i}.", [SQUARE], SamplingParams(max_tokens=5, temperature=0.0), i)
+             for i in range(3)]
+    events = list(backend.run(items))
+    assert all(answer(events, i)[1].completion_tokens == 5 for i in range(3))
+    assert reads == [1, 1, 1, 3, 3, 3, 3]  # three prefills, then four steps of all three rows
+
+
+def test_image_grids_are_host_tensors_for_the_worker() -> None:
+    assert "image_grid_thw" in HFBackend.host_tensors and "pixel_values" not in HFBackend.host_tensors
+
+
+def test_weights_load_straight_onto_a_gpu_when_transformers_can(monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.backends import hf
+
+    assert hf._device_map(torch.device("cpu")) is None
+    monkeypatch.setattr(hf.importlib.util, "find_spec", lambda name: object() if name == "accelerate" else None)
+    assert hf._device_map(torch.device("cuda", 1)) == "cuda:1"
+    monkeypatch.setattr(hf.importlib.util, "find_spec", lambda name: None)
+    assert hf._device_map(torch.device("cuda", 1)) is None  # host first, then moved (logged)

@@ -1,12 +1,14 @@
 """Input normalisation of EfficientNet-Lite0: the fused (compiled) form equals the eager one.
 
-CPU runs the eager function; on CUDA the worker compiles it into one kernel. Here the
+Workers normalise eagerly; with --compile-normalise they compile it into one kernel. Here the
 compiled wrapper is exercised on CPU with torch.compile's "aot_eager" backend (the same
 tracing, no code generation), and its fallback with a backend that fails. The Inductor
 kernel itself is compared on CUDA only (skipped without a GPU).
 """
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
@@ -41,6 +43,20 @@ def test_cpu_workers_use_the_eager_function() -> None:
     assert make_normaliser(torch.device("cpu")) is normalise
 
 
+def test_cuda_workers_normalise_eagerly_unless_asked_to_compile() -> None:
+    # Compiling costs every worker's start for ~1 % of a batch (worker/backends/efficientnet.py).
+    assert make_normaliser(torch.device("cuda", 0)) is normalise
+
+
+def test_compiling_without_a_c_compiler_says_so_and_stays_eager(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("PATH", "/nonexistent")  # the slim image: no cc, no gcc
+    with caplog.at_level(logging.WARNING, logger="shmgate.worker.efficientnet"):
+        assert make_normaliser(torch.device("cuda", 0), compile=True) is normalise
+    assert "no C compiler" in caplog.text
+
+
 def test_compiled_normalisation_equals_eager_for_every_batch_size() -> None:
     fused = FusedNormaliser(backend="aot_eager")
     with torch.inference_mode():
@@ -68,7 +84,7 @@ def test_a_compiler_that_fails_falls_back_to_eager_with_the_same_result(caplog: 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Inductor kernel needs a CUDA device")
 def test_fused_cuda_kernel_equals_eager_on_the_gpu() -> None:
     device = torch.device("cuda")
-    fused = make_normaliser(device)
+    fused = make_normaliser(device, compile=True)
     assert isinstance(fused, FusedNormaliser) and fused.fused
     with torch.inference_mode():
         for n in (1, 3, 8):

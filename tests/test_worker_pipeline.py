@@ -26,6 +26,7 @@ from shared.arena import Allocation, Partition
 from shared.channels import Queue
 from shared.instance import Instance
 from shared.wire import (
+    INLINE_TENSOR,
     Cancel,
     Claimed,
     Delta,
@@ -191,6 +192,22 @@ def test_the_prepared_batch_stays_open_while_the_model_is_busy(rig: Rig) -> None
     for request_id in (42, 43):
         assert rig.kinds(request_id)[:2] == ["Claimed", "Released"]
         assert _digest(request_id) in _answer(rig, request_id)
+
+
+def test_prompt_token_ids_in_the_arena_reach_the_backend_as_host_bytes(rig: Rig) -> None:
+    # An inline payload over the descriptor's limit rides in the arena as __inline__; the worker reads
+    # it on the host (no device round trip) and hands it over as WorkItem.inline, not as a tensor.
+    _, pixels = rig.place(51)
+    allocation = rig.partition.allocate(8)
+    assert allocation is not None
+    rig.partition.array(allocation, "uint8", (8,))[:] = list(range(1, 9))
+    inline = TensorRef(allocation.offset, 8, allocation.generation, "uint8", (8,), INLINE_TENSOR)
+    rig.backend.gate.set()
+    rig.queue("requests").send(Submit(51, 0, "checksum", (pixels, inline)), HANG_S)
+    rig.read_until(_has(Finished, 51))
+    answer = _answer(rig, 51)
+    assert hashlib.blake2b(bytes(range(1, 9)), digest_size=16).hexdigest() in answer
+    assert _digest(51) in answer and INLINE_TENSOR not in answer
 
 
 def test_the_prepared_batch_still_runs_when_the_worker_stops(rig: Rig) -> None:

@@ -32,6 +32,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=int(_env("THREADS", "0") or 0), help="torch threads (0: auto)")
     parser.add_argument("--dtype", default=_env("DTYPE", "auto"), choices=("auto", "float32", "bfloat16", "float16"),
                         help="weights of hf: models (auto: bfloat16 on CUDA, float32 on CPU)")
+    parser.add_argument("--compile-normalise", action="store_true", default=_env("COMPILE_NORMALISE") == "1",
+                        help="efficientnet: compile the input normalisation into one kernel (needs a C compiler; "
+                             "set TORCHINDUCTOR_CACHE_DIR to a persistent directory)")
     parser.add_argument("--diag-batch-delay-ms", type=float, default=float(_env("DIAG_BATCH_DELAY_MS", "0") or 0),
                         help="diagnostics and tests: sleep this long before each batch runs (simulates a slow model)")
     parser.add_argument("--diag-claim-delay-ms", type=float, default=float(_env("DIAG_CLAIM_DELAY_MS", "0") or 0),
@@ -62,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype=args.dtype,
         diag_batch_delay_ms=args.diag_batch_delay_ms,
         diag_claim_delay_ms=args.diag_claim_delay_ms,
+        compile_normalise=args.compile_normalise,
     )
     return run_worker(options=options, instance_id=args.instance, label=args.label, attach_wait_s=args.attach_wait_s)
 

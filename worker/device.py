@@ -1,22 +1,42 @@
 """Copying tensors out of the arena onto the worker's device: the one copy a worker makes.
 
-CPU: a ``torch.frombuffer`` view of the arena (zero-copy) is cloned into
-process memory; after that the arena space can be released.
+Which device: ``pick_device`` turns the requested ``cpu`` / ``cuda`` / ``cuda:N`` into one
+device. ``cuda`` with several GPUs visible (a compose replica granted them all) picks
+``cuda:(slot mod GPUs)``, so replicas spread over the GPUs instead of all landing on cuda:0;
+``shmgate serve`` gives each worker exactly one visible GPU instead (gateway/placement.py).
+``use_device`` makes it the current device of the calling thread: CUDA's current device is per
+thread and defaults to 0, so a thread that touches CUDA without it opens a second context on
+GPU 0 (the worker's main and prefetch threads both call it).
 
-CUDA: the whole arena mapping is registered once as pinned host memory
-(``cudaHostRegister``), so each tensor's host-to-device copy is a DMA straight
-out of shared memory, issued ``non_blocking`` on a dedicated copy stream, and
-an event is recorded after it. Two waits follow, by different threads
-(worker/main.py):
-- the prefetch thread waits for the event on the host (``Copy.wait_host``)
-  before the generation re-check and the release: until then the DMA may still
-  be reading the arena;
-- the compute stream waits for the event on the device (``Copy.hand_to``,
-  ``stream.wait_event``): no host sync on the compute path. ``hand_to`` also
-  records the compute stream on each tensor, so the caching allocator does not
-  give a tensor's block back to the copy stream while compute still reads it.
-When registration fails (e.g. RLIMIT_MEMLOCK in a container), copies fall back
-to pageable memory and a warning says why.
+CPU: a ``torch.frombuffer`` view of the arena (zero-copy) is cloned into process memory; after
+that the arena space can be released.
+
+CUDA: the whole arena mapping is registered once per process as pinned host memory
+(``cudaHostRegister``, ``HostRegistrations``), so each tensor's host-to-device copy is a DMA
+straight out of shared memory, issued ``non_blocking`` on a dedicated copy stream, and an event
+(``blocking=True``: a waiting thread sleeps instead of spinning a core) is recorded after it. Two
+waits follow, by different threads (worker/main.py):
+- the prefetch thread waits for the event on the host (``Copy.wait_host``) before the generation
+  re-check and the release: until then the DMA may still be reading the arena;
+- the compute stream waits for the event on the device (``Copy.hand_to``, ``stream.wait_event``):
+  no host sync on the compute path. ``hand_to`` also records the compute stream on each tensor,
+  so the caching allocator does not give a tensor's block back to the copy stream while compute
+  still reads it.
+Small payloads the backend reads on the host (``host_only`` names: the prompt's token ids, image
+grid sizes) are cloned on the host and never go to the device: a device copy and a ``.cpu()`` or
+``.tolist()`` back would queue behind the running batch and sync the host with it.
+
+Registration failing is not about RLIMIT_MEMLOCK (the NVIDIA driver pins without memlock
+accounting): registering faults in every page of the arena (charged to the memory cgroup of the
+first process that touches it) and fails where /dev/shm cannot back it, or where the range is
+already registered. A failure is cleared from the thread's CUDA error state (worker/cudart.py),
+logged with ``cudaGetErrorString`` and the time it took, and copies fall back to pageable memory.
+
+Lifetime: every host view goes through one ``memoryview`` export of the mapping, held by each view
+(``torch.frombuffer`` keeps a reference to the object it was given but no buffer export, so a view
+of the bare mmap would let ``mmap.close()`` unmap memory a live tensor still points at). With the
+export, closing the segment while a view lives raises BufferError (shared/segment.py then leaves
+the mapping to the last reference) instead of a use-after-unmap.
 """
 
 from __future__ import annotations
@@ -24,16 +44,27 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
-from collections.abc import Sequence
-from dataclasses import dataclass
+import threading
+import time
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from shared.wire import TensorRef
+from worker.cudart import HOST_REGISTER_PORTABLE, SUCCESS, Runtime, load_runtime
 
 log = logging.getLogger("shmgate.worker.device")
 
-__all__ = ["TORCH_DTYPES", "Copy", "DeviceCopier"]
+__all__ = [
+    "HOST_REGISTRATIONS",
+    "TORCH_DTYPES",
+    "Copy",
+    "DeviceCopier",
+    "HostRegistrations",
+    "pick_device",
+    "use_device",
+]
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "uint8": torch.uint8,
@@ -49,15 +80,111 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 }
 
 
+def pick_device(requested: str, slot: int, visible_gpus: int) -> torch.device:
+    """The device a worker in ``slot`` runs on. Raises RuntimeError for a device torch does not know.
+
+    ``cuda`` (no index) with several visible GPUs: ``cuda:(slot mod visible_gpus)`` (worker slots
+    are claimed lowest first, so N replicas on N GPUs get one each). ``cuda:N`` is kept as asked.
+    """
+    device = torch.device(requested)
+    if device.type != "cuda" or device.index is not None:
+        return device
+    return torch.device("cuda", slot % visible_gpus if visible_gpus > 1 else 0)
+
+
+def use_device(device: torch.device) -> None:
+    """Make ``device`` the calling thread's current CUDA device (no-op elsewhere)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+@dataclass
+class _Registration:
+    export: ctypes.Array[ctypes.c_char]  # a buffer export: the mapping cannot be unmapped while registered
+    count: int
+
+
+class HostRegistrations:
+    """Which host ranges this process registered with CUDA, and how many users each has.
+
+    Process-wide on purpose: CUDA keeps one registration per range per process, and registering
+    a range twice fails (cudaErrorHostMemoryAlreadyRegistered) just like a real failure. Every
+    DeviceCopier of a process (tests and benchmarks make several) shares the count; the range is
+    unregistered when its last user closes.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ranges: dict[tuple[int, int], _Registration] = {}
+
+    def register(self, arena: mmap.mmap, runtime: Runtime) -> int | None:
+        """Pin ``arena``'s whole mapping (or count one more user); its address, or None when pinning failed."""
+        export = (ctypes.c_char * len(arena)).from_buffer(arena)
+        key = (ctypes.addressof(export), len(arena))
+        with self._lock:
+            known = self._ranges.get(key)
+            if known is not None:
+                known.count += 1
+                return key[0]
+            started = time.perf_counter()
+            code = runtime.host_register(key[0], key[1], HOST_REGISTER_PORTABLE)
+            took_s = time.perf_counter() - started
+            if code != SUCCESS:
+                runtime.get_last_error()  # clear it, or the next kernel launch reports it
+                log.warning(
+                    "could not register the arena (%d MiB) as pinned host memory after %.0f ms: %s (cudaError %d); "
+                    "host-to-device copies will be pageable. Registering faults in the whole arena: it fails "
+                    "where /dev/shm cannot back it (shm_size, emptyDir.sizeLimit); RLIMIT_MEMLOCK is not the cause",
+                    key[1] >> 20, took_s * 1e3, runtime.error_string(code), code,
+                )
+                return None
+            self._ranges[key] = _Registration(export, 1)
+        log.info("arena registered as pinned host memory: %d MiB in %.0f ms (%.1f GB/s faulted in and pinned)",
+                 key[1] >> 20, took_s * 1e3, key[1] / max(took_s, 1e-9) / 1e9)
+        return key[0]
+
+    def unregister(self, ptr: int, nbytes: int, runtime: Runtime) -> None:
+        """One user fewer; the last one unregisters (the caller made sure no copy still reads it)."""
+        with self._lock:
+            known = self._ranges.get((ptr, nbytes))
+            if known is None:
+                return
+            known.count -= 1
+            if known.count > 0:
+                return
+            del self._ranges[(ptr, nbytes)]
+            code = runtime.host_unregister(ptr)
+            if code != SUCCESS:
+                runtime.get_last_error()
+                log.warning("cudaHostUnregister failed: %s", runtime.error_string(code))
+
+    def users(self, arena: mmap.mmap) -> int:
+        """How many copiers of this process share ``arena``'s registration (0: not registered)."""
+        export = (ctypes.c_char * len(arena)).from_buffer(arena)
+        try:
+            with self._lock:
+                known = self._ranges.get((ctypes.addressof(export), len(arena)))
+                return 0 if known is None else known.count
+        finally:
+            del export
+
+
+HOST_REGISTRATIONS = HostRegistrations()
+
+
 @dataclass
 class Copy:
     """Device tensors whose copy may still be in flight, and the event that says when it is not.
 
-    ``done`` is None on CPU (the clone is complete when ``DeviceCopier.start`` returns).
+    ``names[i]`` is the TensorRef name of ``tensors[i]``; ``host`` holds the ``host_only``
+    tensors by name, already cloned on the host. ``done`` is None on CPU (the clone is complete when
+    ``DeviceCopier.start`` returns).
     """
 
     tensors: list[torch.Tensor]
     done: torch.cuda.Event | None = None
+    names: list[str] = field(default_factory=list)
+    host: dict[str, list[torch.Tensor]] = field(default_factory=dict)
 
     def wait_host(self) -> None:
         """Block this thread until the copy has finished reading the arena (prefetch thread only)."""
@@ -74,52 +201,76 @@ class Copy:
 
 
 class DeviceCopier:
-    def __init__(self, device: torch.device, arena: mmap.mmap) -> None:
-        self.device = device
-        self._arena = arena
-        self.pinned = False
-        self._stream = None
-        if device.type == "cuda":
-            self._stream = torch.cuda.Stream(device=device)
-            self.pinned = self._register(arena)
+    """Views of the arena and copies of them onto one device; on CUDA, owns a share of the registration.
 
-    def _register(self, arena: mmap.mmap) -> bool:
-        try:
-            buf = (ctypes.c_char * len(arena)).from_buffer(arena)
-            self._pinned_buf = buf  # keep the export alive while registered
-            ptr = ctypes.addressof(buf)
-            err = torch.cuda.cudart().cudaHostRegister(ptr, len(arena), 0)
-            if int(err) != 0:
-                raise RuntimeError(f"cudaHostRegister returned {err}")
-            self._pinned_ptr = ptr
-            log.info("arena registered as pinned host memory (%d bytes)", len(arena))
-            return True
-        except Exception as exc:  # registration is an optimisation: fall back, say why
-            log.warning("could not pin the arena (%s); host-to-device copies will be pageable", exc)
-            return False
+    On CUDA, building one makes ``device`` the calling thread's current device (the registration
+    and the copy stream must belong to that GPU's context, not GPU 0's). ``runtime`` and
+    ``registrations``: tests pass stand-ins; by default the CUDA runtime torch loaded and the
+    process-wide ``HOST_REGISTRATIONS``.
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        arena: mmap.mmap,
+        *,
+        runtime: Runtime | None = None,
+        registrations: HostRegistrations = HOST_REGISTRATIONS,
+    ) -> None:
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        self._host: memoryview | None = memoryview(arena)
+        self._nbytes = len(arena)
+        self._registrations = registrations
+        self._runtime = runtime
+        self._pinned_ptr: int | None = None
+        self._stream: torch.cuda.Stream | None = None
+        if device.type == "cuda":
+            use_device(device)  # the registration and the stream belong to this device's context
+            self._stream = torch.cuda.Stream(device=device)
+            if self._runtime is None:
+                self._runtime = load_runtime(device)
+            self._pinned_ptr = registrations.register(arena, self._runtime)
+
+    @property
+    def pinned(self) -> bool:
+        return self._pinned_ptr is not None
 
     def views(self, refs: Sequence[TensorRef]) -> list[torch.Tensor]:
-        """Zero-copy views of (already validated) tensors in the arena; never written through."""
+        """Zero-copy views of (already validated) tensors in the arena; never written through.
+
+        Each keeps the mapping's export alive (module docstring: Lifetime).
+        """
+        if self._host is None:
+            raise RuntimeError("the copier is closed")
         tensors = []
         for ref in refs:
-            host = torch.frombuffer(self._arena, dtype=torch.uint8, count=ref.nbytes, offset=ref.offset)
+            host = torch.frombuffer(self._host, dtype=torch.uint8, count=ref.nbytes, offset=ref.offset)
             tensors.append(host.view(TORCH_DTYPES[ref.dtype]).reshape(ref.shape))
         return tensors
 
-    def start(self, refs: Sequence[TensorRef]) -> Copy:
+    def start(self, refs: Sequence[TensorRef], *, host_only: Collection[str] = ()) -> Copy:
         """Start copying each (already validated) tensor to the device. Raises nothing of its own.
 
-        The caller must ``wait_host`` before it re-checks generations or releases the arena.
+        Tensors named in ``host_only`` are cloned into ``Copy.host`` on the host instead (at
+        once). The caller must ``wait_host`` before it re-checks generations or releases the arena.
         """
-        tensors = self.views(refs)
+        host: dict[str, list[torch.Tensor]] = {}
+        staying = [ref for ref in refs if ref.name in host_only]
+        for ref, view in zip(staying, self.views(staying)):
+            host.setdefault(ref.name, []).append(view.clone())
+        moving = [ref for ref in refs if ref.name not in host_only]
+        names = [ref.name for ref in moving]
+        tensors = self.views(moving)
         if self.device.type != "cuda":
-            return Copy([t.clone() for t in tensors])
+            return Copy([t.clone() for t in tensors], names=names, host=host)
         assert self._stream is not None
         with torch.cuda.stream(self._stream):
             out = [t.to(self.device, non_blocking=self.pinned) for t in tensors]
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(blocking=True)
             done.record(self._stream)
-        return Copy(out, done)
+        return Copy(out, done, names=names, host=host)
 
     def copy(self, refs: Sequence[TensorRef]) -> list[torch.Tensor]:
         """Copy and wait: returns when the copies are complete and usable on the current stream.
@@ -136,10 +287,14 @@ class DeviceCopier:
         return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
 
     def close(self) -> None:
-        """Unregister the arena; waits for copies still in flight (they read the registered range)."""
+        """Give up this copier's share of the registration; waits for copies still in flight (they read it).
+
+        Drops the copier's export; views still alive keep the mapping until they die.
+        """
         if self._stream is not None:
             self._stream.synchronize()
-        if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self._pinned_ptr)
-            self.pinned = False
-        self._pinned_buf = None
+        if self._pinned_ptr is not None:
+            assert self._runtime is not None
+            self._registrations.unregister(self._pinned_ptr, self._nbytes, self._runtime)
+            self._pinned_ptr = None
+        self._host = None

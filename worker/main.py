@@ -51,7 +51,7 @@ from shared.wire import (
 from worker.backends import load_backend
 from worker.backends.base import ModelBackend, WorkItem
 from worker.batcher import Batcher
-from worker.device import Copy, DeviceCopier
+from worker.device import Copy, DeviceCopier, pick_device, use_device
 from worker.prefetch import Prefetcher
 
 __all__ = ["Worker", "WorkerOptions"]
@@ -78,6 +78,7 @@ class WorkerOptions:
     # diagnostics/tests: sleep this long between taking a request off the queue and claiming it, widening
     # the window in which a killed worker holds a request no frontend knows it took (tests/test_take_window.py)
     diag_claim_delay_ms: float = 0.0
+    compile_normalise: bool = False  # efficientnet: torch.compile the input normalisation (opt-in; see there)
 
 
 @dataclass
@@ -95,7 +96,7 @@ class Worker:
         """``backend``: a ready backend to serve instead of loading ``options.model`` (embedding, tests)."""
         self.instance = instance
         self.options = options
-        self.device = torch.device(options.device)
+        torch.device(options.device)  # a bad device name raises (RuntimeError) before a slot is claimed
         self._stop = threading.Event()
         self.exit_code = 0
         self._replies: dict[int, Queue] = {}
@@ -104,17 +105,26 @@ class Worker:
         self._cancels_read_at = 0.0
         self._cancel_lock = threading.Lock()
         self.slot, self.epoch = instance.claim_worker_slot(options.model)
+        # After the slot: with several GPUs visible, the slot picks one (worker/device.py pick_device).
+        self.device = pick_device(options.device, self.slot, _visible_gpus(options.device))
+        use_device(self.device)  # this thread's CUDA calls (model load, compute) go to that GPU only
+        self._prefetch_bound = False
         self._heartbeat = Heartbeat(instance.segment.workers, self.slot, self.epoch).start()
         self._requests = instance.request_queue()
         self._control = instance.control_queue(self.slot)
         while self._control.try_receive() is not None:
             pass  # cancels addressed to this slot's previous owner
         self.backend: ModelBackend = backend or load_backend(
-            options.model, self.device, threads=options.threads, dtype=options.dtype
+            options.model,
+            self.device,
+            threads=options.threads,
+            dtype=options.dtype,
+            compile_normalise=options.compile_normalise,
         )
         # the public model id (hf:<dir> is served under the directory's name): what frontends match
         instance.segment.workers[self.slot]["model"] = self.backend.name.encode()[:48]
         self.copier = DeviceCopier(self.device, instance.segment.mm)
+        self._host_only = frozenset((INLINE_TENSOR, *getattr(self.backend, "host_tensors", ())))
         self._prefetcher: Prefetcher[list[_Job]] = Prefetcher(self._prepare, name=f"prefetch-{self.slot}")
         self.batcher: Batcher[_Job] = Batcher(
             self._requests,
@@ -211,6 +221,9 @@ class Worker:
         request's copy started when it was taken (``_take``), so copies overlap the running
         batch; the batch stays open while the model is busy, then every copy is waited for.
         """
+        if not self._prefetch_bound:  # a new thread's current CUDA device is 0, whatever the main thread's
+            use_device(self.device)
+            self._prefetch_bound = True
         jobs = self.batcher.collect(idle_timeout_s=0.25, hold_open=self._model_busy)
         for job in jobs:
             assert job.copy is not None
@@ -237,7 +250,8 @@ class Worker:
             self._reply(submit, Released(submit.request_id))
             self._fail(submit, 0, "bad_descriptor", str(exc), 500)
             return None
-        return self.copier.start(submit.tensors)
+        # The prompt's token ids (and what the backend reads on the host) stay there (worker/device.py).
+        return self.copier.start(submit.tensors, host_only=self._host_only)
 
     def _finish_copy(self, submit: Submit, copy: Copy) -> WorkItem | None:
         """Wait for the copy, re-check the generations, send Released. None when it failed (answered)."""
@@ -251,12 +265,14 @@ class Worker:
             return None
         self._reply(submit, Released(submit.request_id))
         by_name: dict[str, list[torch.Tensor]] = {}
+        for name, tensor in zip(copy.names, copy.tensors):
+            by_name.setdefault(name, []).append(tensor)
         inline = submit.inline
-        for ref, tensor in zip(submit.tensors, copy.tensors):
-            if ref.name == INLINE_TENSOR:
-                inline = tensor.cpu().numpy().tobytes()
+        for name, tensors in copy.host.items():
+            if name == INLINE_TENSOR:
+                inline = b"".join(t.numpy().tobytes() for t in tensors)
             else:
-                by_name.setdefault(ref.name, []).append(tensor)
+                by_name.setdefault(name, []).extend(tensors)  # on the host: the backend asked for that
         return WorkItem(submit.request_id, by_name, submit.params, inline, submit.text)
 
     # -- the main thread: run a prepared batch ------------------------------------------------
@@ -367,6 +383,11 @@ class Worker:
                         item.cancelled = True
             if len(self._cancelled) > 10_000:
                 self._cancelled.clear()  # cancels of requests that finished before they arrived
+
+
+def _visible_gpus(device: str) -> int:
+    """GPUs this process sees, counted only when a GPU was asked for (CPU workers never touch CUDA)."""
+    return torch.cuda.device_count() if device.startswith("cuda") else 0
 
 
 def run_worker(

@@ -10,17 +10,23 @@ __all__ = ["load_backend"]
 
 
 def load_backend(
-    model: str, device: torch.device, *, threads: int | None = None, dtype: str = "auto"
+    model: str,
+    device: torch.device,
+    *,
+    threads: int | None = None,
+    dtype: str = "auto",
+    compile_normalise: bool = False,
 ) -> ModelBackend:
     """Build the backend serving ``model``. Raises ValueError for an unknown model or dtype.
 
     ``dtype`` (``auto``, ``float32``, ``bfloat16``, ``float16``) applies to ``hf:`` models;
-    the classifier runs float32 and the checksum backend has no weights.
+    the classifier runs float32 and the checksum backend has no weights. ``compile_normalise``
+    applies to the classifier (worker/backends/efficientnet.py: why it is opt-in).
     """
     if model == "efficientnet-lite0":
         from worker.backends.efficientnet import EfficientNetBackend
 
-        return EfficientNetBackend(device, threads=threads)
+        return EfficientNetBackend(device, threads=threads, compile_normalise=compile_normalise)
     if model == "checksum":
         from worker.backends.checksum import ChecksumBackend
 

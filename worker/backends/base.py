@@ -27,7 +27,8 @@ class WorkItem:
     """One request of a batch, as the backend sees it."""
 
     request_id: int
-    tensors: dict[str, list[torch.Tensor]]  # by TensorRef.name, in descriptor order; on the device
+    # by TensorRef.name, in descriptor order; on the device, except the backend's ``host_tensors``
+    tensors: dict[str, list[torch.Tensor]]
     params: SamplingParams = field(default_factory=SamplingParams)
     inline: bytes = b""  # small payload from the frontend (e.g. token ids), meaning is the backend's
     text: str = ""  # the user's text
@@ -55,7 +56,12 @@ class BackendEvent:
 
 
 class ModelBackend(Protocol):
-    """What the worker calls. Implementations: efficientnet.py, checksum.py, hf.py."""
+    """What the worker calls. Implementations: efficientnet.py, checksum.py, hf.py.
+
+    Optionally a backend has ``host_tensors``, a collection of TensorRef names it reads on the
+    host (sizes, grids): the worker hands those over as host tensors, not device copies, so
+    reading them costs no device round trip and no host sync (worker/device.py).
+    """
 
     name: str
 

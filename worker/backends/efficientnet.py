@@ -38,14 +38,20 @@ No torch.jit / torch.compile of the network: trace + freeze + optimize_for_infer
 15.3 vs 15.7 ms per image at batch 1 and 20.1 vs 15.3 at batch 4 (slower), and start-up time
 matters more than the last few percent.
 
-Input normalisation (uint8 -> float32 in [-1, 1], channels_last) runs on the worker's device. Eager
-it is four kernels (reorder, cast, divide, subtract) and three passes over the float tensor; on CUDA
-``FusedNormaliser`` compiles it (torch.compile, Inductor) into one pointwise kernel that reads uint8
-and writes float32 channels_last, compiled once at start-up for every batch size (dynamic shapes),
-with a fallback to eager when compiling is unavailable (no Triton, no compiler). torch.compile over a
-hand-written Triton kernel: the same one fused kernel (Inductor emits Triton), nothing of our own to
-keep correct across dtypes, strides and GPUs, and a clean eager fallback. CPU keeps the eager
-function: bench/normalise.py measured it against the alternatives (docs/BENCHMARKS.md).
+Input normalisation (uint8 -> float32 in [-1, 1], channels_last) runs on the worker's device, eagerly
+by default: four kernels (reorder, cast, divide, subtract) and three passes over the float tensor.
+``FusedNormaliser`` (opt-in: ``--compile-normalise``) compiles it with torch.compile (Inductor) into one
+pointwise kernel that reads uint8 and writes float32 channels_last, once at start-up for every batch
+size (dynamic shapes). Why opt-in, not the CUDA default: the saving is a few tens of microseconds per
+batch (three kernel launches and ~20 MB of memory traffic at batch 8: about 1 % of the network's
+own time), while the cost lands on every worker start: Triton builds its launcher with a C compiler,
+which the slim image does not have (the compile failed there and fell back to eager after trying),
+Inductor's caches live under /tmp and die with the container, and each worker compiles again
+(bench/startup.py measures it; docs/ARCHITECTURE.md "The GPU path"). Opted in, it checks for a C
+compiler first (no silent attempt), compiles with one thread (N workers starting together do not
+each spawn a pool of compile processes), and reuses ``TORCHINDUCTOR_CACHE_DIR`` when that points
+at a persistent volume. CPU keeps the eager function either way: bench/normalise.py measured it
+against the alternatives (docs/BENCHMARKS.md).
 
 Answer text (one streamed event per line, then a finish event with no text):
     "{label}: {probability:.4f}\n"      e.g. "tiger cat: 0.3678\n"
@@ -58,6 +64,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import shutil
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -74,6 +83,7 @@ __all__ = [
     "FusedNormaliser",
     "load_class_names",
     "load_lite0_state_dict",
+    "c_compiler",
     "make_normaliser",
     "normalise",
 ]
@@ -146,13 +156,35 @@ class FusedNormaliser:
                 self(torch.zeros(n, 3, size, size, dtype=torch.uint8, device=device))
 
 
-def make_normaliser(device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The normalisation a backend on ``device`` uses: fused and warmed up on CUDA, eager elsewhere."""
-    if device.type != "cuda":
+def make_normaliser(device: torch.device, *, compile: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The normalisation a backend on ``device`` uses: eager, or (``compile``) fused and warmed up now.
+
+    ``compile`` without a C compiler on PATH logs why and stays eager (module docstring).
+    """
+    if not compile:
         return normalise
+    compiler = c_compiler()
+    if compiler is None:
+        log.warning("--compile-normalise: no C compiler (cc, gcc or $CC) in this environment, which Triton and "
+                    "Inductor need; normalising eagerly")
+        return normalise
+    import torch._inductor.config as inductor_config  # only when compiling: it costs every worker's start
+
+    inductor_config.compile_threads = 1  # one per worker: N workers may start together
+    started = time.perf_counter()
     fused = FusedNormaliser()
     fused.warm_up(device)
+    log.info("normalisation compiled in %.1f s with %s (cache: %s)", time.perf_counter() - started, compiler,
+             os.environ.get("TORCHINDUCTOR_CACHE_DIR", "Inductor's default under /tmp"))
     return fused
+
+
+def c_compiler() -> str | None:
+    """The C compiler torch.compile would use ($CC, else cc or gcc on PATH), or None."""
+    for name in (os.environ.get("CC"), "cc", "gcc"):
+        if name and shutil.which(name):
+            return name
+    return None
 
 
 class SameConv2d(nn.Conv2d):
@@ -286,12 +318,15 @@ class EfficientNetBackend:
     """Classifies ``pixels`` (uint8 (3, 224, 224), on ``device``) and streams the top labels.
 
     ``threads`` sets torch's intra-op thread count for this process (a worker process owns
-    its torch runtime); None leaves torch's default.
+    its torch runtime); None leaves torch's default. ``compile_normalise``: the fused input
+    normalisation (module docstring: why it is opt-in).
     """
 
     name = "efficientnet-lite0"
 
-    def __init__(self, device: torch.device, *, top_k: int = 5, threads: int | None = None) -> None:
+    def __init__(
+        self, device: torch.device, *, top_k: int = 5, threads: int | None = None, compile_normalise: bool = False
+    ) -> None:
         assert 1 <= top_k <= NUM_CLASSES, "top_k must be between 1 and 1000"
         if threads is not None:
             torch.set_num_threads(threads)
@@ -305,7 +340,7 @@ class EfficientNetBackend:
         # Measured faster on CPU at batch 1 and 8 (module docstring); the usual choice on CUDA.
         # (Module.to accepts memory_format at run time; torch's type stubs omit it.)
         self.model = model.to(device).to(memory_format=torch.channels_last)  # type: ignore[call-overload]
-        self.normalise = make_normaliser(device)
+        self.normalise = make_normaliser(device, compile=compile_normalise)
         # None: the whole batch in one pass (CUDA)
         self.pass_images = CPU_PASS_IMAGES_PER_THREAD * torch.get_num_threads() if device.type == "cpu" else None
 

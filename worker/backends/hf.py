@@ -44,6 +44,8 @@ process's CUDA context): a mismatch raises InvalidRequest and fails the batch.
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -57,7 +59,17 @@ from shared.errors import InvalidRequest
 from shared.wire import SamplingParams
 from worker.backends.base import BackendEvent, WorkItem
 
-__all__ = ["DTYPES", "HFBackend", "IncrementalDetokenizer", "StopStringFilter", "model_id_for", "sample_token"]
+__all__ = [
+    "DTYPES",
+    "HFBackend",
+    "IncrementalDetokenizer",
+    "StopStringFilter",
+    "model_id_for",
+    "pick_token",
+    "sample_token",
+]
+
+log = logging.getLogger("shmgate.worker.hf")
 
 DEFAULT_MAX_TOKENS = 256
 # config.model_type values this backend was run against. Both use Qwen2-VL's image
@@ -65,6 +77,9 @@ DEFAULT_MAX_TOKENS = 256
 SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 # The image tensors this backend passes to the model, by TensorRef name.
 IMAGE_TENSORS = ("pixel_values", "image_grid_thw")
+# Read on the host (checked and turned into token counts): the worker hands them over there, so
+# checking them costs no device round trip per image.
+HOST_TENSORS = ("image_grid_thw",)
 # --dtype values. "auto": bfloat16 on CUDA, float32 on CPU (CPU half precision is slow and
 # poorly supported by the kernels these models use).
 DTYPES: dict[str, torch.dtype | None] = {
@@ -93,7 +108,13 @@ class HFBackend:
     Batching: prefill per item, then padded batched decode (module docstring). Every
     stream starts after the prefills ahead of it in the batch, then all advance one
     token per forward pass over the whole batch.
+
+    Host syncs: one per prefill and one per decode step (the sampled tokens of all rows come
+    back in one ``.tolist()``: the text must be decoded on the host anyway); none per image or
+    per row.
     """
+
+    host_tensors = HOST_TENSORS
 
     def __init__(
         self,
@@ -124,8 +145,10 @@ class HFBackend:
         self.device = device
         self.dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         self.default_max_tokens = default_max_tokens
-        model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=self.dtype)
-        self.model: Any = model.to(device).eval()
+        model = AutoModelForImageTextToText.from_pretrained(
+            model_dir, dtype=self.dtype, device_map=_device_map(device)
+        )
+        self.model: Any = model.to(device).eval()  # a no-op when it was loaded there
         self.tokenizer: Any = AutoTokenizer.from_pretrained(model_dir)
         self._layout = _InputLayout.from_config(self.model.config)
         self.eos_token_ids: frozenset[int] = _eos_ids(self.model, self.tokenizer)
@@ -144,7 +167,7 @@ class HFBackend:
                 yield from self._finish(row, "length" if row.limit == 0 else "stop")
                 continue
             logits, row.cache, row.delta = self._prefill(row.inputs)
-            yield from self._accept(row, logits)
+            yield from self._accept(row, _to_host([self._pick(row, logits)])[0])
             if row.finish is None:
                 live.append(row)
         if len(live) > 1:
@@ -160,8 +183,9 @@ class HFBackend:
             if not live:
                 break
             logits = self._decode_step(live)
-            for row, row_logits in zip(live, logits):
-                yield from self._accept(row, row_logits)
+            tokens = _to_host([self._pick(row, row_logits) for row, row_logits in zip(live, logits)])
+            for row, token in zip(live, tokens):
+                yield from self._accept(row, token)
 
     def _row(self, index: int, item: WorkItem, inputs: _Inputs) -> _Row:
         prompt_tokens = inputs.input_ids.shape[1]
@@ -177,10 +201,13 @@ class HFBackend:
             generator=_generator(self.device, params.seed),
         )
 
-    def _accept(self, row: _Row, logits: torch.Tensor) -> list[BackendEvent]:
-        """Sample the row's next token from ``logits``; return its text, and the end if it ended."""
+    def _pick(self, row: _Row, logits: torch.Tensor) -> torch.Tensor:
+        """The row's next token from its ``logits``, left on the device (no sync)."""
         params = row.item.params
-        token = sample_token(logits, params.temperature, params.top_p, row.generator)
+        return pick_token(logits, params.temperature, params.top_p, row.generator)
+
+    def _accept(self, row: _Row, token: int) -> list[BackendEvent]:
+        """Take the row's sampled ``token``; return its text, and the end if it ended."""
         row.completion_tokens += 1
         row.token = token
         if token in self.eos_token_ids:
@@ -367,7 +394,7 @@ class _InputLayout:
             raise InvalidRequest(
                 f"Request {rid}: image_grid_thw must be int64 (1, 3), got {grid.dtype} {tuple(grid.shape)}."
             )
-        t, h, w = (int(v) for v in grid[0].tolist())
+        t, h, w = (int(v) for v in grid[0].tolist())  # a host tensor (HOST_TENSORS): no device sync
         patches = t * h * w
         if min(t, h, w) <= 0 or patches % self.merge:
             raise InvalidRequest(f"Request {rid}: bad image grid {(t, h, w)}.")
@@ -377,6 +404,20 @@ class _InputLayout:
                 f"got {pixels.dtype} {tuple(pixels.shape)}."
             )
         return patches // self.merge
+
+
+def _device_map(device: torch.device) -> str | None:
+    """Load the weights straight onto a GPU when transformers can (it needs ``accelerate`` for any
+    device_map): otherwise the whole model sits in host memory first (16 GB per worker for a 7B
+    model in bfloat16) and is then copied over. None: load on the host (CPU workers, no accelerate).
+    """
+    if device.type != "cuda":
+        return None
+    if importlib.util.find_spec("accelerate") is None:
+        log.info("loading the weights into host memory first; `pip install accelerate` loads them straight to %s",
+                 device)
+        return None
+    return str(device)
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
@@ -417,17 +458,27 @@ def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generat
     ``top_p`` keeps the smallest set of most likely tokens whose mass reaches it (the
     most likely token always stays). Ties in greedy mode go to the lowest id.
     """
+    return int(pick_token(logits, temperature, top_p, generator))
+
+
+def pick_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
+    """``sample_token`` without reading the result: a 0-d tensor on ``logits``' device (no host sync)."""
     if temperature <= 0.0:
-        return int(torch.argmax(logits))
+        return torch.argmax(logits)
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p >= 1.0:
-        return int(torch.multinomial(probs, 1, generator=generator))
+        return torch.multinomial(probs, 1, generator=generator)[0]
     sorted_probs, order = torch.sort(probs, descending=True)
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
     keep = mass_before < top_p
     keep[0] = True
     choice = torch.multinomial(sorted_probs * keep, 1, generator=generator)
-    return int(order[choice])
+    return order[choice][0]
+
+
+def _to_host(tokens: Sequence[torch.Tensor]) -> list[int]:
+    """Every row's token in one device-to-host copy: the step's only sync."""
+    return [int(t) for t in torch.stack(list(tokens)).tolist()]
 
 
 # -- text ------------------------------------------------------------------------
