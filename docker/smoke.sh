@@ -12,7 +12,7 @@
 #     wheel served as a package index on 127.0.0.1 for a `--network host` build. It says which and why.
 #  3. `compose up` with 2 worker containers, waits for /ready, runs docker/loadtest.sh (64 requests at
 #     concurrency 8, all must be ok).
-#  4. SIGKILLs one worker container under load (`docker kill -s KILL`): no request may fail, none may wait
+#  4. SIGKILLs one worker container during 800 requests (`docker kill -s KILL`): no request may fail, none may wait
 #     for its deadline; then /ready must stay 200 and shmgate_workers_ready drop to 1 (the dead worker's row
 #     still says ready, its heartbeat does not). Docker restarts no container stopped by `docker kill`;
 #     `compose up --scale worker=2` brings it back (workers_ready 2). Then a worker process killed from
@@ -307,6 +307,7 @@ ready_status() { curl -s -o /dev/null -m 5 -w '%{http_code}' "$URL/ready" || tru
 metric() { curl -fsS -m 5 "$URL/metrics" | awk -v m="$1" '$1 == m { print $2 }'; }
 is_ready() { [[ $(ready_status) == 200 ]]; }
 running_after_restarts() { [[ $(docker inspect -f '{{.RestartCount}} {{.State.Running}}' "$1") == "$2 true" ]]; }
+in_flight() { (($(metric shmgate_in_flight_requests) > 0)); }
 workers_ready_is() { [[ $(metric shmgate_workers_ready) == "$1" ]]; }
 containers() { docker ps -q --filter "label=com.docker.compose.project=$PROJECT" --filter "label=com.docker.compose.service=$1"; }
 
@@ -354,16 +355,18 @@ kill_under_load() {
     local victim retries_before
     victim=$(containers worker | head -n 1)
     retries_before=$(metric shmgate_retries_total)
-    loadtest 400 8 "$WORK/kill.txt" &
+    loadtest 800 8 "$WORK/kill.txt" &
     local load_pid=$!
-    sleep 4
+    wait_for 20 "requests in flight" in_flight
+    sleep 1
+    kill -0 "$load_pid" 2> /dev/null && in_flight || fail "the load ended before the kill; it would prove nothing"
     docker kill -s KILL "$victim" > /dev/null
-    say "killed worker container ${victim:0:12} (docker kill -s KILL) under load"
+    say "killed worker container ${victim:0:12} (docker kill -s KILL) with $(metric shmgate_in_flight_requests) requests in flight"
     wait "$load_pid" || true
     local summary max
     summary=$(tail -n 1 "$WORK/kill.txt")
-    say "load test across the kill, 400 requests at concurrency 8: $summary"
-    grep -q '^400 ok, 0 failed' <<< "$summary" || { cat "$WORK/kill.txt"; fail "requests failed across the kill"; }
+    say "load test across the kill, 800 requests at concurrency 8: $summary"
+    grep -q '^800 ok, 0 failed' <<< "$summary" || { cat "$WORK/kill.txt"; fail "requests failed across the kill"; }
     max=$(grep -o 'max [0-9]*' "$WORK/kill.txt" | awk '{ print $2 }')
     # The gateway's deadline is 60 s (curl's cap here is 30 s): a request left waiting for it would fail
     # above; the retry takes the 3 s heartbeat timeout plus at most as long again.
