@@ -72,10 +72,12 @@ def test_a_worker_killed_in_another_pid_namespace_before_claiming_loses_no_reque
             [sys.executable, "-m", "gateway", "gateway", "--port", str(port), "--label", label, "--model", "checksum",
              "--frontends", "1", "--arena-size", "64MiB", "--max-workers", "4",
              "--request-timeout-s", str(REQUEST_TIMEOUT_S)],
-            stdout=logs["gateway"], stderr=subprocess.STDOUT)
-        procs["survivor"] = subprocess.Popen(worker, stdout=logs["survivor"], stderr=subprocess.STDOUT)
-        procs["victim"] = subprocess.Popen(["unshare", "--pid", "--fork", *worker, "--diag-claim-delay-ms", "300"],
-                                           stdout=logs["victim"], stderr=subprocess.STDOUT)
+            stdout=logs["gateway"], stderr=subprocess.STDOUT, start_new_session=True)
+        procs["survivor"] = subprocess.Popen(worker, stdout=logs["survivor"], stderr=subprocess.STDOUT,
+                                             start_new_session=True)
+        procs["victim"] = subprocess.Popen(
+            ["unshare", "--pid", "--fork", "--kill-child", *worker, "--diag-claim-delay-ms", "300"],
+            stdout=logs["victim"], stderr=subprocess.STDOUT, start_new_session=True)
 
         def workers_ready() -> float:
             try:
@@ -132,9 +134,13 @@ def test_a_worker_killed_in_another_pid_namespace_before_claiming_loses_no_reque
             for line in (tmp_path / "gateway.log").read_text().splitlines() if " listening on " in line)
         assert leftovers(instance_id, slots=4) == []
     finally:
+        # Each tree in its own session: a failed run kills the gateway's frontends too. Left running, they
+        # would keep the instance's queues open, and their memory charged to this uid's RLIMIT_MSGQUEUE.
         for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(10)
         for f in logs.values():
             f.close()
