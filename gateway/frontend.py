@@ -18,8 +18,10 @@ Life of a request (``RequestState``), every step owned by this class:
 Nothing is lost silently (invariant 5): the watchdog checks, ten times a
 second, that every claimed request's worker is alive. A request whose worker
 died before producing output is resubmitted (its tensors are still held); one
-that had streamed output ends with an in-band error. Unclaimed requests past
-their deadline fail with a timeout. A client that goes away marks its request
+that had streamed output ends with an in-band error. A request taken off the
+queue but never claimed (its worker died between the two, e.g. a worker
+container SIGKILLed) is resubmitted too: see ``_check_taken``. Unclaimed
+requests past their deadline fail with a timeout. A client that goes away marks its request
 abandoned: a Cancel goes to its worker and the holds are released when the
 worker's terminal message (or its death) arrives, never earlier, because the
 worker may still be reading the arena.
@@ -72,6 +74,9 @@ MAX_ATTEMPTS = 2
 WATCHDOG_INTERVAL_S = 0.1
 PROGRESS_INTERVAL_S = 0.2  # how often the event loop stamps progress_ns (a loop that cannot, is stalled)
 GRACE_S = 5.0  # how long past its deadline an unanswered request may hold arena space
+# How long a request known to be off the queue may stay unclaimed before its taker counts as dead: a live
+# worker claims within microseconds of taking (a starved thread, milliseconds); heartbeats need as long.
+TAKEN_UNCLAIMED_S = DEAD_AFTER_S
 LOOP_HASH_MAX_BYTES = 1 << 20  # images up to this size are hashed on the loop to look for a local hit
 
 
@@ -95,6 +100,8 @@ class RequestState:
     abandoned: bool = False
     done: bool = False
     released: bool = False
+    send_seq: int = 0  # this frontend's count of sends when its descriptor went onto the queue (0: not yet)
+    taken_at: float | None = None  # when we learned it left the queue while still unclaimed (monotonic)
 
 
 class Frontend:
@@ -107,6 +114,11 @@ class Frontend:
         self._states: dict[int, RequestState] = {}
         self._resolving = 0  # admitted requests still resolving their images (not in _states yet)
         self._counter = 0
+        # Our sends in queue order (one event loop sends), and how far that order is known to have left the
+        # queue: the request queue is FIFO, so a claimed descriptor proves every one we sent before it was
+        # taken too, and an empty queue proves every one sent so far was (``_check_taken``).
+        self._send_seq = 0
+        self._taken_seq = 0
         self._pool = ThreadPoolExecutor(max_workers=limits.decode_threads, thread_name_prefix="decode")
         self._control: dict[int, Queue] = {}
         self._watchdog: asyncio.Task[None] | None = None
@@ -248,11 +260,18 @@ class Frontend:
         except BaseException:
             self._finish(state)
             raise
+        self._sent(state)
         return state
 
     def _next_request_id(self) -> int:
         self._counter += 1
         return (self.epoch << 40) | self._counter
+
+    def _sent(self, state: RequestState) -> None:
+        """Number a send that just succeeded (no await since): numbers follow our sends' queue order."""
+        self._send_seq += 1
+        state.send_seq = self._send_seq
+        state.taken_at = None
 
     def _set_resolving(self, change: int) -> None:
         """Count admitted requests still decoding, and publish the count in our slot row.
@@ -358,6 +377,7 @@ class Frontend:
             return  # a predecessor's request, or one that already ended
         if isinstance(message, Claimed):
             state.worker = (message.worker_slot, message.worker_epoch)
+            self._taken_seq = max(self._taken_seq, state.send_seq)
             if state.abandoned:
                 self._send_cancel(state)
         elif isinstance(message, Released):
@@ -423,6 +443,7 @@ class Frontend:
         if not self._states:
             return
         self._reader.drain()  # answers already queued count before any verdict
+        await self._check_taken()
         now = now_ns()
         seg = self.segment
         verdicts: dict[tuple[int, int], bool] = {}
@@ -442,13 +463,52 @@ class Frontend:
                     self._send_cancel(state)
                 self._fail(state, RequestTimeout("the request timed out before the model answered"))
 
+    async def _check_taken(self) -> None:
+        """Resubmit requests that left the queue but were never claimed: their taker died in between.
+
+        A worker claims a request right after taking it off the queue, but a worker killed between the two
+        (SIGKILL of its container: nobody marks its slot dead, and it never said which request it held)
+        leaves a request that nothing would answer before its deadline. We cannot see into the queue, but
+        it is FIFO: a request is known to be off it once one we sent later was claimed, or once the queue
+        was seen empty after its send. Known off the queue and still unclaimed after TAKEN_UNCLAIMED_S,
+        it is resubmitted under a new request id, so that if its taker was only slow, not dead, its late
+        answers go to an id nobody waits for (the arena generation checks keep its reads safe), rather
+        than into the retried request's stream.
+        """
+        unclaimed = [s for s in self._states.values() if s.worker is None and s.send_seq and not s.done]
+        if not unclaimed:
+            return
+        sent_so_far = self._send_seq
+        if self._requests.current_messages() == 0:
+            self._taken_seq = max(self._taken_seq, sent_so_far)
+        now = time.monotonic()
+        for state in unclaimed:
+            if state.send_seq > self._taken_seq:
+                continue  # may still be on the queue
+            if state.taken_at is None:
+                state.taken_at = now
+            elif now - state.taken_at > TAKEN_UNCLAIMED_S and not state.done and state.worker is None:
+                await self._resubmit_untaken(state)
+
+    async def _resubmit_untaken(self, state: RequestState) -> None:
+        if state.abandoned or state.submit.attempt + 1 >= MAX_ATTEMPTS:
+            self._fail(state, PeerDied("the model worker that took this request died before claiming it"))
+            return
+        await self._retry(state, f"left the queue but no worker claimed it in {TAKEN_UNCLAIMED_S:.0f} s")
+
     async def _worker_died(self, state: RequestState) -> None:
         if state.produced_output or state.abandoned or state.submit.attempt + 1 >= MAX_ATTEMPTS:
             self._fail(state, PeerDied("the model worker died while serving this request"))
             return
-        # A new id for the new attempt: the worker we gave up on may only be paused (SIGSTOP) and
-        # answer later; its replies carry the old id, which no longer matches, so a resumed worker
-        # can never add a duplicate answer to the retried one.
+        await self._retry(state, "lost its worker before any answer")
+
+    async def _retry(self, state: RequestState, why: str) -> None:
+        """Send a request again, as its next attempt, under a new id.
+
+        The new id matters: the worker we gave up on may only be paused (SIGSTOP) or slow, and answer
+        later; its replies carry the old id, which no longer matches, so it can never add a duplicate
+        answer to the retried request's stream (the arena generation checks keep its reads safe).
+        """
         old_id = state.request_id
         self._states.pop(old_id, None)
         state.request_id = self._next_request_id()
@@ -458,10 +518,13 @@ class Frontend:
         )
         state.worker = None
         state.released = False
+        state.send_seq = 0
         self.stats.add(Counter.RETRIES)
-        log.warning("worker died before answering request %x; retrying as %x (attempt %d)", old_id,
-                    state.request_id, state.submit.attempt)
+        log.warning("request %x %s; retrying as %x (attempt %d)", old_id, why, state.request_id,
+                    state.submit.attempt)
         try:
             await self._sender.send(state.submit, 5.0)
         except ChannelFull:
             self._fail(state, Overloaded("the request could not be retried: every worker is busy"))
+            return
+        self._sent(state)

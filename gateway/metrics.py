@@ -13,7 +13,8 @@ import enum
 
 import numpy as np
 
-from shared.segment import BATCH_BUCKETS, Segment, SlotState
+from shared.instance import DEAD_AFTER_S
+from shared.segment import BATCH_BUCKETS, Segment
 
 __all__ = ["Counter", "FrontendStats", "render"]
 
@@ -112,8 +113,9 @@ def render(segment: Segment, queue_depth: int) -> str:
     metric("shmgate_in_flight_requests", "gauge", "Requests being served.", [("", int(total[Counter.IN_FLIGHT]))])
     metric("shmgate_request_queue_depth", "gauge", "Descriptors waiting for a worker.", [("", queue_depth)])
     workers = segment.workers
-    ready = int(np.count_nonzero(workers["state"] == SlotState.READY))
-    ready -= sum(segment.stalled(workers, slot) for slot in range(len(workers)))  # beating but not progressing
+    # READY, heartbeating and progressing: a worker killed in another container (no one marks its row
+    # DEAD) stops counting once its heartbeat is stale, a wedged one once its progress is (as /ready).
+    ready = len(segment.live_workers(DEAD_AFTER_S))
     starts = int(workers["epoch"].sum())
     metric("shmgate_workers_ready", "gauge", "Workers serving.", [("", ready)])
     metric("shmgate_worker_starts_total", "counter", "Worker (re)starts; restarts = starts - workers.", [("", starts)])

@@ -11,7 +11,9 @@ descriptor, so a frontend's event loop waits on it with ``add_reader`` /
 Limits: Linux allows ``/proc/sys/fs/mqueue/msg_max`` messages per queue (10
 by default) of ``msgsize_max`` bytes (8 KiB). Depth is taken as the smaller of
 what was asked and what the kernel allows; workers pull only what they can
-batch, so a shallow request queue costs nothing but back-pressure.
+batch, so a shallow request queue costs nothing but back-pressure. The
+total size of a uid's queues is capped by RLIMIT_MSGQUEUE; the instance plans
+its depths to fit it (shared/mq_budget.py).
 
 Channels:
     request   frontends -> workers   Submit       shared by all workers
@@ -148,7 +150,7 @@ def create_queue(
     except (posix_ipc.Error, ValueError, OSError) as exc:
         raise SetupError(
             "cannot create a POSIX message queue: the per-user message queue memory limit is probably "
-            "exhausted (ulimit -q; in compose set ulimits.msgqueue) or /proc/sys/fs/mqueue/queues_max is reached; "
+            "exhausted (ulimit -q; docker: --ulimit msgqueue=N) or /proc/sys/fs/mqueue/queues_max is reached; "
             "use fewer frontends or --queue-depth"
         ) from exc
     return Queue(mq, decoder)

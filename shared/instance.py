@@ -22,9 +22,10 @@ from dataclasses import dataclass
 import posix_ipc
 
 from shared.cache_index import CacheIndex
-from shared.channels import Queue, create_queue, open_queue, unlink_queue
+from shared.channels import Queue, create_queue, open_queue, system_queue_depth, unlink_queue
 from shared.errors import SetupError
 from shared.locks import HolderKind, Identity, SharedLock
+from shared.mq_budget import QueueSpec, message_queue_budget, plan_queue_depths
 from shared.names import (
     IPC_MODE,
     SHM_DIR,
@@ -48,6 +49,7 @@ log = logging.getLogger("shmgate.instance")
 
 # A process whose heartbeat is older than this is dead. Heartbeats tick every 0.2 s.
 DEAD_AFTER_S = 3.0
+CONTROL_QUEUE_DEPTH = 8  # cancels for one worker: best effort, a full queue means a busy worker
 
 
 @dataclass
@@ -92,16 +94,7 @@ class Instance:
             for name in names.semaphores():
                 sems.append(posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=IPC_MODE, initial_value=1))
                 created.append(name)
-            queues = [create_queue(names.request_queue, worker_decoder, queue_depth, MAX_MESSAGE_BYTES)]
-            queues += [
-                create_queue(names.reply_queue(k), gateway_decoder, queue_depth, REPLY_MESSAGE_BYTES)
-                for k in range(n_frontends)
-            ]
-            queues += [
-                create_queue(names.control_queue(w), worker_decoder, 8, CONTROL_MESSAGE_BYTES) for w in range(n_workers)
-            ]
-            for q in queues:
-                q.close()
+            _create_queues(names, n_frontends, n_workers, queue_depth)
         except BaseException:
             _unlink_all(names, n_frontends, n_workers)
             segment.close()
@@ -203,12 +196,63 @@ def _pid_exists(pid: int) -> bool:
     return True
 
 
-def _unlink_all(names: InstanceNames, n_frontends: int, n_workers: int) -> None:
+def queue_specs(n_frontends: int, n_workers: int, queue_depth: int) -> list[QueueSpec]:
+    """The message queues of an instance, as the budget planner sees them (shared/mq_budget.py)."""
+    return [
+        QueueSpec("request", 1, MAX_MESSAGE_BYTES, queue_depth, min_depth=min(queue_depth, 4)),
+        QueueSpec("reply", n_frontends, REPLY_MESSAGE_BYTES, queue_depth, min_depth=min(queue_depth, 4)),
+        QueueSpec("control", n_workers, CONTROL_MESSAGE_BYTES, CONTROL_QUEUE_DEPTH, min_depth=1),
+    ]
+
+
+def _create_queues(names: InstanceNames, n_frontends: int, n_workers: int, queue_depth: int) -> None:
+    """Create every queue of the instance, as deep as the message-queue memory this uid has allows.
+
+    The plan starts from RLIMIT_MSGQUEUE; other queues of the same uid (another instance, another
+    container of this uid on the host) take part of it unseen, so a creation that still fails is retried
+    with a smaller plan until even the minimum does not fit (MessageQueueBudgetError names the fixes).
+    """
+    specs = queue_specs(n_frontends, n_workers, queue_depth)
+    budget = message_queue_budget()
+    system_depth = system_queue_depth()
+    while True:
+        plan = plan_queue_depths(budget, specs, system_max_depth=system_depth)  # raises when nothing fits
+        created: list[Queue] = []
+        try:
+            created.append(create_queue(names.request_queue, worker_decoder, plan.depths["request"],
+                                        MAX_MESSAGE_BYTES))
+            for k in range(n_frontends):
+                created.append(create_queue(names.reply_queue(k), gateway_decoder, plan.depths["reply"],
+                                            REPLY_MESSAGE_BYTES))
+            for w in range(n_workers):
+                created.append(create_queue(names.control_queue(w), worker_decoder, plan.depths["control"],
+                                            CONTROL_MESSAGE_BYTES))
+        except SetupError as exc:
+            for q in created:
+                q.close()
+            _unlink_queues(names, n_frontends, n_workers)
+            if not isinstance(exc.__cause__, OSError):  # EMFILE (budget) is an OSError; a name clash is not
+                raise
+            budget = plan.total_bytes * 3 // 4  # part of the budget is in use elsewhere: ask for less
+            log.warning("could not create the message queues within %s bytes; trying smaller ones",
+                        f"{plan.total_bytes:,}")
+            continue
+        for q in created:
+            q.close()
+        (log.warning if plan.lowered else log.info)("%s", plan.describe(specs))
+        return
+
+
+def _unlink_queues(names: InstanceNames, n_frontends: int, n_workers: int) -> None:
     unlink_queue(names.request_queue)
     for k in range(n_frontends):
         unlink_queue(names.reply_queue(k))
     for w in range(n_workers):
         unlink_queue(names.control_queue(w))
+
+
+def _unlink_all(names: InstanceNames, n_frontends: int, n_workers: int) -> None:
+    _unlink_queues(names, n_frontends, n_workers)
     for name in names.semaphores():
         with contextlib.suppress(posix_ipc.ExistentialError):
             posix_ipc.unlink_semaphore(name)

@@ -37,6 +37,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "set TORCHINDUCTOR_CACHE_DIR to a persistent directory)")
     parser.add_argument("--diag-batch-delay-ms", type=float, default=float(_env("DIAG_BATCH_DELAY_MS", "0") or 0),
                         help="diagnostics and tests: sleep this long before each batch runs (simulates a slow model)")
+    parser.add_argument("--diag-claim-delay-ms", type=float, default=float(_env("DIAG_CLAIM_DELAY_MS", "0") or 0),
+                        help="diagnostics and tests: sleep this long between taking a request and claiming it")
     parser.add_argument("--instance", default=_env("INSTANCE"), help="instance id (default: find by --label)")
     parser.add_argument("--label", default=_env("LABEL", "default"))
     parser.add_argument("--attach-wait-s", type=float, default=60.0)
@@ -62,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         threads=args.threads or None,
         dtype=args.dtype,
         diag_batch_delay_ms=args.diag_batch_delay_ms,
+        diag_claim_delay_ms=args.diag_claim_delay_ms,
         compile_normalise=args.compile_normalise,
     )
     return run_worker(options=options, instance_id=args.instance, label=args.label, attach_wait_s=args.attach_wait_s)

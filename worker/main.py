@@ -98,6 +98,9 @@ class WorkerOptions:
     threads: int | None = None
     dtype: str = "auto"  # hf: models only (worker/backends/hf.py DTYPES)
     diag_batch_delay_ms: float = 0.0  # diagnostics/tests: sleep this long before each batch runs (a slow model)
+    # diagnostics/tests: sleep this long between taking a request off the queue and claiming it, widening
+    # the window in which a killed worker holds a request no frontend knows it took (tests/test_take_window.py)
+    diag_claim_delay_ms: float = 0.0
     compile_normalise: bool = False  # efficientnet: torch.compile the input normalisation (opt-in; see there)
 
 
@@ -244,6 +247,8 @@ class Worker:
 
     def _take(self, submit: Submit) -> _Job | None:
         """Claim a request the batcher took and start its device copy. None when it was answered already."""
+        if self.options.diag_claim_delay_ms > 0:
+            time.sleep(self.options.diag_claim_delay_ms / 1000)
         row = self.instance.segment.workers[self.slot]
         if int(row["epoch"]) != self.epoch or int(row["state"]) == SlotState.DEAD:
             # Declared dead, and the heartbeat thread has not exited us yet (it looks every 0.2 s):
