@@ -194,6 +194,9 @@ class Supervisor:
         if not self._force:
             deadline = time.monotonic() + self.drain_timeout_s
             self._wait_in_flight(deadline)
+        # Workers in other containers that follow the drain (worker/drain.py) exit on this.
+        self.instance.mark_state(InstanceState.DRAINED)
+        if not self._force:
             self._stop_group(self.frontends, max(1.0, deadline - time.monotonic()))
         self._stop_group(self.workers, 0.0 if self._force else 10.0)
 

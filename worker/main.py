@@ -36,7 +36,7 @@ from shared.arena import recheck, validate
 from shared.channels import Queue
 from shared.errors import ChannelFull, DescriptorError, SetupError
 from shared.instance import DEAD_AFTER_S, Instance, instance_alive
-from shared.segment import BATCH_BUCKETS, Heartbeat, SlotState, now_ns
+from shared.segment import BATCH_BUCKETS, Heartbeat, InstanceState, SlotState, now_ns
 from shared.wire import (
     INLINE_TENSOR,
     MAX_DELTA_CHARS,
@@ -52,6 +52,7 @@ from worker.backends import load_backend
 from worker.backends.base import ModelBackend, WorkItem
 from worker.batcher import Batcher
 from worker.device import Copy, DeviceCopier
+from worker.drain import StopRequest
 from worker.prefetch import Prefetcher
 
 __all__ = ["Worker", "WorkerOptions"]
@@ -75,6 +76,7 @@ class WorkerOptions:
     threads: int | None = None
     dtype: str = "auto"  # hf: models only (worker/backends/hf.py DTYPES)
     diag_batch_delay_ms: float = 0.0  # diagnostics/tests: sleep this long before each batch runs (a slow model)
+    follow_drain_s: float = 0.0  # on SIGTERM keep serving while the gateway drains, this long at most (worker/drain.py)
 
 
 @dataclass
@@ -94,6 +96,7 @@ class Worker:
         self.options = options
         self.device = torch.device(options.device)
         self._stop = threading.Event()
+        self._stop_request = StopRequest(options.follow_drain_s)
         self.exit_code = 0
         self._replies: dict[int, Queue] = {}
         self._replies_lock = threading.Lock()  # both threads reply; one Queue object per frontend
@@ -128,6 +131,12 @@ class Worker:
     def stop(self) -> None:
         self._stop.set()
 
+    def request_stop(self) -> None:
+        """SIGTERM/SIGINT: stop now, or once the gateway's drain is over (``follow_drain_s``)."""
+        self._stop_request.signal()
+        if self._stop_request.due(InstanceState.RUNNING):
+            self._stop.set()  # no drain to follow: stop taking work at once, as a plain SIGTERM always did
+
     def run(self) -> None:
         seg = self.instance.segment
         seg.workers[self.slot]["state"] = SlotState.READY
@@ -135,6 +144,9 @@ class Worker:
         prefetcher = self._prefetcher.start()
         try:
             while not self._stop.is_set():
+                if self._stop_request.due(int(seg.header[0]["state"])):
+                    self._stop.set()
+                    break
                 if int(seg.workers[self.slot]["epoch"]) != self.epoch:
                     log.error("this worker's slot was taken over (declared dead); exiting")
                     self.exit_code = 1
@@ -143,7 +155,7 @@ class Worker:
                     # the gateway is gone or stopping: exit so the supervisor (or compose's restart
                     # policy) starts a worker that attaches to the new instance
                     log.warning("the gateway instance stopped; exiting")
-                    self.exit_code = 0 if self._stop.is_set() else 1
+                    self.exit_code = 0 if self._stop.is_set() or self._stop_request.asked else 1
                     return
                 jobs = prefetcher.get(timeout_s=0.25)
                 if jobs:
@@ -387,8 +399,8 @@ def run_worker(
         log.error("%s", exc)
         instance.close()
         return 2
-    signal.signal(signal.SIGTERM, lambda *_: worker.stop())
-    signal.signal(signal.SIGINT, lambda *_: worker.stop())
+    signal.signal(signal.SIGTERM, lambda *_: worker.request_stop())
+    signal.signal(signal.SIGINT, lambda *_: worker.request_stop())
     try:
         worker.run()
     finally:
