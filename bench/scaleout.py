@@ -7,8 +7,8 @@ nginx from Debian's packages stands in for the ingress/Service: it spreads reque
 and, like an ingress whose endpoint list lags, passes a request that a draining or not-yet-ready unit
 turns away (503) or refuses (connection error) to the other unit.
 
-The load is the project's load generator (`shmgate bench`) through the proxy, run in back-to-back
-rounds so that it covers the whole restart. Phases:
+The load is the project's load generator (`shmgate bench`, gateway/loadgen.py) through the proxy, run
+in back-to-back rounds so that it covers the whole restart. Phases:
   1. steady: both units under load (throughput of two units);
   2. rolling restart: for each unit in turn, SIGTERM to its gateway and worker at once (the kubelet's
      way; the worker follows the drain), wait for both to exit, start it again, wait until /ready;
@@ -22,6 +22,7 @@ Needs root (namespaces) and nginx (`apt-get install nginx`).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import shutil
 import subprocess
@@ -41,6 +42,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.pods import Container, Pod, gateway_argv, pods_unavailable, terminate_together, worker_argv  # noqa: E402
+from gateway import loadgen  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 IMAGES = ROOT / "tests" / "data" / "images"
@@ -215,20 +217,21 @@ class LoadLoop:
             self.rounds.append(self.round())
 
     def round(self) -> dict[str, Any]:
-        """One `shmgate bench` run (no warm-up: every request counts)."""
-        out = subprocess.run(
-            [sys.executable, "-m", "gateway", "bench", "--base-url", self.base_url, "--model", self.model,
-             "--images", str(IMAGES), "--concurrency", str(self.concurrency), "--requests", str(self.requests),
-             "--warmup", "0", "--timeout", "120", "--json"],
-            capture_output=True, text=True, cwd=ROOT, timeout=600,
-        )
+        """One `shmgate bench` run (gateway/loadgen.py, in this process so rounds follow each other
+        without an interpreter start between them; no warm-up: every request counts)."""
+        started = time.monotonic()
+        parser = argparse.ArgumentParser()
+        loadgen.add_arguments(parser)
+        args = parser.parse_args(
+            ["--base-url", self.base_url, "--model", self.model, "--images", str(IMAGES),
+             "--concurrency", str(self.concurrency), "--requests", str(self.requests), "--warmup", "0",
+             "--timeout", "120"])
         try:
-            result = json.loads(out.stdout)
-        except json.JSONDecodeError:
-            self.failures.append(f"bench exited {out.returncode}: {out.stderr[-500:]}")
-            return {"requests": 0, "errors": 0, "errors_by_kind": {}, "mismatches": 0, "duration_s": 0.0,
-                    "ended_at": time.monotonic()}
-        result["ended_at"] = time.monotonic()
+            result = asyncio.run(loadgen.run(args))
+        except Exception as exc:  # a load generator that broke is a failed run, never a silent one
+            self.failures.append(f"{type(exc).__name__}: {exc}")
+            result = {"requests": 0, "errors": 0, "errors_by_kind": {}, "mismatches": 0, "duration_s": 0.0}
+        result["started_at"], result["ended_at"] = started, time.monotonic()
         return result
 
     def stop(self) -> None:
@@ -285,8 +288,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         load.stop()
         during = load.rounds[len(steady):]
         # the load covered the whole restart: a round was running when it began, and one after it ended
-        covered = bool(during) and during[0]["ended_at"] - during[0]["duration_s"] <= began \
-            and during[-1]["ended_at"] >= ended
+        covered = bool(during) and during[0]["started_at"] <= began and during[-1]["ended_at"] >= ended
         return {
             "model": args.model, "units": 2, "frontends_per_unit": args.frontends,
             "worker_threads": args.worker_threads, "concurrency": args.concurrency, "proxy": "nginx",
