@@ -128,7 +128,10 @@ pid {dir}/nginx.pid;
 error_log {dir}/error.log warn;
 events {{ worker_connections 1024; }}
 http {{
-    access_log off;
+    # only answers >= 500 are logged, with every upstream tried and what each said
+    map $status $failed {{ ~^5 1; default 0; }}
+    log_format tried '$time_iso8601 $status upstreams=$upstream_addr statuses=$upstream_status';
+    access_log {dir}/failed.log tried if=$failed;
     client_body_temp_path {dir}/body;
     proxy_temp_path {dir}/proxy;
     fastcgi_temp_path {dir}/fastcgi;

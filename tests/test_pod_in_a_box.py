@@ -140,3 +140,33 @@ def test_second_unit_under_the_same_uid_on_a_node_does_not_fit(tmp_path: Path) -
             # The start-up check of the queue budget that names RLIMIT_MSGQUEUE (and its fix) comes with
             # issue 13's shared/channels.py; until it is merged the error is the older generic one.
             pytest.xfail("the queue-budget error does not name RLIMIT_MSGQUEUE yet (issue 13)")
+
+
+def test_sigterm_while_requests_are_still_decoding_answers_each_with_200_or_503(tmp_path: Path) -> None:
+    """Requests arrive around the signal, some still decoding their image when it comes: each gets its
+    answer or a 503 with Retry-After (a proxy sends those elsewhere), never a 500 or a dropped
+    connection. (The drain waits for requests that are still decoding, not only those queued.)"""
+    port = free_port()
+    photos = [(IMAGES / name).read_bytes() for name in ("camera_1024.jpg", "chelsea_1024.jpg", "coffee_1024.jpg")]
+    with Pod("pod-e", SHM_BYTES, tmp_path) as pod:
+        # one decode thread and a fast model: requests wait to be decoded, not to be run, so at the
+        # signal there are requests that are admitted but not yet in flight
+        gateway = pod.run("gateway", gateway_argv(port, drain_timeout_s=30) + ["--decode-threads", "1"])
+        worker = pod.run("worker", worker_argv(follow_drain_s=40))
+        wait_until(lambda: _ready(port) or not gateway.alive() or not worker.alive(), 120, "the unit ready")
+        assert _ready(port), gateway.log() + worker.log()
+        with concurrent.futures.ThreadPoolExecutor(32) as pool:
+            futures = [pool.submit(_chat, port, photos[i % 3] + bytes(i)) for i in range(32)]  # distinct: no cache
+            wait_until(lambda: _metric(port, "shmgate_in_flight_requests") > 0 or any(f.done() for f in futures),
+                       60, "a request in flight")
+            terminate_together(gateway, worker)
+            outcomes = []
+            for future in futures:
+                try:
+                    outcomes.append(future.result())
+                except httpx.HTTPError as exc:
+                    outcomes.append(exc)
+        bad = [o for o in outcomes if isinstance(o, Exception)
+               or o.status_code not in (200, 503) or (o.status_code == 503 and "retry-after" not in o.headers)]
+        assert not bad, f"{bad}\n{gateway.log()}\n{worker.log()}"
+        assert gateway.wait(60) == 0 and worker.wait(60) == 0
