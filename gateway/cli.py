@@ -20,6 +20,7 @@ import sys
 from collections.abc import Mapping
 
 from gateway.placement import Placement, gpu_count, worker_placements
+from shared.cpus import usable_cpus
 from shared.errors import SetupError
 from shared.names import parse_size
 
@@ -74,7 +75,7 @@ def _add_gateway_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
     p.add_argument("--port", type=int, default=int(_env("PORT", "8000") or 8000))
     p.add_argument("--frontends", type=int, default=int(_env("FRONTENDS", "0") or 0),
-                   help="frontend processes (default: number of cores)")
+                   help="frontend processes (default: the CPUs this process may use: cgroup limit, affinity, cores)")
     p.add_argument("--model", default=_env("MODEL", "efficientnet-lite0"))
     p.add_argument("--arena-size", default=_env("ARENA_SIZE", "1GiB"))
     p.add_argument("--api-key", default=_env("API_KEY"),
@@ -88,8 +89,9 @@ def _add_gateway_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-mb", type=float, default=float(_env("MAX_BODY_MB", "32") or 32))
     p.add_argument("--max-pixels", type=int, default=int(_env("MAX_PIXELS", "40000000") or 40_000_000))
     p.add_argument("--decode-threads", type=int, default=int(_env("DECODE_THREADS", "2") or 2))
-    p.add_argument("--max-workers", type=int, default=int(_env("MAX_WORKERS", "16") or 16),
-                   help="worker slots in the segment (workers that may attach)")
+    p.add_argument("--max-workers", type=int, default=int(_env("MAX_WORKERS", "0") or 0),
+                   help="worker slots in the segment, each with a control queue (default: serve twice its "
+                   "workers, gateway 16)")
     p.add_argument("--queue-depth", type=int, default=int(_env("QUEUE_DEPTH", "64") or 64),
                    help="message queue depth (capped by /proc/sys/fs/mqueue/msg_max)")
     p.add_argument("--drain-timeout-s", type=float, default=float(_env("DRAIN_TIMEOUT_S", "30") or 30))
@@ -126,7 +128,7 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-size", type=int, default=int(_env("MAX_BATCH_SIZE", "8") or 8))
     p.add_argument("--max-batch-wait-ms", type=float, default=float(_env("MAX_BATCH_WAIT_MS", "5") or 5))
     p.add_argument("--threads", type=int, default=int(_env("THREADS", "0") or 0),
-                   help="torch threads per CPU worker (default: cores / workers)")
+                   help="torch threads per CPU worker (default: usable CPUs / workers; see --frontends)")
     p.add_argument("--dtype", default=_env("DTYPE", "auto"), choices=("auto", "float32", "bfloat16", "float16"),
                    help="weights of hf: models (auto: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--compile-normalise", action="store_true", default=_env("COMPILE_NORMALISE") == "1",
@@ -220,9 +222,9 @@ def _worker_plan(args: argparse.Namespace) -> tuple[list[Placement], int]:
     device = args.device or ("cuda" if gpu_ids else "cpu")
     placements = worker_placements(
         device, workers=args.workers, workers_per_gpu=args.workers_per_gpu, gpu_ids=gpu_ids,
-        cpu_workers=_default_cpu_workers(args.model, os.cpu_count() or 1),
+        cpu_workers=_default_cpu_workers(args.model, usable_cpus()),
     )
-    threads = args.threads or max(1, (os.cpu_count() or 1) // len(placements))
+    threads = args.threads or max(1, usable_cpus() // len(placements))
     return placements, threads
 
 
@@ -241,6 +243,18 @@ def _worker_children(args: argparse.Namespace, instance_id: str) -> list[tuple[l
     return children
 
 
+def _worker_slots(asked: int, n_workers: int, *, with_workers: bool) -> int:
+    """Worker slots (one control queue each, counted against RLIMIT_MSGQUEUE) for the workers to come.
+
+    ``serve`` knows its workers: twice their number leaves a slot for each restart that overlaps
+    its predecessor's heartbeat. ``gateway`` cannot know how many containers will attach, so it
+    keeps 16 unless told (a pod's manifest sets it from its worker containers).
+    """
+    if with_workers:
+        return max(asked, 2 * n_workers, 2)
+    return asked or 16
+
+
 def _run_supervised(args: argparse.Namespace, *, with_workers: bool) -> int:
     from gateway.supervisor import ChildProcess, Supervisor, child_env
     from shared.instance import Instance, cleanup_leftovers
@@ -248,9 +262,9 @@ def _run_supervised(args: argparse.Namespace, *, with_workers: bool) -> int:
     removed = cleanup_leftovers()
     if removed:
         log.warning("removed leftovers of %d dead instance(s)", len(removed))
-    n_frontends = args.frontends or os.cpu_count() or 1
+    n_frontends = args.frontends or usable_cpus()
     n_workers = len(_worker_plan(args)[0]) if with_workers else 0
-    n_worker_slots = max(args.max_workers, 2 * n_workers)
+    n_worker_slots = _worker_slots(args.max_workers, n_workers, with_workers=with_workers)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:

@@ -263,15 +263,29 @@ class Supervisor:
         if not self._force:
             deadline = time.monotonic() + self.drain_timeout_s
             self._wait_in_flight(deadline)
+        # Workers in other containers that follow the drain (worker/drain.py) exit on this.
+        self.instance.mark_state(InstanceState.DRAINED)
+        if not self._force:
             self._stop_group(self.frontends, max(1.0, deadline - time.monotonic()))
         self._stop_group(self.workers, 0.0 if self._force else 10.0)
 
     def _wait_in_flight(self, deadline: float) -> None:
-        """Until no live frontend has a request in flight (they answer new ones 503 meanwhile)."""
-        stats = self.instance.segment.stats
+        """Until no live frontend has a request in flight (they answer new ones 503 meanwhile).
+
+        Requests still decoding their images count too (``preparing``: admitted, not yet in
+        IN_FLIGHT): stopping their frontend would cancel the decode and answer 500, and workers
+        that follow the drain would be gone before those requests reach the queue. Quiet must
+        hold on two polls in a row: a frontend that passed its draining check just before the
+        state changed publishes ``preparing`` a moment later.
+        """
+        seg = self.instance.segment
+        quiet = 0
         while time.monotonic() < deadline and not self._force:
             slots = [child.slot for child in self.frontends if child.is_alive()]
-            if not any(int(stats[slot][Counter.IN_FLIGHT]) for slot in slots):
+            busy = any(int(seg.stats[slot][Counter.IN_FLIGHT]) or int(seg.frontends[slot]["preparing"])
+                       for slot in slots)
+            quiet = 0 if busy else quiet + 1
+            if quiet >= 2:
                 return
             time.sleep(TICK_S / 4)
 

@@ -145,5 +145,7 @@ def check_shm_space(nbytes: int) -> None:
     if free < nbytes:
         raise SetupError(
             f"/dev/shm has {format_bytes(free)} free but the arena needs {format_bytes(nbytes)}; "
-            "set shm_size in the compose file (or --shm-size for docker run), or lower --arena-size"
+            "set shm_size in the compose file (or --shm-size for docker run); in Kubernetes raise "
+            "emptyDir.sizeLimit of the pod's /dev/shm volume (medium: Memory, mounted in every container); "
+            "or lower --arena-size"
         )

@@ -135,8 +135,9 @@ class SlotState(enum.IntEnum):
 
 class InstanceState(enum.IntEnum):
     RUNNING = 1
-    DRAINING = 2
+    DRAINING = 2  # new requests get 503; requests in flight finish
     STOPPED = 3
+    DRAINED = 4  # still draining, and no request is in flight any more: workers following the drain exit
 
 
 class LockId(enum.IntEnum):

@@ -29,7 +29,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default=_env("DEVICE"), help="cpu, cuda or cuda:N (default: cuda when present)")
     parser.add_argument("--max-batch-size", type=int, default=int(_env("MAX_BATCH_SIZE", "8") or 8))
     parser.add_argument("--max-batch-wait-ms", type=float, default=float(_env("MAX_BATCH_WAIT_MS", "5") or 5))
-    parser.add_argument("--threads", type=int, default=int(_env("THREADS", "0") or 0), help="torch threads (0: auto)")
+    parser.add_argument("--threads", type=int, default=int(_env("THREADS", "0") or 0),
+                        help="torch threads (0: on CPU the CPUs this process may use, cgroup limit included)")
     parser.add_argument("--dtype", default=_env("DTYPE", "auto"), choices=("auto", "float32", "bfloat16", "float16"),
                         help="weights of hf: models (auto: bfloat16 on CUDA, float32 on CPU)")
     parser.add_argument("--compile-normalise", action="store_true", default=_env("COMPILE_NORMALISE") == "1",
@@ -41,7 +42,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="diagnostics and tests: sleep this long between taking a request and claiming it")
     parser.add_argument("--instance", default=_env("INSTANCE"), help="instance id (default: find by --label)")
     parser.add_argument("--label", default=_env("LABEL", "default"))
-    parser.add_argument("--attach-wait-s", type=float, default=60.0)
+    parser.add_argument("--attach-wait-s", type=float, default=float(_env("ATTACH_WAIT_S", "60") or 60),
+                        help="how long to wait for a gateway with --label to appear (a container starting first)")
+    parser.add_argument("--follow-drain-s", type=float, default=float(_env("FOLLOW_DRAIN_S", "0") or 0),
+                        help="on SIGTERM keep serving while the gateway drains, up to this long (0: stop at once). "
+                        "For pods, whose containers all get SIGTERM together")
     parser.add_argument("--log-level", default=_env("LOG_LEVEL", "info"))
     return parser.parse_args(argv)
 
@@ -56,16 +61,22 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    threads = args.threads
+    if not threads and device.startswith("cpu"):
+        from shared.cpus import usable_cpus
+
+        threads = usable_cpus()  # torch's own default is the node's cores, not the container's limit
     options = WorkerOptions(
         model=args.model,
         device=device,
         max_batch_size=args.max_batch_size,
         max_batch_wait_ms=args.max_batch_wait_ms,
-        threads=args.threads or None,
+        threads=threads or None,
         dtype=args.dtype,
         diag_batch_delay_ms=args.diag_batch_delay_ms,
         diag_claim_delay_ms=args.diag_claim_delay_ms,
         compile_normalise=args.compile_normalise,
+        follow_drain_s=args.follow_drain_s,
     )
     return run_worker(options=options, instance_id=args.instance, label=args.label, attach_wait_s=args.attach_wait_s)
 

@@ -58,7 +58,7 @@ from shared.errors import (
     SetupError,
 )
 from shared.instance import DEAD_AFTER_S, Instance, instance_alive
-from shared.segment import BATCH_BUCKETS, MODEL_NAME_BYTES, Heartbeat, SlotState, now_ns
+from shared.segment import BATCH_BUCKETS, MODEL_NAME_BYTES, Heartbeat, InstanceState, SlotState, now_ns
 from shared.wire import (
     INLINE_TENSOR,
     MAX_DELTA_CHARS,
@@ -75,6 +75,7 @@ from worker.backends.base import ModelBackend, WorkItem
 from worker.batcher import Batcher
 from worker.device import Copy, DeviceCopier, pick_device, use_device
 from worker.health import Progress, is_sticky_device_error
+from worker.drain import StopRequest
 from worker.prefetch import Prefetcher
 
 __all__ = ["Worker", "WorkerOptions"]
@@ -102,6 +103,7 @@ class WorkerOptions:
     # the window in which a killed worker holds a request no frontend knows it took (tests/test_take_window.py)
     diag_claim_delay_ms: float = 0.0
     compile_normalise: bool = False  # efficientnet: torch.compile the input normalisation (opt-in; see there)
+    follow_drain_s: float = 0.0  # on SIGTERM keep serving while the gateway drains, this long at most (worker/drain.py)
 
 
 @dataclass
@@ -121,6 +123,7 @@ class Worker:
         self.options = options
         torch.device(options.device)  # a bad device name raises (RuntimeError) before a slot is claimed
         self._stop = threading.Event()
+        self._stop_request = StopRequest(options.follow_drain_s)
         self.exit_code = 0
         self._replies: dict[int, Queue] = {}
         self._replies_lock = threading.Lock()  # both threads reply; one Queue object per frontend
@@ -184,6 +187,12 @@ class Worker:
         logging.shutdown()
         os._exit(EXIT_DECLARED_DEAD)
 
+    def request_stop(self) -> None:
+        """SIGTERM/SIGINT: stop now, or once the gateway's drain is over (``follow_drain_s``)."""
+        self._stop_request.signal()
+        if self._stop_request.due(InstanceState.RUNNING):
+            self._stop.set()  # no drain to follow: stop taking work at once, as a plain SIGTERM always did
+
     def run(self) -> None:
         seg = self.instance.segment
         self.progress.step()  # before READY: loading the model was not a stall
@@ -192,6 +201,9 @@ class Worker:
         prefetcher = self._prefetcher.start()
         try:
             while not self._stop.is_set():
+                if self._stop_request.due(int(seg.header[0]["state"])):
+                    self._stop.set()
+                    break
                 if int(seg.workers[self.slot]["epoch"]) != self.epoch:
                     log.error("this worker's slot was taken over (declared dead); exiting")
                     self.exit_code = 1
@@ -200,7 +212,7 @@ class Worker:
                     # the gateway is gone or stopping: exit so the supervisor (or compose's restart
                     # policy) starts a worker that attaches to the new instance
                     log.warning("the gateway instance stopped; exiting")
-                    self.exit_code = 0 if self._stop.is_set() else 1
+                    self.exit_code = 0 if self._stop.is_set() or self._stop_request.asked else 1
                     return
                 self.progress.idle_turn()
                 jobs = prefetcher.get(timeout_s=0.25)
@@ -537,8 +549,8 @@ def run_worker(
         print(f"shmgate worker: configuration error: {exc}", file=sys.stderr)
         instance.close()
         return EXIT_CONFIG
-    signal.signal(signal.SIGTERM, lambda *_: worker.stop())
-    signal.signal(signal.SIGINT, lambda *_: worker.stop())
+    signal.signal(signal.SIGTERM, lambda *_: worker.request_stop())
+    signal.signal(signal.SIGINT, lambda *_: worker.request_stop())
     try:
         worker.run()
     finally:
