@@ -119,27 +119,25 @@ def test_sigterm_to_every_container_at_once_fails_no_request(tmp_path: Path) -> 
 
 
 def test_second_unit_under_the_same_uid_on_a_node_does_not_fit(tmp_path: Path) -> None:
-    """RLIMIT_MSGQUEUE is per uid per node: two pods of 8 frontends each cannot both get their queues
-    (one takes a bit over half of the 819,200 bytes; measured: 14 frontends fit alone, on Linux 6.18).
+    """RLIMIT_MSGQUEUE is per uid per node: two pods of 12 frontends each cannot both get their queues.
 
-    The second must fail at start-up with a message that names RLIMIT_MSGQUEUE (the fix), not later.
+    The first takes most of the 819,200 bytes at full depth (measured: 14 frontends fit alone, on Linux
+    6.18). The second lowers its depths to what is left (shared/mq_budget.py), and since not even the
+    minimum depth fits, it must fail at start-up with a message that names RLIMIT_MSGQUEUE (the fix).
     """
     if not uid_prefix():
         pytest.skip("needs a uid of its own (setpriv): root's queue budget is shared with everything else")
     with Pod("node-unit-1", SHM_BYTES, tmp_path) as first, Pod("node-unit-2", SHM_BYTES, tmp_path) as second:
-        one = first.run("gateway", gateway_argv(free_port(), label="u1", frontends=8))
+        one = first.run("gateway", gateway_argv(free_port(), label="u1", frontends=12))
         # its queues exist once it logs that it listens (before its frontends start)
         wait_until(lambda: "listening on" in one.log() or not one.alive(), 60, "the first unit's queues")
         assert one.alive(), one.log()
-        two = second.run("gateway", gateway_argv(free_port(), label="u2", frontends=8))
+        two = second.run("gateway", gateway_argv(free_port(), label="u2", frontends=12))
         code = two.wait(60)
-        one.kill()  # its 8 frontends are not needed: its queues were the point
+        one.kill()  # its frontends are not needed: its queues were the point
         assert code == 2, two.log()
         assert "message queue" in two.log(), two.log()
-        if "RLIMIT_MSGQUEUE" not in two.log():
-            # The start-up check of the queue budget that names RLIMIT_MSGQUEUE (and its fix) comes with
-            # issue 13's shared/channels.py; until it is merged the error is the older generic one.
-            pytest.xfail("the queue-budget error does not name RLIMIT_MSGQUEUE yet (issue 13)")
+        assert "RLIMIT_MSGQUEUE" in two.log(), two.log()
 
 
 def test_sigterm_while_requests_are_still_decoding_answers_each_with_200_or_503(tmp_path: Path) -> None:
