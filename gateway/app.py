@@ -2,6 +2,7 @@
 
 Routes:
     POST /v1/chat/completions   OpenAI chat, streaming (SSE) or not
+    POST /v1/embeddings         OpenAI embeddings of images (and text, for CLIP-class models): gateway/embeddings.py
     GET  /v1/models             the served model
     GET  /health                this process is up and attached (always open)
     GET  /ready                 a worker for the model heartbeats and we are not draining
@@ -30,11 +31,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.fetch import FetchPolicy, fetch_pending
 from gateway.frontend import Frontend, FrontendLimits, RequestState
+from gateway.embeddings import embed, embedding_response, parse_embedding_request
 from gateway.http_errors import error_body, error_response
+from gateway.http_errors import failure_error as _failure
 from gateway.http_limits import read_capped
 from gateway.intake import IntakeLimits, parse_chat_request
 from gateway.metrics import Counter, render
 from gateway.preprocess import get_preprocessor
+from gateway.result_cache import ResultCache
 from gateway.sse import Completion
 from shared.errors import InvalidRequest, RequestTooLarge, ShmgateError, Unauthorized
 from shared.instance import Instance
@@ -56,6 +60,7 @@ class AppOptions:
     intake: IntakeLimits = IntakeLimits()
     limits: FrontendLimits = FrontendLimits()
     image_urls: FetchPolicy = field(default_factory=FetchPolicy)  # used only when intake.allow_image_urls is set
+    result_cache_bytes: int = 0  # /v1/embeddings answers kept per frontend (gateway/result_cache.py); 0: off
 
 
 def create_app(options: AppOptions) -> FastAPI:
@@ -134,6 +139,9 @@ def create_app(options: AppOptions) -> FastAPI:
             check_key(request)
             body = await _read_body(request, options.max_body_bytes)
             chat = parse_chat_request(body, options.intake)
+            if not getattr(f.preprocessor, "serves_chat", True):
+                raise InvalidRequest(f"{f.preprocessor.model} is an embedding model; use POST /v1/embeddings",
+                                     param="model")
             if chat.pending_urls:
                 await fetch_pending(chat, options.image_urls)
             state = await f.submit(chat)
@@ -143,6 +151,31 @@ def create_app(options: AppOptions) -> FastAPI:
         if chat.stream:
             return await _stream(f, state, chat.model, chat.include_usage, started)
         return await _complete(f, state, chat.model, started)
+
+    results = ResultCache(options.result_cache_bytes) if options.result_cache_bytes > 0 else None
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        f = frontend()
+        started = time.monotonic()
+        try:
+            check_key(request)
+            body = await _read_body(request, options.max_body_bytes)
+            job = parse_embedding_request(body, options.intake, f.preprocessor)
+            if job.chat.pending_urls:
+                await fetch_pending(job.chat, options.image_urls)
+            bypass = "no-cache" in request.headers.get("cache-control", "").lower()
+            try:
+                vectors, tokens = await embed(f, job, results, bypass_cache=bypass)
+            finally:
+                if results is not None:
+                    f.stats.set_result_cache(results.stats, results.used_bytes)
+        except ShmgateError as exc:
+            _count_error(f, exc)
+            return error_response(exc)
+        f.stats.add(Counter.REQUESTS_OK)
+        f.stats.observe(Counter.LATENCY_BUCKETS, time.monotonic() - started)
+        return Response(embedding_response(job, vectors, tokens), media_type="application/json")
 
     return app
 
@@ -182,15 +215,6 @@ def _count_error(f: Frontend, exc: ShmgateError) -> None:
         f.stats.add(Counter.REQUESTS_CLIENT_ERROR)
     else:
         f.stats.add(Counter.REQUESTS_SERVER_ERROR)
-
-
-def _failure(event: Failed) -> ShmgateError:
-    error = ShmgateError(event.message)
-    error.status_hint = event.status_hint
-    error.code = event.code
-    if event.status_hint < 500:
-        error.error_type = "invalid_request_error"
-    return error
 
 
 async def _complete(f: Frontend, state: RequestState, model: str, started: float) -> Response:

@@ -108,6 +108,7 @@ class EfficientNetPreprocessor(FixedSizePreprocessor):
     """EfficientNet-Lite0: shorter side 256 bicubic, centre crop 224, uint8 CHW."""
 
     model = "efficientnet-lite0"
+    embedding_dim = 1280  # /v1/embeddings: the pooled features before the classifier (images only)
 
 
 class ChecksumPreprocessor(FixedSizePreprocessor):

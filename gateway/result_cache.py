@@ -1,0 +1,75 @@
+"""A bounded cache of deterministic answers (embedding vectors), per frontend process.
+
+Why: an embedding is a pure function of (model, preprocessing, input). A repeated image already
+skips its decode through the tensor cache in the arena; with this cache it also skips the worker:
+no descriptor, no batch slot, no forward pass. It is off unless ``--result-cache-mb`` is set, keyed
+by the content key of the input (shared.cache.content_key over the image's base64 text or bytes,
+or the text) together with the model id and the preprocessing parameters, and bounded in bytes
+with least-recently-used eviction.
+
+Each frontend keeps its own, in process memory: it is not a mirror of anything (no entry refers to
+another process's state), so it cannot drift the way vLLM's mirrored key cache did (docs/
+ARCHITECTURE.md); the cost is that N frontends may each hold a copy of a popular vector. Clients
+bypass it per request with ``Cache-Control: no-cache`` (the answer is computed afresh and stored).
+Sampling never reaches it: only /v1/embeddings uses it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from shared.cache import content_key
+
+__all__ = ["ResultCache", "ResultCacheStats", "result_key"]
+
+ENTRY_OVERHEAD_BYTES = 200  # the OrderedDict node, the key and the bytes object's header, roughly
+
+
+def result_key(material: bytes | str, model: str, params: bytes, kind: str) -> bytes:
+    """The cache key of one input: ``kind`` ("image"/"text") keeps an image's text and a text apart."""
+    return content_key(material, b"%s|%s|" % (kind.encode(), model.encode()) + params)
+
+
+@dataclass
+class ResultCacheStats:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+
+
+class ResultCache:
+    """LRU over ``key -> bytes`` holding at most ``max_bytes`` (values plus a per-entry overhead)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        assert max_bytes > 0, "a result cache needs room; leave it out (None) to disable it"
+        self.max_bytes = max_bytes
+        self.used_bytes = 0
+        self.stats = ResultCacheStats()
+        self._entries: OrderedDict[bytes, bytes] = OrderedDict()
+
+    def get(self, key: bytes) -> bytes | None:
+        value = self._entries.get(key)
+        if value is None:
+            self.stats.misses += 1
+            return None
+        self._entries.move_to_end(key)
+        self.stats.hits += 1
+        return value
+
+    def put(self, key: bytes, value: bytes) -> None:
+        size = len(value) + ENTRY_OVERHEAD_BYTES
+        if size > self.max_bytes:
+            return
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self.used_bytes -= len(old) + ENTRY_OVERHEAD_BYTES
+        self._entries[key] = value
+        self.used_bytes += size
+        while self.used_bytes > self.max_bytes:
+            _, evicted = self._entries.popitem(last=False)
+            self.used_bytes -= len(evicted) + ENTRY_OVERHEAD_BYTES
+            self.stats.evictions += 1
+
+    def __len__(self) -> int:
+        return len(self._entries)
