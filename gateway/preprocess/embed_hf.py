@@ -7,9 +7,9 @@ padded to ``max_num_patches``, so every image of a checkpoint has the same shape
 
 Text: the tokenizer, padded to the text tower's length (``padding="max_length"``, as SigLIP was
 trained and as its processor does; CLIP pools at the end-of-text token, so padding does not change
-its features). The ids ride inline as int32: ``[n, id_0, id_1, ...]`` where ``n`` is the count of
-real tokens (the attention mask is ``n`` ones then zeros) or -1 when the tokenizer returns no mask
-(the worker passes none, as the model's own processor would).
+its features), on the side the directory's tokenizer pads. The ids ride inline as int32:
+``[1, ids..., mask...]`` with the attention mask, or ``[0, ids...]`` when the tokenizer returns none
+(the worker then passes none, as the model's own processor would).
 
 The model never runs here and its weights are never opened; only the processor files and
 config.json are read. Chat requests are not served for these models (gateway/embeddings.py).
@@ -33,9 +33,8 @@ __all__ = ["HFEmbeddingPreprocessor", "text_inline"]
 
 
 def text_inline(ids: Sequence[int], mask: Sequence[int] | None) -> bytes:
-    """The inline payload of a text input: int32 ``[n or -1, ids...]`` (module docstring)."""
-    n = -1 if mask is None else int(np.sum(np.asarray(mask)))
-    return np.asarray([n, *ids], dtype=np.int32).tobytes()
+    """The inline payload of a text input: int32 ``[1, ids..., mask...]`` or ``[0, ids...]`` (module docstring)."""
+    return np.asarray([0, *ids] if mask is None else [1, *ids, *mask], dtype=np.int32).tobytes()
 
 
 class HFEmbeddingPreprocessor:
@@ -53,7 +52,6 @@ class HFEmbeddingPreprocessor:
         self.max_images = max_images
         self.image_processor = AutoImageProcessor.from_pretrained(path, backend="pil")
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.tokenizer.padding_side = "right"  # the inline format says the mask by its length
         config = AutoConfig.from_pretrained(path)
         text_config = config.text_config
         self.max_text_tokens = min(int(text_config.max_position_embeddings),

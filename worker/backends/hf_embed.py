@@ -1,7 +1,7 @@
 """Embeddings from a dual-tower checkpoint served as ``hf:<directory>``: CLIP, SigLIP, SigLIP2.
 
 Image items carry the image processor's tensors (gateway/preprocess/embed_hf.py); text items carry
-int32 token ids inline (``[n or -1, ids...]``: n real tokens, -1 for no attention mask). A batch
+int32 token ids inline (``[1, ids..., mask...]``, or ``[0, ids...]`` without an attention mask). A batch
 runs the image tower once over all its image items (``get_image_features``: vision tower, then
 CLIP's projection or SigLIP's pooling head) and the text tower once over all its text items
 (``get_text_features``), so image and text vectors share the model's space. Each vector is
@@ -83,11 +83,12 @@ class HFEmbeddingBackend:
     def _text_inputs(self, items: Sequence[WorkItem]) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
         """Token ids (N, L) int64 on the device, the attention mask or None, and real tokens per item."""
         rows = [np.frombuffer(item.inline, dtype=np.int32) for item in items]
-        if any(len(row) < 2 for row in rows) or len({len(row) for row in rows}) != 1:
+        if len({(len(row), int(row[0])) for row in rows if len(row)}) != 1 or any(len(row) < 2 for row in rows):
             raise InvalidRequest("text items must carry token ids of the text tower's length")
-        ids = torch.from_numpy(np.stack([row[1:] for row in rows]).astype(np.int64)).to(self.device)
-        lengths = [int(row[0]) for row in rows]
-        if all(n < 0 for n in lengths):
-            return ids, None, [ids.shape[1]] * len(rows)
-        mask = (torch.arange(ids.shape[1]).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)).long()
-        return ids, mask.to(self.device), lengths
+        table = torch.from_numpy(np.stack(rows)[:, 1:].astype(np.int64))
+        if int(rows[0][0]) == 0:  # no mask
+            return table.to(self.device), None, [table.shape[1]] * len(rows)
+        if table.shape[1] % 2:
+            raise InvalidRequest("a text item's mask must be as long as its token ids")
+        ids, mask = table.chunk(2, dim=1)
+        return ids.to(self.device), mask.to(self.device), mask.sum(dim=1).tolist()
