@@ -210,27 +210,64 @@ def embedder_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {kind: build_tiny_embedder(kind, root / f"tiny-{kind}") for kind in ("clip", "siglip", "siglip2")}
 
 
+TEXTS = ["a photo of a cat", "a cup of coffee on a table"]
+
+
 @pytest.mark.parametrize("kind", ["clip", "siglip", "siglip2"])
-def test_image_and_text_vectors_equal_the_models_features(kind: str, embedder_dirs: dict[str, Path],
-                                                          tmp_path: Path) -> None:
+def test_the_two_halves_give_the_models_features(kind: str, embedder_dirs: dict[str, Path]) -> None:
+    """Frontend preprocessing -> (arrays standing in for the arena) -> worker backend, one mixed batch."""
+    import torch
+
+    from gateway.preprocess import get_preprocessor
     from tests.embed_fixture import reference_features
+    from worker.backends.base import WorkItem
+    from worker.backends.hf_embed import HFEmbeddingBackend
 
     model_dir = embedder_dirs[kind]
+    pre = get_preprocessor(f"hf:{model_dir}")
+    items = []
+    for name in PHOTOS[:2]:
+        arrays: dict[str, np.ndarray] = {}
+
+        def allocate(n: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+            arrays[n] = np.empty(shape, dtype)
+            return arrays[n]
+
+        pre.preprocess_image((IMAGES / name).read_bytes(), allocate, max_pixels=10**8)
+        items.append(WorkItem(len(items), {n: [torch.from_numpy(a)] for n, a in arrays.items()}, task="embed"))
+    for text in TEXTS:
+        prompt = pre.build_prompt([{"role": "user", "content": [{"type": "text", "text": text}]}], [])
+        items.append(WorkItem(len(items), {}, inline=prompt.inline, task="embed"))
+    backend = HFEmbeddingBackend(str(model_dir), torch.device("cpu"), name=pre.model)
+    events = list(backend.run(items))
+    vectors = np.stack([np.frombuffer(e.vector, dtype="<f4") for e in sorted(events, key=lambda e: e.index)
+                        if e.vector is not None])
+    assert vectors.shape == (4, pre.embedding_dim)
+    assert [e.index for e in events if e.finish_reason] == [0, 1, 2, 3]
+    images = [Image.open(IMAGES / name).convert("RGB") for name in PHOTOS[:2]]
+    assert _cos(vectors, reference_features(model_dir, images=images, texts=TEXTS)).min() >= 0.9999
+
+
+def test_a_siglip2_server_embeds_images_and_text_in_one_space(embedder_dirs: dict[str, Path],
+                                                               tmp_path: Path) -> None:
+    """SigLIP2 sends three tensors per image (pixels, patch mask, spatial shapes) through the arena."""
+    from tests.embed_fixture import reference_features
+
+    model_dir = embedder_dirs["siglip2"]
     s = start_server(f"hf:{model_dir}", tmp_path, "--frontends", "1", "--workers", "1")
     try:
         model = model_dir.name
-        texts = ["a photo of a cat", "a cup of coffee on a table"]
-        inputs = [_url(PHOTOS[0]), texts[0], _url(PHOTOS[1]), texts[1]]
+        inputs = [_url(PHOTOS[0]), TEXTS[0], _url(PHOTOS[1]), TEXTS[1]]
         response = httpx.post(s.base_url + "/v1/embeddings", json={"model": model, "input": inputs}, timeout=60)
         assert response.status_code == 200, response.text
         body = response.json()
         vectors = _vectors(body)
         images = [Image.open(IMAGES / name).convert("RGB") for name in PHOTOS[:2]]
-        reference = reference_features(model_dir, images=images, texts=texts)
+        reference = reference_features(model_dir, images=images, texts=TEXTS)
         assert _cos(vectors[[0, 2, 1, 3]], reference).min() >= 0.9999
         assert body["usage"]["prompt_tokens"] > 0  # the texts' tokens
         text_only = httpx.post(s.base_url + "/v1/embeddings", timeout=60, json={
-            "model": model, "messages": [{"role": "user", "content": texts[0]}]}).json()
+            "model": model, "messages": [{"role": "user", "content": TEXTS[0]}]}).json()
         assert _cos(_vectors(text_only)[0], vectors[1]) >= 0.9999
         chat = httpx.post(s.base_url + "/v1/chat/completions", timeout=30, json={
             "model": model, "messages": [{"role": "user", "content": "hi"}]})
