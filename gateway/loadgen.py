@@ -188,10 +188,20 @@ async def _send_plain(client: RawClient, body: bytes, embeddings: bool = False) 
         return response.status, "", str(response.status)
     try:
         answer = json.loads(payload)
-        text = answer["data"][0]["embedding"] if embeddings else answer["choices"][0]["message"]["content"] or ""
+        text = _vector_text(answer["data"][0]["embedding"]) if embeddings else (
+            answer["choices"][0]["message"]["content"] or "")
     except (ValueError, KeyError, IndexError, TypeError):
         return response.status, "", "bad_body"
     return response.status, text, None
+
+
+def _vector_text(embedding: str | list[float]) -> str:
+    """An answer's vector as base64 float32 (servers that ignore encoding_format answer floats)."""
+    if isinstance(embedding, str):
+        return embedding
+    import numpy as np
+
+    return base64.b64encode(np.asarray(embedding, dtype="<f4").tobytes()).decode()
 
 
 async def _send_streaming(client: RawClient, body: bytes, start: float) -> tuple[int, str, float | None, str | None]:
@@ -267,7 +277,7 @@ def count_vector_mismatches(answers: Iterable[tuple[str, str]]) -> int:
     for image, text in answers:
         try:
             vector = np.frombuffer(base64.b64decode(text), dtype="<f4")
-        except ValueError:
+        except (ValueError, TypeError):
             bad += 1
             continue
         ref = first.setdefault(image, vector)
