@@ -37,9 +37,8 @@ from gateway.intake import (
     EncodedImage,
     IntakeLimits,
     Message,
-    PendingImageURL,
+    add_image,
     chat_request_from,
-    data_url_image,
     decode_body,
     key_material,
 )
@@ -122,12 +121,7 @@ def _inputs(raw: str | list[str] | None, limits: IntakeLimits, chat: ChatRequest
             continue
         if len(chat.images) >= limits.max_images:
             raise TooManyImages(f"at most {limits.max_images} images per request", param="input")
-        if limits.allow_image_urls and head.startswith(("http://", "https://")):
-            chat.pending_urls.append(PendingImageURL(len(chat.images), s, param))
-            chat.images.append(b"")
-        else:
-            chat.images.append(data_url_image(s, limits, param))
-        chat.image_params.append(param)
+        add_image(s, param, limits, chat.images, chat.image_params, chat.pending_urls)
         inputs.append((len(chat.images) - 1, "", param))
     if sum(len(text) for _, text, _ in inputs) > limits.max_text_chars:
         raise InvalidRequest(f"the text is longer than {limits.max_text_chars} characters", param="input")

@@ -22,6 +22,7 @@ __all__ = [
     "ChatCompletionRequest",
     "ChatRequest",
     "Message",
+    "add_image",
     "chat_request_from",
     "data_url_image",
     "decode_body",
@@ -217,13 +218,8 @@ def chat_request_from(req: ChatCompletionRequest, limits: IntakeLimits) -> ChatR
                         raise TooManyImages(
                             f"at most {limits.max_images} images per request", param=f"messages[{i}].content"
                         )
-                    url, param = part.image_url.url, f"messages[{i}].content[{j}].image_url"
-                    if limits.allow_image_urls and url[:8].lower().startswith(("http://", "https://")):
-                        pending.append(PendingImageURL(len(images), url, param))
-                        images.append(b"")
-                    else:
-                        images.append(data_url_image(url, limits, param))
-                    image_params.append(param)
+                    add_image(part.image_url.url, f"messages[{i}].content[{j}].image_url", limits, images,
+                              image_params, pending)
                     parts.append({"type": "image"})
         if n_parts > limits.max_parts:
             raise InvalidRequest(f"at most {limits.max_parts} content parts are accepted", param="messages")
@@ -264,6 +260,18 @@ def _sampling(req: ChatCompletionRequest) -> SamplingParams:
     if seed is not None and not -(1 << 63) <= seed < 1 << 63:
         raise InvalidRequest("seed is out of range", param="seed")
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop)
+
+
+def add_image(url: str, param: str, limits: IntakeLimits, images: list[bytes | EncodedImage], params: list[str],
+              pending: list[PendingImageURL]) -> None:
+    """Append an image given by URL: a data URL's (checked) text, or, when fetching is allowed, a
+    placeholder and its PendingImageURL. Raises RequestError subclasses naming ``param``."""
+    if limits.allow_image_urls and url[:8].lower().startswith(("http://", "https://")):
+        pending.append(PendingImageURL(len(images), url, param))
+        images.append(b"")
+    else:
+        images.append(data_url_image(url, limits, param))
+    params.append(param)
 
 
 def data_url_image(url: str, limits: IntakeLimits, param: str) -> EncodedImage:

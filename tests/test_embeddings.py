@@ -198,6 +198,27 @@ def test_the_openai_client_creates_embeddings(server: Server) -> None:
     assert _cos(np.array(result.data[0].embedding), np.array(float_result.data[0].embedding)) >= 0.9999
 
 
+def test_shmgate_bench_embeddings_runs_and_checks_agreement(server: Server, tmp_path: Path) -> None:
+    import argparse
+    import asyncio
+
+    from gateway import loadgen
+
+    for name in PHOTOS:  # within this server's --max-pixels
+        (tmp_path / name).symlink_to(IMAGES / name)
+
+    parser = argparse.ArgumentParser()
+    loadgen.add_arguments(parser)
+    args = parser.parse_args(["--base-url", server.base_url, "--model", "efficientnet-lite0", "--embeddings",
+                              "--images", str(tmp_path), "--concurrency", "4", "--requests", "8", "--unique",
+                              "--api-key", KEY])
+    result = asyncio.run(loadgen.run(args))
+    assert result["embeddings"] and result["errors"] == 0 and result["mismatches"] == 0, result["errors_by_kind"]
+    vector = base64.b64encode(np.ones(4, dtype="<f4").tobytes()).decode()
+    other = base64.b64encode(np.array([1, -1, 1, -1], dtype="<f4").tobytes()).decode()
+    assert loadgen.count_vector_mismatches([("a", vector), ("a", vector), ("a", other), ("b", other)]) == 1
+
+
 # -- CLIP, SigLIP, SigLIP2 --------------------------------------------------------------------
 
 
