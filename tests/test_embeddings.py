@@ -68,7 +68,8 @@ def test_the_result_cache_is_bounded_and_least_recently_used() -> None:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     s = start_server("efficientnet-lite0", tmp_path_factory.mktemp("embed"), "--api-key", KEY,
-                     "--result-cache-mb", "4", "--max-pixels", "1000000", "--max-images", "4")
+                     "--result-cache-mb", "4", "--max-pixels", "1000000", "--max-images", "4",
+                     "--allow-image-urls", "--image-url-allowlist", "127.0.0.1/32")
     try:
         yield s
     finally:
@@ -163,7 +164,7 @@ def _big_png(width: int, height: int) -> bytes:
     ({"input": [_url("camera_640.jpg")] * 5}, 400, "input", "too_many_images"),
     ({"input": ["data:image/jpeg;base64,!!!!"]}, 400, "input[0]", None),
     ({"input": ["data:image/gif;base64,R0lGODlh"]}, 400, "input[0]", None),
-    ({"input": ["https://example.com/cat.jpg"]}, 400, "input[0]", None),
+    ({"input": [_url("camera_640.jpg"), "http://10.1.2.3/cat.jpg"]}, 400, "input[1]", None),
     ({"input": [data_url(_big_png(1200, 1000), "image/png")]}, 413, "input[0]", "image_too_large"),
     ({"input": []}, 400, "input", None),
     ({"input": [[1, 2, 3]]}, 400, "input[0]", None),
@@ -180,6 +181,18 @@ def test_bad_inputs_get_the_chat_paths_errors(server: Server, body: dict, status
     assert error["param"] == param and error["message"]
     if code:
         assert error["code"] == code
+
+
+def test_an_image_url_is_fetched_and_embedded_like_its_data_url(server: Server) -> None:
+    from tests.image_host import Route, serve_images
+
+    photo = (IMAGES / "coffee_640.jpg").read_bytes()
+    with serve_images() as host:
+        host.routes["/coffee.jpg"] = Route(body=photo, headers={"Content-Type": "image/jpeg"})
+        fetched = _post(server, {"model": "efficientnet-lite0", "input": [host.url("/coffee.jpg")]})
+    assert fetched.status_code == 200, fetched.text
+    inline = _post(server, {"model": "efficientnet-lite0", "input": [data_url(photo)]})
+    assert _cos(_vectors(fetched.json())[0], _vectors(inline.json())[0]) >= 0.9999
 
 
 def test_the_api_key_guards_embeddings(server: Server) -> None:
