@@ -80,7 +80,8 @@ def _add_gateway_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--image-url-max-bytes", type=parse_size, default=_env("IMAGE_URL_MAX_BYTES", "20MiB"))
     p.add_argument("--image-url-timeout-s", type=float, default=float(_env("IMAGE_URL_TIMEOUT_S", "10") or 10))
     p.add_argument("--result-cache-mb", type=float, default=float(_env("RESULT_CACHE_MB", "0") or 0),
-                   help="per frontend: keep this many MiB of /v1/embeddings answers (0: off; see docs/MODELS.md)")
+                   help="per frontend: keep this many MiB of deterministic answers (embeddings, the classifier's); "
+                        "0: off (docs/MODELS.md)")
 
 
 def _allowlist(text: str) -> str:

@@ -40,7 +40,8 @@ from typing import Any
 
 from gateway.rawhttp import RawClient, Response, TransportError
 
-__all__ = ["add_arguments", "count_mismatches", "count_vector_mismatches", "main", "percentile", "process_tree", "run", "tree_cpu_seconds"]
+__all__ = ["add_arguments", "count_mismatches", "count_vector_mismatches", "main", "percentile", "process_tree", "run",
+           "tree_cpu_seconds"]
 
 IMAGE_TYPES = {".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".png": "image/png", ".webp": "image/webp"}
 PROMPT = "What is in this image?"

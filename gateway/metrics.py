@@ -42,7 +42,7 @@ class Counter(enum.IntEnum):
     ARENA_SIZE_BYTES = 61
     IN_FLIGHT = 62
     ARENA_HELD_BYTES = 63  # arena bytes pinned by requests in flight (0 when idle)
-    # The /v1/embeddings result cache (gateway/result_cache.py); far from the others so that counters
+    # The result cache (gateway/result_cache.py); far from the others so that counters
     # added after 63 do not collide.
     RESULT_CACHE_HITS = 100
     RESULT_CACHE_MISSES = 101
@@ -119,9 +119,11 @@ def render(segment: Segment, queue_depth: int) -> str:
            [("", int(total[Counter.CACHE_MISSES]))])
     metric("shmgate_cache_evictions_total", "counter", "Cached images evicted to make room.",
            [("", int(total[Counter.CACHE_EVICTIONS]))])
-    metric("shmgate_result_cache_hits_total", "counter", "Embeddings answered from a frontend's result cache.",
+    metric("shmgate_result_cache_hits_total", "counter",
+           "Answers (embeddings, classifier labels) served from a frontend's result cache.",
            [("", int(total[Counter.RESULT_CACHE_HITS]))])
-    metric("shmgate_result_cache_misses_total", "counter", "Embeddings looked up and not found (then computed).",
+    metric("shmgate_result_cache_misses_total", "counter",
+           "Answers looked up in a result cache and not found (then computed).",
            [("", int(total[Counter.RESULT_CACHE_MISSES]))])
     metric("shmgate_result_cache_evictions_total", "counter", "Result cache entries evicted to make room.",
            [("", int(total[Counter.RESULT_CACHE_EVICTIONS]))])

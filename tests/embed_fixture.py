@@ -12,6 +12,7 @@ few seconds.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -112,7 +113,7 @@ def build_tiny_embedder(kind: str, path: Path) -> Path:
     return path
 
 
-def reference_features(model_dir: Path, *, images: list[Any] = (), texts: list[str] = ()) -> Any:  # type: ignore[assignment]
+def reference_features(model_dir: Path, *, images: Sequence[Any] = (), texts: Sequence[str] = ()) -> Any:
     """The model's own unit-normalised features, through transformers' processor parts (the tests' reference).
 
     Images: ``get_image_features`` on the image processor's output; texts: ``get_text_features`` on
@@ -125,10 +126,11 @@ def reference_features(model_dir: Path, *, images: list[Any] = (), texts: list[s
     out = []
     with torch.inference_mode():
         if images:
-            inputs = AutoImageProcessor.from_pretrained(model_dir, backend="pil")(images=images, return_tensors="pt")
+            inputs = AutoImageProcessor.from_pretrained(model_dir, backend="pil")(images=list(images),
+                                                                                  return_tensors="pt")
             out.append(model.get_image_features(**inputs).pooler_output)
         if texts:
             tok = AutoTokenizer.from_pretrained(model_dir)
-            inputs = tok(texts, padding="max_length", truncation=True, max_length=_TEXT_TOKENS, return_tensors="pt")
+            inputs = tok(list(texts), padding="max_length", truncation=True, max_length=_TEXT_TOKENS, return_tensors="pt")
             out.append(model.get_text_features(**inputs).pooler_output)
     return torch.nn.functional.normalize(torch.cat(out), dim=-1).numpy()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -149,6 +150,28 @@ def test_the_result_cache_answers_identical_bytes_and_is_bypassed_when_asked(ser
     assert again.status_code == 200 and _cos(_vectors(again.json())[0], _vectors(first.json())[0]) >= 0.9999
     assert server.metric("shmgate_result_cache_hits_total") == hits
     assert server.metric("shmgate_batch_size_sum") == ran + 1
+
+
+def test_the_classifiers_chat_answer_is_cached_too_streamed_or_not(server: Server) -> None:
+    from tests.serving import image_request
+
+    body = image_request("efficientnet-lite0", (IMAGES / "camera_640.jpg").read_bytes())
+    headers = {"Authorization": f"Bearer {KEY}"}
+    url = server.base_url + "/v1/chat/completions"
+    first = httpx.post(url, json=body, headers=headers, timeout=60).json()["choices"][0]["message"]["content"]
+    hits = server.metric("shmgate_result_cache_hits_total")
+    for _ in range(60):  # until a frontend answers from its cache
+        again = httpx.post(url, json=body, headers=headers, timeout=60).json()
+        if server.metric("shmgate_result_cache_hits_total") > hits:
+            break
+    assert server.metric("shmgate_result_cache_hits_total") > hits
+    assert again["choices"][0]["message"]["content"] == first and again["usage"]["completion_tokens"] == 5
+    streamed = []
+    with httpx.stream("POST", url, json={**body, "stream": True}, headers=headers, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                streamed += [c["delta"].get("content") or "" for c in json.loads(line[6:])["choices"]]
+    assert "".join(streamed) == first
 
 
 def _big_png(width: int, height: int) -> bytes:
