@@ -98,7 +98,7 @@ def render(segment: Segment, queue_depth: int) -> str:
     metric(
         "shmgate_requests_total",
         "counter",
-        "Chat completion requests by outcome.",
+        "Chat completion and embedding requests by outcome.",
         [
             ('{outcome="ok"}', int(total[Counter.REQUESTS_OK])),
             ('{outcome="client_error"}', int(total[Counter.REQUESTS_CLIENT_ERROR])),
