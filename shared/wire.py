@@ -64,6 +64,7 @@ TASK_EMBED = "embed"
 # Vector.data carries at most this many bytes: a Vector message stays under REPLY_MESSAGE_BYTES with
 # room for its header, so a 1280-d float32 vector (5,120 bytes) travels as two messages.
 VECTOR_CHUNK_BYTES = 3072
+assert VECTOR_CHUNK_BYTES + 64 <= REPLY_MESSAGE_BYTES, "a Vector piece and its header must fit one reply message"
 
 NonNegative = Annotated[int, Meta(ge=0)]
 U64 = Annotated[int, Meta(ge=0, le=2**63 - 1)]  # msgspec bounds must fit in int64
