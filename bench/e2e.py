@@ -14,7 +14,7 @@ The command lines live in ``SCENARIOS``, a plain table, so they can be adjusted 
 changes. Placeholders: ``{python}`` (this interpreter), ``{bin}`` (its bin folder), ``{repo}``,
 ``{port}``, ``{litserve_python}``.
 
-Usage: ``python bench/e2e.py [--quick] [--scenario NAME ...] [--stream] [--json] [--out FILE]``.
+Usage: ``python bench/e2e.py [--quick] [--scenario NAME ...] [--embeddings] [--stream] [--json] [--out FILE]``.
 """
 
 from __future__ import annotations
@@ -73,6 +73,28 @@ SCENARIOS: dict[str, Scenario] = {
     "shmgate-efficientnet-1w": Scenario(SHMGATE + ("--model", "efficientnet-lite0", "--workers", "1"),
                                         "efficientnet-lite0", ready_path="/ready"),
 }
+# /v1/embeddings (one image per request; req/s = images/s). "-repeat": the same image every time
+# (the naive server and LitServe have no cache to hit; shmgate hits its tensor cache, and with
+# --result-cache-mb its result cache, which skips the worker).
+_EMBED = ("--unique", "--embeddings")
+_EMBED_REPEAT = ("--repeat-one", "--embeddings")
+SCENARIOS.update({
+    "naive-embed": Scenario(NAIVE + ("--mode", "efficientnet"), "efficientnet-lite0", bench_flags=_EMBED),
+    "naive-embed-repeat": Scenario(NAIVE + ("--mode", "efficientnet"), "efficientnet-lite0",
+                                   bench_flags=_EMBED_REPEAT),
+    "litserve-embed": Scenario(LITSERVE + ("--embeddings",), "efficientnet-lite0", needs=LITSERVE_PYTHON,
+                               bench_flags=_EMBED),
+    "litserve-embed-repeat": Scenario(LITSERVE + ("--embeddings",), "efficientnet-lite0", needs=LITSERVE_PYTHON,
+                                      bench_flags=_EMBED_REPEAT),
+    "shmgate-embed": Scenario(SHMGATE + ("--model", "efficientnet-lite0"), "efficientnet-lite0",
+                              ready_path="/ready", bench_flags=_EMBED),
+    "shmgate-embed-repeat": Scenario(SHMGATE + ("--model", "efficientnet-lite0"), "efficientnet-lite0",
+                                     ready_path="/ready", bench_flags=_EMBED_REPEAT),
+    "shmgate-embed-result-cache": Scenario(SHMGATE + ("--model", "efficientnet-lite0", "--result-cache-mb", "64"),
+                                           "efficientnet-lite0", ready_path="/ready", bench_flags=_EMBED_REPEAT),
+})
+EMBEDDING_SCENARIOS = ["naive-embed", "litserve-embed", "shmgate-embed", "naive-embed-repeat",
+                       "litserve-embed-repeat", "shmgate-embed-repeat", "shmgate-embed-result-cache"]
 DEFAULT_SCENARIOS = ["naive-checksum", "naive-efficientnet", "litserve"]
 
 
@@ -247,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scenario", action="append", choices=sorted(SCENARIOS),
                         help=f"repeatable; default: {', '.join(DEFAULT_SCENARIOS)}")
     parser.add_argument("--all", action="store_true", help="every scenario of the table")
+    parser.add_argument("--embeddings", action="store_true",
+                        help=f"the /v1/embeddings comparison: {', '.join(EMBEDDING_SCENARIOS)}")
     parser.add_argument("--quick", action="store_true", help="48 requests per point instead of 200")
     parser.add_argument("--requests", type=int, default=None)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
@@ -255,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="also write the markdown table to this file")
     parser.add_argument("--log-dir", default=None, help="keep the servers' logs here")
     args = parser.parse_args(argv)
-    args.scenario = sorted(SCENARIOS) if args.all else (args.scenario or DEFAULT_SCENARIOS)
+    args.scenario = sorted(SCENARIOS) if args.all else (
+        args.scenario or (EMBEDDING_SCENARIOS if args.embeddings else DEFAULT_SCENARIOS))
     args.requests = args.requests or (48 if args.quick else 200)
     results = asyncio.run(run_all(args))
     table = markdown_table(results)

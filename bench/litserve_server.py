@@ -17,6 +17,10 @@ step and ``encode_response`` turns each list into chat messages.
 On a GPU (``--accelerator cuda``, bench/gpu.py) the model runs there and LitServe's workers still
 decode on the CPU, as its design has it.
 
+``--embeddings`` serves ``POST /v1/embeddings`` through LitServe's ``OpenAIEmbeddingSpec`` instead:
+``input`` is one image data URL, the backend is asked for its pooled features (``WorkItem.task ==
+"embed"``) once per batch, and the spec answers floats (it ignores ``encoding_format``).
+
 Defaults are LitServe's best on the 2-core bench machine: 2 workers of 1 torch thread each (the
 decode of one overlaps the model of the other), batches of up to 4 gathered for 5 ms.
 """
@@ -61,6 +65,22 @@ def make_backend(mode: str, device: str, threads: int) -> Any:
     return ChecksumBackend(torch.device(device))
 
 
+def _tensors(preprocessor: Any, url: str) -> dict[str, list[torch.Tensor]]:
+    """Decode and preprocess one data URL's image into host tensors, as shmgate's frontends do."""
+    header, _, payload = url.partition(",")
+    if not header.startswith("data:"):
+        raise ValueError("the image must be a base64 data URL")
+    tensors: dict[str, list[torch.Tensor]] = {}
+
+    def allocate(name: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+        array = np.empty(shape, dtype=dtype)
+        tensors.setdefault(name, []).append(torch.from_numpy(array))
+        return array
+
+    preprocessor.preprocess_image(base64.b64decode(payload), allocate, max_pixels=MAX_PIXELS)
+    return tensors
+
+
 class EfficientNetAPI(ls.LitAPI):
     """decode_request runs per request in the worker; predict runs the model once per batch."""
 
@@ -78,18 +98,7 @@ class EfficientNetAPI(ls.LitAPI):
         self.next_id = 0
 
     def decode_request(self, request: Any, **kwargs: Any) -> dict[str, list[torch.Tensor]]:
-        header, _, payload = _image_url(request).partition(",")
-        if not header.startswith("data:"):
-            raise ValueError("the image must be a base64 data URL")
-        tensors: dict[str, list[torch.Tensor]] = {}
-
-        def allocate(name: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
-            array = np.empty(shape, dtype=dtype)
-            tensors.setdefault(name, []).append(torch.from_numpy(array))
-            return array
-
-        self.preprocessor.preprocess_image(base64.b64decode(payload), allocate, max_pixels=MAX_PIXELS)
-        return tensors
+        return _tensors(self.preprocessor, _image_url(request))
 
     def batch(self, inputs: list[dict[str, list[torch.Tensor]]]) -> list[dict[str, list[torch.Tensor]]]:
         return inputs  # the backend stacks the items itself
@@ -119,6 +128,45 @@ class EfficientNetAPI(ls.LitAPI):
                 yield {"role": "assistant", "content": outputs}
 
 
+class EmbeddingAPI(ls.LitAPI):
+    """/v1/embeddings: decode_request per request in the worker, one forward pass per batch in predict."""
+
+    def __init__(self, *, threads: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.threads = threads
+
+    def setup(self, device: str) -> None:
+        from gateway.preprocess.vision import EfficientNetPreprocessor
+
+        torch.set_num_threads(self.threads)
+        self.preprocessor = EfficientNetPreprocessor()
+        self.backend = make_backend("efficientnet", device, self.threads)
+
+    def decode_request(self, request: Any, **kwargs: Any) -> dict[str, list[torch.Tensor]]:
+        url = request.input[0] if isinstance(request.input, list) else request.input
+        return _tensors(self.preprocessor, url)
+
+    def batch(self, inputs: list[dict[str, list[torch.Tensor]]]) -> list[dict[str, list[torch.Tensor]]]:
+        return inputs
+
+    def predict(self, inputs: Any) -> Any:
+        from worker.backends.base import WorkItem
+
+        batched = isinstance(inputs, list)
+        work = [WorkItem(i, tensors, task="embed") for i, tensors in enumerate(inputs if batched else [inputs])]
+        vectors: list[list[float]] = [[] for _ in work]
+        for event in self.backend.run(work):
+            if event.vector is not None:
+                vectors[event.index] = np.frombuffer(event.vector, dtype="<f4").tolist()
+        return vectors if batched else vectors[0]
+
+    def unbatch(self, output: Any) -> Any:
+        return output
+
+    def encode_response(self, output: Any, **kwargs: Any) -> Any:
+        return {"embeddings": [output]}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1")
@@ -132,9 +180,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--api-servers", type=int, default=1, help="HTTP server processes")
     parser.add_argument("--accelerator", choices=["cpu", "cuda"], default="cpu",
                         help="cuda: one GPU, --workers processes on it (LitServe passes each its cuda:N)")
+    parser.add_argument("--embeddings", action="store_true", help="serve /v1/embeddings (efficientnet features)")
     args = parser.parse_args(argv)
-    api = EfficientNetAPI(mode=args.mode, threads=args.threads, max_batch_size=args.max_batch_size,
-                          batch_timeout=args.batch_timeout, spec=ls.OpenAISpec())
+    api: ls.LitAPI
+    if args.embeddings:
+        api = EmbeddingAPI(threads=args.threads, max_batch_size=args.max_batch_size, batch_timeout=args.batch_timeout,
+                           spec=ls.OpenAIEmbeddingSpec())
+    else:
+        api = EfficientNetAPI(mode=args.mode, threads=args.threads, max_batch_size=args.max_batch_size,
+                              batch_timeout=args.batch_timeout, spec=ls.OpenAISpec())
     server = ls.LitServer(api, accelerator=args.accelerator, devices=1, workers_per_device=args.workers, timeout=60)
     server.run(host=args.host, port=args.port, num_api_servers=args.api_servers, log_level="warning",
                generate_client_file=False)

@@ -13,6 +13,10 @@ answer, all inside the request handler. shmgate is measured against it, so it mu
   ``async def`` handler) serializes every request on the event loop. The default is the one measured
   faster on the bench machine (see ``DEFAULT_HANDLER``).
 
+``POST /v1/embeddings`` (efficientnet mode) is the naive embedding server: the same handler shape,
+one image per request (``input`` a data URL), the project's backend asked for its pooled features
+(``WorkItem.task == "embed"``), answered as OpenAI's embedding list (float or base64).
+
 Usage: ``python bench/naive_server.py --port P --mode checksum|efficientnet [--handler thread|async]``.
 Only for benchmarks and tests: it binds 127.0.0.1 by default and has no limits of any kind.
 """
@@ -101,6 +105,22 @@ class NaiveModel:
 
     def answer(self, data: bytes, body: dict[str, Any]) -> tuple[str, int]:
         """(answer text, completion tokens) for one image."""
+        parts: list[str] = []
+        tokens = 0
+        for event in self.backend.run([self._item(data, text=_user_text(body))]):
+            parts.append(event.text)
+            tokens += event.completion_tokens
+        return "".join(parts), tokens
+
+    def embed(self, data: bytes) -> bytes:
+        """One image's unit-normalised embedding, little-endian float32 bytes."""
+        vectors = [e.vector for e in self.backend.run([self._item(data, task="embed")]) if e.vector is not None]
+        if not vectors:
+            raise BadRequest(f"{self.model_id} does not produce embeddings")
+        return vectors[0]
+
+    def _item(self, data: bytes, *, text: str = "", task: str = "") -> WorkItem:
+        """Preprocess one image into a work item for the backend."""
         tensors: dict[str, list[torch.Tensor]] = {}
 
         def allocate(name: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -113,13 +133,23 @@ class NaiveModel:
         except Exception as exc:  # the project's UndecodableImage / ImageTooLarge, or Pillow's own
             raise BadRequest(f"cannot use the image: {exc}") from exc
         self.next_id += 1
-        item = WorkItem(request_id=self.next_id, tensors=tensors, text=_user_text(body))
-        parts: list[str] = []
-        tokens = 0
-        for event in self.backend.run([item]):
-            parts.append(event.text)
-            tokens += event.completion_tokens
-        return "".join(parts), tokens
+        return WorkItem(request_id=self.next_id, tensors=tensors, text=text, task=task)
+
+
+def embedding_image(body: dict[str, Any]) -> bytes:
+    """The bytes of the single image of an OpenAI embeddings request (``input``: one data URL)."""
+    url = body.get("input")
+    url = url[0] if isinstance(url, list) and len(url) == 1 else url
+    if not isinstance(url, str):
+        raise BadRequest("send one data URL as input")
+    return image_bytes({"messages": [{"content": [{"type": "image_url", "image_url": {"url": url}}]}]})
+
+
+def embedding_list(model: str, vector: bytes, encoding: str) -> dict[str, Any]:
+    """OpenAI's embedding list for one vector."""
+    value: Any = base64.b64encode(vector).decode() if encoding == "base64" else np.frombuffer(vector, "<f4").tolist()
+    return {"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": value}], "model": model,
+            "usage": {"prompt_tokens": 0, "total_tokens": 0}}
 
 
 def _user_text(body: dict[str, Any]) -> str:
@@ -175,6 +205,24 @@ def create_app(mode: str, handler: str, threads: int) -> FastAPI:
         @app.post("/v1/chat/completions")
         def chat_thread(body: dict[str, Any] = Body(...)) -> Any:  # noqa: B008
             return respond(body)  # FastAPI runs plain def handlers in its threadpool
+
+    def respond_embedding(body: dict[str, Any]) -> JSONResponse:
+        try:
+            vector = model.embed(embedding_image(body))
+        except BadRequest as exc:
+            error = {"message": str(exc), "type": "invalid_request_error", "code": "invalid_request"}
+            return JSONResponse({"error": error}, status_code=400)
+        return JSONResponse(embedding_list(body.get("model") or model.model_id, vector,
+                                           body.get("encoding_format") or "float"))
+
+    if handler == "async":
+        @app.post("/v1/embeddings")
+        async def embeddings_async(body: dict[str, Any] = Body(...)) -> Any:  # noqa: B008
+            return respond_embedding(body)
+    else:
+        @app.post("/v1/embeddings")
+        def embeddings_thread(body: dict[str, Any] = Body(...)) -> Any:  # noqa: B008
+            return respond_embedding(body)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 Routes:
     POST /v1/chat/completions   OpenAI chat, streaming (SSE) or not
+    POST /v1/embeddings         OpenAI embeddings of images (and text, for CLIP-class models): gateway/embeddings.py
     GET  /v1/models             the served model
     GET  /health                this process is up and attached (always open)
     GET  /ready                 a worker for the model heartbeats and we are not draining
@@ -16,27 +17,32 @@ test) tells which process served a connection.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import os
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.responses import StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.embeddings import embed, embedding_response, parse_embedding_request
 from gateway.fetch import FetchPolicy, fetch_pending
 from gateway.frontend import Frontend, FrontendLimits, RequestState
 from gateway.http_errors import error_body, error_response
+from gateway.http_errors import failure_error as _failure
 from gateway.http_limits import read_capped
 from gateway.intake import IntakeLimits, parse_chat_request
 from gateway.metrics import Counter, render
 from gateway.preprocess import get_preprocessor
+from gateway.result_cache import ResultCache, answer_key
 from gateway.sse import Completion
 from shared.errors import EXIT_CONFIG, InvalidRequest, RequestTooLarge, ShmgateError, Unauthorized
 from shared.instance import Instance
@@ -59,6 +65,7 @@ class AppOptions:
     intake: IntakeLimits = IntakeLimits()
     limits: FrontendLimits = FrontendLimits()
     image_urls: FetchPolicy = field(default_factory=FetchPolicy)  # used only when intake.allow_image_urls is set
+    result_cache_bytes: int = 0  # deterministic answers kept per frontend (gateway/result_cache.py); 0: off
 
 
 def create_app(options: AppOptions) -> FastAPI:
@@ -139,23 +146,58 @@ def create_app(options: AppOptions) -> FastAPI:
         f = frontend()
         return PlainTextResponse(render(f.segment, f.queue_depth()), media_type="text/plain; version=0.0.4")
 
+    results = ResultCache(options.result_cache_bytes) if options.result_cache_bytes > 0 else None
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         f = frontend()
         started = time.monotonic()
+        keep: Callable[[Finished, str], None] | None = None
         try:
             check_key(request)
             body = await _read_body(request, options.max_body_bytes)
             chat = parse_chat_request(body, options.intake)
+            if not getattr(f.preprocessor, "serves_chat", True):
+                raise InvalidRequest(f"{f.preprocessor.model} is an embedding model; use POST /v1/embeddings",
+                                     param="model")
             if chat.pending_urls:
                 await fetch_pending(chat, options.image_urls)
+            key = answer_key(chat, f.preprocessor) if results is not None else None
+            if results is not None and key is not None:
+                cached = None if _bypass_cache(request) else results.get(key)
+                f.stats.set_result_cache(results.stats, results.used_bytes)
+                if cached is not None:
+                    return _cached_answer(f, chat.model, chat.stream, chat.include_usage, cached, started)
+                keep = functools.partial(_keep_answer, f, results, key)
             state = await f.submit(chat)
         except ShmgateError as exc:
             _count_error(f, exc)
             return error_response(exc)
         if chat.stream:
-            return await _stream(f, state, chat.model, chat.include_usage, started)
-        return await _complete(f, state, chat.model, started)
+            return await _stream(f, state, chat.model, chat.include_usage, started, keep)
+        return await _complete(f, state, chat.model, started, keep)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        f = frontend()
+        started = time.monotonic()
+        try:
+            check_key(request)
+            body = await _read_body(request, options.max_body_bytes)
+            job = parse_embedding_request(body, options.intake, f.preprocessor)
+            if job.chat.pending_urls:
+                await fetch_pending(job.chat, options.image_urls)
+            try:
+                vectors, tokens = await embed(f, job, results, bypass_cache=_bypass_cache(request))
+            finally:
+                if results is not None:
+                    f.stats.set_result_cache(results.stats, results.used_bytes)
+        except ShmgateError as exc:
+            _count_error(f, exc)
+            return error_response(exc)
+        f.stats.add(Counter.REQUESTS_OK)
+        f.stats.observe(Counter.LATENCY_BUCKETS, time.monotonic() - started)
+        return Response(embedding_response(job, vectors, tokens), media_type="application/json")
 
     return app
 
@@ -197,16 +239,38 @@ def _count_error(f: Frontend, exc: ShmgateError) -> None:
         f.stats.add(Counter.REQUESTS_SERVER_ERROR)
 
 
-def _failure(event: Failed) -> ShmgateError:
-    error = ShmgateError(event.message)
-    error.status_hint = event.status_hint
-    error.code = event.code
-    if event.status_hint < 500:
-        error.error_type = "invalid_request_error"
-    return error
+def _bypass_cache(request: Request) -> bool:
+    """``Cache-Control: no-cache``: compute the answer afresh (it is still stored)."""
+    return "no-cache" in request.headers.get("cache-control", "").lower()
 
 
-async def _complete(f: Frontend, state: RequestState, model: str, started: float) -> Response:
+def _keep_answer(f: Frontend, results: ResultCache, key: bytes, event: Finished, text: str) -> None:
+    """Store a completed deterministic answer in the result cache."""
+    results.put(key, msgspec.msgpack.encode((text, event.finish_reason, event.prompt_tokens,
+                                             event.completion_tokens)))
+    f.stats.set_result_cache(results.stats, results.used_bytes)
+
+
+def _cached_answer(f: Frontend, model: str, stream: bool, include_usage: bool, cached: bytes,
+                   started: float) -> Response:
+    """A result-cache hit, answered as the model would have (one content chunk when streaming)."""
+    text, finish_reason, prompt_tokens, completion_tokens = msgspec.msgpack.decode(cached)
+    completion = Completion(model)
+    f.stats.add(Counter.REQUESTS_OK)
+    f.stats.observe(Counter.LATENCY_BUCKETS, time.monotonic() - started)
+    f.stats.observe(Counter.TTFT_BUCKETS, time.monotonic() - started)
+    if not stream:
+        return JSONResponse(completion.completion(text, finish_reason, prompt_tokens, completion_tokens))
+    chunks = [completion.role_chunk(), completion.content_chunk(text), completion.finish_chunk(finish_reason)]
+    if include_usage:
+        chunks.append(completion.usage_chunk(prompt_tokens, completion_tokens))
+    chunks.append(completion.done())
+    return Response(b"".join(chunks), media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _complete(f: Frontend, state: RequestState, model: str, started: float,
+                    keep: Callable[[Finished, str], None] | None = None) -> Response:
     completion = Completion(model)
     parts: list[str] = []
     try:
@@ -219,6 +283,8 @@ async def _complete(f: Frontend, state: RequestState, model: str, started: float
                 return error_response(error)
             elif isinstance(event, Finished):
                 elapsed = time.monotonic() - started
+                if keep is not None:
+                    keep(event, "".join(parts))
                 f.stats.add(Counter.REQUESTS_OK)
                 f.stats.observe(Counter.LATENCY_BUCKETS, elapsed)
                 f.stats.observe(Counter.TTFT_BUCKETS, elapsed)
@@ -232,7 +298,8 @@ async def _complete(f: Frontend, state: RequestState, model: str, started: float
     raise AssertionError("events() always ends with Finished or Failed")
 
 
-async def _stream(f: Frontend, state: RequestState, model: str, include_usage: bool, started: float) -> Response:
+async def _stream(f: Frontend, state: RequestState, model: str, include_usage: bool, started: float,
+                  keep: Callable[[Finished, str], None] | None = None) -> Response:
     """Wait for the first event so an early failure is a proper HTTP error, then stream."""
     events = f.events(state).__aiter__()
     try:
@@ -248,6 +315,7 @@ async def _stream(f: Frontend, state: RequestState, model: str, include_usage: b
 
     async def body() -> AsyncIterator[bytes]:
         ttft_seen = False
+        parts: list[str] = []
         try:
             yield completion.role_chunk()
             event: Delta | Finished | Failed | None = first
@@ -256,8 +324,12 @@ async def _stream(f: Frontend, state: RequestState, model: str, include_usage: b
                     if not ttft_seen:
                         ttft_seen = True
                         f.stats.observe(Counter.TTFT_BUCKETS, time.monotonic() - started)
+                    if keep is not None:
+                        parts.append(event.text)
                     yield completion.content_chunk(event.text)
                 elif isinstance(event, Finished):
+                    if keep is not None:
+                        keep(event, "".join(parts))
                     yield completion.finish_chunk(event.finish_reason)
                     if include_usage:
                         yield completion.usage_chunk(event.prompt_tokens, event.completion_tokens)

@@ -106,6 +106,9 @@ def _add_gateway_flags(p: argparse.ArgumentParser) -> None:
                    help="comma list of CIDRs / host names that image URLs may reach besides public addresses")
     p.add_argument("--image-url-max-bytes", type=parse_size, default=_env("IMAGE_URL_MAX_BYTES", "20MiB"))
     p.add_argument("--image-url-timeout-s", type=float, default=float(_env("IMAGE_URL_TIMEOUT_S", "10") or 10))
+    p.add_argument("--result-cache-mb", type=float, default=float(_env("RESULT_CACHE_MB", "0") or 0),
+                   help="per frontend: keep this many MiB of deterministic answers (embeddings, the classifier's); "
+                        "0: off (docs/MODELS.md)")
 
 
 def _allowlist(text: str) -> str:
@@ -197,7 +200,7 @@ def _frontend_argv(args: argparse.Namespace, instance_id: str, slot: int, fd: in
         "--max-pixels", str(args.max_pixels), "--decode-threads", str(args.decode_threads),
         "--drain-timeout-s", str(args.drain_timeout_s), "--log-level", args.log_level,
         "--image-url-allowlist", args.image_url_allowlist, "--image-url-max-bytes", str(args.image_url_max_bytes),
-        "--image-url-timeout-s", str(args.image_url_timeout_s),
+        "--image-url-timeout-s", str(args.image_url_timeout_s), "--result-cache-mb", str(args.result_cache_mb),
     ] + (["--metrics-need-key"] if args.metrics_need_key else []) + (
         ["--allow-image-urls"] if args.allow_image_urls else [])
 
@@ -324,6 +327,7 @@ def _run_frontend(args: argparse.Namespace) -> int:
             max_pixels=args.max_pixels,
             decode_threads=args.decode_threads,
         ),
+        result_cache_bytes=int(args.result_cache_mb * (1 << 20)),
         image_urls=FetchPolicy(
             allowlist=AllowList.parse(args.image_url_allowlist),
             max_bytes=args.image_url_max_bytes,

@@ -62,6 +62,7 @@ from shared.wire import (
     Released,
     Submit,
     TensorRef,
+    Vector,
 )
 
 __all__ = ["Frontend", "FrontendLimits", "RequestState"]
@@ -94,7 +95,7 @@ class RequestState:
     submit: Submit
     groups: list[TensorGroup]
     started: float
-    events: asyncio.Queue[Delta | Finished | Failed] = field(default_factory=asyncio.Queue)
+    events: asyncio.Queue[Delta | Vector | Finished | Failed] = field(default_factory=asyncio.Queue)
     worker: tuple[int, int] | None = None  # (slot, epoch) of the claiming worker
     produced_output: bool = False
     abandoned: bool = False
@@ -241,6 +242,7 @@ class Frontend:
                 deadline_ns,
                 0,
                 prompt.text[:MAX_SUBMIT_TEXT_CHARS],
+                task=chat.task,
             )
             state = RequestState(request_id, submit, groups, started)
             self._states[request_id] = state
@@ -351,7 +353,7 @@ class Frontend:
 
         return self.cache.acquire_private(make)
 
-    async def events(self, state: RequestState) -> AsyncIterator[Delta | Finished | Failed]:
+    async def events(self, state: RequestState) -> AsyncIterator[Delta | Vector | Finished | Failed]:
         """The request's output, ending with exactly one Finished or Failed."""
         while True:
             event = await state.events.get()
@@ -382,7 +384,7 @@ class Frontend:
                 self._send_cancel(state)
         elif isinstance(message, Released):
             state.released = True
-        elif isinstance(message, Delta):
+        elif isinstance(message, (Delta, Vector)):
             state.produced_output = True
             state.events.put_nowait(message)
         elif isinstance(message, (Finished, Failed)):

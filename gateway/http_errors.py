@@ -7,8 +7,9 @@ import math
 from starlette.responses import JSONResponse
 
 from shared.errors import Overloaded, ShmgateError
+from shared.wire import Failed
 
-__all__ = ["error_body", "error_response"]
+__all__ = ["error_body", "error_response", "failure_error"]
 
 
 def error_body(message: str, error_type: str, code: str, param: str | None = None) -> dict[str, object]:
@@ -23,3 +24,13 @@ def error_response(exc: ShmgateError) -> JSONResponse:
     return JSONResponse(
         error_body(exc.message, exc.error_type, exc.code, exc.param), status_code=exc.status_hint, headers=headers
     )
+
+
+def failure_error(event: Failed) -> ShmgateError:
+    """A worker's Failed reply as the error the client gets (status and code as the worker said)."""
+    error = ShmgateError(event.message)
+    error.status_hint = event.status_hint
+    error.code = event.code
+    if event.status_hint < 500:
+        error.error_type = "invalid_request_error"
+    return error

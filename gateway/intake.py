@@ -19,7 +19,13 @@ from shared.errors import ImageTooLarge, InvalidRequest, TooManyImages, Undecoda
 from shared.wire import SamplingParams
 
 __all__ = [
+    "ChatCompletionRequest",
     "ChatRequest",
+    "Message",
+    "add_image",
+    "chat_request_from",
+    "data_url_image",
+    "decode_body",
     "EncodedImage",
     "IntakeLimits",
     "PendingImageURL",
@@ -154,12 +160,18 @@ class ChatRequest:
     text: str = ""  # all user text, joined
     extra: dict[str, Any] = field(default_factory=dict)
     pending_urls: list[PendingImageURL] = field(default_factory=list)  # filled by gateway.fetch.fetch_pending
+    task: str = ""  # Submit.task: "" for a chat answer, shared.wire.TASK_EMBED (gateway/embeddings.py)
 
 
 def parse_chat_request(body: bytes, limits: IntakeLimits) -> ChatRequest:
     """Parse and validate a request body. Raises RequestError subclasses."""
+    return chat_request_from(decode_body(_decoder, body), limits)
+
+
+def decode_body(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
+    """``decoder.decode(body)``, every failure an InvalidRequest naming the field where msgspec says."""
     try:
-        req = _decoder.decode(body)
+        return decoder.decode(body)
     except msgspec.ValidationError as exc:
         raise InvalidRequest(f"invalid request: {exc}", param=_param_of(exc)) from None
     except msgspec.DecodeError:
@@ -168,6 +180,10 @@ def parse_chat_request(body: bytes, limits: IntakeLimits) -> ChatRequest:
         raise InvalidRequest("the request body is not valid UTF-8 JSON") from None
     except RecursionError:  # msgspec's own depth guard, also hit while skipping unknown fields
         raise InvalidRequest("the request body nests arrays or objects too deeply") from None
+
+
+def chat_request_from(req: ChatCompletionRequest, limits: IntakeLimits) -> ChatRequest:
+    """Validate a decoded chat request (messages, images, sampling). Raises RequestError subclasses."""
     if not req.messages:
         raise InvalidRequest("messages must not be empty", param="messages")
     if len(req.messages) > limits.max_messages:
@@ -202,13 +218,8 @@ def parse_chat_request(body: bytes, limits: IntakeLimits) -> ChatRequest:
                         raise TooManyImages(
                             f"at most {limits.max_images} images per request", param=f"messages[{i}].content"
                         )
-                    url, param = part.image_url.url, f"messages[{i}].content[{j}].image_url"
-                    if limits.allow_image_urls and url[:8].lower().startswith(("http://", "https://")):
-                        pending.append(PendingImageURL(len(images), url, param))
-                        images.append(b"")
-                    else:
-                        images.append(_data_url_image(url, limits, param))
-                    image_params.append(param)
+                    add_image(part.image_url.url, f"messages[{i}].content[{j}].image_url", limits, images,
+                              image_params, pending)
                     parts.append({"type": "image"})
         if n_parts > limits.max_parts:
             raise InvalidRequest(f"at most {limits.max_parts} content parts are accepted", param="messages")
@@ -251,7 +262,20 @@ def _sampling(req: ChatCompletionRequest) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop)
 
 
-def _data_url_image(url: str, limits: IntakeLimits, param: str) -> EncodedImage:
+def add_image(url: str, param: str, limits: IntakeLimits, images: list[bytes | EncodedImage], params: list[str],
+              pending: list[PendingImageURL]) -> None:
+    """Append an image given by URL: a data URL's (checked) text, or, when fetching is allowed, a
+    placeholder and its PendingImageURL. Raises RequestError subclasses naming ``param``."""
+    if limits.allow_image_urls and url[:8].lower().startswith(("http://", "https://")):
+        pending.append(PendingImageURL(len(images), url, param))
+        images.append(b"")
+    else:
+        images.append(data_url_image(url, limits, param))
+    params.append(param)
+
+
+def data_url_image(url: str, limits: IntakeLimits, param: str) -> EncodedImage:
+    """A data URL's image, checked (prefix, type, size bound). Raises RequestError subclasses naming ``param``."""
     if url.startswith(("http://", "https://")):
         raise InvalidRequest(
             "image URLs are not fetched by this server; send the image inline as a data URL "

@@ -5,6 +5,10 @@ correctness property that only shows under load: every answer for the same image
 text. A server that mixes up replies between concurrent requests (cross-talk) breaks that, so a
 non-zero ``mismatches`` is a bug, never noise, for a deterministic model.
 
+With ``--embeddings`` each request is ``POST /v1/embeddings`` of one image (``encoding_format:
+base64``) and answers agree when their vectors' cosine is at least ``VECTOR_AGREEMENT`` (a batch
+of 8 and a batch of 1 round differently in the last float bits, so equal bytes would be too strict).
+
 Theory of operation: the images are read and base64-encoded once, before the clock starts. C tasks
 share one counter and each takes the next request index until N have been sent, so at most C
 requests are in flight (closed loop: a slow server is offered less load, as real clients are).
@@ -36,10 +40,12 @@ from typing import Any
 
 from gateway.rawhttp import RawClient, Response, TransportError
 
-__all__ = ["add_arguments", "count_mismatches", "main", "percentile", "process_tree", "run", "tree_cpu_seconds"]
+__all__ = ["add_arguments", "count_mismatches", "count_vector_mismatches", "main", "percentile", "process_tree", "run",
+           "tree_cpu_seconds"]
 
 IMAGE_TYPES = {".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".png": "image/png", ".webp": "image/webp"}
 PROMPT = "What is in this image?"
+VECTOR_AGREEMENT = 0.9999  # --embeddings: the cosine two answers for one image must reach
 NONCE_BYTES = 15  # a multiple of 3, so its base64 appends to the image's without re-encoding
 
 
@@ -83,6 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", "-n", type=int, default=200, help="timed requests to send")
     parser.add_argument("--images", required=True, type=Path, help="folder of jpg/jpeg/png/webp images")
     parser.add_argument("--stream", action="store_true", help="ask for SSE streaming")
+    parser.add_argument("--embeddings", action="store_true",
+                        help="POST /v1/embeddings with one image per request instead of chat")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a report")
     parser.add_argument("--repeat-one", action="store_true", help="always send the first image (cache hits)")
     parser.add_argument("--unique", action="store_true",
@@ -116,8 +124,10 @@ def load_images(folder: Path) -> list[BenchImage]:
 
 
 def build_body(model: str, url: str, *, stream: bool, max_tokens: int | None,
-               temperature: float | None = None) -> dict[str, Any]:
-    """The OpenAI chat request for one image."""
+               temperature: float | None = None, embeddings: bool = False) -> dict[str, Any]:
+    """The OpenAI chat request for one image (with ``embeddings``: the embeddings request)."""
+    if embeddings:
+        return {"model": model, "input": url, "encoding_format": "base64"}
     content = [{"type": "text", "text": PROMPT}, {"type": "image_url", "image_url": {"url": url}}]
     body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": content}], "stream": stream}
     if max_tokens is not None:
@@ -138,8 +148,10 @@ class BodyTemplate:
 
     _MARK = "\x00url\x00"
 
-    def __init__(self, model: str, *, stream: bool, max_tokens: int | None, temperature: float | None = None) -> None:
-        body = build_body(model, self._MARK, stream=stream, max_tokens=max_tokens, temperature=temperature)
+    def __init__(self, model: str, *, stream: bool, max_tokens: int | None, temperature: float | None = None,
+                 embeddings: bool = False) -> None:
+        body = build_body(model, self._MARK, stream=stream, max_tokens=max_tokens, temperature=temperature,
+                          embeddings=embeddings)
         encoded = json.dumps(body).encode()
         self.prefix, self.suffix = encoded.split(json.dumps(self._MARK).encode())
         self.stream = stream
@@ -148,14 +160,17 @@ class BodyTemplate:
         return b"".join((self.prefix, b'"', url.encode("ascii"), b'"', self.suffix))
 
 
-async def send_one(client: RawClient, body: bytes, image: str, *, stream: bool) -> Outcome:
-    """Send one request (a JSON body) and time it. Never raises for server or transport failures."""
+async def send_one(client: RawClient, body: bytes, image: str, *, stream: bool, embeddings: bool = False) -> Outcome:
+    """Send one request (a JSON body) and time it. Never raises for server or transport failures.
+
+    With ``embeddings`` the outcome's text is the answer's base64 vector.
+    """
     start = time.perf_counter()
     try:
         if stream:
             status, text, ttft, error = await asyncio.wait_for(_send_streaming(client, body, start), client.timeout_s)
         else:
-            status, text, error = await asyncio.wait_for(_send_plain(client, body), client.timeout_s)
+            status, text, error = await asyncio.wait_for(_send_plain(client, body, embeddings), client.timeout_s)
             ttft = None
     except (TransportError, asyncio.TimeoutError) as exc:  # the server never gave a full answer
         kind = exc.kind if isinstance(exc, TransportError) else "Timeout"
@@ -164,8 +179,8 @@ async def send_one(client: RawClient, body: bytes, image: str, *, stream: bool) 
     return Outcome(image, latency, latency if ttft is None else ttft, status, text, error)
 
 
-async def _send_plain(client: RawClient, body: bytes) -> tuple[int, str, str | None]:
-    response, lease = await client.post("/v1/chat/completions", body)
+async def _send_plain(client: RawClient, body: bytes, embeddings: bool = False) -> tuple[int, str, str | None]:
+    response, lease = await client.post("/v1/embeddings" if embeddings else "/v1/chat/completions", body)
     try:
         payload = await response.read()
     finally:
@@ -173,10 +188,21 @@ async def _send_plain(client: RawClient, body: bytes) -> tuple[int, str, str | N
     if not response.is_success:
         return response.status, "", str(response.status)
     try:
-        text = json.loads(payload)["choices"][0]["message"]["content"] or ""
+        answer = json.loads(payload)
+        text = _vector_text(answer["data"][0]["embedding"]) if embeddings else (
+            answer["choices"][0]["message"]["content"] or "")
     except (ValueError, KeyError, IndexError, TypeError):
         return response.status, "", "bad_body"
     return response.status, text, None
+
+
+def _vector_text(embedding: str | list[float]) -> str:
+    """An answer's vector as base64 float32 (servers that ignore encoding_format answer floats)."""
+    if isinstance(embedding, str):
+        return embedding
+    import numpy as np
+
+    return base64.b64encode(np.asarray(embedding, dtype="<f4").tobytes()).decode()
 
 
 async def _send_streaming(client: RawClient, body: bytes, start: float) -> tuple[int, str, float | None, str | None]:
@@ -240,6 +266,26 @@ def count_mismatches(answers: Iterable[tuple[str, str]]) -> int:
         if first.setdefault(image, text) != text:
             mismatches += 1
     return mismatches
+
+
+def count_vector_mismatches(answers: Iterable[tuple[str, str]]) -> int:
+    """Answers (image, base64 float32 vector) whose vector is not within VECTOR_AGREEMENT of the
+    first one for the same image; an answer that is not a vector counts as a mismatch."""
+    import numpy as np
+
+    first: dict[str, Any] = {}
+    bad = 0
+    for image, text in answers:
+        try:
+            vector = np.frombuffer(base64.b64decode(text), dtype="<f4")
+        except (ValueError, TypeError):
+            bad += 1
+            continue
+        ref = first.setdefault(image, vector)
+        norms = float(np.linalg.norm(vector) * np.linalg.norm(ref))
+        if vector.shape != ref.shape or norms == 0 or float(vector @ ref) / norms < VECTOR_AGREEMENT:
+            bad += 1
+    return bad
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -320,13 +366,14 @@ async def _drive(
     counter = itertools.count()
     outcomes: list[Outcome] = []
     template = BodyTemplate(args.model, stream=args.stream, max_tokens=args.max_tokens,
-                            temperature=args.temperature)
+                            temperature=args.temperature, embeddings=args.embeddings)
 
     async def worker() -> None:
         while (index := next(counter)) < count:
             image = images[0] if args.repeat_one else images[index % len(images)]
             body = template.render(image.data_url(first + index if args.unique else None))
-            outcomes.append(await send_one(client, body, image.name, stream=args.stream))
+            outcomes.append(await send_one(client, body, image.name, stream=args.stream,
+                                           embeddings=args.embeddings))
 
     await asyncio.gather(*(worker() for _ in range(min(args.concurrency, count))))
     return outcomes
@@ -373,14 +420,16 @@ def summarize(args: argparse.Namespace, outcomes: list[Outcome], wall_s: float, 
     ttfts = [o.ttft_s for o in ok if o.ttft_s is not None]
     errors = Counter(o.error for o in outcomes if o.error is not None)
     # Warm-up answers count for agreement too: they are the same images from the same server.
-    mismatches = count_mismatches((o.image, o.text) for o in warm + outcomes if o.error is None)
+    answers = [(o.image, o.text) for o in warm + outcomes if o.error is None]
+    mismatches = count_vector_mismatches(answers) if args.embeddings else count_mismatches(answers)
 
     def ms(value: float | None) -> float | None:
         return None if value is None else round(value * 1000.0, 3)
 
     n = len(outcomes)
     return {
-        "model": args.model, "stream": bool(args.stream), "concurrency": args.concurrency, "requests": n,
+        "model": args.model, "stream": bool(args.stream), "embeddings": bool(args.embeddings),
+        "concurrency": args.concurrency, "requests": n,
         "repeat_one": bool(args.repeat_one), "unique": bool(args.unique), "warmup": len(warm),
         "duration_s": round(wall_s, 3), "requests_per_s": round(n / wall_s, 2) if wall_s > 0 else None,
         "p50_ms": ms(percentile(latencies, 50)), "p90_ms": ms(percentile(latencies, 90)),

@@ -13,6 +13,7 @@ import enum
 
 import numpy as np
 
+from gateway.result_cache import ResultCacheStats
 from shared.instance import DEAD_AFTER_S
 from shared.segment import BATCH_BUCKETS, Segment
 
@@ -42,6 +43,12 @@ class Counter(enum.IntEnum):
     ARENA_SIZE_BYTES = 61
     IN_FLIGHT = 62
     ARENA_HELD_BYTES = 63  # arena bytes pinned by requests in flight (0 when idle)
+    # The result cache (gateway/result_cache.py); far from the others so that counters
+    # added after 63 do not collide.
+    RESULT_CACHE_HITS = 100
+    RESULT_CACHE_MISSES = 101
+    RESULT_CACHE_EVICTIONS = 102
+    RESULT_CACHE_BYTES = 103  # gauge
 
 
 class FrontendStats:
@@ -49,12 +56,23 @@ class FrontendStats:
 
     def __init__(self, segment: Segment, slot: int) -> None:
         self._row = segment.stats[slot]
+        self._result_cache_seen = (0, 0, 0)
 
     def add(self, counter: Counter, value: int = 1) -> None:
         self._row[counter] += value
 
     def set(self, counter: Counter, value: int) -> None:
         self._row[counter] = value
+
+    def set_result_cache(self, stats: ResultCacheStats, used_bytes: int) -> None:
+        """Publish this frontend's result cache counts: added as increments since the last call, so the
+        counters keep growing across a frontend restart (whose new cache counts from zero)."""
+        last = self._result_cache_seen
+        self._row[Counter.RESULT_CACHE_HITS] += stats.hits - last[0]
+        self._row[Counter.RESULT_CACHE_MISSES] += stats.misses - last[1]
+        self._row[Counter.RESULT_CACHE_EVICTIONS] += stats.evictions - last[2]
+        self._row[Counter.RESULT_CACHE_BYTES] = used_bytes
+        self._result_cache_seen = (stats.hits, stats.misses, stats.evictions)
 
     def observe(self, base: Counter, seconds: float) -> None:
         """Record a latency in the histogram starting at ``base`` (LATENCY_* or TTFT_*)."""
@@ -81,7 +99,7 @@ def render(segment: Segment, queue_depth: int) -> str:
     metric(
         "shmgate_requests_total",
         "counter",
-        "Chat completion requests by outcome.",
+        "Chat completion and embedding requests by outcome.",
         [
             ('{outcome="ok"}', int(total[Counter.REQUESTS_OK])),
             ('{outcome="client_error"}', int(total[Counter.REQUESTS_CLIENT_ERROR])),
@@ -102,6 +120,16 @@ def render(segment: Segment, queue_depth: int) -> str:
            [("", int(total[Counter.CACHE_MISSES]))])
     metric("shmgate_cache_evictions_total", "counter", "Cached images evicted to make room.",
            [("", int(total[Counter.CACHE_EVICTIONS]))])
+    metric("shmgate_result_cache_hits_total", "counter",
+           "Answers (embeddings, classifier labels) served from a frontend's result cache.",
+           [("", int(total[Counter.RESULT_CACHE_HITS]))])
+    metric("shmgate_result_cache_misses_total", "counter",
+           "Answers looked up in a result cache and not found (then computed).",
+           [("", int(total[Counter.RESULT_CACHE_MISSES]))])
+    metric("shmgate_result_cache_evictions_total", "counter", "Result cache entries evicted to make room.",
+           [("", int(total[Counter.RESULT_CACHE_EVICTIONS]))])
+    metric("shmgate_result_cache_bytes", "gauge", "Bytes held by the frontends' result caches.",
+           [("", int(total[Counter.RESULT_CACHE_BYTES]))])
     metric("shmgate_retries_total", "counter", "Requests resubmitted after their worker died.",
            [("", int(total[Counter.RETRIES]))])
     used = int(total[Counter.ARENA_USED_BYTES])

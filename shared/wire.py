@@ -34,6 +34,9 @@ __all__ = [
     "SamplingParams",
     "Submit",
     "TensorRef",
+    "TASK_EMBED",
+    "VECTOR_CHUNK_BYTES",
+    "Vector",
     "ToGateway",
     "ToWorker",
     "gateway_decoder",
@@ -56,6 +59,12 @@ MAX_SUBMIT_TEXT_CHARS = 512
 INLINE_TENSOR = "__inline__"
 # Payloads up to this size ride inline in a Submit; larger ones go to the arena.
 INLINE_MAX_BYTES = 4096
+# Submit.task of an embedding request (""/absent: the model's usual answer, text).
+TASK_EMBED = "embed"
+# Vector.data carries at most this many bytes: a Vector message stays under REPLY_MESSAGE_BYTES with
+# room for its header, so a 1280-d float32 vector (5,120 bytes) travels as two messages.
+VECTOR_CHUNK_BYTES = 3072
+assert VECTOR_CHUNK_BYTES + 64 <= REPLY_MESSAGE_BYTES, "a Vector piece and its header must fit one reply message"
 
 NonNegative = Annotated[int, Meta(ge=0)]
 U64 = Annotated[int, Meta(ge=0, le=2**63 - 1)]  # msgspec bounds must fit in int64
@@ -110,6 +119,7 @@ class Submit(Message, tag="s"):
     deadline_ns: int = 0  # CLOCK_MONOTONIC; 0 = none
     attempt: int = 0  # 0 for the first try, +1 per retry after a worker died
     text: str = ""  # the user's text, when a backend wants it (bounded by INLINE_MAX_BYTES)
+    task: str = ""  # "" for the model's text answer, TASK_EMBED for an embedding vector
 
 
 class Cancel(Message, tag="c"):
@@ -166,8 +176,21 @@ class Failed(Message, tag="x"):
     status_hint: int = 500
 
 
+class Vector(Message, tag="v"):
+    """Worker -> frontend: a piece of an embedding, little-endian float32 bytes at ``offset``.
+
+    An embedding is output like a Delta: its pieces come in order (offset 0 first), then one Finished.
+    Why pieces: a reply message holds at most REPLY_MESSAGE_BYTES (4 KiB), and a 1280-d float32
+    vector is 5 KiB; float16 would fit but loses precision that callers comparing cosines rely on.
+    """
+
+    request_id: U64
+    offset: NonNegative
+    data: bytes
+
+
 ToWorker = Union[Submit, Cancel]
-ToGateway = Union[Claimed, Released, Delta, Finished, Failed]
+ToGateway = Union[Claimed, Released, Delta, Finished, Failed, Vector]
 
 # Built once and reused (msgspec perf tips). Encoders and decoders are stateless.
 encoder = msgspec.msgpack.Encoder()

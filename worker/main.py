@@ -68,6 +68,7 @@ from shared.wire import (
     Failed,
     Finished,
     Released,
+    TASK_EMBED,
     Submit,
 )
 from worker.backends import load_backend
@@ -77,6 +78,7 @@ from worker.device import Copy, DeviceCopier, pick_device, use_device
 from worker.health import Progress, is_sticky_device_error
 from worker.drain import StopRequest
 from worker.prefetch import Prefetcher
+from worker.vectors import vector_messages
 
 __all__ = ["Worker", "WorkerOptions"]
 
@@ -274,6 +276,9 @@ class Worker:
         if submit.model != self.backend.name:
             self._fail(submit, 0, "model_not_found", f"this worker serves {self.backend.name}", 404)
             return None
+        if submit.task == TASK_EMBED and not getattr(self.backend, "embeds", False):
+            self._fail(submit, 0, "invalid_request", f"{self.backend.name} does not produce embeddings", 400)
+            return None
         if self._expired(submit):
             return None
         self.progress.blocked_since_ns = now_ns()
@@ -370,7 +375,7 @@ class Worker:
                 inline = b"".join(t.numpy().tobytes() for t in tensors)
             else:
                 by_name.setdefault(name, []).extend(tensors)  # on the host: the backend asked for that
-        return WorkItem(submit.request_id, by_name, submit.params, inline, submit.text)
+        return WorkItem(submit.request_id, by_name, submit.params, inline, submit.text, task=submit.task)
 
     # -- the main thread: run a prepared batch ------------------------------------------------
 
@@ -397,6 +402,9 @@ class Worker:
                     continue
                 if event.text:
                     job.pending.append(event.text)
+                if event.vector is not None:
+                    for message in vector_messages(job.submit.request_id, event.vector):
+                        self._reply(job.submit, message)
                 if event.finish_reason is not None:
                     job.done = True
                     last = self._flush_text(job, keep_last=True)

@@ -8,6 +8,7 @@ dependencies (transformers, for instance).
 from __future__ import annotations
 
 from gateway.preprocess.base import Preprocessor
+from shared.embedding_models import embedding_model_type
 
 __all__ = ["get_preprocessor"]
 
@@ -22,6 +23,10 @@ def get_preprocessor(model: str, *, max_images: int = 8) -> Preprocessor:
         from gateway.preprocess.vision import ChecksumPreprocessor
 
         return ChecksumPreprocessor(max_images=max_images)
+    if model.startswith("hf:") and embedding_model_type(model[3:]):
+        from gateway.preprocess.embed_hf import HFEmbeddingPreprocessor
+
+        return HFEmbeddingPreprocessor(model[3:], max_images=max_images)
     if model.startswith("hf:"):
         from gateway.preprocess.hf import HFPreprocessor
 

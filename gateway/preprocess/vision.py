@@ -53,6 +53,7 @@ class FixedSizePreprocessor:
     model: str = ""
     min_images: int = 1  # a classifier with nothing to classify is a client error
     prompt_is_cheap = True  # build_prompt only joins the user's text
+    deterministic_answers = True  # a pure function of the pixels: --result-cache-mb may keep answers
 
     def __init__(
         self, max_images: int = 8, *, resize_to: int = 256, crop_to: int = 224, draft_margin: float = 1.0
@@ -111,6 +112,7 @@ class EfficientNetPreprocessor(FixedSizePreprocessor):
     """EfficientNet-Lite0: shorter side 256 bicubic, centre crop 224, uint8 CHW."""
 
     model = "efficientnet-lite0"
+    embedding_dim = 1280  # /v1/embeddings: the pooled features before the classifier (images only)
 
 
 class ChecksumPreprocessor(FixedSizePreprocessor):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from shared.embedding_models import embedding_model_type
 from worker.backends.base import ModelBackend
 
 __all__ = ["load_backend"]
@@ -32,10 +33,15 @@ def load_backend(
 
         return ChecksumBackend()
     if model.startswith("hf:"):
-        from worker.backends.hf import DTYPES, HFBackend
+        from worker.backends.hf import DTYPES, HFBackend, model_id_for
 
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
+        if embedding_model_type(model[3:]):  # CLIP / SigLIP / SigLIP2: /v1/embeddings only
+            from worker.backends.hf_embed import HFEmbeddingBackend
+
+            return HFEmbeddingBackend(model[3:], device, name=model_id_for(model[3:]), threads=threads,
+                                      dtype=DTYPES[dtype])
         return HFBackend(model[3:], device, threads=threads, dtype=DTYPES[dtype])
     if model.startswith("checksum:hf:"):
         # Digests of what the HF preprocessor sent, instead of the model (gateway/preprocess/__init__.py).

@@ -33,6 +33,7 @@ class WorkItem:
     inline: bytes = b""  # small payload from the frontend (e.g. token ids), meaning is the backend's
     text: str = ""  # the user's text
     cancelled: bool = False  # set by the worker when the client went away; backends may stop early
+    task: str = ""  # Submit.task: "" for the text answer, shared.wire.TASK_EMBED for an embedding
 
 
 @dataclass
@@ -53,10 +54,15 @@ class BackendEvent:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     flush: bool = True
+    # An embedding item's answer: the unit-normalised vector as little-endian float32 bytes
+    # (worker/vectors.py sends it), given with or before its finish event.
+    vector: bytes | None = None
 
 
 class ModelBackend(Protocol):
     """What the worker calls. Implementations: efficientnet.py, checksum.py, hf.py.
+
+    A backend that answers embedding items (``WorkItem.task == TASK_EMBED``) sets ``embeds = True``.
 
     Optionally a backend has ``host_tensors``, a collection of TensorRef names it reads on the
     host (sizes, grids): the worker hands those over as host tensors, not device copies, so

@@ -75,7 +75,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.errors import InvalidRequest
+from shared.wire import TASK_EMBED
 from worker.backends.base import BackendEvent, WorkItem
+from worker.vectors import unit_vectors
 
 __all__ = [
     "EfficientNetBackend",
@@ -263,12 +265,17 @@ class EfficientNetLite0(nn.Module):
         self._fc = nn.Linear(HEAD_CHANNELS, NUM_CLASSES)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = self._fc(self.features(x))  # dropout is training-only
+        return logits
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """The (N, 1280) globally pooled head activations the classifier reads: the image embedding."""
         x = F.relu6(self._bn0(self._conv_stem(x)), inplace=True)
         for block in self._blocks:
             x = block(x)
         x = F.relu6(self._bn1(self._conv_head(x)), inplace=True)
-        logits: torch.Tensor = self._fc(x.mean(dim=(2, 3)))  # dropout is training-only
-        return logits
+        pooled: torch.Tensor = x.mean(dim=(2, 3))
+        return pooled
 
 
 def fold_batchnorms(model: EfficientNetLite0) -> None:
@@ -323,6 +330,7 @@ class EfficientNetBackend:
     """
 
     name = "efficientnet-lite0"
+    embeds = True  # TASK_EMBED items get their image's unit-normalised pooled features (1280-d)
 
     def __init__(
         self, device: torch.device, *, top_k: int = 5, threads: int | None = None, compile_normalise: bool = False
@@ -365,17 +373,27 @@ class EfficientNetBackend:
                 else:
                     live.append(i)
             if live:
-                yield from self._answer(live, [pixels[i] for i in live])
+                yield from self._answer(live, [pixels[i] for i in live], [batch[i].task for i in live])
 
-    def _answer(self, indices: list[int], images: list[list[torch.Tensor]]) -> Iterator[BackendEvent]:
-        """One forward pass over these items' images, then each item's answer.
+    def _answer(
+        self, indices: list[int], images: list[list[torch.Tensor]], tasks: list[str]
+    ) -> Iterator[BackendEvent]:
+        """One forward pass over these items' images, then each item's answer (labels, or a vector).
 
         Each item streams as two chunks: its first line at once, the rest with the finish (the
         whole answer exists already; more chunks would only cost reply messages).
         """
-        probs, labels = self.classify([t for item_images in images for t in item_images])
+        features = self._features([t for item_images in images for t in item_images])
+        embed = [task == TASK_EMBED for task in tasks]
+        probs, labels = self._top_k(features) if not all(embed) else ([], [])
+        vectors = unit_vectors(features) if any(embed) else []
         row = 0
-        for i, item_images in zip(indices, images):
+        for i, item_images, is_embedding in zip(indices, images, embed):
+            if is_embedding:  # one image per embedding item (gateway/embeddings.py sends them one by one)
+                yield BackendEvent(i, vector=b"".join(vectors[row : row + len(item_images)]))
+                yield BackendEvent(i, finish_reason="stop")
+                row += len(item_images)
+                continue
             lines = 0
             for n in range(len(item_images)):
                 if len(item_images) > 1:
@@ -391,16 +409,21 @@ class EfficientNetBackend:
 
         In forward passes of at most ``pass_images`` images (all at once when None).
         """
+        return self._top_k(self._features(pixels))
+
+    def _features(self, pixels: Sequence[torch.Tensor]) -> torch.Tensor:
+        """(N, 1280) pooled features of (3, 224, 224) uint8 images, in passes of at most ``pass_images``."""
         step = self.pass_images or max(1, len(pixels))
-        probs: list[list[float]] = []
-        labels: list[list[int]] = []
         with torch.inference_mode():
-            for start in range(0, len(pixels), step):
-                x = self.normalise(torch.stack(list(pixels[start : start + step])).to(self.device))
-                top = torch.topk(torch.softmax(self.model(x), dim=1), self.top_k, dim=1)
-                probs += top.values.cpu().tolist()
-                labels += top.indices.cpu().tolist()
-        return probs, labels
+            return torch.cat([
+                self.model.features(self.normalise(torch.stack(list(pixels[start : start + step])).to(self.device)))
+                for start in range(0, len(pixels), step)
+            ])
+
+    def _top_k(self, features: torch.Tensor) -> tuple[list[list[float]], list[list[int]]]:
+        with torch.inference_mode():
+            top = torch.topk(torch.softmax(self.model._fc(features), dim=1), self.top_k, dim=1)
+        return top.values.cpu().tolist(), top.indices.cpu().tolist()
 
 
 def _groups(indices: list[int], sizes: list[int], limit: int | None) -> list[list[int]]:

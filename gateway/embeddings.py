@@ -1,0 +1,203 @@
+"""``POST /v1/embeddings``: OpenAI's embeddings request, with images, over the chat path's data path.
+
+Request forms (either works, so clients of OpenAI and of vLLM both do):
+- ``input``: a string or a list of strings. A data URL (or an http(s) URL with
+  ``--allow-image-urls``) is an image; any other string is text, embedded by models with a
+  text tower (CLIP, SigLIP, SigLIP2) and a 400 naming ``input`` for image-only models.
+- ``messages``: chat messages (vLLM's form); their one image part, or their text, is the input.
+  An image and text together are refused: these models embed one or the other.
+
+Each input travels as its own request (``Submit.task == TASK_EMBED``) through the same steps as a
+chat image: admission, the content cache (a repeated image is not decoded again), the arena, the
+workers' batching, and its vector comes back in ``Vector`` pieces (worker/vectors.py). So inputs of
+one request and of concurrent requests batch together in the workers, and batched equals solo.
+With a result cache (gateway/result_cache.py) a repeated input skips the worker as well.
+
+Limits are the chat path's: at most ``--max-images`` images, ``max_parts`` inputs, the body, bytes
+and pixel bounds; errors are the same OpenAI error objects. Vectors are unit-normalised float32;
+``encoding_format: base64`` sends their little-endian float32 bytes. ``dimensions`` is accepted
+only when it equals the model's size: none of these models is trained to be truncated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from dataclasses import dataclass
+from typing import Literal
+
+import msgspec
+import numpy as np
+
+from gateway.frontend import Frontend
+from gateway.http_errors import failure_error
+from gateway.intake import (
+    ChatCompletionRequest,
+    ChatRequest,
+    EncodedImage,
+    IntakeLimits,
+    Message,
+    add_image,
+    chat_request_from,
+    decode_body,
+    key_material,
+)
+from gateway.preprocess.base import Preprocessor
+from gateway.result_cache import ResultCache, result_key
+from shared.errors import InvalidRequest, ShmgateError, TooManyImages, UnknownModel
+from shared.wire import TASK_EMBED, Failed, Finished, SamplingParams, Vector
+
+__all__ = ["EmbeddingJob", "embed", "embedding_response", "parse_embedding_request"]
+
+
+class EmbeddingRequest(msgspec.Struct):
+    model: str
+    input: str | list[str] | None = None
+    messages: list[Message] | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+
+_decoder = msgspec.json.Decoder(EmbeddingRequest)
+
+
+@dataclass
+class EmbeddingJob:
+    """A parsed request. ``chat`` holds the images (and pending URLs, for gateway.fetch); each input
+    is ``(image index, "")`` or ``(None, text)``, with the request field it came from."""
+
+    model: str
+    chat: ChatRequest
+    inputs: list[tuple[int | None, str, str]]  # (image index or None, text, param)
+    encoding_format: str
+
+
+def parse_embedding_request(body: bytes, limits: IntakeLimits, preprocessor: Preprocessor) -> EmbeddingJob:
+    """Parse and validate; raises RequestError subclasses naming the offending param."""
+    req: EmbeddingRequest = decode_body(_decoder, body)
+    dim = getattr(preprocessor, "embedding_dim", None)
+    if req.model != preprocessor.model:
+        raise UnknownModel(f"model {req.model[:100]!r} is not served here; GET /v1/models lists it", param="model")
+    if dim is None:
+        raise InvalidRequest(f"{preprocessor.model} does not produce embeddings", param="model")
+    if req.dimensions is not None and req.dimensions != dim:
+        raise InvalidRequest(f"{preprocessor.model} embeds into {dim} dimensions only; leave dimensions out",
+                             param="dimensions")
+    if (req.input is None) == (req.messages is None):
+        raise InvalidRequest("send either input or messages", param="input")
+    if req.messages is not None:
+        chat = chat_request_from(ChatCompletionRequest(req.model, req.messages), limits)
+        if len(chat.images) > 1:
+            raise TooManyImages("the messages form embeds one image per request; use input for several",
+                                param="messages")
+        if chat.images and chat.text.strip():
+            raise InvalidRequest("these models embed an image or a text, not both in one input", param="messages")
+        inputs = [(0, "", chat.image_params[0])] if chat.images else [(None, chat.text, "messages")]
+    else:
+        chat = ChatRequest(req.model, [], [], [], SamplingParams(), False, False)
+        inputs = _inputs(req.input, limits, chat)
+    for index, text, param in inputs:
+        if index is None and not text.strip():
+            raise InvalidRequest("an input is empty", param=param)
+        if index is None and not getattr(preprocessor, "embeds_text", False):
+            raise InvalidRequest(f"{preprocessor.model} embeds images only; send each image as a data URL "
+                                 "(data:image/jpeg;base64,...)", param=param)
+    return EmbeddingJob(req.model, chat, inputs, req.encoding_format)
+
+
+def _inputs(raw: str | list[str] | None, limits: IntakeLimits, chat: ChatRequest) -> list[tuple[int | None, str, str]]:
+    strings = [raw] if isinstance(raw, str) else list(raw or [])
+    if not strings:
+        raise InvalidRequest("input must not be empty", param="input")
+    if len(strings) > limits.max_parts:
+        raise InvalidRequest(f"at most {limits.max_parts} inputs are accepted", param="input")
+    inputs: list[tuple[int | None, str, str]] = []
+    for i, s in enumerate(strings):
+        param = "input" if isinstance(raw, str) else f"input[{i}]"
+        head = s[:8].lower()
+        if not head.startswith(("data:", "http://", "https://")):
+            inputs.append((None, s, param))
+            continue
+        if len(chat.images) >= limits.max_images:
+            raise TooManyImages(f"at most {limits.max_images} images per request", param="input")
+        add_image(s, param, limits, chat.images, chat.image_params, chat.pending_urls)
+        inputs.append((len(chat.images) - 1, "", param))
+    if sum(len(text) for _, text, _ in inputs) > limits.max_text_chars:
+        raise InvalidRequest(f"the text is longer than {limits.max_text_chars} characters", param="input")
+    return inputs
+
+
+async def embed(
+    f: Frontend, job: EmbeddingJob, cache: ResultCache | None, *, bypass_cache: bool = False
+) -> tuple[list[bytes], int]:
+    """Every input's vector (float32 bytes, in input order) and the prompt tokens used. Raises ShmgateError.
+
+    Inputs run concurrently, one request each; on the first failure the others still finish (their
+    holds are released as usual) and that failure is raised.
+    """
+    params = f.preprocessor.cache_params()
+    results = await asyncio.gather(
+        *(_one(f, job, index, text, param, cache, bypass_cache, params) for index, text, param in job.inputs),
+        return_exceptions=True,
+    )
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    done = [r for r in results if not isinstance(r, BaseException)]
+    return [vector for vector, _ in done], sum(tokens for _, tokens in done)
+
+
+async def _one(
+    f: Frontend, job: EmbeddingJob, index: int | None, text: str, param: str, cache: ResultCache | None,
+    bypass_cache: bool, params: bytes,
+) -> tuple[bytes, int]:
+    image: bytes | EncodedImage | None = None if index is None else job.chat.images[index]
+    key = None
+    if cache is not None:
+        material = text if image is None else key_material(image)
+        key = result_key(material, job.model, params, "text" if image is None else "image")
+        hit = None if bypass_cache else cache.get(key)
+        if hit is not None:
+            return hit, 0
+    messages = [{"role": "user", "content": [{"type": "image"} if image is not None else
+                                             {"type": "text", "text": text}]}]
+    chat = ChatRequest(job.model, messages, [] if image is None else [image], [] if image is None else [param],
+                       SamplingParams(), False, False, text=text, task=TASK_EMBED)
+    state = await f.submit(chat)
+    vector = bytearray()
+    tokens = 0
+    try:
+        async for event in f.events(state):
+            if isinstance(event, Vector):
+                if event.offset != len(vector):
+                    raise ShmgateError("an embedding arrived out of order")
+                vector += event.data
+            elif isinstance(event, Failed):
+                raise failure_error(event)
+            elif isinstance(event, Finished):
+                tokens = event.prompt_tokens
+    finally:
+        if not state.done:
+            f.abandon(state)
+    if not vector or len(vector) % 4:
+        raise ShmgateError("the model returned no embedding")
+    if cache is not None and key is not None:
+        cache.put(key, bytes(vector))
+    return bytes(vector), tokens
+
+
+def embedding_response(job: EmbeddingJob, vectors: list[bytes], tokens: int) -> bytes:
+    """The OpenAI response body, JSON-encoded."""
+    data = [
+        {
+            "object": "embedding",
+            "index": i,
+            "embedding": base64.b64encode(v).decode() if job.encoding_format == "base64"
+            else np.frombuffer(v, dtype="<f4").tolist(),
+        }
+        for i, v in enumerate(vectors)
+    ]
+    body = {"object": "list", "data": data, "model": job.model,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+    return msgspec.json.encode(body)
