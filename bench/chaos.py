@@ -349,14 +349,13 @@ def main(argv: list[str] | None = None) -> int:
     after: dict[str, tuple[int, int]] = {}
     elapsed = 0.0
     try:
-        warm = Tally()
-
-        async def warm_up() -> None:
+        async def calm_round(tally_of_round: Tally) -> None:
+            """3 s of traffic without faults: warms the servers' lazy pools, so census() compares like with like."""
             stop = asyncio.Event()
             asyncio.get_running_loop().call_later(3.0, stop.set)
-            await traffic(server, args.concurrency, stop, deadline_s, warm, hits)
+            await traffic(server, args.concurrency, stop, deadline_s, tally_of_round, hits)
 
-        asyncio.run(warm_up())
+        asyncio.run(calm_round(Tally()))
         time.sleep(2.0)
         before = census(server)
 
@@ -380,14 +379,7 @@ def main(argv: list[str] | None = None) -> int:
                 break
             time.sleep(0.2)
         # after a short calm round, so replacements have opened their lazy pools as the originals had
-        calm = Tally()
-
-        async def calm_round() -> None:
-            stop = asyncio.Event()
-            asyncio.get_running_loop().call_later(3.0, stop.set)
-            await traffic(server, args.concurrency, stop, deadline_s, calm, hits)
-
-        asyncio.run(calm_round())
+        asyncio.run(calm_round(Tally()))
         time.sleep(2.0)
         after = census(server)
         for role, (fds, threads) in after.items():
