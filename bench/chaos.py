@@ -379,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
                 break
             time.sleep(0.2)
         # after a short calm round, so replacements have opened their lazy pools as the originals had
-        asyncio.run(calm_round(Tally()))
+        calm = Tally()
+        asyncio.run(calm_round(calm))
         time.sleep(2.0)
         after = census(server)
         for role, (fds, threads) in after.items():
