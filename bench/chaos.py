@@ -193,7 +193,7 @@ async def _one(client: httpx.AsyncClient, i: int, hits: list[bytes], deadline_s:
     started = time.monotonic()
     try:
         outcome = await asyncio.wait_for(_request(client, kind, i, hits), deadline_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         outcome = "FAIL:hung"
     except httpx.TransportError as exc:
         outcome = f"dropped:{type(exc).__name__}"

@@ -289,7 +289,7 @@ def measure_size(item: ArenaTensor, copier: DeviceCopier, plan: Plan,
     dst = torch.empty(arena.shape, dtype=arena.dtype, device=device)
     count = max(8, min(4000, plan.batch_bytes // arena.nbytes))
     gbps: dict[str, list[float]] = {name: [] for name in sources}
-    for name, src in sources.items():
+    for src in sources.values():
         batch_gb_per_s(dst, src, stream, 3)  # warm-up
     for _ in range(plan.rounds):
         for name, src in sources.items():

@@ -149,7 +149,9 @@ def bench_memcpy(nbytes: int, quick: bool, shm: bool = False) -> dict[str, float
 
         def copy(_: str) -> None:
             i = position[0] = (position[0] + 1) % slots
-            np.copyto(pool[i * nbytes : (i + 1) * nbytes], src)
+            # `pool` is a cell the finally below clears (so the segment can close); ruff reads the
+            # `del` as leaving the name undefined here, but copy() only runs inside the try.
+            np.copyto(pool[i * nbytes : (i + 1) * nbytes], src)  # noqa: F821
 
         n_lat, n_tp = counts(nbytes, quick)
         return drive(copy, lambda: None, n_lat, max(n_tp, 2 * slots), 1, nbytes)

@@ -143,7 +143,7 @@ async def _send_bad(client: RawClient, body: bytes, expected: int) -> bool:
         finally:
             lease.release()
         error = json.loads(payload).get("error", {})
-    except (TransportError, asyncio.TimeoutError, ValueError, AttributeError):
+    except (TimeoutError, TransportError, ValueError, AttributeError):
         return False
     return response.status == expected and set(error) == {"message", "type", "param", "code"}
 

@@ -47,7 +47,7 @@ from gateway.sse import Completion
 from shared.errors import EXIT_CONFIG, InvalidRequest, RequestTooLarge, ShmgateError, Unauthorized
 from shared.instance import Instance
 from shared.segment import MODEL_NAME_BYTES
-from shared.wire import Delta, Failed, Finished
+from shared.wire import Delta, Failed, Finished, Vector
 
 __all__ = ["AppOptions", "create_app"]
 
@@ -318,7 +318,7 @@ async def _stream(f: Frontend, state: RequestState, model: str, include_usage: b
         parts: list[str] = []
         try:
             yield completion.role_chunk()
-            event: Delta | Finished | Failed | None = first
+            event: Delta | Vector | Finished | Failed | None = first
             while event is not None:
                 if isinstance(event, Delta):
                     if not ttft_seen:

@@ -93,7 +93,7 @@ def parse_embedding_request(body: bytes, limits: IntakeLimits, preprocessor: Pre
                                 param="messages")
         if chat.images and chat.text.strip():
             raise InvalidRequest("these models embed an image or a text, not both in one input", param="messages")
-        inputs = [(0, "", chat.image_params[0])] if chat.images else [(None, chat.text, "messages")]
+        inputs: list[tuple[int | None, str, str]] = [(0, "", chat.image_params[0])] if chat.images else [(None, chat.text, "messages")]
     else:
         chat = ChatRequest(req.model, [], [], [], SamplingParams(), False, False)
         inputs = _inputs(req.input, limits, chat)

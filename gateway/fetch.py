@@ -97,7 +97,7 @@ async def fetch_image(
     context = ssl_context if ssl_context is not None else _default_ssl_context()
     try:
         return await asyncio.wait_for(_follow(first, policy, resolve, context), policy.timeout_s)
-    except (asyncio.TimeoutError, httpx.TimeoutException):
+    except (TimeoutError, httpx.TimeoutException):
         raise ImageURLTimeout(
             f"fetching the image from {first.host!r} took longer than {policy.timeout_s:g} s"
         ) from None

@@ -42,6 +42,7 @@ import msgspec
 from gateway.intake import ChatRequest, EncodedImage, image_bytes, key_material
 from gateway.metrics import Counter, FrontendStats
 from gateway.preprocess.base import ImageTensorSpec, Preprocessor, PromptInputs
+from shared.arena import Partition
 from shared.cache import AllocateFn, ContentCache, TensorGroup, content_key
 from shared.cache_index import CacheIndex
 from shared.channels import AsyncQueueReader, AsyncSender, Queue
@@ -49,7 +50,6 @@ from shared.errors import ChannelFull, Overloaded, PeerDied, RequestTimeout, Shm
 from shared.instance import DEAD_AFTER_S, Instance
 from shared.locks import HolderKind
 from shared.segment import Heartbeat, InstanceState, LockId, SlotState, now_ns
-from shared.arena import Partition
 from shared.wire import (
     INLINE_MAX_BYTES,
     INLINE_TENSOR,

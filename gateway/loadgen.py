@@ -172,7 +172,7 @@ async def send_one(client: RawClient, body: bytes, image: str, *, stream: bool, 
         else:
             status, text, error = await asyncio.wait_for(_send_plain(client, body, embeddings), client.timeout_s)
             ttft = None
-    except (TransportError, asyncio.TimeoutError) as exc:  # the server never gave a full answer
+    except (TimeoutError, TransportError) as exc:  # the server never gave a full answer
         kind = exc.kind if isinstance(exc, TransportError) else "Timeout"
         return Outcome(image, time.perf_counter() - start, None, None, "", f"transport:{kind}")
     latency = time.perf_counter() - start

@@ -90,7 +90,8 @@ class CacheIndex:
         return range(start, start + MAX_PROBE)
 
     def _slot(self, i: int) -> np.void:
-        return self._table[i & self._mask]
+        record: np.void = self._table[i & self._mask]
+        return record
 
     def lookup(self, key: bytes, partition_epochs: np.ndarray | None = None) -> IndexEntry | None:
         """The entry for ``key`` or None. Entries of a superseded partition epoch are misses."""

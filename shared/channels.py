@@ -92,10 +92,10 @@ class Queue:
 
     @property
     def fd(self) -> int:
-        return self._mq.mqd
+        return int(self._mq.mqd)
 
     def current_messages(self) -> int:
-        return self._mq.current_messages
+        return int(self._mq.current_messages)
 
     def try_send(self, message: Any) -> bool:
         """Send without waiting. False when the queue is full."""
@@ -195,7 +195,7 @@ class AsyncSender:
                 loop.add_writer(self._queue.fd, self._wake)
             try:
                 await asyncio.wait_for(waiter, max(0.0, deadline - loop.time()))
-            except asyncio.TimeoutError as exc:
+            except TimeoutError as exc:
                 raise ChannelFull("the channel stayed full; its receivers are saturated") from exc
             finally:
                 if waiter in self._waiters:

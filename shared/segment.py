@@ -421,7 +421,15 @@ class Segment:
         return out
 
 
-_LIVENESS_PREFIX = np.dtype({name: HEADER.fields[name] for name in HEADER.names[: HEADER.names.index("state") + 1]})
+def _header_prefix(last: str) -> np.dtype[np.void]:
+    """HEADER's fields up to and including ``last``, at their offsets (a structured dtype)."""
+    fields, names = HEADER.fields, HEADER.names
+    assert fields is not None and names is not None, "HEADER is a structured dtype"
+    spec = {name: fields[name] for name in names[: names.index(last) + 1]}
+    return np.dtype(spec)  # type: ignore[call-overload,no-any-return]  # numpy's stubs omit the {name: (dtype, offset)} form
+
+
+_LIVENESS_PREFIX = _header_prefix("state")
 
 
 @dataclass(frozen=True)

@@ -293,7 +293,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     @invariant()
     def holds_match_and_the_index_lists_exactly_the_indexed_groups(self) -> None:
-        for c, cache in enumerate(self.caches):
+        for c in range(len(self.caches)):
             for group in self._groups_of(c):
                 assert group.holds == sum(1 for k, _, g in self.held if k == c and g is group)
         indexed = sum(len(cache._groups) for cache in self.caches)

@@ -102,8 +102,12 @@ class Case:
 
 
 def cases() -> list[Case]:
-    photo = lambda name: ((IMAGES / name).read_bytes(), "image/jpeg")
-    png = lambda w, h, seed: (noise_image(w, h, seed), "image/png")
+    def photo(name: str) -> tuple[bytes, str]:
+        return (IMAGES / name).read_bytes(), "image/jpeg"
+
+    def png(w: int, h: int, seed: int) -> tuple[bytes, str]:
+        return noise_image(w, h, seed), "image/png"
+
     return [
         Case("What animal is this?", photo("chelsea_1024.jpg")),
         Case("What object?", photo("camera_640.jpg")),

@@ -42,12 +42,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import msgspec
 import torch
 
 from shared.arena import recheck, validate
 from shared.channels import Queue
-import msgspec
-
 from shared.errors import (
     EXIT_CONFIG,
     EXIT_DECLARED_DEAD,
@@ -62,21 +61,21 @@ from shared.segment import BATCH_BUCKETS, MODEL_NAME_BYTES, Heartbeat, InstanceS
 from shared.wire import (
     INLINE_TENSOR,
     MAX_DELTA_CHARS,
+    TASK_EMBED,
     Cancel,
     Claimed,
     Delta,
     Failed,
     Finished,
     Released,
-    TASK_EMBED,
     Submit,
 )
 from worker.backends import load_backend
 from worker.backends.base import ModelBackend, WorkItem
 from worker.batcher import Batcher
 from worker.device import Copy, DeviceCopier, pick_device, use_device
-from worker.health import Progress, is_sticky_device_error
 from worker.drain import StopRequest
+from worker.health import Progress, is_sticky_device_error
 from worker.prefetch import Prefetcher
 from worker.vectors import vector_messages
 
