@@ -63,6 +63,7 @@ from shared.wire import (
     Submit,
     TensorRef,
     Vector,
+    failed_reply,
 )
 
 __all__ = ["Frontend", "FrontendLimits", "RequestState"]
@@ -418,7 +419,7 @@ class Frontend:
         self.stats.set(Counter.ARENA_HELD_BYTES, self.cache.held_bytes)
 
     def _fail(self, state: RequestState, error: ShmgateError) -> None:
-        state.events.put_nowait(Failed(state.request_id, 0, error.code, error.message, error.status_hint))
+        state.events.put_nowait(failed_reply(state.request_id, 0, error))
         self._finish(state)
 
     def _send_cancel(self, state: RequestState) -> None:

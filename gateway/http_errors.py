@@ -6,7 +6,7 @@ import math
 
 from starlette.responses import JSONResponse
 
-from shared.errors import Overloaded, ShmgateError
+from shared.errors import Overloaded, ShmgateError, error_for_code
 from shared.wire import Failed
 
 __all__ = ["error_body", "error_response", "failure_error"]
@@ -27,10 +27,10 @@ def error_response(exc: ShmgateError) -> JSONResponse:
 
 
 def failure_error(event: Failed) -> ShmgateError:
-    """A worker's Failed reply as the error the client gets (status and code as the worker said)."""
-    error = ShmgateError(event.message)
+    """A Failed reply as the error the client gets: the class its code names (shared/errors.py), with
+    the status the sender gave (an instance may refine its class's, e.g. Overloaded's 429)."""
+    error = error_for_code(event.code, event.message)
     error.status_hint = event.status_hint
-    error.code = event.code
-    if event.status_hint < 500:
+    if type(error) is ShmgateError and event.status_hint < 500:  # a code this side does not know
         error.error_type = "invalid_request_error"
     return error

@@ -26,7 +26,14 @@ response happens in one place, ``gateway/http_errors.py``.
     │   │   ├── ImageURLForbidden a URL whose address may not be fetched (SSRF rules)
     │   │   └── ImageURLTimeout   the fetch did not finish within its time cap
     │   └── Unauthorized
+    ├── ModelError                the model raised, or gave no final answer, on a batch
+    ├── Cancelled                 the client went away; the worker dropped the request (never sent to it)
     └── Overloaded                a bound was reached; retry after ``retry_after_s``
+
+Across the reply channel a failure travels as its ``code`` (``shared.wire.Failed``): the sender
+builds the Failed from an instance (``shared.wire.failed_reply``), and the receiver turns the code back into its
+class with ``error_for_code``, so both ends speak in these classes and no status or code is written
+as a literal anywhere else.
 
 Messages are written for the person reading them and never contain the name of
 an IPC object (Triton's CVE chain started with a leaked shm name).
@@ -36,6 +43,7 @@ from __future__ import annotations
 
 __all__ = [
     "ArenaFull",
+    "Cancelled",
     "ChannelFull",
     "DescriptorError",
     "ImageTooLarge",
@@ -44,6 +52,7 @@ __all__ = [
     "InconsistentTensor",
     "InvalidImageURL",
     "InvalidRequest",
+    "ModelError",
     "OutOfBounds",
     "Overloaded",
     "PeerDied",
@@ -57,6 +66,7 @@ __all__ = [
     "Unauthorized",
     "UndecodableImage",
     "UnknownModel",
+    "error_for_code",
 ]
 
 
@@ -211,6 +221,26 @@ class Unauthorized(RequestError):
     error_type = "authentication_error"
 
 
+# -- worker-side outcomes -------------------------------------------------------
+
+
+class ModelError(ShmgateError):
+    """The model raised on a batch, or finished it without a final answer for this request."""
+
+    code = "model_error"
+
+
+class Cancelled(ShmgateError):
+    """The client cancelled (disconnected); the worker answers so the frontend can free the request.
+
+    499 is nginx's "client closed request": no client ever reads it, it only tells the counters.
+    """
+
+    status_hint = 499
+    code = "cancelled"
+    error_type = "invalid_request_error"
+
+
 # -- overload ------------------------------------------------------------------
 
 
@@ -225,6 +255,34 @@ class Overloaded(ShmgateError):
         super().__init__(message)
         self.retry_after_s = retry_after_s
         self.status_hint = status_hint
+
+
+# -- the code registry -----------------------------------------------------------
+
+# Each code names one class: where subclasses share a code (DescriptorError's), the base is listed.
+_BY_CODE: dict[str, type[ShmgateError]] = {
+    cls.code: cls
+    for cls in (
+        ShmgateError, TransportError, ArenaFull, ChannelFull, PeerDied, RequestTimeout, SetupError,
+        DescriptorError, InvalidRequest, UnknownModel, TooManyImages, ImageTooLarge, RequestTooLarge,
+        UndecodableImage, InvalidImageURL, ImageURLForbidden, ImageURLTimeout, Unauthorized,
+        ModelError, Cancelled, Overloaded,
+    )
+}
+
+
+def error_for_code(code: str, message: str) -> ShmgateError:
+    """The error a Failed reply's ``code`` stands for, with the sender's message.
+
+    A code this side does not know (a newer peer) still gives a ShmgateError carrying that code,
+    so the client sees what the worker said.
+    """
+    cls = _BY_CODE.get(code)
+    if cls is None:
+        error = ShmgateError(message)
+        error.code = code
+        return error
+    return cls(message)
 
 
 # -- process exit codes the supervisor acts on -----------------------------------

@@ -20,6 +20,8 @@ from typing import Annotated, Union
 import msgspec
 from msgspec import Meta, Struct
 
+from shared.errors import ShmgateError
+
 __all__ = [
     "INLINE_MAX_BYTES",
     "INLINE_TENSOR",
@@ -41,6 +43,7 @@ __all__ = [
     "ToWorker",
     "gateway_decoder",
     "encoder",
+    "failed_reply",
     "worker_decoder",
 ]
 
@@ -174,6 +177,12 @@ class Failed(Message, tag="x"):
     code: str
     message: str
     status_hint: int = 500
+
+
+def failed_reply(request_id: int, seq: int, error: ShmgateError) -> Failed:
+    """The Failed that carries ``error`` (its code, message and status); the receiver rebuilds the class
+    with ``shared.errors.error_for_code``. The message is cut to fit one reply message."""
+    return Failed(request_id, seq, error.code, error.message[:MAX_DELTA_CHARS], error.status_hint)
 
 
 class Vector(Message, tag="v"):

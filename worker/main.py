@@ -51,10 +51,16 @@ from shared.errors import (
     EXIT_CONFIG,
     EXIT_DECLARED_DEAD,
     EXIT_DEVICE_ERROR,
+    Cancelled,
     ChannelFull,
     DescriptorError,
     InconsistentTensor,
+    InvalidRequest,
+    ModelError,
+    RequestTimeout,
     SetupError,
+    ShmgateError,
+    UnknownModel,
 )
 from shared.instance import DEAD_AFTER_S, Instance, instance_alive
 from shared.segment import BATCH_BUCKETS, MODEL_NAME_BYTES, Heartbeat, InstanceState, SlotState, now_ns
@@ -65,10 +71,10 @@ from shared.wire import (
     Cancel,
     Claimed,
     Delta,
-    Failed,
     Finished,
     Released,
     Submit,
+    failed_reply,
 )
 from worker.backends import load_backend
 from worker.backends.base import ModelBackend, WorkItem
@@ -273,10 +279,10 @@ class Worker:
             self._declared_dead()
         self._reply(submit, Claimed(submit.request_id, self.slot, self.epoch))
         if submit.model != self.backend.name:
-            self._fail(submit, 0, "model_not_found", f"this worker serves {self.backend.name}", 404)
+            self._fail(submit, 0, UnknownModel(f"this worker serves {self.backend.name}"))
             return None
         if submit.task == TASK_EMBED and not getattr(self.backend, "embeds", False):
-            self._fail(submit, 0, "invalid_request", f"{self.backend.name} does not produce embeddings", 400)
+            self._fail(submit, 0, InvalidRequest(f"{self.backend.name} does not produce embeddings"))
             return None
         if self._expired(submit):
             return None
@@ -286,8 +292,7 @@ class Worker:
         except Exception as exc:  # this request's data (e.g. a view torch refuses): fail it, not the worker
             log.warning("request %x: its tensors could not be copied: %r", submit.request_id, exc)
             self._reply(submit, Released(submit.request_id))
-            self._fail(submit, 0, "bad_descriptor", f"the request's tensors could not be read: {type(exc).__name__}",
-                       500)
+            self._fail(submit, 0, DescriptorError(f"the request's tensors could not be read: {type(exc).__name__}"))
             return None
         finally:
             self.progress.blocked_since_ns = 0
@@ -296,7 +301,7 @@ class Worker:
     def _expired(self, submit: Submit) -> bool:
         """Fail a request whose deadline passed before it could start; True when it did."""
         if submit.deadline_ns and now_ns() > submit.deadline_ns:
-            self._fail(submit, 0, "timeout", "the request expired before a worker could start it", 504)
+            self._fail(submit, 0, RequestTimeout("the request expired before a worker could start it"))
             return True
         return False
 
@@ -321,8 +326,8 @@ class Worker:
             except Exception as exc:  # one request's data: fail it alone (the thread must live on)
                 log.warning("request %x: its tensors could not be prepared: %r", job.submit.request_id, exc)
                 self._reply(job.submit, Released(job.submit.request_id))
-                self._fail(job.submit, 0, "bad_descriptor",
-                           f"the request's tensors could not be read: {type(exc).__name__}", 500)
+                self._fail(job.submit, 0,
+                           DescriptorError(f"the request's tensors could not be read: {type(exc).__name__}"))
                 job.item = None
             finally:
                 self.progress.blocked_since_ns = 0
@@ -340,7 +345,7 @@ class Worker:
             self._cancelled.discard(key)
         if cancelled:
             self._reply(submit, Released(submit.request_id))
-            self._fail(submit, 0, "cancelled", "the client cancelled the request", 499)
+            self._fail(submit, 0, Cancelled("the client cancelled the request"))
             return None
         try:
             for ref in submit.tensors:
@@ -349,7 +354,7 @@ class Worker:
                     raise InconsistentTensor("a tensor of zero bytes")
         except DescriptorError as exc:
             self._reply(submit, Released(submit.request_id))
-            self._fail(submit, 0, "bad_descriptor", str(exc), 500)
+            self._fail(submit, 0, exc)
             return None
         # The prompt's token ids (and what the backend reads on the host) stay there (worker/device.py).
         return self.copier.start(submit.tensors, host_only=self._host_only)
@@ -362,7 +367,7 @@ class Worker:
                 recheck(self.instance.segment, ref)  # seqlock: still the same allocation after the copy
         except DescriptorError as exc:
             self._reply(submit, Released(submit.request_id))
-            self._fail(submit, 0, "bad_descriptor", str(exc), 500)
+            self._fail(submit, 0, exc)
             return None
         self._reply(submit, Released(submit.request_id))
         by_name: dict[str, list[torch.Tensor]] = {}
@@ -430,11 +435,11 @@ class Worker:
             for job in live:
                 if not job.done:
                     job.done = True
-                    self._fail(job.submit, job.seq, "model_error", f"the model failed: {type(exc).__name__}", 500)
+                    self._fail(job.submit, job.seq, ModelError(f"the model failed: {type(exc).__name__}"))
             return
         for job in live:
             if not job.done:  # a backend that forgot an item: never leave a request hanging
-                self._fail(job.submit, job.seq, "model_error", "the model produced no final answer", 500)
+                self._fail(job.submit, job.seq, ModelError("the model produced no final answer"))
 
     # -- replies ----------------------------------------------------------------------
 
@@ -452,8 +457,8 @@ class Worker:
             job.seq += 1
         return last
 
-    def _fail(self, submit: Submit, seq: int, code: str, message: str, status: int) -> None:
-        self._reply(submit, Failed(submit.request_id, seq, code, message[:MAX_DELTA_CHARS], status))
+    def _fail(self, submit: Submit, seq: int, error: ShmgateError) -> None:
+        self._reply(submit, failed_reply(submit.request_id, seq, error))
 
     def _invalid_message(self, what: object) -> None:
         """A message on the request channel that is not a valid Submit: answer it if we can tell whom.
@@ -477,7 +482,7 @@ class Worker:
             return
         if not (0 <= request_id < 2**63 and 0 <= reply_slot < self.instance.segment.layout.n_frontends):
             return
-        message = Failed(request_id, 0, "bad_descriptor", "the request's descriptor could not be decoded", 500)
+        message = failed_reply(request_id, 0, DescriptorError("the request's descriptor could not be decoded"))
         self._reply_to(reply_slot, message)
 
     def _reply(self, submit: Submit, message: object) -> None:
