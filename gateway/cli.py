@@ -30,11 +30,10 @@ log = logging.getLogger("shmgate")
 
 
 def _env(name: str, default: str | None = None) -> str | None:
-    return os.environ.get(f"SHMGATE_{name}", default)
-
-
-def _float_or_none(text: str | None) -> float | None:
-    return float(text) if text else None
+    """``SHMGATE_<name>``, or ``default`` when unset or empty. Flags take it as a *string* default:
+    argparse runs a string default through the flag's ``type``, so a bad value (SHMGATE_PORT=abc)
+    is a usage error naming the flag, not a traceback."""
+    return os.environ.get(f"SHMGATE_{name}") or default
 
 
 # The longest a work loop may go without progress. The embedded classifier's longest step (a
@@ -73,8 +72,8 @@ def visible_gpus(environ: Mapping[str, str], machine_gpus: int) -> list[str]:
 
 def _add_gateway_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=int(_env("PORT", "8000") or 8000))
-    p.add_argument("--frontends", type=int, default=int(_env("FRONTENDS", "0") or 0),
+    p.add_argument("--port", type=int, default=_env("PORT", "8000"))
+    p.add_argument("--frontends", type=int, default=_env("FRONTENDS", "0"),
                    help="frontend processes (default: the CPUs this process may use: cgroup limit, affinity, cores)")
     p.add_argument("--model", default=_env("MODEL", "efficientnet-lite0"))
     p.add_argument("--arena-size", default=_env("ARENA_SIZE", "1GiB"))
@@ -82,20 +81,20 @@ def _add_gateway_flags(p: argparse.ArgumentParser) -> None:
                    help="prefer the SHMGATE_API_KEY environment variable: a flag is visible in ps")
     p.add_argument("--metrics-need-key", action="store_true", default=_env("METRICS_NEED_KEY") == "1")
     p.add_argument("--label", default=_env("LABEL", "default"))
-    p.add_argument("--max-images", type=int, default=int(_env("MAX_IMAGES", "8") or 8))
-    p.add_argument("--max-in-flight", type=int, default=int(_env("MAX_IN_FLIGHT", "256") or 256),
+    p.add_argument("--max-images", type=int, default=_env("MAX_IMAGES", "8"))
+    p.add_argument("--max-in-flight", type=int, default=_env("MAX_IN_FLIGHT", "256"),
                    help="per frontend; beyond it requests get 429")
-    p.add_argument("--request-timeout-s", type=float, default=float(_env("REQUEST_TIMEOUT_S", "60") or 60))
-    p.add_argument("--max-body-mb", type=float, default=float(_env("MAX_BODY_MB", "32") or 32))
-    p.add_argument("--max-pixels", type=int, default=int(_env("MAX_PIXELS", "40000000") or 40_000_000))
-    p.add_argument("--decode-threads", type=int, default=int(_env("DECODE_THREADS", "2") or 2))
-    p.add_argument("--max-workers", type=int, default=int(_env("MAX_WORKERS", "0") or 0),
+    p.add_argument("--request-timeout-s", type=float, default=_env("REQUEST_TIMEOUT_S", "60"))
+    p.add_argument("--max-body-mb", type=float, default=_env("MAX_BODY_MB", "32"))
+    p.add_argument("--max-pixels", type=int, default=_env("MAX_PIXELS", "40000000"))
+    p.add_argument("--decode-threads", type=int, default=_env("DECODE_THREADS", "2"))
+    p.add_argument("--max-workers", type=int, default=_env("MAX_WORKERS", "0"),
                    help="worker slots in the segment, each with a control queue (default: serve twice its "
                    "workers, gateway 16)")
-    p.add_argument("--queue-depth", type=int, default=int(_env("QUEUE_DEPTH", "64") or 64),
+    p.add_argument("--queue-depth", type=int, default=_env("QUEUE_DEPTH", "64"),
                    help="message queue depth (capped by /proc/sys/fs/mqueue/msg_max)")
-    p.add_argument("--drain-timeout-s", type=float, default=float(_env("DRAIN_TIMEOUT_S", "30") or 30))
-    p.add_argument("--stall-timeout-s", type=float, default=_float_or_none(_env("STALL_TIMEOUT_S")),
+    p.add_argument("--drain-timeout-s", type=float, default=_env("DRAIN_TIMEOUT_S", "30"))
+    p.add_argument("--stall-timeout-s", type=float, default=_env("STALL_TIMEOUT_S"),
                    help="replace a frontend or worker whose work loop makes no progress for this long "
                         f"(default {DEFAULT_STALL_TIMEOUT_S:g} s, {HF_STALL_TIMEOUT_S:g} s for hf: models; 0: never); "
                         "see docs/RELIABILITY.md for slow models")
@@ -105,8 +104,8 @@ def _add_gateway_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--image-url-allowlist", type=_allowlist, default=_env("IMAGE_URL_ALLOWLIST", ""),
                    help="comma list of CIDRs / host names that image URLs may reach besides public addresses")
     p.add_argument("--image-url-max-bytes", type=parse_size, default=_env("IMAGE_URL_MAX_BYTES", "20MiB"))
-    p.add_argument("--image-url-timeout-s", type=float, default=float(_env("IMAGE_URL_TIMEOUT_S", "10") or 10))
-    p.add_argument("--result-cache-mb", type=float, default=float(_env("RESULT_CACHE_MB", "0") or 0),
+    p.add_argument("--image-url-timeout-s", type=float, default=_env("IMAGE_URL_TIMEOUT_S", "10"))
+    p.add_argument("--result-cache-mb", type=float, default=_env("RESULT_CACHE_MB", "0"),
                    help="per frontend: keep this many MiB of deterministic answers (embeddings, the classifier's); "
                         "0: off (docs/MODELS.md)")
 
@@ -123,14 +122,14 @@ def _allowlist(text: str) -> str:
 
 
 def _add_worker_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workers", type=int, default=int(_env("WORKERS", "0") or 0),
+    p.add_argument("--workers", type=int, default=_env("WORKERS", "0"),
                    help="worker processes (default: one per GPU; on CPU two, one for hf: models)")
-    p.add_argument("--workers-per-gpu", type=int, default=int(_env("WORKERS_PER_GPU", "1") or 1))
+    p.add_argument("--workers-per-gpu", type=int, default=_env("WORKERS_PER_GPU", "1"))
     p.add_argument("--device", default=_env("DEVICE"),
                    help="cpu, cuda (every GPU) or cuda:N (GPU N only) (default: cuda when a GPU is present)")
-    p.add_argument("--max-batch-size", type=int, default=int(_env("MAX_BATCH_SIZE", "8") or 8))
-    p.add_argument("--max-batch-wait-ms", type=float, default=float(_env("MAX_BATCH_WAIT_MS", "5") or 5))
-    p.add_argument("--threads", type=int, default=int(_env("THREADS", "0") or 0),
+    p.add_argument("--max-batch-size", type=int, default=_env("MAX_BATCH_SIZE", "8"))
+    p.add_argument("--max-batch-wait-ms", type=float, default=_env("MAX_BATCH_WAIT_MS", "5"))
+    p.add_argument("--threads", type=int, default=_env("THREADS", "0"),
                    help="torch threads per CPU worker (default: usable CPUs / workers; see --frontends)")
     p.add_argument("--dtype", default=_env("DTYPE", "auto"), choices=("auto", "float32", "bfloat16", "float16"),
                    help="weights of hf: models (auto: bfloat16 on CUDA, float32 on CPU)")

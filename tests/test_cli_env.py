@@ -1,0 +1,51 @@
+"""SHMGATE_* environment values are flag defaults: a bad one is a usage error naming the flag
+(argparse, exit status 2), never a traceback; an empty one means "unset"."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.cli import build_parser
+from worker.__main__ import parse_args as worker_args
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "flag"),
+    [("PORT", "eighty", "--port"), ("REQUEST_TIMEOUT_S", "soon", "--request-timeout-s"),
+     ("MAX_BATCH_SIZE", "8.5", "--max-batch-size"), ("STALL_TIMEOUT_S", "x", "--stall-timeout-s"),
+     ("IMAGE_URL_MAX_BYTES", "lots", "--image-url-max-bytes")],
+)
+def test_a_bad_environment_value_is_a_usage_error_naming_its_flag(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], name: str, value: str, flag: str
+) -> None:
+    monkeypatch.setenv(f"SHMGATE_{name}", value)
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["serve"])
+    assert exited.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_the_worker_reports_a_bad_environment_value_the_same_way(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("SHMGATE_MAX_BATCH_WAIT_MS", "fast")
+    with pytest.raises(SystemExit) as exited:
+        worker_args([])
+    assert exited.value.code == 2 and "--max-batch-wait-ms" in capsys.readouterr().err
+
+
+def test_environment_values_arrive_typed_and_empty_means_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SHMGATE_PORT", "9001")
+    monkeypatch.setenv("SHMGATE_REQUEST_TIMEOUT_S", "")
+    monkeypatch.setenv("SHMGATE_STALL_TIMEOUT_S", "2.5")
+    args = build_parser().parse_args(["serve"])
+    assert (args.port, args.request_timeout_s, args.stall_timeout_s) == (9001, 60.0, 2.5)
+    monkeypatch.delenv("SHMGATE_STALL_TIMEOUT_S")
+    assert build_parser().parse_args(["serve"]).stall_timeout_s is None
+    assert worker_args(["--max-batch-size", "4"]).max_batch_size == 4
+
+
+def test_a_flag_wins_over_a_bad_environment_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    """argparse converts a string default only when the flag is absent."""
+    monkeypatch.setenv("SHMGATE_PORT", "eighty")
+    assert build_parser().parse_args(["serve", "--port", "8080"]).port == 8080
