@@ -189,19 +189,30 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+# Gateway flags a frontend child does not get on its command line: the API key reaches it in its
+# environment (argv is visible in ps); the rest are the supervisor's (the socket is passed as --fd).
+_NOT_FORWARDED = frozenset(
+    {"api_key", "host", "port", "frontends", "arena_size", "max_workers", "queue_depth", "stall_timeout_s"}
+)
+
+
 def _frontend_argv(args: argparse.Namespace, instance_id: str, slot: int, fd: int) -> list[str]:
-    return [
-        sys.executable, "-m", "gateway", "frontend",
-        "--instance", instance_id, "--slot", str(slot), "--fd", str(fd),
-        "--model", args.model, "--label", args.label,
-        "--max-images", str(args.max_images), "--max-in-flight", str(args.max_in_flight),
-        "--request-timeout-s", str(args.request_timeout_s), "--max-body-mb", str(args.max_body_mb),
-        "--max-pixels", str(args.max_pixels), "--decode-threads", str(args.decode_threads),
-        "--drain-timeout-s", str(args.drain_timeout_s), "--log-level", args.log_level,
-        "--image-url-allowlist", args.image_url_allowlist, "--image-url-max-bytes", str(args.image_url_max_bytes),
-        "--image-url-timeout-s", str(args.image_url_timeout_s), "--result-cache-mb", str(args.result_cache_mb),
-    ] + (["--metrics-need-key"] if args.metrics_need_key else []) + (
-        ["--allow-image-urls"] if args.allow_image_urls else [])
+    """The frontend child's command: every gateway flag but _NOT_FORWARDED, read off the parser, so a
+    new flag reaches the frontends without a second list to keep in step."""
+    probe = argparse.ArgumentParser(add_help=False)
+    _add_gateway_flags(probe)
+    argv = [sys.executable, "-m", "gateway", "frontend",
+            "--instance", instance_id, "--slot", str(slot), "--fd", str(fd)]
+    for action in probe._actions:
+        value = getattr(args, action.dest)
+        if action.dest in _NOT_FORWARDED or value is None:
+            continue
+        flag = action.option_strings[0]
+        if isinstance(action, argparse._StoreTrueAction):
+            argv += [flag] if value else []
+        else:
+            argv += [flag, str(value)]
+    return argv
 
 
 def _default_cpu_workers(model: str, cores: int) -> int:

@@ -1,11 +1,12 @@
-"""SHMGATE_* environment values are flag defaults: a bad one is a usage error naming the flag
-(argparse, exit status 2), never a traceback; an empty one means "unset"."""
+"""The command line: SHMGATE_* environment values are flag defaults, and a bad one is a usage error
+naming the flag (argparse, exit status 2), never a traceback; an empty one means "unset". A frontend
+child gets the gateway flags it needs from the parser itself."""
 
 from __future__ import annotations
 
 import pytest
 
-from gateway.cli import build_parser
+from gateway.cli import _NOT_FORWARDED, _frontend_argv, build_parser
 from worker.__main__ import parse_args as worker_args
 
 
@@ -49,3 +50,18 @@ def test_a_flag_wins_over_a_bad_environment_value(monkeypatch: pytest.MonkeyPatc
     """argparse converts a string default only when the flag is absent."""
     monkeypatch.setenv("SHMGATE_PORT", "eighty")
     assert build_parser().parse_args(["serve", "--port", "8080"]).port == 8080
+
+
+def test_a_frontend_child_parses_back_to_the_supervisor_s_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SHMGATE_API_KEY", "secret-key")
+    parent = build_parser().parse_args(
+        ["serve", "--allow-image-urls", "--metrics-need-key", "--max-images", "3", "--result-cache-mb", "1.5",
+         "--image-url-allowlist", "10.0.0.0/8", "--label", "blue", "--port", "9009"]
+    )
+    argv = _frontend_argv(parent, "abc", 2, 7)
+    assert "secret-key" not in argv and "--api-key" not in argv, "a secret on argv is visible in ps"
+    child = build_parser().parse_args(argv[3:])
+    assert (child.command, child.instance, child.slot, child.fd) == ("frontend", "abc", 2, 7)
+    shared = set(vars(child)) & set(vars(parent)) - _NOT_FORWARDED - {"command"}
+    assert {"max_images", "allow_image_urls", "metrics_need_key", "image_url_max_bytes"} <= shared
+    assert {dest: getattr(child, dest) for dest in shared} == {dest: getattr(parent, dest) for dest in shared}
