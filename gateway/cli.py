@@ -22,18 +22,12 @@ from collections.abc import Mapping
 from gateway.placement import Placement, gpu_count, worker_placements
 from shared.cpus import usable_cpus
 from shared.errors import SetupError
+from shared.flags import add_batching_flags, env, forward
 from shared.names import parse_size
 
 __all__ = ["main"]
 
 log = logging.getLogger("shmgate")
-
-
-def _env(name: str, default: str | None = None) -> str | None:
-    """``SHMGATE_<name>``, or ``default`` when unset or empty. Flags take it as a *string* default:
-    argparse runs a string default through the flag's ``type``, so a bad value (SHMGATE_PORT=abc)
-    is a usage error naming the flag, not a traceback."""
-    return os.environ.get(f"SHMGATE_{name}") or default
 
 
 # The longest a work loop may go without progress. The embedded classifier's longest step (a
@@ -71,41 +65,41 @@ def visible_gpus(environ: Mapping[str, str], machine_gpus: int) -> list[str]:
 
 
 def _add_gateway_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=_env("PORT", "8000"))
-    p.add_argument("--frontends", type=int, default=_env("FRONTENDS", "0"),
+    p.add_argument("--host", default=env("HOST", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=env("PORT", "8000"))
+    p.add_argument("--frontends", type=int, default=env("FRONTENDS", "0"),
                    help="frontend processes (default: the CPUs this process may use: cgroup limit, affinity, cores)")
-    p.add_argument("--model", default=_env("MODEL", "efficientnet-lite0"))
-    p.add_argument("--arena-size", default=_env("ARENA_SIZE", "1GiB"))
-    p.add_argument("--api-key", default=_env("API_KEY"),
+    p.add_argument("--model", default=env("MODEL", "efficientnet-lite0"))
+    p.add_argument("--arena-size", default=env("ARENA_SIZE", "1GiB"))
+    p.add_argument("--api-key", default=env("API_KEY"),
                    help="prefer the SHMGATE_API_KEY environment variable: a flag is visible in ps")
-    p.add_argument("--metrics-need-key", action="store_true", default=_env("METRICS_NEED_KEY") == "1")
-    p.add_argument("--label", default=_env("LABEL", "default"))
-    p.add_argument("--max-images", type=int, default=_env("MAX_IMAGES", "8"))
-    p.add_argument("--max-in-flight", type=int, default=_env("MAX_IN_FLIGHT", "256"),
+    p.add_argument("--metrics-need-key", action="store_true", default=env("METRICS_NEED_KEY") == "1")
+    p.add_argument("--label", default=env("LABEL", "default"))
+    p.add_argument("--max-images", type=int, default=env("MAX_IMAGES", "8"))
+    p.add_argument("--max-in-flight", type=int, default=env("MAX_IN_FLIGHT", "256"),
                    help="per frontend; beyond it requests get 429")
-    p.add_argument("--request-timeout-s", type=float, default=_env("REQUEST_TIMEOUT_S", "60"))
-    p.add_argument("--max-body-mb", type=float, default=_env("MAX_BODY_MB", "32"))
-    p.add_argument("--max-pixels", type=int, default=_env("MAX_PIXELS", "40000000"))
-    p.add_argument("--decode-threads", type=int, default=_env("DECODE_THREADS", "2"))
-    p.add_argument("--max-workers", type=int, default=_env("MAX_WORKERS", "0"),
+    p.add_argument("--request-timeout-s", type=float, default=env("REQUEST_TIMEOUT_S", "60"))
+    p.add_argument("--max-body-mb", type=float, default=env("MAX_BODY_MB", "32"))
+    p.add_argument("--max-pixels", type=int, default=env("MAX_PIXELS", "40000000"))
+    p.add_argument("--decode-threads", type=int, default=env("DECODE_THREADS", "2"))
+    p.add_argument("--max-workers", type=int, default=env("MAX_WORKERS", "0"),
                    help="worker slots in the segment, each with a control queue (default: serve twice its "
                    "workers, gateway 16)")
-    p.add_argument("--queue-depth", type=int, default=_env("QUEUE_DEPTH", "64"),
+    p.add_argument("--queue-depth", type=int, default=env("QUEUE_DEPTH", "64"),
                    help="message queue depth (capped by /proc/sys/fs/mqueue/msg_max)")
-    p.add_argument("--drain-timeout-s", type=float, default=_env("DRAIN_TIMEOUT_S", "30"))
-    p.add_argument("--stall-timeout-s", type=float, default=_env("STALL_TIMEOUT_S"),
+    p.add_argument("--drain-timeout-s", type=float, default=env("DRAIN_TIMEOUT_S", "30"))
+    p.add_argument("--stall-timeout-s", type=float, default=env("STALL_TIMEOUT_S"),
                    help="replace a frontend or worker whose work loop makes no progress for this long "
                         f"(default {DEFAULT_STALL_TIMEOUT_S:g} s, {HF_STALL_TIMEOUT_S:g} s for hf: models; 0: never); "
                         "see docs/RELIABILITY.md for slow models")
-    p.add_argument("--log-level", default=_env("LOG_LEVEL", "info"))
-    p.add_argument("--allow-image-urls", action="store_true", default=_env("ALLOW_IMAGE_URLS") == "1",
+    p.add_argument("--log-level", default=env("LOG_LEVEL", "info"))
+    p.add_argument("--allow-image-urls", action="store_true", default=env("ALLOW_IMAGE_URLS") == "1",
                    help="fetch http(s) image URLs (off by default; see docs/SECURITY.md)")
-    p.add_argument("--image-url-allowlist", type=_allowlist, default=_env("IMAGE_URL_ALLOWLIST", ""),
+    p.add_argument("--image-url-allowlist", type=_allowlist, default=env("IMAGE_URL_ALLOWLIST", ""),
                    help="comma list of CIDRs / host names that image URLs may reach besides public addresses")
-    p.add_argument("--image-url-max-bytes", type=parse_size, default=_env("IMAGE_URL_MAX_BYTES", "20MiB"))
-    p.add_argument("--image-url-timeout-s", type=float, default=_env("IMAGE_URL_TIMEOUT_S", "10"))
-    p.add_argument("--result-cache-mb", type=float, default=_env("RESULT_CACHE_MB", "0"),
+    p.add_argument("--image-url-max-bytes", type=parse_size, default=env("IMAGE_URL_MAX_BYTES", "20MiB"))
+    p.add_argument("--image-url-timeout-s", type=float, default=env("IMAGE_URL_TIMEOUT_S", "10"))
+    p.add_argument("--result-cache-mb", type=float, default=env("RESULT_CACHE_MB", "0"),
                    help="per frontend: keep this many MiB of deterministic answers (embeddings, the classifier's); "
                         "0: off (docs/MODELS.md)")
 
@@ -122,19 +116,14 @@ def _allowlist(text: str) -> str:
 
 
 def _add_worker_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workers", type=int, default=_env("WORKERS", "0"),
+    p.add_argument("--workers", type=int, default=env("WORKERS", "0"),
                    help="worker processes (default: one per GPU; on CPU two, one for hf: models)")
-    p.add_argument("--workers-per-gpu", type=int, default=_env("WORKERS_PER_GPU", "1"))
-    p.add_argument("--device", default=_env("DEVICE"),
+    p.add_argument("--workers-per-gpu", type=int, default=env("WORKERS_PER_GPU", "1"))
+    p.add_argument("--device", default=env("DEVICE"),
                    help="cpu, cuda (every GPU) or cuda:N (GPU N only) (default: cuda when a GPU is present)")
-    p.add_argument("--max-batch-size", type=int, default=_env("MAX_BATCH_SIZE", "8"))
-    p.add_argument("--max-batch-wait-ms", type=float, default=_env("MAX_BATCH_WAIT_MS", "5"))
-    p.add_argument("--threads", type=int, default=_env("THREADS", "0"),
+    p.add_argument("--threads", type=int, default=env("THREADS", "0"),
                    help="torch threads per CPU worker (default: usable CPUs / workers; see --frontends)")
-    p.add_argument("--dtype", default=_env("DTYPE", "auto"), choices=("auto", "float32", "bfloat16", "float16"),
-                   help="weights of hf: models (auto: bfloat16 on CUDA, float32 on CPU)")
-    p.add_argument("--compile-normalise", action="store_true", default=_env("COMPILE_NORMALISE") == "1",
-                   help="efficientnet: compile the input normalisation (needs a C compiler; see docs/ARCHITECTURE.md)")
+    add_batching_flags(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -199,20 +188,8 @@ _NOT_FORWARDED = frozenset(
 def _frontend_argv(args: argparse.Namespace, instance_id: str, slot: int, fd: int) -> list[str]:
     """The frontend child's command: every gateway flag but _NOT_FORWARDED, read off the parser, so a
     new flag reaches the frontends without a second list to keep in step."""
-    probe = argparse.ArgumentParser(add_help=False)
-    _add_gateway_flags(probe)
-    argv = [sys.executable, "-m", "gateway", "frontend",
-            "--instance", instance_id, "--slot", str(slot), "--fd", str(fd)]
-    for action in probe._actions:
-        value = getattr(args, action.dest)
-        if action.dest in _NOT_FORWARDED or value is None:
-            continue
-        flag = action.option_strings[0]
-        if isinstance(action, argparse._StoreTrueAction):
-            argv += [flag] if value else []
-        else:
-            argv += [flag, str(value)]
-    return argv
+    return [sys.executable, "-m", "gateway", "frontend", "--instance", instance_id, "--slot", str(slot),
+            "--fd", str(fd), *forward(args, _add_gateway_flags, skip=_NOT_FORWARDED)]
 
 
 def _default_cpu_workers(model: str, cores: int) -> int:
@@ -248,10 +225,9 @@ def _worker_children(args: argparse.Namespace, instance_id: str) -> list[tuple[l
         env = {} if placement.visible is None else {"CUDA_VISIBLE_DEVICES": placement.visible}
         argv = [
             sys.executable, "-m", "worker", "--instance", instance_id, "--model", args.model,
-            "--device", placement.device, "--max-batch-size", str(args.max_batch_size),
-            "--max-batch-wait-ms", str(args.max_batch_wait_ms), "--threads", str(threads),
-            "--dtype", args.dtype, "--log-level", args.log_level,
-        ] + (["--compile-normalise"] if args.compile_normalise else [])
+            "--device", placement.device, "--threads", str(threads), "--log-level", args.log_level,
+            *forward(args, add_batching_flags),
+        ]
         children.append((argv, env))
     return children
 

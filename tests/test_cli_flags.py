@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.cli import _NOT_FORWARDED, _frontend_argv, build_parser
+from gateway.cli import _NOT_FORWARDED, _frontend_argv, _worker_children, build_parser
 from worker.__main__ import parse_args as worker_args
 
 
@@ -65,3 +65,16 @@ def test_a_frontend_child_parses_back_to_the_supervisor_s_values(monkeypatch: py
     shared = set(vars(child)) & set(vars(parent)) - _NOT_FORWARDED - {"command"}
     assert {"max_images", "allow_image_urls", "metrics_need_key", "image_url_max_bytes"} <= shared
     assert {dest: getattr(child, dest) for dest in shared} == {dest: getattr(parent, dest) for dest in shared}
+
+
+def test_serve_s_worker_children_get_its_batching_flags() -> None:
+    """serve and worker share one definition of the batching flags (shared/flags.py)."""
+    parent = build_parser().parse_args(
+        ["serve", "--device", "cpu", "--workers", "1", "--max-batch-size", "3", "--max-batch-wait-ms", "2.5",
+         "--dtype", "float32", "--compile-normalise"]
+    )
+    [(argv, _)] = _worker_children(parent, "abc")
+    child = worker_args(argv[3:])
+    assert child.instance == "abc"
+    assert (child.max_batch_size, child.max_batch_wait_ms, child.dtype, child.compile_normalise) == (
+        3, 2.5, "float32", True)

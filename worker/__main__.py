@@ -16,41 +16,29 @@ import argparse  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402
 
+from shared.flags import add_batching_flags, env  # noqa: E402
 from worker.main import WorkerOptions, run_worker  # noqa: E402
-
-
-def _env(name: str, default: str | None = None) -> str | None:
-    """``SHMGATE_<name>``, or ``default`` when unset or empty. Flags take it as a *string* default:
-    argparse runs a string default through the flag's ``type``, so a bad value (SHMGATE_PORT=abc)
-    is a usage error naming the flag, not a traceback."""
-    return os.environ.get(f"SHMGATE_{name}") or default
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="shmgate worker", description="Run one model worker.")
-    parser.add_argument("--model", default=_env("MODEL", "efficientnet-lite0"))
-    parser.add_argument("--device", default=_env("DEVICE"), help="cpu, cuda or cuda:N (default: cuda when present)")
-    parser.add_argument("--max-batch-size", type=int, default=_env("MAX_BATCH_SIZE", "8"))
-    parser.add_argument("--max-batch-wait-ms", type=float, default=_env("MAX_BATCH_WAIT_MS", "5"))
-    parser.add_argument("--threads", type=int, default=_env("THREADS", "0"),
+    parser.add_argument("--model", default=env("MODEL", "efficientnet-lite0"))
+    parser.add_argument("--device", default=env("DEVICE"), help="cpu, cuda or cuda:N (default: cuda when present)")
+    parser.add_argument("--threads", type=int, default=env("THREADS", "0"),
                         help="torch threads (0: on CPU the CPUs this process may use, cgroup limit included)")
-    parser.add_argument("--dtype", default=_env("DTYPE", "auto"), choices=("auto", "float32", "bfloat16", "float16"),
-                        help="weights of hf: models (auto: bfloat16 on CUDA, float32 on CPU)")
-    parser.add_argument("--compile-normalise", action="store_true", default=_env("COMPILE_NORMALISE") == "1",
-                        help="efficientnet: compile the input normalisation into one kernel (needs a C compiler; "
-                             "set TORCHINDUCTOR_CACHE_DIR to a persistent directory)")
-    parser.add_argument("--diag-batch-delay-ms", type=float, default=_env("DIAG_BATCH_DELAY_MS", "0"),
+    add_batching_flags(parser)
+    parser.add_argument("--diag-batch-delay-ms", type=float, default=env("DIAG_BATCH_DELAY_MS", "0"),
                         help="diagnostics and tests: sleep this long before each batch runs (simulates a slow model)")
-    parser.add_argument("--diag-claim-delay-ms", type=float, default=_env("DIAG_CLAIM_DELAY_MS", "0"),
+    parser.add_argument("--diag-claim-delay-ms", type=float, default=env("DIAG_CLAIM_DELAY_MS", "0"),
                         help="diagnostics and tests: sleep this long between taking a request and claiming it")
-    parser.add_argument("--instance", default=_env("INSTANCE"), help="instance id (default: find by --label)")
-    parser.add_argument("--label", default=_env("LABEL", "default"))
-    parser.add_argument("--attach-wait-s", type=float, default=_env("ATTACH_WAIT_S", "60"),
+    parser.add_argument("--instance", default=env("INSTANCE"), help="instance id (default: find by --label)")
+    parser.add_argument("--label", default=env("LABEL", "default"))
+    parser.add_argument("--attach-wait-s", type=float, default=env("ATTACH_WAIT_S", "60"),
                         help="how long to wait for a gateway with --label to appear (a container starting first)")
-    parser.add_argument("--follow-drain-s", type=float, default=_env("FOLLOW_DRAIN_S", "0"),
+    parser.add_argument("--follow-drain-s", type=float, default=env("FOLLOW_DRAIN_S", "0"),
                         help="on SIGTERM keep serving while the gateway drains, up to this long (0: stop at once). "
                         "For pods, whose containers all get SIGTERM together")
-    parser.add_argument("--log-level", default=_env("LOG_LEVEL", "info"))
+    parser.add_argument("--log-level", default=env("LOG_LEVEL", "info"))
     return parser.parse_args(argv)
 
 
