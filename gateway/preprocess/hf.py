@@ -45,15 +45,11 @@ import numpy as np
 from gateway.imaging import decode_image
 from gateway.preprocess.base import AllocateFn, ImageTensorSpec, PromptInputs
 from shared.errors import InvalidRequest, UndecodableImage
+from shared.models import model_id_for  # the one rule, said in shared/models.py
 
 __all__ = ["HFPreprocessor", "model_id_for"]
 
 PIXEL_VALUES = "pixel_values"
-
-
-def model_id_for(model_dir: str | os.PathLike[str]) -> str:
-    """The id a model directory is served under: its base name (``/m/Qwen2-VL/`` -> ``Qwen2-VL``)."""
-    return os.path.basename(os.path.normpath(os.fspath(model_dir)))
 
 
 def _processor_chat_template(path: str) -> str | None:

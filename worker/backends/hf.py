@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from shared.errors import InvalidRequest
+from shared.models import model_id_for  # the one rule, said in shared/models.py
 from shared.wire import SamplingParams
 from worker.backends.base import BackendEvent, WorkItem
 
@@ -88,15 +88,6 @@ DTYPES: dict[str, torch.dtype | None] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
-
-
-def model_id_for(model_dir: str) -> str:
-    """The id ``hf:<model_dir>`` is served under: the directory's base name.
-
-    The same rule as the frontend's (gateway/preprocess/hf.py); the two halves never
-    import each other, and the worker's id must equal the one the frontend sends.
-    """
-    return os.path.basename(os.path.normpath(model_dir))
 
 
 class HFBackend:
