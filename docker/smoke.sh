@@ -48,6 +48,7 @@ PROBE=$PROJECT-ipc-probe
 STEP="start"
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/shmgate-smoke.XXXXXX")
 WHEEL_SERVER_PID=""
+WHEEL_INDEX_URL=""
 COMPOSE=()
 UP=0
 declare -A TIMES=()
@@ -67,7 +68,7 @@ on_exit() {
         "${COMPOSE[@]}" down --timeout 30 > /dev/null 2>&1
     fi
     docker rm -f "$PROBE" > /dev/null 2>&1
-    [[ -n $WHEEL_SERVER_PID ]] && kill "$WHEEL_SERVER_PID" 2> /dev/null
+    stop_wheel_server
     rm -rf -- "$WORK"
     if ((code == 0)); then
         say "ok"
@@ -197,7 +198,8 @@ find_torch_wheel() {
 }
 
 # Serves the directory of the host's torch wheel as a simple package index on 127.0.0.1 (pip trusts
-# plain http on loopback), for a build with --network host.
+# plain http on loopback), for a build with --network host; sets WHEEL_INDEX_URL. Called in this shell,
+# never in $(...): the server's pid must reach stop_wheel_server and the exit trap, or it outlives us.
 serve_torch_wheel() {
     local wheel=$1 index=$CACHE/wheelhouse port=${SMOKE_WHEEL_PORT:-18001}
     mkdir -p "$index/torch"
@@ -205,6 +207,9 @@ serve_torch_wheel() {
     [[ -f $index/torch/$(basename "$wheel") ]] || ln -f "$wheel" "$index/torch/" 2>/dev/null ||
         cp "$wheel" "$index/torch/"
     # A fixed port: the index URL is a build argument, and a changed one would invalidate the build cache.
+    # Something already answering there (another run's server) would pass the probe below in our place.
+    ! curl -fs -m 2 -o /dev/null "http://127.0.0.1:$port/" ||
+        fail "127.0.0.1:$port is already in use (set SMOKE_WHEEL_PORT to a free port)"
     python3 -m http.server --bind 127.0.0.1 --directory "$index" "$port" > "$WORK/wheel-server.log" 2>&1 &
     WHEEL_SERVER_PID=$!
     local i
@@ -213,7 +218,14 @@ serve_torch_wheel() {
         sleep 0.1
     done
     kill -0 "$WHEEL_SERVER_PID" 2> /dev/null || fail "cannot serve the wheel on 127.0.0.1:$port (SMOKE_WHEEL_PORT)"
-    printf 'http://127.0.0.1:%s/' "$port"
+    WHEEL_INDEX_URL="http://127.0.0.1:$port/"
+}
+
+stop_wheel_server() {
+    [[ -n $WHEEL_SERVER_PID ]] || return 0
+    kill "$WHEEL_SERVER_PID" 2> /dev/null || true
+    wait "$WHEEL_SERVER_PID" 2> /dev/null || true
+    WHEEL_SERVER_PID=""
 }
 
 # Which builder: BuildKit (buildx, or the built-in one of a pre-23 client), else the classic builder.
@@ -260,14 +272,14 @@ build_image() {
     if [[ $torch == index ]]; then
         say "torch: $TORCH_VERSION from $TORCH_INDEX"
     else
-        local wheel version index
+        local wheel version
         wheel=$(find_torch_wheel)
         [[ -n $wheel && -f $wheel ]] ||
             fail "no torch $TORCH_VERSION wheel for Python 3.11 on this host (set SMOKE_TORCH_WHEEL) and PyTorch's index is unreachable"
         version=$(basename "$wheel" | cut -d- -f2)
-        index=$(serve_torch_wheel "$wheel")
-        say "torch: $version from $(basename "$wheel"), served at $index; its dependencies and shmgate's from PyPI"
-        args+=(--network host --build-arg "TORCH_VERSION=$version" --build-arg "TORCH_INDEX_URL=$index"
+        serve_torch_wheel "$wheel"
+        say "torch: $version from $(basename "$wheel"), served at $WHEEL_INDEX_URL; its dependencies and shmgate's from PyPI"
+        args+=(--network host --build-arg "TORCH_VERSION=$version" --build-arg "TORCH_INDEX_URL=$WHEEL_INDEX_URL"
             --build-arg "PIP_EXTRA_INDEX_URL=https://pypi.org/simple")
     fi
     pick_builder
@@ -279,6 +291,7 @@ build_image() {
         fail "docker build"
     fi
     TIMES[build]=$(elapsed "$started")
+    stop_wheel_server  # only the build needed it
     # The image an earlier run built, now untagged: ~1 GB a run on a machine that keeps its engine.
     if [[ -n $previous && $previous != "$(docker image inspect -f '{{.Id}}' "$IMAGE")" ]]; then
         docker rmi "$previous" > /dev/null 2>&1 || true
