@@ -155,6 +155,8 @@ def validate(segment: Segment, ref: TensorRef) -> None:
         raise InconsistentTensor("tensor shape is not valid")
     if prod(ref.shape) * itemsize != nbytes:
         raise InconsistentTensor("dtype and shape do not match the tensor's size")
+    if nbytes == 0:  # no frontend sends one, and a zero-length view raises in torch.frombuffer
+        raise InconsistentTensor("a tensor of zero bytes")
     _check_header(segment, ref)
 
 

@@ -54,7 +54,6 @@ from shared.errors import (
     Cancelled,
     ChannelFull,
     DescriptorError,
-    InconsistentTensor,
     InvalidRequest,
     ModelError,
     RequestTimeout,
@@ -290,9 +289,7 @@ class Worker:
         try:
             copy = self._start_copy(submit)
         except Exception as exc:  # this request's data (e.g. a view torch refuses): fail it, not the worker
-            log.warning("request %x: its tensors could not be copied: %r", submit.request_id, exc)
-            self._reply(submit, Released(submit.request_id))
-            self._fail(submit, 0, DescriptorError(f"the request's tensors could not be read: {type(exc).__name__}"))
+            self._fail_unreadable(submit, exc)
             return None
         finally:
             self.progress.blocked_since_ns = 0
@@ -324,10 +321,7 @@ class Worker:
             try:
                 job.item = self._finish_copy(job.submit, job.copy)
             except Exception as exc:  # one request's data: fail it alone (the thread must live on)
-                log.warning("request %x: its tensors could not be prepared: %r", job.submit.request_id, exc)
-                self._reply(job.submit, Released(job.submit.request_id))
-                self._fail(job.submit, 0,
-                           DescriptorError(f"the request's tensors could not be read: {type(exc).__name__}"))
+                self._fail_unreadable(job.submit, exc)
                 job.item = None
             finally:
                 self.progress.blocked_since_ns = 0
@@ -350,8 +344,6 @@ class Worker:
         try:
             for ref in submit.tensors:
                 validate(self.instance.segment, ref)
-                if ref.nbytes == 0:  # torch.frombuffer(count=0) raises; no frontend sends one
-                    raise InconsistentTensor("a tensor of zero bytes")
         except DescriptorError as exc:
             self._reply(submit, Released(submit.request_id))
             self._fail(submit, 0, exc)
@@ -459,6 +451,12 @@ class Worker:
 
     def _fail(self, submit: Submit, seq: int, error: ShmgateError) -> None:
         self._reply(submit, failed_reply(submit.request_id, seq, error))
+
+    def _fail_unreadable(self, submit: Submit, exc: Exception) -> None:
+        """One request's tensors raised while being copied or prepared: release and fail that request alone."""
+        log.warning("request %x: its tensors could not be read: %r", submit.request_id, exc)
+        self._reply(submit, Released(submit.request_id))
+        self._fail(submit, 0, DescriptorError(f"the request's tensors could not be read: {type(exc).__name__}"))
 
     def _invalid_message(self, what: object) -> None:
         """A message on the request channel that is not a valid Submit: answer it if we can tell whom.
