@@ -39,7 +39,7 @@ from typing import Any
 
 import msgspec
 
-from gateway.intake import ChatRequest, EncodedImage, image_bytes, key_material
+from gateway.intake import LOOP_HASH_MAX_BYTES, ChatRequest, EncodedImage, image_bytes, key_material
 from gateway.metrics import Counter, FrontendStats
 from gateway.preprocess.base import ImageTensorSpec, Preprocessor, PromptInputs
 from shared.arena import Partition
@@ -79,7 +79,6 @@ GRACE_S = 5.0  # how long past its deadline an unanswered request may hold arena
 # How long a request known to be off the queue may stay unclaimed before its taker counts as dead: a live
 # worker claims within microseconds of taking (a starved thread, milliseconds); heartbeats need as long.
 TAKEN_UNCLAIMED_S = DEAD_AFTER_S
-LOOP_HASH_MAX_BYTES = 1 << 20  # images up to this size are hashed on the loop to look for a local hit
 
 
 @dataclass(frozen=True)
@@ -459,7 +458,8 @@ class Frontend:
                     alive = verdicts[state.worker] = seg.slot_alive(seg.workers, state.worker[0], DEAD_AFTER_S,
                                                                     state.worker[1])
                 if not alive:
-                    await self._worker_died(state)
+                    await self._retry(state, "lost its worker before any answer",
+                                      failure="the model worker died while serving this request")
                     continue
             if now > state.submit.deadline_ns + (int(GRACE_S * 1e9) if state.worker else 0):
                 if state.worker is not None:
@@ -491,27 +491,21 @@ class Frontend:
             if state.taken_at is None:
                 state.taken_at = now
             elif now - state.taken_at > TAKEN_UNCLAIMED_S and not state.done and state.worker is None:
-                await self._resubmit_untaken(state)
+                await self._retry(state, f"left the queue but no worker claimed it in {TAKEN_UNCLAIMED_S:.0f} s",
+                                  failure="the model worker that took this request died before claiming it")
 
-    async def _resubmit_untaken(self, state: RequestState) -> None:
-        if state.abandoned or state.submit.attempt + 1 >= MAX_ATTEMPTS:
-            self._fail(state, PeerDied("the model worker that took this request died before claiming it"))
-            return
-        await self._retry(state, f"left the queue but no worker claimed it in {TAKEN_UNCLAIMED_S:.0f} s")
+    async def _retry(self, state: RequestState, why: str, *, failure: str) -> None:
+        """Send a request whose worker died again, as its next attempt, under a new id; or fail it.
 
-    async def _worker_died(self, state: RequestState) -> None:
-        if state.produced_output or state.abandoned or state.submit.attempt + 1 >= MAX_ATTEMPTS:
-            self._fail(state, PeerDied("the model worker died while serving this request"))
-            return
-        await self._retry(state, "lost its worker before any answer")
-
-    async def _retry(self, state: RequestState, why: str) -> None:
-        """Send a request again, as its next attempt, under a new id.
-
-        The new id matters: the worker we gave up on may only be paused (SIGSTOP) or slow, and answer
-        later; its replies carry the old id, which no longer matches, so it can never add a duplicate
-        answer to the retried request's stream (the arena generation checks keep its reads safe).
+        It fails (``failure``, in-band ``worker_died``) when output already streamed, the client left,
+        or this was its last attempt. The new id matters: the worker we gave up on may only be paused
+        (SIGSTOP) or slow, and answer later; its replies carry the old id, which no longer matches, so
+        it can never add a duplicate answer to the retried request's stream (the arena generation
+        checks keep its reads safe).
         """
+        if state.produced_output or state.abandoned or state.submit.attempt + 1 >= MAX_ATTEMPTS:
+            self._fail(state, PeerDied(failure))
+            return
         old_id = state.request_id
         self._states.pop(old_id, None)
         state.request_id = self._next_request_id()
