@@ -39,14 +39,14 @@ from gateway.frontend import Frontend, FrontendLimits, RequestState
 from gateway.http_errors import error_body, error_response
 from gateway.http_errors import failure_error as _failure
 from gateway.http_limits import read_capped
-from gateway.intake import IntakeLimits, parse_chat_request
+from gateway.intake import IntakeLimits, key_material, parse_chat_request
 from gateway.metrics import Counter, render
 from gateway.preprocess import get_preprocessor
-from gateway.result_cache import ResultCache, answer_key
+from gateway.result_cache import ResultCache, answer_key, keyed_off_the_loop
 from gateway.sse import Completion
 from shared.errors import EXIT_CONFIG, InvalidRequest, RequestTooLarge, ShmgateError, Unauthorized
 from shared.instance import Instance
-from shared.segment import MODEL_NAME_BYTES
+from shared.segment import check_model_id
 from shared.wire import Delta, Failed, Finished, Vector
 
 __all__ = ["AppOptions", "create_app"]
@@ -75,9 +75,7 @@ def create_app(options: AppOptions) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         try:
             preprocessor = get_preprocessor(options.model, max_images=options.intake.max_images)
-            if len(preprocessor.model.encode()) > MODEL_NAME_BYTES:
-                raise ValueError(f"the model id {preprocessor.model[:60]!r}... is longer than {MODEL_NAME_BYTES} "
-                                 "bytes; serve it from a directory with a shorter name")
+            check_model_id(preprocessor.model)
         except (ValueError, OSError, ImportError) as exc:
             # A configuration error (unknown model, missing model directory, a missing extra):
             # restarting cannot fix it, so say why and exit with the code that makes the
@@ -162,7 +160,10 @@ def create_app(options: AppOptions) -> FastAPI:
                                      param="model")
             if chat.pending_urls:
                 await fetch_pending(chat, options.image_urls)
-            key = answer_key(chat, f.preprocessor) if results is not None else None
+            key = None
+            if results is not None:
+                key = await keyed_off_the_loop(sum(len(key_material(i)) for i in chat.images),
+                                               functools.partial(answer_key, chat, f.preprocessor))
             if results is not None and key is not None:
                 cached = None if _bypass_cache(request) else results.get(key)
                 f.stats.set_result_cache(results.stats, results.used_bytes)

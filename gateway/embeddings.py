@@ -43,7 +43,7 @@ from gateway.intake import (
     key_material,
 )
 from gateway.preprocess.base import Preprocessor
-from gateway.result_cache import ResultCache, result_key
+from gateway.result_cache import ResultCache, keyed_off_the_loop, result_key
 from shared.errors import InvalidRequest, ShmgateError, TooManyImages, UnknownModel
 from shared.wire import TASK_EMBED, Failed, Finished, SamplingParams, Vector
 
@@ -156,7 +156,8 @@ async def _one(
     key = None
     if cache is not None:
         material = text if image is None else key_material(image)
-        key = result_key(material, job.model, params, "text" if image is None else "image")
+        kind = "text" if image is None else "image"
+        key = await keyed_off_the_loop(len(material), lambda: result_key(material, job.model, params, kind))
         hit = None if bypass_cache else cache.get(key)
         if hit is not None:
             return hit, 0

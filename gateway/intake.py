@@ -28,6 +28,7 @@ __all__ = [
     "decode_body",
     "EncodedImage",
     "IntakeLimits",
+    "LOOP_HASH_MAX_BYTES",
     "PendingImageURL",
     "image_bytes",
     "key_material",
@@ -136,6 +137,10 @@ class EncodedImage:
             return binascii.a2b_base64("".join(self.text.split()), strict_mode=True)
         except (binascii.Error, ValueError):
             raise InvalidRequest("the image data URL is not valid base64") from None
+
+
+# Key material up to this size is hashed on the event loop (a few hundred µs at most); larger, in a thread.
+LOOP_HASH_MAX_BYTES = 1 << 20
 
 
 def key_material(image: bytes | EncodedImage) -> bytes | str:
