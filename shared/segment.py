@@ -41,6 +41,7 @@ from shared.wire import WIRE_VERSION
 __all__ = [
     "BATCH_BUCKETS",
     "MODEL_NAME_BYTES",
+    "check_model_id",
     "Heartbeat",
     "HeaderPeek",
     "Segment",
@@ -55,6 +56,13 @@ MAGIC = int.from_bytes(b"SHMGATE1", "little")
 # 3: slot rows carry ``progress_ns`` and ``stalls``; ``model`` widened to MODEL_NAME_BYTES
 LAYOUT_VERSION = 3
 MODEL_NAME_BYTES = 128  # a worker refuses to start with a longer model id (it could never match)
+
+
+def check_model_id(model_id: str) -> None:
+    """Refuse a model id the slot rows cannot hold whole: cut, it would never match (ValueError)."""
+    if len(model_id.encode()) > MODEL_NAME_BYTES:
+        raise ValueError(f"the model id {model_id[:60]!r}... is longer than {MODEL_NAME_BYTES} bytes; "
+                         "serve it from a directory with a shorter name")
 ALIGN = 64
 PAGE = 4096
 

@@ -62,7 +62,7 @@ from shared.errors import (
     UnknownModel,
 )
 from shared.instance import DEAD_AFTER_S, Instance, instance_alive
-from shared.segment import BATCH_BUCKETS, MODEL_NAME_BYTES, Heartbeat, InstanceState, SlotState, now_ns
+from shared.segment import BATCH_BUCKETS, Heartbeat, InstanceState, SlotState, check_model_id, now_ns
 from shared.wire import (
     INLINE_TENSOR,
     MAX_DELTA_CHARS,
@@ -159,9 +159,7 @@ class Worker:
             compile_normalise=options.compile_normalise,
         )
         # the public model id (hf:<dir> is served under the directory's name): what frontends match
-        if len(self.backend.name.encode()) > MODEL_NAME_BYTES:
-            raise ValueError(f"the model id {self.backend.name[:60]!r}... is longer than {MODEL_NAME_BYTES} bytes; "
-                             "serve it from a directory with a shorter name")
+        check_model_id(self.backend.name)
         instance.segment.workers[self.slot]["model"] = self.backend.name.encode()
         if hasattr(self.backend, "on_step"):  # generative backends: progress per decode step
             self.backend.on_step = self.progress.step
