@@ -44,13 +44,17 @@ print(f"{t1 - t0:.3f} {t2 - t1:.3f} {int(getattr(backend.normalise, 'fused', Fal
 
 
 def start_once(device: str, compile_normalise: bool, cache: Path | None) -> dict[str, float]:
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONPATH=str(REPO))
+    # Prepend the repo: the GPU machine finds the carried wheels through PYTHONPATH too (bench/gpu_run.sh).
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONPATH=path)
     if cache is not None:
         env["TORCHINDUCTOR_CACHE_DIR"] = str(cache / "inductor")
         env["TRITON_CACHE_DIR"] = str(cache / "triton")
     began = time.perf_counter()
     out = subprocess.run([sys.executable, "-c", CHILD, device, "1" if compile_normalise else "0"], env=env,
-                         capture_output=True, text=True, check=True, timeout=900)
+                         capture_output=True, text=True, timeout=900)
+    if out.returncode != 0:
+        raise RuntimeError(f"the start-up child failed:\n{out.stderr[-3000:]}")
     total = time.perf_counter() - began
     imports_s, backend_s, fused = out.stdout.split()
     return {"total_s": total, "imports_s": float(imports_s), "backend_s": float(backend_s), "fused": int(fused)}

@@ -53,6 +53,17 @@ each spawn a pool of compile processes), and reuses ``TORCHINDUCTOR_CACHE_DIR`` 
 at a persistent volume. CPU keeps the eager function either way: bench/normalise.py measured it
 against the alternatives (docs/BENCHMARKS.md).
 
+On CUDA (first measured on an H100 with bench/gpu_shapes.py; docs/BENCHMARKS.md "GPU"):
+- The first forward pass at each new batch shape cost about 2 s (cuDNN choosing and loading kernels),
+  which put multi-second p99s into every end-to-end run as the batch sizes varied with load. So a pass
+  is padded up to a power of two of at least ``CUDA_MIN_PASS`` images, and the backend runs those
+  shapes once at start-up (``CUDA_WARM_PASSES``): serving never meets a cold shape below 2x that.
+  Padded, a pass cost the same 3.2 ms for 1 to 16 images there (the model is launch-bound).
+- cuDNN's TF32 convolutions (torch's default) made a photo's probabilities differ in the 4th decimal
+  with the batch it landed in (7 of 8 images at batch 8). With TF32 off, no answer depended on the
+  batch, at no measurable cost for this model, so the worker turns it off: the same image gets the
+  same answer under any load, as on CPU.
+
 Answer text (one streamed event per line, then a finish event with no text):
     "{label}: {probability:.4f}\n"      e.g. "tiger cat: 0.3678\n"
 top_k lines per image, most probable first. A request with several images gets one block
@@ -114,6 +125,8 @@ BN_MOMENTUM = 0.01  # irrelevant for inference; matches the TF port
 PIXEL_SCALE = 127.5  # uint8 x -> x / 127.5 - 1 in [-1, 1]
 CPU_PASS_IMAGES_PER_THREAD = 2  # images per CPU forward pass and torch thread (module docstring)
 WARM_UP_BATCHES = (1, 2)  # compiled once for size 1 (specialised) and once for any other size (dynamic)
+CUDA_MIN_PASS = 8  # CUDA passes are padded to a power of two of at least this many images (module docstring)
+CUDA_WARM_PASSES = (8, 16)  # the pass shapes run at start-up on CUDA: every batch of up to 16 images
 
 
 def normalise(pixels: torch.Tensor) -> torch.Tensor:
@@ -351,6 +364,14 @@ class EfficientNetBackend:
         self.normalise = make_normaliser(device, compile=compile_normalise)
         # None: the whole batch in one pass (CUDA)
         self.pass_images = CPU_PASS_IMAGES_PER_THREAD * torch.get_num_threads() if device.type == "cpu" else None
+        if device.type == "cuda":
+            # Batch-invariant answers (module docstring). Process-wide, and the worker process is this model's.
+            torch.backends.cudnn.allow_tf32 = False
+            started = time.perf_counter()
+            for n in CUDA_WARM_PASSES:
+                self._features([torch.zeros(3, INPUT_SIZE, INPUT_SIZE, dtype=torch.uint8, device=device)] * n)
+            torch.cuda.synchronize(device)
+            log.info("CUDA pass shapes %s warmed up in %.1f s", CUDA_WARM_PASSES, time.perf_counter() - started)
 
     def run(self, batch: Sequence[WorkItem]) -> Iterator[BackendEvent]:
         """Classify every image of every item, one forward pass per group of items; stream each item's lines.
@@ -415,15 +436,26 @@ class EfficientNetBackend:
         """(N, 1280) pooled features of (3, 224, 224) uint8 images, in passes of at most ``pass_images``."""
         step = self.pass_images or max(1, len(pixels))
         with torch.inference_mode():
-            return torch.cat([
-                self.model.features(self.normalise(torch.stack(list(pixels[start : start + step])).to(self.device)))
-                for start in range(0, len(pixels), step)
-            ])
+            return torch.cat([self._pass(pixels[start : start + step]) for start in range(0, len(pixels), step)])
+
+    def _pass(self, pixels: Sequence[torch.Tensor]) -> torch.Tensor:
+        """One forward pass; on CUDA padded to its shape bucket (``cuda_pass_size``) and sliced back."""
+        batch = torch.stack(list(pixels)).to(self.device)
+        if self.device.type == "cuda":
+            padded = cuda_pass_size(len(pixels))
+            if padded > len(pixels):
+                batch = torch.cat([batch, batch.new_zeros((padded - len(pixels), *batch.shape[1:]))])
+        return self.model.features(self.normalise(batch))[: len(pixels)]
 
     def _top_k(self, features: torch.Tensor) -> tuple[list[list[float]], list[list[int]]]:
         with torch.inference_mode():
             top = torch.topk(torch.softmax(self.model._fc(features), dim=1), self.top_k, dim=1)
         return top.values.cpu().tolist(), top.indices.cpu().tolist()
+
+
+def cuda_pass_size(images: int) -> int:
+    """The padded size of a CUDA pass of ``images`` images: a power of two, at least ``CUDA_MIN_PASS``."""
+    return max(CUDA_MIN_PASS, 1 << max(0, images - 1).bit_length())
 
 
 def _groups(indices: list[int], sizes: list[int], limit: int | None) -> list[list[int]]:
