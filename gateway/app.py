@@ -47,6 +47,7 @@ from gateway.sse import Completion
 from shared.errors import EXIT_CONFIG, InvalidRequest, RequestTooLarge, ShmgateError, Unauthorized
 from shared.instance import Instance
 from shared.segment import check_model_id
+from shared.transport import PosixFrontendLink, PosixNodeStats
 from shared.wire import Delta, Failed, Finished, Vector
 
 __all__ = ["AppOptions", "create_app"]
@@ -70,6 +71,7 @@ class AppOptions:
 
 def create_app(options: AppOptions) -> FastAPI:
     frontend_box: dict[str, Frontend] = {}
+    node_box: dict[str, PosixNodeStats] = {}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -83,7 +85,8 @@ def create_app(options: AppOptions) -> FastAPI:
             print(f"shmgate frontend: configuration error: {exc}", file=sys.stderr, flush=True)
             os._exit(EXIT_CONFIG)
         instance = Instance.attach(options.instance_id)
-        frontend = Frontend(instance, options.slot, preprocessor, options.limits)
+        frontend = Frontend(PosixFrontendLink(instance, options.slot), preprocessor, options.limits)
+        node_box["n"] = PosixNodeStats(instance)
         await frontend.start()
         frontend_box["f"] = frontend
         try:
@@ -142,7 +145,7 @@ def create_app(options: AppOptions) -> FastAPI:
         if options.metrics_need_key:
             check_key(request)
         f = frontend()
-        return PlainTextResponse(render(f.segment, f.queue_depth()), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(render(node_box["n"], f.queue_depth()), media_type="text/plain; version=0.0.4")
 
     results = ResultCache(options.result_cache_bytes) if options.result_cache_bytes > 0 else None
 

@@ -14,8 +14,8 @@ import enum
 import numpy as np
 
 from gateway.result_cache import ResultCacheStats
-from shared.instance import DEAD_AFTER_S
-from shared.segment import BATCH_BUCKETS, Segment
+from shared.segment import BATCH_BUCKETS
+from shared.transport.base import NodeStats
 
 __all__ = ["Counter", "FrontendStats", "render"]
 
@@ -54,8 +54,9 @@ class Counter(enum.IntEnum):
 class FrontendStats:
     """The writer side: one frontend's row."""
 
-    def __init__(self, segment: Segment, slot: int) -> None:
-        self._row = segment.stats[slot]
+    def __init__(self, row: np.ndarray) -> None:
+        """``row``: this frontend's counter row, from its transport link (``FrontendLink.stats_row``)."""
+        self._row = row
         self._result_cache_seen = (0, 0, 0)
 
     def add(self, counter: Counter, value: int = 1) -> None:
@@ -85,9 +86,9 @@ class FrontendStats:
         self._row[buckets + bisect.bisect_left(BUCKETS_S, seconds)] += 1
 
 
-def render(segment: Segment, queue_depth: int) -> str:
+def render(node: NodeStats, queue_depth: int) -> str:
     """The Prometheus text exposition for the whole node."""
-    total = segment.stats.sum(axis=0)
+    total = node.frontend_totals()
     lines: list[str] = []
 
     def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
@@ -140,30 +141,28 @@ def render(segment: Segment, queue_depth: int) -> str:
     metric("shmgate_arena_free_bytes", "gauge", "Arena bytes free.", [("", size - used)])
     metric("shmgate_in_flight_requests", "gauge", "Requests being served.", [("", int(total[Counter.IN_FLIGHT]))])
     metric("shmgate_request_queue_depth", "gauge", "Descriptors waiting for a worker.", [("", queue_depth)])
-    workers = segment.workers
-    # READY, heartbeating and progressing: a worker killed in another container (no one marks its row
-    # DEAD) stops counting once its heartbeat is stale, a wedged one once its progress is (as /ready).
-    ready = len(segment.live_workers(DEAD_AFTER_S))
-    starts = int(workers["epoch"].sum())
+    workers = node.worker_totals()
+    ready = node.live_workers()  # READY, heartbeating and progressing (as /ready)
+    starts = workers.starts
     metric("shmgate_workers_ready", "gauge", "Workers serving.", [("", ready)])
     metric("shmgate_worker_starts_total", "counter", "Worker (re)starts; restarts = starts - workers.", [("", starts)])
     metric("shmgate_worker_stalls_total", "counter",
            "Workers declared stalled (alive but no progress for --stall-timeout-s) and replaced.",
-           [("", int(workers["stalls"].sum()))])
+           [("", workers.stalls)])
     metric("shmgate_frontend_stalls_total", "counter",
            "Frontends whose event loop stopped turning for --stall-timeout-s, killed and restarted.",
-           [("", int(segment.frontends["stalls"].sum()))])
-    busy = float(workers["busy_ns"].sum()) / 1e9
+           [("", workers.frontend_stalls)])
+    busy = float(workers.busy_ns) / 1e9
     metric("shmgate_worker_busy_seconds_total", "counter", "Time workers spent running batches.", [("", busy)])
     lines.append("# HELP shmgate_batch_size Requests per batch the workers ran.")
     lines.append("# TYPE shmgate_batch_size histogram")
-    per_bucket = workers["batch_hist"].sum(axis=0)
+    per_bucket = node.batch_histogram()
     for bound, cumulative in zip((*map(str, BATCH_BUCKETS), "+Inf"), np.cumsum(per_bucket)):
         lines.append(f'shmgate_batch_size_bucket{{le="{bound}"}} {int(cumulative)}')
-    lines.append(f"shmgate_batch_size_sum {int(workers['batched_requests'].sum())}")
-    lines.append(f"shmgate_batch_size_count {int(workers['batches'].sum())}")
+    lines.append(f"shmgate_batch_size_sum {workers.batched_requests}")
+    lines.append(f"shmgate_batch_size_count {workers.batches}")
     metric("shmgate_preparing_requests", "gauge", "Admitted requests still being decoded and preprocessed.",
-           [("", segment.preparing_requests())])
+           [("", node.preparing_requests())])
     return "\n".join(lines) + "\n"
 
 

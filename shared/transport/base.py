@@ -1,0 +1,170 @@
+"""The Protocols of the transport seam (who implements them: shared/transport/posix.py, memory.py).
+
+Two sides, each one object per process, in the spirit of vLLM's EngineCoreClient (an
+in-process and a multiprocess client behind one interface), kept small:
+
+- ``FrontendLink``: a frontend's view. Claim its slot (heartbeat, cache purge), the content
+  cache of its partition, its statistics row, submitting requests, receiving replies, sending
+  cancels, liveness of the workers it waits on, its own progress stamp and slot state.
+- ``WorkerLink``: a worker's view. Claim a slot, heartbeat, progress, slot state, the
+  request queue it batches from, cancels, replies to frontends, batch statistics.
+- ``NodeStats``: the read side for /metrics (any frontend reports the whole node).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+
+from shared.cache import ContentCache
+from shared.channels import Queue
+from shared.segment import SlotState
+from shared.wire import Cancel, Submit, TensorRef
+
+__all__ = ["FrontendLink", "NodeStats", "ReplyHandler", "WorkerLink", "WorkerTotals"]
+
+ReplyHandler = Callable[[Any], None]
+
+
+class FrontendLink(Protocol):
+    """One frontend process's side of the seam. ``slot`` is given; ``epoch`` is known after ``take_over``."""
+
+    slot: int
+    epoch: int
+
+    def take_over(self) -> int:
+        """Claim the slot (new epoch), start the heartbeat, purge a predecessor's cache entries.
+
+        May wait on a semaphore: call it from a thread, never from the event loop. Returns the epoch.
+        """
+
+    def content_cache(self) -> ContentCache:
+        """The content cache over this frontend's partition (after ``take_over``)."""
+
+    def stats_row(self) -> np.ndarray:
+        """This frontend's u64 counter row (gateway/metrics.py FrontendStats writes it)."""
+
+    def mark(self, state: SlotState) -> None:
+        """Set this frontend's slot state (READY once serving, DRAINING at stop)."""
+
+    def release(self) -> None:
+        """Stop the heartbeat and free the slot if it is still ours."""
+
+    def stamp_progress(self) -> None:
+        """The event loop turned (called on the loop itself)."""
+
+    def set_preparing(self, count: int) -> None:
+        """Publish how many admitted requests are still decoding (workers wait for them)."""
+
+    def instance_running(self) -> bool:
+        """False once the instance drains or stops."""
+
+    def has_live_worker(self, model: str) -> bool:
+        """Is some worker READY, beating and progressing for ``model``?"""
+
+    def worker_alive(self, slot: int, epoch: int) -> bool:
+        """Is worker ``slot`` still the process of ``epoch``, and alive?"""
+
+    async def send_request(self, submit: Submit, timeout_s: float) -> None:
+        """Put a descriptor on the shared request queue; raises ChannelFull after ``timeout_s``."""
+
+    def queue_depth(self) -> int:
+        """Descriptors waiting on the request queue."""
+
+    def start_replies(self, on_message: ReplyHandler, on_error: Callable[[BaseException], None]) -> None:
+        """Drop replies addressed to a predecessor, then deliver ours to ``on_message`` on the running loop."""
+
+    def drain_replies(self) -> None:
+        """Deliver what is queued now (the watchdog calls it before any verdict)."""
+
+    def stop_replies(self) -> None: ...
+
+    def send_cancel(self, worker_slot: int, cancel: Cancel) -> None:
+        """Best effort: a full control queue means a busy worker; an unknown slot is ignored."""
+
+
+class WorkerLink(Protocol):
+    """One worker process's side of the seam."""
+
+    slot: int
+    epoch: int
+    mm: Any  # the mapped segment (the device copier reads tensors from it)
+
+    def claim(self, model: str) -> tuple[int, int]:
+        """Claim a free or dead worker slot; returns (slot, epoch). Raises SetupError."""
+
+    def start_heartbeat(self, on_declared_dead: Callable[[], None]) -> None: ...
+
+    def stop_heartbeat(self) -> None: ...
+
+    def progress_stamper(self) -> Callable[[int], None]:
+        """A cheap callable storing a progress stamp (ns) in our slot row."""
+
+    def set_model(self, model_id: str) -> None: ...
+
+    def mark(self, state: SlotState) -> None: ...
+
+    def release(self) -> None:
+        """Free the slot if it is still ours."""
+
+    def still_ours(self) -> bool:
+        """Our epoch still owns the slot (nobody took it over)."""
+
+    def declared_dead(self) -> bool:
+        """Taken over or marked DEAD by the supervisor."""
+
+    def instance_state(self) -> int: ...
+
+    def instance_alive(self) -> bool: ...
+
+    def preparing_requests(self) -> int: ...
+
+    def request_queue(self) -> Queue: ...
+
+    def put_back(self, submit: Submit, timeout_s: float) -> None:
+        """Return a request to the queue for another worker; raises ChannelFull."""
+
+    def try_receive_control(self) -> Any | None: ...
+
+    def n_frontends(self) -> int: ...
+
+    def send_reply(self, frontend_slot: int, message: object, timeout_s: float) -> None:
+        """Send to a frontend's reply queue (opened once per slot); raises ChannelFull."""
+
+    def frontend_alive(self, frontend_slot: int) -> bool: ...
+
+    def validate(self, ref: TensorRef) -> None: ...
+
+    def recheck(self, ref: TensorRef) -> None: ...
+
+    def count_batch(self, n_requests: int, busy_ns: int) -> None:
+        """Add one batch to this worker's counters (busy time, batch-size histogram)."""
+
+    def close(self) -> None: ...
+
+
+class WorkerTotals(NamedTuple):
+    """The worker table summed over slots (counters: they never go backwards)."""
+
+    starts: int  # epochs: worker (re)starts
+    stalls: int  # workers declared stalled and replaced
+    frontend_stalls: int  # frontends whose loop stopped turning
+    busy_ns: int
+    batches: int
+    batched_requests: int
+
+
+class NodeStats(Protocol):
+    """What /metrics reads: the frontends' summed counters and the worker table's totals."""
+
+    def frontend_totals(self) -> np.ndarray: ...
+
+    def live_workers(self) -> int: ...
+
+    def worker_totals(self) -> WorkerTotals: ...
+
+    def batch_histogram(self) -> np.ndarray: ...
+
+    def preparing_requests(self) -> int: ...
