@@ -14,8 +14,9 @@ from typing import Any
 from gateway.intake import LOOP_HASH_MAX_BYTES, EncodedImage, image_bytes, key_material
 from gateway.metrics import Counter, FrontendStats
 from gateway.preprocess.base import Preprocessor, PromptInputs
-from shared.cache import AllocateFn, ContentCache, TensorGroup, content_key
+from shared.cache import AllocateFn, TensorGroup, content_key
 from shared.errors import ShmgateError
+from shared.transport.base import TensorCache
 from shared.wire import INLINE_TENSOR
 
 __all__ = ["ImageResolver"]
@@ -23,7 +24,7 @@ __all__ = ["ImageResolver"]
 
 class ImageResolver:
     def __init__(
-        self, cache: ContentCache, preprocessor: Preprocessor, stats: FrontendStats, *, max_pixels: int, threads: int
+        self, cache: TensorCache, preprocessor: Preprocessor, stats: FrontendStats, *, max_pixels: int, threads: int
     ) -> None:
         self.cache = cache
         self.preprocessor = preprocessor

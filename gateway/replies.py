@@ -63,8 +63,9 @@ class ReplyRouter:
         self.images = images
         self.stats = stats
         self._next_request_id = next_request_id
-        self._taken_unclaimed_s = taken_unclaimed_s
-        self._grace_ns = int(grace_s * 1e9)
+        # Both tunable by tests on the in-memory transport (tests/test_reply_routing.py).
+        self.taken_unclaimed_s = taken_unclaimed_s
+        self.grace_ns = int(grace_s * 1e9)
         self.states: dict[int, RequestState] = {}
         # Our sends in queue order (one event loop sends), and how far that order is known to have left the
         # queue: the request queue is FIFO, so a claimed descriptor proves every one we sent before it was
@@ -179,7 +180,7 @@ class ReplyRouter:
                     await self._retry(state, "lost its worker before any answer",
                                       failure="the model worker died while serving this request")
                     continue
-            if now > state.submit.deadline_ns + (self._grace_ns if state.worker else 0):
+            if now > state.submit.deadline_ns + (self.grace_ns if state.worker else 0):
                 if state.worker is not None:
                     self._send_cancel(state)
                 self.fail(state, RequestTimeout("the request timed out before the model answered"))
@@ -208,9 +209,9 @@ class ReplyRouter:
                 continue  # may still be on the queue
             if state.taken_at is None:
                 state.taken_at = now
-            elif now - state.taken_at > self._taken_unclaimed_s and not state.done and state.worker is None:
+            elif now - state.taken_at > self.taken_unclaimed_s and not state.done and state.worker is None:
                 await self._retry(
-                    state, f"left the queue but no worker claimed it in {self._taken_unclaimed_s:.0f} s",
+                    state, f"left the queue but no worker claimed it in {self.taken_unclaimed_s:.0f} s",
                     failure="the model worker that took this request died before claiming it")
 
     async def _retry(self, state: RequestState, why: str, *, failure: str) -> None:

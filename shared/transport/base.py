@@ -18,14 +18,37 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from shared.cache import ContentCache
+from shared.cache import AllocateFn, CacheStats, TensorGroup
 from shared.channels import Queue
 from shared.segment import SlotState
 from shared.wire import Cancel, Submit, TensorRef
 
-__all__ = ["FrontendLink", "NodeStats", "ReplyHandler", "WorkerLink", "WorkerTotals"]
+__all__ = ["FrontendLink", "NodeStats", "ReplyHandler", "TensorCache", "WorkerLink", "WorkerTotals"]
 
 ReplyHandler = Callable[[Any], None]
+
+
+class TensorCache(Protocol):
+    """The content cache a frontend resolves images through (shared/cache.py ContentCache in production)."""
+
+    stats: CacheStats
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def used_bytes(self) -> int: ...
+
+    @property
+    def held_bytes(self) -> int: ...
+
+    def acquire(self, key: bytes, make: Callable[[AllocateFn], None]) -> tuple[TensorGroup, str]: ...
+
+    def try_hit(self, key: bytes) -> TensorGroup | None: ...
+
+    def acquire_private(self, make: Callable[[AllocateFn], None]) -> TensorGroup: ...
+
+    def release(self, group: TensorGroup) -> None: ...
 
 
 class FrontendLink(Protocol):
@@ -40,7 +63,7 @@ class FrontendLink(Protocol):
         May wait on a semaphore: call it from a thread, never from the event loop. Returns the epoch.
         """
 
-    def content_cache(self) -> ContentCache:
+    def content_cache(self) -> TensorCache:
         """The content cache over this frontend's partition (after ``take_over``)."""
 
     def stats_row(self) -> np.ndarray:

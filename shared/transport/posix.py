@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -21,7 +21,7 @@ from shared.errors import Overloaded
 from shared.instance import DEAD_AFTER_S, Instance, instance_alive
 from shared.locks import HolderKind
 from shared.segment import BATCH_BUCKETS, Heartbeat, InstanceState, LockId, SlotState, now_ns
-from shared.transport.base import ReplyHandler, WorkerTotals
+from shared.transport.base import FrontendLink, NodeStats, ReplyHandler, WorkerLink, WorkerTotals
 from shared.wire import Cancel, Submit, TensorRef
 
 __all__ = ["PosixFrontendLink", "PosixNodeStats", "PosixWorkerLink"]
@@ -265,3 +265,9 @@ class PosixNodeStats:
 
     def preparing_requests(self) -> int:
         return self.segment.preparing_requests()
+
+
+if TYPE_CHECKING:  # mypy checks that each implementation satisfies its Protocol
+    _frontend_link: type[FrontendLink] = PosixFrontendLink
+    _worker_link: type[WorkerLink] = PosixWorkerLink
+    _node_stats: type[NodeStats] = PosixNodeStats
