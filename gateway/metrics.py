@@ -16,6 +16,7 @@ import numpy as np
 from gateway.result_cache import ResultCacheStats
 from shared.segment import BATCH_BUCKETS
 from shared.transport.base import NodeStats
+from shared.transport.posix import IN_FLIGHT_COUNTER
 
 __all__ = ["Counter", "FrontendStats", "render"]
 
@@ -41,7 +42,7 @@ class Counter(enum.IntEnum):
     TTFT_BUCKETS = 32  # .. 32 + len(BUCKETS_S)
     ARENA_USED_BYTES = 60  # gauges
     ARENA_SIZE_BYTES = 61
-    IN_FLIGHT = 62
+    IN_FLIGHT = IN_FLIGHT_COUNTER  # 62; the supervisor's drain reads it through shared/transport
     ARENA_HELD_BYTES = 63  # arena bytes pinned by requests in flight (0 when idle)
     # The result cache (gateway/result_cache.py); far from the others so that counters
     # added after 63 do not collide.

@@ -8,16 +8,26 @@ Nothing outside shared/ indexes a segment record or builds a lock, queue, partit
 index or heartbeat: it asks its link.
 """
 
-from shared.transport.base import FrontendLink, NodeStats, ReplyHandler, WorkerLink, WorkerTotals
-from shared.transport.posix import PosixFrontendLink, PosixNodeStats, PosixWorkerLink
+from shared.transport.base import FrontendLink, NodeStats, ReplyHandler, Role, SupervisorLink, WorkerLink, WorkerTotals
+from shared.transport.posix import (
+    IN_FLIGHT_COUNTER,
+    PosixFrontendLink,
+    PosixNodeStats,
+    PosixSupervisorLink,
+    PosixWorkerLink,
+)
 
 __all__ = [
+    "IN_FLIGHT_COUNTER",
     "FrontendLink",
     "NodeStats",
     "PosixFrontendLink",
     "PosixNodeStats",
+    "PosixSupervisorLink",
     "PosixWorkerLink",
     "ReplyHandler",
+    "Role",
+    "SupervisorLink",
     "WorkerLink",
     "WorkerTotals",
 ]

@@ -14,16 +14,27 @@ in-process and a multiprocess client behind one interface), kept small:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 import numpy as np
 
 from shared.cache import AllocateFn, CacheStats, TensorGroup
 from shared.channels import Queue
-from shared.segment import SlotState
+from shared.segment import InstanceState, SlotState
 from shared.wire import Cancel, Submit, TensorRef
 
-__all__ = ["FrontendLink", "NodeStats", "ReplyHandler", "TensorCache", "WorkerLink", "WorkerTotals"]
+__all__ = [
+    "FrontendLink",
+    "NodeStats",
+    "ReplyHandler",
+    "Role",
+    "SupervisorLink",
+    "TensorCache",
+    "WorkerLink",
+    "WorkerTotals",
+]
+
+Role = Literal["frontend", "worker"]
 
 ReplyHandler = Callable[[Any], None]
 
@@ -191,3 +202,37 @@ class NodeStats(Protocol):
     def batch_histogram(self) -> np.ndarray: ...
 
     def preparing_requests(self) -> int: ...
+
+
+class SupervisorLink(Protocol):
+    """The supervisor's side: the instance's heartbeat and state, and its children's slots."""
+
+    def beat(self) -> None: ...
+
+    def mark_instance(self, state: InstanceState) -> None: ...
+
+    def stall_timeout_s(self) -> float:
+        """0.0 when stall detection is off."""
+
+    def frontend_alive(self, slot: int) -> bool: ...
+
+    def slot_of(self, role: Role, pid: int, frontend_slot: int) -> int | None:
+        """The slot the child ``pid`` claimed (a frontend claims ``frontend_slot``; a worker a free one)."""
+
+    def stalled(self, role: Role, slot: int) -> bool: ...
+
+    def count_stall(self, role: Role, slot: int) -> None: ...
+
+    def stalled_foreign_workers(self, our_pids: set[int]) -> list[tuple[int, int]]:
+        """(slot, pid) of stalled workers this supervisor did not start (another container or tree)."""
+
+    def mark_dead(self, role: Role, slot: int) -> None: ...
+
+    def mark_dead_by_pid(self, role: Role, pid: int) -> None:
+        """Mark DEAD every row of ``role`` that ``pid`` (in our PID namespace) holds."""
+
+    def repair_locks(self) -> int:
+        """Repair the shared locks a dead holder left taken; returns how many were."""
+
+    def frontend_busy(self, slot: int) -> bool:
+        """Has frontend ``slot`` requests in flight or still decoding?"""

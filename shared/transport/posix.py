@@ -20,11 +20,22 @@ from shared.channels import AsyncQueueReader, AsyncSender, Queue
 from shared.errors import Overloaded
 from shared.instance import DEAD_AFTER_S, Instance, instance_alive
 from shared.locks import HolderKind
-from shared.segment import BATCH_BUCKETS, Heartbeat, InstanceState, LockId, SlotState, now_ns
-from shared.transport.base import FrontendLink, NodeStats, ReplyHandler, WorkerLink, WorkerTotals
+from shared.segment import BATCH_BUCKETS, Heartbeat, InstanceState, LockId, SlotState, now_ns, own_pidns
+from shared.transport.base import (
+    FrontendLink,
+    NodeStats,
+    ReplyHandler,
+    Role,
+    SupervisorLink,
+    WorkerLink,
+    WorkerTotals,
+)
 from shared.wire import Cancel, Submit, TensorRef
 
-__all__ = ["PosixFrontendLink", "PosixNodeStats", "PosixWorkerLink"]
+__all__ = ["PosixFrontendLink", "PosixNodeStats", "PosixSupervisorLink", "PosixWorkerLink"]
+
+# gateway/metrics.py Counter.IN_FLIGHT: the frontends' in-flight gauge, read by the supervisor's drain
+IN_FLIGHT_COUNTER = 62
 
 
 class PosixFrontendLink:
@@ -267,7 +278,86 @@ class PosixNodeStats:
         return self.segment.preparing_requests()
 
 
+class PosixSupervisorLink:
+    """The supervisor's link to the instance it created (see SupervisorLink); code moved from
+    gateway/supervisor.py unchanged."""
+
+    def __init__(self, instance: Instance) -> None:
+        self.instance = instance
+        self.segment = instance.segment
+
+    def _table(self, role: Role) -> np.ndarray:
+        table: np.ndarray = self.segment.frontends if role == "frontend" else self.segment.workers
+        return table
+
+    def beat(self) -> None:
+        self.instance.beat_supervisor()
+
+    def mark_instance(self, state: InstanceState) -> None:
+        self.instance.mark_state(state)
+
+    def stall_timeout_s(self) -> float:
+        return self.segment.stall_timeout_s or 0.0
+
+    def frontend_alive(self, slot: int) -> bool:
+        seg = self.segment
+        return seg.slot_alive(seg.frontends, slot, DEAD_AFTER_S)
+
+    def slot_of(self, role: Role, pid: int, frontend_slot: int) -> int | None:
+        seg = self.segment
+        if role == "frontend":
+            return frontend_slot if int(seg.frontends[frontend_slot]["pid"]) == pid else None
+        pidns = own_pidns()
+        for slot in range(len(seg.workers)):
+            row = seg.workers[slot]
+            if int(row["pid"]) == pid and int(row["pidns"]) == pidns:
+                return slot
+        return None
+
+    def stalled(self, role: Role, slot: int) -> bool:
+        return self.segment.stalled(self._table(role), slot)
+
+    def count_stall(self, role: Role, slot: int) -> None:
+        self._table(role)["stalls"][slot] += 1
+
+    def stalled_foreign_workers(self, our_pids: set[int]) -> list[tuple[int, int]]:
+        seg = self.segment
+        pidns = own_pidns()
+        out = []
+        for slot in range(len(seg.workers)):
+            row = seg.workers[slot]
+            if int(row["pidns"]) == pidns and int(row["pid"]) in our_pids:
+                continue
+            if seg.stalled(seg.workers, slot):
+                out.append((slot, int(row["pid"])))
+        return out
+
+    def mark_dead(self, role: Role, slot: int) -> None:
+        self._table(role)[slot]["state"] = SlotState.DEAD
+
+    def mark_dead_by_pid(self, role: Role, pid: int) -> None:
+        table = self._table(role)
+        pidns = own_pidns()
+        for slot in range(len(table)):
+            row = table[slot]
+            if int(row["pid"]) == pid and int(row["pidns"]) == pidns:
+                row["state"] = SlotState.DEAD
+
+    def repair_locks(self) -> int:
+        repaired = 0
+        for which in (LockId.INDEX, LockId.TABLE):
+            lock = self.instance.lock(which, (HolderKind.SUPERVISOR, 0, 0))
+            if lock.repair_after_death():
+                repaired += 1
+        return repaired
+
+    def frontend_busy(self, slot: int) -> bool:
+        seg = self.segment
+        return bool(int(seg.stats[slot][IN_FLIGHT_COUNTER]) or int(seg.frontends[slot]["preparing"]))
+
+
 if TYPE_CHECKING:  # mypy checks that each implementation satisfies its Protocol
     _frontend_link: type[FrontendLink] = PosixFrontendLink
     _worker_link: type[WorkerLink] = PosixWorkerLink
     _node_stats: type[NodeStats] = PosixNodeStats
+    _supervisor_link: type[SupervisorLink] = PosixSupervisorLink
