@@ -36,7 +36,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway.embeddings import embed, embedding_response, parse_embedding_request
 from gateway.fetch import FetchPolicy, fetch_pending
 from gateway.frontend import Frontend, FrontendLimits, RequestState
-from gateway.http_errors import error_body, error_response
+from gateway.http_errors import count_error, error_body, error_response
 from gateway.http_errors import failure_error as _failure
 from gateway.http_limits import read_capped
 from gateway.intake import IntakeLimits, key_material, parse_chat_request
@@ -175,7 +175,7 @@ def create_app(options: AppOptions) -> FastAPI:
                 keep = functools.partial(_keep_answer, f, results, key)
             state = await f.submit(chat)
         except ShmgateError as exc:
-            _count_error(f, exc)
+            count_error(f.stats, exc)
             return error_response(exc)
         if chat.stream:
             return await _stream(f, state, chat.model, chat.include_usage, started, keep)
@@ -197,7 +197,7 @@ def create_app(options: AppOptions) -> FastAPI:
                 if results is not None:
                     f.stats.set_result_cache(results.stats, results.used_bytes)
         except ShmgateError as exc:
-            _count_error(f, exc)
+            count_error(f.stats, exc)
             return error_response(exc)
         f.stats.add(Counter.REQUESTS_OK)
         f.stats.observe(Counter.LATENCY_BUCKETS, time.monotonic() - started)
@@ -232,15 +232,6 @@ async def _read_body(request: Request, limit: int) -> bytes:
     if not body:
         raise InvalidRequest("the request body is empty; send a JSON chat completion request")
     return body
-
-
-def _count_error(f: Frontend, exc: ShmgateError) -> None:
-    if exc.status_hint in (429, 503):
-        f.stats.add(Counter.REQUESTS_OVERLOADED)
-    elif exc.status_hint < 500:
-        f.stats.add(Counter.REQUESTS_CLIENT_ERROR)
-    else:
-        f.stats.add(Counter.REQUESTS_SERVER_ERROR)
 
 
 def _bypass_cache(request: Request) -> bool:
@@ -283,7 +274,7 @@ async def _complete(f: Frontend, state: RequestState, model: str, started: float
                 parts.append(event.text)
             elif isinstance(event, Failed):
                 error = _failure(event)
-                _count_error(f, error)
+                count_error(f.stats, error)
                 return error_response(error)
             elif isinstance(event, Finished):
                 elapsed = time.monotonic() - started
@@ -313,7 +304,7 @@ async def _stream(f: Frontend, state: RequestState, model: str, include_usage: b
         raise
     if isinstance(first, Failed):
         error = _failure(first)
-        _count_error(f, error)
+        count_error(f.stats, error)
         return error_response(error)
     completion = Completion(model)
 
@@ -343,7 +334,7 @@ async def _stream(f: Frontend, state: RequestState, model: str, include_usage: b
                     return
                 elif isinstance(event, Failed):
                     error = _failure(event)
-                    _count_error(f, error)
+                    count_error(f.stats, error)
                     yield completion.error_event(error_body(error.message, error.error_type, error.code))
                     return
                 event = await events.__anext__()
