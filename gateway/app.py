@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
 from starlette.responses import StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -40,7 +40,7 @@ from gateway.http_errors import count_error, error_body, error_response
 from gateway.http_errors import failure_error as _failure
 from gateway.http_limits import read_capped
 from gateway.intake import IntakeLimits, key_material, parse_chat_request
-from gateway.metrics import Counter, render
+from gateway.metrics import Counter, exposition
 from gateway.preprocess import get_preprocessor
 from gateway.result_cache import ResultCache, answer_key, keyed_off_the_loop
 from gateway.sse import Completion
@@ -145,7 +145,8 @@ def create_app(options: AppOptions) -> FastAPI:
         if options.metrics_need_key:
             check_key(request)
         f = frontend()
-        return PlainTextResponse(render(node_box["n"], f.queue_depth()), media_type="text/plain; version=0.0.4")
+        body, content_type = exposition(node_box["n"], f.queue_depth, request.headers.get("accept"))
+        return Response(body, headers={"Content-Type": content_type})
 
     results = ResultCache(options.result_cache_bytes) if options.result_cache_bytes > 0 else None
 

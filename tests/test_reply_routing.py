@@ -19,7 +19,7 @@ from PIL import Image
 
 from gateway.frontend import Frontend, FrontendLimits
 from gateway.intake import IntakeLimits, parse_chat_request
-from gateway.metrics import Counter, render
+from gateway.metrics import Counter, exposition, render
 from gateway.preprocess.vision import ChecksumPreprocessor
 from gateway.request_state import IllegalTransition, Phase, RequestState
 from shared.errors import Overloaded
@@ -260,7 +260,9 @@ def test_metrics_render_from_the_in_memory_node_stats() -> None:
     async def scenario(frontend: Frontend, node: MemoryNode, link: MemoryFrontendLink) -> None:
         await _submit(frontend)
         text = render(MemoryNodeStats(node), frontend.queue_depth())
-        assert "shmgate_in_flight_requests 1" in text and "shmgate_request_queue_depth 1" in text
+        values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line[0] != "#"}
+        assert values["shmgate_in_flight_requests"] == 1 and values["shmgate_request_queue_depth"] == 1
+        assert values['shmgate_requests_total{outcome="ok"}'] == 0
 
     run(scenario)
 
@@ -277,3 +279,12 @@ def test_request_state_refuses_an_illegal_transition(path: tuple[Phase, ...], il
         state.to(phase)
     with pytest.raises(IllegalTransition):
         state.to(illegal)
+
+
+def test_metrics_speak_openmetrics_when_the_scraper_asks() -> None:
+    node = MemoryNode()
+    MemoryFrontendLink(node)
+    body, content_type = exposition(MemoryNodeStats(node), lambda: 0, "application/openmetrics-text; version=1.0.0")
+    assert content_type.startswith("application/openmetrics-text") and body.endswith(b"# EOF\n")
+    body, content_type = exposition(MemoryNodeStats(node), lambda: 0, "text/plain")
+    assert content_type.startswith("text/plain; version=0.0.4") and b"# TYPE shmgate_requests_total counter" in body
