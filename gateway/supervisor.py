@@ -9,7 +9,7 @@ same commands docker compose runs (``python -m gateway frontend ...``,
 A child that exits, whose heartbeat goes stale (frontends), or whose *progress*
 stalls for longer than ``stall_timeout_s`` (any child: ``progress_ns`` in its
 slot row is stamped only by the loop that does the work, see worker/health.py
-and Frontend._stamp_progress) is killed (SIGKILL: a wedged process may not
+and gateway/frontend.py Frontend._stamp_progress) is killed (SIGKILL: a wedged process may not
 honour SIGTERM), joined, marked DEAD in its slot row (so frontends retry its
 claimed requests at once instead of waiting for the heartbeat to age) and the
 locks it may have held are repaired; then it is restarted in its slot with an
