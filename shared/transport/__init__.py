@@ -8,7 +8,16 @@ Nothing outside shared/ indexes a segment record or builds a lock, queue, partit
 index or heartbeat: it asks its link.
 """
 
-from shared.transport.base import FrontendLink, NodeStats, ReplyHandler, Role, SupervisorLink, WorkerLink, WorkerTotals
+from shared.transport.base import (
+    FrontendLink,
+    MessageQueue,
+    NodeStats,
+    ReplyHandler,
+    Role,
+    SupervisorLink,
+    WorkerLink,
+    WorkerTotals,
+)
 from shared.transport.posix import (
     IN_FLIGHT_COUNTER,
     PosixFrontendLink,
@@ -20,6 +29,7 @@ from shared.transport.posix import (
 __all__ = [
     "IN_FLIGHT_COUNTER",
     "FrontendLink",
+    "MessageQueue",
     "NodeStats",
     "PosixFrontendLink",
     "PosixNodeStats",

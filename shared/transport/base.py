@@ -19,12 +19,12 @@ from typing import Any, Literal, NamedTuple, Protocol
 import numpy as np
 
 from shared.cache import AllocateFn, CacheStats, TensorGroup
-from shared.channels import Queue
 from shared.segment import InstanceState, SlotState
 from shared.wire import Cancel, Submit, TensorRef
 
 __all__ = [
     "FrontendLink",
+    "MessageQueue",
     "NodeStats",
     "ReplyHandler",
     "Role",
@@ -37,6 +37,25 @@ __all__ = [
 Role = Literal["frontend", "worker"]
 
 ReplyHandler = Callable[[Any], None]
+
+
+class MessageQueue(Protocol):
+    """A bounded FIFO of messages, pollable through ``fd`` (shared/channels.py Queue in production)."""
+
+    @property
+    def fd(self) -> int: ...
+
+    def current_messages(self) -> int: ...
+
+    def try_send(self, message: Any) -> bool: ...
+
+    def send(self, message: Any, timeout_s: float) -> None: ...
+
+    def try_receive(self) -> Any | None: ...
+
+    def receive(self, timeout_s: float) -> Any | None: ...
+
+    def close(self) -> None: ...
 
 
 class TensorCache(Protocol):
@@ -155,7 +174,8 @@ class WorkerLink(Protocol):
 
     def preparing_requests(self) -> int: ...
 
-    def request_queue(self) -> Queue: ...
+    def request_queue(self) -> MessageQueue:
+        """The shared request queue, for the worker's batcher."""
 
     def put_back(self, submit: Submit, timeout_s: float) -> None:
         """Return a request to the queue for another worker; raises ChannelFull."""
