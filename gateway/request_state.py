@@ -36,7 +36,9 @@ class Phase(enum.Enum):
 
 
 _NEXT: dict[Phase, frozenset[Phase]] = {
-    Phase.QUEUED: frozenset({Phase.QUEUED, Phase.CLAIMED, Phase.ABANDONED, Phase.DONE}),
+    # QUEUED -> STREAMING: output whose Claimed was lost (a worker drops a reply after its channel
+    # stayed full for seconds) is still the request's answer, as it always was.
+    Phase.QUEUED: frozenset({Phase.QUEUED, Phase.CLAIMED, Phase.STREAMING, Phase.ABANDONED, Phase.DONE}),
     Phase.CLAIMED: frozenset({Phase.QUEUED, Phase.RELEASED, Phase.STREAMING, Phase.ABANDONED, Phase.DONE}),
     Phase.RELEASED: frozenset({Phase.QUEUED, Phase.STREAMING, Phase.ABANDONED, Phase.DONE}),
     Phase.STREAMING: frozenset({Phase.STREAMING, Phase.ABANDONED, Phase.DONE}),

@@ -152,6 +152,19 @@ def test_a_worker_that_dies_after_streaming_output_fails_the_request_in_band_wit
     run(scenario)
 
 
+def test_output_whose_claimed_was_lost_still_reaches_the_client() -> None:
+    async def scenario(frontend: Frontend, node: MemoryNode, link: MemoryFrontendLink) -> None:
+        state = await _submit(frontend)
+        submit = _take(node)  # the worker's Claimed was dropped (its channel stayed full)
+        node.reply(Delta(submit.request_id, 0, "an "))
+        node.reply(Finished(submit.request_id, 1, "stop", 3, 2, "answer"))
+        await _settle()
+        assert [type(e) for e in _drain(state)] == [Delta, Delta, Finished]
+        assert state.done and link.cache.held_bytes == 0
+
+    run(scenario)
+
+
 def test_a_client_that_leaves_before_the_claim_cancels_on_claim_and_holds_until_the_workers_end() -> None:
     async def scenario(frontend: Frontend, node: MemoryNode, link: MemoryFrontendLink) -> None:
         state = await _submit(frontend)
