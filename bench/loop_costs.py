@@ -1,7 +1,7 @@
 """What a frontend pays on its event loop for a cache hit: a thread-pool hop vs hashing the image.
 
-Why: the frontend takes local cache hits on the event loop (gateway/frontend.py,
-``_resolve_images``) instead of in its decode pool. That is worth it only if the hop it saves
+Why: the frontend takes local cache hits on the event loop (gateway/images.py,
+``ImageResolver.resolve``) instead of in its decode pool. That is worth it only if the hop it saves
 costs as much as the work it moves onto the loop; this measures both on the test photos. It
 also shows what keying a data URL on its base64 text saves: the base64 decode a hit no longer
 needs (gateway/intake.py, ``EncodedImage``).

@@ -29,24 +29,25 @@ from dataclasses import dataclass, field
 
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
 from starlette.responses import StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.embeddings import embed, embedding_response, parse_embedding_request
 from gateway.fetch import FetchPolicy, fetch_pending
 from gateway.frontend import Frontend, FrontendLimits, RequestState
-from gateway.http_errors import error_body, error_response
+from gateway.http_errors import count_error, error_body, error_response
 from gateway.http_errors import failure_error as _failure
 from gateway.http_limits import read_capped
 from gateway.intake import IntakeLimits, key_material, parse_chat_request
-from gateway.metrics import Counter, render
+from gateway.metrics import Counter, exposition
 from gateway.preprocess import get_preprocessor
 from gateway.result_cache import ResultCache, answer_key, keyed_off_the_loop
 from gateway.sse import Completion
 from shared.errors import EXIT_CONFIG, InvalidRequest, RequestTooLarge, ShmgateError, Unauthorized
 from shared.instance import Instance
 from shared.segment import check_model_id
+from shared.transport import PosixFrontendLink, PosixNodeStats
 from shared.wire import Delta, Failed, Finished, Vector
 
 __all__ = ["AppOptions", "create_app"]
@@ -70,6 +71,7 @@ class AppOptions:
 
 def create_app(options: AppOptions) -> FastAPI:
     frontend_box: dict[str, Frontend] = {}
+    node_box: dict[str, PosixNodeStats] = {}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -83,7 +85,8 @@ def create_app(options: AppOptions) -> FastAPI:
             print(f"shmgate frontend: configuration error: {exc}", file=sys.stderr, flush=True)
             os._exit(EXIT_CONFIG)
         instance = Instance.attach(options.instance_id)
-        frontend = Frontend(instance, options.slot, preprocessor, options.limits)
+        frontend = Frontend(PosixFrontendLink(instance, options.slot), preprocessor, options.limits)
+        node_box["n"] = PosixNodeStats(instance)
         await frontend.start()
         frontend_box["f"] = frontend
         try:
@@ -142,7 +145,8 @@ def create_app(options: AppOptions) -> FastAPI:
         if options.metrics_need_key:
             check_key(request)
         f = frontend()
-        return PlainTextResponse(render(f.segment, f.queue_depth()), media_type="text/plain; version=0.0.4")
+        body, content_type = exposition(node_box["n"], f.queue_depth, request.headers.get("accept"))
+        return Response(body, headers={"Content-Type": content_type})
 
     results = ResultCache(options.result_cache_bytes) if options.result_cache_bytes > 0 else None
 
@@ -172,7 +176,7 @@ def create_app(options: AppOptions) -> FastAPI:
                 keep = functools.partial(_keep_answer, f, results, key)
             state = await f.submit(chat)
         except ShmgateError as exc:
-            _count_error(f, exc)
+            count_error(f.stats, exc)
             return error_response(exc)
         if chat.stream:
             return await _stream(f, state, chat.model, chat.include_usage, started, keep)
@@ -194,7 +198,7 @@ def create_app(options: AppOptions) -> FastAPI:
                 if results is not None:
                     f.stats.set_result_cache(results.stats, results.used_bytes)
         except ShmgateError as exc:
-            _count_error(f, exc)
+            count_error(f.stats, exc)
             return error_response(exc)
         f.stats.add(Counter.REQUESTS_OK)
         f.stats.observe(Counter.LATENCY_BUCKETS, time.monotonic() - started)
@@ -229,15 +233,6 @@ async def _read_body(request: Request, limit: int) -> bytes:
     if not body:
         raise InvalidRequest("the request body is empty; send a JSON chat completion request")
     return body
-
-
-def _count_error(f: Frontend, exc: ShmgateError) -> None:
-    if exc.status_hint in (429, 503):
-        f.stats.add(Counter.REQUESTS_OVERLOADED)
-    elif exc.status_hint < 500:
-        f.stats.add(Counter.REQUESTS_CLIENT_ERROR)
-    else:
-        f.stats.add(Counter.REQUESTS_SERVER_ERROR)
 
 
 def _bypass_cache(request: Request) -> bool:
@@ -280,7 +275,7 @@ async def _complete(f: Frontend, state: RequestState, model: str, started: float
                 parts.append(event.text)
             elif isinstance(event, Failed):
                 error = _failure(event)
-                _count_error(f, error)
+                count_error(f.stats, error)
                 return error_response(error)
             elif isinstance(event, Finished):
                 elapsed = time.monotonic() - started
@@ -310,7 +305,7 @@ async def _stream(f: Frontend, state: RequestState, model: str, include_usage: b
         raise
     if isinstance(first, Failed):
         error = _failure(first)
-        _count_error(f, error)
+        count_error(f.stats, error)
         return error_response(error)
     completion = Completion(model)
 
@@ -340,7 +335,7 @@ async def _stream(f: Frontend, state: RequestState, model: str, include_usage: b
                     return
                 elif isinstance(event, Failed):
                     error = _failure(event)
-                    _count_error(f, error)
+                    count_error(f.stats, error)
                     yield completion.error_event(error_body(error.message, error.error_type, error.code))
                     return
                 event = await events.__anext__()

@@ -23,6 +23,7 @@ from gateway.placement import Placement, gpu_count, worker_placements
 from shared.cpus import usable_cpus
 from shared.errors import SetupError
 from shared.flags import add_batching_flags, env, forward
+from shared.models import ModelKind, parse_model_spec
 from shared.names import parse_size
 
 __all__ = ["main"]
@@ -43,7 +44,20 @@ def stall_timeout_for(model: str, flag: float | None) -> float:
     """The stall timeout to use: the flag (0 turns detection off), else a default for the model."""
     if flag is not None:
         return max(0.0, flag)
-    return HF_STALL_TIMEOUT_S if "hf:" in model else DEFAULT_STALL_TIMEOUT_S
+    return HF_STALL_TIMEOUT_S if _loads_hf_weights(model) else DEFAULT_STALL_TIMEOUT_S
+
+
+def _loads_hf_weights(model: str) -> bool:
+    """Does the worker load a Hugging Face checkpoint (GBs of weights, slow steps)?
+
+    ``checksum:hf:<dir>`` does not: it only preprocesses the way the checkpoint does. An unknown
+    spec counts as not: the children report it as a configuration error.
+    """
+    try:
+        kind = parse_model_spec(model).kind
+    except ValueError:
+        return False
+    return kind in (ModelKind.HF_CHAT, ModelKind.HF_EMBED)
 
 
 def _gpu_count() -> int:
@@ -201,7 +215,7 @@ def _default_cpu_workers(model: str, cores: int) -> int:
     its Python overhead runs, where one process leaves cores idle between batches. A Hugging
     Face VLM's weights (GBs) are loaded once.
     """
-    if model.startswith("hf:") or cores < 2:
+    if _loads_hf_weights(model) or cores < 2:
         return 1
     return 2
 

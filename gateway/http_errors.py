@@ -1,4 +1,4 @@
-"""The one place where errors become HTTP responses (OpenAI error objects)."""
+"""The one place where errors become HTTP responses (OpenAI error objects) and are counted."""
 
 from __future__ import annotations
 
@@ -6,10 +6,11 @@ import math
 
 from starlette.responses import JSONResponse
 
+from gateway.metrics import Counter, FrontendStats
 from shared.errors import Overloaded, ShmgateError, error_for_code
 from shared.wire import Failed
 
-__all__ = ["error_body", "error_response", "failure_error"]
+__all__ = ["count_error", "error_body", "error_response", "failure_error"]
 
 
 def error_body(message: str, error_type: str, code: str, param: str | None = None) -> dict[str, object]:
@@ -34,3 +35,13 @@ def failure_error(event: Failed) -> ShmgateError:
     if type(error) is ShmgateError and event.status_hint < 500:  # a code this side does not know
         error.error_type = "invalid_request_error"
     return error
+
+
+def count_error(stats: FrontendStats, exc: ShmgateError) -> None:
+    """Count a request that ended in ``exc`` by the outcome its status says (/metrics requests_total)."""
+    if exc.status_hint in (429, 503):
+        stats.add(Counter.REQUESTS_OVERLOADED)
+    elif exc.status_hint < 500:
+        stats.add(Counter.REQUESTS_CLIENT_ERROR)
+    else:
+        stats.add(Counter.REQUESTS_SERVER_ERROR)

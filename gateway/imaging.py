@@ -29,14 +29,10 @@ Choices for awkward inputs:
 
 JPEG draft mode: ``draft_to=(w, h)`` lets libjpeg shrink by 1/2, 1/4 or 1/8 during the
 DCT while the result stays at least w x h (in upright orientation). ``decode`` reports the
-factor so callers can keep exact geometry. Measured on tests/data/images/*_1024.jpg and a
-4032x3024 JPEG (2-core box shared with other jobs, Pillow 13 / libjpeg-turbo; best of 50,
-ms per photo; decode+resize is gateway/preprocess/vision.py's full pipeline):
-                           decode   decode+resize to 224   4032x3024 decode+resize
-    full decode             2.5          6.6                     95
-    draft_to=(512, 512)     2.3          4.9                     16
-    draft_to=(256, 256)     1.6          2.6  (2.6x)             12  (8x)
-Most of the gain is in the resize, which then reads 4x (or 16x) fewer source pixels.
+factor so callers can keep exact geometry. Draft mode is used because most of the cost of a
+large photo is in the resize, which then reads 4x (or 16x) fewer source pixels: 2.6x faster
+decode+resize to 224 for a 1024-pixel JPEG, 8x for a 4032x3024 one (docs/BENCHMARKS.md,
+"JPEG draft mode").
 """
 
 from __future__ import annotations

@@ -2,22 +2,31 @@
 
 Each frontend writes only its own row of u64 counters (``Segment.stats``); a
 scrape, whichever frontend answers it, sums the rows of all frontends and reads
-the worker table. Counters survive a frontend restart (the successor keeps
-adding to the row), as Prometheus expects of counters.
+the worker table (through ``NodeStats``, shared/transport). Counters survive a
+frontend restart (the successor keeps adding to the row), as Prometheus expects
+of counters. The segment stays the storage: ``NodeCollector`` is a
+prometheus_client custom collector that reads it at scrape time, so the client
+library writes the text format, or OpenMetrics when the scraper asks for it.
+Metric names and label sets are a contract (tests, deploy/k8s prometheus-adapter rules).
 """
 
 from __future__ import annotations
 
 import bisect
 import enum
+from collections.abc import Callable, Iterator
 
 import numpy as np
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import CollectorRegistry
 
 from gateway.result_cache import ResultCacheStats
-from shared.instance import DEAD_AFTER_S
-from shared.segment import BATCH_BUCKETS, Segment
+from shared.segment import BATCH_BUCKETS
+from shared.transport.base import NodeStats
+from shared.transport.posix import IN_FLIGHT_COUNTER
 
-__all__ = ["Counter", "FrontendStats", "render"]
+__all__ = ["Counter", "FrontendStats", "NodeCollector", "exposition", "render"]
 
 BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -41,7 +50,7 @@ class Counter(enum.IntEnum):
     TTFT_BUCKETS = 32  # .. 32 + len(BUCKETS_S)
     ARENA_USED_BYTES = 60  # gauges
     ARENA_SIZE_BYTES = 61
-    IN_FLIGHT = 62
+    IN_FLIGHT = IN_FLIGHT_COUNTER  # 62; the supervisor's drain reads it through shared/transport
     ARENA_HELD_BYTES = 63  # arena bytes pinned by requests in flight (0 when idle)
     # The result cache (gateway/result_cache.py); far from the others so that counters
     # added after 63 do not collide.
@@ -54,8 +63,9 @@ class Counter(enum.IntEnum):
 class FrontendStats:
     """The writer side: one frontend's row."""
 
-    def __init__(self, segment: Segment, slot: int) -> None:
-        self._row = segment.stats[slot]
+    def __init__(self, row: np.ndarray) -> None:
+        """``row``: this frontend's counter row, from its transport link (``FrontendLink.stats_row``)."""
+        self._row = row
         self._result_cache_seen = (0, 0, 0)
 
     def add(self, counter: Counter, value: int = 1) -> None:
@@ -85,97 +95,105 @@ class FrontendStats:
         self._row[buckets + bisect.bisect_left(BUCKETS_S, seconds)] += 1
 
 
-def render(segment: Segment, queue_depth: int) -> str:
-    """The Prometheus text exposition for the whole node."""
-    total = segment.stats.sum(axis=0)
-    lines: list[str] = []
+class NodeCollector:
+    """A prometheus_client collector over the node's statistics (read at each scrape)."""
 
-    def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
-        lines.append(f"# HELP {name} {help_text}")
-        lines.append(f"# TYPE {name} {kind}")
-        for labels, value in samples:
-            lines.append(f"{name}{labels} {value:g}" if isinstance(value, float) else f"{name}{labels} {value}")
+    def __init__(self, node: NodeStats, queue_depth: Callable[[], int]) -> None:
+        self.node = node
+        self.queue_depth = queue_depth
 
-    metric(
-        "shmgate_requests_total",
-        "counter",
-        "Chat completion and embedding requests by outcome.",
-        [
-            ('{outcome="ok"}', int(total[Counter.REQUESTS_OK])),
-            ('{outcome="client_error"}', int(total[Counter.REQUESTS_CLIENT_ERROR])),
-            ('{outcome="server_error"}', int(total[Counter.REQUESTS_SERVER_ERROR])),
-            ('{outcome="overloaded"}', int(total[Counter.REQUESTS_OVERLOADED])),
-            ('{outcome="cancelled"}', int(total[Counter.CANCELLED])),
-        ],
-    )
-    _histogram(lines, "shmgate_request_duration_seconds", "Request latency.", total, Counter.LATENCY_BUCKETS,
-               Counter.LATENCY_SUM_US, Counter.LATENCY_COUNT)
-    _histogram(lines, "shmgate_time_to_first_token_seconds", "Time to the first streamed content.", total,
-               Counter.TTFT_BUCKETS, Counter.TTFT_SUM_US, Counter.TTFT_COUNT)
-    metric("shmgate_cache_hits_total", "counter", "Images found in this frontend's partition (no decode).",
-           [("", int(total[Counter.CACHE_HITS]))])
-    metric("shmgate_cache_remote_hits_total", "counter", "Images copied from another frontend's partition.",
-           [("", int(total[Counter.CACHE_REMOTE_HITS]))])
-    metric("shmgate_cache_misses_total", "counter", "Images decoded and preprocessed.",
-           [("", int(total[Counter.CACHE_MISSES]))])
-    metric("shmgate_cache_evictions_total", "counter", "Cached images evicted to make room.",
-           [("", int(total[Counter.CACHE_EVICTIONS]))])
-    metric("shmgate_result_cache_hits_total", "counter",
-           "Answers (embeddings, classifier labels) served from a frontend's result cache.",
-           [("", int(total[Counter.RESULT_CACHE_HITS]))])
-    metric("shmgate_result_cache_misses_total", "counter",
-           "Answers looked up in a result cache and not found (then computed).",
-           [("", int(total[Counter.RESULT_CACHE_MISSES]))])
-    metric("shmgate_result_cache_evictions_total", "counter", "Result cache entries evicted to make room.",
-           [("", int(total[Counter.RESULT_CACHE_EVICTIONS]))])
-    metric("shmgate_result_cache_bytes", "gauge", "Bytes held by the frontends' result caches.",
-           [("", int(total[Counter.RESULT_CACHE_BYTES]))])
-    metric("shmgate_retries_total", "counter", "Requests resubmitted after their worker died.",
-           [("", int(total[Counter.RETRIES]))])
-    used = int(total[Counter.ARENA_USED_BYTES])
-    size = int(total[Counter.ARENA_SIZE_BYTES])
-    metric("shmgate_arena_used_bytes", "gauge", "Arena bytes allocated.", [("", used)])
-    metric("shmgate_arena_held_bytes", "gauge", "Arena bytes pinned by requests in flight (cached tensors excluded).",
-           [("", int(total[Counter.ARENA_HELD_BYTES]))])
-    metric("shmgate_arena_free_bytes", "gauge", "Arena bytes free.", [("", size - used)])
-    metric("shmgate_in_flight_requests", "gauge", "Requests being served.", [("", int(total[Counter.IN_FLIGHT]))])
-    metric("shmgate_request_queue_depth", "gauge", "Descriptors waiting for a worker.", [("", queue_depth)])
-    workers = segment.workers
-    # READY, heartbeating and progressing: a worker killed in another container (no one marks its row
-    # DEAD) stops counting once its heartbeat is stale, a wedged one once its progress is (as /ready).
-    ready = len(segment.live_workers(DEAD_AFTER_S))
-    starts = int(workers["epoch"].sum())
-    metric("shmgate_workers_ready", "gauge", "Workers serving.", [("", ready)])
-    metric("shmgate_worker_starts_total", "counter", "Worker (re)starts; restarts = starts - workers.", [("", starts)])
-    metric("shmgate_worker_stalls_total", "counter",
-           "Workers declared stalled (alive but no progress for --stall-timeout-s) and replaced.",
-           [("", int(workers["stalls"].sum()))])
-    metric("shmgate_frontend_stalls_total", "counter",
-           "Frontends whose event loop stopped turning for --stall-timeout-s, killed and restarted.",
-           [("", int(segment.frontends["stalls"].sum()))])
-    busy = float(workers["busy_ns"].sum()) / 1e9
-    metric("shmgate_worker_busy_seconds_total", "counter", "Time workers spent running batches.", [("", busy)])
-    lines.append("# HELP shmgate_batch_size Requests per batch the workers ran.")
-    lines.append("# TYPE shmgate_batch_size histogram")
-    per_bucket = workers["batch_hist"].sum(axis=0)
-    for bound, cumulative in zip((*map(str, BATCH_BUCKETS), "+Inf"), np.cumsum(per_bucket)):
-        lines.append(f'shmgate_batch_size_bucket{{le="{bound}"}} {int(cumulative)}')
-    lines.append(f"shmgate_batch_size_sum {int(workers['batched_requests'].sum())}")
-    lines.append(f"shmgate_batch_size_count {int(workers['batches'].sum())}")
-    metric("shmgate_preparing_requests", "gauge", "Admitted requests still being decoded and preprocessed.",
-           [("", segment.preparing_requests())])
-    return "\n".join(lines) + "\n"
+    def collect(self) -> Iterator[Metric]:
+        node = self.node
+        total = node.frontend_totals()
+
+        def counter(name: str, help_text: str, index: int) -> CounterMetricFamily:
+            return CounterMetricFamily(name, help_text, value=int(total[index]))
+
+        def gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, help_text, value=value)
+
+        requests = CounterMetricFamily("shmgate_requests_total", "Chat completion and embedding requests by outcome.",
+                                       labels=["outcome"])
+        for outcome, index in (("ok", Counter.REQUESTS_OK), ("client_error", Counter.REQUESTS_CLIENT_ERROR),
+                               ("server_error", Counter.REQUESTS_SERVER_ERROR),
+                               ("overloaded", Counter.REQUESTS_OVERLOADED), ("cancelled", Counter.CANCELLED)):
+            requests.add_metric([outcome], int(total[index]))
+        yield requests
+        yield _latency_histogram("shmgate_request_duration_seconds", "Request latency.", total,
+                                 Counter.LATENCY_BUCKETS, Counter.LATENCY_SUM_US, Counter.LATENCY_COUNT)
+        yield _latency_histogram("shmgate_time_to_first_token_seconds", "Time to the first streamed content.", total,
+                                 Counter.TTFT_BUCKETS, Counter.TTFT_SUM_US, Counter.TTFT_COUNT)
+        yield counter("shmgate_cache_hits_total", "Images found in this frontend's partition (no decode).",
+                      Counter.CACHE_HITS)
+        yield counter("shmgate_cache_remote_hits_total", "Images copied from another frontend's partition.",
+                      Counter.CACHE_REMOTE_HITS)
+        yield counter("shmgate_cache_misses_total", "Images decoded and preprocessed.", Counter.CACHE_MISSES)
+        yield counter("shmgate_cache_evictions_total", "Cached images evicted to make room.", Counter.CACHE_EVICTIONS)
+        yield counter("shmgate_result_cache_hits_total",
+                      "Answers (embeddings, classifier labels) served from a frontend's result cache.",
+                      Counter.RESULT_CACHE_HITS)
+        yield counter("shmgate_result_cache_misses_total",
+                      "Answers looked up in a result cache and not found (then computed).",
+                      Counter.RESULT_CACHE_MISSES)
+        yield counter("shmgate_result_cache_evictions_total", "Result cache entries evicted to make room.",
+                      Counter.RESULT_CACHE_EVICTIONS)
+        yield gauge("shmgate_result_cache_bytes", "Bytes held by the frontends' result caches.",
+                    int(total[Counter.RESULT_CACHE_BYTES]))
+        yield counter("shmgate_retries_total", "Requests resubmitted after their worker died.", Counter.RETRIES)
+        used = int(total[Counter.ARENA_USED_BYTES])
+        size = int(total[Counter.ARENA_SIZE_BYTES])
+        yield gauge("shmgate_arena_used_bytes", "Arena bytes allocated.", used)
+        yield gauge("shmgate_arena_held_bytes", "Arena bytes pinned by requests in flight (cached tensors excluded).",
+                    int(total[Counter.ARENA_HELD_BYTES]))
+        yield gauge("shmgate_arena_free_bytes", "Arena bytes free.", size - used)
+        yield gauge("shmgate_in_flight_requests", "Requests being served.", int(total[Counter.IN_FLIGHT]))
+        yield gauge("shmgate_request_queue_depth", "Descriptors waiting for a worker.", self.queue_depth())
+        workers = node.worker_totals()
+        # READY, heartbeating and progressing: a worker killed in another container (no one marks its row
+        # DEAD) stops counting once its heartbeat is stale, a wedged one once its progress is (as /ready).
+        yield gauge("shmgate_workers_ready", "Workers serving.", node.live_workers())
+        yield CounterMetricFamily("shmgate_worker_starts_total", "Worker (re)starts; restarts = starts - workers.",
+                                  value=workers.starts)
+        yield CounterMetricFamily("shmgate_worker_stalls_total",
+                                  "Workers declared stalled (alive but no progress for --stall-timeout-s) and replaced.",
+                                  value=workers.stalls)
+        yield CounterMetricFamily("shmgate_frontend_stalls_total",
+                                  "Frontends whose event loop stopped turning for --stall-timeout-s, killed and "
+                                  "restarted.", value=workers.frontend_stalls)
+        yield CounterMetricFamily("shmgate_worker_busy_seconds_total", "Time workers spent running batches.",
+                                  value=workers.busy_ns / 1e9)
+        batch = HistogramMetricFamily("shmgate_batch_size", "Requests per batch the workers ran.")
+        cumulative = np.cumsum(node.batch_histogram())
+        batch.add_metric([], [(bound, int(c)) for bound, c in zip((*map(str, BATCH_BUCKETS), "+Inf"), cumulative)],
+                         sum_value=workers.batched_requests)
+        yield batch
+        yield gauge("shmgate_preparing_requests", "Admitted requests still being decoded and preprocessed.",
+                    node.preparing_requests())
 
 
-def _histogram(lines: list[str], name: str, help_text: str, total: np.ndarray, buckets: int, sum_idx: int,
-               count_idx: int) -> None:
-    lines.append(f"# HELP {name} {help_text}")
-    lines.append(f"# TYPE {name} histogram")
+def _latency_histogram(name: str, help_text: str, total: np.ndarray, buckets: int, sum_idx: int,
+                       count_idx: int) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(name, help_text)
     cumulative = 0
+    points: list[tuple[str, float]] = []
     for i, bound in enumerate(BUCKETS_S):
         cumulative += int(total[buckets + i])
-        lines.append(f'{name}_bucket{{le="{bound:g}"}} {cumulative}')
+        points.append((f"{bound:g}", cumulative))
     cumulative += int(total[buckets + len(BUCKETS_S)])
-    lines.append(f'{name}_bucket{{le="+Inf"}} {cumulative}')
-    lines.append(f"{name}_sum {int(total[sum_idx]) / 1e6:g}")
-    lines.append(f"{name}_count {int(total[count_idx])}")
+    points.append(("+Inf", cumulative))
+    family.add_metric([], points, sum_value=int(total[sum_idx]) / 1e6)
+    return family
+
+
+def exposition(node: NodeStats, queue_depth: Callable[[], int], accept: str | None) -> tuple[bytes, str]:
+    """(body, content type) for a scrape: OpenMetrics when ``accept`` asks for it, else the text format."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(NodeCollector(node, queue_depth))
+    encoder, content_type = choose_encoder(accept or "")
+    return encoder(registry), content_type
+
+
+def render(node: NodeStats, queue_depth: int) -> str:
+    """The Prometheus text exposition for the whole node."""
+    body, _ = exposition(node, lambda: queue_depth, None)
+    return body.decode()

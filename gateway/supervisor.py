@@ -9,7 +9,7 @@ same commands docker compose runs (``python -m gateway frontend ...``,
 A child that exits, whose heartbeat goes stale (frontends), or whose *progress*
 stalls for longer than ``stall_timeout_s`` (any child: ``progress_ns`` in its
 slot row is stamped only by the loop that does the work, see worker/health.py
-and Frontend._stamp_progress) is killed (SIGKILL: a wedged process may not
+and gateway/frontend.py Frontend._stamp_progress) is killed (SIGKILL: a wedged process may not
 honour SIGTERM), joined, marked DEAD in its slot row (so frontends retry its
 claimed requests at once instead of waiting for the heartbeat to age) and the
 locks it may have held are repaired; then it is restarted in its slot with an
@@ -44,13 +44,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from gateway.metrics import Counter
 from shared.errors import EXIT_CONFIG
-from shared.instance import DEAD_AFTER_S, Instance
-from shared.locks import HolderKind
-from shared.segment import InstanceState, LockId, SlotState, own_pidns
+from shared.instance import Instance
+from shared.segment import InstanceState
+from shared.transport import PosixSupervisorLink, Role
 
 __all__ = ["ChildProcess", "Supervisor"]
 
@@ -67,7 +64,7 @@ FRONTEND_STARTUP_GRACE_S = 90.0
 class ChildProcess:
     """One child in one slot: how to start it, and its current process."""
 
-    role: str  # "frontend" | "worker"
+    role: Role
     slot: int
     argv: list[str]
     env: dict[str, str]
@@ -120,6 +117,10 @@ class Supervisor:
     _signals: list[int] = field(default_factory=list)
     _force: bool = False
     _fatal: str = ""
+    link: PosixSupervisorLink = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.link = PosixSupervisorLink(self.instance)
 
     # -- signals --------------------------------------------------------------------
 
@@ -154,7 +155,7 @@ class Supervisor:
             for child in self.frontends + self.workers:
                 child.kill()
                 child.join(5)
-            self.instance.mark_state(InstanceState.STOPPED)
+            self.link.mark_instance(InstanceState.STOPPED)
             self.instance.unlink()
             self.instance.close()
             for s, handler in previous.items():
@@ -165,13 +166,13 @@ class Supervisor:
     def _beat(self, stop: threading.Event) -> None:
         # A thread, so a slow tick (joining a child) never makes the instance look dead.
         while not stop.wait(TICK_S):
-            self.instance.beat_supervisor()
+            self.link.beat()
 
     # -- checking -------------------------------------------------------------------
 
     def _check_children(self) -> None:
         now = time.monotonic()
-        seg = self.instance.segment
+        link = self.link
         for child in self.frontends + self.workers:
             if child.process is None:
                 if now >= child.restart_at:
@@ -179,18 +180,17 @@ class Supervisor:
                 continue
             if child.is_alive():
                 if child.role == "frontend" and now - child.started_at > FRONTEND_STARTUP_GRACE_S:
-                    if not seg.slot_alive(seg.frontends, child.slot, DEAD_AFTER_S):
+                    if not link.frontend_alive(child.slot):
                         log.error("frontend %d stopped beating; killing it", child.slot)
                         child.kill()
                         child.join(5)
                         self._after_death(child)
                         continue
-                found = self._slot_of(child)
-                if found is not None and seg.stalled(*found):
+                found = link.slot_of(child.role, child.pid, child.slot)
+                if found is not None and link.stalled(child.role, found):
                     log.error("%s %d (pid %d) made no progress for %.1f s; killing it", child.role, child.slot,
                               child.pid, self.stall_timeout_s)
-                    table, slot = found
-                    table["stalls"][slot] += 1
+                    link.count_stall(child.role, found)
                     child.kill()
                     child.join(5)
                     self._after_death(child)
@@ -204,67 +204,38 @@ class Supervisor:
 
     @property
     def stall_timeout_s(self) -> float:
-        return self.instance.segment.stall_timeout_s or 0.0
-
-    def _slot_of(self, child: ChildProcess) -> tuple[np.ndarray, int] | None:
-        """(table, slot) of the row ``child`` claimed (frontends claim their own slot; workers a free one)."""
-        seg = self.instance.segment
-        if child.role == "frontend":
-            return (seg.frontends, child.slot) if int(seg.frontends[child.slot]["pid"]) == child.pid else None
-        pidns = own_pidns()
-        for slot in range(len(seg.workers)):
-            row = seg.workers[slot]
-            if int(row["pid"]) == child.pid and int(row["pidns"]) == pidns:
-                return seg.workers, slot
-        return None
+        return self.link.stall_timeout_s()
 
     def _check_foreign_workers(self) -> None:
         """Workers we did not start (other containers): mark a stalled one DEAD; it exits on seeing that."""
-        seg = self.instance.segment
         ours = {child.pid for child in self.workers if child.process is not None}
-        pidns = own_pidns()
-        for slot in range(len(seg.workers)):
-            row = seg.workers[slot]
-            if int(row["pidns"]) == pidns and int(row["pid"]) in ours:
-                continue
-            if seg.stalled(seg.workers, slot):
-                log.error("worker slot %d (pid %d in another PID namespace or tree) made no progress for %.1f s; "
-                          "marking it dead (it exits when it sees that)", slot, int(row["pid"]), self.stall_timeout_s)
-                row["stalls"] += 1
-                row["state"] = SlotState.DEAD
+        for slot, pid in self.link.stalled_foreign_workers(ours):
+            log.error("worker slot %d (pid %d in another PID namespace or tree) made no progress for %.1f s; "
+                      "marking it dead (it exits when it sees that)", slot, pid, self.stall_timeout_s)
+            self.link.count_stall("worker", slot)
+            self.link.mark_dead("worker", slot)
 
     def _after_death(self, child: ChildProcess) -> None:
         assert child.process is not None
         code = child.process.returncode
         log.error("%s %d (pid %d) exited with %s; restarting", child.role, child.slot, child.pid, code)
-        self._mark_dead(child)
-        for which in (LockId.INDEX, LockId.TABLE):
-            lock = self.instance.lock(which, (HolderKind.SUPERVISOR, 0, 0))
-            if lock.repair_after_death():
-                log.warning("repaired a lock held by the dead %s", child.role)
+        self.link.mark_dead_by_pid(child.role, child.pid)
+        for _ in range(self.link.repair_locks()):
+            log.warning("repaired a lock held by the dead %s", child.role)
         ran_s = time.monotonic() - child.started_at
         child.failures = 0 if ran_s > 30 else child.failures + 1
         child.restart_at = time.monotonic() + min(30.0, 0.25 * (2**child.failures) if child.failures else 0.0)
         child.process = None
 
-    def _mark_dead(self, child: ChildProcess) -> None:
-        seg = self.instance.segment
-        table = seg.frontends if child.role == "frontend" else seg.workers
-        pidns = own_pidns()
-        for slot in range(len(table)):
-            row = table[slot]
-            if int(row["pid"]) == child.pid and int(row["pidns"]) == pidns:
-                row["state"] = SlotState.DEAD
-
     # -- shutdown -------------------------------------------------------------------
 
     def _shutdown(self) -> None:
-        self.instance.mark_state(InstanceState.DRAINING)
+        self.link.mark_instance(InstanceState.DRAINING)
         if not self._force:
             deadline = time.monotonic() + self.drain_timeout_s
             self._wait_in_flight(deadline)
         # Workers in other containers that follow the drain (worker/drain.py) exit on this.
-        self.instance.mark_state(InstanceState.DRAINED)
+        self.link.mark_instance(InstanceState.DRAINED)
         if not self._force:
             self._stop_group(self.frontends, max(1.0, deadline - time.monotonic()))
         self._stop_group(self.workers, 0.0 if self._force else 10.0)
@@ -278,12 +249,10 @@ class Supervisor:
         hold on two polls in a row: a frontend that passed its draining check just before the
         state changed publishes ``preparing`` a moment later.
         """
-        seg = self.instance.segment
         quiet = 0
         while time.monotonic() < deadline and not self._force:
             slots = [child.slot for child in self.frontends if child.is_alive()]
-            busy = any(int(seg.stats[slot][Counter.IN_FLIGHT]) or int(seg.frontends[slot]["preparing"])
-                       for slot in slots)
+            busy = any(self.link.frontend_busy(slot) for slot in slots)
             quiet = 0 if busy else quiet + 1
             if quiet >= 2:
                 return

@@ -106,6 +106,16 @@ class ContentCache:
         self.stats = CacheStats()
 
     @property
+    def size(self) -> int:
+        """This cache's partition size in bytes."""
+        return self.partition.size
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes allocated in this cache's partition (cached and held alike)."""
+        return self.partition.used_bytes
+
+    @property
     def held_bytes(self) -> int:
         """Arena data bytes pinned by requests in flight (cached, unheld tensors excluded).
 

@@ -88,7 +88,7 @@ DTYPE_ITEMSIZE: dict[str, int] = {
 
 
 class TensorRef(Struct, array_like=True, frozen=True, gc=False):
-    """Where a tensor lies in the arena. Distrusted by the worker (see worker/checks.py)."""
+    """Where a tensor lies in the arena. Distrusted by the worker (shared/arena.py ``validate``/``recheck``)."""
 
     offset: NonNegative  # absolute byte offset of the tensor's data in the segment
     nbytes: NonNegative

@@ -107,3 +107,12 @@ def test_gpus_are_counted_from_the_driver_or_else_from_the_device_nodes(tmp_path
         (proc / bus).mkdir()
     assert gpu_count(str(proc), str(dev)) == 3
     assert gpu_count(str(tmp_path / "none"), str(tmp_path / "none")) == 0
+
+
+def test_only_a_served_hugging_face_checkpoint_gets_the_long_stall_timeout() -> None:
+    from gateway.cli import DEFAULT_STALL_TIMEOUT_S, HF_STALL_TIMEOUT_S, stall_timeout_for
+
+    assert stall_timeout_for("hf:/models/qwen", None) == HF_STALL_TIMEOUT_S
+    assert stall_timeout_for("checksum:hf:/models/qwen", None) == DEFAULT_STALL_TIMEOUT_S  # no weights loaded
+    assert stall_timeout_for("checksum", None) == DEFAULT_STALL_TIMEOUT_S
+    assert stall_timeout_for("hf:/models/qwen", 0.0) == 0.0

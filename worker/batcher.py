@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from shared.channels import Queue
+from shared.transport.base import MessageQueue
 from shared.wire import Submit
 
 __all__ = ["Batcher"]
@@ -47,7 +47,7 @@ def _never() -> bool:
 class Batcher(Generic[T]):
     def __init__(
         self,
-        queue: Queue,
+        queue: MessageQueue,
         *,
         max_batch_size: int,
         max_batch_wait_s: float,

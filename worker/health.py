@@ -10,7 +10,7 @@ looking alive forever.
 
 from __future__ import annotations
 
-import numpy as np
+from collections.abc import Callable
 
 from shared.segment import now_ns
 
@@ -43,16 +43,17 @@ class Progress:
     read as a stall, not be hidden by an idle main loop).
     """
 
-    def __init__(self, table: np.ndarray, slot: int) -> None:
-        self._row = table[slot]
+    def __init__(self, stamp: Callable[[int], None]) -> None:
+        """``stamp``: stores a progress time (ns) in this worker's slot (``WorkerLink.progress_stamper``)."""
+        self._stamp = stamp
         self.blocked_since_ns = 0
 
     def step(self) -> None:
         """The model made a step (a batch, an event, a decode step)."""
-        self._row["progress_ns"] = now_ns()
+        self._stamp(now_ns())
 
     def idle_turn(self) -> None:
         """The main loop turned without work: progress unless the prefetch thread is stuck in a copy."""
         now = now_ns()
         blocked = self.blocked_since_ns
-        self._row["progress_ns"] = min(now, blocked) if blocked else now
+        self._stamp(min(now, blocked) if blocked else now)

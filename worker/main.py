@@ -32,7 +32,6 @@ makes it exit at once (``EXIT_DEVICE_ERROR``) so the supervisor restarts it.
 
 from __future__ import annotations
 
-import bisect
 import logging
 import os
 import signal
@@ -45,8 +44,6 @@ from dataclasses import dataclass, field
 import msgspec
 import torch
 
-from shared.arena import recheck, validate
-from shared.channels import Queue
 from shared.errors import (
     EXIT_CONFIG,
     EXIT_DECLARED_DEAD,
@@ -61,8 +58,9 @@ from shared.errors import (
     ShmgateError,
     UnknownModel,
 )
-from shared.instance import DEAD_AFTER_S, Instance, instance_alive
-from shared.segment import BATCH_BUCKETS, Heartbeat, InstanceState, SlotState, check_model_id, now_ns
+from shared.instance import Instance
+from shared.segment import InstanceState, SlotState, check_model_id, now_ns
+from shared.transport import PosixWorkerLink, WorkerLink
 from shared.wire import (
     INLINE_TENSOR,
     MAX_DELTA_CHARS,
@@ -123,34 +121,32 @@ class _Job:
 
 
 class Worker:
-    def __init__(self, instance: Instance, options: WorkerOptions, backend: ModelBackend | None = None) -> None:
-        """``backend``: a ready backend to serve instead of loading ``options.model`` (embedding, tests)."""
-        self.instance = instance
+    def __init__(
+        self, instance: Instance | WorkerLink, options: WorkerOptions, backend: ModelBackend | None = None
+    ) -> None:
+        """``instance``: an attached instance (its POSIX link is made here) or a ready transport link.
+
+        ``backend``: a ready backend to serve instead of loading ``options.model`` (embedding, tests).
+        """
+        link: WorkerLink = PosixWorkerLink(instance) if isinstance(instance, Instance) else instance
+        self.link = link
         self.options = options
         torch.device(options.device)  # a bad device name raises (RuntimeError) before a slot is claimed
         self._stop = threading.Event()
         self._stop_request = StopRequest(options.follow_drain_s)
         self.exit_code = 0
-        self._replies: dict[int, Queue] = {}
-        self._replies_lock = threading.Lock()  # both threads reply; one Queue object per frontend
         # (reply slot, request id): ids are unique per frontend only (each frontend numbers its own)
         self._cancelled: set[tuple[int, int]] = set()
         self._cancels_read_at = 0.0
         self._cancel_lock = threading.Lock()
         self._device_error: BaseException | None = None
-        self.slot, self.epoch = instance.claim_worker_slot(options.model)
+        self.slot, self.epoch = link.claim(options.model)
         # After the slot: with several GPUs visible, the slot picks one (worker/device.py pick_device).
         self.device = pick_device(options.device, self.slot, _visible_gpus(options.device))
         use_device(self.device)  # this thread's CUDA calls (model load, compute) go to that GPU only
         self._prefetch_bound = False
-        self.progress = Progress(instance.segment.workers, self.slot)
-        self._heartbeat = Heartbeat(
-            instance.segment.workers, self.slot, self.epoch, on_declared_dead=self._declared_dead
-        ).start()
-        self._requests = instance.request_queue()
-        self._control = instance.control_queue(self.slot)
-        while self._control.try_receive() is not None:
-            pass  # cancels addressed to this slot's previous owner
+        self.progress = Progress(link.progress_stamper())
+        link.start_heartbeat(self._declared_dead)
         self.backend: ModelBackend = backend or load_backend(
             options.model,
             self.device,
@@ -160,19 +156,19 @@ class Worker:
         )
         # the public model id (hf:<dir> is served under the directory's name): what frontends match
         check_model_id(self.backend.name)
-        instance.segment.workers[self.slot]["model"] = self.backend.name.encode()
+        link.set_model(self.backend.name)
         if hasattr(self.backend, "on_step"):  # generative backends: progress per decode step
             self.backend.on_step = self.progress.step
-        self.copier = DeviceCopier(self.device, instance.segment.mm)
+        self.copier = DeviceCopier(self.device, link.mm)
         self._host_only = frozenset((INLINE_TENSOR, *getattr(self.backend, "host_tensors", ())))
         self._prefetcher: Prefetcher[list[_Job]] = Prefetcher(self._prepare, name=f"prefetch-{self.slot}")
         self.batcher: Batcher[_Job] = Batcher(
-            self._requests,
+            link.request_queue(),
             max_batch_size=options.max_batch_size,
             max_batch_wait_s=options.max_batch_wait_ms / 1000,
             on_take=self._take,
             on_invalid=self._invalid_message,
-            more_coming=lambda: instance.segment.preparing_requests() > 0,
+            more_coming=lambda: link.preparing_requests() > 0,
             wake_fd=self._prefetcher.wake_fd,
         )
 
@@ -198,21 +194,21 @@ class Worker:
             self._stop.set()  # no drain to follow: stop taking work at once, as a plain SIGTERM always did
 
     def run(self) -> None:
-        seg = self.instance.segment
+        link = self.link
         self.progress.step()  # before READY: loading the model was not a stall
-        seg.workers[self.slot]["state"] = SlotState.READY
+        link.mark(SlotState.READY)
         log.info("worker slot %d ready: model %s on %s", self.slot, self.options.model, self.device)
         prefetcher = self._prefetcher.start()
         try:
             while not self._stop.is_set():
-                if self._stop_request.due(int(seg.header[0]["state"])):
+                if self._stop_request.due(link.instance_state()):
                     self._stop.set()
                     break
-                if int(seg.workers[self.slot]["epoch"]) != self.epoch:
+                if not link.still_ours():
                     log.error("this worker's slot was taken over (declared dead); exiting")
                     self.exit_code = 1
                     return
-                if not instance_alive(seg, DEAD_AFTER_S):
+                if not link.instance_alive():
                     # the gateway is gone or stopping: exit so the supervisor (or compose's restart
                     # policy) starts a worker that attaches to the new instance
                     log.warning("the gateway instance stopped; exiting")
@@ -236,28 +232,18 @@ class Worker:
             if left:  # only when the slot or the instance is gone: the frontends' watchdogs retry these
                 log.warning("dropped %d prepared requests on exit", sum(len(jobs) for jobs in left))
             prefetcher.close()
-            if int(seg.workers[self.slot]["epoch"]) == self.epoch:
-                seg.workers[self.slot]["state"] = SlotState.FREE
-            self._heartbeat.stop()
+            link.release()
+            link.stop_heartbeat()
             self.copier.close()
-            self._close_queues()
-
-    def _close_queues(self) -> None:
-        """Close this worker's queue descriptors: an unlinked queue's memory counts until the last close."""
-        for q in (self._requests, self._control, *self._replies.values()):
-            q.close()
+            link.close()  # its queue descriptors: an unlinked queue's memory counts until the last close
 
     def _timed_run(self, jobs: list[_Job]) -> None:
         """Run a batch; count it in this worker's row (busy time, batch-size histogram for /metrics)."""
-        workers = self.instance.segment.workers
         started = now_ns()
         self.progress.step()
         self._run_batch(jobs)
         self.progress.step()
-        workers["busy_ns"][self.slot] += now_ns() - started
-        workers["batches"][self.slot] += 1
-        workers["batched_requests"][self.slot] += len(jobs)
-        workers["batch_hist"][self.slot, bisect.bisect_left(BATCH_BUCKETS, len(jobs))] += 1
+        self.link.count_batch(len(jobs), now_ns() - started)
 
     # -- one batch --------------------------------------------------------------------
 
@@ -265,12 +251,11 @@ class Worker:
         """Claim a request the batcher took and start its device copy. None when it was answered already."""
         if self.options.diag_claim_delay_ms > 0:
             time.sleep(self.options.diag_claim_delay_ms / 1000)
-        row = self.instance.segment.workers[self.slot]
-        if int(row["epoch"]) != self.epoch or int(row["state"]) == SlotState.DEAD:
+        if self.link.declared_dead():
             # Declared dead, and the heartbeat thread has not exited us yet (it looks every 0.2 s):
             # a claim now would cost the request an attempt on a worker that will never run it.
             try:
-                self._requests.send(submit, 1.0)  # back to the queue, for a live worker
+                self.link.put_back(submit, 1.0)  # back to the queue, for a live worker
             except ChannelFull:
                 log.error("could not put request %x back on the queue; its deadline will end it", submit.request_id)
             self._declared_dead()
@@ -341,7 +326,7 @@ class Worker:
             return None
         try:
             for ref in submit.tensors:
-                validate(self.instance.segment, ref)
+                self.link.validate(ref)
         except DescriptorError as exc:
             self._reply(submit, Released(submit.request_id))
             self._fail(submit, 0, exc)
@@ -354,7 +339,7 @@ class Worker:
         copy.wait_host()  # the DMA has finished reading the arena: only now may the owner reuse it
         try:
             for ref in submit.tensors:
-                recheck(self.instance.segment, ref)  # seqlock: still the same allocation after the copy
+                self.link.recheck(ref)  # seqlock: still the same allocation after the copy
         except DescriptorError as exc:
             self._reply(submit, Released(submit.request_id))
             self._fail(submit, 0, exc)
@@ -421,7 +406,7 @@ class Worker:
             log.exception("backend failed on a batch of %d", len(items))
             if is_sticky_device_error(exc):
                 self._device_error = exc
-                self.instance.segment.workers[self.slot]["state"] = SlotState.DRAINING  # not ready from now on
+                self.link.mark(SlotState.DRAINING)  # not ready from now on
             for job in live:
                 if not job.done:
                     job.done = True
@@ -476,7 +461,7 @@ class Worker:
         request_id, reply_slot = fields[1], fields[2]
         if not (isinstance(request_id, int) and isinstance(reply_slot, int)):
             return
-        if not (0 <= request_id < 2**63 and 0 <= reply_slot < self.instance.segment.layout.n_frontends):
+        if not (0 <= request_id < 2**63 and 0 <= reply_slot < self.link.n_frontends()):
             return
         message = failed_reply(request_id, 0, DescriptorError("the request's descriptor could not be decoded"))
         self._reply_to(reply_slot, message)
@@ -485,19 +470,15 @@ class Worker:
         self._reply_to(submit.reply_slot, message)
 
     def _reply_to(self, slot: int, message: object) -> None:
-        seg = self.instance.segment
-        if slot >= seg.layout.n_frontends:
+        link = self.link
+        if slot >= link.n_frontends():
             return  # a forged or corrupt descriptor: nobody to answer
-        with self._replies_lock:
-            queue = self._replies.get(slot)
-            if queue is None:
-                queue = self._replies[slot] = self.instance.reply_queue(slot)
         for _ in range(3):
             try:
-                queue.send(message, REPLY_TIMEOUT_S)
+                link.send_reply(slot, message, REPLY_TIMEOUT_S)
                 return
             except ChannelFull:
-                if not seg.slot_alive(seg.frontends, slot, DEAD_AFTER_S):
+                if not link.frontend_alive(slot):
                     return  # the frontend is gone; its successor ignores old request ids anyway
         log.warning("dropped a reply: frontend %d is alive but not reading its channel", slot)
 
@@ -505,7 +486,7 @@ class Worker:
         self._cancels_read_at = time.monotonic()
         while True:
             try:
-                message = self._control.try_receive()
+                message = self.link.try_receive_control()
             except Exception:
                 continue
             if message is None:

@@ -5,7 +5,7 @@ backend's device (the worker copied them out of the arena and released the
 arena space), and yields ``BackendEvent``s as output becomes available, so the
 worker can stream each one back before the batch is done.
 
-Preprocessing is *not* here: the frontend runs it (gateway/preprocessors.py)
+Preprocessing is *not* here: the frontend runs it (gateway/preprocess/)
 and the worker only ever sees tensors. A backend never touches shared memory.
 """
 

@@ -10,33 +10,15 @@ Facts verified against tests/data/images/labels.json (reference top-5 probabilit
 - Input: uint8 RGB scaled to [-1, 1] (x / 127.5 - 1), not ImageNet mean/std.
 With these and a full JPEG decode the six test photos match the reference to 2e-4.
 
-Serving choices (2-core CPU box shared with other jobs; best of 15 runs, ms per image):
-                              batch 1, 1 thr   batch 8, 1 thr   batch 1, 2 thr   batch 8, 2 thr
-    plain NCHW                     20.9             41.5             21.7             26.9
-    channels_last                  18.5             31.9             16.6             27.5
-    BN folded + channels_last      16.3             23.5             13.7             13.7  <- used
-    mkldnn disabled (NCHW)         85.6             82.8              -                -
-    EfficientNetBackend.classify   15.6             29.1             11.5             20.0  (best of 40,
-    (the above + uint8->float; a second run)                                         median ~20 % higher)
-Batch 8 is not cheaper per image than batch 1 on one thread here (activations outgrow the
-cache); with 2 threads it is about even. Timings on this shared box vary by +-30 %.
-So on CPU a batch runs in forward passes of at most ``CPU_PASS_IMAGES_PER_THREAD`` images per
-torch thread, and each pass's items are answered before the next pass starts.
-`python bench/cpu_passes.py` (ms per image, one single-thread process / two side by side as in
-the default two-worker layout): passes of 1: 21.5 / 21.3, of 2: 21.3 / 21.0, of 4: 20.5 / 21.8,
-of 8: 30.1 / 30.7. The worker's batch itself
-is unchanged (it amortises the hand-off); only the forward pass is split. With 2 threads (one
-worker owning both cores) larger passes parallelise better: passes of 2 ran the `-1w` layout at
-46.5 req/s at concurrency 32, hence per thread. CUDA runs the whole batch in one pass.
-BatchNorm is folded into the preceding convolutions after the strict load (the state-dict
-names stay those of the published weights), and the model and its input run channels_last
-on every device. torch.backends.mkldnn is left enabled (the default): disabling it is ~4x slower.
-ReLU6 runs in place on the fresh output of the convolution before it (no new tensor, one pass
-less over memory): 21.0 -> 18.4 ms per image at passes of 2, one thread, identical outputs
-(py-spy had put 14 % of a worker's samples in ``relu6``).
-No torch.jit / torch.compile of the network: trace + freeze + optimize_for_inference measured
-15.3 vs 15.7 ms per image at batch 1 and 20.1 vs 15.3 at batch 4 (slower), and start-up time
-matters more than the last few percent.
+Serving choices (the measurements behind each: docs/BENCHMARKS.md, "EfficientNet-Lite0 serving
+choices"): BatchNorm is folded into the preceding convolutions after the strict load (the state-dict
+names stay those of the published weights), and the model and its input run channels_last on every
+device. torch.backends.mkldnn stays enabled (disabling it is ~4x slower). ReLU6 runs in place on the
+fresh output of the convolution before it (identical outputs, one pass less over memory). On CPU a
+batch runs in forward passes of at most ``CPU_PASS_IMAGES_PER_THREAD`` images per torch thread (larger
+passes outgrow the cache), each pass's items answered before the next starts; the worker's batch
+itself is unchanged (it amortises the hand-off). CUDA runs the whole batch in one pass. No
+torch.jit / torch.compile of the network: it was not faster, and start-up time matters more.
 
 Input normalisation (uint8 -> float32 in [-1, 1], channels_last) runs on the worker's device, eagerly
 by default: four kernels (reorder, cast, divide, subtract) and three passes over the float tensor.
@@ -50,8 +32,8 @@ Inductor's caches live under /tmp and die with the container, and each worker co
 (bench/startup.py measures it; docs/ARCHITECTURE.md "The GPU path"). Opted in, it checks for a C
 compiler first (no silent attempt), compiles with one thread (N workers starting together do not
 each spawn a pool of compile processes), and reuses ``TORCHINDUCTOR_CACHE_DIR`` when that points
-at a persistent volume. CPU keeps the eager function either way: bench/normalise.py measured it
-against the alternatives (docs/BENCHMARKS.md).
+at a persistent volume. CPU keeps the eager function either way (bench/normalise.py against the
+alternatives: docs/BENCHMARKS.md).
 
 On CUDA (first measured on an H100 with bench/gpu_shapes.py; docs/BENCHMARKS.md "GPU"):
 - The first forward pass at each new batch shape cost about 2 s (cuDNN choosing and loading kernels),

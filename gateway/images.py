@@ -1,0 +1,118 @@
+"""Image resolution and caching for one frontend: request images -> held tensor groups in the arena.
+
+Moved out of gateway/frontend.py (issue 19): the ``Frontend`` dispatches, ``ReplyRouter``
+routes replies, this resolves images. It owns the decode pool and talks only to the content
+cache its transport link built; it never touches the segment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from gateway.intake import LOOP_HASH_MAX_BYTES, EncodedImage, image_bytes, key_material
+from gateway.metrics import Counter, FrontendStats
+from gateway.preprocess.base import Preprocessor, PromptInputs
+from shared.cache import AllocateFn, TensorGroup, content_key
+from shared.errors import ShmgateError
+from shared.transport.base import TensorCache
+from shared.wire import INLINE_TENSOR
+
+__all__ = ["ImageResolver"]
+
+
+class ImageResolver:
+    def __init__(
+        self, cache: TensorCache, preprocessor: Preprocessor, stats: FrontendStats, *, max_pixels: int, threads: int
+    ) -> None:
+        self.cache = cache
+        self.preprocessor = preprocessor
+        self.stats = stats
+        self.max_pixels = max_pixels
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="decode")
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    async def resolve(self, images: list[bytes | EncodedImage], params: list[str], groups: list[TensorGroup]) -> None:
+        """Append each image's held tensor group to ``groups``, in order. Raises the first failure.
+
+        Local cache hits are taken on the event loop, where the hit itself only takes a process-local
+        mutex. The content key is computed either way: for a data URL it hashes the base64 text, so a
+        hit costs no base64 decode at all, and doing it here saves a pool hop for the image and one for
+        the prompt (costs: docs/BENCHMARKS.md, ``python bench/loop_costs.py``). Up to LOOP_HASH_MAX_BYTES
+        that is at most ~0.5 ms of loop time; larger images, remote hits and misses (base64 decode
+        included) run in the decode pool.
+        Groups acquired before a failure are still appended, so the caller releases them.
+        """
+        loop = asyncio.get_running_loop()
+        cache_params = self.preprocessor.cache_params()
+        slots: list[TensorGroup | asyncio.Future[TensorGroup]] = []
+        for image, param in zip(images, params, strict=True):
+            group = None
+            key = None
+            material = key_material(image)
+            if len(material) <= LOOP_HASH_MAX_BYTES:
+                key = content_key(material, cache_params)
+                group = self.cache.try_hit(key)
+            if group is None:
+                slots.append(loop.run_in_executor(self.pool, self._resolve_image, image, param, key))
+            else:
+                slots.append(group)
+        futures = [s for s in slots if isinstance(s, asyncio.Future)]
+        if futures:
+            await asyncio.gather(*futures, return_exceptions=True)
+        failure: BaseException | None = None
+        for slot in slots:
+            if isinstance(slot, TensorGroup):
+                groups.append(slot)
+            elif slot.exception() is None:
+                groups.append(slot.result())
+            elif failure is None:
+                failure = slot.exception()
+        if failure is not None:
+            raise failure
+
+    def _resolve_image(self, image: bytes | EncodedImage, param: str, key: bytes | None) -> TensorGroup:
+        """Thread pool: the cached tensors of one image, decoding (base64, then pixels) only on a miss.
+
+        A decode error names ``param``, the request field the image came from (data URL or fetched).
+        """
+        if key is None:
+            key = content_key(key_material(image), self.preprocessor.cache_params())
+
+        def make(allocate: AllocateFn) -> None:
+            self.preprocessor.preprocess_image(image_bytes(image), allocate, max_pixels=self.max_pixels)
+
+        try:
+            group, _ = self.cache.acquire(key, make)
+        except ShmgateError as exc:
+            if exc.param is None:
+                exc.param = param  # which image of the request could not be decoded
+            raise
+        return group
+
+    def inline_group(self, prompt: PromptInputs) -> TensorGroup:
+        """Thread pool: a prompt payload too large to ride in the descriptor, as a private arena group."""
+        payload = prompt.inline
+
+        def make(allocate: Any) -> None:
+            out = allocate(INLINE_TENSOR, "uint8", (len(payload),))
+            out[:] = memoryview(payload)
+
+        return self.cache.acquire_private(make)
+
+    def release(self, groups: list[TensorGroup]) -> None:
+        for group in groups:
+            self.cache.release(group)
+        self.sync_stats()
+
+    def sync_stats(self) -> None:
+        s = self.cache.stats
+        self.stats.set(Counter.CACHE_HITS, s.hits)
+        self.stats.set(Counter.CACHE_REMOTE_HITS, s.remote_hits)
+        self.stats.set(Counter.CACHE_MISSES, s.misses)
+        self.stats.set(Counter.CACHE_EVICTIONS, s.evictions)
+        self.stats.set(Counter.ARENA_USED_BYTES, self.cache.used_bytes)
+        self.stats.set(Counter.ARENA_HELD_BYTES, self.cache.held_bytes)

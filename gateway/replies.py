@@ -1,0 +1,247 @@
+"""Reply routing for one frontend: worker messages -> request states, and the watchdog.
+
+Moved out of gateway/frontend.py (issue 19). Nothing is lost silently (invariant 5): the
+watchdog checks, ten times a second, that every claimed request's worker is alive. A request
+whose worker died before producing output is resubmitted (its tensors are still held); one
+that had streamed output ends with an in-band error. A request taken off the queue but never
+claimed (its worker died between the two, e.g. a worker container SIGKILLed) is resubmitted too:
+see ``_check_taken``. Requests past their deadline fail with a timeout. A client that goes away
+marks its request abandoned: a Cancel goes to its worker and the holds are released when the
+worker's terminal message (or its death) arrives, never earlier, because the worker may still be
+reading the arena.
+
+Everything goes through the frontend's transport link (shared/transport): the POSIX one in
+production, the in-memory one in tests/test_reply_routing.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import msgspec
+
+from gateway.images import ImageResolver
+from gateway.metrics import Counter, FrontendStats
+from gateway.request_state import Phase, RequestState
+from shared.errors import ChannelFull, Overloaded, PeerDied, RequestTimeout, ShmgateError
+from shared.instance import DEAD_AFTER_S
+from shared.segment import now_ns
+from shared.transport.base import FrontendLink
+from shared.wire import Cancel, Claimed, Delta, Failed, Finished, Released, Vector, failed_reply
+
+__all__ = ["GRACE_S", "MAX_ATTEMPTS", "TAKEN_UNCLAIMED_S", "WATCHDOG_INTERVAL_S", "ReplyRouter"]
+
+log = logging.getLogger("shmgate.frontend")
+
+# A request whose worker died twice is not tried a third time: a request that kills every
+# worker it reaches would otherwise take the node's workers down one after another.
+MAX_ATTEMPTS = 2
+WATCHDOG_INTERVAL_S = 0.1
+GRACE_S = 5.0  # how long past its deadline an unanswered request may hold arena space
+# How long a request known to be off the queue may stay unclaimed before its taker counts as dead: a live
+# worker claims within microseconds of taking (a starved thread, milliseconds); heartbeats need as long.
+TAKEN_UNCLAIMED_S = DEAD_AFTER_S
+
+
+class ReplyRouter:
+    """The frontend's requests in flight: routes replies to them, watches their workers, retries or fails."""
+
+    def __init__(
+        self,
+        link: FrontendLink,
+        images: ImageResolver,
+        stats: FrontendStats,
+        next_request_id: Callable[[], int],
+        *,
+        taken_unclaimed_s: float = TAKEN_UNCLAIMED_S,
+        grace_s: float = GRACE_S,
+    ) -> None:
+        self.link = link
+        self.images = images
+        self.stats = stats
+        self._next_request_id = next_request_id
+        # Both tunable by tests on the in-memory transport (tests/test_reply_routing.py).
+        self.taken_unclaimed_s = taken_unclaimed_s
+        self.grace_ns = int(grace_s * 1e9)
+        self.states: dict[int, RequestState] = {}
+        # Our sends in queue order (one event loop sends), and how far that order is known to have left the
+        # queue: the request queue is FIFO, so a claimed descriptor proves every one we sent before it was
+        # taken too, and an empty queue proves every one sent so far was (``_check_taken``).
+        self._send_seq = 0
+        self._taken_seq = 0
+        self._watchdog: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self.link.start_replies(self.on_reply, self._on_reply_error)
+        self._watchdog = asyncio.create_task(self._watch())
+
+    def stop(self) -> None:
+        if self._watchdog:
+            self._watchdog.cancel()
+        self.link.stop_replies()
+
+    def add(self, state: RequestState) -> None:
+        self.states[state.request_id] = state
+        self.stats.set(Counter.IN_FLIGHT, len(self.states))
+
+    def sent(self, state: RequestState) -> None:
+        """Number a send that just succeeded (no await since): numbers follow our sends' queue order."""
+        self._send_seq += 1
+        state.send_seq = self._send_seq
+        state.taken_at = None
+
+    def abandon(self, state: RequestState) -> None:
+        """The client went away before the end: cancel the work, release when the worker is done."""
+        if state.done or state.abandoned:
+            return
+        state.to(Phase.ABANDONED)
+        self.stats.add(Counter.CANCELLED)
+        if state.worker is not None:
+            self._send_cancel(state)
+
+    # -- replies ------------------------------------------------------------------------
+
+    def on_reply(self, message: object) -> None:
+        request_id = getattr(message, "request_id", None)
+        state = self.states.get(request_id) if request_id is not None else None
+        if state is None or state.done:
+            return  # a predecessor's request, or one that already ended
+        if isinstance(message, Claimed):
+            state.worker = (message.worker_slot, message.worker_epoch)
+            self._taken_seq = max(self._taken_seq, state.send_seq)
+            if state.abandoned:
+                self._send_cancel(state)
+            else:
+                state.to(Phase.CLAIMED)
+        elif isinstance(message, Released):
+            if state.phase is Phase.CLAIMED:
+                state.to(Phase.RELEASED)
+        elif isinstance(message, (Delta, Vector)):
+            if not state.abandoned:
+                state.to(Phase.STREAMING)
+            state.events.put_nowait(message)
+        elif isinstance(message, (Finished, Failed)):
+            if isinstance(message, Finished) and message.text:
+                if not state.abandoned:
+                    state.to(Phase.STREAMING)
+                state.events.put_nowait(Delta(message.request_id, message.seq, message.text))
+            state.events.put_nowait(message)
+            self.finish(state)
+
+    def _on_reply_error(self, exc: BaseException) -> None:
+        log.warning("bad message on the reply channel: %r", exc)
+
+    def finish(self, state: RequestState) -> None:
+        if state.done:
+            return
+        state.to(Phase.DONE)
+        self.states.pop(state.request_id, None)
+        groups, state.groups = state.groups, []
+        self.stats.set(Counter.IN_FLIGHT, len(self.states))
+        self.images.release(groups)
+
+    def fail(self, state: RequestState, error: ShmgateError) -> None:
+        state.events.put_nowait(failed_reply(state.request_id, 0, error))
+        self.finish(state)
+
+    def _send_cancel(self, state: RequestState) -> None:
+        assert state.worker is not None
+        self.link.send_cancel(state.worker[0], Cancel(state.request_id, self.link.slot))
+
+    # -- watchdog -----------------------------------------------------------------------
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(WATCHDOG_INTERVAL_S)
+            try:
+                await self.check()
+            except Exception:
+                log.exception("watchdog pass failed; continuing")
+
+    async def check(self) -> None:
+        """One watchdog pass (tests call it directly)."""
+        if not self.states:
+            return
+        self.link.drain_replies()  # answers already queued count before any verdict
+        await self._check_taken()
+        now = now_ns()
+        verdicts: dict[tuple[int, int], bool] = {}
+        for state in list(self.states.values()):
+            if state.done:
+                continue
+            if state.worker is not None:
+                alive = verdicts.get(state.worker)
+                if alive is None:
+                    alive = verdicts[state.worker] = self.link.worker_alive(*state.worker)
+                if not alive:
+                    await self._retry(state, "lost its worker before any answer",
+                                      failure="the model worker died while serving this request")
+                    continue
+            if now > state.submit.deadline_ns + (self.grace_ns if state.worker else 0):
+                if state.worker is not None:
+                    self._send_cancel(state)
+                self.fail(state, RequestTimeout("the request timed out before the model answered"))
+
+    async def _check_taken(self) -> None:
+        """Resubmit requests that left the queue but were never claimed: their taker died in between.
+
+        A worker claims a request right after taking it off the queue, but a worker killed between the two
+        (SIGKILL of its container: nobody marks its slot dead, and it never said which request it held)
+        leaves a request that nothing would answer before its deadline. We cannot see into the queue, but
+        it is FIFO: a request is known to be off it once one we sent later was claimed, or once the queue
+        was seen empty after its send. Known off the queue and still unclaimed after TAKEN_UNCLAIMED_S,
+        it is resubmitted under a new request id, so that if its taker was only slow, not dead, its late
+        answers go to an id nobody waits for (the arena generation checks keep its reads safe), rather
+        than into the retried request's stream.
+        """
+        unclaimed = [s for s in self.states.values() if s.worker is None and s.send_seq and not s.done]
+        if not unclaimed:
+            return
+        sent_so_far = self._send_seq
+        if self.link.queue_depth() == 0:
+            self._taken_seq = max(self._taken_seq, sent_so_far)
+        now = time.monotonic()
+        for state in unclaimed:
+            if state.send_seq > self._taken_seq:
+                continue  # may still be on the queue
+            if state.taken_at is None:
+                state.taken_at = now
+            elif now - state.taken_at > self.taken_unclaimed_s and not state.done and state.worker is None:
+                await self._retry(
+                    state, f"left the queue but no worker claimed it in {self.taken_unclaimed_s:.0f} s",
+                    failure="the model worker that took this request died before claiming it")
+
+    async def _retry(self, state: RequestState, why: str, *, failure: str) -> None:
+        """Send a request whose worker died again, as its next attempt, under a new id; or fail it.
+
+        It fails (``failure``, in-band ``worker_died``) when output already streamed, the client left,
+        or this was its last attempt. The new id matters: the worker we gave up on may only be paused
+        (SIGSTOP) or slow, and answer later; its replies carry the old id, which no longer matches, so
+        it can never add a duplicate answer to the retried request's stream (the arena generation
+        checks keep its reads safe).
+        """
+        if not state.retryable or state.submit.attempt + 1 >= MAX_ATTEMPTS:
+            self.fail(state, PeerDied(failure))
+            return
+        old_id = state.request_id
+        self.states.pop(old_id, None)
+        state.request_id = self._next_request_id()
+        self.states[state.request_id] = state
+        state.submit = msgspec.structs.replace(
+            state.submit, request_id=state.request_id, attempt=state.submit.attempt + 1
+        )
+        state.worker = None
+        state.to(Phase.QUEUED)
+        state.send_seq = 0
+        self.stats.add(Counter.RETRIES)
+        log.warning("request %x %s; retrying as %x (attempt %d)", old_id, why, state.request_id,
+                    state.submit.attempt)
+        try:
+            await self.link.send_request(state.submit, 5.0)
+        except ChannelFull:
+            self.fail(state, Overloaded("the request could not be retried: every worker is busy"))
+            return
+        self.sent(state)

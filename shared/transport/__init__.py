@@ -1,0 +1,43 @@
+"""The transport seam: what the gateway and the worker program against instead of the segment.
+
+``base`` holds the Protocols (a frontend's link, a worker's link, the node's statistics);
+``posix`` implements them over one instance's shared segment, semaphores and message queues
+(the production data path, unchanged); ``memory`` implements the frontend's side in one
+process with plain queues, for unit tests of the request life cycle without ``shmgate serve``.
+Nothing outside shared/ indexes a segment record or builds a lock, queue, partition, cache
+index or heartbeat: it asks its link.
+"""
+
+from shared.transport.base import (
+    FrontendLink,
+    MessageQueue,
+    NodeStats,
+    ReplyHandler,
+    Role,
+    SupervisorLink,
+    WorkerLink,
+    WorkerTotals,
+)
+from shared.transport.posix import (
+    IN_FLIGHT_COUNTER,
+    PosixFrontendLink,
+    PosixNodeStats,
+    PosixSupervisorLink,
+    PosixWorkerLink,
+)
+
+__all__ = [
+    "IN_FLIGHT_COUNTER",
+    "FrontendLink",
+    "MessageQueue",
+    "NodeStats",
+    "PosixFrontendLink",
+    "PosixNodeStats",
+    "PosixSupervisorLink",
+    "PosixWorkerLink",
+    "ReplyHandler",
+    "Role",
+    "SupervisorLink",
+    "WorkerLink",
+    "WorkerTotals",
+]

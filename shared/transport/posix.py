@@ -1,0 +1,363 @@
+"""The seam over one instance's POSIX objects: the production data path, moved here unchanged.
+
+Every access to a segment record by a frontend or a worker lives in this module (the
+frontend's code came from gateway/frontend.py, the worker's from worker/main.py, the
+/metrics reads from gateway/metrics.py): same operations, same order, same costs.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from shared.arena import Partition, recheck, validate
+from shared.cache import ContentCache
+from shared.channels import AsyncQueueReader, AsyncSender, Queue
+from shared.errors import Overloaded
+from shared.instance import DEAD_AFTER_S, Instance, instance_alive
+from shared.locks import HolderKind
+from shared.segment import BATCH_BUCKETS, Heartbeat, InstanceState, LockId, SlotState, now_ns, own_pidns
+from shared.transport.base import (
+    FrontendLink,
+    NodeStats,
+    ReplyHandler,
+    Role,
+    SupervisorLink,
+    WorkerLink,
+    WorkerTotals,
+)
+from shared.wire import Cancel, Submit, TensorRef
+
+__all__ = ["PosixFrontendLink", "PosixNodeStats", "PosixSupervisorLink", "PosixWorkerLink"]
+
+# gateway/metrics.py Counter.IN_FLIGHT: the frontends' in-flight gauge, read by the supervisor's drain
+IN_FLIGHT_COUNTER = 62
+
+
+class PosixFrontendLink:
+    """A frontend's link to an attached instance (see FrontendLink)."""
+
+    def __init__(self, instance: Instance, slot: int) -> None:
+        self.instance = instance
+        self.segment = instance.segment
+        self.slot = slot
+        self.epoch = 0
+        self._cache: ContentCache | None = None
+        self._heartbeat: Heartbeat | None = None
+        self._requests = instance.request_queue()
+        self._sender = AsyncSender(self._requests)
+        self._replies = instance.reply_queue(slot)
+        self._reader: AsyncQueueReader | None = None
+        self._control: dict[int, Queue] = {}
+
+    def take_over(self) -> int:
+        seg = self.segment
+        table_lock = self.instance.lock(LockId.TABLE, (HolderKind.FRONTEND, self.slot, 0))
+        if not table_lock.acquire(10.0):
+            raise Overloaded("could not claim a frontend slot")
+        try:
+            self.epoch = seg.claim_slot(seg.frontends, self.slot)
+        finally:
+            table_lock.release()
+        self._heartbeat = Heartbeat(seg.frontends, self.slot, self.epoch).start()
+        index = self.instance.cache_index()
+        index_lock = self.instance.lock(LockId.INDEX, (HolderKind.FRONTEND, self.slot, self.epoch))
+        with index_lock.hold(10.0):
+            index.purge_partition(self.slot)  # its partition starts empty again
+        self._cache = ContentCache(Partition(seg, self.slot), index, index_lock, self.epoch)
+        return self.epoch
+
+    def content_cache(self) -> ContentCache:
+        assert self._cache is not None, "take_over() first"
+        return self._cache
+
+    def stats_row(self) -> np.ndarray:
+        row: np.ndarray = self.segment.stats[self.slot]
+        return row
+
+    def mark(self, state: SlotState) -> None:
+        self.segment.frontends[self.slot]["state"] = state
+
+    def release(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+        if int(self.segment.frontends[self.slot]["epoch"]) == self.epoch:
+            self.segment.frontends[self.slot]["state"] = SlotState.FREE
+
+    def stamp_progress(self) -> None:
+        self.segment.frontends[self.slot]["progress_ns"] = now_ns()
+
+    def set_preparing(self, count: int) -> None:
+        self.segment.frontends[self.slot]["preparing"] = count
+
+    def instance_running(self) -> bool:
+        return int(self.segment.header[0]["state"]) == InstanceState.RUNNING
+
+    def has_live_worker(self, model: str) -> bool:
+        return bool(self.segment.live_workers(DEAD_AFTER_S, model))
+
+    def worker_alive(self, slot: int, epoch: int) -> bool:
+        seg = self.segment
+        return seg.slot_alive(seg.workers, slot, DEAD_AFTER_S, epoch)
+
+    async def send_request(self, submit: Submit, timeout_s: float) -> None:
+        await self._sender.send(submit, timeout_s)
+
+    def queue_depth(self) -> int:
+        return self._requests.current_messages()
+
+    def start_replies(self, on_message: ReplyHandler, on_error: Callable[[BaseException], None]) -> None:
+        while self._replies.try_receive() is not None:
+            pass  # answers addressed to our predecessor
+        self._reader = AsyncQueueReader(self._replies, on_message, on_error)
+        self._reader.start()
+
+    def drain_replies(self) -> None:
+        if self._reader is not None:
+            self._reader.drain()
+
+    def stop_replies(self) -> None:
+        if self._reader is not None:
+            self._reader.stop()
+
+    def send_cancel(self, worker_slot: int, cancel: Cancel) -> None:
+        if worker_slot >= self.segment.layout.n_workers:
+            return
+        queue = self._control.get(worker_slot)
+        if queue is None:
+            queue = self._control[worker_slot] = self.instance.control_queue(worker_slot)
+        queue.try_send(cancel)  # best effort: a full queue means a busy worker
+
+
+class PosixWorkerLink:
+    """A worker's link to an attached instance (see WorkerLink)."""
+
+    def __init__(self, instance: Instance) -> None:
+        self.instance = instance
+        self.segment = instance.segment
+        self.mm = instance.segment.mm
+        self.slot = -1
+        self.epoch = 0
+        self._heartbeat: Heartbeat | None = None
+        self._requests: Queue | None = None
+        self._control: Queue | None = None
+        self._replies: dict[int, Queue] = {}
+        self._replies_lock = threading.Lock()  # both worker threads reply; one Queue object per frontend
+
+    def claim(self, model: str) -> tuple[int, int]:
+        self.slot, self.epoch = self.instance.claim_worker_slot(model)
+        self._requests = self.instance.request_queue()
+        self._control = self.instance.control_queue(self.slot)
+        while self._control.try_receive() is not None:
+            pass  # cancels addressed to this slot's previous owner
+        return self.slot, self.epoch
+
+    def start_heartbeat(self, on_declared_dead: Callable[[], None]) -> None:
+        self._heartbeat = Heartbeat(
+            self.segment.workers, self.slot, self.epoch, on_declared_dead=on_declared_dead
+        ).start()
+
+    def stop_heartbeat(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+
+    def progress_stamper(self) -> Callable[[int], None]:
+        row = self.segment.workers[self.slot]
+
+        def stamp(ns: int) -> None:
+            row["progress_ns"] = ns
+
+        return stamp
+
+    def set_model(self, model_id: str) -> None:
+        self.segment.workers[self.slot]["model"] = model_id.encode()
+
+    def mark(self, state: SlotState) -> None:
+        self.segment.workers[self.slot]["state"] = state
+
+    def release(self) -> None:
+        if self.still_ours():
+            self.segment.workers[self.slot]["state"] = SlotState.FREE
+
+    def still_ours(self) -> bool:
+        return int(self.segment.workers[self.slot]["epoch"]) == self.epoch
+
+    def declared_dead(self) -> bool:
+        row = self.segment.workers[self.slot]
+        return int(row["epoch"]) != self.epoch or int(row["state"]) == SlotState.DEAD
+
+    def instance_state(self) -> int:
+        return int(self.segment.header[0]["state"])
+
+    def instance_alive(self) -> bool:
+        return instance_alive(self.segment, DEAD_AFTER_S)
+
+    def preparing_requests(self) -> int:
+        return self.segment.preparing_requests()
+
+    def request_queue(self) -> Queue:
+        assert self._requests is not None, "claim() first"
+        return self._requests
+
+    def put_back(self, submit: Submit, timeout_s: float) -> None:
+        self.request_queue().send(submit, timeout_s)
+
+    def try_receive_control(self) -> Any | None:
+        assert self._control is not None, "claim() first"
+        return self._control.try_receive()
+
+    def n_frontends(self) -> int:
+        return self.segment.layout.n_frontends
+
+    def send_reply(self, frontend_slot: int, message: object, timeout_s: float) -> None:
+        with self._replies_lock:
+            queue = self._replies.get(frontend_slot)
+            if queue is None:
+                queue = self._replies[frontend_slot] = self.instance.reply_queue(frontend_slot)
+        queue.send(message, timeout_s)
+
+    def frontend_alive(self, frontend_slot: int) -> bool:
+        seg = self.segment
+        return seg.slot_alive(seg.frontends, frontend_slot, DEAD_AFTER_S)
+
+    def validate(self, ref: TensorRef) -> None:
+        validate(self.segment, ref)
+
+    def recheck(self, ref: TensorRef) -> None:
+        recheck(self.segment, ref)
+
+    def count_batch(self, n_requests: int, busy_ns: int) -> None:
+        workers = self.segment.workers
+        workers["busy_ns"][self.slot] += busy_ns
+        workers["batches"][self.slot] += 1
+        workers["batched_requests"][self.slot] += n_requests
+        workers["batch_hist"][self.slot, bisect.bisect_left(BATCH_BUCKETS, n_requests)] += 1
+
+    def close(self) -> None:
+        """Close this worker's queue descriptors: an unlinked queue's memory counts until the last close."""
+        for q in (self._requests, self._control, *self._replies.values()):
+            if q is not None:
+                q.close()
+
+
+class PosixNodeStats:
+    """/metrics' reads of one segment (see NodeStats)."""
+
+    def __init__(self, instance: Instance) -> None:
+        self.segment = instance.segment
+
+    def frontend_totals(self) -> np.ndarray:
+        total: np.ndarray = self.segment.stats.sum(axis=0)
+        return total
+
+    def live_workers(self) -> int:
+        # READY, heartbeating and progressing: a worker killed in another container (no one marks its row
+        # DEAD) stops counting once its heartbeat is stale, a wedged one once its progress is (as /ready).
+        return len(self.segment.live_workers(DEAD_AFTER_S))
+
+    def worker_totals(self) -> WorkerTotals:
+        workers = self.segment.workers
+        return WorkerTotals(
+            starts=int(workers["epoch"].sum()),
+            stalls=int(workers["stalls"].sum()),
+            frontend_stalls=int(self.segment.frontends["stalls"].sum()),
+            busy_ns=int(workers["busy_ns"].sum()),
+            batches=int(workers["batches"].sum()),
+            batched_requests=int(workers["batched_requests"].sum()),
+        )
+
+    def batch_histogram(self) -> np.ndarray:
+        hist: np.ndarray = self.segment.workers["batch_hist"].sum(axis=0)
+        return hist
+
+    def preparing_requests(self) -> int:
+        return self.segment.preparing_requests()
+
+
+class PosixSupervisorLink:
+    """The supervisor's link to the instance it created (see SupervisorLink); code moved from
+    gateway/supervisor.py unchanged."""
+
+    def __init__(self, instance: Instance) -> None:
+        self.instance = instance
+        self.segment = instance.segment
+
+    def _table(self, role: Role) -> np.ndarray:
+        table: np.ndarray = self.segment.frontends if role == "frontend" else self.segment.workers
+        return table
+
+    def beat(self) -> None:
+        self.instance.beat_supervisor()
+
+    def mark_instance(self, state: InstanceState) -> None:
+        self.instance.mark_state(state)
+
+    def stall_timeout_s(self) -> float:
+        return self.segment.stall_timeout_s or 0.0
+
+    def frontend_alive(self, slot: int) -> bool:
+        seg = self.segment
+        return seg.slot_alive(seg.frontends, slot, DEAD_AFTER_S)
+
+    def slot_of(self, role: Role, pid: int, frontend_slot: int) -> int | None:
+        seg = self.segment
+        if role == "frontend":
+            return frontend_slot if int(seg.frontends[frontend_slot]["pid"]) == pid else None
+        pidns = own_pidns()
+        for slot in range(len(seg.workers)):
+            row = seg.workers[slot]
+            if int(row["pid"]) == pid and int(row["pidns"]) == pidns:
+                return slot
+        return None
+
+    def stalled(self, role: Role, slot: int) -> bool:
+        return self.segment.stalled(self._table(role), slot)
+
+    def count_stall(self, role: Role, slot: int) -> None:
+        self._table(role)["stalls"][slot] += 1
+
+    def stalled_foreign_workers(self, our_pids: set[int]) -> list[tuple[int, int]]:
+        seg = self.segment
+        pidns = own_pidns()
+        out = []
+        for slot in range(len(seg.workers)):
+            row = seg.workers[slot]
+            if int(row["pidns"]) == pidns and int(row["pid"]) in our_pids:
+                continue
+            if seg.stalled(seg.workers, slot):
+                out.append((slot, int(row["pid"])))
+        return out
+
+    def mark_dead(self, role: Role, slot: int) -> None:
+        self._table(role)[slot]["state"] = SlotState.DEAD
+
+    def mark_dead_by_pid(self, role: Role, pid: int) -> None:
+        table = self._table(role)
+        pidns = own_pidns()
+        for slot in range(len(table)):
+            row = table[slot]
+            if int(row["pid"]) == pid and int(row["pidns"]) == pidns:
+                row["state"] = SlotState.DEAD
+
+    def repair_locks(self) -> int:
+        repaired = 0
+        for which in (LockId.INDEX, LockId.TABLE):
+            lock = self.instance.lock(which, (HolderKind.SUPERVISOR, 0, 0))
+            if lock.repair_after_death():
+                repaired += 1
+        return repaired
+
+    def frontend_busy(self, slot: int) -> bool:
+        seg = self.segment
+        return bool(int(seg.stats[slot][IN_FLIGHT_COUNTER]) or int(seg.frontends[slot]["preparing"]))
+
+
+if TYPE_CHECKING:  # mypy checks that each implementation satisfies its Protocol
+    _frontend_link: type[FrontendLink] = PosixFrontendLink
+    _worker_link: type[WorkerLink] = PosixWorkerLink
+    _node_stats: type[NodeStats] = PosixNodeStats
+    _supervisor_link: type[SupervisorLink] = PosixSupervisorLink

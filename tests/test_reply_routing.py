@@ -1,0 +1,303 @@
+"""The frontend's request life cycle on the in-memory transport: retry, cancel, timeout, worker death.
+
+No ``shmgate serve``: a real ``Frontend`` (dispatch, image resolution, reply routing) runs on a
+``MemoryFrontendLink`` (shared/transport/memory.py) and the test plays the worker, taking
+descriptors off the in-memory request queue and answering. The same paths run end to end over
+POSIX in tests/test_faults.py and tests/test_take_window.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+from collections.abc import Awaitable, Callable
+
+import pytest
+from PIL import Image
+
+from gateway.frontend import Frontend, FrontendLimits
+from gateway.intake import IntakeLimits, parse_chat_request
+from gateway.metrics import Counter, exposition, render
+from gateway.preprocess.vision import ChecksumPreprocessor
+from gateway.request_state import IllegalTransition, Phase, RequestState
+from shared.errors import Overloaded
+from shared.segment import InstanceState
+from shared.transport.memory import MemoryFrontendLink, MemoryNode, MemoryNodeStats
+from shared.wire import Claimed, Delta, Failed, Finished, Released, Submit
+
+
+def _png() -> str:
+    buffer = io.BytesIO()
+    Image.new("RGB", (32, 24), (200, 40, 90)).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+PNG = _png()
+
+
+def _chat(with_image: bool = True) -> bytes:
+    content: list[dict[str, object]] = [{"type": "text", "text": "what is it?"}]
+    if with_image:
+        content.append({"type": "image_url", "image_url": {"url": PNG}})
+    return json.dumps({"model": "checksum", "messages": [{"role": "user", "content": content}]}).encode()
+
+
+Scenario = Callable[[Frontend, MemoryNode, MemoryFrontendLink], Awaitable[None]]
+
+
+def run(scenario: Scenario, *, timeout_s: float = 60.0, queue_depth: int = 64, workers: int = 1) -> None:
+    async def main() -> None:
+        node = MemoryNode(queue_depth=queue_depth)
+        for _ in range(workers):
+            node.add_worker("checksum")
+        link = MemoryFrontendLink(node, slot=0)
+        frontend = Frontend(link, ChecksumPreprocessor(), FrontendLimits(request_timeout_s=timeout_s))
+        await frontend.start()
+        try:
+            await scenario(frontend, node, link)
+        finally:
+            await frontend.stop()
+
+    asyncio.run(main())
+
+
+async def _settle() -> None:
+    for _ in range(3):
+        await asyncio.sleep(0)
+
+
+async def _submit(frontend: Frontend, with_image: bool = True) -> RequestState:
+    return await frontend.submit(parse_chat_request(_chat(with_image), IntakeLimits()))
+
+
+def _take(node: MemoryNode) -> Submit:
+    submit = node.take()
+    assert submit is not None, "the request queue is empty"
+    return submit
+
+
+def _drain(state: RequestState) -> list[object]:
+    out: list[object] = []
+    while not state.events.empty():
+        out.append(state.events.get_nowait())
+    return out
+
+
+def test_a_request_runs_claimed_released_streaming_done_and_gives_its_space_back() -> None:
+    async def scenario(frontend: Frontend, node: MemoryNode, link: MemoryFrontendLink) -> None:
+        state = await _submit(frontend)
+        assert state.phase is Phase.QUEUED and link.cache.held_bytes > 0
+        submit = _take(node)
+        assert submit.tensors and submit.reply_slot == 0
+        for message, phase in ((Claimed(submit.request_id, 0, 1), Phase.CLAIMED),
+                               (Released(submit.request_id), Phase.RELEASED),
+                               (Delta(submit.request_id, 0, "a "), Phase.STREAMING)):
+            node.reply(message)
+            await _settle()
+            assert state.phase is phase
+        node.reply(Finished(submit.request_id, 1, "stop", 3, 2, "cat"))
+        await _settle()
+        assert state.done and link.cache.held_bytes == 0
+        events = _drain(state)
+        assert [type(e) for e in events] == [Delta, Delta, Finished]
+        assert int(link.row[Counter.IN_FLIGHT]) == 0
+
+    run(scenario)
+
+
+def test_a_worker_that_dies_before_any_output_is_retried_under_a_new_id_then_fails_on_the_second_death() -> None:
+    async def scenario(frontend: Frontend, node: MemoryNode, link: MemoryFrontendLink) -> None:
+        node.add_worker("checksum")  # a second worker for the retry
+        state = await _submit(frontend)
+        first = _take(node)
+        node.reply(Claimed(first.request_id, 0, 1))
+        node.reply(Released(first.request_id))
+        await _settle()
+        node.kill_worker(0)
+        await frontend.replies.check()
+        retried = _take(node)
+        assert retried.attempt == 1 and retried.request_id != first.request_id
+        assert retried.tensors == first.tensors  # the held tensors go again, no second decode
+        assert state.phase is Phase.QUEUED and int(link.row[Counter.RETRIES]) == 1
+        node.reply(Delta(first.request_id, 0, "late"))  # the dead (or paused) worker's late answer
+        await _settle()
+        assert state.events.empty(), "a reply under the old id must not reach the retried request"
+        node.reply(Claimed(retried.request_id, 1, 1))
+        await _settle()
+        node.kill_worker(1)
+        await frontend.replies.check()
+        [failed] = _drain(state)
+        assert isinstance(failed, Failed) and failed.code == "worker_died"
+        assert state.done and link.cache.held_bytes == 0 and node.take() is None
+
+    run(scenario)
+
+
+def test_a_worker_that_dies_after_streaming_output_fails_the_request_in_band_without_retry() -> None:
+    async def scenario(frontend: Frontend, node: MemoryNode, link: MemoryFrontendLink) -> None:
+        state = await _submit(frontend)
+        submit = _take(node)
+        node.reply(Claimed(submit.request_id, 0, 1))
+        node.reply(Delta(submit.request_id, 0, "half an answer"))
+        await _settle()
+        node.kill_worker(0)
+        await frontend.replies.check()
+        delta, failed = _drain(state)
+        assert isinstance(delta, Delta) and isinstance(failed, Failed) and failed.code == "worker_died"
+        assert node.take() is None and int(link.row[Counter.RETRIES]) == 0
+        assert link.cache.held_bytes == 0
+
+    run(scenario)
+
+
+def test_output_whose_claimed_was_lost_still_reaches_the_client() -> None:
+    async def scenario(frontend: Frontend, node: MemoryNode, link: MemoryFrontendLink) -> None:
+        state = await _submit(frontend)
+        submit = _take(node)  # the worker's Claimed was dropped (its channel stayed full)
+        node.reply(Delta(submit.request_id, 0, "an "))
+        node.reply(Finished(submit.request_id, 1, "stop", 3, 2, "answer"))
+        await _settle()
+        assert [type(e) for e in _drain(state)] == [Delta, Delta, Finished]
+        assert state.done and link.cache.held_bytes == 0
+
+    run(scenario)
+
+
+def test_a_client_that_leaves_before_the_claim_cancels_on_claim_and_holds_until_the_workers_end() -> None:
+    async def scenario(frontend: Frontend, node: MemoryNode, link: MemoryFrontendLink) -> None:
+        state = await _submit(frontend)
+        submit = _take(node)
+        frontend.abandon(state)
+        assert state.phase is Phase.ABANDONED and node.cancels == []  # nobody to tell yet
+        node.reply(Claimed(submit.request_id, 0, 1))
+        await _settle()
+        assert [(slot, c.request_id) for slot, c in node.cancels] == [(0, submit.request_id)]
+        assert link.cache.held_bytes > 0, "the worker may still read the arena: holds stay"
+        node.reply(Released(submit.request_id))
+        node.reply(Failed(submit.request_id, 0, "cancelled", "the client cancelled the request", 499))
+        await _settle()
+        assert state.done and link.cache.held_bytes == 0
+        assert int(link.row[Counter.CANCELLED]) == 1
+
+    run(scenario)
+
+
+def test_a_client_that_leaves_after_the_claim_cancels_at_once_and_a_death_then_is_not_retried() -> None:
+    async def scenario(frontend: Frontend, node: MemoryNode, link: MemoryFrontendLink) -> None:
+        node.add_worker("checksum")
+        state = await _submit(frontend)
+        submit = _take(node)
+        node.reply(Claimed(submit.request_id, 0, 1))
+        await _settle()
+        frontend.abandon(state)
+        frontend.abandon(state)  # twice (disconnect and finally): one cancel, one count
+        assert len(node.cancels) == 1 and int(link.row[Counter.CANCELLED]) == 1
+        node.kill_worker(0)
+        await frontend.replies.check()
+        assert state.done and node.take() is None and link.cache.held_bytes == 0
+
+    run(scenario)
+
+
+def test_an_unclaimed_request_past_its_deadline_fails_with_a_timeout() -> None:
+    async def scenario(frontend: Frontend, node: MemoryNode, link: MemoryFrontendLink) -> None:
+        state = await _submit(frontend)
+        await asyncio.sleep(0.06)
+        await frontend.replies.check()
+        [failed] = _drain(state)
+        assert isinstance(failed, Failed) and failed.code == "timeout"
+        assert node.cancels == [] and link.cache.held_bytes == 0
+
+    run(scenario, timeout_s=0.05)
+
+
+def test_a_claimed_request_gets_its_grace_then_a_cancel_and_a_timeout() -> None:
+    async def scenario(frontend: Frontend, node: MemoryNode, link: MemoryFrontendLink) -> None:
+        state = await _submit(frontend)
+        submit = _take(node)
+        node.reply(Claimed(submit.request_id, 0, 1))
+        await asyncio.sleep(0.06)
+        await frontend.replies.check()
+        assert not state.done, "a claimed request may hold its space GRACE_S past its deadline"
+        frontend.replies.grace_ns = 0
+        await frontend.replies.check()
+        [failed] = _drain(state)
+        assert isinstance(failed, Failed) and failed.code == "timeout"
+        assert [c.request_id for _, c in node.cancels] == [submit.request_id]
+
+    run(scenario, timeout_s=0.05)
+
+
+def test_a_request_taken_off_the_queue_but_never_claimed_is_resubmitted() -> None:
+    async def scenario(frontend: Frontend, node: MemoryNode, link: MemoryFrontendLink) -> None:
+        frontend.replies.taken_unclaimed_s = 0.0
+        state = await _submit(frontend, with_image=False)
+        submit = _take(node)  # its taker dies before claiming: nobody says so
+        await frontend.replies.check()  # the empty queue proves it left; the clock starts
+        assert node.take() is None
+        await asyncio.sleep(0.01)
+        await frontend.replies.check()
+        retried = _take(node)
+        assert retried.attempt == 1 and retried.request_id != submit.request_id
+        assert state.phase is Phase.QUEUED
+
+    run(scenario)
+
+
+def test_a_full_request_queue_answers_overloaded_and_frees_the_requests_space() -> None:
+    async def scenario(frontend: Frontend, node: MemoryNode, link: MemoryFrontendLink) -> None:
+        with pytest.raises(Overloaded):
+            await _submit(frontend)
+        assert link.cache.held_bytes == 0 and int(link.row[Counter.IN_FLIGHT]) == 0
+        assert not frontend.replies.states
+
+    run(scenario, queue_depth=0, timeout_s=0.05)
+
+
+def test_no_ready_worker_or_a_draining_instance_is_refused_before_any_decode() -> None:
+    async def scenario(frontend: Frontend, node: MemoryNode, link: MemoryFrontendLink) -> None:
+        with pytest.raises(Overloaded, match="no model worker"):
+            await _submit(frontend)
+        node.add_worker("checksum")
+        node.state = InstanceState.DRAINING
+        with pytest.raises(Overloaded, match="shutting down"):
+            await _submit(frontend)
+        assert link.cache.stats.misses == 0
+
+    run(scenario, workers=0)
+
+
+def test_metrics_render_from_the_in_memory_node_stats() -> None:
+    async def scenario(frontend: Frontend, node: MemoryNode, link: MemoryFrontendLink) -> None:
+        await _submit(frontend)
+        text = render(MemoryNodeStats(node), frontend.queue_depth())
+        values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line[0] != "#"}
+        assert values["shmgate_in_flight_requests"] == 1 and values["shmgate_request_queue_depth"] == 1
+        assert values['shmgate_requests_total{outcome="ok"}'] == 0
+
+    run(scenario)
+
+
+@pytest.mark.parametrize(("path", "illegal"), [
+    ((), Phase.RELEASED),
+    ((Phase.CLAIMED, Phase.STREAMING), Phase.QUEUED),
+    ((Phase.ABANDONED,), Phase.STREAMING),
+    ((Phase.DONE,), Phase.DONE),
+])
+def test_request_state_refuses_an_illegal_transition(path: tuple[Phase, ...], illegal: Phase) -> None:
+    state = RequestState(1, Submit(1, 0, "checksum"), [], 0.0)
+    for phase in path:
+        state.to(phase)
+    with pytest.raises(IllegalTransition):
+        state.to(illegal)
+
+
+def test_metrics_speak_openmetrics_when_the_scraper_asks() -> None:
+    node = MemoryNode()
+    MemoryFrontendLink(node)
+    body, content_type = exposition(MemoryNodeStats(node), lambda: 0, "application/openmetrics-text; version=1.0.0")
+    assert content_type.startswith("application/openmetrics-text") and body.endswith(b"# EOF\n")
+    body, content_type = exposition(MemoryNodeStats(node), lambda: 0, "text/plain")
+    assert content_type.startswith("text/plain; version=0.0.4") and b"# TYPE shmgate_requests_total counter" in body
