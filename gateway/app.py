@@ -35,6 +35,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.embeddings import embed, embedding_response, parse_embedding_request
 from gateway.fetch import FetchPolicy, fetch_pending
+from gateway.fields import check_fields_for_model
 from gateway.frontend import Frontend, FrontendLimits, RequestState
 from gateway.http_errors import error_body, error_response
 from gateway.http_errors import failure_error as _failure
@@ -155,6 +156,7 @@ def create_app(options: AppOptions) -> FastAPI:
             check_key(request)
             body = await _read_body(request, options.max_body_bytes)
             chat = parse_chat_request(body, options.intake)
+            check_fields_for_model(chat.params, f.preprocessor)
             if not getattr(f.preprocessor, "serves_chat", True):
                 raise InvalidRequest(f"{f.preprocessor.model} is an embedding model; use POST /v1/embeddings",
                                      param="model")

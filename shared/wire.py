@@ -104,6 +104,12 @@ class SamplingParams(Struct, array_like=True, frozen=True, gc=False, omit_defaul
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    # Appended (wire rule 2): OpenAI's penalties on tokens already generated, per-token-id logit
+    # biases as sorted (id, bias) pairs, and token ids that end the answer like EOS (vLLM's extension).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
 
 
 class Message(Struct, tag=True, array_like=True, frozen=True):

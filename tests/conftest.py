@@ -1,10 +1,19 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from tests.hf_fixture import build_tiny_vlm
 from tests.serving import Server, start_server, stop_and_check
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen2-VL checkpoint (tests/hf_fixture.py), built once per test run for every module."""
+    pytest.importorskip("transformers")
+    return build_tiny_vlm(tmp_path_factory.mktemp("models") / "tiny-qwen2-vl")
 
 
 def _serve(model: str, tmp_path_factory: pytest.TempPathFactory, *extra: str) -> Iterator[Server]:

@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from tests.hf_fixture import build_tiny_vlm
 from tests.serving import IMAGES, Server, data_url, start_server
 from tests.shm_children import leftovers
 
 
 @pytest.fixture(scope="module")
-def hf_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    model_dir = build_tiny_vlm(tmp_path_factory.mktemp("models") / "tiny-qwen2-vl")
+def hf_server(tiny_qwen2_vl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    model_dir = tiny_qwen2_vl_dir
     server = start_server(f"hf:{model_dir}", tmp_path_factory.mktemp("serve"), "--threads", "1")
     try:
         yield server
@@ -78,3 +78,26 @@ def test_concurrent_requests_with_different_images_do_not_mix(hf_server: Server)
         return [r.json()["choices"][0]["message"]["content"] for r in responses]
 
     assert asyncio.run(together()) == expected * 2
+
+
+def test_unsupported_fields_are_a_400_naming_them_over_http(hf_server: Server) -> None:
+    url = hf_server.base_url + "/v1/chat/completions"
+    base = {"model": "tiny-qwen2-vl", "messages": _messages("coffee_640.jpg", "Hi"), "max_tokens": 2}
+    for extra, param in [({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+                         ({"response_format": {"type": "json_object"}}, "response_format"),
+                         ({"stream_options": {"include_usage": True}}, "stream_options"),
+                         ({"logit_bias": {"999999": 1}}, "logit_bias")]:
+        r = httpx.post(url, json={**base, **extra}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+    assert httpx.post(url, json={**base, "some_future_field": 1}, timeout=60).status_code == 200
+
+
+def test_logit_bias_is_honoured_over_http(hf_server: Server, tiny_qwen2_vl_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen2_vl_dir)
+    favoured = tokenizer.encode(" fox")[0]
+    client = openai.OpenAI(base_url=hf_server.base_url + "/v1", api_key="unused")
+    reply = client.chat.completions.create(model="tiny-qwen2-vl", messages=_messages("camera_640.jpg", "Name it."),
+                                           max_tokens=3, temperature=0, logit_bias={str(favoured): 100})
+    assert reply.choices[0].message.content == tokenizer.decode([favoured] * 3) != ""

@@ -34,7 +34,8 @@ def get_preprocessor(model: str, *, max_images: int = 8) -> Preprocessor:
             # feeds a worker that answers with digests (worker/backends/checksum.py).
             from gateway.preprocess.hf import HFPreprocessor
 
-            return HFPreprocessor(_directory(spec), max_images=max_images, model_id=spec.public_id)
+            return HFPreprocessor(_directory(spec), max_images=max_images, model_id=spec.public_id,
+                                  samples_tokens=spec.kind is ModelKind.HF_CHAT)
 
 
 def _directory(spec: ModelSpec) -> str:

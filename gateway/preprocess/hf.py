@@ -104,7 +104,8 @@ class HFPreprocessor:
     prompt_is_cheap = False  # the chat template and the tokenizer take milliseconds: keep them off the loop
 
     def __init__(
-        self, model_dir: str | os.PathLike[str], *, max_images: int = 8, model_id: str | None = None
+        self, model_dir: str | os.PathLike[str], *, max_images: int = 8, model_id: str | None = None,
+        samples_tokens: bool = True,
     ) -> None:
         """Load the processor parts from ``model_dir``.
 
@@ -133,6 +134,10 @@ class HFPreprocessor:
             raise ValueError(f"{path}: no chat template (chat_template.jinja / .json or tokenizer_config.json)")
         text_config = AutoConfig.from_pretrained(path).get_text_config()
         self.max_prompt_tokens: int | None = getattr(text_config, "max_position_embeddings", None)
+        # gateway/fields.py: token-level request fields are honoured only by a model that samples tokens
+        # (not checksum:hf:), and their token ids must be below this.
+        self.samples_tokens = samples_tokens
+        self.vocab_size: int = int(text_config.vocab_size)
         self._tokenizer_lock = threading.Lock()
         self._cache_params = self._describe_processing()
 

@@ -195,18 +195,35 @@ class HFBackend:
             detok=IncrementalDetokenizer(self.tokenizer),
             stops=StopStringFilter(params.stop),
             generator=_generator(self.device, params.seed),
+            bias=_bias_vector(params, self._layout.vocab_size, self.device),
+            counts=(torch.zeros(self._layout.vocab_size, device=self.device)
+                    if params.presence_penalty or params.frequency_penalty else None),
         )
 
     def _pick(self, row: _Row, logits: torch.Tensor) -> torch.Tensor:
-        """The row's next token from its ``logits``, left on the device (no sync)."""
+        """The row's next token from its ``logits``, left on the device (no sync).
+
+        ``logit_bias`` and the penalties act on the logits first, as in OpenAI's definition:
+        ``logit[j] += bias[j] - count[j] * frequency_penalty - (count[j] > 0) * presence_penalty``,
+        where ``count`` counts the row's generated tokens (not the prompt's).
+        """
         params = row.item.params
+        if row.bias is not None or row.counts is not None:
+            logits = logits.float()
+            if row.bias is not None:
+                logits = logits + row.bias
+            if row.counts is not None:
+                logits = (logits - row.counts * params.frequency_penalty
+                          - (row.counts > 0).float() * params.presence_penalty)
         return pick_token(logits, params.temperature, params.top_p, row.generator)
 
     def _accept(self, row: _Row, token: int) -> list[BackendEvent]:
         """Take the row's sampled ``token``; return its text, and the end if it ended."""
         row.completion_tokens += 1
         row.token = token
-        if token in self.eos_token_ids:
+        if row.counts is not None:
+            row.counts[token] += 1
+        if token in self.eos_token_ids or token in row.item.params.stop_token_ids:
             return self._finish(row, "stop")
         text = row.stops.push(row.detok.push(token))
         events = [BackendEvent(row.index, text=text)] if text else []
@@ -295,6 +312,8 @@ class _Row:
     cache: Any = None
     delta: int = 0  # multimodal RoPE offset of the tokens after the prompt
     pad: int = 0  # zero positions on the left of this row in the shared cache
+    bias: torch.Tensor | None = None  # logit_bias as a dense [vocab] vector on the device
+    counts: torch.Tensor | None = None  # [vocab] generated-token counts, kept only when a penalty is set
 
 
 def _merge_caches(rows: Sequence[_Row]) -> None:
@@ -368,6 +387,11 @@ class _InputLayout:
         ids = np.frombuffer(item.inline, dtype=np.int32)
         if ids.min() < 0 or ids.max() >= self.vocab_size:
             raise InvalidRequest(f"Request {rid}: a token id is outside the vocabulary (0..{self.vocab_size - 1}).")
+        params = item.params
+        if any(not 0 <= t < self.vocab_size for t, _ in params.logit_bias) or any(
+            not 0 <= t < self.vocab_size for t in params.stop_token_ids
+        ):
+            raise InvalidRequest(f"Request {rid}: logit_bias or stop_token_ids name a token outside the vocabulary.")
         unknown = set(item.tensors) - set(IMAGE_TENSORS)
         if unknown:
             raise InvalidRequest(f"Request {rid}: unexpected tensors {sorted(unknown)}.")
@@ -427,6 +451,16 @@ def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
     if tokenizer.eos_token_id is not None:
         found.add(int(tokenizer.eos_token_id))
     return frozenset(found)
+
+
+def _bias_vector(params: SamplingParams, vocab: int, device: torch.device) -> torch.Tensor | None:
+    """``logit_bias`` as a dense vector over the vocabulary (None without one). Ids are checked in ``check``."""
+    if not params.logit_bias:
+        return None
+    bias = torch.zeros(vocab)
+    ids, values = zip(*params.logit_bias)
+    bias[list(ids)] = torch.tensor(values, dtype=torch.float32)
+    return bias.to(device)
 
 
 def _token_budget(params: SamplingParams, default: int, room: int) -> int:

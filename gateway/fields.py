@@ -1,0 +1,47 @@
+"""Which request fields a model honours: the per-model half of "never silently ignore a field".
+
+gateway/intake.py refuses what no model here does (tools, structured output, logprobs) and parses
+the rest into ``SamplingParams``. This module refuses, with a 400 naming the field, what the
+served model cannot honour:
+
+- ``hf:`` chat models sample tokens: penalties, ``logit_bias`` and ``stop_token_ids`` are honoured
+  (worker/backends/hf.py); token ids must lie inside the model's vocabulary.
+- classifiers (``efficientnet-lite0``, ``checksum``, ``checksum:hf:``) answer with labels or digests,
+  a pure function of the pixels: token-level fields (penalties, ``logit_bias``, ``stop_token_ids``)
+  have nothing to act on and are refused. ``temperature``, ``top_p``, ``seed``, ``max_tokens`` and
+  ``stop`` are accepted with no effect (documented in docs/MODELS.md), because generic OpenAI
+  clients and load generators send them by default.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shared.errors import InvalidRequest
+from shared.wire import SamplingParams
+
+__all__ = ["check_fields_for_model"]
+
+
+def check_fields_for_model(params: SamplingParams, preprocessor: Any) -> None:
+    """Raise InvalidRequest naming the first field of ``params`` the preprocessor's model cannot honour."""
+    vocab: int | None = getattr(preprocessor, "vocab_size", None) if getattr(preprocessor, "samples_tokens",
+                                                                              False) else None
+    token_fields = {
+        "presence_penalty": params.presence_penalty != 0.0,
+        "frequency_penalty": params.frequency_penalty != 0.0,
+        "logit_bias": bool(params.logit_bias),
+        "stop_token_ids": bool(params.stop_token_ids),
+    }
+    if vocab is None:
+        for name, used in token_fields.items():
+            if used:
+                raise InvalidRequest(f"{name} is not supported by {preprocessor.model}: it does not sample tokens",
+                                     param=name)
+        return
+    if any(token_id >= vocab for token_id, _ in params.logit_bias):
+        raise InvalidRequest(f"logit_bias names a token id outside the vocabulary (0..{vocab - 1})",
+                             param="logit_bias")
+    if any(token_id >= vocab for token_id in params.stop_token_ids):
+        raise InvalidRequest(f"stop_token_ids names a token id outside the vocabulary (0..{vocab - 1})",
+                             param="stop_token_ids")

@@ -1,0 +1,193 @@
+"""Request fields are honoured or refused, never silently ignored (issue 17).
+
+Intake: every field no model here implements (tools, structured output, logprobs) is a 400 naming
+it; unknown fields are logged once per name. Per model (gateway/fields.py): token-level fields are
+refused for classifiers. For ``hf:`` models the honoured fields (``logit_bias``, presence and
+frequency penalties, ``stop_token_ids``) are checked against transformers' own ``generate`` on the
+tiny Qwen2-VL (tests/hf_fixture.py), token for token, alone and in a batch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+from gateway.fields import check_fields_for_model  # noqa: E402
+from gateway.intake import IntakeLimits, parse_chat_request  # noqa: E402
+from gateway.preprocess.hf import HFPreprocessor  # noqa: E402
+from gateway.preprocess.vision import ChecksumPreprocessor  # noqa: E402
+from shared.errors import InvalidRequest  # noqa: E402
+from shared.wire import SamplingParams  # noqa: E402
+from tests.test_hf import SQUARE, WIDE, answer, work_item  # noqa: E402
+from worker.backends.base import WorkItem  # noqa: E402
+from worker.backends.hf import HFBackend  # noqa: E402
+
+LIMITS = IntakeLimits()
+TOKENS = 12
+
+
+def body(**fields: Any) -> bytes:
+    return json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}).encode()
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"function_call": "auto"}, "function_call"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"logprobs": True}, "logprobs"),
+    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"n": 2}, "n"),
+])
+def test_a_field_no_model_honours_is_a_400_naming_it(fields: dict[str, Any], param: str) -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        parse_chat_request(body(**fields), LIMITS)
+    assert caught.value.param == param and caught.value.status_hint == 400
+
+
+def test_the_harmless_forms_are_accepted() -> None:
+    chat = parse_chat_request(body(tool_choice="none", response_format={"type": "text"}, logprobs=False,
+                                   stream=True, stream_options={"include_usage": True},
+                                   logit_bias={"7": -100, "3": 2.5}, presence_penalty=0.5,
+                                   stop_token_ids=[9, 4, 9]), LIMITS)
+    assert chat.params.logit_bias == ((3, 2.5), (7, -100.0))
+    assert chat.params.stop_token_ids == (4, 9) and chat.params.presence_penalty == 0.5
+
+
+def test_an_unknown_field_is_logged_once_per_name(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="shmgate.gateway.intake"):
+        for _ in range(3):
+            parse_chat_request(body(made_up_field_x=1, another_made_up_y={"a": [1]}), LIMITS)
+    warned = [r.getMessage() for r in caplog.records]
+    assert sum("made_up_field_x" in m for m in warned) == 1
+    assert sum("another_made_up_y" in m for m in warned) == 1
+
+
+def test_a_classifier_refuses_token_level_fields() -> None:
+    pre = ChecksumPreprocessor()
+    check_fields_for_model(SamplingParams(temperature=0.3, seed=1, stop=("x",)), pre)  # accepted, no effect
+    for name, params in [("presence_penalty", SamplingParams(presence_penalty=1.0)),
+                         ("frequency_penalty", SamplingParams(frequency_penalty=1.0)),
+                         ("logit_bias", SamplingParams(logit_bias=((1, 1.0),))),
+                         ("stop_token_ids", SamplingParams(stop_token_ids=(1,)))]:
+        with pytest.raises(InvalidRequest) as caught:
+            check_fields_for_model(params, pre)
+        assert caught.value.param == name
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(pre: HFPreprocessor) -> None:
+    check_fields_for_model(SamplingParams(logit_bias=((pre.vocab_size - 1, 1.0),)), pre)
+    for name, params in [("logit_bias", SamplingParams(logit_bias=((pre.vocab_size, 1.0),))),
+                         ("stop_token_ids", SamplingParams(stop_token_ids=(pre.vocab_size,)))]:
+        with pytest.raises(InvalidRequest) as caught:
+            check_fields_for_model(params, pre)
+        assert caught.value.param == name
+
+
+# -- honoured by hf: models, against transformers ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pre(tiny_qwen2_vl_dir: Path) -> HFPreprocessor:
+    return HFPreprocessor(tiny_qwen2_vl_dir)
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_qwen2_vl_dir: Path) -> Iterator[HFBackend]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield HFBackend(str(tiny_qwen2_vl_dir), torch.device("cpu"))
+    torch.set_num_threads(threads)
+
+
+class OpenAIPenalties:
+    """OpenAI's presence/frequency penalties as a transformers LogitsProcessor: the reference."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float) -> None:
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        counts = torch.zeros_like(scores)
+        generated = input_ids[:, self.prompt_len:]
+        counts.scatter_add_(1, generated, torch.ones_like(generated, dtype=scores.dtype))
+        return scores - counts * self.frequency - (counts > 0).to(scores.dtype) * self.presence
+
+
+def reference(backend: HFBackend, item: WorkItem, **generate: Any) -> tuple[list[int], str]:
+    """transformers' greedy ``generate`` on the item's exact inputs: (new token ids, their text)."""
+    ids = torch.from_numpy(np.frombuffer(item.inline, dtype=np.int32).astype(np.int64)).view(1, -1)
+    out = backend.model.generate(
+        input_ids=ids,
+        pixel_values=torch.cat(item.tensors["pixel_values"]),
+        image_grid_thw=torch.cat(item.tensors["image_grid_thw"]),
+        mm_token_type_ids=(ids == backend._layout.image_token_id).to(torch.int32),
+        max_new_tokens=TOKENS, do_sample=False, **generate,
+    )
+    new = out[0, ids.shape[1]:].tolist()
+    return new, backend.tokenizer.decode(new, skip_special_tokens=True)
+
+
+def greedy(**fields: Any) -> SamplingParams:
+    return SamplingParams(max_tokens=TOKENS, temperature=0.0, **fields)
+
+
+def test_logit_bias_equals_transformers_sequence_bias(pre: HFPreprocessor, backend: HFBackend) -> None:
+    plain, _ = reference(backend, work_item(pre, "Describe.", [SQUARE], greedy()))
+    bias = ((plain[0], -100.0), (plain[1], 4.0), (17, 3.0))  # ban the first greedy token, favour others
+    item = work_item(pre, "Describe.", [SQUARE], greedy(logit_bias=bias))
+    ref_ids, ref_text = reference(backend, item, sequence_bias={(t,): b for t, b in bias})
+    assert ref_ids[0] != plain[0]
+    text, finish = answer(list(backend.run([item])))
+    assert text == ref_text and finish.completion_tokens == len(ref_ids)
+
+
+def test_penalties_equal_the_openai_formula_in_transformers(pre: HFPreprocessor, backend: HFBackend) -> None:
+    item = work_item(pre, "Say it again.", [WIDE], greedy(presence_penalty=1.5, frequency_penalty=0.7))
+    prompt_len = len(item.inline) // 4
+    _, plain_text = reference(backend, item)
+    ref_ids, ref_text = reference(backend, item, logits_processor=[OpenAIPenalties(prompt_len, 1.5, 0.7)])
+    assert ref_text != plain_text, "the penalties must change this answer, or the test proves nothing"
+    text, finish = answer(list(backend.run([item])))
+    assert text == ref_text and finish.completion_tokens == len(ref_ids)
+
+
+def test_stop_token_ids_end_like_eos(pre: HFPreprocessor, backend: HFBackend) -> None:
+    plain, _ = reference(backend, work_item(pre, "Go on.", [SQUARE], greedy()))
+    stop = plain[4]
+    item = work_item(pre, "Go on.", [SQUARE], greedy(stop_token_ids=(stop,)))
+    ref_ids, _ = reference(backend, item, eos_token_id=[stop])
+    text, finish = answer(list(backend.run([item])))
+    assert ref_ids[-1] == stop and len(ref_ids) <= 5
+    # Like EOS, the stop token is counted but its text is not part of the answer (vLLM does the same).
+    assert text == backend.tokenizer.decode(ref_ids[:-1], skip_special_tokens=True)
+    assert finish.finish_reason == "stop" and finish.completion_tokens == len(ref_ids)
+
+
+def test_fields_in_a_batch_answer_as_alone(pre: HFPreprocessor, backend: HFBackend) -> None:
+    cases = [("Describe.", [SQUARE], greedy(logit_bias=((5, 6.0),))),
+             ("Say it again.", [WIDE], greedy(presence_penalty=1.0, frequency_penalty=1.0)),
+             ("Hi", [], greedy()),
+             ("Go on.", [SQUARE], SamplingParams(max_tokens=TOKENS, temperature=0.9, seed=3, frequency_penalty=2.0))]
+    items = [work_item(pre, text, images, params, request_id=i) for i, (text, images, params) in enumerate(cases)]
+    alone = [answer(list(backend.run([item])))[0] for item in items]
+    events = list(backend.run(items))
+    assert [answer(events, i)[0] for i in range(len(items))] == alone
