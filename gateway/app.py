@@ -26,6 +26,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -44,11 +45,11 @@ from gateway.intake import IntakeLimits, key_material, parse_chat_request
 from gateway.metrics import Counter, render
 from gateway.preprocess import get_preprocessor
 from gateway.result_cache import ResultCache, answer_key, keyed_off_the_loop
-from gateway.sse import Completion
+from gateway.sse import Completion, logprob_entry
 from shared.errors import EXIT_CONFIG, InvalidRequest, RequestTooLarge, ShmgateError, Unauthorized
 from shared.instance import Instance
 from shared.segment import check_model_id
-from shared.wire import Delta, Failed, Finished, Vector
+from shared.wire import Delta, Failed, Finished, TokenLogprobs, Vector
 
 __all__ = ["AppOptions", "create_app"]
 
@@ -176,9 +177,10 @@ def create_app(options: AppOptions) -> FastAPI:
         except ShmgateError as exc:
             _count_error(f, exc)
             return error_response(exc)
+        logprobs = chat.params.logprobs >= 0
         if chat.stream:
-            return await _stream(f, state, chat.model, chat.include_usage, started, keep)
-        return await _complete(f, state, chat.model, started, keep)
+            return await _stream(f, state, chat.model, chat.include_usage, started, keep, logprobs=logprobs)
+        return await _complete(f, state, chat.model, started, keep, logprobs=logprobs)
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
@@ -273,12 +275,16 @@ def _cached_answer(f: Frontend, model: str, stream: bool, include_usage: bool, c
 
 
 async def _complete(f: Frontend, state: RequestState, model: str, started: float,
-                    keep: Callable[[Finished, str], None] | None = None) -> Response:
+                    keep: Callable[[Finished, str], None] | None = None, *, logprobs: bool = False) -> Response:
     completion = Completion(model)
     parts: list[str] = []
+    entries: list[dict[str, Any]] | None = [] if logprobs else None
     try:
         async for event in f.events(state):
-            if isinstance(event, Delta):
+            if isinstance(event, TokenLogprobs):
+                if entries is not None:
+                    entries.append(logprob_entry(event.entry))
+            elif isinstance(event, Delta):
                 parts.append(event.text)
             elif isinstance(event, Failed):
                 error = _failure(event)
@@ -293,7 +299,7 @@ async def _complete(f: Frontend, state: RequestState, model: str, started: float
                 f.stats.observe(Counter.TTFT_BUCKETS, elapsed)
                 return JSONResponse(
                     completion.completion("".join(parts), event.finish_reason, event.prompt_tokens,
-                                          event.completion_tokens)
+                                          event.completion_tokens, entries)
                 )
     finally:
         if not state.done:
@@ -302,7 +308,7 @@ async def _complete(f: Frontend, state: RequestState, model: str, started: float
 
 
 async def _stream(f: Frontend, state: RequestState, model: str, include_usage: bool, started: float,
-                  keep: Callable[[Finished, str], None] | None = None) -> Response:
+                  keep: Callable[[Finished, str], None] | None = None, *, logprobs: bool = False) -> Response:
     """Wait for the first event so an early failure is a proper HTTP error, then stream."""
     events = f.events(state).__aiter__()
     try:
@@ -319,18 +325,24 @@ async def _stream(f: Frontend, state: RequestState, model: str, include_usage: b
     async def body() -> AsyncIterator[bytes]:
         ttft_seen = False
         parts: list[str] = []
+        entries: list[dict[str, Any]] = []  # logprobs of tokens whose text has not been sent yet
         try:
             yield completion.role_chunk()
-            event: Delta | Vector | Finished | Failed | None = first
+            event: Delta | Vector | TokenLogprobs | Finished | Failed | None = first
             while event is not None:
-                if isinstance(event, Delta):
+                if isinstance(event, TokenLogprobs):
+                    entries.append(logprob_entry(event.entry))
+                elif isinstance(event, Delta):
                     if not ttft_seen:
                         ttft_seen = True
                         f.stats.observe(Counter.TTFT_BUCKETS, time.monotonic() - started)
                     if keep is not None:
                         parts.append(event.text)
-                    yield completion.content_chunk(event.text)
+                    yield completion.content_chunk(event.text, entries if logprobs else None)
+                    entries = []
                 elif isinstance(event, Finished):
+                    if entries and logprobs:  # tokens with no text of their own (EOS, a held-back stop)
+                        yield completion.content_chunk("", entries)
                     if keep is not None:
                         keep(event, "".join(parts))
                     yield completion.finish_chunk(event.finish_reason)

@@ -4,11 +4,12 @@ gateway/intake.py refuses what no model here does (tools, structured output, log
 the rest into ``SamplingParams``. This module refuses, with a 400 naming the field, what the
 served model cannot honour:
 
-- ``hf:`` chat models sample tokens: penalties, ``logit_bias`` and ``stop_token_ids`` are honoured
+- ``hf:`` chat models sample tokens: penalties, ``logit_bias``, ``stop_token_ids`` and ``logprobs`` /
+  ``top_logprobs`` are honoured
   (worker/backends/hf.py); token ids must lie inside the model's vocabulary.
 - classifiers (``efficientnet-lite0``, ``checksum``, ``checksum:hf:``) answer with labels or digests,
-  a pure function of the pixels: token-level fields (penalties, ``logit_bias``, ``stop_token_ids``)
-  have nothing to act on and are refused. ``temperature``, ``top_p``, ``seed``, ``max_tokens`` and
+  a pure function of the pixels: token-level fields (penalties, ``logit_bias``, ``stop_token_ids``,
+  ``logprobs``) have nothing to act on and are refused. ``temperature``, ``top_p``, ``seed``, ``max_tokens`` and
   ``stop`` are accepted with no effect (documented in docs/MODELS.md), because generic OpenAI
   clients and load generators send them by default.
 """
@@ -32,6 +33,7 @@ def check_fields_for_model(params: SamplingParams, preprocessor: Any) -> None:
         "frequency_penalty": params.frequency_penalty != 0.0,
         "logit_bias": bool(params.logit_bias),
         "stop_token_ids": bool(params.stop_token_ids),
+        "logprobs": params.logprobs >= 0,
     }
     if vocab is None:
         for name, used in token_fields.items():

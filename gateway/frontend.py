@@ -62,6 +62,7 @@ from shared.wire import (
     Released,
     Submit,
     TensorRef,
+    TokenLogprobs,
     Vector,
     failed_reply,
 )
@@ -95,7 +96,7 @@ class RequestState:
     submit: Submit
     groups: list[TensorGroup]
     started: float
-    events: asyncio.Queue[Delta | Vector | Finished | Failed] = field(default_factory=asyncio.Queue)
+    events: asyncio.Queue[Delta | Vector | TokenLogprobs | Finished | Failed] = field(default_factory=asyncio.Queue)
     worker: tuple[int, int] | None = None  # (slot, epoch) of the claiming worker
     produced_output: bool = False
     abandoned: bool = False
@@ -353,7 +354,7 @@ class Frontend:
 
         return self.cache.acquire_private(make)
 
-    async def events(self, state: RequestState) -> AsyncIterator[Delta | Vector | Finished | Failed]:
+    async def events(self, state: RequestState) -> AsyncIterator[Delta | Vector | TokenLogprobs | Finished | Failed]:
         """The request's output, ending with exactly one Finished or Failed."""
         while True:
             event = await state.events.get()
@@ -384,7 +385,7 @@ class Frontend:
                 self._send_cancel(state)
         elif isinstance(message, Released):
             state.released = True
-        elif isinstance(message, (Delta, Vector)):
+        elif isinstance(message, (Delta, Vector, TokenLogprobs)):
             state.produced_output = True
             state.events.put_nowait(message)
         elif isinstance(message, (Finished, Failed)):

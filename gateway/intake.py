@@ -19,7 +19,7 @@ from typing import Any, Literal, Union
 import msgspec
 
 from shared.errors import ImageTooLarge, InvalidRequest, TooManyImages, UndecodableImage
-from shared.wire import SamplingParams
+from shared.wire import MAX_TOP_LOGPROBS, SamplingParams
 
 __all__ = [
     "ChatCompletionRequest",
@@ -311,11 +311,12 @@ def _sampling(req: ChatCompletionRequest) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
                           presence_penalty=_penalty(req.presence_penalty, "presence_penalty"),
                           frequency_penalty=_penalty(req.frequency_penalty, "frequency_penalty"),
-                          logit_bias=_logit_bias(req.logit_bias), stop_token_ids=_stop_token_ids(req.stop_token_ids))
+                          logit_bias=_logit_bias(req.logit_bias), stop_token_ids=_stop_token_ids(req.stop_token_ids),
+                          logprobs=(req.top_logprobs or 0) if req.logprobs else -1)
 
 
 def check_unsupported(req: ChatCompletionRequest) -> None:
-    """Refuse, with a 400 naming the field, what no model here does: tools, structured output, logprobs.
+    """Refuse, with a 400 naming the field, what no model here does: tools, structured output.
 
     Why refuse rather than ignore: a client that asks for a JSON object or a tool call and gets
     free text back fails later and further from the cause.
@@ -332,10 +333,10 @@ def check_unsupported(req: ChatCompletionRequest) -> None:
         raise InvalidRequest('only response_format {"type": "text"} is supported', param="response_format")
     if req.stream_options is not None and not req.stream:
         raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
-    if req.logprobs:
-        raise InvalidRequest("logprobs are not supported by this server yet", param="logprobs")
-    if req.top_logprobs:
-        raise InvalidRequest("top_logprobs are not supported by this server yet", param="top_logprobs")
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}", param="top_logprobs")
+    if req.top_logprobs and not req.logprobs:
+        raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
 
 
 def _penalty(value: float | None, name: str) -> float:

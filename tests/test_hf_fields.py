@@ -49,8 +49,8 @@ def body(**fields: Any) -> bytes:
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
-    ({"logprobs": True}, "logprobs"),
     ({"top_logprobs": 3}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"frequency_penalty": -3}, "frequency_penalty"),
     ({"logit_bias": {"abc": 1}}, "logit_bias"),
@@ -88,7 +88,8 @@ def test_a_classifier_refuses_token_level_fields() -> None:
     for name, params in [("presence_penalty", SamplingParams(presence_penalty=1.0)),
                          ("frequency_penalty", SamplingParams(frequency_penalty=1.0)),
                          ("logit_bias", SamplingParams(logit_bias=((1, 1.0),))),
-                         ("stop_token_ids", SamplingParams(stop_token_ids=(1,)))]:
+                         ("stop_token_ids", SamplingParams(stop_token_ids=(1,))),
+                         ("logprobs", SamplingParams(logprobs=0))]:
         with pytest.raises(InvalidRequest) as caught:
             check_fields_for_model(params, pre)
         assert caught.value.param == name
@@ -191,3 +192,28 @@ def test_fields_in_a_batch_answer_as_alone(pre: HFPreprocessor, backend: HFBacke
     alone = [answer(list(backend.run([item])))[0] for item in items]
     events = list(backend.run(items))
     assert [answer(events, i)[0] for i in range(len(items))] == alone
+
+
+def test_logprobs_equal_transformers_scores(pre: HFPreprocessor, backend: HFBackend) -> None:
+    """Each sampled token's log-probability and the top 5, against ``generate(output_logits=True)``."""
+    item = work_item(pre, "Describe.", [WIDE], greedy(logprobs=5, logit_bias=((11, 2.0),)))
+    ids = torch.from_numpy(np.frombuffer(item.inline, dtype=np.int32).astype(np.int64)).view(1, -1)
+    out = backend.model.generate(
+        input_ids=ids, pixel_values=torch.cat(item.tensors["pixel_values"]),
+        image_grid_thw=torch.cat(item.tensors["image_grid_thw"]),
+        mm_token_type_ids=(ids == backend._layout.image_token_id).to(torch.int32),
+        max_new_tokens=TOKENS, do_sample=False, sequence_bias={(11,): 2.0},
+        output_scores=True, return_dict_in_generate=True,
+    )
+    events = list(backend.run([item]))
+    entries = [e.logprob for e in events if e.logprob is not None]
+    new = out.sequences[0, ids.shape[1]:].tolist()
+    assert len(entries) == len(new) == answer(events)[1].completion_tokens
+    for entry, token, scores in zip(entries, new, out.scores):
+        reference = torch.log_softmax(scores[0].float(), dim=-1)  # after the bias, as ours
+        assert entry is not None
+        assert entry.token == backend.tokenizer.decode([token])[:32]
+        assert abs(entry.logprob - float(reference[token])) < 1e-4
+        top = torch.topk(reference, 5)
+        assert [t for t, _ in entry.top] == [backend.tokenizer.decode([i])[:32] for i in top.indices.tolist()]
+        np.testing.assert_allclose([v for _, v in entry.top], top.values.tolist(), atol=1e-4)

@@ -83,7 +83,8 @@ def test_concurrent_requests_with_different_images_do_not_mix(hf_server: Server)
 def test_unsupported_fields_are_a_400_naming_them_over_http(hf_server: Server) -> None:
     url = hf_server.base_url + "/v1/chat/completions"
     base = {"model": "tiny-qwen2-vl", "messages": _messages("coffee_640.jpg", "Hi"), "max_tokens": 2}
-    for extra, param in [({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    for extra, param in [({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+                         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
                          ({"response_format": {"type": "json_object"}}, "response_format"),
                          ({"stream_options": {"include_usage": True}}, "stream_options"),
                          ({"logit_bias": {"999999": 1}}, "logit_bias")]:
@@ -101,3 +102,18 @@ def test_logit_bias_is_honoured_over_http(hf_server: Server, tiny_qwen2_vl_dir: 
     reply = client.chat.completions.create(model="tiny-qwen2-vl", messages=_messages("camera_640.jpg", "Name it."),
                                            max_tokens=3, temperature=0, logit_bias={str(favoured): 100})
     assert reply.choices[0].message.content == tokenizer.decode([favoured] * 3) != ""
+
+
+def test_logprobs_streamed_and_whole_agree(hf_server: Server) -> None:
+    client = openai.OpenAI(base_url=hf_server.base_url + "/v1", api_key="unused")
+    kwargs = dict(model="tiny-qwen2-vl", messages=_messages("chelsea_640.jpg", "Describe."), max_tokens=8,
+                  temperature=0, logprobs=True, top_logprobs=3)
+    whole = client.chat.completions.create(**kwargs)  # type: ignore[call-overload]
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens and all(len(e.top_logprobs) == 3 for e in content)
+    assert all(e.logprob <= 0 and e.top_logprobs[0].logprob >= e.logprob - 1e-6 for e in content)  # greedy
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))  # type: ignore[call-overload]
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    plain = client.chat.completions.create(**{**kwargs, "logprobs": False, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None

@@ -56,7 +56,7 @@ import torch.nn.functional as F
 
 from shared.errors import InvalidRequest
 from shared.models import model_id_for  # the one rule, said in shared/models.py
-from shared.wire import SamplingParams
+from shared.wire import MAX_LOGPROB_TOKEN_CHARS, SamplingParams, TokenLogprob
 from worker.backends.base import BackendEvent, WorkItem
 
 __all__ = [
@@ -215,6 +215,8 @@ class HFBackend:
             if row.counts is not None:
                 logits = (logits - row.counts * params.frequency_penalty
                           - (row.counts > 0).float() * params.presence_penalty)
+        if params.logprobs >= 0:
+            row.logprobs = torch.log_softmax(logits.float(), dim=-1)
         return pick_token(logits, params.temperature, params.top_p, row.generator)
 
     def _accept(self, row: _Row, token: int) -> list[BackendEvent]:
@@ -223,15 +225,33 @@ class HFBackend:
         row.token = token
         if row.counts is not None:
             row.counts[token] += 1
+        first: list[BackendEvent] = []
+        if row.logprobs is not None:
+            first.append(BackendEvent(row.index, logprob=self._logprob(row.logprobs, token, row.item.params.logprobs)))
+            row.logprobs = None
         if token in self.eos_token_ids or token in row.item.params.stop_token_ids:
-            return self._finish(row, "stop")
+            return first + self._finish(row, "stop")
         text = row.stops.push(row.detok.push(token))
-        events = [BackendEvent(row.index, text=text)] if text else []
+        events = first + ([BackendEvent(row.index, text=text)] if text else [])
         if row.stops.stopped:
             return events + self._finish(row, "stop")
         if row.completion_tokens >= row.limit:  # no forward pass for a token nobody will read
             return events + self._finish(row, "length")
         return events
+
+    def _logprob(self, logprobs: torch.Tensor, token: int, top: int) -> TokenLogprob:
+        """The sampled token's log-probability and the ``top`` likeliest (one host sync, rows asking only).
+
+        The distribution is the model's after ``logit_bias`` and the penalties, before temperature and
+        top_p (vLLM's default, "raw" log-probabilities of the processed logits).
+        """
+        values, ids = torch.topk(logprobs, top) if top else (logprobs[:0], logprobs[:0].long())
+        chosen, top_values, top_ids = float(logprobs[token]), values.tolist(), ids.tolist()
+        return TokenLogprob(self._token_text(token), chosen,
+                            tuple((self._token_text(i), v) for i, v in zip(top_ids, top_values)))
+
+    def _token_text(self, token: int) -> str:
+        return str(self.tokenizer.decode([token], skip_special_tokens=False))[:MAX_LOGPROB_TOKEN_CHARS]
 
     def _finish(self, row: _Row, reason: str) -> list[BackendEvent]:
         """End the row: release held-back text (unless a stop string cut it) and report usage."""
@@ -314,6 +334,7 @@ class _Row:
     pad: int = 0  # zero positions on the left of this row in the shared cache
     bias: torch.Tensor | None = None  # logit_bias as a dense [vocab] vector on the device
     counts: torch.Tensor | None = None  # [vocab] generated-token counts, kept only when a penalty is set
+    logprobs: torch.Tensor | None = None  # the last step's log-probabilities, kept only when asked for
 
 
 def _merge_caches(rows: Sequence[_Row]) -> None:
