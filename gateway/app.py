@@ -34,6 +34,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.responses import StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.choices import answer_choices
 from gateway.embeddings import embed, embedding_response, parse_embedding_request
 from gateway.fetch import FetchPolicy, fetch_pending
 from gateway.fields import check_fields_for_model
@@ -157,7 +158,7 @@ def create_app(options: AppOptions) -> FastAPI:
             check_key(request)
             body = await _read_body(request, options.max_body_bytes)
             chat = parse_chat_request(body, options.intake)
-            check_fields_for_model(chat.params, f.preprocessor)
+            check_fields_for_model(chat.params, f.preprocessor, chat.n)
             if not getattr(f.preprocessor, "serves_chat", True):
                 raise InvalidRequest(f"{f.preprocessor.model} is an embedding model; use POST /v1/embeddings",
                                      param="model")
@@ -173,6 +174,8 @@ def create_app(options: AppOptions) -> FastAPI:
                 if cached is not None:
                     return _cached_answer(f, chat.model, chat.stream, chat.include_usage, cached, started)
                 keep = functools.partial(_keep_answer, f, results, key)
+            if chat.n > 1:
+                return await answer_choices(f, chat, started, _count_error)
             state = await f.submit(chat)
         except ShmgateError as exc:
             _count_error(f, exc)

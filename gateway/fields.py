@@ -4,12 +4,12 @@ gateway/intake.py refuses what no model here does (tools, structured output, log
 the rest into ``SamplingParams``. This module refuses, with a 400 naming the field, what the
 served model cannot honour:
 
-- ``hf:`` chat models sample tokens: penalties, ``logit_bias``, ``stop_token_ids`` and ``logprobs`` /
-  ``top_logprobs`` are honoured
+- ``hf:`` chat models sample tokens: penalties, ``logit_bias``, ``stop_token_ids``, ``logprobs`` /
+  ``top_logprobs`` and ``n`` (gateway/choices.py) are honoured
   (worker/backends/hf.py); token ids must lie inside the model's vocabulary.
 - classifiers (``efficientnet-lite0``, ``checksum``, ``checksum:hf:``) answer with labels or digests,
   a pure function of the pixels: token-level fields (penalties, ``logit_bias``, ``stop_token_ids``,
-  ``logprobs``) have nothing to act on and are refused. ``temperature``, ``top_p``, ``seed``, ``max_tokens`` and
+  ``logprobs``) have nothing to act on and are refused, as is ``n > 1`` (every choice would be equal). ``temperature``, ``top_p``, ``seed``, ``max_tokens`` and
   ``stop`` are accepted with no effect (documented in docs/MODELS.md), because generic OpenAI
   clients and load generators send them by default.
 """
@@ -24,8 +24,8 @@ from shared.wire import SamplingParams
 __all__ = ["check_fields_for_model"]
 
 
-def check_fields_for_model(params: SamplingParams, preprocessor: Any) -> None:
-    """Raise InvalidRequest naming the first field of ``params`` the preprocessor's model cannot honour."""
+def check_fields_for_model(params: SamplingParams, preprocessor: Any, n: int = 1) -> None:
+    """Raise InvalidRequest naming the first field of ``params`` (or ``n``) the model cannot honour."""
     vocab: int | None = getattr(preprocessor, "vocab_size", None) if getattr(preprocessor, "samples_tokens",
                                                                               False) else None
     token_fields = {
@@ -34,6 +34,7 @@ def check_fields_for_model(params: SamplingParams, preprocessor: Any) -> None:
         "logit_bias": bool(params.logit_bias),
         "stop_token_ids": bool(params.stop_token_ids),
         "logprobs": params.logprobs >= 0,
+        "n": n > 1,
     }
     if vocab is None:
         for name, used in token_fields.items():

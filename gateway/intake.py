@@ -155,6 +155,8 @@ class EncodedImage:
             raise InvalidRequest("the image data URL is not valid base64") from None
 
 
+MAX_N = 16  # choices per request (gateway/choices.py): each is a request in flight, so the bound is small
+
 # Key material up to this size is hashed on the event loop (a few hundred µs at most); larger, in a thread.
 LOOP_HASH_MAX_BYTES = 1 << 20
 
@@ -182,6 +184,7 @@ class ChatRequest:
     extra: dict[str, Any] = field(default_factory=dict)
     pending_urls: list[PendingImageURL] = field(default_factory=list)  # filled by gateway.fetch.fetch_pending
     task: str = ""  # Submit.task: "" for a chat answer, shared.wire.TASK_EMBED (gateway/embeddings.py)
+    n: int = 1  # choices wanted (gateway/choices.py)
 
 
 def parse_chat_request(body: bytes, limits: IntakeLimits) -> ChatRequest:
@@ -236,8 +239,8 @@ def chat_request_from(req: ChatCompletionRequest, limits: IntakeLimits) -> ChatR
         raise InvalidRequest("messages must not be empty", param="messages")
     if len(req.messages) > limits.max_messages:
         raise InvalidRequest(f"at most {limits.max_messages} messages are accepted", param="messages")
-    if req.n not in (None, 1):
-        raise InvalidRequest("only n=1 is supported", param="n")
+    if req.n is not None and not 1 <= req.n <= MAX_N:
+        raise InvalidRequest(f"n must be between 1 and {MAX_N}", param="n")
     check_unsupported(req)
     params = _sampling(req)
     messages: list[dict[str, Any]] = []
@@ -285,6 +288,7 @@ def chat_request_from(req: ChatCompletionRequest, limits: IntakeLimits) -> ChatR
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         text="\n".join(texts),
         pending_urls=pending,
+        n=req.n or 1,
     )
 
 

@@ -17,7 +17,7 @@ import msgspec
 
 from shared.wire import TokenLogprob
 
-__all__ = ["Completion", "logprob_entry"]
+__all__ = ["Completion", "logprob_entry", "usage"]
 
 _json = msgspec.json.Encoder()
 
@@ -42,17 +42,17 @@ class Completion:
             body["usage"] = usage
         return b"data: " + _json.encode(body) + b"\n\n"
 
-    def role_chunk(self) -> bytes:
-        return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+    def role_chunk(self, *, index: int = 0) -> bytes:
+        return self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
 
-    def content_chunk(self, text: str, logprobs: list[dict[str, Any]] | None = None) -> bytes:
-        choice: dict[str, Any] = {"index": 0, "delta": {"content": text}, "finish_reason": None}
+    def content_chunk(self, text: str, logprobs: list[dict[str, Any]] | None = None, *, index: int = 0) -> bytes:
+        choice: dict[str, Any] = {"index": index, "delta": {"content": text}, "finish_reason": None}
         if logprobs is not None:
             choice["logprobs"] = {"content": logprobs}
         return self._chunk([choice])
 
-    def finish_chunk(self, finish_reason: str) -> bytes:
-        return self._chunk([{"index": 0, "delta": {}, "finish_reason": finish_reason}])
+    def finish_chunk(self, finish_reason: str, *, index: int = 0) -> bytes:
+        return self._chunk([{"index": index, "delta": {}, "finish_reason": finish_reason}])
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> bytes:
         return self._chunk([], usage=usage(prompt_tokens, completion_tokens))

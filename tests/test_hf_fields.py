@@ -56,7 +56,7 @@ def body(**fields: Any) -> bytes:
     ({"logit_bias": {"abc": 1}}, "logit_bias"),
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
-    ({"n": 2}, "n"),
+    ({"n": 17}, "n"),
 ])
 def test_a_field_no_model_honours_is_a_400_naming_it(fields: dict[str, Any], param: str) -> None:
     with pytest.raises(InvalidRequest) as caught:
@@ -93,6 +93,9 @@ def test_a_classifier_refuses_token_level_fields() -> None:
         with pytest.raises(InvalidRequest) as caught:
             check_fields_for_model(params, pre)
         assert caught.value.param == name
+    with pytest.raises(InvalidRequest) as caught:
+        check_fields_for_model(SamplingParams(), pre, n=2)
+    assert caught.value.param == "n"
 
 
 def test_token_ids_outside_the_vocabulary_are_refused(pre: HFPreprocessor) -> None:

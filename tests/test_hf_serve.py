@@ -117,3 +117,19 @@ def test_logprobs_streamed_and_whole_agree(hf_server: Server) -> None:
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
     plain = client.chat.completions.create(**{**kwargs, "logprobs": False, "top_logprobs": None})
     assert plain.choices[0].logprobs is None
+
+
+def test_n_choices_are_the_seeded_single_answers(hf_server: Server) -> None:
+    client = openai.OpenAI(base_url=hf_server.base_url + "/v1", api_key="unused")
+    kwargs = dict(model="tiny-qwen2-vl", messages=_messages("coffee_640.jpg", "Describe."), max_tokens=6,
+                  temperature=0.9)
+    many = client.chat.completions.create(n=3, seed=40, **kwargs)  # type: ignore[call-overload]
+    singles = [client.chat.completions.create(seed=40 + i, **kwargs) for i in range(3)]  # type: ignore[call-overload]
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    assert [c.message.content for c in many.choices] == [s.choices[0].message.content for s in singles]
+    assert many.usage.prompt_tokens == singles[0].usage.prompt_tokens
+    assert many.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+    chunks = list(client.chat.completions.create(n=3, seed=40, stream=True, **kwargs))  # type: ignore[call-overload]
+    streamed = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+                for i in range(3)]
+    assert streamed == [c.message.content for c in many.choices]
