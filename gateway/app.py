@@ -47,6 +47,7 @@ from gateway.metrics import Counter, render
 from gateway.preprocess import get_preprocessor
 from gateway.result_cache import ResultCache, answer_key, keyed_off_the_loop
 from gateway.sse import Completion, logprob_entry
+from gateway.tokenize import detokenize, model_card, tokenize
 from shared.errors import EXIT_CONFIG, InvalidRequest, RequestTooLarge, ShmgateError, Unauthorized
 from shared.instance import Instance
 from shared.segment import check_model_id
@@ -137,8 +138,28 @@ def create_app(options: AppOptions) -> FastAPI:
         check_key(request)
         return {
             "object": "list",
-            "data": [{"id": frontend().preprocessor.model, "object": "model", "created": 0, "owned_by": "shmgate"}],
+            "data": [model_card(frontend().preprocessor)],
         }
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> Response:
+        f = frontend()
+        try:
+            check_key(request)
+            body = await _read_body(request, options.max_body_bytes)
+            return JSONResponse(await tokenize(f.preprocessor, body, options.intake, options.image_urls,
+                                               f.limits.max_pixels))
+        except ShmgateError as exc:
+            return error_response(exc)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> Response:
+        try:
+            check_key(request)
+            return JSONResponse(await detokenize(frontend().preprocessor,
+                                                 await _read_body(request, options.max_body_bytes)))
+        except ShmgateError as exc:
+            return error_response(exc)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

@@ -133,3 +133,28 @@ def test_n_choices_are_the_seeded_single_answers(hf_server: Server) -> None:
     streamed = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
                 for i in range(3)]
     assert streamed == [c.message.content for c in many.choices]
+
+
+def test_tokenize_counts_what_the_model_reads(hf_server: Server, tiny_qwen2_vl_dir: Path) -> None:
+    from transformers import AutoConfig
+
+    url = hf_server.base_url
+    messages = _messages("chelsea_1024.jpg", "Count me.")
+    counted = httpx.post(url + "/tokenize", json={"model": "tiny-qwen2-vl", "messages": messages}, timeout=60).json()
+    chat = httpx.post(url + "/v1/chat/completions", json={"model": "tiny-qwen2-vl", "messages": messages,
+                                                          "max_tokens": 1}, timeout=60).json()
+    assert counted["count"] == len(counted["tokens"]) == chat["usage"]["prompt_tokens"]
+    pad = httpx.post(url + "/tokenize", json={"model": "tiny-qwen2-vl", "prompt": "<|image_pad|>"},
+                     timeout=60).json()["tokens"]
+    assert len(pad) == 1
+    assert counted["tokens"].count(pad[0]) == 24  # the 1024x681 photo at the fixture's bounds (tests/hf_fixture.py)
+    max_len = AutoConfig.from_pretrained(tiny_qwen2_vl_dir).get_text_config().max_position_embeddings
+    assert counted["max_model_len"] == max_len
+    assert httpx.get(url + "/v1/models").json()["data"][0]["max_model_len"] == max_len
+    text = httpx.post(url + "/detokenize", json={"model": "tiny-qwen2-vl", "tokens": counted["tokens"]},
+                      timeout=60).json()["prompt"]
+    assert text.count("<|image_pad|>") == 24 and "Count me." in text
+    bad = httpx.post(url + "/detokenize", json={"model": "tiny-qwen2-vl", "tokens": [10**6]}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    both = httpx.post(url + "/tokenize", json={"model": "tiny-qwen2-vl"}, timeout=60)
+    assert both.status_code == 400 and both.json()["error"]["param"] == "messages"

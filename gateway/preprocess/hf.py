@@ -187,6 +187,31 @@ class HFPreprocessor:
         conversation, when the image parts and ``images`` differ in number, or when the
         prompt leaves the model no room to answer.
         """
+        ids, expanded = self._prompt_ids(messages, images)
+        if self.max_prompt_tokens is not None and len(expanded) >= self.max_prompt_tokens:
+            raise InvalidRequest(
+                f"The prompt is {len(expanded)} tokens (images included); this model reads at most "
+                f"{self.max_prompt_tokens - 1} before answering. Shorten the conversation or send smaller images."
+            )
+        with self._tokenizer_lock:
+            text = self.tokenizer.decode(ids.tolist(), skip_special_tokens=False)
+        return PromptInputs(inline=expanded.tobytes(), text=text, prompt_tokens=len(expanded))
+
+    def prompt_token_ids(self, messages: Sequence[dict[str, Any]], images: Sequence[ImageTensorSpec]) -> list[int]:
+        """The prompt's token ids exactly as the model reads them (image tokens expanded), with no
+        length check: what ``POST /tokenize`` answers (gateway/tokenize.py). Raises InvalidRequest."""
+        return [int(i) for i in self._prompt_ids(messages, images)[1]]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """The text of ``ids`` (special tokens included). Raises InvalidRequest for an id outside the vocabulary."""
+        if any(not 0 <= i < self.vocab_size for i in ids):
+            raise InvalidRequest(f"a token id is outside the vocabulary (0..{self.vocab_size - 1})", param="tokens")
+        with self._tokenizer_lock:
+            return str(self.tokenizer.decode(list(ids), skip_special_tokens=False))
+
+    def _prompt_ids(self, messages: Sequence[dict[str, Any]],
+                    images: Sequence[ImageTensorSpec]) -> tuple[np.ndarray, np.ndarray]:
+        """(the template's ids with one placeholder per image, the ids with every placeholder expanded)."""
         import jinja2
 
         try:
@@ -206,12 +231,4 @@ class HFPreprocessor:
             raise InvalidRequest(f"The messages hold {len(slots)} image parts but {len(images)} images were sent.")
         repeats = np.ones(len(ids), dtype=np.int64)
         repeats[slots] = [self._arch.tokens_per_image(self.image_processor, spec) for spec in images]
-        expanded = np.repeat(ids, repeats)
-        if self.max_prompt_tokens is not None and len(expanded) >= self.max_prompt_tokens:
-            raise InvalidRequest(
-                f"The prompt is {len(expanded)} tokens (images included); this model reads at most "
-                f"{self.max_prompt_tokens - 1} before answering. Shorten the conversation or send smaller images."
-            )
-        with self._tokenizer_lock:
-            text = self.tokenizer.decode(ids.tolist(), skip_special_tokens=False)
-        return PromptInputs(inline=expanded.tobytes(), text=text, prompt_tokens=len(expanded))
+        return ids, np.repeat(ids, repeats)
