@@ -37,7 +37,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway.choices import answer_choices
 from gateway.embeddings import embed, embedding_response, parse_embedding_request
 from gateway.fetch import FetchPolicy, fetch_pending
-from gateway.fields import check_fields_for_model
+from gateway.fields import check_fields_for_model, set_image_options
 from gateway.frontend import Frontend, FrontendLimits, RequestState
 from gateway.http_errors import error_body, error_response
 from gateway.http_errors import failure_error as _failure
@@ -70,6 +70,7 @@ class AppOptions:
     limits: FrontendLimits = FrontendLimits()
     image_urls: FetchPolicy = field(default_factory=FetchPolicy)  # used only when intake.allow_image_urls is set
     result_cache_bytes: int = 0  # deterministic answers kept per frontend (gateway/result_cache.py); 0: off
+    processor_kwargs: dict[str, Any] | None = None  # --mm-processor-kwargs (hf: models)
 
 
 def create_app(options: AppOptions) -> FastAPI:
@@ -78,7 +79,8 @@ def create_app(options: AppOptions) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         try:
-            preprocessor = get_preprocessor(options.model, max_images=options.intake.max_images)
+            preprocessor = get_preprocessor(options.model, max_images=options.intake.max_images,
+                                            processor_kwargs=options.processor_kwargs)
             check_model_id(preprocessor.model)
         except (ValueError, OSError, ImportError) as exc:
             # A configuration error (unknown model, missing model directory, a missing extra):
@@ -180,6 +182,7 @@ def create_app(options: AppOptions) -> FastAPI:
             body = await _read_body(request, options.max_body_bytes)
             chat = parse_chat_request(body, options.intake)
             check_fields_for_model(chat.params, f.preprocessor, chat.n)
+            set_image_options(chat, f.preprocessor)
             if not getattr(f.preprocessor, "serves_chat", True):
                 raise InvalidRequest(f"{f.preprocessor.model} is an embedding model; use POST /v1/embeddings",
                                      param="model")

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from gateway.intake import ChatRequest
 from shared.errors import InvalidRequest
 from shared.wire import SamplingParams
 
-__all__ = ["check_fields_for_model"]
+__all__ = ["check_fields_for_model", "set_image_options"]
 
 
 def check_fields_for_model(params: SamplingParams, preprocessor: Any, n: int = 1) -> None:
@@ -48,3 +49,18 @@ def check_fields_for_model(params: SamplingParams, preprocessor: Any, n: int = 1
     if any(token_id >= vocab for token_id in params.stop_token_ids):
         raise InvalidRequest(f"stop_token_ids names a token id outside the vocabulary (0..{vocab - 1})",
                              param="stop_token_ids")
+
+
+def set_image_options(chat: ChatRequest, preprocessor: Any) -> None:
+    """Fill ``chat.image_options`` from each image's ``detail`` and the request's ``mm_processor_kwargs``.
+
+    ``hf:`` models map them to image processor arguments (gateway/preprocess/hf.py ``image_options``);
+    a classifier has one fixed input resolution, so ``detail`` has nothing to choose between (accepted,
+    documented) and ``mm_processor_kwargs`` is refused. Raises InvalidRequest.
+    """
+    options = getattr(preprocessor, "image_options", None)
+    if options is None:
+        if chat.processor_kwargs:
+            raise InvalidRequest(f"{preprocessor.model} takes no mm_processor_kwargs", param="mm_processor_kwargs")
+        return
+    chat.image_options = [options(chat.processor_kwargs, detail) for detail in chat.image_details]

@@ -220,7 +220,7 @@ class Frontend:
         groups: list[TensorGroup] = []
         self._set_resolving(+1)  # admitted: counts against the bound while its images decode
         try:
-            await self._resolve_images(chat.images, chat.image_params, groups)
+            await self._resolve_images(chat.images, chat.image_params, groups, chat.image_options)
             specs: list[ImageTensorSpec] = [{r.name: (r.dtype, r.shape) for r in g.refs} for g in groups]
             if self.preprocessor.prompt_is_cheap:
                 prompt = self.preprocessor.build_prompt(chat.messages, specs)
@@ -286,7 +286,8 @@ class Frontend:
         self.segment.frontends[self.slot]["preparing"] = self._resolving
 
     async def _resolve_images(
-        self, images: list[bytes | EncodedImage], params: list[str], groups: list[TensorGroup]
+        self, images: list[bytes | EncodedImage], params: list[str], groups: list[TensorGroup],
+        options: list[dict[str, Any]] | None = None,
     ) -> None:
         """Append each image's held tensor group to ``groups``, in order. Raises the first failure.
 
@@ -299,17 +300,18 @@ class Frontend:
         Groups acquired before a failure are still appended, so the caller releases them.
         """
         loop = asyncio.get_running_loop()
-        cache_params = self.preprocessor.cache_params()
         slots: list[TensorGroup | asyncio.Future[TensorGroup]] = []
-        for image, param in zip(images, params, strict=True):
+        for i, (image, param) in enumerate(zip(images, params, strict=True)):
             group = None
             key = None
             material = key_material(image)
+            opts = options[i] if options else {}  # processor arguments: part of the key (gateway/fields.py)
+            cache_params = self._cache_params(opts)
             if len(material) <= LOOP_HASH_MAX_BYTES:
                 key = content_key(material, cache_params)
                 group = self.cache.try_hit(key)
             if group is None:
-                slots.append(loop.run_in_executor(self._pool, self._resolve_image, image, param, key))
+                slots.append(loop.run_in_executor(self._pool, self._resolve_image, image, param, key, opts))
             else:
                 slots.append(group)
         futures = [s for s in slots if isinstance(s, asyncio.Future)]
@@ -326,16 +328,25 @@ class Frontend:
         if failure is not None:
             raise failure
 
-    def _resolve_image(self, image: bytes | EncodedImage, param: str, key: bytes | None) -> TensorGroup:
+    def _cache_params(self, options: dict[str, Any]) -> bytes:
+        """The content-cache key's processing part: the preprocessor's, plus an image's processor options."""
+        if not options:
+            return self.preprocessor.cache_params()
+        return self.preprocessor.cache_params() + b"|" + self.preprocessor.options_key(options)  # type: ignore[attr-defined]
+
+    def _resolve_image(self, image: bytes | EncodedImage, param: str, key: bytes | None,
+                       options: dict[str, Any] | None = None) -> TensorGroup:
         """Thread pool: the cached tensors of one image, decoding (base64, then pixels) only on a miss.
 
         A decode error names ``param``, the request field the image came from (data URL or fetched).
         """
         if key is None:
-            key = content_key(key_material(image), self.preprocessor.cache_params())
+            key = content_key(key_material(image), self._cache_params(options or {}))
+        extra = {"options": options} if options else {}  # only hf: preprocessors take options
 
         def make(allocate: AllocateFn) -> None:
-            self.preprocessor.preprocess_image(image_bytes(image), allocate, max_pixels=self.limits.max_pixels)
+            self.preprocessor.preprocess_image(image_bytes(image), allocate, max_pixels=self.limits.max_pixels,
+                                               **extra)
 
         try:
             group, _ = self.cache.acquire(key, make)

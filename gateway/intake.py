@@ -94,6 +94,7 @@ class ChatCompletionRequest(msgspec.Struct):
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None  # vLLM's: image processor arguments (gateway/fields.py)
 
 
 _decoder = msgspec.json.Decoder(ChatCompletionRequest)
@@ -185,6 +186,10 @@ class ChatRequest:
     pending_urls: list[PendingImageURL] = field(default_factory=list)  # filled by gateway.fetch.fetch_pending
     task: str = ""  # Submit.task: "" for a chat answer, shared.wire.TASK_EMBED (gateway/embeddings.py)
     n: int = 1  # choices wanted (gateway/choices.py)
+    image_details: list[str | None] = field(default_factory=list)  # each image's image_url.detail
+    processor_kwargs: dict[str, Any] | None = None  # the request's mm_processor_kwargs
+    # Each image's processor arguments (detail and mm_processor_kwargs, gateway/fields.py); empty: none.
+    image_options: list[dict[str, Any]] = field(default_factory=list)
 
 
 def parse_chat_request(body: bytes, limits: IntakeLimits) -> ChatRequest:
@@ -246,6 +251,7 @@ def chat_request_from(req: ChatCompletionRequest, limits: IntakeLimits) -> ChatR
     messages: list[dict[str, Any]] = []
     images: list[bytes | EncodedImage] = []
     image_params: list[str] = []
+    details: list[str | None] = []
     texts: list[str] = []
     pending: list[PendingImageURL] = []
     n_chars = n_parts = 0
@@ -272,6 +278,10 @@ def chat_request_from(req: ChatCompletionRequest, limits: IntakeLimits) -> ChatR
                         )
                     add_image(part.image_url.url, f"messages[{i}].content[{j}].image_url", limits, images,
                               image_params, pending)
+                    if part.image_url.detail not in (None, "auto", "low", "high"):
+                        raise InvalidRequest('detail must be "auto", "low" or "high"',
+                                             param=f"messages[{i}].content[{j}].image_url.detail")
+                    details.append(part.image_url.detail)
                     parts.append({"type": "image"})
         if n_parts > limits.max_parts:
             raise InvalidRequest(f"at most {limits.max_parts} content parts are accepted", param="messages")
@@ -289,6 +299,8 @@ def chat_request_from(req: ChatCompletionRequest, limits: IntakeLimits) -> ChatR
         text="\n".join(texts),
         pending_urls=pending,
         n=req.n or 1,
+        image_details=details,
+        processor_kwargs=req.mm_processor_kwargs,
     )
 
 

@@ -19,7 +19,16 @@ import msgspec
 import numpy as np
 
 from gateway.fetch import FetchPolicy, fetch_pending
-from gateway.intake import ChatCompletionRequest, IntakeLimits, Message, chat_request_from, decode_body, image_bytes
+from gateway.fields import set_image_options
+from gateway.intake import (
+    ChatCompletionRequest,
+    ChatRequest,
+    IntakeLimits,
+    Message,
+    chat_request_from,
+    decode_body,
+    image_bytes,
+)
 from shared.errors import InvalidRequest, ShmgateError, UnknownModel
 
 __all__ = ["detokenize", "model_card", "tokenize"]
@@ -30,6 +39,7 @@ class TokenizeRequest(msgspec.Struct):
     messages: list[Message] | None = None
     prompt: str | None = None
     add_generation_prompt: bool = True  # accepted for vLLM compatibility; the chat path always adds it
+    mm_processor_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(msgspec.Struct):
@@ -72,17 +82,18 @@ async def tokenize(preprocessor: Any, body: bytes, limits: IntakeLimits, policy:
             raise InvalidRequest(f"the prompt is longer than {limits.max_text_chars} characters", param="prompt")
         tokens = await asyncio.to_thread(lambda: [int(i) for i in pre.tokenizer.encode(req.prompt)])
     else:
-        chat = chat_request_from(ChatCompletionRequest(model=req.model, messages=req.messages), limits)
+        chat = chat_request_from(ChatCompletionRequest(model=req.model, messages=req.messages,
+                                                       mm_processor_kwargs=req.mm_processor_kwargs), limits)
+        set_image_options(chat, pre)
         if chat.pending_urls:
             await fetch_pending(chat, policy)
-        tokens = await asyncio.to_thread(_chat_tokens, pre, chat.messages, chat.images, chat.image_params, max_pixels)
+        tokens = await asyncio.to_thread(_chat_tokens, pre, chat, max_pixels)
     return {"count": len(tokens), "max_model_len": pre.max_prompt_tokens, "tokens": tokens}
 
 
-def _chat_tokens(pre: Any, messages: list[dict[str, Any]], images: list[Any], params: list[str],
-                 max_pixels: int) -> list[int]:
+def _chat_tokens(pre: Any, chat: ChatRequest, max_pixels: int) -> list[int]:
     specs = []
-    for image, param in zip(images, params):
+    for i, (image, param) in enumerate(zip(chat.images, chat.image_params)):
         spec: dict[str, tuple[str, tuple[int, ...]]] = {}
 
         def allocate(name: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -90,12 +101,12 @@ def _chat_tokens(pre: Any, messages: list[dict[str, Any]], images: list[Any], pa
             return np.empty(shape, dtype=dtype)
 
         try:
-            pre.preprocess_image(image_bytes(image), allocate, max_pixels=max_pixels)
+            pre.preprocess_image(image_bytes(image), allocate, max_pixels=max_pixels, options=chat.image_options[i])
         except ShmgateError as exc:
             exc.param = exc.param or param
             raise
         specs.append(spec)
-    tokens: list[int] = pre.prompt_token_ids(messages, specs)
+    tokens: list[int] = pre.prompt_token_ids(chat.messages, specs)
     return tokens
 
 

@@ -22,7 +22,7 @@ pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from gateway.fields import check_fields_for_model  # noqa: E402
+from gateway.fields import check_fields_for_model, set_image_options  # noqa: E402
 from gateway.intake import IntakeLimits, parse_chat_request  # noqa: E402
 from gateway.preprocess.hf import HFPreprocessor  # noqa: E402
 from gateway.preprocess.vision import ChecksumPreprocessor  # noqa: E402
@@ -220,3 +220,56 @@ def test_logprobs_equal_transformers_scores(pre: HFPreprocessor, backend: HFBack
         top = torch.topk(reference, 5)
         assert [t for t, _ in entry.top] == [backend.tokenizer.decode([i])[:32] for i in top.indices.tolist()]
         np.testing.assert_allclose([v for _, v in entry.top], top.values.tolist(), atol=1e-4)
+
+
+# -- processor options ------------------------------------------------------------------------
+
+BIG = 28 * 28 * 400  # a max_pixels above LOW_DETAIL_TOKENS' 256 tokens, so "low" has something to lower
+
+
+def image_tokens(pre: HFPreprocessor, path: Path, options: dict[str, Any] | None = None) -> tuple[int, np.ndarray]:
+    arrays: dict[str, np.ndarray] = {}
+
+    def allocate(name: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+        arrays[name] = np.empty(shape, dtype=dtype)
+        return arrays[name]
+
+    pre.preprocess_image(path.read_bytes(), allocate, max_pixels=50_000_000, options=options)
+    return int(np.prod(arrays["image_grid_thw"][0])) // 4, arrays["pixel_values"]
+
+
+def test_processor_options_equal_the_processor_configured_alike(tiny_qwen2_vl_dir: Path) -> None:
+    from PIL import Image
+    from transformers import AutoImageProcessor
+
+    big = HFPreprocessor(tiny_qwen2_vl_dir, processor_kwargs={"max_pixels": BIG})  # --mm-processor-kwargs
+    image = np.asarray(Image.open(WIDE).convert("RGB"))
+    for options, reference_kwargs in [({}, {"max_pixels": BIG}),
+                                      ({"max_pixels": 28 * 28 * 8}, {"max_pixels": 28 * 28 * 8}),
+                                      (big.image_options(None, "low"), {"max_pixels": 256 * 28 * 28})]:
+        tokens, pixels = image_tokens(big, WIDE, options)
+        reference = AutoImageProcessor.from_pretrained(tiny_qwen2_vl_dir, backend="pil", **reference_kwargs)
+        expected = reference(images=[image], return_tensors="np", input_data_format="channels_last")
+        np.testing.assert_array_equal(pixels, expected["pixel_values"])
+    assert image_tokens(big, WIDE)[0] > 256 >= image_tokens(big, WIDE, big.image_options(None, "low"))[0]
+    assert big.image_options(None, "high") == big.image_options(None, "auto") == big.image_options(None, None) == {}
+    assert big.cache_params() != HFPreprocessor(tiny_qwen2_vl_dir).cache_params()
+
+
+def test_processor_options_the_processor_does_not_take_are_refused(pre: HFPreprocessor,
+                                                                   tiny_qwen2_vl_dir: Path) -> None:
+    for bad in [{"no_such_option": 1}, {"patch_size": 16}, {"merge_size": 1}]:
+        with pytest.raises(InvalidRequest) as caught:
+            pre.image_options(bad, None)
+        assert caught.value.param == "mm_processor_kwargs"
+    with pytest.raises(ValueError, match="no_such_option"):
+        HFPreprocessor(tiny_qwen2_vl_dir, processor_kwargs={"no_such_option": 1})
+    chat = parse_chat_request(body(mm_processor_kwargs={"max_pixels": 1000}), LIMITS)
+    with pytest.raises(InvalidRequest) as caught:
+        set_image_options(chat, ChecksumPreprocessor())
+    assert caught.value.param == "mm_processor_kwargs"
+    bad_detail = {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA", "detail": "medium"}}]}]}
+    with pytest.raises(InvalidRequest) as caught:
+        parse_chat_request(json.dumps(bad_detail).encode(), LIMITS)
+    assert caught.value.param == "messages[0].content[0].image_url.detail"

@@ -158,3 +158,25 @@ def test_tokenize_counts_what_the_model_reads(hf_server: Server, tiny_qwen2_vl_d
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     both = httpx.post(url + "/tokenize", json={"model": "tiny-qwen2-vl"}, timeout=60)
     assert both.status_code == 400 and both.json()["error"]["param"] == "messages"
+
+
+def test_mm_processor_kwargs_change_the_image_tokens_and_the_cache_key(hf_server: Server) -> None:
+    url = hf_server.base_url
+    messages = _messages("chelsea_1024.jpg", "Tokens?")
+
+    def prompt_tokens(**extra: object) -> int:
+        r = httpx.post(url + "/v1/chat/completions", json={"model": "tiny-qwen2-vl", "messages": messages,
+                                                           "max_tokens": 1, **extra}, timeout=60)
+        assert r.status_code == 200, r.text
+        return int(r.json()["usage"]["prompt_tokens"])
+
+    default = prompt_tokens()
+    small = prompt_tokens(mm_processor_kwargs={"max_pixels": 28 * 28 * 8})
+    assert small <= default - 16  # 24 image tokens by default, at most 8 now
+    assert prompt_tokens() == default  # the same image, default options again: not the small tensors
+    counted = httpx.post(url + "/tokenize", json={"model": "tiny-qwen2-vl", "messages": messages,
+                                                  "mm_processor_kwargs": {"max_pixels": 28 * 28 * 8}}, timeout=60)
+    assert counted.json()["count"] == small
+    bad = httpx.post(url + "/v1/chat/completions", json={"model": "tiny-qwen2-vl", "messages": messages,
+                                                         "mm_processor_kwargs": {"patch_size": 7}}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "mm_processor_kwargs"

@@ -68,10 +68,40 @@ def _processor_chat_template(path: str) -> str | None:
 
 @dataclass(frozen=True)
 class _Architecture:
-    """What differs between processor families: the placeholder token and its count per image."""
+    """What differs between processor families: the placeholder token and its count per image, and
+    the processor arguments ``image_url.detail: "low"`` stands for (``{}``: no lower setting)."""
 
     image_token: str
     tokens_per_image: Callable[[Any, ImageTensorSpec], int]
+    low_detail: Callable[[Any], dict[str, Any]] = lambda image_processor: {}
+
+
+# image_url.detail "low" for the Qwen2-VL family: at most this many image tokens per image (OpenAI's
+# low detail is one 512x512 view; 256 tokens of 28 x 28 px is 448 x 448 px, close to it).
+LOW_DETAIL_TOKENS = 256
+
+
+def _qwen_low_detail(image_processor: Any) -> dict[str, Any]:
+    """A ``size`` bound of LOW_DETAIL_TOKENS merged patches, never above the configured one (``size`` is
+    the processor's current form of ``max_pixels``/``min_pixels``, which transformers 5 deprecates)."""
+    side = int(image_processor.patch_size) * int(image_processor.merge_size)
+    size = image_processor.size or {}
+    longest = min(int(size.get("longest_edge", 1 << 62)), LOW_DETAIL_TOKENS * side * side)
+    return {"size": {"longest_edge": longest, "shortest_edge": min(int(size.get("shortest_edge", 0)), longest)}}
+
+
+# Processor arguments neither --mm-processor-kwargs nor a request may set: they change the tensor
+# layout the model was built for (patch and merge sizes), or how the processor returns its output.
+FIXED_PROCESSOR_KEYS = frozenset({
+    "patch_size", "temporal_patch_size", "merge_size", "return_tensors", "data_format", "input_data_format",
+    "device", "disable_grouping", "image_seq_length",
+})
+
+
+def processor_keys(image_processor: Any) -> frozenset[str]:
+    """The arguments this image processor accepts (its ``valid_kwargs``), less FIXED_PROCESSOR_KEYS."""
+    declared = getattr(getattr(image_processor, "valid_kwargs", None), "__annotations__", {})
+    return frozenset(declared) - FIXED_PROCESSOR_KEYS
 
 
 def _merged_patches(image_processor: Any, spec: ImageTensorSpec) -> int:
@@ -88,7 +118,7 @@ def _merged_patches(image_processor: Any, spec: ImageTensorSpec) -> int:
 # Keyed by the image processor class without its backend suffix. Qwen2.5-VL checkpoints
 # use the same image processor and placeholder.
 _ARCHITECTURES: dict[str, _Architecture] = {
-    "Qwen2VLImageProcessor": _Architecture("<|image_pad|>", _merged_patches),
+    "Qwen2VLImageProcessor": _Architecture("<|image_pad|>", _merged_patches, _qwen_low_detail),
 }
 
 
@@ -105,7 +135,7 @@ class HFPreprocessor:
 
     def __init__(
         self, model_dir: str | os.PathLike[str], *, max_images: int = 8, model_id: str | None = None,
-        samples_tokens: bool = True,
+        samples_tokens: bool = True, processor_kwargs: dict[str, Any] | None = None,
     ) -> None:
         """Load the processor parts from ``model_dir``.
 
@@ -122,6 +152,12 @@ class HFPreprocessor:
         self.model = model_id or model_id_for(path)
         self.max_images = max_images
         self.image_processor = AutoImageProcessor.from_pretrained(path, backend="pil")
+        if processor_kwargs:  # --mm-processor-kwargs: the checkpoint's processor config, overridden
+            unknown = set(processor_kwargs) - processor_keys(self.image_processor)
+            if unknown:
+                raise ValueError(f"--mm-processor-kwargs: {sorted(unknown)} are not settable arguments of "
+                                 f"{type(self.image_processor).__name__}; known: {sorted(processor_keys(self.image_processor))}")
+            self.image_processor = AutoImageProcessor.from_pretrained(path, backend="pil", **processor_kwargs)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         kind = type(self.image_processor).__name__.removesuffix("Pil").removesuffix("Fast")
         if kind not in _ARCHITECTURES:
@@ -162,16 +198,43 @@ class HFPreprocessor:
         }
         return json.dumps(params, sort_keys=True, default=str).encode()
 
-    def preprocess_image(self, data: bytes, allocate: AllocateFn, *, max_pixels: int) -> None:
-        """Decode ``data``, run the image processor on it, and copy each output into the arena.
+    def image_options(self, request_kwargs: dict[str, Any] | None, detail: str | None) -> dict[str, Any]:
+        """One image's processor arguments: ``image_url.detail`` ("low": the architecture's low setting;
+        "high", "auto" or none: the configured processor), then the request's ``mm_processor_kwargs``
+        on top. Raises InvalidRequest naming ``mm_processor_kwargs`` for a key the processor does not
+        accept (or one in FIXED_PROCESSOR_KEYS)."""
+        options = self._arch.low_detail(self.image_processor) if detail == "low" else {}
+        if request_kwargs:
+            unknown = set(request_kwargs) - processor_keys(self.image_processor)
+            if unknown:
+                raise InvalidRequest(
+                    f"mm_processor_kwargs: {sorted(unknown)[:5]} are not settable for "
+                    f"{type(self.image_processor).__name__}; accepted: {sorted(processor_keys(self.image_processor))}",
+                    param="mm_processor_kwargs")
+            options.update(request_kwargs)
+        return options
 
-        Raises UndecodableImage / ImageTooLarge for bad input (before allocating), and
-        whatever ``allocate`` raises (ArenaFull, Overloaded).
+    @staticmethod
+    def options_key(options: dict[str, Any]) -> bytes:
+        """What an image's processor options add to its content-cache key (empty for none)."""
+        return json.dumps(options, sort_keys=True, default=str).encode() if options else b""
+
+    def preprocess_image(self, data: bytes, allocate: AllocateFn, *, max_pixels: int,
+                         options: dict[str, Any] | None = None) -> None:
+        """Decode ``data``, run the image processor on it (with ``options``, ``image_options``'s), and
+        copy each output into the arena.
+
+        Raises UndecodableImage / ImageTooLarge for bad input (before allocating), InvalidRequest for
+        options the processor refuses, and whatever ``allocate`` raises (ArenaFull, Overloaded).
         """
         image = decode_image(data, max_pixels=max_pixels)
         try:
             # channels_last: never let the processor guess the layout of a 3-pixel-tall image.
-            out = self.image_processor(images=[image], return_tensors="np", input_data_format="channels_last")
+            out = self.image_processor(images=[image], return_tensors="np", input_data_format="channels_last",
+                                       **(options or {}))
+        except (TypeError, AttributeError, KeyError) as exc:
+            raise InvalidRequest(f"mm_processor_kwargs are not valid for this processor: {exc}",
+                                 param="mm_processor_kwargs") from None
         except ValueError as exc:  # e.g. Qwen2-VL refuses aspect ratios above 200:1
             raise UndecodableImage(f"The image cannot be processed for this model: {exc}") from None
         arrays = {name: np.ascontiguousarray(value) for name, value in out.items()}
