@@ -94,7 +94,17 @@ def _train_tokenizer_files() -> tuple[dict[str, int], list[tuple[str, str]]]:
     return dict(model["vocab"]), merges  # type: ignore[return-value]
 
 
-def _build_processor(path: Path) -> Any:
+# The families this module builds (config.json model_type). All three share Qwen2-VL's image processor
+# class, placeholder and multimodal RoPE; Qwen3-VL uses 16 px patches, learned vision position
+# embeddings, interleaved RoPE sections and "deepstack" visual features fed into early text layers.
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+
+
+def _patch(family: str) -> int:
+    return 16 if family == "qwen3_vl" else 14
+
+
+def _build_processor(path: Path, family: str = "qwen2_vl") -> Any:
     """Save tokenizer (with chat template) and image processor; return the tokenizer.
 
     The parts are saved one by one, not through ``Qwen2VLProcessor``: in
@@ -112,32 +122,17 @@ def _build_processor(path: Path) -> Any:
     tokenizer.eos_token = "<|im_end|>"
     tokenizer.chat_template = _CHAT_TEMPLATE
     tokenizer.save_pretrained(str(path))
-    image_processor = Qwen2VLImageProcessorPil(min_pixels=TINY_MIN_PIXELS, max_pixels=TINY_MAX_PIXELS)
+    scale = (_patch(family) / 14) ** 2  # the same token bounds at the family's patch size
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=int(TINY_MIN_PIXELS * scale),
+                                               max_pixels=int(TINY_MAX_PIXELS * scale), patch_size=_patch(family))
     image_processor.save_pretrained(str(path))
     (path / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2VLProcessor"}) + "\n")
     return tokenizer
 
 
-def _build_model(path: Path, tokenizer: Any) -> None:
-    import torch
-    from transformers import GenerationConfig, Qwen2VLConfig, Qwen2VLForConditionalGeneration
-
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in _SPECIAL_TOKENS}
-    config = Qwen2VLConfig(
-        text_config={
-            "vocab_size": len(tokenizer),
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": 4096,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-            "bos_token_id": ids["<|endoftext|>"],
-            "eos_token_id": ids["<|im_end|>"],
-            "pad_token_id": ids["<|endoftext|>"],
-        },
-        vision_config={
+def _vision_config(family: str) -> dict[str, Any]:
+    if family == "qwen2_vl":
+        return {
             "depth": 1,
             "embed_dim": 32,
             "hidden_size": 64,  # the merger projects to the text width
@@ -146,14 +141,51 @@ def _build_model(path: Path, tokenizer: Any) -> None:
             "patch_size": 14,
             "spatial_merge_size": 2,
             "temporal_patch_size": 2,
+        }
+    common = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+              "patch_size": _patch(family), "spatial_merge_size": 2, "temporal_patch_size": 2}
+    if family == "qwen2_5_vl":
+        return {**common, "window_size": 56, "fullatt_block_indexes": [0]}
+    return {**common, "num_position_embeddings": 64, "deepstack_visual_indexes": [0]}
+
+
+def _build_model(path: Path, tokenizer: Any, family: str = "qwen2_vl") -> None:
+    import torch
+    import transformers
+    from transformers import GenerationConfig
+
+    config_class, model_class = {
+        "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
+        "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
+        "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
+    }[family]
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in _SPECIAL_TOKENS}
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    if family == "qwen3_vl":
+        rope["mrope_interleaved"] = True
+    config = getattr(transformers, config_class)(
+        text_config={
+            "vocab_size": len(tokenizer),
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 4096,
+            "head_dim": 16,
+            "rope_parameters": rope,
+            "bos_token_id": ids["<|endoftext|>"],
+            "eos_token_id": ids["<|im_end|>"],
+            "pad_token_id": ids["<|endoftext|>"],
         },
+        vision_config=_vision_config(family),
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
     )
     torch.manual_seed(0)
-    model = Qwen2VLForConditionalGeneration(config).eval()
+    model = getattr(transformers, model_class)(config).eval()
     with torch.no_grad():
         # Random logits are nearly uniform; silence the control tokens so greedy
         # decoding never ends on its first step and tests see long streams.
@@ -166,8 +198,8 @@ def _build_model(path: Path, tokenizer: Any) -> None:
     model.save_pretrained(str(path))
 
 
-def build_tiny_vlm(path: Path) -> Path:
-    """Write a tiny Qwen2-VL model and its processor into ``path`` (created if needed) and return it.
+def build_tiny_vlm(path: Path, family: str = "qwen2_vl") -> Path:
+    """Write a tiny model of ``family`` (FAMILIES) and its processor into ``path`` (created if needed).
 
     Deterministic and fast (a couple of seconds on CPU). The directory loads with
     ``AutoImageProcessor``, ``AutoTokenizer`` and ``AutoModelForImageTextToText`` (and
@@ -175,8 +207,8 @@ def build_tiny_vlm(path: Path) -> Path:
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = _build_processor(path)
-    _build_model(path, tokenizer)
+    tokenizer = _build_processor(path, family)
+    _build_model(path, tokenizer, family)
     return path
 
 

@@ -45,7 +45,7 @@ import numpy as np
 from gateway.imaging import decode_image
 from gateway.preprocess.base import AllocateFn, ImageTensorSpec, PromptInputs
 from shared.errors import InvalidRequest, UndecodableImage
-from shared.models import model_id_for  # the one rule, said in shared/models.py
+from shared.models import check_chat_model_type, model_id_for  # the rules, said in shared/models.py
 
 __all__ = ["HFPreprocessor", "model_id_for"]
 
@@ -151,6 +151,7 @@ class HFPreprocessor:
         path = os.fspath(model_dir)
         self.model = model_id or model_id_for(path)
         self.max_images = max_images
+        check_chat_model_type(path)
         self.image_processor = AutoImageProcessor.from_pretrained(path, backend="pil")
         if processor_kwargs:  # --mm-processor-kwargs: the checkpoint's processor config, overridden
             unknown = set(processor_kwargs) - processor_keys(self.image_processor)

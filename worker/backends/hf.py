@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from shared.errors import InvalidRequest
-from shared.models import model_id_for  # the one rule, said in shared/models.py
+from shared.models import HF_CHAT_MODEL_TYPES, check_chat_model_type, model_id_for  # rules: shared/models.py
 from shared.wire import MAX_LOGPROB_TOKEN_CHARS, SamplingParams, TokenLogprob
 from worker.backends.base import BackendEvent, WorkItem
 
@@ -74,7 +74,7 @@ log = logging.getLogger("shmgate.worker.hf")
 DEFAULT_MAX_TOKENS = 256
 # config.model_type values this backend was run against. Both use Qwen2-VL's image
 # processor, placeholder token and multimodal RoPE (Qwen2.5-VL checked once by hand).
-SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+SUPPORTED_MODEL_TYPES = HF_CHAT_MODEL_TYPES
 # The image tensors this backend passes to the model, by TensorRef name.
 IMAGE_TENSORS = ("pixel_values", "image_grid_thw")
 # Read on the host (checked and turned into token counts): the worker hands them over there, so
@@ -128,11 +128,9 @@ class HFBackend:
         ValueError for an architecture outside ``SUPPORTED_MODEL_TYPES`` (before reading
         any weights).
         """
-        from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
+        from transformers import AutoModelForImageTextToText, AutoTokenizer
 
-        model_type = AutoConfig.from_pretrained(model_dir).model_type
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"{model_dir}: model type {model_type!r} is not supported; known: {SUPPORTED_MODEL_TYPES}")
+        check_chat_model_type(model_dir)
         if threads is not None:
             torch.set_num_threads(threads)
         self.name = name or model_id_for(model_dir)
