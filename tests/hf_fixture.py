@@ -97,7 +97,22 @@ def _train_tokenizer_files() -> tuple[dict[str, int], list[tuple[str, str]]]:
 # The families this module builds (config.json model_type). All three share Qwen2-VL's image processor
 # class, placeholder and multimodal RoPE; Qwen3-VL uses 16 px patches, learned vision position
 # embeddings, interleaved RoPE sections and "deepstack" visual features fed into early text layers.
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava")
+# LLaVA-1.5: a CLIP vision tower at a fixed 56 x 56 px (4 x 4 patches of 14 px: 16 image tokens, the
+# CLS feature dropped as vision_feature_select_strategy "default" does), a Llama text model, and
+# LLaVA-1.5's "USER: <image>\n... ASSISTANT:" prompt format.
+LLAVA_IMAGE_SIZE = 56
+_LLAVA_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}USER: {% elif message['role'] == 'system' %}{% else %}ASSISTANT: {% endif %}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}<image>\n{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{% if message['role'] == 'assistant' %}<|im_end|>{% endif %} "
+    "{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
 
 
 def _patch(family: str) -> int:
@@ -118,10 +133,18 @@ def _build_processor(path: Path, family: str = "qwen2_vl") -> Any:
 
     vocab, merges = _train_tokenizer_files()
     tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=4096)
-    tokenizer.add_special_tokens({"additional_special_tokens": _SPECIAL_TOKENS[1:]})
+    extra = ["<image>"] if family == "llava" else []
+    tokenizer.add_special_tokens({"additional_special_tokens": _SPECIAL_TOKENS[1:] + extra})
     tokenizer.eos_token = "<|im_end|>"
-    tokenizer.chat_template = _CHAT_TEMPLATE
+    tokenizer.chat_template = _LLAVA_TEMPLATE if family == "llava" else _CHAT_TEMPLATE
     tokenizer.save_pretrained(str(path))
+    if family == "llava":
+        from transformers import CLIPImageProcessorPil
+
+        size = LLAVA_IMAGE_SIZE
+        CLIPImageProcessorPil(size={"shortest_edge": size}, crop_size={"height": size, "width": size}).save_pretrained(
+            str(path))
+        return tokenizer
     scale = (_patch(family) / 14) ** 2  # the same token bounds at the family's patch size
     image_processor = Qwen2VLImageProcessorPil(min_pixels=int(TINY_MIN_PIXELS * scale),
                                                max_pixels=int(TINY_MAX_PIXELS * scale), patch_size=_patch(family))
@@ -149,10 +172,34 @@ def _vision_config(family: str) -> dict[str, Any]:
     return {**common, "num_position_embeddings": 64, "deepstack_visual_indexes": [0]}
 
 
+def _build_llava(tokenizer: Any, ids: dict[str, int]) -> Any:
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
+
+    config = LlavaConfig(
+        vision_config={"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+                       "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": LLAVA_IMAGE_SIZE,
+                       "patch_size": 14, "projection_dim": 32},
+        text_config={"model_type": "llama", "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128,
+                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                     "max_position_embeddings": 4096, "bos_token_id": ids["<|endoftext|>"],
+                     "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"]},
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+    )
+    return LlavaForConditionalGeneration(config).eval()
+
+
 def _build_model(path: Path, tokenizer: Any, family: str = "qwen2_vl") -> None:
     import torch
     import transformers
-    from transformers import GenerationConfig
+
+    if family == "llava":
+        ids = {t: tokenizer.convert_tokens_to_ids(t) for t in _SPECIAL_TOKENS}
+        torch.manual_seed(0)
+        model = _build_llava(tokenizer, ids)
+        _finish_model(model, path, [*ids.values(), tokenizer.convert_tokens_to_ids("<image>")], ids)
+        return
 
     config_class, model_class = {
         "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
@@ -186,10 +233,17 @@ def _build_model(path: Path, tokenizer: Any, family: str = "qwen2_vl") -> None:
     )
     torch.manual_seed(0)
     model = getattr(transformers, model_class)(config).eval()
+    _finish_model(model, path, list(ids.values()), ids)
+
+
+def _finish_model(model: Any, path: Path, control: list[int], ids: dict[str, int]) -> None:
+    import torch
+    from transformers import GenerationConfig
+
     with torch.no_grad():
         # Random logits are nearly uniform; silence the control tokens so greedy
         # decoding never ends on its first step and tests see long streams.
-        model.lm_head.weight[list(ids.values())] = 0.0
+        model.lm_head.weight[control] = 0.0
     model.generation_config = GenerationConfig(
         eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
         pad_token_id=ids["<|endoftext|>"],

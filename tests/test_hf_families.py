@@ -1,4 +1,4 @@
-"""The Qwen2-VL family's newer members, Qwen2.5-VL and Qwen3-VL, end to end on tiny random checkpoints.
+"""Qwen2.5-VL, Qwen3-VL and LLaVA-1.5, end to end on tiny random checkpoints.
 
 Per family (tests/hf_fixture.py builds each once per run): through a real ``shmgate serve`` with
 ``--max-batch-size 1``, a streamed greedy answer to a two-image prompt equals transformers' own
@@ -28,7 +28,7 @@ from tests.shm_children import leftovers  # noqa: E402
 from tests.test_hf import SQUARE, WIDE, answer, work_item  # noqa: E402
 from worker.backends.hf import HFBackend  # noqa: E402
 
-FAMILIES = ["qwen2_5_vl", "qwen3_vl"]
+FAMILIES = ["qwen2_5_vl", "qwen3_vl", "llava"]
 TOKENS = 10
 
 
@@ -61,12 +61,11 @@ def test_streamed_greedy_answer_equals_transformers_generate(
     pre, backend = family_backend
     item = work_item(pre, "Compare them.", [SQUARE, WIDE], SamplingParams(max_tokens=TOKENS, temperature=0.0))
     ids = torch.from_numpy(np.frombuffer(item.inline, dtype=np.int32).astype(np.int64)).view(1, -1)
-    out = backend.model.generate(
-        input_ids=ids, pixel_values=torch.cat(item.tensors["pixel_values"]),
-        image_grid_thw=torch.cat(item.tensors["image_grid_thw"]),
-        mm_token_type_ids=(ids == backend._layout.image_token_id).to(torch.int32),
-        max_new_tokens=TOKENS, do_sample=False,
-    )
+    images: dict[str, torch.Tensor] = {"pixel_values": torch.cat(item.tensors["pixel_values"])}
+    if "image_grid_thw" in item.tensors:  # the Qwen family's
+        images["image_grid_thw"] = torch.cat(item.tensors["image_grid_thw"])
+        images["mm_token_type_ids"] = (ids == backend._layout.image_token_id).to(torch.int32)
+    out = backend.model.generate(input_ids=ids, **images, max_new_tokens=TOKENS, do_sample=False)
     expected = backend.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
     client = openai.OpenAI(base_url=family_server.base_url + "/v1", api_key="unused")
     content = [{"type": "image_url", "image_url": {"url": data_url(p.read_bytes())}} for p in (SQUARE, WIDE)]
@@ -103,7 +102,7 @@ def test_a_padded_batch_answers_as_its_items_alone(family_backend: tuple[HFPrepr
     assert [answer(events, i)[0] for i in range(len(items))] == alone
 
 
-@pytest.mark.parametrize("model_type", ["llava", "gemma3", "idefics3"])
+@pytest.mark.parametrize("model_type", ["llava_next", "gemma3", "idefics3"])
 def test_an_unsupported_architecture_is_a_startup_error_naming_it(
         model_type: str, tiny_qwen2_vl_dir: Path, tmp_path: Path) -> None:
     import json
@@ -114,5 +113,5 @@ def test_an_unsupported_architecture_is_a_startup_error_naming_it(
     config = json.loads((directory / "config.json").read_text())
     (directory / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
     for load in (lambda: HFPreprocessor(directory), lambda: HFBackend(str(directory), torch.device("cpu"))):
-        with pytest.raises(ValueError, match=f"model_type '{model_type}' is not supported.*qwen2_vl, qwen2_5_vl"):
+        with pytest.raises(ValueError, match=f"model_type '{model_type}' is not supported.*qwen2_vl, qwen2_5_vl, qwen3_vl, llava"):
             load()

@@ -72,7 +72,7 @@ class _Architecture:
     the processor arguments ``image_url.detail: "low"`` stands for (``{}``: no lower setting)."""
 
     image_token: str
-    tokens_per_image: Callable[[Any, ImageTensorSpec], int]
+    tokens_per_image: Callable[[Any, ImageTensorSpec, Any], int]  # (image processor, spec, model config)
     low_detail: Callable[[Any], dict[str, Any]] = lambda image_processor: {}
 
 
@@ -104,7 +104,7 @@ def processor_keys(image_processor: Any) -> frozenset[str]:
     return frozenset(declared) - FIXED_PROCESSOR_KEYS
 
 
-def _merged_patches(image_processor: Any, spec: ImageTensorSpec) -> int:
+def _merged_patches(image_processor: Any, spec: ImageTensorSpec, config: Any) -> int:
     """Qwen2-VL family: one token per ``merge_size x merge_size`` block of 14 px patches."""
     if PIXEL_VALUES not in spec:
         raise InvalidRequest(f"An image has no '{PIXEL_VALUES}' tensor; it was not made by this preprocessor.")
@@ -115,10 +115,21 @@ def _merged_patches(image_processor: Any, spec: ImageTensorSpec) -> int:
     return patches // merge
 
 
+def _clip_patches(image_processor: Any, spec: ImageTensorSpec, config: Any) -> int:
+    """LLaVA-1.5: one token per patch of the fixed-size CLIP input, plus the CLS feature unless the
+    model drops it (``vision_feature_select_strategy`` "default")."""
+    if PIXEL_VALUES not in spec or len(spec[PIXEL_VALUES][1]) != 4:
+        raise InvalidRequest(f"An image has no 4-D '{PIXEL_VALUES}' tensor; it was not made by this preprocessor.")
+    _, _, height, width = spec[PIXEL_VALUES][1]
+    patch = int(config.vision_config.patch_size)
+    return (height // patch) * (width // patch) + (0 if config.vision_feature_select_strategy == "default" else 1)
+
+
 # Keyed by the image processor class without its backend suffix. Qwen2.5-VL checkpoints
 # use the same image processor and placeholder.
 _ARCHITECTURES: dict[str, _Architecture] = {
     "Qwen2VLImageProcessor": _Architecture("<|image_pad|>", _merged_patches, _qwen_low_detail),
+    "CLIPImageProcessor": _Architecture("<image>", _clip_patches),  # LLaVA-1.5 (model_type llava)
 }
 
 
@@ -169,7 +180,8 @@ class HFPreprocessor:
         self.tokenizer.chat_template = _processor_chat_template(path) or self.tokenizer.chat_template
         if not self.tokenizer.chat_template:
             raise ValueError(f"{path}: no chat template (chat_template.jinja / .json or tokenizer_config.json)")
-        text_config = AutoConfig.from_pretrained(path).get_text_config()
+        self._config = AutoConfig.from_pretrained(path)
+        text_config = self._config.get_text_config()
         self.max_prompt_tokens: int | None = getattr(text_config, "max_position_embeddings", None)
         # gateway/fields.py: token-level request fields are honoured only by a model that samples tokens
         # (not checksum:hf:), and their token ids must be below this.
@@ -294,5 +306,5 @@ class HFPreprocessor:
         if len(slots) != len(images):
             raise InvalidRequest(f"The messages hold {len(slots)} image parts but {len(images)} images were sent.")
         repeats = np.ones(len(ids), dtype=np.int64)
-        repeats[slots] = [self._arch.tokens_per_image(self.image_processor, spec) for spec in images]
+        repeats[slots] = [self._arch.tokens_per_image(self.image_processor, spec, self._config) for spec in images]
         return ids, np.repeat(ids, repeats)

@@ -93,8 +93,8 @@ DTYPES: dict[str, torch.dtype | None] = {
 class HFBackend:
     """Streams generations of a local ``AutoModelForImageTextToText`` checkpoint.
 
-    Supports the Qwen2-VL family (``SUPPORTED_MODEL_TYPES``): dynamic resolution,
-    multimodal RoPE.
+    Supports the Qwen2-VL family (dynamic resolution, multimodal RoPE: Qwen2-VL, Qwen2.5-VL, Qwen3-VL)
+    and LLaVA-1.5 (fixed-size CLIP images, 1-D positions): ``SUPPORTED_MODEL_TYPES``.
 
     Batching: prefill per item, then padded batched decode (module docstring). Every
     stream starts after the prefills ahead of it in the batch, then all advance one
@@ -270,9 +270,13 @@ class HFBackend:
         kwargs: dict[str, Any] = {"input_ids": ids, "use_cache": True, "logits_to_keep": 1}
         if inputs.pixel_values is not None:
             kwargs["pixel_values"] = inputs.pixel_values
+        if inputs.image_grid_thw is not None:
             kwargs["image_grid_thw"] = inputs.image_grid_thw
         with torch.inference_mode():
-            kwargs["position_ids"], delta = self._mrope_positions(ids, inputs.image_grid_thw)
+            if self._layout.mrope:
+                kwargs["position_ids"], delta = self._mrope_positions(ids, inputs.image_grid_thw)
+            else:  # 1-D positions (LLaVA): the prompt's are 0..L-1, and no offset after it
+                kwargs["position_ids"], delta = torch.arange(ids.shape[1], device=ids.device).view(1, -1), 0
             out = self.model(**kwargs)
         return out.logits[0, -1], out.past_key_values, delta
 
@@ -383,13 +387,22 @@ class _InputLayout:
     vocab_size: int
     max_positions: int
     image_token_id: int
-    merge: int  # spatial_merge_size ** 2: patches per image token
-    patch_dim: int  # channels * temporal_patch_size * patch_size ** 2
+    merge: int  # Qwen family: spatial_merge_size ** 2, patches per image token
+    patch_dim: int  # Qwen family: channels * temporal_patch_size * patch_size ** 2
+    mrope: bool = True  # the Qwen family's 3-D positions; False: LLaVA's fixed-size CLIP images, 1-D positions
+    image_size: int = 0  # LLaVA: the CLIP tower's input side
+    tokens_per_image: int = 0  # LLaVA: image tokens per image
 
     @classmethod
     def from_config(cls, config: Any) -> _InputLayout:
         text, vision = config.get_text_config(), config.vision_config
         patch = vision.patch_size
+        if config.model_type == "llava":
+            side = vision.image_size // patch
+            extra = 0 if config.vision_feature_select_strategy == "default" else 1  # the CLS feature
+            return cls(vocab_size=text.vocab_size, max_positions=text.max_position_embeddings,
+                       image_token_id=config.image_token_id, merge=1, patch_dim=0, mrope=False,
+                       image_size=vision.image_size, tokens_per_image=side * side + extra)
         return cls(
             vocab_size=text.vocab_size,
             max_positions=text.max_position_embeddings,
@@ -415,6 +428,8 @@ class _InputLayout:
         if unknown:
             raise InvalidRequest(f"Request {rid}: unexpected tensors {sorted(unknown)}.")
         pixels, grids = item.tensors.get("pixel_values", []), item.tensors.get("image_grid_thw", [])
+        if not self.mrope:
+            return self._check_fixed_size(item, ids, pixels, grids, device)
         if len(pixels) != len(grids):
             raise InvalidRequest(f"Request {rid}: {len(pixels)} pixel_values but {len(grids)} image_grid_thw.")
         image_tokens = 0
@@ -426,6 +441,18 @@ class _InputLayout:
         if not pixels:
             return _Inputs(input_ids, None, None)
         return _Inputs(input_ids, torch.cat(pixels).to(device), torch.cat(grids).to(device))
+
+    def _check_fixed_size(self, item: WorkItem, ids: np.ndarray, pixels: list[torch.Tensor], grids: list[torch.Tensor],
+                          device: torch.device) -> _Inputs:
+        """LLaVA: each image is one float (1, 3, S, S) tensor of the tower's size S, worth ``tokens_per_image``."""
+        rid = item.request_id
+        shape = (1, 3, self.image_size, self.image_size)
+        if grids or any(not p.is_floating_point() or tuple(p.shape) != shape for p in pixels):
+            raise InvalidRequest(f"Request {rid}: each image must be one float pixel_values tensor of shape {shape}.")
+        if int((ids == self.image_token_id).sum()) != len(pixels) * self.tokens_per_image:
+            raise InvalidRequest(f"Request {rid}: the prompt's image slots do not match its images.")
+        input_ids = torch.from_numpy(ids.astype(np.int64)).view(1, -1).to(device)
+        return _Inputs(input_ids, torch.cat(pixels).to(device) if pixels else None, None)
 
     def _check_image(self, rid: int, pixels: torch.Tensor, grid: torch.Tensor) -> int:
         """Check one image's pair of tensors; return its number of image tokens."""
