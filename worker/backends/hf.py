@@ -1,7 +1,7 @@
 """Worker half of a Hugging Face vision-language model (``hf:<directory>``): streamed generation.
 
 The frontend (gateway/preprocess/hf.py) sends int32 token ids with every image
-placeholder already expanded, plus each image's ``pixel_values`` and
+placeholder already expanded, plus each image's ``pixel_values`` and (Qwen family)
 ``image_grid_thw``. This module rebuilds the model inputs, prefills once and then
 decodes one token at a time with the KV cache, so every token reaches the client as
 soon as it exists (no ``generate``, no streamer thread: each step is ours to sample,
