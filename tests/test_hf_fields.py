@@ -245,7 +245,8 @@ def test_processor_options_equal_the_processor_configured_alike(tiny_qwen2_vl_di
     big = HFPreprocessor(tiny_qwen2_vl_dir, processor_kwargs={"max_pixels": BIG})  # --mm-processor-kwargs
     image = np.asarray(Image.open(WIDE).convert("RGB"))
     for options, reference_kwargs in [({}, {"max_pixels": BIG}),
-                                      ({"max_pixels": 28 * 28 * 8}, {"max_pixels": 28 * 28 * 8}),
+                                      ({"size": {"longest_edge": 28 * 28 * 8, "shortest_edge": 3136}},
+                                       {"max_pixels": 28 * 28 * 8}),
                                       (big.image_options(None, "low"), {"max_pixels": 256 * 28 * 28})]:
         tokens, pixels = image_tokens(big, WIDE, options)
         reference = AutoImageProcessor.from_pretrained(tiny_qwen2_vl_dir, backend="pil", **reference_kwargs)
