@@ -52,7 +52,7 @@ if str(REPO) not in sys.path:
 
 from bench.e2e import IMAGES, ServerProcess, fmt, free_port, render_table
 from gateway import loadgen
-from tests.hf_fixture import build_tiny_vlm
+from tests.hf_fixture import FAMILIES, build_tiny_vlm
 
 
 @dataclass(frozen=True)
@@ -140,9 +140,13 @@ async def measure(contender: Contender, model_dir: Path, images: Path, log_dir: 
     return results
 
 
-def table(results: list[dict[str, Any]]) -> str:
-    """One row per (server, concurrency): medians over the rounds, and the range of req/s."""
-    columns = ["server", "conc", "req/s (median)", "req/s range", "ttft p50 ms", "ttft p90 ms", "latency p50 ms",
+def table(results: list[dict[str, Any]], max_tokens: int) -> str:
+    """One row per (server, concurrency): medians over the rounds, and the range of req/s.
+
+    tokens/s is req/s x ``max_tokens``: the tiny fixtures never end early (their control tokens'
+    logits are zeroed), so every answer is ``max_tokens`` long.
+    """
+    columns = ["server", "conc", "req/s (median)", "tokens/s", "req/s range", "ttft p50 ms", "ttft p90 ms", "latency p50 ms",
                "worker busy ms/req", "of which processing", "server CPU ms/req", "errors", "mismatches"]
     groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for r in results:
@@ -154,7 +158,9 @@ def table(results: list[dict[str, Any]]) -> str:
             return statistics.median(values) if values else None
 
         rates = [r["requests_per_s"] for r in runs]
-        rows.append([server, concurrency, fmt(med("requests_per_s")), f"{min(rates):.1f}-{max(rates):.1f}",
+        rate = med("requests_per_s")
+        rows.append([server, concurrency, fmt(rate), fmt(None if rate is None else rate * max_tokens),
+                     f"{min(rates):.1f}-{max(rates):.1f}",
                      fmt(med("ttft_p50_ms")), fmt(med("ttft_p90_ms")), fmt(med("p50_ms")),
                      fmt(med("busy_ms_per_request")), fmt(med("processing_ms_per_request")),
                      fmt(med("cpu_s_per_request", 1000.0)), sum(r["errors"] for r in runs),
@@ -165,7 +171,7 @@ def table(results: list[dict[str, Any]]) -> str:
 async def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="shmgate-hfbench-") as tmp:
-        model_dir = build_tiny_vlm(Path(tmp) / "tiny-qwen2-vl")
+        model_dir = build_tiny_vlm(Path(tmp) / ("tiny-" + args.family.replace("_", "-")), args.family)
         images = Path(tmp) / "images"
         images.mkdir()
         for image in IMAGES:  # the 1024 px photos only
@@ -187,9 +193,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="where every server runs the model: cpu or cuda")
     parser.add_argument("--rounds", type=int, default=3, help="rounds over all servers; the table shows medians")
     parser.add_argument("--log-dir", default=None, help="keep the servers' logs here")
+    parser.add_argument("--family", default="qwen2_vl", choices=FAMILIES,
+                        help="which tiny model tests/hf_fixture.py builds (config.json model_type)")
     args = parser.parse_args(argv)
     results = asyncio.run(run_all(args))
-    print(table(results))
+    print(table(results, args.max_tokens))
     return 0 if results and all(r["errors"] == 0 and r["mismatches"] == 0 for r in results) else 1
 
 

@@ -26,6 +26,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -33,8 +34,10 @@ from fastapi.responses import JSONResponse, Response
 from starlette.responses import StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.choices import answer_choices
 from gateway.embeddings import embed, embedding_response, parse_embedding_request
 from gateway.fetch import FetchPolicy, fetch_pending
+from gateway.fields import check_fields_for_model, set_image_options
 from gateway.frontend import Frontend, FrontendLimits, RequestState
 from gateway.http_errors import count_error, error_body, error_response
 from gateway.http_errors import failure_error as _failure
@@ -43,12 +46,13 @@ from gateway.intake import IntakeLimits, key_material, parse_chat_request
 from gateway.metrics import Counter, exposition
 from gateway.preprocess import get_preprocessor
 from gateway.result_cache import ResultCache, answer_key, keyed_off_the_loop
-from gateway.sse import Completion
+from gateway.sse import Completion, logprob_entry
+from gateway.tokenize import detokenize, model_card, tokenize
 from shared.errors import EXIT_CONFIG, InvalidRequest, RequestTooLarge, ShmgateError, Unauthorized
 from shared.instance import Instance
 from shared.segment import check_model_id
 from shared.transport import PosixFrontendLink, PosixNodeStats
-from shared.wire import Delta, Failed, Finished, Vector
+from shared.wire import Delta, Failed, Finished, TokenLogprobs, Vector
 
 __all__ = ["AppOptions", "create_app"]
 
@@ -67,6 +71,7 @@ class AppOptions:
     limits: FrontendLimits = FrontendLimits()
     image_urls: FetchPolicy = field(default_factory=FetchPolicy)  # used only when intake.allow_image_urls is set
     result_cache_bytes: int = 0  # deterministic answers kept per frontend (gateway/result_cache.py); 0: off
+    processor_kwargs: dict[str, Any] | None = None  # --mm-processor-kwargs (hf: models)
 
 
 def create_app(options: AppOptions) -> FastAPI:
@@ -76,7 +81,8 @@ def create_app(options: AppOptions) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         try:
-            preprocessor = get_preprocessor(options.model, max_images=options.intake.max_images)
+            preprocessor = get_preprocessor(options.model, max_images=options.intake.max_images,
+                                            processor_kwargs=options.processor_kwargs)
             check_model_id(preprocessor.model)
         except (ValueError, OSError, ImportError) as exc:
             # A configuration error (unknown model, missing model directory, a missing extra):
@@ -137,8 +143,28 @@ def create_app(options: AppOptions) -> FastAPI:
         check_key(request)
         return {
             "object": "list",
-            "data": [{"id": frontend().preprocessor.model, "object": "model", "created": 0, "owned_by": "shmgate"}],
+            "data": [model_card(frontend().preprocessor)],
         }
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> Response:
+        f = frontend()
+        try:
+            check_key(request)
+            body = await _read_body(request, options.max_body_bytes)
+            return JSONResponse(await tokenize(f.preprocessor, body, options.intake, options.image_urls,
+                                               f.limits.max_pixels))
+        except ShmgateError as exc:
+            return error_response(exc)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> Response:
+        try:
+            check_key(request)
+            return JSONResponse(await detokenize(frontend().preprocessor,
+                                                 await _read_body(request, options.max_body_bytes)))
+        except ShmgateError as exc:
+            return error_response(exc)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
@@ -159,6 +185,8 @@ def create_app(options: AppOptions) -> FastAPI:
             check_key(request)
             body = await _read_body(request, options.max_body_bytes)
             chat = parse_chat_request(body, options.intake)
+            check_fields_for_model(chat.params, f.preprocessor, chat.n)
+            set_image_options(chat, f.preprocessor)
             if not getattr(f.preprocessor, "serves_chat", True):
                 raise InvalidRequest(f"{f.preprocessor.model} is an embedding model; use POST /v1/embeddings",
                                      param="model")
@@ -174,13 +202,16 @@ def create_app(options: AppOptions) -> FastAPI:
                 if cached is not None:
                     return _cached_answer(f, chat.model, chat.stream, chat.include_usage, cached, started)
                 keep = functools.partial(_keep_answer, f, results, key)
+            if chat.n > 1:
+                return await answer_choices(f, chat, started)
             state = await f.submit(chat)
         except ShmgateError as exc:
             count_error(f.stats, exc)
             return error_response(exc)
+        logprobs = chat.params.logprobs >= 0
         if chat.stream:
-            return await _stream(f, state, chat.model, chat.include_usage, started, keep)
-        return await _complete(f, state, chat.model, started, keep)
+            return await _stream(f, state, chat.model, chat.include_usage, started, keep, logprobs=logprobs)
+        return await _complete(f, state, chat.model, started, keep, logprobs=logprobs)
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
@@ -266,12 +297,16 @@ def _cached_answer(f: Frontend, model: str, stream: bool, include_usage: bool, c
 
 
 async def _complete(f: Frontend, state: RequestState, model: str, started: float,
-                    keep: Callable[[Finished, str], None] | None = None) -> Response:
+                    keep: Callable[[Finished, str], None] | None = None, *, logprobs: bool = False) -> Response:
     completion = Completion(model)
     parts: list[str] = []
+    entries: list[dict[str, Any]] | None = [] if logprobs else None
     try:
         async for event in f.events(state):
-            if isinstance(event, Delta):
+            if isinstance(event, TokenLogprobs):
+                if entries is not None:
+                    entries.append(logprob_entry(event.entry))
+            elif isinstance(event, Delta):
                 parts.append(event.text)
             elif isinstance(event, Failed):
                 error = _failure(event)
@@ -286,7 +321,7 @@ async def _complete(f: Frontend, state: RequestState, model: str, started: float
                 f.stats.observe(Counter.TTFT_BUCKETS, elapsed)
                 return JSONResponse(
                     completion.completion("".join(parts), event.finish_reason, event.prompt_tokens,
-                                          event.completion_tokens)
+                                          event.completion_tokens, entries)
                 )
     finally:
         if not state.done:
@@ -295,7 +330,7 @@ async def _complete(f: Frontend, state: RequestState, model: str, started: float
 
 
 async def _stream(f: Frontend, state: RequestState, model: str, include_usage: bool, started: float,
-                  keep: Callable[[Finished, str], None] | None = None) -> Response:
+                  keep: Callable[[Finished, str], None] | None = None, *, logprobs: bool = False) -> Response:
     """Wait for the first event so an early failure is a proper HTTP error, then stream."""
     events = f.events(state).__aiter__()
     try:
@@ -312,18 +347,24 @@ async def _stream(f: Frontend, state: RequestState, model: str, include_usage: b
     async def body() -> AsyncIterator[bytes]:
         ttft_seen = False
         parts: list[str] = []
+        entries: list[dict[str, Any]] = []  # logprobs of tokens whose text has not been sent yet
         try:
             yield completion.role_chunk()
-            event: Delta | Vector | Finished | Failed | None = first
+            event: Delta | Vector | TokenLogprobs | Finished | Failed | None = first
             while event is not None:
-                if isinstance(event, Delta):
+                if isinstance(event, TokenLogprobs):
+                    entries.append(logprob_entry(event.entry))
+                elif isinstance(event, Delta):
                     if not ttft_seen:
                         ttft_seen = True
                         f.stats.observe(Counter.TTFT_BUCKETS, time.monotonic() - started)
                     if keep is not None:
                         parts.append(event.text)
-                    yield completion.content_chunk(event.text)
+                    yield completion.content_chunk(event.text, entries if logprobs else None)
+                    entries = []
                 elif isinstance(event, Finished):
+                    if entries and logprobs:  # tokens with no text of their own (EOS, a held-back stop)
+                        yield completion.content_chunk("", entries)
                     if keep is not None:
                         keep(event, "".join(parts))
                     yield completion.finish_chunk(event.finish_reason)

@@ -13,6 +13,7 @@ is the only module that calls ``sys.exit`` (through ``main``'s return code).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import socket
@@ -113,9 +114,23 @@ def _add_gateway_flags(p: argparse.ArgumentParser) -> None:
                    help="comma list of CIDRs / host names that image URLs may reach besides public addresses")
     p.add_argument("--image-url-max-bytes", type=parse_size, default=env("IMAGE_URL_MAX_BYTES", "20MiB"))
     p.add_argument("--image-url-timeout-s", type=float, default=env("IMAGE_URL_TIMEOUT_S", "10"))
+    p.add_argument("--mm-processor-kwargs", type=_json_object, default=env("MM_PROCESSOR_KWARGS", "{}"),
+                   help='hf: models: image processor arguments over the checkpoint\'s, as JSON, e.g. '
+                        '\'{"max_pixels": 200704}\' (docs/MODELS.md "Processor options")')
     p.add_argument("--result-cache-mb", type=float, default=env("RESULT_CACHE_MB", "0"),
                    help="per frontend: keep this many MiB of deterministic answers (embeddings, the classifier's); "
                         "0: off (docs/MODELS.md)")
+
+
+def _json_object(text: str) -> str:
+    """Check --mm-processor-kwargs is a JSON object when the flags are parsed (the frontends parse it again)."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return text
 
 
 def _allowlist(text: str) -> str:
@@ -328,6 +343,7 @@ def _run_frontend(args: argparse.Namespace) -> int:
             decode_threads=args.decode_threads,
         ),
         result_cache_bytes=int(args.result_cache_mb * (1 << 20)),
+        processor_kwargs=json.loads(args.mm_processor_kwargs) or None,
         image_urls=FetchPolicy(
             allowlist=AllowList.parse(args.image_url_allowlist),
             max_bytes=args.image_url_max_bytes,

@@ -43,7 +43,17 @@ from shared.cache import TensorGroup
 from shared.errors import ChannelFull, Overloaded, UnknownModel
 from shared.segment import SlotState, now_ns
 from shared.transport.base import FrontendLink
-from shared.wire import INLINE_MAX_BYTES, MAX_SUBMIT_TEXT_CHARS, Delta, Failed, Finished, Submit, TensorRef, Vector
+from shared.wire import (
+    INLINE_MAX_BYTES,
+    MAX_SUBMIT_TEXT_CHARS,
+    Delta,
+    Failed,
+    Finished,
+    Submit,
+    TensorRef,
+    TokenLogprobs,
+    Vector,
+)
 
 __all__ = ["Frontend", "FrontendLimits", "Phase", "RequestState"]
 
@@ -137,7 +147,7 @@ class Frontend:
         groups: list[TensorGroup] = []
         self._set_resolving(+1)  # admitted: counts against the bound while its images decode
         try:
-            await self.images.resolve(chat.images, chat.image_params, groups)
+            await self.images.resolve(chat.images, chat.image_params, groups, chat.image_options)
             specs: list[ImageTensorSpec] = [{r.name: (r.dtype, r.shape) for r in g.refs} for g in groups]
             if self.preprocessor.prompt_is_cheap:
                 prompt = self.preprocessor.build_prompt(chat.messages, specs)
@@ -194,7 +204,7 @@ class Frontend:
         self._resolving += change
         self.link.set_preparing(self._resolving)
 
-    async def events(self, state: RequestState) -> AsyncIterator[Delta | Vector | Finished | Failed]:
+    async def events(self, state: RequestState) -> AsyncIterator[Delta | Vector | TokenLogprobs | Finished | Failed]:
         """The request's output, ending with exactly one Finished or Failed."""
         while True:
             event = await state.events.get()

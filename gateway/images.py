@@ -35,7 +35,10 @@ class ImageResolver:
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
-    async def resolve(self, images: list[bytes | EncodedImage], params: list[str], groups: list[TensorGroup]) -> None:
+    async def resolve(
+        self, images: list[bytes | EncodedImage], params: list[str], groups: list[TensorGroup],
+        options: list[dict[str, Any]] | None = None,
+    ) -> None:
         """Append each image's held tensor group to ``groups``, in order. Raises the first failure.
 
         Local cache hits are taken on the event loop, where the hit itself only takes a process-local
@@ -45,19 +48,21 @@ class ImageResolver:
         that is at most ~0.5 ms of loop time; larger images, remote hits and misses (base64 decode
         included) run in the decode pool.
         Groups acquired before a failure are still appended, so the caller releases them.
+        ``options``: each image's processor arguments (gateway/fields.py), part of its cache key.
         """
         loop = asyncio.get_running_loop()
-        cache_params = self.preprocessor.cache_params()
         slots: list[TensorGroup | asyncio.Future[TensorGroup]] = []
-        for image, param in zip(images, params, strict=True):
+        for i, (image, param) in enumerate(zip(images, params, strict=True)):
             group = None
             key = None
             material = key_material(image)
+            opts = options[i] if options else {}
+            cache_params = self._cache_params(opts)
             if len(material) <= LOOP_HASH_MAX_BYTES:
                 key = content_key(material, cache_params)
                 group = self.cache.try_hit(key)
             if group is None:
-                slots.append(loop.run_in_executor(self.pool, self._resolve_image, image, param, key))
+                slots.append(loop.run_in_executor(self.pool, self._resolve_image, image, param, key, opts))
             else:
                 slots.append(group)
         futures = [s for s in slots if isinstance(s, asyncio.Future)]
@@ -74,16 +79,24 @@ class ImageResolver:
         if failure is not None:
             raise failure
 
-    def _resolve_image(self, image: bytes | EncodedImage, param: str, key: bytes | None) -> TensorGroup:
+    def _cache_params(self, options: dict[str, Any]) -> bytes:
+        """The content-cache key's processing part: the preprocessor's, plus an image's processor options."""
+        if not options:
+            return self.preprocessor.cache_params()
+        return self.preprocessor.cache_params() + b"|" + self.preprocessor.options_key(options)  # type: ignore[attr-defined]
+
+    def _resolve_image(self, image: bytes | EncodedImage, param: str, key: bytes | None,
+                       options: dict[str, Any] | None = None) -> TensorGroup:
         """Thread pool: the cached tensors of one image, decoding (base64, then pixels) only on a miss.
 
         A decode error names ``param``, the request field the image came from (data URL or fetched).
         """
         if key is None:
-            key = content_key(key_material(image), self.preprocessor.cache_params())
+            key = content_key(key_material(image), self._cache_params(options or {}))
+        extra = {"options": options} if options else {}  # only hf: preprocessors take options
 
         def make(allocate: AllocateFn) -> None:
-            self.preprocessor.preprocess_image(image_bytes(image), allocate, max_pixels=self.max_pixels)
+            self.preprocessor.preprocess_image(image_bytes(image), allocate, max_pixels=self.max_pixels, **extra)
 
         try:
             group, _ = self.cache.acquire(key, make)

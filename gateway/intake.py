@@ -1,14 +1,17 @@
 """OpenAI chat request -> ChatRequest: parsing and validation of what clients send.
 
-Client-facing types are plain JSON msgspec Structs (not array_like). Unknown
-fields are ignored, as the OpenAI API does for forward compatibility. Every
-failure is a RequestError naming the offending ``param``; nothing here reaches
-shared memory.
+Client-facing types are plain JSON msgspec Structs (not array_like). Every
+field a request may carry is either honoured or refused with a 400 naming it
+(gateway/fields.py decides per model); a field this server does not know at
+all is ignored, as the OpenAI API does for forward compatibility, and logged
+once per name. Every failure is a RequestError naming the offending ``param``;
+nothing here reaches shared memory.
 """
 
 from __future__ import annotations
 
 import binascii
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
@@ -16,7 +19,7 @@ from typing import Any, Literal, Union
 import msgspec
 
 from shared.errors import ImageTooLarge, InvalidRequest, TooManyImages, UndecodableImage
-from shared.wire import SamplingParams
+from shared.wire import MAX_TOP_LOGPROBS, SamplingParams
 
 __all__ = [
     "ChatCompletionRequest",
@@ -78,6 +81,20 @@ class ChatCompletionRequest(msgspec.Struct):
     stop: str | list[str] | None = None
     n: int | None = None
     user: str | None = None
+    # Known, and either honoured or refused per model (gateway/fields.py): never accepted and ignored.
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stop_token_ids: list[int] | None = None  # vLLM's extension: token ids that end the answer
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None  # vLLM's: image processor arguments (gateway/fields.py)
 
 
 _decoder = msgspec.json.Decoder(ChatCompletionRequest)
@@ -139,6 +156,8 @@ class EncodedImage:
             raise InvalidRequest("the image data URL is not valid base64") from None
 
 
+MAX_N = 16  # choices per request (gateway/choices.py): each is a request in flight, so the bound is small
+
 # Key material up to this size is hashed on the event loop (a few hundred µs at most); larger, in a thread.
 LOOP_HASH_MAX_BYTES = 1 << 20
 
@@ -166,11 +185,43 @@ class ChatRequest:
     extra: dict[str, Any] = field(default_factory=dict)
     pending_urls: list[PendingImageURL] = field(default_factory=list)  # filled by gateway.fetch.fetch_pending
     task: str = ""  # Submit.task: "" for a chat answer, shared.wire.TASK_EMBED (gateway/embeddings.py)
+    n: int = 1  # choices wanted (gateway/choices.py)
+    image_details: list[str | None] = field(default_factory=list)  # each image's image_url.detail
+    processor_kwargs: dict[str, Any] | None = None  # the request's mm_processor_kwargs
+    # Each image's processor arguments (detail and mm_processor_kwargs, gateway/fields.py); empty: none.
+    image_options: list[dict[str, Any]] = field(default_factory=list)
 
 
 def parse_chat_request(body: bytes, limits: IntakeLimits) -> ChatRequest:
     """Parse and validate a request body. Raises RequestError subclasses."""
-    return chat_request_from(decode_body(_decoder, body), limits)
+    chat = chat_request_from(decode_body(_decoder, body), limits)
+    warn_unknown_fields(body)
+    return chat
+
+
+_KNOWN_FIELDS = frozenset(ChatCompletionRequest.__struct_fields__)
+_keys_decoder = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_warned: set[str] = set()
+_MAX_WARNED = 64  # a client inventing names cannot grow the set (or the log) without bound
+log = logging.getLogger("shmgate.gateway.intake")
+
+
+def warn_unknown_fields(body: bytes) -> None:
+    """Log a warning, once per field name and process, for each top-level field this server does not know.
+
+    Why: such a field is ignored (OpenAI's forward-compatibility rule), and an operator should be able
+    to see which client features are silently absent. The values are not decoded (``msgspec.Raw``).
+    """
+    if len(_warned) >= _MAX_WARNED:
+        return
+    try:
+        keys = _keys_decoder.decode(body)
+    except (msgspec.DecodeError, RecursionError):  # the typed decode above already accepted it
+        return
+    for name in keys.keys() - _KNOWN_FIELDS:
+        if name not in _warned and len(_warned) < _MAX_WARNED:
+            _warned.add(name)
+            log.warning("request field %r is not known to this server and is ignored (logged once)", name[:64])
 
 
 def decode_body(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
@@ -193,12 +244,14 @@ def chat_request_from(req: ChatCompletionRequest, limits: IntakeLimits) -> ChatR
         raise InvalidRequest("messages must not be empty", param="messages")
     if len(req.messages) > limits.max_messages:
         raise InvalidRequest(f"at most {limits.max_messages} messages are accepted", param="messages")
-    if req.n not in (None, 1):
-        raise InvalidRequest("only n=1 is supported", param="n")
+    if req.n is not None and not 1 <= req.n <= MAX_N:
+        raise InvalidRequest(f"n must be between 1 and {MAX_N}", param="n")
+    check_unsupported(req)
     params = _sampling(req)
     messages: list[dict[str, Any]] = []
     images: list[bytes | EncodedImage] = []
     image_params: list[str] = []
+    details: list[str | None] = []
     texts: list[str] = []
     pending: list[PendingImageURL] = []
     n_chars = n_parts = 0
@@ -225,6 +278,10 @@ def chat_request_from(req: ChatCompletionRequest, limits: IntakeLimits) -> ChatR
                         )
                     add_image(part.image_url.url, f"messages[{i}].content[{j}].image_url", limits, images,
                               image_params, pending)
+                    if part.image_url.detail not in (None, "auto", "low", "high"):
+                        raise InvalidRequest('detail must be "auto", "low" or "high"',
+                                             param=f"messages[{i}].content[{j}].image_url.detail")
+                    details.append(part.image_url.detail)
                     parts.append({"type": "image"})
         if n_parts > limits.max_parts:
             raise InvalidRequest(f"at most {limits.max_parts} content parts are accepted", param="messages")
@@ -241,6 +298,9 @@ def chat_request_from(req: ChatCompletionRequest, limits: IntakeLimits) -> ChatR
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         text="\n".join(texts),
         pending_urls=pending,
+        n=req.n or 1,
+        image_details=details,
+        processor_kwargs=req.mm_processor_kwargs,
     )
 
 
@@ -264,7 +324,70 @@ def _sampling(req: ChatCompletionRequest) -> SamplingParams:
     seed = req.seed
     if seed is not None and not -(1 << 63) <= seed < 1 << 63:
         raise InvalidRequest("seed is out of range", param="seed")
-    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop)
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
+                          presence_penalty=_penalty(req.presence_penalty, "presence_penalty"),
+                          frequency_penalty=_penalty(req.frequency_penalty, "frequency_penalty"),
+                          logit_bias=_logit_bias(req.logit_bias), stop_token_ids=_stop_token_ids(req.stop_token_ids),
+                          logprobs=(req.top_logprobs or 0) if req.logprobs else -1)
+
+
+def check_unsupported(req: ChatCompletionRequest) -> None:
+    """Refuse, with a 400 naming the field, what no model here does: tools, structured output.
+
+    Why refuse rather than ignore: a client that asks for a JSON object or a tool call and gets
+    free text back fails later and further from the cause.
+    """
+    if req.tools:
+        raise InvalidRequest("tools (function calling) are not supported by this server", param="tools")
+    if req.functions:
+        raise InvalidRequest("functions (function calling) are not supported by this server", param="functions")
+    if req.tool_choice is not None and req.tool_choice != "none":
+        raise InvalidRequest('tool_choice is not supported; only "none" is accepted', param="tool_choice")
+    if req.function_call is not None and req.function_call != "none":
+        raise InvalidRequest('function_call is not supported; only "none" is accepted', param="function_call")
+    if req.response_format is not None and req.response_format.get("type", "text") != "text":
+        raise InvalidRequest('only response_format {"type": "text"} is supported', param="response_format")
+    if req.stream_options is not None and not req.stream:
+        raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}", param="top_logprobs")
+    if req.top_logprobs and not req.logprobs:
+        raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+
+
+def _penalty(value: float | None, name: str) -> float:
+    if value is None:
+        return 0.0
+    if not -2.0 <= value <= 2.0:
+        raise InvalidRequest(f"{name} must be between -2 and 2", param=name)
+    return float(value)
+
+
+MAX_LOGIT_BIAS = 300  # OpenAI's own bound on the number of entries
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """``{"token id": bias}`` -> sorted ``((id, bias), ...)``; the vocabulary bound is checked per model."""
+    if not bias:
+        return ()
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(f"logit_bias takes at most {MAX_LOGIT_BIAS} entries", param="logit_bias")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if not key.isdigit() or len(key) > 9:
+            raise InvalidRequest(f"logit_bias keys are token ids; {key[:20]!r} is not", param="logit_bias")
+        if not -100.0 <= value <= 100.0:
+            raise InvalidRequest("logit_bias values must be between -100 and 100", param="logit_bias")
+        out[int(key)] = float(value)
+    return tuple(sorted(out.items()))
+
+
+def _stop_token_ids(ids: list[int] | None) -> tuple[int, ...]:
+    if not ids:
+        return ()
+    if len(ids) > 64 or any(not 0 <= i < 1 << 31 for i in ids):
+        raise InvalidRequest("stop_token_ids takes up to 64 token ids", param="stop_token_ids")
+    return tuple(sorted(set(ids)))
 
 
 def add_image(url: str, param: str, limits: IntakeLimits, images: list[bytes | EncodedImage], params: list[str],

@@ -30,7 +30,7 @@ from shared.errors import ChannelFull, Overloaded, PeerDied, RequestTimeout, Shm
 from shared.instance import DEAD_AFTER_S
 from shared.segment import now_ns
 from shared.transport.base import FrontendLink
-from shared.wire import Cancel, Claimed, Delta, Failed, Finished, Released, Vector, failed_reply
+from shared.wire import Cancel, Claimed, Delta, Failed, Finished, Released, TokenLogprobs, Vector, failed_reply
 
 __all__ = ["GRACE_S", "MAX_ATTEMPTS", "TAKEN_UNCLAIMED_S", "WATCHDOG_INTERVAL_S", "ReplyRouter"]
 
@@ -119,7 +119,7 @@ class ReplyRouter:
         elif isinstance(message, Released):
             if state.phase is Phase.CLAIMED:
                 state.to(Phase.RELEASED)
-        elif isinstance(message, (Delta, Vector)):
+        elif isinstance(message, (Delta, Vector, TokenLogprobs)):
             if not state.abandoned:
                 state.to(Phase.STREAMING)
             state.events.put_nowait(message)

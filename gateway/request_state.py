@@ -21,7 +21,7 @@ import enum
 from dataclasses import dataclass, field
 
 from shared.cache import TensorGroup
-from shared.wire import Delta, Failed, Finished, Submit, Vector
+from shared.wire import Delta, Failed, Finished, Submit, TokenLogprobs, Vector
 
 __all__ = ["IllegalTransition", "Phase", "RequestState"]
 
@@ -57,7 +57,7 @@ class RequestState:
     submit: Submit
     groups: list[TensorGroup]
     started: float
-    events: asyncio.Queue[Delta | Vector | Finished | Failed] = field(default_factory=asyncio.Queue)
+    events: asyncio.Queue[Delta | Vector | TokenLogprobs | Finished | Failed] = field(default_factory=asyncio.Queue)
     worker: tuple[int, int] | None = None  # (slot, epoch) of the claiming worker; kept when ABANDONED
     phase: Phase = Phase.QUEUED
     send_seq: int = 0  # this frontend's count of sends when its descriptor went onto the queue (0: not yet)

@@ -15,7 +15,9 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["Completion"]
+from shared.wire import TokenLogprob
+
+__all__ = ["Completion", "logprob_entry", "usage"]
 
 _json = msgspec.json.Encoder()
 
@@ -40,14 +42,17 @@ class Completion:
             body["usage"] = usage
         return b"data: " + _json.encode(body) + b"\n\n"
 
-    def role_chunk(self) -> bytes:
-        return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+    def role_chunk(self, *, index: int = 0) -> bytes:
+        return self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
 
-    def content_chunk(self, text: str) -> bytes:
-        return self._chunk([{"index": 0, "delta": {"content": text}, "finish_reason": None}])
+    def content_chunk(self, text: str, logprobs: list[dict[str, Any]] | None = None, *, index: int = 0) -> bytes:
+        choice: dict[str, Any] = {"index": index, "delta": {"content": text}, "finish_reason": None}
+        if logprobs is not None:
+            choice["logprobs"] = {"content": logprobs}
+        return self._chunk([choice])
 
-    def finish_chunk(self, finish_reason: str) -> bytes:
-        return self._chunk([{"index": 0, "delta": {}, "finish_reason": finish_reason}])
+    def finish_chunk(self, finish_reason: str, *, index: int = 0) -> bytes:
+        return self._chunk([{"index": index, "delta": {}, "finish_reason": finish_reason}])
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> bytes:
         return self._chunk([], usage=usage(prompt_tokens, completion_tokens))
@@ -60,8 +65,9 @@ class Completion:
     def done() -> bytes:
         return b"data: [DONE]\n\n"
 
-    def completion(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-        return {
+    def completion(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,
+                   logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {
             "id": self.id,
             "object": "chat.completion",
             "created": self.created,
@@ -71,6 +77,19 @@ class Completion:
             ],
             "usage": usage(prompt_tokens, completion_tokens),
         }
+        if logprobs is not None:
+            body["choices"][0]["logprobs"] = {"content": logprobs}
+        return body
+
+
+def logprob_entry(entry: TokenLogprob) -> dict[str, Any]:
+    """OpenAI's ``logprobs.content[i]`` for one sampled token (``bytes``: its text's UTF-8 bytes)."""
+    return {
+        "token": entry.token,
+        "logprob": entry.logprob,
+        "bytes": list(entry.token.encode()),
+        "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in entry.top],
+    }
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

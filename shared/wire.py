@@ -36,6 +36,8 @@ __all__ = [
     "SamplingParams",
     "Submit",
     "TensorRef",
+    "TokenLogprob",
+    "TokenLogprobs",
     "TASK_EMBED",
     "VECTOR_CHUNK_BYTES",
     "Vector",
@@ -104,6 +106,13 @@ class SamplingParams(Struct, array_like=True, frozen=True, gc=False, omit_defaul
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    # Appended (wire rule 2): OpenAI's penalties on tokens already generated, per-token-id logit
+    # biases as sorted (id, bias) pairs, and token ids that end the answer like EOS (vLLM's extension).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: int = -1  # -1: none; k >= 0: each sampled token's log-probability and the k likeliest (TokenLogprobs)
 
 
 class Message(Struct, tag=True, array_like=True, frozen=True):
@@ -198,8 +207,31 @@ class Vector(Message, tag="v"):
     data: bytes
 
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound
+MAX_LOGPROB_TOKEN_CHARS = 32  # a token's text is cut to this, so 1 + 20 entries always fit one reply message
+
+
+class TokenLogprob(Struct, array_like=True, frozen=True, gc=False):
+    """One sampled token's text and log-probability, and its ``top`` alternatives as (text, logprob)."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
+
+
+class TokenLogprobs(Message, tag="l"):
+    """Worker -> frontend: the log-probabilities of one sampled token (``SamplingParams.logprobs >= 0``).
+
+    Sent before the Delta (or Finished) that carries the token's text, one message per token:
+    with 20 alternatives of at most MAX_LOGPROB_TOKEN_CHARS characters it stays under 4 KiB.
+    """
+
+    request_id: U64
+    entry: TokenLogprob
+
+
 ToWorker = Union[Submit, Cancel]
-ToGateway = Union[Claimed, Released, Delta, Finished, Failed, Vector]
+ToGateway = Union[Claimed, Released, Delta, Finished, Failed, Vector, TokenLogprobs]
 
 # Built once and reused (msgspec perf tips). Encoders and decoders are stateless.
 encoder = msgspec.msgpack.Encoder()

@@ -94,7 +94,32 @@ def _train_tokenizer_files() -> tuple[dict[str, int], list[tuple[str, str]]]:
     return dict(model["vocab"]), merges  # type: ignore[return-value]
 
 
-def _build_processor(path: Path) -> Any:
+# The families this module builds (config.json model_type). All three share Qwen2-VL's image processor
+# class, placeholder and multimodal RoPE; Qwen3-VL uses 16 px patches, learned vision position
+# embeddings, interleaved RoPE sections and "deepstack" visual features fed into early text layers.
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava")
+# LLaVA-1.5: a CLIP vision tower at a fixed 56 x 56 px (4 x 4 patches of 14 px: 16 image tokens, the
+# CLS feature dropped as vision_feature_select_strategy "default" does), a Llama text model, and
+# LLaVA-1.5's "USER: <image>\n... ASSISTANT:" prompt format.
+LLAVA_IMAGE_SIZE = 56
+_LLAVA_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}USER: {% elif message['role'] == 'system' %}{% else %}ASSISTANT: {% endif %}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}<image>\n{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{% if message['role'] == 'assistant' %}<|im_end|>{% endif %} "
+    "{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+
+
+def _patch(family: str) -> int:
+    return 16 if family == "qwen3_vl" else 14
+
+
+def _build_processor(path: Path, family: str = "qwen2_vl") -> Any:
     """Save tokenizer (with chat template) and image processor; return the tokenizer.
 
     The parts are saved one by one, not through ``Qwen2VLProcessor``: in
@@ -108,36 +133,29 @@ def _build_processor(path: Path) -> Any:
 
     vocab, merges = _train_tokenizer_files()
     tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=4096)
-    tokenizer.add_special_tokens({"additional_special_tokens": _SPECIAL_TOKENS[1:]})
+    extra = ["<image>"] if family == "llava" else []
+    tokenizer.add_special_tokens({"additional_special_tokens": _SPECIAL_TOKENS[1:] + extra})
     tokenizer.eos_token = "<|im_end|>"
-    tokenizer.chat_template = _CHAT_TEMPLATE
+    tokenizer.chat_template = _LLAVA_TEMPLATE if family == "llava" else _CHAT_TEMPLATE
     tokenizer.save_pretrained(str(path))
-    image_processor = Qwen2VLImageProcessorPil(min_pixels=TINY_MIN_PIXELS, max_pixels=TINY_MAX_PIXELS)
+    if family == "llava":
+        from transformers import CLIPImageProcessorPil
+
+        size = LLAVA_IMAGE_SIZE
+        CLIPImageProcessorPil(size={"shortest_edge": size}, crop_size={"height": size, "width": size}).save_pretrained(
+            str(path))
+        return tokenizer
+    scale = (_patch(family) / 14) ** 2  # the same token bounds at the family's patch size
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=int(TINY_MIN_PIXELS * scale),
+                                               max_pixels=int(TINY_MAX_PIXELS * scale), patch_size=_patch(family))
     image_processor.save_pretrained(str(path))
     (path / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2VLProcessor"}) + "\n")
     return tokenizer
 
 
-def _build_model(path: Path, tokenizer: Any) -> None:
-    import torch
-    from transformers import GenerationConfig, Qwen2VLConfig, Qwen2VLForConditionalGeneration
-
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in _SPECIAL_TOKENS}
-    config = Qwen2VLConfig(
-        text_config={
-            "vocab_size": len(tokenizer),
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": 4096,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-            "bos_token_id": ids["<|endoftext|>"],
-            "eos_token_id": ids["<|im_end|>"],
-            "pad_token_id": ids["<|endoftext|>"],
-        },
-        vision_config={
+def _vision_config(family: str) -> dict[str, Any]:
+    if family == "qwen2_vl":
+        return {
             "depth": 1,
             "embed_dim": 32,
             "hidden_size": 64,  # the merger projects to the text width
@@ -146,18 +164,86 @@ def _build_model(path: Path, tokenizer: Any) -> None:
             "patch_size": 14,
             "spatial_merge_size": 2,
             "temporal_patch_size": 2,
+        }
+    common = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+              "patch_size": _patch(family), "spatial_merge_size": 2, "temporal_patch_size": 2}
+    if family == "qwen2_5_vl":
+        return {**common, "window_size": 56, "fullatt_block_indexes": [0]}
+    return {**common, "num_position_embeddings": 64, "deepstack_visual_indexes": [0]}
+
+
+def _build_llava(tokenizer: Any, ids: dict[str, int]) -> Any:
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
+
+    config = LlavaConfig(
+        vision_config={"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+                       "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": LLAVA_IMAGE_SIZE,
+                       "patch_size": 14, "projection_dim": 32},
+        text_config={"model_type": "llama", "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128,
+                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                     "max_position_embeddings": 4096, "bos_token_id": ids["<|endoftext|>"],
+                     "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"]},
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+    )
+    return LlavaForConditionalGeneration(config).eval()
+
+
+def _build_model(path: Path, tokenizer: Any, family: str = "qwen2_vl") -> None:
+    import torch
+    import transformers
+
+    if family == "llava":
+        ids = {t: tokenizer.convert_tokens_to_ids(t) for t in _SPECIAL_TOKENS}
+        torch.manual_seed(0)
+        model = _build_llava(tokenizer, ids)
+        _finish_model(model, path, [*ids.values(), tokenizer.convert_tokens_to_ids("<image>")], ids)
+        return
+
+    config_class, model_class = {
+        "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
+        "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
+        "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
+    }[family]
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in _SPECIAL_TOKENS}
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    if family == "qwen3_vl":
+        rope["mrope_interleaved"] = True
+    config = getattr(transformers, config_class)(
+        text_config={
+            "vocab_size": len(tokenizer),
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 4096,
+            "head_dim": 16,
+            "rope_parameters": rope,
+            "bos_token_id": ids["<|endoftext|>"],
+            "eos_token_id": ids["<|im_end|>"],
+            "pad_token_id": ids["<|endoftext|>"],
         },
+        vision_config=_vision_config(family),
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
     )
     torch.manual_seed(0)
-    model = Qwen2VLForConditionalGeneration(config).eval()
+    model = getattr(transformers, model_class)(config).eval()
+    _finish_model(model, path, list(ids.values()), ids)
+
+
+def _finish_model(model: Any, path: Path, control: list[int], ids: dict[str, int]) -> None:
+    import torch
+    from transformers import GenerationConfig
+
     with torch.no_grad():
         # Random logits are nearly uniform; silence the control tokens so greedy
         # decoding never ends on its first step and tests see long streams.
-        model.lm_head.weight[list(ids.values())] = 0.0
+        model.lm_head.weight[control] = 0.0
     model.generation_config = GenerationConfig(
         eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
         pad_token_id=ids["<|endoftext|>"],
@@ -166,8 +252,8 @@ def _build_model(path: Path, tokenizer: Any) -> None:
     model.save_pretrained(str(path))
 
 
-def build_tiny_vlm(path: Path) -> Path:
-    """Write a tiny Qwen2-VL model and its processor into ``path`` (created if needed) and return it.
+def build_tiny_vlm(path: Path, family: str = "qwen2_vl") -> Path:
+    """Write a tiny model of ``family`` (FAMILIES) and its processor into ``path`` (created if needed).
 
     Deterministic and fast (a couple of seconds on CPU). The directory loads with
     ``AutoImageProcessor``, ``AutoTokenizer`` and ``AutoModelForImageTextToText`` (and
@@ -175,8 +261,8 @@ def build_tiny_vlm(path: Path) -> Path:
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = _build_processor(path)
-    _build_model(path, tokenizer)
+    tokenizer = _build_processor(path, family)
+    _build_model(path, tokenizer, family)
     return path
 
 

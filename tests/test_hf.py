@@ -33,7 +33,7 @@ from gateway.preprocess.base import ImageTensorSpec  # noqa: E402
 from gateway.preprocess.hf import HFPreprocessor  # noqa: E402
 from shared.errors import InvalidRequest, UndecodableImage  # noqa: E402
 from shared.wire import SamplingParams  # noqa: E402
-from tests.hf_fixture import build_tiny_vlm, reference_processor  # noqa: E402
+from tests.hf_fixture import reference_processor  # noqa: E402
 from worker.backends.base import BackendEvent, WorkItem  # noqa: E402
 from worker.backends.hf import HFBackend, IncrementalDetokenizer, StopStringFilter, sample_token  # noqa: E402
 
@@ -48,8 +48,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_vlm(tmp_path_factory.mktemp("models") / "tiny-qwen2-vl")
+def model_dir(tiny_qwen2_vl_dir: Path) -> Path:
+    return tiny_qwen2_vl_dir
 
 
 @pytest.fixture(scope="module")

@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from tests.hf_fixture import build_tiny_vlm
 from tests.serving import IMAGES, Server, data_url, start_server
 from tests.shm_children import leftovers
 
 
 @pytest.fixture(scope="module")
-def hf_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    model_dir = build_tiny_vlm(tmp_path_factory.mktemp("models") / "tiny-qwen2-vl")
+def hf_server(tiny_qwen2_vl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    model_dir = tiny_qwen2_vl_dir
     server = start_server(f"hf:{model_dir}", tmp_path_factory.mktemp("serve"), "--threads", "1")
     try:
         yield server
@@ -78,3 +78,105 @@ def test_concurrent_requests_with_different_images_do_not_mix(hf_server: Server)
         return [r.json()["choices"][0]["message"]["content"] for r in responses]
 
     assert asyncio.run(together()) == expected * 2
+
+
+def test_unsupported_fields_are_a_400_naming_them_over_http(hf_server: Server) -> None:
+    url = hf_server.base_url + "/v1/chat/completions"
+    base = {"model": "tiny-qwen2-vl", "messages": _messages("coffee_640.jpg", "Hi"), "max_tokens": 2}
+    for extra, param in [({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+                         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+                         ({"response_format": {"type": "json_object"}}, "response_format"),
+                         ({"stream_options": {"include_usage": True}}, "stream_options"),
+                         ({"logit_bias": {"999999": 1}}, "logit_bias")]:
+        r = httpx.post(url, json={**base, **extra}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+    assert httpx.post(url, json={**base, "some_future_field": 1}, timeout=60).status_code == 200
+
+
+def test_logit_bias_is_honoured_over_http(hf_server: Server, tiny_qwen2_vl_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen2_vl_dir)
+    favoured = tokenizer.encode(" fox")[0]
+    client = openai.OpenAI(base_url=hf_server.base_url + "/v1", api_key="unused")
+    reply = client.chat.completions.create(model="tiny-qwen2-vl", messages=_messages("camera_640.jpg", "Name it."),
+                                           max_tokens=3, temperature=0, logit_bias={str(favoured): 100})
+    assert reply.choices[0].message.content == tokenizer.decode([favoured] * 3) != ""
+
+
+def test_logprobs_streamed_and_whole_agree(hf_server: Server) -> None:
+    client = openai.OpenAI(base_url=hf_server.base_url + "/v1", api_key="unused")
+    kwargs = dict(model="tiny-qwen2-vl", messages=_messages("chelsea_640.jpg", "Describe."), max_tokens=8,
+                  temperature=0, logprobs=True, top_logprobs=3)
+    whole = client.chat.completions.create(**kwargs)  # type: ignore[call-overload]
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens and all(len(e.top_logprobs) == 3 for e in content)
+    assert all(e.logprob <= 0 and e.top_logprobs[0].logprob >= e.logprob - 1e-6 for e in content)  # greedy
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))  # type: ignore[call-overload]
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    plain = client.chat.completions.create(**{**kwargs, "logprobs": False, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None
+
+
+def test_n_choices_are_the_seeded_single_answers(hf_server: Server) -> None:
+    client = openai.OpenAI(base_url=hf_server.base_url + "/v1", api_key="unused")
+    kwargs = dict(model="tiny-qwen2-vl", messages=_messages("coffee_640.jpg", "Describe."), max_tokens=6,
+                  temperature=0.9)
+    many = client.chat.completions.create(n=3, seed=40, **kwargs)  # type: ignore[call-overload]
+    singles = [client.chat.completions.create(seed=40 + i, **kwargs) for i in range(3)]  # type: ignore[call-overload]
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    assert [c.message.content for c in many.choices] == [s.choices[0].message.content for s in singles]
+    assert many.usage.prompt_tokens == singles[0].usage.prompt_tokens
+    assert many.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+    chunks = list(client.chat.completions.create(n=3, seed=40, stream=True, **kwargs))  # type: ignore[call-overload]
+    streamed = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+                for i in range(3)]
+    assert streamed == [c.message.content for c in many.choices]
+
+
+def test_tokenize_counts_what_the_model_reads(hf_server: Server, tiny_qwen2_vl_dir: Path) -> None:
+    from transformers import AutoConfig
+
+    url = hf_server.base_url
+    messages = _messages("chelsea_1024.jpg", "Count me.")
+    counted = httpx.post(url + "/tokenize", json={"model": "tiny-qwen2-vl", "messages": messages}, timeout=60).json()
+    chat = httpx.post(url + "/v1/chat/completions", json={"model": "tiny-qwen2-vl", "messages": messages,
+                                                          "max_tokens": 1}, timeout=60).json()
+    assert counted["count"] == len(counted["tokens"]) == chat["usage"]["prompt_tokens"]
+    pad = httpx.post(url + "/tokenize", json={"model": "tiny-qwen2-vl", "prompt": "<|image_pad|>"},
+                     timeout=60).json()["tokens"]
+    assert len(pad) == 1
+    assert counted["tokens"].count(pad[0]) == 24  # the 1024x681 photo at the fixture's bounds (tests/hf_fixture.py)
+    max_len = AutoConfig.from_pretrained(tiny_qwen2_vl_dir).get_text_config().max_position_embeddings
+    assert counted["max_model_len"] == max_len
+    assert httpx.get(url + "/v1/models").json()["data"][0]["max_model_len"] == max_len
+    text = httpx.post(url + "/detokenize", json={"model": "tiny-qwen2-vl", "tokens": counted["tokens"]},
+                      timeout=60).json()["prompt"]
+    assert text.count("<|image_pad|>") == 24 and "Count me." in text
+    bad = httpx.post(url + "/detokenize", json={"model": "tiny-qwen2-vl", "tokens": [10**6]}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    both = httpx.post(url + "/tokenize", json={"model": "tiny-qwen2-vl"}, timeout=60)
+    assert both.status_code == 400 and both.json()["error"]["param"] == "messages"
+
+
+def test_mm_processor_kwargs_change_the_image_tokens_and_the_cache_key(hf_server: Server) -> None:
+    url = hf_server.base_url
+    messages = _messages("chelsea_1024.jpg", "Tokens?")
+
+    def prompt_tokens(**extra: object) -> int:
+        r = httpx.post(url + "/v1/chat/completions", json={"model": "tiny-qwen2-vl", "messages": messages,
+                                                           "max_tokens": 1, **extra}, timeout=60)
+        assert r.status_code == 200, r.text
+        return int(r.json()["usage"]["prompt_tokens"])
+
+    default = prompt_tokens()
+    small = prompt_tokens(mm_processor_kwargs={"max_pixels": 28 * 28 * 8})
+    assert small <= default - 16  # 24 image tokens by default, at most 8 now
+    assert prompt_tokens() == default  # the same image, default options again: not the small tensors
+    counted = httpx.post(url + "/tokenize", json={"model": "tiny-qwen2-vl", "messages": messages,
+                                                  "mm_processor_kwargs": {"max_pixels": 28 * 28 * 8}}, timeout=60)
+    assert counted.json()["count"] == small
+    bad = httpx.post(url + "/v1/chat/completions", json={"model": "tiny-qwen2-vl", "messages": messages,
+                                                         "mm_processor_kwargs": {"patch_size": 7}}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "mm_processor_kwargs"

@@ -34,7 +34,7 @@ from PIL import Image
 
 from shared.wire import INLINE_MAX_BYTES
 from tests.conftest import _serve
-from tests.hf_fixture import build_tiny_vlm, reference_processor
+from tests.hf_fixture import reference_processor
 from tests.serving import IMAGES, Server, data_url
 
 MODEL = "checksum:tiny-qwen2-vl"
@@ -42,8 +42,8 @@ LONG_TEXT = " ".join(f"Describe the picture number {i} in one sentence." for i i
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_vlm(tmp_path_factory.mktemp("models") / "tiny-qwen2-vl")
+def model_dir(tiny_qwen2_vl_dir: Path) -> Path:
+    return tiny_qwen2_vl_dir
 
 
 @pytest.fixture(scope="module")

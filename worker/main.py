@@ -71,6 +71,7 @@ from shared.wire import (
     Finished,
     Released,
     Submit,
+    TokenLogprobs,
     failed_reply,
 )
 from worker.backends import load_backend
@@ -379,6 +380,9 @@ class Worker:
                 job = live[event.index]
                 if job.done:
                     continue
+                if event.logprob is not None:  # before the token's text: flush what is held first
+                    self._flush_text(job)
+                    self._reply(job.submit, TokenLogprobs(job.submit.request_id, event.logprob))
                 if event.text:
                     job.pending.append(event.text)
                 if event.vector is not None:

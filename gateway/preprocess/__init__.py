@@ -7,15 +7,21 @@ dependencies (transformers, for instance).
 
 from __future__ import annotations
 
+from typing import Any
+
 from gateway.preprocess.base import Preprocessor
 from shared.models import ModelKind, ModelSpec, parse_model_spec
 
 __all__ = ["get_preprocessor"]
 
 
-def get_preprocessor(model: str, *, max_images: int = 8) -> Preprocessor:
-    """The preprocessor for ``model`` (a spec, shared/models.py). Raises ValueError for an unknown model."""
+def get_preprocessor(model: str, *, max_images: int = 8,
+                     processor_kwargs: dict[str, Any] | None = None) -> Preprocessor:
+    """The preprocessor for ``model`` (a spec, shared/models.py). Raises ValueError for an unknown model,
+    and for ``processor_kwargs`` (--mm-processor-kwargs) given to a model without an HF image processor."""
     spec = parse_model_spec(model)
+    if processor_kwargs and spec.kind not in (ModelKind.HF_CHAT, ModelKind.CHECKSUM_HF):
+        raise ValueError(f"--mm-processor-kwargs applies to hf: chat models only, not {model}")
     match spec.kind:
         case ModelKind.EFFICIENTNET:
             from gateway.preprocess.vision import EfficientNetPreprocessor
@@ -34,7 +40,8 @@ def get_preprocessor(model: str, *, max_images: int = 8) -> Preprocessor:
             # feeds a worker that answers with digests (worker/backends/checksum.py).
             from gateway.preprocess.hf import HFPreprocessor
 
-            return HFPreprocessor(_directory(spec), max_images=max_images, model_id=spec.public_id)
+            return HFPreprocessor(_directory(spec), max_images=max_images, model_id=spec.public_id,
+                                  samples_tokens=spec.kind is ModelKind.HF_CHAT, processor_kwargs=processor_kwargs)
 
 
 def _directory(spec: ModelSpec) -> str:

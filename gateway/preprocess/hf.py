@@ -45,7 +45,7 @@ import numpy as np
 from gateway.imaging import decode_image
 from gateway.preprocess.base import AllocateFn, ImageTensorSpec, PromptInputs
 from shared.errors import InvalidRequest, UndecodableImage
-from shared.models import model_id_for  # the one rule, said in shared/models.py
+from shared.models import check_chat_model_type, model_id_for  # the rules, said in shared/models.py
 
 __all__ = ["HFPreprocessor", "model_id_for"]
 
@@ -68,13 +68,43 @@ def _processor_chat_template(path: str) -> str | None:
 
 @dataclass(frozen=True)
 class _Architecture:
-    """What differs between processor families: the placeholder token and its count per image."""
+    """What differs between processor families: the placeholder token and its count per image, and
+    the processor arguments ``image_url.detail: "low"`` stands for (``{}``: no lower setting)."""
 
     image_token: str
-    tokens_per_image: Callable[[Any, ImageTensorSpec], int]
+    tokens_per_image: Callable[[Any, ImageTensorSpec, Any], int]  # (image processor, spec, model config)
+    low_detail: Callable[[Any], dict[str, Any]] = lambda image_processor: {}
 
 
-def _merged_patches(image_processor: Any, spec: ImageTensorSpec) -> int:
+# image_url.detail "low" for the Qwen2-VL family: at most this many image tokens per image (OpenAI's
+# low detail is one 512x512 view; 256 tokens of 28 x 28 px is 448 x 448 px, close to it).
+LOW_DETAIL_TOKENS = 256
+
+
+def _qwen_low_detail(image_processor: Any) -> dict[str, Any]:
+    """A ``size`` bound of LOW_DETAIL_TOKENS merged patches, never above the configured one (``size`` is
+    the processor's current form of ``max_pixels``/``min_pixels``, which transformers 5 deprecates)."""
+    side = int(image_processor.patch_size) * int(image_processor.merge_size)
+    size = image_processor.size or {}
+    longest = min(int(size.get("longest_edge", 1 << 62)), LOW_DETAIL_TOKENS * side * side)
+    return {"size": {"longest_edge": longest, "shortest_edge": min(int(size.get("shortest_edge", 0)), longest)}}
+
+
+# Processor arguments neither --mm-processor-kwargs nor a request may set: they change the tensor
+# layout the model was built for (patch and merge sizes), or how the processor returns its output.
+FIXED_PROCESSOR_KEYS = frozenset({
+    "patch_size", "temporal_patch_size", "merge_size", "return_tensors", "data_format", "input_data_format",
+    "device", "disable_grouping", "image_seq_length",
+})
+
+
+def processor_keys(image_processor: Any) -> frozenset[str]:
+    """The arguments this image processor accepts (its ``valid_kwargs``), less FIXED_PROCESSOR_KEYS."""
+    declared = getattr(getattr(image_processor, "valid_kwargs", None), "__annotations__", {})
+    return frozenset(declared) - FIXED_PROCESSOR_KEYS
+
+
+def _merged_patches(image_processor: Any, spec: ImageTensorSpec, config: Any) -> int:
     """Qwen2-VL family: one token per ``merge_size x merge_size`` block of 14 px patches."""
     if PIXEL_VALUES not in spec:
         raise InvalidRequest(f"An image has no '{PIXEL_VALUES}' tensor; it was not made by this preprocessor.")
@@ -85,10 +115,21 @@ def _merged_patches(image_processor: Any, spec: ImageTensorSpec) -> int:
     return patches // merge
 
 
+def _clip_patches(image_processor: Any, spec: ImageTensorSpec, config: Any) -> int:
+    """LLaVA-1.5: one token per patch of the fixed-size CLIP input, plus the CLS feature unless the
+    model drops it (``vision_feature_select_strategy`` "default")."""
+    if PIXEL_VALUES not in spec or len(spec[PIXEL_VALUES][1]) != 4:
+        raise InvalidRequest(f"An image has no 4-D '{PIXEL_VALUES}' tensor; it was not made by this preprocessor.")
+    _, _, height, width = spec[PIXEL_VALUES][1]
+    patch = int(config.vision_config.patch_size)
+    return (height // patch) * (width // patch) + (0 if config.vision_feature_select_strategy == "default" else 1)
+
+
 # Keyed by the image processor class without its backend suffix. Qwen2.5-VL checkpoints
 # use the same image processor and placeholder.
 _ARCHITECTURES: dict[str, _Architecture] = {
-    "Qwen2VLImageProcessor": _Architecture("<|image_pad|>", _merged_patches),
+    "Qwen2VLImageProcessor": _Architecture("<|image_pad|>", _merged_patches, _qwen_low_detail),
+    "CLIPImageProcessor": _Architecture("<image>", _clip_patches),  # LLaVA-1.5 (model_type llava)
 }
 
 
@@ -104,7 +145,8 @@ class HFPreprocessor:
     prompt_is_cheap = False  # the chat template and the tokenizer take milliseconds: keep them off the loop
 
     def __init__(
-        self, model_dir: str | os.PathLike[str], *, max_images: int = 8, model_id: str | None = None
+        self, model_dir: str | os.PathLike[str], *, max_images: int = 8, model_id: str | None = None,
+        samples_tokens: bool = True, processor_kwargs: dict[str, Any] | None = None,
     ) -> None:
         """Load the processor parts from ``model_dir``.
 
@@ -120,7 +162,14 @@ class HFPreprocessor:
         path = os.fspath(model_dir)
         self.model = model_id or model_id_for(path)
         self.max_images = max_images
+        check_chat_model_type(path)
         self.image_processor = AutoImageProcessor.from_pretrained(path, backend="pil")
+        if processor_kwargs:  # --mm-processor-kwargs: the checkpoint's processor config, overridden
+            unknown = set(processor_kwargs) - processor_keys(self.image_processor)
+            if unknown:
+                raise ValueError(f"--mm-processor-kwargs: {sorted(unknown)} are not settable arguments of "
+                                 f"{type(self.image_processor).__name__}; known: {sorted(processor_keys(self.image_processor))}")
+            self.image_processor = AutoImageProcessor.from_pretrained(path, backend="pil", **processor_kwargs)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         kind = type(self.image_processor).__name__.removesuffix("Pil").removesuffix("Fast")
         if kind not in _ARCHITECTURES:
@@ -131,8 +180,13 @@ class HFPreprocessor:
         self.tokenizer.chat_template = _processor_chat_template(path) or self.tokenizer.chat_template
         if not self.tokenizer.chat_template:
             raise ValueError(f"{path}: no chat template (chat_template.jinja / .json or tokenizer_config.json)")
-        text_config = AutoConfig.from_pretrained(path).get_text_config()
+        self._config = AutoConfig.from_pretrained(path)
+        text_config = self._config.get_text_config()
         self.max_prompt_tokens: int | None = getattr(text_config, "max_position_embeddings", None)
+        # gateway/fields.py: token-level request fields are honoured only by a model that samples tokens
+        # (not checksum:hf:), and their token ids must be below this.
+        self.samples_tokens = samples_tokens
+        self.vocab_size: int = int(text_config.vocab_size)
         self._tokenizer_lock = threading.Lock()
         self._cache_params = self._describe_processing()
 
@@ -157,16 +211,43 @@ class HFPreprocessor:
         }
         return json.dumps(params, sort_keys=True, default=str).encode()
 
-    def preprocess_image(self, data: bytes, allocate: AllocateFn, *, max_pixels: int) -> None:
-        """Decode ``data``, run the image processor on it, and copy each output into the arena.
+    def image_options(self, request_kwargs: dict[str, Any] | None, detail: str | None) -> dict[str, Any]:
+        """One image's processor arguments: ``image_url.detail`` ("low": the architecture's low setting;
+        "high", "auto" or none: the configured processor), then the request's ``mm_processor_kwargs``
+        on top. Raises InvalidRequest naming ``mm_processor_kwargs`` for a key the processor does not
+        accept (or one in FIXED_PROCESSOR_KEYS)."""
+        options = self._arch.low_detail(self.image_processor) if detail == "low" else {}
+        if request_kwargs:
+            unknown = set(request_kwargs) - processor_keys(self.image_processor)
+            if unknown:
+                raise InvalidRequest(
+                    f"mm_processor_kwargs: {sorted(unknown)[:5]} are not settable for "
+                    f"{type(self.image_processor).__name__}; accepted: {sorted(processor_keys(self.image_processor))}",
+                    param="mm_processor_kwargs")
+            options.update(request_kwargs)
+        return options
 
-        Raises UndecodableImage / ImageTooLarge for bad input (before allocating), and
-        whatever ``allocate`` raises (ArenaFull, Overloaded).
+    @staticmethod
+    def options_key(options: dict[str, Any]) -> bytes:
+        """What an image's processor options add to its content-cache key (empty for none)."""
+        return json.dumps(options, sort_keys=True, default=str).encode() if options else b""
+
+    def preprocess_image(self, data: bytes, allocate: AllocateFn, *, max_pixels: int,
+                         options: dict[str, Any] | None = None) -> None:
+        """Decode ``data``, run the image processor on it (with ``options``, ``image_options``'s), and
+        copy each output into the arena.
+
+        Raises UndecodableImage / ImageTooLarge for bad input (before allocating), InvalidRequest for
+        options the processor refuses, and whatever ``allocate`` raises (ArenaFull, Overloaded).
         """
         image = decode_image(data, max_pixels=max_pixels)
         try:
             # channels_last: never let the processor guess the layout of a 3-pixel-tall image.
-            out = self.image_processor(images=[image], return_tensors="np", input_data_format="channels_last")
+            out = self.image_processor(images=[image], return_tensors="np", input_data_format="channels_last",
+                                       **(options or {}))
+        except (TypeError, AttributeError, KeyError) as exc:
+            raise InvalidRequest(f"mm_processor_kwargs are not valid for this processor: {exc}",
+                                 param="mm_processor_kwargs") from None
         except ValueError as exc:  # e.g. Qwen2-VL refuses aspect ratios above 200:1
             raise UndecodableImage(f"The image cannot be processed for this model: {exc}") from None
         arrays = {name: np.ascontiguousarray(value) for name, value in out.items()}
@@ -182,6 +263,31 @@ class HFPreprocessor:
         conversation, when the image parts and ``images`` differ in number, or when the
         prompt leaves the model no room to answer.
         """
+        ids, expanded = self._prompt_ids(messages, images)
+        if self.max_prompt_tokens is not None and len(expanded) >= self.max_prompt_tokens:
+            raise InvalidRequest(
+                f"The prompt is {len(expanded)} tokens (images included); this model reads at most "
+                f"{self.max_prompt_tokens - 1} before answering. Shorten the conversation or send smaller images."
+            )
+        with self._tokenizer_lock:
+            text = self.tokenizer.decode(ids.tolist(), skip_special_tokens=False)
+        return PromptInputs(inline=expanded.tobytes(), text=text, prompt_tokens=len(expanded))
+
+    def prompt_token_ids(self, messages: Sequence[dict[str, Any]], images: Sequence[ImageTensorSpec]) -> list[int]:
+        """The prompt's token ids exactly as the model reads them (image tokens expanded), with no
+        length check: what ``POST /tokenize`` answers (gateway/tokenize.py). Raises InvalidRequest."""
+        return [int(i) for i in self._prompt_ids(messages, images)[1]]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """The text of ``ids`` (special tokens included). Raises InvalidRequest for an id outside the vocabulary."""
+        if any(not 0 <= i < self.vocab_size for i in ids):
+            raise InvalidRequest(f"a token id is outside the vocabulary (0..{self.vocab_size - 1})", param="tokens")
+        with self._tokenizer_lock:
+            return str(self.tokenizer.decode(list(ids), skip_special_tokens=False))
+
+    def _prompt_ids(self, messages: Sequence[dict[str, Any]],
+                    images: Sequence[ImageTensorSpec]) -> tuple[np.ndarray, np.ndarray]:
+        """(the template's ids with one placeholder per image, the ids with every placeholder expanded)."""
         import jinja2
 
         try:
@@ -200,13 +306,5 @@ class HFPreprocessor:
         if len(slots) != len(images):
             raise InvalidRequest(f"The messages hold {len(slots)} image parts but {len(images)} images were sent.")
         repeats = np.ones(len(ids), dtype=np.int64)
-        repeats[slots] = [self._arch.tokens_per_image(self.image_processor, spec) for spec in images]
-        expanded = np.repeat(ids, repeats)
-        if self.max_prompt_tokens is not None and len(expanded) >= self.max_prompt_tokens:
-            raise InvalidRequest(
-                f"The prompt is {len(expanded)} tokens (images included); this model reads at most "
-                f"{self.max_prompt_tokens - 1} before answering. Shorten the conversation or send smaller images."
-            )
-        with self._tokenizer_lock:
-            text = self.tokenizer.decode(ids.tolist(), skip_special_tokens=False)
-        return PromptInputs(inline=expanded.tobytes(), text=text, prompt_tokens=len(expanded))
+        repeats[slots] = [self._arch.tokens_per_image(self.image_processor, spec, self._config) for spec in images]
+        return ids, np.repeat(ids, repeats)

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from shared.wire import SamplingParams
+from shared.wire import SamplingParams, TokenLogprob
 
 __all__ = ["BackendEvent", "ModelBackend", "WorkItem"]
 
@@ -57,6 +57,9 @@ class BackendEvent:
     # An embedding item's answer: the unit-normalised vector as little-endian float32 bytes
     # (worker/vectors.py sends it), given with or before its finish event.
     vector: bytes | None = None
+    # The log-probabilities of the token sampled for this event (SamplingParams.logprobs >= 0), sent
+    # to the frontend before the event's text.
+    logprob: TokenLogprob | None = None
 
 
 class ModelBackend(Protocol):

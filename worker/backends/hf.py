@@ -1,7 +1,7 @@
 """Worker half of a Hugging Face vision-language model (``hf:<directory>``): streamed generation.
 
 The frontend (gateway/preprocess/hf.py) sends int32 token ids with every image
-placeholder already expanded, plus each image's ``pixel_values`` and
+placeholder already expanded, plus each image's ``pixel_values`` and (Qwen family)
 ``image_grid_thw``. This module rebuilds the model inputs, prefills once and then
 decodes one token at a time with the KV cache, so every token reaches the client as
 soon as it exists (no ``generate``, no streamer thread: each step is ours to sample,
@@ -55,8 +55,8 @@ import torch
 import torch.nn.functional as F
 
 from shared.errors import InvalidRequest
-from shared.models import model_id_for  # the one rule, said in shared/models.py
-from shared.wire import SamplingParams
+from shared.models import HF_CHAT_MODEL_TYPES, check_chat_model_type, model_id_for  # rules: shared/models.py
+from shared.wire import MAX_LOGPROB_TOKEN_CHARS, SamplingParams, TokenLogprob
 from worker.backends.base import BackendEvent, WorkItem
 
 __all__ = [
@@ -74,7 +74,7 @@ log = logging.getLogger("shmgate.worker.hf")
 DEFAULT_MAX_TOKENS = 256
 # config.model_type values this backend was run against. Both use Qwen2-VL's image
 # processor, placeholder token and multimodal RoPE (Qwen2.5-VL checked once by hand).
-SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+SUPPORTED_MODEL_TYPES = HF_CHAT_MODEL_TYPES
 # The image tensors this backend passes to the model, by TensorRef name.
 IMAGE_TENSORS = ("pixel_values", "image_grid_thw")
 # Read on the host (checked and turned into token counts): the worker hands them over there, so
@@ -93,8 +93,8 @@ DTYPES: dict[str, torch.dtype | None] = {
 class HFBackend:
     """Streams generations of a local ``AutoModelForImageTextToText`` checkpoint.
 
-    Supports the Qwen2-VL family (``SUPPORTED_MODEL_TYPES``): dynamic resolution,
-    multimodal RoPE.
+    Supports the Qwen2-VL family (dynamic resolution, multimodal RoPE: Qwen2-VL, Qwen2.5-VL, Qwen3-VL)
+    and LLaVA-1.5 (fixed-size CLIP images, 1-D positions): ``SUPPORTED_MODEL_TYPES``.
 
     Batching: prefill per item, then padded batched decode (module docstring). Every
     stream starts after the prefills ahead of it in the batch, then all advance one
@@ -128,11 +128,9 @@ class HFBackend:
         ValueError for an architecture outside ``SUPPORTED_MODEL_TYPES`` (before reading
         any weights).
         """
-        from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
+        from transformers import AutoModelForImageTextToText, AutoTokenizer
 
-        model_type = AutoConfig.from_pretrained(model_dir).model_type
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"{model_dir}: model type {model_type!r} is not supported; known: {SUPPORTED_MODEL_TYPES}")
+        check_chat_model_type(model_dir)
         if threads is not None:
             torch.set_num_threads(threads)
         self.name = name or model_id_for(model_dir)
@@ -195,26 +193,63 @@ class HFBackend:
             detok=IncrementalDetokenizer(self.tokenizer),
             stops=StopStringFilter(params.stop),
             generator=_generator(self.device, params.seed),
+            bias=_bias_vector(params, self._layout.vocab_size, self.device),
+            counts=(torch.zeros(self._layout.vocab_size, device=self.device)
+                    if params.presence_penalty or params.frequency_penalty else None),
         )
 
     def _pick(self, row: _Row, logits: torch.Tensor) -> torch.Tensor:
-        """The row's next token from its ``logits``, left on the device (no sync)."""
+        """The row's next token from its ``logits``, left on the device (no sync).
+
+        ``logit_bias`` and the penalties act on the logits first, as in OpenAI's definition:
+        ``logit[j] += bias[j] - count[j] * frequency_penalty - (count[j] > 0) * presence_penalty``,
+        where ``count`` counts the row's generated tokens (not the prompt's).
+        """
         params = row.item.params
+        if row.bias is not None or row.counts is not None:
+            logits = logits.float()
+            if row.bias is not None:
+                logits = logits + row.bias
+            if row.counts is not None:
+                logits = (logits - row.counts * params.frequency_penalty
+                          - (row.counts > 0).float() * params.presence_penalty)
+        if params.logprobs >= 0:
+            row.logprobs = torch.log_softmax(logits.float(), dim=-1)
         return pick_token(logits, params.temperature, params.top_p, row.generator)
 
     def _accept(self, row: _Row, token: int) -> list[BackendEvent]:
         """Take the row's sampled ``token``; return its text, and the end if it ended."""
         row.completion_tokens += 1
         row.token = token
-        if token in self.eos_token_ids:
-            return self._finish(row, "stop")
+        if row.counts is not None:
+            row.counts[token] += 1
+        first: list[BackendEvent] = []
+        if row.logprobs is not None:
+            first.append(BackendEvent(row.index, logprob=self._logprob(row.logprobs, token, row.item.params.logprobs)))
+            row.logprobs = None
+        if token in self.eos_token_ids or token in row.item.params.stop_token_ids:
+            return first + self._finish(row, "stop")
         text = row.stops.push(row.detok.push(token))
-        events = [BackendEvent(row.index, text=text)] if text else []
+        events = first + ([BackendEvent(row.index, text=text)] if text else [])
         if row.stops.stopped:
             return events + self._finish(row, "stop")
         if row.completion_tokens >= row.limit:  # no forward pass for a token nobody will read
             return events + self._finish(row, "length")
         return events
+
+    def _logprob(self, logprobs: torch.Tensor, token: int, top: int) -> TokenLogprob:
+        """The sampled token's log-probability and the ``top`` likeliest (one host sync, rows asking only).
+
+        The distribution is the model's after ``logit_bias`` and the penalties, before temperature and
+        top_p (vLLM's default, "raw" log-probabilities of the processed logits).
+        """
+        values, ids = torch.topk(logprobs, top) if top else (logprobs[:0], logprobs[:0].long())
+        chosen, top_values, top_ids = float(logprobs[token]), values.tolist(), ids.tolist()
+        return TokenLogprob(self._token_text(token), chosen,
+                            tuple((self._token_text(i), v) for i, v in zip(top_ids, top_values)))
+
+    def _token_text(self, token: int) -> str:
+        return str(self.tokenizer.decode([token], skip_special_tokens=False))[:MAX_LOGPROB_TOKEN_CHARS]
 
     def _finish(self, row: _Row, reason: str) -> list[BackendEvent]:
         """End the row: release held-back text (unless a stop string cut it) and report usage."""
@@ -235,9 +270,13 @@ class HFBackend:
         kwargs: dict[str, Any] = {"input_ids": ids, "use_cache": True, "logits_to_keep": 1}
         if inputs.pixel_values is not None:
             kwargs["pixel_values"] = inputs.pixel_values
+        if inputs.image_grid_thw is not None:
             kwargs["image_grid_thw"] = inputs.image_grid_thw
         with torch.inference_mode():
-            kwargs["position_ids"], delta = self._mrope_positions(ids, inputs.image_grid_thw)
+            if self._layout.mrope:
+                kwargs["position_ids"], delta = self._mrope_positions(ids, inputs.image_grid_thw)
+            else:  # 1-D positions (LLaVA): the prompt's are 0..L-1, and no offset after it
+                kwargs["position_ids"], delta = torch.arange(ids.shape[1], device=ids.device).view(1, -1), 0
             out = self.model(**kwargs)
         return out.logits[0, -1], out.past_key_values, delta
 
@@ -295,6 +334,9 @@ class _Row:
     cache: Any = None
     delta: int = 0  # multimodal RoPE offset of the tokens after the prompt
     pad: int = 0  # zero positions on the left of this row in the shared cache
+    bias: torch.Tensor | None = None  # logit_bias as a dense [vocab] vector on the device
+    counts: torch.Tensor | None = None  # [vocab] generated-token counts, kept only when a penalty is set
+    logprobs: torch.Tensor | None = None  # the last step's log-probabilities, kept only when asked for
 
 
 def _merge_caches(rows: Sequence[_Row]) -> None:
@@ -345,13 +387,22 @@ class _InputLayout:
     vocab_size: int
     max_positions: int
     image_token_id: int
-    merge: int  # spatial_merge_size ** 2: patches per image token
-    patch_dim: int  # channels * temporal_patch_size * patch_size ** 2
+    merge: int  # Qwen family: spatial_merge_size ** 2, patches per image token
+    patch_dim: int  # Qwen family: channels * temporal_patch_size * patch_size ** 2
+    mrope: bool = True  # the Qwen family's 3-D positions; False: LLaVA's fixed-size CLIP images, 1-D positions
+    image_size: int = 0  # LLaVA: the CLIP tower's input side
+    tokens_per_image: int = 0  # LLaVA: image tokens per image
 
     @classmethod
     def from_config(cls, config: Any) -> _InputLayout:
         text, vision = config.get_text_config(), config.vision_config
         patch = vision.patch_size
+        if config.model_type == "llava":
+            side = vision.image_size // patch
+            extra = 0 if config.vision_feature_select_strategy == "default" else 1  # the CLS feature
+            return cls(vocab_size=text.vocab_size, max_positions=text.max_position_embeddings,
+                       image_token_id=config.image_token_id, merge=1, patch_dim=0, mrope=False,
+                       image_size=vision.image_size, tokens_per_image=side * side + extra)
         return cls(
             vocab_size=text.vocab_size,
             max_positions=text.max_position_embeddings,
@@ -368,10 +419,17 @@ class _InputLayout:
         ids = np.frombuffer(item.inline, dtype=np.int32)
         if ids.min() < 0 or ids.max() >= self.vocab_size:
             raise InvalidRequest(f"Request {rid}: a token id is outside the vocabulary (0..{self.vocab_size - 1}).")
+        params = item.params
+        if any(not 0 <= t < self.vocab_size for t, _ in params.logit_bias) or any(
+            not 0 <= t < self.vocab_size for t in params.stop_token_ids
+        ):
+            raise InvalidRequest(f"Request {rid}: logit_bias or stop_token_ids name a token outside the vocabulary.")
         unknown = set(item.tensors) - set(IMAGE_TENSORS)
         if unknown:
             raise InvalidRequest(f"Request {rid}: unexpected tensors {sorted(unknown)}.")
         pixels, grids = item.tensors.get("pixel_values", []), item.tensors.get("image_grid_thw", [])
+        if not self.mrope:
+            return self._check_fixed_size(item, ids, pixels, grids, device)
         if len(pixels) != len(grids):
             raise InvalidRequest(f"Request {rid}: {len(pixels)} pixel_values but {len(grids)} image_grid_thw.")
         image_tokens = 0
@@ -383,6 +441,18 @@ class _InputLayout:
         if not pixels:
             return _Inputs(input_ids, None, None)
         return _Inputs(input_ids, torch.cat(pixels).to(device), torch.cat(grids).to(device))
+
+    def _check_fixed_size(self, item: WorkItem, ids: np.ndarray, pixels: list[torch.Tensor], grids: list[torch.Tensor],
+                          device: torch.device) -> _Inputs:
+        """LLaVA: each image is one float (1, 3, S, S) tensor of the tower's size S, worth ``tokens_per_image``."""
+        rid = item.request_id
+        shape = (1, 3, self.image_size, self.image_size)
+        if grids or any(not p.is_floating_point() or tuple(p.shape) != shape for p in pixels):
+            raise InvalidRequest(f"Request {rid}: each image must be one float pixel_values tensor of shape {shape}.")
+        if int((ids == self.image_token_id).sum()) != len(pixels) * self.tokens_per_image:
+            raise InvalidRequest(f"Request {rid}: the prompt's image slots do not match its images.")
+        input_ids = torch.from_numpy(ids.astype(np.int64)).view(1, -1).to(device)
+        return _Inputs(input_ids, torch.cat(pixels).to(device) if pixels else None, None)
 
     def _check_image(self, rid: int, pixels: torch.Tensor, grid: torch.Tensor) -> int:
         """Check one image's pair of tensors; return its number of image tokens."""
@@ -427,6 +497,16 @@ def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
     if tokenizer.eos_token_id is not None:
         found.add(int(tokenizer.eos_token_id))
     return frozenset(found)
+
+
+def _bias_vector(params: SamplingParams, vocab: int, device: torch.device) -> torch.Tensor | None:
+    """``logit_bias`` as a dense vector over the vocabulary (None without one). Ids are checked in ``check``."""
+    if not params.logit_bias:
+        return None
+    bias = torch.zeros(vocab)
+    ids, values = zip(*params.logit_bias)
+    bias[list(ids)] = torch.tensor(values, dtype=torch.float32)
+    return bias.to(device)
 
 
 def _token_budget(params: SamplingParams, default: int, room: int) -> int:

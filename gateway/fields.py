@@ -1,0 +1,66 @@
+"""Which request fields a model honours: the per-model half of "never silently ignore a field".
+
+gateway/intake.py refuses what no model here does (tools, structured output, logprobs) and parses
+the rest into ``SamplingParams``. This module refuses, with a 400 naming the field, what the
+served model cannot honour:
+
+- ``hf:`` chat models sample tokens: penalties, ``logit_bias``, ``stop_token_ids``, ``logprobs`` /
+  ``top_logprobs`` and ``n`` (gateway/choices.py) are honoured
+  (worker/backends/hf.py); token ids must lie inside the model's vocabulary.
+- classifiers (``efficientnet-lite0``, ``checksum``, ``checksum:hf:``) answer with labels or digests,
+  a pure function of the pixels: token-level fields (penalties, ``logit_bias``, ``stop_token_ids``,
+  ``logprobs``) have nothing to act on and are refused, as is ``n > 1`` (every choice would be equal). ``temperature``, ``top_p``, ``seed``, ``max_tokens`` and
+  ``stop`` are accepted with no effect (documented in docs/MODELS.md), because generic OpenAI
+  clients and load generators send them by default.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.intake import ChatRequest
+from shared.errors import InvalidRequest
+from shared.wire import SamplingParams
+
+__all__ = ["check_fields_for_model", "set_image_options"]
+
+
+def check_fields_for_model(params: SamplingParams, preprocessor: Any, n: int = 1) -> None:
+    """Raise InvalidRequest naming the first field of ``params`` (or ``n``) the model cannot honour."""
+    vocab: int | None = getattr(preprocessor, "vocab_size", None) if getattr(preprocessor, "samples_tokens",
+                                                                              False) else None
+    token_fields = {
+        "presence_penalty": params.presence_penalty != 0.0,
+        "frequency_penalty": params.frequency_penalty != 0.0,
+        "logit_bias": bool(params.logit_bias),
+        "stop_token_ids": bool(params.stop_token_ids),
+        "logprobs": params.logprobs >= 0,
+        "n": n > 1,
+    }
+    if vocab is None:
+        for name, used in token_fields.items():
+            if used:
+                raise InvalidRequest(f"{name} is not supported by {preprocessor.model}: it does not sample tokens",
+                                     param=name)
+        return
+    if any(token_id >= vocab for token_id, _ in params.logit_bias):
+        raise InvalidRequest(f"logit_bias names a token id outside the vocabulary (0..{vocab - 1})",
+                             param="logit_bias")
+    if any(token_id >= vocab for token_id in params.stop_token_ids):
+        raise InvalidRequest(f"stop_token_ids names a token id outside the vocabulary (0..{vocab - 1})",
+                             param="stop_token_ids")
+
+
+def set_image_options(chat: ChatRequest, preprocessor: Any) -> None:
+    """Fill ``chat.image_options`` from each image's ``detail`` and the request's ``mm_processor_kwargs``.
+
+    ``hf:`` models map them to image processor arguments (gateway/preprocess/hf.py ``image_options``);
+    a classifier has one fixed input resolution, so ``detail`` has nothing to choose between (accepted,
+    documented) and ``mm_processor_kwargs`` is refused. Raises InvalidRequest.
+    """
+    options = getattr(preprocessor, "image_options", None)
+    if options is None:
+        if chat.processor_kwargs:
+            raise InvalidRequest(f"{preprocessor.model} takes no mm_processor_kwargs", param="mm_processor_kwargs")
+        return
+    chat.image_options = [options(chat.processor_kwargs, detail) for detail in chat.image_details]

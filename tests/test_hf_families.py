@@ -1,0 +1,117 @@
+"""Qwen2.5-VL, Qwen3-VL and LLaVA-1.5, end to end on tiny random checkpoints.
+
+Per family (tests/hf_fixture.py builds each once per run): through a real ``shmgate serve`` with
+``--max-batch-size 1``, a streamed greedy answer to a two-image prompt equals transformers' own
+``generate`` on the same directory token for token, with exact usage; a repeated image is a
+content-cache hit; and in the worker, a padded batch answers as its items alone. Qwen2-VL itself is
+covered by tests/test_hf.py and tests/test_hf_serve.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+from gateway.preprocess.hf import HFPreprocessor  # noqa: E402
+from shared.wire import SamplingParams  # noqa: E402
+from tests.serving import Server, data_url, start_server  # noqa: E402
+from tests.shm_children import leftovers  # noqa: E402
+from tests.test_hf import SQUARE, WIDE, answer, work_item  # noqa: E402
+from worker.backends.hf import HFBackend  # noqa: E402
+
+FAMILIES = ["qwen2_5_vl", "qwen3_vl", "llava"]
+TOKENS = 10
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_dir(request: pytest.FixtureRequest, tiny_vlm: Callable[[str], Path]) -> Path:
+    return tiny_vlm(request.param)
+
+
+@pytest.fixture(scope="module")
+def family_server(family_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    server = start_server(f"hf:{family_dir}", tmp_path_factory.mktemp("serve"), "--threads", "1",
+                          "--max-batch-size", "1", "--frontends", "1")
+    try:
+        yield server
+    finally:
+        assert server.stop() == 0
+        assert not leftovers(server.instance_id, slots=64)
+
+
+@pytest.fixture(scope="module")
+def family_backend(family_dir: Path) -> Iterator[tuple[HFPreprocessor, HFBackend]]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield HFPreprocessor(family_dir), HFBackend(str(family_dir), torch.device("cpu"))
+    torch.set_num_threads(threads)
+
+
+def test_streamed_greedy_answer_equals_transformers_generate(
+        family_server: Server, family_backend: tuple[HFPreprocessor, HFBackend]) -> None:
+    pre, backend = family_backend
+    item = work_item(pre, "Compare them.", [SQUARE, WIDE], SamplingParams(max_tokens=TOKENS, temperature=0.0))
+    ids = torch.from_numpy(np.frombuffer(item.inline, dtype=np.int32).astype(np.int64)).view(1, -1)
+    images: dict[str, torch.Tensor] = {"pixel_values": torch.cat(item.tensors["pixel_values"])}
+    if "image_grid_thw" in item.tensors:  # the Qwen family's
+        images["image_grid_thw"] = torch.cat(item.tensors["image_grid_thw"])
+        images["mm_token_type_ids"] = (ids == backend._layout.image_token_id).to(torch.int32)
+    out = backend.model.generate(input_ids=ids, **images, max_new_tokens=TOKENS, do_sample=False)
+    expected = backend.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    client = openai.OpenAI(base_url=family_server.base_url + "/v1", api_key="unused")
+    content = [{"type": "image_url", "image_url": {"url": data_url(p.read_bytes())}} for p in (SQUARE, WIDE)]
+    chunks = list(client.chat.completions.create(  # type: ignore[call-overload]
+        model=family_server.model.removeprefix("hf:").rsplit("/", 1)[-1],
+        messages=[{"role": "user", "content": [*content, {"type": "text", "text": "Compare them."}]}],
+        max_tokens=TOKENS, temperature=0, stream=True, stream_options={"include_usage": True}))
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(pieces) >= 2 and "".join(pieces) == expected
+    assert chunks[-1].usage.prompt_tokens == ids.shape[1]
+    assert chunks[-1].usage.completion_tokens == out.shape[1] - ids.shape[1]
+
+
+def test_a_repeated_image_is_a_cache_hit(family_server: Server) -> None:
+    model = family_server.model.removeprefix("hf:").rsplit("/", 1)[-1]
+    body = {"model": model, "max_tokens": 1, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url((SQUARE.parent / "coffee_640.jpg").read_bytes())}},
+        {"type": "text", "text": "Hi"}]}]}
+    before = family_server.metric("shmgate_cache_hits_total")
+    first = httpx.post(family_server.base_url + "/v1/chat/completions", json=body, timeout=60).json()
+    second = httpx.post(family_server.base_url + "/v1/chat/completions", json=body, timeout=60).json()
+    assert family_server.metric("shmgate_cache_hits_total") >= before + 1
+    assert first["usage"] == second["usage"]
+
+
+def test_a_padded_batch_answers_as_its_items_alone(family_backend: tuple[HFPreprocessor, HFBackend]) -> None:
+    pre, backend = family_backend
+    cases = [("Describe.", [WIDE], SamplingParams(max_tokens=TOKENS, temperature=0.0)),
+             ("Hi", [], SamplingParams(max_tokens=4, temperature=0.0)),
+             ("Two?", [SQUARE, WIDE], SamplingParams(max_tokens=TOKENS, temperature=0.8, seed=5))]
+    items = [work_item(pre, text, images, params, request_id=i) for i, (text, images, params) in enumerate(cases)]
+    alone = [answer(list(backend.run([item])))[0] for item in items]
+    events = list(backend.run(items))
+    assert [answer(events, i)[0] for i in range(len(items))] == alone
+
+
+@pytest.mark.parametrize("model_type", ["llava_next", "gemma3", "idefics3"])
+def test_an_unsupported_architecture_is_a_startup_error_naming_it(
+        model_type: str, tiny_qwen2_vl_dir: Path, tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    directory = tmp_path / model_type
+    shutil.copytree(tiny_qwen2_vl_dir, directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
+    for load in (lambda: HFPreprocessor(directory), lambda: HFBackend(str(directory), torch.device("cpu"))):
+        with pytest.raises(ValueError, match=f"model_type '{model_type}' is not supported.*qwen2_vl, qwen2_5_vl, qwen3_vl, llava"):
+            load()
