@@ -42,6 +42,7 @@ import msgspec
 from gateway.intake import LOOP_HASH_MAX_BYTES, ChatRequest, EncodedImage, image_bytes, key_material
 from gateway.metrics import Counter, FrontendStats
 from gateway.preprocess.base import ImageTensorSpec, Preprocessor, PromptInputs
+from gateway.stages import RequestTiming, StageRecorder
 from shared.arena import Partition
 from shared.cache import AllocateFn, ContentCache, TensorGroup, content_key
 from shared.cache_index import CacheIndex
@@ -103,6 +104,7 @@ class RequestState:
     released: bool = False
     send_seq: int = 0  # this frontend's count of sends when its descriptor went onto the queue (0: not yet)
     taken_at: float | None = None  # when we learned it left the queue while still unclaimed (monotonic)
+    timing: RequestTiming = field(default_factory=RequestTiming)  # per-stage latency (gateway/stages.py)
 
 
 class Frontend:
@@ -136,6 +138,7 @@ class Frontend:
         index_lock = self.instance.lock(LockId.INDEX, (HolderKind.FRONTEND, self.slot, self.epoch))
         self.cache = ContentCache(Partition(seg, self.slot), index, index_lock, self.epoch)
         self.stats = FrontendStats(seg, self.slot)
+        self.stages = StageRecorder(seg, self.slot)
         self.stats.set(Counter.ARENA_SIZE_BYTES, self.cache.partition.size)
         self.stats.set(Counter.ARENA_USED_BYTES, 0)
         self.stats.set(Counter.ARENA_HELD_BYTES, 0)  # a dead predecessor's holds died with it
@@ -245,6 +248,7 @@ class Frontend:
                 task=chat.task,
             )
             state = RequestState(request_id, submit, groups, started)
+            self.stages.submitted(state.timing, started)
             self._states[request_id] = state
             self.stats.set(Counter.IN_FLIGHT, len(self._states))
         except BaseException:
@@ -379,6 +383,7 @@ class Frontend:
             return  # a predecessor's request, or one that already ended
         if isinstance(message, Claimed):
             state.worker = (message.worker_slot, message.worker_epoch)
+            self.stages.claimed(state.timing, message)
             self._taken_seq = max(self._taken_seq, state.send_seq)
             if state.abandoned:
                 self._send_cancel(state)
@@ -388,6 +393,8 @@ class Frontend:
             state.produced_output = True
             state.events.put_nowait(message)
         elif isinstance(message, (Finished, Failed)):
+            if isinstance(message, Finished):
+                self.stages.finished(state.timing, message)
             if isinstance(message, Finished) and message.text:
                 state.produced_output = True
                 state.events.put_nowait(Delta(message.request_id, message.seq, message.text))

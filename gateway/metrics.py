@@ -14,6 +14,7 @@ import enum
 import numpy as np
 
 from gateway.result_cache import ResultCacheStats
+from gateway.stages import stage_lines
 from shared.instance import DEAD_AFTER_S
 from shared.segment import BATCH_BUCKETS, Segment
 
@@ -164,6 +165,7 @@ def render(segment: Segment, queue_depth: int) -> str:
     lines.append(f"shmgate_batch_size_count {int(workers['batches'].sum())}")
     metric("shmgate_preparing_requests", "gauge", "Admitted requests still being decoded and preprocessed.",
            [("", segment.preparing_requests())])
+    lines += stage_lines(total)
     return "\n".join(lines) + "\n"
 
 

@@ -63,6 +63,7 @@ from shared.errors import (
 )
 from shared.instance import DEAD_AFTER_S, Instance, instance_alive
 from shared.segment import BATCH_BUCKETS, Heartbeat, InstanceState, SlotState, check_model_id, now_ns
+from shared.stages import Stamp, Stamps
 from shared.wire import (
     INLINE_TENSOR,
     MAX_DELTA_CHARS,
@@ -120,6 +121,7 @@ class _Job:
     seq: int = 0
     done: bool = False
     pending: list[str] = field(default_factory=list)  # text not sent yet (see BackendEvent.flush)
+    stamps: Stamps = field(default_factory=Stamps)  # per-stage latency, back in Finished (shared/stages.py)
 
 
 class Worker:
@@ -274,7 +276,7 @@ class Worker:
             except ChannelFull:
                 log.error("could not put request %x back on the queue; its deadline will end it", submit.request_id)
             self._declared_dead()
-        self._reply(submit, Claimed(submit.request_id, self.slot, self.epoch))
+        self._reply(submit, Claimed(submit.request_id, self.slot, self.epoch, now_ns()))
         if submit.model != self.backend.name:
             self._fail(submit, 0, UnknownModel(f"this worker serves {self.backend.name}"))
             return None
@@ -313,11 +315,13 @@ class Worker:
             use_device(self.device)
             self._prefetch_bound = True
         jobs = self.batcher.collect(idle_timeout_s=0.25, hold_open=self._model_busy)
+        Stamps.mark_all((job.stamps for job in jobs), Stamp.CUT)
         for job in jobs:
             assert job.copy is not None
             self.progress.blocked_since_ns = now_ns()
             try:
                 job.item = self._finish_copy(job.submit, job.copy)
+                job.stamps.mark(Stamp.COPIED)
             except Exception as exc:  # one request's data: fail it alone (the thread must live on)
                 self._fail_unreadable(job.submit, exc)
                 job.item = None
@@ -388,12 +392,14 @@ class Worker:
         if self.options.diag_batch_delay_ms > 0:
             time.sleep(self.options.diag_batch_delay_ms / 1000)
         self.progress.step()
+        Stamps.mark_all((job.stamps for job in live), Stamp.STARTED)
         try:
             for event in self.backend.run(items):
                 self.progress.step()
                 job = live[event.index]
                 if job.done:
                     continue
+                job.stamps.output()
                 if event.text:
                     job.pending.append(event.text)
                 if event.vector is not None:
@@ -411,6 +417,7 @@ class Worker:
                             event.prompt_tokens,
                             event.completion_tokens,
                             last,
+                            job.stamps.done(),
                         ),
                     )
                 elif event.flush:
