@@ -24,6 +24,7 @@ Channels:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 from collections.abc import Callable
 from typing import Any
@@ -171,49 +172,66 @@ def unlink_queue(name: str) -> None:
 class AsyncSender:
     """Sends from the event loop without blocking it; many tasks may wait on one full queue.
 
-    asyncio allows one writer callback per file descriptor, so the waiters share
-    one registration: when the queue becomes writable every waiter wakes and
-    retries (the losers wait again).
+    Waiters are served first come, first served: a send finds the queue full, or finds others
+    already waiting, and queues behind them; when the queue becomes writable the waiters' messages
+    go in their order, as many as fit. (A free-for-all, where every waiter and every new send
+    raced for each free place, let unlucky requests wait for seconds behind later ones once the
+    request queue filled: the tail of issue 16.) asyncio allows one writer callback per file
+    descriptor, so the waiters share one registration.
     """
 
     def __init__(self, queue: Queue) -> None:
         self._queue = queue
-        self._waiters: list[asyncio.Future[None]] = []
+        self._waiters: collections.deque[tuple[Any, asyncio.Future[None]]] = collections.deque()
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def send(self, message: Any, timeout_s: float) -> None:
         """Raises ChannelFull after ``timeout_s``."""
-        if self._queue.try_send(message):
+        if not self._waiters and self._queue.try_send(message):
             return
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while True:
-            waiter = loop.create_future()
-            self._waiters.append(waiter)
-            if self._loop is None:
-                self._loop = loop
-                loop.add_writer(self._queue.fd, self._wake)
-            try:
-                await asyncio.wait_for(waiter, max(0.0, deadline - loop.time()))
-            except TimeoutError as exc:
-                raise ChannelFull("the channel stayed full; its receivers are saturated") from exc
-            finally:
-                if waiter in self._waiters:
-                    self._waiters.remove(waiter)
-                if not self._waiters and self._loop is not None:
-                    self._loop.remove_writer(self._queue.fd)
-                    self._loop = None
-            if self._queue.try_send(message):
+        waiter = loop.create_future()
+        self._waiters.append((message, waiter))
+        if self._loop is None:
+            self._loop = loop
+            loop.add_writer(self._queue.fd, self._wake)
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter), timeout_s)
+        except TimeoutError as exc:
+            if waiter.done() and not waiter.cancelled():
+                waiter.result()  # sent (or failed) just as the time ran out
                 return
+            raise ChannelFull("the channel stayed full; its receivers are saturated") from exc
+        finally:
+            if not waiter.done():
+                waiter.cancel()  # timed out or cancelled: its message must not go any more
+            self._forget_done()
 
     def _wake(self) -> None:
-        waiters, self._waiters = self._waiters, []
-        if self._loop is not None:
+        """Writable: send the waiting messages in order while they fit."""
+        while self._waiters:
+            message, waiter = self._waiters[0]
+            if waiter.done():  # its sender gave up
+                self._waiters.popleft()
+                continue
+            try:
+                sent = self._queue.try_send(message)
+            except Exception as exc:  # noqa: BLE001 - that sender's failure, raised in its task
+                self._waiters.popleft()
+                waiter.set_exception(exc)
+                continue
+            if not sent:
+                return  # full again: stay registered, wake on the next free place
+            self._waiters.popleft()
+            waiter.set_result(None)
+        self._forget_done()
+
+    def _forget_done(self) -> None:
+        while self._waiters and self._waiters[0][1].done():
+            self._waiters.popleft()
+        if not self._waiters and self._loop is not None:
             self._loop.remove_writer(self._queue.fd)
             self._loop = None
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
 
 
 class AsyncQueueReader:
