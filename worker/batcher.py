@@ -112,9 +112,12 @@ class Batcher(Generic[T]):
                 break
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                if not batch or not holding:
+                if self._policy == "fcfs" and batch and self._queue.current_messages() > 0:
+                    remaining = 0.0  # fcfs: what is queued already costs no wait; it is next in line
+                elif not batch or not holding:
                     break
-                remaining = WAKE_SLICE_S
+                else:
+                    remaining = WAKE_SLICE_S
             item = self._take(remaining, wakeable=True)
             if item is not None and item is not False:
                 batch.append(item)  # type: ignore[arg-type]
