@@ -187,6 +187,7 @@ class Frontend:
         if self._progress_handle:
             self._progress_handle.cancel()
         self._reader.stop()
+        self._sender.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._heartbeat.stop()
         if int(self.segment.frontends[self.slot]["epoch"]) == self.epoch:

@@ -24,8 +24,9 @@ Channels:
 from __future__ import annotations
 
 import asyncio
-import collections
+import concurrent.futures
 import contextlib
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -170,68 +171,51 @@ def unlink_queue(name: str) -> None:
 
 
 class AsyncSender:
-    """Sends from the event loop without blocking it; many tasks may wait on one full queue.
+    """Sends from the event loop without blocking it, first come, first served, across processes too.
 
-    Waiters are served first come, first served: a send finds the queue full, or finds others
-    already waiting, and queues behind them; when the queue becomes writable the waiters' messages
-    go in their order, as many as fit. (A free-for-all, where every waiter and every new send
-    raced for each free place, let unlucky requests wait for seconds behind later ones once the
-    request queue filled: the tail of issue 16.) asyncio allows one writer callback per file
-    descriptor, so the waiters share one registration.
+    A send that finds the queue free goes at once. Otherwise it waits behind the sends already
+    waiting, and one sender thread per AsyncSender sends them in order with a blocking send: Linux
+    keeps the senders blocked on a full message queue in arrival order and, when a receiver frees
+    a place, moves the first one's message in at once, whichever process it belongs to and whether
+    or not that process is running just then. So requests enter the shared request queue in the
+    order they started waiting, across frontends. (Before issue 16, waiters woke on writability and
+    raced for each free place, a new send could slip in ahead of them, and a frontend starved of
+    CPU lost every race: some requests waited seconds behind later ones once the queue filled.)
+    One thread keeps this frontend's own sends in their order, which ``Frontend._check_taken``
+    relies on. A send cancelled while it waits never goes; one already handed to the kernel may
+    still go (harmless: its arena holds carry generations, and its answer matches no request).
     """
 
     def __init__(self, queue: Queue) -> None:
         self._queue = queue
-        self._waiters: collections.deque[tuple[Any, asyncio.Future[None]]] = collections.deque()
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="send")
+        self._waiting = 0  # sends handed to the thread and not yet answered
 
     async def send(self, message: Any, timeout_s: float) -> None:
         """Raises ChannelFull after ``timeout_s``."""
-        if not self._waiters and self._queue.try_send(message):
+        if not self._waiting and self._queue.try_send(message):
             return
-        loop = asyncio.get_running_loop()
-        waiter = loop.create_future()
-        self._waiters.append((message, waiter))
-        if self._loop is None:
-            self._loop = loop
-            loop.add_writer(self._queue.fd, self._wake)
+        deadline = time.monotonic() + timeout_s
+        self._waiting += 1
         try:
-            await asyncio.wait_for(asyncio.shield(waiter), timeout_s)
-        except TimeoutError as exc:
-            if waiter.done() and not waiter.cancelled():
-                waiter.result()  # sent (or failed) just as the time ran out
-                return
-            raise ChannelFull("the channel stayed full; its receivers are saturated") from exc
+            await asyncio.get_running_loop().run_in_executor(self._thread, self._send_by, message, deadline)
         finally:
-            if not waiter.done():
-                waiter.cancel()  # timed out or cancelled: its message must not go any more
-            self._forget_done()
+            self._waiting -= 1
 
-    def _wake(self) -> None:
-        """Writable: send the waiting messages in order while they fit."""
-        while self._waiters:
-            message, waiter = self._waiters[0]
-            if waiter.done():  # its sender gave up
-                self._waiters.popleft()
-                continue
+    def _send_by(self, message: Any, deadline: float) -> None:
+        """The sender thread: a blocking send until ``deadline`` (time spent queued here counts)."""
+        while (remaining := deadline - time.monotonic()) > 0:
             try:
-                sent = self._queue.try_send(message)
-            except Exception as exc:  # noqa: BLE001 - that sender's failure, raised in its task
-                self._waiters.popleft()
-                waiter.set_exception(exc)
+                self._queue.send(message, remaining)  # raises ChannelFull at the deadline
+                return
+            except posix_ipc.SignalError:  # a signal interrupted the wait: wait on (its place is lost)
                 continue
-            if not sent:
-                return  # full again: stay registered, wake on the next free place
-            self._waiters.popleft()
-            waiter.set_result(None)
-        self._forget_done()
+        if not self._queue.try_send(message):
+            raise ChannelFull("the channel stayed full; its receivers are saturated")
 
-    def _forget_done(self) -> None:
-        while self._waiters and self._waiters[0][1].done():
-            self._waiters.popleft()
-        if not self._waiters and self._loop is not None:
-            self._loop.remove_writer(self._queue.fd)
-            self._loop = None
+    def close(self) -> None:
+        """Drop the sends still waiting (their callers were cancelled or gave up); the thread exits."""
+        self._thread.shutdown(wait=False, cancel_futures=True)
 
 
 class AsyncQueueReader:

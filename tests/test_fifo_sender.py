@@ -2,7 +2,8 @@
 
 When the request queue is full, a frontend's sends wait. They used to race for each free place
 (every waiter woke and retried, and a new send could slip in before all of them), so an unlucky
-request could wait far longer than later ones: part of the latency tail. These tests fill a small
+request could wait far longer than later ones: part of the latency tail. Now they wait in order in
+one sender thread whose blocking send the kernel queues in order with other processes' senders. These tests fill a small
 queue, line up sends, and read the queue back one message at a time: the order must be the order
 of the sends. No timing is asserted; the hang guards only bound a broken implementation.
 """
@@ -60,6 +61,7 @@ def test_waiting_sends_go_in_their_order_and_new_ones_queue_behind(instance: Ins
             await asyncio.wait_for(asyncio.gather(*waiting), HANG_S)
             return received
         finally:
+            sender.close()
             producer.close()
             consumer.close()
 
@@ -81,6 +83,7 @@ def test_a_send_that_timed_out_never_goes_later(instance: Instance) -> None:
             await asyncio.wait_for(late, HANG_S)
             return received
         finally:
+            sender.close()
             producer.close()
             consumer.close()
 
