@@ -261,7 +261,7 @@ def fmt(value: float | None, digits: int = 1) -> str:
 def markdown_table(results: list[dict[str, Any]]) -> str:
     """The comparison table; server CPU is per request, all of the server's processes included."""
     columns = ["scenario", "conc", "req/s", "p50 ms", "p90 ms", "p99 ms", "p99/p50", "ttft p50 ms", "errors",
-               "mismatches", "server CPU ms/req", "other load (cores)", "run s"]
+               "mismatches", "server CPU ms/req", "other load (cores)", "workers busy", "run s"]
     rows = []
     for r in results:
         cpu = r["cpu_s_per_request"]
@@ -269,7 +269,8 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
         ratio = r["p99_ms"] / r["p50_ms"] if r["p99_ms"] and r["p50_ms"] else None
         rows.append([r["scenario"], load, r["requests_per_s"], fmt(r["p50_ms"]), fmt(r["p90_ms"]),
                      fmt(r["p99_ms"]), fmt(ratio, 2), fmt(r["ttft_p50_ms"]), r["errors"], r["mismatches"],
-                     fmt(None if cpu is None else cpu * 1000), fmt(r.get("other_load_cores")), r["run_s"]])
+                     fmt(None if cpu is None else cpu * 1000), fmt(r.get("other_load_cores")),
+                     fmt(r.get("workers_busy"), 2), r["run_s"]])
     return render_table(columns, rows)
 
 

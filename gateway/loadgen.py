@@ -484,7 +484,20 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     result["other_load_cores"] = (None if server_cpu is None or wall <= 0
                                   else round(max(0.0, busy - server_cpu - client_cpu) / wall, 2))
     result["stages"] = stage_breakdown(scraped, after) if scraped is not None and after is not None else []
+    busy_start = _counter(scraped, "shmgate_worker_busy_seconds_total")
+    busy_end = _counter(after, "shmgate_worker_busy_seconds_total")
+    # workers busy on average (0..workers): low while requests wait says they wait for something else
+    result["workers_busy"] = (None if busy_start is None or busy_end is None or wall <= 0
+                              else round((busy_end - busy_start) / wall, 2))
     return result
+
+
+def _counter(text: str | None, name: str) -> float | None:
+    """An unlabelled sample of a /metrics text; None when absent."""
+    for line in (text or "").splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return None
 
 
 def summarize(args: argparse.Namespace, outcomes: list[Outcome], wall_s: float, warm: list[Outcome],
@@ -540,6 +553,8 @@ def format_report(result: dict[str, Any]) -> str:
         f"other load   {'-' if result['other_load_cores'] is None else result['other_load_cores']} cores "
         "(CPU used by other processes while timing)",
     ]
+    if result.get("workers_busy") is not None:
+        lines.append(f"workers busy {result['workers_busy']} on average (from the server's /metrics)")
     if result.get("stages"):
         lines.append("stages       count     mean ms    p50 ms    p99 ms   (from the server's /metrics, this run)")
         for row in result["stages"]:

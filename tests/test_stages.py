@@ -151,5 +151,6 @@ def test_bench_prints_the_stage_breakdown_of_its_run(server: Server, tmp_path: P
     assert result["errors"] == 0
     assert {row["stage"] for row in result["stages"]} == set(STAGE_NAMES)
     assert all(row["count"] == 6 for row in result["stages"])  # this run's requests only, not the warm-up
+    assert result["workers_busy"] is not None and 0 <= result["workers_busy"]  # one worker: at most ~1
     report = loadgen.format_report(result)
     assert all(f"  {name} " in report for name in STAGE_NAMES)
