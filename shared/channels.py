@@ -170,6 +170,9 @@ def unlink_queue(name: str) -> None:
         posix_ipc.unlink_message_queue(name)
 
 
+SEND_SLICE_S = 0.5  # AsyncSender: a blocked send looks at close() this often
+
+
 class AsyncSender:
     """Sends from the event loop without blocking it, first come, first served, across processes too.
 
@@ -190,6 +193,7 @@ class AsyncSender:
         self._queue = queue
         self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="send")
         self._waiting = 0  # sends handed to the thread and not yet answered
+        self._closed = False
 
     async def send(self, message: Any, timeout_s: float) -> None:
         """Raises ChannelFull after ``timeout_s``."""
@@ -204,17 +208,21 @@ class AsyncSender:
 
     def _send_by(self, message: Any, deadline: float) -> None:
         """The sender thread: a blocking send until ``deadline`` (time spent queued here counts)."""
-        while (remaining := deadline - time.monotonic()) > 0:
+        while (remaining := deadline - time.monotonic()) > 0 and not self._closed:
             try:
-                self._queue.send(message, remaining)  # raises ChannelFull at the deadline
+                # In slices, so that close() is noticed (a process exits only once this thread has). A
+                # slice that ends puts this send behind the other processes' blocked senders, i.e. behind
+                # at most one send per other frontend: each has one sender thread.
+                self._queue.send(message, min(remaining, SEND_SLICE_S))
                 return
-            except posix_ipc.SignalError:  # a signal interrupted the wait: wait on (its place is lost)
+            except (ChannelFull, posix_ipc.SignalError):  # still full, or a signal woke us: wait on
                 continue
-        if not self._queue.try_send(message):
+        if self._closed or not self._queue.try_send(message):
             raise ChannelFull("the channel stayed full; its receivers are saturated")
 
     def close(self) -> None:
         """Drop the sends still waiting (their callers were cancelled or gave up); the thread exits."""
+        self._closed = True
         self._thread.shutdown(wait=False, cancel_futures=True)
 
 

@@ -88,3 +88,22 @@ def test_a_send_that_timed_out_never_goes_later(instance: Instance) -> None:
             consumer.close()
 
     assert asyncio.run(scenario()) == [1, 2, 4]
+
+
+def test_close_ends_a_send_blocked_on_a_full_queue(instance: Instance) -> None:
+    """A frontend that stops must not wait out its sends' timeouts (its process exits after the thread)."""
+    async def scenario() -> None:
+        producer = instance.request_queue()
+        sender = AsyncSender(producer)
+        try:
+            await sender.send(Submit(1, 0, "m"), HANG_S)
+            await sender.send(Submit(2, 0, "m"), HANG_S)
+            blocked = asyncio.create_task(sender.send(Submit(3, 0, "m"), HANG_S))
+            await asyncio.sleep(0.05)
+            sender.close()
+            with pytest.raises(ChannelFull):
+                await asyncio.wait_for(blocked, HANG_S / 2)  # within a slice, far before its own timeout
+        finally:
+            producer.close()
+
+    asyncio.run(scenario())
