@@ -27,8 +27,9 @@ __all__ = ["METRIC", "STAGE_BUCKETS_S", "RequestTiming", "StageRecorder", "parse
            "stage_breakdown", "stage_lines"]
 
 METRIC = "shmgate_stage_duration_seconds"
-STAGE_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-STAGE_BASE = 112  # first stats word of the stage histograms (gateway/metrics.py Counter ends at 103)
+STAGE_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0,
+                   10.0)
+STAGE_BASE = 104  # first stats word of the stage histograms (gateway/metrics.py Counter ends at 103)
 _WORDS = len(STAGE_BUCKETS_S) + 3  # buckets, +Inf, sum in µs, count
 assert STAGE_BASE + len(Stage) * _WORDS <= STATS_WORDS, "the stage histograms must fit a stats row"
 
