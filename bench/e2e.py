@@ -77,9 +77,9 @@ SCENARIOS: dict[str, Scenario] = {
                                         bench_flags=("--repeat-one",)),
     "shmgate-efficientnet": Scenario(SHMGATE + ("--model", "efficientnet-lite0"), "efficientnet-lite0",
                                      ready_path="/ready"),
-    # The batching before issue 16 (a prepared batch held open while the model runs), for alternated
-    # before/after runs on one build (shared/flags.py --batch-policy).
-    "shmgate-efficientnet-held": Scenario(SHMGATE + ("--model", "efficientnet-lite0", "--batch-policy", "held"),
+    # The other batch policy (shared/flags.py --batch-policy; the default is held), for alternated
+    # runs on one build.
+    "shmgate-efficientnet-fcfs": Scenario(SHMGATE + ("--model", "efficientnet-lite0", "--batch-policy", "fcfs"),
                                           "efficientnet-lite0", ready_path="/ready"),
     # The default on CPU is 2 workers splitting the cores (LitServe's best layout on 2 cores, too);
     # this is the other choice, one worker with every core.

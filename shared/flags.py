@@ -31,10 +31,10 @@ def add_batching_flags(p: argparse.ArgumentParser) -> None:
     """The worker's batching and model flags, the same in ``serve`` and in ``worker``."""
     p.add_argument("--max-batch-size", type=int, default=env("MAX_BATCH_SIZE", "8"))
     p.add_argument("--max-batch-wait-ms", type=float, default=env("MAX_BATCH_WAIT_MS", "5"))
-    p.add_argument("--batch-policy", default=env("BATCH_POLICY", "fcfs"), choices=BATCH_POLICIES,
-                   help="fcfs: a busy worker takes nothing, requests wait in the shared queue for the first "
-                        "free worker; held: a busy worker's next batch gathers while the model runs (before "
-                        "issue 16; see worker/batcher.py)")
+    p.add_argument("--batch-policy", default=env("BATCH_POLICY", "held"), choices=BATCH_POLICIES,
+                   help="held: a busy worker's next batch gathers while the model runs; fcfs: a busy worker "
+                        "takes nothing, requests wait in the shared queue for the first free worker (issue 16; "
+                        "see worker/batcher.py and docs/BENCHMARKS.md)")
     p.add_argument("--dtype", default=env("DTYPE", "auto"), choices=DTYPES,
                    help="weights of hf: models (auto: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--compile-normalise", action="store_true", default=env("COMPILE_NORMALISE") == "1",

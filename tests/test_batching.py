@@ -67,7 +67,7 @@ def wake() -> Iterator[tuple[int, int]]:
 
 
 def _batcher(requests: Queue, wake: tuple[int, int], *, max_batch_wait_s: float = LONG_WINDOW_S,
-             more_coming: Callable[[], bool], policy: str = "fcfs") -> Batcher[int]:
+             more_coming: Callable[[], bool], policy: str = "held") -> Batcher[int]:
     return Batcher(
         requests,
         max_batch_size=8,
@@ -173,7 +173,7 @@ def test_fcfs_a_busy_worker_takes_nothing_so_requests_stay_in_the_shared_queue(
 ) -> None:
     """Issue 16: what a busy worker would hold, another worker that is free can take instead."""
     _send(instance, 1, 2)
-    batcher = _batcher(requests, wake, more_coming=lambda: False)
+    batcher = _batcher(requests, wake, more_coming=lambda: False, policy="fcfs")
     assert batcher.collect(idle_timeout_s=0.2, hold_open=lambda: True) == []
     assert requests.current_messages() == 2  # still there, for whichever worker frees first
 
@@ -184,7 +184,7 @@ def test_fcfs_the_batch_is_collected_when_the_model_frees_in_arrival_order(
     monkeypatch.setattr(batcher_module, "WAKE_SLICE_S", LONG_WINDOW_S)  # the wake-up, not a poll, must end it
     busy = threading.Event()
     busy.set()
-    batcher = _batcher(requests, wake, more_coming=lambda: False)
+    batcher = _batcher(requests, wake, more_coming=lambda: False, policy="fcfs")
 
     def model_finishes() -> None:
         time.sleep(0.2)
@@ -209,8 +209,8 @@ def test_fcfs_the_free_worker_takes_what_the_busy_one_left(
     read_end, write_end = os.pipe()
     os.set_blocking(read_end, False)
     try:
-        busy_worker = _batcher(requests, wake, more_coming=lambda: False)
-        free_worker = _batcher(other, (read_end, write_end), more_coming=lambda: False)
+        busy_worker = _batcher(requests, wake, more_coming=lambda: False, policy="fcfs")
+        free_worker = _batcher(other, (read_end, write_end), more_coming=lambda: False, policy="fcfs")
         _send(instance, 1, 2, 3)
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             held = pool.submit(busy_worker.collect, idle_timeout_s=0.5, hold_open=lambda: True)

@@ -1,7 +1,7 @@
 """The worker's pipeline: the next batch is copied and released while the current one runs.
 
-That is the ``held`` batch policy (worker/batcher.py), which these tests pin; with the default,
-``fcfs``, a busy worker takes nothing, and the test for that is the last of the rig tests.
+That is the ``held`` batch policy (worker/batcher.py, the default), which these tests pin; with
+``fcfs`` a busy worker takes nothing, and one rig test covers that.
 
 Most tests run a real ``Worker`` (real instance, arena, queues, DeviceCopier's CPU path,
 the checksum backend) in a thread of the test process and play the frontend by hand on

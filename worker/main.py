@@ -103,7 +103,7 @@ class WorkerOptions:
     device: str = "cpu"
     max_batch_size: int = 8
     max_batch_wait_ms: float = 5.0
-    batch_policy: str = "fcfs"  # worker/batcher.py: "fcfs" or "held" (shared/flags.py BATCH_POLICIES)
+    batch_policy: str = "held"  # worker/batcher.py: "held" or "fcfs" (shared/flags.py BATCH_POLICIES)
     threads: int | None = None
     dtype: str = "auto"  # hf: models only (worker/backends/hf.py DTYPES)
     diag_batch_delay_ms: float = 0.0  # diagnostics/tests: sleep this long before each batch runs (a slow model)
