@@ -14,7 +14,15 @@ The command lines live in ``SCENARIOS``, a plain table, so they can be adjusted 
 changes. Placeholders: ``{python}`` (this interpreter), ``{bin}`` (its bin folder), ``{repo}``,
 ``{port}``, ``{litserve_python}``.
 
-Usage: ``python bench/e2e.py [--quick] [--scenario NAME ...] [--embeddings] [--stream] [--json] [--out FILE]``.
+Shared-machine and open-loop figures (issue 16): ``--background-cores X`` runs spinning processes
+of our own worth X cores (bench/disturb.py) during each measured run, started and stopped around
+it; ``--open-loop 50 80 95`` then drives each server with Poisson arrivals (``shmgate bench --rate``)
+at those percentages of the capacity it just measured closed-loop (its req/s at the last
+concurrency), and ``--plot FILE`` draws p50/p99 against offered load. ``--rounds K`` repeats the
+scenario list K times, alternating the servers, so a before/after pair shares the machine's moods.
+
+Usage: ``python bench/e2e.py [--quick] [--scenario NAME ...] [--embeddings] [--stream] [--json] [--out FILE]
+[--background-cores X] [--open-loop PCT ...] [--plot FILE] [--rounds K]``.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bench.disturb import Disturbance  # noqa: E402
 from gateway import loadgen  # noqa: E402
 
 LITSERVE_PYTHON = REPO / "bench" / ".venv-litserve" / "bin" / "python"
@@ -68,6 +77,10 @@ SCENARIOS: dict[str, Scenario] = {
                                         bench_flags=("--repeat-one",)),
     "shmgate-efficientnet": Scenario(SHMGATE + ("--model", "efficientnet-lite0"), "efficientnet-lite0",
                                      ready_path="/ready"),
+    # The other batch policy (shared/flags.py --batch-policy; the default is held), for alternated
+    # runs on one build.
+    "shmgate-efficientnet-fcfs": Scenario(SHMGATE + ("--model", "efficientnet-lite0", "--batch-policy", "fcfs"),
+                                          "efficientnet-lite0", ready_path="/ready"),
     # The default on CPU is 2 workers splitting the cores (LitServe's best layout on 2 cores, too);
     # this is the other choice, one worker with every core.
     "shmgate-efficientnet-1w": Scenario(SHMGATE + ("--model", "efficientnet-lite0", "--workers", "1"),
@@ -177,10 +190,10 @@ def expand(command: tuple[str, ...], port: int) -> list[str]:
 
 
 async def bench_scenario(name: str, scenario: Scenario, args: argparse.Namespace, images_dir: Path,
-                         log_dir: Path) -> list[dict[str, Any]]:
+                         log_dir: Path, round_index: int = 0) -> list[dict[str, Any]]:
     """Start the scenario's server, load it at every concurrency, stop it. One result per concurrency."""
     port = free_port()
-    server = ServerProcess(expand(scenario.command, port), log_dir / f"{name}.log")
+    server = ServerProcess(expand(scenario.command, port), log_dir / f"{name}-{round_index}.log")
     base_url = f"http://127.0.0.1:{port}"
     results = []
     started = time.monotonic()
@@ -188,17 +201,32 @@ async def bench_scenario(name: str, scenario: Scenario, args: argparse.Namespace
     try:
         await server.wait_ready(base_url + scenario.ready_path, scenario.ready_timeout_s)
         startup_s = time.monotonic() - started
-        for concurrency in args.concurrency:
+        loads: list[tuple[int, float | None]] = [(c, None) for c in args.concurrency]
+        capacity = None
+        for index in range(len(loads) + len(args.open_loop)):
+            if index < len(loads):
+                concurrency, rate = loads[index]
+            else:  # open loop at a share of the capacity measured closed-loop just before
+                if not capacity:
+                    break
+                concurrency, rate = 8, round(capacity * args.open_loop[index - len(loads)] / 100, 2)
             argv = ["--base-url", base_url, "--model", scenario.model, "--concurrency", str(concurrency),
                     "--requests", str(args.requests), "--images", str(images_dir),
                     "--server-pid", str(server.pid), *scenario.bench_flags]
+            if rate is not None:
+                argv += ["--rate", str(rate), "--seed", str(args.seed)]
             if args.stream:
                 argv.append("--stream")
             parser = argparse.ArgumentParser()
             loadgen.add_arguments(parser)
             began = time.monotonic()
-            result = await loadgen.run(parser.parse_args(argv))
-            result.update(scenario=name, run_s=round(time.monotonic() - began, 2), startup_s=round(startup_s, 2))
+            with Disturbance(args.background_cores):
+                result = await loadgen.run(parser.parse_args(argv))
+            if rate is None:
+                capacity = result["requests_per_s"]
+            result.update(scenario=name, run_s=round(time.monotonic() - began, 2), startup_s=round(startup_s, 2),
+                          background_cores=args.background_cores, round=round_index,
+                          capacity=None if rate is None else capacity)
             results.append(result)
             emit_progress(result, args)
     finally:
@@ -210,7 +238,8 @@ def emit_progress(result: dict[str, Any], args: argparse.Namespace) -> None:
     if args.json:
         print(json.dumps(result), flush=True)
     else:
-        print(f"  {result['scenario']:<24} c={result['concurrency']:<3} {result['requests_per_s']:>8} req/s  "
+        load = f"c={result['concurrency']:<3}" if result["offered_rate"] is None else f"rate={result['offered_rate']}"
+        print(f"  {result['scenario']:<24} {load} {result['requests_per_s']:>8} req/s  "
               f"p50 {result['p50_ms']} ms  p99 {result['p99_ms']} ms  errors {result['errors']}  "
               f"mismatches {result['mismatches']}  other load {result['other_load_cores']} cores  "
               f"({result['run_s']} s)", file=sys.stderr, flush=True)
@@ -231,15 +260,54 @@ def fmt(value: float | None, digits: int = 1) -> str:
 
 def markdown_table(results: list[dict[str, Any]]) -> str:
     """The comparison table; server CPU is per request, all of the server's processes included."""
-    columns = ["scenario", "conc", "req/s", "p50 ms", "p90 ms", "p99 ms", "ttft p50 ms", "errors", "mismatches",
-               "server CPU ms/req", "other load (cores)", "run s"]
+    columns = ["scenario", "conc", "req/s", "p50 ms", "p90 ms", "p99 ms", "p99/p50", "ttft p50 ms", "errors",
+               "mismatches", "server CPU ms/req", "other load (cores)", "workers busy", "run s"]
     rows = []
     for r in results:
         cpu = r["cpu_s_per_request"]
-        rows.append([r["scenario"], r["concurrency"], r["requests_per_s"], fmt(r["p50_ms"]), fmt(r["p90_ms"]),
-                     fmt(r["p99_ms"]), fmt(r["ttft_p50_ms"]), r["errors"], r["mismatches"],
-                     fmt(None if cpu is None else cpu * 1000), fmt(r.get("other_load_cores")), r["run_s"]])
+        load = r["concurrency"] if r.get("offered_rate") is None else f"open {r['offered_rate']}/s"
+        ratio = r["p99_ms"] / r["p50_ms"] if r["p99_ms"] and r["p50_ms"] else None
+        rows.append([r["scenario"], load, r["requests_per_s"], fmt(r["p50_ms"]), fmt(r["p90_ms"]),
+                     fmt(r["p99_ms"]), fmt(ratio, 2), fmt(r["ttft_p50_ms"]), r["errors"], r["mismatches"],
+                     fmt(None if cpu is None else cpu * 1000), fmt(r.get("other_load_cores")),
+                     fmt(r.get("workers_busy"), 2), r["run_s"]])
     return render_table(columns, rows)
+
+
+def plot_open_loop(results: list[dict[str, Any]], path: Path) -> bool:
+    """p50 and p99 against offered load (% of measured capacity), one line pair per scenario.
+
+    Needs matplotlib (not a project dependency: ``pip install matplotlib`` in the bench venv);
+    False when it is missing or there is nothing to draw.
+    """
+    open_runs = [r for r in results if r.get("offered_rate") and r.get("capacity")]
+    if not open_runs:
+        return False
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot: matplotlib is not installed; no plot", file=sys.stderr)
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    for name in dict.fromkeys(r["scenario"] for r in open_runs):
+        runs = sorted((r for r in open_runs if r["scenario"] == name), key=lambda r: r["offered_rate"] / r["capacity"])
+        x = [100 * r["offered_rate"] / r["capacity"] for r in runs]
+        line = ax.plot(x, [r["p50_ms"] for r in runs], marker="o", label=f"{name} p50")[0]
+        ax.plot(x, [r["p99_ms"] for r in runs], marker="s", linestyle="--", color=line.get_color(),
+                label=f"{name} p99")
+    ax.set_xlabel("offered load, % of the capacity measured closed-loop")
+    ax.set_ylabel("latency, ms")
+    ax.set_yscale("log")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("Open loop (Poisson arrivals), 1024 px photos, every request a cache miss", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
 
 
 async def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -251,16 +319,18 @@ async def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
             (images_dir / image.name).symlink_to(image)
         log_dir = Path(args.log_dir) if args.log_dir else Path(tmp)
         log_dir.mkdir(parents=True, exist_ok=True)
-        for name in args.scenario:
-            scenario = SCENARIOS[name]
-            if scenario.needs is not None and not scenario.needs.exists():
-                print(f"skipping {name}: {scenario.needs} is missing (run bench/setup_litserve.sh)", file=sys.stderr)
-                continue
-            print(f"{name}: {' '.join(expand(scenario.command, 0))}", file=sys.stderr, flush=True)
-            try:
-                results += await bench_scenario(name, scenario, args, images_dir, log_dir)
-            except RuntimeError as exc:
-                print(f"{name} failed: {exc}", file=sys.stderr)
+        for round_index in range(args.rounds):
+            for name in args.scenario:
+                scenario = SCENARIOS[name]
+                if scenario.needs is not None and not scenario.needs.exists():
+                    print(f"skipping {name}: {scenario.needs} is missing (run bench/setup_litserve.sh)",
+                          file=sys.stderr)
+                    continue
+                print(f"{name}: {' '.join(expand(scenario.command, 0))}", file=sys.stderr, flush=True)
+                try:
+                    results += await bench_scenario(name, scenario, args, images_dir, log_dir, round_index)
+                except RuntimeError as exc:
+                    print(f"{name} failed: {exc}", file=sys.stderr)
     return results
 
 
@@ -278,6 +348,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print JSON lines as results come")
     parser.add_argument("--out", default=None, help="also write the markdown table to this file")
     parser.add_argument("--log-dir", default=None, help="keep the servers' logs here")
+    parser.add_argument("--background-cores", type=float, default=0.0,
+                        help="spin this many cores of our own during each measured run (fractions by duty cycle)")
+    parser.add_argument("--open-loop", type=float, nargs="*", default=[],
+                        help="after the closed-loop runs, open-loop runs at these %% of the measured capacity")
+    parser.add_argument("--seed", type=int, default=1, help="seed of the open-loop arrival schedule")
+    parser.add_argument("--rounds", type=int, default=1, help="repeat the scenario list, alternating servers")
+    parser.add_argument("--plot", default=None, help="PNG of the open-loop p50/p99 against offered load")
     args = parser.parse_args(argv)
     args.scenario = sorted(SCENARIOS) if args.all else (
         args.scenario or (EMBEDDING_SCENARIOS if args.embeddings else DEFAULT_SCENARIOS))
@@ -288,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
         print(table)
     if args.out:
         Path(args.out).write_text(table + "\n")
+    if args.plot:
+        plot_open_loop(results, Path(args.plot))
     return 0 if results and all(r["errors"] == 0 and r["mismatches"] == 0 for r in results) else 1
 
 

@@ -51,6 +51,7 @@ from gateway.tokenize import detokenize, model_card, tokenize
 from shared.errors import EXIT_CONFIG, InvalidRequest, RequestTooLarge, ShmgateError, Unauthorized
 from shared.instance import Instance
 from shared.segment import check_model_id
+from shared.stages import Stage
 from shared.transport import PosixFrontendLink, PosixNodeStats
 from shared.wire import Delta, Failed, Finished, TokenLogprobs, Vector
 
@@ -184,6 +185,7 @@ def create_app(options: AppOptions) -> FastAPI:
         try:
             check_key(request)
             body = await _read_body(request, options.max_body_bytes)
+            f.stages.observe(Stage.BODY_READ, time.monotonic() - started)
             chat = parse_chat_request(body, options.intake)
             check_fields_for_model(chat.params, f.preprocessor, chat.n)
             set_image_options(chat, f.preprocessor)
@@ -220,6 +222,7 @@ def create_app(options: AppOptions) -> FastAPI:
         try:
             check_key(request)
             body = await _read_body(request, options.max_body_bytes)
+            f.stages.observe(Stage.BODY_READ, time.monotonic() - started)
             job = parse_embedding_request(body, options.intake, f.preprocessor)
             if job.chat.pending_urls:
                 await fetch_pending(job.chat, options.image_urls)
@@ -319,6 +322,7 @@ async def _complete(f: Frontend, state: RequestState, model: str, started: float
                 f.stats.add(Counter.REQUESTS_OK)
                 f.stats.observe(Counter.LATENCY_BUCKETS, elapsed)
                 f.stats.observe(Counter.TTFT_BUCKETS, elapsed)
+                f.stages.delivered(state.timing)
                 return JSONResponse(
                     completion.completion("".join(parts), event.finish_reason, event.prompt_tokens,
                                           event.completion_tokens, entries)
@@ -371,6 +375,7 @@ async def _stream(f: Frontend, state: RequestState, model: str, include_usage: b
                     if include_usage:
                         yield completion.usage_chunk(event.prompt_tokens, event.completion_tokens)
                     yield completion.done()
+                    f.stages.delivered(state.timing)
                     f.stats.add(Counter.REQUESTS_OK)
                     f.stats.observe(Counter.LATENCY_BUCKETS, time.monotonic() - started)
                     return

@@ -178,6 +178,7 @@ async def _one(
                 raise failure_error(event)
             elif isinstance(event, Finished):
                 tokens = event.prompt_tokens
+                f.stages.delivered(state.timing)
     finally:
         if not state.done:
             f.abandon(state)

@@ -39,6 +39,7 @@ from gateway.metrics import Counter, FrontendStats
 from gateway.preprocess.base import ImageTensorSpec, Preprocessor
 from gateway.replies import ReplyRouter
 from gateway.request_state import Phase, RequestState
+from gateway.stages import StageRecorder
 from shared.cache import TensorGroup
 from shared.errors import ChannelFull, Overloaded, UnknownModel
 from shared.segment import SlotState, now_ns
@@ -88,9 +89,10 @@ class Frontend:
         # repaired), so it runs in a thread: the event loop never waits on a semaphore (invariant 3).
         self.epoch = await asyncio.to_thread(self.link.take_over)
         self.stats = FrontendStats(self.link.stats_row())
+        self.stages = StageRecorder(self.link.stats_row())
         self.images = ImageResolver(self.link.content_cache(), self.preprocessor, self.stats,
                                     max_pixels=self.limits.max_pixels, threads=self.limits.decode_threads)
-        self.replies = ReplyRouter(self.link, self.images, self.stats, self._next_request_id)
+        self.replies = ReplyRouter(self.link, self.images, self.stats, self._next_request_id, self.stages)
         cache = self.images.cache
         self.stats.set(Counter.ARENA_SIZE_BYTES, cache.size)
         self.stats.set(Counter.ARENA_USED_BYTES, 0)
@@ -174,6 +176,7 @@ class Frontend:
                 task=chat.task,
             )
             state = RequestState(request_id, submit, groups, started)
+            self.stages.submitted(state.timing, started)
             self.replies.add(state)
         except BaseException:
             self.images.release(groups)

@@ -1,4 +1,4 @@
-"""`shmgate bench`: a closed-loop load generator for OpenAI-compatible image chat servers.
+"""`shmgate bench`: a closed- or open-loop load generator for OpenAI-compatible image chat servers.
 
 It measures what a client sees (throughput, latency, time to first token, errors) and checks one
 correctness property that only shows under load: every answer for the same image must be the same
@@ -15,6 +15,16 @@ requests are in flight (closed loop: a slow server is offered less load, as real
 A warm-up round of min(C, N) requests runs first and is not counted: it opens the keep-alive
 connections and lets the server load lazily-initialised state.
 
+With ``--rate R`` the load is open instead: N requests arrive at the times of a Poisson process of
+rate R (exponential gaps drawn from ``random.Random(--seed)``, so a seed gives the same schedule
+every time), each sent at its time whatever is still in flight. Latency then counts from the
+scheduled arrival, so a client or server that falls behind shows as latency, not as less load
+(closed loops hide queueing: a slow server is simply offered less).
+
+When the server has a Prometheus ``/metrics`` with ``shmgate_stage_duration_seconds``, it is
+scraped before and after the timed phase and the report shows where the run's requests spent their
+time, stage by stage (gateway/stages.py).
+
 With ``--server-pid`` the server's CPU time (the pids and all their descendants, from /proc) is
 sampled before and after the timed phase, so servers that burn different amounts of CPU for the same
 throughput can be told apart. The load generator runs on the same machine, so its own CPU time is
@@ -29,6 +39,7 @@ import base64
 import itertools
 import json
 import os
+import random
 import secrets
 import sys
 import time
@@ -39,8 +50,9 @@ from pathlib import Path
 from typing import Any
 
 from gateway.rawhttp import RawClient, Response, TransportError
+from gateway.stages import stage_breakdown
 
-__all__ = ["add_arguments", "count_mismatches", "count_vector_mismatches", "main", "percentile", "process_tree", "run",
+__all__ = ["add_arguments", "arrival_times", "count_mismatches", "count_vector_mismatches", "main", "percentile", "process_tree", "run",
            "tree_cpu_seconds"]
 
 IMAGE_TYPES = {".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".png": "image/png", ".webp": "image/webp"}
@@ -103,6 +115,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=None, help="uncounted requests first (default min(C, N))")
     parser.add_argument("--server-pid", action="append", default=[],
                         help="server pid whose CPU time (with descendants) to measure; repeat or comma list")
+    parser.add_argument("--rate", type=float, default=None,
+                        help="open loop: Poisson arrivals at this many requests/s (--concurrency then only "
+                             "sizes the warm-up)")
+    parser.add_argument("--seed", type=int, default=0, help="--rate: seed of the arrival schedule")
+    parser.add_argument("--no-stages", action="store_true", help="do not scrape /metrics for the stage breakdown")
 
 
 def load_images(folder: Path) -> list[BenchImage]:
@@ -160,12 +177,14 @@ class BodyTemplate:
         return b"".join((self.prefix, b'"', url.encode("ascii"), b'"', self.suffix))
 
 
-async def send_one(client: RawClient, body: bytes, image: str, *, stream: bool, embeddings: bool = False) -> Outcome:
+async def send_one(client: RawClient, body: bytes, image: str, *, stream: bool, embeddings: bool = False,
+                   start: float | None = None) -> Outcome:
     """Send one request (a JSON body) and time it. Never raises for server or transport failures.
 
-    With ``embeddings`` the outcome's text is the answer's base64 vector.
+    With ``embeddings`` the outcome's text is the answer's base64 vector. ``start``: the
+    ``time.perf_counter()`` the latency counts from (open loop: the scheduled arrival), default now.
     """
-    start = time.perf_counter()
+    start = time.perf_counter() if start is None else start
     try:
         if stream:
             status, text, ttft, error = await asyncio.wait_for(_send_streaming(client, body, start), client.timeout_s)
@@ -379,6 +398,58 @@ async def _drive(
     return outcomes
 
 
+def arrival_times(rate: float, count: int, seed: int) -> list[float]:
+    """Seconds from the start at which each of ``count`` requests arrives: a Poisson process of ``rate``/s.
+
+    The gaps are exponential with mean 1/rate, drawn from ``random.Random(seed)``: the same seed
+    gives the same schedule, so runs at one rate differ only in the server.
+    """
+    if rate <= 0:
+        raise ValueError("--rate must be positive")
+    rng = random.Random(seed)
+    times, now = [], 0.0
+    for _ in range(count):
+        now += rng.expovariate(rate)
+        times.append(now)
+    return times
+
+
+async def _drive_open(
+    client: RawClient, args: argparse.Namespace, images: list[BenchImage], count: int, first: int
+) -> list[Outcome]:
+    """Send ``count`` requests at Poisson arrival times (``args.rate``), never waiting for answers."""
+    template = BodyTemplate(args.model, stream=args.stream, max_tokens=args.max_tokens,
+                            temperature=args.temperature, embeddings=args.embeddings)
+    schedule = arrival_times(args.rate, count, args.seed)
+    tasks = []
+    origin = time.perf_counter()
+    for index, at in enumerate(schedule):
+        delay = origin + at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        image = images[0] if args.repeat_one else images[index % len(images)]
+        body = template.render(image.data_url(first + index if args.unique else None))
+        tasks.append(asyncio.create_task(send_one(client, body, image.name, stream=args.stream,
+                                                  embeddings=args.embeddings, start=origin + at)))
+    return list(await asyncio.gather(*tasks))
+
+
+async def scrape_metrics(base_url: str, headers: dict[str, str]) -> str | None:
+    """The server's /metrics text, or None when it has none (another server, or a key it wants)."""
+    import urllib.error
+    import urllib.request
+
+    def get() -> str | None:
+        request = urllib.request.Request(base_url.rstrip("/") + "/metrics", headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=5) as response:
+                return response.read().decode()
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
+
+    return await asyncio.to_thread(get)
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark described by ``args`` (see ``add_arguments``) and return the result dict."""
     if args.concurrency < 1 or args.requests < 1:
@@ -395,13 +466,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     nonces = secrets.randbelow(10**5) * 10**10
     try:
         warm = await _drive(client, args, images, warmup, nonces) if warmup > 0 else []
+        scraped = None if args.no_stages else await scrape_metrics(args.base_url, headers)
         cpu_before = tree_cpu_seconds(pids) if pids else None
         busy_before, client_cpu_before = machine_busy_seconds(), time.process_time()
         start = time.perf_counter()
-        outcomes = await _drive(client, args, images, args.requests, nonces + warmup)
+        drive = _drive if args.rate is None else _drive_open
+        outcomes = await drive(client, args, images, args.requests, nonces + warmup)
         wall = time.perf_counter() - start
         busy, client_cpu = machine_busy_seconds() - busy_before, time.process_time() - client_cpu_before
         server_cpu = None if cpu_before is None else tree_cpu_seconds(pids) - cpu_before
+        after = None if scraped is None else await scrape_metrics(args.base_url, headers)
     finally:
         await client.aclose()
     result = summarize(args, outcomes, wall, warm, client_cpu, server_cpu)
@@ -409,7 +483,21 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     # skews a comparison, so say how much (only known when the server's own share is).
     result["other_load_cores"] = (None if server_cpu is None or wall <= 0
                                   else round(max(0.0, busy - server_cpu - client_cpu) / wall, 2))
+    result["stages"] = stage_breakdown(scraped, after) if scraped is not None and after is not None else []
+    busy_start = _counter(scraped, "shmgate_worker_busy_seconds_total")
+    busy_end = _counter(after, "shmgate_worker_busy_seconds_total")
+    # workers busy on average (0..workers): low while requests wait says they wait for something else
+    result["workers_busy"] = (None if busy_start is None or busy_end is None or wall <= 0
+                              else round((busy_end - busy_start) / wall, 2))
     return result
+
+
+def _counter(text: str | None, name: str) -> float | None:
+    """An unlabelled sample of a /metrics text; None when absent."""
+    for line in (text or "").splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return None
 
 
 def summarize(args: argparse.Namespace, outcomes: list[Outcome], wall_s: float, warm: list[Outcome],
@@ -427,9 +515,10 @@ def summarize(args: argparse.Namespace, outcomes: list[Outcome], wall_s: float, 
         return None if value is None else round(value * 1000.0, 3)
 
     n = len(outcomes)
+    rate = getattr(args, "rate", None)
     return {
         "model": args.model, "stream": bool(args.stream), "embeddings": bool(args.embeddings),
-        "concurrency": args.concurrency, "requests": n,
+        "concurrency": args.concurrency, "requests": n, "offered_rate": rate,
         "repeat_one": bool(args.repeat_one), "unique": bool(args.unique), "warmup": len(warm),
         "duration_s": round(wall_s, 3), "requests_per_s": round(n / wall_s, 2) if wall_s > 0 else None,
         "p50_ms": ms(percentile(latencies, 50)), "p90_ms": ms(percentile(latencies, 90)),
@@ -444,13 +533,15 @@ def summarize(args: argparse.Namespace, outcomes: list[Outcome], wall_s: float, 
 
 def format_report(result: dict[str, Any]) -> str:
     """The human-readable form of a result."""
-    def f(key: str) -> str:
-        value = result[key]
+    def f(key: str, source: dict[str, Any] = result) -> str:
+        value = source[key]
         return "-" if value is None else f"{value:.1f}"
 
     cpu = result["cpu_s_per_request"]
+    load = (f"concurrency {result['concurrency']}" if result.get("offered_rate") is None
+            else f"open loop {result['offered_rate']} req/s offered")
     lines = [
-        f"model {result['model']}  stream={result['stream']}  concurrency {result['concurrency']}  "
+        f"model {result['model']}  stream={result['stream']}  {load}  "
         f"requests {result['requests']} (+{result['warmup']} warm-up) in {result['duration_s']:.2f} s",
         f"throughput   {result['requests_per_s']} req/s",
         f"latency ms   p50 {f('p50_ms')}  p90 {f('p90_ms')}  p99 {f('p99_ms')}",
@@ -462,6 +553,13 @@ def format_report(result: dict[str, Any]) -> str:
         f"other load   {'-' if result['other_load_cores'] is None else result['other_load_cores']} cores "
         "(CPU used by other processes while timing)",
     ]
+    if result.get("workers_busy") is not None:
+        lines.append(f"workers busy {result['workers_busy']} on average (from the server's /metrics)")
+    if result.get("stages"):
+        lines.append("stages       count     mean ms    p50 ms    p99 ms   (from the server's /metrics, this run)")
+        for row in result["stages"]:
+            lines.append(f"  {row['stage']:<12} {row['count']:>6} {f('mean_ms', row):>10} {f('p50_ms', row):>9} "
+                         f"{f('p99_ms', row):>9}")
     return "\n".join(lines)
 
 

@@ -22,6 +22,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import CollectorRegistry
 
 from gateway.result_cache import ResultCacheStats
+from gateway.stages import stage_histogram
 from shared.segment import BATCH_BUCKETS
 from shared.transport.base import NodeStats
 from shared.transport.posix import IN_FLIGHT_COUNTER
@@ -169,6 +170,7 @@ class NodeCollector:
         yield batch
         yield gauge("shmgate_preparing_requests", "Admitted requests still being decoded and preprocessed.",
                     node.preparing_requests())
+        yield stage_histogram(total)
 
 
 def _latency_histogram(name: str, help_text: str, total: np.ndarray, buckets: int, sum_idx: int,

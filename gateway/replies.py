@@ -26,6 +26,7 @@ import msgspec
 from gateway.images import ImageResolver
 from gateway.metrics import Counter, FrontendStats
 from gateway.request_state import Phase, RequestState
+from gateway.stages import StageRecorder
 from shared.errors import ChannelFull, Overloaded, PeerDied, RequestTimeout, ShmgateError
 from shared.instance import DEAD_AFTER_S
 from shared.segment import now_ns
@@ -55,6 +56,7 @@ class ReplyRouter:
         images: ImageResolver,
         stats: FrontendStats,
         next_request_id: Callable[[], int],
+        stages: StageRecorder,
         *,
         taken_unclaimed_s: float = TAKEN_UNCLAIMED_S,
         grace_s: float = GRACE_S,
@@ -62,6 +64,7 @@ class ReplyRouter:
         self.link = link
         self.images = images
         self.stats = stats
+        self.stages = stages
         self._next_request_id = next_request_id
         # Both tunable by tests on the in-memory transport (tests/test_reply_routing.py).
         self.taken_unclaimed_s = taken_unclaimed_s
@@ -111,6 +114,7 @@ class ReplyRouter:
             return  # a predecessor's request, or one that already ended
         if isinstance(message, Claimed):
             state.worker = (message.worker_slot, message.worker_epoch)
+            self.stages.claimed(state.timing, message)
             self._taken_seq = max(self._taken_seq, state.send_seq)
             if state.abandoned:
                 self._send_cancel(state)
@@ -124,6 +128,8 @@ class ReplyRouter:
                 state.to(Phase.STREAMING)
             state.events.put_nowait(message)
         elif isinstance(message, (Finished, Failed)):
+            if isinstance(message, Finished):
+                self.stages.finished(state.timing, message)
             if isinstance(message, Finished) and message.text:
                 if not state.abandoned:
                     state.to(Phase.STREAMING)

@@ -20,6 +20,7 @@ import asyncio
 import enum
 from dataclasses import dataclass, field
 
+from gateway.stages import RequestTiming
 from shared.cache import TensorGroup
 from shared.wire import Delta, Failed, Finished, Submit, TokenLogprobs, Vector
 
@@ -58,6 +59,7 @@ class RequestState:
     groups: list[TensorGroup]
     started: float
     events: asyncio.Queue[Delta | Vector | TokenLogprobs | Finished | Failed] = field(default_factory=asyncio.Queue)
+    timing: RequestTiming = field(default_factory=RequestTiming)  # per-stage latency (gateway/stages.py)
     worker: tuple[int, int] | None = None  # (slot, epoch) of the claiming worker; kept when ABANDONED
     phase: Phase = Phase.QUEUED
     send_seq: int = 0  # this frontend's count of sends when its descriptor went onto the queue (0: not yet)

@@ -24,7 +24,9 @@ Channels:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -168,52 +170,60 @@ def unlink_queue(name: str) -> None:
         posix_ipc.unlink_message_queue(name)
 
 
-class AsyncSender:
-    """Sends from the event loop without blocking it; many tasks may wait on one full queue.
+SEND_SLICE_S = 0.5  # AsyncSender: a blocked send looks at close() this often
 
-    asyncio allows one writer callback per file descriptor, so the waiters share
-    one registration: when the queue becomes writable every waiter wakes and
-    retries (the losers wait again).
+
+class AsyncSender:
+    """Sends from the event loop without blocking it, first come, first served, across processes too.
+
+    A send that finds the queue free goes at once. Otherwise it waits behind the sends already
+    waiting, and one sender thread per AsyncSender sends them in order with a blocking send: Linux
+    keeps the senders blocked on a full message queue in arrival order and, when a receiver frees
+    a place, moves the first one's message in at once, whichever process it belongs to and whether
+    or not that process is running just then. So requests enter the shared request queue in the
+    order they started waiting, across frontends. (Before issue 16, waiters woke on writability and
+    raced for each free place, a new send could slip in ahead of them, and a frontend starved of
+    CPU lost every race: some requests waited seconds behind later ones once the queue filled.)
+    One thread keeps this frontend's own sends in their order, which ``Frontend._check_taken``
+    relies on. A send cancelled while it waits never goes; one already handed to the kernel may
+    still go (harmless: its arena holds carry generations, and its answer matches no request).
     """
 
     def __init__(self, queue: Queue) -> None:
         self._queue = queue
-        self._waiters: list[asyncio.Future[None]] = []
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="send")
+        self._waiting = 0  # sends handed to the thread and not yet answered
+        self._closed = False
 
     async def send(self, message: Any, timeout_s: float) -> None:
         """Raises ChannelFull after ``timeout_s``."""
-        if self._queue.try_send(message):
+        if not self._waiting and self._queue.try_send(message):
             return
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while True:
-            waiter = loop.create_future()
-            self._waiters.append(waiter)
-            if self._loop is None:
-                self._loop = loop
-                loop.add_writer(self._queue.fd, self._wake)
-            try:
-                await asyncio.wait_for(waiter, max(0.0, deadline - loop.time()))
-            except TimeoutError as exc:
-                raise ChannelFull("the channel stayed full; its receivers are saturated") from exc
-            finally:
-                if waiter in self._waiters:
-                    self._waiters.remove(waiter)
-                if not self._waiters and self._loop is not None:
-                    self._loop.remove_writer(self._queue.fd)
-                    self._loop = None
-            if self._queue.try_send(message):
-                return
+        deadline = time.monotonic() + timeout_s
+        self._waiting += 1
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._thread, self._send_by, message, deadline)
+        finally:
+            self._waiting -= 1
 
-    def _wake(self) -> None:
-        waiters, self._waiters = self._waiters, []
-        if self._loop is not None:
-            self._loop.remove_writer(self._queue.fd)
-            self._loop = None
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
+    def _send_by(self, message: Any, deadline: float) -> None:
+        """The sender thread: a blocking send until ``deadline`` (time spent queued here counts)."""
+        while (remaining := deadline - time.monotonic()) > 0 and not self._closed:
+            try:
+                # In slices, so that close() is noticed (a process exits only once this thread has). A
+                # slice that ends puts this send behind the other processes' blocked senders, i.e. behind
+                # at most one send per other frontend: each has one sender thread.
+                self._queue.send(message, min(remaining, SEND_SLICE_S))
+                return
+            except (ChannelFull, posix_ipc.SignalError):  # still full, or a signal woke us: wait on
+                continue
+        if self._closed or not self._queue.try_send(message):
+            raise ChannelFull("the channel stayed full; its receivers are saturated")
+
+    def close(self) -> None:
+        """Drop the sends still waiting (their callers were cancelled or gave up); the thread exits."""
+        self._closed = True
+        self._thread.shutdown(wait=False, cancel_futures=True)
 
 
 class AsyncQueueReader:

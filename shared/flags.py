@@ -16,9 +16,10 @@ import argparse
 import os
 from collections.abc import Callable, Collection
 
-__all__ = ["DTYPES", "add_batching_flags", "env", "forward"]
+__all__ = ["BATCH_POLICIES", "DTYPES", "add_batching_flags", "env", "forward"]
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+BATCH_POLICIES = ("fcfs", "held")  # worker/batcher.py: what a worker takes while its model is busy
 
 
 def env(name: str, default: str | None = None) -> str | None:
@@ -30,6 +31,10 @@ def add_batching_flags(p: argparse.ArgumentParser) -> None:
     """The worker's batching and model flags, the same in ``serve`` and in ``worker``."""
     p.add_argument("--max-batch-size", type=int, default=env("MAX_BATCH_SIZE", "8"))
     p.add_argument("--max-batch-wait-ms", type=float, default=env("MAX_BATCH_WAIT_MS", "5"))
+    p.add_argument("--batch-policy", default=env("BATCH_POLICY", "held"), choices=BATCH_POLICIES,
+                   help="held: a busy worker's next batch gathers while the model runs; fcfs: a busy worker "
+                        "takes nothing, requests wait in the shared queue for the first free worker (issue 16; "
+                        "see worker/batcher.py and docs/BENCHMARKS.md)")
     p.add_argument("--dtype", default=env("DTYPE", "auto"), choices=DTYPES,
                    help="weights of hf: models (auto: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--compile-normalise", action="store_true", default=env("COMPILE_NORMALISE") == "1",

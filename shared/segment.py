@@ -54,7 +54,8 @@ __all__ = [
 MAGIC = int.from_bytes(b"SHMGATE1", "little")
 # 2: slot rows carry ``preparing`` and the worker batch-size counters
 # 3: slot rows carry ``progress_ns`` and ``stalls``; ``model`` widened to MODEL_NAME_BYTES
-LAYOUT_VERSION = 3
+# 4: stats rows of 256 words (the per-stage latency histograms, gateway/stages.py)
+LAYOUT_VERSION = 4
 MODEL_NAME_BYTES = 128  # a worker refuses to start with a longer model id (it could never match)
 
 
@@ -130,7 +131,7 @@ SLOT = np.dtype(
 )
 
 N_LOCKS = 3  # index, repair, table
-STATS_WORDS = 128  # u64 counters per frontend; each frontend writes only its own row
+STATS_WORDS = 256  # u64 counters per frontend; each frontend writes only its own row
 
 
 class SlotState(enum.IntEnum):

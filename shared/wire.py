@@ -147,6 +147,7 @@ class Claimed(Message, tag="a"):
     request_id: U64
     worker_slot: NonNegative
     worker_epoch: NonNegative
+    claimed_ns: NonNegative = 0  # the worker's now_ns() when it claimed (shared/stages.py); 0: not stamped
 
 
 class Released(Message, tag="r"):
@@ -176,6 +177,7 @@ class Finished(Message, tag="f"):
     prompt_tokens: NonNegative = 0
     completion_tokens: NonNegative = 0
     text: str = ""
+    stamps: tuple[NonNegative, ...] = ()  # the worker's moments for this request (shared/stages.py Stamp)
 
 
 class Failed(Message, tag="x"):

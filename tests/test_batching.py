@@ -67,7 +67,7 @@ def wake() -> Iterator[tuple[int, int]]:
 
 
 def _batcher(requests: Queue, wake: tuple[int, int], *, max_batch_wait_s: float = LONG_WINDOW_S,
-             more_coming: Callable[[], bool]) -> Batcher[int]:
+             more_coming: Callable[[], bool], policy: str = "held") -> Batcher[int]:
     return Batcher(
         requests,
         max_batch_size=8,
@@ -76,6 +76,7 @@ def _batcher(requests: Queue, wake: tuple[int, int], *, max_batch_wait_s: float 
         on_invalid=lambda what: pytest.fail(f"invalid message {what!r}"),
         more_coming=more_coming,
         wake_fd=wake[0],
+        policy=policy,
     )
 
 
@@ -149,7 +150,7 @@ def test_a_batch_held_open_while_the_model_is_busy_is_cut_by_the_wake_up(
     monkeypatch.setattr(batcher_module, "WAKE_SLICE_S", LONG_WINDOW_S)
     busy = threading.Event()
     busy.set()
-    batcher = _batcher(requests, wake, max_batch_wait_s=0.0, more_coming=lambda: False)
+    batcher = _batcher(requests, wake, max_batch_wait_s=0.0, more_coming=lambda: False, policy="held")
 
     def model_finishes() -> None:
         time.sleep(0.3)
@@ -165,6 +166,66 @@ def test_a_batch_held_open_while_the_model_is_busy_is_cut_by_the_wake_up(
     thread.join()
     assert batch == [1, 2]
     assert took < HANG_S
+
+
+def test_fcfs_a_busy_worker_takes_nothing_so_requests_stay_in_the_shared_queue(
+    instance: Instance, requests: Queue, wake: tuple[int, int]
+) -> None:
+    """Issue 16: what a busy worker would hold, another worker that is free can take instead."""
+    _send(instance, 1, 2)
+    batcher = _batcher(requests, wake, more_coming=lambda: False, policy="fcfs")
+    assert batcher.collect(idle_timeout_s=0.2, hold_open=lambda: True) == []
+    assert requests.current_messages() == 2  # still there, for whichever worker frees first
+
+
+def test_fcfs_the_batch_is_collected_when_the_model_frees_in_arrival_order(
+    instance: Instance, requests: Queue, wake: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(batcher_module, "WAKE_SLICE_S", LONG_WINDOW_S)  # the wake-up, not a poll, must end it
+    busy = threading.Event()
+    busy.set()
+    batcher = _batcher(requests, wake, more_coming=lambda: False, policy="fcfs")
+
+    def model_finishes() -> None:
+        time.sleep(0.2)
+        _send(instance, 3)  # arrives while the model is busy: waits in the queue behind 1 and 2
+        busy.clear()
+        os.write(wake[1], b"w")
+
+    _send(instance, 1, 2)
+    thread = threading.Thread(target=model_finishes)
+    thread.start()
+    batch, took = _timed_collect(batcher, hold_open=busy.is_set)
+    thread.join()
+    assert batch == [1, 2, 3]
+    assert took < HANG_S
+
+
+def test_fcfs_the_free_worker_takes_what_the_busy_one_left(
+    instance: Instance, requests: Queue, wake: tuple[int, int]
+) -> None:
+    """Two workers on one queue: the busy one's batcher leaves every request to the free one."""
+    other = instance.request_queue()
+    read_end, write_end = os.pipe()
+    os.set_blocking(read_end, False)
+    try:
+        busy_worker = _batcher(requests, wake, more_coming=lambda: False, policy="fcfs")
+        free_worker = _batcher(other, (read_end, write_end), more_coming=lambda: False, policy="fcfs")
+        _send(instance, 1, 2, 3)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            held = pool.submit(busy_worker.collect, idle_timeout_s=0.5, hold_open=lambda: True)
+            taken = pool.submit(free_worker.collect, idle_timeout_s=HANG_S, hold_open=lambda: False)
+            assert taken.result(HANG_S) == [1, 2, 3]
+            assert held.result(HANG_S) == []
+    finally:
+        other.close()
+        os.close(read_end)
+        os.close(write_end)
+
+
+def test_an_unknown_batch_policy_is_refused(requests: Queue, wake: tuple[int, int]) -> None:
+    with pytest.raises(ValueError, match="batch policy"):
+        _batcher(requests, wake, more_coming=lambda: False, policy="lifo")
 
 
 @pytest.fixture(scope="module")

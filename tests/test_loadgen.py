@@ -188,3 +188,24 @@ def test_unique_runs_never_repeat_bytes_an_earlier_run_sent(checksum_server) -> 
         sent += result["requests"] + result["warmup"]
     assert cache("misses") - misses == sent
     assert cache("hits") + cache("remote_hits") == hits
+
+
+def test_arrival_schedule_is_seeded_ordered_and_bounded() -> None:
+    """--rate: the same seed gives the same Poisson schedule; it has exactly N increasing times."""
+    first = loadgen.arrival_times(50.0, 200, seed=7)
+    assert first == loadgen.arrival_times(50.0, 200, seed=7)
+    assert first != loadgen.arrival_times(50.0, 200, seed=8)
+    assert len(first) == 200 and all(a < b for a, b in zip(first, first[1:])) and first[0] > 0
+    # exponential gaps of mean 1/rate: over many arrivals the mean gap is close to it (statistics, not timing)
+    many = loadgen.arrival_times(50.0, 20_000, seed=1)
+    assert many[-1] / len(many) == pytest.approx(1 / 50.0, rel=0.05)
+    with pytest.raises(ValueError, match="rate"):
+        loadgen.arrival_times(0.0, 10, seed=1)
+
+
+def test_open_loop_sends_every_request_and_reports_the_offered_rate(naive_server: tuple[str, int]) -> None:
+    result = _bench(naive_server[0], "--rate", "200", "--seed", "3", "--unique")
+    assert result["offered_rate"] == 200.0
+    assert result["requests"] == 12 and result["errors"] == 0 and result["mismatches"] == 0
+    assert result["stages"] == []  # the naive server has no /metrics: no breakdown, no failure
+    assert "open loop 200.0 req/s offered" in loadgen.format_report(result)

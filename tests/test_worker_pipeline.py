@@ -1,5 +1,8 @@
 """The worker's pipeline: the next batch is copied and released while the current one runs.
 
+That is the ``held`` batch policy (worker/batcher.py, the default), which these tests pin; with
+``fcfs`` a busy worker takes nothing, and one rig test covers that.
+
 Most tests run a real ``Worker`` (real instance, arena, queues, DeviceCopier's CPU path,
 the checksum backend) in a thread of the test process and play the frontend by hand on
 the real queues. The backend is the checksum backend behind a gate that holds the first
@@ -126,7 +129,8 @@ def rig(request: pytest.FixtureRequest) -> Iterator[Rig]:
     inst = Instance.create(arena_size=4 << 20, n_frontends=1, n_workers=1, queue_depth=4)
     _, heartbeat = claim_frontend(inst, 0)
     backend = GatedChecksum()
-    options = WorkerOptions(model="checksum", max_batch_size=getattr(request, "param", 1), max_batch_wait_ms=0)
+    size, policy = getattr(request, "param", (1, "held"))
+    options = WorkerOptions(model="checksum", max_batch_size=size, max_batch_wait_ms=0, batch_policy=policy)
     worker = Worker(inst, options, backend=backend)
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
@@ -178,7 +182,7 @@ def test_next_batch_is_copied_and_released_while_the_current_one_runs(rig: Rig) 
         assert _digest(request_id) in _answer(rig, request_id)  # the bytes before the overwrite
 
 
-@pytest.mark.parametrize("rig", [4], indirect=True)
+@pytest.mark.parametrize("rig", [(4, "held")], indirect=True)
 def test_the_prepared_batch_stays_open_while_the_model_is_busy(rig: Rig) -> None:
     rig.submit(41)
     assert rig.started() == [41]
@@ -191,6 +195,25 @@ def test_the_prepared_batch_stays_open_while_the_model_is_busy(rig: Rig) -> None
     assert rig.started() == [42, 43]  # one batch: what arrived while 41 ran
     for request_id in (42, 43):
         assert rig.kinds(request_id)[:2] == ["Claimed", "Released"]
+        assert _digest(request_id) in _answer(rig, request_id)
+
+
+@pytest.mark.parametrize("rig", [(4, "fcfs")], indirect=True)
+def test_fcfs_a_busy_worker_leaves_new_requests_on_the_queue_then_runs_them_in_order(rig: Rig) -> None:
+    """Issue 16: nothing is claimed behind a running batch; freed, the worker takes them oldest first."""
+    rig.submit(61)
+    assert rig.started() == [61]
+    rig.submit(62)
+    rig.submit(63)
+    rig.read_until(_has(Released, 61))
+    assert rig.kinds(62) == [] and rig.kinds(63) == []  # not claimed: another worker could take them
+    assert rig.queue("requests").current_messages() == 2
+    rig.backend.gate.set()
+    rig.read_until(lambda log: all(_has(Finished, r)(log) for r in (61, 62, 63)))
+    assert rig.started() == [62, 63]  # one batch, in arrival order
+    for request_id in (62, 63):
+        kinds = rig.kinds(request_id)
+        assert kinds[:2] == ["Claimed", "Released"] and kinds[-1] == "Finished"
         assert _digest(request_id) in _answer(rig, request_id)
 
 

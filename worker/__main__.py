@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         device=device,
         max_batch_size=args.max_batch_size,
         max_batch_wait_ms=args.max_batch_wait_ms,
+        batch_policy=args.batch_policy,
         threads=threads or None,
         dtype=args.dtype,
         diag_batch_delay_ms=args.diag_batch_delay_ms,

@@ -8,9 +8,25 @@ once, before the batch window ends: the worker claims it there (if this worker
 dies from here on, the frontend knows whom to blame and retries elsewhere) and
 starts its device copy.
 
-A batch prepared while the model is still busy stays open after its window
-(``hold_open``), so it gathers what arrives until the model is free, as the
-batch of an unpipelined worker did; each item's copy has started on arrival.
+What a worker takes while its model is busy is the batch policy
+(``--batch-policy``, shared/flags.py):
+
+- ``fcfs``: nothing. The next batch is collected only once the
+  model is free, so every request waits in the one shared queue until the
+  first worker that can run it *now* takes it: first come, first served across
+  frontends and workers. Measured (docs/BENCHMARKS.md, issue 16): with a core
+  of background load on 2 cores, requests held by a busy worker waited behind
+  its running batch while the other worker was free or faster; that wait
+  ("batch_wait" in /metrics) was the tail. The cost is the gap between two
+  batches (taking and claiming up to ``max_batch_size`` descriptors), a
+  millisecond or two against a batch of hundreds on CPU. Measured on a quiet
+  machine at the end of issue 16 it did not pay: lower c=32 throughput and a
+  longer loaded tail than ``held`` (docs/BENCHMARKS.md), so it is opt-in.
+- ``held`` (the default): a batch prepared while the model is still busy
+  stays open after its window (``hold_open``), so it gathers what arrives
+  until the model is free, as the batch of an unpipelined worker did; each
+  item's copy has started on arrival. Copies overlap the running batch, but
+  the held requests are this worker's, however long its batch runs.
 
 The window is only waited for what is known to be coming: while the model is
 idle, a batch is cut as soon as the request queue is empty and no frontend is
@@ -55,6 +71,7 @@ class Batcher(Generic[T]):
         on_invalid: Callable[[object], None],
         more_coming: Callable[[], bool],
         wake_fd: int,
+        policy: str = "held",
     ) -> None:
         """``on_take(submit)`` claims a request and returns what the batch keeps, or None to drop it.
 
@@ -69,6 +86,9 @@ class Batcher(Generic[T]):
         self._max_batch_wait_s = max(0.0, max_batch_wait_s)
         self._on_take = on_take
         self._on_invalid = on_invalid
+        if policy not in ("fcfs", "held"):
+            raise ValueError(f"unknown batch policy {policy!r} (fcfs, held)")
+        self._policy = policy
 
     def collect(self, idle_timeout_s: float = 0.5, *, hold_open: Callable[[], bool] = _never) -> list[T]:
         """The next batch; empty when nothing arrived within ``idle_timeout_s``.
@@ -78,6 +98,10 @@ class Batcher(Generic[T]):
         window ends or when nothing more is on its way.
         """
         batch: list[T] = []
+        if self._policy == "fcfs":
+            if not self._wait_until_free(idle_timeout_s, hold_open):
+                return batch  # still busy: the caller looks at its stop flag and asks again
+            hold_open = _never
         first = self._take(idle_timeout_s)
         if first is None:
             return batch
@@ -90,13 +114,31 @@ class Batcher(Generic[T]):
                 break
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                if not batch or not holding:
+                if self._policy == "fcfs" and batch and self._queue.current_messages() > 0:
+                    remaining = 0.0  # fcfs: what is queued already costs no wait; it is next in line
+                elif not batch or not holding:
                     break
-                remaining = WAKE_SLICE_S
+                else:
+                    remaining = WAKE_SLICE_S
             item = self._take(remaining, wakeable=True)
             if item is not None and item is not False:
                 batch.append(item)  # type: ignore[arg-type]
         return batch
+
+    def _wait_until_free(self, timeout_s: float, busy: Callable[[], bool]) -> bool:
+        """fcfs: wait (on ``wake_fd``) until ``busy()`` is false; False when ``timeout_s`` passed first."""
+        deadline = time.monotonic() + timeout_s
+        while busy():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            readable, _, _ = select.select([self._wake_fd], [], [], min(remaining, WAKE_SLICE_S))
+            if readable:
+                try:
+                    os.read(self._wake_fd, 4096)
+                except BlockingIOError:
+                    pass
+        return True
 
     def _waiting_helps(self) -> bool:
         """Is a request on its way: queued already, or admitted by a frontend and still decoding?"""

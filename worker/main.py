@@ -60,6 +60,7 @@ from shared.errors import (
 )
 from shared.instance import Instance
 from shared.segment import InstanceState, SlotState, check_model_id, now_ns
+from shared.stages import Stamp, Stamps
 from shared.transport import PosixWorkerLink, WorkerLink
 from shared.wire import (
     INLINE_TENSOR,
@@ -101,6 +102,7 @@ class WorkerOptions:
     device: str = "cpu"
     max_batch_size: int = 8
     max_batch_wait_ms: float = 5.0
+    batch_policy: str = "held"  # worker/batcher.py: "held" or "fcfs" (shared/flags.py BATCH_POLICIES)
     threads: int | None = None
     dtype: str = "auto"  # hf: models only (worker/backends/hf.py DTYPES)
     diag_batch_delay_ms: float = 0.0  # diagnostics/tests: sleep this long before each batch runs (a slow model)
@@ -119,6 +121,7 @@ class _Job:
     seq: int = 0
     done: bool = False
     pending: list[str] = field(default_factory=list)  # text not sent yet (see BackendEvent.flush)
+    stamps: Stamps = field(default_factory=Stamps)  # per-stage latency, back in Finished (shared/stages.py)
 
 
 class Worker:
@@ -171,6 +174,7 @@ class Worker:
             on_invalid=self._invalid_message,
             more_coming=lambda: link.preparing_requests() > 0,
             wake_fd=self._prefetcher.wake_fd,
+            policy=options.batch_policy,
         )
 
     # -- life cycle -----------------------------------------------------------------
@@ -260,7 +264,7 @@ class Worker:
             except ChannelFull:
                 log.error("could not put request %x back on the queue; its deadline will end it", submit.request_id)
             self._declared_dead()
-        self._reply(submit, Claimed(submit.request_id, self.slot, self.epoch))
+        self._reply(submit, Claimed(submit.request_id, self.slot, self.epoch, now_ns()))
         if submit.model != self.backend.name:
             self._fail(submit, 0, UnknownModel(f"this worker serves {self.backend.name}"))
             return None
@@ -299,11 +303,13 @@ class Worker:
             use_device(self.device)
             self._prefetch_bound = True
         jobs = self.batcher.collect(idle_timeout_s=0.25, hold_open=self._model_busy)
+        Stamps.mark_all((job.stamps for job in jobs), Stamp.CUT)
         for job in jobs:
             assert job.copy is not None
             self.progress.blocked_since_ns = now_ns()
             try:
                 job.item = self._finish_copy(job.submit, job.copy)
+                job.stamps.mark(Stamp.COPIED)
             except Exception as exc:  # one request's data: fail it alone (the thread must live on)
                 self._fail_unreadable(job.submit, exc)
                 job.item = None
@@ -374,12 +380,14 @@ class Worker:
         if self.options.diag_batch_delay_ms > 0:
             time.sleep(self.options.diag_batch_delay_ms / 1000)
         self.progress.step()
+        Stamps.mark_all((job.stamps for job in live), Stamp.STARTED)
         try:
             for event in self.backend.run(items):
                 self.progress.step()
                 job = live[event.index]
                 if job.done:
                     continue
+                job.stamps.output()
                 if event.logprob is not None:  # before the token's text: flush what is held first
                     self._flush_text(job)
                     self._reply(job.submit, TokenLogprobs(job.submit.request_id, event.logprob))
@@ -400,6 +408,7 @@ class Worker:
                             event.prompt_tokens,
                             event.completion_tokens,
                             last,
+                            job.stamps.done(),
                         ),
                     )
                 elif event.flush:

@@ -123,6 +123,7 @@ class PosixFrontendLink:
     def stop_replies(self) -> None:
         if self._reader is not None:
             self._reader.stop()
+        self._sender.close()  # ends sends still waiting for room (shared/channels.py AsyncSender)
 
     def send_cancel(self, worker_slot: int, cancel: Cancel) -> None:
         if worker_slot >= self.segment.layout.n_workers:

@@ -1,0 +1,162 @@
+"""Per-stage latency histograms: where each request's time went (stages: shared/stages.py).
+
+Who uses this: the frontend (``StageRecorder``, a few one-line hooks in gateway/frontend.py and
+gateway/app.py), /metrics (``stage_histogram``, histogram ``shmgate_stage_duration_seconds`` with a
+``stage`` label) and ``shmgate bench`` (``parse_stage_histograms``, ``stage_breakdown``: the
+breakdown of its own run, from the difference of two scrapes).
+
+Storage: like every other metric, the counts live in this frontend's row of the segment's stats
+(words ``STAGE_BASE`` onwards), so whichever frontend answers a scrape reports the whole node. The
+bucket bounds are finer than the request histogram's: most stages take milliseconds.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from prometheus_client.core import HistogramMetricFamily
+
+from shared.segment import STATS_WORDS, now_ns
+from shared.stages import Stage, worker_stage_seconds
+from shared.wire import Claimed, Finished
+
+__all__ = ["METRIC", "STAGE_BUCKETS_S", "RequestTiming", "StageRecorder", "parse_stage_histograms",
+           "stage_breakdown", "stage_histogram"]
+
+METRIC = "shmgate_stage_duration_seconds"
+STAGE_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0,
+                   10.0)
+STAGE_BASE = 104  # first stats word of the stage histograms (gateway/metrics.py Counter ends at 103)
+_WORDS = len(STAGE_BUCKETS_S) + 3  # buckets, +Inf, sum in µs, count
+assert STAGE_BASE + len(Stage) * _WORDS <= STATS_WORDS, "the stage histograms must fit a stats row"
+
+
+@dataclass
+class RequestTiming:
+    """One request's frontend-side moments (``now_ns()``); 0: not reached."""
+
+    submitted_ns: int = 0
+    claimed_ns: int = 0  # the worker's stamp
+    done_ns: int = 0  # the worker's final event
+
+
+class StageRecorder:
+    """The writer side: one frontend's stage histograms, in its stats row."""
+
+    def __init__(self, row: np.ndarray) -> None:
+        self._row = row  # this frontend's stats row (FrontendLink.stats_row)
+
+    def observe(self, stage: Stage, seconds: float) -> None:
+        base = STAGE_BASE + stage * _WORDS
+        self._row[base + bisect.bisect_left(STAGE_BUCKETS_S, seconds)] += 1
+        self._row[base + len(STAGE_BUCKETS_S) + 1] += int(seconds * 1e6)
+        self._row[base + len(STAGE_BUCKETS_S) + 2] += 1
+
+    def submitted(self, timing: RequestTiming, started_s: float) -> None:
+        """Images resolved and the descriptor built (``started_s``: ``time.monotonic()`` at admission)."""
+        timing.submitted_ns = now_ns()
+        self.observe(Stage.PREPROCESS, max(0.0, timing.submitted_ns / 1e9 - started_s))
+
+    def claimed(self, timing: RequestTiming, message: Claimed) -> None:
+        if message.claimed_ns and timing.submitted_ns and not timing.claimed_ns:
+            timing.claimed_ns = message.claimed_ns
+            self.observe(Stage.QUEUE, max(0, message.claimed_ns - timing.submitted_ns) / 1e9)
+
+    def finished(self, timing: RequestTiming, message: Finished) -> None:
+        for stage, seconds in worker_stage_seconds(timing.claimed_ns, message.stamps).items():
+            self.observe(stage, seconds)
+        if message.stamps:
+            timing.done_ns = message.stamps[-1]
+
+    def delivered(self, timing: RequestTiming) -> None:
+        """The response to the client is built: the end of ``delivery``."""
+        if timing.done_ns:
+            self.observe(Stage.DELIVERY, max(0, now_ns() - timing.done_ns) / 1e9)
+            timing.done_ns = 0
+
+
+def stage_histogram(total: np.ndarray) -> HistogramMetricFamily:
+    """The stage histograms for /metrics' collector (``total``: the summed stats rows)."""
+    family = HistogramMetricFamily(METRIC, "Time requests spent in each stage of serving (see shared/stages.py).",
+                                   labels=["stage"])
+    for stage in Stage:
+        base = STAGE_BASE + stage * _WORDS
+        cumulative = 0
+        points: list[tuple[str, float]] = []
+        for i, bound in enumerate((*STAGE_BUCKETS_S, None)):
+            cumulative += int(total[base + i])
+            points.append(("+Inf" if bound is None else f"{bound:g}", cumulative))
+        family.add_metric([stage.name.lower()], points, sum_value=int(total[base + len(STAGE_BUCKETS_S) + 1]) / 1e6)
+    return family
+
+
+_SAMPLE = re.compile(rf"^{METRIC}_(bucket|sum|count)\{{([^}}]*)\}} (\S+)$")
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def parse_stage_histograms(text: str) -> dict[str, dict[str, Any]]:
+    """{stage: {"buckets": [(le, cumulative count)...], "sum": s, "count": n}} from a /metrics text."""
+    stages: dict[str, dict[str, Any]] = {}
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match is None:
+            continue
+        kind, labels, value = match.groups()
+        label = dict(_LABEL.findall(labels))  # any label order (prometheus_client writes le first)
+        stage, le = label.get("stage"), label.get("le")
+        if stage is None:
+            continue
+        entry = stages.setdefault(stage, {"buckets": [], "sum": 0.0, "count": 0})
+        if kind == "bucket" and le is not None:
+            entry["buckets"].append((float("inf") if le == "+Inf" else float(le), float(value)))
+        elif kind == "sum":
+            entry["sum"] = float(value)
+        else:
+            entry["count"] = int(float(value))
+    return stages
+
+
+def _quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
+    """Prometheus' histogram_quantile: linear inside the bucket that holds the q-th observation."""
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank = q * buckets[-1][1]
+    lower, below = 0.0, 0.0
+    for upper, cumulative in buckets:
+        if cumulative >= rank:
+            if upper == float("inf"):
+                return lower
+            inside = cumulative - below
+            return lower + (upper - lower) * ((rank - below) / inside if inside else 0.0)
+        lower, below = upper, cumulative
+    return lower
+
+
+def stage_breakdown(before: str, after: str) -> list[dict[str, Any]]:
+    """Per stage, the count, mean, p50 and p99 (ms) of what happened between two /metrics scrapes.
+
+    Quantiles come from the histogram buckets (interpolated, so as coarse as the buckets); the mean
+    is exact. Stages nobody went through in between are left out.
+    """
+    first, second = parse_stage_histograms(before), parse_stage_histograms(after)
+    rows = []
+    for stage in Stage:
+        name = stage.name.lower()
+        if name not in second:
+            continue
+        old = first.get(name, {"buckets": [], "sum": 0.0, "count": 0})
+        old_counts = dict(old["buckets"])
+        buckets = [(le, count - old_counts.get(le, 0.0)) for le, count in second[name]["buckets"]]
+        count = second[name]["count"] - old["count"]
+        if count <= 0:
+            continue
+        total_s = second[name]["sum"] - old["sum"]
+        p50, p99 = _quantile(buckets, 0.5), _quantile(buckets, 0.99)
+        rows.append({"stage": name, "count": count, "mean_ms": round(total_s / count * 1000, 3),
+                     "p50_ms": None if p50 is None else round(p50 * 1000, 3),
+                     "p99_ms": None if p99 is None else round(p99 * 1000, 3)})
+    return rows

@@ -1,0 +1,109 @@
+"""AsyncSender serves waiters first come, first served (issue 16), on a real POSIX message queue.
+
+When the request queue is full, a frontend's sends wait. They used to race for each free place
+(every waiter woke and retried, and a new send could slip in before all of them), so an unlucky
+request could wait far longer than later ones: part of the latency tail. Now they wait in order in
+one sender thread whose blocking send the kernel queues in order with other processes' senders. These tests fill a small
+queue, line up sends, and read the queue back one message at a time: the order must be the order
+of the sends. No timing is asserted; the hang guards only bound a broken implementation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+
+from shared.channels import AsyncSender, Queue
+from shared.errors import ChannelFull
+from shared.instance import Instance
+from shared.wire import Submit
+from tests.shm_children import scratch_instance
+
+HANG_S = 30.0
+
+
+@pytest.fixture()
+def instance() -> Iterator[Instance]:
+    with scratch_instance(arena_size=1 << 20, n_frontends=1, n_workers=1, queue_depth=2) as inst:
+        yield inst
+
+
+async def _receive_one(queue: Queue) -> int:
+    """The next message's request id, yielding to the event loop until one is there."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + HANG_S
+    while loop.time() < deadline:
+        message = queue.try_receive()
+        if message is not None:
+            assert isinstance(message, Submit)
+            return message.request_id
+        await asyncio.sleep(0.01)
+    raise AssertionError("nothing arrived on the queue")
+
+
+def test_waiting_sends_go_in_their_order_and_new_ones_queue_behind(instance: Instance) -> None:
+    async def scenario() -> list[int]:
+        producer, consumer = instance.request_queue(), instance.request_queue()
+        sender = AsyncSender(producer)
+        try:
+            await sender.send(Submit(1, 0, "m"), HANG_S)
+            await sender.send(Submit(2, 0, "m"), HANG_S)  # the queue (depth 2) is full now
+            waiting = []
+            for request_id in (10, 11, 12, 13):
+                waiting.append(asyncio.create_task(sender.send(Submit(request_id, 0, "m"), HANG_S)))
+                await asyncio.sleep(0)  # each starts waiting before the next is sent
+            received = [await _receive_one(consumer)]  # a free place: 10 must take it, not a newcomer
+            waiting.append(asyncio.create_task(sender.send(Submit(14, 0, "m"), HANG_S)))
+            while len(received) < 7:
+                received.append(await _receive_one(consumer))
+            await asyncio.wait_for(asyncio.gather(*waiting), HANG_S)
+            return received
+        finally:
+            sender.close()
+            producer.close()
+            consumer.close()
+
+    assert asyncio.run(scenario()) == [1, 2, 10, 11, 12, 13, 14]
+
+
+def test_a_send_that_timed_out_never_goes_later(instance: Instance) -> None:
+    async def scenario() -> list[int]:
+        producer, consumer = instance.request_queue(), instance.request_queue()
+        sender = AsyncSender(producer)
+        try:
+            await sender.send(Submit(1, 0, "m"), HANG_S)
+            await sender.send(Submit(2, 0, "m"), HANG_S)
+            with pytest.raises(ChannelFull):
+                await sender.send(Submit(3, 0, "m"), 0.05)  # gave up: its request failed with 503
+            late = asyncio.create_task(sender.send(Submit(4, 0, "m"), HANG_S))
+            await asyncio.sleep(0)
+            received = [await _receive_one(consumer) for _ in range(3)]
+            await asyncio.wait_for(late, HANG_S)
+            return received
+        finally:
+            sender.close()
+            producer.close()
+            consumer.close()
+
+    assert asyncio.run(scenario()) == [1, 2, 4]
+
+
+def test_close_ends_a_send_blocked_on_a_full_queue(instance: Instance) -> None:
+    """A frontend that stops must not wait out its sends' timeouts (its process exits after the thread)."""
+    async def scenario() -> None:
+        producer = instance.request_queue()
+        sender = AsyncSender(producer)
+        try:
+            await sender.send(Submit(1, 0, "m"), HANG_S)
+            await sender.send(Submit(2, 0, "m"), HANG_S)
+            blocked = asyncio.create_task(sender.send(Submit(3, 0, "m"), HANG_S))
+            await asyncio.sleep(0.05)
+            sender.close()
+            with pytest.raises(ChannelFull):
+                await asyncio.wait_for(blocked, HANG_S / 2)  # within a slice, far before its own timeout
+        finally:
+            producer.close()
+
+    asyncio.run(scenario())
