@@ -111,8 +111,9 @@ def parse_stage_histograms(text: str) -> dict[str, dict[str, Any]]:
         if stage is None:
             continue
         entry = stages.setdefault(stage, {"buckets": [], "sum": 0.0, "count": 0})
-        if kind == "bucket" and le is not None:
-            entry["buckets"].append((float("inf") if le == "+Inf" else float(le), float(value)))
+        if kind == "bucket":
+            if le is not None:
+                entry["buckets"].append((float("inf") if le == "+Inf" else float(le), float(value)))
         elif kind == "sum":
             entry["sum"] = float(value)
         else:
