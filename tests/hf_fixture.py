@@ -97,7 +97,7 @@ def _train_tokenizer_files() -> tuple[dict[str, int], list[tuple[str, str]]]:
 # The families this module builds (config.json model_type). All three share Qwen2-VL's image processor
 # class, placeholder and multimodal RoPE; Qwen3-VL uses 16 px patches, learned vision position
 # embeddings, interleaved RoPE sections and "deepstack" visual features fed into early text layers.
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "idefics3")
 # LLaVA-1.5: a CLIP vision tower at a fixed 56 x 56 px (4 x 4 patches of 14 px: 16 image tokens, the
 # CLS feature dropped as vision_feature_select_strategy "default" does), a Llama text model, and
 # LLaVA-1.5's "USER: <image>\n... ASSISTANT:" prompt format.
@@ -112,6 +112,23 @@ _LLAVA_TEMPLATE = (
     "{% if message['role'] == 'assistant' %}<|im_end|>{% endif %} "
     "{% endfor %}"
     "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+
+
+# Idefics3: a 56 px SigLIP-style tower (4 x 4 patches of 14 px, pixel-shuffled by 2: 4 image tokens per
+# tile), images resized to at most 112 px and split into 56 px tiles plus a global view, and Idefics3's
+# "<|im_start|>User:<image>...<end_of_utterance>\nAssistant:" prompt format.
+IDEFICS3_TILE = 56
+IDEFICS3_SPECIAL = ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>",
+                    *[f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]]
+_IDEFICS3_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}"
+    "{% if message['content'] is string %}: {{ message['content'] }}"
+    "{% else %}{% if message['content'][0]['type'] == 'image' %}:{% else %}: {% endif %}"
+    "{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}<image>{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<end_of_utterance>\n{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
 
 
@@ -133,10 +150,10 @@ def _build_processor(path: Path, family: str = "qwen2_vl") -> Any:
 
     vocab, merges = _train_tokenizer_files()
     tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=4096)
-    extra = ["<image>"] if family == "llava" else []
+    extra = {"llava": ["<image>"], "idefics3": IDEFICS3_SPECIAL}.get(family, [])
     tokenizer.add_special_tokens({"additional_special_tokens": _SPECIAL_TOKENS[1:] + extra})
     tokenizer.eos_token = "<|im_end|>"
-    tokenizer.chat_template = _LLAVA_TEMPLATE if family == "llava" else _CHAT_TEMPLATE
+    tokenizer.chat_template = {"llava": _LLAVA_TEMPLATE, "idefics3": _IDEFICS3_TEMPLATE}.get(family, _CHAT_TEMPLATE)
     tokenizer.save_pretrained(str(path))
     if family == "llava":
         from transformers import CLIPImageProcessorPil
@@ -144,6 +161,14 @@ def _build_processor(path: Path, family: str = "qwen2_vl") -> Any:
         size = LLAVA_IMAGE_SIZE
         CLIPImageProcessorPil(size={"shortest_edge": size}, crop_size={"height": size, "width": size}).save_pretrained(
             str(path))
+        return tokenizer
+    if family == "idefics3":
+        from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+        Idefics3ImageProcessorPil(size={"longest_edge": 2 * IDEFICS3_TILE},
+                                  max_image_size={"longest_edge": IDEFICS3_TILE}).save_pretrained(str(path))
+        (path / "processor_config.json").write_text(
+            json.dumps({"processor_class": "Idefics3Processor", "image_seq_len": 4}) + "\n")
         return tokenizer
     scale = (_patch(family) / 14) ** 2  # the same token bounds at the family's patch size
     image_processor = Qwen2VLImageProcessorPil(min_pixels=int(TINY_MIN_PIXELS * scale),
@@ -190,15 +215,32 @@ def _build_llava(tokenizer: Any, ids: dict[str, int]) -> Any:
     return LlavaForConditionalGeneration(config).eval()
 
 
+def _build_idefics3(tokenizer: Any, ids: dict[str, int]) -> Any:
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration
+
+    config = Idefics3Config(
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                       "image_size": IDEFICS3_TILE, "patch_size": 14},
+        text_config={"model_type": "llama", "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128,
+                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                     "max_position_embeddings": 4096, "bos_token_id": ids["<|endoftext|>"],
+                     "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"]},
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        scale_factor=2,
+    )
+    return Idefics3ForConditionalGeneration(config).eval()
+
+
 def _build_model(path: Path, tokenizer: Any, family: str = "qwen2_vl") -> None:
     import torch
     import transformers
 
-    if family == "llava":
+    if family in ("llava", "idefics3"):
         ids = {t: tokenizer.convert_tokens_to_ids(t) for t in _SPECIAL_TOKENS}
+        extra = {"llava": ["<image>"], "idefics3": IDEFICS3_SPECIAL}[family]
         torch.manual_seed(0)
-        model = _build_llava(tokenizer, ids)
-        _finish_model(model, path, [*ids.values(), tokenizer.convert_tokens_to_ids("<image>")], ids)
+        model = (_build_llava if family == "llava" else _build_idefics3)(tokenizer, ids)
+        _finish_model(model, path, [*ids.values(), *tokenizer.convert_tokens_to_ids(extra)], ids)
         return
 
     config_class, model_class = {

@@ -21,7 +21,8 @@ Invariants:
    int64 ``[1, 3]``, bit-identical to ``image_processor(images=[image])``.
 2. ``build_prompt`` expands image placeholders with counts computed from the tensor
    *shapes* alone (``pixel_values`` rows = t*h*w, so tokens = rows // merge_size**2),
-   because the cache hands the gateway shapes, not values.
+   because the cache hands the gateway shapes, not values. A fact the shapes would not fix is
+   written as one (Idefics3's tile grid: ``TILE_GRID``).
 3. Control tokens that a user writes in message text (``<|image_pad|>``, ``<|im_end|>``)
    are tokenized as plain text (transformers' ``sanitize_control_tokens``): a client
    cannot forge image slots or end a turn early.
@@ -74,6 +75,12 @@ class _Architecture:
     image_token: str
     tokens_per_image: Callable[[Any, ImageTensorSpec, Any], int]  # (image processor, spec, model config)
     low_detail: Callable[[Any], dict[str, Any]] = lambda image_processor: {}
+    # Families whose image expands into more than repeated placeholders (Idefics3's tile markers):
+    # (preprocessor, spec) -> the image's token ids; tokens_per_image is then unused.
+    expand: Callable[[Any, ImageTensorSpec], list[int]] | None = None
+    # Extra image processor arguments, and what turns its output into the arrays the arena holds.
+    call_args: tuple[tuple[str, Any], ...] = ()
+    outputs: Callable[[dict[str, Any]], dict[str, Any]] = lambda out: dict(out)
 
 
 # image_url.detail "low" for the Qwen2-VL family: at most this many image tokens per image (OpenAI's
@@ -94,7 +101,7 @@ def _qwen_low_detail(image_processor: Any) -> dict[str, Any]:
 # layout the model was built for (patch and merge sizes), or how the processor returns its output.
 FIXED_PROCESSOR_KEYS = frozenset({
     "patch_size", "temporal_patch_size", "merge_size", "return_tensors", "data_format", "input_data_format",
-    "device", "disable_grouping", "image_seq_length",
+    "device", "disable_grouping", "image_seq_length", "return_row_col_info", "max_image_size",
 })
 
 
@@ -125,12 +132,64 @@ def _clip_patches(image_processor: Any, spec: ImageTensorSpec, config: Any) -> i
     return (height // patch) * (width // patch) + (0 if config.vision_feature_select_strategy == "default" else 1)
 
 
+# Idefics3's tile grid, said in a tensor's *shape* (rows + 1, cols + 1): the prompt builder sees the
+# shapes of an image's cached tensors only (invariant 2), and the number of tiles alone cannot tell
+# 2 x 3 from 3 x 2. The tensor is a few zero bytes in the arena; the worker checks it against the tiles.
+TILE_GRID = "tile_grid"
+
+
+def _idefics3_outputs(out: dict[str, Any]) -> dict[str, Any]:
+    """Idefics3: the processor's ``rows``/``cols`` (values) become TILE_GRID's shape."""
+    arrays = dict(out)
+    rows, cols = int(np.asarray(arrays.pop("rows")).reshape(-1)[0]), int(np.asarray(arrays.pop("cols")).reshape(-1)[0])
+    arrays[TILE_GRID] = np.zeros((rows + 1, cols + 1), dtype=np.uint8)
+    # One image, so the batch axis goes (the content cache's index holds tensors of at most 4 axes;
+    # the worker puts it back); the mask as bool (the processor's int64 is 8x the bytes).
+    arrays[PIXEL_VALUES] = np.asarray(arrays[PIXEL_VALUES])[0]
+    arrays["pixel_attention_mask"] = np.asarray(arrays["pixel_attention_mask"])[0].astype(bool)
+    return arrays
+
+
+def _idefics3_expand(pre: Any, spec: ImageTensorSpec) -> list[int]:
+    """Idefics3's text for one image (as ``Idefics3Processor.replace_image_token``), tokenized: one
+    ``<fake_token_around_image><row_i_col_j>`` + ``image_seq_len`` ``<image>`` per tile, a newline per
+    row, then the global view. Special tokens bound it on both sides, so tokenizing it alone gives the
+    ids tokenizing the whole prompt would (a "\n\n" inside it is one token either way)."""
+    if TILE_GRID not in spec or PIXEL_VALUES not in spec or len(spec[TILE_GRID][1]) != 2:
+        raise InvalidRequest(f"An image has no '{TILE_GRID}' tensor; it was not made by this preprocessor.")
+    rows, cols = spec[TILE_GRID][1][0] - 1, spec[TILE_GRID][1][1] - 1
+    tiles = spec[PIXEL_VALUES][1][0] if len(spec[PIXEL_VALUES][1]) == 4 else -1
+    if tiles != (rows * cols + 1 if rows * cols else 1) or (rows == 0) != (cols == 0):
+        raise InvalidRequest("An image's tiles do not match its tile grid.")
+    return pre.expansion_ids(rows, cols)
+
+
+def _idefics3_text(rows: int, cols: int, seq_len: int) -> str:
+    image = "<image>" * seq_len
+    glob = f"<fake_token_around_image><global-img>{image}<fake_token_around_image>"
+    if rows == 0:
+        return glob
+    lines = ["".join(f"<fake_token_around_image><row_{r + 1}_col_{c + 1}>{image}" for c in range(cols)) + "\n"
+             for r in range(rows)]
+    return "".join(lines) + "\n" + glob
+
+
 # Keyed by the image processor class without its backend suffix. Qwen2.5-VL checkpoints
 # use the same image processor and placeholder.
 _ARCHITECTURES: dict[str, _Architecture] = {
     "Qwen2VLImageProcessor": _Architecture("<|image_pad|>", _merged_patches, _qwen_low_detail),
     "CLIPImageProcessor": _Architecture("<image>", _clip_patches),  # LLaVA-1.5 (model_type llava)
+    # Idefics3: tiles of max_image_size plus a global view; "low" detail is the global view alone.
+    "Idefics3ImageProcessor": _Architecture(
+        "<image>", lambda ip, spec, config: 0, lambda ip: {"do_image_splitting": False}, _idefics3_expand,
+        (("return_row_col_info", True),), _idefics3_outputs),
 }
+
+
+def _idefics3_seq_len(config: Any) -> int:
+    """Image tokens per tile: the tower's patches, pixel-shuffled by ``scale_factor`` in each direction."""
+    side = int(config.vision_config.image_size) // int(config.vision_config.patch_size)
+    return side * side // int(config.scale_factor) ** 2
 
 
 class HFPreprocessor:
@@ -188,6 +247,7 @@ class HFPreprocessor:
         self.samples_tokens = samples_tokens
         self.vocab_size: int = int(text_config.vocab_size)
         self._tokenizer_lock = threading.Lock()
+        self._expansions: dict[tuple[int, int], list[int]] = {}
         self._cache_params = self._describe_processing()
 
     def cache_params(self) -> bytes:
@@ -244,13 +304,13 @@ class HFPreprocessor:
         try:
             # channels_last: never let the processor guess the layout of a 3-pixel-tall image.
             out = self.image_processor(images=[image], return_tensors="np", input_data_format="channels_last",
-                                       **(options or {}))
+                                       **dict(self._arch.call_args), **(options or {}))
         except (TypeError, AttributeError, KeyError) as exc:
             raise InvalidRequest(f"mm_processor_kwargs are not valid for this processor: {exc}",
                                  param="mm_processor_kwargs") from None
         except ValueError as exc:  # e.g. Qwen2-VL refuses aspect ratios above 200:1
             raise UndecodableImage(f"The image cannot be processed for this model: {exc}") from None
-        arrays = {name: np.ascontiguousarray(value) for name, value in out.items()}
+        arrays = {name: np.ascontiguousarray(value) for name, value in self._arch.outputs(out).items()}
         for name, array in arrays.items():
             destination = allocate(name, array.dtype.name, tuple(array.shape))
             np.copyto(destination, array, casting="no")
@@ -285,6 +345,17 @@ class HFPreprocessor:
         with self._tokenizer_lock:
             return str(self.tokenizer.decode(list(ids), skip_special_tokens=False))
 
+    def expansion_ids(self, rows: int, cols: int) -> list[int]:
+        """Idefics3: the token ids of one image with a ``rows`` x ``cols`` tile grid (memoised; call
+        without the tokenizer lock held)."""
+        key = (rows, cols)
+        if key not in self._expansions:
+            seq_len = int(getattr(self._config, "image_seq_len", 0)) or _idefics3_seq_len(self._config)
+            with self._tokenizer_lock:
+                ids = self.tokenizer.encode(_idefics3_text(rows, cols, seq_len), add_special_tokens=False)
+            self._expansions[key] = [int(i) for i in ids]
+        return self._expansions[key]
+
     def _prompt_ids(self, messages: Sequence[dict[str, Any]],
                     images: Sequence[ImageTensorSpec]) -> tuple[np.ndarray, np.ndarray]:
         """(the template's ids with one placeholder per image, the ids with every placeholder expanded)."""
@@ -305,6 +376,11 @@ class HFPreprocessor:
         slots = np.flatnonzero(ids == self._image_token_id)
         if len(slots) != len(images):
             raise InvalidRequest(f"The messages hold {len(slots)} image parts but {len(images)} images were sent.")
+        if self._arch.expand is not None:
+            parts = np.split(ids, slots)  # each later part starts with its image's placeholder
+            pieces = [parts[0]] + [np.concatenate([np.asarray(self._arch.expand(self, spec), dtype=np.int32), part[1:]])
+                                   for spec, part in zip(images, parts[1:])]
+            return ids, np.concatenate(pieces).astype(np.int32)
         repeats = np.ones(len(ids), dtype=np.int64)
         repeats[slots] = [self._arch.tokens_per_image(self.image_processor, spec, self._config) for spec in images]
         return ids, np.repeat(ids, repeats)

@@ -76,10 +76,10 @@ DEFAULT_MAX_TOKENS = 256
 # processor, placeholder token and multimodal RoPE (Qwen2.5-VL checked once by hand).
 SUPPORTED_MODEL_TYPES = HF_CHAT_MODEL_TYPES
 # The image tensors this backend passes to the model, by TensorRef name.
-IMAGE_TENSORS = ("pixel_values", "image_grid_thw")
+IMAGE_TENSORS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "tile_grid")
 # Read on the host (checked and turned into token counts): the worker hands them over there, so
 # checking them costs no device round trip per image.
-HOST_TENSORS = ("image_grid_thw",)
+HOST_TENSORS = ("image_grid_thw", "tile_grid")
 # --dtype values. "auto": bfloat16 on CUDA, float32 on CPU (CPU half precision is slow and
 # poorly supported by the kernels these models use).
 DTYPES: dict[str, torch.dtype | None] = {
@@ -94,7 +94,8 @@ class HFBackend:
     """Streams generations of a local ``AutoModelForImageTextToText`` checkpoint.
 
     Supports the Qwen2-VL family (dynamic resolution, multimodal RoPE: Qwen2-VL, Qwen2.5-VL, Qwen3-VL)
-    and LLaVA-1.5 (fixed-size CLIP images, 1-D positions): ``SUPPORTED_MODEL_TYPES``.
+    LLaVA-1.5 (fixed-size CLIP images, 1-D positions) and Idefics3 / SmolVLM (tiles with a pixel mask,
+    1-D positions): ``SUPPORTED_MODEL_TYPES``.
 
     Batching: prefill per item, then padded batched decode (module docstring). Every
     stream starts after the prefills ahead of it in the batch, then all advance one
@@ -272,6 +273,8 @@ class HFBackend:
             kwargs["pixel_values"] = inputs.pixel_values
         if inputs.image_grid_thw is not None:
             kwargs["image_grid_thw"] = inputs.image_grid_thw
+        if inputs.pixel_attention_mask is not None:
+            kwargs["pixel_attention_mask"] = inputs.pixel_attention_mask
         with torch.inference_mode():
             if self._layout.mrope:
                 kwargs["position_ids"], delta = self._mrope_positions(ids, inputs.image_grid_thw)
@@ -378,6 +381,7 @@ class _Inputs:
     input_ids: torch.Tensor  # int64 [1, L] on the device
     pixel_values: torch.Tensor | None  # [sum of t*h*w, patch_dim]
     image_grid_thw: torch.Tensor | None  # int64 [n_images, 3]
+    pixel_attention_mask: torch.Tensor | None = None  # Idefics3: bool [1, tiles, S, S]
 
 
 @dataclass(frozen=True)
@@ -391,12 +395,18 @@ class _InputLayout:
     patch_dim: int  # Qwen family: channels * temporal_patch_size * patch_size ** 2
     mrope: bool = True  # the Qwen family's 3-D positions; False: LLaVA's fixed-size CLIP images, 1-D positions
     image_size: int = 0  # LLaVA: the CLIP tower's input side
-    tokens_per_image: int = 0  # LLaVA: image tokens per image
+    tokens_per_image: int = 0  # LLaVA: image tokens per image; Idefics3: per tile
+    tiled: bool = False  # Idefics3: each image is (1 + rows * cols) tiles of image_size px, a tile_grid beside
 
     @classmethod
     def from_config(cls, config: Any) -> _InputLayout:
         text, vision = config.get_text_config(), config.vision_config
         patch = vision.patch_size
+        if config.model_type == "idefics3":
+            side = vision.image_size // patch
+            return cls(vocab_size=text.vocab_size, max_positions=text.max_position_embeddings,
+                       image_token_id=config.image_token_id, merge=1, patch_dim=0, mrope=False, tiled=True,
+                       image_size=vision.image_size, tokens_per_image=side * side // config.scale_factor**2)
         if config.model_type == "llava":
             side = vision.image_size // patch
             extra = 0 if config.vision_feature_select_strategy == "default" else 1  # the CLS feature
@@ -428,6 +438,8 @@ class _InputLayout:
         if unknown:
             raise InvalidRequest(f"Request {rid}: unexpected tensors {sorted(unknown)}.")
         pixels, grids = item.tensors.get("pixel_values", []), item.tensors.get("image_grid_thw", [])
+        if self.tiled:
+            return self._check_tiled(item, ids, pixels, device)
         if not self.mrope:
             return self._check_fixed_size(item, ids, pixels, grids, device)
         if len(pixels) != len(grids):
@@ -453,6 +465,39 @@ class _InputLayout:
             raise InvalidRequest(f"Request {rid}: the prompt's image slots do not match its images.")
         input_ids = torch.from_numpy(ids.astype(np.int64)).view(1, -1).to(device)
         return _Inputs(input_ids, torch.cat(pixels).to(device) if pixels else None, None)
+
+    def _check_tiled(self, item: WorkItem, ids: np.ndarray, pixels: list[torch.Tensor],
+                     device: torch.device) -> _Inputs:
+        """Idefics3: per image, float pixel_values (n, 3, h, w) with h, w <= the tower's side, a bool
+        pixel_attention_mask (n, h, w) and a tile_grid of shape (rows + 1, cols + 1), n = 1 + rows * cols
+        (1 when unsplit). The images' tiles are padded to the tower's side (mask False there, as the
+        processor pads a batch) and joined along the tile axis under one batch axis, as the processor
+        does for one prompt."""
+        rid = item.request_id
+        masks, grids = item.tensors.get("pixel_attention_mask", []), item.tensors.get("tile_grid", [])
+        if not len(pixels) == len(masks) == len(grids) or "image_grid_thw" in item.tensors:
+            raise InvalidRequest(f"Request {rid}: each image needs pixel_values, pixel_attention_mask and tile_grid.")
+        side, tiles = self.image_size, 0
+        padded_pixels, padded_masks = [], []
+        for p, m, g in zip(pixels, masks, grids):
+            rows, cols = (g.shape[0] - 1, g.shape[1] - 1) if g.dim() == 2 else (-1, -1)
+            n = 1 + rows * cols if rows > 0 and cols > 0 else 1
+            if (rows < 0 or (rows == 0) != (cols == 0) or p.dim() != 4 or not p.is_floating_point()
+                    or tuple(p.shape[:2]) != (n, 3) or max(p.shape[2:]) > side or m.dtype != torch.bool
+                    or tuple(m.shape) != (n, *p.shape[2:])):
+                raise InvalidRequest(f"Request {rid}: an image's tiles are not (1 + rows * cols, 3, <= {side}, "
+                                     f"<= {side}) with a matching pixel_attention_mask and tile_grid.")
+            pad = (0, side - p.shape[3], 0, side - p.shape[2])
+            padded_pixels.append(F.pad(p, pad))
+            padded_masks.append(F.pad(m, pad))
+            tiles += n
+        if int((ids == self.image_token_id).sum()) != tiles * self.tokens_per_image:
+            raise InvalidRequest(f"Request {rid}: the prompt's image slots do not match its images' tiles.")
+        input_ids = torch.from_numpy(ids.astype(np.int64)).view(1, -1).to(device)
+        if not pixels:
+            return _Inputs(input_ids, None, None)
+        return _Inputs(input_ids, torch.cat(padded_pixels)[None].to(device), None,
+                       torch.cat(padded_masks)[None].to(device))
 
     def _check_image(self, rid: int, pixels: torch.Tensor, grid: torch.Tensor) -> int:
         """Check one image's pair of tensors; return its number of image tokens."""
