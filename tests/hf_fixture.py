@@ -97,7 +97,7 @@ def _train_tokenizer_files() -> tuple[dict[str, int], list[tuple[str, str]]]:
 # The families this module builds (config.json model_type). All three share Qwen2-VL's image processor
 # class, placeholder and multimodal RoPE; Qwen3-VL uses 16 px patches, learned vision position
 # embeddings, interleaved RoPE sections and "deepstack" visual features fed into early text layers.
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "idefics3")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "idefics3", "llava_next")
 # LLaVA-1.5: a CLIP vision tower at a fixed 56 x 56 px (4 x 4 patches of 14 px: 16 image tokens, the
 # CLS feature dropped as vision_feature_select_strategy "default" does), a Llama text model, and
 # LLaVA-1.5's "USER: <image>\n... ASSISTANT:" prompt format.
@@ -132,6 +132,11 @@ _IDEFICS3_TEMPLATE = (
 )
 
 
+# LLaVA-NeXT: LLaVA-1.5's tiny CLIP tower and template, with any-resolution tiles: the image is fitted to
+# the best of these grid resolutions, cut into 56 px tiles, and a 56 px overview comes first.
+LLAVA_NEXT_PINPOINTS = [[56, 112], [112, 56], [112, 112]]
+
+
 def _patch(family: str) -> int:
     return 16 if family == "qwen3_vl" else 14
 
@@ -150,10 +155,11 @@ def _build_processor(path: Path, family: str = "qwen2_vl") -> Any:
 
     vocab, merges = _train_tokenizer_files()
     tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=4096)
-    extra = {"llava": ["<image>"], "idefics3": IDEFICS3_SPECIAL}.get(family, [])
+    extra = {"llava": ["<image>"], "llava_next": ["<image>"], "idefics3": IDEFICS3_SPECIAL}.get(family, [])
     tokenizer.add_special_tokens({"additional_special_tokens": _SPECIAL_TOKENS[1:] + extra})
     tokenizer.eos_token = "<|im_end|>"
-    tokenizer.chat_template = {"llava": _LLAVA_TEMPLATE, "idefics3": _IDEFICS3_TEMPLATE}.get(family, _CHAT_TEMPLATE)
+    tokenizer.chat_template = {"llava": _LLAVA_TEMPLATE, "llava_next": _LLAVA_TEMPLATE,
+                               "idefics3": _IDEFICS3_TEMPLATE}.get(family, _CHAT_TEMPLATE)
     tokenizer.save_pretrained(str(path))
     if family == "llava":
         from transformers import CLIPImageProcessorPil
@@ -161,6 +167,16 @@ def _build_processor(path: Path, family: str = "qwen2_vl") -> Any:
         size = LLAVA_IMAGE_SIZE
         CLIPImageProcessorPil(size={"shortest_edge": size}, crop_size={"height": size, "width": size}).save_pretrained(
             str(path))
+        return tokenizer
+    if family == "llava_next":
+        from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+        size = LLAVA_IMAGE_SIZE
+        LlavaNextImageProcessorPil(size={"shortest_edge": size}, crop_size={"height": size, "width": size},
+                                   image_grid_pinpoints=LLAVA_NEXT_PINPOINTS).save_pretrained(str(path))
+        (path / "processor_config.json").write_text(json.dumps({
+            "processor_class": "LlavaNextProcessor", "patch_size": 14, "vision_feature_select_strategy": "default",
+            "num_additional_image_tokens": 1}) + "\n")
         return tokenizer
     if family == "idefics3":
         from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
@@ -197,10 +213,13 @@ def _vision_config(family: str) -> dict[str, Any]:
     return {**common, "num_position_embeddings": 64, "deepstack_visual_indexes": [0]}
 
 
-def _build_llava(tokenizer: Any, ids: dict[str, int]) -> Any:
-    from transformers import LlavaConfig, LlavaForConditionalGeneration
+def _build_llava(tokenizer: Any, ids: dict[str, int], family: str = "llava") -> Any:
+    import transformers
 
-    config = LlavaConfig(
+    config_class, model_class = {"llava": ("LlavaConfig", "LlavaForConditionalGeneration"),
+                                 "llava_next": ("LlavaNextConfig", "LlavaNextForConditionalGeneration")}[family]
+    extra: dict[str, Any] = {"image_grid_pinpoints": LLAVA_NEXT_PINPOINTS} if family == "llava_next" else {}
+    config = getattr(transformers, config_class)(**extra,
         vision_config={"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64,
                        "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": LLAVA_IMAGE_SIZE,
                        "patch_size": 14, "projection_dim": 32},
@@ -208,11 +227,11 @@ def _build_llava(tokenizer: Any, ids: dict[str, int]) -> Any:
                      "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                      "max_position_embeddings": 4096, "bos_token_id": ids["<|endoftext|>"],
                      "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"]},
-        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
         vision_feature_layer=-2,
         vision_feature_select_strategy="default",
     )
-    return LlavaForConditionalGeneration(config).eval()
+    return getattr(transformers, model_class)(config).eval()
 
 
 def _build_idefics3(tokenizer: Any, ids: dict[str, int]) -> Any:
@@ -235,11 +254,11 @@ def _build_model(path: Path, tokenizer: Any, family: str = "qwen2_vl") -> None:
     import torch
     import transformers
 
-    if family in ("llava", "idefics3"):
+    if family in ("llava", "llava_next", "idefics3"):
         ids = {t: tokenizer.convert_tokens_to_ids(t) for t in _SPECIAL_TOKENS}
-        extra = {"llava": ["<image>"], "idefics3": IDEFICS3_SPECIAL}[family]
+        extra = IDEFICS3_SPECIAL if family == "idefics3" else ["<image>"]
         torch.manual_seed(0)
-        model = (_build_llava if family == "llava" else _build_idefics3)(tokenizer, ids)
+        model = _build_idefics3(tokenizer, ids) if family == "idefics3" else _build_llava(tokenizer, ids, family)
         _finish_model(model, path, [*ids.values(), *tokenizer.convert_tokens_to_ids(extra)], ids)
         return
 

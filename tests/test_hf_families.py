@@ -1,9 +1,9 @@
-"""Qwen2.5-VL, Qwen3-VL, LLaVA-1.5 and Idefics3, end to end on tiny random checkpoints.
+"""Qwen2.5-VL, Qwen3-VL, LLaVA-1.5, Idefics3 and LLaVA-NeXT, end to end on tiny random checkpoints.
 
 Per family (tests/hf_fixture.py builds each once per run): through a real ``shmgate serve`` with
 ``--max-batch-size 1``, a streamed greedy answer to a two-image prompt equals transformers' own
-``generate`` on the same directory token for token, with exact usage (Idefics3: on the inputs of
-transformers' own ``Idefics3Processor``, whose ids must equal ours); a repeated image is a
+``generate`` on the same directory token for token, with exact usage (Idefics3, LLaVA-NeXT: on
+the inputs of transformers' own processor, whose ids must equal ours); a repeated image is a
 content-cache hit; and in the worker, a padded batch answers as its items alone. Qwen2-VL itself is
 covered by tests/test_hf.py and tests/test_hf_serve.py.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -29,7 +30,7 @@ from tests.shm_children import leftovers  # noqa: E402
 from tests.test_hf import SQUARE, WIDE, answer, work_item  # noqa: E402
 from worker.backends.hf import HFBackend  # noqa: E402
 
-FAMILIES = ["qwen2_5_vl", "qwen3_vl", "llava", "idefics3"]
+FAMILIES = ["qwen2_5_vl", "qwen3_vl", "llava", "idefics3", "llava_next"]
 TOKENS = 10
 
 
@@ -64,7 +65,11 @@ def test_streamed_greedy_answer_equals_transformers_generate(
     ids = torch.from_numpy(np.frombuffer(item.inline, dtype=np.int32).astype(np.int64)).view(1, -1)
     images: dict[str, torch.Tensor] = {"pixel_values": torch.cat(item.tensors["pixel_values"])}
     if "tile_grid" in item.tensors:  # Idefics3: the inputs of transformers' own processor, tiles and all
-        reference = _idefics3_reference(backend, [SQUARE, WIDE], "Compare them.")
+        reference = _processor_reference(backend, [SQUARE, WIDE], "Compare them.")
+        assert reference.pop("input_ids")[0].tolist() == ids[0].tolist()
+        images = dict(reference)
+    elif "image_sizes" in item.tensors:  # LLaVA-NeXT: the inputs of transformers' own processor
+        reference = _processor_reference(backend, [SQUARE, WIDE], "Compare them.")
         assert reference.pop("input_ids")[0].tolist() == ids[0].tolist()
         images = dict(reference)
     elif "image_grid_thw" in item.tensors:  # the Qwen family's
@@ -84,18 +89,27 @@ def test_streamed_greedy_answer_equals_transformers_generate(
     assert chunks[-1].usage.completion_tokens == out.shape[1] - ids.shape[1]
 
 
-def _idefics3_reference(backend: HFBackend, paths: list[Path], text: str) -> dict[str, torch.Tensor]:
-    """``Idefics3Processor`` on the images and the rendered template: ids, tiles and pixel mask."""
+def _processor_reference(backend: HFBackend, paths: list[Path], text: str) -> dict[str, torch.Tensor]:
+    """transformers' own processor (Idefics3Processor, LlavaNextProcessor) on the images and the rendered
+    template: the ids and every image input the model takes."""
     from PIL import Image
-    from transformers import AutoImageProcessor, Idefics3Processor
+    from transformers import AutoImageProcessor, Idefics3Processor, LlavaNextProcessor
 
     directory = backend.model.name_or_path
-    processor = Idefics3Processor(AutoImageProcessor.from_pretrained(directory, backend="pil"), backend.tokenizer,
-                                  image_seq_len=backend._layout.tokens_per_image)
+    image_processor = AutoImageProcessor.from_pretrained(directory, backend="pil")
+    images: list[Any] = [Image.open(p).convert("RGB") for p in paths]
+    if backend.model.config.model_type == "idefics3":
+        processor: Any = Idefics3Processor(image_processor, backend.tokenizer,
+                                           image_seq_len=backend._layout.tokens_per_image)
+        images, names = [images], ("pixel_values", "pixel_attention_mask")
+    else:
+        processor = LlavaNextProcessor(image_processor, backend.tokenizer, patch_size=14,
+                                       vision_feature_select_strategy="default", num_additional_image_tokens=1)
+        names = ("pixel_values", "image_sizes")
     messages = [{"role": "user", "content": [*({"type": "image"} for _ in paths), {"type": "text", "text": text}]}]
     prompt = backend.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    out = processor(text=[prompt], images=[[Image.open(p).convert("RGB") for p in paths]], return_tensors="pt")
-    return {k: out[k] for k in ("input_ids", "pixel_values", "pixel_attention_mask")}
+    out = processor(text=[prompt], images=images, return_tensors="pt")
+    return {k: out[k] for k in ("input_ids", *names)}
 
 
 def test_a_repeated_image_is_a_cache_hit(family_server: Server) -> None:
@@ -121,7 +135,7 @@ def test_a_padded_batch_answers_as_its_items_alone(family_backend: tuple[HFPrepr
     assert [answer(events, i)[0] for i in range(len(items))] == alone
 
 
-@pytest.mark.parametrize("model_type", ["llava_next", "gemma3", "mllama"])
+@pytest.mark.parametrize("model_type", ["gemma3", "paligemma", "mllama"])
 def test_an_unsupported_architecture_is_a_startup_error_naming_it(
         model_type: str, tiny_qwen2_vl_dir: Path, tmp_path: Path) -> None:
     import json
@@ -132,5 +146,5 @@ def test_an_unsupported_architecture_is_a_startup_error_naming_it(
     config = json.loads((directory / "config.json").read_text())
     (directory / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
     for load in (lambda: HFPreprocessor(directory), lambda: HFBackend(str(directory), torch.device("cpu"))):
-        with pytest.raises(ValueError, match=f"model_type '{model_type}' is not supported.*qwen2_vl, qwen2_5_vl, qwen3_vl, llava, idefics3"):
+        with pytest.raises(ValueError, match=f"model_type '{model_type}' is not supported.*qwen2_vl, qwen2_5_vl, qwen3_vl, llava, idefics3, llava_next"):
             load()

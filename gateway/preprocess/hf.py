@@ -22,7 +22,8 @@ Invariants:
 2. ``build_prompt`` expands image placeholders with counts computed from the tensor
    *shapes* alone (``pixel_values`` rows = t*h*w, so tokens = rows // merge_size**2),
    because the cache hands the gateway shapes, not values. A fact the shapes would not fix is
-   written as one (Idefics3's tile grid: ``TILE_GRID``).
+   written as one (Idefics3's tile grid: ``TILE_GRID``; LLaVA-NeXT's token count, which depends on
+   the original image size: ``IMAGE_TOKENS``), computed at decode time, so cache hits carry it too.
 3. Control tokens that a user writes in message text (``<|image_pad|>``, ``<|im_end|>``)
    are tokenized as plain text (transformers' ``sanitize_control_tokens``): a client
    cannot forge image slots or end a turn early.
@@ -80,7 +81,7 @@ class _Architecture:
     expand: Callable[[Any, ImageTensorSpec], list[int]] | None = None
     # Extra image processor arguments, and what turns its output into the arrays the arena holds.
     call_args: tuple[tuple[str, Any], ...] = ()
-    outputs: Callable[[dict[str, Any]], dict[str, Any]] = lambda out: dict(out)
+    outputs: Callable[[Any, dict[str, Any]], dict[str, Any]] = lambda pre, out: dict(out)  # (preprocessor, out)
 
 
 # image_url.detail "low" for the Qwen2-VL family: at most this many image tokens per image (OpenAI's
@@ -102,6 +103,7 @@ def _qwen_low_detail(image_processor: Any) -> dict[str, Any]:
 FIXED_PROCESSOR_KEYS = frozenset({
     "patch_size", "temporal_patch_size", "merge_size", "return_tensors", "data_format", "input_data_format",
     "device", "disable_grouping", "image_seq_length", "return_row_col_info", "max_image_size",
+    "image_grid_pinpoints",
 })
 
 
@@ -138,7 +140,7 @@ def _clip_patches(image_processor: Any, spec: ImageTensorSpec, config: Any) -> i
 TILE_GRID = "tile_grid"
 
 
-def _idefics3_outputs(out: dict[str, Any]) -> dict[str, Any]:
+def _idefics3_outputs(pre: Any, out: dict[str, Any]) -> dict[str, Any]:
     """Idefics3: the processor's ``rows``/``cols`` (values) become TILE_GRID's shape."""
     arrays = dict(out)
     rows, cols = int(np.asarray(arrays.pop("rows")).reshape(-1)[0]), int(np.asarray(arrays.pop("cols")).reshape(-1)[0])
@@ -174,6 +176,27 @@ def _idefics3_text(rows: int, cols: int, seq_len: int) -> str:
     return "".join(lines) + "\n" + glob
 
 
+# LLaVA-NeXT's image token count, said as a shape: it depends on the original image size (the
+# ``image_sizes`` *values*), which the prompt builder never reads. Zero bytes of uint8, one per token
+# (a few KB beside megabytes of tiles); the worker checks it against image_sizes.
+IMAGE_TOKENS = "image_token_count"
+
+
+def _llava_next_outputs(pre: Any, out: dict[str, Any]) -> dict[str, Any]:
+    """LLaVA-NeXT: tiles without the batch axis (the cache index holds at most 4 axes), image_sizes
+    as the processor gives them, and IMAGE_TOKENS computed by transformers' LlavaNextProcessor."""
+    pixels = np.asarray(out[PIXEL_VALUES])[0]
+    height, width = (int(v) for v in np.asarray(out["image_sizes"]).reshape(-1)[:2])
+    count = pre.llava_next_tokens(height, width, pixels.shape[-2], pixels.shape[-1])
+    return {PIXEL_VALUES: pixels, "image_sizes": out["image_sizes"], IMAGE_TOKENS: np.zeros(count, np.uint8)}
+
+
+def _counted_tokens(image_processor: Any, spec: ImageTensorSpec, config: Any) -> int:
+    if IMAGE_TOKENS not in spec or len(spec[IMAGE_TOKENS][1]) != 1:
+        raise InvalidRequest(f"An image has no '{IMAGE_TOKENS}' tensor; it was not made by this preprocessor.")
+    return spec[IMAGE_TOKENS][1][0]
+
+
 # Keyed by the image processor class without its backend suffix. Qwen2.5-VL checkpoints
 # use the same image processor and placeholder.
 _ARCHITECTURES: dict[str, _Architecture] = {
@@ -183,7 +206,28 @@ _ARCHITECTURES: dict[str, _Architecture] = {
     "Idefics3ImageProcessor": _Architecture(
         "<image>", lambda ip, spec, config: 0, lambda ip: {"do_image_splitting": False}, _idefics3_expand,
         (("return_row_col_info", True),), _idefics3_outputs),
+    # LLaVA-NeXT: any-resolution tiles plus an overview; token count from the original size.
+    "LlavaNextImageProcessor": _Architecture("<image>", _counted_tokens, outputs=_llava_next_outputs),
 }
+
+
+def _llava_next_processor(path: str, pre: Any) -> Any:
+    """transformers' LlavaNextProcessor over our image processor and tokenizer, with the checkpoint's
+    processor_config.json (patch size, CLS handling), for its token count only."""
+    from transformers import LlavaNextProcessor
+
+    settings: dict[str, Any] = {}
+    config_file = os.path.join(path, "processor_config.json")
+    if os.path.isfile(config_file):
+        with open(config_file, encoding="utf-8") as f:
+            settings = json.load(f)
+    model = pre._config
+    return LlavaNextProcessor(
+        pre.image_processor, pre.tokenizer,
+        patch_size=settings.get("patch_size", model.vision_config.patch_size),
+        vision_feature_select_strategy=settings.get("vision_feature_select_strategy",
+                                                    model.vision_feature_select_strategy),
+        num_additional_image_tokens=settings.get("num_additional_image_tokens", 1))
 
 
 def _idefics3_seq_len(config: Any) -> int:
@@ -248,6 +292,7 @@ class HFPreprocessor:
         self.vocab_size: int = int(text_config.vocab_size)
         self._tokenizer_lock = threading.Lock()
         self._expansions: dict[tuple[int, int], list[int]] = {}
+        self._llava_next: Any = _llava_next_processor(path, self) if kind == "LlavaNextImageProcessor" else None
         self._cache_params = self._describe_processing()
 
     def cache_params(self) -> bytes:
@@ -310,7 +355,7 @@ class HFPreprocessor:
                                  param="mm_processor_kwargs") from None
         except ValueError as exc:  # e.g. Qwen2-VL refuses aspect ratios above 200:1
             raise UndecodableImage(f"The image cannot be processed for this model: {exc}") from None
-        arrays = {name: np.ascontiguousarray(value) for name, value in self._arch.outputs(out).items()}
+        arrays = {name: np.ascontiguousarray(value) for name, value in self._arch.outputs(self, out).items()}
         for name, array in arrays.items():
             destination = allocate(name, array.dtype.name, tuple(array.shape))
             np.copyto(destination, array, casting="no")
@@ -344,6 +389,12 @@ class HFPreprocessor:
             raise InvalidRequest(f"a token id is outside the vocabulary (0..{self.vocab_size - 1})", param="tokens")
         with self._tokenizer_lock:
             return str(self.tokenizer.decode(list(ids), skip_special_tokens=False))
+
+    def llava_next_tokens(self, height: int, width: int, tile_height: int, tile_width: int) -> int:
+        """LLaVA-NeXT: image tokens of an image of the original ``height`` x ``width``, exactly as
+        ``LlavaNextProcessor`` counts them (its own method: the unpadding arithmetic is subtle)."""
+        count = int(self._llava_next._get_number_of_features(height, width, tile_height, tile_width))
+        return count - (1 if self._llava_next.vision_feature_select_strategy == "default" else 0)
 
     def expansion_ids(self, rows: int, cols: int) -> list[int]:
         """Idefics3: the token ids of one image with a ``rows`` x ``cols`` tile grid (memoised; call

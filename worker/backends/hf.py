@@ -76,10 +76,11 @@ DEFAULT_MAX_TOKENS = 256
 # processor, placeholder token and multimodal RoPE (Qwen2.5-VL checked once by hand).
 SUPPORTED_MODEL_TYPES = HF_CHAT_MODEL_TYPES
 # The image tensors this backend passes to the model, by TensorRef name.
-IMAGE_TENSORS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "tile_grid")
+IMAGE_TENSORS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "tile_grid", "image_sizes",
+                 "image_token_count")
 # Read on the host (checked and turned into token counts): the worker hands them over there, so
 # checking them costs no device round trip per image.
-HOST_TENSORS = ("image_grid_thw", "tile_grid")
+HOST_TENSORS = ("image_grid_thw", "tile_grid", "image_sizes", "image_token_count")
 # --dtype values. "auto": bfloat16 on CUDA, float32 on CPU (CPU half precision is slow and
 # poorly supported by the kernels these models use).
 DTYPES: dict[str, torch.dtype | None] = {
@@ -94,8 +95,8 @@ class HFBackend:
     """Streams generations of a local ``AutoModelForImageTextToText`` checkpoint.
 
     Supports the Qwen2-VL family (dynamic resolution, multimodal RoPE: Qwen2-VL, Qwen2.5-VL, Qwen3-VL)
-    LLaVA-1.5 (fixed-size CLIP images, 1-D positions) and Idefics3 / SmolVLM (tiles with a pixel mask,
-    1-D positions): ``SUPPORTED_MODEL_TYPES``.
+    LLaVA-1.5 (fixed-size CLIP images, 1-D positions), LLaVA-NeXT (any-resolution tiles with image_sizes)
+    and Idefics3 / SmolVLM (tiles with a pixel mask, 1-D positions): ``SUPPORTED_MODEL_TYPES``.
 
     Batching: prefill per item, then padded batched decode (module docstring). Every
     stream starts after the prefills ahead of it in the batch, then all advance one
@@ -275,6 +276,8 @@ class HFBackend:
             kwargs["image_grid_thw"] = inputs.image_grid_thw
         if inputs.pixel_attention_mask is not None:
             kwargs["pixel_attention_mask"] = inputs.pixel_attention_mask
+        if inputs.image_sizes is not None:
+            kwargs["image_sizes"] = inputs.image_sizes
         with torch.inference_mode():
             if self._layout.mrope:
                 kwargs["position_ids"], delta = self._mrope_positions(ids, inputs.image_grid_thw)
@@ -382,6 +385,7 @@ class _Inputs:
     pixel_values: torch.Tensor | None  # [sum of t*h*w, patch_dim]
     image_grid_thw: torch.Tensor | None  # int64 [n_images, 3]
     pixel_attention_mask: torch.Tensor | None = None  # Idefics3: bool [1, tiles, S, S]
+    image_sizes: torch.Tensor | None = None  # LLaVA-NeXT: int64 [n_images, 2], original (height, width)
 
 
 @dataclass(frozen=True)
@@ -397,6 +401,8 @@ class _InputLayout:
     image_size: int = 0  # LLaVA: the CLIP tower's input side
     tokens_per_image: int = 0  # LLaVA: image tokens per image; Idefics3: per tile
     tiled: bool = False  # Idefics3: each image is (1 + rows * cols) tiles of image_size px, a tile_grid beside
+    any_resolution: bool = False  # LLaVA-NeXT: tiles fitted to grid_pinpoints, image_sizes and a token count beside
+    grid_pinpoints: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def from_config(cls, config: Any) -> _InputLayout:
@@ -407,6 +413,11 @@ class _InputLayout:
             return cls(vocab_size=text.vocab_size, max_positions=text.max_position_embeddings,
                        image_token_id=config.image_token_id, merge=1, patch_dim=0, mrope=False, tiled=True,
                        image_size=vision.image_size, tokens_per_image=side * side // config.scale_factor**2)
+        if config.model_type == "llava_next":
+            return cls(vocab_size=text.vocab_size, max_positions=text.max_position_embeddings,
+                       image_token_id=config.image_token_id, merge=1, patch_dim=0, mrope=False, any_resolution=True,
+                       image_size=vision.image_size,
+                       grid_pinpoints=tuple((int(h), int(w)) for h, w in config.image_grid_pinpoints))
         if config.model_type == "llava":
             side = vision.image_size // patch
             extra = 0 if config.vision_feature_select_strategy == "default" else 1  # the CLS feature
@@ -440,6 +451,8 @@ class _InputLayout:
         pixels, grids = item.tensors.get("pixel_values", []), item.tensors.get("image_grid_thw", [])
         if self.tiled:
             return self._check_tiled(item, ids, pixels, device)
+        if self.any_resolution:
+            return self._check_any_resolution(item, ids, pixels, device)
         if not self.mrope:
             return self._check_fixed_size(item, ids, pixels, grids, device)
         if len(pixels) != len(grids):
@@ -498,6 +511,34 @@ class _InputLayout:
             return _Inputs(input_ids, None, None)
         return _Inputs(input_ids, torch.cat(padded_pixels)[None].to(device), None,
                        torch.cat(padded_masks)[None].to(device))
+
+    def _check_any_resolution(self, item: WorkItem, ids: np.ndarray, pixels: list[torch.Tensor],
+                              device: torch.device) -> _Inputs:
+        """LLaVA-NeXT: per image, float pixel_values (n, 3, S, S) with n the tiles its image_sizes (int64
+        (1, 2)) asks for, and an image_token_count of shape (tokens,). Images are stacked, padded with
+        empty tiles to the most tiles (as the processor pads a batch; the model drops them by image_sizes)."""
+        from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
+
+        rid = item.request_id
+        sizes, counts = item.tensors.get("image_sizes", []), item.tensors.get("image_token_count", [])
+        if not len(pixels) == len(sizes) == len(counts) or "image_grid_thw" in item.tensors:
+            raise InvalidRequest(f"Request {rid}: each image needs pixel_values, image_sizes and image_token_count.")
+        side = self.image_size
+        for p, size in zip(pixels, sizes):
+            if size.dtype != torch.int64 or tuple(size.shape) != (1, 2) or int(size.min()) <= 0:
+                raise InvalidRequest(f"Request {rid}: image_sizes must be positive int64 (1, 2).")
+            n = image_size_to_num_patches(size[0].tolist(), [list(g) for g in self.grid_pinpoints], side)
+            if not p.is_floating_point() or tuple(p.shape) != (n, 3, side, side):
+                raise InvalidRequest(f"Request {rid}: pixel_values must be float ({n}, 3, {side}, {side}) for "
+                                     f"an image of {tuple(size[0].tolist())}, got {p.dtype} {tuple(p.shape)}.")
+        if int((ids == self.image_token_id).sum()) != sum(c.shape[0] for c in counts):
+            raise InvalidRequest(f"Request {rid}: the prompt's image slots do not match its images.")
+        input_ids = torch.from_numpy(ids.astype(np.int64)).view(1, -1).to(device)
+        if not pixels:
+            return _Inputs(input_ids, None, None)
+        most = max(p.shape[0] for p in pixels)
+        stacked = torch.stack([F.pad(p, (0, 0, 0, 0, 0, 0, 0, most - p.shape[0])) for p in pixels])
+        return _Inputs(input_ids, stacked.to(device), None, image_sizes=torch.cat(sizes).to(device))
 
     def _check_image(self, rid: int, pixels: torch.Tensor, grid: torch.Tensor) -> int:
         """Check one image's pair of tensors; return its number of image tokens."""
