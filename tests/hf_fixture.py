@@ -97,7 +97,7 @@ def _train_tokenizer_files() -> tuple[dict[str, int], list[tuple[str, str]]]:
 # The families this module builds (config.json model_type). All three share Qwen2-VL's image processor
 # class, placeholder and multimodal RoPE; Qwen3-VL uses 16 px patches, learned vision position
 # embeddings, interleaved RoPE sections and "deepstack" visual features fed into early text layers.
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "idefics3", "llava_next")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "idefics3", "llava_next", "gemma3")
 # LLaVA-1.5: a CLIP vision tower at a fixed 56 x 56 px (4 x 4 patches of 14 px: 16 image tokens, the
 # CLS feature dropped as vision_feature_select_strategy "default" does), a Llama text model, and
 # LLaVA-1.5's "USER: <image>\n... ASSISTANT:" prompt format.
@@ -137,6 +137,21 @@ _IDEFICS3_TEMPLATE = (
 LLAVA_NEXT_PINPOINTS = [[56, 112], [112, 56], [112, 112]]
 
 
+# Gemma 3: a 56 px SigLIP tower (4 x 4 patches of 14 px, average-pooled to 2 x 2: 4 image tokens), a
+# Gemma 3 text model whose first layer is sliding-window attention over only 16 tokens, so prompts
+# (~50 tokens) overflow the window and batching must merge rolled sliding caches.
+GEMMA3_SPECIAL = ["<start_of_image>", "<end_of_image>", "<image_soft_token>", "<start_of_turn>", "<end_of_turn>"]
+GEMMA3_WINDOW = 16
+_GEMMA3_TEMPLATE = (
+    "{% for message in messages %}<start_of_turn>{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}<start_of_image>{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
 def _patch(family: str) -> int:
     return 16 if family == "qwen3_vl" else 14
 
@@ -155,11 +170,12 @@ def _build_processor(path: Path, family: str = "qwen2_vl") -> Any:
 
     vocab, merges = _train_tokenizer_files()
     tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=4096)
-    extra = {"llava": ["<image>"], "llava_next": ["<image>"], "idefics3": IDEFICS3_SPECIAL}.get(family, [])
+    extra = {"llava": ["<image>"], "llava_next": ["<image>"], "idefics3": IDEFICS3_SPECIAL,
+             "gemma3": GEMMA3_SPECIAL}.get(family, [])
     tokenizer.add_special_tokens({"additional_special_tokens": _SPECIAL_TOKENS[1:] + extra})
     tokenizer.eos_token = "<|im_end|>"
     tokenizer.chat_template = {"llava": _LLAVA_TEMPLATE, "llava_next": _LLAVA_TEMPLATE,
-                               "idefics3": _IDEFICS3_TEMPLATE}.get(family, _CHAT_TEMPLATE)
+                               "idefics3": _IDEFICS3_TEMPLATE, "gemma3": _GEMMA3_TEMPLATE}.get(family, _CHAT_TEMPLATE)
     tokenizer.save_pretrained(str(path))
     if family == "llava":
         from transformers import CLIPImageProcessorPil
@@ -177,6 +193,13 @@ def _build_processor(path: Path, family: str = "qwen2_vl") -> Any:
         (path / "processor_config.json").write_text(json.dumps({
             "processor_class": "LlavaNextProcessor", "patch_size": 14, "vision_feature_select_strategy": "default",
             "num_additional_image_tokens": 1}) + "\n")
+        return tokenizer
+    if family == "gemma3":
+        from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+        Gemma3ImageProcessorPil(size={"height": 56, "width": 56}).save_pretrained(str(path))
+        (path / "processor_config.json").write_text(
+            json.dumps({"processor_class": "Gemma3Processor", "image_seq_length": 4}) + "\n")
         return tokenizer
     if family == "idefics3":
         from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
@@ -250,15 +273,37 @@ def _build_idefics3(tokenizer: Any, ids: dict[str, int]) -> Any:
     return Idefics3ForConditionalGeneration(config).eval()
 
 
+def _build_gemma3(tokenizer: Any, ids: dict[str, int]) -> Any:
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    config = Gemma3Config(
+        vision_config={"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+                       "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 56, "patch_size": 14},
+        text_config={"vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128,
+                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                     "query_pre_attn_scalar": 16, "max_position_embeddings": 4096, "sliding_window": GEMMA3_WINDOW,
+                     "layer_types": ["sliding_attention", "full_attention"], "bos_token_id": ids["<|endoftext|>"],
+                     "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"]},
+        mm_tokens_per_image=4,
+        boi_token_index=tokenizer.convert_tokens_to_ids("<start_of_image>"),
+        eoi_token_index=tokenizer.convert_tokens_to_ids("<end_of_image>"),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image_soft_token>"),
+    )
+    return Gemma3ForConditionalGeneration(config).eval()
+
+
 def _build_model(path: Path, tokenizer: Any, family: str = "qwen2_vl") -> None:
     import torch
     import transformers
 
-    if family in ("llava", "llava_next", "idefics3"):
+    if family in ("llava", "llava_next", "idefics3", "gemma3"):
         ids = {t: tokenizer.convert_tokens_to_ids(t) for t in _SPECIAL_TOKENS}
-        extra = IDEFICS3_SPECIAL if family == "idefics3" else ["<image>"]
+        extra = {"idefics3": IDEFICS3_SPECIAL, "gemma3": GEMMA3_SPECIAL}.get(family, ["<image>"])
         torch.manual_seed(0)
-        model = _build_idefics3(tokenizer, ids) if family == "idefics3" else _build_llava(tokenizer, ids, family)
+        if family in ("idefics3", "gemma3"):
+            model = (_build_idefics3 if family == "idefics3" else _build_gemma3)(tokenizer, ids)
+        else:
+            model = _build_llava(tokenizer, ids, family)
         _finish_model(model, path, [*ids.values(), *tokenizer.convert_tokens_to_ids(extra)], ids)
         return
 

@@ -1,9 +1,9 @@
-"""Qwen2.5-VL, Qwen3-VL, LLaVA-1.5, Idefics3 and LLaVA-NeXT, end to end on tiny random checkpoints.
+"""Qwen2.5-VL, Qwen3-VL, LLaVA-1.5, Idefics3, LLaVA-NeXT and Gemma 3, end to end on tiny random checkpoints.
 
 Per family (tests/hf_fixture.py builds each once per run): through a real ``shmgate serve`` with
 ``--max-batch-size 1``, a streamed greedy answer to a two-image prompt equals transformers' own
-``generate`` on the same directory token for token, with exact usage (Idefics3, LLaVA-NeXT: on
-the inputs of transformers' own processor, whose ids must equal ours); a repeated image is a
+``generate`` on the same directory token for token, with exact usage (Idefics3, LLaVA-NeXT,
+Gemma 3: on the inputs of transformers' own processor, whose ids must equal ours); a repeated image is a
 content-cache hit; and in the worker, a padded batch answers as its items alone. Qwen2-VL itself is
 covered by tests/test_hf.py and tests/test_hf_serve.py.
 """
@@ -30,7 +30,7 @@ from tests.shm_children import leftovers  # noqa: E402
 from tests.test_hf import SQUARE, WIDE, answer, work_item  # noqa: E402
 from worker.backends.hf import HFBackend  # noqa: E402
 
-FAMILIES = ["qwen2_5_vl", "qwen3_vl", "llava", "idefics3", "llava_next"]
+FAMILIES = ["qwen2_5_vl", "qwen3_vl", "llava", "idefics3", "llava_next", "gemma3"]
 TOKENS = 10
 
 
@@ -68,7 +68,7 @@ def test_streamed_greedy_answer_equals_transformers_generate(
         reference = _processor_reference(backend, [SQUARE, WIDE], "Compare them.")
         assert reference.pop("input_ids")[0].tolist() == ids[0].tolist()
         images = dict(reference)
-    elif "image_sizes" in item.tensors:  # LLaVA-NeXT: the inputs of transformers' own processor
+    elif backend._layout.token_types or "image_sizes" in item.tensors:  # Gemma 3, LLaVA-NeXT: likewise
         reference = _processor_reference(backend, [SQUARE, WIDE], "Compare them.")
         assert reference.pop("input_ids")[0].tolist() == ids[0].tolist()
         images = dict(reference)
@@ -90,10 +90,10 @@ def test_streamed_greedy_answer_equals_transformers_generate(
 
 
 def _processor_reference(backend: HFBackend, paths: list[Path], text: str) -> dict[str, torch.Tensor]:
-    """transformers' own processor (Idefics3Processor, LlavaNextProcessor) on the images and the rendered
+    """transformers' own processor (Idefics3Processor, LlavaNextProcessor, Gemma3Processor) on the images and the rendered
     template: the ids and every image input the model takes."""
     from PIL import Image
-    from transformers import AutoImageProcessor, Idefics3Processor, LlavaNextProcessor
+    from transformers import AutoImageProcessor, Gemma3Processor, Idefics3Processor, LlavaNextProcessor
 
     directory = backend.model.name_or_path
     image_processor = AutoImageProcessor.from_pretrained(directory, backend="pil")
@@ -102,6 +102,13 @@ def _processor_reference(backend: HFBackend, paths: list[Path], text: str) -> di
         processor: Any = Idefics3Processor(image_processor, backend.tokenizer,
                                            image_seq_len=backend._layout.tokens_per_image)
         images, names = [images], ("pixel_values", "pixel_attention_mask")
+    elif backend.model.config.model_type == "gemma3":
+        tokenizer = backend.tokenizer  # Gemma3Processor reads these tokenizer attributes (real Gemma tokenizers have them)
+        tokenizer.boi_token, tokenizer.eoi_token, tokenizer.image_token = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
+        tokenizer.boi_token_id, tokenizer.image_token_id = (tokenizer.convert_tokens_to_ids(t) for t in (
+            "<start_of_image>", "<image_soft_token>"))
+        processor = Gemma3Processor(image_processor, tokenizer, image_seq_length=backend._layout.tokens_per_image)
+        images, names = [images], ("pixel_values", "token_type_ids")
     else:
         processor = LlavaNextProcessor(image_processor, backend.tokenizer, patch_size=14,
                                        vision_feature_select_strategy="default", num_additional_image_tokens=1)
@@ -135,7 +142,7 @@ def test_a_padded_batch_answers_as_its_items_alone(family_backend: tuple[HFPrepr
     assert [answer(events, i)[0] for i in range(len(items))] == alone
 
 
-@pytest.mark.parametrize("model_type", ["gemma3", "paligemma", "mllama"])
+@pytest.mark.parametrize("model_type", ["paligemma", "internvl", "mllama"])
 def test_an_unsupported_architecture_is_a_startup_error_naming_it(
         model_type: str, tiny_qwen2_vl_dir: Path, tmp_path: Path) -> None:
     import json
@@ -146,5 +153,34 @@ def test_an_unsupported_architecture_is_a_startup_error_naming_it(
     config = json.loads((directory / "config.json").read_text())
     (directory / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
     for load in (lambda: HFPreprocessor(directory), lambda: HFBackend(str(directory), torch.device("cpu"))):
-        with pytest.raises(ValueError, match=f"model_type '{model_type}' is not supported.*qwen2_vl, qwen2_5_vl, qwen3_vl, llava, idefics3, llava_next"):
+        with pytest.raises(ValueError, match=f"model_type '{model_type}' is not supported.*qwen2_vl, qwen2_5_vl, qwen3_vl, llava, idefics3, llava_next, gemma3"):
             load()
+
+
+def test_gemma3_newlines_beside_images_tokenize_as_its_processor(tiny_vlm: Callable[[str], Path]) -> None:
+    """Gemma 3 wraps each image in "\\n\\n" as text, which merges with the user's newlines beside it; a
+    "<start_of_image>" the user types stays text."""
+    from PIL import Image
+    from transformers import AutoImageProcessor, Gemma3Processor
+
+    directory = tiny_vlm("gemma3")
+    pre = HFPreprocessor(directory)
+    tokenizer = pre.tokenizer
+    tokenizer.boi_token, tokenizer.eoi_token, tokenizer.image_token = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
+    tokenizer.boi_token_id, tokenizer.image_token_id = (tokenizer.convert_tokens_to_ids(t) for t in (
+        "<start_of_image>", "<image_soft_token>"))
+    processor = Gemma3Processor(AutoImageProcessor.from_pretrained(directory, backend="pil"), tokenizer,
+                                image_seq_length=4)
+    spec = {"pixel_values": ("float32", (1, 3, 56, 56))}
+
+    def conversation(tail: str) -> list[dict[str, Any]]:
+        return [{"role": "user", "content": [
+            {"type": "text", "text": "Look:\n"}, {"type": "image"}, {"type": "text", "text": "\n\nand\n"},
+            {"type": "image"}, {"type": "image"}, {"type": "text", "text": tail}]}]
+
+    prompt = tokenizer.apply_chat_template(conversation("\nthis"), add_generation_prompt=True, tokenize=False)
+    image = Image.open(SQUARE).convert("RGB")
+    theirs = processor(text=[prompt], images=[[image] * 3])["input_ids"][0]
+    assert pre.prompt_token_ids(conversation("\nthis"), [spec] * 3) == list(theirs)
+    forged = pre.prompt_token_ids(conversation("\nthis <start_of_image>"), [spec] * 3)
+    assert forged.count(tokenizer.convert_tokens_to_ids("<start_of_image>")) == 3

@@ -82,6 +82,9 @@ class _Architecture:
     # Extra image processor arguments, and what turns its output into the arrays the arena holds.
     call_args: tuple[tuple[str, Any], ...] = ()
     outputs: Callable[[Any, dict[str, Any]], dict[str, Any]] = lambda pre, out: dict(out)  # (preprocessor, out)
+    # Gemma 3: each placeholder becomes "\n\n" <boi> image_seq_length x <image> <eoi> "\n\n" as *text*, so
+    # the newlines merge with the newlines around it; (boi, image, eoi) token names.
+    wrapped: tuple[str, str, str] | None = None
 
 
 # image_url.detail "low" for the Qwen2-VL family: at most this many image tokens per image (OpenAI's
@@ -206,6 +209,10 @@ _ARCHITECTURES: dict[str, _Architecture] = {
     "Idefics3ImageProcessor": _Architecture(
         "<image>", lambda ip, spec, config: 0, lambda ip: {"do_image_splitting": False}, _idefics3_expand,
         (("return_row_col_info", True),), _idefics3_outputs),
+    # Gemma 3: a fixed-size SigLIP view per image (pan-and-scan crops are not carried: off by default).
+    "Gemma3ImageProcessor": _Architecture("<start_of_image>", lambda ip, spec, config: 0,
+                                          outputs=lambda pre, out: {PIXEL_VALUES: out[PIXEL_VALUES]},
+                                          wrapped=("<start_of_image>", "<image_soft_token>", "<end_of_image>")),
     # LLaVA-NeXT: any-resolution tiles plus an overview; token count from the original size.
     "LlavaNextImageProcessor": _Architecture("<image>", _counted_tokens, outputs=_llava_next_outputs),
 }
@@ -407,6 +414,42 @@ class HFPreprocessor:
             self._expansions[key] = [int(i) for i in ids]
         return self._expansions[key]
 
+    def _wrap_images(self, ids: list[int]) -> list[int]:
+        """Gemma 3: what Gemma3Processor's text replacement gives, done on ids (the user's text stays
+        tokenized with control tokens as text): each placeholder becomes "\n\n" <boi> N x <image> <eoi>
+        "\n\n", and those newlines are tokenized together with the newline tokens next to them, as they
+        would be in one string (a "\n" before an image and the "\n\n" become one "\n\n\n" token)."""
+        assert self._arch.wrapped is not None
+        boi, image, eoi = (int(self.tokenizer.convert_tokens_to_ids(t)) for t in self._arch.wrapped)
+        seq_len = int(getattr(self._config, "mm_tokens_per_image", 256))
+        with self._tokenizer_lock:
+            newline: dict[int, str] = {t: str(self.tokenizer.decode([t])) for t in set(ids)}
+            out: list[int] = []
+            pending = ""
+
+            def flush() -> None:
+                nonlocal pending
+                if pending:
+                    out.extend(int(i) for i in self.tokenizer.encode(pending, add_special_tokens=False))
+                    pending = ""
+
+            for t in ids:
+                if t == boi:
+                    run = ""  # the newline tokens just before it (none when pending holds an image's tail)
+                    while out and set(newline.get(out[-1], "x")) == {"\n"}:
+                        run = newline[out.pop()] + run
+                    pending += run + "\n\n"
+                    flush()
+                    out += [boi, *[image] * seq_len, eoi]
+                    pending = "\n\n"
+                elif pending and set(newline[t]) == {"\n"}:
+                    pending += newline[t]
+                else:
+                    flush()
+                    out.append(t)
+            flush()
+        return out
+
     def _prompt_ids(self, messages: Sequence[dict[str, Any]],
                     images: Sequence[ImageTensorSpec]) -> tuple[np.ndarray, np.ndarray]:
         """(the template's ids with one placeholder per image, the ids with every placeholder expanded)."""
@@ -427,6 +470,11 @@ class HFPreprocessor:
         slots = np.flatnonzero(ids == self._image_token_id)
         if len(slots) != len(images):
             raise InvalidRequest(f"The messages hold {len(slots)} image parts but {len(images)} images were sent.")
+        if self._arch.wrapped is not None:
+            for spec in images:
+                if PIXEL_VALUES not in spec or len(spec) != 1:
+                    raise InvalidRequest("An image's tensors were not made by this preprocessor.")
+            return ids, np.asarray(self._wrap_images(ids.tolist()), dtype=np.int32)
         if self._arch.expand is not None:
             parts = np.split(ids, slots)  # each later part starts with its image's placeholder
             pieces = [parts[0]] + [np.concatenate([np.asarray(self._arch.expand(self, spec), dtype=np.int32), part[1:]])

@@ -95,8 +95,9 @@ class HFBackend:
     """Streams generations of a local ``AutoModelForImageTextToText`` checkpoint.
 
     Supports the Qwen2-VL family (dynamic resolution, multimodal RoPE: Qwen2-VL, Qwen2.5-VL, Qwen3-VL)
-    LLaVA-1.5 (fixed-size CLIP images, 1-D positions), LLaVA-NeXT (any-resolution tiles with image_sizes)
-    and Idefics3 / SmolVLM (tiles with a pixel mask, 1-D positions): ``SUPPORTED_MODEL_TYPES``.
+    LLaVA-1.5 (fixed-size CLIP images, 1-D positions), LLaVA-NeXT (any-resolution tiles with image_sizes),
+    Idefics3 / SmolVLM (tiles with a pixel mask, 1-D positions) and Gemma 3 (token_type_ids, sliding-window
+    cache layers): ``SUPPORTED_MODEL_TYPES``.
 
     Batching: prefill per item, then padded batched decode (module docstring). Every
     stream starts after the prefills ahead of it in the batch, then all advance one
@@ -278,6 +279,8 @@ class HFBackend:
             kwargs["pixel_attention_mask"] = inputs.pixel_attention_mask
         if inputs.image_sizes is not None:
             kwargs["image_sizes"] = inputs.image_sizes
+        if self._layout.token_types:  # Gemma 3: image tokens attend to each other both ways
+            kwargs["token_type_ids"] = (ids == self._layout.image_token_id).long()
         with torch.inference_mode():
             if self._layout.mrope:
                 kwargs["position_ids"], delta = self._mrope_positions(ids, inputs.image_grid_thw)
@@ -352,11 +355,18 @@ def _merge_caches(rows: Sequence[_Row]) -> None:
     longest = max(lengths)
     merged = caches[0]
     for i, layer in enumerate(merged.layers):
-        if type(layer).__name__ != "DynamicLayer":
-            raise RuntimeError(f"cannot batch a {type(layer).__name__} cache layer (sliding-window attention?)")
+        kind = type(layer).__name__
+        if kind not in ("DynamicLayer", "DynamicSlidingWindowLayer"):
+            raise RuntimeError(f"cannot batch a {kind} cache layer")
+        # A sliding layer holds each row's last min(n, window - 1) positions: left-padded to the longest
+        # held, they are the last positions of the padded sequence, which is what the layer must hold.
+        held = max(cache.layers[i].keys.shape[-2] for cache in caches)
         for attr in ("keys", "values"):
-            parts = [F.pad(getattr(cache.layers[i], attr), (0, 0, longest - n, 0)) for cache, n in zip(caches, lengths)]
+            parts = [F.pad(getattr(cache.layers[i], attr), (0, 0, held - getattr(cache.layers[i], attr).shape[-2], 0))
+                     for cache in caches]
             setattr(layer, attr, torch.cat(parts))
+        if kind == "DynamicSlidingWindowLayer":
+            layer.cumulative_length = longest
     for row, n in zip(rows, lengths):
         row.cache, row.pad = merged, longest - n
 
@@ -370,8 +380,13 @@ def _select_rows(rows: Sequence[_Row], keep: Sequence[_Row]) -> None:
     index = torch.tensor([rows.index(row) for row in keep], device=cache.layers[0].keys.device)
     trim = min(row.pad for row in keep)
     for layer in cache.layers:
-        layer.keys = layer.keys.index_select(0, index)[..., trim:, :]
-        layer.values = layer.values.index_select(0, index)[..., trim:, :]
+        keep_positions = layer.keys.shape[-2] - trim
+        if type(layer).__name__ == "DynamicSlidingWindowLayer":  # it holds the last positions only
+            layer.cumulative_length -= trim
+            keep_positions = min(layer.keys.shape[-2], layer.cumulative_length)
+        start = layer.keys.shape[-2] - keep_positions
+        layer.keys = layer.keys.index_select(0, index)[..., start:, :]
+        layer.values = layer.values.index_select(0, index)[..., start:, :]
     for row in keep:
         row.pad -= trim
 
@@ -403,6 +418,7 @@ class _InputLayout:
     tiled: bool = False  # Idefics3: each image is (1 + rows * cols) tiles of image_size px, a tile_grid beside
     any_resolution: bool = False  # LLaVA-NeXT: tiles fitted to grid_pinpoints, image_sizes and a token count beside
     grid_pinpoints: tuple[tuple[int, int], ...] = ()
+    token_types: bool = False  # Gemma 3: token_type_ids (1 on image tokens) at prefill, for bidirectional image attention
 
     @classmethod
     def from_config(cls, config: Any) -> _InputLayout:
@@ -413,6 +429,10 @@ class _InputLayout:
             return cls(vocab_size=text.vocab_size, max_positions=text.max_position_embeddings,
                        image_token_id=config.image_token_id, merge=1, patch_dim=0, mrope=False, tiled=True,
                        image_size=vision.image_size, tokens_per_image=side * side // config.scale_factor**2)
+        if config.model_type == "gemma3":
+            return cls(vocab_size=text.vocab_size, max_positions=text.max_position_embeddings,
+                       image_token_id=config.image_token_id, merge=1, patch_dim=0, mrope=False, token_types=True,
+                       image_size=vision.image_size, tokens_per_image=config.mm_tokens_per_image)
         if config.model_type == "llava_next":
             return cls(vocab_size=text.vocab_size, max_positions=text.max_position_embeddings,
                        image_token_id=config.image_token_id, merge=1, patch_dim=0, mrope=False, any_resolution=True,
