@@ -97,7 +97,7 @@ def _train_tokenizer_files() -> tuple[dict[str, int], list[tuple[str, str]]]:
 # The families this module builds (config.json model_type). All three share Qwen2-VL's image processor
 # class, placeholder and multimodal RoPE; Qwen3-VL uses 16 px patches, learned vision position
 # embeddings, interleaved RoPE sections and "deepstack" visual features fed into early text layers.
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "idefics3", "llava_next", "gemma3")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "idefics3", "llava_next", "gemma3", "paligemma")
 # LLaVA-1.5: a CLIP vision tower at a fixed 56 x 56 px (4 x 4 patches of 14 px: 16 image tokens, the
 # CLS feature dropped as vision_feature_select_strategy "default" does), a Llama text model, and
 # LLaVA-1.5's "USER: <image>\n... ASSISTANT:" prompt format.
@@ -152,6 +152,11 @@ _GEMMA3_TEMPLATE = (
 )
 
 
+# PaliGemma: a 56 px SigLIP tower (16 image tokens), a Gemma text model, and no chat template (as the
+# real checkpoints: the frontend's built-in PaliGemma prompt applies). "<|endoftext|>" is its BOS.
+PALIGEMMA_IMAGE_TOKENS = 16
+
+
 def _patch(family: str) -> int:
     return 16 if family == "qwen3_vl" else 14
 
@@ -170,12 +175,15 @@ def _build_processor(path: Path, family: str = "qwen2_vl") -> Any:
 
     vocab, merges = _train_tokenizer_files()
     tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=4096)
-    extra = {"llava": ["<image>"], "llava_next": ["<image>"], "idefics3": IDEFICS3_SPECIAL,
+    extra = {"llava": ["<image>"], "llava_next": ["<image>"], "paligemma": ["<image>"], "idefics3": IDEFICS3_SPECIAL,
              "gemma3": GEMMA3_SPECIAL}.get(family, [])
     tokenizer.add_special_tokens({"additional_special_tokens": _SPECIAL_TOKENS[1:] + extra})
     tokenizer.eos_token = "<|im_end|>"
     tokenizer.chat_template = {"llava": _LLAVA_TEMPLATE, "llava_next": _LLAVA_TEMPLATE,
                                "idefics3": _IDEFICS3_TEMPLATE, "gemma3": _GEMMA3_TEMPLATE}.get(family, _CHAT_TEMPLATE)
+    if family == "paligemma":
+        tokenizer.chat_template = None
+        tokenizer.bos_token = "<|endoftext|>"
     tokenizer.save_pretrained(str(path))
     if family == "llava":
         from transformers import CLIPImageProcessorPil
@@ -193,6 +201,14 @@ def _build_processor(path: Path, family: str = "qwen2_vl") -> Any:
         (path / "processor_config.json").write_text(json.dumps({
             "processor_class": "LlavaNextProcessor", "patch_size": 14, "vision_feature_select_strategy": "default",
             "num_additional_image_tokens": 1}) + "\n")
+        return tokenizer
+    if family == "paligemma":
+        from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
+
+        siglip = SiglipImageProcessorPil(size={"height": 56, "width": 56})
+        siglip.image_seq_length = PALIGEMMA_IMAGE_TOKENS  # PaliGemmaProcessor reads it, as real checkpoints carry it
+        siglip.save_pretrained(str(path))
+        (path / "processor_config.json").write_text(json.dumps({"processor_class": "PaliGemmaProcessor"}) + "\n")
         return tokenizer
     if family == "gemma3":
         from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
@@ -292,16 +308,34 @@ def _build_gemma3(tokenizer: Any, ids: dict[str, int]) -> Any:
     return Gemma3ForConditionalGeneration(config).eval()
 
 
+def _build_paligemma(tokenizer: Any, ids: dict[str, int]) -> Any:
+    from transformers import PaliGemmaConfig, PaliGemmaForConditionalGeneration
+
+    config = PaliGemmaConfig(
+        vision_config={"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+                       "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 56, "patch_size": 14,
+                       "projection_dim": 64},
+        text_config={"model_type": "gemma", "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128,
+                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                     "max_position_embeddings": 4096, "bos_token_id": ids["<|endoftext|>"],
+                     "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"]},
+        projection_dim=64, hidden_size=64, vocab_size=len(tokenizer),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+    )
+    return PaliGemmaForConditionalGeneration(config).eval()
+
+
 def _build_model(path: Path, tokenizer: Any, family: str = "qwen2_vl") -> None:
     import torch
     import transformers
 
-    if family in ("llava", "llava_next", "idefics3", "gemma3"):
+    if family in ("llava", "llava_next", "idefics3", "gemma3", "paligemma"):
         ids = {t: tokenizer.convert_tokens_to_ids(t) for t in _SPECIAL_TOKENS}
         extra = {"idefics3": IDEFICS3_SPECIAL, "gemma3": GEMMA3_SPECIAL}.get(family, ["<image>"])
         torch.manual_seed(0)
-        if family in ("idefics3", "gemma3"):
-            model = (_build_idefics3 if family == "idefics3" else _build_gemma3)(tokenizer, ids)
+        builders = {"idefics3": _build_idefics3, "gemma3": _build_gemma3, "paligemma": _build_paligemma}
+        if family in builders:
+            model = builders[family](tokenizer, ids)
         else:
             model = _build_llava(tokenizer, ids, family)
         _finish_model(model, path, [*ids.values(), *tokenizer.convert_tokens_to_ids(extra)], ids)

@@ -1,9 +1,9 @@
-"""Qwen2.5-VL, Qwen3-VL, LLaVA-1.5, Idefics3, LLaVA-NeXT and Gemma 3, end to end on tiny random checkpoints.
+"""Qwen2.5-VL, Qwen3-VL, LLaVA-1.5, Idefics3, LLaVA-NeXT, Gemma 3 and PaliGemma, end to end on tiny random checkpoints.
 
 Per family (tests/hf_fixture.py builds each once per run): through a real ``shmgate serve`` with
 ``--max-batch-size 1``, a streamed greedy answer to a two-image prompt equals transformers' own
 ``generate`` on the same directory token for token, with exact usage (Idefics3, LLaVA-NeXT,
-Gemma 3: on the inputs of transformers' own processor, whose ids must equal ours); a repeated image is a
+Gemma 3, PaliGemma: on the inputs of transformers' own processor, whose ids must equal ours); a repeated image is a
 content-cache hit; and in the worker, a padded batch answers as its items alone. Qwen2-VL itself is
 covered by tests/test_hf.py and tests/test_hf_serve.py.
 """
@@ -30,7 +30,7 @@ from tests.shm_children import leftovers  # noqa: E402
 from tests.test_hf import SQUARE, WIDE, answer, work_item  # noqa: E402
 from worker.backends.hf import HFBackend  # noqa: E402
 
-FAMILIES = ["qwen2_5_vl", "qwen3_vl", "llava", "idefics3", "llava_next", "gemma3"]
+FAMILIES = ["qwen2_5_vl", "qwen3_vl", "llava", "idefics3", "llava_next", "gemma3", "paligemma"]
 TOKENS = 10
 
 
@@ -68,7 +68,7 @@ def test_streamed_greedy_answer_equals_transformers_generate(
         reference = _processor_reference(backend, [SQUARE, WIDE], "Compare them.")
         assert reference.pop("input_ids")[0].tolist() == ids[0].tolist()
         images = dict(reference)
-    elif backend._layout.token_types or "image_sizes" in item.tensors:  # Gemma 3, LLaVA-NeXT: likewise
+    elif backend.model.config.model_type in ("gemma3", "llava_next", "paligemma"):  # likewise
         reference = _processor_reference(backend, [SQUARE, WIDE], "Compare them.")
         assert reference.pop("input_ids")[0].tolist() == ids[0].tolist()
         images = dict(reference)
@@ -90,10 +90,17 @@ def test_streamed_greedy_answer_equals_transformers_generate(
 
 
 def _processor_reference(backend: HFBackend, paths: list[Path], text: str) -> dict[str, torch.Tensor]:
-    """transformers' own processor (Idefics3Processor, LlavaNextProcessor, Gemma3Processor) on the images and the rendered
+    """transformers' own processor (Idefics3Processor, LlavaNextProcessor, Gemma3Processor, PaliGemmaProcessor) on the images and the rendered
     template: the ids and every image input the model takes."""
     from PIL import Image
-    from transformers import AutoImageProcessor, Gemma3Processor, Idefics3Processor, LlavaNextProcessor
+    from transformers import (
+        AutoImageProcessor,
+        AutoTokenizer,
+        Gemma3Processor,
+        Idefics3Processor,
+        LlavaNextProcessor,
+        PaliGemmaProcessor,
+    )
 
     directory = backend.model.name_or_path
     image_processor = AutoImageProcessor.from_pretrained(directory, backend="pil")
@@ -109,6 +116,10 @@ def _processor_reference(backend: HFBackend, paths: list[Path], text: str) -> di
             "<start_of_image>", "<image_soft_token>"))
         processor = Gemma3Processor(image_processor, tokenizer, image_seq_length=backend._layout.tokens_per_image)
         images, names = [images], ("pixel_values", "token_type_ids")
+    elif backend.model.config.model_type == "paligemma":  # it adds tokens: on a tokenizer of its own
+        processor = PaliGemmaProcessor(image_processor, AutoTokenizer.from_pretrained(directory))
+        out = processor(text=[text], images=[images], return_tensors="pt")
+        return {k: out[k] for k in ("input_ids", "pixel_values", "token_type_ids")}
     else:
         processor = LlavaNextProcessor(image_processor, backend.tokenizer, patch_size=14,
                                        vision_feature_select_strategy="default", num_additional_image_tokens=1)
@@ -142,7 +153,7 @@ def test_a_padded_batch_answers_as_its_items_alone(family_backend: tuple[HFPrepr
     assert [answer(events, i)[0] for i in range(len(items))] == alone
 
 
-@pytest.mark.parametrize("model_type", ["paligemma", "internvl", "mllama"])
+@pytest.mark.parametrize("model_type", ["internvl", "mllama", "smolvlm"])
 def test_an_unsupported_architecture_is_a_startup_error_naming_it(
         model_type: str, tiny_qwen2_vl_dir: Path, tmp_path: Path) -> None:
     import json
@@ -153,7 +164,7 @@ def test_an_unsupported_architecture_is_a_startup_error_naming_it(
     config = json.loads((directory / "config.json").read_text())
     (directory / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
     for load in (lambda: HFPreprocessor(directory), lambda: HFBackend(str(directory), torch.device("cpu"))):
-        with pytest.raises(ValueError, match=f"model_type '{model_type}' is not supported.*qwen2_vl, qwen2_5_vl, qwen3_vl, llava, idefics3, llava_next, gemma3"):
+        with pytest.raises(ValueError, match=f"model_type '{model_type}' is not supported.*qwen2_vl, qwen2_5_vl, qwen3_vl, llava, idefics3, llava_next, gemma3, paligemma"):
             load()
 
 

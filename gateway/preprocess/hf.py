@@ -200,6 +200,30 @@ def _counted_tokens(image_processor: Any, spec: ImageTensorSpec, config: Any) ->
     return spec[IMAGE_TOKENS][1][0]
 
 
+def _siglip_patches(image_processor: Any, spec: ImageTensorSpec, config: Any) -> int:
+    """PaliGemma: one token per patch of the fixed-size SigLIP input (no CLS)."""
+    if PIXEL_VALUES not in spec or len(spec[PIXEL_VALUES][1]) != 4:
+        raise InvalidRequest(f"An image has no 4-D '{PIXEL_VALUES}' tensor; it was not made by this preprocessor.")
+    _, _, height, width = spec[PIXEL_VALUES][1]
+    patch = int(config.vision_config.patch_size)
+    return (height // patch) * (width // patch)
+
+
+# PaliGemma checkpoints carry no chat template: their processor writes the images' placeholders, BOS,
+# the prompt and "\n". This is that format for a conversation of one user turn (text parts joined).
+PALIGEMMA_TEMPLATE = (
+    "{% if messages | length != 1 or messages[0]['role'] != 'user' %}"
+    "{{ raise_exception('PaliGemma answers a single user message') }}{% endif %}"
+    "{% set content = messages[0]['content'] %}"
+    "{% if content is string %}{{ bos_token }}{{ content }}"
+    "{% else %}{% for part in content %}{% if part['type'] == 'image' %}<image>{% endif %}{% endfor %}{{ bos_token }}"
+    "{% for part in content %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+)
+# ... and its "\n", which PaliGemmaProcessor tokenizes together with the prompt (".\n" can be one token):
+# appended to the text after BOS and tokenized with it, special-token names still as text.
+PALIGEMMA_SUFFIX = "\n"
+
+
 # Keyed by the image processor class without its backend suffix. Qwen2.5-VL checkpoints
 # use the same image processor and placeholder.
 _ARCHITECTURES: dict[str, _Architecture] = {
@@ -209,6 +233,8 @@ _ARCHITECTURES: dict[str, _Architecture] = {
     "Idefics3ImageProcessor": _Architecture(
         "<image>", lambda ip, spec, config: 0, lambda ip: {"do_image_splitting": False}, _idefics3_expand,
         (("return_row_col_info", True),), _idefics3_outputs),
+    # PaliGemma: a fixed-size SigLIP view per image, one token per patch.
+    "SiglipImageProcessor": _Architecture("<image>", _siglip_patches),
     # Gemma 3: a fixed-size SigLIP view per image (pan-and-scan crops are not carried: off by default).
     "Gemma3ImageProcessor": _Architecture("<start_of_image>", lambda ip, spec, config: 0,
                                           outputs=lambda pre, out: {PIXEL_VALUES: out[PIXEL_VALUES]},
@@ -272,7 +298,7 @@ class HFPreprocessor:
         path = os.fspath(model_dir)
         self.model = model_id or model_id_for(path)
         self.max_images = max_images
-        check_chat_model_type(path)
+        model_type = check_chat_model_type(path)
         self.image_processor = AutoImageProcessor.from_pretrained(path, backend="pil")
         if processor_kwargs:  # --mm-processor-kwargs: the checkpoint's processor config, overridden
             unknown = set(processor_kwargs) - processor_keys(self.image_processor)
@@ -288,6 +314,9 @@ class HFPreprocessor:
         self._image_token_id = int(self.tokenizer.convert_tokens_to_ids(self._arch.image_token))
         # Some checkpoints keep the (multimodal) template beside the processor only.
         self.tokenizer.chat_template = _processor_chat_template(path) or self.tokenizer.chat_template
+        self._suffix = ""
+        if not self.tokenizer.chat_template and model_type == "paligemma":
+            self.tokenizer.chat_template, self._suffix = PALIGEMMA_TEMPLATE, PALIGEMMA_SUFFIX
         if not self.tokenizer.chat_template:
             raise ValueError(f"{path}: no chat template (chat_template.jinja / .json or tokenizer_config.json)")
         self._config = AutoConfig.from_pretrained(path)
@@ -414,6 +443,15 @@ class HFPreprocessor:
             self._expansions[key] = [int(i) for i in ids]
         return self._expansions[key]
 
+    def _with_suffix(self, ids: np.ndarray) -> np.ndarray:
+        """PaliGemma: the text after the last BOS, re-tokenized with the suffix appended (as one string)."""
+        bos = np.flatnonzero(ids == self.tokenizer.bos_token_id)
+        start = int(bos[-1]) + 1 if len(bos) else 0
+        with self._tokenizer_lock:
+            text = str(self.tokenizer.decode(ids[start:].tolist(), skip_special_tokens=False))
+            tail = self.tokenizer.encode(text + self._suffix, add_special_tokens=False, split_special_tokens=True)
+        return np.concatenate([ids[:start], np.asarray(tail, dtype=np.int32)])
+
     def _wrap_images(self, ids: list[int]) -> list[int]:
         """Gemma 3: what Gemma3Processor's text replacement gives, done on ids (the user's text stays
         tokenized with control tokens as text): each placeholder becomes "\n\n" <boi> N x <image> <eoi>
@@ -467,6 +505,8 @@ class HFPreprocessor:
         except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError) as exc:
             raise InvalidRequest(f"The conversation does not fit this model's chat template: {exc}") from None
         ids = np.asarray(encoded["input_ids"], dtype=np.int32)
+        if self._suffix:
+            ids = self._with_suffix(ids)
         slots = np.flatnonzero(ids == self._image_token_id)
         if len(slots) != len(images):
             raise InvalidRequest(f"The messages hold {len(slots)} image parts but {len(images)} images were sent.")

@@ -96,8 +96,8 @@ class HFBackend:
 
     Supports the Qwen2-VL family (dynamic resolution, multimodal RoPE: Qwen2-VL, Qwen2.5-VL, Qwen3-VL)
     LLaVA-1.5 (fixed-size CLIP images, 1-D positions), LLaVA-NeXT (any-resolution tiles with image_sizes),
-    Idefics3 / SmolVLM (tiles with a pixel mask, 1-D positions) and Gemma 3 (token_type_ids, sliding-window
-    cache layers): ``SUPPORTED_MODEL_TYPES``.
+    Idefics3 / SmolVLM (tiles with a pixel mask, 1-D positions), Gemma 3 (token_type_ids, sliding-window
+    cache layers) and PaliGemma (prefix-LM token_type_ids, positions from 1): ``SUPPORTED_MODEL_TYPES``.
 
     Batching: prefill per item, then padded batched decode (module docstring). Every
     stream starts after the prefills ahead of it in the batch, then all advance one
@@ -281,11 +281,14 @@ class HFBackend:
             kwargs["image_sizes"] = inputs.image_sizes
         if self._layout.token_types:  # Gemma 3: image tokens attend to each other both ways
             kwargs["token_type_ids"] = (ids == self._layout.image_token_id).long()
+        if self._layout.prefix_lm:  # PaliGemma: the whole prompt is the prefix
+            kwargs["token_type_ids"] = torch.zeros_like(ids)
         with torch.inference_mode():
             if self._layout.mrope:
                 kwargs["position_ids"], delta = self._mrope_positions(ids, inputs.image_grid_thw)
-            else:  # 1-D positions (LLaVA): the prompt's are 0..L-1, and no offset after it
-                kwargs["position_ids"], delta = torch.arange(ids.shape[1], device=ids.device).view(1, -1), 0
+            else:  # 1-D positions (LLaVA): the prompt's are 0..L-1, and no offset after it; PaliGemma's count from 1
+                delta = 1 if self._layout.prefix_lm else 0
+                kwargs["position_ids"] = torch.arange(delta, ids.shape[1] + delta, device=ids.device).view(1, -1)
             out = self.model(**kwargs)
         return out.logits[0, -1], out.past_key_values, delta
 
@@ -419,6 +422,7 @@ class _InputLayout:
     any_resolution: bool = False  # LLaVA-NeXT: tiles fitted to grid_pinpoints, image_sizes and a token count beside
     grid_pinpoints: tuple[tuple[int, int], ...] = ()
     token_types: bool = False  # Gemma 3: token_type_ids (1 on image tokens) at prefill, for bidirectional image attention
+    prefix_lm: bool = False  # PaliGemma: token_type_ids 0 over the whole prompt (it attends both ways), positions from 1
 
     @classmethod
     def from_config(cls, config: Any) -> _InputLayout:
@@ -429,6 +433,11 @@ class _InputLayout:
             return cls(vocab_size=text.vocab_size, max_positions=text.max_position_embeddings,
                        image_token_id=config.image_token_id, merge=1, patch_dim=0, mrope=False, tiled=True,
                        image_size=vision.image_size, tokens_per_image=side * side // config.scale_factor**2)
+        if config.model_type == "paligemma":
+            side = vision.image_size // patch
+            return cls(vocab_size=text.vocab_size, max_positions=text.max_position_embeddings,
+                       image_token_id=config.image_token_id, merge=1, patch_dim=0, mrope=False, prefix_lm=True,
+                       image_size=vision.image_size, tokens_per_image=side * side)
         if config.model_type == "gemma3":
             return cls(vocab_size=text.vocab_size, max_positions=text.max_position_embeddings,
                        image_token_id=config.image_token_id, merge=1, patch_dim=0, mrope=False, token_types=True,
