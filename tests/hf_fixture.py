@@ -97,7 +97,7 @@ def _train_tokenizer_files() -> tuple[dict[str, int], list[tuple[str, str]]]:
 # The families this module builds (config.json model_type). All three share Qwen2-VL's image processor
 # class, placeholder and multimodal RoPE; Qwen3-VL uses 16 px patches, learned vision position
 # embeddings, interleaved RoPE sections and "deepstack" visual features fed into early text layers.
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "idefics3", "llava_next", "gemma3", "paligemma")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "idefics3", "llava_next", "gemma3", "paligemma", "internvl")
 # LLaVA-1.5: a CLIP vision tower at a fixed 56 x 56 px (4 x 4 patches of 14 px: 16 image tokens, the
 # CLS feature dropped as vision_feature_select_strategy "default" does), a Llama text model, and
 # LLaVA-1.5's "USER: <image>\n... ASSISTANT:" prompt format.
@@ -157,6 +157,13 @@ _GEMMA3_TEMPLATE = (
 PALIGEMMA_IMAGE_TOKENS = 16
 
 
+# InternVL (transformers format): a 56 px InternViT tower (4 x 4 patches, pixel-shuffled by 0.5: 4 tokens
+# per 56 px crop), images cut into 1..4 crops plus a thumbnail, a Qwen2 text model, and InternVL's
+# "<img>" + "<IMG_CONTEXT>"... + "</img>" markers.
+INTERNVL_SPECIAL = ["<img>", "</img>", "<IMG_CONTEXT>"]
+_INTERNVL_TEMPLATE = _CHAT_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<IMG_CONTEXT>\n")
+
+
 def _patch(family: str) -> int:
     return 16 if family == "qwen3_vl" else 14
 
@@ -176,11 +183,13 @@ def _build_processor(path: Path, family: str = "qwen2_vl") -> Any:
     vocab, merges = _train_tokenizer_files()
     tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=4096)
     extra = {"llava": ["<image>"], "llava_next": ["<image>"], "paligemma": ["<image>"], "idefics3": IDEFICS3_SPECIAL,
+             "internvl": INTERNVL_SPECIAL,
              "gemma3": GEMMA3_SPECIAL}.get(family, [])
     tokenizer.add_special_tokens({"additional_special_tokens": _SPECIAL_TOKENS[1:] + extra})
     tokenizer.eos_token = "<|im_end|>"
     tokenizer.chat_template = {"llava": _LLAVA_TEMPLATE, "llava_next": _LLAVA_TEMPLATE,
-                               "idefics3": _IDEFICS3_TEMPLATE, "gemma3": _GEMMA3_TEMPLATE}.get(family, _CHAT_TEMPLATE)
+                               "idefics3": _IDEFICS3_TEMPLATE, "gemma3": _GEMMA3_TEMPLATE,
+                               "internvl": _INTERNVL_TEMPLATE}.get(family, _CHAT_TEMPLATE)
     if family == "paligemma":
         tokenizer.chat_template = None
         tokenizer.bos_token = "<|endoftext|>"
@@ -201,6 +210,14 @@ def _build_processor(path: Path, family: str = "qwen2_vl") -> Any:
         (path / "processor_config.json").write_text(json.dumps({
             "processor_class": "LlavaNextProcessor", "patch_size": 14, "vision_feature_select_strategy": "default",
             "num_additional_image_tokens": 1}) + "\n")
+        return tokenizer
+    if family == "internvl":
+        from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+        GotOcr2ImageProcessorPil(size={"height": 56, "width": 56}, crop_to_patches=True, min_patches=1,
+                                 max_patches=4).save_pretrained(str(path))
+        (path / "processor_config.json").write_text(
+            json.dumps({"processor_class": "InternVLProcessor", "image_seq_length": 4}) + "\n")
         return tokenizer
     if family == "paligemma":
         from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
@@ -325,15 +342,32 @@ def _build_paligemma(tokenizer: Any, ids: dict[str, int]) -> Any:
     return PaliGemmaForConditionalGeneration(config).eval()
 
 
+def _build_internvl(tokenizer: Any, ids: dict[str, int]) -> Any:
+    from transformers import InternVLConfig, InternVLForConditionalGeneration
+
+    config = InternVLConfig(
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                       "image_size": [56, 56], "patch_size": [14, 14]},
+        text_config={"model_type": "qwen2", "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128,
+                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                     "max_position_embeddings": 4096, "bos_token_id": ids["<|endoftext|>"],
+                     "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"]},
+        image_token_id=tokenizer.convert_tokens_to_ids("<IMG_CONTEXT>"), image_seq_length=4, downsample_ratio=0.5,
+    )
+    return InternVLForConditionalGeneration(config).eval()
+
+
 def _build_model(path: Path, tokenizer: Any, family: str = "qwen2_vl") -> None:
     import torch
     import transformers
 
-    if family in ("llava", "llava_next", "idefics3", "gemma3", "paligemma"):
+    if family in ("llava", "llava_next", "idefics3", "gemma3", "paligemma", "internvl"):
         ids = {t: tokenizer.convert_tokens_to_ids(t) for t in _SPECIAL_TOKENS}
-        extra = {"idefics3": IDEFICS3_SPECIAL, "gemma3": GEMMA3_SPECIAL}.get(family, ["<image>"])
+        extra = {"idefics3": IDEFICS3_SPECIAL, "gemma3": GEMMA3_SPECIAL, "internvl": INTERNVL_SPECIAL}.get(
+            family, ["<image>"])
         torch.manual_seed(0)
-        builders = {"idefics3": _build_idefics3, "gemma3": _build_gemma3, "paligemma": _build_paligemma}
+        builders = {"idefics3": _build_idefics3, "gemma3": _build_gemma3, "paligemma": _build_paligemma,
+                    "internvl": _build_internvl}
         if family in builders:
             model = builders[family](tokenizer, ids)
         else:

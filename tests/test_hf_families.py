@@ -1,9 +1,9 @@
-"""Qwen2.5-VL, Qwen3-VL, LLaVA-1.5, Idefics3, LLaVA-NeXT, Gemma 3 and PaliGemma, end to end on tiny random checkpoints.
+"""Qwen2.5-VL, Qwen3-VL, LLaVA-1.5, Idefics3, LLaVA-NeXT, Gemma 3, PaliGemma and InternVL, end to end on tiny random checkpoints.
 
 Per family (tests/hf_fixture.py builds each once per run): through a real ``shmgate serve`` with
 ``--max-batch-size 1``, a streamed greedy answer to a two-image prompt equals transformers' own
 ``generate`` on the same directory token for token, with exact usage (Idefics3, LLaVA-NeXT,
-Gemma 3, PaliGemma: on the inputs of transformers' own processor, whose ids must equal ours); a repeated image is a
+Gemma 3, PaliGemma, InternVL: on the inputs of transformers' own processor, whose ids must equal ours); a repeated image is a
 content-cache hit; and in the worker, a padded batch answers as its items alone. Qwen2-VL itself is
 covered by tests/test_hf.py and tests/test_hf_serve.py.
 """
@@ -30,7 +30,7 @@ from tests.shm_children import leftovers  # noqa: E402
 from tests.test_hf import SQUARE, WIDE, answer, work_item  # noqa: E402
 from worker.backends.hf import HFBackend  # noqa: E402
 
-FAMILIES = ["qwen2_5_vl", "qwen3_vl", "llava", "idefics3", "llava_next", "gemma3", "paligemma"]
+FAMILIES = ["qwen2_5_vl", "qwen3_vl", "llava", "idefics3", "llava_next", "gemma3", "paligemma", "internvl"]
 TOKENS = 10
 
 
@@ -68,7 +68,7 @@ def test_streamed_greedy_answer_equals_transformers_generate(
         reference = _processor_reference(backend, [SQUARE, WIDE], "Compare them.")
         assert reference.pop("input_ids")[0].tolist() == ids[0].tolist()
         images = dict(reference)
-    elif backend.model.config.model_type in ("gemma3", "llava_next", "paligemma"):  # likewise
+    elif backend.model.config.model_type in ("gemma3", "llava_next", "paligemma", "internvl"):  # likewise
         reference = _processor_reference(backend, [SQUARE, WIDE], "Compare them.")
         assert reference.pop("input_ids")[0].tolist() == ids[0].tolist()
         images = dict(reference)
@@ -90,17 +90,21 @@ def test_streamed_greedy_answer_equals_transformers_generate(
 
 
 def _processor_reference(backend: HFBackend, paths: list[Path], text: str) -> dict[str, torch.Tensor]:
-    """transformers' own processor (Idefics3Processor, LlavaNextProcessor, Gemma3Processor, PaliGemmaProcessor) on the images and the rendered
+    """transformers' own processor (Idefics3, LLaVA-NeXT, Gemma 3, PaliGemma, InternVL) on the images and the rendered
     template: the ids and every image input the model takes."""
+    from unittest import mock
+
     from PIL import Image
     from transformers import (
         AutoImageProcessor,
         AutoTokenizer,
         Gemma3Processor,
         Idefics3Processor,
+        InternVLProcessor,
         LlavaNextProcessor,
         PaliGemmaProcessor,
     )
+    from transformers.processing_utils import ProcessorMixin
 
     directory = backend.model.name_or_path
     image_processor = AutoImageProcessor.from_pretrained(directory, backend="pil")
@@ -116,6 +120,18 @@ def _processor_reference(backend: HFBackend, paths: list[Path], text: str) -> di
             "<start_of_image>", "<image_soft_token>"))
         processor = Gemma3Processor(image_processor, tokenizer, image_seq_length=backend._layout.tokens_per_image)
         images, names = [images], ("pixel_values", "token_type_ids")
+    elif backend.model.config.model_type == "internvl":  # it reads these tokenizer attributes, and wants a video
+        tokenizer = AutoTokenizer.from_pretrained(directory)  # processor (torchvision): None is fine for images
+        for name, token in (("start_image_token", "<img>"), ("end_image_token", "</img>"),
+                            ("context_image_token", "<IMG_CONTEXT>"), ("video_token", "<|video_pad|>")):
+            setattr(tokenizer, name, token)
+            setattr(tokenizer, name + "_id", tokenizer.convert_tokens_to_ids(token))
+        check = ProcessorMixin.check_argument_for_proper_class
+        with mock.patch.object(ProcessorMixin, "check_argument_for_proper_class",
+                               lambda self, name, arg: None if name == "video_processor" else check(self, name, arg)):
+            processor = InternVLProcessor(image_processor, tokenizer, None,
+                                          image_seq_length=backend._layout.tokens_per_image)
+        names = ("pixel_values",)
     elif backend.model.config.model_type == "paligemma":  # it adds tokens: on a tokenizer of its own
         processor = PaliGemmaProcessor(image_processor, AutoTokenizer.from_pretrained(directory))
         out = processor(text=[text], images=[images], return_tensors="pt")
@@ -153,7 +169,7 @@ def test_a_padded_batch_answers_as_its_items_alone(family_backend: tuple[HFPrepr
     assert [answer(events, i)[0] for i in range(len(items))] == alone
 
 
-@pytest.mark.parametrize("model_type", ["internvl", "mllama", "smolvlm"])
+@pytest.mark.parametrize("model_type", ["mllama", "smolvlm", "llava_onevision"])
 def test_an_unsupported_architecture_is_a_startup_error_naming_it(
         model_type: str, tiny_qwen2_vl_dir: Path, tmp_path: Path) -> None:
     import json
@@ -164,7 +180,7 @@ def test_an_unsupported_architecture_is_a_startup_error_naming_it(
     config = json.loads((directory / "config.json").read_text())
     (directory / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
     for load in (lambda: HFPreprocessor(directory), lambda: HFBackend(str(directory), torch.device("cpu"))):
-        with pytest.raises(ValueError, match=f"model_type '{model_type}' is not supported.*qwen2_vl, qwen2_5_vl, qwen3_vl, llava, idefics3, llava_next, gemma3, paligemma"):
+        with pytest.raises(ValueError, match=f"model_type '{model_type}' is not supported.*qwen2_vl, qwen2_5_vl, qwen3_vl, llava, idefics3, llava_next, gemma3, paligemma, internvl"):
             load()
 
 

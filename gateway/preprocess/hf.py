@@ -209,6 +209,15 @@ def _siglip_patches(image_processor: Any, spec: ImageTensorSpec, config: Any) ->
     return (height // patch) * (width // patch)
 
 
+def _internvl_expand(pre: Any, spec: ImageTensorSpec) -> list[int]:
+    """InternVL: ``<img>`` + image_seq_length ``<IMG_CONTEXT>`` per crop (rows of pixel_values) + ``</img>``
+    (InternVLProcessor.replace_image_token; special tokens all, so ids splice as text would tokenize)."""
+    if PIXEL_VALUES not in spec or len(spec[PIXEL_VALUES][1]) != 4 or spec[PIXEL_VALUES][1][0] <= 0:
+        raise InvalidRequest(f"An image has no 4-D '{PIXEL_VALUES}' tensor; it was not made by this preprocessor.")
+    start, context, end = (int(pre.tokenizer.convert_tokens_to_ids(t)) for t in ("<img>", "<IMG_CONTEXT>", "</img>"))
+    return [start, *[context] * (int(pre._config.image_seq_length) * spec[PIXEL_VALUES][1][0]), end]
+
+
 # PaliGemma checkpoints carry no chat template: their processor writes the images' placeholders, BOS,
 # the prompt and "\n". This is that format for a conversation of one user turn (text parts joined).
 PALIGEMMA_TEMPLATE = (
@@ -233,6 +242,11 @@ _ARCHITECTURES: dict[str, _Architecture] = {
     "Idefics3ImageProcessor": _Architecture(
         "<image>", lambda ip, spec, config: 0, lambda ip: {"do_image_splitting": False}, _idefics3_expand,
         (("return_row_col_info", True),), _idefics3_outputs),
+    # InternVL (transformers format): 1..max_patches crops plus a thumbnail, each image_seq_length tokens
+    # between <img> and </img>; "low" detail is the thumbnail alone.
+    "GotOcr2ImageProcessor": _Architecture("<IMG_CONTEXT>", lambda ip, spec, config: 0,
+                                           lambda ip: {"crop_to_patches": False}, _internvl_expand,
+                                           outputs=lambda pre, out: {PIXEL_VALUES: out[PIXEL_VALUES]}),
     # PaliGemma: a fixed-size SigLIP view per image, one token per patch.
     "SiglipImageProcessor": _Architecture("<image>", _siglip_patches),
     # Gemma 3: a fixed-size SigLIP view per image (pan-and-scan crops are not carried: off by default).

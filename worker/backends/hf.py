@@ -97,7 +97,8 @@ class HFBackend:
     Supports the Qwen2-VL family (dynamic resolution, multimodal RoPE: Qwen2-VL, Qwen2.5-VL, Qwen3-VL)
     LLaVA-1.5 (fixed-size CLIP images, 1-D positions), LLaVA-NeXT (any-resolution tiles with image_sizes),
     Idefics3 / SmolVLM (tiles with a pixel mask, 1-D positions), Gemma 3 (token_type_ids, sliding-window
-    cache layers) and PaliGemma (prefix-LM token_type_ids, positions from 1): ``SUPPORTED_MODEL_TYPES``.
+    cache layers), PaliGemma (prefix-LM token_type_ids, positions from 1) and InternVL (crops, 1-D positions):
+    ``SUPPORTED_MODEL_TYPES``.
 
     Batching: prefill per item, then padded batched decode (module docstring). Every
     stream starts after the prefills ahead of it in the batch, then all advance one
@@ -422,6 +423,7 @@ class _InputLayout:
     any_resolution: bool = False  # LLaVA-NeXT: tiles fitted to grid_pinpoints, image_sizes and a token count beside
     grid_pinpoints: tuple[tuple[int, int], ...] = ()
     token_types: bool = False  # Gemma 3: token_type_ids (1 on image tokens) at prefill, for bidirectional image attention
+    crops: bool = False  # InternVL: each image is (n, 3, S, S) crops of tokens_per_image tokens each
     prefix_lm: bool = False  # PaliGemma: token_type_ids 0 over the whole prompt (it attends both ways), positions from 1
 
     @classmethod
@@ -433,6 +435,10 @@ class _InputLayout:
             return cls(vocab_size=text.vocab_size, max_positions=text.max_position_embeddings,
                        image_token_id=config.image_token_id, merge=1, patch_dim=0, mrope=False, tiled=True,
                        image_size=vision.image_size, tokens_per_image=side * side // config.scale_factor**2)
+        if config.model_type == "internvl":
+            return cls(vocab_size=text.vocab_size, max_positions=text.max_position_embeddings,
+                       image_token_id=config.image_token_id, merge=1, patch_dim=0, mrope=False, crops=True,
+                       image_size=int(vision.image_size[0]), tokens_per_image=config.image_seq_length)
         if config.model_type == "paligemma":
             side = vision.image_size // patch
             return cls(vocab_size=text.vocab_size, max_positions=text.max_position_embeddings,
@@ -482,6 +488,8 @@ class _InputLayout:
             return self._check_tiled(item, ids, pixels, device)
         if self.any_resolution:
             return self._check_any_resolution(item, ids, pixels, device)
+        if self.crops:
+            return self._check_crops(item, ids, pixels, grids, device)
         if not self.mrope:
             return self._check_fixed_size(item, ids, pixels, grids, device)
         if len(pixels) != len(grids):
@@ -495,6 +503,19 @@ class _InputLayout:
         if not pixels:
             return _Inputs(input_ids, None, None)
         return _Inputs(input_ids, torch.cat(pixels).to(device), torch.cat(grids).to(device))
+
+    def _check_crops(self, item: WorkItem, ids: np.ndarray, pixels: list[torch.Tensor], grids: list[torch.Tensor],
+                     device: torch.device) -> _Inputs:
+        """InternVL: each image is float (n, 3, S, S) crops of the tower's side S, ``tokens_per_image`` each."""
+        rid = item.request_id
+        side = self.image_size
+        if grids or any(not p.is_floating_point() or p.dim() != 4 or p.shape[0] == 0
+                        or tuple(p.shape[1:]) != (3, side, side) for p in pixels):
+            raise InvalidRequest(f"Request {rid}: each image must be float pixel_values of shape (n, 3, {side}, {side}).")
+        if int((ids == self.image_token_id).sum()) != sum(p.shape[0] for p in pixels) * self.tokens_per_image:
+            raise InvalidRequest(f"Request {rid}: the prompt's image slots do not match its images' crops.")
+        input_ids = torch.from_numpy(ids.astype(np.int64)).view(1, -1).to(device)
+        return _Inputs(input_ids, torch.cat(pixels).to(device) if pixels else None, None)
 
     def _check_fixed_size(self, item: WorkItem, ids: np.ndarray, pixels: list[torch.Tensor], grids: list[torch.Tensor],
                           device: torch.device) -> _Inputs:
