@@ -97,7 +97,7 @@ def _train_tokenizer_files() -> tuple[dict[str, int], list[tuple[str, str]]]:
 # The families this module builds (config.json model_type). All three share Qwen2-VL's image processor
 # class, placeholder and multimodal RoPE; Qwen3-VL uses 16 px patches, learned vision position
 # embeddings, interleaved RoPE sections and "deepstack" visual features fed into early text layers.
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "idefics3", "llava_next", "gemma3", "paligemma", "internvl")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "idefics3", "llava_next", "gemma3", "paligemma", "internvl", "smolvlm")
 # LLaVA-1.5: a CLIP vision tower at a fixed 56 x 56 px (4 x 4 patches of 14 px: 16 image tokens, the
 # CLS feature dropped as vision_feature_select_strategy "default" does), a Llama text model, and
 # LLaVA-1.5's "USER: <image>\n... ASSISTANT:" prompt format.
@@ -182,13 +182,13 @@ def _build_processor(path: Path, family: str = "qwen2_vl") -> Any:
 
     vocab, merges = _train_tokenizer_files()
     tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=4096)
-    extra = {"llava": ["<image>"], "llava_next": ["<image>"], "paligemma": ["<image>"], "idefics3": IDEFICS3_SPECIAL,
+    extra = {"llava": ["<image>"], "llava_next": ["<image>"], "paligemma": ["<image>"], "idefics3": IDEFICS3_SPECIAL, "smolvlm": IDEFICS3_SPECIAL,
              "internvl": INTERNVL_SPECIAL,
              "gemma3": GEMMA3_SPECIAL}.get(family, [])
     tokenizer.add_special_tokens({"additional_special_tokens": _SPECIAL_TOKENS[1:] + extra})
     tokenizer.eos_token = "<|im_end|>"
     tokenizer.chat_template = {"llava": _LLAVA_TEMPLATE, "llava_next": _LLAVA_TEMPLATE,
-                               "idefics3": _IDEFICS3_TEMPLATE, "gemma3": _GEMMA3_TEMPLATE,
+                               "idefics3": _IDEFICS3_TEMPLATE, "smolvlm": _IDEFICS3_TEMPLATE, "gemma3": _GEMMA3_TEMPLATE,
                                "internvl": _INTERNVL_TEMPLATE}.get(family, _CHAT_TEMPLATE)
     if family == "paligemma":
         tokenizer.chat_template = None
@@ -234,13 +234,16 @@ def _build_processor(path: Path, family: str = "qwen2_vl") -> Any:
         (path / "processor_config.json").write_text(
             json.dumps({"processor_class": "Gemma3Processor", "image_seq_length": 4}) + "\n")
         return tokenizer
-    if family == "idefics3":
+    if family in ("idefics3", "smolvlm"):  # SmolVLM2: Idefics3's tiles and prompt, its own classes
         from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+        from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
 
-        Idefics3ImageProcessorPil(size={"longest_edge": 2 * IDEFICS3_TILE},
-                                  max_image_size={"longest_edge": IDEFICS3_TILE}).save_pretrained(str(path))
+        tiles = Idefics3ImageProcessorPil if family == "idefics3" else SmolVLMImageProcessorPil
+        tiles(size={"longest_edge": 2 * IDEFICS3_TILE},
+              max_image_size={"longest_edge": IDEFICS3_TILE}).save_pretrained(str(path))
+        processor_class = "Idefics3Processor" if family == "idefics3" else "SmolVLMProcessor"
         (path / "processor_config.json").write_text(
-            json.dumps({"processor_class": "Idefics3Processor", "image_seq_len": 4}) + "\n")
+            json.dumps({"processor_class": processor_class, "image_seq_len": 4}) + "\n")
         return tokenizer
     scale = (_patch(family) / 14) ** 2  # the same token bounds at the family's patch size
     image_processor = Qwen2VLImageProcessorPil(min_pixels=int(TINY_MIN_PIXELS * scale),
@@ -290,10 +293,12 @@ def _build_llava(tokenizer: Any, ids: dict[str, int], family: str = "llava") -> 
     return getattr(transformers, model_class)(config).eval()
 
 
-def _build_idefics3(tokenizer: Any, ids: dict[str, int]) -> Any:
-    from transformers import Idefics3Config, Idefics3ForConditionalGeneration
+def _build_idefics3(tokenizer: Any, ids: dict[str, int], family: str = "idefics3") -> Any:
+    import transformers
 
-    config = Idefics3Config(
+    config_class, model_class = {"idefics3": ("Idefics3Config", "Idefics3ForConditionalGeneration"),
+                                 "smolvlm": ("SmolVLMConfig", "SmolVLMForConditionalGeneration")}[family]
+    config = getattr(transformers, config_class)(
         vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
                        "image_size": IDEFICS3_TILE, "patch_size": 14},
         text_config={"model_type": "llama", "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128,
@@ -303,7 +308,7 @@ def _build_idefics3(tokenizer: Any, ids: dict[str, int]) -> Any:
         image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
         scale_factor=2,
     )
-    return Idefics3ForConditionalGeneration(config).eval()
+    return getattr(transformers, model_class)(config).eval()
 
 
 def _build_gemma3(tokenizer: Any, ids: dict[str, int]) -> Any:
@@ -361,14 +366,15 @@ def _build_model(path: Path, tokenizer: Any, family: str = "qwen2_vl") -> None:
     import torch
     import transformers
 
-    if family in ("llava", "llava_next", "idefics3", "gemma3", "paligemma", "internvl"):
+    if family in ("llava", "llava_next", "idefics3", "smolvlm", "gemma3", "paligemma", "internvl"):
         ids = {t: tokenizer.convert_tokens_to_ids(t) for t in _SPECIAL_TOKENS}
-        extra = {"idefics3": IDEFICS3_SPECIAL, "gemma3": GEMMA3_SPECIAL, "internvl": INTERNVL_SPECIAL}.get(
-            family, ["<image>"])
+        extra = {"idefics3": IDEFICS3_SPECIAL, "smolvlm": IDEFICS3_SPECIAL, "gemma3": GEMMA3_SPECIAL,
+                 "internvl": INTERNVL_SPECIAL}.get(family, ["<image>"])
         torch.manual_seed(0)
-        builders = {"idefics3": _build_idefics3, "gemma3": _build_gemma3, "paligemma": _build_paligemma,
-                    "internvl": _build_internvl}
-        if family in builders:
+        builders = {"gemma3": _build_gemma3, "paligemma": _build_paligemma, "internvl": _build_internvl}
+        if family in ("idefics3", "smolvlm"):
+            model = _build_idefics3(tokenizer, ids, family)
+        elif family in builders:
             model = builders[family](tokenizer, ids)
         else:
             model = _build_llava(tokenizer, ids, family)

@@ -1,9 +1,9 @@
-"""Qwen2.5-VL, Qwen3-VL, LLaVA-1.5, Idefics3, LLaVA-NeXT, Gemma 3, PaliGemma and InternVL, end to end on tiny random checkpoints.
+"""Qwen2.5-VL, Qwen3-VL, LLaVA-1.5, Idefics3, LLaVA-NeXT, Gemma 3, PaliGemma, InternVL and SmolVLM2, end to end on tiny random checkpoints.
 
 Per family (tests/hf_fixture.py builds each once per run): through a real ``shmgate serve`` with
 ``--max-batch-size 1``, a streamed greedy answer to a two-image prompt equals transformers' own
 ``generate`` on the same directory token for token, with exact usage (Idefics3, LLaVA-NeXT,
-Gemma 3, PaliGemma, InternVL: on the inputs of transformers' own processor, whose ids must equal ours); a repeated image is a
+Gemma 3, PaliGemma, InternVL, SmolVLM2: on the inputs of transformers' own processor, whose ids must equal ours); a repeated image is a
 content-cache hit; and in the worker, a padded batch answers as its items alone. Qwen2-VL itself is
 covered by tests/test_hf.py and tests/test_hf_serve.py.
 """
@@ -30,7 +30,7 @@ from tests.shm_children import leftovers  # noqa: E402
 from tests.test_hf import SQUARE, WIDE, answer, work_item  # noqa: E402
 from worker.backends.hf import HFBackend  # noqa: E402
 
-FAMILIES = ["qwen2_5_vl", "qwen3_vl", "llava", "idefics3", "llava_next", "gemma3", "paligemma", "internvl"]
+FAMILIES = ["qwen2_5_vl", "qwen3_vl", "llava", "idefics3", "llava_next", "gemma3", "paligemma", "internvl", "smolvlm"]
 TOKENS = 10
 
 
@@ -64,7 +64,7 @@ def test_streamed_greedy_answer_equals_transformers_generate(
     item = work_item(pre, "Compare them.", [SQUARE, WIDE], SamplingParams(max_tokens=TOKENS, temperature=0.0))
     ids = torch.from_numpy(np.frombuffer(item.inline, dtype=np.int32).astype(np.int64)).view(1, -1)
     images: dict[str, torch.Tensor] = {"pixel_values": torch.cat(item.tensors["pixel_values"])}
-    if "tile_grid" in item.tensors:  # Idefics3: the inputs of transformers' own processor, tiles and all
+    if "tile_grid" in item.tensors:  # Idefics3, SmolVLM2: the inputs of transformers' own processor, tiles and all
         reference = _processor_reference(backend, [SQUARE, WIDE], "Compare them.")
         assert reference.pop("input_ids")[0].tolist() == ids[0].tolist()
         images = dict(reference)
@@ -90,7 +90,7 @@ def test_streamed_greedy_answer_equals_transformers_generate(
 
 
 def _processor_reference(backend: HFBackend, paths: list[Path], text: str) -> dict[str, torch.Tensor]:
-    """transformers' own processor (Idefics3, LLaVA-NeXT, Gemma 3, PaliGemma, InternVL) on the images and the rendered
+    """transformers' own processor (Idefics3, SmolVLM2, LLaVA-NeXT, Gemma 3, PaliGemma, InternVL) on the images and the rendered
     template: the ids and every image input the model takes."""
     from unittest import mock
 
@@ -109,9 +109,20 @@ def _processor_reference(backend: HFBackend, paths: list[Path], text: str) -> di
     directory = backend.model.name_or_path
     image_processor = AutoImageProcessor.from_pretrained(directory, backend="pil")
     images: list[Any] = [Image.open(p).convert("RGB") for p in paths]
+    check = ProcessorMixin.check_argument_for_proper_class
+    no_video = mock.patch.object(  # InternVL's and SmolVLM's want a video processor (torchvision): None for images
+        ProcessorMixin, "check_argument_for_proper_class",
+        lambda self, name, arg: None if name == "video_processor" else check(self, name, arg))
     if backend.model.config.model_type == "idefics3":
         processor: Any = Idefics3Processor(image_processor, backend.tokenizer,
                                            image_seq_len=backend._layout.tokens_per_image)
+        images, names = [images], ("pixel_values", "pixel_attention_mask")
+    elif backend.model.config.model_type == "smolvlm":
+        # SmolVLMProcessor needs num2words (for video frame captions); its image prompt is the same
+        # function as Idefics3Processor's, so that one runs, over SmolVLM's own image processor.
+        with mock.patch.object(ProcessorMixin, "check_argument_for_proper_class", lambda *args: None):
+            processor = Idefics3Processor(image_processor, backend.tokenizer,
+                                          image_seq_len=backend._layout.tokens_per_image)
         images, names = [images], ("pixel_values", "pixel_attention_mask")
     elif backend.model.config.model_type == "gemma3":
         tokenizer = backend.tokenizer  # Gemma3Processor reads these tokenizer attributes (real Gemma tokenizers have them)
@@ -126,9 +137,7 @@ def _processor_reference(backend: HFBackend, paths: list[Path], text: str) -> di
                             ("context_image_token", "<IMG_CONTEXT>"), ("video_token", "<|video_pad|>")):
             setattr(tokenizer, name, token)
             setattr(tokenizer, name + "_id", tokenizer.convert_tokens_to_ids(token))
-        check = ProcessorMixin.check_argument_for_proper_class
-        with mock.patch.object(ProcessorMixin, "check_argument_for_proper_class",
-                               lambda self, name, arg: None if name == "video_processor" else check(self, name, arg)):
+        with no_video:
             processor = InternVLProcessor(image_processor, tokenizer, None,
                                           image_seq_length=backend._layout.tokens_per_image)
         names = ("pixel_values",)
@@ -169,7 +178,7 @@ def test_a_padded_batch_answers_as_its_items_alone(family_backend: tuple[HFPrepr
     assert [answer(events, i)[0] for i in range(len(items))] == alone
 
 
-@pytest.mark.parametrize("model_type", ["mllama", "smolvlm", "llava_onevision"])
+@pytest.mark.parametrize("model_type", ["mllama", "gemma3n", "llava_onevision"])
 def test_an_unsupported_architecture_is_a_startup_error_naming_it(
         model_type: str, tiny_qwen2_vl_dir: Path, tmp_path: Path) -> None:
     import json
@@ -180,7 +189,7 @@ def test_an_unsupported_architecture_is_a_startup_error_naming_it(
     config = json.loads((directory / "config.json").read_text())
     (directory / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
     for load in (lambda: HFPreprocessor(directory), lambda: HFBackend(str(directory), torch.device("cpu"))):
-        with pytest.raises(ValueError, match=f"model_type '{model_type}' is not supported.*qwen2_vl, qwen2_5_vl, qwen3_vl, llava, idefics3, llava_next, gemma3, paligemma, internvl"):
+        with pytest.raises(ValueError, match=f"model_type '{model_type}' is not supported.*qwen2_vl, qwen2_5_vl, qwen3_vl, llava, idefics3, llava_next, gemma3, paligemma, internvl, smolvlm"):
             load()
 
 

@@ -107,6 +107,7 @@ FIXED_PROCESSOR_KEYS = frozenset({
     "patch_size", "temporal_patch_size", "merge_size", "return_tensors", "data_format", "input_data_format",
     "device", "disable_grouping", "image_seq_length", "return_row_col_info", "max_image_size",
     "image_grid_pinpoints",
+    "do_pan_and_scan",  # Gemma 3's extra crops: the frontend carries the one view its prompt expects
 })
 
 
@@ -253,6 +254,10 @@ _ARCHITECTURES: dict[str, _Architecture] = {
     "Gemma3ImageProcessor": _Architecture("<start_of_image>", lambda ip, spec, config: 0,
                                           outputs=lambda pre, out: {PIXEL_VALUES: out[PIXEL_VALUES]},
                                           wrapped=("<start_of_image>", "<image_soft_token>", "<end_of_image>")),
+    # SmolVLM2: Idefics3's image processor and prompt under its own class names.
+    "SmolVLMImageProcessor": _Architecture(
+        "<image>", lambda ip, spec, config: 0, lambda ip: {"do_image_splitting": False}, _idefics3_expand,
+        (("return_row_col_info", True),), _idefics3_outputs),
     # LLaVA-NeXT: any-resolution tiles plus an overview; token count from the original size.
     "LlavaNextImageProcessor": _Architecture("<image>", _counted_tokens, outputs=_llava_next_outputs),
 }

@@ -96,7 +96,7 @@ class HFBackend:
 
     Supports the Qwen2-VL family (dynamic resolution, multimodal RoPE: Qwen2-VL, Qwen2.5-VL, Qwen3-VL)
     LLaVA-1.5 (fixed-size CLIP images, 1-D positions), LLaVA-NeXT (any-resolution tiles with image_sizes),
-    Idefics3 / SmolVLM (tiles with a pixel mask, 1-D positions), Gemma 3 (token_type_ids, sliding-window
+    Idefics3 / SmolVLM / SmolVLM2 (tiles with a pixel mask, 1-D positions), Gemma 3 (token_type_ids, sliding-window
     cache layers), PaliGemma (prefix-LM token_type_ids, positions from 1) and InternVL (crops, 1-D positions):
     ``SUPPORTED_MODEL_TYPES``.
 
@@ -430,7 +430,7 @@ class _InputLayout:
     def from_config(cls, config: Any) -> _InputLayout:
         text, vision = config.get_text_config(), config.vision_config
         patch = vision.patch_size
-        if config.model_type == "idefics3":
+        if config.model_type in ("idefics3", "smolvlm"):
             side = vision.image_size // patch
             return cls(vocab_size=text.vocab_size, max_positions=text.max_position_embeddings,
                        image_token_id=config.image_token_id, merge=1, patch_dim=0, mrope=False, tiled=True,
@@ -438,7 +438,8 @@ class _InputLayout:
         if config.model_type == "internvl":
             return cls(vocab_size=text.vocab_size, max_positions=text.max_position_embeddings,
                        image_token_id=config.image_token_id, merge=1, patch_dim=0, mrope=False, crops=True,
-                       image_size=int(vision.image_size[0]), tokens_per_image=config.image_seq_length)
+                       image_size=int(vision.image_size if isinstance(vision.image_size, int) else vision.image_size[0]),
+                       tokens_per_image=config.image_seq_length)
         if config.model_type == "paligemma":
             side = vision.image_size // patch
             return cls(vocab_size=text.vocab_size, max_positions=text.max_position_embeddings,
