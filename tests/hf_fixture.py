@@ -1,4 +1,4 @@
-"""Build a tiny, randomly initialised Qwen2-VL checkpoint on disk, for tests only.
+"""Build a tiny, randomly initialised VLM checkpoint on disk (Qwen2-VL by default; ``FAMILIES``), for tests only.
 
 Why Qwen2-VL: it is the common dynamic-resolution architecture. Its processor
 turns each image into a variable number of patches (``pixel_values`` of shape
@@ -94,9 +94,11 @@ def _train_tokenizer_files() -> tuple[dict[str, int], list[tuple[str, str]]]:
     return dict(model["vocab"]), merges  # type: ignore[return-value]
 
 
-# The families this module builds (config.json model_type). All three share Qwen2-VL's image processor
-# class, placeholder and multimodal RoPE; Qwen3-VL uses 16 px patches, learned vision position
-# embeddings, interleaved RoPE sections and "deepstack" visual features fed into early text layers.
+# The families this module builds (config.json model_type). The three Qwen ones share Qwen2-VL's image
+# processor class, placeholder and multimodal RoPE; Qwen3-VL uses 16 px patches, learned vision position
+# embeddings, interleaved RoPE sections and "deepstack" visual features fed into early text layers. The
+# others are described beside their constants below; all share the trained tokenizer, each with its own
+# special tokens and a chat template written for the test.
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "idefics3", "llava_next", "gemma3", "paligemma", "internvl", "smolvlm")
 # LLaVA-1.5: a CLIP vision tower at a fixed 56 x 56 px (4 x 4 patches of 14 px: 16 image tokens, the
 # CLS feature dropped as vision_feature_select_strategy "default" does), a Llama text model, and
