@@ -220,3 +220,23 @@ def test_gemma3_newlines_beside_images_tokenize_as_its_processor(tiny_vlm: Calla
     assert pre.prompt_token_ids(conversation("\nthis"), [spec] * 3) == list(theirs)
     forged = pre.prompt_token_ids(conversation("\nthis <start_of_image>"), [spec] * 3)
     assert forged.count(tokenizer.convert_tokens_to_ids("<start_of_image>")) == 3
+
+
+def test_llava_next_images_of_different_tile_counts_answer_as_transformers(
+        tiny_vlm: Callable[[str], Path], tmp_path: Path) -> None:
+    """A small wide image is fitted to a 56 x 112 grid (2 tiles + overview), a photo to 112 x 112 (4 + 1):
+    the worker pads the first with empty tiles, as LlavaNextProcessor pads a prompt's images."""
+    from PIL import Image
+
+    directory = tiny_vlm("llava_next")
+    small = tmp_path / "small.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (24, 60, 3), dtype=np.uint8)).save(small)
+    pre, backend = HFPreprocessor(directory), HFBackend(str(directory), torch.device("cpu"))
+    item = work_item(pre, "Compare them.", [small, SQUARE], SamplingParams(max_tokens=TOKENS, temperature=0.0))
+    assert [p.shape[0] for p in item.tensors["pixel_values"]] == [3, 5]
+    ids = torch.from_numpy(np.frombuffer(item.inline, dtype=np.int32).astype(np.int64)).view(1, -1)
+    reference = _processor_reference(backend, [small, SQUARE], "Compare them.")
+    assert reference.pop("input_ids")[0].tolist() == ids[0].tolist()
+    out = backend.model.generate(input_ids=ids, **reference, max_new_tokens=TOKENS, do_sample=False)
+    expected = backend.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    assert answer(list(backend.run([item])))[0] == expected
