@@ -22,7 +22,7 @@ __all__ = ["HF_CHAT_MODEL_TYPES", "KNOWN_SPECS", "ModelKind", "ModelSpec", "mode
 
 # config.json model_type values that hf:<directory> chat serves: frontends (gateway/preprocess/hf.py)
 # and workers (worker/backends/hf.py) both refuse anything else at start-up, with the same message.
-HF_CHAT_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava")
+HF_CHAT_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "idefics3", "llava_next", "gemma3", "paligemma", "internvl", "smolvlm")
 
 
 def check_chat_model_type(directory: str) -> str:

@@ -1,4 +1,4 @@
-"""Build a tiny, randomly initialised Qwen2-VL checkpoint on disk, for tests only.
+"""Build a tiny, randomly initialised VLM checkpoint on disk (Qwen2-VL by default; ``FAMILIES``), for tests only.
 
 Why Qwen2-VL: it is the common dynamic-resolution architecture. Its processor
 turns each image into a variable number of patches (``pixel_values`` of shape
@@ -94,10 +94,12 @@ def _train_tokenizer_files() -> tuple[dict[str, int], list[tuple[str, str]]]:
     return dict(model["vocab"]), merges  # type: ignore[return-value]
 
 
-# The families this module builds (config.json model_type). All three share Qwen2-VL's image processor
-# class, placeholder and multimodal RoPE; Qwen3-VL uses 16 px patches, learned vision position
-# embeddings, interleaved RoPE sections and "deepstack" visual features fed into early text layers.
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava")
+# The families this module builds (config.json model_type). The three Qwen ones share Qwen2-VL's image
+# processor class, placeholder and multimodal RoPE; Qwen3-VL uses 16 px patches, learned vision position
+# embeddings, interleaved RoPE sections and "deepstack" visual features fed into early text layers. The
+# others are described beside their constants below; all share the trained tokenizer, each with its own
+# special tokens and a chat template written for the test.
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "idefics3", "llava_next", "gemma3", "paligemma", "internvl", "smolvlm")
 # LLaVA-1.5: a CLIP vision tower at a fixed 56 x 56 px (4 x 4 patches of 14 px: 16 image tokens, the
 # CLS feature dropped as vision_feature_select_strategy "default" does), a Llama text model, and
 # LLaVA-1.5's "USER: <image>\n... ASSISTANT:" prompt format.
@@ -113,6 +115,55 @@ _LLAVA_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
 )
+
+
+# Idefics3: a 56 px SigLIP-style tower (4 x 4 patches of 14 px, pixel-shuffled by 2: 4 image tokens per
+# tile), images resized to at most 112 px and split into 56 px tiles plus a global view, and Idefics3's
+# "<|im_start|>User:<image>...<end_of_utterance>\nAssistant:" prompt format.
+IDEFICS3_TILE = 56
+IDEFICS3_SPECIAL = ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>",
+                    *[f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]]
+_IDEFICS3_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}"
+    "{% if message['content'] is string %}: {{ message['content'] }}"
+    "{% else %}{% if message['content'][0]['type'] == 'image' %}:{% else %}: {% endif %}"
+    "{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}<image>{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<end_of_utterance>\n{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+
+
+# LLaVA-NeXT: LLaVA-1.5's tiny CLIP tower and template, with any-resolution tiles: the image is fitted to
+# the best of these grid resolutions, cut into 56 px tiles, and a 56 px overview comes first.
+LLAVA_NEXT_PINPOINTS = [[56, 112], [112, 56], [112, 112]]
+
+
+# Gemma 3: a 56 px SigLIP tower (4 x 4 patches of 14 px, average-pooled to 2 x 2: 4 image tokens), a
+# Gemma 3 text model whose first layer is sliding-window attention over only 16 tokens, so prompts
+# (~50 tokens) overflow the window and batching must merge rolled sliding caches.
+GEMMA3_SPECIAL = ["<start_of_image>", "<end_of_image>", "<image_soft_token>", "<start_of_turn>", "<end_of_turn>"]
+GEMMA3_WINDOW = 16
+_GEMMA3_TEMPLATE = (
+    "{% for message in messages %}<start_of_turn>{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}<start_of_image>{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+# PaliGemma: a 56 px SigLIP tower (16 image tokens), a Gemma text model, and no chat template (as the
+# real checkpoints: the frontend's built-in PaliGemma prompt applies). "<|endoftext|>" is its BOS.
+PALIGEMMA_IMAGE_TOKENS = 16
+
+
+# InternVL (transformers format): a 56 px InternViT tower (4 x 4 patches, pixel-shuffled by 0.5: 4 tokens
+# per 56 px crop), images cut into 1..4 crops plus a thumbnail, a Qwen2 text model, and InternVL's
+# "<img>" + "<IMG_CONTEXT>"... + "</img>" markers.
+INTERNVL_SPECIAL = ["<img>", "</img>", "<IMG_CONTEXT>"]
+_INTERNVL_TEMPLATE = _CHAT_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<IMG_CONTEXT>\n")
 
 
 def _patch(family: str) -> int:
@@ -133,10 +184,17 @@ def _build_processor(path: Path, family: str = "qwen2_vl") -> Any:
 
     vocab, merges = _train_tokenizer_files()
     tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=4096)
-    extra = ["<image>"] if family == "llava" else []
+    extra = {"llava": ["<image>"], "llava_next": ["<image>"], "paligemma": ["<image>"], "idefics3": IDEFICS3_SPECIAL, "smolvlm": IDEFICS3_SPECIAL,
+             "internvl": INTERNVL_SPECIAL,
+             "gemma3": GEMMA3_SPECIAL}.get(family, [])
     tokenizer.add_special_tokens({"additional_special_tokens": _SPECIAL_TOKENS[1:] + extra})
     tokenizer.eos_token = "<|im_end|>"
-    tokenizer.chat_template = _LLAVA_TEMPLATE if family == "llava" else _CHAT_TEMPLATE
+    tokenizer.chat_template = {"llava": _LLAVA_TEMPLATE, "llava_next": _LLAVA_TEMPLATE,
+                               "idefics3": _IDEFICS3_TEMPLATE, "smolvlm": _IDEFICS3_TEMPLATE, "gemma3": _GEMMA3_TEMPLATE,
+                               "internvl": _INTERNVL_TEMPLATE}.get(family, _CHAT_TEMPLATE)
+    if family == "paligemma":
+        tokenizer.chat_template = None
+        tokenizer.bos_token = "<|endoftext|>"
     tokenizer.save_pretrained(str(path))
     if family == "llava":
         from transformers import CLIPImageProcessorPil
@@ -144,6 +202,50 @@ def _build_processor(path: Path, family: str = "qwen2_vl") -> Any:
         size = LLAVA_IMAGE_SIZE
         CLIPImageProcessorPil(size={"shortest_edge": size}, crop_size={"height": size, "width": size}).save_pretrained(
             str(path))
+        return tokenizer
+    if family == "llava_next":
+        from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+        size = LLAVA_IMAGE_SIZE
+        LlavaNextImageProcessorPil(size={"shortest_edge": size}, crop_size={"height": size, "width": size},
+                                   image_grid_pinpoints=LLAVA_NEXT_PINPOINTS).save_pretrained(str(path))
+        (path / "processor_config.json").write_text(json.dumps({
+            "processor_class": "LlavaNextProcessor", "patch_size": 14, "vision_feature_select_strategy": "default",
+            "num_additional_image_tokens": 1}) + "\n")
+        return tokenizer
+    if family == "internvl":
+        from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+        GotOcr2ImageProcessorPil(size={"height": 56, "width": 56}, crop_to_patches=True, min_patches=1,
+                                 max_patches=4).save_pretrained(str(path))
+        (path / "processor_config.json").write_text(
+            json.dumps({"processor_class": "InternVLProcessor", "image_seq_length": 4}) + "\n")
+        return tokenizer
+    if family == "paligemma":
+        from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
+
+        siglip = SiglipImageProcessorPil(size={"height": 56, "width": 56})
+        siglip.image_seq_length = PALIGEMMA_IMAGE_TOKENS  # PaliGemmaProcessor reads it, as real checkpoints carry it
+        siglip.save_pretrained(str(path))
+        (path / "processor_config.json").write_text(json.dumps({"processor_class": "PaliGemmaProcessor"}) + "\n")
+        return tokenizer
+    if family == "gemma3":
+        from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+        Gemma3ImageProcessorPil(size={"height": 56, "width": 56}).save_pretrained(str(path))
+        (path / "processor_config.json").write_text(
+            json.dumps({"processor_class": "Gemma3Processor", "image_seq_length": 4}) + "\n")
+        return tokenizer
+    if family in ("idefics3", "smolvlm"):  # SmolVLM2: Idefics3's tiles and prompt, its own classes
+        from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+        from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
+
+        tiles = Idefics3ImageProcessorPil if family == "idefics3" else SmolVLMImageProcessorPil
+        tiles(size={"longest_edge": 2 * IDEFICS3_TILE},
+              max_image_size={"longest_edge": IDEFICS3_TILE}).save_pretrained(str(path))
+        processor_class = "Idefics3Processor" if family == "idefics3" else "SmolVLMProcessor"
+        (path / "processor_config.json").write_text(
+            json.dumps({"processor_class": processor_class, "image_seq_len": 4}) + "\n")
         return tokenizer
     scale = (_patch(family) / 14) ** 2  # the same token bounds at the family's patch size
     image_processor = Qwen2VLImageProcessorPil(min_pixels=int(TINY_MIN_PIXELS * scale),
@@ -172,10 +274,13 @@ def _vision_config(family: str) -> dict[str, Any]:
     return {**common, "num_position_embeddings": 64, "deepstack_visual_indexes": [0]}
 
 
-def _build_llava(tokenizer: Any, ids: dict[str, int]) -> Any:
-    from transformers import LlavaConfig, LlavaForConditionalGeneration
+def _build_llava(tokenizer: Any, ids: dict[str, int], family: str = "llava") -> Any:
+    import transformers
 
-    config = LlavaConfig(
+    config_class, model_class = {"llava": ("LlavaConfig", "LlavaForConditionalGeneration"),
+                                 "llava_next": ("LlavaNextConfig", "LlavaNextForConditionalGeneration")}[family]
+    extra: dict[str, Any] = {"image_grid_pinpoints": LLAVA_NEXT_PINPOINTS} if family == "llava_next" else {}
+    config = getattr(transformers, config_class)(**extra,
         vision_config={"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64,
                        "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": LLAVA_IMAGE_SIZE,
                        "patch_size": 14, "projection_dim": 32},
@@ -183,22 +288,99 @@ def _build_llava(tokenizer: Any, ids: dict[str, int]) -> Any:
                      "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                      "max_position_embeddings": 4096, "bos_token_id": ids["<|endoftext|>"],
                      "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"]},
-        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
         vision_feature_layer=-2,
         vision_feature_select_strategy="default",
     )
-    return LlavaForConditionalGeneration(config).eval()
+    return getattr(transformers, model_class)(config).eval()
+
+
+def _build_idefics3(tokenizer: Any, ids: dict[str, int], family: str = "idefics3") -> Any:
+    import transformers
+
+    config_class, model_class = {"idefics3": ("Idefics3Config", "Idefics3ForConditionalGeneration"),
+                                 "smolvlm": ("SmolVLMConfig", "SmolVLMForConditionalGeneration")}[family]
+    config = getattr(transformers, config_class)(
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                       "image_size": IDEFICS3_TILE, "patch_size": 14},
+        text_config={"model_type": "llama", "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128,
+                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                     "max_position_embeddings": 4096, "bos_token_id": ids["<|endoftext|>"],
+                     "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"]},
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        scale_factor=2,
+    )
+    return getattr(transformers, model_class)(config).eval()
+
+
+def _build_gemma3(tokenizer: Any, ids: dict[str, int]) -> Any:
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    config = Gemma3Config(
+        vision_config={"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+                       "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 56, "patch_size": 14},
+        text_config={"vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128,
+                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                     "query_pre_attn_scalar": 16, "max_position_embeddings": 4096, "sliding_window": GEMMA3_WINDOW,
+                     "layer_types": ["sliding_attention", "full_attention"], "bos_token_id": ids["<|endoftext|>"],
+                     "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"]},
+        mm_tokens_per_image=4,
+        boi_token_index=tokenizer.convert_tokens_to_ids("<start_of_image>"),
+        eoi_token_index=tokenizer.convert_tokens_to_ids("<end_of_image>"),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image_soft_token>"),
+    )
+    return Gemma3ForConditionalGeneration(config).eval()
+
+
+def _build_paligemma(tokenizer: Any, ids: dict[str, int]) -> Any:
+    from transformers import PaliGemmaConfig, PaliGemmaForConditionalGeneration
+
+    config = PaliGemmaConfig(
+        vision_config={"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+                       "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 56, "patch_size": 14,
+                       "projection_dim": 64},
+        text_config={"model_type": "gemma", "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128,
+                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                     "max_position_embeddings": 4096, "bos_token_id": ids["<|endoftext|>"],
+                     "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"]},
+        projection_dim=64, hidden_size=64, vocab_size=len(tokenizer),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+    )
+    return PaliGemmaForConditionalGeneration(config).eval()
+
+
+def _build_internvl(tokenizer: Any, ids: dict[str, int]) -> Any:
+    from transformers import InternVLConfig, InternVLForConditionalGeneration
+
+    config = InternVLConfig(
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                       "image_size": [56, 56], "patch_size": [14, 14]},
+        text_config={"model_type": "qwen2", "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128,
+                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                     "max_position_embeddings": 4096, "bos_token_id": ids["<|endoftext|>"],
+                     "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"]},
+        image_token_id=tokenizer.convert_tokens_to_ids("<IMG_CONTEXT>"), image_seq_length=4, downsample_ratio=0.5,
+    )
+    return InternVLForConditionalGeneration(config).eval()
 
 
 def _build_model(path: Path, tokenizer: Any, family: str = "qwen2_vl") -> None:
     import torch
     import transformers
 
-    if family == "llava":
+    if family in ("llava", "llava_next", "idefics3", "smolvlm", "gemma3", "paligemma", "internvl"):
         ids = {t: tokenizer.convert_tokens_to_ids(t) for t in _SPECIAL_TOKENS}
+        extra = {"idefics3": IDEFICS3_SPECIAL, "smolvlm": IDEFICS3_SPECIAL, "gemma3": GEMMA3_SPECIAL,
+                 "internvl": INTERNVL_SPECIAL}.get(family, ["<image>"])
         torch.manual_seed(0)
-        model = _build_llava(tokenizer, ids)
-        _finish_model(model, path, [*ids.values(), tokenizer.convert_tokens_to_ids("<image>")], ids)
+        builders = {"gemma3": _build_gemma3, "paligemma": _build_paligemma, "internvl": _build_internvl}
+        if family in ("idefics3", "smolvlm"):
+            model = _build_idefics3(tokenizer, ids, family)
+        elif family in builders:
+            model = builders[family](tokenizer, ids)
+        else:
+            model = _build_llava(tokenizer, ids, family)
+        _finish_model(model, path, [*ids.values(), *tokenizer.convert_tokens_to_ids(extra)], ids)
         return
 
     config_class, model_class = {

@@ -21,7 +21,9 @@ Invariants:
    int64 ``[1, 3]``, bit-identical to ``image_processor(images=[image])``.
 2. ``build_prompt`` expands image placeholders with counts computed from the tensor
    *shapes* alone (``pixel_values`` rows = t*h*w, so tokens = rows // merge_size**2),
-   because the cache hands the gateway shapes, not values.
+   because the cache hands the gateway shapes, not values. A fact the shapes would not fix is
+   written as one (Idefics3's tile grid: ``TILE_GRID``; LLaVA-NeXT's token count, which depends on
+   the original image size: ``IMAGE_TOKENS``), computed at decode time, so cache hits carry it too.
 3. Control tokens that a user writes in message text (``<|image_pad|>``, ``<|im_end|>``)
    are tokenized as plain text (transformers' ``sanitize_control_tokens``): a client
    cannot forge image slots or end a turn early.
@@ -74,6 +76,15 @@ class _Architecture:
     image_token: str
     tokens_per_image: Callable[[Any, ImageTensorSpec, Any], int]  # (image processor, spec, model config)
     low_detail: Callable[[Any], dict[str, Any]] = lambda image_processor: {}
+    # Families whose image expands into more than repeated placeholders (Idefics3's tile markers):
+    # (preprocessor, spec) -> the image's token ids; tokens_per_image is then unused.
+    expand: Callable[[Any, ImageTensorSpec], list[int]] | None = None
+    # Extra image processor arguments, and what turns its output into the arrays the arena holds.
+    call_args: tuple[tuple[str, Any], ...] = ()
+    outputs: Callable[[Any, dict[str, Any]], dict[str, Any]] = lambda pre, out: dict(out)  # (preprocessor, out)
+    # Gemma 3: each placeholder becomes "\n\n" <boi> image_seq_length x <image> <eoi> "\n\n" as *text*, so
+    # the newlines merge with the newlines around it; (boi, image, eoi) token names.
+    wrapped: tuple[str, str, str] | None = None
 
 
 # image_url.detail "low" for the Qwen2-VL family: at most this many image tokens per image (OpenAI's
@@ -94,7 +105,9 @@ def _qwen_low_detail(image_processor: Any) -> dict[str, Any]:
 # layout the model was built for (patch and merge sizes), or how the processor returns its output.
 FIXED_PROCESSOR_KEYS = frozenset({
     "patch_size", "temporal_patch_size", "merge_size", "return_tensors", "data_format", "input_data_format",
-    "device", "disable_grouping", "image_seq_length",
+    "device", "disable_grouping", "image_seq_length", "return_row_col_info", "max_image_size",
+    "image_grid_pinpoints",
+    "do_pan_and_scan",  # Gemma 3's extra crops: the frontend carries the one view its prompt expects
 })
 
 
@@ -125,12 +138,154 @@ def _clip_patches(image_processor: Any, spec: ImageTensorSpec, config: Any) -> i
     return (height // patch) * (width // patch) + (0 if config.vision_feature_select_strategy == "default" else 1)
 
 
+# Idefics3's tile grid, said in a tensor's *shape* (rows + 1, cols + 1): the prompt builder sees the
+# shapes of an image's cached tensors only (invariant 2), and the number of tiles alone cannot tell
+# 2 x 3 from 3 x 2. The tensor is a few zero bytes in the arena; the worker checks it against the tiles.
+TILE_GRID = "tile_grid"
+
+
+def _idefics3_outputs(pre: Any, out: dict[str, Any]) -> dict[str, Any]:
+    """Idefics3: the processor's ``rows``/``cols`` (values) become TILE_GRID's shape."""
+    arrays = dict(out)
+    rows, cols = int(np.asarray(arrays.pop("rows")).reshape(-1)[0]), int(np.asarray(arrays.pop("cols")).reshape(-1)[0])
+    arrays[TILE_GRID] = np.zeros((rows + 1, cols + 1), dtype=np.uint8)
+    # One image, so the batch axis goes (the content cache's index holds tensors of at most 4 axes;
+    # the worker puts it back); the mask as bool (the processor's int64 is 8x the bytes).
+    arrays[PIXEL_VALUES] = np.asarray(arrays[PIXEL_VALUES])[0]
+    arrays["pixel_attention_mask"] = np.asarray(arrays["pixel_attention_mask"])[0].astype(bool)
+    return arrays
+
+
+def _idefics3_expand(pre: Any, spec: ImageTensorSpec) -> list[int]:
+    """Idefics3's text for one image (as ``Idefics3Processor.replace_image_token``), tokenized: one
+    ``<fake_token_around_image><row_i_col_j>`` + ``image_seq_len`` ``<image>`` per tile, a newline per
+    row, then the global view. Special tokens bound it on both sides, so tokenizing it alone gives the
+    ids tokenizing the whole prompt would (a "\n\n" inside it is one token either way)."""
+    if TILE_GRID not in spec or PIXEL_VALUES not in spec or len(spec[TILE_GRID][1]) != 2:
+        raise InvalidRequest(f"An image has no '{TILE_GRID}' tensor; it was not made by this preprocessor.")
+    rows, cols = spec[TILE_GRID][1][0] - 1, spec[TILE_GRID][1][1] - 1
+    tiles = spec[PIXEL_VALUES][1][0] if len(spec[PIXEL_VALUES][1]) == 4 else -1
+    if tiles != (rows * cols + 1 if rows * cols else 1) or (rows == 0) != (cols == 0):
+        raise InvalidRequest("An image's tiles do not match its tile grid.")
+    return pre.expansion_ids(rows, cols)
+
+
+def _idefics3_text(rows: int, cols: int, seq_len: int) -> str:
+    image = "<image>" * seq_len
+    glob = f"<fake_token_around_image><global-img>{image}<fake_token_around_image>"
+    if rows == 0:
+        return glob
+    lines = ["".join(f"<fake_token_around_image><row_{r + 1}_col_{c + 1}>{image}" for c in range(cols)) + "\n"
+             for r in range(rows)]
+    return "".join(lines) + "\n" + glob
+
+
+# LLaVA-NeXT's image token count, said as a shape: it depends on the original image size (the
+# ``image_sizes`` *values*), which the prompt builder never reads. Zero bytes of uint8, one per token
+# (a few KB beside megabytes of tiles); the worker checks it against image_sizes.
+IMAGE_TOKENS = "image_token_count"
+
+
+def _llava_next_outputs(pre: Any, out: dict[str, Any]) -> dict[str, Any]:
+    """LLaVA-NeXT: tiles without the batch axis (the cache index holds at most 4 axes), image_sizes
+    as the processor gives them, and IMAGE_TOKENS computed by transformers' LlavaNextProcessor."""
+    pixels = np.asarray(out[PIXEL_VALUES])[0]
+    height, width = (int(v) for v in np.asarray(out["image_sizes"]).reshape(-1)[:2])
+    count = pre.llava_next_tokens(height, width, pixels.shape[-2], pixels.shape[-1])
+    return {PIXEL_VALUES: pixels, "image_sizes": out["image_sizes"], IMAGE_TOKENS: np.zeros(count, np.uint8)}
+
+
+def _counted_tokens(image_processor: Any, spec: ImageTensorSpec, config: Any) -> int:
+    if IMAGE_TOKENS not in spec or len(spec[IMAGE_TOKENS][1]) != 1:
+        raise InvalidRequest(f"An image has no '{IMAGE_TOKENS}' tensor; it was not made by this preprocessor.")
+    return spec[IMAGE_TOKENS][1][0]
+
+
+def _siglip_patches(image_processor: Any, spec: ImageTensorSpec, config: Any) -> int:
+    """PaliGemma: one token per patch of the fixed-size SigLIP input (no CLS)."""
+    if PIXEL_VALUES not in spec or len(spec[PIXEL_VALUES][1]) != 4:
+        raise InvalidRequest(f"An image has no 4-D '{PIXEL_VALUES}' tensor; it was not made by this preprocessor.")
+    _, _, height, width = spec[PIXEL_VALUES][1]
+    patch = int(config.vision_config.patch_size)
+    return (height // patch) * (width // patch)
+
+
+def _internvl_expand(pre: Any, spec: ImageTensorSpec) -> list[int]:
+    """InternVL: ``<img>`` + image_seq_length ``<IMG_CONTEXT>`` per crop (rows of pixel_values) + ``</img>``
+    (InternVLProcessor.replace_image_token; special tokens all, so ids splice as text would tokenize)."""
+    if PIXEL_VALUES not in spec or len(spec[PIXEL_VALUES][1]) != 4 or spec[PIXEL_VALUES][1][0] <= 0:
+        raise InvalidRequest(f"An image has no 4-D '{PIXEL_VALUES}' tensor; it was not made by this preprocessor.")
+    start, context, end = (int(pre.tokenizer.convert_tokens_to_ids(t)) for t in ("<img>", "<IMG_CONTEXT>", "</img>"))
+    return [start, *[context] * (int(pre._config.image_seq_length) * spec[PIXEL_VALUES][1][0]), end]
+
+
+# PaliGemma checkpoints carry no chat template: their processor writes the images' placeholders, BOS,
+# the prompt and "\n". This is that format for a conversation of one user turn (text parts joined).
+PALIGEMMA_TEMPLATE = (
+    "{% if messages | length != 1 or messages[0]['role'] != 'user' %}"
+    "{{ raise_exception('PaliGemma answers a single user message') }}{% endif %}"
+    "{% set content = messages[0]['content'] %}"
+    "{% if content is string %}{{ bos_token }}{{ content }}"
+    "{% else %}{% for part in content %}{% if part['type'] == 'image' %}<image>{% endif %}{% endfor %}{{ bos_token }}"
+    "{% for part in content %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+)
+# ... and its "\n", which PaliGemmaProcessor tokenizes together with the prompt (".\n" can be one token):
+# appended to the text after BOS and tokenized with it, special-token names still as text.
+PALIGEMMA_SUFFIX = "\n"
+
+
 # Keyed by the image processor class without its backend suffix. Qwen2.5-VL checkpoints
 # use the same image processor and placeholder.
 _ARCHITECTURES: dict[str, _Architecture] = {
     "Qwen2VLImageProcessor": _Architecture("<|image_pad|>", _merged_patches, _qwen_low_detail),
     "CLIPImageProcessor": _Architecture("<image>", _clip_patches),  # LLaVA-1.5 (model_type llava)
+    # Idefics3: tiles of max_image_size plus a global view; "low" detail is the global view alone.
+    "Idefics3ImageProcessor": _Architecture(
+        "<image>", lambda ip, spec, config: 0, lambda ip: {"do_image_splitting": False}, _idefics3_expand,
+        (("return_row_col_info", True),), _idefics3_outputs),
+    # InternVL (transformers format): 1..max_patches crops plus a thumbnail, each image_seq_length tokens
+    # between <img> and </img>; "low" detail is the thumbnail alone.
+    "GotOcr2ImageProcessor": _Architecture("<IMG_CONTEXT>", lambda ip, spec, config: 0,
+                                           lambda ip: {"crop_to_patches": False}, _internvl_expand,
+                                           outputs=lambda pre, out: {PIXEL_VALUES: out[PIXEL_VALUES]}),
+    # PaliGemma: a fixed-size SigLIP view per image, one token per patch.
+    "SiglipImageProcessor": _Architecture("<image>", _siglip_patches),
+    # Gemma 3: a fixed-size SigLIP view per image (pan-and-scan crops are not carried: off by default).
+    "Gemma3ImageProcessor": _Architecture("<start_of_image>", lambda ip, spec, config: 0,
+                                          outputs=lambda pre, out: {PIXEL_VALUES: out[PIXEL_VALUES]},
+                                          wrapped=("<start_of_image>", "<image_soft_token>", "<end_of_image>")),
+    # SmolVLM2: Idefics3's image processor and prompt under its own class names.
+    "SmolVLMImageProcessor": _Architecture(
+        "<image>", lambda ip, spec, config: 0, lambda ip: {"do_image_splitting": False}, _idefics3_expand,
+        (("return_row_col_info", True),), _idefics3_outputs),
+    # LLaVA-NeXT: any-resolution tiles plus an overview; token count from the original size.
+    "LlavaNextImageProcessor": _Architecture("<image>", _counted_tokens, outputs=_llava_next_outputs),
 }
+
+
+def _llava_next_processor(path: str, pre: Any) -> Any:
+    """transformers' LlavaNextProcessor over our image processor and tokenizer, with the checkpoint's
+    processor_config.json (patch size, CLS handling), for its token count only."""
+    from transformers import LlavaNextProcessor
+
+    settings: dict[str, Any] = {}
+    config_file = os.path.join(path, "processor_config.json")
+    if os.path.isfile(config_file):
+        with open(config_file, encoding="utf-8") as f:
+            settings = json.load(f)
+    model = pre._config
+    return LlavaNextProcessor(
+        pre.image_processor, pre.tokenizer,
+        patch_size=settings.get("patch_size", model.vision_config.patch_size),
+        vision_feature_select_strategy=settings.get("vision_feature_select_strategy",
+                                                    model.vision_feature_select_strategy),
+        num_additional_image_tokens=settings.get("num_additional_image_tokens", 1))
+
+
+def _idefics3_seq_len(config: Any) -> int:
+    """Image tokens per tile: the tower's patches, pixel-shuffled by ``scale_factor`` in each direction."""
+    side = int(config.vision_config.image_size) // int(config.vision_config.patch_size)
+    return side * side // int(config.scale_factor) ** 2
 
 
 class HFPreprocessor:
@@ -162,7 +317,7 @@ class HFPreprocessor:
         path = os.fspath(model_dir)
         self.model = model_id or model_id_for(path)
         self.max_images = max_images
-        check_chat_model_type(path)
+        model_type = check_chat_model_type(path)
         self.image_processor = AutoImageProcessor.from_pretrained(path, backend="pil")
         if processor_kwargs:  # --mm-processor-kwargs: the checkpoint's processor config, overridden
             unknown = set(processor_kwargs) - processor_keys(self.image_processor)
@@ -178,6 +333,9 @@ class HFPreprocessor:
         self._image_token_id = int(self.tokenizer.convert_tokens_to_ids(self._arch.image_token))
         # Some checkpoints keep the (multimodal) template beside the processor only.
         self.tokenizer.chat_template = _processor_chat_template(path) or self.tokenizer.chat_template
+        self._suffix = ""
+        if not self.tokenizer.chat_template and model_type == "paligemma":
+            self.tokenizer.chat_template, self._suffix = PALIGEMMA_TEMPLATE, PALIGEMMA_SUFFIX
         if not self.tokenizer.chat_template:
             raise ValueError(f"{path}: no chat template (chat_template.jinja / .json or tokenizer_config.json)")
         self._config = AutoConfig.from_pretrained(path)
@@ -188,6 +346,8 @@ class HFPreprocessor:
         self.samples_tokens = samples_tokens
         self.vocab_size: int = int(text_config.vocab_size)
         self._tokenizer_lock = threading.Lock()
+        self._expansions: dict[tuple[int, int], list[int]] = {}
+        self._llava_next: Any = _llava_next_processor(path, self) if kind == "LlavaNextImageProcessor" else None
         self._cache_params = self._describe_processing()
 
     def cache_params(self) -> bytes:
@@ -244,13 +404,13 @@ class HFPreprocessor:
         try:
             # channels_last: never let the processor guess the layout of a 3-pixel-tall image.
             out = self.image_processor(images=[image], return_tensors="np", input_data_format="channels_last",
-                                       **(options or {}))
+                                       **dict(self._arch.call_args), **(options or {}))
         except (TypeError, AttributeError, KeyError) as exc:
             raise InvalidRequest(f"mm_processor_kwargs are not valid for this processor: {exc}",
                                  param="mm_processor_kwargs") from None
         except ValueError as exc:  # e.g. Qwen2-VL refuses aspect ratios above 200:1
             raise UndecodableImage(f"The image cannot be processed for this model: {exc}") from None
-        arrays = {name: np.ascontiguousarray(value) for name, value in out.items()}
+        arrays = {name: np.ascontiguousarray(value) for name, value in self._arch.outputs(self, out).items()}
         for name, array in arrays.items():
             destination = allocate(name, array.dtype.name, tuple(array.shape))
             np.copyto(destination, array, casting="no")
@@ -285,6 +445,68 @@ class HFPreprocessor:
         with self._tokenizer_lock:
             return str(self.tokenizer.decode(list(ids), skip_special_tokens=False))
 
+    def llava_next_tokens(self, height: int, width: int, tile_height: int, tile_width: int) -> int:
+        """LLaVA-NeXT: image tokens of an image of the original ``height`` x ``width``, exactly as
+        ``LlavaNextProcessor`` counts them (its own method: the unpadding arithmetic is subtle)."""
+        count = int(self._llava_next._get_number_of_features(height, width, tile_height, tile_width))
+        return count - (1 if self._llava_next.vision_feature_select_strategy == "default" else 0)
+
+    def expansion_ids(self, rows: int, cols: int) -> list[int]:
+        """Idefics3: the token ids of one image with a ``rows`` x ``cols`` tile grid (memoised; call
+        without the tokenizer lock held)."""
+        key = (rows, cols)
+        if key not in self._expansions:
+            seq_len = int(getattr(self._config, "image_seq_len", 0)) or _idefics3_seq_len(self._config)
+            with self._tokenizer_lock:
+                ids = self.tokenizer.encode(_idefics3_text(rows, cols, seq_len), add_special_tokens=False)
+            self._expansions[key] = [int(i) for i in ids]
+        return self._expansions[key]
+
+    def _with_suffix(self, ids: np.ndarray) -> np.ndarray:
+        """PaliGemma: the text after the last BOS, re-tokenized with the suffix appended (as one string)."""
+        bos = np.flatnonzero(ids == self.tokenizer.bos_token_id)
+        start = int(bos[-1]) + 1 if len(bos) else 0
+        with self._tokenizer_lock:
+            text = str(self.tokenizer.decode(ids[start:].tolist(), skip_special_tokens=False))
+            tail = self.tokenizer.encode(text + self._suffix, add_special_tokens=False, split_special_tokens=True)
+        return np.concatenate([ids[:start], np.asarray(tail, dtype=np.int32)])
+
+    def _wrap_images(self, ids: list[int]) -> list[int]:
+        """Gemma 3: what Gemma3Processor's text replacement gives, done on ids (the user's text stays
+        tokenized with control tokens as text): each placeholder becomes "\n\n" <boi> N x <image> <eoi>
+        "\n\n", and those newlines are tokenized together with the newline tokens next to them, as they
+        would be in one string (a "\n" before an image and the "\n\n" become one "\n\n\n" token)."""
+        assert self._arch.wrapped is not None
+        boi, image, eoi = (int(self.tokenizer.convert_tokens_to_ids(t)) for t in self._arch.wrapped)
+        seq_len = int(getattr(self._config, "mm_tokens_per_image", 256))
+        with self._tokenizer_lock:
+            newline: dict[int, str] = {t: str(self.tokenizer.decode([t])) for t in set(ids)}
+            out: list[int] = []
+            pending = ""
+
+            def flush() -> None:
+                nonlocal pending
+                if pending:
+                    out.extend(int(i) for i in self.tokenizer.encode(pending, add_special_tokens=False))
+                    pending = ""
+
+            for t in ids:
+                if t == boi:
+                    run = ""  # the newline tokens just before it (none when pending holds an image's tail)
+                    while out and set(newline.get(out[-1], "x")) == {"\n"}:
+                        run = newline[out.pop()] + run
+                    pending += run + "\n\n"
+                    flush()
+                    out += [boi, *[image] * seq_len, eoi]
+                    pending = "\n\n"
+                elif pending and set(newline[t]) == {"\n"}:
+                    pending += newline[t]
+                else:
+                    flush()
+                    out.append(t)
+            flush()
+        return out
+
     def _prompt_ids(self, messages: Sequence[dict[str, Any]],
                     images: Sequence[ImageTensorSpec]) -> tuple[np.ndarray, np.ndarray]:
         """(the template's ids with one placeholder per image, the ids with every placeholder expanded)."""
@@ -302,9 +524,21 @@ class HFPreprocessor:
         except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError) as exc:
             raise InvalidRequest(f"The conversation does not fit this model's chat template: {exc}") from None
         ids = np.asarray(encoded["input_ids"], dtype=np.int32)
+        if self._suffix:
+            ids = self._with_suffix(ids)
         slots = np.flatnonzero(ids == self._image_token_id)
         if len(slots) != len(images):
             raise InvalidRequest(f"The messages hold {len(slots)} image parts but {len(images)} images were sent.")
+        if self._arch.wrapped is not None:
+            for spec in images:
+                if PIXEL_VALUES not in spec or len(spec) != 1:
+                    raise InvalidRequest("An image's tensors were not made by this preprocessor.")
+            return ids, np.asarray(self._wrap_images(ids.tolist()), dtype=np.int32)
+        if self._arch.expand is not None:
+            parts = np.split(ids, slots)  # each later part starts with its image's placeholder
+            pieces = [parts[0]] + [np.concatenate([np.asarray(self._arch.expand(self, spec), dtype=np.int32), part[1:]])
+                                   for spec, part in zip(images, parts[1:])]
+            return ids, np.concatenate(pieces).astype(np.int32)
         repeats = np.ones(len(ids), dtype=np.int64)
         repeats[slots] = [self._arch.tokens_per_image(self.image_processor, spec, self._config) for spec in images]
         return ids, np.repeat(ids, repeats)

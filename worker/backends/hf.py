@@ -76,10 +76,11 @@ DEFAULT_MAX_TOKENS = 256
 # processor, placeholder token and multimodal RoPE (Qwen2.5-VL checked once by hand).
 SUPPORTED_MODEL_TYPES = HF_CHAT_MODEL_TYPES
 # The image tensors this backend passes to the model, by TensorRef name.
-IMAGE_TENSORS = ("pixel_values", "image_grid_thw")
+IMAGE_TENSORS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "tile_grid", "image_sizes",
+                 "image_token_count")
 # Read on the host (checked and turned into token counts): the worker hands them over there, so
 # checking them costs no device round trip per image.
-HOST_TENSORS = ("image_grid_thw",)
+HOST_TENSORS = ("image_grid_thw", "tile_grid", "image_sizes", "image_token_count")
 # --dtype values. "auto": bfloat16 on CUDA, float32 on CPU (CPU half precision is slow and
 # poorly supported by the kernels these models use).
 DTYPES: dict[str, torch.dtype | None] = {
@@ -94,7 +95,10 @@ class HFBackend:
     """Streams generations of a local ``AutoModelForImageTextToText`` checkpoint.
 
     Supports the Qwen2-VL family (dynamic resolution, multimodal RoPE: Qwen2-VL, Qwen2.5-VL, Qwen3-VL)
-    and LLaVA-1.5 (fixed-size CLIP images, 1-D positions): ``SUPPORTED_MODEL_TYPES``.
+    LLaVA-1.5 (fixed-size CLIP images, 1-D positions), LLaVA-NeXT (any-resolution tiles with image_sizes),
+    Idefics3 / SmolVLM / SmolVLM2 (tiles with a pixel mask, 1-D positions), Gemma 3 (token_type_ids, sliding-window
+    cache layers), PaliGemma (prefix-LM token_type_ids, positions from 1) and InternVL (crops, 1-D positions):
+    ``SUPPORTED_MODEL_TYPES``.
 
     Batching: prefill per item, then padded batched decode (module docstring). Every
     stream starts after the prefills ahead of it in the batch, then all advance one
@@ -272,11 +276,20 @@ class HFBackend:
             kwargs["pixel_values"] = inputs.pixel_values
         if inputs.image_grid_thw is not None:
             kwargs["image_grid_thw"] = inputs.image_grid_thw
+        if inputs.pixel_attention_mask is not None:
+            kwargs["pixel_attention_mask"] = inputs.pixel_attention_mask
+        if inputs.image_sizes is not None:
+            kwargs["image_sizes"] = inputs.image_sizes
+        if self._layout.token_types:  # Gemma 3: image tokens attend to each other both ways
+            kwargs["token_type_ids"] = (ids == self._layout.image_token_id).long()
+        if self._layout.prefix_lm:  # PaliGemma: the whole prompt is the prefix
+            kwargs["token_type_ids"] = torch.zeros_like(ids)
         with torch.inference_mode():
             if self._layout.mrope:
                 kwargs["position_ids"], delta = self._mrope_positions(ids, inputs.image_grid_thw)
-            else:  # 1-D positions (LLaVA): the prompt's are 0..L-1, and no offset after it
-                kwargs["position_ids"], delta = torch.arange(ids.shape[1], device=ids.device).view(1, -1), 0
+            else:  # 1-D positions (LLaVA): the prompt's are 0..L-1, and no offset after it; PaliGemma's count from 1
+                delta = 1 if self._layout.prefix_lm else 0
+                kwargs["position_ids"] = torch.arange(delta, ids.shape[1] + delta, device=ids.device).view(1, -1)
             out = self.model(**kwargs)
         return out.logits[0, -1], out.past_key_values, delta
 
@@ -346,11 +359,18 @@ def _merge_caches(rows: Sequence[_Row]) -> None:
     longest = max(lengths)
     merged = caches[0]
     for i, layer in enumerate(merged.layers):
-        if type(layer).__name__ != "DynamicLayer":
-            raise RuntimeError(f"cannot batch a {type(layer).__name__} cache layer (sliding-window attention?)")
+        kind = type(layer).__name__
+        if kind not in ("DynamicLayer", "DynamicSlidingWindowLayer"):
+            raise RuntimeError(f"cannot batch a {kind} cache layer")
+        # A sliding layer holds each row's last min(n, window - 1) positions: left-padded to the longest
+        # held, they are the last positions of the padded sequence, which is what the layer must hold.
+        held = max(cache.layers[i].keys.shape[-2] for cache in caches)
         for attr in ("keys", "values"):
-            parts = [F.pad(getattr(cache.layers[i], attr), (0, 0, longest - n, 0)) for cache, n in zip(caches, lengths)]
+            parts = [F.pad(getattr(cache.layers[i], attr), (0, 0, held - getattr(cache.layers[i], attr).shape[-2], 0))
+                     for cache in caches]
             setattr(layer, attr, torch.cat(parts))
+        if kind == "DynamicSlidingWindowLayer":
+            layer.cumulative_length = longest
     for row, n in zip(rows, lengths):
         row.cache, row.pad = merged, longest - n
 
@@ -364,8 +384,13 @@ def _select_rows(rows: Sequence[_Row], keep: Sequence[_Row]) -> None:
     index = torch.tensor([rows.index(row) for row in keep], device=cache.layers[0].keys.device)
     trim = min(row.pad for row in keep)
     for layer in cache.layers:
-        layer.keys = layer.keys.index_select(0, index)[..., trim:, :]
-        layer.values = layer.values.index_select(0, index)[..., trim:, :]
+        keep_positions = layer.keys.shape[-2] - trim
+        if type(layer).__name__ == "DynamicSlidingWindowLayer":  # it holds the last positions only
+            layer.cumulative_length -= trim
+            keep_positions = min(layer.keys.shape[-2], layer.cumulative_length)
+        start = layer.keys.shape[-2] - keep_positions
+        layer.keys = layer.keys.index_select(0, index)[..., start:, :]
+        layer.values = layer.values.index_select(0, index)[..., start:, :]
     for row in keep:
         row.pad -= trim
 
@@ -378,6 +403,8 @@ class _Inputs:
     input_ids: torch.Tensor  # int64 [1, L] on the device
     pixel_values: torch.Tensor | None  # [sum of t*h*w, patch_dim]
     image_grid_thw: torch.Tensor | None  # int64 [n_images, 3]
+    pixel_attention_mask: torch.Tensor | None = None  # Idefics3: bool [1, tiles, S, S]
+    image_sizes: torch.Tensor | None = None  # LLaVA-NeXT: int64 [n_images, 2], original (height, width)
 
 
 @dataclass(frozen=True)
@@ -391,12 +418,42 @@ class _InputLayout:
     patch_dim: int  # Qwen family: channels * temporal_patch_size * patch_size ** 2
     mrope: bool = True  # the Qwen family's 3-D positions; False: LLaVA's fixed-size CLIP images, 1-D positions
     image_size: int = 0  # LLaVA: the CLIP tower's input side
-    tokens_per_image: int = 0  # LLaVA: image tokens per image
+    tokens_per_image: int = 0  # LLaVA: image tokens per image; Idefics3: per tile
+    tiled: bool = False  # Idefics3: each image is (1 + rows * cols) tiles of image_size px, a tile_grid beside
+    any_resolution: bool = False  # LLaVA-NeXT: tiles fitted to grid_pinpoints, image_sizes and a token count beside
+    grid_pinpoints: tuple[tuple[int, int], ...] = ()
+    token_types: bool = False  # Gemma 3: token_type_ids (1 on image tokens) at prefill, for bidirectional image attention
+    crops: bool = False  # InternVL: each image is (n, 3, S, S) crops of tokens_per_image tokens each
+    prefix_lm: bool = False  # PaliGemma: token_type_ids 0 over the whole prompt (it attends both ways), positions from 1
 
     @classmethod
     def from_config(cls, config: Any) -> _InputLayout:
         text, vision = config.get_text_config(), config.vision_config
         patch = vision.patch_size
+        if config.model_type in ("idefics3", "smolvlm"):
+            side = vision.image_size // patch
+            return cls(vocab_size=text.vocab_size, max_positions=text.max_position_embeddings,
+                       image_token_id=config.image_token_id, merge=1, patch_dim=0, mrope=False, tiled=True,
+                       image_size=vision.image_size, tokens_per_image=side * side // config.scale_factor**2)
+        if config.model_type == "internvl":
+            return cls(vocab_size=text.vocab_size, max_positions=text.max_position_embeddings,
+                       image_token_id=config.image_token_id, merge=1, patch_dim=0, mrope=False, crops=True,
+                       image_size=int(vision.image_size if isinstance(vision.image_size, int) else vision.image_size[0]),
+                       tokens_per_image=config.image_seq_length)
+        if config.model_type == "paligemma":
+            side = vision.image_size // patch
+            return cls(vocab_size=text.vocab_size, max_positions=text.max_position_embeddings,
+                       image_token_id=config.image_token_id, merge=1, patch_dim=0, mrope=False, prefix_lm=True,
+                       image_size=vision.image_size, tokens_per_image=side * side)
+        if config.model_type == "gemma3":
+            return cls(vocab_size=text.vocab_size, max_positions=text.max_position_embeddings,
+                       image_token_id=config.image_token_id, merge=1, patch_dim=0, mrope=False, token_types=True,
+                       image_size=vision.image_size, tokens_per_image=config.mm_tokens_per_image)
+        if config.model_type == "llava_next":
+            return cls(vocab_size=text.vocab_size, max_positions=text.max_position_embeddings,
+                       image_token_id=config.image_token_id, merge=1, patch_dim=0, mrope=False, any_resolution=True,
+                       image_size=vision.image_size,
+                       grid_pinpoints=tuple((int(h), int(w)) for h, w in config.image_grid_pinpoints))
         if config.model_type == "llava":
             side = vision.image_size // patch
             extra = 0 if config.vision_feature_select_strategy == "default" else 1  # the CLS feature
@@ -428,6 +485,12 @@ class _InputLayout:
         if unknown:
             raise InvalidRequest(f"Request {rid}: unexpected tensors {sorted(unknown)}.")
         pixels, grids = item.tensors.get("pixel_values", []), item.tensors.get("image_grid_thw", [])
+        if self.tiled:
+            return self._check_tiled(item, ids, pixels, device)
+        if self.any_resolution:
+            return self._check_any_resolution(item, ids, pixels, device)
+        if self.crops:
+            return self._check_crops(item, ids, pixels, grids, device)
         if not self.mrope:
             return self._check_fixed_size(item, ids, pixels, grids, device)
         if len(pixels) != len(grids):
@@ -442,6 +505,19 @@ class _InputLayout:
             return _Inputs(input_ids, None, None)
         return _Inputs(input_ids, torch.cat(pixels).to(device), torch.cat(grids).to(device))
 
+    def _check_crops(self, item: WorkItem, ids: np.ndarray, pixels: list[torch.Tensor], grids: list[torch.Tensor],
+                     device: torch.device) -> _Inputs:
+        """InternVL: each image is float (n, 3, S, S) crops of the tower's side S, ``tokens_per_image`` each."""
+        rid = item.request_id
+        side = self.image_size
+        if grids or any(not p.is_floating_point() or p.dim() != 4 or p.shape[0] == 0
+                        or tuple(p.shape[1:]) != (3, side, side) for p in pixels):
+            raise InvalidRequest(f"Request {rid}: each image must be float pixel_values of shape (n, 3, {side}, {side}).")
+        if int((ids == self.image_token_id).sum()) != sum(p.shape[0] for p in pixels) * self.tokens_per_image:
+            raise InvalidRequest(f"Request {rid}: the prompt's image slots do not match its images' crops.")
+        input_ids = torch.from_numpy(ids.astype(np.int64)).view(1, -1).to(device)
+        return _Inputs(input_ids, torch.cat(pixels).to(device) if pixels else None, None)
+
     def _check_fixed_size(self, item: WorkItem, ids: np.ndarray, pixels: list[torch.Tensor], grids: list[torch.Tensor],
                           device: torch.device) -> _Inputs:
         """LLaVA: each image is one float (1, 3, S, S) tensor of the tower's size S, worth ``tokens_per_image``."""
@@ -453,6 +529,67 @@ class _InputLayout:
             raise InvalidRequest(f"Request {rid}: the prompt's image slots do not match its images.")
         input_ids = torch.from_numpy(ids.astype(np.int64)).view(1, -1).to(device)
         return _Inputs(input_ids, torch.cat(pixels).to(device) if pixels else None, None)
+
+    def _check_tiled(self, item: WorkItem, ids: np.ndarray, pixels: list[torch.Tensor],
+                     device: torch.device) -> _Inputs:
+        """Idefics3: per image, float pixel_values (n, 3, h, w) with h, w <= the tower's side, a bool
+        pixel_attention_mask (n, h, w) and a tile_grid of shape (rows + 1, cols + 1), n = 1 + rows * cols
+        (1 when unsplit). The images' tiles are padded to the tower's side (mask False there, as the
+        processor pads a batch) and joined along the tile axis under one batch axis, as the processor
+        does for one prompt."""
+        rid = item.request_id
+        masks, grids = item.tensors.get("pixel_attention_mask", []), item.tensors.get("tile_grid", [])
+        if not len(pixels) == len(masks) == len(grids) or "image_grid_thw" in item.tensors:
+            raise InvalidRequest(f"Request {rid}: each image needs pixel_values, pixel_attention_mask and tile_grid.")
+        side, tiles = self.image_size, 0
+        padded_pixels, padded_masks = [], []
+        for p, m, g in zip(pixels, masks, grids):
+            rows, cols = (g.shape[0] - 1, g.shape[1] - 1) if g.dim() == 2 else (-1, -1)
+            n = 1 + rows * cols if rows > 0 and cols > 0 else 1
+            if (rows < 0 or (rows == 0) != (cols == 0) or p.dim() != 4 or not p.is_floating_point()
+                    or tuple(p.shape[:2]) != (n, 3) or max(p.shape[2:]) > side or m.dtype != torch.bool
+                    or tuple(m.shape) != (n, *p.shape[2:])):
+                raise InvalidRequest(f"Request {rid}: an image's tiles are not (1 + rows * cols, 3, <= {side}, "
+                                     f"<= {side}) with a matching pixel_attention_mask and tile_grid.")
+            pad = (0, side - p.shape[3], 0, side - p.shape[2])
+            padded_pixels.append(F.pad(p, pad))
+            padded_masks.append(F.pad(m, pad))
+            tiles += n
+        if int((ids == self.image_token_id).sum()) != tiles * self.tokens_per_image:
+            raise InvalidRequest(f"Request {rid}: the prompt's image slots do not match its images' tiles.")
+        input_ids = torch.from_numpy(ids.astype(np.int64)).view(1, -1).to(device)
+        if not pixels:
+            return _Inputs(input_ids, None, None)
+        return _Inputs(input_ids, torch.cat(padded_pixels)[None].to(device), None,
+                       torch.cat(padded_masks)[None].to(device))
+
+    def _check_any_resolution(self, item: WorkItem, ids: np.ndarray, pixels: list[torch.Tensor],
+                              device: torch.device) -> _Inputs:
+        """LLaVA-NeXT: per image, float pixel_values (n, 3, S, S) with n the tiles its image_sizes (int64
+        (1, 2)) asks for, and an image_token_count of shape (tokens,). Images are stacked, padded with
+        empty tiles to the most tiles (as the processor pads a batch; the model drops them by image_sizes)."""
+        from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
+
+        rid = item.request_id
+        sizes, counts = item.tensors.get("image_sizes", []), item.tensors.get("image_token_count", [])
+        if not len(pixels) == len(sizes) == len(counts) or "image_grid_thw" in item.tensors:
+            raise InvalidRequest(f"Request {rid}: each image needs pixel_values, image_sizes and image_token_count.")
+        side = self.image_size
+        for p, size in zip(pixels, sizes):
+            if size.dtype != torch.int64 or tuple(size.shape) != (1, 2) or int(size.min()) <= 0:
+                raise InvalidRequest(f"Request {rid}: image_sizes must be positive int64 (1, 2).")
+            n = image_size_to_num_patches(size[0].tolist(), [list(g) for g in self.grid_pinpoints], side)
+            if not p.is_floating_point() or tuple(p.shape) != (n, 3, side, side):
+                raise InvalidRequest(f"Request {rid}: pixel_values must be float ({n}, 3, {side}, {side}) for "
+                                     f"an image of {tuple(size[0].tolist())}, got {p.dtype} {tuple(p.shape)}.")
+        if int((ids == self.image_token_id).sum()) != sum(c.shape[0] for c in counts):
+            raise InvalidRequest(f"Request {rid}: the prompt's image slots do not match its images.")
+        input_ids = torch.from_numpy(ids.astype(np.int64)).view(1, -1).to(device)
+        if not pixels:
+            return _Inputs(input_ids, None, None)
+        most = max(p.shape[0] for p in pixels)
+        stacked = torch.stack([F.pad(p, (0, 0, 0, 0, 0, 0, 0, most - p.shape[0])) for p in pixels])
+        return _Inputs(input_ids, stacked.to(device), None, image_sizes=torch.cat(sizes).to(device))
 
     def _check_image(self, rid: int, pixels: torch.Tensor, grid: torch.Tensor) -> int:
         """Check one image's pair of tensors; return its number of image tokens."""
