@@ -32,6 +32,10 @@ REQUEST_TIMEOUT_S = 30  # the gateway's deadline; a request lost in the window w
 CLIENTS = 8
 REQUESTS = 48
 HANG_GUARD_S = 90
+# The victim's take-to-claim window. Long, so the kill lands in it: with 300 ms a fresh-clone CI run once
+# killed the victim between takes (it held nothing, so nothing was retried). Below TAKEN_UNCLAIMED_S (3 s),
+# so a live victim is never retried for being slow: only the kill makes a retry.
+CLAIM_DELAY_MS = 1500
 
 def _can_unshare_pid() -> bool:
     if os.geteuid() != 0 or shutil.which("unshare") is None:
@@ -76,7 +80,7 @@ def test_a_worker_killed_in_another_pid_namespace_before_claiming_loses_no_reque
         procs["survivor"] = subprocess.Popen(worker, stdout=logs["survivor"], stderr=subprocess.STDOUT,
                                              start_new_session=True)
         procs["victim"] = subprocess.Popen(
-            ["unshare", "--pid", "--fork", "--kill-child", *worker, "--diag-claim-delay-ms", "300"],
+            ["unshare", "--pid", "--fork", "--kill-child", *worker, "--diag-claim-delay-ms", str(CLAIM_DELAY_MS)],
             stdout=logs["victim"], stderr=subprocess.STDOUT, start_new_session=True)
 
         def workers_ready() -> float:
