@@ -322,7 +322,7 @@ check_image() {
 # --- 3. up, ready, load --------------------------------------------------------------------------------
 
 ready_status() { curl -s -o /dev/null -m 5 -w '%{http_code}' "$URL/ready" || true; }
-metric() { curl -fsS -m 5 "$URL/metrics" | awk -v m="$1" '$1 == m { print $2 }'; }
+metric() { curl -fsS -m 5 "$URL/metrics" | awk -v m="$1" '$1 == m { printf "%d\n", $2 }'; }  # prometheus_client writes 6.0
 is_ready() { [[ $(ready_status) == 200 ]]; }
 running_after_restarts() { [[ $(docker inspect -f '{{.RestartCount}} {{.State.Running}}' "$1") == "$2 true" ]]; }
 in_flight() { (($(metric shmgate_in_flight_requests) > 0)); }
