@@ -13,7 +13,7 @@ from typing import Any
 
 from gateway.intake import LOOP_HASH_MAX_BYTES, EncodedImage, image_bytes, key_material
 from gateway.metrics import Counter, FrontendStats
-from gateway.preprocess.base import Preprocessor, PromptInputs
+from gateway.preprocess.base import Preprocessor, PromptInputs, options_key
 from shared.cache import AllocateFn, TensorGroup, content_key
 from shared.errors import ShmgateError
 from shared.transport.base import TensorCache
@@ -83,7 +83,7 @@ class ImageResolver:
         """The content-cache key's processing part: the preprocessor's, plus an image's processor options."""
         if not options:
             return self.preprocessor.cache_params()
-        return self.preprocessor.cache_params() + b"|" + self.preprocessor.options_key(options)  # type: ignore[attr-defined]
+        return self.preprocessor.cache_params() + b"|" + options_key(options)
 
     def _resolve_image(self, image: bytes | EncodedImage, param: str, key: bytes | None,
                        options: dict[str, Any] | None = None) -> TensorGroup:

@@ -13,12 +13,13 @@ directly; a processor that makes its own arrays copies each once into the arena.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
-__all__ = ["AllocateFn", "ImageTensorSpec", "Preprocessor", "PromptInputs"]
+__all__ = ["AllocateFn", "ImageTensorSpec", "Preprocessor", "PromptInputs", "options_key"]
 
 # allocate(name, dtype, shape) -> a writable numpy array of that dtype and shape that lives in the
 # arena. Raises shared.errors.ArenaFull / Overloaded when there is no room.
@@ -68,3 +69,8 @@ class Preprocessor(Protocol):
         parts, the images in the same order as ``images``. Raises InvalidRequest.
         """
         ...
+
+
+def options_key(options: dict[str, Any]) -> bytes:
+    """What an image's processor options add to its content-cache key (empty for none)."""
+    return json.dumps(options, sort_keys=True, default=str).encode() if options else b""

@@ -387,11 +387,6 @@ class HFPreprocessor:
             options.update(request_kwargs)
         return options
 
-    @staticmethod
-    def options_key(options: dict[str, Any]) -> bytes:
-        """What an image's processor options add to its content-cache key (empty for none)."""
-        return json.dumps(options, sort_keys=True, default=str).encode() if options else b""
-
     def preprocess_image(self, data: bytes, allocate: AllocateFn, *, max_pixels: int,
                          options: dict[str, Any] | None = None) -> None:
         """Decode ``data``, run the image processor on it (with ``options``, ``image_options``'s), and
