@@ -47,6 +47,7 @@ from gateway.metrics import Counter, exposition
 from gateway.preprocess import get_preprocessor
 from gateway.result_cache import ResultCache, answer_key, keyed_off_the_loop
 from gateway.sse import Completion, logprob_entry
+from gateway.stages import server_timing
 from gateway.tokenize import detokenize, model_card, tokenize
 from shared.errors import EXIT_CONFIG, InvalidRequest, RequestTooLarge, ShmgateError, Unauthorized
 from shared.instance import Instance
@@ -73,6 +74,7 @@ class AppOptions:
     image_urls: FetchPolicy = field(default_factory=FetchPolicy)  # used only when intake.allow_image_urls is set
     result_cache_bytes: int = 0  # deterministic answers kept per frontend (gateway/result_cache.py); 0: off
     processor_kwargs: dict[str, Any] | None = None  # --mm-processor-kwargs (hf: models)
+    server_timing: bool = False  # --server-timing: per-stage durations in a Server-Timing header
 
 
 def create_app(options: AppOptions) -> FastAPI:
@@ -185,7 +187,8 @@ def create_app(options: AppOptions) -> FastAPI:
         try:
             check_key(request)
             body = await _read_body(request, options.max_body_bytes)
-            f.stages.observe(Stage.BODY_READ, time.monotonic() - started)
+            read_s = time.monotonic() - started
+            f.stages.observe(Stage.BODY_READ, read_s)
             chat = parse_chat_request(body, options.intake)
             check_fields_for_model(chat.params, f.preprocessor, chat.n)
             set_image_options(chat, f.preprocessor)
@@ -210,10 +213,12 @@ def create_app(options: AppOptions) -> FastAPI:
         except ShmgateError as exc:
             count_error(f.stats, exc)
             return error_response(exc)
+        state.timing.spent[Stage.BODY_READ] = read_s
         logprobs = chat.params.logprobs >= 0
         if chat.stream:
             return await _stream(f, state, chat.model, chat.include_usage, started, keep, logprobs=logprobs)
-        return await _complete(f, state, chat.model, started, keep, logprobs=logprobs)
+        return await _complete(f, state, chat.model, started, keep, logprobs=logprobs,
+                               timing_header=options.server_timing)
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
@@ -300,7 +305,9 @@ def _cached_answer(f: Frontend, model: str, stream: bool, include_usage: bool, c
 
 
 async def _complete(f: Frontend, state: RequestState, model: str, started: float,
-                    keep: Callable[[Finished, str], None] | None = None, *, logprobs: bool = False) -> Response:
+                    keep: Callable[[Finished, str], None] | None = None, *, logprobs: bool = False,
+                    timing_header: bool = False) -> Response:
+    """The whole answer in one JSON body; with ``timing_header``, where its time went (``Server-Timing``)."""
     completion = Completion(model)
     parts: list[str] = []
     entries: list[dict[str, Any]] | None = [] if logprobs else None
@@ -323,9 +330,11 @@ async def _complete(f: Frontend, state: RequestState, model: str, started: float
                 f.stats.observe(Counter.LATENCY_BUCKETS, elapsed)
                 f.stats.observe(Counter.TTFT_BUCKETS, elapsed)
                 f.stages.delivered(state.timing)
+                headers = {"Server-Timing": server_timing(state.timing, elapsed)} if timing_header else None
                 return JSONResponse(
                     completion.completion("".join(parts), event.finish_reason, event.prompt_tokens,
-                                          event.completion_tokens, entries)
+                                          event.completion_tokens, entries),
+                    headers=headers,
                 )
     finally:
         if not state.done:

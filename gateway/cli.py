@@ -120,6 +120,9 @@ def _add_gateway_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--result-cache-mb", type=float, default=env("RESULT_CACHE_MB", "0"),
                    help="per frontend: keep this many MiB of deterministic answers (embeddings, the classifier's); "
                         "0: off (docs/MODELS.md)")
+    p.add_argument("--server-timing", action="store_true", default=env("SERVER_TIMING") == "1",
+                   help="add a Server-Timing header (ms per serving stage) to non-streamed answers; off by "
+                        "default: it tells a client how long its image waited and was decoded (docs/SECURITY.md)")
 
 
 def _json_object(text: str) -> str:
@@ -343,6 +346,7 @@ def _run_frontend(args: argparse.Namespace) -> int:
             decode_threads=args.decode_threads,
         ),
         result_cache_bytes=int(args.result_cache_mb * (1 << 20)),
+        server_timing=args.server_timing,
         processor_kwargs=json.loads(args.mm_processor_kwargs) or None,
         image_urls=FetchPolicy(
             allowlist=AllowList.parse(args.image_url_allowlist),

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.rawhttp import RawClient, Response, TransportError
-from gateway.stages import stage_breakdown
+from gateway.stages import parse_server_timing, stage_breakdown
 
 __all__ = ["add_arguments", "arrival_times", "count_mismatches", "count_vector_mismatches", "main", "percentile", "process_tree", "run",
            "tree_cpu_seconds"]
@@ -91,6 +91,7 @@ class Outcome:
     status: int | None
     text: str
     error: str | None
+    server_timing: dict[str, float] | None = None  # ms per stage, from the answer's Server-Timing header
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -185,34 +186,40 @@ async def send_one(client: RawClient, body: bytes, image: str, *, stream: bool, 
     ``time.perf_counter()`` the latency counts from (open loop: the scheduled arrival), default now.
     """
     start = time.perf_counter() if start is None else start
+    timing = None
     try:
         if stream:
             status, text, ttft, error = await asyncio.wait_for(_send_streaming(client, body, start), client.timeout_s)
         else:
-            status, text, error = await asyncio.wait_for(_send_plain(client, body, embeddings), client.timeout_s)
+            status, text, error, timing = await asyncio.wait_for(_send_plain(client, body, embeddings),
+                                                                 client.timeout_s)
             ttft = None
     except (TimeoutError, TransportError) as exc:  # the server never gave a full answer
         kind = exc.kind if isinstance(exc, TransportError) else "Timeout"
         return Outcome(image, time.perf_counter() - start, None, None, "", f"transport:{kind}")
     latency = time.perf_counter() - start
-    return Outcome(image, latency, latency if ttft is None else ttft, status, text, error)
+    return Outcome(image, latency, latency if ttft is None else ttft, status, text, error, timing)
 
 
-async def _send_plain(client: RawClient, body: bytes, embeddings: bool = False) -> tuple[int, str, str | None]:
+async def _send_plain(client: RawClient, body: bytes,
+                      embeddings: bool = False) -> tuple[int, str, str | None, dict[str, float] | None]:
+    """(status, answer text, error, the Server-Timing stages when the server sent them)."""
     response, lease = await client.post("/v1/embeddings" if embeddings else "/v1/chat/completions", body)
     try:
         payload = await response.read()
     finally:
         lease.release()
+    header = response.headers.get("server-timing")
+    timing = parse_server_timing(header) if header else None
     if not response.is_success:
-        return response.status, "", str(response.status)
+        return response.status, "", str(response.status), timing
     try:
         answer = json.loads(payload)
         text = _vector_text(answer["data"][0]["embedding"]) if embeddings else (
             answer["choices"][0]["message"]["content"] or "")
     except (ValueError, KeyError, IndexError, TypeError):
-        return response.status, "", "bad_body"
-    return response.status, text, None
+        return response.status, "", "bad_body", timing
+    return response.status, text, None, timing
 
 
 def _vector_text(embedding: str | list[float]) -> str:
@@ -528,7 +535,40 @@ def summarize(args: argparse.Namespace, outcomes: list[Outcome], wall_s: float, 
         "distinct_answers": len({(o.image, o.text) for o in ok}),
         "cpu_s_per_request": None if server_cpu_s is None else round(server_cpu_s / n, 6),
         "client_cpu_s_per_request": round(client_cpu_s / n, 6),
+        "tail": tail_breakdown(ok),
     }
+
+
+TAIL_SHARE = 0.01  # "the slowest": this share of the successful requests, at least one
+
+
+def tail_breakdown(ok: Sequence[Outcome]) -> list[dict[str, Any]]:
+    """Where the slowest requests' time went, beside the median request's: from Server-Timing headers.
+
+    Rows per stage (the server's names, then ``client``: latency the server did not see, i.e. the
+    network, the client's own queueing and, open loop, a late send), with the mean ms of all
+    requests and of the slowest ``TAIL_SHARE``. Empty when the server sent no Server-Timing
+    (``shmgate serve --server-timing``). The histograms say the p99 is slow; this says why.
+    """
+    timed = sorted((o for o in ok if o.server_timing), key=lambda o: o.latency_s)
+    if not timed:
+        return []
+    slowest = timed[-max(1, round(len(timed) * TAIL_SHARE)):]
+
+    def means(group: Sequence[Outcome]) -> dict[str, float]:
+        totals: dict[str, float] = {}
+        for o in group:
+            timing = o.server_timing or {}
+            for name, value in timing.items():
+                totals[name] = totals.get(name, 0.0) + value
+            totals["client"] = totals.get("client", 0.0) + max(0.0, o.latency_s * 1000 - timing.get("total", 0.0))
+            totals["latency"] = totals.get("latency", 0.0) + o.latency_s * 1000
+        return {name: total / len(group) for name, total in totals.items()}
+
+    everyone, tail = means(timed), means(slowest)
+    names = [n for n in everyone if n not in ("total", "client", "latency")] + ["client", "latency"]
+    return [{"stage": n, "all_mean_ms": round(everyone.get(n, 0.0), 2), "tail_mean_ms": round(tail.get(n, 0.0), 2),
+             "tail_count": len(slowest)} for n in names]
 
 
 def format_report(result: dict[str, Any]) -> str:
@@ -560,6 +600,11 @@ def format_report(result: dict[str, Any]) -> str:
         for row in result["stages"]:
             lines.append(f"  {row['stage']:<12} {row['count']:>6} {f('mean_ms', row):>10} {f('p50_ms', row):>9} "
                          f"{f('p99_ms', row):>9}")
+    if result.get("tail"):
+        lines.append(f"slowest {result['tail'][0]['tail_count']}   all mean ms   slowest mean ms   "
+                     "(per request, from Server-Timing)")
+        for row in result["tail"]:
+            lines.append(f"  {row['stage']:<12} {f('all_mean_ms', row):>12} {f('tail_mean_ms', row):>17}")
     return "\n".join(lines)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import bisect
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -24,8 +24,8 @@ from shared.segment import STATS_WORDS, now_ns
 from shared.stages import Stage, worker_stage_seconds
 from shared.wire import Claimed, Finished
 
-__all__ = ["METRIC", "STAGE_BUCKETS_S", "RequestTiming", "StageRecorder", "parse_stage_histograms",
-           "stage_breakdown", "stage_histogram"]
+__all__ = ["METRIC", "STAGE_BUCKETS_S", "RequestTiming", "StageRecorder", "parse_server_timing",
+           "parse_stage_histograms", "server_timing", "stage_breakdown", "stage_histogram"]
 
 METRIC = "shmgate_stage_duration_seconds"
 STAGE_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0,
@@ -37,11 +37,17 @@ assert STAGE_BASE + len(Stage) * _WORDS <= STATS_WORDS, "the stage histograms mu
 
 @dataclass
 class RequestTiming:
-    """One request's frontend-side moments (``now_ns()``); 0: not reached."""
+    """One request's frontend-side moments (``now_ns()``; 0: not reached) and what each stage took.
+
+    ``spent`` is the same figures the histograms get, kept per request for the ``Server-Timing``
+    response header (``--server-timing``): a histogram says the p99 is slow, this says why one
+    request was.
+    """
 
     submitted_ns: int = 0
     claimed_ns: int = 0  # the worker's stamp
     done_ns: int = 0  # the worker's final event
+    spent: dict[Stage, float] = field(default_factory=dict)  # seconds per stage, as observed
 
 
 class StageRecorder:
@@ -50,7 +56,10 @@ class StageRecorder:
     def __init__(self, row: np.ndarray) -> None:
         self._row = row  # this frontend's stats row (FrontendLink.stats_row)
 
-    def observe(self, stage: Stage, seconds: float) -> None:
+    def observe(self, stage: Stage, seconds: float, timing: RequestTiming | None = None) -> None:
+        """Count ``seconds`` in ``stage``'s histogram (and in ``timing``, the request's own record)."""
+        if timing is not None:
+            timing.spent[stage] = seconds
         base = STAGE_BASE + stage * _WORDS
         self._row[base + bisect.bisect_left(STAGE_BUCKETS_S, seconds)] += 1
         self._row[base + len(STAGE_BUCKETS_S) + 1] += int(seconds * 1e6)
@@ -59,24 +68,52 @@ class StageRecorder:
     def submitted(self, timing: RequestTiming, started_s: float) -> None:
         """Images resolved and the descriptor built (``started_s``: ``time.monotonic()`` at admission)."""
         timing.submitted_ns = now_ns()
-        self.observe(Stage.PREPROCESS, max(0.0, timing.submitted_ns / 1e9 - started_s))
+        self.observe(Stage.PREPROCESS, max(0.0, timing.submitted_ns / 1e9 - started_s), timing)
 
     def claimed(self, timing: RequestTiming, message: Claimed) -> None:
         if message.claimed_ns and timing.submitted_ns and not timing.claimed_ns:
             timing.claimed_ns = message.claimed_ns
-            self.observe(Stage.QUEUE, max(0, message.claimed_ns - timing.submitted_ns) / 1e9)
+            self.observe(Stage.QUEUE, max(0, message.claimed_ns - timing.submitted_ns) / 1e9, timing)
 
     def finished(self, timing: RequestTiming, message: Finished) -> None:
         for stage, seconds in worker_stage_seconds(timing.claimed_ns, message.stamps).items():
-            self.observe(stage, seconds)
+            self.observe(stage, seconds, timing)
         if message.stamps:
             timing.done_ns = message.stamps[-1]
 
     def delivered(self, timing: RequestTiming) -> None:
         """The response to the client is built: the end of ``delivery``."""
         if timing.done_ns:
-            self.observe(Stage.DELIVERY, max(0, now_ns() - timing.done_ns) / 1e9)
+            self.observe(Stage.DELIVERY, max(0, now_ns() - timing.done_ns) / 1e9, timing)
             timing.done_ns = 0
+
+
+def server_timing(timing: RequestTiming, total_s: float) -> str:
+    """The ``Server-Timing`` header value (W3C Server Timing: durations in ms) of one answered request.
+
+    Stages in the order a request meets them, then ``total`` (admission to the response, as the
+    frontend saw it; the client's latency adds the network and its own queueing). Only stages the
+    request went through are named: a cache hit has no ``queue``.
+    """
+    parts = [f"{stage.name.lower()};dur={seconds * 1000:.2f}" for stage, seconds in sorted(timing.spent.items())]
+    parts.append(f"total;dur={total_s * 1000:.2f}")
+    return ", ".join(parts)
+
+
+_TIMING_ENTRY = re.compile(r"^\s*([\w-]+)\s*(?:;.*?\bdur=([0-9.]+))?")
+
+
+def parse_server_timing(value: str) -> dict[str, float]:
+    """{name: ms} from a ``Server-Timing`` header value (entries without ``dur`` are left out)."""
+    out: dict[str, float] = {}
+    for entry in value.split(","):
+        match = _TIMING_ENTRY.match(entry)
+        if match and match.group(2):
+            try:
+                out[match.group(1)] = float(match.group(2))
+            except ValueError:
+                continue
+    return out
 
 
 def stage_histogram(total: np.ndarray) -> HistogramMetricFamily:

@@ -74,13 +74,15 @@ def test_curl_with_a_data_url(efficientnet_server: Server, tmp_path) -> None:
     body = tmp_path / "body.json"
     body.write_text(json.dumps({"model": "efficientnet-lite0",
                                 "messages": [{"role": "user", "content": _content("chelsea_640.jpg")}]}))
+    headers = tmp_path / "headers.txt"
     out = subprocess.run(
-        ["curl", "-sS", "-H", "Content-Type: application/json", "--data-binary", f"@{body}",
+        ["curl", "-sS", "-H", "Content-Type: application/json", "--data-binary", f"@{body}", "-D", str(headers),
          efficientnet_server.base_url + "/v1/chat/completions"],
         capture_output=True, check=True, timeout=60,
     )
     answer = json.loads(out.stdout)["choices"][0]["message"]["content"]
     assert _top1(answer) in LABELS["chelsea_640.jpg"]["accept_top1"]
+    assert "server-timing" not in headers.read_text().lower()  # opt-in (--server-timing)
 
 
 def test_models_lists_the_served_model(efficientnet_server: Server) -> None:

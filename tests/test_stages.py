@@ -21,7 +21,9 @@ from gateway.stages import (
     METRIC,
     RequestTiming,
     StageRecorder,
+    parse_server_timing,
     parse_stage_histograms,
+    server_timing,
     stage_breakdown,
     stage_histogram,
 )
@@ -105,9 +107,38 @@ def test_recorder_histograms_render_and_parse_back() -> None:
     assert parse_stage_histograms("\n".join(stage_lines(stats.sum(axis=0))))["queue"]["count"] == 1
 
 
+def test_a_request_keeps_its_own_stage_figures_for_server_timing() -> None:
+    recorder, _ = _recorder()
+    timing = RequestTiming(submitted_ns=1_000_000_000)
+    recorder.observe(Stage.BODY_READ, 0.0005, timing)
+    recorder.claimed(timing, Claimed(1, 0, 1, 1_004_000_000))
+    recorder.observe(Stage.PREPROCESS, 0.012, timing)
+    header = server_timing(timing, 0.0301)
+    assert header == "body_read;dur=0.50, preprocess;dur=12.00, queue;dur=4.00, total;dur=30.10"  # stage order
+    assert parse_server_timing(header) == {"body_read": 0.5, "preprocess": 12.0, "queue": 4.0, "total": 30.1}
+    # other servers' syntax: descriptions, no dur, odd spacing
+    assert parse_server_timing('db;desc="x";dur=2.5,  cache;desc=hit , app ;dur=1') == {"db": 2.5, "app": 1.0}
+
+
+def test_bench_explains_the_slowest_requests_from_server_timing() -> None:
+    from gateway.loadgen import Outcome, tail_breakdown
+
+    def outcome(latency_ms: float, queue_ms: float) -> Outcome:
+        return Outcome("a.png", latency_ms / 1000, None, 200, "x", None,
+                       {"queue": queue_ms, "compute": 10.0, "total": latency_ms - 1.0})
+
+    ok = [outcome(20.0, 9.0) for _ in range(99)] + [outcome(120.0, 109.0)]
+    rows = {row["stage"]: row for row in tail_breakdown(ok)}
+    assert rows["queue"]["tail_count"] == 1 and rows["queue"]["tail_mean_ms"] == pytest.approx(109.0)
+    assert rows["queue"]["all_mean_ms"] == pytest.approx(10.0)
+    assert rows["client"]["all_mean_ms"] == pytest.approx(1.0)  # what the server did not see
+    assert rows["latency"]["tail_mean_ms"] == pytest.approx(120.0)
+    assert tail_breakdown([Outcome("a.png", 0.02, None, 200, "x", None)]) == []  # no header: nothing to say
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    server = start_server("checksum", tmp_path_factory.mktemp("stages"), "--workers", "1")
+    server = start_server("checksum", tmp_path_factory.mktemp("stages"), "--workers", "1", "--server-timing")
     try:
         yield server
     finally:
@@ -144,6 +175,22 @@ def test_metrics_have_every_stage_and_the_counts_move(server: Server) -> None:
     inside = sum(rows[name]["mean_ms"] for name in ("queue", "batch_wait", "device_copy", "compute"))
     assert inside <= total / len(images) * 1000 + 1.0  # 1 ms: the histograms' sums are kept in whole µs
     assert rows["first_output"]["mean_ms"] <= rows["compute"]["mean_ms"]
+
+
+def test_server_timing_header_names_each_stage_of_one_request(server: Server) -> None:
+    """--server-timing: a non-streamed answer says where its own time went; a streamed one cannot (headers first)."""
+    r = httpx.post(server.base_url + "/v1/chat/completions", json=image_request("checksum", noise_png(350)),
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    spent = parse_server_timing(r.headers["server-timing"])
+    assert set(spent) == set(STAGE_NAMES) | {"total"}
+    assert all(value >= 0 for value in spent.values())
+    inside = sum(spent[name] for name in ("body_read", "preprocess", "queue", "batch_wait", "device_copy",
+                                          "compute", "delivery"))
+    assert inside <= spent["total"] + 0.1  # each figure is rounded to 0.01 ms
+    streamed = httpx.post(server.base_url + "/v1/chat/completions",
+                          json={**image_request("checksum", noise_png(351)), "stream": True}, timeout=60)
+    assert streamed.status_code == 200 and "server-timing" not in streamed.headers
 
 
 def _sum(text: str, name: str) -> float:
