@@ -29,7 +29,9 @@ def env(name: str, default: str | None = None) -> str | None:
 
 def add_batching_flags(p: argparse.ArgumentParser) -> None:
     """The worker's batching and model flags, the same in ``serve`` and in ``worker``."""
-    p.add_argument("--max-batch-size", type=int, default=env("MAX_BATCH_SIZE", "8"))
+    p.add_argument("--max-batch-size", type=int, default=env("MAX_BATCH_SIZE", "0"),
+                   help="requests per batch (default 0: the model's choice: one forward pass for the classifier "
+                        "on CPU, 2 per torch thread; 8 on CUDA and for other models)")
     p.add_argument("--max-batch-wait-ms", type=float, default=env("MAX_BATCH_WAIT_MS", "5"))
     p.add_argument("--batch-policy", default=env("BATCH_POLICY", "held"), choices=BATCH_POLICIES,
                    help="held: a busy worker's next batch gathers while the model runs; fcfs: a busy worker "

@@ -76,7 +76,7 @@ from shared.wire import (
     failed_reply,
 )
 from worker.backends import load_backend
-from worker.backends.base import ModelBackend, WorkItem
+from worker.backends.base import ModelBackend, WorkItem, batch_size_for
 from worker.batcher import Batcher
 from worker.device import Copy, DeviceCopier, pick_device, use_device
 from worker.drain import StopRequest
@@ -100,7 +100,7 @@ PREFETCH_JOIN_S = 10.0  # at stop: how long to wait for the prefetch thread's cu
 class WorkerOptions:
     model: str
     device: str = "cpu"
-    max_batch_size: int = 8
+    max_batch_size: int = 0  # requests per batch; 0: the backend's choice (worker/backends/base.py batch_size_for)
     max_batch_wait_ms: float = 5.0
     batch_policy: str = "held"  # worker/batcher.py: "held" or "fcfs" (shared/flags.py BATCH_POLICIES)
     threads: int | None = None
@@ -168,7 +168,7 @@ class Worker:
         self._prefetcher: Prefetcher[list[_Job]] = Prefetcher(self._prepare, name=f"prefetch-{self.slot}")
         self.batcher: Batcher[_Job] = Batcher(
             link.request_queue(),
-            max_batch_size=options.max_batch_size,
+            max_batch_size=batch_size_for(self.backend, options.max_batch_size),
             max_batch_wait_s=options.max_batch_wait_ms / 1000,
             on_take=self._take,
             on_invalid=self._invalid_message,
@@ -202,7 +202,8 @@ class Worker:
         link = self.link
         self.progress.step()  # before READY: loading the model was not a stall
         link.mark(SlotState.READY)
-        log.info("worker slot %d ready: model %s on %s", self.slot, self.options.model, self.device)
+        log.info("worker slot %d ready: model %s on %s, batches of up to %d", self.slot, self.options.model,
+                 self.device, batch_size_for(self.backend, self.options.max_batch_size))
         prefetcher = self._prefetcher.start()
         try:
             while not self._stop.is_set():

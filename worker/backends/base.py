@@ -19,7 +19,7 @@ import torch
 
 from shared.wire import SamplingParams, TokenLogprob
 
-__all__ = ["BackendEvent", "ModelBackend", "WorkItem"]
+__all__ = ["DEFAULT_BATCH_SIZE", "BackendEvent", "ModelBackend", "WorkItem", "batch_size_for"]
 
 
 @dataclass
@@ -62,6 +62,23 @@ class BackendEvent:
     logprob: TokenLogprob | None = None
 
 
+DEFAULT_BATCH_SIZE = 8  # requests per batch for a backend that states no preference
+
+
+def batch_size_for(backend: object, requested: int) -> int:
+    """The batch size a worker uses: ``requested`` (``--max-batch-size``) when set, else the backend's choice.
+
+    Why a backend chooses: a batch binds its requests to one worker until the batch is done, so it
+    should be no larger than what the model gains from running together. A CPU backend that runs a
+    batch as consecutive passes gains nothing from more than one pass, and a larger batch only
+    makes its last requests wait while another worker may be idle (docs/BENCHMARKS.md, issue 16).
+    """
+    if requested > 0:
+        return requested
+    preferred = getattr(backend, "preferred_batch_size", None)
+    return preferred if isinstance(preferred, int) and preferred > 0 else DEFAULT_BATCH_SIZE
+
+
 class ModelBackend(Protocol):
     """What the worker calls. Implementations: efficientnet.py, checksum.py, hf.py.
 
@@ -70,6 +87,9 @@ class ModelBackend(Protocol):
     Optionally a backend has ``host_tensors``, a collection of TensorRef names it reads on the
     host (sizes, grids): the worker hands those over as host tensors, not device copies, so
     reading them costs no device round trip and no host sync (worker/device.py).
+
+    Optionally a backend has ``preferred_batch_size``: how many requests a batch should hold when
+    ``--max-batch-size`` is left at 0 (``batch_size_for``).
     """
 
     name: str

@@ -16,8 +16,10 @@ names stay those of the published weights), and the model and its input run chan
 device. torch.backends.mkldnn stays enabled (disabling it is ~4x slower). ReLU6 runs in place on the
 fresh output of the convolution before it (identical outputs, one pass less over memory). On CPU a
 batch runs in forward passes of at most ``CPU_PASS_IMAGES_PER_THREAD`` images per torch thread (larger
-passes outgrow the cache), each pass's items answered before the next starts; the worker's batch
-itself is unchanged (it amortises the hand-off). CUDA runs the whole batch in one pass. No
+passes outgrow the cache), each pass's items answered before the next starts. Since a batch binds
+its requests to one worker, the worker's batch is one pass by default (``preferred_batch_size``): at
+8 requests a batch ran four passes in turn, and its last requests waited for them while the other
+worker could have run them (issue 16, docs/BENCHMARKS.md). CUDA runs the whole batch in one pass. No
 torch.jit / torch.compile of the network: it was not faster, and start-up time matters more.
 
 Input normalisation (uint8 -> float32 in [-1, 1], channels_last) runs on the worker's device, eagerly
@@ -346,6 +348,10 @@ class EfficientNetBackend:
         self.normalise = make_normaliser(device, compile=compile_normalise)
         # None: the whole batch in one pass (CUDA)
         self.pass_images = CPU_PASS_IMAGES_PER_THREAD * torch.get_num_threads() if device.type == "cpu" else None
+        # On CPU a batch is one pass: a larger one only binds more requests to this worker, to run
+        # one pass after another while another worker may be free (worker/backends/base.py
+        # batch_size_for). CUDA runs a batch in one padded pass: 8 fills the smallest warmed shape.
+        self.preferred_batch_size = self.pass_images or CUDA_MIN_PASS
         if device.type == "cuda":
             # Batch-invariant answers (module docstring). Process-wide, and the worker process is this model's.
             torch.backends.cudnn.allow_tf32 = False
