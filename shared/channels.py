@@ -24,10 +24,12 @@ Channels:
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import collections
 import contextlib
+import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -170,60 +172,136 @@ def unlink_queue(name: str) -> None:
         posix_ipc.unlink_message_queue(name)
 
 
-SEND_SLICE_S = 0.5  # AsyncSender: a blocked send looks at close() this often
+SEND_SLICE_S = 2.0  # AsyncSender: a blocked send looks at close() this often (and re-queues behind newer ones)
+SENDER_THREADS = 32  # AsyncSender: sends of one frontend that can wait in the kernel at once
+
+
+@dataclass
+class _Send:
+    """One send handed to the sender threads, and where its outcome goes."""
+
+    message: Any
+    deadline: float
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[None]
+    cancelled: bool = False  # its caller stopped waiting before a thread took it: it never goes
 
 
 class AsyncSender:
     """Sends from the event loop without blocking it, first come, first served, across processes too.
 
     A send that finds the queue free goes at once. Otherwise it waits behind the sends already
-    waiting, and one sender thread per AsyncSender sends them in order with a blocking send: Linux
-    keeps the senders blocked on a full message queue in arrival order and, when a receiver frees
-    a place, moves the first one's message in at once, whichever process it belongs to and whether
-    or not that process is running just then. So requests enter the shared request queue in the
-    order they started waiting, across frontends. (Before issue 16, waiters woke on writability and
-    raced for each free place, a new send could slip in ahead of them, and a frontend starved of
-    CPU lost every race: some requests waited seconds behind later ones once the queue filled.)
-    One thread keeps this frontend's own sends in their order, which ``Frontend._check_taken``
-    relies on. A send cancelled while it waits never goes; one already handed to the kernel may
+    waiting: each waiting send gets a sender thread of its own (up to ``SENDER_THREADS``) whose
+    blocking send waits in the kernel. Linux keeps the senders blocked on a full message queue in
+    the order they blocked and, when a receiver frees a place, moves the first one's message in at
+    once, whichever process it belongs to and whether or not that process is running just then. So
+    requests enter the shared request queue in the order they became ready, across frontends.
+
+    Why a thread per waiting send, not one per frontend (issue 16): with one, each frontend had one
+    send in the kernel's line, so the frontends took turns, one message each, however many requests
+    each had waiting: a frontend with more connections served its requests later. Measured at c=32
+    on 2 frontends, the p50 of one frontend's requests was 478 ms against 235 ms for the other's
+    (docs/BENCHMARKS.md). Before that (until issue 16), waiters woke on writability and raced for
+    each free place, and a frontend starved of CPU lost every race.
+
+    This frontend's own sends keep their order (``ReplyRouter._check_taken`` relies on it): a thread
+    takes the next send and tries it under one lock, and lets the next thread in only once its own
+    has gone or is about to block. (The step from that lock to the blocking call is a few bytecodes
+    under the GIL; were another thread ever to overtake it there, the cost is a needless retry of a
+    request after ``TAKEN_UNCLAIMED_S``, never a wrong answer: a retry has a new id.) A send whose
+    caller stopped waiting before a thread took it never goes; one already handed to the kernel may
     still go (harmless: its arena holds carry generations, and its answer matches no request).
+    The threads are daemons: a frontend that exits does not wait for sends blocked in the kernel.
     """
 
-    def __init__(self, queue: Queue) -> None:
+    def __init__(self, queue: Queue, threads: int = SENDER_THREADS) -> None:
         self._queue = queue
-        self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="send")
-        self._waiting = 0  # sends handed to the thread and not yet answered
+        self._max_threads = max(1, threads)
+        self._threads = 0
+        self._idle = 0
+        self._sends: collections.deque[_Send] = collections.deque()
+        self._turn = threading.Condition()  # guards the fields above; held from taking a send to trying it
+        self._waiting = 0  # sends handed to the threads and not yet answered
         self._closed = False
 
     async def send(self, message: Any, timeout_s: float) -> None:
         """Raises ChannelFull after ``timeout_s``."""
         if not self._waiting and self._queue.try_send(message):
             return
-        deadline = time.monotonic() + timeout_s
+        loop = asyncio.get_running_loop()
+        job = _Send(message, time.monotonic() + timeout_s, loop, loop.create_future())
         self._waiting += 1
         try:
-            await asyncio.get_running_loop().run_in_executor(self._thread, self._send_by, message, deadline)
+            with self._turn:
+                if self._closed:
+                    raise ChannelFull("the channel is closed")
+                self._sends.append(job)
+                if len(self._sends) > self._idle and self._threads < self._max_threads:  # each idle thread takes one
+                    self._threads += 1
+                    threading.Thread(target=self._serve, name="send", daemon=True).start()
+                self._turn.notify()
+            await job.future
+        except asyncio.CancelledError:
+            job.cancelled = True
+            raise
         finally:
             self._waiting -= 1
 
-    def _send_by(self, message: Any, deadline: float) -> None:
-        """The sender thread: a blocking send until ``deadline`` (time spent queued here counts)."""
-        while (remaining := deadline - time.monotonic()) > 0 and not self._closed:
+    def _serve(self) -> None:
+        """A sender thread: take the next send, try it at once, else block in the kernel until its deadline."""
+        while True:
+            with self._turn:
+                while not self._sends and not self._closed:
+                    self._idle += 1
+                    self._turn.wait()
+                    self._idle -= 1
+                if not self._sends:  # closed, nothing left
+                    self._threads -= 1
+                    return
+                job = self._sends.popleft()
+                if job.cancelled:
+                    continue
+                if self._closed:
+                    self._finish(job, ChannelFull("the channel is closed"))
+                    continue
+                if self._queue.try_send(job.message):  # under the lock: our sends keep their order
+                    self._finish(job, None)
+                    continue
+            self._finish(job, self._send_by(job))
+
+    def _send_by(self, job: _Send) -> BaseException | None:
+        """A blocking send until the job's deadline (time spent waiting for a thread counts); its error."""
+        while (remaining := job.deadline - time.monotonic()) > 0 and not self._closed:
             try:
-                # In slices, so that close() is noticed (a process exits only once this thread has). A
-                # slice that ends puts this send behind the other processes' blocked senders, i.e. behind
-                # at most one send per other frontend: each has one sender thread.
-                self._queue.send(message, min(remaining, SEND_SLICE_S))
-                return
+                # In slices, so that close() is noticed. A slice that ends puts this send behind the
+                # senders that blocked after it: only sends that waited SEND_SLICE_S already lose places.
+                self._queue.send(job.message, min(remaining, SEND_SLICE_S))
+                return None
             except (ChannelFull, posix_ipc.SignalError):  # still full, or a signal woke us: wait on
                 continue
-        if self._closed or not self._queue.try_send(message):
-            raise ChannelFull("the channel stayed full; its receivers are saturated")
+        if self._closed or not self._queue.try_send(job.message):
+            return ChannelFull("the channel stayed full; its receivers are saturated")
+        return None
+
+    @staticmethod
+    def _finish(job: _Send, error: BaseException | None) -> None:
+        """Hand a send's outcome to its event loop (gone already when the frontend is shutting down)."""
+        def resolve() -> None:
+            if job.future.done():
+                return
+            if error is None:
+                job.future.set_result(None)
+            else:
+                job.future.set_exception(error)
+
+        with contextlib.suppress(RuntimeError):  # the loop was closed
+            job.loop.call_soon_threadsafe(resolve)
 
     def close(self) -> None:
-        """Drop the sends still waiting (their callers were cancelled or gave up); the thread exits."""
-        self._closed = True
-        self._thread.shutdown(wait=False, cancel_futures=True)
+        """Drop the sends still waiting for a thread (their callers get ChannelFull); blocked ones end within a slice."""
+        with self._turn:
+            self._closed = True
+            self._turn.notify_all()
 
 
 class AsyncQueueReader:

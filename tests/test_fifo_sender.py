@@ -3,7 +3,7 @@
 When the request queue is full, a frontend's sends wait. They used to race for each free place
 (every waiter woke and retried, and a new send could slip in before all of them), so an unlucky
 request could wait far longer than later ones: part of the latency tail. Now they wait in order in
-one sender thread whose blocking send the kernel queues in order with other processes' senders. These tests fill a small
+sender threads whose blocking sends the kernel queues in order with other processes' senders. These tests fill a small
 queue, line up sends, and read the queue back one message at a time: the order must be the order
 of the sends. No timing is asserted; the hang guards only bound a broken implementation.
 """
@@ -107,3 +107,61 @@ def test_close_ends_a_send_blocked_on_a_full_queue(instance: Instance) -> None:
             producer.close()
 
     asyncio.run(scenario())
+
+
+def test_two_senders_share_a_full_queue_in_the_order_their_sends_began(instance: Instance) -> None:
+    """Across frontends: a frontend with many waiting sends is not held to one place per turn.
+
+    Frontend A lines up six sends, then frontend B two: with one send per frontend in the kernel's
+    line they took turns (10, 20, 11, 21, 12, ...); now every waiting send is in the line, so A's
+    earlier ones go first.
+    """
+    async def scenario() -> list[int]:
+        a_queue, b_queue, consumer = instance.request_queue(), instance.request_queue(), instance.request_queue()
+        a, b = AsyncSender(a_queue), AsyncSender(b_queue)
+        try:
+            await a.send(Submit(1, 0, "m"), HANG_S)
+            await a.send(Submit(2, 0, "m"), HANG_S)  # full (depth 2)
+            waiting = []
+            for request_id in (10, 11, 12, 13, 14, 15):
+                waiting.append(asyncio.create_task(a.send(Submit(request_id, 0, "m"), HANG_S)))
+                await asyncio.sleep(0.02)  # in the kernel's line before the next
+            for request_id in (20, 21):
+                waiting.append(asyncio.create_task(b.send(Submit(request_id, 0, "m"), HANG_S)))
+                await asyncio.sleep(0.02)
+            received = [await _receive_one(consumer) for _ in range(10)]
+            await asyncio.wait_for(asyncio.gather(*waiting), HANG_S)
+            return received
+        finally:
+            a.close()
+            b.close()
+            for q in (a_queue, b_queue, consumer):
+                q.close()
+
+    assert asyncio.run(scenario()) == [1, 2, 10, 11, 12, 13, 14, 15, 20, 21]
+
+
+def test_a_cancelled_waiting_send_never_goes(instance: Instance) -> None:
+    async def scenario() -> list[int]:
+        producer, consumer = instance.request_queue(), instance.request_queue()
+        sender = AsyncSender(producer, threads=1)  # the second waiting send waits for the thread, not the kernel
+        try:
+            await sender.send(Submit(1, 0, "m"), HANG_S)
+            await sender.send(Submit(2, 0, "m"), HANG_S)
+            first = asyncio.create_task(sender.send(Submit(3, 0, "m"), HANG_S))
+            await asyncio.sleep(0.02)
+            dropped = asyncio.create_task(sender.send(Submit(4, 0, "m"), HANG_S))
+            await asyncio.sleep(0.02)
+            dropped.cancel()
+            last = asyncio.create_task(sender.send(Submit(5, 0, "m"), HANG_S))
+            await asyncio.sleep(0.02)
+            received = [await _receive_one(consumer) for _ in range(4)]
+            await asyncio.wait_for(asyncio.gather(first, last), HANG_S)
+            assert consumer.try_receive() is None
+            return received
+        finally:
+            sender.close()
+            producer.close()
+            consumer.close()
+
+    assert asyncio.run(scenario()) == [1, 2, 3, 5]
