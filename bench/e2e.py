@@ -12,7 +12,7 @@ load generator's per-request timeout.
 
 The command lines live in ``SCENARIOS``, a plain table, so they can be adjusted as the shmgate CLI
 changes. Placeholders: ``{python}`` (this interpreter), ``{bin}`` (its bin folder), ``{repo}``,
-``{port}``, ``{litserve_python}``.
+``{port}``, ``{litserve_python}``, ``{base}`` (``SHMGATE_BENCH_BASE``).
 
 Shared-machine and open-loop figures (issue 16): ``--background-cores X`` runs spinning processes
 of our own worth X cores (bench/disturb.py) during each measured run, started and stopped around
@@ -49,6 +49,10 @@ from bench.disturb import Disturbance  # noqa: E402
 from gateway import loadgen  # noqa: E402
 
 LITSERVE_PYTHON = REPO / "bench" / ".venv-litserve" / "bin" / "python"
+# An earlier checkout to compare with in the same run (scenario shmgate-base), e.g.
+# `git worktree add --detach /tmp/base <commit>`, then SHMGATE_BENCH_BASE=/tmp/base. Its code runs on
+# this environment's packages (PYTHONPATH puts it before the editable install).
+BASE_TREE = Path(os.environ.get("SHMGATE_BENCH_BASE", "/nonexistent-base-tree"))
 IMAGES = sorted((REPO / "tests" / "data" / "images").glob("*_1024.jpg"))
 
 
@@ -66,7 +70,7 @@ class Scenario:
 
 NAIVE = ("{python}", "{repo}/bench/naive_server.py", "--port", "{port}")
 LITSERVE = ("{litserve_python}", "{repo}/bench/litserve_server.py", "--port", "{port}")
-SHMGATE = ("{bin}/shmgate", "serve", "--host", "127.0.0.1", "--port", "{port}")
+SHMGATE = ("{bin}/shmgate", "serve", "--host", "127.0.0.1", "--port", "{port}", "--server-timing")
 SCENARIOS: dict[str, Scenario] = {
     "naive-checksum": Scenario(NAIVE + ("--mode", "checksum"), "checksum"),
     "naive-efficientnet": Scenario(NAIVE + ("--mode", "efficientnet"), "efficientnet-lite0"),
@@ -81,6 +85,15 @@ SCENARIOS: dict[str, Scenario] = {
     # runs on one build.
     "shmgate-efficientnet-fcfs": Scenario(SHMGATE + ("--model", "efficientnet-lite0", "--batch-policy", "fcfs"),
                                           "efficientnet-lite0", ready_path="/ready"),
+    # Batches of 8 requests, the default before issue 16 (now one forward pass on CPU: 2 per torch
+    # thread), for alternated before/after runs on one build.
+    "shmgate-efficientnet-b8": Scenario(SHMGATE + ("--model", "efficientnet-lite0", "--max-batch-size", "8"),
+                                        "efficientnet-lite0", ready_path="/ready"),
+    # The same default command on the checkout in SHMGATE_BENCH_BASE (before/after in one run).
+    # (From the base directory: the frontends start with `python -m gateway`, which looks in the cwd first.)
+    "shmgate-base": Scenario(("sh", "-c", "cd {base} && PYTHONPATH={base} exec {bin}/shmgate serve --host 127.0.0.1 "
+                              "--port {port} --model efficientnet-lite0"), "efficientnet-lite0", ready_path="/ready",
+                             needs=BASE_TREE / "gateway" / "cli.py"),
     # The default on CPU is 2 workers splitting the cores (LitServe's best layout on 2 cores, too);
     # this is the other choice, one worker with every core.
     "shmgate-efficientnet-1w": Scenario(SHMGATE + ("--model", "efficientnet-lite0", "--workers", "1"),
@@ -185,7 +198,7 @@ def free_port() -> int:
 
 def expand(command: tuple[str, ...], port: int) -> list[str]:
     values = {"python": sys.executable, "bin": str(Path(sys.executable).parent), "repo": str(REPO),
-              "port": str(port), "litserve_python": str(LITSERVE_PYTHON)}
+              "port": str(port), "litserve_python": str(LITSERVE_PYTHON), "base": str(BASE_TREE)}
     return [part.format(**values) for part in command]
 
 
@@ -260,18 +273,19 @@ def fmt(value: float | None, digits: int = 1) -> str:
 
 def markdown_table(results: list[dict[str, Any]]) -> str:
     """The comparison table; server CPU is per request, all of the server's processes included."""
-    columns = ["scenario", "conc", "req/s", "p50 ms", "p90 ms", "p99 ms", "p99/p50", "ttft p50 ms", "errors",
+    rounds = any(r.get("round") for r in results)
+    columns = ["round"] * rounds + ["scenario", "conc", "req/s", "p50 ms", "p90 ms", "p99 ms", "p99/p50", "ttft p50 ms", "errors",
                "mismatches", "server CPU ms/req", "other load (cores)", "workers busy", "run s"]
     rows = []
     for r in results:
         cpu = r["cpu_s_per_request"]
         load = r["concurrency"] if r.get("offered_rate") is None else f"open {r['offered_rate']}/s"
         ratio = r["p99_ms"] / r["p50_ms"] if r["p99_ms"] and r["p50_ms"] else None
-        rows.append([r["scenario"], load, r["requests_per_s"], fmt(r["p50_ms"]), fmt(r["p90_ms"]),
+        rows.append([r.get("round", 0) + 1] * rounds + [r["scenario"], load, r["requests_per_s"], fmt(r["p50_ms"]), fmt(r["p90_ms"]),
                      fmt(r["p99_ms"]), fmt(ratio, 2), fmt(r["ttft_p50_ms"]), r["errors"], r["mismatches"],
                      fmt(None if cpu is None else cpu * 1000), fmt(r.get("other_load_cores")),
                      fmt(r.get("workers_busy"), 2), r["run_s"]])
-    return render_table(columns, rows)
+    return render_table(columns, rows, left=1 + rounds)
 
 
 def plot_open_loop(results: list[dict[str, Any]], path: Path) -> bool:
@@ -323,7 +337,7 @@ async def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
             for name in args.scenario:
                 scenario = SCENARIOS[name]
                 if scenario.needs is not None and not scenario.needs.exists():
-                    print(f"skipping {name}: {scenario.needs} is missing (run bench/setup_litserve.sh)",
+                    print(f"skipping {name}: {scenario.needs} is missing (for litserve: run bench/setup_litserve.sh; for shmgate-base: set SHMGATE_BENCH_BASE)",
                           file=sys.stderr)
                     continue
                 print(f"{name}: {' '.join(expand(scenario.command, 0))}", file=sys.stderr, flush=True)
@@ -355,7 +369,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1, help="seed of the open-loop arrival schedule")
     parser.add_argument("--rounds", type=int, default=1, help="repeat the scenario list, alternating servers")
     parser.add_argument("--plot", default=None, help="PNG of the open-loop p50/p99 against offered load")
+    parser.add_argument("--from-json", type=Path, default=None,
+                        help="run nothing: print the table (and --plot) of the JSON lines an earlier --json run wrote")
     args = parser.parse_args(argv)
+    if args.from_json is not None:
+        saved = [json.loads(line) for line in args.from_json.read_text().splitlines() if line.startswith("{")]
+        print(markdown_table(saved))
+        if args.plot:
+            plot_open_loop(saved, Path(args.plot))
+        return 0
     args.scenario = sorted(SCENARIOS) if args.all else (
         args.scenario or (EMBEDDING_SCENARIOS if args.embeddings else DEFAULT_SCENARIOS))
     args.requests = args.requests or (48 if args.quick else 200)
