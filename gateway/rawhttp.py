@@ -9,17 +9,25 @@ by line (SSE). It speaks to servers we start ourselves on loopback; it is not a 
 
 Failures (connection refused or reset, malformed response, timeout) raise ``TransportError``.
 A connection is reused only after a response was read to its end; anything else closes it.
+An idle connection is given up after ``KEEPALIVE_EXPIRY_S``, before the server's own keep-alive
+timeout (uvicorn's default is 5 s) can close it: a request sent on a connection the server is
+closing at that moment gets no answer. Open-loop runs at low rates leave connections idle that
+long, and this race showed as a few ``transport:ReadError`` per run, for every server alike.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
 __all__ = ["Lease", "RawClient", "Response", "TransportError"]
 
 MAX_HEADER_BYTES = 64 << 10
+KEEPALIVE_EXPIRY_S = 4.0  # below uvicorn's default timeout_keep_alive (5 s); see the module docstring
+
+Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
 
 class TransportError(Exception):
@@ -80,7 +88,8 @@ class Response:
 class RawClient:
     """Keep-alive connections to one ``http://host:port`` base URL, at most one request each at a time."""
 
-    def __init__(self, base_url: str, *, headers: dict[str, str] | None = None, timeout_s: float = 60.0) -> None:
+    def __init__(self, base_url: str, *, headers: dict[str, str] | None = None, timeout_s: float = 60.0,
+                 keepalive_expiry_s: float = KEEPALIVE_EXPIRY_S) -> None:
         parts = urlsplit(base_url)
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"the load generator speaks plain http only: {base_url!r}")
@@ -90,12 +99,13 @@ class RawClient:
         extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         self._fixed_headers = f"Host: {parts.netloc}\r\nContent-Type: application/json\r\n{extra}"
         self.timeout_s = timeout_s
-        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self._keepalive_expiry_s = keepalive_expiry_s
+        self._idle: list[tuple[Connection, float]] = []  # with the time.monotonic() it went idle
         self._all: set[asyncio.StreamWriter] = set()
 
     async def post(self, path: str, body: bytes) -> tuple[Response, Lease]:
         """Send a POST and read the status line and headers. Release the lease when done with the body."""
-        conn = self._idle.pop() if self._idle else await self._connect()
+        conn = self._take_idle() or await self._connect()
         reader, writer = conn
         head = (f"POST {self._prefix}{path} HTTP/1.1\r\n{self._fixed_headers}"
                 f"Content-Length: {len(body)}\r\n\r\n").encode()
@@ -123,7 +133,20 @@ class RawClient:
         response = Response(status, headers, reader)
         return response, Lease(self, conn, response)
 
-    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    def _take_idle(self) -> Connection | None:
+        """The most recently used idle connection still fresh and open; older ones are closed."""
+        expired = time.monotonic() - self._keepalive_expiry_s
+        while self._idle:
+            conn, since = self._idle.pop()
+            if since >= expired and not conn[0].at_eof():
+                return conn
+            self._discard(conn[1])
+        return None
+
+    def _give_back(self, conn: Connection) -> None:
+        self._idle.append((conn, time.monotonic()))
+
+    async def _connect(self) -> Connection:
         try:
             reader, writer = await asyncio.open_connection(self._host, self._port, limit=MAX_HEADER_BYTES)
         except OSError as exc:
@@ -145,8 +168,7 @@ class RawClient:
 class Lease:
     """Gives a connection back for reuse when its response was read to the end, else closes it."""
 
-    def __init__(self, client: RawClient, conn: tuple[asyncio.StreamReader, asyncio.StreamWriter],
-                 response: Response) -> None:
+    def __init__(self, client: RawClient, conn: Connection, response: Response) -> None:
         self._client = client
         self._conn = conn
         self._response = response
@@ -154,6 +176,6 @@ class Lease:
     def release(self) -> None:
         reusable = self._response.complete and self._response.headers.get("connection", "").lower() != "close"
         if reusable:
-            self._client._idle.append(self._conn)
+            self._client._give_back(self._conn)
         else:
             self._client._discard(self._conn[1])

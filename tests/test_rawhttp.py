@@ -100,6 +100,61 @@ def test_a_closed_connection_is_a_transport_error_and_not_reused() -> None:
     assert kind == "ReadError" and body == b"ok" and connections == 2
 
 
+def test_an_idle_connection_past_its_expiry_is_not_reused() -> None:
+    """A server closes idle keep-alive connections after its timeout; the client gives them up first."""
+    async def exchange(client: RawClient) -> list[bytes]:
+        out = []
+        for pause_s in (0.0, 0.0, 0.3):
+            await asyncio.sleep(pause_s)
+            response, lease = await client.post("/x", b"{}")
+            out.append(await response.read())
+            lease.release()
+        return out
+
+    async def main() -> tuple[list[bytes], int]:
+        server, url, connections = await _serve(lambda request: _fixed(b"ok"))
+        client = RawClient(url, keepalive_expiry_s=0.2)
+        try:
+            return await exchange(client), len(connections)
+        finally:
+            await client.aclose()
+            server.close()
+
+    bodies, connections = asyncio.run(main())
+    assert bodies == [b"ok"] * 3 and connections == 2  # the third request, 0.3 s idle, opened a new one
+
+
+def test_a_connection_the_server_closed_while_idle_is_not_reused() -> None:
+    """No "connection: close", but the server hung up after answering: the next request goes on a new one."""
+    async def main() -> tuple[list[bytes], int]:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            connections.append(1)
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+            await reader.readexactly(length)
+            writer.write(_fixed(b"ok"))
+            await writer.drain()
+            writer.close()  # answered, then closed, as a server's keep-alive timeout does
+
+        connections: list[int] = []
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        client = RawClient(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        out = []
+        try:
+            for _ in range(2):
+                response, lease = await client.post("/x", b"{}")
+                out.append(await response.read())
+                lease.release()
+                await asyncio.sleep(0.05)  # the close reaches the client
+            return out, len(connections)
+        finally:
+            await client.aclose()
+            server.close()
+
+    bodies, connections = asyncio.run(main())
+    assert bodies == [b"ok"] * 2 and connections == 2
+
+
 def test_garbage_status_line_is_a_protocol_error() -> None:
     async def exchange(client: RawClient) -> str:
         with pytest.raises(TransportError) as failure:
