@@ -289,7 +289,7 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
 
 
 def plot_open_loop(results: list[dict[str, Any]], path: Path) -> bool:
-    """p50 and p99 against offered load (% of measured capacity), one line pair per scenario.
+    """p50 and p99 against offered load (% of measured capacity), one line pair per scenario (mean of its rounds).
 
     Needs matplotlib (not a project dependency: ``pip install matplotlib`` in the bench venv);
     False when it is missing or there is nothing to draw.
@@ -307,11 +307,20 @@ def plot_open_loop(results: list[dict[str, Any]], path: Path) -> bool:
         return False
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
     for name in dict.fromkeys(r["scenario"] for r in open_runs):
-        runs = sorted((r for r in open_runs if r["scenario"] == name), key=lambda r: r["offered_rate"] / r["capacity"])
-        x = [100 * r["offered_rate"] / r["capacity"] for r in runs]
-        line = ax.plot(x, [r["p50_ms"] for r in runs], marker="o", label=f"{name} p50")[0]
-        ax.plot(x, [r["p99_ms"] for r in runs], marker="s", linestyle="--", color=line.get_color(),
-                label=f"{name} p99")
+        by_load: dict[int, list[dict[str, Any]]] = {}  # rounds of one point: drawn as their mean
+        for r in open_runs:
+            if r["scenario"] == name:
+                by_load.setdefault(round(100 * r["offered_rate"] / r["capacity"]), []).append(r)
+        x = sorted(by_load)
+
+        def mean(key: str, load: int) -> float:
+            return sum(r[key] for r in by_load[load]) / len(by_load[load])
+
+        rounds = max(len(runs) for runs in by_load.values())
+        label = name if rounds == 1 else f"{name} (mean of {rounds} rounds)"
+        line = ax.plot(x, [mean("p50_ms", load) for load in x], marker="o", label=f"{label} p50")[0]
+        ax.plot(x, [mean("p99_ms", load) for load in x], marker="s", linestyle="--", color=line.get_color(),
+                label=f"{label} p99")
     ax.set_xlabel("offered load, % of the capacity measured closed-loop")
     ax.set_ylabel("latency, ms")
     ax.set_yscale("log")
