@@ -183,6 +183,7 @@ class Frontend:
             raise
         finally:
             self._set_resolving(-1)  # from here on it is on the request queue (or failed)
+        self.replies.sending(state)
         try:
             await self.link.send_request(submit, min(10.0, self.limits.request_timeout_s))
         except ChannelFull:

@@ -70,9 +70,11 @@ class ReplyRouter:
         self.taken_unclaimed_s = taken_unclaimed_s
         self.grace_ns = int(grace_s * 1e9)
         self.states: dict[int, RequestState] = {}
-        # Our sends in queue order (one event loop sends), and how far that order is known to have left the
-        # queue: the request queue is FIFO, so a claimed descriptor proves every one we sent before it was
-        # taken too, and an empty queue proves every one sent so far was (``_check_taken``).
+        # Our sends numbered as they complete, and how far that numbering is known to have left the queue.
+        # The request queue is FIFO, so a claimed descriptor proves taken every one of ours that was on
+        # the queue before its send began (``ahead_seq``), and an empty queue proves every completed one
+        # was (``_check_taken``). Sends that wait side by side (several sender threads blocked on a full
+        # queue) may enter it in another order than they complete, so one claim proves nothing about them.
         self._send_seq = 0
         self._taken_seq = 0
         self._watchdog: asyncio.Task[None] | None = None
@@ -90,8 +92,12 @@ class ReplyRouter:
         self.states[state.request_id] = state
         self.stats.set(Counter.IN_FLIGHT, len(self.states))
 
+    def sending(self, state: RequestState) -> None:
+        """A send begins: what we have on the queue now is ahead of it, whatever happens to the sends beside it."""
+        state.ahead_seq = self._send_seq
+
     def sent(self, state: RequestState) -> None:
-        """Number a send that just succeeded (no await since): numbers follow our sends' queue order."""
+        """Number a send that just succeeded (no await since): its descriptor is on the queue."""
         self._send_seq += 1
         state.send_seq = self._send_seq
         state.taken_at = None
@@ -115,7 +121,7 @@ class ReplyRouter:
         if isinstance(message, Claimed):
             state.worker = (message.worker_slot, message.worker_epoch)
             self.stages.claimed(state.timing, message)
-            self._taken_seq = max(self._taken_seq, state.send_seq)
+            self._taken_seq = max(self._taken_seq, state.ahead_seq)
             if state.abandoned:
                 self._send_cancel(state)
             else:
@@ -197,8 +203,8 @@ class ReplyRouter:
         A worker claims a request right after taking it off the queue, but a worker killed between the two
         (SIGKILL of its container: nobody marks its slot dead, and it never said which request it held)
         leaves a request that nothing would answer before its deadline. We cannot see into the queue, but
-        it is FIFO: a request is known to be off it once one we sent later was claimed, or once the queue
-        was seen empty after its send. Known off the queue and still unclaimed after TAKEN_UNCLAIMED_S,
+        it is FIFO: a request is known to be off it once one whose send began after its send ended was
+        claimed, or once the queue was seen empty after its send. Known off the queue and still unclaimed after TAKEN_UNCLAIMED_S,
         it is resubmitted under a new request id, so that if its taker was only slow, not dead, its late
         answers go to an id nobody waits for (the arena generation checks keep its reads safe), rather
         than into the retried request's stream.
@@ -245,6 +251,7 @@ class ReplyRouter:
         self.stats.add(Counter.RETRIES)
         log.warning("request %x %s; retrying as %x (attempt %d)", old_id, why, state.request_id,
                     state.submit.attempt)
+        self.sending(state)
         try:
             await self.link.send_request(state.submit, 5.0)
         except ChannelFull:

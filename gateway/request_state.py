@@ -63,6 +63,7 @@ class RequestState:
     worker: tuple[int, int] | None = None  # (slot, epoch) of the claiming worker; kept when ABANDONED
     phase: Phase = Phase.QUEUED
     send_seq: int = 0  # this frontend's count of sends when its descriptor went onto the queue (0: not yet)
+    ahead_seq: int = 0  # our sends already on the queue when this one's send began: FIFO put them ahead of it
     taken_at: float | None = None  # when we learned it left the queue while still unclaimed (monotonic)
 
     def to(self, phase: Phase) -> None:

@@ -23,7 +23,7 @@ from gateway.metrics import Counter, exposition, render
 from gateway.preprocess.vision import ChecksumPreprocessor
 from gateway.request_state import IllegalTransition, Phase, RequestState
 from shared.errors import Overloaded
-from shared.segment import InstanceState
+from shared.segment import InstanceState, now_ns
 from shared.transport.memory import MemoryFrontendLink, MemoryNode, MemoryNodeStats
 from shared.wire import Claimed, Delta, Failed, Finished, Released, Submit
 
@@ -242,6 +242,58 @@ def test_a_request_taken_off_the_queue_but_never_claimed_is_resubmitted() -> Non
         retried = _take(node)
         assert retried.attempt == 1 and retried.request_id != submit.request_id
         assert state.phase is Phase.QUEUED
+
+    run(scenario)
+
+
+def _queued(request_id: int) -> RequestState:
+    """A request of ours, as ``Frontend.submit`` makes one, with a minute to go."""
+    return RequestState(request_id, Submit(request_id, 0, "checksum", deadline_ns=now_ns() + 60 * 10**9), [], 0.0)
+
+
+def test_a_claim_proves_taken_only_what_was_on_the_queue_before_its_send_began() -> None:
+    """Sends that wait side by side may enter the queue in another order than they complete.
+
+    AsyncSender runs each waiting send in a thread of its own; two blocked on a full queue can be let
+    in by the kernel in one order and report back in the other. Here A and B wait side by side, the
+    queue takes B first, the event loop hears of A first (A gets the lower number), and a worker claims
+    B while A is still queued. That claim must not count A as taken: A would be resubmitted after
+    ``taken_unclaimed_s`` while its first copy still waits to run. C, whose send began after A's had
+    ended, does prove A taken once claimed.
+    """
+    async def scenario(frontend: Frontend, node: MemoryNode, link: MemoryFrontendLink) -> None:
+        replies = frontend.replies
+        replies.taken_unclaimed_s = 0.0
+        slot, epoch = 0, node.workers[0].epoch  # the one worker run() added
+        a, b = _queued(101), _queued(102)
+        for state in (a, b):
+            replies.add(state)
+            replies.sending(state)  # both begin before either is on the queue
+        assert node.requests.try_send(b.submit) and node.requests.try_send(a.submit)  # the queue takes B first
+        replies.sent(a)
+        replies.sent(b)  # ...but the event loop hears of A first
+        assert _take(node).request_id == b.request_id
+        replies.on_reply(Claimed(b.request_id, slot, epoch))
+        for _ in range(2):
+            await replies.check()
+            await asyncio.sleep(0.01)
+        assert node.requests.current_messages() == 1  # A: still queued, not resent
+        assert a.phase is Phase.QUEUED and a.submit.attempt == 0
+
+        c = _queued(103)
+        replies.add(c)
+        replies.sending(c)  # begins after A's send ended: A is ahead of it
+        assert node.requests.try_send(c.submit)
+        replies.sent(c)
+        assert _take(node).request_id == a.request_id  # A's taker dies before claiming
+        assert _take(node).request_id == c.request_id
+        replies.on_reply(Claimed(c.request_id, slot, epoch))
+        assert node.requests.try_send(Submit(999, 1, "checksum"))  # another frontend's: the queue never empties
+        for _ in range(2):
+            await replies.check()
+            await asyncio.sleep(0.01)
+        retried = [m for m in (node.take(), node.take()) if m is not None and m.reply_slot == 0]
+        assert len(retried) == 1 and retried[0].attempt == 1 and a.submit.attempt == 1
 
     run(scenario)
 
