@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -38,6 +39,8 @@ import posix_ipc
 from shared.errors import ChannelFull, SetupError
 from shared.names import IPC_MODE
 from shared.wire import MAX_MESSAGE_BYTES, encoder
+
+log = logging.getLogger("shmgate.channels")
 
 __all__ = [
     "AsyncQueueReader",
@@ -174,6 +177,57 @@ def unlink_queue(name: str) -> None:
 
 SEND_SLICE_S = 2.0  # AsyncSender: a blocked send looks at close() this often (and re-queues behind newer ones)
 SENDER_THREADS = 32  # AsyncSender: sends of one frontend that can wait in the kernel at once
+# AsyncSender: at most this long for the previous send to be in the kernel's line. Generous: a thread
+# starved of CPU takes that long to get there, and the one waiting for it could not go before it anyway.
+LINE_WAIT_S = 1.0
+_wchan_visible: bool | None = None  # does /proc show where a sleeping thread waits? (checked once)
+
+
+def _wchan(tid: int) -> str | None:
+    """Where this process's thread ``tid`` sleeps in the kernel ("0": running); None when it is gone."""
+    try:
+        with open(f"/proc/self/task/{tid}/wchan") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _wchan_is_visible() -> bool:
+    """Checked once per process on a thread parked on an Event: some kernels and sandboxes hide wchan."""
+    global _wchan_visible
+    if _wchan_visible is None:
+        parked, release = threading.Event(), threading.Event()
+        tids: list[int] = []
+
+        def park() -> None:
+            tids.append(threading.get_native_id())
+            parked.set()
+            release.wait(1.0)
+
+        thread = threading.Thread(target=park, name="wchan-probe", daemon=True)
+        thread.start()
+        parked.wait(1.0)
+        visible, deadline = False, time.monotonic() + 0.5
+        while tids and not visible and time.monotonic() < deadline:
+            visible = _wchan(tids[0]) not in (None, "", "0")
+            time.sleep(0.001)
+        release.set()
+        thread.join(1.0)
+        _wchan_visible = visible
+    return _wchan_visible
+
+
+def _in_a_queue_wait(wchan: str | None) -> bool:
+    """Is a thread with this wchan blocked on a message queue (ipc/mqueue.c: wq_sleep, or its caller if inlined), or gone?"""
+    return wchan is None or wchan == "wq_sleep" or "mq_timed" in wchan
+
+
+@dataclass
+class _Blocking:
+    """A sender thread on its way into a blocking send: the next one waits until it is in the kernel's line."""
+
+    tid: int
+    left: bool = False  # its blocking send returned
 
 
 @dataclass
@@ -204,11 +258,13 @@ class AsyncSender:
     (docs/BENCHMARKS.md). Before that (until issue 16), waiters woke on writability and raced for
     each free place, and a frontend starved of CPU lost every race.
 
-    This frontend's own sends keep their order (``ReplyRouter._check_taken`` relies on it): a thread
-    takes the next send and tries it under one lock, and lets the next thread in only once its own
-    has gone or is about to block. (The step from that lock to the blocking call is a few bytecodes
-    under the GIL; were another thread ever to overtake it there, the cost is a needless retry of a
-    request after ``TAKEN_UNCLAIMED_S``, never a wrong answer: a retry has a new id.) A send whose
+    This frontend's own sends keep their order: a thread takes the next send and tries it under one
+    lock, and a thread that must block first waits (up to ``LINE_WAIT_S``) until the thread that
+    blocked before it is in the kernel's line, which Linux shows as its ``wchan``. Without that wait,
+    a thread preempted between the lock and its blocking call was overtaken: measured with two cores
+    of other load, 3 runs in 10 of tests/test_fifo_sender.py delivered two sends swapped. (Where
+    /proc cannot tell, the wait is skipped and such swaps stay possible; ``ReplyRouter`` does not
+    rely on the order.) A send whose
     caller stopped waiting before a thread took it never goes; one already handed to the kernel may
     still go (harmless: its arena holds carry generations, and its answer matches no request).
     The threads are daemons: a frontend that exits does not wait for sends blocked in the kernel.
@@ -223,6 +279,7 @@ class AsyncSender:
         self._turn = threading.Condition()  # guards the fields above; held from taking a send to trying it
         self._waiting = 0  # sends handed to the threads and not yet answered
         self._closed = False
+        self._last_blocking: _Blocking | None = None  # the thread that went to block most recently
 
     async def send(self, message: Any, timeout_s: float) -> None:
         """Raises ChannelFull after ``timeout_s``."""
@@ -264,10 +321,34 @@ class AsyncSender:
                 if self._closed:
                     self._finish(job, ChannelFull("the channel is closed"))
                     continue
-                if self._queue.try_send(job.message):  # under the lock: our sends keep their order
+                ahead = self._last_blocking
+                # Under the lock: our sends keep their order. Not while an earlier one is still on its
+                # way into the kernel: a place freed meanwhile is its place.
+                if (ahead is None or ahead.left) and self._queue.try_send(job.message):
                     self._finish(job, None)
                     continue
-            self._finish(job, self._send_by(job))
+                me = self._last_blocking = _Blocking(threading.get_native_id())
+            if ahead is not None:
+                self._wait_until_in_line(ahead)
+            error = self._send_by(job)
+            me.left = True
+            self._finish(job, error)
+
+    @staticmethod
+    def _wait_until_in_line(ahead: _Blocking) -> None:
+        """Wait (briefly, outside the lock) until the send before ours is blocked in the kernel, or done."""
+        global _wchan_visible
+        if not _wchan_is_visible():
+            return
+        deadline = time.monotonic() + LINE_WAIT_S
+        while not ahead.left and not _in_a_queue_wait(wchan := _wchan(ahead.tid)):
+            if time.monotonic() >= deadline:
+                if wchan != "0":  # asleep elsewhere for a whole second: a kernel that names the wait otherwise?
+                    _wchan_visible = False
+                    log.warning("sender thread %d waits in %r, not a message queue; sends wait in order "
+                                "without checking from now on", ahead.tid, wchan)
+                return
+            time.sleep(0.0002)
 
     def _send_by(self, job: _Send) -> BaseException | None:
         """A blocking send until the job's deadline (time spent waiting for a thread counts); its error."""

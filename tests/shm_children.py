@@ -333,6 +333,25 @@ def take_and_hold(instance_id: str, w: int, conn: Connection) -> None:
     time.sleep(120)
 
 
+def send_behind_a_full_queue(instance_id: str, first_id: int, n_sends: int, conn: Connection) -> None:
+    """A frontend's AsyncSender with ``n_sends`` sends waiting on a full request queue; reports, then waits to die."""
+    import asyncio
+
+    from shared.channels import AsyncSender
+
+    async def main() -> None:
+        inst = Instance.attach(instance_id)
+        sender = AsyncSender(inst.request_queue())
+        sends = []
+        for request_id in range(first_id, first_id + n_sends):
+            sends.append(asyncio.ensure_future(sender.send(Submit(request_id, 0, "m"), 60.0)))
+            await asyncio.sleep(0.02)  # each in the kernel's line of blocked senders before the next
+        conn.send(sum(not send.done() for send in sends))
+        await asyncio.sleep(120)
+
+    asyncio.run(main())
+
+
 def create_and_die(conn: Connection) -> None:
     """Create a whole instance (as a supervisor would) and wait to be killed."""
     inst = Instance.create(arena_size=1 << 20, n_frontends=1, n_workers=1, queue_depth=1)

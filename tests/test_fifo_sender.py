@@ -11,14 +11,21 @@ of the sends. No timing is asserted; the hang guards only bound a broken impleme
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
+import os
+import signal
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
 
+from shared import channels
 from shared.channels import AsyncSender, Queue
 from shared.errors import ChannelFull
 from shared.instance import Instance
 from shared.wire import Submit
+from tests import shm_children
 from tests.shm_children import scratch_instance
 
 HANG_S = 30.0
@@ -165,3 +172,78 @@ def test_a_cancelled_waiting_send_never_goes(instance: Instance) -> None:
             consumer.close()
 
     assert asyncio.run(scenario()) == [1, 2, 3, 5]
+
+
+def test_a_frontend_killed_with_sends_blocked_in_the_kernel_leaves_no_trace(instance: Instance) -> None:
+    """kill -9 at the worst moment for the sender: another process's sends are blocked in ``mq_timedsend``.
+
+    The dead frontend's waiting sends never enter the queue (the kernel drops a blocked sender with
+    its process), the live frontend's sends, which lined up behind them, all go in their order, and
+    the queue is empty afterwards: no torn or stray message.
+    """
+    spawn = multiprocessing.get_context("spawn")
+    ours, theirs = spawn.Pipe(duplex=False)
+    victim = spawn.Process(target=shm_children.send_behind_a_full_queue,
+                           args=(instance.names.instance_id, 10, 5, theirs), daemon=True)
+
+    async def scenario() -> list[int]:
+        producer, consumer = instance.request_queue(), instance.request_queue()
+        sender = AsyncSender(producer)
+        try:
+            await sender.send(Submit(1, 0, "m"), HANG_S)
+            await sender.send(Submit(2, 0, "m"), HANG_S)  # full (depth 2)
+            victim.start()
+            theirs.close()
+            assert await asyncio.to_thread(ours.poll, HANG_S), "the victim did not line up its sends"
+            assert ours.recv() == 5  # all five still waiting
+            ours_waiting = []
+            for request_id in (20, 21, 22):
+                ours_waiting.append(asyncio.create_task(sender.send(Submit(request_id, 0, "m"), HANG_S)))
+                await asyncio.sleep(0.02)  # behind the victim's in the kernel's line
+            os.kill(victim.pid, signal.SIGKILL)
+            await asyncio.to_thread(victim.join, HANG_S)
+            assert victim.exitcode == -signal.SIGKILL
+            received = [await _receive_one(consumer) for _ in range(5)]
+            await asyncio.wait_for(asyncio.gather(*ours_waiting), HANG_S)
+            assert consumer.try_receive() is None
+            return received
+        finally:
+            sender.close()
+            producer.close()
+            consumer.close()
+            if victim.pid is not None:  # started
+                shm_children.stop_process(victim)
+
+    assert asyncio.run(scenario()) == [1, 2, 20, 21, 22]
+
+
+def test_a_thread_blocked_on_a_full_queue_is_seen_in_the_kernels_line(instance: Instance) -> None:
+    """The order of a frontend's waiting sends rests on reading this from /proc (AsyncSender._wait_until_in_line)."""
+    if not channels._wchan_is_visible():
+        pytest.skip("this kernel or sandbox hides /proc/<pid>/task/<tid>/wchan")
+    producer = instance.request_queue()
+    producer.send(Submit(1, 0, "m"), HANG_S)
+    producer.send(Submit(2, 0, "m"), HANG_S)  # full (depth 2)
+    tids: list[int] = []
+    outcome: list[BaseException | None] = []
+
+    def blocked_send() -> None:
+        tids.append(threading.get_native_id())
+        try:
+            producer.send(Submit(3, 0, "m"), 2.0)
+            outcome.append(None)
+        except ChannelFull as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=blocked_send)
+    thread.start()
+    try:
+        deadline = time.monotonic() + HANG_S
+        while not (tids and channels._in_a_queue_wait(channels._wchan(tids[0]))):
+            assert time.monotonic() < deadline, f"never seen blocked: wchan {channels._wchan(tids[0]) if tids else None!r}"
+            time.sleep(0.001)
+        assert channels._wchan(tids[0]) not in (None, "0")  # seen asleep in the queue, not gone
+    finally:
+        thread.join(HANG_S)
+        producer.close()
+    assert outcome and isinstance(outcome[0], ChannelFull)  # nobody received: it timed out in the kernel
