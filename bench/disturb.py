@@ -93,6 +93,7 @@ def main() -> int:
     if args.duty is not None:
         spin(min(1.0, max(0.0, args.duty)), args.seconds)
         return 0
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))  # `kill` stops the spinners too
     with Disturbance(args.cores or 1.0, max_seconds=args.seconds + 5):
         time.sleep(args.seconds)
     return 0
