@@ -50,6 +50,14 @@ async def _receive_one(queue: Queue) -> int:
     raise AssertionError("nothing arrived on the queue")
 
 
+async def _receive_all(consumer: Queue, count: int, waiting: list[asyncio.Task[None]]) -> list[int]:
+    """The next ``count`` request ids; then every waiting send must have gone, and nothing else be queued."""
+    received = [await _receive_one(consumer) for _ in range(count)]
+    await asyncio.wait_for(asyncio.gather(*waiting), HANG_S)
+    assert consumer.try_receive() is None
+    return received
+
+
 def test_waiting_sends_go_in_their_order_and_new_ones_queue_behind(instance: Instance) -> None:
     async def scenario() -> list[int]:
         producer, consumer = instance.request_queue(), instance.request_queue()
@@ -162,10 +170,7 @@ def test_a_cancelled_waiting_send_never_goes(instance: Instance) -> None:
             dropped.cancel()
             last = asyncio.create_task(sender.send(Submit(5, 0, "m"), HANG_S))
             await asyncio.sleep(0.02)
-            received = [await _receive_one(consumer) for _ in range(4)]
-            await asyncio.wait_for(asyncio.gather(first, last), HANG_S)
-            assert consumer.try_receive() is None
-            return received
+            return await _receive_all(consumer, 4, [first, last])
         finally:
             sender.close()
             producer.close()
@@ -203,10 +208,7 @@ def test_a_frontend_killed_with_sends_blocked_in_the_kernel_leaves_no_trace(inst
             os.kill(victim.pid, signal.SIGKILL)
             await asyncio.to_thread(victim.join, HANG_S)
             assert victim.exitcode == -signal.SIGKILL
-            received = [await _receive_one(consumer) for _ in range(5)]
-            await asyncio.wait_for(asyncio.gather(*ours_waiting), HANG_S)
-            assert consumer.try_receive() is None
-            return received
+            return await _receive_all(consumer, 5, ours_waiting)
         finally:
             sender.close()
             producer.close()
