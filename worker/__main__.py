@@ -11,6 +11,11 @@ import os
 # cores the frontends need for decoding (measured: 8 ms of worker CPU per checksum request
 # with the default policy). Passive waiting costs a few microseconds of wake-up instead.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# torch's CPU allocator puts tensors of 2 MiB and more on transparent huge pages only when asked
+# (and only where /sys/kernel/mm/transparent_hugepage/enabled is not "never"). The model's weights
+# and activations then take far fewer TLB misses: EfficientNet-Lite0 ran a pass of 2 images in
+# about a fifth less CPU, in every process start (docs/BENCHMARKS.md, "Huge pages for the model").
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import argparse  # noqa: E402
 import logging  # noqa: E402
