@@ -98,6 +98,13 @@ SCENARIOS: dict[str, Scenario] = {
     # this is the other choice, one worker with every core.
     "shmgate-efficientnet-1w": Scenario(SHMGATE + ("--model", "efficientnet-lite0", "--workers", "1"),
                                         "efficientnet-lite0", ready_path="/ready"),
+    # Huge pages for torch's large tensors (worker/__main__.py turns them on by default): without
+    # them in our workers, and with them in LitServe's, for alternated runs on one build.
+    "shmgate-efficientnet-nothp": Scenario(("env", "THP_MEM_ALLOC_ENABLE=0") + SHMGATE
+                                           + ("--model", "efficientnet-lite0"), "efficientnet-lite0",
+                                           ready_path="/ready"),
+    "litserve-thp": Scenario(("env", "THP_MEM_ALLOC_ENABLE=1") + LITSERVE, "efficientnet-lite0",
+                             needs=LITSERVE_PYTHON),
 }
 # /v1/embeddings (one image per request; req/s = images/s). "-repeat": the same image every time
 # (the naive server and LitServe have no cache to hit; shmgate hits its tensor cache, and with
