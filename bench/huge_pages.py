@@ -4,7 +4,8 @@
 
 Each start is a fresh process (or two side by side, as the default CPU layout runs two workers of
 one torch thread) that loads the served model, warms it up, then runs P forward passes of 2 images
-(the CPU worker's pass) and reports the process's CPU ms per pass and its anonymous huge pages.
+(the CPU worker's pass) and reports the process's CPU ms per pass, its anonymous huge pages and
+its resident set (what the huge pages cost in memory).
 Starts alternate ``THP_MEM_ALLOC_ENABLE=0`` and ``=1`` (what worker/__main__.py sets unless told
 otherwise), so both settings share the machine's moods; each start places memory afresh, so the
 spread from start to start shows too.
@@ -25,8 +26,20 @@ REPO = Path(__file__).resolve().parent.parent
 IMAGES_PER_PASS = 2
 
 
+def memory_kib() -> dict[str, int]:
+    """This process's anonymous huge pages and resident set, in KiB (/proc/self/smaps_rollup)."""
+    fields = {"AnonHugePages:": "huge_kib", "Rss:": "rss_kib"}
+    found = {}
+    with open("/proc/self/smaps_rollup") as smaps:
+        for line in smaps:
+            name = line.split(maxsplit=1)[0]
+            if name in fields:
+                found[fields[name]] = int(line.split()[1])
+    return found
+
+
 def measure(passes: int) -> dict[str, float]:
-    """CPU and wall ms per pass of this process, and its anonymous huge pages (KiB)."""
+    """CPU and wall ms per pass of this process, and its memory (``memory_kib``)."""
     import torch
 
     from worker.backends.efficientnet import EfficientNetBackend
@@ -42,17 +55,12 @@ def measure(passes: int) -> dict[str, float]:
         backend.classify(pixels)
     cpu_ms = (time.process_time() - cpu) / passes * 1000
     wall_ms = (time.perf_counter() - wall) / passes * 1000
-    huge_kib = 0
-    with open("/proc/self/smaps_rollup") as smaps:
-        for line in smaps:
-            if line.startswith("AnonHugePages:"):
-                huge_kib = int(line.split()[1])
-    return {"cpu_ms": round(cpu_ms, 2), "wall_ms": round(wall_ms, 2), "huge_kib": huge_kib}
+    return {"cpu_ms": round(cpu_ms, 2), "wall_ms": round(wall_ms, 2), **memory_kib()}
 
 
 def start(thp: str, processes: int, passes: int) -> list[dict[str, float]]:
     """``processes`` fresh processes measuring side by side with THP_MEM_ALLOC_ENABLE=``thp``."""
-    env = dict(os.environ, THP_MEM_ALLOC_ENABLE=thp, OMP_WAIT_POLICY="PASSIVE")
+    env = dict(os.environ, THP_MEM_ALLOC_ENABLE=thp)
     argv = [sys.executable, __file__, "--child", str(passes)]
     children = [subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, cwd=REPO, env=env)
                 for _ in range(processes)]
@@ -73,8 +81,8 @@ def main() -> None:
         return
     cpu: dict[str, list[float]] = {"0": [], "1": []}
     if not args.json:
-        print("| start | THP_MEM_ALLOC_ENABLE | CPU ms per pass | wall ms per pass | AnonHugePages KiB |")
-        print("|---:|---:|---:|---:|---:|")
+        print("| start | THP_MEM_ALLOC_ENABLE | CPU ms per pass | wall ms per pass | AnonHugePages KiB | RSS KiB |")
+        print("|---:|---:|---:|---:|---:|---:|")
     for number in range(1, args.starts + 1):
         for thp in ("0", "1"):
             for row in start(thp, args.processes, args.passes):
@@ -82,7 +90,8 @@ def main() -> None:
                 if args.json:
                     print(json.dumps({"start": number, "thp": int(thp), **row}), flush=True)
                 else:
-                    print(f"| {number} | {thp} | {row['cpu_ms']} | {row['wall_ms']} | {row['huge_kib']} |", flush=True)
+                    print(f"| {number} | {thp} | {row['cpu_ms']} | {row['wall_ms']} | {row['huge_kib']} | {row['rss_kib']} |",
+                          flush=True)
     off, on = round(statistics.median(cpu["0"]), 2), round(statistics.median(cpu["1"]), 2)
     summary = {"median_cpu_ms_off": off, "median_cpu_ms_on": on, "ratio_off_to_on": round(off / on, 2),
                "range_off": [min(cpu["0"]), max(cpu["0"])], "range_on": [min(cpu["1"]), max(cpu["1"])]}

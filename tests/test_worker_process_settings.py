@@ -3,7 +3,7 @@
 worker/__main__.py sets ``THP_MEM_ALLOC_ENABLE=1`` (unless the environment says otherwise) before
 torch is imported, so torch's CPU allocator aligns tensors of 2 MiB and more to 2 MiB and asks the
 kernel for transparent huge pages (``madvise``). On the bench machine that made the model's passes
-about a fifth cheaper (docs/BENCHMARKS.md). These tests check the effect, not the variable: a
+about a quarter cheaper (docs/BENCHMARKS.md). These tests check the effect, not the variable: a
 process that imports the worker's entry point and fills a large tensor holds anonymous huge pages,
 and where the kernel gives huge pages only on request, a process told ``THP_MEM_ALLOC_ENABLE=0``
 holds none.
@@ -26,11 +26,10 @@ THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 CHILD = """
 import worker.__main__
 import torch
+from bench.huge_pages import memory_kib
 tensor = torch.empty(16 * 1024 * 1024, dtype=torch.float32)
 tensor.fill_(1.0)
-for line in open("/proc/self/smaps_rollup"):
-    if line.startswith("AnonHugePages:"):
-        print(int(line.split()[1]))
+print(memory_kib()["huge_kib"])
 """
 
 
