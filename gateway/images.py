@@ -8,6 +8,8 @@ cache its transport link built; it never touches the segment.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -30,7 +32,7 @@ class ImageResolver:
         self.preprocessor = preprocessor
         self.stats = stats
         self.max_pixels = max_pixels
-        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="decode")
+        self.pool = _started_pool(threads, "decode")
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -129,3 +131,19 @@ class ImageResolver:
         self.stats.set(Counter.CACHE_EVICTIONS, s.evictions)
         self.stats.set(Counter.ARENA_USED_BYTES, self.cache.used_bytes)
         self.stats.set(Counter.ARENA_HELD_BYTES, self.cache.held_bytes)
+
+
+def _started_pool(threads: int, name: str) -> ThreadPoolExecutor:
+    """A thread pool whose threads all run from the start.
+
+    ThreadPoolExecutor starts a thread only when a task finds none idle, so a frontend's thread count
+    would depend on the most decodes it ever ran at once; bench/soak.py could not tell that growth
+    from a leak. Starting them now also keeps thread start off the first concurrent requests.
+    """
+    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name)
+    all_running = threading.Barrier(threads + 1)
+    for _ in range(threads):  # each task holds its thread until all are running, so each gets a new one
+        pool.submit(all_running.wait, 5.0)
+    with contextlib.suppress(threading.BrokenBarrierError):  # a machine too busy to start them in 5 s: lazily then
+        all_running.wait(5.0)
+    return pool

@@ -177,6 +177,7 @@ def unlink_queue(name: str) -> None:
 
 SEND_SLICE_S = 2.0  # AsyncSender: a blocked send looks at close() this often (and re-queues behind newer ones)
 SENDER_THREADS = 32  # AsyncSender: sends of one frontend that can wait in the kernel at once
+SENDER_IDLE_S = 2.0  # AsyncSender: a sender thread with nothing to send this long exits (a new one costs ~0.1 ms)
 # AsyncSender: at most this long for the previous send to be in the kernel's line. Generous: a thread
 # starved of CPU takes that long to get there, and the one waiting for it could not go before it anyway.
 LINE_WAIT_S = 1.0
@@ -268,6 +269,7 @@ class AsyncSender:
     caller stopped waiting before a thread took it never goes; one already handed to the kernel may
     still go (harmless: its arena holds carry generations, and its answer matches no request).
     The threads are daemons: a frontend that exits does not wait for sends blocked in the kernel.
+    One idle for ``SENDER_IDLE_S`` exits, so a frontend at rest holds none, whatever bursts it saw.
     """
 
     def __init__(self, queue: Queue, threads: int = SENDER_THREADS) -> None:
@@ -308,11 +310,12 @@ class AsyncSender:
         """A sender thread: take the next send, try it at once, else block in the kernel until its deadline."""
         while True:
             with self._turn:
-                while not self._sends and not self._closed:
+                idle_for_long = False
+                while not self._sends and not self._closed and not idle_for_long:
                     self._idle += 1
-                    self._turn.wait()
+                    idle_for_long = not self._turn.wait(SENDER_IDLE_S)
                     self._idle -= 1
-                if not self._sends:  # closed, nothing left
+                if not self._sends:  # closed or idle for long, nothing left
                     self._threads -= 1
                     return
                 job = self._sends.popleft()

@@ -179,6 +179,52 @@ def test_a_cancelled_waiting_send_never_goes(instance: Instance) -> None:
     assert asyncio.run(scenario()) == [1, 2, 3, 5]
 
 
+def _sender_threads() -> int:
+    return sum(t.name == "send" for t in threading.enumerate())
+
+
+def test_idle_sender_threads_exit_and_a_later_burst_starts_new_ones(
+        instance: Instance, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A burst leaves no threads behind once idle (bench/soak.py counts a frontend's threads at rest)."""
+    monkeypatch.setattr(channels, "SENDER_IDLE_S", 0.05)
+
+    async def burst(sender: AsyncSender, consumer: Queue, first: int) -> list[int]:
+        await sender.send(Submit(first, 0, "m"), HANG_S)
+        await sender.send(Submit(first + 1, 0, "m"), HANG_S)  # full
+        waiting = []
+        for request_id in range(first + 2, first + 6):
+            waiting.append(asyncio.create_task(sender.send(Submit(request_id, 0, "m"), HANG_S)))
+            await asyncio.sleep(0)
+        await asyncio.sleep(0.02)
+        assert _sender_threads() >= 1
+        return await _receive_all(consumer, 6, waiting)
+
+    async def until_no_sender_threads() -> None:
+        deadline = time.monotonic() + HANG_S
+        while _sender_threads() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+
+    async def scenario() -> tuple[list[int], int, list[int], int]:
+        producer, consumer = instance.request_queue(), instance.request_queue()
+        sender = AsyncSender(producer)
+        try:
+            first = await burst(sender, consumer, 10)
+            await until_no_sender_threads()
+            after_first = _sender_threads()
+            second = await burst(sender, consumer, 20)
+            await until_no_sender_threads()
+            return first, after_first, second, _sender_threads()
+        finally:
+            sender.close()
+            producer.close()
+            consumer.close()
+
+    assert _sender_threads() == 0
+    first, after_first, second, after_second = asyncio.run(scenario())
+    assert first == list(range(10, 16)) and second == list(range(20, 26))
+    assert after_first == 0 and after_second == 0
+
+
 def test_a_frontend_killed_with_sends_blocked_in_the_kernel_leaves_no_trace(instance: Instance) -> None:
     """kill -9 at the worst moment for the sender: another process's sends are blocked in ``mq_timedsend``.
 

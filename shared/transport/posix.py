@@ -8,7 +8,6 @@ frontend's code came from gateway/frontend.py, the worker's from worker/main.py,
 from __future__ import annotations
 
 import bisect
-import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -146,8 +145,7 @@ class PosixWorkerLink:
         self._heartbeat: Heartbeat | None = None
         self._requests: Queue | None = None
         self._control: Queue | None = None
-        self._replies: dict[int, Queue] = {}
-        self._replies_lock = threading.Lock()  # both worker threads reply; one Queue object per frontend
+        self._replies: dict[int, Queue] = {}  # by frontend slot
 
     def claim(self, model: str) -> tuple[int, int]:
         self.slot, self.epoch = self.instance.claim_worker_slot(model)
@@ -155,6 +153,9 @@ class PosixWorkerLink:
         self._control = self.instance.control_queue(self.slot)
         while self._control.try_receive() is not None:
             pass  # cancels addressed to this slot's previous owner
+        # Every frontend slot's reply queue now, not on its first reply: the worker's descriptors are
+        # then fixed for its life, whichever frontends its requests came from (bench/soak.py counts them).
+        self._replies = {k: self.instance.reply_queue(k) for k in range(self.n_frontends())}
         return self.slot, self.epoch
 
     def start_heartbeat(self, on_declared_dead: Callable[[], None]) -> None:
@@ -215,11 +216,7 @@ class PosixWorkerLink:
         return self.segment.layout.n_frontends
 
     def send_reply(self, frontend_slot: int, message: object, timeout_s: float) -> None:
-        with self._replies_lock:
-            queue = self._replies.get(frontend_slot)
-            if queue is None:
-                queue = self._replies[frontend_slot] = self.instance.reply_queue(frontend_slot)
-        queue.send(message, timeout_s)
+        self._replies[frontend_slot].send(message, timeout_s)
 
     def frontend_alive(self, frontend_slot: int) -> bool:
         seg = self.segment
