@@ -47,9 +47,12 @@ if str(REPO) not in sys.path:
 
 import httpx  # noqa: E402
 
+from shared.channels import SENDER_IDLE_S  # noqa: E402
 from tests.serving import data_url, expected_checksum, free_port, noise_png  # noqa: E402
 
 MODEL = "checksum"
+# A census waits this long after traffic: a frontend's sender threads exit once idle for SENDER_IDLE_S.
+AT_REST_S = SENDER_IDLE_S + 1.0
 GRACE_S = 15.0  # past the server's request timeout (+ its 5 s hold grace): a request still open is hung
 
 BAD_BODIES: list[tuple[bytes, int]] = [
@@ -356,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
             await traffic(server, args.concurrency, stop, deadline_s, tally_of_round, hits)
 
         asyncio.run(calm_round(Tally()))
-        time.sleep(2.0)
+        time.sleep(AT_REST_S)
         before = census(server)
 
         async def run() -> None:
@@ -381,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         # after a short calm round, so replacements have opened their lazy pools as the originals had
         calm = Tally()
         asyncio.run(calm_round(calm))
-        time.sleep(2.0)
+        time.sleep(AT_REST_S)
         after = census(server)
         for role, (fds, threads) in after.items():
             fds0, threads0 = before.get(role, (0, 0))
