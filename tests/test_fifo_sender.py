@@ -205,6 +205,7 @@ def test_idle_sender_threads_exit_and_a_later_burst_starts_new_ones(
             await asyncio.sleep(0.01)
 
     async def scenario() -> tuple[list[int], int, list[int], int]:
+        await until_no_sender_threads()  # an earlier test's closed sender: its threads end within a slice
         producer, consumer = instance.request_queue(), instance.request_queue()
         sender = AsyncSender(producer)
         try:
@@ -219,7 +220,6 @@ def test_idle_sender_threads_exit_and_a_later_burst_starts_new_ones(
             producer.close()
             consumer.close()
 
-    assert _sender_threads() == 0
     first, after_first, second, after_second = asyncio.run(scenario())
     assert first == list(range(10, 16)) and second == list(range(20, 26))
     assert after_first == 0 and after_second == 0
