@@ -177,7 +177,7 @@ def unlink_queue(name: str) -> None:
 
 SEND_SLICE_S = 2.0  # AsyncSender: a blocked send looks at close() this often (and re-queues behind newer ones)
 SENDER_THREADS = 32  # AsyncSender: sends of one frontend that can wait in the kernel at once
-SENDER_IDLE_S = 2.0  # AsyncSender: a sender thread with nothing to send this long exits (a new one costs ~0.1 ms)
+SENDER_IDLE_S = 2.0  # AsyncSender: a sender thread with nothing to send this long exits (start + join: ~0.3 ms here)
 # AsyncSender: at most this long for the previous send to be in the kernel's line. Generous: a thread
 # starved of CPU takes that long to get there, and the one waiting for it could not go before it anyway.
 LINE_WAIT_S = 1.0
