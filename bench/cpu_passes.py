@@ -17,21 +17,43 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 IMAGES_PER_ROUND = 8
 
 
-def measure(pass_images: int, seconds: float) -> float:
-    """ms per image for this process, running rounds of 8 images in passes of ``pass_images``."""
+def backend_and_pixels(images: int) -> tuple[Any, list[Any]]:
+    """The served model on one torch thread, and ``images`` fixed random 224x224 images (seed 0).
+
+    Shared with bench/huge_pages.py: both measure the CPU worker's pass on the same inputs.
+    """
     import torch
 
     from worker.backends.efficientnet import EfficientNetBackend
 
     backend = EfficientNetBackend(torch.device("cpu"), threads=1)
-    backend.pass_images = pass_images
     generator = torch.Generator().manual_seed(0)
-    pixels = [torch.randint(0, 256, (3, 224, 224), dtype=torch.uint8, generator=generator) for _ in range(8)]
+    return backend, [torch.randint(0, 256, (3, 224, 224), dtype=torch.uint8, generator=generator)
+                     for _ in range(images)]
+
+
+def children_side_by_side(script: str, child_args: list[str], processes: int,
+                          env: dict[str, str] | None = None) -> list[str]:
+    """The output of ``processes`` fresh ``script --child ...`` processes started together.
+
+    Side by side, as the default CPU layout runs two workers of one torch thread.
+    """
+    argv = [sys.executable, script, "--child", *child_args]
+    children = [subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, cwd=REPO, env=env)
+                for _ in range(processes)]
+    return [child.communicate()[0] for child in children]
+
+
+def measure(pass_images: int, seconds: float) -> float:
+    """ms per image for this process, running rounds of 8 images in passes of ``pass_images``."""
+    backend, pixels = backend_and_pixels(IMAGES_PER_ROUND)
+    backend.pass_images = pass_images
     backend.classify(pixels)  # warm-up
     images = 0
     started = time.perf_counter()
@@ -43,9 +65,8 @@ def measure(pass_images: int, seconds: float) -> float:
 
 def side_by_side(pass_images: int, processes: int, seconds: float) -> list[float]:
     """ms per image of each of ``processes`` processes measuring at the same time."""
-    argv = [sys.executable, __file__, "--child", str(pass_images), "--seconds", str(seconds)]
-    children = [subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, cwd=REPO) for _ in range(processes)]
-    return [float(child.communicate()[0]) for child in children]
+    return [float(out) for out in children_side_by_side(__file__, [str(pass_images), "--seconds", str(seconds)],
+                                                        processes)]
 
 
 def main() -> None:

@@ -17,12 +17,16 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench.cpu_passes import backend_and_pixels, children_side_by_side  # noqa: E402
+
 IMAGES_PER_PASS = 2
 
 
@@ -40,14 +44,7 @@ def memory_kib() -> dict[str, int]:
 
 def measure(passes: int) -> dict[str, float]:
     """CPU and wall ms per pass of this process, and its memory (``memory_kib``)."""
-    import torch
-
-    from worker.backends.efficientnet import EfficientNetBackend
-
-    backend = EfficientNetBackend(torch.device("cpu"), threads=1)
-    generator = torch.Generator().manual_seed(0)
-    pixels = [torch.randint(0, 256, (3, 224, 224), dtype=torch.uint8, generator=generator)
-              for _ in range(IMAGES_PER_PASS)]
+    backend, pixels = backend_and_pixels(IMAGES_PER_PASS)
     for _ in range(20):
         backend.classify(pixels)  # warm-up
     cpu, wall = time.process_time(), time.perf_counter()
@@ -61,10 +58,7 @@ def measure(passes: int) -> dict[str, float]:
 def start(thp: str, processes: int, passes: int) -> list[dict[str, float]]:
     """``processes`` fresh processes measuring side by side with THP_MEM_ALLOC_ENABLE=``thp``."""
     env = dict(os.environ, THP_MEM_ALLOC_ENABLE=thp)
-    argv = [sys.executable, __file__, "--child", str(passes)]
-    children = [subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, cwd=REPO, env=env)
-                for _ in range(processes)]
-    return [json.loads(child.communicate()[0]) for child in children]
+    return [json.loads(out) for out in children_side_by_side(__file__, [str(passes)], processes, env)]
 
 
 def main() -> None:
@@ -76,7 +70,6 @@ def main() -> None:
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        sys.path.insert(0, str(REPO))
         print(json.dumps(measure(args.child)))
         return
     cpu: dict[str, list[float]] = {"0": [], "1": []}
