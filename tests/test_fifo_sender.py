@@ -26,6 +26,7 @@ from shared.errors import ChannelFull
 from shared.instance import Instance
 from shared.wire import Submit
 from tests import shm_children
+from tests.serving import wait_until
 from tests.shm_children import scratch_instance
 
 HANG_S = 30.0
@@ -199,28 +200,24 @@ def test_idle_sender_threads_exit_and_a_later_burst_starts_new_ones(
         assert _sender_threads() >= 1
         return await _receive_all(consumer, 6, waiting)
 
-    async def until_no_sender_threads() -> None:
-        deadline = time.monotonic() + HANG_S
-        while _sender_threads() and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+    def no_sender_threads() -> bool:
+        return _sender_threads() == 0
 
-    async def scenario() -> tuple[list[int], int, list[int], int]:
-        await until_no_sender_threads()  # an earlier test's closed sender: its threads end within a slice
-        producer, consumer = instance.request_queue(), instance.request_queue()
-        sender = AsyncSender(producer)
-        try:
-            first = await burst(sender, consumer, 10)
-            await until_no_sender_threads()
-            after_first = _sender_threads()
-            second = await burst(sender, consumer, 20)
-            await until_no_sender_threads()
-            return first, after_first, second, _sender_threads()
-        finally:
-            sender.close()
-            producer.close()
-            consumer.close()
-
-    first, after_first, second, after_second = asyncio.run(scenario())
+    # an earlier test's closed sender: its threads end within a slice
+    wait_until(no_sender_threads, HANG_S, "an earlier sender's threads ended")
+    producer, consumer = instance.request_queue(), instance.request_queue()
+    sender = AsyncSender(producer)
+    try:
+        first = asyncio.run(burst(sender, consumer, 10))
+        wait_until(no_sender_threads, HANG_S, "the first burst's idle threads exited")
+        after_first = _sender_threads()
+        second = asyncio.run(burst(sender, consumer, 20))
+        wait_until(no_sender_threads, HANG_S, "the second burst's idle threads exited")
+        after_second = _sender_threads()
+    finally:
+        sender.close()
+        producer.close()
+        consumer.close()
     assert first == list(range(10, 16)) and second == list(range(20, 26))
     assert after_first == 0 and after_second == 0
 
