@@ -795,7 +795,7 @@ def format_report(result: dict[str, Any]) -> str:
                   f"tpot ms      {spread('tpot')}  (per output token after the first)",
                   f"itl ms       {spread('itl')}  (between content chunks)"]
     elif generative:
-        lines.append("ttft ms      -  (tpot, itl: run with --stream)")
+        lines.append("ttft ms      -  (ttft, tpot and itl need --stream)")
     elif not result["embeddings"]:
         lines.append(f"ttft ms      p50 {f('ttft_p50_ms')}  p90 {f('ttft_p90_ms')}")
     if result["errors"]:
