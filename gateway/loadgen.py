@@ -150,10 +150,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="server URL, with or without a trailing /v1 (default: %(default)s)")
     parser.add_argument("--model", default=None,
                         help="model id sent in each request (default: the first one GET /v1/models lists)")
-    parser.add_argument("--concurrency", "-c", type=int, default=8, help="requests in flight at once")
-    parser.add_argument("--requests", "-n", type=int, default=200, help="timed requests to send")
+    parser.add_argument("--concurrency", "-c", type=int, default=8,
+                        help="requests in flight at once (default: %(default)s)")
+    parser.add_argument("--requests", "-n", type=int, default=200, help="timed requests to send (default: %(default)s)")
     parser.add_argument("--images", required=True, type=Path, help="folder of jpg/jpeg/png/webp images")
-    parser.add_argument("--stream", action="store_true", help="ask for SSE streaming")
+    parser.add_argument("--stream", action="store_true",
+                        help="ask for SSE streaming (generative models: adds TTFT, TPOT and ITL to the report)")
     parser.add_argument("--embeddings", action="store_true",
                         help="POST /v1/embeddings with one image per request instead of chat")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a report")
@@ -164,8 +166,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=None, help="max_tokens of each request")
     parser.add_argument("--temperature", type=float, default=None,
                         help="temperature of each request (0: greedy, so a generative model's answers can agree)")
-    parser.add_argument("--timeout", type=float, default=60.0, help="per-request timeout in seconds")
-    parser.add_argument("--warmup", type=int, default=None, help="uncounted requests first (default min(C, N))")
+    parser.add_argument("--timeout", type=float, default=60.0,
+                        help="per-request timeout in seconds (default: %(default)s)")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="uncounted requests first (default min(C, N)); when none succeeds, or one is refused "
+                             "with a 4xx other than 429, the run stops there (exit 1); 0: no warm-up, no check")
     parser.add_argument("--server-pid", action="append", default=[],
                         help="server pid whose CPU time (with descendants) to measure; repeat or comma list")
     parser.add_argument("--rate", type=float, default=None,
@@ -849,10 +854,26 @@ def _cache_lines(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+EPILOG = """\
+example:
+  shmgate bench --base-url http://127.0.0.1:8000/v1 --images tests/data/images -c 8 -n 200
+
+The report: throughput over successful requests; latency percentiles; failures by status and error
+code with the first error body; for generative models output tokens/s (from usage) and, with
+--stream, TTFT (to the first content chunk), TPOT ((latency - TTFT) / (tokens - 1)) and ITL (gaps
+between content chunks), as vllm bench serve defines them; how many distinct images were sent and
+the cache hit ratio the server's /metrics counted (--unique: every request a miss).
+
+exit status: 0 all requests succeeded and answers agreed; 1 the run could not start (no server, no
+model listed, a failed warm-up), a request failed (unless --allow-errors) or answers for one image
+disagreed; 2 a bad argument."""
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse, run, print. Exit status 1 when the run could not start (no server, a failed warm-up),
     any request failed (unless ``--allow-errors``) or answers disagreed; 2 for a bad argument."""
-    parser = argparse.ArgumentParser(prog="shmgate bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="shmgate bench", description=__doc__.splitlines()[0], epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     args = parser.parse_args(argv)
     try:

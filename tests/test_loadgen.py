@@ -24,6 +24,7 @@ import httpx
 import pytest
 
 from gateway import loadgen
+from gateway.rawhttp import RawClient
 
 REPO = Path(__file__).resolve().parent.parent
 IMAGES = REPO / "tests" / "data" / "images"
@@ -330,3 +331,46 @@ def test_a_ttft_line_only_where_a_first_token_means_something(embeddings: bool) 
     report = loadgen.format_report(result)
     assert ("ttft ms" in report) is not embeddings
     assert "tokens/s" not in report and "tpot" not in report
+
+
+def _sse_reply(*events: str) -> bytes:
+    body = "".join(f"{event}\n\n" for event in events).encode()
+    return b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+
+
+def _stream_once(reply: bytes) -> loadgen.Outcome:
+    """One streamed request to a loopback server that answers ``reply`` (made-up SSE, real sockets)."""
+    async def main() -> loadgen.Outcome:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            head = await reader.readuntil(b"\r\n\r\n")
+            await reader.readexactly(int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0]))
+            writer.write(reply)
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        client = RawClient(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        try:
+            return await loadgen.send_one(client, b"{}", "a.jpg", stream=True)
+        finally:
+            await client.aclose()
+            server.close()
+
+    return asyncio.run(main())
+
+
+def test_a_stream_gives_ttft_chunk_gaps_and_the_usage_token_count() -> None:
+    outcome = _stream_once(_sse_reply(
+        'data: {"choices":[{"delta":{"role":"assistant"}}]}', 'data: {"choices":[{"delta":{"content":"a"}}]}',
+        'data: {"choices":[{"delta":{"content":"b c"}}]}', 'data: {"choices":[],"usage":{"completion_tokens":3}}',
+        "data: [DONE]"))
+    assert outcome.error is None and outcome.text == "ab c" and outcome.output_tokens == 3
+    assert outcome.ttft_s is not None and len(outcome.itl_s) == 1  # two content chunks: one gap
+
+
+def test_an_error_event_mid_stream_is_a_failure_named_by_its_code() -> None:
+    outcome = _stream_once(_sse_reply(
+        'data: {"choices":[{"delta":{"content":"a"}}]}',
+        'event: error\ndata: {"error":{"message":"the worker died","type":"server_error","param":null,'
+        '"code":"worker_died"}}'))
+    assert outcome.error == "stream worker_died" and "the worker died" in (outcome.detail or "")
