@@ -25,6 +25,25 @@ When the server has a Prometheus ``/metrics`` with ``shmgate_stage_duration_seco
 scraped before and after the timed phase and the report shows where the run's requests spent their
 time, stage by stage (gateway/stages.py).
 
+Before anything is timed the run checks that it measures a server and not a mistake: ``--base-url``
+may end in ``/v1`` (as OpenAI clients take it); without ``--model`` the model is the first one
+``GET /v1/models`` lists; and a warm-up in which no request succeeded, or one was refused as a bad
+request (a 4xx other than 429), stops the run with exit status 1, the URL and the server's first
+error, since every timed request would fail the same way. ``--warmup 0`` skips that check.
+
+Throughput counts successful requests only; failures are counted by status and error code, the first
+one's body is shown, and any failure makes the exit status 1 (``--allow-errors``: 0, for runs meant to
+overload a server). For generative models (a ``/v1/models`` card with ``max_model_len``, as ``hf:``
+chat models and vLLM give) the report adds output tokens/s from each answer's ``usage`` and, with
+``--stream``, TTFT, TPOT and ITL defined as ``vllm bench serve`` defines them: TTFT is the time to
+the first chunk with content; TPOT is (latency - TTFT) / (output tokens - 1) per request with more
+than one token; ITL is every gap between successive content chunks (a chunk carrying several tokens
+is one gap, so ITL can exceed TPOT).
+
+A content cache answers repeated image bytes without decoding them again: with the default six
+photos every request after the first six repeats one. The report says so, with the hit ratio the
+server's ``/metrics`` counted during the timed phase; ``--unique`` makes every request a miss.
+
 With ``--server-pid`` the server's CPU time (the pids and all their descendants, from /proc) is
 sampled before and after the timed phase, so servers that burn different amounts of CPU for the same
 throughput can be told apart. The load generator runs on the same machine, so its own CPU time is
@@ -52,13 +71,18 @@ from typing import Any
 from gateway.rawhttp import RawClient, Response, TransportError
 from gateway.stages import parse_server_timing, stage_breakdown
 
-__all__ = ["add_arguments", "arrival_times", "count_mismatches", "count_vector_mismatches", "main", "percentile", "process_tree", "run",
-           "tree_cpu_seconds"]
+__all__ = ["BenchAborted", "add_arguments", "api_root", "arrival_times", "count_mismatches", "count_vector_mismatches",
+           "error_kind", "main", "percentile", "process_tree", "run", "tree_cpu_seconds", "warmup_failure"]
 
 IMAGE_TYPES = {".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".png": "image/png", ".webp": "image/webp"}
 PROMPT = "What is in this image?"
 VECTOR_AGREEMENT = 0.9999  # --embeddings: the cosine two answers for one image must reach
 NONCE_BYTES = 15  # a multiple of 3, so its base64 appends to the image's without re-encoding
+DETAIL_CHARS = 300  # of a server's error body in the report: enough for an OpenAI error's message
+
+
+class BenchAborted(Exception):
+    """The run cannot measure anything (no server, a model it does not serve, ...); the message says why."""
 
 
 @dataclass(frozen=True)
@@ -83,7 +107,7 @@ class BenchImage:
 
 @dataclass
 class Outcome:
-    """What one request produced. ``error`` is None for a success."""
+    """What one request produced. ``error`` is None for a success, else its kind (``error_kind``)."""
 
     image: str
     latency_s: float
@@ -92,16 +116,46 @@ class Outcome:
     text: str
     error: str | None
     server_timing: dict[str, float] | None = None  # ms per stage, from the answer's Server-Timing header
+    output_tokens: int | None = None  # the answer's usage.completion_tokens, when it had one
+    itl_s: tuple[float, ...] = ()  # streamed: gaps between successive chunks with content
+    detail: str | None = None  # a failure: the server's error body (truncated) or the transport's message
+
+
+def error_kind(status: int, payload: bytes) -> str:
+    """``"429 overloaded"``: the status and the OpenAI error's code (or type), or the status alone."""
+    code = _error_code(payload)
+    return f"{status} {code}" if code else str(status)
+
+
+def _error_code(payload: bytes) -> str | None:
+    """The ``code`` (else ``type``) of an OpenAI error object; None when ``payload`` is not one."""
+    try:
+        error = json.loads(payload)["error"]
+        code = error.get("code") or error.get("type")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return code if isinstance(code, str) and code else None
+
+
+def _snippet(status: int | None, payload: bytes | str) -> str:
+    text = payload.decode(errors="replace") if isinstance(payload, bytes) else payload
+    text = " ".join(text.split())
+    text = text if len(text) <= DETAIL_CHARS else text[:DETAIL_CHARS] + "..."
+    return text if status is None else f"{status} {text}"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare the `bench` options on ``parser`` (the `shmgate` CLI and ``main`` both call this)."""
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, without /v1")
-    parser.add_argument("--model", required=True, help="model id sent in each request")
-    parser.add_argument("--concurrency", "-c", type=int, default=8, help="requests in flight at once")
-    parser.add_argument("--requests", "-n", type=int, default=200, help="timed requests to send")
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000",
+                        help="server URL, with or without a trailing /v1 (default: %(default)s)")
+    parser.add_argument("--model", default=None,
+                        help="model id sent in each request (default: the first one GET /v1/models lists)")
+    parser.add_argument("--concurrency", "-c", type=int, default=8,
+                        help="requests in flight at once (default: %(default)s)")
+    parser.add_argument("--requests", "-n", type=int, default=200, help="timed requests to send (default: %(default)s)")
     parser.add_argument("--images", required=True, type=Path, help="folder of jpg/jpeg/png/webp images")
-    parser.add_argument("--stream", action="store_true", help="ask for SSE streaming")
+    parser.add_argument("--stream", action="store_true",
+                        help="ask for SSE streaming (generative models: adds TTFT, TPOT and ITL to the report)")
     parser.add_argument("--embeddings", action="store_true",
                         help="POST /v1/embeddings with one image per request instead of chat")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a report")
@@ -112,15 +166,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=None, help="max_tokens of each request")
     parser.add_argument("--temperature", type=float, default=None,
                         help="temperature of each request (0: greedy, so a generative model's answers can agree)")
-    parser.add_argument("--timeout", type=float, default=60.0, help="per-request timeout in seconds")
-    parser.add_argument("--warmup", type=int, default=None, help="uncounted requests first (default min(C, N))")
+    parser.add_argument("--timeout", type=float, default=60.0,
+                        help="per-request timeout in seconds (default: %(default)s)")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="uncounted requests first (default min(C, N)); when none succeeds, or one is refused "
+                             "with a 4xx other than 429, the run stops there (exit 1); 0: no warm-up, no check")
     parser.add_argument("--server-pid", action="append", default=[],
                         help="server pid whose CPU time (with descendants) to measure; repeat or comma list")
     parser.add_argument("--rate", type=float, default=None,
                         help="open loop: Poisson arrivals at this many requests/s (--concurrency then only "
                              "sizes the warm-up)")
     parser.add_argument("--seed", type=int, default=0, help="--rate: seed of the arrival schedule")
-    parser.add_argument("--no-stages", action="store_true", help="do not scrape /metrics for the stage breakdown")
+    parser.add_argument("--no-stages", action="store_true",
+                        help="do not scrape /metrics (no stage breakdown, no cache hit ratio)")
+    parser.add_argument("--allow-errors", action="store_true",
+                        help="exit 0 even when requests failed (overload runs); disagreeing answers still exit 1")
 
 
 def load_images(folder: Path) -> list[BenchImage]:
@@ -142,12 +202,18 @@ def load_images(folder: Path) -> list[BenchImage]:
 
 
 def build_body(model: str, url: str, *, stream: bool, max_tokens: int | None,
-               temperature: float | None = None, embeddings: bool = False) -> dict[str, Any]:
-    """The OpenAI chat request for one image (with ``embeddings``: the embeddings request)."""
+               temperature: float | None = None, embeddings: bool = False,
+               include_usage: bool = False) -> dict[str, Any]:
+    """The OpenAI chat request for one image (with ``embeddings``: the embeddings request).
+
+    ``include_usage`` (streamed only) asks for the usage chunk that gives a streamed answer's token count.
+    """
     if embeddings:
         return {"model": model, "input": url, "encoding_format": "base64"}
     content = [{"type": "text", "text": PROMPT}, {"type": "image_url", "image_url": {"url": url}}]
     body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": content}], "stream": stream}
+    if stream and include_usage:
+        body["stream_options"] = {"include_usage": True}
     if max_tokens is not None:
         body["max_tokens"] = max_tokens
     if temperature is not None:
@@ -167,9 +233,9 @@ class BodyTemplate:
     _MARK = "\x00url\x00"
 
     def __init__(self, model: str, *, stream: bool, max_tokens: int | None, temperature: float | None = None,
-                 embeddings: bool = False) -> None:
+                 embeddings: bool = False, include_usage: bool = False) -> None:
         body = build_body(model, self._MARK, stream=stream, max_tokens=max_tokens, temperature=temperature,
-                          embeddings=embeddings)
+                          embeddings=embeddings, include_usage=include_usage)
         encoded = json.dumps(body).encode()
         self.prefix, self.suffix = encoded.split(json.dumps(self._MARK).encode())
         self.stream = stream
@@ -186,40 +252,47 @@ async def send_one(client: RawClient, body: bytes, image: str, *, stream: bool, 
     ``time.perf_counter()`` the latency counts from (open loop: the scheduled arrival), default now.
     """
     start = time.perf_counter() if start is None else start
-    timing = None
     try:
         if stream:
-            status, text, ttft, error = await asyncio.wait_for(_send_streaming(client, body, start), client.timeout_s)
+            outcome = await asyncio.wait_for(_send_streaming(client, body, image, start), client.timeout_s)
         else:
-            status, text, error, timing = await asyncio.wait_for(_send_plain(client, body, embeddings),
-                                                                 client.timeout_s)
-            ttft = None
+            outcome = await asyncio.wait_for(_send_plain(client, body, image, start, embeddings), client.timeout_s)
     except (TimeoutError, TransportError) as exc:  # the server never gave a full answer
         kind = exc.kind if isinstance(exc, TransportError) else "Timeout"
-        return Outcome(image, time.perf_counter() - start, None, None, "", f"transport:{kind}")
-    latency = time.perf_counter() - start
-    return Outcome(image, latency, latency if ttft is None else ttft, status, text, error, timing)
+        detail = str(exc) if isinstance(exc, TransportError) else f"no full answer in {client.timeout_s:g} s"
+        return Outcome(image, time.perf_counter() - start, None, None, "", f"transport:{kind}", detail=detail)
+    return outcome
 
 
-async def _send_plain(client: RawClient, body: bytes,
-                      embeddings: bool = False) -> tuple[int, str, str | None, dict[str, float] | None]:
-    """(status, answer text, error, the Server-Timing stages when the server sent them)."""
+async def _send_plain(client: RawClient, body: bytes, image: str, start: float, embeddings: bool) -> Outcome:
+    """One non-streamed request; its ttft is its latency (the whole answer arrives at once)."""
     response, lease = await client.post("/v1/embeddings" if embeddings else "/v1/chat/completions", body)
     try:
         payload = await response.read()
     finally:
         lease.release()
+    latency = time.perf_counter() - start
     header = response.headers.get("server-timing")
     timing = parse_server_timing(header) if header else None
     if not response.is_success:
-        return response.status, "", str(response.status), timing
+        return Outcome(image, latency, None, response.status, "", error_kind(response.status, payload), timing,
+                       detail=_snippet(response.status, payload))
     try:
         answer = json.loads(payload)
         text = _vector_text(answer["data"][0]["embedding"]) if embeddings else (
             answer["choices"][0]["message"]["content"] or "")
     except (ValueError, KeyError, IndexError, TypeError):
-        return response.status, "", "bad_body", timing
-    return response.status, text, None, timing
+        return Outcome(image, latency, None, response.status, "", "bad_body", timing,
+                       detail=_snippet(response.status, payload))
+    tokens = None if embeddings else _completion_tokens(answer)
+    return Outcome(image, latency, latency, response.status, text, None, timing, output_tokens=tokens)
+
+
+def _completion_tokens(answer: Any) -> int | None:
+    """``usage.completion_tokens`` of an answer or chunk; None when it has none."""
+    usage = answer.get("usage") if isinstance(answer, dict) else None
+    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    return tokens if isinstance(tokens, int) else None
 
 
 def _vector_text(embedding: str | list[float]) -> str:
@@ -231,25 +304,30 @@ def _vector_text(embedding: str | list[float]) -> str:
     return base64.b64encode(np.asarray(embedding, dtype="<f4").tobytes()).decode()
 
 
-async def _send_streaming(client: RawClient, body: bytes, start: float) -> tuple[int, str, float | None, str | None]:
-    """Read the SSE reply; ttft is the first `data:` line whose delta has content."""
+async def _send_streaming(client: RawClient, body: bytes, image: str, start: float) -> Outcome:
     response, lease = await client.post("/v1/chat/completions", body)
     try:
-        return await _read_sse(response, start)
+        return await _read_sse(response, image, start)
     finally:
         lease.release()
 
 
-async def _read_sse(response: Response, start: float) -> tuple[int, str, float | None, str | None]:
-    parts: list[str] = []
-    ttft: float | None = None
+async def _read_sse(response: Response, image: str, start: float) -> Outcome:
+    """Read an SSE reply to its end. ttft: the first chunk whose delta has content; the ITL gaps are
+    between successive such chunks (vllm bench serve's definitions); the token count from the usage chunk."""
     if not response.is_success:
-        await response.read()
-        return response.status, "", None, str(response.status)
+        payload = await response.read()
+        return Outcome(image, time.perf_counter() - start, None, response.status, "",
+                       error_kind(response.status, payload), detail=_snippet(response.status, payload))
+    parts: list[str] = []
+    arrivals: list[float] = []  # perf_counter of each chunk with content
+    tokens: int | None = None
     event = "message"
-    outcome: tuple[int, str, float | None, str | None] | None = None
+    error: str | None = "no_done"
+    detail: str | None = "the stream ended without data: [DONE]"
+    done = False
     async for line in response.lines():
-        if outcome is not None:
+        if done:
             continue  # read to the end so the connection can be reused
         if line.startswith("event:"):
             event = line[6:].strip()
@@ -260,23 +338,26 @@ async def _read_sse(response: Response, start: float) -> tuple[int, str, float |
             continue
         data = line[5:].strip()
         if data == "[DONE]":
-            outcome = (response.status, "".join(parts), ttft, None)
+            error, detail, done = None, None, True
             continue
         try:
             chunk = json.loads(data)
         except ValueError:
-            outcome = (response.status, "".join(parts), ttft, "bad_sse")
+            error, detail, done = "bad_sse", _snippet(None, data), True
             continue
         if event == "error" or "error" in chunk:
-            outcome = (response.status, "".join(parts), ttft, "sse_error")
+            error, detail, done = f"stream {_error_code(data.encode()) or 'error'}", _snippet(None, data), True
             continue
-        for choice in chunk.get("choices") or ():
-            piece = (choice.get("delta") or {}).get("content")
-            if piece:
-                if ttft is None:
-                    ttft = time.perf_counter() - start
-                parts.append(piece)
-    return outcome if outcome is not None else (response.status, "".join(parts), ttft, "no_done")
+        pieces = [piece for choice in chunk.get("choices") or () if (piece := (choice.get("delta") or {}).get("content"))]
+        if pieces:
+            arrivals.append(time.perf_counter())
+            parts.extend(pieces)
+        tokens = _completion_tokens(chunk) if tokens is None else tokens
+    latency = time.perf_counter() - start
+    ttft = arrivals[0] - start if arrivals else None
+    gaps = tuple(b - a for a, b in zip(arrivals, arrivals[1:]))
+    return Outcome(image, latency, ttft, response.status, "".join(parts), error, output_tokens=tokens, itl_s=gaps,
+                   detail=detail)
 
 
 def count_mismatches(answers: Iterable[tuple[str, str]]) -> int:
@@ -392,7 +473,8 @@ async def _drive(
     counter = itertools.count()
     outcomes: list[Outcome] = []
     template = BodyTemplate(args.model, stream=args.stream, max_tokens=args.max_tokens,
-                            temperature=args.temperature, embeddings=args.embeddings)
+                            temperature=args.temperature, embeddings=args.embeddings,
+                            include_usage=getattr(args, "include_usage", False))
 
     async def worker() -> None:
         while (index := next(counter)) < count:
@@ -426,7 +508,8 @@ async def _drive_open(
 ) -> list[Outcome]:
     """Send ``count`` requests at Poisson arrival times (``args.rate``), never waiting for answers."""
     template = BodyTemplate(args.model, stream=args.stream, max_tokens=args.max_tokens,
-                            temperature=args.temperature, embeddings=args.embeddings)
+                            temperature=args.temperature, embeddings=args.embeddings,
+                            include_usage=getattr(args, "include_usage", False))
     schedule = arrival_times(args.rate, count, args.seed)
     tasks = []
     origin = time.perf_counter()
@@ -457,8 +540,69 @@ async def scrape_metrics(base_url: str, headers: dict[str, str]) -> str | None:
     return await asyncio.to_thread(get)
 
 
+def api_root(base_url: str) -> str:
+    """The server's root URL: ``--base-url`` without a trailing ``/`` or ``/v1`` (OpenAI clients take both)."""
+    root = base_url.rstrip("/")
+    return root[:-3] if root.endswith("/v1") else root
+
+
+async def model_card(client: RawClient, root: str) -> dict[str, Any]:
+    """The first entry of ``GET /v1/models``. Raises BenchAborted, saying why, when there is none."""
+    where = f"{root}/v1/models"
+    try:
+        response, lease = await asyncio.wait_for(client.get("/v1/models"), client.timeout_s)
+        try:
+            payload = await asyncio.wait_for(response.read(), client.timeout_s)
+        finally:
+            lease.release()
+    except (TimeoutError, TransportError) as exc:
+        raise BenchAborted(f"cannot list the served models at {where}: {exc or 'timed out'}") from exc
+    if not response.is_success:
+        raise BenchAborted(f"cannot list the served models at {where}: {_snippet(response.status, payload)}")
+    try:
+        card = json.loads(payload)["data"][0]
+        if not isinstance(card["id"], str):
+            raise TypeError("the id is not a string")
+    except (ValueError, KeyError, IndexError, TypeError) as exc:
+        raise BenchAborted(f"{where} lists no model: {_snippet(None, payload)}") from exc
+    return dict(card)
+
+
+def warmup_failure(warm: Sequence[Outcome]) -> str | None:
+    """Why the warm-up says the timed run would measure nothing but failures; None when it may go on.
+
+    It may not when no warm-up request succeeded, or when one was refused as a bad request (a 4xx
+    other than 429: the wrong model, a key, an image the server rejects), which every timed request
+    would repeat. Overload (429, 503) and a few transport errors amid successes are measurements.
+    """
+    failed = [o for o in warm if o.error is not None]
+    refused = [o for o in failed if o.status is not None and 400 <= o.status < 500 and o.status != 429]
+    if not failed or (len(failed) < len(warm) and not refused):
+        return None
+    first = (refused or failed)[0]
+    return (f"{len(failed)} of {len(warm)} warm-up requests failed: {_error_counts(failed)}\n"
+            f"  first error: {first.detail or first.error}")
+
+
+def _error_counts(failed: Iterable[Outcome]) -> str:
+    """``"429 overloaded: 10, 503 no_worker: 2"``, the most frequent first."""
+    counts = Counter(o.error for o in failed)
+    return ", ".join(f"{kind}: {n}" for kind, n in counts.most_common())
+
+
+def distinct_images(args: argparse.Namespace, images: Sequence[BenchImage], warmup: int) -> int:
+    """How many different request images (as bytes) the run sends, warm-up included."""
+    if args.unique:
+        return warmup + args.requests
+    return 1 if args.repeat_one else min(len(images), max(warmup, args.requests))
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the benchmark described by ``args`` (see ``add_arguments``) and return the result dict."""
+    """Run the benchmark described by ``args`` (see ``add_arguments``) and return the result dict.
+
+    Raises ValueError for a bad argument and BenchAborted when the server cannot be measured (no
+    model listed, a failed warm-up: see ``warmup_failure``).
+    """
     if args.concurrency < 1 or args.requests < 1:
         raise ValueError("--concurrency and --requests must be at least 1")
     images = load_images(Path(args.images))
@@ -467,13 +611,30 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--server-pid: no process {', '.join(map(str, missing))}")
     warmup = min(args.concurrency, args.requests) if args.warmup is None else args.warmup
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    client = RawClient(args.base_url, headers=headers, timeout_s=args.timeout)
+    root = api_root(args.base_url)
+    client = RawClient(root, headers=headers, timeout_s=args.timeout)
     # Nonces must differ between runs, too: a bench run against a server an earlier run warmed
     # would otherwise send it bytes it has cached, and "--unique" would measure cache hits.
     nonces = secrets.randbelow(10**5) * 10**10
     try:
+        if args.model is None:
+            card: dict[str, Any] | None = await model_card(client, root)
+        else:  # only to tell a generative model; a server without the list is measured all the same
+            try:
+                card = await model_card(client, root)
+            except BenchAborted:
+                card = None
+        model = args.model if args.model is not None else str(card["id"] if card else "")
+        generative = (not args.embeddings and card is not None and card.get("id") == model
+                      and card.get("max_model_len") is not None)
+        args = argparse.Namespace(**{**vars(args), "model": model, "include_usage": generative})
         warm = await _drive(client, args, images, warmup, nonces) if warmup > 0 else []
-        scraped = None if args.no_stages else await scrape_metrics(args.base_url, headers)
+        if (why := warmup_failure(warm)) is not None:
+            path = "/v1/embeddings" if args.embeddings else "/v1/chat/completions"
+            served = "" if card is None or card.get("id") == model else f" (the server serves {card.get('id')!r})"
+            raise BenchAborted(f"the warm-up against {root}{path} with model {model!r}{served} failed, so nothing "
+                               f"was timed\n  {why}")
+        scraped = None if args.no_stages else await scrape_metrics(root, headers)
         cpu_before = tree_cpu_seconds(pids) if pids else None
         busy_before, client_cpu_before = machine_busy_seconds(), time.process_time()
         start = time.perf_counter()
@@ -482,10 +643,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         wall = time.perf_counter() - start
         busy, client_cpu = machine_busy_seconds() - busy_before, time.process_time() - client_cpu_before
         server_cpu = None if cpu_before is None else tree_cpu_seconds(pids) - cpu_before
-        after = None if scraped is None else await scrape_metrics(args.base_url, headers)
+        after = None if scraped is None else await scrape_metrics(root, headers)
     finally:
         await client.aclose()
     result = summarize(args, outcomes, wall, warm, client_cpu, server_cpu)
+    result.update(base_url=root, generative=generative, distinct_images=distinct_images(args, images, warmup),
+                  image_count=len(images), cache=cache_counts(scraped, after))
     # Whatever else ran during the timed phase took CPU from the server: on a small machine that
     # skews a comparison, so say how much (only known when the server's own share is).
     result["other_load_cores"] = (None if server_cpu is None or wall <= 0
@@ -497,6 +660,24 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     result["workers_busy"] = (None if busy_start is None or busy_end is None or wall <= 0
                               else round((busy_end - busy_start) / wall, 2))
     return result
+
+
+CACHE_COUNTERS = {"hits": "shmgate_cache_hits_total", "remote_hits": "shmgate_cache_remote_hits_total",
+                  "misses": "shmgate_cache_misses_total", "result_hits": "shmgate_result_cache_hits_total"}
+
+
+def cache_counts(before: str | None, after: str | None) -> dict[str, Any] | None:
+    """The server's image-cache lookups during the timed phase (two /metrics scrapes), with the hit
+    ratio; None when the server has no such counters."""
+    counts: dict[str, Any] = {}
+    for key, name in CACHE_COUNTERS.items():
+        start, end = _counter(before, name), _counter(after, name)
+        if start is None or end is None:
+            return None
+        counts[key] = int(end - start)
+    looked_up = counts["hits"] + counts["remote_hits"] + counts["misses"]
+    counts["hit_ratio"] = None if looked_up == 0 else round((counts["hits"] + counts["remote_hits"]) / looked_up, 4)
+    return counts
 
 
 def _counter(text: str | None, name: str) -> float | None:
@@ -521,17 +702,33 @@ def summarize(args: argparse.Namespace, outcomes: list[Outcome], wall_s: float, 
     def ms(value: float | None) -> float | None:
         return None if value is None else round(value * 1000.0, 3)
 
+    # vllm bench serve's TPOT: the time per output token after the first, per request of 2+ tokens
+    tpots = [(o.latency_s - o.ttft_s) / (o.output_tokens - 1) for o in ok
+             if args.stream and o.ttft_s is not None and o.output_tokens is not None and o.output_tokens > 1]
+    itls = [gap for o in ok for gap in o.itl_s]
+    counted = [o.output_tokens for o in ok if o.output_tokens is not None]
+    output_tokens = sum(counted) if counted else None
+    first_error = next((o for o in outcomes if o.error is not None), None)
+
     n = len(outcomes)
     rate = getattr(args, "rate", None)
     return {
         "model": args.model, "stream": bool(args.stream), "embeddings": bool(args.embeddings),
         "concurrency": args.concurrency, "requests": n, "offered_rate": rate,
         "repeat_one": bool(args.repeat_one), "unique": bool(args.unique), "warmup": len(warm),
-        "duration_s": round(wall_s, 3), "requests_per_s": round(n / wall_s, 2) if wall_s > 0 else None,
+        # successful requests only: a failure is often fast, and counting it would flatter a broken server
+        "duration_s": round(wall_s, 3), "requests_per_s": round(len(ok) / wall_s, 2) if wall_s > 0 else None,
         "p50_ms": ms(percentile(latencies, 50)), "p90_ms": ms(percentile(latencies, 90)),
         "p99_ms": ms(percentile(latencies, 99)), "ttft_p50_ms": ms(percentile(ttfts, 50)),
-        "ttft_p90_ms": ms(percentile(ttfts, 90)), "errors": sum(errors.values()),
-        "errors_by_kind": dict(sorted(errors.items())), "mismatches": mismatches,
+        "ttft_p90_ms": ms(percentile(ttfts, 90)), "ttft_p99_ms": ms(percentile(ttfts, 99)),
+        "output_tokens": output_tokens,
+        "output_tokens_per_s": None if output_tokens is None or wall_s <= 0 else round(output_tokens / wall_s, 2),
+        "tpot_p50_ms": ms(percentile(tpots, 50)), "tpot_p90_ms": ms(percentile(tpots, 90)),
+        "tpot_p99_ms": ms(percentile(tpots, 99)), "itl_p50_ms": ms(percentile(itls, 50)),
+        "itl_p90_ms": ms(percentile(itls, 90)), "itl_p99_ms": ms(percentile(itls, 99)),
+        "errors": sum(errors.values()), "errors_by_kind": dict(sorted(errors.items())),
+        "first_error": None if first_error is None else first_error.detail or first_error.error,
+        "mismatches": mismatches,
         "distinct_answers": len({(o.image, o.text) for o in ok}),
         "cpu_s_per_request": None if server_cpu_s is None else round(server_cpu_s / n, 6),
         "client_cpu_s_per_request": round(client_cpu_s / n, 6),
@@ -574,20 +771,47 @@ def tail_breakdown(ok: Sequence[Outcome]) -> list[dict[str, Any]]:
 def format_report(result: dict[str, Any]) -> str:
     """The human-readable form of a result."""
     def f(key: str, source: dict[str, Any] = result) -> str:
-        value = source[key]
+        value = source.get(key)
         return "-" if value is None else f"{value:.1f}"
+
+    def spread(name: str) -> str:
+        return f"p50 {f(name + '_p50_ms')}  p90 {f(name + '_p90_ms')}  p99 {f(name + '_p99_ms')}"
 
     cpu = result["cpu_s_per_request"]
     load = (f"concurrency {result['concurrency']}" if result.get("offered_rate") is None
             else f"open loop {result['offered_rate']} req/s offered")
+    kind = "embeddings" if result["embeddings"] else ("chat, streamed" if result["stream"] else "chat")
+    generative = bool(result.get("generative"))
+    ok = result["requests"] - result["errors"]
     lines = [
-        f"model {result['model']}  stream={result['stream']}  {load}  "
-        f"requests {result['requests']} (+{result['warmup']} warm-up) in {result['duration_s']:.2f} s",
-        f"throughput   {result['requests_per_s']} req/s",
-        f"latency ms   p50 {f('p50_ms')}  p90 {f('p90_ms')}  p99 {f('p99_ms')}",
-        f"ttft ms      p50 {f('ttft_p50_ms')}  p90 {f('ttft_p90_ms')}",
-        f"errors       {result['errors']} {result['errors_by_kind'] or ''}".rstrip(),
-        f"mismatches   {result['mismatches']}",
+        f"shmgate bench  {result.get('base_url', '')}  model {result['model']}  ({kind})",
+        f"load         {load}  requests {result['requests']} (+{result['warmup']} warm-up) "
+        f"in {result['duration_s']:.2f} s",
+        f"throughput   {result['requests_per_s']} req/s ({ok} successful requests)",
+    ]
+    if generative:
+        tokens = result.get("output_tokens")
+        lines.append(f"tokens       {'-' if tokens is None else tokens} output tokens, "
+                     f"{'-' if result.get('output_tokens_per_s') is None else result['output_tokens_per_s']} "
+                     "tokens/s (from each answer's usage)")
+    lines.append(f"latency ms   p50 {f('p50_ms')}  p90 {f('p90_ms')}  p99 {f('p99_ms')}")
+    if generative and result["stream"]:
+        lines += [f"ttft ms      {spread('ttft')}  (to the first content chunk)",
+                  f"tpot ms      {spread('tpot')}  (per output token after the first)",
+                  f"itl ms       {spread('itl')}  (between content chunks)"]
+    elif generative:
+        lines.append("ttft ms      -  (ttft, tpot and itl need --stream)")
+    elif not result["embeddings"]:
+        lines.append(f"ttft ms      p50 {f('ttft_p50_ms')}  p90 {f('ttft_p90_ms')}")
+    if result["errors"]:
+        counts = ", ".join(f"{kind}: {n}" for kind, n in sorted(result["errors_by_kind"].items(),
+                                                                   key=lambda item: -item[1]))
+        lines += [f"errors       {result['errors']} ({counts})", f"first error  {result.get('first_error')}"]
+    else:
+        lines.append("errors       0")
+    lines.append(f"mismatches   {result['mismatches']}")
+    lines += _cache_lines(result)
+    lines += [
         f"server cpu   {'-' if cpu is None else f'{cpu * 1000:.2f} ms/request'}",
         f"client cpu   {result['client_cpu_s_per_request'] * 1000:.2f} ms/request",
         f"other load   {'-' if result['other_load_cores'] is None else result['other_load_cores']} cores "
@@ -608,18 +832,61 @@ def format_report(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _cache_lines(result: dict[str, Any]) -> list[str]:
+    """What the images sent let a content cache do, and what the server's cache did (when it says)."""
+    if "distinct_images" not in result:
+        return []
+    sent = result["requests"] + result["warmup"]
+    if result["unique"]:
+        lines = [f"images       {sent} distinct of {sent} sent (--unique): every request a cache miss"]
+    else:
+        distinct = result["distinct_images"]
+        lines = [f"images       {distinct} distinct of {sent} sent: all but the first {distinct} repeat bytes "
+                 "a content cache answers (--unique: every request a miss)"]
+    cache = result.get("cache")
+    if cache is not None:
+        ratio = "-" if cache["hit_ratio"] is None else f"{cache['hit_ratio'] * 100:.1f}%"
+        line = (f"cache        hit ratio {ratio} this run ({cache['hits'] + cache['remote_hits']} hits, "
+                f"{cache['misses']} misses, from the server's /metrics)")
+        if cache["result_hits"]:
+            line += f"; {cache['result_hits']} answers from its result cache"
+        lines.append(line)
+    return lines
+
+
+EPILOG = """\
+example:
+  shmgate bench --base-url http://127.0.0.1:8000/v1 --images tests/data/images -c 8 -n 200
+
+The report: throughput over successful requests; latency percentiles; failures by status and error
+code with the first error body; for generative models output tokens/s (from usage) and, with
+--stream, TTFT (to the first content chunk), TPOT ((latency - TTFT) / (tokens - 1)) and ITL (gaps
+between content chunks), as vllm bench serve defines them; how many distinct images were sent and
+the cache hit ratio the server's /metrics counted (--unique: every request a miss).
+
+exit status: 0 all requests succeeded and answers agreed; 1 the run could not start (no server, no
+model listed, a failed warm-up), a request failed (unless --allow-errors) or answers for one image
+disagreed; 2 a bad argument."""
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Parse, run, print. Exit status 1 when any request failed or answers disagreed."""
-    parser = argparse.ArgumentParser(prog="shmgate bench", description=__doc__.splitlines()[0])
+    """Parse, run, print. Exit status 1 when the run could not start (no server, a failed warm-up),
+    any request failed (unless ``--allow-errors``) or answers disagreed; 2 for a bad argument."""
+    parser = argparse.ArgumentParser(prog="shmgate bench", description=__doc__.splitlines()[0], epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     args = parser.parse_args(argv)
     try:
         result = asyncio.run(run(args))
+    except BenchAborted as exc:
+        print(f"shmgate bench: {exc}", file=sys.stderr)
+        return 1
     except (ValueError, OSError) as exc:
         print(f"shmgate bench: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(result) if args.json else format_report(result))
-    return 1 if result["errors"] or result["mismatches"] else 0
+    failed = result["errors"] and not args.allow_errors
+    return 1 if failed or result["mismatches"] else 0
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Why not httpx: on the 2-core machines we benchmark on, the load generator shares
 the server it measures, and httpx spends ~3-4 ms of CPU per 200 KB request (its h11 state machine
 and layers of abstraction). Every millisecond the client burns is taken from the server, so a
 heavy client compresses the differences the benchmark exists to show. This client does only what
-`shmgate bench` needs: POST a body, read a Content-Length or chunked response, optionally line
+`shmgate bench` needs: POST a body (or GET the model list), read a Content-Length or chunked response, optionally line
 by line (SSE). It speaks to servers we start ourselves on loopback; it is not a general client.
 
 Failures (connection refused or reset, malformed response, timeout) raise ``TransportError``.
@@ -18,11 +18,13 @@ long, and this race showed as a few ``transport:ReadError`` per run, for every s
 from __future__ import annotations
 
 import asyncio
+import errno
+import socket
 import time
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
-__all__ = ["Lease", "RawClient", "Response", "TransportError"]
+__all__ = ["Lease", "RawClient", "Response", "TransportError", "connect_failure"]
 
 MAX_HEADER_BYTES = 64 << 10
 KEEPALIVE_EXPIRY_S = 4.0  # below uvicorn's default timeout_keep_alive (5 s); see the module docstring
@@ -103,11 +105,23 @@ class RawClient:
         self._idle: list[tuple[Connection, float]] = []  # with the time.monotonic() it went idle
         self._all: set[asyncio.StreamWriter] = set()
 
+    @property
+    def address(self) -> str:
+        """``host:port``, as error messages name the server."""
+        return f"{self._host}:{self._port}"
+
     async def post(self, path: str, body: bytes) -> tuple[Response, Lease]:
         """Send a POST and read the status line and headers. Release the lease when done with the body."""
+        return await self._request("POST", path, body)
+
+    async def get(self, path: str) -> tuple[Response, Lease]:
+        """Send a GET (``/v1/models`` before a run) and read the status line and headers."""
+        return await self._request("GET", path, b"")
+
+    async def _request(self, method: str, path: str, body: bytes) -> tuple[Response, Lease]:
         conn = self._take_idle() or await self._connect()
         reader, writer = conn
-        head = (f"POST {self._prefix}{path} HTTP/1.1\r\n{self._fixed_headers}"
+        head = (f"{method} {self._prefix}{path} HTTP/1.1\r\n{self._fixed_headers}"
                 f"Content-Length: {len(body)}\r\n\r\n").encode()
         try:
             writer.write(head)
@@ -150,7 +164,7 @@ class RawClient:
         try:
             reader, writer = await asyncio.open_connection(self._host, self._port, limit=MAX_HEADER_BYTES)
         except OSError as exc:
-            raise TransportError("ConnectError", f"cannot connect: {exc!r}") from exc
+            raise TransportError("ConnectError", connect_failure(self.address, exc)) from exc
         self._all.add(writer)
         return reader, writer
 
@@ -163,6 +177,16 @@ class RawClient:
             writer.close()
         self._all.clear()
         self._idle.clear()
+
+
+def connect_failure(address: str, exc: OSError) -> str:
+    """What a failed connect means to the person running the benchmark (the usual cause first)."""
+    # A name with several addresses (localhost: ::1 and 127.0.0.1) fails with one OSError listing each.
+    if isinstance(exc, ConnectionRefusedError) or f"[Errno {errno.ECONNREFUSED}]" in str(exc):
+        return f"nothing listening on {address} (connection refused): is the server running on that port?"
+    if isinstance(exc, socket.gaierror):
+        return f"cannot resolve the host of {address}: {exc.strerror or exc}"
+    return f"cannot connect to {address}: {exc.strerror or exc!r}"
 
 
 class Lease:

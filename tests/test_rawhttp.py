@@ -174,9 +174,35 @@ def test_refused_connection_is_a_connect_error() -> None:
         client = RawClient(f"http://127.0.0.1:{port}")
         with pytest.raises(TransportError) as failure:
             await client.post("/x", b"{}")
+        assert str(failure.value).startswith(f"nothing listening on 127.0.0.1:{port} (connection refused)")
         return failure.value.kind
 
     assert asyncio.run(main()) == "ConnectError"
+
+
+def test_get_sends_the_path_under_the_base_urls_prefix_and_reuses_the_connection() -> None:
+    async def exchange(client: RawClient) -> list[bytes]:
+        out = []
+        for _ in range(2):
+            response, lease = await client.get("/v1/models")
+            out.append(await response.read())
+            lease.release()
+        return out
+
+    def reply(request: bytes) -> bytes:
+        return _fixed(request.split(b"\r\n", 1)[0])
+
+    async def main() -> tuple[list[bytes], int]:
+        server, url, connections = await _serve(reply)
+        client = RawClient(url + "/api")
+        try:
+            return await exchange(client), len(connections)
+        finally:
+            await client.aclose()
+            server.close()
+
+    bodies, connections = asyncio.run(main())
+    assert bodies == [b"GET /api/v1/models HTTP/1.1"] * 2 and connections == 1
 
 
 def test_only_plain_http_base_urls() -> None:
