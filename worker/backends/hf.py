@@ -436,10 +436,15 @@ class _InputLayout:
                        image_token_id=config.image_token_id, merge=1, patch_dim=0, mrope=False, tiled=True,
                        image_size=vision.image_size, tokens_per_image=side * side // config.scale_factor**2)
         if config.model_type == "internvl":
+            # Tokens per crop from the tower's geometry, as the model computes its features: the config's
+            # image_seq_length is a copy of the processor's setting that the model never reads (stale in
+            # checkpoints whose processor was changed).
+            side = int(vision.image_size if isinstance(vision.image_size, int) else vision.image_size[0])
+            patch_side = int(patch if isinstance(patch, int) else patch[0])
             return cls(vocab_size=text.vocab_size, max_positions=text.max_position_embeddings,
                        image_token_id=config.image_token_id, merge=1, patch_dim=0, mrope=False, crops=True,
-                       image_size=int(vision.image_size if isinstance(vision.image_size, int) else vision.image_size[0]),
-                       tokens_per_image=config.image_seq_length)
+                       image_size=side,
+                       tokens_per_image=int((side // patch_side) ** 2 * config.downsample_ratio ** 2))
         if config.model_type == "paligemma":
             side = vision.image_size // patch
             return cls(vocab_size=text.vocab_size, max_positions=text.max_position_embeddings,
