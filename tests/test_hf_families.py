@@ -149,6 +149,19 @@ def test_a_padded_batch_answers_as_its_items_alone(family_backend: tuple[HFPrepr
     assert [answer(events, i)[0] for i in range(len(items))] == alone
 
 
+def test_paligemma_user_written_control_tokens_stay_text(unusual_vlm: Callable[[str], Path]) -> None:
+    """PaliGemma's BOS goes after the last *real* image placeholder: an "<image>" or "<bos>" the user
+    types is text, and the trailing "\n" still merges with the text before it."""
+    pre = HFPreprocessor(unusual_vlm("paligemma"))
+    spec = {"pixel_values": ("float32", (1, 3, 42, 42))}
+    ids = pre.prompt_token_ids(messages("look <image> here <bos>.", 1), [spec])
+    bos, image = pre.tokenizer.bos_token_id, pre.named_token_id("image_token", "<image>")
+    assert ids[:10] == [image] * 9 + [bos] and ids.count(bos) == 1 and ids.count(image) == 9
+    text = pre.tokenizer.decode(ids[10:])
+    assert text == "look <image> here <bos>.\n"
+    assert ids[10:] == pre.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+
+
 @pytest.fixture(scope="module")
 def internvl_server(unusual_vlm: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     server = start_server(f"hf:{unusual_vlm('internvl')}", tmp_path_factory.mktemp("serve"), "--threads", "1",
