@@ -348,7 +348,9 @@ def _build_processor(path: Path, family: str = "qwen2_vl", unusual: bool = False
     bounds = {"min_pixels": int(TINY_MIN_PIXELS * scale), "max_pixels": int(TINY_MAX_PIXELS * scale)}
     image_processor = Qwen2VLImageProcessorPil(**{**bounds, **odd}, patch_size=_patch(family))
     image_processor.save_pretrained(str(path))
-    (path / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2VLProcessor"}) + "\n")
+    processor_class = {"qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLProcessor"}.get(family, "Qwen2VLProcessor")
+    (path / "processor_config.json").write_text(
+        json.dumps({"processor_class": processor_class if unusual else "Qwen2VLProcessor"}) + "\n")
     return tokenizer
 
 
