@@ -124,6 +124,11 @@ def test_prompt_and_greedy_answer_equal_transformers(family_backend: tuple[HFPre
     reference = transformers_inputs(directory, [SQUARE, WIDE], TEXT)
     ids = reference.pop("input_ids")
     assert np.frombuffer(item.inline, dtype=np.int32).tolist() == ids[0].tolist()
+    ours = backend._layout.check(item, torch.device("cpu"))  # the model inputs our worker builds
+    for name in ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes"):
+        theirs = reference.get(name)
+        assert (getattr(ours, name) is None) == (theirs is None), name
+        assert theirs is None or torch.equal(getattr(ours, name), theirs.to(getattr(ours, name).dtype)), name
     if "image_grid_thw" in reference:  # the Qwen family's multimodal RoPE reads the image token positions
         reference["mm_token_type_ids"] = (ids == backend._layout.image_token_id).to(torch.int32)
     out = backend.model.generate(input_ids=ids, **reference, max_new_tokens=TOKENS, do_sample=False)
