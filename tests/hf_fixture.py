@@ -12,6 +12,8 @@ Qwen2-VL's special tokens and chat template; the real image processor with small
 pixel bounds; and a 2-layer, 64-wide model. Weights come from a fixed seed, so
 two builds produce identical files. The output is random text, which is all the
 tests need: they check plumbing (shapes, streaming, seeds, stops), not quality.
+``unusual=True`` builds a family with processor settings unlike the defaults and a tokenizer laid
+out as downloaded ones (``UNUSUAL``), so a frontend that assumes a setting instead of reading it fails.
 """
 
 from __future__ import annotations
