@@ -12,6 +12,8 @@ Qwen2-VL's special tokens and chat template; the real image processor with small
 pixel bounds; and a 2-layer, 64-wide model. Weights come from a fixed seed, so
 two builds produce identical files. The output is random text, which is all the
 tests need: they check plumbing (shapes, streaming, seeds, stops), not quality.
+``unusual=True`` builds a family with processor settings unlike the defaults and a tokenizer laid
+out as downloaded ones (``UNUSUAL``), so a frontend that assumes a setting instead of reading it fails.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TINY_MAX_PIXELS", "TINY_MIN_PIXELS", "build_tiny_vlm", "reference_processor"]
+__all__ = ["TINY_MAX_PIXELS", "TINY_MIN_PIXELS", "UNUSUAL", "build_tiny_vlm", "reference_processor"]
 
 # Small resize bounds: a 1024x681 photo becomes 8x12 patches of 14 px (24 image tokens).
 TINY_MIN_PIXELS = 28 * 28 * 4
@@ -170,7 +172,84 @@ def _patch(family: str) -> int:
     return 16 if family == "qwen3_vl" else 14
 
 
-def _build_processor(path: Path, family: str = "qwen2_vl") -> Any:
+# ``build_tiny_vlm(..., unusual=True)``: the settings each family's processor reads, set unlike both
+# transformers' defaults and the plain fixture's, with the model built to match, as in any working
+# checkpoint; and the tokenizer laid out as downloaded checkpoints lay it out: the processors' named
+# tokens in tokenizer_config.json's ``extra_special_tokens``, and for the families whose real
+# checkpoints use a Llama- or Gemma-style tokenizer (BOS_FAMILIES), one that adds BOS itself (Gemma 3's
+# template writes BOS, as its real one does). PaliGemma also ships a chat template of its own (its
+# processor still adds BOS and "\n" to whatever prompt it gets). One stale copy is kept on purpose, as
+# real checkpoints carry it: InternVL's model config keeps image_seq_length at its default (256), which
+# its model never reads; its processor's is 1.
+BOS_FAMILIES = ("llava", "llava_next", "gemma3", "paligemma")
+_PALIGEMMA_TEMPLATE = (
+    "{% for message in messages %}{% for part in message['content'] %}{% if part['type'] == 'image' %}<image>"
+    "{% endif %}{% endfor %}{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% endif %}{% endfor %}{% endfor %}"
+)
+UNUSUAL: dict[str, dict[str, Any]] = {
+    # Qwen family: other pixel bounds (4..12 merged patches) and normalisation.
+    **{family: {"min_pixels": 4 * (2 * _patch(family)) ** 2, "max_pixels": 12 * (2 * _patch(family)) ** 2,
+                "image_mean": [0.25, 0.5, 0.75], "image_std": [0.2, 0.3, 0.4]}
+       for family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")},
+    # LLaVA-1.5: a 42 px tower (3 x 3 patches) that keeps the CLS feature ("full"): 10 tokens an image.
+    "llava": {"image_size": 42, "vision_feature_select_strategy": "full"},
+    # LLaVA-NeXT: 42 px tiles on other grids (its model drops the CLS feature whatever the setting says).
+    "llava_next": {"image_size": 42, "image_grid_pinpoints": [[42, 84], [84, 42], [84, 84], [42, 126]]},
+    # Idefics3, SmolVLM2: 56 px tiles of 4 x 4 patches, pixel-shuffled by 4: one token a tile; up to 3 x 3 tiles.
+    **{family: {"tile": 56, "scale_factor": 4, "image_seq_len": 1, "longest_edge": 168}
+       for family in ("idefics3", "smolvlm")},
+    # Gemma 3: the 4 x 4 patches pooled to one token.
+    "gemma3": {"image_seq_length": 1},
+    # PaliGemma: a 42 px tower (9 tokens).
+    "paligemma": {"image_size": 42, "image_seq_length": 9},
+    # InternVL: a 28 px tower (2 x 2 patches, pixel-shuffled by 0.5: one token a crop), 2..6 crops.
+    "internvl": {"image_size": 28, "image_seq_length": 1, "min_patches": 2, "max_patches": 6},
+}
+# The named tokens transformers' processors read from the tokenizer, as downloaded checkpoints name them.
+_NAMED_TOKENS: dict[str, dict[str, str]] = {
+    "qwen2_vl": {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"},
+    "qwen2_5_vl": {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"},
+    "qwen3_vl": {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"},
+    "llava": {"image_token": "<image>"},
+    "llava_next": {"image_token": "<image>"},
+    "smolvlm": {"image_token": "<image>", "fake_image_token": "<fake_token_around_image>",
+                "global_image_token": "<global-img>", "end_of_utterance_token": "<end_of_utterance>"},
+    "gemma3": {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"},
+    "paligemma": {"image_token": "<image>"},
+    "internvl": {"start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>",
+                 "video_token": "<|video_pad|>"},
+}
+
+
+def _train_gemma_tokenizer(special: list[str]) -> Any:
+    """A Gemma tokenizer (SentencePiece-style BPE with byte fallback, BOS added to every encoding, as
+    PaliGemma checkpoints ship it) trained on the corpus, with ``special`` tokens added."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from transformers import GemmaTokenizer
+
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
+    base = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", *(f"<0x{i:02X}>" for i in range(256))]
+    tok.train_from_iterator([_CORPUS] * 4, trainer=trainers.BpeTrainer(
+        vocab_size=600, min_frequency=1, special_tokens=base, show_progress=False))
+    model = json.loads(tok.to_str())["model"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    tokenizer = GemmaTokenizer(vocab=model["vocab"], merges=merges, add_bos_token=True, model_max_length=4096)
+    tokenizer.add_special_tokens({"additional_special_tokens": special})
+    return tokenizer
+
+
+def _name_tokens(path: Path, family: str) -> None:
+    """Write the family's named tokens into tokenizer_config.json, as downloaded checkpoints have them."""
+    config_file = path / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["extra_special_tokens"] = _NAMED_TOKENS.get(family, {})
+    config_file.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _build_processor(path: Path, family: str = "qwen2_vl", unusual: bool = False) -> Any:
     """Save tokenizer (with chat template) and image processor; return the tokenizer.
 
     The parts are saved one by one, not through ``Qwen2VLProcessor``: in
@@ -182,50 +261,69 @@ def _build_processor(path: Path, family: str = "qwen2_vl") -> Any:
     from transformers import Qwen2Tokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    vocab, merges = _train_tokenizer_files()
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=4096)
     extra = {"llava": ["<image>"], "llava_next": ["<image>"], "paligemma": ["<image>"], "idefics3": IDEFICS3_SPECIAL, "smolvlm": IDEFICS3_SPECIAL,
              "internvl": INTERNVL_SPECIAL,
              "gemma3": GEMMA3_SPECIAL}.get(family, [])
-    tokenizer.add_special_tokens({"additional_special_tokens": _SPECIAL_TOKENS[1:] + extra})
+    if unusual and family in BOS_FAMILIES:
+        tokenizer = _train_gemma_tokenizer(_SPECIAL_TOKENS + extra)
+    else:
+        vocab, merges = _train_tokenizer_files()
+        tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=4096)
+        tokenizer.add_special_tokens({"additional_special_tokens": _SPECIAL_TOKENS[1:] + extra})
     tokenizer.eos_token = "<|im_end|>"
     tokenizer.chat_template = {"llava": _LLAVA_TEMPLATE, "llava_next": _LLAVA_TEMPLATE,
                                "idefics3": _IDEFICS3_TEMPLATE, "smolvlm": _IDEFICS3_TEMPLATE, "gemma3": _GEMMA3_TEMPLATE,
                                "internvl": _INTERNVL_TEMPLATE}.get(family, _CHAT_TEMPLATE)
     if family == "paligemma":
         tokenizer.chat_template = None
-        tokenizer.bos_token = "<|endoftext|>"
+        tokenizer.bos_token = "<bos>" if unusual else "<|endoftext|>"
+    if unusual and family == "gemma3":
+        tokenizer.chat_template = "{{ bos_token }}" + _GEMMA3_TEMPLATE
     tokenizer.save_pretrained(str(path))
+    if unusual and family == "paligemma":
+        (path / "chat_template.jinja").write_text(_PALIGEMMA_TEMPLATE)
+    odd = UNUSUAL[family] if unusual else {}
+    if unusual:
+        _name_tokens(path, family)
     if family == "llava":
         from transformers import CLIPImageProcessorPil
 
-        size = LLAVA_IMAGE_SIZE
+        size = odd.get("image_size", LLAVA_IMAGE_SIZE)
         CLIPImageProcessorPil(size={"shortest_edge": size}, crop_size={"height": size, "width": size}).save_pretrained(
             str(path))
+        if unusual:
+            (path / "processor_config.json").write_text(json.dumps({
+                "processor_class": "LlavaProcessor", "patch_size": 14, "num_additional_image_tokens": 1,
+                "vision_feature_select_strategy": odd["vision_feature_select_strategy"]}) + "\n")
         return tokenizer
     if family == "llava_next":
         from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
 
-        size = LLAVA_IMAGE_SIZE
+        size = odd.get("image_size", LLAVA_IMAGE_SIZE)
         LlavaNextImageProcessorPil(size={"shortest_edge": size}, crop_size={"height": size, "width": size},
-                                   image_grid_pinpoints=LLAVA_NEXT_PINPOINTS).save_pretrained(str(path))
+                                   image_grid_pinpoints=odd.get("image_grid_pinpoints", LLAVA_NEXT_PINPOINTS)
+                                   ).save_pretrained(str(path))
         (path / "processor_config.json").write_text(json.dumps({
-            "processor_class": "LlavaNextProcessor", "patch_size": 14, "vision_feature_select_strategy": "default",
+            "processor_class": "LlavaNextProcessor", "patch_size": 14,
+            "vision_feature_select_strategy": odd.get("vision_feature_select_strategy", "default"),
             "num_additional_image_tokens": 1}) + "\n")
         return tokenizer
     if family == "internvl":
         from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 
-        GotOcr2ImageProcessorPil(size={"height": 56, "width": 56}, crop_to_patches=True, min_patches=1,
-                                 max_patches=4).save_pretrained(str(path))
+        side = odd.get("image_size", 56)
+        GotOcr2ImageProcessorPil(size={"height": side, "width": side}, crop_to_patches=True,
+                                 min_patches=odd.get("min_patches", 1),
+                                 max_patches=odd.get("max_patches", 4)).save_pretrained(str(path))
         (path / "processor_config.json").write_text(
-            json.dumps({"processor_class": "InternVLProcessor", "image_seq_length": 4}) + "\n")
+            json.dumps({"processor_class": "InternVLProcessor", "image_seq_length": odd.get("image_seq_length", 4)}) + "\n")
         return tokenizer
     if family == "paligemma":
         from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
-        siglip = SiglipImageProcessorPil(size={"height": 56, "width": 56})
-        siglip.image_seq_length = PALIGEMMA_IMAGE_TOKENS  # PaliGemmaProcessor reads it, as real checkpoints carry it
+        side = odd.get("image_size", 56)
+        siglip = SiglipImageProcessorPil(size={"height": side, "width": side})
+        siglip.image_seq_length = odd.get("image_seq_length", PALIGEMMA_IMAGE_TOKENS)  # PaliGemmaProcessor reads it, as real checkpoints carry it
         siglip.save_pretrained(str(path))
         (path / "processor_config.json").write_text(json.dumps({"processor_class": "PaliGemmaProcessor"}) + "\n")
         return tokenizer
@@ -234,24 +332,27 @@ def _build_processor(path: Path, family: str = "qwen2_vl") -> Any:
 
         Gemma3ImageProcessorPil(size={"height": 56, "width": 56}).save_pretrained(str(path))
         (path / "processor_config.json").write_text(
-            json.dumps({"processor_class": "Gemma3Processor", "image_seq_length": 4}) + "\n")
+            json.dumps({"processor_class": "Gemma3Processor", "image_seq_length": odd.get("image_seq_length", 4)}) + "\n")
         return tokenizer
     if family in ("idefics3", "smolvlm"):  # SmolVLM2: Idefics3's tiles and prompt, its own classes
         from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
         from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
 
         tiles = Idefics3ImageProcessorPil if family == "idefics3" else SmolVLMImageProcessorPil
-        tiles(size={"longest_edge": 2 * IDEFICS3_TILE},
-              max_image_size={"longest_edge": IDEFICS3_TILE}).save_pretrained(str(path))
+        tile = odd.get("tile", IDEFICS3_TILE)
+        tiles(size={"longest_edge": odd.get("longest_edge", 2 * tile)},
+              max_image_size={"longest_edge": tile}).save_pretrained(str(path))
         processor_class = "Idefics3Processor" if family == "idefics3" else "SmolVLMProcessor"
         (path / "processor_config.json").write_text(
-            json.dumps({"processor_class": processor_class, "image_seq_len": 4}) + "\n")
+            json.dumps({"processor_class": processor_class, "image_seq_len": odd.get("image_seq_len", 4)}) + "\n")
         return tokenizer
     scale = (_patch(family) / 14) ** 2  # the same token bounds at the family's patch size
-    image_processor = Qwen2VLImageProcessorPil(min_pixels=int(TINY_MIN_PIXELS * scale),
-                                               max_pixels=int(TINY_MAX_PIXELS * scale), patch_size=_patch(family))
+    bounds = {"min_pixels": int(TINY_MIN_PIXELS * scale), "max_pixels": int(TINY_MAX_PIXELS * scale)}
+    image_processor = Qwen2VLImageProcessorPil(**{**bounds, **odd}, patch_size=_patch(family))
     image_processor.save_pretrained(str(path))
-    (path / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2VLProcessor"}) + "\n")
+    processor_class = {"qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLProcessor"}.get(family, "Qwen2VLProcessor")
+    (path / "processor_config.json").write_text(
+        json.dumps({"processor_class": processor_class if unusual else "Qwen2VLProcessor"}) + "\n")
     return tokenizer
 
 
@@ -274,15 +375,18 @@ def _vision_config(family: str) -> dict[str, Any]:
     return {**common, "num_position_embeddings": 64, "deepstack_visual_indexes": [0]}
 
 
-def _build_llava(tokenizer: Any, ids: dict[str, int], family: str = "llava") -> Any:
+def _build_llava(tokenizer: Any, ids: dict[str, int], family: str = "llava", odd: dict[str, Any] | None = None) -> Any:
     import transformers
 
     config_class, model_class = {"llava": ("LlavaConfig", "LlavaForConditionalGeneration"),
                                  "llava_next": ("LlavaNextConfig", "LlavaNextForConditionalGeneration")}[family]
-    extra: dict[str, Any] = {"image_grid_pinpoints": LLAVA_NEXT_PINPOINTS} if family == "llava_next" else {}
+    odd = odd or {}
+    extra: dict[str, Any] = ({"image_grid_pinpoints": odd.get("image_grid_pinpoints", LLAVA_NEXT_PINPOINTS)}
+                             if family == "llava_next" else {})
     config = getattr(transformers, config_class)(**extra,
         vision_config={"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64,
-                       "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": LLAVA_IMAGE_SIZE,
+                       "num_hidden_layers": 2, "num_attention_heads": 2,
+                       "image_size": odd.get("image_size", LLAVA_IMAGE_SIZE),
                        "patch_size": 14, "projection_dim": 32},
         text_config={"model_type": "llama", "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128,
                      "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -290,30 +394,31 @@ def _build_llava(tokenizer: Any, ids: dict[str, int], family: str = "llava") -> 
                      "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"]},
         image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
         vision_feature_layer=-2,
-        vision_feature_select_strategy="default",
+        vision_feature_select_strategy=odd.get("vision_feature_select_strategy", "default"),
     )
     return getattr(transformers, model_class)(config).eval()
 
 
-def _build_idefics3(tokenizer: Any, ids: dict[str, int], family: str = "idefics3") -> Any:
+def _build_idefics3(tokenizer: Any, ids: dict[str, int], family: str = "idefics3",
+                    odd: dict[str, Any] | None = None) -> Any:
     import transformers
 
     config_class, model_class = {"idefics3": ("Idefics3Config", "Idefics3ForConditionalGeneration"),
                                  "smolvlm": ("SmolVLMConfig", "SmolVLMForConditionalGeneration")}[family]
     config = getattr(transformers, config_class)(
         vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-                       "image_size": IDEFICS3_TILE, "patch_size": 14},
+                       "image_size": (odd or {}).get("tile", IDEFICS3_TILE), "patch_size": 14},
         text_config={"model_type": "llama", "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128,
                      "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                      "max_position_embeddings": 4096, "bos_token_id": ids["<|endoftext|>"],
                      "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"]},
         image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
-        scale_factor=2,
+        scale_factor=(odd or {}).get("scale_factor", 2),
     )
     return getattr(transformers, model_class)(config).eval()
 
 
-def _build_gemma3(tokenizer: Any, ids: dict[str, int]) -> Any:
+def _build_gemma3(tokenizer: Any, ids: dict[str, int], odd: dict[str, Any]) -> Any:
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
     config = Gemma3Config(
@@ -324,7 +429,7 @@ def _build_gemma3(tokenizer: Any, ids: dict[str, int]) -> Any:
                      "query_pre_attn_scalar": 16, "max_position_embeddings": 4096, "sliding_window": GEMMA3_WINDOW,
                      "layer_types": ["sliding_attention", "full_attention"], "bos_token_id": ids["<|endoftext|>"],
                      "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"]},
-        mm_tokens_per_image=4,
+        mm_tokens_per_image=odd.get("image_seq_length", 4),
         boi_token_index=tokenizer.convert_tokens_to_ids("<start_of_image>"),
         eoi_token_index=tokenizer.convert_tokens_to_ids("<end_of_image>"),
         image_token_index=tokenizer.convert_tokens_to_ids("<image_soft_token>"),
@@ -332,13 +437,13 @@ def _build_gemma3(tokenizer: Any, ids: dict[str, int]) -> Any:
     return Gemma3ForConditionalGeneration(config).eval()
 
 
-def _build_paligemma(tokenizer: Any, ids: dict[str, int]) -> Any:
+def _build_paligemma(tokenizer: Any, ids: dict[str, int], odd: dict[str, Any]) -> Any:
     from transformers import PaliGemmaConfig, PaliGemmaForConditionalGeneration
 
     config = PaliGemmaConfig(
         vision_config={"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64,
-                       "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 56, "patch_size": 14,
-                       "projection_dim": 64},
+                       "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": odd.get("image_size", 56),
+                       "patch_size": 14, "projection_dim": 64},
         text_config={"model_type": "gemma", "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128,
                      "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
                      "max_position_embeddings": 4096, "bos_token_id": ids["<|endoftext|>"],
@@ -349,22 +454,23 @@ def _build_paligemma(tokenizer: Any, ids: dict[str, int]) -> Any:
     return PaliGemmaForConditionalGeneration(config).eval()
 
 
-def _build_internvl(tokenizer: Any, ids: dict[str, int]) -> Any:
+def _build_internvl(tokenizer: Any, ids: dict[str, int], odd: dict[str, Any]) -> Any:
     from transformers import InternVLConfig, InternVLForConditionalGeneration
 
     config = InternVLConfig(
         vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-                       "image_size": [56, 56], "patch_size": [14, 14]},
+                       "image_size": [odd.get("image_size", 56)] * 2, "patch_size": [14, 14]},
         text_config={"model_type": "qwen2", "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128,
                      "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                      "max_position_embeddings": 4096, "bos_token_id": ids["<|endoftext|>"],
                      "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"]},
-        image_token_id=tokenizer.convert_tokens_to_ids("<IMG_CONTEXT>"), image_seq_length=4, downsample_ratio=0.5,
+        image_token_id=tokenizer.convert_tokens_to_ids("<IMG_CONTEXT>"), downsample_ratio=0.5,
+        **({} if odd else {"image_seq_length": 4}),  # unusual: the default (256) stays, as in real checkpoints
     )
     return InternVLForConditionalGeneration(config).eval()
 
 
-def _build_model(path: Path, tokenizer: Any, family: str = "qwen2_vl") -> None:
+def _build_model(path: Path, tokenizer: Any, family: str = "qwen2_vl", odd: dict[str, Any] | None = None) -> None:
     import torch
     import transformers
 
@@ -375,11 +481,11 @@ def _build_model(path: Path, tokenizer: Any, family: str = "qwen2_vl") -> None:
         torch.manual_seed(0)
         builders = {"gemma3": _build_gemma3, "paligemma": _build_paligemma, "internvl": _build_internvl}
         if family in ("idefics3", "smolvlm"):
-            model = _build_idefics3(tokenizer, ids, family)
+            model = _build_idefics3(tokenizer, ids, family, odd)
         elif family in builders:
-            model = builders[family](tokenizer, ids)
+            model = builders[family](tokenizer, ids, odd or {})
         else:
-            model = _build_llava(tokenizer, ids, family)
+            model = _build_llava(tokenizer, ids, family, odd)
         _finish_model(model, path, [*ids.values(), *tokenizer.convert_tokens_to_ids(extra)], ids)
         return
 
@@ -434,8 +540,9 @@ def _finish_model(model: Any, path: Path, control: list[int], ids: dict[str, int
     model.save_pretrained(str(path))
 
 
-def build_tiny_vlm(path: Path, family: str = "qwen2_vl") -> Path:
-    """Write a tiny model of ``family`` (FAMILIES) and its processor into ``path`` (created if needed).
+def build_tiny_vlm(path: Path, family: str = "qwen2_vl", *, unusual: bool = False) -> Path:
+    """Write a tiny model of ``family`` (FAMILIES) and its processor into ``path`` (created if needed);
+    ``unusual``: with the family's UNUSUAL processor settings and a tokenizer laid out as downloaded.
 
     Deterministic and fast (a couple of seconds on CPU). The directory loads with
     ``AutoImageProcessor``, ``AutoTokenizer`` and ``AutoModelForImageTextToText`` (and
@@ -443,8 +550,8 @@ def build_tiny_vlm(path: Path, family: str = "qwen2_vl") -> Path:
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = _build_processor(path, family)
-    _build_model(path, tokenizer, family)
+    tokenizer = _build_processor(path, family, unusual)
+    _build_model(path, tokenizer, family, UNUSUAL[family] if unusual else None)
     return path
 
 

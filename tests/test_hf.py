@@ -328,6 +328,21 @@ def test_items_of_a_padded_batch_answer_as_when_alone(pre: HFPreprocessor, backe
     assert any(e.index == len(items) - 1 and e.text for e in events[:first_finish])
 
 
+def test_generation_passes_transformers_no_deprecated_argument(pre: HFPreprocessor, backend: HFBackend) -> None:
+    """A prefill and batched decode steps raise no FutureWarning/DeprecationWarning from transformers
+    (``past_key_values`` is deprecated in favour of ``cache``, and its removal announced)."""
+    import warnings
+
+    items = [work_item(pre, "Hi", [WIDE], SamplingParams(max_tokens=3, temperature=0.0), 1),
+             work_item(pre, "Hello there.", [], SamplingParams(max_tokens=3, temperature=0.0), 2)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        list(backend.run(items))
+    deprecated = [str(w.message) for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))
+                  and "transformers" in w.filename]
+    assert deprecated == []
+
+
 def test_a_cancelled_row_leaves_its_batch_mates_intact(pre: HFPreprocessor, backend: HFBackend) -> None:
     a = work_item(pre, "Keep going.", [WIDE], SamplingParams(max_tokens=20, temperature=0.0), 1)
     b = work_item(pre, "Stop me.", [SQUARE], SamplingParams(max_tokens=20, temperature=0.0), 2)

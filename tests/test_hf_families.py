@@ -1,22 +1,27 @@
-"""Qwen2.5-VL, Qwen3-VL, LLaVA-1.5, Idefics3, LLaVA-NeXT, Gemma 3, PaliGemma, InternVL and SmolVLM2, end to end on tiny random checkpoints.
+"""The ten chat families, each on a tiny checkpoint whose processor settings are unlike the defaults.
 
-Per family (tests/hf_fixture.py builds each once per run): through a real ``shmgate serve`` with
-``--max-batch-size 1``, a streamed greedy answer to a two-image prompt equals transformers' own
-``generate`` on the same directory token for token, with exact usage (Idefics3, LLaVA-NeXT,
-Gemma 3, PaliGemma, InternVL, SmolVLM2: on the inputs of transformers' own processor, whose ids must equal ours); a repeated image is a
-content-cache hit; and in the worker, a padded batch answers as its items alone. Qwen2-VL itself is
-covered by tests/test_hf.py and tests/test_hf_serve.py.
+tests/hf_fixture.py builds each family with ``unusual=True`` (its UNUSUAL settings: other image sizes,
+image_seq_length, tile sizes, pixel bounds, CLS handling, named tokens, a tokenizer that adds BOS
+itself). For each, in this one process (the checkpoints are tiny; importing transformers once is most
+of the cost, so no server per family): the prompt token ids our frontend builds equal those of
+transformers' own processor class built from the directory's files as ``from_pretrained`` builds it;
+our backend's greedy answer on our own tensors equals ``generate`` on the processor's inputs, token for
+token, with the prompt's token count as usage; an image fits the content cache; a padded batch answers
+as its items alone. One family, InternVL, is also served through a real ``shmgate serve`` (its model
+config's stale ``image_seq_length`` once made the first photo a 500), a photo twice: the answer equals
+transformers', the second is a cache hit. The served path itself is covered on Qwen2-VL by
+tests/test_hf_serve.py.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
-import openai
 import pytest
 
 pytest.importorskip("transformers")
@@ -24,147 +29,118 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 from gateway.preprocess.hf import HFPreprocessor  # noqa: E402
+from shared.cache_index import MAX_NDIM, MAX_TENSORS  # noqa: E402
 from shared.wire import SamplingParams  # noqa: E402
-from tests.serving import Server, data_url, start_server  # noqa: E402
-from tests.shm_children import leftovers  # noqa: E402
-from tests.test_hf import SQUARE, WIDE, answer, work_item  # noqa: E402
+from tests.hf_fixture import FAMILIES, build_tiny_vlm  # noqa: E402
+from tests.serving import Server, data_url, start_server, stop_and_check  # noqa: E402
+from tests.test_hf import SQUARE, WIDE, answer, messages, preprocess, work_item  # noqa: E402
 from worker.backends.hf import HFBackend  # noqa: E402
 
-FAMILIES = ["qwen2_5_vl", "qwen3_vl", "llava", "idefics3", "llava_next", "gemma3", "paligemma", "internvl", "smolvlm"]
-TOKENS = 10
-
-
-@pytest.fixture(scope="module", params=FAMILIES)
-def family_dir(request: pytest.FixtureRequest, tiny_vlm: Callable[[str], Path]) -> Path:
-    return tiny_vlm(request.param)
+TOKENS = 8
+TEXT = "Compare them."
 
 
 @pytest.fixture(scope="module")
-def family_server(family_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    server = start_server(f"hf:{family_dir}", tmp_path_factory.mktemp("serve"), "--threads", "1",
-                          "--max-batch-size", "1", "--frontends", "1")
-    try:
-        yield server
-    finally:
-        assert server.stop() == 0
-        assert not leftovers(server.instance_id, slots=64)
+def unusual_vlm(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``unusual_vlm(family)``: that family's checkpoint with UNUSUAL settings, built on first use."""
+    built: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in built:
+            name = "unusual-" + family.replace("_", "-")
+            built[family] = build_tiny_vlm(tmp_path_factory.mktemp("models") / name, family, unusual=True)
+        return built[family]
+
+    return get
 
 
 @pytest.fixture(scope="module")
-def family_backend(family_dir: Path) -> Iterator[tuple[HFPreprocessor, HFBackend]]:
+def one_thread() -> Iterator[None]:
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield HFPreprocessor(family_dir), HFBackend(str(family_dir), torch.device("cpu"))
+    torch.set_num_threads(1)  # a 64-wide model gains nothing from more, and a busy 2-core box loses a lot
+    yield
     torch.set_num_threads(threads)
 
 
-def test_streamed_greedy_answer_equals_transformers_generate(
-        family_server: Server, family_backend: tuple[HFPreprocessor, HFBackend]) -> None:
-    pre, backend = family_backend
-    item = work_item(pre, "Compare them.", [SQUARE, WIDE], SamplingParams(max_tokens=TOKENS, temperature=0.0))
-    ids = torch.from_numpy(np.frombuffer(item.inline, dtype=np.int32).astype(np.int64)).view(1, -1)
-    images: dict[str, torch.Tensor] = {"pixel_values": torch.cat(item.tensors["pixel_values"])}
-    if "tile_grid" in item.tensors:  # Idefics3, SmolVLM2: the inputs of transformers' own processor, tiles and all
-        reference = _processor_reference(backend, [SQUARE, WIDE], "Compare them.")
-        assert reference.pop("input_ids")[0].tolist() == ids[0].tolist()
-        images = dict(reference)
-    elif backend.model.config.model_type in ("gemma3", "llava_next", "paligemma", "internvl"):  # likewise
-        reference = _processor_reference(backend, [SQUARE, WIDE], "Compare them.")
-        assert reference.pop("input_ids")[0].tolist() == ids[0].tolist()
-        images = dict(reference)
-    elif "image_grid_thw" in item.tensors:  # the Qwen family's
-        images["image_grid_thw"] = torch.cat(item.tensors["image_grid_thw"])
-        images["mm_token_type_ids"] = (ids == backend._layout.image_token_id).to(torch.int32)
-    out = backend.model.generate(input_ids=ids, **images, max_new_tokens=TOKENS, do_sample=False)
-    expected = backend.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-    client = openai.OpenAI(base_url=family_server.base_url + "/v1", api_key="unused")
-    content = [{"type": "image_url", "image_url": {"url": data_url(p.read_bytes())}} for p in (SQUARE, WIDE)]
-    chunks = list(client.chat.completions.create(  # type: ignore[call-overload]
-        model=family_server.model.removeprefix("hf:").rsplit("/", 1)[-1],
-        messages=[{"role": "user", "content": [*content, {"type": "text", "text": "Compare them."}]}],
-        max_tokens=TOKENS, temperature=0, stream=True, stream_options={"include_usage": True}))
-    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
-    assert len(pieces) >= 2 and "".join(pieces) == expected
-    assert chunks[-1].usage.prompt_tokens == ids.shape[1]
-    assert chunks[-1].usage.completion_tokens == out.shape[1] - ids.shape[1]
-
-
-def _processor_reference(backend: HFBackend, paths: list[Path], text: str) -> dict[str, torch.Tensor]:
-    """transformers' own processor (Idefics3, SmolVLM2, LLaVA-NeXT, Gemma 3, PaliGemma, InternVL) on the images and the rendered
-    template: the ids and every image input the model takes."""
+def transformers_processor(directory: Path) -> Any:
+    """transformers' own processor class for ``directory``, built as ``from_pretrained`` builds it (the
+    processor_config.json settings as arguments, the image processor and the tokenizer from the
+    directory), except that no video processor is loaded: it needs torchvision, and images never use it."""
     from unittest import mock
 
-    from PIL import Image
-    from transformers import (
-        AutoImageProcessor,
-        AutoTokenizer,
-        Gemma3Processor,
-        Idefics3Processor,
-        InternVLProcessor,
-        LlavaNextProcessor,
-        PaliGemmaProcessor,
-    )
+    import transformers
+    from transformers import AutoImageProcessor, AutoTokenizer
     from transformers.processing_utils import ProcessorMixin
 
-    directory = backend.model.name_or_path
-    image_processor = AutoImageProcessor.from_pretrained(directory, backend="pil")
-    images: list[Any] = [Image.open(p).convert("RGB") for p in paths]
+    settings = json.loads((directory / "processor_config.json").read_text())
+    name = settings.pop("processor_class")
+    if (directory / "chat_template.jinja").is_file():  # a processor's own template wins over the tokenizer's
+        settings["chat_template"] = (directory / "chat_template.jinja").read_text()
+    if name == "SmolVLMProcessor":  # it needs num2words for video captions; its image prompt is Idefics3's
+        name = "Idefics3Processor"
+    cls = getattr(transformers, name)
+    parts: list[Any] = [AutoImageProcessor.from_pretrained(directory, backend="pil"),
+                        AutoTokenizer.from_pretrained(directory)]
+    if "video_processor" in cls.get_attributes():
+        parts.append(None)
     check = ProcessorMixin.check_argument_for_proper_class
-    no_video = mock.patch.object(  # InternVL's and SmolVLM's want a video processor (torchvision): None for images
-        ProcessorMixin, "check_argument_for_proper_class",
-        lambda self, name, arg: None if name == "video_processor" else check(self, name, arg))
-    if backend.model.config.model_type == "idefics3":
-        processor: Any = Idefics3Processor(image_processor, backend.tokenizer,
-                                           image_seq_len=backend._layout.tokens_per_image)
-        images, names = [images], ("pixel_values", "pixel_attention_mask")
-    elif backend.model.config.model_type == "smolvlm":
-        # SmolVLMProcessor needs num2words (for video frame captions); its image prompt is the same
-        # function as Idefics3Processor's, so that one runs, over SmolVLM's own image processor.
-        with mock.patch.object(ProcessorMixin, "check_argument_for_proper_class", lambda *args: None):
-            processor = Idefics3Processor(image_processor, backend.tokenizer,
-                                          image_seq_len=backend._layout.tokens_per_image)
-        images, names = [images], ("pixel_values", "pixel_attention_mask")
-    elif backend.model.config.model_type == "gemma3":
-        tokenizer = backend.tokenizer  # Gemma3Processor reads these tokenizer attributes (real Gemma tokenizers have them)
-        tokenizer.boi_token, tokenizer.eoi_token, tokenizer.image_token = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
-        tokenizer.boi_token_id, tokenizer.image_token_id = (tokenizer.convert_tokens_to_ids(t) for t in (
-            "<start_of_image>", "<image_soft_token>"))
-        processor = Gemma3Processor(image_processor, tokenizer, image_seq_length=backend._layout.tokens_per_image)
-        images, names = [images], ("pixel_values", "token_type_ids")
-    elif backend.model.config.model_type == "internvl":  # it reads these tokenizer attributes, and wants a video
-        tokenizer = AutoTokenizer.from_pretrained(directory)  # processor (torchvision): None is fine for images
-        for name, token in (("start_image_token", "<img>"), ("end_image_token", "</img>"),
-                            ("context_image_token", "<IMG_CONTEXT>"), ("video_token", "<|video_pad|>")):
-            setattr(tokenizer, name, token)
-            setattr(tokenizer, name + "_id", tokenizer.convert_tokens_to_ids(token))
-        with no_video:
-            processor = InternVLProcessor(image_processor, tokenizer, None,
-                                          image_seq_length=backend._layout.tokens_per_image)
-        names = ("pixel_values",)
-    elif backend.model.config.model_type == "paligemma":  # it adds tokens: on a tokenizer of its own
-        processor = PaliGemmaProcessor(image_processor, AutoTokenizer.from_pretrained(directory))
-        out = processor(text=[text], images=[images], return_tensors="pt")
-        return {k: out[k] for k in ("input_ids", "pixel_values", "token_type_ids")}
+    no_video = mock.patch.object(ProcessorMixin, "check_argument_for_proper_class",
+                                 lambda self, arg_name, arg: None if arg is None else check(self, arg_name, arg))
+    with no_video:
+        return cls(*parts, **settings)
+
+
+def transformers_inputs(directory: Path, paths: list[Path], text: str) -> dict[str, torch.Tensor]:
+    """The processor's inputs for a user turn of ``paths`` then ``text``: its ``apply_chat_template``
+    with the checkpoint's chat template, images and all (a checkpoint without a template, as most
+    PaliGemma ones: the processor called on the placeholders and the text, as its model card does)."""
+    from PIL import Image
+
+    processor = transformers_processor(directory)
+    images = [Image.open(p).convert("RGB") for p in paths]
+    if processor.chat_template is None and processor.tokenizer.chat_template is None:
+        out = processor(text=[processor.image_token * len(paths) + text], images=[images], return_tensors="pt")
     else:
-        processor = LlavaNextProcessor(image_processor, backend.tokenizer, patch_size=14,
-                                       vision_feature_select_strategy="default", num_additional_image_tokens=1)
-        names = ("pixel_values", "image_sizes")
-    messages = [{"role": "user", "content": [*({"type": "image"} for _ in paths), {"type": "text", "text": text}]}]
-    prompt = backend.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    out = processor(text=[prompt], images=images, return_tensors="pt")
-    return {k: out[k] for k in ("input_ids", *names)}
+        conversation = messages(text, len(paths))
+        for part, image in zip(conversation[0]["content"], images):
+            part["image"] = image
+        out = processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True,
+                                            return_dict=True, return_tensors="pt",
+                                            chat_template=processor.chat_template or processor.tokenizer.chat_template)
+    return {k: v for k, v in out.items() if k not in ("attention_mask", "labels")}
 
 
-def test_a_repeated_image_is_a_cache_hit(family_server: Server) -> None:
-    model = family_server.model.removeprefix("hf:").rsplit("/", 1)[-1]
-    body = {"model": model, "max_tokens": 1, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": data_url((SQUARE.parent / "coffee_640.jpg").read_bytes())}},
-        {"type": "text", "text": "Hi"}]}]}
-    before = family_server.metric("shmgate_cache_hits_total")
-    first = httpx.post(family_server.base_url + "/v1/chat/completions", json=body, timeout=60).json()
-    second = httpx.post(family_server.base_url + "/v1/chat/completions", json=body, timeout=60).json()
-    assert family_server.metric("shmgate_cache_hits_total") >= before + 1
-    assert first["usage"] == second["usage"]
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_backend(request: pytest.FixtureRequest, unusual_vlm: Callable[[str], Path],
+                   one_thread: None) -> tuple[HFPreprocessor, HFBackend]:
+    directory = unusual_vlm(request.param)
+    return HFPreprocessor(directory), HFBackend(str(directory), torch.device("cpu"))
+
+
+def test_prompt_and_greedy_answer_equal_transformers(family_backend: tuple[HFPreprocessor, HFBackend]) -> None:
+    pre, backend = family_backend
+    directory = Path(backend.model.name_or_path)
+    item = work_item(pre, TEXT, [SQUARE, WIDE], SamplingParams(max_tokens=TOKENS, temperature=0.0))
+    reference = transformers_inputs(directory, [SQUARE, WIDE], TEXT)
+    ids = reference.pop("input_ids")
+    assert np.frombuffer(item.inline, dtype=np.int32).tolist() == ids[0].tolist()
+    ours = backend._layout.check(item, torch.device("cpu"))  # the model inputs our worker builds
+    for name in ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes"):
+        theirs = reference.get(name)
+        assert (getattr(ours, name) is None) == (theirs is None), name
+        assert theirs is None or torch.equal(getattr(ours, name), theirs.to(getattr(ours, name).dtype)), name
+    if "image_grid_thw" in reference:  # the Qwen family's multimodal RoPE reads the image token positions
+        reference["mm_token_type_ids"] = (ids == backend._layout.image_token_id).to(torch.int32)
+    out = backend.model.generate(input_ids=ids, **reference, max_new_tokens=TOKENS, do_sample=False)
+    text, finish = answer(list(backend.run([item])))
+    assert text == backend.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    assert (finish.prompt_tokens, finish.completion_tokens) == (ids.shape[1], out.shape[1] - ids.shape[1])
+
+
+def test_an_image_fits_the_content_cache(family_backend: tuple[HFPreprocessor, HFBackend]) -> None:
+    """A cached image is at most MAX_TENSORS tensors of at most MAX_NDIM axes (shared/cache_index.py)."""
+    arrays = preprocess(family_backend[0], WIDE)
+    assert 0 < len(arrays) <= MAX_TENSORS and all(a.ndim <= MAX_NDIM for a in arrays.values())
 
 
 def test_a_padded_batch_answers_as_its_items_alone(family_backend: tuple[HFPreprocessor, HFBackend]) -> None:
@@ -176,6 +152,49 @@ def test_a_padded_batch_answers_as_its_items_alone(family_backend: tuple[HFPrepr
     alone = [answer(list(backend.run([item])))[0] for item in items]
     events = list(backend.run(items))
     assert [answer(events, i)[0] for i in range(len(items))] == alone
+
+
+def test_paligemma_user_written_control_tokens_stay_text(unusual_vlm: Callable[[str], Path]) -> None:
+    """PaliGemma's BOS goes after the last *real* image placeholder: an "<image>" or "<bos>" the user
+    types is text, and the trailing "\n" still merges with the text before it."""
+    pre = HFPreprocessor(unusual_vlm("paligemma"))
+    spec = {"pixel_values": ("float32", (1, 3, 42, 42))}
+    ids = pre.prompt_token_ids(messages("look <image> here <bos>.", 1), [spec])
+    bos, image = pre.tokenizer.bos_token_id, pre.named_token_id("image_token", "<image>")
+    assert ids[:10] == [image] * 9 + [bos] and ids.count(bos) == 1 and ids.count(image) == 9
+    text = pre.tokenizer.decode(ids[10:])
+    assert text == "look <image> here <bos>.\n"
+    assert ids[10:] == pre.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+
+
+@pytest.fixture(scope="module")
+def internvl_server(unusual_vlm: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    server = start_server(f"hf:{unusual_vlm('internvl')}", tmp_path_factory.mktemp("serve"), "--threads", "1",
+                          "--max-batch-size", "1", "--frontends", "1")
+    try:
+        yield server
+    finally:
+        stop_and_check(server)
+
+
+def test_served_internvl_answers_a_photo_as_transformers_and_caches_it(
+        internvl_server: Server, unusual_vlm: Callable[[str], Path], one_thread: None) -> None:
+    directory = unusual_vlm("internvl")
+    reference = transformers_inputs(directory, [WIDE], TEXT)
+    ids = reference.pop("input_ids")
+    backend = HFBackend(str(directory), torch.device("cpu"))
+    out = backend.model.generate(input_ids=ids, **reference, max_new_tokens=TOKENS, do_sample=False)
+    body = {"model": directory.name, "max_tokens": TOKENS, "temperature": 0, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(WIDE.read_bytes())}}, {"type": "text", "text": TEXT}]}]}
+    before = internvl_server.metric("shmgate_cache_hits_total")
+    replies = [httpx.post(internvl_server.base_url + "/v1/chat/completions", json=body, timeout=60) for _ in range(2)]
+    assert [r.status_code for r in replies] == [200, 200], replies[0].text
+    first = replies[0].json()
+    assert first["choices"][0]["message"]["content"] == backend.tokenizer.decode(out[0, ids.shape[1]:],
+                                                                                 skip_special_tokens=True)
+    assert first["usage"]["prompt_tokens"] == ids.shape[1]
+    assert replies[1].json()["usage"] == first["usage"]
+    assert internvl_server.metric("shmgate_cache_hits_total") >= before + 1
 
 
 @pytest.mark.parametrize("model_type", ["mllama", "gemma3n", "llava_onevision"])
@@ -235,7 +254,7 @@ def test_llava_next_images_of_different_tile_counts_answer_as_transformers(
     item = work_item(pre, "Compare them.", [small, SQUARE], SamplingParams(max_tokens=TOKENS, temperature=0.0))
     assert [p.shape[0] for p in item.tensors["pixel_values"]] == [3, 5]
     ids = torch.from_numpy(np.frombuffer(item.inline, dtype=np.int32).astype(np.int64)).view(1, -1)
-    reference = _processor_reference(backend, [small, SQUARE], "Compare them.")
+    reference = transformers_inputs(directory, [small, SQUARE], "Compare them.")
     assert reference.pop("input_ids")[0].tolist() == ids[0].tolist()
     out = backend.model.generate(input_ids=ids, **reference, max_new_tokens=TOKENS, do_sample=False)
     expected = backend.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)

@@ -27,6 +27,15 @@ Invariants:
 3. Control tokens that a user writes in message text (``<|image_pad|>``, ``<|im_end|>``)
    are tokenized as plain text (transformers' ``sanitize_control_tokens``): a client
    cannot forge image slots or end a turn early.
+4. Every count and token name a prompt is built from comes from the checkpoint, read the way
+   transformers' processor class reads it: ``processor_config.json`` (``image_seq_length``,
+   ``image_seq_len``, ``patch_size``, ...), the image processor's own settings, the tokenizer's
+   named tokens (``tokenizer.image_token``, ``context_image_token``, ``boi_token``, ...) and its
+   special tokens (a tokenizer that adds BOS gets it, unless the template wrote one, as the
+   processor's ``apply_chat_template`` does). The model config is read only where the processor has
+   no setting of its own, and a family's usual value is never assumed: a checkpoint whose model
+   config still carries a stale copy (InternVL's ``image_seq_length``) is prompted as transformers
+   prompts it.
 
 Model id: the directory's base name (``hf:/models/Qwen2-VL-2B`` is served as
 ``Qwen2-VL-2B``), unless ``model_id`` is given; the worker's backend (worker/backends/
@@ -73,8 +82,10 @@ class _Architecture:
     """What differs between processor families: the placeholder token and its count per image, and
     the processor arguments ``image_url.detail: "low"`` stands for (``{}``: no lower setting)."""
 
+    # The placeholder the chat template writes: the tokenizer's named token (``token_attribute``,
+    # as the processor class reads it), else ``image_token``.
     image_token: str
-    tokens_per_image: Callable[[Any, ImageTensorSpec, Any], int]  # (image processor, spec, model config)
+    tokens_per_image: Callable[[Any, ImageTensorSpec], int]  # (preprocessor, spec)
     low_detail: Callable[[Any], dict[str, Any]] = lambda image_processor: {}
     # Families whose image expands into more than repeated placeholders (Idefics3's tile markers):
     # (preprocessor, spec) -> the image's token ids; tokens_per_image is then unused.
@@ -85,6 +96,7 @@ class _Architecture:
     # Gemma 3: each placeholder becomes "\n\n" <boi> image_seq_length x <image> <eoi> "\n\n" as *text*, so
     # the newlines merge with the newlines around it; (boi, image, eoi) token names.
     wrapped: tuple[str, str, str] | None = None
+    token_attribute: str = "image_token"
 
 
 # image_url.detail "low" for the Qwen2-VL family: at most this many image tokens per image (OpenAI's
@@ -117,25 +129,30 @@ def processor_keys(image_processor: Any) -> frozenset[str]:
     return frozenset(declared) - FIXED_PROCESSOR_KEYS
 
 
-def _merged_patches(image_processor: Any, spec: ImageTensorSpec, config: Any) -> int:
-    """Qwen2-VL family: one token per ``merge_size x merge_size`` block of 14 px patches."""
+def _merged_patches(pre: Any, spec: ImageTensorSpec) -> int:
+    """Qwen2-VL family: one token per ``merge_size x merge_size`` block of patches (the image processor's)."""
     if PIXEL_VALUES not in spec:
         raise InvalidRequest(f"An image has no '{PIXEL_VALUES}' tensor; it was not made by this preprocessor.")
     patches = spec[PIXEL_VALUES][1][0]
-    merge = int(image_processor.merge_size) ** 2
+    merge = int(pre.image_processor.merge_size) ** 2
     if patches <= 0 or patches % merge:
         raise InvalidRequest(f"An image has {patches} patches, not a positive multiple of {merge}.")
     return patches // merge
 
 
-def _clip_patches(image_processor: Any, spec: ImageTensorSpec, config: Any) -> int:
-    """LLaVA-1.5: one token per patch of the fixed-size CLIP input, plus the CLS feature unless the
-    model drops it (``vision_feature_select_strategy`` "default")."""
+def _clip_patches(pre: Any, spec: ImageTensorSpec) -> int:
+    """LLaVA-1.5, as LlavaProcessor counts: one token per patch of the fixed-size CLIP input, plus
+    ``num_additional_image_tokens`` (the CLS feature), less one when the model drops it
+    (``vision_feature_select_strategy`` "default"). Each setting from processor_config.json, else from
+    the model config (the CLS feature: CLIP has one)."""
     if PIXEL_VALUES not in spec or len(spec[PIXEL_VALUES][1]) != 4:
         raise InvalidRequest(f"An image has no 4-D '{PIXEL_VALUES}' tensor; it was not made by this preprocessor.")
     _, _, height, width = spec[PIXEL_VALUES][1]
-    patch = int(config.vision_config.patch_size)
-    return (height // patch) * (width // patch) + (0 if config.vision_feature_select_strategy == "default" else 1)
+    config, settings = pre._config, pre.processor_settings
+    patch = int(settings.get("patch_size") or config.vision_config.patch_size)
+    extra = int(settings.get("num_additional_image_tokens", 1))
+    strategy = settings.get("vision_feature_select_strategy") or config.vision_feature_select_strategy
+    return (height // patch) * (width // patch) + extra - (1 if strategy == "default" else 0)
 
 
 # Idefics3's tile grid, said in a tensor's *shape* (rows + 1, cols + 1): the prompt builder sees the
@@ -170,12 +187,13 @@ def _idefics3_expand(pre: Any, spec: ImageTensorSpec) -> list[int]:
     return pre.expansion_ids(rows, cols)
 
 
-def _idefics3_text(rows: int, cols: int, seq_len: int) -> str:
-    image = "<image>" * seq_len
-    glob = f"<fake_token_around_image><global-img>{image}<fake_token_around_image>"
+def _idefics3_text(rows: int, cols: int, seq_len: int, fake: str = "<fake_token_around_image>",
+                   image_token: str = "<image>", global_image: str = "<global-img>") -> str:
+    image = image_token * seq_len
+    glob = f"{fake}{global_image}{image}{fake}"
     if rows == 0:
         return glob
-    lines = ["".join(f"<fake_token_around_image><row_{r + 1}_col_{c + 1}>{image}" for c in range(cols)) + "\n"
+    lines = ["".join(f"{fake}<row_{r + 1}_col_{c + 1}>{image}" for c in range(cols)) + "\n"
              for r in range(rows)]
     return "".join(lines) + "\n" + glob
 
@@ -195,43 +213,56 @@ def _llava_next_outputs(pre: Any, out: dict[str, Any]) -> dict[str, Any]:
     return {PIXEL_VALUES: pixels, "image_sizes": out["image_sizes"], IMAGE_TOKENS: np.zeros(count, np.uint8)}
 
 
-def _counted_tokens(image_processor: Any, spec: ImageTensorSpec, config: Any) -> int:
+def _counted_tokens(pre: Any, spec: ImageTensorSpec) -> int:
     if IMAGE_TOKENS not in spec or len(spec[IMAGE_TOKENS][1]) != 1:
         raise InvalidRequest(f"An image has no '{IMAGE_TOKENS}' tensor; it was not made by this preprocessor.")
     return spec[IMAGE_TOKENS][1][0]
 
 
-def _siglip_patches(image_processor: Any, spec: ImageTensorSpec, config: Any) -> int:
-    """PaliGemma: one token per patch of the fixed-size SigLIP input (no CLS)."""
+def _siglip_patches(pre: Any, spec: ImageTensorSpec) -> int:
+    """PaliGemma: the image processor's ``image_seq_length`` (what PaliGemmaProcessor reads), else one
+    token per patch of the fixed-size SigLIP input (no CLS)."""
     if PIXEL_VALUES not in spec or len(spec[PIXEL_VALUES][1]) != 4:
         raise InvalidRequest(f"An image has no 4-D '{PIXEL_VALUES}' tensor; it was not made by this preprocessor.")
+    configured = getattr(pre.image_processor, "image_seq_length", None)
+    if configured:
+        return int(configured)
     _, _, height, width = spec[PIXEL_VALUES][1]
-    patch = int(config.vision_config.patch_size)
+    patch = int(pre._config.vision_config.patch_size)
     return (height // patch) * (width // patch)
+
+
+# InternVLProcessor's image_seq_length when processor_config.json has none (the model config's own
+# copy is not what the processor reads, and checkpoints leave it stale).
+INTERNVL_SEQ_LENGTH = 256
 
 
 def _internvl_expand(pre: Any, spec: ImageTensorSpec) -> list[int]:
     """InternVL: ``<img>`` + image_seq_length ``<IMG_CONTEXT>`` per crop (rows of pixel_values) + ``</img>``
-    (InternVLProcessor.replace_image_token; special tokens all, so ids splice as text would tokenize)."""
+    (InternVLProcessor.replace_image_token; special tokens all, so ids splice as text would tokenize).
+    image_seq_length is processor_config.json's and the three tokens are the tokenizer's named ones,
+    as InternVLProcessor reads them."""
     if PIXEL_VALUES not in spec or len(spec[PIXEL_VALUES][1]) != 4 or spec[PIXEL_VALUES][1][0] <= 0:
         raise InvalidRequest(f"An image has no 4-D '{PIXEL_VALUES}' tensor; it was not made by this preprocessor.")
-    start, context, end = (int(pre.tokenizer.convert_tokens_to_ids(t)) for t in ("<img>", "<IMG_CONTEXT>", "</img>"))
-    return [start, *[context] * (int(pre._config.image_seq_length) * spec[PIXEL_VALUES][1][0]), end]
+    start, context, end = (pre.named_token_id(attribute, default) for attribute, default in (
+        ("start_image_token", "<img>"), ("context_image_token", "<IMG_CONTEXT>"), ("end_image_token", "</img>")))
+    per_crop = int(pre.processor_settings.get("image_seq_length", INTERNVL_SEQ_LENGTH))
+    return [start, *[context] * (per_crop * spec[PIXEL_VALUES][1][0]), end]
 
 
-# PaliGemma checkpoints carry no chat template: their processor writes the images' placeholders, BOS,
-# the prompt and "\n". This is that format for a conversation of one user turn (text parts joined).
+# PaliGemma checkpoints mostly carry no chat template: then the prompt is the images' placeholders and
+# the text parts of a conversation of one user turn, joined. PaliGemmaProcessor then puts BOS after the
+# last placeholder and "\n" at the end of whatever prompt it is given, template or not; so does
+# ``_paligemma_layout``.
 PALIGEMMA_TEMPLATE = (
     "{% if messages | length != 1 or messages[0]['role'] != 'user' %}"
     "{{ raise_exception('PaliGemma answers a single user message') }}{% endif %}"
     "{% set content = messages[0]['content'] %}"
-    "{% if content is string %}{{ bos_token }}{{ content }}"
-    "{% else %}{% for part in content %}{% if part['type'] == 'image' %}<image>{% endif %}{% endfor %}{{ bos_token }}"
+    "{% if content is string %}{{ content }}"
+    "{% else %}{% for part in content %}{% if part['type'] == 'image' %}<image>{% endif %}{% endfor %}"
     "{% for part in content %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
 )
-# ... and its "\n", which PaliGemmaProcessor tokenizes together with the prompt (".\n" can be one token):
-# appended to the text after BOS and tokenized with it, special-token names still as text.
-PALIGEMMA_SUFFIX = "\n"
+PALIGEMMA_SUFFIX = "\n"  # tokenized together with the text before it (".\n" can be one token)
 
 
 # Keyed by the image processor class without its backend suffix. Qwen2.5-VL checkpoints
@@ -241,26 +272,38 @@ _ARCHITECTURES: dict[str, _Architecture] = {
     "CLIPImageProcessor": _Architecture("<image>", _clip_patches),  # LLaVA-1.5 (model_type llava)
     # Idefics3: tiles of max_image_size plus a global view; "low" detail is the global view alone.
     "Idefics3ImageProcessor": _Architecture(
-        "<image>", lambda ip, spec, config: 0, lambda ip: {"do_image_splitting": False}, _idefics3_expand,
+        "<image>", lambda pre, spec: 0, lambda ip: {"do_image_splitting": False}, _idefics3_expand,
         (("return_row_col_info", True),), _idefics3_outputs),
     # InternVL (transformers format): 1..max_patches crops plus a thumbnail, each image_seq_length tokens
     # between <img> and </img>; "low" detail is the thumbnail alone.
-    "GotOcr2ImageProcessor": _Architecture("<IMG_CONTEXT>", lambda ip, spec, config: 0,
+    "GotOcr2ImageProcessor": _Architecture("<IMG_CONTEXT>", lambda pre, spec: 0,
                                            lambda ip: {"crop_to_patches": False}, _internvl_expand,
-                                           outputs=lambda pre, out: {PIXEL_VALUES: out[PIXEL_VALUES]}),
-    # PaliGemma: a fixed-size SigLIP view per image, one token per patch.
+                                           outputs=lambda pre, out: {PIXEL_VALUES: out[PIXEL_VALUES]},
+                                           token_attribute="context_image_token"),
+    # PaliGemma: a fixed-size SigLIP view per image, image_seq_length tokens.
     "SiglipImageProcessor": _Architecture("<image>", _siglip_patches),
     # Gemma 3: a fixed-size SigLIP view per image (pan-and-scan crops are not carried: off by default).
-    "Gemma3ImageProcessor": _Architecture("<start_of_image>", lambda ip, spec, config: 0,
+    "Gemma3ImageProcessor": _Architecture("<start_of_image>", lambda pre, spec: 0,
                                           outputs=lambda pre, out: {PIXEL_VALUES: out[PIXEL_VALUES]},
-                                          wrapped=("<start_of_image>", "<image_soft_token>", "<end_of_image>")),
+                                          wrapped=("<start_of_image>", "<image_soft_token>", "<end_of_image>"),
+                                          token_attribute="boi_token"),
     # SmolVLM2: Idefics3's image processor and prompt under its own class names.
     "SmolVLMImageProcessor": _Architecture(
-        "<image>", lambda ip, spec, config: 0, lambda ip: {"do_image_splitting": False}, _idefics3_expand,
+        "<image>", lambda pre, spec: 0, lambda ip: {"do_image_splitting": False}, _idefics3_expand,
         (("return_row_col_info", True),), _idefics3_outputs),
     # LLaVA-NeXT: any-resolution tiles plus an overview; token count from the original size.
     "LlavaNextImageProcessor": _Architecture("<image>", _counted_tokens, outputs=_llava_next_outputs),
 }
+
+
+def _processor_settings(path: str) -> dict[str, Any]:
+    """processor_config.json: the arguments ``from_pretrained`` gives the processor class ({} without one)."""
+    config_file = os.path.join(path, "processor_config.json")
+    if not os.path.isfile(config_file):
+        return {}
+    with open(config_file, encoding="utf-8") as f:
+        settings = json.load(f)
+    return settings if isinstance(settings, dict) else {}
 
 
 def _llava_next_processor(path: str, pre: Any) -> Any:
@@ -268,11 +311,7 @@ def _llava_next_processor(path: str, pre: Any) -> Any:
     processor_config.json (patch size, CLS handling), for its token count only."""
     from transformers import LlavaNextProcessor
 
-    settings: dict[str, Any] = {}
-    config_file = os.path.join(path, "processor_config.json")
-    if os.path.isfile(config_file):
-        with open(config_file, encoding="utf-8") as f:
-            settings = json.load(f)
+    settings = pre.processor_settings
     model = pre._config
     return LlavaNextProcessor(
         pre.image_processor, pre.tokenizer,
@@ -280,6 +319,17 @@ def _llava_next_processor(path: str, pre: Any) -> Any:
         vision_feature_select_strategy=settings.get("vision_feature_select_strategy",
                                                     model.vision_feature_select_strategy),
         num_additional_image_tokens=settings.get("num_additional_image_tokens", 1))
+
+
+def _special_wrapping(tokenizer: Any) -> tuple[list[int], list[int]]:
+    """The ids the tokenizer puts before and after a text when asked for special tokens (BOS for
+    Llama- and Gemma-style tokenizers, nothing for Qwen's): found by encoding a probe both ways."""
+    plain = [int(i) for i in tokenizer.encode("a", add_special_tokens=False)]
+    full = [int(i) for i in tokenizer.encode("a", add_special_tokens=True)]
+    for start in range(len(full) - len(plain) + 1):
+        if full[start:start + len(plain)] == plain:
+            return full[:start], full[start + len(plain):]
+    return [], []
 
 
 def _idefics3_seq_len(config: Any) -> int:
@@ -330,12 +380,17 @@ class HFPreprocessor:
         if kind not in _ARCHITECTURES:
             raise ValueError(f"{path}: image processor {kind} is not supported; known: {', '.join(_ARCHITECTURES)}")
         self._arch = _ARCHITECTURES[kind]
-        self._image_token_id = int(self.tokenizer.convert_tokens_to_ids(self._arch.image_token))
+        self.processor_settings = _processor_settings(path)
+        self._image_token_id = self.named_token_id(self._arch.token_attribute, self._arch.image_token)
         # Some checkpoints keep the (multimodal) template beside the processor only.
         self.tokenizer.chat_template = _processor_chat_template(path) or self.tokenizer.chat_template
-        self._suffix = ""
-        if not self.tokenizer.chat_template and model_type == "paligemma":
-            self.tokenizer.chat_template, self._suffix = PALIGEMMA_TEMPLATE, PALIGEMMA_SUFFIX
+        self._paligemma = model_type == "paligemma"
+        if not self.tokenizer.chat_template and self._paligemma:
+            self.tokenizer.chat_template = PALIGEMMA_TEMPLATE
+        # What the processor's tokenizer call adds around a prompt (BOS, for many), unless the template
+        # wrote BOS itself; PaliGemmaProcessor turns it off and places BOS itself.
+        self._wrapping = ([], []) if self._paligemma else _special_wrapping(self.tokenizer)
+        self._added_ids = np.asarray(sorted(self.tokenizer.added_tokens_decoder), dtype=np.int32)
         if not self.tokenizer.chat_template:
             raise ValueError(f"{path}: no chat template (chat_template.jinja / .json or tokenizer_config.json)")
         self._config = AutoConfig.from_pretrained(path)
@@ -451,20 +506,45 @@ class HFPreprocessor:
         without the tokenizer lock held)."""
         key = (rows, cols)
         if key not in self._expansions:
-            seq_len = int(getattr(self._config, "image_seq_len", 0)) or _idefics3_seq_len(self._config)
+            seq_len = int(self.processor_settings.get("image_seq_len") or _idefics3_seq_len(self._config))
+            names = tuple(getattr(self.tokenizer, attribute, None) or default for attribute, default in (
+                ("fake_image_token", "<fake_token_around_image>"), ("image_token", "<image>"),
+                ("global_image_token", "<global-img>")))
             with self._tokenizer_lock:
-                ids = self.tokenizer.encode(_idefics3_text(rows, cols, seq_len), add_special_tokens=False)
+                ids = self.tokenizer.encode(_idefics3_text(rows, cols, seq_len, *names), add_special_tokens=False)
             self._expansions[key] = [int(i) for i in ids]
         return self._expansions[key]
 
-    def _with_suffix(self, ids: np.ndarray) -> np.ndarray:
-        """PaliGemma: the text after the last BOS, re-tokenized with the suffix appended (as one string)."""
-        bos = np.flatnonzero(ids == self.tokenizer.bos_token_id)
-        start = int(bos[-1]) + 1 if len(bos) else 0
+    def named_token_id(self, attribute: str, default: str) -> int:
+        """The id of the tokenizer's named token ``attribute`` (``tokenizer.image_token``, ...), the name
+        a processor class reads, else of ``default``."""
+        name = getattr(self.tokenizer, attribute, None) or default
+        return int(self.tokenizer.convert_tokens_to_ids(name))
+
+    def _with_special_tokens(self, ids: np.ndarray) -> np.ndarray:
+        """The template's ids as the processor's tokenizer call would give them: its special tokens
+        around them (``_special_wrapping``), unless the template starts with BOS (the processor's
+        ``apply_chat_template`` then adds none)."""
+        prefix, suffix = self._wrapping
+        if (not prefix and not suffix) or (len(ids) and ids[0] == self.tokenizer.bos_token_id):
+            return ids
+        return np.concatenate([np.asarray(prefix, np.int32), ids, np.asarray(suffix, np.int32)])
+
+    def _paligemma_layout(self, ids: np.ndarray) -> np.ndarray:
+        """PaliGemmaProcessor's layout, on ids: BOS right after the last image placeholder, and "\n" at
+        the end, tokenized together with the text since the last added token (added tokens split a
+        text, so only that run can merge with it; control tokens the user wrote are text there)."""
+        slots = np.flatnonzero(ids == self._image_token_id)
+        start = int(slots[-1]) + 1 if len(slots) else 0
+        added = np.flatnonzero(np.isin(ids[start:], self._added_ids))
+        run = start + (int(added[-1]) + 1 if len(added) else 0)
         with self._tokenizer_lock:
-            text = str(self.tokenizer.decode(ids[start:].tolist(), skip_special_tokens=False))
-            tail = self.tokenizer.encode(text + self._suffix, add_special_tokens=False, split_special_tokens=True)
-        return np.concatenate([ids[:start], np.asarray(tail, dtype=np.int32)])
+            text = str(self.tokenizer.decode(ids[run:].tolist(), skip_special_tokens=False,
+                                             clean_up_tokenization_spaces=False))
+            tail = self.tokenizer.encode(text + PALIGEMMA_SUFFIX, add_special_tokens=False, split_special_tokens=True)
+        bos = [int(self.tokenizer.bos_token_id)] if self.tokenizer.bos_token_id is not None else []
+        return np.concatenate([ids[:start], np.asarray(bos, np.int32), ids[start:run],
+                               np.asarray(tail, np.int32)]).astype(np.int32)
 
     def _wrap_images(self, ids: list[int]) -> list[int]:
         """Gemma 3: what Gemma3Processor's text replacement gives, done on ids (the user's text stays
@@ -472,8 +552,9 @@ class HFPreprocessor:
         "\n\n", and those newlines are tokenized together with the newline tokens next to them, as they
         would be in one string (a "\n" before an image and the "\n\n" become one "\n\n\n" token)."""
         assert self._arch.wrapped is not None
-        boi, image, eoi = (int(self.tokenizer.convert_tokens_to_ids(t)) for t in self._arch.wrapped)
-        seq_len = int(getattr(self._config, "mm_tokens_per_image", 256))
+        boi, image, eoi = (self.named_token_id(attribute, default) for attribute, default in
+                           zip(("boi_token", "image_token", "eoi_token"), self._arch.wrapped))
+        seq_len = int(self.processor_settings.get("image_seq_length") or self._config.mm_tokens_per_image)
         with self._tokenizer_lock:
             newline: dict[int, str] = {t: str(self.tokenizer.decode([t])) for t in set(ids)}
             out: list[int] = []
@@ -519,8 +600,7 @@ class HFPreprocessor:
         except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError) as exc:
             raise InvalidRequest(f"The conversation does not fit this model's chat template: {exc}") from None
         ids = np.asarray(encoded["input_ids"], dtype=np.int32)
-        if self._suffix:
-            ids = self._with_suffix(ids)
+        ids = self._paligemma_layout(ids) if self._paligemma else self._with_special_tokens(ids)
         slots = np.flatnonzero(ids == self._image_token_id)
         if len(slots) != len(images):
             raise InvalidRequest(f"The messages hold {len(slots)} image parts but {len(images)} images were sent.")
@@ -535,5 +615,5 @@ class HFPreprocessor:
                                    for spec, part in zip(images, parts[1:])]
             return ids, np.concatenate(pieces).astype(np.int32)
         repeats = np.ones(len(ids), dtype=np.int64)
-        repeats[slots] = [self._arch.tokens_per_image(self.image_processor, spec, self._config) for spec in images]
+        repeats[slots] = [self._arch.tokens_per_image(self, spec) for spec in images]
         return ids, np.repeat(ids, repeats)

@@ -148,6 +148,7 @@ class HFBackend:
         self.tokenizer: Any = AutoTokenizer.from_pretrained(model_dir)
         self._layout = _InputLayout.from_config(self.model.config)
         self.eos_token_ids: frozenset[int] = _eos_ids(self.model, self.tokenizer)
+        self._cache_field = _cache_field()
 
     def run(self, batch: Sequence[WorkItem]) -> Iterator[BackendEvent]:
         """Generate every item of ``batch``, yielding text as it is decoded.
@@ -291,7 +292,7 @@ class HFBackend:
                 delta = 1 if self._layout.prefix_lm else 0
                 kwargs["position_ids"] = torch.arange(delta, ids.shape[1] + delta, device=ids.device).view(1, -1)
             out = self.model(**kwargs)
-        return out.logits[0, -1], out.past_key_values, delta
+        return out.logits[0, -1], getattr(out, self._cache_field), delta
 
     def _mrope_positions(self, ids: torch.Tensor, grid: torch.Tensor | None) -> tuple[torch.Tensor, int]:
         """3-D positions of the prompt and the offset of the tokens after it (invariant 2)."""
@@ -316,7 +317,7 @@ class HFBackend:
             positions = torch.tensor(
                 [[row.prompt_tokens + row.completion_tokens - 1 + row.delta] for row in rows], device=self.device
             )
-            kwargs: dict[str, Any] = {"input_ids": ids, "position_ids": positions, "past_key_values": cache}
+            kwargs: dict[str, Any] = {"input_ids": ids, "position_ids": positions, self._cache_field: cache}
             if any(row.pad for row in rows):
                 mask = torch.ones(len(rows), cache.get_seq_length() + 1, dtype=torch.long, device=self.device)
                 for i, row in enumerate(rows):
@@ -436,10 +437,15 @@ class _InputLayout:
                        image_token_id=config.image_token_id, merge=1, patch_dim=0, mrope=False, tiled=True,
                        image_size=vision.image_size, tokens_per_image=side * side // config.scale_factor**2)
         if config.model_type == "internvl":
+            # Tokens per crop from the tower's geometry, as the model computes its features: the config's
+            # image_seq_length is a copy of the processor's setting that the model never reads (stale in
+            # checkpoints whose processor was changed).
+            side = int(vision.image_size if isinstance(vision.image_size, int) else vision.image_size[0])
+            patch_side = int(patch if isinstance(patch, int) else patch[0])
             return cls(vocab_size=text.vocab_size, max_positions=text.max_position_embeddings,
                        image_token_id=config.image_token_id, merge=1, patch_dim=0, mrope=False, crops=True,
-                       image_size=int(vision.image_size if isinstance(vision.image_size, int) else vision.image_size[0]),
-                       tokens_per_image=config.image_seq_length)
+                       image_size=side,
+                       tokens_per_image=int((side // patch_side) ** 2 * config.downsample_ratio ** 2))
         if config.model_type == "paligemma":
             side = vision.image_size // patch
             return cls(vocab_size=text.vocab_size, max_positions=text.max_position_embeddings,
@@ -607,6 +613,15 @@ class _InputLayout:
                 f"got {pixels.dtype} {tuple(pixels.shape)}."
             )
         return patches // self.merge
+
+
+def _cache_field() -> str:
+    """The name of the KV cache, as a model's argument and as its output's field: ``cache`` where
+    transformers has it (it deprecates ``past_key_values``, with a FutureWarning on every forward
+    call, and announces its removal), else ``past_key_values``."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    return "cache" if "cache" in getattr(CausalLMOutputWithPast, "__dataclass_fields__", {}) else "past_key_values"
 
 
 def _device_map(device: torch.device) -> str | None:
