@@ -391,9 +391,10 @@ def _summary(args: argparse.Namespace, instance_id: str, url: str, n_frontends: 
     hf = spec.kind in (ModelKind.HF_CHAT, ModelKind.HF_EMBED)
     if with_workers:
         placements, threads = _worker_plan(args)
-        devices = sorted({p.device if p.visible is None else f"cuda (GPU {p.visible})" for p in placements})
+        gpus = sorted({p.visible for p in placements if p.visible is not None})
+        where = f"GPU {', '.join(gpus)}" if gpus else ", ".join(sorted({p.device for p in placements}))
         cpu = all(p.device == "cpu" for p in placements)
-        workers = f"{plural(len(placements), 'worker')} on {', '.join(devices)}"
+        workers = f"{plural(len(placements), 'worker')} on {where}"
         workers += f", {plural(threads, 'torch thread')} each" if cpu else ""
         dtype = (("float32" if cpu else "bfloat16") if args.dtype == "auto" else args.dtype) if hf else "the model's"
     else:

@@ -128,8 +128,8 @@ class ServingLog:
         total = self.node.frontend_totals()
         used = int(total[Counter.ARENA_USED_BYTES])
         size = int(total[Counter.ARENA_SIZE_BYTES])
-        log.info("stats: %.1f req/s, %d ok, %d errors in the last %.0f s; %d in flight, %d queued, "
+        log.info("stats: %.1f req/s, %d ok, %d errors in the last %g s; %d in flight, %d queued, "
                  "arena %s of %s used, %s ready",
                  (current.total - last.total) / (now - last.at), current.ok - last.ok, current.errors - last.errors,
-                 now - last.at, int(total[Counter.IN_FLIGHT]), self.queue_depth(), format_bytes(used),
+                 round(now - last.at, 1), int(total[Counter.IN_FLIGHT]), self.queue_depth(), format_bytes(used),
                  format_bytes(size), plural(self.node.live_workers(), "worker"))
