@@ -27,7 +27,7 @@ from gateway.placement import Placement, gpu_count, worker_placements
 from shared import flag_types
 from shared.cpus import usable_cpus
 from shared.errors import SetupError
-from shared.flags import ShmgateParser, add_batching_flags, add_flag, forward, version
+from shared.flags import ShmgateParser, add_batching_flags, add_flag, forward, origin, version
 from shared.models import KNOWN_SPECS, ModelKind, parse_model_spec
 
 if TYPE_CHECKING:
@@ -240,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
                     "set SHMGATE_API_KEY in the environment instead")
     if args.command == "serve":
         try:
-            check_device(args.device, visible_gpus(os.environ, _gpu_count()))
+            check_device(args.device, visible_gpus(os.environ, _gpu_count()),
+                         given=origin(argv, "--device", args.device))
         except ConfigError as exc:
             print(f"shmgate serve: error: {exc}", file=sys.stderr)
             return 2

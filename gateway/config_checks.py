@@ -7,7 +7,7 @@ a CPU-only machine ends at once with one line instead of workers crashing and re
 
 Nothing here imports torch: the supervisor and the frontends stay light, and a check must take
 milliseconds. Each failure raises ConfigError, whose message names the flag or the SHMGATE_*
-variable the value came from (shared/flags.py ``origin``) and says what to do.
+variable the value came from (``given``, from shared/flags.py ``origin``) and says what to do.
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ import importlib.util
 import os
 import re
 from collections.abc import Callable
-
-from shared.flags import origin
 
 __all__ = ["ConfigError", "check_device", "torch_cuda_build"]
 
@@ -41,13 +39,14 @@ def torch_cuda_build() -> str | None:
     return match.group(1) if match else None
 
 
-def check_device(device: str | None, gpu_ids: list[str],
+def check_device(device: str | None, gpu_ids: list[str], *, given: str = "",
                  cuda_build: Callable[[], str | None] = torch_cuda_build) -> None:
     """Refuse a CUDA ``device`` this machine cannot run. None (the default: cuda when a GPU is
-    visible) and ``cpu`` always pass. ``gpu_ids``: the visible GPUs (gateway/cli.py ``visible_gpus``)."""
+    visible) and ``cpu`` always pass. ``gpu_ids``: the visible GPUs (gateway/cli.py ``visible_gpus``);
+    ``given``: where the value came from, for the message (default ``--device <device>``)."""
     if device is None or not device.startswith("cuda"):
         return
-    given = origin(device, "--device")
+    given = given or f"--device {device}"
     if not gpu_ids:
         hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
         why = f"CUDA_VISIBLE_DEVICES={hidden!r} hides them" if hidden is not None else "no NVIDIA GPU was found"

@@ -5,10 +5,6 @@ value, or raises ``argparse.ArgumentTypeError`` with a message that says what wa
 that a bad value stops the command when its flags are parsed, before any process, queue or
 shared-memory object exists. shared/flags.py prefixes the message with the flag or the variable
 the value came from; the messages here therefore never name a flag.
-
-A converter that accepts its input returns it unchanged where the value is text, so that the
-marker telling "this came from SHMGATE_DEVICE" (shared/flags.py ``EnvValue``) survives to the
-checks that need the machine (gateway/config_checks.py).
 """
 
 from __future__ import annotations

@@ -53,7 +53,8 @@ class EnvValue(str):
     """A flag's default text that came from the environment, remembering its variable.
 
     argparse converts a text default through the flag's ``type`` only when the flag is absent,
-    so a conversion error on an EnvValue is about the variable, and says so.
+    so a conversion error on an EnvValue is about the variable, and says so. The converted value
+    is a plain str or number: the marker never leaves the parser.
     """
 
     variable: str
@@ -69,19 +70,23 @@ class EnvValueError(Exception):
     which reports it without the ``argument --flag:`` prefix of a typed flag's error."""
 
 
-def origin(value: object, flag: str) -> str:
-    """Where ``value`` came from, for a message: ``SHMGATE_DEVICE='cuda'`` or ``--device cuda``."""
-    if isinstance(value, EnvValue):
-        return f"{value.variable}={str(value)!r}"
+def origin(argv: Sequence[str], flag: str, value: object) -> str:
+    """Where a parsed ``value`` came from, for a message about it: ``--device cuda`` when ``flag`` is
+    on the command line ``argv``, else ``SHMGATE_DEVICE='cuda'`` when its variable is set."""
+    variable = ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
+    typed = any(arg == flag or arg.startswith(flag + "=") for arg in argv)
+    if not typed and os.environ.get(variable):
+        return f"{variable}={str(value)!r}"
     return f"{flag} {value}"
 
 
 def _typed(convert: Callable[[str], Any]) -> Callable[[str], Any]:
-    """``convert``, with a refused EnvValue reported as its variable's error."""
+    """``convert``, with a refused EnvValue reported as its variable's error. The converter gets a
+    plain str, so no EnvValue reaches the values a command passes on (wire structs, the segment)."""
 
     def parse(text: str) -> Any:
         try:
-            return convert(text)
+            return convert(str(text))
         except (argparse.ArgumentTypeError, ValueError) as exc:
             if isinstance(text, EnvValue):
                 raise EnvValueError(f"{text.variable}: {exc}") from None
@@ -110,28 +115,23 @@ def add_flag(
     *,
     default: str | None = None,
     type: Callable[[str], Any] | None = None,
-    env_name: str | None = None,
     shown_default: str | None = None,
     on_off: bool = False,
     metavar: str | None = None,
 ) -> argparse.Action:
     """Declare ``flag`` with its variable, its typed default and its help suffix.
 
-    ``env_name``: the variable's name without the prefix (default: the flag's, ``--max-images`` ->
-    ``MAX_IMAGES``). ``shown_default``: what the help says when ``default`` alone would not tell
+    The variable is named after the flag (``--max-images``: ``SHMGATE_MAX_IMAGES``). ``shown_default``: what the help says when ``default`` alone would not tell
     (None: "none", computed defaults). ``on_off``: a flag without a value, off unless given.
     """
-    name = env_name or flag.lstrip("-").replace("-", "_").upper()
-    variable = ENV_PREFIX + name
+    variable = ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
     raw = os.environ.get(variable) or None
     if on_off:
         default, type = (default or "0"), flag_types.flag_bool
     value: str | None = EnvValue(raw, variable) if raw is not None else default
     shown = shown_default if shown_default is not None else ("off" if on_off else default)
     suffix = f"(default: {shown if shown is not None else 'none'}) [env: {variable}]"
-    kwargs: dict[str, Any] = {"default": value, "help": f"{help} {suffix}"}
-    if type is not None:
-        kwargs["type"] = _typed(type)
+    kwargs: dict[str, Any] = {"default": value, "help": f"{help} {suffix}", "type": _typed(type or str)}
     if metavar is not None:
         kwargs["metavar"] = metavar
     if on_off:

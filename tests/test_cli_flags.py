@@ -213,6 +213,10 @@ def test_environment_values_arrive_typed_and_empty_means_unset(monkeypatch: pyte
     args = build_parser().parse_args(["serve"])
     assert (args.access_log, args.workers, args.server_timing) == (True, 0, False)
     assert build_parser().parse_args(["serve", "--workers", "3"]).workers == 3
+    monkeypatch.setenv("SHMGATE_LABEL", "blue")
+    monkeypatch.setenv("SHMGATE_MODEL", "checksum")
+    args = build_parser().parse_args(["serve"])
+    assert (type(args.label), type(args.model)) == (str, str), "an env marker must not reach wire structs"
 
 
 def test_a_flag_wins_over_a_bad_environment_value(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -247,3 +251,20 @@ def test_serve_s_worker_children_get_its_batching_flags() -> None:
     assert child.instance == "abc"
     assert (child.max_batch_size, child.max_batch_wait_ms, child.dtype, child.compile_normalise) == (
         3, 2.5, "float32", True)
+
+
+def test_the_worker_refuses_cuda_without_a_usable_gpu_naming_where_the_value_came_from(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a usable GPU")
+    from worker.__main__ import main as worker_main
+
+    never = ["--label", "never-attached-cli-test", "--attach-wait-s", "0"]
+    assert worker_main(["--device", "cuda:0", *never]) == 2
+    assert capsys.readouterr().err == ("shmgate worker: error: --device cuda:0: CUDA is not available "
+                                       "(a CPU-only build of torch); use --device cpu\n")
+    monkeypatch.setenv("SHMGATE_DEVICE", "cuda")
+    assert worker_main(never) == 2
+    assert "error: SHMGATE_DEVICE='cuda': CUDA is not available" in capsys.readouterr().err

@@ -64,23 +64,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
-def cuda_problem(device: str) -> str | None:
-    """Why ``device`` (cuda or cuda:N) cannot run here, or None. Imports torch: the worker needs it anyway."""
+def cuda_problem(device: str, given: str) -> str | None:
+    """Why ``device`` (cuda or cuda:N) cannot run here, or None; ``given``: where the value came from.
+    Imports torch: the worker needs it anyway."""
     import torch
 
     if not torch.cuda.is_available():
         build = "a CPU-only build of torch" if torch.version.cuda is None else "no usable GPU"
-        return f"{origin(device, '--device')}: CUDA is not available ({build}); use --device cpu"
+        return f"{given}: CUDA is not available ({build}); use --device cpu"
     _, _, index = device.partition(":")
     if index and int(index) >= torch.cuda.device_count():
-        return f"{origin(device, '--device')}: only {torch.cuda.device_count()} GPU(s) are visible"
+        return f"{given}: only {torch.cuda.device_count()} GPU(s) are visible"
     return None
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.device and args.device.startswith("cuda"):
-        problem = cuda_problem(args.device)
+        problem = cuda_problem(args.device, origin(argv, "--device", args.device))
         if problem:
             print(f"shmgate worker: error: {problem}", file=sys.stderr)
             return 2
