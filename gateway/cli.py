@@ -370,9 +370,11 @@ def _run_supervised(args: argparse.Namespace, *, with_workers: bool, started_at:
     for line in summary_lines(_summary(args, instance_id, url, n_frontends, with_workers), shm_free_bytes()):
         log.info("%s", line)
     request_queue = instance.request_queue()
+    link = PosixSupervisorLink(instance)
+    model_id = parse_model_spec(args.model).public_id
     serving_log = ServingLog(
-        node=PosixNodeStats(instance), frontend_alive=PosixSupervisorLink(instance).frontend_alive,
-        n_frontends=n_frontends, queue_depth=request_queue.current_messages, instance_id=instance_id, url=url,
+        node=PosixNodeStats(instance), frontend_alive=link.frontend_alive,
+        worker_ready=lambda: link.has_live_worker(model_id), n_frontends=n_frontends, queue_depth=request_queue.current_messages, instance_id=instance_id, url=url,
         started_at=started_at, stats_interval_s=args.log_stats_interval_s,
     )
     try:

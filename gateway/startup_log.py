@@ -82,12 +82,15 @@ class _Snapshot:
 class ServingLog:
     """The supervisor's running log: "listening", "ready in", and the periodic statistics line."""
 
-    def __init__(self, *, node: NodeStats, frontend_alive: Callable[[int], bool], n_frontends: int,
-                 queue_depth: Callable[[], int], instance_id: str, url: str, started_at: float,
+    def __init__(self, *, node: NodeStats, frontend_alive: Callable[[int], bool], worker_ready: Callable[[], bool],
+                 n_frontends: int, queue_depth: Callable[[], int], instance_id: str, url: str, started_at: float,
                  stats_interval_s: float) -> None:
-        """``started_at``: ``time.monotonic()`` when the command began; ``stats_interval_s`` 0: no stats."""
+        """``worker_ready``: a worker serves the model (the frontends' /ready condition, while not
+        draining); ``started_at``: ``time.monotonic()`` when the command began; ``stats_interval_s``
+        0: no statistics line."""
         self.node = node
         self.frontend_alive = frontend_alive
+        self.worker_ready = worker_ready
         self.n_frontends = n_frontends
         self.queue_depth = queue_depth
         self.instance_id = instance_id
@@ -104,7 +107,7 @@ class ServingLog:
             self.listening = True
             log.info("instance %s listening on %s with %s", self.instance_id, self.url,
                      plural(self.n_frontends, "frontend"))
-        if self.listening and not self.ready and self.node.live_workers() > 0:
+        if self.listening and not self.ready and self.worker_ready():
             self.ready = True
             log.info("ready in %.1f s: %s/v1 is serving", now - self.started_at, self.url)
         if self.stats_interval_s > 0 and self.listening:

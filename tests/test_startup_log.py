@@ -29,9 +29,10 @@ def _index(lines: list[str], pattern: str) -> int:
 
 @pytest.fixture(scope="module")
 def logged_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """One frontend and one worker (the singular forms), access log and a statistics line every 0.5 s."""
+    """One frontend and one worker (the singular forms), access log and a statistics line every 0.5 s.
+    Small queues: message-queue memory is a per-user limit shared with every other test running."""
     server = start_server("checksum", tmp_path_factory.mktemp("serve"), "--frontends", "1", "--workers", "1",
-                          "--access-log", "--log-stats-interval-s", "0.5")
+                          "--queue-depth", "2", "--access-log", "--log-stats-interval-s", "0.5")
     try:
         yield server
     finally:
