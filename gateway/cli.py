@@ -22,13 +22,13 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from gateway.cli_flags import DEFAULT_STALL_TIMEOUT_S, HF_STALL_TIMEOUT_S, add_gateway_flags, add_worker_flags
 from gateway.config_checks import ConfigError, check_device
 from gateway.placement import Placement, gpu_count, worker_placements
-from shared import flag_types
 from shared.cpus import usable_cpus
 from shared.errors import SetupError
-from shared.flags import ShmgateParser, add_batching_flags, add_flag, forward, origin, version
-from shared.models import KNOWN_SPECS, ModelKind, parse_model_spec
+from shared.flags import ShmgateParser, add_batching_flags, forward, origin, version
+from shared.models import ModelKind, parse_model_spec
 
 if TYPE_CHECKING:
     from gateway.startup_log import Summary
@@ -38,13 +38,6 @@ __all__ = ["main"]
 log = logging.getLogger("shmgate")
 
 
-# The longest a work loop may go without progress. The embedded classifier's longest step (a
-# batch of 8 on a busy 2-core CPU) is well under a second, so 10 s never fires on a healthy
-# worker and still brings a wedged one back within the 30 s the tests allow. A generative model
-# stamps per decode step, but its prefill of a full batch of large images is one step: the rule
-# is at least 3x the slowest single forward pass under peak load (docs/RELIABILITY.md).
-DEFAULT_STALL_TIMEOUT_S = 10.0
-HF_STALL_TIMEOUT_S = 60.0
 
 
 def stall_timeout_for(model: str, flag: float | None) -> float:
@@ -85,111 +78,6 @@ def visible_gpus(environ: Mapping[str, str], machine_gpus: int) -> list[str]:
     return [part.strip() for part in visible.split(",") if part.strip()]
 
 
-def _add_gateway_flags(p: argparse.ArgumentParser) -> None:
-    """The flags of every command that runs frontends (serve, gateway and the frontend child)."""
-    server = p.add_argument_group("server")
-    add_flag(server, "--host", "address to listen on (0.0.0.0: every interface)", default="127.0.0.1")
-    add_flag(server, "--port", "TCP port to listen on", default="8000", type=flag_types.port)
-    add_flag(server, "--frontends", "HTTP frontend processes; auto: the CPUs this process may use (cgroup "
-             "limit, affinity, cores)", default="auto", type=flag_types.auto_count)
-    add_flag(server, "--api-key", "key clients must send as 'Authorization: Bearer KEY'; prefer the "
-             "environment variable: a flag is visible in ps", shown_default="none: no key needed")
-    add_flag(server, "--label", "name workers in other containers attach by (shmgate worker --label)",
-             default="default")
-    add_flag(server, "--drain-timeout-s", "on SIGTERM, how long requests in flight may take to finish",
-             default="30", type=flag_types.non_negative_float)
-    add_flag(server, "--stall-timeout-s", "replace a frontend or worker whose work loop makes no progress for "
-             "this long; 0: never (docs/RELIABILITY.md for slow models)",
-             shown_default=f"{DEFAULT_STALL_TIMEOUT_S:g} s, {HF_STALL_TIMEOUT_S:g} s for hf: models",
-             type=flag_types.non_negative_float)
-    model = p.add_argument_group("model")
-    add_flag(model, "--model", f"what to serve: {KNOWN_SPECS} (docs/MODELS.md)", default="efficientnet-lite0",
-             type=flag_types.model_spec)
-    add_flag(model, "--mm-processor-kwargs", 'hf: models: image processor arguments over the checkpoint\'s, '
-             'as JSON, e.g. \'{"max_pixels": 200704}\' (docs/MODELS.md "Processor options")', default="{}",
-             type=_json_object)
-    limits = p.add_argument_group("limits")
-    add_flag(limits, "--arena-size", "shared memory for decoded images, in /dev/shm (e.g. 512MiB, 4GiB)",
-             default="1GiB", type=_arena_size)
-    add_flag(limits, "--max-images", "images per request; more get 400", default="8", type=flag_types.positive_int)
-    add_flag(limits, "--max-in-flight", "requests in flight per frontend; beyond it requests get 429",
-             default="256", type=flag_types.positive_int)
-    add_flag(limits, "--request-timeout-s", "a request not answered in this long gets 504", default="60",
-             type=flag_types.positive_float)
-    add_flag(limits, "--max-body-mb", "request body size in MiB; larger gets 413", default="32",
-             type=flag_types.positive_float)
-    add_flag(limits, "--max-pixels", "pixels per decoded image; larger gets 400", default="40000000",
-             type=flag_types.positive_int)
-    add_flag(limits, "--decode-threads", "image decoding threads per frontend", default="2",
-             type=flag_types.positive_int)
-    add_flag(limits, "--max-workers", "worker slots in the shared segment, each with a control queue; 0: serve "
-             "twice its workers, gateway 16", default="0", type=flag_types.non_negative_int)
-    add_flag(limits, "--queue-depth", "message queue depth (capped by /proc/sys/fs/mqueue/msg_max)",
-             default="64", type=flag_types.positive_int)
-    add_flag(limits, "--result-cache-mb", "per frontend: keep this many MiB of deterministic answers "
-             "(embeddings, the classifier's); 0: off (docs/MODELS.md)", default="0",
-             type=flag_types.non_negative_float)
-    urls = p.add_argument_group("image URLs")
-    add_flag(urls, "--allow-image-urls", "fetch http(s) image URLs (docs/SECURITY.md)", on_off=True)
-    add_flag(urls, "--image-url-allowlist", "comma list of CIDRs / host names that image URLs may reach "
-             "besides public addresses", default="", shown_default="none", type=_allowlist)
-    add_flag(urls, "--image-url-max-bytes", "largest image a URL may return", default="20MiB",
-             type=flag_types.size)
-    add_flag(urls, "--image-url-timeout-s", "time to fetch one image URL", default="10",
-             type=flag_types.positive_float)
-    seen = p.add_argument_group("observability")
-    add_flag(seen, "--log-level", f"one of {', '.join(flag_types.LOG_LEVELS)}", default="info",
-             type=flag_types.log_level)
-    add_flag(seen, "--access-log", "log one line per HTTP request (uvicorn's access log, in each frontend)",
-             on_off=True)
-    add_flag(seen, "--log-stats-interval-s", "log a line of serving statistics this often (requests/s, "
-             "errors, in flight, queue, arena); 0: off", default="0", type=flag_types.non_negative_float)
-    add_flag(seen, "--metrics-need-key", "/metrics asks for the API key too", on_off=True)
-    add_flag(seen, "--server-timing", "add a Server-Timing header (ms per serving stage) to non-streamed "
-             "answers; it tells a client how long its image waited and was decoded (docs/SECURITY.md)",
-             on_off=True)
-
-
-def _arena_size(text: str) -> int:
-    value = flag_types.size(text)
-    if value < 1 << 20:
-        raise argparse.ArgumentTypeError(f"{text!r} is too small for an arena: use at least 1MiB (e.g. 1GiB)")
-    return value
-
-
-def _json_object(text: str) -> str:
-    """Check --mm-processor-kwargs is a JSON object when the flags are parsed (the frontends parse it again)."""
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object")
-    return text
-
-
-def _allowlist(text: str) -> str:
-    """Validate the allow-list when the flags are parsed, so a typo stops ``serve`` at once."""
-    from gateway.addresses import AllowList
-
-    try:
-        AllowList.parse(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
-
-
-def _add_worker_flags(p: argparse.ArgumentParser) -> None:
-    workers = p.add_argument_group("workers and batching")
-    add_flag(workers, "--workers", "worker processes; auto: one per GPU, on CPU two (one for hf: models)",
-             default="auto", type=flag_types.auto_count)
-    add_flag(workers, "--workers-per-gpu", "workers sharing each GPU", default="1", type=flag_types.positive_int)
-    add_flag(workers, "--device", "cpu, cuda (every visible GPU) or cuda:N (GPU N only)",
-             shown_default="cuda when a GPU is visible, else cpu", type=flag_types.device)
-    add_flag(workers, "--threads", "torch threads per CPU worker; 0: usable CPUs / workers (see --frontends)",
-             default="0", type=flag_types.non_negative_int)
-    add_batching_flags(workers)
-
 
 def build_parser() -> argparse.ArgumentParser:
     parser = ShmgateParser(prog="shmgate", description="An OpenAI-compatible HTTP gateway for vision models.")
@@ -197,8 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     # metavar: the usage line lists the commands below, not every name the parser accepts (the frontend).
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=ShmgateParser)
     serve = sub.add_parser("serve", help="gateway and workers in one command", description=_SERVE_DESCRIPTION)
-    _add_gateway_flags(serve)
-    _add_worker_flags(serve)
+    add_gateway_flags(serve)
+    add_worker_flags(serve)
     # Slots with a partition and a reply channel but no HTTP process: a diagnostic tool (or a
     # test forging descriptors) attaches as a frontend there without stealing a real
     # frontend's replies. They take a share of the arena, so the default is none.
@@ -206,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     gateway = sub.add_parser("gateway", help="frontends only; workers attach by label",
                              description="Frontends only: own the shared memory and queues; workers in other "
                              "containers attach by --label (shmgate worker).")
-    _add_gateway_flags(gateway)
+    add_gateway_flags(gateway)
     sub.add_parser("worker", help="one model worker (see shmgate worker --help)", add_help=False)
     sub.add_parser("cleanup", help="remove IPC objects of dead instances")
     sub.add_parser("bench", help="load generator (see shmgate bench --help)", add_help=False)
@@ -215,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     frontend.add_argument("--instance", required=True, help=argparse.SUPPRESS)
     frontend.add_argument("--slot", type=int, required=True, help=argparse.SUPPRESS)
     frontend.add_argument("--fd", type=int, required=True, help=argparse.SUPPRESS)
-    _add_gateway_flags(frontend)
+    add_gateway_flags(frontend)
     return parser
 
 
@@ -272,7 +160,7 @@ def _frontend_argv(args: argparse.Namespace, instance_id: str, slot: int, fd: in
     """The frontend child's command: every gateway flag but _NOT_FORWARDED, read off the parser, so a
     new flag reaches the frontends without a second list to keep in step."""
     return [sys.executable, "-m", "gateway", "frontend", "--instance", instance_id, "--slot", str(slot),
-            "--fd", str(fd), *forward(args, _add_gateway_flags, skip=_NOT_FORWARDED)]
+            "--fd", str(fd), *forward(args, add_gateway_flags, skip=_NOT_FORWARDED)]
 
 
 def _default_cpu_workers(model: str, cores: int) -> int:
