@@ -6,6 +6,7 @@ Routes:
     GET  /v1/models             the served model
     GET  /health                this process is up and attached (always open)
     GET  /ready                 a worker for the model heartbeats and we are not draining
+    GET  /version               the shmgate version serving (always open)
     GET  /metrics               Prometheus text for the whole node (optionally behind the key)
 
 Every error is an OpenAI error object with the right status (gateway/http_errors.py).
@@ -50,6 +51,7 @@ from gateway.sse import Completion, logprob_entry
 from gateway.stages import server_timing
 from gateway.tokenize import detokenize, model_card, tokenize
 from shared.errors import EXIT_CONFIG, InvalidRequest, RequestTooLarge, ShmgateError, Unauthorized
+from shared.flags import version
 from shared.instance import Instance
 from shared.segment import check_model_id
 from shared.stages import Stage
@@ -134,6 +136,10 @@ def create_app(options: AppOptions) -> FastAPI:
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
+
+    @app.get("/version")
+    async def version_route() -> dict[str, str]:
+        return {"version": version()}
 
     @app.get("/ready")
     async def ready() -> Response:

@@ -18,27 +18,26 @@ import logging
 import os
 import socket
 import sys
+import time
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
+from gateway.cli_flags import DEFAULT_STALL_TIMEOUT_S, HF_STALL_TIMEOUT_S, add_gateway_flags, add_worker_flags
+from gateway.config_checks import ConfigError, check_device
 from gateway.placement import Placement, gpu_count, worker_placements
 from shared.cpus import usable_cpus
 from shared.errors import SetupError
-from shared.flags import add_batching_flags, env, forward
+from shared.flags import ShmgateParser, add_batching_flags, forward, origin, version
 from shared.models import ModelKind, parse_model_spec
-from shared.names import parse_size
+
+if TYPE_CHECKING:
+    from gateway.startup_log import Summary
 
 __all__ = ["main"]
 
 log = logging.getLogger("shmgate")
 
 
-# The longest a work loop may go without progress. The embedded classifier's longest step (a
-# batch of 8 on a busy 2-core CPU) is well under a second, so 10 s never fires on a healthy
-# worker and still brings a wedged one back within the 30 s the tests allow. A generative model
-# stamps per decode step, but its prefill of a full batch of large images is one step: the rule
-# is at least 3x the slowest single forward pass under peak load (docs/RELIABILITY.md).
-DEFAULT_STALL_TIMEOUT_S = 10.0
-HF_STALL_TIMEOUT_S = 60.0
 
 
 def stall_timeout_for(model: str, flag: float | None) -> float:
@@ -79,109 +78,41 @@ def visible_gpus(environ: Mapping[str, str], machine_gpus: int) -> list[str]:
     return [part.strip() for part in visible.split(",") if part.strip()]
 
 
-def _add_gateway_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default=env("HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=env("PORT", "8000"))
-    p.add_argument("--frontends", type=int, default=env("FRONTENDS", "0"),
-                   help="frontend processes (default: the CPUs this process may use: cgroup limit, affinity, cores)")
-    p.add_argument("--model", default=env("MODEL", "efficientnet-lite0"))
-    p.add_argument("--arena-size", default=env("ARENA_SIZE", "1GiB"))
-    p.add_argument("--api-key", default=env("API_KEY"),
-                   help="prefer the SHMGATE_API_KEY environment variable: a flag is visible in ps")
-    p.add_argument("--metrics-need-key", action="store_true", default=env("METRICS_NEED_KEY") == "1")
-    p.add_argument("--label", default=env("LABEL", "default"))
-    p.add_argument("--max-images", type=int, default=env("MAX_IMAGES", "8"))
-    p.add_argument("--max-in-flight", type=int, default=env("MAX_IN_FLIGHT", "256"),
-                   help="per frontend; beyond it requests get 429")
-    p.add_argument("--request-timeout-s", type=float, default=env("REQUEST_TIMEOUT_S", "60"))
-    p.add_argument("--max-body-mb", type=float, default=env("MAX_BODY_MB", "32"))
-    p.add_argument("--max-pixels", type=int, default=env("MAX_PIXELS", "40000000"))
-    p.add_argument("--decode-threads", type=int, default=env("DECODE_THREADS", "2"))
-    p.add_argument("--max-workers", type=int, default=env("MAX_WORKERS", "0"),
-                   help="worker slots in the segment, each with a control queue (default: serve twice its "
-                   "workers, gateway 16)")
-    p.add_argument("--queue-depth", type=int, default=env("QUEUE_DEPTH", "64"),
-                   help="message queue depth (capped by /proc/sys/fs/mqueue/msg_max)")
-    p.add_argument("--drain-timeout-s", type=float, default=env("DRAIN_TIMEOUT_S", "30"))
-    p.add_argument("--stall-timeout-s", type=float, default=env("STALL_TIMEOUT_S"),
-                   help="replace a frontend or worker whose work loop makes no progress for this long "
-                        f"(default {DEFAULT_STALL_TIMEOUT_S:g} s, {HF_STALL_TIMEOUT_S:g} s for hf: models; 0: never); "
-                        "see docs/RELIABILITY.md for slow models")
-    p.add_argument("--log-level", default=env("LOG_LEVEL", "info"))
-    p.add_argument("--allow-image-urls", action="store_true", default=env("ALLOW_IMAGE_URLS") == "1",
-                   help="fetch http(s) image URLs (off by default; see docs/SECURITY.md)")
-    p.add_argument("--image-url-allowlist", type=_allowlist, default=env("IMAGE_URL_ALLOWLIST", ""),
-                   help="comma list of CIDRs / host names that image URLs may reach besides public addresses")
-    p.add_argument("--image-url-max-bytes", type=parse_size, default=env("IMAGE_URL_MAX_BYTES", "20MiB"))
-    p.add_argument("--image-url-timeout-s", type=float, default=env("IMAGE_URL_TIMEOUT_S", "10"))
-    p.add_argument("--mm-processor-kwargs", type=_json_object, default=env("MM_PROCESSOR_KWARGS", "{}"),
-                   help='hf: models: image processor arguments over the checkpoint\'s, as JSON, e.g. '
-                        '\'{"max_pixels": 200704}\' (docs/MODELS.md "Processor options")')
-    p.add_argument("--result-cache-mb", type=float, default=env("RESULT_CACHE_MB", "0"),
-                   help="per frontend: keep this many MiB of deterministic answers (embeddings, the classifier's); "
-                        "0: off (docs/MODELS.md)")
-    p.add_argument("--server-timing", action="store_true", default=env("SERVER_TIMING") == "1",
-                   help="add a Server-Timing header (ms per serving stage) to non-streamed answers; off by "
-                        "default: it tells a client how long its image waited and was decoded (docs/SECURITY.md)")
-
-
-def _json_object(text: str) -> str:
-    """Check --mm-processor-kwargs is a JSON object when the flags are parsed (the frontends parse it again)."""
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object")
-    return text
-
-
-def _allowlist(text: str) -> str:
-    """Validate the allow-list when the flags are parsed, so a typo stops ``serve`` at once."""
-    from gateway.addresses import AllowList
-
-    try:
-        AllowList.parse(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
-
-
-def _add_worker_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workers", type=int, default=env("WORKERS", "0"),
-                   help="worker processes (default: one per GPU; on CPU two, one for hf: models)")
-    p.add_argument("--workers-per-gpu", type=int, default=env("WORKERS_PER_GPU", "1"))
-    p.add_argument("--device", default=env("DEVICE"),
-                   help="cpu, cuda (every GPU) or cuda:N (GPU N only) (default: cuda when a GPU is present)")
-    p.add_argument("--threads", type=int, default=env("THREADS", "0"),
-                   help="torch threads per CPU worker (default: usable CPUs / workers; see --frontends)")
-    add_batching_flags(p)
-
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="shmgate", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="gateway and workers in one command")
-    _add_gateway_flags(serve)
-    _add_worker_flags(serve)
+    parser = ShmgateParser(prog="shmgate", description="An OpenAI-compatible HTTP gateway for vision models.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    # metavar: the usage line lists the commands below, not every name the parser accepts (the frontend).
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=ShmgateParser)
+    serve = sub.add_parser("serve", help="gateway and workers in one command", description=_SERVE_DESCRIPTION)
+    add_gateway_flags(serve)
+    add_worker_flags(serve)
     # Slots with a partition and a reply channel but no HTTP process: a diagnostic tool (or a
     # test forging descriptors) attaches as a frontend there without stealing a real
     # frontend's replies. They take a share of the arena, so the default is none.
     serve.add_argument("--spare-frontend-slots", type=int, default=0, help=argparse.SUPPRESS)
-    gateway = sub.add_parser("gateway", help="frontends only; workers attach by label")
-    _add_gateway_flags(gateway)
+    gateway = sub.add_parser("gateway", help="frontends only; workers attach by label",
+                             description="Frontends only: own the shared memory and queues; workers in other "
+                             "containers attach by --label (shmgate worker).")
+    add_gateway_flags(gateway)
     sub.add_parser("worker", help="one model worker (see shmgate worker --help)", add_help=False)
     sub.add_parser("cleanup", help="remove IPC objects of dead instances")
     sub.add_parser("bench", help="load generator (see shmgate bench --help)", add_help=False)
-    frontend = sub.add_parser("frontend", help=argparse.SUPPRESS)
-    frontend.add_argument("--instance", required=True)
-    frontend.add_argument("--slot", type=int, required=True)
-    frontend.add_argument("--fd", type=int, required=True)
-    _add_gateway_flags(frontend)
+    # No help=: a subcommand without help is left out of the command list; the supervisor runs it.
+    frontend = sub.add_parser("frontend")
+    frontend.add_argument("--instance", required=True, help=argparse.SUPPRESS)
+    frontend.add_argument("--slot", type=int, required=True, help=argparse.SUPPRESS)
+    frontend.add_argument("--fd", type=int, required=True, help=argparse.SUPPRESS)
+    add_gateway_flags(frontend)
     return parser
 
 
+_SERVE_DESCRIPTION = ("Serve a model: HTTP frontends and model workers, supervised, in one command. Every flag "
+                      "also reads the SHMGATE_* variable shown with it; the flag wins.")
+
+
 def main(argv: list[str] | None = None) -> int:
+    started_at = time.monotonic()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "worker":
         os.execv(sys.executable, [sys.executable, "-m", "worker", *argv[1:]])
@@ -195,6 +126,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("serve", "gateway") and any(a == "--api-key" or a.startswith("--api-key=") for a in argv):
         log.warning("--api-key on the command line is visible to every user of this machine (ps, /proc); "
                     "set SHMGATE_API_KEY in the environment instead")
+    if args.command == "serve":
+        try:
+            check_device(args.device, visible_gpus(os.environ, _gpu_count()),
+                         given=origin(argv, "--device", args.device))
+        except ConfigError as exc:
+            print(f"shmgate serve: error: {exc}", file=sys.stderr)
+            return 2
     try:
         if args.command == "cleanup":
             from shared.instance import cleanup_leftovers
@@ -204,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "frontend":
             return _run_frontend(args)
-        return _run_supervised(args, with_workers=args.command == "serve")
+        return _run_supervised(args, with_workers=args.command == "serve", started_at=started_at)
     except SetupError as exc:
         log.error("%s", exc)
         return 2
@@ -213,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
 # Gateway flags a frontend child does not get on its command line: the API key reaches it in its
 # environment (argv is visible in ps); the rest are the supervisor's (the socket is passed as --fd).
 _NOT_FORWARDED = frozenset(
-    {"api_key", "host", "port", "frontends", "arena_size", "max_workers", "queue_depth", "stall_timeout_s"}
+    {"api_key", "host", "port", "frontends", "arena_size", "max_workers", "queue_depth", "stall_timeout_s",
+     "log_stats_interval_s"}
 )
 
 
@@ -221,7 +160,7 @@ def _frontend_argv(args: argparse.Namespace, instance_id: str, slot: int, fd: in
     """The frontend child's command: every gateway flag but _NOT_FORWARDED, read off the parser, so a
     new flag reaches the frontends without a second list to keep in step."""
     return [sys.executable, "-m", "gateway", "frontend", "--instance", instance_id, "--slot", str(slot),
-            "--fd", str(fd), *forward(args, _add_gateway_flags, skip=_NOT_FORWARDED)]
+            "--fd", str(fd), *forward(args, add_gateway_flags, skip=_NOT_FORWARDED)]
 
 
 def _default_cpu_workers(model: str, cores: int) -> int:
@@ -276,9 +215,11 @@ def _worker_slots(asked: int, n_workers: int, *, with_workers: bool) -> int:
     return asked or 16
 
 
-def _run_supervised(args: argparse.Namespace, *, with_workers: bool) -> int:
+def _run_supervised(args: argparse.Namespace, *, with_workers: bool, started_at: float) -> int:
+    from gateway.startup_log import ServingLog, shm_free_bytes, summary_lines
     from gateway.supervisor import ChildProcess, Supervisor, child_env
     from shared.instance import Instance, cleanup_leftovers
+    from shared.transport import PosixNodeStats, PosixSupervisorLink
 
     removed = cleanup_leftovers()
     if removed:
@@ -295,7 +236,7 @@ def _run_supervised(args: argparse.Namespace, *, with_workers: bool) -> int:
     sock.listen(2048)
     sock.set_inheritable(True)
     instance = Instance.create(
-        arena_size=parse_size(args.arena_size),
+        arena_size=args.arena_size,
         n_frontends=n_frontends + getattr(args, "spare_frontend_slots", 0),
         n_workers=n_worker_slots,
         label=args.label,
@@ -313,12 +254,45 @@ def _run_supervised(args: argparse.Namespace, *, with_workers: bool) -> int:
         ChildProcess("worker", i, argv, child_env(env))
         for i, (argv, env) in enumerate(_worker_children(args, instance_id) if with_workers else [])
     ]
-    log.info("instance %s listening on http://%s:%d with %d frontends and %d workers (model %s)", instance_id,
-             args.host, args.port, n_frontends, len(workers), args.model)
+    url = f"http://{f'[{args.host}]' if ':' in args.host else args.host}:{args.port}"
+    for line in summary_lines(_summary(args, instance_id, url, n_frontends, with_workers), shm_free_bytes()):
+        log.info("%s", line)
+    request_queue = instance.request_queue()
+    link = PosixSupervisorLink(instance)
+    model_id = parse_model_spec(args.model).public_id
+    serving_log = ServingLog(
+        node=PosixNodeStats(instance), frontend_alive=link.frontend_alive,
+        worker_ready=lambda: link.has_live_worker(model_id), n_frontends=n_frontends, queue_depth=request_queue.current_messages, instance_id=instance_id, url=url,
+        started_at=started_at, stats_interval_s=args.log_stats_interval_s,
+    )
     try:
-        return Supervisor(instance, frontends, workers, drain_timeout_s=args.drain_timeout_s).run()
+        return Supervisor(instance, frontends, workers, drain_timeout_s=args.drain_timeout_s,
+                          on_tick=serving_log.tick).run()
     finally:
+        request_queue.close()
         sock.close()
+
+
+def _summary(args: argparse.Namespace, instance_id: str, url: str, n_frontends: int,
+             with_workers: bool) -> Summary:
+    """The startup summary's facts, from the same plan the workers are started with."""
+    from gateway.startup_log import Summary, plural
+
+    spec = parse_model_spec(args.model)
+    hf = spec.kind in (ModelKind.HF_CHAT, ModelKind.HF_EMBED)
+    if with_workers:
+        placements, threads = _worker_plan(args)
+        gpus = sorted({p.visible for p in placements if p.visible is not None})
+        where = f"GPU {', '.join(gpus)}" if gpus else ", ".join(sorted({p.device for p in placements}))
+        cpu = all(p.device == "cpu" for p in placements)
+        workers = f"{plural(len(placements), 'worker')} on {where}"
+        workers += f", {plural(threads, 'torch thread')} each" if cpu else ""
+        dtype = (("float32" if cpu else "bfloat16") if args.dtype == "auto" else args.dtype) if hf else "the model's"
+    else:
+        workers, dtype = f"workers attach by label {args.label!r} (shmgate worker)", "chosen by each worker"
+    return Summary(version=version(), instance_id=instance_id, label=args.label, model_id=spec.public_id,
+                   model_spec=args.model, url=url, n_frontends=n_frontends, workers=workers, dtype=dtype,
+                   arena_bytes=args.arena_size, auth=bool(args.api_key))
 
 
 def _run_frontend(args: argparse.Namespace) -> int:
@@ -363,8 +337,10 @@ def _run_frontend(args: argparse.Namespace) -> int:
         http=http_protocol(),  # a bounded request head (gateway/http_limits.py)
         log_level=args.log_level.lower() if args.log_level.lower() != "info" else "warning",
         timeout_graceful_shutdown=int(args.drain_timeout_s),
-        access_log=False,
+        access_log=args.access_log,
         lifespan="on",
     )
+    if args.access_log:  # uvicorn set its access logger to --log-level, WARNING when "info" (above)
+        logging.getLogger("uvicorn.access").setLevel(logging.INFO)
     uvicorn.Server(config).run(sockets=[sock])
     return 0

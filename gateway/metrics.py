@@ -23,6 +23,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from gateway.result_cache import ResultCacheStats
 from gateway.stages import stage_histogram
+from shared.flags import version
 from shared.segment import BATCH_BUCKETS
 from shared.transport.base import NodeStats
 from shared.transport.posix import IN_FLIGHT_COUNTER
@@ -171,6 +172,9 @@ class NodeCollector:
         yield gauge("shmgate_preparing_requests", "Admitted requests still being decoded and preprocessed.",
                     node.preparing_requests())
         yield stage_histogram(total)
+        build = GaugeMetricFamily("shmgate_build_info", "The shmgate version serving (always 1).", labels=["version"])
+        build.add_metric([version()], 1)
+        yield build
 
 
 def _latency_histogram(name: str, help_text: str, total: np.ndarray, buckets: int, sum_idx: int,

@@ -41,7 +41,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from shared.errors import EXIT_CONFIG
@@ -114,6 +114,9 @@ class Supervisor:
     frontends: list[ChildProcess]
     workers: list[ChildProcess]
     drain_timeout_s: float = 30.0
+    # Called after each check of the children, in the supervisor's loop (gateway/startup_log.py:
+    # "ready in N s" and the statistics line); it must return quickly.
+    on_tick: Callable[[], None] | None = None
     _signals: list[int] = field(default_factory=list)
     _force: bool = False
     _fatal: str = ""
@@ -144,6 +147,8 @@ class Supervisor:
             while not self._signals and not self._fatal:
                 time.sleep(TICK_S)
                 self._check_children()
+                if self.on_tick is not None and not self._fatal:
+                    self.on_tick()
             if self._fatal:
                 log.error("stopping: %s", self._fatal)
                 self._force = True

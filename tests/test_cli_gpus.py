@@ -80,7 +80,7 @@ def test_cuda_n_counts_within_cuda_visible_devices_as_cuda_does(monkeypatch: pyt
 def test_cuda_n_past_the_visible_gpus_is_a_setup_error(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(SetupError, match="only 2 GPU"):
         _serve_workers(monkeypatch, ["--device", "cuda:2"], gpus=2)
-    with pytest.raises(SetupError, match="expected cpu, cuda or cuda:N"):
+    with pytest.raises(SystemExit):  # refused when the flags are parsed (tests/test_cli_flags.py)
         _serve_workers(monkeypatch, ["--device", "cuda:x"], gpus=2)
 
 
@@ -116,3 +116,15 @@ def test_only_a_served_hugging_face_checkpoint_gets_the_long_stall_timeout() -> 
     assert stall_timeout_for("checksum:hf:/models/qwen", None) == DEFAULT_STALL_TIMEOUT_S  # no weights loaded
     assert stall_timeout_for("checksum", None) == DEFAULT_STALL_TIMEOUT_S
     assert stall_timeout_for("hf:/models/qwen", 0.0) == 0.0
+
+
+def test_the_startup_summary_names_the_gpus_the_workers_run_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cli, "_gpu_count", lambda: 4)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    args = cli.build_parser().parse_args(["serve", "--device", "cuda", "--dtype", "float16"])
+    summary = cli._summary(args, "0123456789abcdef", "http://127.0.0.1:8000", 2, with_workers=True)
+    assert summary.workers == "2 workers on GPU 2, 3"
+    monkeypatch.setattr(cli, "_gpu_count", lambda: 1)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    args = cli.build_parser().parse_args(["serve", "--device", "cuda", "--workers-per-gpu", "2"])
+    assert cli._summary(args, "0123456789abcdef", "http://h:1", 1, with_workers=True).workers == "2 workers on GPU 0"

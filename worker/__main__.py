@@ -22,34 +22,70 @@ import argparse  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402
 
-from shared.flags import add_batching_flags, env  # noqa: E402
+from shared import flag_types  # noqa: E402
+from shared.flags import ShmgateParser, add_batching_flags, add_flag, origin, version  # noqa: E402
+from shared.models import KNOWN_SPECS  # noqa: E402
 from worker.main import WorkerOptions, run_worker  # noqa: E402
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = ShmgateParser(prog="shmgate worker", description="Run one model worker, attached to a running "
+                           "gateway (shmgate gateway or serve) found by --label or --instance. Every flag also "
+                           "reads the SHMGATE_* variable shown with it; the flag wins.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    model = parser.add_argument_group("model")
+    add_flag(model, "--model", f"what to serve: {KNOWN_SPECS}; the same as the gateway's",
+             default="efficientnet-lite0", type=flag_types.model_spec)
+    add_flag(model, "--device", "cpu, cuda or cuda:N", shown_default="cuda when a GPU is usable, else cpu",
+             type=flag_types.device)
+    add_flag(model, "--threads", "torch threads; 0: on CPU the CPUs this process may use, cgroup limit included",
+             default="0", type=flag_types.non_negative_int)
+    batching = parser.add_argument_group("batching")
+    add_batching_flags(batching)
+    attach = parser.add_argument_group("attaching")
+    add_flag(attach, "--instance", "instance id of the gateway to attach to", shown_default="find it by --label")
+    add_flag(attach, "--label", "label of the gateway to attach to (its --label)", default="default")
+    add_flag(attach, "--attach-wait-s", "how long to wait for a gateway with --label to appear (a container "
+             "starting first)", default="60", type=flag_types.non_negative_float)
+    add_flag(attach, "--follow-drain-s", "on SIGTERM keep serving while the gateway drains, up to this long; "
+             "0: stop at once. For pods, whose containers all get SIGTERM together", default="0",
+             type=flag_types.non_negative_float)
+    seen = parser.add_argument_group("observability and diagnostics")
+    add_flag(seen, "--log-level", f"one of {', '.join(flag_types.LOG_LEVELS)}", default="info",
+             type=flag_types.log_level)
+    add_flag(seen, "--diag-batch-delay-ms", "diagnostics and tests: sleep this long before each batch runs "
+             "(simulates a slow model)", default="0", type=flag_types.non_negative_float)
+    add_flag(seen, "--diag-claim-delay-ms", "diagnostics and tests: sleep this long between taking a request "
+             "and claiming it", default="0", type=flag_types.non_negative_float)
+    return parser
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="shmgate worker", description="Run one model worker.")
-    parser.add_argument("--model", default=env("MODEL", "efficientnet-lite0"))
-    parser.add_argument("--device", default=env("DEVICE"), help="cpu, cuda or cuda:N (default: cuda when present)")
-    parser.add_argument("--threads", type=int, default=env("THREADS", "0"),
-                        help="torch threads (0: on CPU the CPUs this process may use, cgroup limit included)")
-    add_batching_flags(parser)
-    parser.add_argument("--diag-batch-delay-ms", type=float, default=env("DIAG_BATCH_DELAY_MS", "0"),
-                        help="diagnostics and tests: sleep this long before each batch runs (simulates a slow model)")
-    parser.add_argument("--diag-claim-delay-ms", type=float, default=env("DIAG_CLAIM_DELAY_MS", "0"),
-                        help="diagnostics and tests: sleep this long between taking a request and claiming it")
-    parser.add_argument("--instance", default=env("INSTANCE"), help="instance id (default: find by --label)")
-    parser.add_argument("--label", default=env("LABEL", "default"))
-    parser.add_argument("--attach-wait-s", type=float, default=env("ATTACH_WAIT_S", "60"),
-                        help="how long to wait for a gateway with --label to appear (a container starting first)")
-    parser.add_argument("--follow-drain-s", type=float, default=env("FOLLOW_DRAIN_S", "0"),
-                        help="on SIGTERM keep serving while the gateway drains, up to this long (0: stop at once). "
-                        "For pods, whose containers all get SIGTERM together")
-    parser.add_argument("--log-level", default=env("LOG_LEVEL", "info"))
-    return parser.parse_args(argv)
+    return build_parser().parse_args(argv)
+
+
+def cuda_problem(device: str, given: str) -> str | None:
+    """Why ``device`` (cuda or cuda:N) cannot run here, or None; ``given``: where the value came from.
+    Imports torch: the worker needs it anyway."""
+    import torch
+
+    if not torch.cuda.is_available():
+        build = "a CPU-only build of torch" if torch.version.cuda is None else "no usable GPU"
+        return f"{given}: CUDA is not available ({build}); use --device cpu"
+    _, _, index = device.partition(":")
+    if index and int(index) >= torch.cuda.device_count():
+        return f"{given}: only {torch.cuda.device_count()} GPU(s) are visible"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.device and args.device.startswith("cuda"):
+        problem = cuda_problem(args.device, origin(argv, "--device", args.device))
+        if problem:
+            print(f"shmgate worker: error: {problem}", file=sys.stderr)
+            return 2
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s worker[%(process)d] %(levelname)s %(message)s"
     )

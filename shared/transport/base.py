@@ -236,6 +236,9 @@ class SupervisorLink(Protocol):
 
     def frontend_alive(self, slot: int) -> bool: ...
 
+    def has_live_worker(self, model: str) -> bool:
+        """A worker serving ``model`` is READY, heartbeating and progressing: what /ready checks."""
+
     def slot_of(self, role: Role, pid: int, frontend_slot: int) -> int | None:
         """The slot the child ``pid`` claimed (a frontend claims ``frontend_slot``; a worker a free one)."""
 

@@ -301,6 +301,9 @@ class PosixSupervisorLink:
         seg = self.segment
         return seg.slot_alive(seg.frontends, slot, DEAD_AFTER_S)
 
+    def has_live_worker(self, model: str) -> bool:
+        return bool(self.segment.live_workers(DEAD_AFTER_S, model))
+
     def slot_of(self, role: Role, pid: int, frontend_slot: int) -> int | None:
         seg = self.segment
         if role == "frontend":
