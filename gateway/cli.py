@@ -95,8 +95,15 @@ def _add_gateway_flags(p: argparse.ArgumentParser) -> None:
                    help="per frontend; beyond it requests get 429")
     p.add_argument("--request-timeout-s", type=float, default=env("REQUEST_TIMEOUT_S", "60"))
     p.add_argument("--max-body-mb", type=float, default=env("MAX_BODY_MB", "32"))
-    p.add_argument("--max-pixels", type=int, default=env("MAX_PIXELS", "40000000"))
+    p.add_argument("--max-pixels", type=int, default=env("MAX_PIXELS", "40000000"),
+                   help="largest 8-bit RGB image decoded; other modes get the same memory, so 16-bit gray or "
+                        "transparent images get fewer pixels (default 40000000)")
     p.add_argument("--decode-threads", type=int, default=env("DECODE_THREADS", "2"))
+    p.add_argument("--decode-memory-mb", type=float, default=env("DECODE_MEMORY_MB", "512"),
+                   help="memory (MiB) one frontend's concurrent image decodes may use together; a decode "
+                        "waits for room, then gets a 503 (default 512)")
+    p.add_argument("--decode-wait-s", type=float, default=env("DECODE_WAIT_S", "5"),
+                   help="how long a decode waits for room in --decode-memory-mb before a 503 (default 5)")
     p.add_argument("--max-workers", type=int, default=env("MAX_WORKERS", "0"),
                    help="worker slots in the segment, each with a control queue (default: serve twice its "
                    "workers, gateway 16)")
@@ -344,6 +351,8 @@ def _run_frontend(args: argparse.Namespace) -> int:
             request_timeout_s=args.request_timeout_s,
             max_pixels=args.max_pixels,
             decode_threads=args.decode_threads,
+            decode_memory_bytes=int(args.decode_memory_mb * (1 << 20)),
+            decode_wait_s=args.decode_wait_s,
         ),
         result_cache_bytes=int(args.result_cache_mb * (1 << 20)),
         server_timing=args.server_timing,
