@@ -3,26 +3,36 @@
 Invariants this module keeps:
 1. Only JPEG, PNG and WebP are parsed (``Image.open(formats=...)``), so no other Pillow
    plugin ever sees client bytes. GIF, BMP, TIFF, HEIC, ... are named in the refusal.
-2. The pixel count is checked against ``max_pixels`` from the header, before a single pixel
-   is decoded: a 100-byte PNG claiming 100000 x 100000 fails in microseconds. Pillow's own
-   bomb limit (``Image.MAX_IMAGE_PIXELS``) also counts: anything Pillow would warn about or
-   refuse is ImageTooLarge. (Pillow still emits its DecompressionBombWarning from inside
-   ``Image.open``; we do not change warning filters, which are process-global and not
+2. The size is checked from the header, before a single pixel is decoded: a 100-byte PNG
+   claiming 100000 x 100000 fails in microseconds. ``max_pixels`` bounds the pixel count and
+   the bytes the decode needs in the file's own mode plus the RGB result
+   (gateway/decode_cost.py): an 8-bit RGB image may have ``max_pixels`` pixels, a 16-bit gray
+   or transparent one as many as fit the same memory. ``predict`` gives that cost (and the
+   codecs' own working memory) without decoding, for the frontend's decode memory budget.
+   Pillow's own bomb limit (``Image.MAX_IMAGE_PIXELS``) also counts: anything Pillow would warn
+   about or refuse is ImageTooLarge. (Pillow still emits its DecompressionBombWarning from
+   inside ``Image.open``; we do not change warning filters, which are process-global and not
    thread-safe, and preprocessing runs in threads.)
 3. Every failure caused by the input is UndecodableImage or ImageTooLarge; no Pillow, zlib
    or struct exception escapes. Truncated files fail: ``ImageFile.LOAD_TRUNCATED_IMAGES``
    is never enabled (a half-grey photo would be silently misclassified and cached).
 4. The result is mode "RGB", upright (the EXIF orientation is applied, as
    ``ImageOps.exif_transpose`` would, without its copy when there is nothing to rotate).
+5. Peak memory is the decoded frame, the RGB result and one tile: conversion and rotation run
+   tile by tile (TILE_PIXELS) into one preallocated result, never on whole-image temporaries.
+   Measured peaks, in multiples of the RGB uint8 result (w x h x 3; tests/test_decode_memory.py):
+   PNG in every mode and baseline JPEG <= 3x (16-bit gray 2.1x, was 6.4x with int64 copies);
+   progressive JPEG <= 4.5x (libjpeg holds every DCT coefficient); WebP <= 7x (libwebp's
+   animation decoder, the only one Pillow has, keeps two RGBA canvases).
 
 Choices for awkward inputs:
 - Animated WebP / APNG: the first frame is used (friendlier than refusing a sticker).
 - Transparency (RGBA, LA, PA, palette or colour-key ``tRNS``): composited on white, which is
   what a browser shows on a page; dropping alpha would expose whatever colour the encoder
   left under transparent pixels (often black).
-- 16-bit grayscale (modes I;16*, I): scaled by 1/257. Pillow's ``convert`` clips at 255
-  instead, which turns most of a 16-bit photo white. 16-bit RGB(A) PNGs are already reduced
-  to 8 bits by Pillow's decoder.
+- 16-bit grayscale (modes I;16*, I): scaled by 1/257 with rounding, through a 64 KiB table.
+  Pillow's ``convert`` clips at 255 instead, which turns most of a 16-bit photo white.
+  16-bit RGB(A) PNGs are already reduced to 8 bits by Pillow's decoder.
 - CMYK / YCbCr / 1-bit / grayscale: Pillow's conversion to RGB.
 - Extreme aspect ratios (10000 x 1) decode fine here; the resizer (gateway/preprocess/
   vision.py) resamples only the region it keeps, so its cost does not grow with the ratio.

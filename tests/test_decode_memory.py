@@ -218,3 +218,15 @@ def test_an_image_bigger_than_the_whole_budget_is_a_413(budget_server: Server) -
     assert response.status_code == 413, response.text
     error = response.json()["error"]
     assert error["code"] == "image_too_large" and "MB" in error["message"]
+
+
+def test_the_budget_flags_read_their_variables_and_reach_the_frontends(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gateway.cli import _frontend_argv, build_parser
+
+    monkeypatch.setenv("SHMGATE_DECODE_MEMORY_MB", "64")
+    monkeypatch.setenv("SHMGATE_DECODE_WAIT_S", "0.5")
+    args = build_parser().parse_args(["serve"])
+    assert args.decode_memory_mb == 64 and args.decode_wait_s == 0.5
+    argv = _frontend_argv(args, "0" * 16, 0, 3)
+    assert float(argv[argv.index("--decode-memory-mb") + 1]) == 64
+    assert float(argv[argv.index("--decode-wait-s") + 1]) == 0.5
