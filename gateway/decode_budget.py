@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from shared.errors import ImageTooLarge, Overloaded
+from shared.names import format_bytes
 
 __all__ = ["DecodeBudget"]
 
@@ -48,7 +49,7 @@ class DecodeBudget:
         """
         if nbytes > self.capacity_bytes:
             raise ImageTooLarge(
-                f"Decoding this image needs {nbytes / 1e6:.0f} MB, more than the {self.capacity_bytes / 1e6:.0f} MB "
+                f"Decoding this image needs {format_bytes(nbytes)}, more than the {format_bytes(self.capacity_bytes)} "
                 "this server decodes at once. Resize it before sending."
             )
         self._acquire(nbytes)

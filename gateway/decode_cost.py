@@ -16,15 +16,21 @@ Bytes per pixel (Pillow stores "RGB", "LA", "CMYK" and "I" in 4 bytes per pixel,
 
     part        what it is                                              bytes per pixel
     source      Pillow's buffer for the file's own mode                 1, 2 or 4
-    convert     the RGB result, when the source is not already it       4 (+ one tile's temporaries)
-    codec       progressive JPEG: 16-bit DCT coefficients per sample    2 x samples per pixel
+    convert     the RGB result, when the source is not already it       4
+    work        one conversion tile's temporaries                       (at most 1 MiB in all)
+                progressive JPEG: 16-bit DCT coefficients per sample    2 x samples per pixel
                 WebP: libwebp's two RGBA canvases + Pillow's frame copy 12 (+4 lossless argb cache)
+
+``--max-pixels`` bounds source + convert (the pixels a client chose to send); the frontend's
+decode memory budget reserves all three.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from shared.names import format_bytes
 
 __all__ = ["DecodeCost", "RGB_PIXEL_BYTES", "TILE_PIXELS", "decode_cost", "pixel_bytes_budget"]
 
@@ -50,8 +56,8 @@ class DecodeCost:
     height: int
     mode: str
     source_bytes: int  # Pillow's buffer in the file's mode
-    convert_bytes: int  # RGB result and tile temporaries; 0 when the source is the result
-    codec_bytes: int  # decoder working memory besides the buffer
+    convert_bytes: int  # the RGB result; 0 when the source is the result
+    work_bytes: int  # tile temporaries and decoder working memory besides the two buffers
 
     @property
     def pixel_bytes(self) -> int:
@@ -61,13 +67,13 @@ class DecodeCost:
     @property
     def peak_bytes(self) -> int:
         """What a frontend reserves from its decode memory budget for this image."""
-        return self.source_bytes + self.convert_bytes + self.codec_bytes + FIXED_BYTES
+        return self.source_bytes + self.convert_bytes + self.work_bytes + FIXED_BYTES
 
     def describe(self) -> str:
         """The counted parts, for a refusal the client can act on."""
-        parts = [f"{self.mode} pixels {_mb(self.source_bytes)}"]
+        parts = [f"{self.mode} pixels {format_bytes(self.source_bytes)}"]
         if self.convert_bytes:
-            parts.append(f"RGB result {_mb(self.convert_bytes)}")
+            parts.append(f"RGB result {format_bytes(self.convert_bytes)}")
         return " + ".join(parts)
 
 
@@ -92,13 +98,13 @@ def decode_cost(
     width, height = size
     pixels = width * height
     source = pixels * _SOURCE_PIXEL_BYTES.get(mode, 4)
-    convert = pixels * RGB_PIXEL_BYTES + min(pixels, TILE_PIXELS) * TILE_WORK_PIXEL_BYTES if needs_conversion else 0
-    codec = 0
+    convert = pixels * RGB_PIXEL_BYTES if needs_conversion else 0
+    work = min(pixels, TILE_PIXELS) * TILE_WORK_PIXEL_BYTES if needs_conversion else 0
     if fmt == "WEBP":
-        codec = pixels * WEBP_CODEC_PIXEL_BYTES
+        work += pixels * WEBP_CODEC_PIXEL_BYTES
     elif fmt in ("JPEG", "MPO") and progressive:
-        codec = _coefficient_bytes(width, height, sampling or ((1, 1),) * 3)
-    return DecodeCost(width, height, mode, source, convert, codec)
+        work += _coefficient_bytes(width, height, sampling or ((1, 1),) * 3)
+    return DecodeCost(width, height, mode, source, convert, work)
 
 
 def _coefficient_bytes(width: int, height: int, sampling: tuple[tuple[int, int], ...]) -> int:
@@ -113,6 +119,3 @@ def _coefficient_bytes(width: int, height: int, sampling: tuple[tuple[int, int],
     blocks = sum(mcus_x * h * mcus_y * v for h, v in sampling)
     return blocks * 64 * 2
 
-
-def _mb(nbytes: int) -> str:
-    return f"{nbytes / 1e6:.0f} MB"

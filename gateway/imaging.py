@@ -59,6 +59,7 @@ from PIL import Image, ImageFile, UnidentifiedImageError
 
 from gateway.decode_cost import TILE_PIXELS, DecodeCost, decode_cost, pixel_bytes_budget
 from shared.errors import ImageTooLarge, UndecodableImage
+from shared.names import format_bytes
 
 __all__ = ["ACCEPTED_FORMATS", "DecodedImage", "decode", "decode_image", "predict"]
 
@@ -261,7 +262,7 @@ def _checked_cost(img: ImageFile.ImageFile, orientation: int, max_pixels: int) -
     if cost.pixel_bytes > budget:
         raise ImageTooLarge(
             f"The image is {width}x{height} pixels in mode {mode}; decoding it needs {cost.describe()} "
-            f"= {cost.pixel_bytes / 1e6:.0f} MB, and at most {budget / 1e6:.0f} MB (an 8-bit RGB image of "
+            f"= {format_bytes(cost.pixel_bytes)}, and at most {format_bytes(budget)} (an 8-bit RGB image of "
             f"{max_pixels} pixels) is accepted. Resize it or send 8-bit RGB."
         )
     return cost

@@ -84,7 +84,7 @@ def test_decode_peak_is_bounded_by_its_rgb_size_and_its_prediction(
 def test_a_16_bit_gray_png_under_the_pixel_cap_is_refused_for_the_memory_it_needs() -> None:
     data = attack_png(6300)
     assert len(data) < 100_000
-    with pytest.raises(ImageTooLarge, match=r"6300x6300 pixels in mode I;16; decoding it needs I;16 pixels 79 MB"):
+    with pytest.raises(ImageTooLarge, match=r"6300x6300 pixels in mode I;16; decoding it needs I;16 pixels 75.7 MiB \+ RGB result 151"):
         predict(data, max_pixels=40_000_000)
     with pytest.raises(ImageTooLarge, match="I;16"):
         decode(data, max_pixels=40_000_000)
@@ -217,7 +217,7 @@ def test_an_image_bigger_than_the_whole_budget_is_a_413(budget_server: Server) -
     response = _post(budget_server.base_url, image_request("checksum", big.getvalue(), mime="image/webp"))
     assert response.status_code == 413, response.text
     error = response.json()["error"]
-    assert error["code"] == "image_too_large" and "MB" in error["message"]
+    assert error["code"] == "image_too_large" and "MiB" in error["message"]
 
 
 def test_the_budget_flags_read_their_variables_and_reach_the_frontends(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -346,3 +346,28 @@ def test_tiled_conversion_and_rotation_equal_the_whole_image_ones(
     img = decode_image(data, max_pixels=MAX_PIXELS)
     assert img.mode == "RGB" and img.size == expected.size
     assert np.array_equal(np.asarray(img), np.asarray(expected))
+
+
+def _png_with_exif_after_pixels(size: tuple[int, int], orientation: int) -> bytes:
+    """An RGB PNG whose eXIf chunk follows IDAT (allowed by older writers): unseen in the header."""
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    data = encode(solid("RGB", size, (9, 8, 7)), "PNG", exif=exif.tobytes())
+    start = data.index(b"eXIf") - 4
+    length = struct.unpack(">I", data[start : start + 4])[0]
+    chunk = data[start : start + 12 + length]
+    data = data.replace(chunk, b"")
+    end = data.index(b"IEND") - 4
+    return data[:end] + chunk + data[end:]
+
+
+def test_a_rotation_seen_only_after_the_pixels_is_counted_before_converting() -> None:
+    from gateway.imaging import predict
+
+    data = _png_with_exif_after_pixels((300, 200), 6)
+    # The header shows an RGB image that needs no conversion: 4 bytes a pixel, within 60,000 pixels.
+    assert predict(data, max_pixels=60_000).pixel_bytes == 300 * 200 * 4
+    # Its late EXIF asks for a rotation, which needs the rotated copy too: counted before making it.
+    with pytest.raises(ImageTooLarge, match="RGB result"):
+        decode_image(data, max_pixels=60_000)
+    assert decode_image(data, max_pixels=200_000).size == (200, 300)
