@@ -3,11 +3,13 @@
 Why a model and not a pixel count: a pixel costs 1 to 4 bytes in Pillow's buffer depending on the
 file's mode, the conversion to RGB needs the result beside the source, and two codecs keep working
 memory of the image's size on top (a progressive JPEG's DCT coefficients, libwebp's canvases). A
-75 KB 16-bit grayscale PNG of 6300 x 6300 pixels is under a 40 M pixel cap but needs 238 MB.
+75 KB 16-bit grayscale PNG of 6300 x 6300 pixels is under a 40 M pixel cap but needs 227 MiB
+(its 16-bit pixels and their RGB result), where an 8-bit RGB image of 40 M pixels needs 153 MiB.
 
 Invariants:
 1. ``peak_bytes`` is an upper bound of the memory ``gateway.imaging.decode`` allocates for the
-   image (measured per mode by tests/test_decode_memory.py; constants below are from those runs).
+   image (measured per mode by tests/test_decode_memory.py; the constants below come from those
+   runs, on Pillow 13 with its bundled libjpeg-turbo, zlib and libwebp).
 2. The model only reads header facts (format, mode, size, sampling, progressive flag, EXIF
    orientation, transparency); it never decodes.
 
