@@ -99,7 +99,7 @@ def _add_gateway_flags(p: argparse.ArgumentParser) -> None:
                    help="largest 8-bit RGB image decoded; other modes get the same memory, so 16-bit gray or "
                         "transparent images get fewer pixels (default 40000000)")
     p.add_argument("--decode-threads", type=int, default=env("DECODE_THREADS", "2"))
-    p.add_argument("--decode-memory-mb", type=float, default=env("DECODE_MEMORY_MB", "512"),
+    p.add_argument("--decode-memory-mb", type=_positive_float, default=env("DECODE_MEMORY_MB", "512"),
                    help="memory (MiB) one frontend's concurrent image decodes may use together; a decode "
                         "waits for room, then gets a 503 (default 512)")
     p.add_argument("--decode-wait-s", type=float, default=env("DECODE_WAIT_S", "5"),
@@ -141,6 +141,14 @@ def _json_object(text: str) -> str:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("must be a JSON object")
     return text
+
+
+def _positive_float(text: str) -> float:
+    """A number above 0 (a zero budget would refuse every image)."""
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, not {text!r}")
+    return value
 
 
 def _allowlist(text: str) -> str:

@@ -230,3 +230,14 @@ def test_the_budget_flags_read_their_variables_and_reach_the_frontends(monkeypat
     argv = _frontend_argv(args, "0" * 16, 0, 3)
     assert float(argv[argv.index("--decode-memory-mb") + 1]) == 64
     assert float(argv[argv.index("--decode-wait-s") + 1]) == 0.5
+
+
+def test_a_zero_decode_budget_is_a_usage_error_naming_its_flag(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gateway.cli import build_parser
+
+    monkeypatch.setenv("SHMGATE_DECODE_MEMORY_MB", "0")
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["serve"])
+    assert exited.value.code == 2 and "--decode-memory-mb" in capsys.readouterr().err
