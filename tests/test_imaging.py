@@ -320,9 +320,11 @@ def _many_tiles_sample(mode: str, size: tuple[int, int] = (400, 250)) -> Image.I
     width, height = size
     if mode == "I;16":
         return Image.fromarray(rng.integers(0, 65536, (height, width), dtype=np.uint16))
+    if mode == "P":  # random indices into a random palette (quantizing noise takes seconds)
+        palette = Image.fromarray(rng.integers(0, 200, (height, width), dtype=np.uint8), "P")
+        palette.putpalette(rng.integers(0, 256, 200 * 3, dtype=np.uint8).tolist())
+        return palette
     rgba = Image.fromarray(rng.integers(0, 256, (height, width, 4), dtype=np.uint8), "RGBA")
-    if mode == "P":
-        return rgba.convert("RGB").quantize(200)
     return rgba.convert(mode)
 
 
