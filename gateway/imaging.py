@@ -193,6 +193,7 @@ def _decode(data: bytes, max_pixels: int, draft_to: tuple[int, int] | None) -> D
     if draft_to is not None and img.format in ("JPEG", "MPO"):
         draft_scale = _draft(img, draft_to)
     img.load()  # the first frame only; raises OSError on truncated or corrupt data
+    _release_codec(img)
     # Read only after load(): PNG's getexif() loads the image itself, and a failed load
     # swallowed there would leave a half-decoded image that a second load() accepts.
     orientation = _orientation(img)
@@ -202,6 +203,17 @@ def _decode(data: bytes, max_pixels: int, draft_to: tuple[int, int] | None) -> D
     swapped = orientation in (5, 6, 7, 8)
     original = (height, width) if swapped else (width, height)
     return DecodedImage(rgb, original, draft_scale)
+
+
+def _release_codec(img: ImageFile.ImageFile) -> None:
+    """Free libwebp's decoder, with its two RGBA canvases, once the first frame is loaded.
+
+    Pillow keeps a WebP's animation decoder as long as the image lives (to seek), and an RGB
+    WebP's image is our result: the canvases, twice the result's size, would stay resident through
+    the resize. We never seek, and a loaded frame does not touch its decoder again.
+    """
+    if img.format == "WEBP" and getattr(img, "_decoder", None) is not None:
+        img._decoder = None  # type: ignore[attr-defined]
 
 
 def _draft(img: ImageFile.ImageFile, draft_to: tuple[int, int]) -> int:

@@ -7,6 +7,7 @@ tracemalloc does not see; the kernel's high-water mark (VmHWM) sees everything. 
 
 Prints one JSON object per file: ``peak_bytes`` (high-water mark above the resident size before the decode),
 ``predicted_bytes`` (gateway/decode_cost.py's ``peak_bytes``, or null when the decode is refused),
+``held_bytes`` (resident growth while the result is still referenced, after the decode returned),
 ``rgb_bytes`` (width x height x 3 of the result) and ``seconds``.
 """
 
@@ -57,13 +58,16 @@ def measure(data: bytes, max_pixels: int) -> dict[str, object]:
         image = imaging.decode(data, max_pixels=max_pixels).image
         width, height = image.size
         refused = None
+        _LIBC.malloc_trim(0)
+        held = _status_kib("VmRSS") - before  # what the result keeps alive while it is resized
         del image
     except ImageTooLarge as exc:
-        width = height = 0
+        width = height = held = 0
         refused = str(exc)
     seconds = time.perf_counter() - started
     peak = _status_kib("VmHWM") - before
-    return {"peak_bytes": peak * 1024, "predicted_bytes": predicted, "rgb_bytes": width * height * 3,
+    return {"peak_bytes": peak * 1024, "held_bytes": held * 1024, "predicted_bytes": predicted,
+            "rgb_bytes": width * height * 3,
             "seconds": seconds, "refused": refused}
 
 

@@ -78,6 +78,14 @@ def test_decode_peak_is_bounded_by_its_rgb_size_and_its_prediction(
     assert isinstance(predicted, int) and peak <= predicted, f"{name}: peak {peak} above the prediction {predicted}"
 
 
+@pytest.mark.parametrize("name", list(SAMPLES))
+def test_the_decoded_image_keeps_only_its_own_pixels_alive(measured: dict[str, dict[str, object]], name: str) -> None:
+    # Pillow's RGB is 4 bytes a pixel: 4/3 of the RGB uint8 size; no codec state rides along.
+    result = measured[name]
+    held, rgb = int(result["held_bytes"]), int(result["rgb_bytes"])  # type: ignore[call-overload]
+    assert held <= 4 / 3 * rgb + SLACK_BYTES, f"{name}: holds {held / rgb:.2f} x its RGB size"
+
+
 # -- the attack image ------------------------------------------------------------------------------
 
 
