@@ -318,6 +318,8 @@ def _run_frontend(args: argparse.Namespace) -> int:
             request_timeout_s=args.request_timeout_s,
             max_pixels=args.max_pixels,
             decode_threads=args.decode_threads,
+            decode_memory_bytes=int(args.decode_memory_mb * (1 << 20)),
+            decode_wait_s=args.decode_wait_s,
         ),
         result_cache_bytes=int(args.result_cache_mb * (1 << 20)),
         server_timing=args.server_timing,

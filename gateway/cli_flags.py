@@ -70,10 +70,15 @@ def _limit_flags(limits: argparse._ArgumentGroup) -> None:
              type=flag_types.positive_float)
     add_flag(limits, "--max-body-mb", "request body size in MiB; larger gets 413", default="32",
              type=flag_types.positive_float)
-    add_flag(limits, "--max-pixels", "pixels per decoded image; larger gets 400", default="40000000",
+    add_flag(limits, "--max-pixels", "largest 8-bit RGB image decoded; other modes get the same memory, so "
+             "16-bit gray or transparent images get fewer pixels; larger gets 413", default="40000000",
              type=flag_types.positive_int)
     add_flag(limits, "--decode-threads", "image decoding threads per frontend", default="2",
              type=flag_types.positive_int)
+    add_flag(limits, "--decode-memory-mb", "memory (MiB) one frontend's concurrent image decodes may use "
+             "together; a decode waits for room, then gets a 503", default="512", type=flag_types.positive_float)
+    add_flag(limits, "--decode-wait-s", "how long a decode waits for room in --decode-memory-mb before a 503",
+             default="5", type=flag_types.non_negative_float)
     add_flag(limits, "--max-workers", "worker slots in the shared segment, each with a control queue; 0: serve "
              "twice its workers, gateway 16", default="0", type=flag_types.non_negative_int)
     add_flag(limits, "--queue-depth", "message queue depth (capped by /proc/sys/fs/mqueue/msg_max)",

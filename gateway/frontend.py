@@ -67,6 +67,8 @@ class FrontendLimits:
     request_timeout_s: float = 60.0
     max_pixels: int = 40_000_000
     decode_threads: int = 2
+    decode_memory_bytes: int = 512 << 20  # all of this frontend's decodes at once (gateway/decode_budget.py)
+    decode_wait_s: float = 5.0  # how long a decode waits for room in that budget before a 503
 
 
 class Frontend:
@@ -91,7 +93,9 @@ class Frontend:
         self.stats = FrontendStats(self.link.stats_row())
         self.stages = StageRecorder(self.link.stats_row())
         self.images = ImageResolver(self.link.content_cache(), self.preprocessor, self.stats,
-                                    max_pixels=self.limits.max_pixels, threads=self.limits.decode_threads)
+                                    max_pixels=self.limits.max_pixels, threads=self.limits.decode_threads,
+                                    decode_memory_bytes=self.limits.decode_memory_bytes,
+                                    decode_wait_s=self.limits.decode_wait_s)
         self.replies = ReplyRouter(self.link, self.images, self.stats, self._next_request_id, self.stages)
         cache = self.images.cache
         self.stats.set(Counter.ARENA_SIZE_BYTES, cache.size)

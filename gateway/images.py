@@ -13,6 +13,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from gateway.decode_budget import DecodeBudget
+from gateway.imaging import predict
 from gateway.intake import LOOP_HASH_MAX_BYTES, EncodedImage, image_bytes, key_material
 from gateway.metrics import Counter, FrontendStats
 from gateway.preprocess.base import Preprocessor, PromptInputs, options_key
@@ -25,13 +27,18 @@ __all__ = ["ImageResolver"]
 
 
 class ImageResolver:
+    """Resolves a request's images in its decode pool; ``decode_memory_bytes`` bounds the memory of the
+    decodes running at once (gateway/decode_budget.py), ``decode_wait_s`` how long one waits for room."""
+
     def __init__(
-        self, cache: TensorCache, preprocessor: Preprocessor, stats: FrontendStats, *, max_pixels: int, threads: int
+        self, cache: TensorCache, preprocessor: Preprocessor, stats: FrontendStats, *, max_pixels: int, threads: int,
+        decode_memory_bytes: int = 512 << 20, decode_wait_s: float = 5.0,
     ) -> None:
         self.cache = cache
         self.preprocessor = preprocessor
         self.stats = stats
         self.max_pixels = max_pixels
+        self.decode_budget = DecodeBudget(decode_memory_bytes, wait_s=decode_wait_s)
         self.pool = _started_pool(threads, "decode")
 
     def close(self) -> None:
@@ -92,13 +99,18 @@ class ImageResolver:
         """Thread pool: the cached tensors of one image, decoding (base64, then pixels) only on a miss.
 
         A decode error names ``param``, the request field the image came from (data URL or fetched).
+        Raises Overloaded when the decode memory budget has no room for the image within its wait.
         """
         if key is None:
             key = content_key(key_material(image), self._cache_params(options or {}))
         extra = {"options": options} if options else {}  # only hf: preprocessors take options
 
         def make(allocate: AllocateFn) -> None:
-            self.preprocessor.preprocess_image(image_bytes(image), allocate, max_pixels=self.max_pixels, **extra)
+            data = image_bytes(image)
+            # The header says what the decode will need; it starts only once that much is free.
+            cost = predict(data, max_pixels=self.max_pixels)
+            with self.decode_budget.reserve(cost.peak_bytes):
+                self.preprocessor.preprocess_image(data, allocate, max_pixels=self.max_pixels, **extra)
 
         try:
             group, _ = self.cache.acquire(key, make)

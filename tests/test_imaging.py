@@ -296,3 +296,80 @@ def test_png_with_corrupt_pixel_data_is_undecodable() -> None:
         data[idat + offset] ^= 0xFF
     with pytest.raises(UndecodableImage):
         decode_image(bytes(data), max_pixels=MAX_PIXELS)
+
+
+# -- tiled conversion matches whole-image conversion -------------------------------------------
+
+
+def _whole_image_rgb(img: Image.Image) -> Image.Image:
+    """The conversion semantics on the whole image at once: the reference the tiles must match."""
+    if img.mode in ("RGBA", "LA", "PA") or "transparency" in img.info:
+        rgba = img.convert("RGBA")
+        canvas = Image.new("RGB", rgba.size, (255, 255, 255))
+        canvas.paste(rgba, mask=rgba.getchannel("A"))
+        return canvas
+    if img.mode.startswith("I;16") or img.mode == "I":
+        wide = np.asarray(img).astype(np.int64)
+        return Image.fromarray(((np.clip(wide, 0, 65535) + 128) // 257).astype(np.uint8)).convert("RGB")
+    return img.convert("RGB")
+
+
+def _many_tiles_sample(mode: str, size: tuple[int, int] = (400, 250)) -> Image.Image:
+    """Noise in ``mode``; the default size is two conversion tiles, the last one partial."""
+    rng = np.random.default_rng(7)
+    width, height = size
+    if mode == "I;16":
+        return Image.fromarray(rng.integers(0, 65536, (height, width), dtype=np.uint16))
+    if mode == "P":  # random indices into a random palette (quantizing noise takes seconds)
+        palette = Image.fromarray(rng.integers(0, 200, (height, width), dtype=np.uint8), "P")
+        palette.putpalette(rng.integers(0, 256, 200 * 3, dtype=np.uint8).tolist())
+        return palette
+    rgba = Image.fromarray(rng.integers(0, 256, (height, width, 4), dtype=np.uint8), "RGBA")
+    return rgba.convert(mode)
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+@pytest.mark.parametrize(("mode", "size"), [(m, (400, 250)) for m in ("RGB", "L", "P", "LA", "RGBA", "I;16")]
+                         + [("LA", (70_000, 2))])  # wider than a tile: a row is split
+def test_tiled_conversion_and_rotation_equal_the_whole_image_ones(
+    mode: str, size: tuple[int, int], orientation: int
+) -> None:
+    from PIL import ImageOps
+
+    source = _many_tiles_sample(mode, size)
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    options: dict[str, object] = {"transparency": 3} if mode == "P" else {}
+    data = encode(source, "PNG", exif=exif.tobytes(), **options)
+    with Image.open(io.BytesIO(data)) as reference:
+        upright = ImageOps.exif_transpose(reference)  # a transpose commutes with a per-pixel conversion
+        assert upright is not None
+        expected = _whole_image_rgb(upright)
+    img = decode_image(data, max_pixels=MAX_PIXELS)
+    assert img.mode == "RGB" and img.size == expected.size
+    assert np.array_equal(np.asarray(img), np.asarray(expected))
+
+
+def _png_with_exif_after_pixels(size: tuple[int, int], orientation: int) -> bytes:
+    """An RGB PNG whose eXIf chunk follows IDAT (allowed by older writers): unseen in the header."""
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    data = encode(solid("RGB", size, (9, 8, 7)), "PNG", exif=exif.tobytes())
+    start = data.index(b"eXIf") - 4
+    length = struct.unpack(">I", data[start : start + 4])[0]
+    chunk = data[start : start + 12 + length]
+    data = data.replace(chunk, b"")
+    end = data.index(b"IEND") - 4
+    return data[:end] + chunk + data[end:]
+
+
+def test_a_rotation_seen_only_after_the_pixels_is_counted_before_converting() -> None:
+    from gateway.imaging import predict
+
+    data = _png_with_exif_after_pixels((300, 200), 6)
+    # The header shows an RGB image that needs no conversion: 4 bytes a pixel, within 60,000 pixels.
+    assert predict(data, max_pixels=60_000).pixel_bytes == 300 * 200 * 4
+    # Its late EXIF asks for a rotation, which needs the rotated copy too: counted before making it.
+    with pytest.raises(ImageTooLarge, match="RGB result"):
+        decode_image(data, max_pixels=60_000)
+    assert decode_image(data, max_pixels=200_000).size == (200, 300)

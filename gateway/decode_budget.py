@@ -1,0 +1,75 @@
+"""A frontend's decode memory budget: concurrent decodes together stay under a byte bound.
+
+Why: ``--max-pixels`` bounds one image, but a frontend decodes several at once (its decode threads,
+several images per request, several requests). Each decode reserves its predicted peak
+(gateway/decode_cost.py) before it starts and gives it back when its tensors are written; a decode
+that does not fit waits, for a bounded time, for others to finish, and is then refused with a
+503 and Retry-After. Memory stays bounded; the process is never OOM-killed.
+
+Invariants:
+1. ``reserved_bytes <= capacity_bytes`` at all times.
+2. A reservation larger than the whole budget is refused at once with ImageTooLarge (413): waiting
+   could never make it fit.
+3. Waiting happens in the decode thread (``ImageResolver``'s pool), never on the event loop.
+   Whoever fits goes first: a small photo is not held behind a huge image waiting for room.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from shared.errors import ImageTooLarge, Overloaded
+from shared.names import format_bytes
+
+__all__ = ["DecodeBudget"]
+
+
+class DecodeBudget:
+    """Bytes reserved by the decodes running in one frontend, bounded by ``capacity_bytes``."""
+
+    def __init__(self, capacity_bytes: int, *, wait_s: float) -> None:
+        assert capacity_bytes > 0, "a zero budget would refuse every image"
+        self.capacity_bytes = capacity_bytes
+        self.wait_s = wait_s
+        self.reserved_bytes = 0
+        self.refused = 0  # decodes that waited wait_s in vain (for tests and metrics)
+        self._room = threading.Condition()
+
+    @contextmanager
+    def reserve(self, nbytes: int) -> Iterator[None]:
+        """Hold ``nbytes`` of the budget for the body of the ``with``.
+
+        Raises:
+            ImageTooLarge: ``nbytes`` exceeds the whole budget.
+            Overloaded: no room within ``wait_s``; retry after about the time a decode takes.
+        """
+        if nbytes > self.capacity_bytes:
+            raise ImageTooLarge(
+                f"Decoding this image needs {format_bytes(nbytes)}, more than the {format_bytes(self.capacity_bytes)} "
+                "this server decodes at once. Resize it before sending."
+            )
+        self._acquire(nbytes)
+        try:
+            yield
+        finally:
+            with self._room:
+                self.reserved_bytes -= nbytes
+                self._room.notify_all()
+
+    def _acquire(self, nbytes: int) -> None:
+        deadline = time.monotonic() + self.wait_s
+        with self._room:
+            while self.reserved_bytes + nbytes > self.capacity_bytes:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.refused += 1
+                    raise Overloaded(
+                        "the server is decoding other large images; retry shortly",
+                        retry_after_s=max(1.0, math.ceil(self.wait_s)),
+                    )
+                self._room.wait(left)
+            self.reserved_bytes += nbytes
