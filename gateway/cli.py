@@ -120,9 +120,27 @@ def _add_gateway_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--result-cache-mb", type=float, default=env("RESULT_CACHE_MB", "0"),
                    help="per frontend: keep this many MiB of deterministic answers (embeddings, the classifier's); "
                         "0: off (docs/MODELS.md)")
+    p.add_argument("--header-timeout-s", type=_positive, default=env("HEADER_TIMEOUT_S", "10"),
+                   help="per connection: a request line and headers must arrive within this many seconds of the "
+                        "connection's start or the previous response's end, else 408 and close (default 10)")
+    p.add_argument("--body-timeout-s", type=_positive, default=env("BODY_TIMEOUT_S", "30"),
+                   help="a request body must arrive within this many seconds, plus one per --body-min-rate bytes "
+                        "received, else 408 and close (default 30)")
+    p.add_argument("--body-min-rate", type=_positive, default=env("BODY_MIN_RATE", "500"),
+                   help="bytes per second of body that extend --body-timeout-s by a second (default 500)")
+    p.add_argument("--max-connections", type=int, default=env("MAX_CONNECTIONS", "1000"),
+                   help="per frontend: open connections beyond this get a 503 and are closed (default 1000)")
     p.add_argument("--server-timing", action="store_true", default=env("SERVER_TIMING") == "1",
                    help="add a Server-Timing header (ms per serving stage) to non-streamed answers; off by "
                         "default: it tells a client how long its image waited and was decoded (docs/SECURITY.md)")
+
+
+def _positive(text: str) -> float:
+    """A number of seconds or bytes per second that must be above zero."""
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not above zero")
+    return value
 
 
 def _json_object(text: str) -> str:
@@ -328,7 +346,7 @@ def _run_frontend(args: argparse.Namespace) -> int:
     from gateway.app import AppOptions, create_app
     from gateway.fetch import FetchPolicy
     from gateway.frontend import FrontendLimits
-    from gateway.http_limits import http_protocol
+    from gateway.http_limits import ConnectionLimits, http_protocol
     from gateway.intake import IntakeLimits
 
     options = AppOptions(
@@ -360,7 +378,9 @@ def _run_frontend(args: argparse.Namespace) -> int:
     sock = socket.socket(fileno=args.fd)
     config = uvicorn.Config(
         create_app(options),
-        http=http_protocol(),  # a bounded request head (gateway/http_limits.py)
+        # a bounded request head, slow clients cut, a cap on connections (gateway/http_limits.py)
+        http=http_protocol(ConnectionLimits(header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
+                                            body_min_rate=args.body_min_rate, max_connections=args.max_connections)),
         log_level=args.log_level.lower() if args.log_level.lower() != "info" else "warning",
         timeout_graceful_shutdown=int(args.drain_timeout_s),
         access_log=False,

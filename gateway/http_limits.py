@@ -15,27 +15,65 @@ the generous 1 MiB bound, which still caps the memory a connection can pin befor
 The same protocol answers requests httptools cannot parse (``Content-Length: abc``, a bad
 request line) with an OpenAI error object instead of uvicorn's plain-text 400, so that every
 error a client can get from a frontend has one shape.
+
+It also cuts slow clients, below the API key check (``ConnectionLimits``). uvicorn closes a
+keep-alive connection that stays idle after a response (``timeout_keep_alive``), but nothing
+else: a connection that never sends a byte, a head sent one byte a second, or a body that drips
+is kept forever, each holding a descriptor and a slot of ``--max-in-flight``'s budget for
+nobody. Each connection is in one phase:
+
+    HEAD   from its start, or its previous response's end, until its next head is complete:
+           the head must be whole within ``header_timeout_s``
+    BODY   head complete, body arriving: ``body_timeout_s``, plus one second for each
+           ``body_min_rate`` bytes received (Apache's mod_reqtimeout rule: a slow but steady
+           upload is fine, a drip is not)
+    APP    the request is whole; the app answers: no deadline of ours (the request timeout runs)
+
+A cut connection gets a 408 in OpenAI form where a response can still be written, then is
+closed; the app reading a cut body sees a disconnect. Beyond ``max_connections`` open
+connections a new one gets a 503 and is closed at once. The hot path pays nothing: a whole
+request in one read arms no timer, and each connection arms one at its start (for a client
+that never sends); a timer that fires early re-arms itself for what is left.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import json
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from gateway.http_errors import error_body
 from shared.errors import RequestError
 
-__all__ = ["MAX_HEAD_BYTES", "http_protocol", "read_capped"]
+__all__ = ["MAX_HEAD_BYTES", "ConnectionLimits", "http_protocol", "read_capped"]
 
 MAX_HEAD_BYTES = 1 << 20
 
 
-def _closing_response(status: bytes, message: str, code: str) -> bytes:
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """How slow a client may be, and how many may be connected to one frontend at once."""
+
+    header_timeout_s: float = 10.0  # a request head must be whole this long after it may start
+    body_timeout_s: float = 30.0  # a body gets this long, plus a second per body_min_rate bytes received
+    body_min_rate: float = 500.0  # bytes per second
+    max_connections: int = 1000  # open connections per frontend; beyond, a 503 and close
+
+
+class _Phase(enum.Enum):
+    HEAD = "head"  # waiting for a request head: header_timeout_s runs from the phase's start
+    BODY = "body"  # the head is complete, the body arrives: body_timeout_s plus the rate allowance
+    APP = "app"  # the request is whole and the app answers it: no deadline here
+
+
+def _closing_response(status: bytes, message: str, code: str, error_type: str = "invalid_request_error",
+                      extra_headers: bytes = b"") -> bytes:
     """A complete HTTP/1.1 response carrying an OpenAI error object, after which we close."""
-    body = json.dumps(error_body(message, "invalid_request_error", code)).encode()
-    head = b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
-    return head % (status, len(body)) + body
+    body = json.dumps(error_body(message, error_type, code)).encode()
+    head = (b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%sconnection: close\r\n\r\n")
+    return head % (status, len(body), extra_headers) + body
 
 
 _TOO_LARGE = _closing_response(b"431 Request Header Fields Too Large",
@@ -44,29 +82,79 @@ _TOO_LARGE = _closing_response(b"431 Request Header Fields Too Large",
 _UNPARSABLE = _closing_response(b"400 Bad Request", "the HTTP request could not be parsed", "invalid_http")
 
 
-def http_protocol() -> type[asyncio.Protocol] | str:
+_TOO_MANY = _closing_response(b"503 Service Unavailable", "too many open connections to this server; retry shortly",
+                             "too_many_connections", "server_error", b"retry-after: 1\r\n")
+
+
+def _too_slow(what: str) -> bytes:
+    return _closing_response(b"408 Request Timeout", what, "request_timeout")
+
+
+def http_protocol(limits: ConnectionLimits = ConnectionLimits()) -> type[asyncio.Protocol] | str:
     """The protocol class for ``uvicorn.Config(http=...)``: bounded httptools, else h11 with its bound."""
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError:  # no httptools: h11 bounds the head itself (max_incomplete_event_size)
         return "h11"
 
+    head_too_slow = _too_slow(f"the request line and headers did not arrive within {limits.header_timeout_s:g} s")
+    body_too_slow = _too_slow(f"the request body arrived too slowly (it gets {limits.body_timeout_s:g} s, "
+                              f"plus 1 s per {limits.body_min_rate:g} bytes received)")
+
     class BoundedHttpToolsProtocol(HttpToolsProtocol):
         _head_bytes = 0
         _in_head = True  # from the connection's start or a message's end until headers are complete
+        _phase = _Phase.HEAD
+        _phase_started = 0.0  # loop time
+        _body_bytes = 0
+        _idle_kept_alive = False  # HEAD after a response with no byte of a next request yet: uvicorn's keep-alive
+        _deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            if len(self.connections) > limits.max_connections:
+                transport.write(_TOO_MANY)
+                transport.close()
+                return
+            self._phase_started = self.loop.time()
+            self._arm(limits.header_timeout_s)  # a client that never sends a byte
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+            super().connection_lost(exc)
 
         def on_headers_complete(self) -> None:
             self._in_head = False
             self._head_bytes = 0
+            self._phase, self._phase_started, self._body_bytes = _Phase.BODY, self.loop.time(), 0
             super().on_headers_complete()
+
+        def on_body(self, body: bytes) -> None:
+            self._body_bytes += len(body)
+            super().on_body(body)
 
         def on_message_complete(self) -> None:
             self._in_head = True
+            self._phase = _Phase.APP
             super().on_message_complete()
 
+        def on_response_complete(self) -> None:
+            # The next head's clock starts now, unless a pipelined request is already being read or answered.
+            if self._phase is _Phase.APP and not self.pipeline:
+                self._phase, self._phase_started = _Phase.HEAD, self.loop.time()
+                self._idle_kept_alive = True
+            super().on_response_complete()
+
         def data_received(self, data: bytes) -> None:
+            self._idle_kept_alive = False
             super().data_received(data)
-            if not self._in_head or self.transport.is_closing():
+            if self.transport.is_closing():
+                return
+            if self._phase is not _Phase.APP and self._deadline is None:
+                self._arm(self._time_left())  # a partial head or body: its clock is running
+            if not self._in_head:
                 return
             self._head_bytes += len(data)
             if self._head_bytes > MAX_HEAD_BYTES:
@@ -75,6 +163,36 @@ def http_protocol() -> type[asyncio.Protocol] | str:
 
         def send_400_response(self, msg: str) -> None:  # httptools could not parse the request
             self.transport.write(_UNPARSABLE)
+            self.transport.close()
+
+        def _time_left(self) -> float:
+            if self._phase is _Phase.HEAD:
+                allowed = limits.header_timeout_s
+            else:
+                allowed = limits.body_timeout_s + self._body_bytes / limits.body_min_rate
+            return self._phase_started + allowed - self.loop.time()
+
+        def _arm(self, delay_s: float) -> None:
+            self._deadline = self.loop.call_later(max(0.0, delay_s), self._on_deadline)
+
+        def _on_deadline(self) -> None:
+            self._deadline = None
+            if self.transport.is_closing() or self._phase is _Phase.APP or self._idle_kept_alive:
+                return  # (an idle keep-alive connection is uvicorn's to close, silently: data re-arms us)
+            left = self._time_left()
+            if left > 0:
+                self._arm(left)  # the phase started again since this timer was armed, or the body kept coming
+                return
+            self._cut()
+
+        def _cut(self) -> None:
+            """Answer 408 where a response can still be written, and close; the app reading a body sees a disconnect."""
+            cycle = self.cycle
+            if self._phase is _Phase.HEAD or cycle is None or not cycle.response_started:
+                self.transport.write(head_too_slow if self._phase is _Phase.HEAD else body_too_slow)
+            if self._phase is _Phase.BODY and cycle is not None and not cycle.response_complete:
+                cycle.disconnected = True  # its send() writes nothing more; receive() says http.disconnect
+                cycle.message_event.set()
             self.transport.close()
 
     return BoundedHttpToolsProtocol
