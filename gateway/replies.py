@@ -139,6 +139,8 @@ class ReplyRouter:
         elif isinstance(message, (Finished, Failed)):
             if isinstance(message, Finished):
                 self.stages.finished(state.timing, message)
+                if state.abandoned:  # how far its worker got for nobody: the cost of a late Cancel
+                    self.stats.add(Counter.CANCELLED_TOKENS, message.completion_tokens)
             if isinstance(message, Finished) and message.text:
                 if not state.abandoned:
                     state.to(Phase.STREAMING)
