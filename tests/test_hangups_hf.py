@@ -85,3 +85,30 @@ def test_a_long_generation_stops_when_its_client_hangs_up(hf_server: Server, tin
     assert generated < MAX_TOKENS / 2, f"{generated:.0f} of {MAX_TOKENS} tokens generated for nobody"
     print(f"\nhf hang-up ({'streamed' if stream else 'non-streamed'}) after 1 s: the worker stopped after "
           f"{generated:.0f} of {MAX_TOKENS} tokens")
+
+
+def test_a_stream_read_token_by_token_stops_within_a_few_tokens_of_the_hang_up(hf_server: Server,
+                                                                               tiny_qwen2_vl_dir: Path) -> None:
+    """The client reads as the tokens come and leaves after READ of them: the worker's count says how many more
+    it generated (those already on their way, plus the steps until the Cancel reached it). Printed, and bounded
+    loosely: the exact figure depends on how far the client lags behind the model."""
+    read = 200
+    server = hf_server
+    tokens = server.metric("shmgate_cancelled_tokens_total")
+    cancelled = server.metric('shmgate_requests_total{outcome="cancelled"}')
+    seen = 0
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(_request(tiny_qwen2_vl_dir, stream=True))
+        pending = b""
+        while seen < read:
+            chunk = s.recv(65536)
+            assert chunk, "the stream ended early"
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            seen += sum(line.startswith(b"data: ") and b'"content":' in line for line in lines)
+    wait_until(lambda: server.metric('shmgate_requests_total{outcome="cancelled"}') == cancelled + 1
+               and server.metric("shmgate_in_flight_requests") == 0, HANG_GUARD_S, "the hang-up cancelled")
+    generated = server.metric("shmgate_cancelled_tokens_total") - tokens
+    assert seen <= generated < MAX_TOKENS / 2
+    print(f"\nhf stream left after {seen} content chunks: the worker generated {generated:.0f} tokens "
+          f"({generated - seen:.0f} after the client's last read)")
