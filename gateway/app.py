@@ -324,8 +324,8 @@ def _cancel_on_hang_up(f: Frontend, state: RequestState, receive: Receive | None
     the connection is lost (or once a response is complete, which is why the caller cancels this
     task before answering). On a hang-up the request is abandoned (counted ``cancelled``; a Cancel
     reaches its worker, which stops at its next step; its arena holds go back when the worker's
-    terminal message arrives) and a ``cancelled`` Failed wakes the waiting caller. One task per
-    request, asleep until the connection closes.
+    terminal message arrives) and a ``cancelled`` Failed wakes the waiting caller, which ends at
+    once without counting it again. One task per request, asleep until the connection closes.
     """
     if receive is None:
         return None
@@ -341,11 +341,6 @@ def _cancel_on_hang_up(f: Frontend, state: RequestState, receive: Receive | None
             state.events.put_nowait(failed_reply(state.request_id, 0, Cancelled("the client hung up")))
 
     return asyncio.get_running_loop().create_task(watch())
-
-
-def _hung_up(event: Failed) -> bool:
-    """The Failed that ends a request whose client went away (already counted ``cancelled`` by abandon)."""
-    return event.code == Cancelled.code
 
 
 async def _complete(f: Frontend, state: RequestState, model: str, started: float,
@@ -367,7 +362,7 @@ async def _complete(f: Frontend, state: RequestState, model: str, started: float
             elif isinstance(event, Delta):
                 parts.append(event.text)
             elif isinstance(event, Failed):
-                if _hung_up(event):
+                if event.code == Cancelled.code:  # the client hung up (counted by abandon)
                     return Response(status_code=Cancelled.status_hint)  # nobody reads it
                 error = _failure(event)
                 count_error(f.stats, error)
@@ -412,7 +407,7 @@ async def _stream(f: Frontend, state: RequestState, model: str, include_usage: b
     finally:
         if watcher is not None:
             watcher.cancel()
-    if isinstance(first, Failed) and _hung_up(first):
+    if isinstance(first, Failed) and first.code == Cancelled.code:  # the client hung up (counted by abandon)
         return Response(status_code=Cancelled.status_hint)  # nobody reads it
     if isinstance(first, Failed):
         error = _failure(first)
@@ -452,7 +447,7 @@ async def _stream(f: Frontend, state: RequestState, model: str, include_usage: b
                     f.stats.observe(Counter.LATENCY_BUCKETS, time.monotonic() - started)
                     return
                 elif isinstance(event, Failed):
-                    if _hung_up(event):  # the client left just as the first event came: counted by abandon
+                    if event.code == Cancelled.code:  # the client left just as the first event came: counted
                         return
                     error = _failure(event)
                     count_error(f.stats, error)

@@ -33,7 +33,8 @@ A cut connection gets a 408 in OpenAI form where a response can still be written
 closed; the app reading a cut body sees a disconnect. Beyond ``max_connections`` open
 connections a new one gets a 503 and is closed at once. The hot path pays nothing: a whole
 request in one read arms no timer, and each connection arms one at its start (for a client
-that never sends); a timer that fires early re-arms itself for what is left.
+that never sends); a timer that fires early re-arms itself for what is left. Both protocols
+uvicorn may run keep these limits: httptools (a dependency, the default) and h11 (the fallback).
 """
 
 from __future__ import annotations
