@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -157,3 +159,10 @@ def test_connections_past_the_cap_get_a_503(served: tuple[int, App]) -> None:
     finally:
         for s in held:
             s.close()
+
+
+@pytest.mark.parametrize("flag", ["--header-timeout-s", "--body-timeout-s", "--body-min-rate"])
+def test_a_limit_of_zero_is_refused_when_the_flags_are_parsed(flag: str) -> None:
+    result = subprocess.run([sys.executable, "-m", "gateway", "serve", flag, "0"], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 2 and flag in result.stderr and "not above zero" in result.stderr
