@@ -19,7 +19,7 @@ measure; ``PYTHONPATH`` is set to the current directory, so the children run thi
 Usage (from the repository root):
     python bench/hangups.py hangup
     python bench/hangups.py loris [--connections 200] [--seconds 20] [-- extra serve flags]
-    python bench/hangups.py cpu --other /tmp/shmgate-main [--pairs 2] [--requests 400]
+    python bench/hangups.py cpu --other /tmp/shmgate-main [--pairs 2] [--requests 400] [--stream]
 """
 
 from __future__ import annotations
@@ -218,13 +218,13 @@ def loris(args: argparse.Namespace) -> None:
 # -- CPU per request ---------------------------------------------------------------------------------------------
 
 
-def cpu_run(tree: Path, requests: int) -> float:
+def cpu_run(tree: Path, requests: int, stream: bool) -> float:
     server = start(tree)
     try:
         pids = ",".join(str(p) for p in server.pids("frontend"))
         command = [sys.executable, "-m", "gateway", "bench", "--base-url", server.base_url, "--model", "checksum",
                    "--images", str(IMAGES), "-c", "8", "-n", str(requests), "--unique", "--no-stages", "--json",
-                   "--server-pid", pids]
+                   "--server-pid", pids, *(["--stream"] if stream else [])]
         out = subprocess.run(command, check=True, capture_output=True, text=True, cwd=ROOT,
                              env=dict(os.environ, PYTHONPATH=str(ROOT))).stdout
         result = json.loads(out)
@@ -238,7 +238,7 @@ def cpu(args: argparse.Namespace) -> None:
     seen: dict[str, list[float]] = {"this": [], "other": []}
     for _ in range(args.pairs):
         for name in ("other", "this", "this", "other"):
-            ms = cpu_run(trees[name], args.requests)
+            ms = cpu_run(trees[name], args.requests, args.stream)
             seen[name].append(ms)
             print(f"{name:>5} ({trees[name]}): frontend CPU {ms:.3f} ms/request", flush=True)
     for name, values in seen.items():
@@ -258,6 +258,7 @@ def main() -> None:
     c.add_argument("--other", required=True, help="another source tree to compare with (e.g. an export of main)")
     c.add_argument("--pairs", type=int, default=2)
     c.add_argument("--requests", type=int, default=400)
+    c.add_argument("--stream", action="store_true", help="streamed requests (SSE)")
     args = p.parse_args()
     {"hangup": hangup, "loris": loris, "cpu": cpu}[args.what](args)
 
