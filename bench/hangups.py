@@ -13,12 +13,14 @@ measure; ``PYTHONPATH`` is set to the current directory, so the children run thi
              body one byte a second, 10 that never send a byte, while one ordinary client keeps asking.
              Printed: how many of each were cut and when, the ordinary requests' latency and status,
              and the frontend's open file descriptors (``/proc/<pid>/fd``), sampled every second.
+    watcher  the disconnect watcher's own CPU cost per request, alone (an asyncio loop, no server).
     cpu      CPU per request of the frontend (``shmgate bench --server-pid``), this checkout against
              another tree (``--other``, e.g. an export of main), ABBA, a few hundred requests each.
 
 Usage (from the repository root):
     python bench/hangups.py hangup
     python bench/hangups.py loris [--connections 200] [--seconds 20] [-- extra serve flags]
+    python bench/hangups.py watcher
     python bench/hangups.py cpu --other /tmp/shmgate-main [--pairs 2] [--requests 400] [--stream]
 """
 
@@ -245,6 +247,34 @@ def cpu(args: argparse.Namespace) -> None:
         print(f"{name:>5}: mean {statistics.mean(values):.3f} ms/request over {len(values)} runs")
 
 
+def watcher(args: argparse.Namespace) -> None:
+    """The disconnect watcher's own CPU cost, alone: start, park on receive(), cancel, unwind (no server)."""
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        never = asyncio.Event()
+
+        async def receive() -> dict[str, str]:
+            await never.wait()
+            return {"type": "http.disconnect"}
+
+        async def watch() -> None:  # the shape of gateway/app.py's _cancel_on_hang_up
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        for label in ("with the watcher", "without"):
+            started = time.process_time()
+            for _ in range(args.n):
+                task = loop.create_task(watch()) if label == "with the watcher" else None
+                await asyncio.sleep(0)  # the request's work: the watcher starts and parks
+                if task is not None:
+                    task.cancel()
+                await asyncio.sleep(0)  # the cancelled watcher unwinds
+            print(f"{label}: {(time.process_time() - started) / args.n * 1e6:.1f} us of CPU per request")
+
+    asyncio.run(run())
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
@@ -259,8 +289,10 @@ def main() -> None:
     c.add_argument("--pairs", type=int, default=2)
     c.add_argument("--requests", type=int, default=400)
     c.add_argument("--stream", action="store_true", help="streamed requests (SSE)")
+    w = sub.add_parser("watcher")
+    w.add_argument("-n", type=int, default=50_000)
     args = p.parse_args()
-    {"hangup": hangup, "loris": loris, "cpu": cpu}[args.what](args)
+    {"hangup": hangup, "loris": loris, "cpu": cpu, "watcher": watcher}[args.what](args)
 
 
 if __name__ == "__main__":
