@@ -80,10 +80,14 @@ def send_and_hang_up(port: int, body: dict[str, object], after_s: float) -> None
 
 
 def held_back_after(server: Server, since: float, before: dict[str, float], n: int, guard_s: float = 40.0) -> float:
-    """Seconds from ``since`` until ``n`` more requests were counted and no arena byte is held."""
+    """Seconds from ``since`` until ``n`` more requests were counted, none is in flight and no arena byte is held.
+
+    A request leaves the frontend's in-flight set only at its worker's terminal message: this is when the
+    worker stopped working on it."""
     while time.monotonic() - since < guard_s:
         counted = sum(outcomes(server).values()) - sum(before.values())
-        if counted >= n and server.metric("shmgate_arena_held_bytes") == 0:
+        if (counted >= n and server.metric("shmgate_in_flight_requests") == 0
+                and server.metric("shmgate_arena_held_bytes") == 0):
             return time.monotonic() - since
         time.sleep(0.05)
     return float("inf")
@@ -103,7 +107,7 @@ def hangup(args: argparse.Namespace) -> None:
             hung_up = time.monotonic()
             back = held_back_after(server, hung_up, before, 1)
             after = outcomes(server)
-            print(f"{what}: holds back {back:.2f} s after the hang-up; counted {change(before, after)}")
+            print(f"{what}: worker done {back:.2f} s after the hang-up; counted {change(before, after)}")
 
         before = outcomes(server)
         bodies = [image_request("checksum", noise_png(100 + i, size=128), mime="image/png",
@@ -115,7 +119,7 @@ def hangup(args: argparse.Namespace) -> None:
         asyncio.run(twelve())
         back = held_back_after(server, time.monotonic(), before, 12)
         after = outcomes(server)
-        print(f"12 clients, trickle 50 (~1 s), hang up at 30 ms: holds back {back:.2f} s after; "
+        print(f"12 clients, trickle 50 (~1 s), hang up at 30 ms: all done {back:.2f} s after; "
               f"counted {change(before, after)}")
     finally:
         server.stop()
