@@ -32,6 +32,7 @@ from typing import Any
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -50,13 +51,13 @@ from gateway.result_cache import ResultCache, answer_key, keyed_off_the_loop
 from gateway.sse import Completion, logprob_entry
 from gateway.stages import server_timing
 from gateway.tokenize import detokenize, model_card, tokenize
-from shared.errors import EXIT_CONFIG, InvalidRequest, RequestTooLarge, ShmgateError, Unauthorized
+from shared.errors import EXIT_CONFIG, Cancelled, InvalidRequest, RequestTooLarge, ShmgateError, Unauthorized
 from shared.flags import version
 from shared.instance import Instance
 from shared.segment import check_model_id
 from shared.stages import Stage
 from shared.transport import PosixFrontendLink, PosixNodeStats
-from shared.wire import Delta, Failed, Finished, TokenLogprobs, Vector
+from shared.wire import Delta, Failed, Finished, TokenLogprobs, Vector, failed_reply
 
 __all__ = ["AppOptions", "create_app"]
 
@@ -222,9 +223,10 @@ def create_app(options: AppOptions) -> FastAPI:
         state.timing.spent[Stage.BODY_READ] = read_s
         logprobs = chat.params.logprobs >= 0
         if chat.stream:
-            return await _stream(f, state, chat.model, chat.include_usage, started, keep, logprobs=logprobs)
+            return await _stream(f, state, chat.model, chat.include_usage, started, keep, logprobs=logprobs,
+                                 receive=request.receive)
         return await _complete(f, state, chat.model, started, keep, logprobs=logprobs,
-                               timing_header=options.server_timing)
+                               timing_header=options.server_timing, receive=request.receive)
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
@@ -273,8 +275,17 @@ class FrontendHeader:
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
+    """The request's body, at most ``limit`` bytes.
+
+    Raises RequestTooLarge, InvalidRequest (empty), and Cancelled when the client closed the
+    connection before the whole body arrived: that is a hang-up, answered (to nobody) and counted
+    like any other error instead of escaping to uvicorn, which would log a traceback for each one.
+    """
     declared = request.headers.get("content-length")
-    body = await read_capped(declared, request.stream(), limit, "the request body", RequestTooLarge)
+    try:
+        body = await read_capped(declared, request.stream(), limit, "the request body", RequestTooLarge)
+    except ClientDisconnect:
+        raise Cancelled("the client closed the connection before sending the whole body") from None
     if not body:
         raise InvalidRequest("the request body is empty; send a JSON chat completion request")
     return body
@@ -310,13 +321,45 @@ def _cached_answer(f: Frontend, model: str, stream: bool, include_usage: bool, c
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
+def _cancel_on_hang_up(f: Frontend, state: RequestState, receive: Receive | None) -> asyncio.Task[None] | None:
+    """Watch the connection while nothing is written to it: a hang-up cancels the request's work.
+
+    Without this a client that goes away is noticed only when output is written to it, so a
+    non-streamed answer (or a stream before its first event) is computed to the end for nobody.
+    The body has been read, so the next ASGI message is ``http.disconnect``: uvicorn sends it when
+    the connection is lost (or once a response is complete, which is why the caller cancels this
+    task before answering). On a hang-up the request is abandoned (counted ``cancelled``; a Cancel
+    reaches its worker, which stops at its next step; its arena holds go back when the worker's
+    terminal message arrives) and a ``cancelled`` Failed wakes the waiting caller, which ends at
+    once without counting it again. One task per request, asleep until the connection closes.
+    """
+    if receive is None:
+        return None
+
+    async def watch() -> None:
+        try:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+        except Exception:  # a server whose receive cannot be read again: no watch, as before
+            return
+        if not state.done:
+            f.abandon(state)
+            state.events.put_nowait(failed_reply(state.request_id, 0, Cancelled("the client hung up")))
+
+    return asyncio.get_running_loop().create_task(watch())
+
+
 async def _complete(f: Frontend, state: RequestState, model: str, started: float,
                     keep: Callable[[Finished, str], None] | None = None, *, logprobs: bool = False,
-                    timing_header: bool = False) -> Response:
-    """The whole answer in one JSON body; with ``timing_header``, where its time went (``Server-Timing``)."""
+                    timing_header: bool = False, receive: Receive | None = None) -> Response:
+    """The whole answer in one JSON body; with ``timing_header``, where its time went (``Server-Timing``).
+
+    ``receive`` (the request's ASGI receive, its body already read) lets a hang-up cancel the work.
+    """
     completion = Completion(model)
     parts: list[str] = []
     entries: list[dict[str, Any]] | None = [] if logprobs else None
+    watcher = _cancel_on_hang_up(f, state, receive)
     try:
         async for event in f.events(state):
             if isinstance(event, TokenLogprobs):
@@ -325,6 +368,8 @@ async def _complete(f: Frontend, state: RequestState, model: str, started: float
             elif isinstance(event, Delta):
                 parts.append(event.text)
             elif isinstance(event, Failed):
+                if event.code == Cancelled.code:  # the client hung up (counted by abandon)
+                    return Response(status_code=Cancelled.status_hint)  # nobody reads it
                 error = _failure(event)
                 count_error(f.stats, error)
                 return error_response(error)
@@ -343,20 +388,33 @@ async def _complete(f: Frontend, state: RequestState, model: str, started: float
                     headers=headers,
                 )
     finally:
+        if watcher is not None:
+            watcher.cancel()
         if not state.done:
             f.abandon(state)
     raise AssertionError("events() always ends with Finished or Failed")
 
 
 async def _stream(f: Frontend, state: RequestState, model: str, include_usage: bool, started: float,
-                  keep: Callable[[Finished, str], None] | None = None, *, logprobs: bool = False) -> Response:
-    """Wait for the first event so an early failure is a proper HTTP error, then stream."""
+                  keep: Callable[[Finished, str], None] | None = None, *, logprobs: bool = False,
+                  receive: Receive | None = None) -> Response:
+    """Wait for the first event so an early failure is a proper HTTP error, then stream.
+
+    Until that first event a hang-up cancels the work (``receive``, as in ``_complete``); from
+    then on Starlette's StreamingResponse listens for the disconnect itself.
+    """
     events = f.events(state).__aiter__()
+    watcher = _cancel_on_hang_up(f, state, receive)
     try:
         first = await events.__anext__()
     except (asyncio.CancelledError, Exception):
         f.abandon(state)
         raise
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+    if isinstance(first, Failed) and first.code == Cancelled.code:  # the client hung up (counted by abandon)
+        return Response(status_code=Cancelled.status_hint)  # nobody reads it
     if isinstance(first, Failed):
         error = _failure(first)
         count_error(f.stats, error)
@@ -395,6 +453,8 @@ async def _stream(f: Frontend, state: RequestState, model: str, include_usage: b
                     f.stats.observe(Counter.LATENCY_BUCKETS, time.monotonic() - started)
                     return
                 elif isinstance(event, Failed):
+                    if event.code == Cancelled.code:  # the client left just as the first event came: counted
+                        return
                     error = _failure(event)
                     count_error(f.stats, error)
                     yield completion.error_event(error_body(error.message, error.error_type, error.code))

@@ -302,7 +302,7 @@ def _run_frontend(args: argparse.Namespace) -> int:
     from gateway.app import AppOptions, create_app
     from gateway.fetch import FetchPolicy
     from gateway.frontend import FrontendLimits
-    from gateway.http_limits import http_protocol
+    from gateway.http_limits import ConnectionLimits, http_protocol
     from gateway.intake import IntakeLimits
 
     options = AppOptions(
@@ -336,7 +336,9 @@ def _run_frontend(args: argparse.Namespace) -> int:
     sock = socket.socket(fileno=args.fd)
     config = uvicorn.Config(
         create_app(options),
-        http=http_protocol(),  # a bounded request head (gateway/http_limits.py)
+        # a bounded request head, slow clients cut, a cap on connections (gateway/http_limits.py)
+        http=http_protocol(ConnectionLimits(header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
+                                            body_min_rate=args.body_min_rate, max_connections=args.max_connections)),
         log_level=args.log_level.lower() if args.log_level.lower() != "info" else "warning",
         timeout_graceful_shutdown=int(args.drain_timeout_s),
         access_log=args.access_log,

@@ -77,6 +77,15 @@ def _limit_flags(limits: argparse._ArgumentGroup) -> None:
              type=flag_types.positive_int)
     add_flag(limits, "--decode-memory-mb", "memory (MiB) one frontend's concurrent image decodes may use "
              "together; a decode waits for room, then gets a 503", default="512", type=flag_types.positive_float)
+    add_flag(limits, "--header-timeout-s", "per connection: a request line and headers must arrive within this "
+             "many seconds of the connection's start or the previous response's end, else 408 and close",
+             default="10", type=flag_types.positive_float)
+    add_flag(limits, "--body-timeout-s", "a request body must arrive within this many seconds, plus one per "
+             "--body-min-rate bytes received, else 408 and close", default="30", type=flag_types.positive_float)
+    add_flag(limits, "--body-min-rate", "bytes per second of body that extend --body-timeout-s by a second",
+             default="500", type=flag_types.positive_float)
+    add_flag(limits, "--max-connections", "per frontend: open connections beyond this get a 503 and are closed",
+             default="1000", type=flag_types.positive_int)
     add_flag(limits, "--decode-wait-s", "how long a decode waits for room in --decode-memory-mb before a 503",
              default="5", type=flag_types.non_negative_float)
     add_flag(limits, "--max-workers", "worker slots in the shared segment, each with a control queue; 0: serve "

@@ -7,7 +7,7 @@ import math
 from starlette.responses import JSONResponse
 
 from gateway.metrics import Counter, FrontendStats
-from shared.errors import Overloaded, ShmgateError, error_for_code
+from shared.errors import Cancelled, Overloaded, ShmgateError, error_for_code
 from shared.wire import Failed
 
 __all__ = ["count_error", "error_body", "error_response", "failure_error"]
@@ -39,7 +39,9 @@ def failure_error(event: Failed) -> ShmgateError:
 
 def count_error(stats: FrontendStats, exc: ShmgateError) -> None:
     """Count a request that ended in ``exc`` by the outcome its status says (/metrics requests_total)."""
-    if exc.status_hint in (429, 503):
+    if isinstance(exc, Cancelled):  # the client went away (e.g. mid-body): not an error of anyone's
+        stats.add(Counter.CANCELLED)
+    elif exc.status_hint in (429, 503):
         stats.add(Counter.REQUESTS_OVERLOADED)
     elif exc.status_hint < 500:
         stats.add(Counter.REQUESTS_CLIENT_ERROR)

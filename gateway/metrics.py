@@ -54,6 +54,7 @@ class Counter(enum.IntEnum):
     ARENA_SIZE_BYTES = 61
     IN_FLIGHT = IN_FLIGHT_COUNTER  # 62; the supervisor's drain reads it through shared/transport
     ARENA_HELD_BYTES = 63  # arena bytes pinned by requests in flight (0 when idle)
+    CANCELLED_TOKENS = 64  # completion tokens workers generated for requests whose client had gone
     # The result cache (gateway/result_cache.py); far from the others so that counters
     # added after 63 do not collide.
     RESULT_CACHE_HITS = 100
@@ -142,6 +143,9 @@ class NodeCollector:
         yield gauge("shmgate_result_cache_bytes", "Bytes held by the frontends' result caches.",
                     int(total[Counter.RESULT_CACHE_BYTES]))
         yield counter("shmgate_retries_total", "Requests resubmitted after their worker died.", Counter.RETRIES)
+        yield counter("shmgate_cancelled_tokens_total",
+                      "Completion tokens generated for requests whose client had hung up (work for nobody).",
+                      Counter.CANCELLED_TOKENS)
         used = int(total[Counter.ARENA_USED_BYTES])
         size = int(total[Counter.ARENA_SIZE_BYTES])
         yield gauge("shmgate_arena_used_bytes", "Arena bytes allocated.", used)

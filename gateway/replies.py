@@ -33,7 +33,7 @@ from shared.segment import now_ns
 from shared.transport.base import FrontendLink
 from shared.wire import Cancel, Claimed, Delta, Failed, Finished, Released, TokenLogprobs, Vector, failed_reply
 
-__all__ = ["GRACE_S", "MAX_ATTEMPTS", "TAKEN_UNCLAIMED_S", "WATCHDOG_INTERVAL_S", "ReplyRouter"]
+__all__ = ["CANCEL_RESEND_S", "GRACE_S", "MAX_ATTEMPTS", "TAKEN_UNCLAIMED_S", "WATCHDOG_INTERVAL_S", "ReplyRouter"]
 
 log = logging.getLogger("shmgate.frontend")
 
@@ -45,6 +45,9 @@ GRACE_S = 5.0  # how long past its deadline an unanswered request may hold arena
 # How long a request known to be off the queue may stay unclaimed before its taker counts as dead: a live
 # worker claims within microseconds of taking (a starved thread, milliseconds); heartbeats need as long.
 TAKEN_UNCLAIMED_S = DEAD_AFTER_S
+# An abandoned request whose worker has not ended it this long after its Cancel gets the Cancel again
+# (the control queue may have been full). A worker ends a cancelled request within a step.
+CANCEL_RESEND_S = 0.5
 
 
 class ReplyRouter:
@@ -136,6 +139,8 @@ class ReplyRouter:
         elif isinstance(message, (Finished, Failed)):
             if isinstance(message, Finished):
                 self.stages.finished(state.timing, message)
+                if state.abandoned:  # how far its worker got for nobody: the cost of a late Cancel
+                    self.stats.add(Counter.CANCELLED_TOKENS, message.completion_tokens)
             if isinstance(message, Finished) and message.text:
                 if not state.abandoned:
                     state.to(Phase.STREAMING)
@@ -161,7 +166,18 @@ class ReplyRouter:
 
     def _send_cancel(self, state: RequestState) -> None:
         assert state.worker is not None
+        state.cancel_sent_at = time.monotonic()
         self.link.send_cancel(state.worker[0], Cancel(state.request_id, self.link.slot))
+
+    def _resend_cancel(self, state: RequestState, now: float) -> None:
+        """Send an abandoned request's Cancel again while its worker has not ended it.
+
+        A worker's control queue is short (a few messages) and sending is best effort, so a burst
+        of hang-ups (a dozen clients leaving at once) can overflow it and lose a Cancel, and the
+        request would run for nobody until its deadline. The worker ignores a repeat.
+        """
+        if state.worker is not None and now - state.cancel_sent_at >= CANCEL_RESEND_S:
+            self._send_cancel(state)
 
     # -- watchdog -----------------------------------------------------------------------
 
@@ -180,10 +196,13 @@ class ReplyRouter:
         self.link.drain_replies()  # answers already queued count before any verdict
         await self._check_taken()
         now = now_ns()
+        now_s = time.monotonic()
         verdicts: dict[tuple[int, int], bool] = {}
         for state in list(self.states.values()):
             if state.done:
                 continue
+            if state.abandoned:
+                self._resend_cancel(state, now_s)
             if state.worker is not None:
                 alive = verdicts.get(state.worker)
                 if alive is None:

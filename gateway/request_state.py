@@ -65,6 +65,7 @@ class RequestState:
     send_seq: int = 0  # this frontend's count of sends when its descriptor went onto the queue (0: not yet)
     ahead_seq: int = 0  # our sends already on the queue when this one's send began: FIFO put them ahead of it
     taken_at: float | None = None  # when we learned it left the queue while still unclaimed (monotonic)
+    cancel_sent_at: float = 0.0  # when a Cancel last went to its worker (monotonic; 0: never)
 
     def to(self, phase: Phase) -> None:
         """Move to ``phase``; raises IllegalTransition when the life cycle does not allow it."""
