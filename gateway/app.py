@@ -39,6 +39,7 @@ from gateway.embeddings import embed, embedding_response, parse_embedding_reques
 from gateway.fetch import FetchPolicy, fetch_pending
 from gateway.fields import check_fields_for_model, set_image_options
 from gateway.frontend import Frontend, FrontendLimits, RequestState
+from gateway.guards import AllowedHosts, CatchAll, require_json
 from gateway.http_errors import count_error, error_body, error_response
 from gateway.http_errors import failure_error as _failure
 from gateway.http_limits import read_capped
@@ -75,6 +76,7 @@ class AppOptions:
     result_cache_bytes: int = 0  # deterministic answers kept per frontend (gateway/result_cache.py); 0: off
     processor_kwargs: dict[str, Any] | None = None  # --mm-processor-kwargs (hf: models)
     server_timing: bool = False  # --server-timing: per-stage durations in a Server-Timing header
+    allowed_hosts: tuple[str, ...] = ("*",)  # --allowed-hosts: Host header names answered (gateway/guards.py)
 
 
 def create_app(options: AppOptions) -> FastAPI:
@@ -104,7 +106,11 @@ def create_app(options: AppOptions) -> FastAPI:
             await frontend.stop()
             instance.close()
 
-    app = FastAPI(title="shmgate", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # redirect_slashes off: a trailing slash is a 404, never a 307 whose Location is built from the Host header.
+    app = FastAPI(title="shmgate", lifespan=lifespan, docs_url=None, redoc_url=None, redirect_slashes=False)
+    # Outermost last: the frontend header goes on every response, the catch-all's 500 and the Host refusal included.
+    app.add_middleware(AllowedHosts, hosts=options.allowed_hosts)
+    app.add_middleware(CatchAll, stats=lambda: frontend_box["f"].stats if "f" in frontend_box else None)
     app.add_middleware(FrontendHeader, slot=options.slot)
 
     def frontend() -> Frontend:
@@ -267,6 +273,7 @@ class FrontendHeader:
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
+    require_json(request.headers.get("content-type"))
     declared = request.headers.get("content-length")
     body = await read_capped(declared, request.stream(), limit, "the request body", RequestTooLarge)
     if not body:

@@ -123,6 +123,9 @@ def _add_gateway_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server-timing", action="store_true", default=env("SERVER_TIMING") == "1",
                    help="add a Server-Timing header (ms per serving stage) to non-streamed answers; off by "
                         "default: it tells a client how long its image waited and was decoded (docs/SECURITY.md)")
+    p.add_argument("--allowed-hosts", default=env("ALLOWED_HOSTS", ""),
+                   help="comma list of host names the Host header may carry ('*': any); default: the loopback "
+                        "names when --host is a loopback address, else any (docs/SECURITY.md)")
 
 
 def _json_object(text: str) -> str:
@@ -303,6 +306,10 @@ def _run_supervised(args: argparse.Namespace, *, with_workers: bool) -> int:
         stall_timeout_s=stall_timeout_for(args.model, args.stall_timeout_s),
     )
     instance_id = instance.names.instance_id
+    if not args.allowed_hosts:  # the frontends do not get --host: the default is decided here
+        from gateway.guards import default_allowed_hosts
+
+        args.allowed_hosts = ",".join(default_allowed_hosts(args.host))
     secrets_env = {"SHMGATE_API_KEY": args.api_key} if args.api_key else {}
     frontends = [
         ChildProcess("frontend", k, _frontend_argv(args, instance_id, k, sock.fileno()), child_env(secrets_env),
@@ -328,6 +335,7 @@ def _run_frontend(args: argparse.Namespace) -> int:
     from gateway.app import AppOptions, create_app
     from gateway.fetch import FetchPolicy
     from gateway.frontend import FrontendLimits
+    from gateway.guards import default_allowed_hosts, parse_allowed_hosts
     from gateway.http_limits import http_protocol
     from gateway.intake import IntakeLimits
 
@@ -347,6 +355,7 @@ def _run_frontend(args: argparse.Namespace) -> int:
         ),
         result_cache_bytes=int(args.result_cache_mb * (1 << 20)),
         server_timing=args.server_timing,
+        allowed_hosts=parse_allowed_hosts(args.allowed_hosts) or default_allowed_hosts(args.host),
         processor_kwargs=json.loads(args.mm_processor_kwargs) or None,
         image_urls=FetchPolicy(
             allowlist=AllowList.parse(args.image_url_allowlist),
