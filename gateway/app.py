@@ -7,6 +7,7 @@ Routes:
     GET  /health                this process is up and attached (always open)
     GET  /ready                 a worker for the model heartbeats and we are not draining
     GET  /metrics               Prometheus text for the whole node (optionally behind the key)
+    GET  /openapi.json          every route's request and answers, errors included (gateway/openapi.py)
 
 Every error is an OpenAI error object with the right status (gateway/http_errors.py).
 Every response carries ``x-shmgate-frontend: <slot>``, the frontend process that
@@ -45,6 +46,7 @@ from gateway.http_errors import failure_error as _failure
 from gateway.http_limits import read_capped
 from gateway.intake import IntakeLimits, key_material, parse_chat_request
 from gateway.metrics import Counter, exposition
+from gateway.openapi import openapi_document
 from gateway.preprocess import get_preprocessor
 from gateway.result_cache import ResultCache, answer_key, keyed_off_the_loop
 from gateway.sse import Completion, logprob_entry
@@ -107,7 +109,9 @@ def create_app(options: AppOptions) -> FastAPI:
             instance.close()
 
     # redirect_slashes off: a trailing slash is a 404, never a 307 whose Location is built from the Host header.
-    app = FastAPI(title="shmgate", lifespan=lifespan, docs_url=None, redoc_url=None, redirect_slashes=False)
+    # openapi_url off: FastAPI's generated document knows nothing of bodies the routes decode themselves.
+    app = FastAPI(title="shmgate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
+                  redirect_slashes=False)
     # Outermost last: the frontend header goes on every response, the catch-all's 500 and the Host refusal included.
     app.add_middleware(AllowedHosts, hosts=options.allowed_hosts)
     app.add_middleware(CatchAll, stats=lambda: frontend_box["f"].stats if "f" in frontend_box else None)
@@ -136,6 +140,12 @@ def create_app(options: AppOptions) -> FastAPI:
     async def _not_allowed(request: Request, exc: Exception) -> Response:
         return JSONResponse(error_body("method not allowed", "invalid_request_error", "method_not_allowed"),
                             status_code=405)
+
+    document = JSONResponse(openapi_document())  # built once; the same bytes for every request
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi() -> Response:
+        return document
 
     @app.get("/health")
     async def health() -> dict[str, str]:
