@@ -8,7 +8,8 @@
   (``ClientDisconnect``) is a cancelled request: counted ``cancelled``, one short log line.
 - ``AllowedHosts``: the ``Host`` header must name this server. A gateway listening on loopback
   without an API key could otherwise be driven by any web page the developer opens, through DNS
-  rebinding (the browser's same-origin check trusts the name, not the address).
+  rebinding (the browser's same-origin check trusts the name, not the address). A request with
+  no ``Host`` at all (an HTTP/1.0 probe) passes: browsers always send one.
 - ``require_json``: request bodies are parsed only when sent as ``application/json`` (or with no
   Content-Type at all). ``text/plain``, form and multipart bodies are the ones a browser sends
   cross-site without a preflight, so refusing them keeps other origins from posting to us.
@@ -153,7 +154,7 @@ class AllowedHosts:
             if name == b"host":
                 host = value.decode("latin-1")
                 break
-        if _host_name(host) in self.hosts:
+        if not host or _host_name(host) in self.hosts:  # no Host (HTTP/1.0 probes): no name to rebind
             await self.app(scope, receive, send)
             return
         error = HostNotAllowed("the Host header names a host this server does not answer for; "
