@@ -220,6 +220,15 @@ _NOT_FORWARDED = frozenset(
 )
 
 
+def fill_allowed_hosts(args: argparse.Namespace) -> None:
+    """Set ``--allowed-hosts``, when not given, to the default for ``--host``: decided in the supervisor,
+    because the frontends are not told ``--host`` (_NOT_FORWARDED) and would assume loopback."""
+    if not args.allowed_hosts:
+        from gateway.guards import default_allowed_hosts
+
+        args.allowed_hosts = ",".join(default_allowed_hosts(args.host))
+
+
 def _frontend_argv(args: argparse.Namespace, instance_id: str, slot: int, fd: int) -> list[str]:
     """The frontend child's command: every gateway flag but _NOT_FORWARDED, read off the parser, so a
     new flag reaches the frontends without a second list to keep in step."""
@@ -306,10 +315,7 @@ def _run_supervised(args: argparse.Namespace, *, with_workers: bool) -> int:
         stall_timeout_s=stall_timeout_for(args.model, args.stall_timeout_s),
     )
     instance_id = instance.names.instance_id
-    if not args.allowed_hosts:  # the frontends do not get --host: the default is decided here
-        from gateway.guards import default_allowed_hosts
-
-        args.allowed_hosts = ",".join(default_allowed_hosts(args.host))
+    fill_allowed_hosts(args)
     secrets_env = {"SHMGATE_API_KEY": args.api_key} if args.api_key else {}
     frontends = [
         ChildProcess("frontend", k, _frontend_argv(args, instance_id, k, sock.fileno()), child_env(secrets_env),

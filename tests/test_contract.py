@@ -152,6 +152,18 @@ def test_the_default_hosts_are_the_loopback_names_only_when_listening_on_loopbac
     assert parse_allowed_hosts("") == ()
 
 
+def test_the_supervisor_hands_its_frontends_the_host_default_for_its_own_listen_address() -> None:
+    from gateway.cli import _frontend_argv, build_parser, fill_allowed_hosts
+
+    for flags, want in [(["--host", "0.0.0.0"], "*"), (["--host", "127.0.0.1"], "localhost,127.0.0.1,::1"),
+                        (["--host", "::1"], "localhost,127.0.0.1,::1"), ([], "localhost,127.0.0.1,::1"),
+                        (["--host", "0.0.0.0", "--allowed-hosts", "api.example"], "api.example")]:
+        parent = build_parser().parse_args(["serve", *flags])
+        fill_allowed_hosts(parent)
+        child = build_parser().parse_args(_frontend_argv(parent, "abc", 0, 3)[3:])
+        assert child.allowed_hosts == want, flags
+
+
 # -- the real server ----------------------------------------------------------------------------------------
 
 
