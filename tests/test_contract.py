@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 import socket
 import threading
@@ -22,12 +23,14 @@ import time
 from collections.abc import Iterator
 
 import httpx
+import numpy as np
 import pytest
 import uvicorn
 from starlette.types import Receive, Scope, Send
 
 from gateway.guards import AllowedHosts, CatchAll, default_allowed_hosts, parse_allowed_hosts
 from gateway.intake import FORM_FIELDS
+from gateway.metrics import Counter, FrontendStats
 from tests.serving import Server, free_port, wait_until
 
 CHAT = "/v1/chat/completions"
@@ -84,14 +87,6 @@ def _openai_error(body: bytes) -> dict[str, object]:
 # -- the catch-all on its own ----------------------------------------------------------------------------
 
 
-class _Counts:
-    def __init__(self) -> None:
-        self.added: list[int] = []
-
-    def add(self, counter: int, value: int = 1) -> None:
-        self.added.append(counter)
-
-
 async def _raising_app(scope: Scope, receive: Receive, send: Send) -> None:
     """A route with a bug: ``/boom`` raises, anything else answers 200."""
     if scope["path"] == "/boom":
@@ -101,35 +96,38 @@ async def _raising_app(scope: Scope, receive: Receive, send: Send) -> None:
 
 
 @pytest.fixture(scope="module")
-def guarded() -> Iterator[tuple[int, _Counts]]:
-    """``_raising_app`` behind the real CatchAll and AllowedHosts, served by uvicorn in a thread."""
-    counts = _Counts()
-    app = CatchAll(AllowedHosts(_raising_app, ("localhost", "127.0.0.1")), stats=lambda: counts)  # type: ignore[arg-type,return-value]
+def guarded() -> Iterator[tuple[int, np.ndarray]]:
+    """``_raising_app`` behind the real CatchAll and AllowedHosts, served by uvicorn in a thread; its counter row."""
+    row = np.zeros(128, np.uint64)
+    stats = FrontendStats(row)
+    app = CatchAll(AllowedHosts(_raising_app, ("localhost", "127.0.0.1")), stats=lambda: stats)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical", lifespan="off"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off", log_config=None))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     wait_until(lambda: server.started, 30, "uvicorn started")
-    yield port, counts
+    yield port, row
     server.should_exit = True
     thread.join(30)
 
 
 def test_a_stray_exception_is_a_500_in_openai_form_and_the_connection_stays_usable(
-        guarded: tuple[int, _Counts]) -> None:
-    from gateway.metrics import Counter
-
-    port, counts = guarded
+        guarded: tuple[int, np.ndarray], caplog: pytest.LogCaptureFixture) -> None:
+    port, row = guarded
+    caplog.set_level(logging.INFO)
     (status, headers, body), (next_status, _, next_body) = _two_on_one_connection(
         port, _request("GET", "/boom", port), _request("GET", "/fine", port))
     error = _openai_error(body)
     assert status == 500 and (error["type"], error["code"]) == ("server_error", "internal_error")
     assert headers["x-request-id"] in str(error["message"])
     assert (next_status, next_body) == (200, b"ok")
-    assert counts.added.count(Counter.REQUESTS_SERVER_ERROR) == 1
+    assert row[Counter.REQUESTS_SERVER_ERROR] == 1 and row[Counter.REQUESTS_OK] == 0
+    tracebacks = [r for r in caplog.records if r.exc_info]  # uvicorn's loggers propagate here too (log_config=None)
+    assert len(tracebacks) == 1 and tracebacks[0].name == "shmgate.gateway.guards"
+    assert headers["x-request-id"] in tracebacks[0].getMessage()
 
 
-def test_the_host_check_refuses_other_names_with_an_openai_error(guarded: tuple[int, _Counts]) -> None:
+def test_the_host_check_refuses_other_names_with_an_openai_error(guarded: tuple[int, np.ndarray]) -> None:
     port, _ = guarded
     for host, allowed in [("localhost:1", True), ("127.0.0.1", True), ("evil.example", False),
                           ("evil.example:80", False), ("127.0.0.1.evil.example", False), (None, True)]:
