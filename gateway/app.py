@@ -45,7 +45,7 @@ from gateway.http_errors import count_error, error_body, error_response
 from gateway.http_errors import failure_error as _failure
 from gateway.http_limits import read_capped
 from gateway.intake import IntakeLimits, key_material, parse_chat_request
-from gateway.metrics import Counter, exposition
+from gateway.metrics import Counter, FrontendStats, exposition
 from gateway.openapi import openapi_document
 from gateway.preprocess import get_preprocessor
 from gateway.result_cache import ResultCache, answer_key, keyed_off_the_loop
@@ -113,8 +113,12 @@ def create_app(options: AppOptions) -> FastAPI:
     app = FastAPI(title="shmgate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
                   redirect_slashes=False)
     # Outermost last: the frontend header goes on every response, the catch-all's 500 and the Host refusal included.
-    app.add_middleware(AllowedHosts, hosts=options.allowed_hosts)
-    app.add_middleware(CatchAll, stats=lambda: frontend_box["f"].stats if "f" in frontend_box else None)
+    def stats() -> FrontendStats | None:
+        """The frontend's counters, for the guards; None before the lifespan attached it."""
+        return frontend_box["f"].stats if "f" in frontend_box else None
+
+    app.add_middleware(AllowedHosts, hosts=options.allowed_hosts, stats=stats)
+    app.add_middleware(CatchAll, stats=stats)
     app.add_middleware(FrontendHeader, slot=options.slot)
 
     def frontend() -> Frontend:

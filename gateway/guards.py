@@ -138,12 +138,15 @@ def _host_name(host: str) -> str:
 
 
 class AllowedHosts:
-    """Pure ASGI middleware answering a request whose ``Host`` is not allowed with a 421 in OpenAI form."""
+    """Pure ASGI middleware answering a request whose ``Host`` is not allowed with a 421 in OpenAI form,
+    counted ``client_error`` (``stats`` as for CatchAll)."""
 
-    def __init__(self, app: ASGIApp, hosts: Iterable[str]) -> None:
+    def __init__(self, app: ASGIApp, hosts: Iterable[str],
+                 stats: Callable[[], FrontendStats | None] = lambda: None) -> None:
         self.app = app
         self.hosts = frozenset(_host_name(h) for h in hosts)
         self.any = ANY_HOST in self.hosts
+        self.stats = stats
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.any or scope["type"] != "http":
@@ -159,6 +162,9 @@ class AllowedHosts:
             return
         error = HostNotAllowed("the Host header names a host this server does not answer for; "
                                "use one of --allowed-hosts (by default the loopback names)")
+        stats = self.stats()
+        if stats is not None:
+            stats.add(Counter.REQUESTS_CLIENT_ERROR)
         await JSONResponse(error_body(error.message, error.error_type, error.code, "Host"),
                            status_code=error.status_hint)(scope, receive, send)
 

@@ -100,7 +100,7 @@ def guarded() -> Iterator[tuple[int, np.ndarray]]:
     """``_raising_app`` behind the real CatchAll and AllowedHosts, served by uvicorn in a thread; its counter row."""
     row = np.zeros(128, np.uint64)
     stats = FrontendStats(row)
-    app = CatchAll(AllowedHosts(_raising_app, ("localhost", "127.0.0.1")), stats=lambda: stats)
+    app = CatchAll(AllowedHosts(_raising_app, ("localhost", "127.0.0.1"), stats=lambda: stats), stats=lambda: stats)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off", log_config=None))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -128,7 +128,8 @@ def test_a_stray_exception_is_a_500_in_openai_form_and_the_connection_stays_usab
 
 
 def test_the_host_check_refuses_other_names_with_an_openai_error(guarded: tuple[int, np.ndarray]) -> None:
-    port, _ = guarded
+    port, row = guarded
+    refused_before = int(row[Counter.REQUESTS_CLIENT_ERROR])
     for host, allowed in [("localhost:1", True), ("127.0.0.1", True), ("evil.example", False),
                           ("evil.example:80", False), ("127.0.0.1.evil.example", False), (None, True)]:
         with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
@@ -139,6 +140,7 @@ def test_the_host_check_refuses_other_names_with_an_openai_error(guarded: tuple[
             assert status == 200, host
         else:
             assert status == 421 and _openai_error(body)["code"] == "host_not_allowed", host
+    assert row[Counter.REQUESTS_CLIENT_ERROR] - refused_before == 3
 
 
 def test_the_default_hosts_are_the_loopback_names_only_when_listening_on_loopback() -> None:
