@@ -29,7 +29,7 @@ import binascii
 import logging
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 import msgspec
 
@@ -84,6 +84,11 @@ class StreamOptions(msgspec.Struct):
     include_usage: bool = False
 
 
+# A field that would change the answer's form if honoured, which no model here does (FORM_FIELDS);
+# the description reaches /openapi.json (gateway/openapi.py).
+Refused = Annotated[Any, msgspec.Meta(description="not supported: a 400 naming the field when present (not null)")]
+
+
 class ChatCompletionRequest(msgspec.Struct):
     model: str
     messages: list[Message]
@@ -111,22 +116,22 @@ class ChatCompletionRequest(msgspec.Struct):
     function_call: Any = None
     response_format: dict[str, Any] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None  # vLLM's: image processor arguments (gateway/fields.py)
-    modalities: Any = None  # OpenAI's: only ["text"] is accepted
-    echo: Any = None  # vLLM's: only false is accepted
+    modalities: Annotated[Any, msgspec.Meta(description='only ["text"] is accepted')] = None  # OpenAI's
+    echo: Annotated[Any, msgspec.Meta(description="only false is accepted")] = None  # vLLM's
     # FORM_FIELDS: refused whenever present (not null); decoded with the rest, so checking them is free.
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    guided_decoding_backend: Any = None
-    guided_whitespace_pattern: Any = None
-    structural_tag: Any = None
-    structured_outputs: Any = None
-    audio: Any = None
-    prediction: Any = None
-    web_search_options: Any = None
-    prompt_logprobs: Any = None
-    logits_processors: Any = None
+    guided_json: Refused = None
+    guided_regex: Refused = None
+    guided_choice: Refused = None
+    guided_grammar: Refused = None
+    guided_decoding_backend: Refused = None
+    guided_whitespace_pattern: Refused = None
+    structural_tag: Refused = None
+    structured_outputs: Refused = None
+    audio: Refused = None
+    prediction: Refused = None
+    web_search_options: Refused = None
+    prompt_logprobs: Refused = None
+    logits_processors: Refused = None
 
 
 # Request fields that would change the form of the answer, which no model here does: refused when present.
