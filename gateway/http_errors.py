@@ -17,14 +17,15 @@ __all__ = ["MAX_MESSAGE_CHARS", "capped", "count_error", "error_body", "error_re
 # value whole: a 1,000,000-character role came back in a 1 MB 400). Every error body is built by
 # ``error_body``, so the bound is kept here: the head says what was wrong, the tail where
 # (msgspec ends with "- at `$.messages[0].role`"), and the client's value in between is cut.
-MAX_MESSAGE_CHARS = 300
-_HEAD_CHARS = 200
-_TAIL_CHARS = 80
+MAX_MESSAGE_CHARS = 240
+_HEAD_CHARS = 130
+_TAIL_CHARS = 70  # head + tail: at most 200 characters of a message survive a cut, all of them input or not
 MAX_PARAM_CHARS = 200
 
 
 def capped(message: str) -> str:
-    """``message`` if at most MAX_MESSAGE_CHARS long, else its head and tail around a note of what was cut."""
+    """``message`` if at most MAX_MESSAGE_CHARS long, else its head and tail around a note of what was cut
+    (which keeps it under MAX_MESSAGE_CHARS too: /openapi.json promises that bound)."""
     if len(message) <= MAX_MESSAGE_CHARS:
         return message
     cut = len(message) - _HEAD_CHARS - _TAIL_CHARS

@@ -30,6 +30,7 @@ from typing import Any
 import msgspec
 
 from gateway.embeddings import EmbeddingRequest
+from gateway.http_errors import MAX_MESSAGE_CHARS
 from gateway.intake import ChatCompletionRequest
 from gateway.tokenize import DetokenizeRequest, TokenizeRequest
 
@@ -49,7 +50,7 @@ _ERROR = {
             "type": "object",
             "required": ["message", "type", "param", "code"],
             "properties": {
-                "message": {"type": "string", "maxLength": 400},
+                "message": {"type": "string", "maxLength": MAX_MESSAGE_CHARS},  # capped (http_errors.py)
                 "type": {"type": "string"},
                 "param": {"type": ["string", "null"]},
                 "code": {"type": ["string", "null"]},

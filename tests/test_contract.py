@@ -212,8 +212,19 @@ def test_an_error_quotes_at_most_a_few_hundred_characters_of_the_input(server: S
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == "messages[0].role"
-    assert len(response.content) < 1000 and error["message"].count("r") <= 300
+    assert len(response.content) < 600
+    assert sum(len(run) for run in re.findall("r{5,}", error["message"])) <= 200  # the role's characters
     assert error["message"].endswith("`$.messages[0].role`")  # the tail saying where survives the cut
+
+
+def test_a_capped_message_keeps_its_head_and_tail_within_the_documented_bound() -> None:
+    from gateway.http_errors import MAX_MESSAGE_CHARS, capped
+
+    for length in [*range(MAX_MESSAGE_CHARS - 5, MAX_MESSAGE_CHARS + 40), 10**4, 10**7]:
+        message = "H" * 50 + "x" * (length - 100) + "T" * 50
+        out = capped(message)
+        assert len(out) <= MAX_MESSAGE_CHARS and out.startswith("H" * 50) and out.endswith("T" * 50), length
+        assert out == message or "characters cut" in out
 
 
 @pytest.mark.parametrize("content_type", [
