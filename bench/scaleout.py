@@ -147,6 +147,7 @@ http {{
         listen 127.0.0.1:{port};
         location / {{
             proxy_pass http://units;
+            proxy_set_header Host $host;  # the client's name (127.0.0.1): units on loopback refuse others (421)
             proxy_http_version 1.1;
             proxy_set_header Connection "";
             proxy_buffering off;

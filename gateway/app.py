@@ -8,6 +8,7 @@ Routes:
     GET  /ready                 a worker for the model heartbeats and we are not draining
     GET  /version               the shmgate version serving (always open)
     GET  /metrics               Prometheus text for the whole node (optionally behind the key)
+    GET  /openapi.json          every route's request and answers, errors included (gateway/openapi.py)
 
 Every error is an OpenAI error object with the right status (gateway/http_errors.py).
 Every response carries ``x-shmgate-frontend: <slot>``, the frontend process that
@@ -41,11 +42,13 @@ from gateway.embeddings import embed, embedding_response, parse_embedding_reques
 from gateway.fetch import FetchPolicy, fetch_pending
 from gateway.fields import check_fields_for_model, set_image_options
 from gateway.frontend import Frontend, FrontendLimits, RequestState
+from gateway.guards import AllowedHosts, CatchAll, require_json
 from gateway.http_errors import count_error, error_body, error_response
 from gateway.http_errors import failure_error as _failure
 from gateway.http_limits import read_capped
 from gateway.intake import IntakeLimits, key_material, parse_chat_request
-from gateway.metrics import Counter, exposition
+from gateway.metrics import Counter, FrontendStats, exposition
+from gateway.openapi import openapi_document
 from gateway.preprocess import get_preprocessor
 from gateway.result_cache import ResultCache, answer_key, keyed_off_the_loop
 from gateway.sse import Completion, logprob_entry
@@ -78,6 +81,7 @@ class AppOptions:
     result_cache_bytes: int = 0  # deterministic answers kept per frontend (gateway/result_cache.py); 0: off
     processor_kwargs: dict[str, Any] | None = None  # --mm-processor-kwargs (hf: models)
     server_timing: bool = False  # --server-timing: per-stage durations in a Server-Timing header
+    allowed_hosts: tuple[str, ...] = ("*",)  # --allowed-hosts: Host header names answered (gateway/guards.py)
 
 
 def create_app(options: AppOptions) -> FastAPI:
@@ -107,7 +111,17 @@ def create_app(options: AppOptions) -> FastAPI:
             await frontend.stop()
             instance.close()
 
-    app = FastAPI(title="shmgate", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # redirect_slashes off: a trailing slash is a 404, never a 307 whose Location is built from the Host header.
+    # openapi_url off: FastAPI's generated document knows nothing of bodies the routes decode themselves.
+    app = FastAPI(title="shmgate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
+                  redirect_slashes=False)
+    # Outermost last: the frontend header goes on every response, the catch-all's 500 and the Host refusal included.
+    def stats() -> FrontendStats | None:
+        """The frontend's counters, for the guards; None before the lifespan attached it."""
+        return frontend_box["f"].stats if "f" in frontend_box else None
+
+    app.add_middleware(AllowedHosts, hosts=options.allowed_hosts, stats=stats)
+    app.add_middleware(CatchAll, stats=stats)
     app.add_middleware(FrontendHeader, slot=options.slot)
 
     def frontend() -> Frontend:
@@ -133,6 +147,12 @@ def create_app(options: AppOptions) -> FastAPI:
     async def _not_allowed(request: Request, exc: Exception) -> Response:
         return JSONResponse(error_body("method not allowed", "invalid_request_error", "method_not_allowed"),
                             status_code=405)
+
+    document = JSONResponse(openapi_document())  # built once; the same bytes for every request
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi() -> Response:
+        return document
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -281,6 +301,7 @@ async def _read_body(request: Request, limit: int) -> bytes:
     connection before the whole body arrived: that is a hang-up, answered (to nobody) and counted
     like any other error instead of escaping to uvicorn, which would log a traceback for each one.
     """
+    require_json(request.headers.get("content-type"))
     declared = request.headers.get("content-length")
     try:
         body = await read_capped(declared, request.stream(), limit, "the request body", RequestTooLarge)

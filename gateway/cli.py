@@ -156,6 +156,15 @@ _NOT_FORWARDED = frozenset(
 )
 
 
+def fill_allowed_hosts(args: argparse.Namespace) -> None:
+    """Set ``--allowed-hosts``, when not given, to the default for ``--host``: decided in the supervisor,
+    because the frontends are not told ``--host`` (_NOT_FORWARDED) and would assume loopback."""
+    if not args.allowed_hosts:
+        from gateway.guards import default_allowed_hosts
+
+        args.allowed_hosts = ",".join(default_allowed_hosts(args.host))
+
+
 def _frontend_argv(args: argparse.Namespace, instance_id: str, slot: int, fd: int) -> list[str]:
     """The frontend child's command: every gateway flag but _NOT_FORWARDED, read off the parser, so a
     new flag reaches the frontends without a second list to keep in step."""
@@ -244,6 +253,7 @@ def _run_supervised(args: argparse.Namespace, *, with_workers: bool, started_at:
         stall_timeout_s=stall_timeout_for(args.model, args.stall_timeout_s),
     )
     instance_id = instance.names.instance_id
+    fill_allowed_hosts(args)
     secrets_env = {"SHMGATE_API_KEY": args.api_key} if args.api_key else {}
     frontends = [
         ChildProcess("frontend", k, _frontend_argv(args, instance_id, k, sock.fileno()), child_env(secrets_env),
@@ -302,6 +312,7 @@ def _run_frontend(args: argparse.Namespace) -> int:
     from gateway.app import AppOptions, create_app
     from gateway.fetch import FetchPolicy
     from gateway.frontend import FrontendLimits
+    from gateway.guards import default_allowed_hosts, parse_allowed_hosts
     from gateway.http_limits import ConnectionLimits, http_protocol
     from gateway.intake import IntakeLimits
 
@@ -323,6 +334,7 @@ def _run_frontend(args: argparse.Namespace) -> int:
         ),
         result_cache_bytes=int(args.result_cache_mb * (1 << 20)),
         server_timing=args.server_timing,
+        allowed_hosts=parse_allowed_hosts(args.allowed_hosts) or default_allowed_hosts(args.host),
         processor_kwargs=json.loads(args.mm_processor_kwargs) or None,
         image_urls=FetchPolicy(
             allowlist=AllowList.parse(args.image_url_allowlist),

@@ -42,6 +42,9 @@ def _server_flags(server: argparse._ArgumentGroup) -> None:
              "limit, affinity, cores)", default="auto", type=flag_types.auto_count)
     add_flag(server, "--api-key", "key clients must send as 'Authorization: Bearer KEY'; prefer the "
              "environment variable: a flag is visible in ps", shown_default="none: no key needed")
+    add_flag(server, "--allowed-hosts", "comma list of host names the Host header may carry ('*': any); empty: "
+             "the loopback names when --host is a loopback address, else any (docs/SECURITY.md)", default="",
+             shown_default="loopback names for a loopback --host, else *")
     add_flag(server, "--label", "name workers in other containers attach by (shmgate worker --label)",
              default="default")
     add_flag(server, "--drain-timeout-s", "on SIGTERM, how long requests in flight may take to finish",

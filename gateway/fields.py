@@ -9,9 +9,10 @@ served model cannot honour:
   (worker/backends/hf.py); token ids must lie inside the model's vocabulary.
 - classifiers (``efficientnet-lite0``, ``checksum``, ``checksum:hf:``) answer with labels or digests,
   a pure function of the pixels: token-level fields (penalties, ``logit_bias``, ``stop_token_ids``,
-  ``logprobs``) have nothing to act on and are refused, as is ``n > 1`` (every choice would be equal). ``temperature``, ``top_p``, ``seed``, ``max_tokens`` and
+  ``logprobs``) have nothing to act on and are refused, as is ``n > 1`` (every choice would be equal). ``temperature``, ``top_p``, ``seed`` and
   ``stop`` are accepted with no effect (documented in docs/MODELS.md), because generic OpenAI
-  clients and load generators send them by default.
+  clients and load generators send them by default; ``max_tokens`` bounds the classifier's
+  label lines (worker/backends/efficientnet.py) and has no effect on the checksum digests.
 """
 
 from __future__ import annotations

@@ -10,11 +10,33 @@ from gateway.metrics import Counter, FrontendStats
 from shared.errors import Cancelled, Overloaded, ShmgateError, error_for_code
 from shared.wire import Failed
 
-__all__ = ["count_error", "error_body", "error_response", "failure_error"]
+__all__ = ["MAX_MESSAGE_CHARS", "capped", "count_error", "error_body", "error_response", "failure_error"]
+
+
+# An error message may quote what the client sent (msgspec's validation errors quote the offending
+# value whole: a 1,000,000-character role came back in a 1 MB 400). Every error body is built by
+# ``error_body``, so the bound is kept here: the head says what was wrong, the tail where
+# (msgspec ends with "- at `$.messages[0].role`"), and the client's value in between is cut.
+MAX_MESSAGE_CHARS = 240
+_HEAD_CHARS = 130
+_TAIL_CHARS = 70  # head + tail: at most 200 characters of a message survive a cut, all of them input or not
+MAX_PARAM_CHARS = 200
+
+
+def capped(message: str) -> str:
+    """``message`` if at most MAX_MESSAGE_CHARS long, else its head and tail around a note of what was cut
+    (which keeps it under MAX_MESSAGE_CHARS too: /openapi.json promises that bound)."""
+    if len(message) <= MAX_MESSAGE_CHARS:
+        return message
+    cut = len(message) - _HEAD_CHARS - _TAIL_CHARS
+    return f"{message[:_HEAD_CHARS]}... ({cut} characters cut) ...{message[-_TAIL_CHARS:]}"
 
 
 def error_body(message: str, error_type: str, code: str, param: str | None = None) -> dict[str, object]:
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+    """The OpenAI error object; the message and param are capped (they may quote client input)."""
+    if param is not None and len(param) > MAX_PARAM_CHARS:
+        param = param[:MAX_PARAM_CHARS]
+    return {"error": {"message": capped(message), "type": error_type, "param": param, "code": code}}
 
 
 def error_response(exc: ShmgateError) -> JSONResponse:

@@ -2,10 +2,25 @@
 
 Client-facing types are plain JSON msgspec Structs (not array_like). Every
 field a request may carry is either honoured or refused with a 400 naming it
-(gateway/fields.py decides per model); a field this server does not know at
-all is ignored, as the OpenAI API does for forward compatibility, and logged
-once per name. Every failure is a RequestError naming the offending ``param``;
-nothing here reaches shared memory.
+(gateway/fields.py decides per model). Every failure is a RequestError naming
+the offending ``param``; nothing here reaches shared memory.
+
+Unknown fields, the rule:
+- Refused (400, ``param`` = the field): every name that would change the answer's *form* if a
+  server honoured it, so that a client asking for it never gets free text it takes for the
+  thing it asked for: ``FORM_FIELDS`` (vLLM's structured-output names ``guided_*``,
+  ``structural_tag``, ``structured_outputs``; OpenAI's ``audio``, ``prediction``,
+  ``web_search_options``; vLLM's ``prompt_logprobs``, ``logits_processors``, a true ``echo``),
+  ``modalities`` other than ``["text"]``, and the known-but-unsupported ``tools``,
+  ``functions``, ``tool_choice``, ``function_call`` and ``response_format`` other than text.
+  ``null`` counts as absent, as vLLM and OpenAI's SDKs treat it.
+- Ignored, and logged once per name per process: any other name. OpenAI's SDKs and the
+  frameworks on top of them send fields a server may not know (``store``, ``metadata``,
+  ``service_tier``, ``reasoning_effort``, ``safety_identifier``, a newer SDK's additions);
+  none of them changes what the answer is, and refusing them would break ordinary clients.
+  This is the OpenAI API's own forward-compatibility rule for servers.
+The refused names are fields of ``ChatCompletionRequest`` (decoded once, with the rest), so
+refusing them costs no second decode; only the warning for ignored names reads the keys again.
 """
 
 from __future__ import annotations
@@ -14,7 +29,7 @@ import binascii
 import logging
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 import msgspec
 
@@ -30,6 +45,7 @@ __all__ = [
     "data_url_image",
     "decode_body",
     "EncodedImage",
+    "FORM_FIELDS",
     "IntakeLimits",
     "LOOP_HASH_MAX_BYTES",
     "PendingImageURL",
@@ -68,6 +84,11 @@ class StreamOptions(msgspec.Struct):
     include_usage: bool = False
 
 
+# A field that would change the answer's form if honoured, which no model here does (FORM_FIELDS);
+# the description reaches /openapi.json (gateway/openapi.py).
+Refused = Annotated[Any, msgspec.Meta(description="not supported: a 400 naming the field when present (not null)")]
+
+
 class ChatCompletionRequest(msgspec.Struct):
     model: str
     messages: list[Message]
@@ -95,6 +116,40 @@ class ChatCompletionRequest(msgspec.Struct):
     function_call: Any = None
     response_format: dict[str, Any] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None  # vLLM's: image processor arguments (gateway/fields.py)
+    modalities: Annotated[Any, msgspec.Meta(description='only ["text"] is accepted')] = None  # OpenAI's
+    echo: Annotated[Any, msgspec.Meta(description="only false is accepted")] = None  # vLLM's
+    # FORM_FIELDS: refused whenever present (not null); decoded with the rest, so checking them is free.
+    guided_json: Refused = None
+    guided_regex: Refused = None
+    guided_choice: Refused = None
+    guided_grammar: Refused = None
+    guided_decoding_backend: Refused = None
+    guided_whitespace_pattern: Refused = None
+    structural_tag: Refused = None
+    structured_outputs: Refused = None
+    audio: Refused = None
+    prediction: Refused = None
+    web_search_options: Refused = None
+    prompt_logprobs: Refused = None
+    logits_processors: Refused = None
+
+
+# Request fields that would change the form of the answer, which no model here does: refused when present.
+FORM_FIELDS: dict[str, str] = {
+    "guided_json": "structured output",
+    "guided_regex": "structured output",
+    "guided_choice": "structured output",
+    "guided_grammar": "structured output",
+    "guided_decoding_backend": "structured output",
+    "guided_whitespace_pattern": "structured output",
+    "structural_tag": "structured output",
+    "structured_outputs": "structured output",
+    "audio": "audio output",
+    "prediction": "predicted outputs",
+    "web_search_options": "web search",
+    "prompt_logprobs": "prompt log probabilities",
+    "logits_processors": "custom logits processors",
+}
 
 
 _decoder = msgspec.json.Decoder(ChatCompletionRequest)
@@ -332,7 +387,7 @@ def _sampling(req: ChatCompletionRequest) -> SamplingParams:
 
 
 def check_unsupported(req: ChatCompletionRequest) -> None:
-    """Refuse, with a 400 naming the field, what no model here does: tools, structured output.
+    """Refuse, with a 400 naming the field, what no model here does: tools, structured output, other modalities.
 
     Why refuse rather than ignore: a client that asks for a JSON object or a tool call and gets
     free text back fails later and further from the cause.
@@ -345,6 +400,14 @@ def check_unsupported(req: ChatCompletionRequest) -> None:
         raise InvalidRequest('tool_choice is not supported; only "none" is accepted', param="tool_choice")
     if req.function_call is not None and req.function_call != "none":
         raise InvalidRequest('function_call is not supported; only "none" is accepted', param="function_call")
+    for name, feature in FORM_FIELDS.items():
+        if getattr(req, name) is not None:
+            raise InvalidRequest(f"Unrecognized request argument supplied: {name} ({feature} is not supported by "
+                                 "this server)", param=name)
+    if req.modalities is not None and req.modalities != ["text"]:
+        raise InvalidRequest('only modalities ["text"] is supported', param="modalities")
+    if req.echo is not None and req.echo is not False:
+        raise InvalidRequest("echo is not supported; only false is accepted", param="echo")
     if req.response_format is not None and req.response_format.get("type", "text") != "text":
         raise InvalidRequest('only response_format {"type": "text"} is supported', param="response_format")
     if req.stream_options is not None and not req.stream:
@@ -374,7 +437,7 @@ def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
         raise InvalidRequest(f"logit_bias takes at most {MAX_LOGIT_BIAS} entries", param="logit_bias")
     out: dict[int, float] = {}
     for key, value in bias.items():
-        if not key.isdigit() or len(key) > 9:
+        if not (key.isascii() and key.isdigit()) or len(key) > 9:  # isdigit alone admits "²", which int() refuses
             raise InvalidRequest(f"logit_bias keys are token ids; {key[:20]!r} is not", param="logit_bias")
         if not -100.0 <= value <= 100.0:
             raise InvalidRequest("logit_bias values must be between -100 and 100", param="logit_bias")

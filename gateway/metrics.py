@@ -196,11 +196,19 @@ def _latency_histogram(name: str, help_text: str, total: np.ndarray, buckets: in
 
 
 def exposition(node: NodeStats, queue_depth: Callable[[], int], accept: str | None) -> tuple[bytes, str]:
-    """(body, content type) for a scrape: OpenMetrics when ``accept`` asks for it, else the text format."""
+    """(body, content type) for a scrape: OpenMetrics when ``accept`` asks for it, else the text format.
+
+    An ``Accept`` header prometheus_client cannot read (``application/openmetrics-text; version=abc``
+    makes ``choose_encoder`` raise) gets the text format, which every scraper understands.
+    """
     registry = CollectorRegistry(auto_describe=False)
     registry.register(NodeCollector(node, queue_depth))
-    encoder, content_type = choose_encoder(accept or "")
-    return encoder(registry), content_type
+    try:
+        encoder, content_type = choose_encoder(accept or "")
+        return encoder(registry), content_type
+    except Exception:  # a parser of client input: whatever it trips on, the text format answers
+        encoder, content_type = choose_encoder("")
+        return encoder(registry), content_type
 
 
 def render(node: NodeStats, queue_depth: int) -> str:

@@ -8,7 +8,14 @@
     (``preprocess_image``: header check, decode, EXIF, resize, write) many times, and a smaller
     number through the server: only UndecodableImage / ImageTooLarge, and 400/413 over HTTP.
 
-Counts stay small for CI (the file runs in well under 40 s); ``SHMGATE_FUZZ_EXAMPLES=N`` runs
+(c) schemathesis reads ``/openapi.json`` (gateway/openapi.py) from the running server and sends
+    each operation requests generated from its schema, valid ones and, where there is a body,
+    deliberately invalid ones: no 5xx, every status, content type and body as documented, every
+    4xx an OpenAI error object.
+(d) ``parse_chat_request`` gets bodies whose fields (top level, a message, a part) hold any JSON
+    value: each ends in a parse or a RequestError, never another exception.
+
+Counts stay small for CI (the file runs in about a minute on 2 busy cores); ``SHMGATE_FUZZ_EXAMPLES=N`` runs
 N examples per component test and N/10 per server test, with fresh randomness.
 tests/test_imaging.py has a simpler decode-only corruption fuzz; this one adds structural
 mutations, more formats and the server.
@@ -25,11 +32,14 @@ from datetime import timedelta
 import httpx
 import numpy as np
 import pytest
+import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
+from schemathesis import GenerationMode
 
-from gateway.intake import IntakeLimits, image_bytes, parse_chat_request
+from gateway.intake import ChatCompletionRequest, IntakeLimits, image_bytes, parse_chat_request
+from gateway.openapi import openapi_document
 from gateway.preprocess.vision import ChecksumPreprocessor
 from shared.errors import ImageTooLarge, RequestError, UndecodableImage
 from tests.serving import IMAGES, Server, data_url
@@ -243,3 +253,99 @@ def test_mutated_images_through_the_server_get_200_or_our_4xx(client: httpx.Clie
         assert hashlib.blake2b(pixels.tobytes(), digest_size=16).hexdigest() in response.text
     else:
         assert response.json()["error"]["code"] in ("invalid_image", "image_too_large")
+
+
+# -- (c) every route against its OpenAPI document -------------------------------------------------------
+
+CHECKS = [schemathesis.checks.not_a_server_error, schemathesis.checks.status_code_conformance,
+          schemathesis.checks.content_type_conformance, schemathesis.checks.response_schema_conformance]
+# (path, method, mode) of every operation the server documents (the document is built the same way
+# here): valid requests for each, and invalid ones where there is a body to get wrong.
+OPERATIONS = [(path, method, mode) for path, item in openapi_document()["paths"].items()
+              for method, operation in item.items()
+              for mode in ([GenerationMode.POSITIVE, GenerationMode.NEGATIVE] if "requestBody" in operation
+                           else [GenerationMode.POSITIVE])]
+
+
+@pytest.fixture(scope="module")
+def api_schema(spare_slot_server: Server) -> object:
+    return schemathesis.openapi.from_url(spare_slot_server.base_url + "/openapi.json")
+
+
+@pytest.mark.parametrize(("path", "method", "mode"), OPERATIONS)
+def test_every_route_answers_as_its_openapi_document_says(api_schema: object, spare_slot_server: Server, path: str,
+                                                          method: str, mode: GenerationMode) -> None:
+    # schemathesis's pytest plugin (from_fixture) fails on pytest 9; its strategies work under plain hypothesis.
+    @fuzz_settings(12, server=True)
+    @given(case=api_schema[path][method.upper()].as_strategy(mode))  # type: ignore[index]
+    def run(case: schemathesis.Case) -> None:
+        response = case.call_and_validate(base_url=spare_slot_server.base_url, checks=CHECKS, timeout=60)
+        if 400 <= response.status_code < 500:
+            error = response.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"}, response.text[:300]
+            assert isinstance(error["message"], str), error
+            assert error["type"] in ("invalid_request_error", "authentication_error"), error
+
+    run()
+
+
+def test_the_document_lists_every_route_and_the_whole_request_body(spare_slot_server: Server) -> None:
+    document = httpx.get(spare_slot_server.base_url + "/openapi.json", timeout=10).json()
+    assert set(document["paths"]) == {"/v1/chat/completions", "/v1/embeddings", "/tokenize", "/detokenize",
+                                      "/v1/models", "/health", "/ready", "/metrics"}
+    chat = document["paths"]["/v1/chat/completions"]["post"]
+    assert {"400", "413", "415", "421", "429", "500", "503"} <= set(chat["responses"])
+    body = document["components"]["schemas"]["ChatCompletionRequest"]
+    assert set(body["properties"]) == set(ChatCompletionRequest.__struct_fields__)
+    assert body["required"] == ["model", "messages"]
+
+
+# -- (d) the body parser: any JSON value in any field ---------------------------------------------------------
+
+# Strings that parse as numbers to one reader and not to another: Unicode digits pass str.isdigit()
+# and fail int(); signs, spaces, exponents, underscores and huge values test each numeric check.
+TRICKY = st.sampled_from(["²", "١٢", "１", "0", "-1", " 1", "1e3", "1_0", "99999999999", "\x00", "NaN", ""])
+KEY = TRICKY | st.text(max_size=6)
+ANY_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12) | TRICKY,
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(KEY, children, max_size=3),
+    max_leaves=12,
+)
+GOOD = {"model": "checksum", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def _parses_or_refuses(body: dict[str, object]) -> None:
+    try:
+        parse_chat_request(json.dumps(body).encode(), IntakeLimits())
+    except RequestError:
+        pass
+
+
+# Values shaped like what a field may hold (a map of numbers, a list of numbers) reach the checks
+# behind the type check more often than arbitrary JSON does.
+SMALL = st.integers(-300, 300) | st.floats(-300, 300)  # around the bounds the checks use (2, 100, 256, ...)
+FIELD_VALUE = (ANY_JSON | SMALL | st.dictionaries(KEY, SMALL, min_size=1, max_size=2)
+               | st.lists(SMALL | TRICKY, min_size=1, max_size=3))
+
+
+@pytest.mark.parametrize("field", sorted(ChatCompletionRequest.__struct_fields__))
+def test_any_json_value_in_any_field_parses_or_is_a_request_error(field: str) -> None:
+    @fuzz_settings(20)
+    @given(value=FIELD_VALUE, others=st.dictionaries(st.sampled_from(sorted(ChatCompletionRequest.__struct_fields__)),
+                                                     FIELD_VALUE, max_size=1))
+    def run(value: object, others: dict[str, object]) -> None:
+        _parses_or_refuses({**GOOD, **others, field: value})
+
+    run()
+
+
+@fuzz_settings(150)
+@given(message=st.dictionaries(st.sampled_from(["role", "content", "name"]), ANY_JSON, max_size=3),
+       part=st.dictionaries(st.sampled_from(["type", "text", "image_url"]),
+                            ANY_JSON | st.sampled_from(["text", "image_url"]), max_size=3),
+       image_url=st.dictionaries(st.sampled_from(["url", "detail"]), ANY_JSON, max_size=2))
+def test_any_json_value_inside_a_message_parses_or_is_a_request_error(
+        message: dict[str, object], part: dict[str, object], image_url: dict[str, object]) -> None:
+    _parses_or_refuses({**GOOD, "messages": [{"role": "user", **message}]})
+    nested = {**part, "image_url": image_url} if part.get("type") == "image_url" else part
+    _parses_or_refuses({**GOOD, "messages": [{"role": "user", "content": [nested]}]})

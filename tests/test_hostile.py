@@ -7,8 +7,9 @@ its own checksum, and the server is still ready afterwards.
 
 Decisions these tests pin down (docs/RELIABILITY.md, "Hostile input"):
 - Unknown fields are accepted and ignored at every level, as the OpenAI API's clients expect
-  of a server (newer SDKs send fields older servers do not know); unknown *values* of a known
-  field (a part type, a role) are 400s naming the field.
+  of a server (newer SDKs send fields older servers do not know), except the names that would
+  change the answer's form (gateway/intake.py; tests/test_contract.py); unknown *values* of a
+  known field (a part type, a role) are 400s naming the field.
 - The data URL's MIME type must be one we accept, but the bytes decide the format: a PNG sent
   as image/jpeg is decoded as the PNG it is.
 - base64 may contain whitespace (line-wrapped encoders); missing padding, the URL-safe alphabet
@@ -333,9 +334,9 @@ def _answer_json(answer: bytes) -> tuple[int, dict[str, object]]:
 
 
 @pytest.mark.parametrize(("name", "head", "filler"), [
-    ("an endless header value", b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-A: ", b"a"),
+    ("an endless header value", b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-A: ", b"a"),
     ("an endless request line", b"GET /v1/models?q=", b"a"),
-    ("endless headers", b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n", b"X-B: 1\r\n"),
+    ("endless headers", b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n", b"X-B: 1\r\n"),
 ])
 def test_an_endless_request_head_is_cut_off_with_a_431(spare_slot_server: Server, name: str, head: bytes,
                                                        filler: bytes) -> None:
@@ -348,7 +349,7 @@ def test_an_endless_request_head_is_cut_off_with_a_431(spare_slot_server: Server
 
 
 def test_an_unparsable_http_request_gets_an_openai_error(spare_slot_server: Server) -> None:
-    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n"
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: abc\r\n\r\n"
     status, body = _answer_json(_raw_exchange(spare_slot_server, head, b"{}", max_mib=0))
     assert status == 400 and body["error"]["code"] == "invalid_http"  # type: ignore[index]
     _send_and_check(spare_slot_server, Case(_chat("hi"), 200), seed=402)
@@ -356,7 +357,7 @@ def test_an_unparsable_http_request_gets_an_openai_error(spare_slot_server: Serv
 
 def test_a_chunked_body_without_length_is_cut_off_at_the_limit(spare_slot_server: Server) -> None:
     chunk = b"x" * (1 << 20)
-    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
     head += b"Transfer-Encoding: chunked\r\n\r\n"
     framed = b"%x\r\n" % len(chunk) + chunk + b"\r\n"
     status, body = _answer_json(_raw_exchange(spare_slot_server, head, framed, max_mib=40))

@@ -52,7 +52,8 @@ Answer text (one streamed event per line, then a finish event with no text):
     "{label}: {probability:.4f}\n"      e.g. "tiger cat: 0.3678\n"
 top_k lines per image, most probable first. A request with several images gets one block
 per image, each opened by a line "image {n}:\n" (n from 1); label lines are not indented.
-completion_tokens counts label lines; prompt_tokens is 0.
+completion_tokens counts label lines, and ``max_tokens`` bounds them (a cut answer finishes
+with "length"); prompt_tokens is 0.
 """
 
 from __future__ import annotations
@@ -382,36 +383,47 @@ class EfficientNetBackend:
                 else:
                     live.append(i)
             if live:
-                yield from self._answer(live, [pixels[i] for i in live], [batch[i].task for i in live])
+                yield from self._answer(live, [pixels[i] for i in live], [batch[i].task for i in live],
+                                        [batch[i].params.max_tokens for i in live])
 
     def _answer(
-        self, indices: list[int], images: list[list[torch.Tensor]], tasks: list[str]
+        self, indices: list[int], images: list[list[torch.Tensor]], tasks: list[str],
+        max_tokens: list[int | None] | None = None,
     ) -> Iterator[BackendEvent]:
         """One forward pass over these items' images, then each item's answer (labels, or a vector).
 
         Each item streams as two chunks: its first line at once, the rest with the finish (the
         whole answer exists already; more chunks would only cost reply messages).
+
+        A label line is the answer's unit, so it is what ``completion_tokens`` counts and what
+        ``max_tokens`` bounds: an answer cut short of its ``top_k`` lines per image ends with
+        ``finish_reason="length"``, as a generative model's does, and usage agrees with the text.
         """
+        budgets = max_tokens or [None] * len(indices)
         features = self._features([t for item_images in images for t in item_images])
         embed = [task == TASK_EMBED for task in tasks]
         probs, labels = self._top_k(features) if not all(embed) else ([], [])
         vectors = unit_vectors(features) if any(embed) else []
         row = 0
-        for i, item_images, is_embedding in zip(indices, images, embed):
+        for i, item_images, is_embedding, budget in zip(indices, images, embed, budgets):
             if is_embedding:  # one image per embedding item (gateway/embeddings.py sends them one by one)
                 yield BackendEvent(i, vector=b"".join(vectors[row : row + len(item_images)]))
                 yield BackendEvent(i, finish_reason="stop")
                 row += len(item_images)
                 continue
             lines = 0
+            limit = self.top_k * len(item_images) if budget is None else min(budget, self.top_k * len(item_images))
             for n in range(len(item_images)):
-                if len(item_images) > 1:
+                if len(item_images) > 1 and lines < limit:
                     yield BackendEvent(i, text=f"image {n + 1}:\n", flush=False)
                 for p, label in zip(probs[row], labels[row]):
+                    if lines >= limit:
+                        break
                     yield BackendEvent(i, text=f"{self.class_names[label]}: {p:.4f}\n", flush=lines == 0)
                     lines += 1
                 row += 1
-            yield BackendEvent(i, finish_reason="stop", prompt_tokens=0, completion_tokens=lines)
+            finish = "length" if lines < self.top_k * len(item_images) else "stop"
+            yield BackendEvent(i, finish_reason=finish, prompt_tokens=0, completion_tokens=lines)
 
     def classify(self, pixels: Sequence[torch.Tensor]) -> tuple[list[list[float]], list[list[int]]]:
         """Top-k probabilities and class indices, most probable first, per (3, 224, 224) uint8 image.

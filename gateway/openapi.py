@@ -1,0 +1,180 @@
+"""The OpenAPI document served at ``GET /openapi.json``: what each route takes and every answer it gives.
+
+FastAPI's generated document says nothing useful here, because the routes read the ``Request``
+themselves (one msgspec decode, no pydantic model per request). So the document is built from the
+msgspec types the routes really decode with (``msgspec.json.schema_components``), and every error
+status a route can answer with is listed with the one OpenAI error object (gateway/http_errors.py).
+A fuzzer (tests/test_schema_fuzz.py, schemathesis) checks the server against it: a status not
+listed, or a body not matching its schema, is a failure.
+
+The statuses, and where they come from:
+    400  invalid input (gateway/intake.py), an unparsable HTTP request (gateway/http_limits.py)
+    401  a missing or wrong API key (``--api-key``)
+    404  an unknown model or route
+    405  a known route with another method
+    413  a body, an image or its pixels over their caps
+    415  a body not sent as ``application/json`` (gateway/guards.py)
+    421  a ``Host`` header not in ``--allowed-hosts`` (gateway/guards.py)
+    429  ``--max-in-flight`` reached
+    431  a request head over 1 MiB (gateway/http_limits.py)
+    500  a model error, or a bug (the catch-all in gateway/guards.py names a request id)
+    502  the worker died with the request
+    503  overloaded (arena, queues), no worker, draining (``/ready``: ``{"status": "not ready"}``)
+    504  ``--request-timeout-s`` passed
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from gateway.embeddings import EmbeddingRequest
+from gateway.http_errors import MAX_MESSAGE_CHARS
+from gateway.intake import ChatCompletionRequest
+from gateway.tokenize import DetokenizeRequest, TokenizeRequest
+
+__all__ = ["openapi_document"]
+
+_REF = "#/components/schemas/{name}"
+
+# Statuses every route may answer with: the Host check, a head too large, a bug, a wrong method.
+_ANY_ROUTE = (405, 421, 431, 500)
+_POST_BODY = (400, 401, 404, 413, 415, 429, 502, 503, 504)
+
+_ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string", "maxLength": MAX_MESSAGE_CHARS},  # capped (http_errors.py)
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
+_USAGE = {
+    "type": "object",
+    "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+    "properties": {name: {"type": "integer", "minimum": 0}
+                   for name in ("prompt_tokens", "completion_tokens", "total_tokens")},
+}
+_CHAT_COMPLETION = {
+    "type": "object",
+    "required": ["id", "object", "created", "model", "choices", "usage"],
+    "properties": {
+        "id": {"type": "string"},
+        "object": {"const": "chat.completion"},
+        "created": {"type": "integer"},
+        "model": {"type": "string"},
+        "choices": {"type": "array", "items": {
+            "type": "object",
+            "required": ["index", "message", "finish_reason"],
+            "properties": {
+                "index": {"type": "integer", "minimum": 0},
+                "message": {"type": "object", "required": ["role", "content"],
+                            "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}}},
+                "finish_reason": {"enum": ["stop", "length"]},
+            },
+        }},
+        "usage": {"$ref": _REF.format(name="Usage")},
+    },
+}
+_EMBEDDINGS = {
+    "type": "object",
+    "required": ["object", "data", "model", "usage"],
+    "properties": {
+        "object": {"const": "list"},
+        "data": {"type": "array", "items": {
+            "type": "object", "required": ["object", "index", "embedding"],
+            "properties": {"object": {"const": "embedding"}, "index": {"type": "integer"},
+                           "embedding": {"type": ["array", "string"], "items": {"type": "number"}}},
+        }},
+        "model": {"type": "string"},
+        "usage": {"type": "object"},
+    },
+}
+_MODELS = {
+    "type": "object",
+    "required": ["object", "data"],
+    "properties": {
+        "object": {"const": "list"},
+        "data": {"type": "array", "items": {"type": "object", "required": ["id", "object", "owned_by"],
+                                            "properties": {"id": {"type": "string"}, "object": {"const": "model"},
+                                                           "owned_by": {"type": "string"}}}},
+    },
+}
+_TOKENS = {
+    "type": "object",
+    "required": ["count", "tokens"],
+    "properties": {"count": {"type": "integer"}, "tokens": {"type": "array", "items": {"type": "integer"}}},
+}
+_STATUS = {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}}
+
+
+def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _errors(statuses: tuple[int, ...]) -> dict[str, Any]:
+    error = {"$ref": _REF.format(name="Error")}
+    return {str(status): _json(error, "an OpenAI error object") for status in sorted(set(statuses))}
+
+
+def _post(operation_id: str, request: str, ok: dict[str, Any], summary: str) -> dict[str, Any]:
+    return {"post": {
+        "operationId": operation_id,
+        "summary": summary,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": request}}}},
+        "responses": {"200": ok, **_errors(_POST_BODY + _ANY_ROUTE)},
+    }}
+
+
+def _get(operation_id: str, ok: dict[str, Any], summary: str, *errors: int) -> dict[str, Any]:
+    return {"get": {"operationId": operation_id, "summary": summary,
+                    "responses": {"200": ok, **_errors(errors + _ANY_ROUTE)}}}
+
+
+def _ready() -> dict[str, Any]:
+    """``/ready`` answers a probe, not a client: its 503 is ``{"status": "not ready"}``, as its 200 is."""
+    path = _get("ready", _json(_STATUS, "a worker serves the model"), "readiness")
+    path["get"]["responses"]["503"] = _json(_STATUS, "no worker serves the model yet, or draining")
+    return path
+
+
+def openapi_document() -> dict[str, Any]:
+    """The whole document (OpenAPI 3.1: its schemas are JSON Schema, as msgspec writes them)."""
+    (chat, embeddings, tokenize, detokenize), components = msgspec.json.schema_components(
+        [ChatCompletionRequest, EmbeddingRequest, TokenizeRequest, DetokenizeRequest], ref_template=_REF)
+    components |= {"Error": _ERROR, "Usage": _USAGE, "ChatCompletion": _CHAT_COMPLETION}
+    completion = {"description": "the answer: one JSON object, or server-sent events when stream is true",
+                  "content": {"application/json": {"schema": {"$ref": _REF.format(name="ChatCompletion")}},
+                              "text/event-stream": {"schema": {"type": "string"}}}}
+    text = {"type": "string"}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "shmgate", "version": "1",
+                 "description": "An OpenAI-compatible gateway for vision models. Every error is an OpenAI "
+                                "error object."},
+        "paths": {
+            "/v1/chat/completions": _post("chat", chat["$ref"], completion, "OpenAI chat completions with images"),
+            "/v1/embeddings": _post("embeddings", embeddings["$ref"], _json(_EMBEDDINGS, "the vectors"),
+                                    "OpenAI embeddings of images (and text, for CLIP-class models)"),
+            "/tokenize": _post("tokenize", tokenize["$ref"], _json(_TOKENS, "the prompt's token ids"),
+                               "vLLM's tokenize: token ids of a chat request, images expanded"),
+            "/detokenize": _post("detokenize", detokenize["$ref"], _json({"type": "object"}, "the text"),
+                                 "vLLM's detokenize"),
+            "/v1/models": _get("models", _json(_MODELS, "the served model"), "the served model", 401),
+            "/health": _get("health", _json(_STATUS, "this process is up"), "liveness"),
+            "/ready": _ready(),
+            "/metrics": _get("metrics", {"description": "Prometheus text or OpenMetrics", "content": {
+                "text/plain": {"schema": text}, "application/openmetrics-text": {"schema": text}}},
+                "Prometheus metrics of the whole node", 401),
+        },
+        "components": {"schemas": components},
+    }
