@@ -16,6 +16,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 from collections.abc import Mapping
@@ -85,6 +86,9 @@ def _add_gateway_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frontends", type=int, default=env("FRONTENDS", "0"),
                    help="frontend processes (default: the CPUs this process may use: cgroup limit, affinity, cores)")
     p.add_argument("--model", default=env("MODEL", "efficientnet-lite0"))
+    p.add_argument("--served-model-name", default=env("SERVED_MODEL_NAME"),
+                   help="the model id clients send and /v1/models lists (default: from --model; the directory's "
+                        "name for hf:<dir>, org/name for a hub-cache snapshot)")
     p.add_argument("--arena-size", default=env("ARENA_SIZE", "1GiB"))
     p.add_argument("--api-key", default=env("API_KEY"),
                    help="prefer the SHMGATE_API_KEY environment variable: a flag is visible in ps")
@@ -171,7 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     gateway = sub.add_parser("gateway", help="frontends only; workers attach by label")
     _add_gateway_flags(gateway)
     sub.add_parser("worker", help="one model worker (see shmgate worker --help)", add_help=False)
-    sub.add_parser("cleanup", help="remove IPC objects of dead instances")
+    cleanup = sub.add_parser("cleanup", help="remove IPC objects of dead instances")
+    cleanup.add_argument("--dry-run", action="store_true", help="list what would be removed; remove nothing")
+    cleanup.add_argument("--list", action="store_true", help="list the live instances (id, label, pid, model)")
     sub.add_parser("bench", help="load generator (see shmgate bench --help)", add_help=False)
     frontend = sub.add_parser("frontend", help=argparse.SUPPRESS)
     frontend.add_argument("--instance", required=True)
@@ -197,17 +203,47 @@ def main(argv: list[str] | None = None) -> int:
                     "set SHMGATE_API_KEY in the environment instead")
     try:
         if args.command == "cleanup":
-            from shared.instance import cleanup_leftovers
-
-            removed = cleanup_leftovers()
-            print(f"removed {len(removed)} dead instance(s)" + (f": {', '.join(removed)}" if removed else ""))
-            return 0
+            return _cleanup(args)
         if args.command == "frontend":
             return _run_frontend(args)
         return _run_supervised(args, with_workers=args.command == "serve")
     except SetupError as exc:
         log.error("%s", exc)
         return 2
+
+
+def _cleanup(args: argparse.Namespace) -> int:
+    """``shmgate cleanup [--dry-run] [--list]``: remove (or list) dead instances' IPC objects; list live ones."""
+    from shared.instance import cleanup_leftovers, instance_objects, live_instances
+
+    if args.list:
+        live = live_instances()
+        print(f"{len(live)} live instance(s)")
+        for inst in live:
+            print(f"  {inst.instance_id}  label={inst.label}  pid={inst.supervisor_pid}  model={inst.model or '?'}")
+    if args.dry_run:
+        dead = cleanup_leftovers(dry_run=True)
+        print(f"would remove {len(dead)} dead instance(s)" + (":" if dead else ""))
+        for instance_id in dead:
+            print(f"  {instance_id}: " + " ".join(instance_objects(instance_id)))
+    elif not args.list:
+        removed = cleanup_leftovers()
+        print(f"removed {len(removed)} dead instance(s)" + (f": {', '.join(removed)}" if removed else ""))
+    return 0
+
+
+def _served_model(args: argparse.Namespace) -> str:
+    """The public id of ``--model`` (or ``--served-model-name``), after the checks that need nothing started:
+    the spec, the checkpoint directory, the extra the model needs. Raises SetupError with the one line."""
+    from shared.models import resolve_model
+    from shared.segment import check_model_id
+
+    try:
+        public_id = resolve_model(args.model, args.served_model_name).public_id
+        check_model_id(public_id)
+    except ValueError as exc:
+        raise SetupError(f"--model {args.model}: {exc}") from None
+    return public_id
 
 
 # Gateway flags a frontend child does not get on its command line: the API key reaches it in its
@@ -260,6 +296,8 @@ def _worker_children(args: argparse.Namespace, instance_id: str) -> list[tuple[l
             "--device", placement.device, "--threads", str(threads), "--log-level", args.log_level,
             *forward(args, add_batching_flags),
         ]
+        if args.served_model_name:
+            argv += ["--served-model-name", args.served_model_name]
         children.append((argv, env))
     return children
 
@@ -280,6 +318,7 @@ def _run_supervised(args: argparse.Namespace, *, with_workers: bool) -> int:
     from gateway.supervisor import ChildProcess, Supervisor, child_env
     from shared.instance import Instance, cleanup_leftovers
 
+    model_id = _served_model(args)
     removed = cleanup_leftovers()
     if removed:
         log.warning("removed leftovers of %d dead instance(s)", len(removed))
@@ -301,6 +340,7 @@ def _run_supervised(args: argparse.Namespace, *, with_workers: bool) -> int:
         label=args.label,
         queue_depth=args.queue_depth,
         stall_timeout_s=stall_timeout_for(args.model, args.stall_timeout_s),
+        model=model_id,
     )
     instance_id = instance.names.instance_id
     secrets_env = {"SHMGATE_API_KEY": args.api_key} if args.api_key else {}
@@ -315,6 +355,7 @@ def _run_supervised(args: argparse.Namespace, *, with_workers: bool) -> int:
     ]
     log.info("instance %s listening on http://%s:%d with %d frontends and %d workers (model %s)", instance_id,
              args.host, args.port, n_frontends, len(workers), args.model)
+    log.info("clients send \"model\": %s", json.dumps(model_id))
     try:
         return Supervisor(instance, frontends, workers, drain_timeout_s=args.drain_timeout_s).run()
     finally:
@@ -322,6 +363,11 @@ def _run_supervised(args: argparse.Namespace, *, with_workers: bool) -> int:
 
 
 def _run_frontend(args: argparse.Namespace) -> int:
+    from shared.parent_death import follow_supervisor
+
+    # SIGKILL, not SIGTERM: shared/parent_death.py says why. Before the slow imports, so a
+    # supervisor gone meanwhile is noticed at once.
+    follow_supervisor(signal.SIGKILL)
     import uvicorn
 
     from gateway.addresses import AllowList
@@ -335,6 +381,7 @@ def _run_frontend(args: argparse.Namespace) -> int:
         instance_id=args.instance,
         slot=args.slot,
         model=args.model,
+        served_model_name=args.served_model_name or "",
         api_key=args.api_key,
         metrics_need_key=args.metrics_need_key,
         max_body_bytes=int(args.max_body_mb * (1 << 20)),

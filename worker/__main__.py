@@ -29,6 +29,8 @@ from worker.main import WorkerOptions, run_worker  # noqa: E402
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="shmgate worker", description="Run one model worker.")
     parser.add_argument("--model", default=env("MODEL", "efficientnet-lite0"))
+    parser.add_argument("--served-model-name", default=env("SERVED_MODEL_NAME", ""),
+                        help="the model id clients send (default: from --model); must match the gateway's")
     parser.add_argument("--device", default=env("DEVICE"), help="cpu, cuda or cuda:N (default: cuda when present)")
     parser.add_argument("--threads", type=int, default=env("THREADS", "0"),
                         help="torch threads (0: on CPU the CPUs this process may use, cgroup limit included)")
@@ -75,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         diag_claim_delay_ms=args.diag_claim_delay_ms,
         compile_normalise=args.compile_normalise,
         follow_drain_s=args.follow_drain_s,
+        served_model_name=args.served_model_name,
     )
     return run_worker(options=options, instance_id=args.instance, label=args.label, attach_wait_s=args.attach_wait_s)
 
