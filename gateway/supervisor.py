@@ -131,7 +131,9 @@ class ChildProcess:
         with stream:
             for line in stream:
                 try:
-                    os.write(2, line)
+                    view = memoryview(line)
+                    while view:  # a signal can cut a write to a pipe short
+                        view = view[os.write(2, view):]
                 except OSError:
                     pass  # our stderr is gone: keep draining, or the child blocks on a full pipe
                 text = line.decode(errors="replace").strip()
