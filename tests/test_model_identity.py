@@ -152,3 +152,20 @@ def test_a_missing_transformers_is_one_line_before_anything_starts(tmp_path: Pat
     lines = [line for line in done.stderr.splitlines() if "need transformers" in line]
     assert len(lines) == 1 and lines[0].endswith("pip install 'shmgate[hf]'"), done.stderr[-2000:]
     assert "started frontend" not in done.stderr
+
+
+def test_the_supervisor_and_the_worker_name_the_same_worker_slot(named_server: Server) -> None:
+    """The supervisor numbers the workers it starts ("worker process 0"); the worker claims a segment slot.
+    The supervisor's log ties the two by pid, and the slot it names is the one the worker's own log gives."""
+    import re
+
+    def tied() -> re.Match[str] | None:
+        return re.search(r"worker process 0 \(pid (\d+)\) is ready in worker slot (\d+)", named_server.log_path.read_text())
+
+    wait_until(lambda: tied() is not None, 10, "the supervisor logs which slot its worker got")
+    match = tied()
+    assert match is not None
+    pid, slot = match.groups()
+    log = named_server.log_path.read_text()
+    assert f"started worker process 0 (pid {pid})" in log
+    assert re.search(rf"worker\[{pid}\] INFO ready in worker slot {slot}: model checksum \(served as {SERVED}\)", log)
