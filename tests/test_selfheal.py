@@ -422,6 +422,8 @@ def test_a_worker_that_dies_before_it_is_ever_ready_stops_serve_after_three_trie
         code = process.wait(GUARD_S)
     finally:
         if process.poll() is None:
+            for pid, _ in server.children():  # never leave a server behind, even when the test failed
+                os.kill(pid, signal.SIGKILL)
             process.kill()
             process.wait()
     text = log_path.read_text()
