@@ -158,7 +158,8 @@ def create_app(options: AppOptions) -> FastAPI:
         check_key(request)
         card = model_card(frontend().preprocessor)
         if model_id != card["id"]:
-            raise UnknownModel(f"model {model_id[:100]!r} is not served here; GET /v1/models lists it",
+            raise UnknownModel(f"model {model_id[:100]!r} is not served here; send {card['id']!r} "
+                               "(GET /v1/models lists it)",
                                param="model")
         return card
 

@@ -54,6 +54,7 @@ def test_clients_send_the_served_name_and_it_is_the_only_id(named_server: Server
     assert ok.json()["model"] == SERVED and expected_checksum(image) in ok.text
     other = httpx.post(url + "/v1/chat/completions", json=image_request("checksum", image), timeout=30)
     assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
+    assert f"send {SERVED!r}" in other.json()["error"]["message"]  # the 404 says which id to send
     assert f'clients send "model": "{SERVED}"' in named_server.log_path.read_text()
 
 
@@ -67,6 +68,7 @@ def test_the_model_card_is_retrievable_by_id_and_another_id_is_an_openai_404(nam
     error = missing.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert (error["code"], error["param"]) == ("model_not_found", "model")
+    assert f"send {SERVED!r}" in error["message"]
 
 
 def test_a_worker_for_another_model_refuses_to_attach_naming_both(named_server: Server) -> None:
