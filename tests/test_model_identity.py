@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 from shared.errors import EXIT_CONFIG
@@ -69,6 +70,13 @@ def test_the_model_card_is_retrievable_by_id_and_another_id_is_an_openai_404(nam
     assert set(error) == {"message", "type", "param", "code"}
     assert (error["code"], error["param"]) == ("model_not_found", "model")
     assert f"send {SERVED!r}" in error["message"]
+
+
+def test_the_openai_client_retrieves_the_card_and_gets_not_found_for_another_id(named_server: Server) -> None:
+    client = openai.OpenAI(base_url=named_server.base_url + "/v1", api_key="unused", max_retries=0)
+    assert client.models.retrieve(SERVED).id == SERVED
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("checksum")
 
 
 def test_a_worker_for_another_model_refuses_to_attach_naming_both(named_server: Server) -> None:
