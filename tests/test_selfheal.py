@@ -368,25 +368,48 @@ def test_a_stalled_worker_attached_by_label_exits_by_itself(tmp_path: Path) -> N
 # -- configuration errors --------------------------------------------------------------------------------
 
 
+def test_a_device_typo_stops_serve_before_anything_starts(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "gateway", "serve", "--port", str(free_port()), "--model", "checksum",
+         "--frontends", "1", "--workers", "1", "--arena-size", "64MiB", "--device", "gpu"],
+        capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "--device gpu: expected cpu, cuda or cuda:N" in done.stderr
+    assert "started" not in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
 @pytest.mark.parametrize("device", ["gpu", "cuda"])
-def test_a_device_the_worker_cannot_use_stops_serve_with_the_reason_instead_of_restarting(
-        tmp_path: Path, device: str) -> None:
-    """``gpu`` is a typo; ``cuda`` cannot work with a CPU-only torch (or without a GPU). Either way the worker
-    says so in one line and exits with EXIT_CONFIG, and serve stops with status 2 quoting that line."""
+def test_a_worker_refuses_a_device_it_cannot_use_in_one_line(device: str) -> None:
+    """Checked before the worker looks for a gateway: a standalone worker (compose) says it at once."""
     import torch
 
     if device == "cuda" and torch.cuda.is_available():
         pytest.skip("CUDA is usable here")
+    done = subprocess.run([sys.executable, "-m", "worker", "--model", "checksum", "--device", device,
+                           "--label", "no-such-gateway", "--attach-wait-s", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == EXIT_CONFIG, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("shmgate worker: configuration error: --device"), done.stderr
+
+
+def test_cuda_where_it_cannot_run_stops_serve_with_the_workers_reason_instead_of_restarting(tmp_path: Path) -> None:
+    """``cuda`` cannot work with a CPU-only torch (or without a GPU); only the worker, which loads torch,
+    can tell. It says so in one line and exits with EXIT_CONFIG; serve stops with status 2 quoting it."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is usable here")
     started = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-m", "gateway", "serve", "--port", str(free_port()), "--model", "checksum",
-         "--frontends", "1", "--workers", "1", "--arena-size", "64MiB", "--device", device],
+         "--frontends", "1", "--workers", "1", "--arena-size", "64MiB", "--device", "cuda"],
         capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr[-2000:]
-    assert f"worker: configuration error: --device {device}" in done.stderr.replace("'", "")
-    assert "failed on a configuration error: --device" in done.stderr
+    assert "worker: configuration error: --device cuda" in done.stderr
+    assert "failed on a configuration error: --device cuda" in done.stderr
     assert "restarting" not in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
-    print(f"\n--device {device}: serve exited 2 after {time.monotonic() - started:.1f} s")
+    print(f"\n--device cuda without CUDA: serve exited 2 after {time.monotonic() - started:.1f} s")
 
 
 def test_an_unknown_model_stops_serve_before_anything_starts(tmp_path: Path) -> None:
