@@ -177,6 +177,7 @@ class Supervisor:
     _force: bool = False
     _fatal: str = ""
     _warned_models: set[tuple[int, int]] = field(default_factory=set)  # (worker slot, epoch) already warned of
+    _refused_seen: int = 0  # workers refused for another model, as last logged
     link: PosixSupervisorLink = field(init=False)
 
     def __post_init__(self) -> None:
@@ -294,15 +295,21 @@ class Supervisor:
         return int(table[found]["state"])
 
     def _check_worker_models(self) -> None:
-        """Warn (once per worker) of a ready worker that serves another model than the gateway.
+        """Warn of workers that serve another model than the gateway: refused ones, and ready ones (once each).
 
-        Workers refuse to attach to a gateway of another model (worker/main.py); one that does not (an
-        older version, another container's) would count as ready while no request can reach it.
+        Workers refuse to attach to a gateway of another model (worker/main.py) and note it in the header,
+        so this log says it too; one that does not refuse (an older version, another container's) would
+        count as ready while no request can reach it.
         """
         seg = self.instance.segment
         served = seg.served_model
         if not served:
             return
+        refused, model = seg.refused_workers()
+        if refused != self._refused_seen:
+            self._refused_seen = refused
+            log.warning("a worker serving %r refused to attach: this gateway serves %r (%d refused so far); "
+                        "start workers with the gateway's --model and --served-model-name", model, served, refused)
         for slot in seg.live_workers(DEAD_AFTER_S):
             row = seg.workers[slot]
             model = bytes(row["model"]).decode(errors="replace")

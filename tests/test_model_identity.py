@@ -87,6 +87,8 @@ def test_a_worker_for_another_model_refuses_to_attach_naming_both(named_server: 
     assert done.returncode == EXIT_CONFIG, done.stderr[-2000:]
     assert "'checksum'" in done.stderr and repr(SERVED) in done.stderr, done.stderr[-2000:]
     assert named_server.metric("shmgate_workers_ready") == 1  # the refused worker never counted
+    wait_until(lambda: "a worker serving 'checksum' refused to attach" in named_server.log_path.read_text(), 10,
+               "the gateway's own log says a worker was refused")
 
 
 def test_the_gateway_warns_of_a_ready_worker_that_serves_another_model(named_server: Server) -> None:

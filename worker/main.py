@@ -560,6 +560,7 @@ def run_worker(
         return 2
     gateway_model = instance.segment.served_model
     if gateway_model and gateway_model != spec.public_id:
+        instance.segment.note_refused_worker(spec.public_id)  # the gateway logs it too
         instance.close()
         return _configuration_error(
             f"this worker serves {spec.public_id!r} (--model {options.model}) but the gateway it attaches to "
