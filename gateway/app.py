@@ -54,7 +54,15 @@ from gateway.result_cache import ResultCache, answer_key, keyed_off_the_loop
 from gateway.sse import Completion, logprob_entry
 from gateway.stages import server_timing
 from gateway.tokenize import detokenize, model_card, tokenize
-from shared.errors import EXIT_CONFIG, Cancelled, InvalidRequest, RequestTooLarge, ShmgateError, Unauthorized
+from shared.errors import (
+    EXIT_CONFIG,
+    Cancelled,
+    InvalidRequest,
+    RequestTooLarge,
+    ShmgateError,
+    Unauthorized,
+    UnknownModel,
+)
 from shared.flags import version
 from shared.instance import Instance
 from shared.segment import check_model_id
@@ -72,6 +80,7 @@ class AppOptions:
     instance_id: str
     slot: int
     model: str
+    served_model_name: str = ""  # --served-model-name: the id clients send, over the spec's default
     api_key: str | None = None
     metrics_need_key: bool = False
     max_body_bytes: int = 32 << 20
@@ -93,6 +102,8 @@ def create_app(options: AppOptions) -> FastAPI:
         try:
             preprocessor = get_preprocessor(options.model, max_images=options.intake.max_images,
                                             processor_kwargs=options.processor_kwargs)
+            if options.served_model_name:
+                preprocessor.model = options.served_model_name
             check_model_id(preprocessor.model)
         except (ValueError, OSError, ImportError) as exc:
             # A configuration error (unknown model, missing model directory, a missing extra):
@@ -175,6 +186,17 @@ def create_app(options: AppOptions) -> FastAPI:
             "object": "list",
             "data": [model_card(frontend().preprocessor)],
         }
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> dict[str, object]:
+        """One model's card (``client.models.retrieve``); ids may hold a slash (``org/name``)."""
+        check_key(request)
+        card = model_card(frontend().preprocessor)
+        if model_id != card["id"]:
+            raise UnknownModel(f"model {model_id[:100]!r} is not served here; send {card['id']!r} "
+                               "(GET /v1/models lists it)",
+                               param="model")
+        return card
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> Response:

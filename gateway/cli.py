@@ -16,6 +16,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -96,7 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "containers attach by --label (shmgate worker).")
     add_gateway_flags(gateway)
     sub.add_parser("worker", help="one model worker (see shmgate worker --help)", add_help=False)
-    sub.add_parser("cleanup", help="remove IPC objects of dead instances")
+    cleanup = sub.add_parser("cleanup", help="remove IPC objects of dead instances")
+    cleanup.add_argument("--dry-run", action="store_true", help="list what would be removed; remove nothing")
+    cleanup.add_argument("--list", action="store_true", help="list the live instances (id, label, pid, model)")
     sub.add_parser("bench", help="load generator (see shmgate bench --help)", add_help=False)
     # No help=: a subcommand without help is left out of the command list; the supervisor runs it.
     frontend = sub.add_parser("frontend")
@@ -135,17 +138,47 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     try:
         if args.command == "cleanup":
-            from shared.instance import cleanup_leftovers
-
-            removed = cleanup_leftovers()
-            print(f"removed {len(removed)} dead instance(s)" + (f": {', '.join(removed)}" if removed else ""))
-            return 0
+            return _cleanup(args)
         if args.command == "frontend":
             return _run_frontend(args)
         return _run_supervised(args, with_workers=args.command == "serve", started_at=started_at)
     except SetupError as exc:
         log.error("%s", exc)
         return 2
+
+
+def _cleanup(args: argparse.Namespace) -> int:
+    """``shmgate cleanup [--dry-run] [--list]``: remove (or list) dead instances' IPC objects; list live ones."""
+    from shared.instance import cleanup_leftovers, instance_objects, live_instances
+
+    if args.list:
+        live = live_instances()
+        print(f"{len(live)} live instance(s)")
+        for inst in live:
+            print(f"  {inst.instance_id}  label={inst.label}  pid={inst.supervisor_pid}  model={inst.model or '?'}")
+    if args.dry_run:
+        dead = cleanup_leftovers(dry_run=True)
+        print(f"would remove {len(dead)} dead instance(s)" + (":" if dead else ""))
+        for instance_id in dead:
+            print(f"  {instance_id}: " + " ".join(instance_objects(instance_id)))
+    elif not args.list:
+        removed = cleanup_leftovers()
+        print(f"removed {len(removed)} dead instance(s)" + (f": {', '.join(removed)}" if removed else ""))
+    return 0
+
+
+def _served_model(args: argparse.Namespace) -> str:
+    """The public id of ``--model`` (or ``--served-model-name``), after the checks that need nothing started:
+    the spec, the checkpoint directory, the extra the model needs. Raises SetupError with the one line."""
+    from shared.models import resolve_model
+    from shared.segment import check_model_id
+
+    try:
+        public_id = resolve_model(args.model, args.served_model_name).public_id
+        check_model_id(public_id)
+    except ValueError as exc:
+        raise SetupError(f"--model {args.model}: {exc}") from None
+    return public_id
 
 
 # Gateway flags a frontend child does not get on its command line: the API key reaches it in its
@@ -208,6 +241,8 @@ def _worker_children(args: argparse.Namespace, instance_id: str) -> list[tuple[l
             "--device", placement.device, "--threads", str(threads), "--log-level", args.log_level,
             *forward(args, add_batching_flags),
         ]
+        if args.served_model_name:
+            argv += ["--served-model-name", args.served_model_name]
         children.append((argv, env))
     return children
 
@@ -230,6 +265,7 @@ def _run_supervised(args: argparse.Namespace, *, with_workers: bool, started_at:
     from shared.instance import Instance, cleanup_leftovers
     from shared.transport import PosixNodeStats, PosixSupervisorLink
 
+    model_id = _served_model(args)
     removed = cleanup_leftovers()
     if removed:
         log.warning("removed leftovers of %d dead instance(s)", len(removed))
@@ -251,6 +287,7 @@ def _run_supervised(args: argparse.Namespace, *, with_workers: bool, started_at:
         label=args.label,
         queue_depth=args.queue_depth,
         stall_timeout_s=stall_timeout_for(args.model, args.stall_timeout_s),
+        model=model_id,
     )
     instance_id = instance.names.instance_id
     fill_allowed_hosts(args)
@@ -265,14 +302,14 @@ def _run_supervised(args: argparse.Namespace, *, with_workers: bool, started_at:
         for i, (argv, env) in enumerate(_worker_children(args, instance_id) if with_workers else [])
     ]
     url = f"http://{f'[{args.host}]' if ':' in args.host else args.host}:{args.port}"
-    for line in summary_lines(_summary(args, instance_id, url, n_frontends, with_workers), shm_free_bytes()):
+    for line in summary_lines(_summary(args, instance_id, url, n_frontends, with_workers, model_id=model_id), shm_free_bytes()):
         log.info("%s", line)
     request_queue = instance.request_queue()
     link = PosixSupervisorLink(instance)
-    model_id = parse_model_spec(args.model).public_id
     serving_log = ServingLog(
         node=PosixNodeStats(instance), frontend_alive=link.frontend_alive,
-        worker_ready=lambda: link.has_live_worker(model_id), n_frontends=n_frontends, queue_depth=request_queue.current_messages, instance_id=instance_id, url=url,
+        worker_ready=lambda: link.has_live_worker(model_id), n_frontends=n_frontends,
+        queue_depth=request_queue.current_messages, instance_id=instance_id, url=url,
         started_at=started_at, stats_interval_s=args.log_stats_interval_s,
     )
     try:
@@ -284,7 +321,7 @@ def _run_supervised(args: argparse.Namespace, *, with_workers: bool, started_at:
 
 
 def _summary(args: argparse.Namespace, instance_id: str, url: str, n_frontends: int,
-             with_workers: bool) -> Summary:
+             with_workers: bool, model_id: str | None = None) -> Summary:
     """The startup summary's facts, from the same plan the workers are started with."""
     from gateway.startup_log import Summary, plural
 
@@ -300,12 +337,17 @@ def _summary(args: argparse.Namespace, instance_id: str, url: str, n_frontends: 
         dtype = (("float32" if cpu else "bfloat16") if args.dtype == "auto" else args.dtype) if hf else "the model's"
     else:
         workers, dtype = f"workers attach by label {args.label!r} (shmgate worker)", "chosen by each worker"
-    return Summary(version=version(), instance_id=instance_id, label=args.label, model_id=spec.public_id,
+    return Summary(version=version(), instance_id=instance_id, label=args.label, model_id=model_id or spec.public_id,
                    model_spec=args.model, url=url, n_frontends=n_frontends, workers=workers, dtype=dtype,
                    arena_bytes=args.arena_size, auth=bool(args.api_key))
 
 
 def _run_frontend(args: argparse.Namespace) -> int:
+    from shared.parent_death import follow_supervisor
+
+    # SIGKILL, not SIGTERM: shared/parent_death.py says why. Before the slow imports, so a
+    # supervisor gone meanwhile is noticed at once.
+    follow_supervisor(signal.SIGKILL)
     import uvicorn
 
     from gateway.addresses import AllowList
@@ -320,6 +362,7 @@ def _run_frontend(args: argparse.Namespace) -> int:
         instance_id=args.instance,
         slot=args.slot,
         model=args.model,
+        served_model_name=args.served_model_name or "",
         api_key=args.api_key,
         metrics_need_key=args.metrics_need_key,
         max_body_bytes=int(args.max_body_mb * (1 << 20)),

@@ -58,6 +58,8 @@ def _server_flags(server: argparse._ArgumentGroup) -> None:
 def _model_flags(model: argparse._ArgumentGroup) -> None:
     add_flag(model, "--model", f"what to serve: {KNOWN_SPECS} (docs/MODELS.md)", default="efficientnet-lite0",
              type=flag_types.model_spec)
+    add_flag(model, "--served-model-name", "the model id clients send and /v1/models lists",
+             shown_default="from --model: the directory's name for hf:DIR, org/name for a hub-cache snapshot")
     add_flag(model, "--mm-processor-kwargs", 'hf: models: image processor arguments over the checkpoint\'s, '
              'as JSON, e.g. \'{"max_pixels": 200704}\' (docs/MODELS.md "Processor options")', default="{}",
              type=_json_object)

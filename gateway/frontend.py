@@ -140,7 +140,8 @@ class Frontend:
     async def submit(self, chat: ChatRequest) -> RequestState:
         """Admit, resolve images, build and send the descriptor. Raises ShmgateError."""
         if chat.model != self.preprocessor.model:
-            raise UnknownModel(f"model {chat.model[:100]!r} is not served here; GET /v1/models lists it",
+            raise UnknownModel(f"model {chat.model[:100]!r} is not served here; send {self.preprocessor.model!r} "
+                               "(GET /v1/models lists it)",
                                param="model")
         if self.draining():
             raise Overloaded("the server is shutting down", retry_after_s=2.0)

@@ -39,9 +39,12 @@ def worker_placements(device: str, *, workers: int, workers_per_gpu: int, gpu_id
     """One Placement per worker. ``workers`` 0 means the default for the device.
 
     ``gpu_ids``: the visible GPUs (gateway/cli.py ``visible_gpus``); ``cpu_workers``: the default
-    count on a non-CUDA device. Raises SetupError for ``cuda:N`` past the visible GPUs.
+    count on a non-CUDA device. Raises SetupError for ``cuda:N`` past the visible GPUs and for a device
+    that is none of ``cpu``, ``cuda``, ``cuda:N`` (whether CUDA works is the worker's check: it needs torch).
     """
     if not device.startswith("cuda"):
+        if device not in ("cpu", "cpu:0"):  # a typo (gpu, cuda0): said now, not by every worker after torch loads
+            raise SetupError(f"--device {device}: expected cpu, cuda or cuda:N")
         return [Placement(device)] * (workers or cpu_workers)
     index = _cuda_index(device)
     per_gpu = max(1, workers_per_gpu)

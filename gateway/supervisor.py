@@ -21,6 +21,20 @@ DEAD, and the worker's heartbeat thread exits the process when it sees that
 A child that exits with ``EXIT_CONFIG`` failed on its configuration (an unknown
 model, a missing model directory): restarting cannot help, so the supervisor
 stops everything and ``run`` returns 2, the reason being on the child's stderr.
+A child that dies ``EARLY_DEATHS_FATAL`` times in a row before it ever became
+ready (its slot row READY) is treated the same way: a crash at start-up (a
+device torch cannot use, a broken install) repeats on every restart, so
+restarting it forever only hides the cause. The stop line quotes the child's
+last stderr line: children's stderr passes through the supervisor (a thread per
+child copies it on, line by line) so that line is at hand. Once a child has been
+ready, a crash is restarted as before.
+
+Children run in their own process groups and get ``SHMGATE_SUPERVISOR_PID``
+(shared/parent_death.py). The first keeps a terminal's Ctrl-C, which signals
+the whole foreground group, away from them: the supervisor alone gets it and
+stops them in order, instead of every frontend raising KeyboardInterrupt at
+once. The second makes them exit when the supervisor dies (even by SIGKILL),
+rather than serving on with nobody to restart or stop them.
 
 Shutdown (SIGTERM, or the first SIGINT): the instance is marked DRAINING (new
 requests get 503 with Retry-After, /ready turns 503) while the frontends keep
@@ -43,10 +57,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import IO
 
 from shared.errors import EXIT_CONFIG
-from shared.instance import Instance
-from shared.segment import InstanceState
+from shared.instance import DEAD_AFTER_S, Instance
+from shared.parent_death import SUPERVISOR_PID_ENV
+from shared.segment import InstanceState, SlotState
 from shared.transport import PosixSupervisorLink, Role
 
 __all__ = ["ChildProcess", "Supervisor"]
@@ -58,6 +74,9 @@ STARTUP_GRACE_S = 120.0  # a worker loading a large model may not beat its slot 
 # A frontend beats once its preprocessor is loaded; for hf:<dir> that imports transformers and
 # torch, which took over 30 s on a busy 2-core machine (frontends were killed and restarted).
 FRONTEND_STARTUP_GRACE_S = 90.0
+# Deaths in a row before a child's first ready that stop ``serve``: one could be bad luck (OOM while
+# loading), three of the same start-up is a configuration that will not work.
+EARLY_DEATHS_FATAL = 3
 
 
 @dataclass
@@ -74,12 +93,52 @@ class ChildProcess:
     failures: int = 0
     restart_at: float = 0.0
     starts: int = 0
+    became_ready: bool = False  # this run reached READY in its slot row
+    early_deaths: int = 0  # runs in a row that died before becoming ready
+    last_stderr: str = ""  # the last non-empty line the current (or last) run wrote to stderr
+    _stderr_pump: threading.Thread | None = None
 
     def start(self) -> None:
-        self.process = subprocess.Popen(self.argv, env=self.env, pass_fds=self.pass_fds)
+        env = {**self.env, SUPERVISOR_PID_ENV: str(os.getpid())}
+        # process_group=0: a terminal's Ctrl-C (or a kill of the supervisor's group) reaches the
+        # supervisor only, which stops the children in order (module docstring).
+        self.process = subprocess.Popen(self.argv, env=env, pass_fds=self.pass_fds, process_group=0,
+                                        stderr=subprocess.PIPE)
         self.started_at = time.monotonic()
         self.starts += 1
-        log.info("started %s %d (pid %d)", self.role, self.slot, self.process.pid)
+        self.became_ready = False
+        self.last_stderr = ""
+        assert self.process.stderr is not None
+        self._stderr_pump = threading.Thread(target=self._pass_stderr, args=(self.process.stderr,), daemon=True,
+                                             name=f"stderr-{self.role}-{self.slot}")
+        self._stderr_pump.start()
+        log.info("started %s (pid %d)", self.name, self.process.pid)
+
+    @property
+    def name(self) -> str:
+        """How logs name this child. A frontend's index is its slot; a worker's is not (it claims a free
+        worker slot of the segment, the number its own log gives), so it is a "worker process"."""
+        return f"frontend {self.slot}" if self.role == "frontend" else f"worker process {self.slot}"
+
+    def last_words(self) -> str:
+        """The last stderr line of a run that has exited (waits briefly for the copy to reach it)."""
+        if self._stderr_pump is not None:
+            self._stderr_pump.join(1.0)
+        return self.last_stderr
+
+    def _pass_stderr(self, stream: IO[bytes]) -> None:
+        """Copy the child's stderr to ours line by line, remembering the last line for a fatal stop."""
+        with stream:
+            for line in stream:
+                try:
+                    view = memoryview(line)
+                    while view:  # a signal can cut a write to a pipe short
+                        view = view[os.write(2, view):]
+                except OSError:
+                    pass  # our stderr is gone: keep draining, or the child blocks on a full pipe
+                text = line.decode(errors="replace").strip()
+                if text:
+                    self.last_stderr = text
 
     @property
     def pid(self) -> int:
@@ -120,6 +179,8 @@ class Supervisor:
     _signals: list[int] = field(default_factory=list)
     _force: bool = False
     _fatal: str = ""
+    _warned_models: set[tuple[int, int]] = field(default_factory=set)  # (worker slot, epoch) already warned of
+    _refused_seen: int = 0  # workers refused for another model, as last logged
     link: PosixSupervisorLink = field(init=False)
 
     def __post_init__(self) -> None:
@@ -179,11 +240,19 @@ class Supervisor:
         now = time.monotonic()
         link = self.link
         for child in self.frontends + self.workers:
+            if self._signals or self._fatal:
+                return  # stopping: a child that exits now is not restarted (nor reported as a crash)
             if child.process is None:
                 if now >= child.restart_at:
                     child.start()
                 continue
             if child.is_alive():
+                if not child.became_ready and self._slot_state(child) == SlotState.READY:
+                    child.became_ready = True
+                    child.early_deaths = 0
+                    if child.role == "worker":
+                        log.info("%s (pid %d) is ready in worker slot %s", child.name, child.pid,
+                                 link.slot_of(child.role, child.pid, child.slot))
                 if child.role == "frontend" and now - child.started_at > FRONTEND_STARTUP_GRACE_S:
                     if not link.frontend_alive(child.slot):
                         log.error("frontend %d stopped beating; killing it", child.slot)
@@ -193,19 +262,21 @@ class Supervisor:
                         continue
                 found = link.slot_of(child.role, child.pid, child.slot)
                 if found is not None and link.stalled(child.role, found):
-                    log.error("%s %d (pid %d) made no progress for %.1f s; killing it", child.role, child.slot,
-                              child.pid, self.stall_timeout_s)
+                    log.error("%s (pid %d) made no progress for %.1f s; killing it", child.name, child.pid, self.stall_timeout_s)
                     link.count_stall(child.role, found)
                     child.kill()
                     child.join(5)
                     self._after_death(child)
                 continue
             if child.process is not None and child.process.returncode == EXIT_CONFIG:
-                self._fatal = f"{child.role} {child.slot} failed on a configuration error (its reason is above)"
+                words = child.last_words().split("configuration error: ", 1)[-1]
+                self._fatal = f"{child.name} failed on a configuration error" + (
+                    f": {words}" if words else " (its reason is above)")
                 child.process = None
                 return
             self._after_death(child)
         self._check_foreign_workers()
+        self._check_worker_models()
 
     @property
     def stall_timeout_s(self) -> float:
@@ -220,10 +291,55 @@ class Supervisor:
             self.link.count_stall("worker", slot)
             self.link.mark_dead("worker", slot)
 
+    def _slot_state(self, child: ChildProcess) -> int | None:
+        """The state in ``child``'s slot row, None when no row carries its pid (not claimed yet)."""
+        found = self.link.slot_of(child.role, child.pid, child.slot)
+        if found is None:
+            return None
+        table = self.instance.segment.frontends if child.role == "frontend" else self.instance.segment.workers
+        return int(table[found]["state"])
+
+    def _check_worker_models(self) -> None:
+        """Warn of workers that serve another model than the gateway: refused ones, and ready ones (once each).
+
+        Workers refuse to attach to a gateway of another model (worker/main.py) and note it in the header,
+        so this log says it too; one that does not refuse (an older version, another container's) would
+        count as ready while no request can reach it.
+        """
+        seg = self.instance.segment
+        served = seg.served_model
+        if not served:
+            return
+        refused, model = seg.refused_workers()
+        if refused != self._refused_seen:
+            self._refused_seen = refused
+            log.warning("a worker serving %r refused to attach: this gateway serves %r (%d refused so far); "
+                        "start workers with the gateway's --model and --served-model-name", model, served, refused)
+        for slot in seg.live_workers(DEAD_AFTER_S):
+            row = seg.workers[slot]
+            model = bytes(row["model"]).decode(errors="replace")
+            key = (slot, int(row["epoch"]))
+            if model != served and key not in self._warned_models:
+                self._warned_models.add(key)
+                log.warning("worker slot %d (pid %d) serves %r, not this gateway's %r: it gets no requests; "
+                            "start it with the gateway's --model", slot, int(row["pid"]), model, served)
+
     def _after_death(self, child: ChildProcess) -> None:
         assert child.process is not None
         code = child.process.returncode
-        log.error("%s %d (pid %d) exited with %s; restarting", child.role, child.slot, child.pid, code)
+        # A crash between two ticks leaves the row READY (or DRAINING): it was ready, too.
+        if self._slot_state(child) in (SlotState.READY, SlotState.DRAINING):
+            child.became_ready = True
+        child.early_deaths = 0 if child.became_ready else child.early_deaths + 1
+        if child.early_deaths >= EARLY_DEATHS_FATAL:
+            words = child.last_words()
+            last = f": {words}" if words else ""
+            self._fatal = (f"{child.name} exited {child.early_deaths} times in a row before it became "
+                           f"ready (last exit status {code}){last}")
+            self.link.mark_dead_by_pid(child.role, child.pid)
+            child.process = None
+            return
+        log.error("%s (pid %d) exited with %s; restarting", child.name, child.pid, code)
         self.link.mark_dead_by_pid(child.role, child.pid)
         for _ in range(self.link.repair_locks()):
             log.warning("repaired a lock held by the dead %s", child.role)

@@ -64,7 +64,8 @@ def model_card(preprocessor: Any) -> dict[str, Any]:
 
 def _tokenizing(preprocessor: Any, model: str) -> Any:
     if model != preprocessor.model:
-        raise UnknownModel(f"model {model[:100]!r} is not served here; GET /v1/models lists it", param="model")
+        raise UnknownModel(f"model {model[:100]!r} is not served here; send {preprocessor.model!r} "
+                           "(GET /v1/models lists it)", param="model")
     if not hasattr(preprocessor, "prompt_token_ids") or not getattr(preprocessor, "serves_chat", True):
         raise InvalidRequest(f"{preprocessor.model} has no tokenizer to count with", param="model")
     return preprocessor

@@ -34,7 +34,7 @@ from shared.names import (
     list_orphan_semaphore_ids,
     new_instance_id,
 )
-from shared.segment import InstanceState, LockId, Segment, now_ns, own_pidns, peek_header
+from shared.segment import InstanceState, LockId, Segment, check_model_id, now_ns, own_pidns, peek_header
 from shared.wire import (
     CONTROL_MESSAGE_BYTES,
     MAX_MESSAGE_BYTES,
@@ -43,7 +43,8 @@ from shared.wire import (
     worker_decoder,
 )
 
-__all__ = ["DEAD_AFTER_S", "Instance", "cleanup_leftovers", "find_instance", "instance_alive"]
+__all__ = ["DEAD_AFTER_S", "Instance", "LiveInstance", "cleanup_leftovers", "find_instance", "instance_alive",
+           "instance_objects", "live_instances"]
 
 log = logging.getLogger("shmgate.instance")
 
@@ -77,7 +78,11 @@ class Instance:
         index_capacity: int = 4096,
         instance_id: str | None = None,
         stall_timeout_s: float = 0.0,
+        model: str = "",
     ) -> Instance:
+        """``model``: the public id of the model the gateway serves, recorded in the header so that a worker
+        started with another model refuses to attach ('' records nothing and any worker may attach)."""
+        check_model_id(model)
         names = InstanceNames(instance_id or new_instance_id())
         segment = Segment.create(
             names,
@@ -88,6 +93,7 @@ class Instance:
             label=label,
             stall_timeout_s=stall_timeout_s,
         )
+        segment.header[0]["model"] = model.encode()  # before the queues exist: no worker can attach yet
         created: list[str] = []
         try:
             sems = []
@@ -311,12 +317,50 @@ def find_instance(label: str = "default", *, wait_s: float = 0.0) -> str:
 HALF_CREATED_GRACE_S = 60.0
 
 
-def cleanup_leftovers(dead_after_s: float = DEAD_AFTER_S) -> list[str]:
+@dataclass(frozen=True)
+class LiveInstance:
+    """A running instance as ``shmgate cleanup --list`` shows it."""
+
+    instance_id: str
+    label: str
+    supervisor_pid: int
+    model: str  # '' when the gateway did not record it, or the instance is of another layout version
+
+
+def live_instances(dead_after_s: float = DEAD_AFTER_S) -> list[LiveInstance]:
+    """The instances of this IPC namespace whose supervisor is alive, oldest first.
+
+    Label and model are read only from instances this version can attach; others show as '?'.
+    """
+    found: list[tuple[int, LiveInstance]] = []
+    for instance_id in list_arena_instances():
+        names = InstanceNames(instance_id)
+        peek = peek_header(names)
+        if peek is None or not peek.magic_ok:
+            continue
+        if not _alive(peek.state, peek.supervisor_pid, peek.supervisor_pidns, peek.supervisor_beat_ns, dead_after_s):
+            continue
+        label, model = "?", ""
+        try:
+            segment = Segment.attach(names)
+        except SetupError:
+            pass
+        else:
+            label, model = segment.label, segment.served_model
+            segment.close()
+        found.append((peek.created_ns, LiveInstance(instance_id, label, peek.supervisor_pid, model)))
+    return [live for _, live in sorted(found, key=lambda pair: pair[0])]
+
+
+def cleanup_leftovers(dead_after_s: float = DEAD_AFTER_S, *, dry_run: bool = False) -> list[str]:
     """Unlink the IPC objects of every dead instance. Returns the instance ids removed.
 
     Liveness is read from the header's version-independent prefix (``peek_header``), so a live
     instance of another shmgate version (which ``Segment.attach`` refuses) is never removed.
+    ``dry_run``: unlink nothing; return the ids that would be removed.
     """
+    if dry_run:
+        return _dead_instance_ids(dead_after_s)
     removed = []
     for instance_id in list_arena_instances():
         names = InstanceNames(instance_id)
@@ -342,6 +386,36 @@ def cleanup_leftovers(dead_after_s: float = DEAD_AFTER_S) -> list[str]:
                 posix_ipc.unlink_semaphore(name)
         removed.append(instance_id)
     return removed
+
+
+def _dead_instance_ids(dead_after_s: float) -> list[str]:
+    """The ids ``cleanup_leftovers`` would remove now, by the same rules, removing nothing."""
+    dead = []
+    for instance_id in list_arena_instances():
+        names = InstanceNames(instance_id)
+        peek = peek_header(names)
+        if peek is None:
+            continue
+        if not peek.magic_ok:
+            if _age_s(names.arena) >= HALF_CREATED_GRACE_S:
+                dead.append(instance_id)
+            continue
+        if not _alive(peek.state, peek.supervisor_pid, peek.supervisor_pidns, peek.supervisor_beat_ns, dead_after_s):
+            dead.append(instance_id)
+    dead.extend(list_orphan_semaphore_ids())
+    return dead
+
+
+def instance_objects(instance_id: str) -> list[str]:
+    """Paths of the IPC objects named after ``instance_id`` that exist now (/dev/shm, /dev/mqueue)."""
+    found: list[str] = []
+    for directory in (SHM_DIR, "/dev/mqueue"):
+        try:
+            names = os.listdir(directory)
+        except OSError:
+            continue
+        found.extend(os.path.join(directory, name) for name in sorted(names) if instance_id in name)
+    return found
 
 
 def _age_s(shm_name: str) -> float:

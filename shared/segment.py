@@ -92,8 +92,16 @@ HEADER = np.dtype(
         # set by the supervisor: a READY worker whose progress_ns is older than this is stalled
         # (not counted ready; the supervisor replaces it). 0: stall detection off.
         ("stall_timeout_ns", "<u8"),
+        # set by the gateway: the public id of the model it serves, so a worker started with another
+        # model refuses to attach. Empty (all zeros, as in segments created before it existed): unknown.
+        ("model", f"S{MODEL_NAME_BYTES}"),
+        # set by a worker that refused to attach because it serves another model, so the gateway's own
+        # log says so too (the worker's log may be in another container): how many, and the last one's model
+        ("refused_workers", "<u8"),
+        ("refused_model", f"S{MODEL_NAME_BYTES}"),
     ]
 )
+assert HEADER.itemsize <= 512, "the header must end before the lock records"
 
 LOCK_RECORD = np.dtype(
     [
@@ -352,6 +360,22 @@ class Segment:
         if rel < 0 or rel >= self.layout.partition_size * self.layout.n_frontends:
             return -1
         return rel // self.layout.partition_size
+
+    @property
+    def served_model(self) -> str:
+        """The public id of the model the gateway serves ('' when it did not say)."""
+        return bytes(self.header[0]["model"]).decode(errors="replace")
+
+    def note_refused_worker(self, model: str) -> None:
+        """A worker serving ``model`` refused to attach (two at once may count as one: a log hint, not a metric)."""
+        h = self.header[0]
+        h["refused_model"] = model.encode()[:MODEL_NAME_BYTES]
+        h["refused_workers"] = int(h["refused_workers"]) + 1
+
+    def refused_workers(self) -> tuple[int, str]:
+        """(workers refused so far, the last one's model)."""
+        h = self.header[0]
+        return int(h["refused_workers"]), bytes(h["refused_model"]).decode(errors="replace")
 
     @property
     def stall_timeout_s(self) -> float | None:

@@ -17,7 +17,7 @@ import torch
 
 from shared.wire import INLINE_TENSOR, TensorRef
 from worker.cudart import SUCCESS, find_libcudart
-from worker.device import DeviceCopier, HostRegistrations, pick_device
+from worker.device import DeviceCopier, HostRegistrations, check_device, pick_device
 
 ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
 INVALID_VALUE = 1
@@ -253,3 +253,22 @@ def test_on_cuda_the_prompt_is_cloned_on_the_host_and_the_copy_event_blocks(
     assert copy.tensors == [] and copy.host[INLINE_TENSOR][0].device.type == "cpu"
     assert events == [{"blocking": True, "recorded_on": copier._stream}]
     copier.close()
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:x", "mps", "cpu:1", ""])
+def test_a_device_that_is_not_cpu_cuda_or_cuda_n_is_refused_naming_the_forms(device: str) -> None:
+    with pytest.raises(ValueError, match="expected cpu, cuda or cuda:N"):
+        check_device(device)
+
+
+def test_cuda_is_refused_in_one_line_where_it_cannot_run() -> None:
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        assert check_device("cuda:0") == torch.device("cuda", 0)
+        with pytest.raises(ValueError, match=f"only {count} GPU"):
+            check_device(f"cuda:{count}")
+        return
+    with pytest.raises(ValueError, match="built without CUDA|no CUDA GPU is usable") as caught:
+        check_device("cuda")
+    assert "--device cpu" in str(caught.value) and "\n" not in str(caught.value)
+    assert check_device("cpu") == torch.device("cpu")

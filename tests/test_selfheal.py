@@ -382,3 +382,91 @@ def test_a_configuration_error_stops_serve_with_the_reason_instead_of_restarting
     assert "failed on a configuration error" in done.stderr
     assert f"exited with {EXIT_CONFIG}; restarting" not in done.stderr
     print(f"\nconfiguration error: serve exited 2 after {time.monotonic() - started:.1f} s")
+
+
+def test_a_device_typo_stops_serve_before_anything_starts(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "gateway", "serve", "--port", str(free_port()), "--model", "checksum",
+         "--frontends", "1", "--workers", "1", "--arena-size", "64MiB", "--device", "gpu"],
+        capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "--device: 'gpu' is not a device: use cpu, cuda or cuda:N" in done.stderr
+    assert "started" not in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda"])
+def test_a_worker_refuses_a_device_it_cannot_use_in_one_line(device: str) -> None:
+    """Checked before the worker looks for a gateway: a standalone worker (compose) says it at once."""
+    import torch
+
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("CUDA is usable here")
+    done = subprocess.run([sys.executable, "-m", "worker", "--model", "checksum", "--device", device,
+                           "--label", "no-such-gateway", "--attach-wait-s", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]  # a usage error, as every command's bad flag value
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("shmgate worker: error: ") and "--device" in lines[0], done.stderr
+
+
+def test_cuda_where_it_cannot_run_stops_serve_with_the_workers_reason_instead_of_restarting(tmp_path: Path) -> None:
+    """``cuda`` cannot work with a CPU-only torch (or without a GPU); only the worker, which loads torch,
+    can tell. It says so in one line and exits with EXIT_CONFIG; serve stops with status 2 quoting it."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is usable here")
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "gateway", "serve", "--port", str(free_port()), "--model", "checksum",
+         "--frontends", "1", "--workers", "1", "--arena-size", "64MiB", "--device", "cuda"],
+        capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "worker: configuration error: --device cuda" in done.stderr
+    assert "failed on a configuration error: --device cuda" in done.stderr
+    assert "restarting" not in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+    print(f"\n--device cuda without CUDA: serve exited 2 after {time.monotonic() - started:.1f} s")
+
+
+def test_an_unknown_model_stops_serve_before_anything_starts(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "gateway", "serve", "--port", str(free_port()), "--model", "no-such-model",
+         "--frontends", "1", "--workers", "1", "--arena-size", "64MiB"],
+        capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "unknown model 'no-such-model'" in done.stderr
+    assert "started frontend" not in done.stderr and f"exited with {EXIT_CONFIG}" not in done.stderr
+
+
+def test_a_worker_that_dies_before_it_is_ever_ready_stops_serve_after_three_tries(tmp_path: Path) -> None:
+    """A crash at start-up repeats on every restart: the third death in a row before ready is fatal, with the
+    worker's last stderr line. The deaths are real: the worker process is SIGKILLed while it starts."""
+    port = free_port()
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--model", "checksum",
+             "--frontends", "1", "--workers", "1", "--arena-size", "64MiB"],
+            stdout=log, stderr=subprocess.STDOUT)
+    server = Server(process, port, "checksum", log_path)
+    killed: set[int] = set()
+    try:
+        deadline = time.monotonic() + GUARD_S
+        while process.poll() is None and time.monotonic() < deadline:
+            for pid in server.pids("worker"):  # a fresh worker imports torch for a second or more: not ready yet
+                if pid not in killed:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.add(pid)
+            time.sleep(0.05)
+        code = process.wait(GUARD_S)
+    finally:
+        if process.poll() is None:
+            for pid, _ in server.children():  # never leave a server behind, even when the test failed
+                os.kill(pid, signal.SIGKILL)
+            process.kill()
+            process.wait()
+    text = log_path.read_text()
+    assert code == 2, text[-3000:]
+    assert len(killed) == 3, text[-3000:]
+    assert "worker process 0 exited 3 times in a row before it became ready (last exit status -9)" in text
+    assert "stopped; IPC objects unlinked" in text

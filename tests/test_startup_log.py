@@ -56,10 +56,10 @@ def test_ready_in_is_logged_when_ready_is_true_and_listening_not_before_the_chil
     wait_until(lambda: any("ready in" in line for line in _lines(checksum_server)), 10, "the ready line")
     lines = _lines(checksum_server)
     listening = _index(lines, rf"listening on {re.escape(checksum_server.base_url)} with 2 frontends$")
-    assert listening > _index(lines, r"started worker 1 ")
+    assert listening > _index(lines, r"started worker process 1 ")
     ready = _index(lines, rf"ready in \d+\.\d s: {re.escape(checksum_server.base_url)}/v1 is serving")
     assert ready > listening
-    assert ready > _index(lines, r"worker slot \d+ ready"), "ready means a worker serves, as /ready says"
+    assert ready > _index(lines, r"ready in worker slot \d+"), "ready means a worker serves, as /ready says"
     assert httpx.get(checksum_server.base_url + "/ready", timeout=5).status_code == 200
 
 

@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     model = parser.add_argument_group("model")
     add_flag(model, "--model", f"what to serve: {KNOWN_SPECS}; the same as the gateway's",
              default="efficientnet-lite0", type=flag_types.model_spec)
+    add_flag(model, "--served-model-name", "the model id clients send; must match the gateway's",
+             shown_default="from --model")
     add_flag(model, "--device", "cpu, cuda or cuda:N", shown_default="cuda when a GPU is usable, else cpu",
              type=flag_types.device)
     add_flag(model, "--threads", "torch threads; 0: on CPU the CPUs this process may use, cgroup limit included",
@@ -111,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         diag_claim_delay_ms=args.diag_claim_delay_ms,
         compile_normalise=args.compile_normalise,
         follow_drain_s=args.follow_drain_s,
+        served_model_name=args.served_model_name or "",
     )
     return run_worker(options=options, instance_id=args.instance, label=args.label, attach_wait_s=args.attach_wait_s)
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
+import os
 import threading
 import time
 from collections.abc import Collection, Sequence
@@ -62,6 +63,7 @@ __all__ = [
     "Copy",
     "DeviceCopier",
     "HostRegistrations",
+    "check_device",
     "pick_device",
     "use_device",
 ]
@@ -78,6 +80,35 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "int64": torch.int64,
     "float64": torch.float64,
 }
+
+
+def check_device(requested: str) -> torch.device:
+    """``requested`` as a device this process can run on. Raises ValueError with the line to print.
+
+    Checked before the worker attaches or loads anything: ``cpu``, ``cuda`` or ``cuda:N``, and for CUDA
+    that this torch was built with it, that a GPU is visible and that N is one of them. Without this a
+    CPU-only torch fails deep in the first CUDA call (``torch._C`` has no ``_cuda_setDevice``) and a
+    typo such as ``gpu`` fails in torch's parser: both on every restart, with a traceback.
+    """
+    try:
+        device = torch.device(requested)
+    except (RuntimeError, TypeError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda") or (device.type == "cpu" and device.index):
+        raise ValueError(f"--device {requested!r}: expected cpu, cuda or cuda:N")
+    if device.type == "cpu":
+        return device
+    if torch.version.cuda is None:
+        raise ValueError(f"--device {requested}: this torch ({torch.__version__}) is built without CUDA; "
+                         "install a CUDA build of torch, or use --device cpu")
+    if not torch.cuda.is_available():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        hint = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+        raise ValueError(f"--device {requested}: no CUDA GPU is usable here{hint}; use --device cpu")
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise ValueError(f"--device {requested}: only {count} GPU(s) are visible (cuda:0..cuda:{count - 1})")
+    return device
 
 
 def pick_device(requested: str, slot: int, visible_gpus: int) -> torch.device:

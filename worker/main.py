@@ -59,6 +59,8 @@ from shared.errors import (
     UnknownModel,
 )
 from shared.instance import Instance
+from shared.models import resolve_model
+from shared.parent_death import follow_supervisor
 from shared.segment import InstanceState, SlotState, check_model_id, now_ns
 from shared.stages import Stamp, Stamps
 from shared.transport import PosixWorkerLink, WorkerLink
@@ -78,7 +80,7 @@ from shared.wire import (
 from worker.backends import load_backend
 from worker.backends.base import ModelBackend, WorkItem, batch_size_for
 from worker.batcher import Batcher
-from worker.device import Copy, DeviceCopier, pick_device, use_device
+from worker.device import Copy, DeviceCopier, check_device, pick_device, use_device
 from worker.drain import StopRequest
 from worker.health import Progress, is_sticky_device_error
 from worker.prefetch import Prefetcher
@@ -111,6 +113,7 @@ class WorkerOptions:
     diag_claim_delay_ms: float = 0.0
     compile_normalise: bool = False  # efficientnet: torch.compile the input normalisation (opt-in; see there)
     follow_drain_s: float = 0.0  # on SIGTERM keep serving while the gateway drains, this long at most (worker/drain.py)
+    served_model_name: str = ""  # the id clients send (--served-model-name); '' the spec's default (shared/models.py)
 
 
 @dataclass
@@ -158,6 +161,8 @@ class Worker:
             dtype=options.dtype,
             compile_normalise=options.compile_normalise,
         )
+        if options.served_model_name:
+            self.backend.name = options.served_model_name
         # the public model id (hf:<dir> is served under the directory's name): what frontends match
         check_model_id(self.backend.name)
         link.set_model(self.backend.name)
@@ -202,8 +207,10 @@ class Worker:
         link = self.link
         self.progress.step()  # before READY: loading the model was not a stall
         link.mark(SlotState.READY)
-        log.info("worker slot %d ready: model %s on %s, batches of up to %d", self.slot, self.options.model,
-                 self.device, batch_size_for(self.backend, self.options.max_batch_size))
+        # "slot" is the segment's worker slot; the supervisor logs which of its workers holds it (by pid)
+        log.info("ready in worker slot %d: model %s (served as %s) on %s, batches of up to %d", self.slot,
+                 self.options.model, self.backend.name, self.device,
+                 batch_size_for(self.backend, self.options.max_batch_size))
         prefetcher = self._prefetcher.start()
         try:
             while not self._stop.is_set():
@@ -530,9 +537,20 @@ def run_worker(
     label: str,
     attach_wait_s: float = 60.0,
 ) -> int:
-    """Entry point of ``python -m worker`` / ``shmgate worker``. Returns an exit code."""
+    """Entry point of ``python -m worker`` / ``shmgate worker``. Returns an exit code.
+
+    The configuration (device, model spec, the model's extra, the gateway's model) is checked before
+    a slot is claimed or weights are loaded: each mistake is one line and ``EXIT_CONFIG``, which
+    ``shmgate serve`` turns into a stop with that line instead of a restart loop.
+    """
     from shared.instance import find_instance
 
+    follow_supervisor()
+    try:
+        check_device(options.device)
+        spec = resolve_model(options.model, options.served_model_name)
+    except ValueError as exc:
+        return _configuration_error(str(exc))
     try:
         if instance_id is None:
             instance_id = find_instance(label, wait_s=attach_wait_s)
@@ -540,6 +558,14 @@ def run_worker(
     except SetupError as exc:
         log.error("%s", exc)
         return 2
+    gateway_model = instance.segment.served_model
+    if gateway_model and gateway_model != spec.public_id:
+        instance.segment.note_refused_worker(spec.public_id)  # the gateway logs it too
+        instance.close()
+        return _configuration_error(
+            f"this worker serves {spec.public_id!r} (--model {options.model}) but the gateway it attaches to "
+            f"(instance {instance_id}) serves {gateway_model!r}; start it with the gateway's --model "
+            "(and --served-model-name), or attach it to another gateway with --label")
     try:
         worker = Worker(instance, options)
     except SetupError as exc:
@@ -549,9 +575,8 @@ def run_worker(
     except (ValueError, OSError, ImportError) as exc:
         # An unknown model or dtype, a missing model directory or extra, a model id too long:
         # restarting cannot help.
-        print(f"shmgate worker: configuration error: {exc}", file=sys.stderr)
         instance.close()
-        return EXIT_CONFIG
+        return _configuration_error(str(exc))
     signal.signal(signal.SIGTERM, lambda *_: worker.request_stop())
     signal.signal(signal.SIGINT, lambda *_: worker.request_stop())
     try:
@@ -560,3 +585,8 @@ def run_worker(
         instance.close()
     return worker.exit_code
 
+
+def _configuration_error(message: str) -> int:
+    """Say what is wrong in one line on stderr (the supervisor quotes it) and return ``EXIT_CONFIG``."""
+    print(f"shmgate worker: configuration error: {message}", file=sys.stderr, flush=True)
+    return EXIT_CONFIG
