@@ -53,7 +53,8 @@ def test_the_summary_comes_before_any_child_and_says_what_a_client_needs(checksu
 
 def test_ready_in_is_logged_when_ready_is_true_and_listening_not_before_the_children(
         checksum_server: Server) -> None:
-    wait_until(lambda: any("ready in" in line for line in _lines(checksum_server)), 10, "the ready line")
+    wait_until(lambda: any(re.search(r"ready in \d+\.\d s: ", line) for line in _lines(checksum_server)), 10,
+               "the ready line")
     lines = _lines(checksum_server)
     listening = _index(lines, rf"listening on {re.escape(checksum_server.base_url)} with 2 frontends$")
     assert listening > _index(lines, r"started worker process 1 ")
