@@ -27,7 +27,7 @@ from gateway.metrics import Counter
 from gateway.preprocess.vision import ChecksumPreprocessor
 from gateway.render import answer
 from gateway.request_state import Phase
-from shared.errors import InvalidRequest
+from shared.errors import Cancelled, InvalidRequest
 from shared.transport.memory import MemoryFrontendLink, MemoryNode
 from shared.wire import Claimed, Delta, Submit, failed_reply
 
@@ -100,5 +100,29 @@ def test_a_choice_failing_after_output_began_is_an_error_event_ending_the_stream
         assert chunks[3]["error"]["message"] == "the worker refused this choice" and len(chunks) == 4
         assert states[0].phase is Phase.ABANDONED
         assert int(link.row[Counter.REQUESTS_CLIENT_ERROR]) == 1 and int(link.row[Counter.REQUESTS_OK]) == 0
+
+    _run(scenario)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_hang_up_before_any_output_cancels_every_choice(stream: bool) -> None:
+    async def scenario(frontend: Frontend, node: MemoryNode, link: MemoryFrontendLink) -> None:
+        states, _ = await _two_choices(frontend, node)
+        gone = asyncio.Event()
+
+        async def receive() -> dict[str, str]:  # the ASGI receive of a connection that closes on `gone`
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        answering = asyncio.create_task(answer(frontend, states, "checksum", time.monotonic(), stream=stream,
+                                               receive=receive))
+        await asyncio.sleep(0.05)
+        assert not answering.done()  # waiting for the first output
+        gone.set()
+        response = await asyncio.wait_for(answering, 10)
+        assert not isinstance(response, StreamingResponse) and response.status_code == Cancelled.status_hint
+        assert [state.phase for state in states] == [Phase.ABANDONED, Phase.ABANDONED]
+        assert int(link.row[Counter.CANCELLED]) == 2  # one per choice, as each is a request in flight
+        assert int(link.row[Counter.REQUESTS_OK]) == 0 and int(link.row[Counter.REQUESTS_CLIENT_ERROR]) == 0
 
     _run(scenario)
