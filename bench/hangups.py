@@ -262,7 +262,7 @@ def watcher(args: argparse.Namespace) -> None:
             await never.wait()
             return {"type": "http.disconnect"}
 
-        async def watch() -> None:  # the shape of gateway/app.py's _cancel_on_hang_up
+        async def watch() -> None:  # the shape of gateway/render.py's cancel_on_hang_up
             while (await receive())["type"] != "http.disconnect":
                 pass
 

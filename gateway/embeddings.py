@@ -23,14 +23,18 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import time
 from dataclasses import dataclass
 from typing import Literal
 
 import msgspec
 import numpy as np
+from fastapi import Request
+from fastapi.responses import Response
 
+from gateway.fetch import fetch_pending
 from gateway.frontend import Frontend
-from gateway.http_errors import failure_error
+from gateway.http_errors import count_error, count_ok, error_response, failure_error
 from gateway.intake import (
     ChatCompletionRequest,
     ChatRequest,
@@ -44,10 +48,12 @@ from gateway.intake import (
 )
 from gateway.preprocess.base import Preprocessor
 from gateway.result_cache import ResultCache, keyed_off_the_loop, result_key
+from gateway.served import bypass_cache, read_body, served
 from shared.errors import InvalidRequest, ShmgateError, TooManyImages, UnknownModel
+from shared.stages import Stage
 from shared.wire import TASK_EMBED, Failed, Finished, SamplingParams, Vector
 
-__all__ = ["EmbeddingJob", "embed", "embedding_response", "parse_embedding_request"]
+__all__ = ["EmbeddingJob", "embed", "embedding_response", "embeddings_route", "parse_embedding_request"]
 
 
 class EmbeddingRequest(msgspec.Struct):
@@ -203,3 +209,27 @@ def embedding_response(job: EmbeddingJob, vectors: list[bytes], tokens: int) -> 
     body = {"object": "list", "data": data, "model": job.model,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
     return msgspec.json.encode(body)
+
+
+async def embeddings_route(request: Request) -> Response:
+    """``POST /v1/embeddings``: parse, fetch image URLs, embed every input, answer (or an OpenAI error)."""
+    s = served(request)
+    f, options, results = s.frontend, s.options, s.results
+    started = time.monotonic()
+    try:
+        s.check_key(request)
+        body = await read_body(request, options.max_body_bytes)
+        f.stages.observe(Stage.BODY_READ, time.monotonic() - started)
+        job = parse_embedding_request(body, options.intake, f.preprocessor)
+        if job.chat.pending_urls:
+            await fetch_pending(job.chat, options.image_urls)
+        try:
+            vectors, tokens = await embed(f, job, results, bypass_cache=bypass_cache(request))
+        finally:
+            if results is not None:
+                f.stats.set_result_cache(results.stats, results.used_bytes)
+    except ShmgateError as exc:
+        count_error(f.stats, exc)
+        return error_response(exc)
+    count_ok(f.stats, time.monotonic() - started)
+    return Response(embedding_response(job, vectors, tokens), media_type="application/json")

@@ -1,4 +1,4 @@
-"""The one place where errors become HTTP responses (OpenAI error objects) and are counted."""
+"""The one place where errors become HTTP responses (OpenAI error objects), and where every outcome is counted."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from gateway.metrics import Counter, FrontendStats
 from shared.errors import Cancelled, Overloaded, ShmgateError, error_for_code
 from shared.wire import Failed
 
-__all__ = ["MAX_MESSAGE_CHARS", "capped", "count_error", "error_body", "error_response", "failure_error"]
+__all__ = ["MAX_MESSAGE_CHARS", "capped", "count_error", "count_ok", "error_body", "error_response", "failure_error"]
 
 
 # An error message may quote what the client sent (msgspec's validation errors quote the offending
@@ -69,3 +69,15 @@ def count_error(stats: FrontendStats, exc: ShmgateError) -> None:
         stats.add(Counter.REQUESTS_CLIENT_ERROR)
     else:
         stats.add(Counter.REQUESTS_SERVER_ERROR)
+
+
+def count_ok(stats: FrontendStats, latency_s: float, ttft_s: float | None = None) -> None:
+    """Count an answered request: its latency, and its time to first token when it has one.
+
+    A whole (non-streamed) answer's first token reaches the client with the rest, so its TTFT is
+    its latency; a stream's is when its first content chunk went out; an embedding has none.
+    """
+    stats.add(Counter.REQUESTS_OK)
+    stats.observe(Counter.LATENCY_BUCKETS, latency_s)
+    if ttft_s is not None:
+        stats.observe(Counter.TTFT_BUCKETS, ttft_s)

@@ -67,19 +67,29 @@ class Completion:
 
     def completion(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,
                    logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        body: dict[str, Any] = {
+        return self.completion_of([self.choice(0, text, finish_reason, logprobs)], prompt_tokens, completion_tokens)
+
+    def completion_of(self, choices: list[dict[str, Any]], prompt_tokens: int,
+                      completion_tokens: int) -> dict[str, Any]:
+        """The ``chat.completion`` body with these ``choices`` (each from ``choice``)."""
+        return {
             "id": self.id,
             "object": "chat.completion",
             "created": self.created,
             "model": self.model,
-            "choices": [
-                {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
-            ],
+            "choices": choices,
             "usage": usage(prompt_tokens, completion_tokens),
         }
+
+    @staticmethod
+    def choice(index: int, text: str, finish_reason: str,
+               logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """One whole answer of a ``chat.completion``; ``logprobs`` only when the request asked for them."""
+        choice: dict[str, Any] = {"index": index, "message": {"role": "assistant", "content": text},
+                                  "finish_reason": finish_reason}
         if logprobs is not None:
-            body["choices"][0]["logprobs"] = {"content": logprobs}
-        return body
+            choice["logprobs"] = {"content": logprobs}
+        return choice
 
 
 def logprob_entry(entry: TokenLogprob) -> dict[str, Any]:

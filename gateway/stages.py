@@ -1,9 +1,10 @@
 """Per-stage latency histograms: where each request's time went (stages: shared/stages.py).
 
-Who uses this: the frontend (``StageRecorder``, a few one-line hooks in gateway/frontend.py and
-gateway/app.py), /metrics (``stage_histogram``, histogram ``shmgate_stage_duration_seconds`` with a
-``stage`` label) and ``shmgate bench`` (``parse_stage_histograms``, ``stage_breakdown``: the
-breakdown of its own run, from the difference of two scrapes).
+Who uses this: the frontend (``StageRecorder``, a few one-line hooks in gateway/frontend.py,
+gateway/chat_route.py and gateway/render.py), /metrics (``stage_histogram``, histogram
+``shmgate_stage_duration_seconds`` with a ``stage`` label) and ``shmgate bench``
+(``parse_stage_histograms``, ``stage_breakdown``: the breakdown of its own run, from the difference
+of two scrapes).
 
 Storage: like every other metric, the counts live in this frontend's row of the segment's stats
 (words ``STAGE_BASE`` onwards), so whichever frontend answers a scrape reports the whole node. The

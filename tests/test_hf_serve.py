@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,14 +14,16 @@ import httpx
 import openai
 import pytest
 
-from tests.serving import IMAGES, Server, data_url, start_server
+from gateway.stages import parse_server_timing
+from tests.serving import IMAGES, Server, data_url, start_server, wait_until
 from tests.shm_children import leftovers
 
 
 @pytest.fixture(scope="module")
 def hf_server(tiny_qwen2_vl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     model_dir = tiny_qwen2_vl_dir
-    server = start_server(f"hf:{model_dir}", tmp_path_factory.mktemp("serve"), "--threads", "1")
+    server = start_server(f"hf:{model_dir}", tmp_path_factory.mktemp("serve"), "--threads", "1",
+                          "--server-timing")
     try:
         yield server
     finally:
@@ -180,3 +186,95 @@ def test_mm_processor_kwargs_change_the_image_tokens_and_the_cache_key(hf_server
     bad = httpx.post(url + "/v1/chat/completions", json={"model": "tiny-qwen2-vl", "messages": messages,
                                                          "mm_processor_kwargs": {"patch_size": 7}}, timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "mm_processor_kwargs"
+
+
+# -- n > 1 records what one choice records (gateway/render.py: one loop for both) --------------------------
+
+HANG_GUARD_S = 60.0
+
+
+def _body(n: int, *, stream: bool = False, max_tokens: int = 4, **extra: object) -> dict[str, object]:
+    return {"model": "tiny-qwen2-vl", "n": n, "stream": stream, "max_tokens": max_tokens, "seed": 7,
+            "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": data_url((IMAGES / "chelsea_640.jpg").read_bytes())}},
+                {"type": "text", "text": "What is it?"}]}], **extra}
+
+
+_COUNTS = {"ok": 'shmgate_requests_total{outcome="ok"}',
+           "cancelled": 'shmgate_requests_total{outcome="cancelled"}',
+           "server_error": 'shmgate_requests_total{outcome="server_error"}',
+           "ttft": "shmgate_time_to_first_token_seconds_count",
+           "delivery": 'shmgate_stage_duration_seconds_count{stage="delivery"}'}
+
+
+def _counts(server: Server) -> dict[str, float]:
+    return {name: server.metric(metric) for name, metric in _COUNTS.items()}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_n_choices_record_one_ttft_and_a_delivery_stage_per_choice(hf_server: Server, stream: bool) -> None:
+    before = _counts(hf_server)
+    r = httpx.post(hf_server.base_url + "/v1/chat/completions", json=_body(3, stream=stream), timeout=60)
+    assert r.status_code == 200, r.text
+    if stream:
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        finished = {c["choices"][0]["index"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]}
+        assert finished == {0, 1, 2}
+    else:
+        assert [c["index"] for c in r.json()["choices"]] == [0, 1, 2]
+    after = _counts(hf_server)
+    assert {k: after[k] - before[k] for k in ("ok", "ttft", "delivery")} == {"ok": 1, "ttft": 1, "delivery": 3}
+
+
+def test_n_choices_say_where_their_time_went_in_server_timing(hf_server: Server) -> None:
+    r = httpx.post(hf_server.base_url + "/v1/chat/completions", json=_body(2), timeout=60)
+    assert r.status_code == 200, r.text
+    spent = parse_server_timing(r.headers["server-timing"])
+    assert {"body_read", "preprocess", "queue", "compute", "delivery", "total"} <= set(spent)
+    assert all(value >= 0 for value in spent.values())
+    assert spent["compute"] <= spent["total"]
+
+
+def _no_eos_bias(model_dir: Path) -> dict[str, float]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    ids = {tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return {str(i): -100.0 for i in ids}
+
+
+def test_n_choices_whose_client_hangs_up_are_all_cancelled(hf_server: Server, tiny_qwen2_vl_dir: Path) -> None:
+    """Two long generations (end of sequence biased away) stop when the client of the whole answer leaves."""
+    server = hf_server
+    wait_until(lambda: server.metric("shmgate_in_flight_requests") == 0, HANG_GUARD_S, "idle")
+    before = _counts(server)
+    tokens = server.metric("shmgate_cancelled_tokens_total")
+    max_tokens = 8000
+    data = json.dumps(_body(2, max_tokens=max_tokens, temperature=0,
+                            logit_bias=_no_eos_bias(tiny_qwen2_vl_dir))).encode()
+    request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n" % len(data)) + data
+    go = threading.Event()
+
+    def client() -> None:
+        with socket.create_connection(("127.0.0.1", server.port)) as s:
+            s.sendall(request)
+            go.wait(HANG_GUARD_S)
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    try:
+        wait_until(lambda: server.metric("shmgate_in_flight_requests") >= 2, HANG_GUARD_S, "both choices in flight")
+        time.sleep(0.5)  # generating by now
+    finally:
+        go.set()
+        thread.join()
+    wait_until(lambda: server.metric(_COUNTS["cancelled"]) >= before["cancelled"] + 2
+               and server.metric("shmgate_in_flight_requests") == 0, HANG_GUARD_S, "both choices cancelled")
+    after = _counts(server)
+    assert {k: after[k] - before[k] for k in ("ok", "cancelled", "server_error")} == {
+        "ok": 0, "cancelled": 2, "server_error": 0}
+    generated = server.metric("shmgate_cancelled_tokens_total") - tokens
+    assert generated < max_tokens, f"{generated:.0f} of {2 * max_tokens} tokens generated for nobody"

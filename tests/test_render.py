@@ -1,0 +1,128 @@
+"""The chat answer for n choices, rendered by the one loop of gateway/render.py, when a choice fails.
+
+A real ``Frontend`` runs on the in-memory transport (shared/transport/memory.py) and the test plays
+the worker, so a choice can fail at an exact moment: before any output (the answer is an HTTP
+error, never a 200 stream) or after some (an error event ends the stream). What n > 1 records
+over real HTTP (TTFT, the delivery stage, Server-Timing, a hang-up) is in tests/test_hf_serve.py,
+on the tiny Qwen2-VL: the models that sample tokens are those that take ``n``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import time
+from collections.abc import Awaitable, Callable
+
+import pytest
+from PIL import Image
+from starlette.responses import StreamingResponse
+
+from gateway.choices import submit_choices
+from gateway.frontend import Frontend, FrontendLimits, RequestState
+from gateway.intake import IntakeLimits, parse_chat_request
+from gateway.metrics import Counter
+from gateway.preprocess.vision import ChecksumPreprocessor
+from gateway.render import answer
+from gateway.request_state import Phase
+from shared.errors import Cancelled, InvalidRequest
+from shared.transport.memory import MemoryFrontendLink, MemoryNode
+from shared.wire import Claimed, Delta, Submit, failed_reply
+
+
+def _png() -> str:
+    buffer = io.BytesIO()
+    Image.new("RGB", (32, 24), (20, 140, 90)).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+Scenario = Callable[[Frontend, MemoryNode, MemoryFrontendLink], Awaitable[None]]
+
+
+def _run(scenario: Scenario) -> None:
+    async def main() -> None:
+        node = MemoryNode()
+        node.add_worker("checksum")
+        link = MemoryFrontendLink(node, slot=0)
+        frontend = Frontend(link, ChecksumPreprocessor(), FrontendLimits())
+        await frontend.start()
+        try:
+            await scenario(frontend, node, link)
+        finally:
+            await frontend.stop()
+
+    asyncio.run(main())
+
+
+async def _two_choices(frontend: Frontend, node: MemoryNode) -> tuple[list[RequestState], list[Submit]]:
+    """Submit a two-choice request and claim both choices, as a worker would."""
+    body = json.dumps({"model": "checksum", "n": 2, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is it?"}, {"type": "image_url", "image_url": {"url": _png()}}]}]}).encode()
+    states = await submit_choices(frontend, parse_chat_request(body, IntakeLimits()))
+    submits = [node.take(), node.take()]
+    assert all(s is not None for s in submits)
+    taken = [s for s in submits if s is not None]
+    for submit in taken:
+        node.reply(Claimed(submit.request_id, 0, 1))
+    return states, taken
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_choice_failing_before_any_output_is_an_http_error_not_a_200_stream(stream: bool) -> None:
+    async def scenario(frontend: Frontend, node: MemoryNode, link: MemoryFrontendLink) -> None:
+        states, submits = await _two_choices(frontend, node)
+        answering = asyncio.create_task(answer(frontend, states, "checksum", time.monotonic(), stream=stream))
+        node.reply(failed_reply(submits[1].request_id, 0, InvalidRequest("the worker refused this choice")))
+        response = await asyncio.wait_for(answering, 10)
+        assert not isinstance(response, StreamingResponse)
+        assert response.status_code == 400
+        error = json.loads(bytes(response.body))["error"]
+        assert error["message"] == "the worker refused this choice" and error["type"] == "invalid_request_error"
+        assert states[0].phase is Phase.ABANDONED  # the other choice's work is cancelled
+        assert int(link.row[Counter.REQUESTS_CLIENT_ERROR]) == 1 and int(link.row[Counter.CANCELLED]) == 1
+        assert int(link.row[Counter.REQUESTS_OK]) == 0
+
+    _run(scenario)
+
+
+def test_a_choice_failing_after_output_began_is_an_error_event_ending_the_stream() -> None:
+    async def scenario(frontend: Frontend, node: MemoryNode, link: MemoryFrontendLink) -> None:
+        states, submits = await _two_choices(frontend, node)
+        node.reply(Delta(submits[0].request_id, 0, "a cat"))
+        response = await asyncio.wait_for(answer(frontend, states, "checksum", time.monotonic(), stream=True), 10)
+        assert isinstance(response, StreamingResponse) and response.status_code == 200
+        node.reply(failed_reply(submits[1].request_id, 0, InvalidRequest("the worker refused this choice")))
+        chunks = [json.loads(bytes(c).removeprefix(b"data: ")) async for c in response.body_iterator]
+        assert [c["choices"][0]["index"] for c in chunks[:2]] == [0, 1]  # each choice's role chunk
+        assert chunks[2]["choices"][0]["delta"] == {"content": "a cat"}
+        assert chunks[3]["error"]["message"] == "the worker refused this choice" and len(chunks) == 4
+        assert states[0].phase is Phase.ABANDONED
+        assert int(link.row[Counter.REQUESTS_CLIENT_ERROR]) == 1 and int(link.row[Counter.REQUESTS_OK]) == 0
+
+    _run(scenario)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_hang_up_before_any_output_cancels_every_choice(stream: bool) -> None:
+    async def scenario(frontend: Frontend, node: MemoryNode, link: MemoryFrontendLink) -> None:
+        states, _ = await _two_choices(frontend, node)
+        gone = asyncio.Event()
+
+        async def receive() -> dict[str, str]:  # the ASGI receive of a connection that closes on `gone`
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        answering = asyncio.create_task(answer(frontend, states, "checksum", time.monotonic(), stream=stream,
+                                               receive=receive))
+        await asyncio.sleep(0.05)
+        assert not answering.done()  # waiting for the first output
+        gone.set()
+        response = await asyncio.wait_for(answering, 10)
+        assert not isinstance(response, StreamingResponse) and response.status_code == Cancelled.status_hint
+        assert [state.phase for state in states] == [Phase.ABANDONED, Phase.ABANDONED]
+        assert int(link.row[Counter.CANCELLED]) == 2  # one per choice, as each is a request in flight
+        assert int(link.row[Counter.REQUESTS_OK]) == 0 and int(link.row[Counter.REQUESTS_CLIENT_ERROR]) == 0
+
+    _run(scenario)
