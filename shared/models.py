@@ -11,34 +11,26 @@ itself, so the two halves cannot disagree about a model's id.
 from __future__ import annotations
 
 import enum
-import json
 import os
 from dataclasses import dataclass
 
 from shared.embedding_models import embedding_model_type
+from shared.hf_families import HF_FAMILIES, chat_family, unsupported_model_type
 
 __all__ = ["HF_CHAT_MODEL_TYPES", "KNOWN_SPECS", "ModelKind", "ModelSpec", "model_id_for", "parse_model_spec",
            "check_chat_model_type", "unsupported_model_type"]
 
 # config.json model_type values that hf:<directory> chat serves: frontends (gateway/preprocess/hf.py)
 # and workers (worker/backends/hf.py) both refuse anything else at start-up, with the same message.
-HF_CHAT_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "idefics3", "llava_next", "gemma3", "paligemma", "internvl", "smolvlm")
+# Each family's record is in shared/hf_families.py.
+HF_CHAT_MODEL_TYPES = tuple(HF_FAMILIES)
 
 
 def check_chat_model_type(directory: str) -> str:
-    """``config.json``'s model_type, read as plain JSON (constructing an unknown architecture's config
-    could fail first with a less useful error). Raises ValueError naming it when chat does not serve it."""
-    with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
-        model_type = str(json.load(f).get("model_type", ""))
-    if model_type not in HF_CHAT_MODEL_TYPES:
-        raise ValueError(unsupported_model_type(directory, model_type))
-    return model_type
+    """``config.json``'s model_type. Raises ValueError naming it when chat does not serve it
+    (shared/hf_families.py ``chat_family``)."""
+    return chat_family(directory).model_type
 
-
-def unsupported_model_type(directory: str, model_type: str) -> str:
-    """The start-up error for a checkpoint whose architecture hf: chat does not serve."""
-    return (f"{directory}: model_type {model_type!r} is not supported for chat; supported: "
-            f"{', '.join(HF_CHAT_MODEL_TYPES)} (docs/MODELS.md lists the families)")
 
 KNOWN_SPECS = "efficientnet-lite0, checksum, hf:<directory>, checksum:hf:<directory>"
 
