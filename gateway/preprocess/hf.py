@@ -86,14 +86,14 @@ class _Architecture:
     # The placeholder the chat template writes: the tokenizer's named token (``token_attribute``,
     # as the processor class reads it), else ``image_token``.
     image_token: str
-    tokens_per_image: Callable[[Any, ImageTensorSpec], int]  # (preprocessor, spec)
+    tokens_per_image: Callable[[HFPreprocessor, ImageTensorSpec], int]
     low_detail: Callable[[Any], dict[str, Any]] = lambda image_processor: {}
     # Families whose image expands into more than repeated placeholders (Idefics3's tile markers):
     # (preprocessor, spec) -> the image's token ids; tokens_per_image is then unused.
-    expand: Callable[[Any, ImageTensorSpec], list[int]] | None = None
+    expand: Callable[[HFPreprocessor, ImageTensorSpec], list[int]] | None = None
     # Extra image processor arguments, and what turns its output into the arrays the arena holds.
     call_args: tuple[tuple[str, Any], ...] = ()
-    outputs: Callable[[Any, dict[str, Any]], dict[str, Any]] = lambda pre, out: dict(out)  # (preprocessor, out)
+    outputs: Callable[[HFPreprocessor, dict[str, Any]], dict[str, Any]] = lambda pre, out: dict(out)
     # Gemma 3: each placeholder becomes "\n\n" <boi> image_seq_length x <image> <eoi> "\n\n" as *text*, so
     # the newlines merge with the newlines around it; (boi, image, eoi) token names.
     wrapped: tuple[str, str, str] | None = None
@@ -130,7 +130,7 @@ def processor_keys(image_processor: Any) -> frozenset[str]:
     return frozenset(declared) - FIXED_PROCESSOR_KEYS
 
 
-def _merged_patches(pre: Any, spec: ImageTensorSpec) -> int:
+def _merged_patches(pre: HFPreprocessor, spec: ImageTensorSpec) -> int:
     """Qwen2-VL family: one token per ``merge_size x merge_size`` block of patches (the image processor's)."""
     if PIXEL_VALUES not in spec:
         raise InvalidRequest(f"An image has no '{PIXEL_VALUES}' tensor; it was not made by this preprocessor.")
@@ -141,7 +141,7 @@ def _merged_patches(pre: Any, spec: ImageTensorSpec) -> int:
     return patches // merge
 
 
-def _clip_patches(pre: Any, spec: ImageTensorSpec) -> int:
+def _clip_patches(pre: HFPreprocessor, spec: ImageTensorSpec) -> int:
     """LLaVA-1.5, as LlavaProcessor counts: one token per patch of the fixed-size CLIP input, plus
     ``num_additional_image_tokens`` (the CLS feature), less one when the model drops it
     (``vision_feature_select_strategy`` "default"). Each setting from processor_config.json, else from
@@ -162,7 +162,7 @@ def _clip_patches(pre: Any, spec: ImageTensorSpec) -> int:
 TILE_GRID = "tile_grid"
 
 
-def _idefics3_outputs(pre: Any, out: dict[str, Any]) -> dict[str, Any]:
+def _idefics3_outputs(pre: HFPreprocessor, out: dict[str, Any]) -> dict[str, Any]:
     """Idefics3: the processor's ``rows``/``cols`` (values) become TILE_GRID's shape."""
     arrays = dict(out)
     rows, cols = int(np.asarray(arrays.pop("rows")).reshape(-1)[0]), int(np.asarray(arrays.pop("cols")).reshape(-1)[0])
@@ -174,7 +174,7 @@ def _idefics3_outputs(pre: Any, out: dict[str, Any]) -> dict[str, Any]:
     return arrays
 
 
-def _idefics3_expand(pre: Any, spec: ImageTensorSpec) -> list[int]:
+def _idefics3_expand(pre: HFPreprocessor, spec: ImageTensorSpec) -> list[int]:
     """Idefics3's text for one image (as ``Idefics3Processor.replace_image_token``), tokenized: one
     ``<fake_token_around_image><row_i_col_j>`` + ``image_seq_len`` ``<image>`` per tile, a newline per
     row, then the global view. Special tokens bound it on both sides, so tokenizing it alone gives the
@@ -205,7 +205,7 @@ def _idefics3_text(rows: int, cols: int, seq_len: int, fake: str = "<fake_token_
 IMAGE_TOKENS = "image_token_count"
 
 
-def _llava_next_outputs(pre: Any, out: dict[str, Any]) -> dict[str, Any]:
+def _llava_next_outputs(pre: HFPreprocessor, out: dict[str, Any]) -> dict[str, Any]:
     """LLaVA-NeXT: tiles without the batch axis (the cache index holds at most 4 axes), image_sizes
     as the processor gives them, and IMAGE_TOKENS computed by transformers' LlavaNextProcessor."""
     pixels = np.asarray(out[PIXEL_VALUES])[0]
@@ -214,13 +214,13 @@ def _llava_next_outputs(pre: Any, out: dict[str, Any]) -> dict[str, Any]:
     return {PIXEL_VALUES: pixels, "image_sizes": out["image_sizes"], IMAGE_TOKENS: np.zeros(count, np.uint8)}
 
 
-def _counted_tokens(pre: Any, spec: ImageTensorSpec) -> int:
+def _counted_tokens(pre: HFPreprocessor, spec: ImageTensorSpec) -> int:
     if IMAGE_TOKENS not in spec or len(spec[IMAGE_TOKENS][1]) != 1:
         raise InvalidRequest(f"An image has no '{IMAGE_TOKENS}' tensor; it was not made by this preprocessor.")
     return spec[IMAGE_TOKENS][1][0]
 
 
-def _siglip_patches(pre: Any, spec: ImageTensorSpec) -> int:
+def _siglip_patches(pre: HFPreprocessor, spec: ImageTensorSpec) -> int:
     """PaliGemma: the image processor's ``image_seq_length`` (what PaliGemmaProcessor reads), else one
     token per patch of the fixed-size SigLIP input (no CLS)."""
     if PIXEL_VALUES not in spec or len(spec[PIXEL_VALUES][1]) != 4:
@@ -238,7 +238,7 @@ def _siglip_patches(pre: Any, spec: ImageTensorSpec) -> int:
 INTERNVL_SEQ_LENGTH = 256
 
 
-def _internvl_expand(pre: Any, spec: ImageTensorSpec) -> list[int]:
+def _internvl_expand(pre: HFPreprocessor, spec: ImageTensorSpec) -> list[int]:
     """InternVL: ``<img>`` + image_seq_length ``<IMG_CONTEXT>`` per crop (rows of pixel_values) + ``</img>``
     (InternVLProcessor.replace_image_token; special tokens all, so ids splice as text would tokenize).
     image_seq_length is processor_config.json's and the three tokens are the tokenizer's named ones,
@@ -302,7 +302,7 @@ def _processor_settings(path: str) -> dict[str, Any]:
     return settings if isinstance(settings, dict) else {}
 
 
-def _llava_next_processor(path: str, pre: Any) -> Any:
+def _llava_next_processor(path: str, pre: HFPreprocessor) -> Any:
     """transformers' LlavaNextProcessor over our image processor and tokenizer, with the checkpoint's
     processor_config.json (patch size, CLS handling), for its token count only."""
     from transformers import LlavaNextProcessor
