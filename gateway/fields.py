@@ -57,6 +57,6 @@ def set_image_options(chat: ChatRequest, preprocessor: Preprocessor) -> None:
     a classifier has one fixed input resolution, so ``detail`` has nothing to choose between (accepted,
     documented) and ``mm_processor_kwargs`` is refused. Raises InvalidRequest.
     """
-    if not chat.image_details:  # no images: still refuse mm_processor_kwargs the model cannot take
+    if not chat.image_details:  # no image to apply them to, but mm_processor_kwargs are checked all the same
         preprocessor.image_options(chat.processor_kwargs, None)
     chat.image_options = [preprocessor.image_options(chat.processor_kwargs, detail) for detail in chat.image_details]
