@@ -5,7 +5,8 @@ A spec is one of ``efficientnet-lite0``, ``checksum``, ``hf:<directory>`` or ``c
 (the ``model`` field clients send, the worker's name, and the id the frontend stamps on each Submit)
 and the checkpoint directory. The frontend picks its preprocessor and the worker its backend by
 ``kind`` (gateway/preprocess/__init__.py, worker/backends/__init__.py); neither parses the string
-itself, so the two halves cannot disagree about a model's id.
+itself, so the two halves cannot disagree about a model's id. What an ``hf:`` chat checkpoint's family
+(config.json ``model_type``) needs from each half is its record in shared/hf_families.py.
 """
 
 from __future__ import annotations
@@ -15,22 +16,8 @@ import os
 from dataclasses import dataclass
 
 from shared.embedding_models import embedding_model_type
-from shared.hf_families import HF_FAMILIES, chat_family, unsupported_model_type
 
-__all__ = ["HF_CHAT_MODEL_TYPES", "KNOWN_SPECS", "ModelKind", "ModelSpec", "model_id_for", "parse_model_spec",
-           "check_chat_model_type", "unsupported_model_type"]
-
-# config.json model_type values that hf:<directory> chat serves: frontends (gateway/preprocess/hf.py)
-# and workers (worker/backends/hf.py) both refuse anything else at start-up, with the same message.
-# Each family's record is in shared/hf_families.py.
-HF_CHAT_MODEL_TYPES = tuple(HF_FAMILIES)
-
-
-def check_chat_model_type(directory: str) -> str:
-    """``config.json``'s model_type. Raises ValueError naming it when chat does not serve it
-    (shared/hf_families.py ``chat_family``)."""
-    return chat_family(directory).model_type
-
+__all__ = ["KNOWN_SPECS", "ModelKind", "ModelSpec", "model_id_for", "parse_model_spec"]
 
 KNOWN_SPECS = "efficientnet-lite0, checksum, hf:<directory>, checksum:hf:<directory>"
 
