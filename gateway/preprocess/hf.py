@@ -277,16 +277,16 @@ _ARCHITECTURES: dict[PromptStyle, _Architecture] = {
     # InternVL (transformers format): 1..max_patches crops plus a thumbnail, each image_seq_length tokens
     # between <img> and </img>; "low" detail is the thumbnail alone.
     PromptStyle.CROPS: _Architecture("<IMG_CONTEXT>", lambda pre, spec: 0,
-                                           lambda ip: {"crop_to_patches": False}, _internvl_expand,
-                                           outputs=lambda pre, out: {PIXEL_VALUES: out[PIXEL_VALUES]},
-                                           token_attribute="context_image_token"),
+                                     lambda ip: {"crop_to_patches": False}, _internvl_expand,
+                                     outputs=lambda pre, out: {PIXEL_VALUES: out[PIXEL_VALUES]},
+                                     token_attribute="context_image_token"),
     # PaliGemma: a fixed-size SigLIP view per image, image_seq_length tokens.
     PromptStyle.SIGLIP_PATCHES: _Architecture("<image>", _siglip_patches),
     # Gemma 3: a fixed-size SigLIP view per image (pan-and-scan crops are not carried: off by default).
     PromptStyle.WRAPPED: _Architecture("<start_of_image>", lambda pre, spec: 0,
-                                          outputs=lambda pre, out: {PIXEL_VALUES: out[PIXEL_VALUES]},
-                                          wrapped=("<start_of_image>", "<image_soft_token>", "<end_of_image>"),
-                                          token_attribute="boi_token"),
+                                       outputs=lambda pre, out: {PIXEL_VALUES: out[PIXEL_VALUES]},
+                                       wrapped=("<start_of_image>", "<image_soft_token>", "<end_of_image>"),
+                                       token_attribute="boi_token"),
     # LLaVA-NeXT: any-resolution tiles plus an overview; token count from the original size.
     PromptStyle.COUNTED: _Architecture("<image>", _counted_tokens, outputs=_llava_next_outputs),
 }
