@@ -43,7 +43,7 @@ async def chat_completions(request: Request) -> Response:
         chat = parse_chat_request(body, options.intake)
         check_fields_for_model(chat.params, f.preprocessor, chat.n)
         set_image_options(chat, f.preprocessor)
-        if not getattr(f.preprocessor, "serves_chat", True):
+        if not f.preprocessor.serves_chat:
             raise InvalidRequest(f"{f.preprocessor.model} is an embedding model; use POST /v1/embeddings",
                                  param="model")
         if chat.pending_urls:

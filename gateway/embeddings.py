@@ -82,7 +82,7 @@ class EmbeddingJob:
 def parse_embedding_request(body: bytes, limits: IntakeLimits, preprocessor: Preprocessor) -> EmbeddingJob:
     """Parse and validate; raises RequestError subclasses naming the offending param."""
     req: EmbeddingRequest = decode_body(_decoder, body)
-    dim = getattr(preprocessor, "embedding_dim", None)
+    dim = preprocessor.embedding_dim
     if req.model != preprocessor.model:
         raise UnknownModel(f"model {req.model[:100]!r} is not served here; GET /v1/models lists it", param="model")
     if dim is None:
@@ -106,7 +106,7 @@ def parse_embedding_request(body: bytes, limits: IntakeLimits, preprocessor: Pre
     for index, text, param in inputs:
         if index is None and not text.strip():
             raise InvalidRequest("an input is empty", param=param)
-        if index is None and not getattr(preprocessor, "embeds_text", False):
+        if index is None and not preprocessor.embeds_text:
             raise InvalidRequest(f"{preprocessor.model} embeds images only; send each image as a data URL "
                                  "(data:image/jpeg;base64,...)", param=param)
     return EmbeddingJob(req.model, chat, inputs, req.encoding_format)

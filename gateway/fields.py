@@ -17,19 +17,17 @@ served model cannot honour:
 
 from __future__ import annotations
 
-from typing import Any
-
 from gateway.intake import ChatRequest
+from gateway.preprocess.base import Preprocessor
 from shared.errors import InvalidRequest
 from shared.wire import SamplingParams
 
 __all__ = ["check_fields_for_model", "set_image_options"]
 
 
-def check_fields_for_model(params: SamplingParams, preprocessor: Any, n: int = 1) -> None:
+def check_fields_for_model(params: SamplingParams, preprocessor: Preprocessor, n: int = 1) -> None:
     """Raise InvalidRequest naming the first field of ``params`` (or ``n``) the model cannot honour."""
-    vocab: int | None = getattr(preprocessor, "vocab_size", None) if getattr(preprocessor, "samples_tokens",
-                                                                              False) else None
+    vocab = preprocessor.vocab_size if preprocessor.samples_tokens else None
     token_fields = {
         "presence_penalty": params.presence_penalty != 0.0,
         "frequency_penalty": params.frequency_penalty != 0.0,
@@ -52,16 +50,13 @@ def check_fields_for_model(params: SamplingParams, preprocessor: Any, n: int = 1
                              param="stop_token_ids")
 
 
-def set_image_options(chat: ChatRequest, preprocessor: Any) -> None:
+def set_image_options(chat: ChatRequest, preprocessor: Preprocessor) -> None:
     """Fill ``chat.image_options`` from each image's ``detail`` and the request's ``mm_processor_kwargs``.
 
     ``hf:`` models map them to image processor arguments (gateway/preprocess/hf.py ``image_options``);
     a classifier has one fixed input resolution, so ``detail`` has nothing to choose between (accepted,
     documented) and ``mm_processor_kwargs`` is refused. Raises InvalidRequest.
     """
-    options = getattr(preprocessor, "image_options", None)
-    if options is None:
-        if chat.processor_kwargs:
-            raise InvalidRequest(f"{preprocessor.model} takes no mm_processor_kwargs", param="mm_processor_kwargs")
-        return
-    chat.image_options = [options(chat.processor_kwargs, detail) for detail in chat.image_details]
+    if not chat.image_details:  # no image to apply them to, but mm_processor_kwargs are checked all the same
+        preprocessor.image_options(chat.processor_kwargs, None)
+    chat.image_options = [preprocessor.image_options(chat.processor_kwargs, detail) for detail in chat.image_details]

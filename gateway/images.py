@@ -103,14 +103,13 @@ class ImageResolver:
         """
         if key is None:
             key = content_key(key_material(image), self._cache_params(options or {}))
-        extra = {"options": options} if options else {}  # only hf: preprocessors take options
 
         def make(allocate: AllocateFn) -> None:
             data = image_bytes(image)
             # The header says what the decode will need; it starts only once that much is free.
             cost = predict(data, max_pixels=self.max_pixels)
             with self.decode_budget.reserve(cost.peak_bytes):
-                self.preprocessor.preprocess_image(data, allocate, max_pixels=self.max_pixels, **extra)
+                self.preprocessor.preprocess_image(data, allocate, max_pixels=self.max_pixels, options=options)
 
         try:
             group, _ = self.cache.acquire(key, make)

@@ -49,7 +49,7 @@ def answer_key(chat: ChatRequest, preprocessor: Preprocessor) -> bytes | None:
 
     Covers every image's content, the user's text and the sampling parameters.
     """
-    if not getattr(preprocessor, "deterministic_answers", False):
+    if not preprocessor.deterministic_answers:
         return None
     h = hashlib.sha256()
     for image in chat.images:

@@ -29,6 +29,7 @@ from gateway.intake import (
     decode_body,
     image_bytes,
 )
+from gateway.preprocess.base import Preprocessor
 from shared.errors import InvalidRequest, ShmgateError, UnknownModel
 
 __all__ = ["detokenize", "model_card", "tokenize"]
@@ -52,26 +53,26 @@ _detokenize_decoder = msgspec.json.Decoder(DetokenizeRequest)
 MAX_DETOKENIZE = 1 << 20
 
 
-def model_card(preprocessor: Any) -> dict[str, Any]:
+def model_card(preprocessor: Preprocessor) -> dict[str, Any]:
     """The model's entry in ``GET /v1/models``; ``max_model_len`` (prompt + answer tokens) where the model
     has a context bound (``hf:`` chat models: the text config's ``max_position_embeddings``)."""
     card: dict[str, Any] = {"id": preprocessor.model, "object": "model", "created": 0, "owned_by": "shmgate"}
-    max_len = getattr(preprocessor, "max_prompt_tokens", None)
+    max_len = preprocessor.max_prompt_tokens
     if max_len is not None:
         card["max_model_len"] = max_len
     return card
 
 
-def _tokenizing(preprocessor: Any, model: str) -> Any:
+def _tokenizing(preprocessor: Preprocessor, model: str) -> Preprocessor:
     if model != preprocessor.model:
         raise UnknownModel(f"model {model[:100]!r} is not served here; send {preprocessor.model!r} "
                            "(GET /v1/models lists it)", param="model")
-    if not hasattr(preprocessor, "prompt_token_ids") or not getattr(preprocessor, "serves_chat", True):
+    if not preprocessor.tokenizes or not preprocessor.serves_chat:
         raise InvalidRequest(f"{preprocessor.model} has no tokenizer to count with", param="model")
     return preprocessor
 
 
-async def tokenize(preprocessor: Any, body: bytes, limits: IntakeLimits, policy: FetchPolicy,
+async def tokenize(preprocessor: Preprocessor, body: bytes, limits: IntakeLimits, policy: FetchPolicy,
                    max_pixels: int) -> dict[str, Any]:
     """The ``/tokenize`` answer for ``body``. Raises ShmgateError subclasses (400s naming the field)."""
     req = decode_body(_tokenize_decoder, body)
@@ -81,7 +82,7 @@ async def tokenize(preprocessor: Any, body: bytes, limits: IntakeLimits, policy:
     if req.prompt is not None:
         if len(req.prompt) > limits.max_text_chars:
             raise InvalidRequest(f"the prompt is longer than {limits.max_text_chars} characters", param="prompt")
-        tokens = await asyncio.to_thread(lambda: [int(i) for i in pre.tokenizer.encode(req.prompt)])
+        tokens = await asyncio.to_thread(pre.text_token_ids, req.prompt)
     else:
         chat = chat_request_from(ChatCompletionRequest(model=req.model, messages=req.messages,
                                                        mm_processor_kwargs=req.mm_processor_kwargs), limits)
@@ -92,7 +93,7 @@ async def tokenize(preprocessor: Any, body: bytes, limits: IntakeLimits, policy:
     return {"count": len(tokens), "max_model_len": pre.max_prompt_tokens, "tokens": tokens}
 
 
-def _chat_tokens(pre: Any, chat: ChatRequest, max_pixels: int) -> list[int]:
+def _chat_tokens(pre: Preprocessor, chat: ChatRequest, max_pixels: int) -> list[int]:
     specs = []
     for i, (image, param) in enumerate(zip(chat.images, chat.image_params)):
         spec: dict[str, tuple[str, tuple[int, ...]]] = {}
@@ -107,11 +108,10 @@ def _chat_tokens(pre: Any, chat: ChatRequest, max_pixels: int) -> list[int]:
             exc.param = exc.param or param
             raise
         specs.append(spec)
-    tokens: list[int] = pre.prompt_token_ids(chat.messages, specs)
-    return tokens
+    return pre.prompt_token_ids(chat.messages, specs)
 
 
-async def detokenize(preprocessor: Any, body: bytes) -> dict[str, Any]:
+async def detokenize(preprocessor: Preprocessor, body: bytes) -> dict[str, Any]:
     """The ``/detokenize`` answer: ``{"prompt": text}``. Raises ShmgateError subclasses."""
     req = decode_body(_detokenize_decoder, body)
     pre = _tokenizing(preprocessor, req.model)

@@ -6,42 +6,21 @@ A spec is one of ``efficientnet-lite0``, ``checksum``, ``hf:<directory>`` or ``c
 and the checkpoint directory. The public id is ``--served-model-name`` when given, else derived from
 the spec (``model_id_for``): clients should not have to know where the weights lie on the server. The frontend picks its preprocessor and the worker its backend by
 ``kind`` (gateway/preprocess/__init__.py, worker/backends/__init__.py); neither parses the string
-itself, so the two halves cannot disagree about a model's id.
+itself, so the two halves cannot disagree about a model's id. What an ``hf:`` chat checkpoint's family
+(config.json ``model_type``) needs from each half is its record in shared/hf_families.py.
 """
 
 from __future__ import annotations
 
 import enum
 import importlib.util
-import json
 import os
 from dataclasses import dataclass
 
 from shared.embedding_models import embedding_model_type
 
-__all__ = ["HF_CHAT_MODEL_TYPES", "KNOWN_SPECS", "ModelKind", "ModelSpec", "check_checkpoint_dir",
-           "missing_dependency", "resolve_model", "model_id_for", "parse_model_spec", "check_chat_model_type", "unsupported_model_type"]
-
-# config.json model_type values that hf:<directory> chat serves: frontends (gateway/preprocess/hf.py)
-# and workers (worker/backends/hf.py) both refuse anything else at start-up, with the same message.
-HF_CHAT_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "idefics3", "llava_next", "gemma3", "paligemma", "internvl", "smolvlm")
-
-
-def check_chat_model_type(directory: str) -> str:
-    """``config.json``'s model_type, read as plain JSON (constructing an unknown architecture's config
-    could fail first with a less useful error). Raises ValueError naming it when chat does not serve it."""
-    check_checkpoint_dir(directory)
-    with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
-        model_type = str(json.load(f).get("model_type", ""))
-    if model_type not in HF_CHAT_MODEL_TYPES:
-        raise ValueError(unsupported_model_type(directory, model_type))
-    return model_type
-
-
-def unsupported_model_type(directory: str, model_type: str) -> str:
-    """The start-up error for a checkpoint whose architecture hf: chat does not serve."""
-    return (f"{directory}: model_type {model_type!r} is not supported for chat; supported: "
-            f"{', '.join(HF_CHAT_MODEL_TYPES)} (docs/MODELS.md lists the families)")
+__all__ = ["KNOWN_SPECS", "ModelKind", "ModelSpec", "check_checkpoint_dir", "missing_dependency", "model_id_for",
+           "parse_model_spec", "resolve_model"]
 
 KNOWN_SPECS = "efficientnet-lite0, checksum, hf:<directory>, checksum:hf:<directory>"
 

@@ -187,10 +187,11 @@ def test_cpu_passes_are_two_images_per_torch_thread(backend: EfficientNetBackend
 
 def test_a_cpu_worker_batches_one_pass_unless_told_otherwise(backend: EfficientNetBackend) -> None:
     from worker.backends.base import DEFAULT_BATCH_SIZE, batch_size_for
+    from worker.backends.checksum import ChecksumBackend
 
     assert batch_size_for(backend, 0) == backend.pass_images  # the default: a batch is one pass
     assert batch_size_for(backend, 8) == 8  # --max-batch-size wins
-    assert batch_size_for(object(), 0) == DEFAULT_BATCH_SIZE  # a backend with no preference
+    assert batch_size_for(ChecksumBackend(), 0) == DEFAULT_BATCH_SIZE  # a backend with no preference
 
 
 def test_forward_passes_of_two_give_the_answers_of_one_pass(passes_of_two: EfficientNetBackend) -> None:

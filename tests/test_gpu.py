@@ -36,7 +36,7 @@ from shared.arena import Partition  # noqa: E402
 from shared.instance import Instance  # noqa: E402
 from shared.wire import INLINE_TENSOR, Delta, Failed, Finished, Submit, TensorRef  # noqa: E402
 from tests.shm_children import claim_frontend  # noqa: E402
-from worker.backends.base import WorkItem  # noqa: E402
+from worker.backends.base import ModelBackend, WorkItem  # noqa: E402
 from worker.backends.efficientnet import EfficientNetBackend  # noqa: E402
 from worker.cudart import load_runtime  # noqa: E402
 from worker.device import DeviceCopier, HostRegistrations  # noqa: E402
@@ -260,7 +260,7 @@ def test_a_cuda_worker_classifies_the_photos_through_its_pipeline(instance: Inst
 def test_workitems_reach_the_backend_on_the_device(instance: Instance) -> None:
     seen: list[WorkItem] = []
 
-    class Recorder:
+    class Recorder(ModelBackend):
         name = "checksum"
 
         def run(self, batch: list[WorkItem]) -> Iterator[Any]:

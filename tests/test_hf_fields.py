@@ -269,6 +269,11 @@ def test_processor_options_the_processor_does_not_take_are_refused(pre: HFPrepro
     with pytest.raises(InvalidRequest) as caught:
         set_image_options(chat, ChecksumPreprocessor())
     assert caught.value.param == "mm_processor_kwargs"
+    # A text-only request's mm_processor_kwargs are checked against the processor all the same.
+    text_only = parse_chat_request(body(mm_processor_kwargs={"no_such_option": 1}), LIMITS)
+    with pytest.raises(InvalidRequest) as caught:
+        set_image_options(text_only, pre)
+    assert caught.value.param == "mm_processor_kwargs"
     bad_detail = {"model": "m", "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA", "detail": "medium"}}]}]}
     with pytest.raises(InvalidRequest) as caught:

@@ -41,7 +41,7 @@ from shared.wire import (
 )
 from tests.serving import Server, expected_checksum, image_request, noise_png
 from tests.shm_children import claim_frontend, leftovers, pattern
-from worker.backends.base import BackendEvent, WorkItem
+from worker.backends.base import BackendEvent, ModelBackend, WorkItem
 from worker.backends.checksum import ChecksumBackend
 from worker.main import Worker, WorkerOptions
 
@@ -50,7 +50,7 @@ SHAPE = (3, 32, 32)
 NBYTES = 3 * 32 * 32
 
 
-class GatedChecksum:
+class GatedChecksum(ModelBackend):
     """The checksum backend; its first batch waits for ``gate`` (``started`` lists each batch's ids)."""
 
     name = "checksum"

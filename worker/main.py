@@ -166,10 +166,9 @@ class Worker:
         # the public model id (hf:<dir> is served under the directory's name): what frontends match
         check_model_id(self.backend.name)
         link.set_model(self.backend.name)
-        if hasattr(self.backend, "on_step"):  # generative backends: progress per decode step
-            self.backend.on_step = self.progress.step
+        self.backend.on_step = self.progress.step  # generative backends: progress per forward pass
         self.copier = DeviceCopier(self.device, link.mm)
-        self._host_only = frozenset((INLINE_TENSOR, *getattr(self.backend, "host_tensors", ())))
+        self._host_only = frozenset((INLINE_TENSOR, *self.backend.host_tensors))
         self._prefetcher: Prefetcher[list[_Job]] = Prefetcher(self._prepare, name=f"prefetch-{self.slot}")
         self.batcher: Batcher[_Job] = Batcher(
             link.request_queue(),
@@ -276,7 +275,7 @@ class Worker:
         if submit.model != self.backend.name:
             self._fail(submit, 0, UnknownModel(f"this worker serves {self.backend.name}"))
             return None
-        if submit.task == TASK_EMBED and not getattr(self.backend, "embeds", False):
+        if submit.task == TASK_EMBED and not self.backend.embeds:
             self._fail(submit, 0, InvalidRequest(f"{self.backend.name} does not produce embeddings"))
             return None
         if self._expired(submit):

@@ -12,7 +12,7 @@ from typing import Any
 from gateway.preprocess.base import Preprocessor
 from shared.models import ModelKind, ModelSpec, parse_model_spec
 
-__all__ = ["get_preprocessor"]
+__all__ = ["get_preprocessor", "preprocessor_class"]
 
 
 def get_preprocessor(model: str, *, max_images: int = 8,
@@ -42,6 +42,28 @@ def get_preprocessor(model: str, *, max_images: int = 8,
 
             return HFPreprocessor(_directory(spec), max_images=max_images, model_id=spec.public_id,
                                   samples_tokens=spec.kind is ModelKind.HF_CHAT, processor_kwargs=processor_kwargs)
+
+
+def preprocessor_class(kind: ModelKind) -> type[Preprocessor]:
+    """The class ``get_preprocessor`` builds for ``kind``, without building it (no checkpoint needed):
+    what a test lists to check every registered preprocessor against the contract."""
+    match kind:
+        case ModelKind.EFFICIENTNET:
+            from gateway.preprocess.vision import EfficientNetPreprocessor
+
+            return EfficientNetPreprocessor
+        case ModelKind.CHECKSUM:
+            from gateway.preprocess.vision import ChecksumPreprocessor
+
+            return ChecksumPreprocessor
+        case ModelKind.HF_EMBED:
+            from gateway.preprocess.embed_hf import HFEmbeddingPreprocessor
+
+            return HFEmbeddingPreprocessor
+        case ModelKind.HF_CHAT | ModelKind.CHECKSUM_HF:
+            from gateway.preprocess.hf import HFPreprocessor
+
+            return HFPreprocessor
 
 
 def _directory(spec: ModelSpec) -> str:

@@ -13,11 +13,14 @@ directly; a processor that makes its own arrays copies each once into the arena.
 
 from __future__ import annotations
 
+import abc
 import json
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
+
+from shared.errors import InvalidRequest
 
 __all__ = ["AllocateFn", "ImageTensorSpec", "Preprocessor", "PromptInputs", "options_key"]
 
@@ -40,27 +43,52 @@ class PromptInputs:
         self.prompt_tokens = prompt_tokens
 
 
-class Preprocessor(Protocol):
-    """Frontend half of a model. Implementations: vision.py (fixed-size classifiers), hf.py."""
+class Preprocessor(abc.ABC):
+    """Frontend half of a model. Implementations: vision.py (fixed-size classifiers), embed_hf.py, hf.py.
+
+    Every capability the gateway reads is declared here with its default, so a route asks the
+    preprocessor (``preprocessor.serves_chat``) instead of probing for an attribute, and a new model
+    states what it differs in and inherits the rest. The three methods every model must have are
+    abstract: a subclass that lacks one cannot be instantiated, and mypy says so where it is built.
+    """
 
     model: str  # the public model id served under /v1/models
     max_images: int  # per request; more is a 400
     # True when build_prompt is microseconds of plain Python (no tokenizer): the frontend then calls it
     # on the event loop instead of paying a thread hop per request.
-    prompt_is_cheap: bool
+    prompt_is_cheap: bool = False
+    # /v1/chat/completions answers for this model (an embedding-only model says False: a 400 there).
+    serves_chat: bool = True
+    # /v1/embeddings: the vector's length, None for a model that produces no embeddings.
+    embedding_dim: int | None = None
+    embeds_text: bool = False  # /v1/embeddings accepts text inputs (else images only)
+    # The model's context bound in tokens (prompt + answer); /v1/models reports it as max_model_len.
+    max_prompt_tokens: int | None = None
+    # True when the worker samples tokens, so token-level request fields (logit_bias, logprobs, n,
+    # penalties) mean something; their token ids must then be below ``vocab_size``.
+    samples_tokens: bool = False
+    vocab_size: int | None = None
+    # True when /tokenize and /detokenize can answer: the model has a tokenizer and a chat prompt.
+    tokenizes: bool = False
+    # True when the answer is a pure function of the request (the classifier's labels): the result
+    # cache (gateway/result_cache.py) may keep it.
+    deterministic_answers: bool = False
 
+    @abc.abstractmethod
     def cache_params(self) -> bytes:
         """Bytes that identify the preprocessing configuration; part of the content cache key."""
-        ...
 
-    def preprocess_image(self, data: bytes, allocate: AllocateFn, *, max_pixels: int) -> None:
+    @abc.abstractmethod
+    def preprocess_image(self, data: bytes, allocate: AllocateFn, *, max_pixels: int,
+                         options: dict[str, Any] | None = None) -> None:
         """Decode ``data`` and write its tensors into buffers obtained from ``allocate``.
 
-        Raises UndecodableImage or ImageTooLarge (shared.errors) for bad input.
-        Runs in a thread; must not touch the event loop.
+        ``options`` are this image's processor arguments, as ``image_options`` made them (None or
+        empty: the configured processing). Raises UndecodableImage or ImageTooLarge (shared.errors)
+        for bad input. Runs in a thread; must not touch the event loop.
         """
-        ...
 
+    @abc.abstractmethod
     def build_prompt(self, messages: Sequence[dict[str, Any]], images: Sequence[ImageTensorSpec]) -> PromptInputs:
         """Turn the conversation into the inline payload and text for the worker.
 
@@ -68,7 +96,28 @@ class Preprocessor(Protocol):
         ``content`` is a list of ``{"type": "text", "text": ...}`` and ``{"type": "image"}``
         parts, the images in the same order as ``images``. Raises InvalidRequest.
         """
-        ...
+
+    def image_options(self, request_kwargs: dict[str, Any] | None, detail: str | None) -> dict[str, Any]:
+        """One image's processor arguments from its ``image_url.detail`` and the request's
+        ``mm_processor_kwargs``. By default a model has one fixed input resolution: ``detail`` has
+        nothing to choose between (accepted, documented) and ``mm_processor_kwargs`` is refused."""
+        if request_kwargs:
+            raise InvalidRequest(f"{self.model} takes no mm_processor_kwargs", param="mm_processor_kwargs")
+        return {}
+
+    def prompt_token_ids(self, messages: Sequence[dict[str, Any]], images: Sequence[ImageTensorSpec]) -> list[int]:
+        """The prompt's token ids exactly as the model reads them: what ``POST /tokenize`` answers.
+        Only a model with ``tokenizes`` has them."""
+        raise InvalidRequest(f"{self.model} has no tokenizer to count with", param="model")
+
+    def text_token_ids(self, text: str) -> list[int]:
+        """Plain text's token ids, special tokens added as the tokenizer adds them: ``POST /tokenize``
+        with a ``prompt``. Only a model with ``tokenizes`` has them."""
+        raise InvalidRequest(f"{self.model} has no tokenizer to count with", param="model")
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """The text of ``ids``: what ``POST /detokenize`` answers. Only a model with ``tokenizes`` has it."""
+        raise InvalidRequest(f"{self.model} has no tokenizer to count with", param="model")
 
 
 def options_key(options: dict[str, Any]) -> bytes:

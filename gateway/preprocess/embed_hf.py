@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from gateway.imaging import decode_image
-from gateway.preprocess.base import AllocateFn, ImageTensorSpec, PromptInputs
+from gateway.preprocess.base import AllocateFn, ImageTensorSpec, Preprocessor, PromptInputs
 from gateway.preprocess.hf import model_id_for
 from shared.errors import InvalidRequest, UndecodableImage
 
@@ -37,7 +37,7 @@ def text_inline(ids: Sequence[int], mask: Sequence[int] | None) -> bytes:
     return np.asarray([0, *ids] if mask is None else [1, *ids, *mask], dtype=np.int32).tobytes()
 
 
-class HFEmbeddingPreprocessor:
+class HFEmbeddingPreprocessor(Preprocessor):
     """Image processor and tokenizer of a CLIP / SigLIP / SigLIP2 directory; thread-safe, no state per call."""
 
     prompt_is_cheap = False  # tokenizing takes a fraction of a millisecond: keep it off the loop
@@ -67,8 +67,10 @@ class HFEmbeddingPreprocessor:
     def cache_params(self) -> bytes:
         return self._cache_params
 
-    def preprocess_image(self, data: bytes, allocate: AllocateFn, *, max_pixels: int) -> None:
-        """Decode, run the image processor, copy each output into the arena once (after success)."""
+    def preprocess_image(self, data: bytes, allocate: AllocateFn, *, max_pixels: int,
+                         options: dict[str, Any] | None = None) -> None:
+        """Decode, run the image processor, copy each output into the arena once (after success).
+        ``options`` is always empty: the configured processor (``Preprocessor.image_options``)."""
         image = decode_image(data, max_pixels=max_pixels)
         try:
             out = self.image_processor(images=[image], return_tensors="np", input_data_format="channels_last")

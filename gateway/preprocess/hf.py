@@ -54,9 +54,10 @@ from typing import Any
 import numpy as np
 
 from gateway.imaging import decode_image
-from gateway.preprocess.base import AllocateFn, ImageTensorSpec, PromptInputs
+from gateway.preprocess.base import AllocateFn, ImageTensorSpec, Preprocessor, PromptInputs
 from shared.errors import InvalidRequest, UndecodableImage
-from shared.models import check_chat_model_type, model_id_for  # the rules, said in shared/models.py
+from shared.hf_families import PromptStyle, chat_family  # each family's record
+from shared.models import model_id_for  # the rules, said in shared/models.py
 
 __all__ = ["HFPreprocessor", "model_id_for"]
 
@@ -85,14 +86,14 @@ class _Architecture:
     # The placeholder the chat template writes: the tokenizer's named token (``token_attribute``,
     # as the processor class reads it), else ``image_token``.
     image_token: str
-    tokens_per_image: Callable[[Any, ImageTensorSpec], int]  # (preprocessor, spec)
+    tokens_per_image: Callable[[HFPreprocessor, ImageTensorSpec], int]
     low_detail: Callable[[Any], dict[str, Any]] = lambda image_processor: {}
     # Families whose image expands into more than repeated placeholders (Idefics3's tile markers):
     # (preprocessor, spec) -> the image's token ids; tokens_per_image is then unused.
-    expand: Callable[[Any, ImageTensorSpec], list[int]] | None = None
+    expand: Callable[[HFPreprocessor, ImageTensorSpec], list[int]] | None = None
     # Extra image processor arguments, and what turns its output into the arrays the arena holds.
     call_args: tuple[tuple[str, Any], ...] = ()
-    outputs: Callable[[Any, dict[str, Any]], dict[str, Any]] = lambda pre, out: dict(out)  # (preprocessor, out)
+    outputs: Callable[[HFPreprocessor, dict[str, Any]], dict[str, Any]] = lambda pre, out: dict(out)
     # Gemma 3: each placeholder becomes "\n\n" <boi> image_seq_length x <image> <eoi> "\n\n" as *text*, so
     # the newlines merge with the newlines around it; (boi, image, eoi) token names.
     wrapped: tuple[str, str, str] | None = None
@@ -129,7 +130,7 @@ def processor_keys(image_processor: Any) -> frozenset[str]:
     return frozenset(declared) - FIXED_PROCESSOR_KEYS
 
 
-def _merged_patches(pre: Any, spec: ImageTensorSpec) -> int:
+def _merged_patches(pre: HFPreprocessor, spec: ImageTensorSpec) -> int:
     """Qwen2-VL family: one token per ``merge_size x merge_size`` block of patches (the image processor's)."""
     if PIXEL_VALUES not in spec:
         raise InvalidRequest(f"An image has no '{PIXEL_VALUES}' tensor; it was not made by this preprocessor.")
@@ -140,7 +141,7 @@ def _merged_patches(pre: Any, spec: ImageTensorSpec) -> int:
     return patches // merge
 
 
-def _clip_patches(pre: Any, spec: ImageTensorSpec) -> int:
+def _clip_patches(pre: HFPreprocessor, spec: ImageTensorSpec) -> int:
     """LLaVA-1.5, as LlavaProcessor counts: one token per patch of the fixed-size CLIP input, plus
     ``num_additional_image_tokens`` (the CLS feature), less one when the model drops it
     (``vision_feature_select_strategy`` "default"). Each setting from processor_config.json, else from
@@ -161,7 +162,7 @@ def _clip_patches(pre: Any, spec: ImageTensorSpec) -> int:
 TILE_GRID = "tile_grid"
 
 
-def _idefics3_outputs(pre: Any, out: dict[str, Any]) -> dict[str, Any]:
+def _idefics3_outputs(pre: HFPreprocessor, out: dict[str, Any]) -> dict[str, Any]:
     """Idefics3: the processor's ``rows``/``cols`` (values) become TILE_GRID's shape."""
     arrays = dict(out)
     rows, cols = int(np.asarray(arrays.pop("rows")).reshape(-1)[0]), int(np.asarray(arrays.pop("cols")).reshape(-1)[0])
@@ -173,7 +174,7 @@ def _idefics3_outputs(pre: Any, out: dict[str, Any]) -> dict[str, Any]:
     return arrays
 
 
-def _idefics3_expand(pre: Any, spec: ImageTensorSpec) -> list[int]:
+def _idefics3_expand(pre: HFPreprocessor, spec: ImageTensorSpec) -> list[int]:
     """Idefics3's text for one image (as ``Idefics3Processor.replace_image_token``), tokenized: one
     ``<fake_token_around_image><row_i_col_j>`` + ``image_seq_len`` ``<image>`` per tile, a newline per
     row, then the global view. Special tokens bound it on both sides, so tokenizing it alone gives the
@@ -204,7 +205,7 @@ def _idefics3_text(rows: int, cols: int, seq_len: int, fake: str = "<fake_token_
 IMAGE_TOKENS = "image_token_count"
 
 
-def _llava_next_outputs(pre: Any, out: dict[str, Any]) -> dict[str, Any]:
+def _llava_next_outputs(pre: HFPreprocessor, out: dict[str, Any]) -> dict[str, Any]:
     """LLaVA-NeXT: tiles without the batch axis (the cache index holds at most 4 axes), image_sizes
     as the processor gives them, and IMAGE_TOKENS computed by transformers' LlavaNextProcessor."""
     pixels = np.asarray(out[PIXEL_VALUES])[0]
@@ -213,13 +214,13 @@ def _llava_next_outputs(pre: Any, out: dict[str, Any]) -> dict[str, Any]:
     return {PIXEL_VALUES: pixels, "image_sizes": out["image_sizes"], IMAGE_TOKENS: np.zeros(count, np.uint8)}
 
 
-def _counted_tokens(pre: Any, spec: ImageTensorSpec) -> int:
+def _counted_tokens(pre: HFPreprocessor, spec: ImageTensorSpec) -> int:
     if IMAGE_TOKENS not in spec or len(spec[IMAGE_TOKENS][1]) != 1:
         raise InvalidRequest(f"An image has no '{IMAGE_TOKENS}' tensor; it was not made by this preprocessor.")
     return spec[IMAGE_TOKENS][1][0]
 
 
-def _siglip_patches(pre: Any, spec: ImageTensorSpec) -> int:
+def _siglip_patches(pre: HFPreprocessor, spec: ImageTensorSpec) -> int:
     """PaliGemma: the image processor's ``image_seq_length`` (what PaliGemmaProcessor reads), else one
     token per patch of the fixed-size SigLIP input (no CLS)."""
     if PIXEL_VALUES not in spec or len(spec[PIXEL_VALUES][1]) != 4:
@@ -237,7 +238,7 @@ def _siglip_patches(pre: Any, spec: ImageTensorSpec) -> int:
 INTERNVL_SEQ_LENGTH = 256
 
 
-def _internvl_expand(pre: Any, spec: ImageTensorSpec) -> list[int]:
+def _internvl_expand(pre: HFPreprocessor, spec: ImageTensorSpec) -> list[int]:
     """InternVL: ``<img>`` + image_seq_length ``<IMG_CONTEXT>`` per crop (rows of pixel_values) + ``</img>``
     (InternVLProcessor.replace_image_token; special tokens all, so ids splice as text would tokenize).
     image_seq_length is processor_config.json's and the three tokens are the tokenizer's named ones,
@@ -265,34 +266,29 @@ PALIGEMMA_TEMPLATE = (
 PALIGEMMA_SUFFIX = "\n"  # tokenized together with the text before it (".\n" can be one token)
 
 
-# Keyed by the image processor class without its backend suffix. Qwen2.5-VL checkpoints
-# use the same image processor and placeholder.
-_ARCHITECTURES: dict[str, _Architecture] = {
-    "Qwen2VLImageProcessor": _Architecture("<|image_pad|>", _merged_patches, _qwen_low_detail),
-    "CLIPImageProcessor": _Architecture("<image>", _clip_patches),  # LLaVA-1.5 (model_type llava)
-    # Idefics3: tiles of max_image_size plus a global view; "low" detail is the global view alone.
-    "Idefics3ImageProcessor": _Architecture(
+# Keyed by the prompt style a family's record names (shared/hf_families.py): the code behind each.
+_ARCHITECTURES: dict[PromptStyle, _Architecture] = {
+    PromptStyle.MERGED_PATCHES: _Architecture("<|image_pad|>", _merged_patches, _qwen_low_detail),  # the Qwen family
+    PromptStyle.CLIP_PATCHES: _Architecture("<image>", _clip_patches),  # LLaVA-1.5
+    # Idefics3 and SmolVLM2: tiles of max_image_size plus a global view; "low" detail is the global view alone.
+    PromptStyle.TILES: _Architecture(
         "<image>", lambda pre, spec: 0, lambda ip: {"do_image_splitting": False}, _idefics3_expand,
         (("return_row_col_info", True),), _idefics3_outputs),
     # InternVL (transformers format): 1..max_patches crops plus a thumbnail, each image_seq_length tokens
     # between <img> and </img>; "low" detail is the thumbnail alone.
-    "GotOcr2ImageProcessor": _Architecture("<IMG_CONTEXT>", lambda pre, spec: 0,
-                                           lambda ip: {"crop_to_patches": False}, _internvl_expand,
-                                           outputs=lambda pre, out: {PIXEL_VALUES: out[PIXEL_VALUES]},
-                                           token_attribute="context_image_token"),
+    PromptStyle.CROPS: _Architecture("<IMG_CONTEXT>", lambda pre, spec: 0,
+                                     lambda ip: {"crop_to_patches": False}, _internvl_expand,
+                                     outputs=lambda pre, out: {PIXEL_VALUES: out[PIXEL_VALUES]},
+                                     token_attribute="context_image_token"),
     # PaliGemma: a fixed-size SigLIP view per image, image_seq_length tokens.
-    "SiglipImageProcessor": _Architecture("<image>", _siglip_patches),
+    PromptStyle.SIGLIP_PATCHES: _Architecture("<image>", _siglip_patches),
     # Gemma 3: a fixed-size SigLIP view per image (pan-and-scan crops are not carried: off by default).
-    "Gemma3ImageProcessor": _Architecture("<start_of_image>", lambda pre, spec: 0,
-                                          outputs=lambda pre, out: {PIXEL_VALUES: out[PIXEL_VALUES]},
-                                          wrapped=("<start_of_image>", "<image_soft_token>", "<end_of_image>"),
-                                          token_attribute="boi_token"),
-    # SmolVLM2: Idefics3's image processor and prompt under its own class names.
-    "SmolVLMImageProcessor": _Architecture(
-        "<image>", lambda pre, spec: 0, lambda ip: {"do_image_splitting": False}, _idefics3_expand,
-        (("return_row_col_info", True),), _idefics3_outputs),
+    PromptStyle.WRAPPED: _Architecture("<start_of_image>", lambda pre, spec: 0,
+                                       outputs=lambda pre, out: {PIXEL_VALUES: out[PIXEL_VALUES]},
+                                       wrapped=("<start_of_image>", "<image_soft_token>", "<end_of_image>"),
+                                       token_attribute="boi_token"),
     # LLaVA-NeXT: any-resolution tiles plus an overview; token count from the original size.
-    "LlavaNextImageProcessor": _Architecture("<image>", _counted_tokens, outputs=_llava_next_outputs),
+    PromptStyle.COUNTED: _Architecture("<image>", _counted_tokens, outputs=_llava_next_outputs),
 }
 
 
@@ -306,7 +302,7 @@ def _processor_settings(path: str) -> dict[str, Any]:
     return settings if isinstance(settings, dict) else {}
 
 
-def _llava_next_processor(path: str, pre: Any) -> Any:
+def _llava_next_processor(path: str, pre: HFPreprocessor) -> Any:
     """transformers' LlavaNextProcessor over our image processor and tokenizer, with the checkpoint's
     processor_config.json (patch size, CLS handling), for its token count only."""
     from transformers import LlavaNextProcessor
@@ -338,7 +334,7 @@ def _idefics3_seq_len(config: Any) -> int:
     return side * side // int(config.scale_factor) ** 2
 
 
-class HFPreprocessor:
+class HFPreprocessor(Preprocessor):
     """Frontend half of ``hf:<directory>``: image processor, chat template and tokenizer.
 
     Thread-safety: ``preprocess_image`` keeps no state and may run in many threads at
@@ -348,6 +344,7 @@ class HFPreprocessor:
     """
 
     prompt_is_cheap = False  # the chat template and the tokenizer take milliseconds: keep them off the loop
+    tokenizes = True  # /tokenize and /detokenize: prompt_token_ids, detokenize
 
     def __init__(
         self, model_dir: str | os.PathLike[str], *, max_images: int = 8, model_id: str | None = None,
@@ -355,8 +352,8 @@ class HFPreprocessor:
     ) -> None:
         """Load the processor parts from ``model_dir``.
 
-        Raises ValueError when the directory holds an architecture this module does not
-        know how to prompt (see ``_ARCHITECTURES``), ImportError without transformers.
+        Raises ValueError when the directory holds a family shared/hf_families.py does not list, or
+        an image processor its record does not name; ImportError without transformers.
         """
         try:
             from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
@@ -367,7 +364,7 @@ class HFPreprocessor:
         path = os.fspath(model_dir)
         self.model = model_id or model_id_for(path)
         self.max_images = max_images
-        model_type = check_chat_model_type(path)
+        family = chat_family(path)
         self.image_processor = AutoImageProcessor.from_pretrained(path, backend="pil")
         if processor_kwargs:  # --mm-processor-kwargs: the checkpoint's processor config, overridden
             unknown = set(processor_kwargs) - processor_keys(self.image_processor)
@@ -377,32 +374,33 @@ class HFPreprocessor:
             self.image_processor = AutoImageProcessor.from_pretrained(path, backend="pil", **processor_kwargs)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         kind = type(self.image_processor).__name__.removesuffix("Pil").removesuffix("Fast")
-        if kind not in _ARCHITECTURES:
-            raise ValueError(f"{path}: image processor {kind} is not supported; known: {', '.join(_ARCHITECTURES)}")
-        self._arch = _ARCHITECTURES[kind]
+        if kind not in family.image_processors:
+            raise ValueError(f"{path}: image processor {kind} is not supported for model_type {family.model_type!r}; "
+                             f"known: {', '.join(family.image_processors)}")
+        self._arch = _ARCHITECTURES[family.prompt]
         self.processor_settings = _processor_settings(path)
         self._image_token_id = self.named_token_id(self._arch.token_attribute, self._arch.image_token)
         # Some checkpoints keep the (multimodal) template beside the processor only.
         self.tokenizer.chat_template = _processor_chat_template(path) or self.tokenizer.chat_template
-        self._paligemma = model_type == "paligemma"
-        if not self.tokenizer.chat_template and self._paligemma:
+        self._prefix_lm_prompt = family.prefix_lm_prompt
+        if not self.tokenizer.chat_template and self._prefix_lm_prompt:
             self.tokenizer.chat_template = PALIGEMMA_TEMPLATE
         # What the processor's tokenizer call adds around a prompt (BOS, for many), unless the template
         # wrote BOS itself; PaliGemmaProcessor turns it off and places BOS itself.
-        self._wrapping = ([], []) if self._paligemma else _special_wrapping(self.tokenizer)
+        self._wrapping = ([], []) if self._prefix_lm_prompt else _special_wrapping(self.tokenizer)
         self._added_ids = np.asarray(sorted(self.tokenizer.added_tokens_decoder), dtype=np.int32)
         if not self.tokenizer.chat_template:
             raise ValueError(f"{path}: no chat template (chat_template.jinja / .json or tokenizer_config.json)")
         self._config = AutoConfig.from_pretrained(path)
         text_config = self._config.get_text_config()
-        self.max_prompt_tokens: int | None = getattr(text_config, "max_position_embeddings", None)
+        self.max_prompt_tokens = getattr(text_config, "max_position_embeddings", None)
         # gateway/fields.py: token-level request fields are honoured only by a model that samples tokens
         # (not checksum:hf:), and their token ids must be below this.
         self.samples_tokens = samples_tokens
-        self.vocab_size: int = int(text_config.vocab_size)
+        self.vocab_size = int(text_config.vocab_size)
         self._tokenizer_lock = threading.Lock()
         self._expansions: dict[tuple[int, int], list[int]] = {}
-        self._llava_next: Any = _llava_next_processor(path, self) if kind == "LlavaNextImageProcessor" else None
+        self._llava_next: Any = _llava_next_processor(path, self) if family.prompt is PromptStyle.COUNTED else None
         self._cache_params = self._describe_processing()
 
     def cache_params(self) -> bytes:
@@ -488,10 +486,17 @@ class HFPreprocessor:
         length check: what ``POST /tokenize`` answers (gateway/tokenize.py). Raises InvalidRequest."""
         return [int(i) for i in self._prompt_ids(messages, images)[1]]
 
+    def text_token_ids(self, text: str) -> list[int]:
+        """Plain text's token ids as the tokenizer gives them (special tokens added): ``POST /tokenize``
+        with a ``prompt``."""
+        with self._tokenizer_lock:
+            return [int(i) for i in self.tokenizer.encode(text)]
+
     def detokenize(self, ids: Sequence[int]) -> str:
         """The text of ``ids`` (special tokens included). Raises InvalidRequest for an id outside the vocabulary."""
-        if any(not 0 <= i < self.vocab_size for i in ids):
-            raise InvalidRequest(f"a token id is outside the vocabulary (0..{self.vocab_size - 1})", param="tokens")
+        vocab = self.vocab_size or 0  # always set here (from the text config)
+        if any(not 0 <= i < vocab for i in ids):
+            raise InvalidRequest(f"a token id is outside the vocabulary (0..{vocab - 1})", param="tokens")
         with self._tokenizer_lock:
             return str(self.tokenizer.decode(list(ids), skip_special_tokens=False))
 
@@ -600,7 +605,7 @@ class HFPreprocessor:
         except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError) as exc:
             raise InvalidRequest(f"The conversation does not fit this model's chat template: {exc}") from None
         ids = np.asarray(encoded["input_ids"], dtype=np.int32)
-        ids = self._paligemma_layout(ids) if self._paligemma else self._with_special_tokens(ids)
+        ids = self._paligemma_layout(ids) if self._prefix_lm_prompt else self._with_special_tokens(ids)
         slots = np.flatnonzero(ids == self._image_token_id)
         if len(slots) != len(images):
             raise InvalidRequest(f"The messages hold {len(slots)} image parts but {len(images)} images were sent.")

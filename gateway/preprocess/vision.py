@@ -35,7 +35,7 @@ import PIL
 from PIL import Image
 
 from gateway.imaging import DecodedImage, decode
-from gateway.preprocess.base import AllocateFn, ImageTensorSpec, PromptInputs
+from gateway.preprocess.base import AllocateFn, ImageTensorSpec, Preprocessor, PromptInputs
 from shared.errors import InvalidRequest, TooManyImages
 
 __all__ = ["ChecksumPreprocessor", "EfficientNetPreprocessor", "FixedSizePreprocessor", "centre_crop_box"]
@@ -43,7 +43,7 @@ __all__ = ["ChecksumPreprocessor", "EfficientNetPreprocessor", "FixedSizePreproc
 PIXELS = "pixels"  # the TensorRef name the vision backends read
 
 
-class FixedSizePreprocessor:
+class FixedSizePreprocessor(Preprocessor):
     """Frontend half of a classifier that takes ``(3, crop, crop)`` uint8 pixels.
 
     Subclasses set ``model`` (and ``min_images``); the pixel pipeline is shared so that two
@@ -78,8 +78,11 @@ class FixedSizePreprocessor:
         """The tensors ``preprocess_image`` writes for every image (known without decoding)."""
         return {PIXELS: ("uint8", (3, self.crop_to, self.crop_to))}
 
-    def preprocess_image(self, data: bytes, allocate: AllocateFn, *, max_pixels: int) -> None:
+    def preprocess_image(self, data: bytes, allocate: AllocateFn, *, max_pixels: int,
+                         options: dict[str, Any] | None = None) -> None:
         """Decode ``data`` and write ``pixels`` (uint8, (3, crop, crop)) through ``allocate``.
+
+        ``options`` is always empty here: one fixed input resolution (``Preprocessor.image_options``).
 
         Raises UndecodableImage / ImageTooLarge for bad input (before allocating), and
         whatever ``allocate`` raises (ArenaFull, Overloaded).

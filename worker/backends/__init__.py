@@ -7,7 +7,7 @@ import torch
 from shared.models import ModelKind, parse_model_spec
 from worker.backends.base import ModelBackend
 
-__all__ = ["load_backend"]
+__all__ = ["backend_class", "load_backend"]
 
 
 def load_backend(
@@ -45,3 +45,25 @@ def load_backend(
 
         return HFEmbeddingBackend(spec.directory, device, name=spec.public_id, threads=threads, dtype=DTYPES[dtype])
     return HFBackend(spec.directory, device, name=spec.public_id, threads=threads, dtype=DTYPES[dtype])
+
+
+def backend_class(kind: ModelKind) -> type[ModelBackend]:
+    """The class ``load_backend`` builds for ``kind``, without building it (no weights read): what a
+    test lists to check every registered backend against the contract."""
+    match kind:
+        case ModelKind.EFFICIENTNET:
+            from worker.backends.efficientnet import EfficientNetBackend
+
+            return EfficientNetBackend
+        case ModelKind.CHECKSUM | ModelKind.CHECKSUM_HF:
+            from worker.backends.checksum import ChecksumBackend
+
+            return ChecksumBackend
+        case ModelKind.HF_EMBED:
+            from worker.backends.hf_embed import HFEmbeddingBackend
+
+            return HFEmbeddingBackend
+        case ModelKind.HF_CHAT:
+            from worker.backends.hf import HFBackend
+
+            return HFBackend

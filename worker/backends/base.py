@@ -11,9 +11,9 @@ and the worker only ever sees tensors. A backend never touches shared memory.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import abc
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
@@ -65,39 +65,52 @@ class BackendEvent:
 DEFAULT_BATCH_SIZE = 8  # requests per batch for a backend that states no preference
 
 
-def batch_size_for(backend: object, requested: int) -> int:
-    """The batch size a worker uses: ``requested`` (``--max-batch-size``) when set, else the backend's choice.
-
-    Why a backend chooses: a batch binds its requests to one worker until the batch is done, so it
-    should be no larger than what the model gains from running together. A CPU backend that runs a
-    batch as consecutive passes gains nothing from more than one pass, and a larger batch only
-    makes its last requests wait while another worker may be idle (docs/BENCHMARKS.md, issue 16).
-    """
-    if requested > 0:
-        return requested
-    preferred = getattr(backend, "preferred_batch_size", None)
-    return preferred if isinstance(preferred, int) and preferred > 0 else DEFAULT_BATCH_SIZE
+def _no_progress() -> None:
+    """``ModelBackend.on_step`` until the worker sets its own."""
 
 
-class ModelBackend(Protocol):
-    """What the worker calls. Implementations: efficientnet.py, checksum.py, hf.py.
+class ModelBackend(abc.ABC):
+    """What the worker calls. Implementations: efficientnet.py, checksum.py, hf.py, hf_embed.py.
 
-    A backend that answers embedding items (``WorkItem.task == TASK_EMBED``) sets ``embeds = True``.
-
-    Optionally a backend has ``host_tensors``, a collection of TensorRef names it reads on the
-    host (sizes, grids): the worker hands those over as host tensors, not device copies, so
-    reading them costs no device round trip and no host sync (worker/device.py).
-
-    Optionally a backend has ``preferred_batch_size``: how many requests a batch should hold when
-    ``--max-batch-size`` is left at 0 (``batch_size_for``).
+    Every capability the worker reads is declared here with its default, so the worker asks the
+    backend (``backend.embeds``) instead of probing for an attribute, and a new backend states what
+    it differs in and inherits the rest. ``run`` is abstract: a backend without it cannot be
+    instantiated, and mypy says so where it is built.
     """
 
-    name: str
+    name: str  # the public model id it answers to (Submit.model is checked against it)
+    # True when it answers embedding items (``WorkItem.task == TASK_EMBED``); the worker refuses
+    # them for a backend that does not.
+    embeds: bool = False
+    # TensorRef names it reads on the host (sizes, grids): the worker hands those over as host
+    # tensors, not device copies, so reading them costs no device round trip and no host sync
+    # (worker/device.py).
+    host_tensors: Collection[str] = ()
+    # How many requests a batch should hold when ``--max-batch-size`` is left at 0 (``batch_size_for``);
+    # None: DEFAULT_BATCH_SIZE.
+    preferred_batch_size: int | None = None
+    # Called by a generative backend after each forward pass; the worker sets it to stamp its
+    # progress there, so a long generation that yields no text for a while never reads as a hang.
+    on_step: Callable[[], None] = staticmethod(_no_progress)
 
+    @abc.abstractmethod
     def run(self, batch: Sequence[WorkItem]) -> Iterator[BackendEvent]:
         """Run one batch and yield its output as it is produced.
 
         Raises: any exception fails every unfinished item of the batch with a
         server error; the worker survives it.
         """
-        ...
+
+
+def batch_size_for(backend: ModelBackend, requested: int) -> int:
+    """The batch size a worker uses: ``requested`` (``--max-batch-size``) when set, else the backend's choice.
+
+    Why a backend chooses: a batch binds its requests to one worker until the batch is done, so it
+    should be no larger than what the model gains from running together. A CPU backend that runs a
+    batch as consecutive passes gains nothing from more than one pass, and a larger batch only
+    makes its last requests wait while another worker may be idle (docs/BENCHMARKS.md).
+    """
+    if requested > 0:
+        return requested
+    preferred = backend.preferred_batch_size
+    return preferred if preferred is not None and preferred > 0 else DEFAULT_BATCH_SIZE

@@ -65,7 +65,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from worker.backends.base import BackendEvent, WorkItem
+from worker.backends.base import BackendEvent, ModelBackend, WorkItem
 
 __all__ = ["ChecksumBackend", "tensor_digest"]
 
@@ -118,7 +118,7 @@ def _closing(inline: bytes) -> str:
     return '],"inline":' + json.dumps(digest, separators=(",", ":")) + "}"
 
 
-class ChecksumBackend:
+class ChecksumBackend(ModelBackend):
     """Digests each item's tensors; never fails on tensor content (any dtype, any shape)."""
 
     def __init__(self, device: torch.device | None = None, *, name: str = "checksum") -> None:

@@ -72,7 +72,7 @@ from torch import nn
 
 from shared.errors import InvalidRequest
 from shared.wire import TASK_EMBED
-from worker.backends.base import BackendEvent, WorkItem
+from worker.backends.base import BackendEvent, ModelBackend, WorkItem
 from worker.vectors import unit_vectors
 
 __all__ = [
@@ -319,7 +319,7 @@ def load_class_names() -> list[str]:
     return names
 
 
-class EfficientNetBackend:
+class EfficientNetBackend(ModelBackend):
     """Classifies ``pixels`` (uint8 (3, 224, 224), on ``device``) and streams the top labels.
 
     ``threads`` sets torch's intra-op thread count for this process (a worker process owns

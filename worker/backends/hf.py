@@ -55,9 +55,10 @@ import torch
 import torch.nn.functional as F
 
 from shared.errors import InvalidRequest
-from shared.models import HF_CHAT_MODEL_TYPES, check_chat_model_type, model_id_for  # rules: shared/models.py
+from shared.hf_families import HF_FAMILIES, InputStyle, chat_family  # each family's record
+from shared.models import model_id_for  # rules: shared/models.py
 from shared.wire import MAX_LOGPROB_TOKEN_CHARS, SamplingParams, TokenLogprob
-from worker.backends.base import BackendEvent, WorkItem
+from worker.backends.base import BackendEvent, ModelBackend, WorkItem
 
 __all__ = [
     "DTYPES",
@@ -72,9 +73,9 @@ __all__ = [
 log = logging.getLogger("shmgate.worker.hf")
 
 DEFAULT_MAX_TOKENS = 256
-# config.model_type values this backend was run against. Both use Qwen2-VL's image
-# processor, placeholder token and multimodal RoPE (Qwen2.5-VL checked once by hand).
-SUPPORTED_MODEL_TYPES = HF_CHAT_MODEL_TYPES
+# config.model_type values this backend serves: the families of shared/hf_families.py, each run the
+# way its record's ``inputs`` style says (``_InputLayout.from_config``).
+SUPPORTED_MODEL_TYPES = tuple(HF_FAMILIES)
 # The image tensors this backend passes to the model, by TensorRef name.
 IMAGE_TENSORS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "tile_grid", "image_sizes",
                  "image_token_count")
@@ -91,7 +92,7 @@ DTYPES: dict[str, torch.dtype | None] = {
 }
 
 
-class HFBackend:
+class HFBackend(ModelBackend):
     """Streams generations of a local ``AutoModelForImageTextToText`` checkpoint.
 
     Supports the Qwen2-VL family (dynamic resolution, multimodal RoPE: Qwen2-VL, Qwen2.5-VL, Qwen3-VL)
@@ -110,9 +111,6 @@ class HFBackend:
     """
 
     host_tensors = HOST_TENSORS
-    # Called after each forward pass (prefill or decode step): the worker stamps its progress
-    # there, so a long generation that yields no text for a while never reads as a hang.
-    on_step: Any = staticmethod(lambda: None)
 
     def __init__(
         self,
@@ -134,7 +132,7 @@ class HFBackend:
         """
         from transformers import AutoModelForImageTextToText, AutoTokenizer
 
-        check_chat_model_type(model_dir)
+        family = chat_family(model_dir)
         if threads is not None:
             torch.set_num_threads(threads)
         self.name = name or model_id_for(model_dir)
@@ -146,7 +144,7 @@ class HFBackend:
         )
         self.model: Any = model.to(device).eval()  # a no-op when it was loaded there
         self.tokenizer: Any = AutoTokenizer.from_pretrained(model_dir)
-        self._layout = _InputLayout.from_config(self.model.config)
+        self._layout = _InputLayout.from_config(self.model.config, family.inputs)
         self.eos_token_ids: frozenset[int] = _eos_ids(self.model, self.tokenizer)
         self._cache_field = _cache_field()
 
@@ -428,51 +426,44 @@ class _InputLayout:
     prefix_lm: bool = False  # PaliGemma: token_type_ids 0 over the whole prompt (it attends both ways), positions from 1
 
     @classmethod
-    def from_config(cls, config: Any) -> _InputLayout:
+    def from_config(cls, config: Any, style: InputStyle) -> _InputLayout:
+        """The layout of a model of ``style`` (its family's record, shared/hf_families.py) from its config."""
         text, vision = config.get_text_config(), config.vision_config
         patch = vision.patch_size
-        if config.model_type in ("idefics3", "smolvlm"):
-            side = vision.image_size // patch
-            return cls(vocab_size=text.vocab_size, max_positions=text.max_position_embeddings,
-                       image_token_id=config.image_token_id, merge=1, patch_dim=0, mrope=False, tiled=True,
-                       image_size=vision.image_size, tokens_per_image=side * side // config.scale_factor**2)
-        if config.model_type == "internvl":
-            # Tokens per crop from the tower's geometry, as the model computes its features: the config's
-            # image_seq_length is a copy of the processor's setting that the model never reads (stale in
-            # checkpoints whose processor was changed).
-            side = int(vision.image_size if isinstance(vision.image_size, int) else vision.image_size[0])
-            patch_side = int(patch if isinstance(patch, int) else patch[0])
-            return cls(vocab_size=text.vocab_size, max_positions=text.max_position_embeddings,
-                       image_token_id=config.image_token_id, merge=1, patch_dim=0, mrope=False, crops=True,
-                       image_size=side,
-                       tokens_per_image=int((side // patch_side) ** 2 * config.downsample_ratio ** 2))
-        if config.model_type == "paligemma":
-            side = vision.image_size // patch
-            return cls(vocab_size=text.vocab_size, max_positions=text.max_position_embeddings,
-                       image_token_id=config.image_token_id, merge=1, patch_dim=0, mrope=False, prefix_lm=True,
-                       image_size=vision.image_size, tokens_per_image=side * side)
-        if config.model_type == "gemma3":
-            return cls(vocab_size=text.vocab_size, max_positions=text.max_position_embeddings,
-                       image_token_id=config.image_token_id, merge=1, patch_dim=0, mrope=False, token_types=True,
-                       image_size=vision.image_size, tokens_per_image=config.mm_tokens_per_image)
-        if config.model_type == "llava_next":
-            return cls(vocab_size=text.vocab_size, max_positions=text.max_position_embeddings,
-                       image_token_id=config.image_token_id, merge=1, patch_dim=0, mrope=False, any_resolution=True,
-                       image_size=vision.image_size,
-                       grid_pinpoints=tuple((int(h), int(w)) for h, w in config.image_grid_pinpoints))
-        if config.model_type == "llava":
-            side = vision.image_size // patch
-            extra = 0 if config.vision_feature_select_strategy == "default" else 1  # the CLS feature
-            return cls(vocab_size=text.vocab_size, max_positions=text.max_position_embeddings,
-                       image_token_id=config.image_token_id, merge=1, patch_dim=0, mrope=False,
-                       image_size=vision.image_size, tokens_per_image=side * side + extra)
-        return cls(
-            vocab_size=text.vocab_size,
-            max_positions=text.max_position_embeddings,
-            image_token_id=config.image_token_id,
-            merge=vision.spatial_merge_size**2,
-            patch_dim=vision.in_channels * vision.temporal_patch_size * patch * patch,
-        )
+        common = {"vocab_size": text.vocab_size, "max_positions": text.max_position_embeddings,
+                  "image_token_id": config.image_token_id}
+        match style:
+            case InputStyle.TILED:
+                side = vision.image_size // patch
+                return cls(**common, merge=1, patch_dim=0, mrope=False, tiled=True, image_size=vision.image_size,
+                           tokens_per_image=side * side // config.scale_factor**2)
+            case InputStyle.CROPS:
+                # Tokens per crop from the tower's geometry, as the model computes its features: the config's
+                # image_seq_length is a copy of the processor's setting that the model never reads (stale in
+                # checkpoints whose processor was changed).
+                side = int(vision.image_size if isinstance(vision.image_size, int) else vision.image_size[0])
+                patch_side = int(patch if isinstance(patch, int) else patch[0])
+                return cls(**common, merge=1, patch_dim=0, mrope=False, crops=True, image_size=side,
+                           tokens_per_image=int((side // patch_side) ** 2 * config.downsample_ratio ** 2))
+            case InputStyle.PREFIX_LM:
+                side = vision.image_size // patch
+                return cls(**common, merge=1, patch_dim=0, mrope=False, prefix_lm=True, image_size=vision.image_size,
+                           tokens_per_image=side * side)
+            case InputStyle.TOKEN_TYPES:
+                return cls(**common, merge=1, patch_dim=0, mrope=False, token_types=True,
+                           image_size=vision.image_size, tokens_per_image=config.mm_tokens_per_image)
+            case InputStyle.ANY_RESOLUTION:
+                return cls(**common, merge=1, patch_dim=0, mrope=False, any_resolution=True,
+                           image_size=vision.image_size,
+                           grid_pinpoints=tuple((int(h), int(w)) for h, w in config.image_grid_pinpoints))
+            case InputStyle.FIXED_SIZE:
+                side = vision.image_size // patch
+                extra = 0 if config.vision_feature_select_strategy == "default" else 1  # the CLS feature
+                return cls(**common, merge=1, patch_dim=0, mrope=False, image_size=vision.image_size,
+                           tokens_per_image=side * side + extra)
+            case InputStyle.MROPE:
+                return cls(**common, merge=vision.spatial_merge_size**2,
+                           patch_dim=vision.in_channels * vision.temporal_patch_size * patch * patch)
 
     def check(self, item: WorkItem, device: torch.device) -> _Inputs:
         """Validate ``item`` on the host and build its model inputs on ``device``. Raises InvalidRequest."""

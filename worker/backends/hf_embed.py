@@ -22,7 +22,7 @@ import torch
 
 from shared.embedding_models import EMBEDDING_MODEL_TYPES
 from shared.errors import InvalidRequest
-from worker.backends.base import BackendEvent, WorkItem
+from worker.backends.base import BackendEvent, ModelBackend, WorkItem
 from worker.vectors import unit_vectors
 
 __all__ = ["HFEmbeddingBackend"]
@@ -36,7 +36,7 @@ def _pooled(output: Any) -> torch.Tensor:
     return pooled
 
 
-class HFEmbeddingBackend:
+class HFEmbeddingBackend(ModelBackend):
     """Serves ``/v1/embeddings`` for a CLIP / SigLIP / SigLIP2 directory (fp32 on CPU, bf16 on CUDA by default)."""
 
     embeds = True
