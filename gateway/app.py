@@ -57,9 +57,9 @@ from gateway.tokenize import detokenize, model_card, tokenize
 from shared.errors import EXIT_CONFIG, Cancelled, InvalidRequest, RequestTooLarge, ShmgateError, Unauthorized
 from shared.flags import version
 from shared.instance import Instance
-from shared.segment import check_model_id
 from shared.stages import Stage
 from shared.transport import PosixFrontendLink, PosixNodeStats
+from shared.vocabulary import check_model_id
 from shared.wire import Delta, Failed, Finished, TokenLogprobs, Vector, failed_reply
 
 __all__ = ["AppOptions", "create_app"]

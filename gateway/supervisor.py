@@ -46,8 +46,8 @@ from dataclasses import dataclass, field
 
 from shared.errors import EXIT_CONFIG
 from shared.instance import Instance
-from shared.segment import InstanceState
 from shared.transport import PosixSupervisorLink, Role
+from shared.vocabulary import InstanceState
 
 __all__ = ["ChildProcess", "Supervisor"]
 

@@ -59,9 +59,9 @@ from shared.errors import (
     UnknownModel,
 )
 from shared.instance import Instance
-from shared.segment import InstanceState, SlotState, check_model_id, now_ns
 from shared.stages import Stamp, Stamps
 from shared.transport import PosixWorkerLink, WorkerLink
+from shared.vocabulary import InstanceState, SlotState, check_model_id, now_ns
 from shared.wire import (
     INLINE_TENSOR,
     MAX_DELTA_CHARS,

@@ -19,7 +19,6 @@ from shared.transport.base import (
     WorkerTotals,
 )
 from shared.transport.posix import (
-    IN_FLIGHT_COUNTER,
     PosixFrontendLink,
     PosixNodeStats,
     PosixSupervisorLink,
@@ -27,7 +26,6 @@ from shared.transport.posix import (
 )
 
 __all__ = [
-    "IN_FLIGHT_COUNTER",
     "FrontendLink",
     "MessageQueue",
     "NodeStats",
