@@ -33,6 +33,7 @@ from functools import cached_property
 import numpy as np
 import posix_ipc
 
+from shared.cache_index import ENTRY
 from shared.errors import SetupError
 from shared.names import IPC_MODE, InstanceNames, check_shm_space
 from shared.stats_layout import BATCH_BUCKETS, STATS_WORDS
@@ -188,8 +189,6 @@ class Layout:
 
     @cached_property
     def data_offset(self) -> int:
-        from shared.cache_index import ENTRY
-
         return _align(self.index_offset + self.index_capacity * ENTRY.itemsize, PAGE)
 
     @cached_property
