@@ -6,12 +6,17 @@ vocabulary (shared/vocabulary.py, shared/stats_layout.py). Only the composition 
 that build the POSIX transport or own the instance's life, import the POSIX layer: the gateway's
 app (its lifespan attaches the instance), its CLI (creates it, cleans leftovers), its supervisor
 (unlinks it at the end) and the worker's main (attaches and builds its link). The transport-neutral
-modules of shared/ import none of it, and shared/ has no import cycle.
+modules of shared/ import none of it (shared/transport/__init__.py loads the POSIX links only when
+asked for one), and shared/ has no import cycle.
 """
 
 from __future__ import annotations
 
 import ast
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -96,6 +101,27 @@ def test_the_detector_sees_function_local_and_package_re_exported_imports(tmp_pa
     probe.write_text("from shared.transport import FrontendLink\n"
                      "def f():\n    from shared.transport import PosixNodeStats\n    import shared.locks\n")
     assert _posix_imports(probe) == {"shared.transport.posix", "shared.locks"}
+
+
+def test_no_module_but_the_roots_loads_the_posix_layer_when_imported() -> None:
+    """What runs, not only what is written: a fresh interpreter imports every module of gateway/ and
+    worker/ except the composition roots and the ``__main__`` entry points that run them, and the
+    shared-memory layer (posix_ipc included) must still be unloaded."""
+    modules = [
+        _module_name(p) for p in _sources("gateway", "worker")
+        if str(p.relative_to(REPO)) not in COMPOSITION_ROOTS and p.name != "__main__.py"
+    ]
+    probe = (
+        "import importlib, json, sys\n"
+        f"for name in {modules!r}:\n    importlib.import_module(name)\n"
+        "print(json.dumps(sorted(sys.modules)))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=REPO,
+                          timeout=120, check=True)
+    loaded = set(json.loads(done.stdout.splitlines()[-1]))
+    assert "gateway.frontend" in loaded and "worker.batcher" in loaded
+    assert sorted(loaded & (POSIX_LAYER | {"posix_ipc"})) == []
 
 
 def test_the_transport_neutral_modules_import_no_posix_layer_at_run_time() -> None:
