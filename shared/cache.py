@@ -37,9 +37,9 @@ from shared.names import format_bytes
 from shared.vocabulary import AllocateFn, CacheStats, TensorGroup, content_key
 from shared.wire import DTYPE_ITEMSIZE, TensorRef
 
-# CacheStats, TensorGroup and content_key are the seam's words (shared/vocabulary.py), importable
-# from here too for the tests and benchmarks that drive a ContentCache directly.
-__all__ = ["AllocateFn", "CacheStats", "ContentCache", "TensorGroup", "content_key"]
+# TensorGroup and content_key are the seam's words (shared/vocabulary.py), importable from here too
+# for the tests and benchmarks that drive a ContentCache directly.
+__all__ = ["ContentCache", "TensorGroup", "content_key"]
 
 
 class ContentCache:

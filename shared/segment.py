@@ -37,14 +37,7 @@ from shared.cache_index import ENTRY
 from shared.errors import SetupError
 from shared.names import IPC_MODE, InstanceNames, check_shm_space
 from shared.stats_layout import BATCH_BUCKETS, STATS_WORDS
-from shared.vocabulary import (
-    HEARTBEAT_INTERVAL_S,
-    MODEL_NAME_BYTES,
-    InstanceState,
-    SlotState,
-    check_model_id,
-    now_ns,
-)
+from shared.vocabulary import HEARTBEAT_INTERVAL_S, MODEL_NAME_BYTES, InstanceState, SlotState, now_ns
 from shared.wire import WIRE_VERSION
 
 __all__ = [
@@ -55,12 +48,9 @@ __all__ = [
     "peek_header",
     # the seam's words, defined in shared/vocabulary.py and shared/stats_layout.py; importable from
     # here too for the tests and benchmarks that drive a segment directly
-    "BATCH_BUCKETS",
-    "MODEL_NAME_BYTES",
     "STATS_WORDS",
     "InstanceState",
     "SlotState",
-    "check_model_id",
     "now_ns",
 ]
 
