@@ -43,8 +43,8 @@ from gateway.tokenize import detokenize, model_card, tokenize
 from shared.errors import EXIT_CONFIG, ShmgateError, UnknownModel
 from shared.flags import version
 from shared.instance import Instance
-from shared.segment import check_model_id
 from shared.transport import PosixFrontendLink, PosixNodeStats
+from shared.vocabulary import check_model_id
 
 __all__ = ["AppOptions", "create_app"]
 

@@ -171,7 +171,7 @@ def _served_model(args: argparse.Namespace) -> str:
     """The public id of ``--model`` (or ``--served-model-name``), after the checks that need nothing started:
     the spec, the checkpoint directory, the extra the model needs. Raises SetupError with the one line."""
     from shared.models import resolve_model
-    from shared.segment import check_model_id
+    from shared.vocabulary import check_model_id
 
     try:
         public_id = resolve_model(args.model, args.served_model_name).public_id

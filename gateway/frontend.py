@@ -40,10 +40,9 @@ from gateway.preprocess.base import ImageTensorSpec, Preprocessor
 from gateway.replies import ReplyRouter
 from gateway.request_state import Phase, RequestState
 from gateway.stages import StageRecorder
-from shared.cache import TensorGroup
 from shared.errors import ChannelFull, Overloaded, UnknownModel
-from shared.segment import SlotState, now_ns
 from shared.transport.base import FrontendLink
+from shared.vocabulary import SlotState, TensorGroup, now_ns
 from shared.wire import (
     INLINE_MAX_BYTES,
     MAX_SUBMIT_TEXT_CHARS,

@@ -18,9 +18,9 @@ from gateway.imaging import predict
 from gateway.intake import LOOP_HASH_MAX_BYTES, EncodedImage, image_bytes, key_material
 from gateway.metrics import Counter, FrontendStats
 from gateway.preprocess.base import Preprocessor, PromptInputs, options_key
-from shared.cache import AllocateFn, TensorGroup, content_key
 from shared.errors import ShmgateError
 from shared.transport.base import TensorCache
+from shared.vocabulary import AllocateFn, TensorGroup, content_key
 from shared.wire import INLINE_TENSOR
 
 __all__ = ["ImageResolver"]

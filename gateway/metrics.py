@@ -1,6 +1,6 @@
 """Prometheus metrics kept in the segment, so any frontend can report the whole node.
 
-Each frontend writes only its own row of u64 counters (``Segment.stats``); a
+Each frontend writes only its own row of u64 counters (laid out in shared/stats_layout.py); a
 scrape, whichever frontend answers it, sums the rows of all frontends and reads
 the worker table (through ``NodeStats``, shared/transport). Counters survive a
 frontend restart (the successor keeps adding to the row), as Prometheus expects
@@ -13,7 +13,6 @@ Metric names and label sets are a contract (tests, deploy/k8s prometheus-adapter
 from __future__ import annotations
 
 import bisect
-import enum
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -24,43 +23,12 @@ from prometheus_client.registry import CollectorRegistry
 from gateway.result_cache import ResultCacheStats
 from gateway.stages import stage_histogram
 from shared.flags import version
-from shared.segment import BATCH_BUCKETS
+from shared.stats_layout import BATCH_BUCKETS, REQUEST_BUCKETS_S, Counter
 from shared.transport.base import NodeStats
-from shared.transport.posix import IN_FLIGHT_COUNTER
 
+# Counter (which word of the row holds what) is defined with the rest of the row's layout in
+# shared/stats_layout.py; the gateway's modules import it from here.
 __all__ = ["Counter", "FrontendStats", "NodeCollector", "exposition", "render"]
-
-BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-
-
-class Counter(enum.IntEnum):
-    REQUESTS_OK = 0
-    REQUESTS_CLIENT_ERROR = 1
-    REQUESTS_SERVER_ERROR = 2
-    REQUESTS_OVERLOADED = 3
-    CACHE_HITS = 4
-    CACHE_REMOTE_HITS = 5
-    CACHE_MISSES = 6
-    CACHE_EVICTIONS = 7
-    RETRIES = 8
-    CANCELLED = 9
-    LATENCY_SUM_US = 10
-    LATENCY_COUNT = 11
-    LATENCY_BUCKETS = 12  # .. 12 + len(BUCKETS_S) (the last one is +Inf)
-    TTFT_SUM_US = 30
-    TTFT_COUNT = 31
-    TTFT_BUCKETS = 32  # .. 32 + len(BUCKETS_S)
-    ARENA_USED_BYTES = 60  # gauges
-    ARENA_SIZE_BYTES = 61
-    IN_FLIGHT = IN_FLIGHT_COUNTER  # 62; the supervisor's drain reads it through shared/transport
-    ARENA_HELD_BYTES = 63  # arena bytes pinned by requests in flight (0 when idle)
-    CANCELLED_TOKENS = 64  # completion tokens workers generated for requests whose client had gone
-    # The result cache (gateway/result_cache.py); far from the others so that counters
-    # added after 63 do not collide.
-    RESULT_CACHE_HITS = 100
-    RESULT_CACHE_MISSES = 101
-    RESULT_CACHE_EVICTIONS = 102
-    RESULT_CACHE_BYTES = 103  # gauge
 
 
 class FrontendStats:
@@ -95,7 +63,7 @@ class FrontendStats:
         }[base]
         self._row[sum_idx] += int(seconds * 1e6)
         self._row[count_idx] += 1
-        self._row[buckets + bisect.bisect_left(BUCKETS_S, seconds)] += 1
+        self._row[buckets + bisect.bisect_left(REQUEST_BUCKETS_S, seconds)] += 1
 
 
 class NodeCollector:
@@ -186,10 +154,10 @@ def _latency_histogram(name: str, help_text: str, total: np.ndarray, buckets: in
     family = HistogramMetricFamily(name, help_text)
     cumulative = 0
     points: list[tuple[str, float]] = []
-    for i, bound in enumerate(BUCKETS_S):
+    for i, bound in enumerate(REQUEST_BUCKETS_S):
         cumulative += int(total[buckets + i])
         points.append((f"{bound:g}", cumulative))
-    cumulative += int(total[buckets + len(BUCKETS_S)])
+    cumulative += int(total[buckets + len(REQUEST_BUCKETS_S)])
     points.append(("+Inf", cumulative))
     family.add_metric([], points, sum_value=int(total[sum_idx]) / 1e6)
     return family

@@ -28,9 +28,8 @@ from gateway.metrics import Counter, FrontendStats
 from gateway.request_state import Phase, RequestState
 from gateway.stages import StageRecorder
 from shared.errors import ChannelFull, Overloaded, PeerDied, RequestTimeout, ShmgateError
-from shared.instance import DEAD_AFTER_S
-from shared.segment import now_ns
 from shared.transport.base import FrontendLink
+from shared.vocabulary import DEAD_AFTER_S, now_ns
 from shared.wire import Cancel, Claimed, Delta, Failed, Finished, Released, TokenLogprobs, Vector, failed_reply
 
 __all__ = ["CANCEL_RESEND_S", "GRACE_S", "MAX_ATTEMPTS", "TAKEN_UNCLAIMED_S", "WATCHDOG_INTERVAL_S", "ReplyRouter"]

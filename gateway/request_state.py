@@ -21,7 +21,7 @@ import enum
 from dataclasses import dataclass, field
 
 from gateway.stages import RequestTiming
-from shared.cache import TensorGroup
+from shared.vocabulary import TensorGroup
 from shared.wire import Delta, Failed, Finished, Submit, TokenLogprobs, Vector
 
 __all__ = ["IllegalTransition", "Phase", "RequestState"]

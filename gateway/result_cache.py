@@ -30,7 +30,7 @@ import msgspec
 
 from gateway.intake import LOOP_HASH_MAX_BYTES, ChatRequest, key_material
 from gateway.preprocess.base import Preprocessor
-from shared.cache import content_key
+from shared.vocabulary import content_key
 
 __all__ = ["ResultCache", "ResultCacheStats", "answer_key", "keyed_off_the_loop", "result_key"]
 

@@ -6,9 +6,9 @@ gateway/chat_route.py and gateway/render.py), /metrics (``stage_histogram``, his
 (``parse_stage_histograms``, ``stage_breakdown``: the breakdown of its own run, from the difference
 of two scrapes).
 
-Storage: like every other metric, the counts live in this frontend's row of the segment's stats
-(words ``STAGE_BASE`` onwards), so whichever frontend answers a scrape reports the whole node. The
-bucket bounds are finer than the request histogram's: most stages take milliseconds.
+Storage: like every other metric, the counts live in this frontend's stats row (one block of words
+per stage, shared/stats_layout.py), so whichever frontend answers a scrape reports the whole node.
+The bucket bounds are finer than the request histogram's: most stages take milliseconds.
 """
 
 from __future__ import annotations
@@ -21,19 +21,15 @@ from typing import Any
 import numpy as np
 from prometheus_client.core import HistogramMetricFamily
 
-from shared.segment import STATS_WORDS, now_ns
 from shared.stages import Stage, worker_stage_seconds
+from shared.stats_layout import STAGE_BUCKETS_S, STAGE_COUNT, STAGE_SUM_US, stage_base
+from shared.vocabulary import now_ns
 from shared.wire import Claimed, Finished
 
 __all__ = ["METRIC", "STAGE_BUCKETS_S", "RequestTiming", "StageRecorder", "parse_server_timing",
            "parse_stage_histograms", "server_timing", "stage_breakdown", "stage_histogram"]
 
 METRIC = "shmgate_stage_duration_seconds"
-STAGE_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0,
-                   10.0)
-STAGE_BASE = 104  # first stats word of the stage histograms (gateway/metrics.py Counter ends at 103)
-_WORDS = len(STAGE_BUCKETS_S) + 3  # buckets, +Inf, sum in µs, count
-assert STAGE_BASE + len(Stage) * _WORDS <= STATS_WORDS, "the stage histograms must fit a stats row"
 
 
 @dataclass
@@ -61,10 +57,10 @@ class StageRecorder:
         """Count ``seconds`` in ``stage``'s histogram (and in ``timing``, the request's own record)."""
         if timing is not None:
             timing.spent[stage] = seconds
-        base = STAGE_BASE + stage * _WORDS
+        base = stage_base(stage)
         self._row[base + bisect.bisect_left(STAGE_BUCKETS_S, seconds)] += 1
-        self._row[base + len(STAGE_BUCKETS_S) + 1] += int(seconds * 1e6)
-        self._row[base + len(STAGE_BUCKETS_S) + 2] += 1
+        self._row[base + STAGE_SUM_US] += int(seconds * 1e6)
+        self._row[base + STAGE_COUNT] += 1
 
     def submitted(self, timing: RequestTiming, started_s: float) -> None:
         """Images resolved and the descriptor built (``started_s``: ``time.monotonic()`` at admission)."""
@@ -122,13 +118,13 @@ def stage_histogram(total: np.ndarray) -> HistogramMetricFamily:
     family = HistogramMetricFamily(METRIC, "Time requests spent in each stage of serving (see shared/stages.py).",
                                    labels=["stage"])
     for stage in Stage:
-        base = STAGE_BASE + stage * _WORDS
+        base = stage_base(stage)
         cumulative = 0
         points: list[tuple[str, float]] = []
         for i, bound in enumerate((*STAGE_BUCKETS_S, None)):
             cumulative += int(total[base + i])
             points.append(("+Inf" if bound is None else f"{bound:g}", cumulative))
-        family.add_metric([stage.name.lower()], points, sum_value=int(total[base + len(STAGE_BUCKETS_S) + 1]) / 1e6)
+        family.add_metric([stage.name.lower()], points, sum_value=int(total[base + STAGE_SUM_US]) / 1e6)
     return family
 
 

@@ -60,10 +60,10 @@ from dataclasses import dataclass, field
 from typing import IO
 
 from shared.errors import EXIT_CONFIG
-from shared.instance import DEAD_AFTER_S, Instance
+from shared.instance import Instance
 from shared.parent_death import SUPERVISOR_PID_ENV
-from shared.segment import InstanceState, SlotState
 from shared.transport import PosixSupervisorLink, Role
+from shared.vocabulary import DEAD_AFTER_S, InstanceState, SlotState
 
 __all__ = ["ChildProcess", "Supervisor"]
 

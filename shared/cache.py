@@ -23,11 +23,9 @@ frontend wait for the first decode instead of decoding twice.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -36,51 +34,12 @@ from shared.cache_index import CacheIndex, IndexEntry
 from shared.errors import ArenaFull, DescriptorError, ImageTooLarge, Overloaded
 from shared.locks import SharedLock
 from shared.names import format_bytes
+from shared.vocabulary import AllocateFn, CacheStats, TensorGroup, content_key
 from shared.wire import DTYPE_ITEMSIZE, TensorRef
 
-__all__ = ["CacheStats", "ContentCache", "TensorGroup", "content_key"]
-
-AllocateFn = Callable[[str, str, tuple[int, ...]], np.ndarray]
-
-
-def content_key(data: bytes | str, params: bytes) -> bytes:
-    """16-byte key of an image: its bytes (or its data URL's base64 text) plus the preprocessing parameters.
-
-    A str is the base64 text of a data URL, keyed as text so a repeated image is never decoded
-    (gateway.intake.EncodedImage); the two kinds are hashed apart, so the same image sent both
-    ways is two entries, never a confusion. SHA-256 (truncated): a cache key must resist
-    collisions crafted by a client, and with the SHA extensions it hashes ~2 GB/s, twice
-    hashlib's BLAKE2b here.
-    """
-    h = hashlib.sha256()
-    h.update(len(params).to_bytes(4, "little"))
-    h.update(params)
-    if isinstance(data, str):
-        h.update(b"b64:")
-        h.update(data.encode("utf-8", "surrogatepass"))
-    else:
-        h.update(b"raw:")
-        h.update(data)
-    return h.digest()[:16]
-
-
-@dataclass(eq=False)
-class TensorGroup:
-    """The tensors of one image, in this frontend's partition."""
-
-    key: bytes | None
-    allocations: list[Allocation] = field(default_factory=list)
-    refs: list[TensorRef] = field(default_factory=list)
-    holds: int = 0
-    indexed: bool = False
-
-
-@dataclass
-class CacheStats:
-    hits: int = 0
-    remote_hits: int = 0
-    misses: int = 0
-    evictions: int = 0
+# TensorGroup and content_key are the seam's words (shared/vocabulary.py), importable from here too
+# for the tests and benchmarks that drive a ContentCache directly.
+__all__ = ["ContentCache", "TensorGroup", "content_key"]
 
 
 class ContentCache:

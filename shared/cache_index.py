@@ -20,7 +20,9 @@ long scan. Removed entries become tombstones, reused by later inserts.
 from __future__ import annotations
 
 import enum
+import mmap
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -72,16 +74,34 @@ class IndexEntry:
     tensors: tuple[TensorRef, ...]
 
 
+class IndexRegion(Protocol):
+    """Where a segment keeps the index (shared/segment.py ``Layout``)."""
+
+    @property
+    def index_capacity(self) -> int: ...
+
+    @property
+    def index_offset(self) -> int: ...
+
+
+class MappedSegment(Protocol):
+    """What ``CacheIndex.in_segment`` reads of a segment: named by shape, since the segment sizes
+    its own layout by ``ENTRY`` and so imports this module."""
+
+    @property
+    def mm(self) -> mmap.mmap: ...
+
+    @property
+    def layout(self) -> IndexRegion: ...
+
+
 class CacheIndex:
     def __init__(self, table: np.ndarray) -> None:
         self._table = table
         self._mask = len(table) - 1
 
     @classmethod
-    def in_segment(cls, segment: object) -> CacheIndex:
-        from shared.segment import Segment
-
-        assert isinstance(segment, Segment)
+    def in_segment(cls, segment: MappedSegment) -> CacheIndex:
         layout = segment.layout
         return cls(np.frombuffer(segment.mm, ENTRY, layout.index_capacity, layout.index_offset))
 

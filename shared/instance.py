@@ -34,7 +34,8 @@ from shared.names import (
     list_orphan_semaphore_ids,
     new_instance_id,
 )
-from shared.segment import InstanceState, LockId, Segment, check_model_id, now_ns, own_pidns, peek_header
+from shared.segment import LockId, Segment, own_pidns, peek_header
+from shared.vocabulary import DEAD_AFTER_S, InstanceState, check_model_id, now_ns
 from shared.wire import (
     CONTROL_MESSAGE_BYTES,
     MAX_MESSAGE_BYTES,
@@ -43,13 +44,12 @@ from shared.wire import (
     worker_decoder,
 )
 
+# DEAD_AFTER_S is the seam's word (shared/vocabulary.py), importable from here too for the tests.
 __all__ = ["DEAD_AFTER_S", "Instance", "LiveInstance", "cleanup_leftovers", "find_instance", "instance_alive",
            "instance_objects", "live_instances"]
 
 log = logging.getLogger("shmgate.instance")
 
-# A process whose heartbeat is older than this is dead. Heartbeats tick every 0.2 s.
-DEAD_AFTER_S = 3.0
 CONTROL_QUEUE_DEPTH = 8  # cancels for one worker: best effort, a full queue means a busy worker
 
 

@@ -33,7 +33,7 @@ import numpy as np
 import posix_ipc
 
 from shared.errors import Overloaded
-from shared.segment import now_ns
+from shared.vocabulary import now_ns
 
 __all__ = ["HolderKind", "Identity", "SharedLock"]
 

@@ -6,7 +6,7 @@ Layout (every region 64-byte aligned, data partitions 4 KiB aligned):
     512      lock records    who holds each semaphore (one record per lock)
     1024     frontend slots  one row per frontend: epoch, pid, heartbeat, state, generation counter
     ...      worker slots    one row per worker: epoch, pid, heartbeat, state, model
-    ...      stats           one row of u64 counters per frontend (metrics any frontend can sum)
+    ...      stats           one row of u64 counters per frontend (metrics any frontend can sum; shared/stats_layout.py)
     ...      cache index     open-addressing table (shared/cache_index.py)
     data     partitions      n_frontends equal partitions; frontend k is the only writer of partition k
 
@@ -26,7 +26,6 @@ import enum
 import mmap
 import os
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
@@ -34,21 +33,25 @@ from functools import cached_property
 import numpy as np
 import posix_ipc
 
+from shared.cache_index import ENTRY
 from shared.errors import SetupError
 from shared.names import IPC_MODE, InstanceNames, check_shm_space
+from shared.stats_layout import BATCH_BUCKETS, STATS_WORDS
+from shared.vocabulary import HEARTBEAT_INTERVAL_S, MODEL_NAME_BYTES, InstanceState, SlotState, now_ns
 from shared.wire import WIRE_VERSION
 
 __all__ = [
-    "BATCH_BUCKETS",
-    "MODEL_NAME_BYTES",
-    "check_model_id",
     "Heartbeat",
     "HeaderPeek",
     "Segment",
-    "SlotState",
-    "now_ns",
     "own_pidns",
     "peek_header",
+    # the seam's words, defined in shared/vocabulary.py and shared/stats_layout.py; importable from
+    # here too for the tests and benchmarks that drive a segment directly
+    "STATS_WORDS",
+    "InstanceState",
+    "SlotState",
+    "now_ns",
 ]
 
 MAGIC = int.from_bytes(b"SHMGATE1", "little")
@@ -56,14 +59,6 @@ MAGIC = int.from_bytes(b"SHMGATE1", "little")
 # 3: slot rows carry ``progress_ns`` and ``stalls``; ``model`` widened to MODEL_NAME_BYTES
 # 4: stats rows of 256 words (the per-stage latency histograms, gateway/stages.py)
 LAYOUT_VERSION = 4
-MODEL_NAME_BYTES = 128  # a worker refuses to start with a longer model id (it could never match)
-
-
-def check_model_id(model_id: str) -> None:
-    """Refuse a model id the slot rows cannot hold whole: cut, it would never match (ValueError)."""
-    if len(model_id.encode()) > MODEL_NAME_BYTES:
-        raise ValueError(f"the model id {model_id[:60]!r}... is longer than {MODEL_NAME_BYTES} bytes; "
-                         "serve it from a directory with a shorter name")
 ALIGN = 64
 PAGE = 4096
 
@@ -114,8 +109,6 @@ LOCK_RECORD = np.dtype(
     ]
 )
 
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # upper bounds of the batch-size histogram
-
 SLOT = np.dtype(
     [
         ("epoch", "<u8"),  # +1 at every claim; a message stamped with an older epoch is stale
@@ -139,33 +132,12 @@ SLOT = np.dtype(
 )
 
 N_LOCKS = 3  # index, repair, table
-STATS_WORDS = 256  # u64 counters per frontend; each frontend writes only its own row
-
-
-class SlotState(enum.IntEnum):
-    FREE = 0  # never claimed, or released cleanly
-    STARTING = 1  # claimed; loading (a worker loading its model)
-    READY = 2  # serving
-    DRAINING = 3  # finishing in-flight work, takes nothing new
-    DEAD = 4  # marked dead by the supervisor (faster than waiting for the heartbeat to age)
-
-
-class InstanceState(enum.IntEnum):
-    RUNNING = 1
-    DRAINING = 2  # new requests get 503; requests in flight finish
-    STOPPED = 3
-    DRAINED = 4  # still draining, and no request is in flight any more: workers following the drain exit
 
 
 class LockId(enum.IntEnum):
     INDEX = 0
     REPAIR = 1
     TABLE = 2
-
-
-def now_ns() -> int:
-    """CLOCK_MONOTONIC in ns: the clock of every heartbeat and deadline."""
-    return time.monotonic_ns()
 
 
 _pidns: tuple[int, int] = (-1, 0)  # (pid, inode): a process's PID namespace is fixed, but a fork may differ
@@ -215,8 +187,6 @@ class Layout:
 
     @cached_property
     def data_offset(self) -> int:
-        from shared.cache_index import ENTRY
-
         return _align(self.index_offset + self.index_capacity * ENTRY.itemsize, PAGE)
 
     @cached_property
@@ -526,7 +496,7 @@ class Heartbeat:
         table: np.ndarray,
         slot: int,
         epoch: int,
-        interval_s: float = 0.2,
+        interval_s: float = HEARTBEAT_INTERVAL_S,
         on_declared_dead: Callable[[], None] | None = None,
     ) -> None:
         """``on_declared_dead``: called (from the heartbeat thread) when the slot is taken over or

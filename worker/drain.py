@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 
-from shared.segment import InstanceState
+from shared.vocabulary import InstanceState
 
 __all__ = ["StopRequest"]
 

@@ -61,9 +61,9 @@ from shared.errors import (
 from shared.instance import Instance
 from shared.models import resolve_model
 from shared.parent_death import follow_supervisor
-from shared.segment import InstanceState, SlotState, check_model_id, now_ns
 from shared.stages import Stamp, Stamps
 from shared.transport import PosixWorkerLink, WorkerLink
+from shared.vocabulary import InstanceState, SlotState, check_model_id, now_ns
 from shared.wire import (
     INLINE_TENSOR,
     MAX_DELTA_CHARS,

@@ -8,6 +8,8 @@ Nothing outside shared/ indexes a segment record or builds a lock, queue, partit
 index or heartbeat: it asks its link.
 """
 
+from typing import TYPE_CHECKING
+
 from shared.transport.base import (
     FrontendLink,
     MessageQueue,
@@ -18,16 +20,16 @@ from shared.transport.base import (
     WorkerLink,
     WorkerTotals,
 )
-from shared.transport.posix import (
-    IN_FLIGHT_COUNTER,
-    PosixFrontendLink,
-    PosixNodeStats,
-    PosixSupervisorLink,
-    PosixWorkerLink,
-)
+
+if TYPE_CHECKING:
+    from shared.transport.posix import (
+        PosixFrontendLink,
+        PosixNodeStats,
+        PosixSupervisorLink,
+        PosixWorkerLink,
+    )
 
 __all__ = [
-    "IN_FLIGHT_COUNTER",
     "FrontendLink",
     "MessageQueue",
     "NodeStats",
@@ -41,3 +43,15 @@ __all__ = [
     "WorkerLink",
     "WorkerTotals",
 ]
+
+_POSIX_LINKS = frozenset({"PosixFrontendLink", "PosixNodeStats", "PosixSupervisorLink", "PosixWorkerLink"})
+
+
+def __getattr__(name: str) -> object:
+    """The POSIX links load on first use, so a module that imports only the Protocols (from
+    ``shared.transport.base``, which runs this package first) never loads the shared-memory layer."""
+    if name in _POSIX_LINKS:
+        from shared.transport import posix
+
+        return getattr(posix, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,8 +18,7 @@ from typing import Any, Literal, NamedTuple, Protocol
 
 import numpy as np
 
-from shared.cache import AllocateFn, CacheStats, TensorGroup
-from shared.segment import InstanceState, SlotState
+from shared.vocabulary import AllocateFn, CacheStats, InstanceState, SlotState, TensorGroup
 from shared.wire import Cancel, Submit, TensorRef
 
 __all__ = [

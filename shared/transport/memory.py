@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from shared.cache import AllocateFn, CacheStats, TensorGroup
 from shared.errors import ChannelFull, DescriptorError, SetupError
-from shared.segment import BATCH_BUCKETS, STATS_WORDS, InstanceState, SlotState
+from shared.stats_layout import BATCH_BUCKETS, STATS_WORDS
 from shared.transport.base import FrontendLink, NodeStats, ReplyHandler, WorkerLink, WorkerTotals
+from shared.vocabulary import AllocateFn, CacheStats, InstanceState, SlotState, TensorGroup
 from shared.wire import DTYPE_ITEMSIZE, Cancel, Submit, TensorRef
 
 __all__ = ["MemoryCache", "MemoryFrontendLink", "MemoryNode", "MemoryNodeStats", "MemoryQueue", "MemoryWorkerLink"]

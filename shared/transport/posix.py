@@ -17,9 +17,10 @@ from shared.arena import Partition, recheck, validate
 from shared.cache import ContentCache
 from shared.channels import AsyncQueueReader, AsyncSender, Queue
 from shared.errors import Overloaded
-from shared.instance import DEAD_AFTER_S, Instance, instance_alive
+from shared.instance import Instance, instance_alive
 from shared.locks import HolderKind
-from shared.segment import BATCH_BUCKETS, Heartbeat, InstanceState, LockId, SlotState, now_ns, own_pidns
+from shared.segment import Heartbeat, LockId, own_pidns
+from shared.stats_layout import BATCH_BUCKETS, Counter
 from shared.transport.base import (
     FrontendLink,
     NodeStats,
@@ -29,12 +30,10 @@ from shared.transport.base import (
     WorkerLink,
     WorkerTotals,
 )
+from shared.vocabulary import DEAD_AFTER_S, InstanceState, SlotState, now_ns
 from shared.wire import Cancel, Submit, TensorRef
 
 __all__ = ["PosixFrontendLink", "PosixNodeStats", "PosixSupervisorLink", "PosixWorkerLink"]
-
-# gateway/metrics.py Counter.IN_FLIGHT: the frontends' in-flight gauge, read by the supervisor's drain
-IN_FLIGHT_COUNTER = 62
 
 
 class PosixFrontendLink:
@@ -354,7 +353,7 @@ class PosixSupervisorLink:
 
     def frontend_busy(self, slot: int) -> bool:
         seg = self.segment
-        return bool(int(seg.stats[slot][IN_FLIGHT_COUNTER]) or int(seg.frontends[slot]["preparing"]))
+        return bool(int(seg.stats[slot][Counter.IN_FLIGHT]) or int(seg.frontends[slot]["preparing"]))
 
 
 if TYPE_CHECKING:  # mypy checks that each implementation satisfies its Protocol

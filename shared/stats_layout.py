@@ -1,0 +1,109 @@
+"""The stats row: which u64 word of a frontend's row holds what, every index in one place.
+
+Each frontend owns one row of ``STATS_WORDS`` u64 words (the segment keeps the rows, one per
+frontend slot; the in-memory transport keeps one in process memory). Its writers are
+gateway/metrics.py (``Counter``) and gateway/stages.py (the stage histograms); /metrics sums the
+rows of all frontends, and the supervisor's drain reads ``Counter.IN_FLIGHT``. A word's index is a
+contract between processes of one node, so a new counter takes a free word here, never one in
+use: ``spans`` lists every entry with its width, and tests/test_stats_layout.py checks that no
+two overlap and that the row holds them all.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import NamedTuple
+
+from shared.stages import Stage
+
+__all__ = [
+    "BATCH_BUCKETS",
+    "REQUEST_BUCKETS_S",
+    "REQUEST_HISTOGRAM_WORDS",
+    "STAGE_BASE",
+    "STAGE_BUCKETS_S",
+    "STAGE_COUNT",
+    "STAGE_SUM_US",
+    "STAGE_WORDS",
+    "STATS_WORDS",
+    "Counter",
+    "Span",
+    "spans",
+    "stage_base",
+]
+
+STATS_WORDS = 256  # u64 words per frontend row; the segment's layout version changes with it
+
+# The request latency and time-to-first-token histograms: their upper bounds, one word each, then +Inf.
+REQUEST_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+REQUEST_HISTOGRAM_WORDS = len(REQUEST_BUCKETS_S) + 1
+
+
+@enum.unique  # two names for one word would be two metrics counting into each other
+class Counter(enum.IntEnum):
+    """Single words (counters and gauges) and the first words of the request histograms."""
+
+    REQUESTS_OK = 0
+    REQUESTS_CLIENT_ERROR = 1
+    REQUESTS_SERVER_ERROR = 2
+    REQUESTS_OVERLOADED = 3
+    CACHE_HITS = 4
+    CACHE_REMOTE_HITS = 5
+    CACHE_MISSES = 6
+    CACHE_EVICTIONS = 7
+    RETRIES = 8
+    CANCELLED = 9
+    LATENCY_SUM_US = 10
+    LATENCY_COUNT = 11
+    LATENCY_BUCKETS = 12  # REQUEST_HISTOGRAM_WORDS words: 12 .. 24 (the last one is +Inf)
+    TTFT_SUM_US = 30
+    TTFT_COUNT = 31
+    TTFT_BUCKETS = 32  # REQUEST_HISTOGRAM_WORDS words: 32 .. 44
+    ARENA_USED_BYTES = 60  # gauges
+    ARENA_SIZE_BYTES = 61
+    IN_FLIGHT = 62  # requests being served; the supervisor's drain waits for it to reach 0
+    ARENA_HELD_BYTES = 63  # arena bytes pinned by requests in flight (0 when idle)
+    CANCELLED_TOKENS = 64  # completion tokens workers generated for requests whose client had gone
+    # The result cache (gateway/result_cache.py)
+    RESULT_CACHE_HITS = 100
+    RESULT_CACHE_MISSES = 101
+    RESULT_CACHE_EVICTIONS = 102
+    RESULT_CACHE_BYTES = 103  # gauge
+
+
+_HISTOGRAM_STARTS = (Counter.LATENCY_BUCKETS, Counter.TTFT_BUCKETS)
+
+# The per-stage latency histograms (gateway/stages.py): one block of STAGE_WORDS per Stage, in
+# Stage order from STAGE_BASE. A block holds the buckets, +Inf, the sum in µs and the count.
+STAGE_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0,
+                   10.0)
+STAGE_SUM_US = len(STAGE_BUCKETS_S) + 1  # offsets inside a stage's block
+STAGE_COUNT = len(STAGE_BUCKETS_S) + 2
+STAGE_WORDS = len(STAGE_BUCKETS_S) + 3
+STAGE_BASE = 104
+
+
+def stage_base(stage: Stage) -> int:
+    """The first word of ``stage``'s histogram block."""
+    return STAGE_BASE + stage * STAGE_WORDS
+
+
+# Not in the row: the worker slot rows' batch-size histogram (``NodeStats.batch_histogram``), one
+# word per upper bound, then one for larger batches.
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+class Span(NamedTuple):
+    """One entry of the row: ``words`` words from ``first``."""
+
+    name: str
+    first: int
+    words: int
+
+
+def spans() -> tuple[Span, ...]:
+    """Every entry of the row with the words it takes, in index order."""
+    entries = [Span(name, int(c), REQUEST_HISTOGRAM_WORDS if c in _HISTOGRAM_STARTS else 1)
+               for name, c in Counter.__members__.items()]  # aliases included: each is an entry
+    entries += [Span(f"stage {s.name}", stage_base(s), STAGE_WORDS) for s in Stage]
+    return tuple(sorted(entries, key=lambda span: span.first))
