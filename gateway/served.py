@@ -20,7 +20,7 @@ from gateway.http_limits import read_capped
 from gateway.intake import IntakeLimits
 from gateway.result_cache import ResultCache
 from shared.errors import Cancelled, InvalidRequest, RequestTooLarge, Unauthorized
-from shared.transport import PosixNodeStats
+from shared.transport import NodeStats
 
 __all__ = ["AppOptions", "Served", "bypass_cache", "read_body", "served"]
 
@@ -49,7 +49,7 @@ class Served:
 
     options: AppOptions
     frontend: Frontend
-    node: PosixNodeStats  # the whole node's counters, for /metrics
+    node: NodeStats  # the whole node's counters, for /metrics
     results: ResultCache | None  # deterministic answers (--result-cache-mb); None: off
 
     def check_key(self, request: Request) -> None:
