@@ -3,7 +3,7 @@
 #
 # Why one path: a worker's speed depends on where its process's memory lands, which each server
 # start decides, and the checkout's path (cwd, PYTHONPATH: the size of the environment, the stack's
-# start) seems to move too. Measured in issue 16: one commit ran its workers at 17 or 22 ms of CPU
+# start) seems to move too. Measured here: one commit ran its workers at 17 or 22 ms of CPU
 # per request from start to start, and an A/B through two worktrees showed a 2-3 ms c=1
 # "regression" that an A/B at one path did not (docs/BENCHMARKS.md). So both commits are checked
 # out in turn into one worktree and run A B B A ..., and several pairs average the starts out.

@@ -14,7 +14,7 @@ The command lines live in ``SCENARIOS``, a plain table, so they can be adjusted 
 changes. Placeholders: ``{python}`` (this interpreter), ``{bin}`` (its bin folder), ``{repo}``,
 ``{port}``, ``{litserve_python}``, ``{base}`` (``SHMGATE_BENCH_BASE``).
 
-Shared-machine and open-loop figures (issue 16): ``--background-cores X`` runs spinning processes
+Shared-machine and open-loop figures: ``--background-cores X`` runs spinning processes
 of our own worth X cores (bench/disturb.py) during each measured run, started and stopped around
 it; ``--open-loop 50 80 95`` then drives each server with Poisson arrivals (``shmgate bench --rate``)
 at those percentages of the capacity it just measured closed-loop (its req/s at the last
@@ -85,7 +85,7 @@ SCENARIOS: dict[str, Scenario] = {
     # runs on one build.
     "shmgate-efficientnet-fcfs": Scenario(SHMGATE + ("--model", "efficientnet-lite0", "--batch-policy", "fcfs"),
                                           "efficientnet-lite0", ready_path="/ready"),
-    # Batches of 8 requests, the default before issue 16 (now one forward pass on CPU: 2 per torch
+    # Batches of 8 requests, the old default (now one forward pass on CPU: 2 per torch
     # thread), for alternated before/after runs on one build.
     "shmgate-efficientnet-b8": Scenario(SHMGATE + ("--model", "efficientnet-lite0", "--max-batch-size", "8"),
                                         "efficientnet-lite0", ready_path="/ready"),

@@ -2,7 +2,7 @@
 
     python bench/gpu_shapes.py [--device cuda] [--max-batch 16] [--json]
 
-Two questions the first GPU run raised (docs/BENCHMARKS.md, "GPU"): end to end, both shmgate and
+Two questions the first GPU run raised (docs/benchmarks-history.md, "GPU"): end to end, both shmgate and
 LitServe showed multi-second p99s with a median of tens of ms, and the same photo got answers that
 differed in the fourth decimal from one request to the next. Suspects: the first forward pass at each
 new batch size loads or compiles kernels (cuDNN, lazy CUDA modules), and the convolution algorithm

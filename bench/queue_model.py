@@ -1,6 +1,6 @@
 """The latency an ideal scheduler would give at an offered load: a first-come first-served queue in front of c servers.
 
-Why this exists: issue 16 asks for p99 <= 2x p50 in an open loop at 80 % of measured capacity. Part of
+Why this exists: the latency target is p99 <= 2x p50 in an open loop at 80 % of measured capacity. Part of
 any open-loop tail is not the server's doing: Poisson arrivals bunch, and a request that arrives in a
 bunch waits for the ones before it, however well they are scheduled. This script says how much of the
 tail that is, by simulating the best case for the hardware's measured speed (an M/D/c queue: Poisson

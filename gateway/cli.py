@@ -209,7 +209,7 @@ def _default_cpu_workers(model: str, cores: int) -> int:
     """Two workers splitting the cores, for models small enough to load twice; else one.
 
     Two processes of cores/2 torch threads beat one of all cores for EfficientNet-Lite0 on
-    2 cores (docs/BENCHMARKS.md, end to end: the shmgate-efficientnet rows against -1w, e.g.
+    2 cores (docs/benchmarks-history.md, end to end: the shmgate-efficientnet rows against -1w, e.g.
     80.9 vs 59.6 req/s at concurrency 8): one runs a batch while the other's batch forms and
     its Python overhead runs, where one process leaves cores idle between batches. A Hugging
     Face VLM's weights (GBs) are loaded once.

@@ -5,7 +5,7 @@ event loop. The loop never blocks (invariant 3): decoding, cache look-ups
 (which may wait on the index semaphore) and prompt building run in a thread
 pool; channels are awaited through their file descriptors.
 
-Three parts, one job each (issue 19): ``ImageResolver`` (gateway/images.py)
+Three parts, one job each: ``ImageResolver`` (gateway/images.py)
 turns images into held tensor groups through the content cache; ``Frontend``
 (here) admits and dispatches (in-flight bound, a ready worker, the prompt, the
 descriptor onto the request queue); ``ReplyRouter`` (gateway/replies.py) routes

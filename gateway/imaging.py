@@ -41,7 +41,7 @@ JPEG draft mode: ``draft_to=(w, h)`` lets libjpeg shrink by 1/2, 1/4 or 1/8 duri
 DCT while the result stays at least w x h (in upright orientation). ``decode`` reports the
 factor so callers can keep exact geometry. Draft mode is used because most of the cost of a
 large photo is in the resize, which then reads 4x (or 16x) fewer source pixels: 2.6x faster
-decode+resize to 224 for a 1024-pixel JPEG, 8x for a 4032x3024 one (docs/BENCHMARKS.md,
+decode+resize to 224 for a 1024-pixel JPEG, 8x for a 4032x3024 one (docs/benchmarks-history.md,
 "JPEG draft mode").
 """
 

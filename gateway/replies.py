@@ -1,6 +1,6 @@
 """Reply routing for one frontend: worker messages -> request states, and the watchdog.
 
-Moved out of gateway/frontend.py (issue 19). Nothing is lost silently (invariant 5): the
+Split out of gateway/frontend.py. Nothing is lost silently (invariant 5): the
 watchdog checks, ten times a second, that every claimed request's worker is alive. A request
 whose worker died before producing output is resubmitted (its tensors are still held); one
 that had streamed output ends with an in-band error. A request taken off the queue but never

@@ -252,11 +252,11 @@ class AsyncSender:
     once, whichever process it belongs to and whether or not that process is running just then. So
     requests enter the shared request queue in the order they became ready, across frontends.
 
-    Why a thread per waiting send, not one per frontend (issue 16): with one, each frontend had one
+    Why a thread per waiting send, not one per frontend: with one, each frontend had one
     send in the kernel's line, so the frontends took turns, one message each, however many requests
     each had waiting: a frontend with more connections served its requests later. Measured at c=32
     on 2 frontends, the p50 of one frontend's requests was 478 ms against 235 ms for the other's
-    (docs/BENCHMARKS.md). Before that (until issue 16), waiters woke on writability and raced for
+    (docs/benchmarks-history.md). Before that, waiters woke on writability and raced for
     each free place, and a frontend starved of CPU lost every race.
 
     This frontend's own sends keep their order: a thread takes the next send and tries it under one

@@ -166,7 +166,7 @@ def add_batching_flags(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> 
              default="5", type=flag_types.non_negative_float)
     add_flag(p, "--batch-policy", "held: a busy worker's next batch gathers while the model runs; fcfs: a "
              "busy worker takes nothing, requests wait in the shared queue for the first free worker "
-             "(worker/batcher.py, docs/BENCHMARKS.md)",
+             "(worker/batcher.py, docs/TUNING.md)",
              default="held", type=flag_types.choice(*BATCH_POLICIES), metavar="{" + ",".join(BATCH_POLICIES) + "}")
     add_flag(p, "--dtype", "weights of hf: models (auto: bfloat16 on CUDA, float32 on CPU)",
              default="auto", type=flag_types.choice(*DTYPES), metavar="{" + ",".join(DTYPES) + "}")

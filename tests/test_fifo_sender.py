@@ -1,4 +1,4 @@
-"""AsyncSender serves waiters first come, first served (issue 16), on a real POSIX message queue.
+"""AsyncSender serves waiters first come, first served, on a real POSIX message queue.
 
 When the request queue is full, a frontend's sends wait. They used to race for each free place
 (every waiter woke and retried, and a new send could slip in before all of them), so an unlucky

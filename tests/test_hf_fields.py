@@ -1,4 +1,4 @@
-"""Request fields are honoured or refused, never silently ignored (issue 17).
+"""Request fields are honoured or refused, never silently ignored.
 
 Intake: every field no model here implements (tools, structured output, logprobs) is a 400 naming
 it; unknown fields are logged once per name. Per model (gateway/fields.py): token-level fields are

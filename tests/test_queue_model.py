@@ -1,4 +1,4 @@
-"""bench/queue_model.py: the ideal FCFS queue the open-loop figures are compared with (issue 16).
+"""bench/queue_model.py: the ideal FCFS queue the open-loop figures are compared with.
 
 The simulator is checked against what queueing theory says exactly, so its "ideal" is a real bound.
 """

@@ -1,4 +1,4 @@
-"""Per-stage latency (issue 16): the worker's stamps, the histograms in /metrics, bench's breakdown.
+"""Per-stage latency: the worker's stamps, the histograms in /metrics, bench's breakdown.
 
 The first tests check the bookkeeping on made-up stamps and an in-memory stats row (no timing).
 The last runs a real ``shmgate serve`` (checksum model) and real HTTP requests, then reads

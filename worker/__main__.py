@@ -14,7 +14,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # torch's CPU allocator puts tensors of 2 MiB and more on transparent huge pages only when asked
 # (and only where /sys/kernel/mm/transparent_hugepage/enabled is not "never"). With the model's
 # weights and activations on 2 MiB pages, EfficientNet-Lite0 ran a pass of 2 images in about a
-# quarter less CPU, in every process start (docs/BENCHMARKS.md, "huge pages for the model"; fewer
+# quarter less CPU, in every process start (docs/benchmarks-history.md, "huge pages for the model"; fewer
 # TLB misses is the likely reason, not measured).
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 

@@ -14,14 +14,14 @@ What a worker takes while its model is busy is the batch policy
 - ``fcfs``: nothing. The next batch is collected only once the
   model is free, so every request waits in the one shared queue until the
   first worker that can run it *now* takes it: first come, first served across
-  frontends and workers. Measured (docs/BENCHMARKS.md, issue 16): with a core
+  frontends and workers. Measured (docs/benchmarks-history.md): with a core
   of background load on 2 cores, requests held by a busy worker waited behind
   its running batch while the other worker was free or faster; that wait
   ("batch_wait" in /metrics) was the tail. The cost is the gap between two
   batches (taking and claiming up to ``max_batch_size`` descriptors), a
   millisecond or two against a batch of hundreds on CPU. Measured on a quiet
-  machine at the end of issue 16 it did not pay: lower c=32 throughput and a
-  longer loaded tail than ``held`` (docs/BENCHMARKS.md), so it is opt-in.
+  machine later it did not pay: lower c=32 throughput and a
+  longer loaded tail than ``held`` (docs/benchmarks-history.md), so it is opt-in.
 - ``held`` (the default): a batch prepared while the model is still busy
   stays open after its window (``hold_open``), so it gathers what arrives
   until the model is free, as the batch of an unpipelined worker did; each

@@ -108,7 +108,7 @@ def batch_size_for(backend: ModelBackend, requested: int) -> int:
     Why a backend chooses: a batch binds its requests to one worker until the batch is done, so it
     should be no larger than what the model gains from running together. A CPU backend that runs a
     batch as consecutive passes gains nothing from more than one pass, and a larger batch only
-    makes its last requests wait while another worker may be idle (docs/BENCHMARKS.md).
+    makes its last requests wait while another worker may be idle (docs/benchmarks-history.md).
     """
     if requested > 0:
         return requested

@@ -10,7 +10,7 @@ Facts verified against tests/data/images/labels.json (reference top-5 probabilit
 - Input: uint8 RGB scaled to [-1, 1] (x / 127.5 - 1), not ImageNet mean/std.
 With these and a full JPEG decode the six test photos match the reference to 2e-4.
 
-Serving choices (the measurements behind each: docs/BENCHMARKS.md, "EfficientNet-Lite0 serving
+Serving choices (the measurements behind each: docs/benchmarks-history.md, "EfficientNet-Lite0 serving
 choices"): BatchNorm is folded into the preceding convolutions after the strict load (the state-dict
 names stay those of the published weights), and the model and its input run channels_last on every
 device. torch.backends.mkldnn stays enabled (disabling it is ~4x slower). ReLU6 runs in place on the
@@ -19,7 +19,7 @@ batch runs in forward passes of at most ``CPU_PASS_IMAGES_PER_THREAD`` images pe
 passes outgrow the cache), each pass's items answered before the next starts. Since a batch binds
 its requests to one worker, the worker's batch is one pass by default (``preferred_batch_size``): at
 8 requests a batch ran four passes in turn, and its last requests waited for them while the other
-worker could have run them (issue 16, docs/BENCHMARKS.md). CUDA runs the whole batch in one pass. No
+worker could have run them (docs/benchmarks-history.md). CUDA runs the whole batch in one pass. No
 torch.jit / torch.compile of the network: it was not faster, and start-up time matters more.
 
 Input normalisation (uint8 -> float32 in [-1, 1], channels_last) runs on the worker's device, eagerly
@@ -35,9 +35,9 @@ Inductor's caches live under /tmp and die with the container, and each worker co
 compiler first (no silent attempt), compiles with one thread (N workers starting together do not
 each spawn a pool of compile processes), and reuses ``TORCHINDUCTOR_CACHE_DIR`` when that points
 at a persistent volume. CPU keeps the eager function either way (bench/normalise.py against the
-alternatives: docs/BENCHMARKS.md).
+alternatives: docs/benchmarks-history.md).
 
-On CUDA (first measured on an H100 with bench/gpu_shapes.py; docs/BENCHMARKS.md "GPU"):
+On CUDA (first measured on an H100 with bench/gpu_shapes.py; docs/benchmarks-history.md "GPU"):
 - The first forward pass at each new batch shape cost about 2 s (cuDNN choosing and loading kernels),
   which put multi-second p99s into every end-to-end run as the batch sizes varied with load. So a pass
   is padded up to a power of two of at least ``CUDA_MIN_PASS`` images, and the backend runs those
