@@ -91,9 +91,18 @@ _TOO_MANY = _closing_response(b"503 Service Unavailable", "too many open connect
 class _ClientDeadlines:
     """The phase clock of one connection, shared by the httptools and h11 protocols below.
 
-    A protocol calls ``_open_or_refuse`` from ``connection_made``, ``_enter`` on each phase change,
-    ``_after_data`` after each read and ``_close_deadlines`` from ``connection_lost``; the rest is here.
+    It comes first in each protocol's bases, so its ``connection_made`` and ``connection_lost`` wrap the
+    server protocol's; a protocol calls ``_enter`` on each phase change and ``_after_data`` after each
+    read; the rest is here.
     """
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
+        self._open_or_refuse(transport)  # type: ignore[arg-type]  # a server's connections are Transports
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._close_deadlines()
+        super().connection_lost(exc)  # type: ignore[misc]
 
     limits = ConnectionLimits()
     transport: Any
@@ -187,14 +196,6 @@ def _httptools_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol]:
         _head_bytes = 0
         _in_head = True  # from the connection's start or a message's end until headers are complete
 
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self._open_or_refuse(transport)
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._close_deadlines()
-            super().connection_lost(exc)
-
         def on_headers_complete(self) -> None:
             self._in_head = False
             self._head_bytes = 0
@@ -249,14 +250,6 @@ def _h11_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol]:
         return _Phase.HEAD if state is h11.IDLE else _Phase.BODY if state is h11.SEND_BODY else _Phase.APP
 
     class SlowClientH11Protocol(_ClientDeadlines, H11Protocol):
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self._open_or_refuse(transport)
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._close_deadlines()
-            super().connection_lost(exc)
-
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
             phase = phase_of(self.conn.their_state)

@@ -575,3 +575,14 @@ def reference_processor(model_dir: Path) -> Any:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     with mock.patch.object(ProcessorMixin, "check_argument_for_proper_class", check_except_video):
         return Qwen2VLProcessor(image_processor, tokenizer, None, chat_template=tokenizer.chat_template)
+
+
+def no_eos_bias(model_dir: Path) -> dict[str, float]:
+    """A ``logit_bias`` that keeps the tiny Qwen2-VL from ever ending its answer (long generations on purpose)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    ids = {tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return {str(i): -100.0 for i in ids}

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.hf_fixture import no_eos_bias
 from tests.serving import IMAGES, Server, data_url, start_server, stop_and_check, wait_until
 
 MAX_TOKENS = 8000
@@ -34,20 +35,10 @@ def hf_server(tiny_qwen2_vl_dir: Path, tmp_path_factory: pytest.TempPathFactory)
         stop_and_check(server)
 
 
-def _no_eos_bias(model_dir: Path) -> dict[str, float]:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    ids = {tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return {str(i): -100.0 for i in ids}
-
-
 def _request(model_dir: Path, *, stream: bool) -> bytes:
     body = json.dumps({
         "model": "tiny-qwen2-vl", "stream": stream, "max_tokens": MAX_TOKENS, "temperature": 0,
-        "logit_bias": _no_eos_bias(model_dir),
+        "logit_bias": no_eos_bias(model_dir),
         "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": data_url((IMAGES / "chelsea_640.jpg").read_bytes())}},
             {"type": "text", "text": "Describe the photo at length."}]}],

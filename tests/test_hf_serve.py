@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from gateway.stages import parse_server_timing
+from tests.hf_fixture import no_eos_bias
 from tests.serving import IMAGES, Server, data_url, start_server, wait_until
 from tests.shm_children import leftovers
 
@@ -235,16 +236,6 @@ def test_n_choices_say_where_their_time_went_in_server_timing(hf_server: Server)
     assert spent["compute"] <= spent["total"]
 
 
-def _no_eos_bias(model_dir: Path) -> dict[str, float]:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    ids = {tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return {str(i): -100.0 for i in ids}
-
-
 def test_n_choices_whose_client_hangs_up_are_all_cancelled(hf_server: Server, tiny_qwen2_vl_dir: Path) -> None:
     """Two long generations (end of sequence biased away) stop when the client of the whole answer leaves."""
     server = hf_server
@@ -253,7 +244,7 @@ def test_n_choices_whose_client_hangs_up_are_all_cancelled(hf_server: Server, ti
     tokens = server.metric("shmgate_cancelled_tokens_total")
     max_tokens = 8000
     data = json.dumps(_body(2, max_tokens=max_tokens, temperature=0,
-                            logit_bias=_no_eos_bias(tiny_qwen2_vl_dir))).encode()
+                            logit_bias=no_eos_bias(tiny_qwen2_vl_dir))).encode()
     request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                b"Content-Length: %d\r\n\r\n" % len(data)) + data
     go = threading.Event()
