@@ -237,7 +237,6 @@ class ChatRequest:
     stream: bool
     include_usage: bool
     text: str = ""  # all user text, joined
-    extra: dict[str, Any] = field(default_factory=dict)
     pending_urls: list[PendingImageURL] = field(default_factory=list)  # filled by gateway.fetch.fetch_pending
     task: str = ""  # Submit.task: "" for a chat answer, shared.wire.TASK_EMBED (gateway/embeddings.py)
     n: int = 1  # choices wanted (gateway/choices.py)

@@ -70,7 +70,6 @@ __all__ = ["ChildProcess", "Supervisor"]
 log = logging.getLogger("shmgate.supervisor")
 
 TICK_S = 0.2
-STARTUP_GRACE_S = 120.0  # a worker loading a large model may not beat its slot for a while
 # A frontend beats once its preprocessor is loaded; for hf:<dir> that imports transformers and
 # torch, which took over 30 s on a busy 2-core machine (frontends were killed and restarted).
 FRONTEND_STARTUP_GRACE_S = 90.0

@@ -507,8 +507,11 @@ class Worker:
         while True:
             try:
                 message = self.link.try_receive_control()
+            except msgspec.DecodeError:
+                continue  # a malformed message was taken off the queue: the next one may be fine
             except Exception:
-                continue
+                log.exception("reading the control queue failed; cancels are read again at the next step")
+                break  # a queue that fails to read would fail again: never spin here
             if message is None:
                 break
             if isinstance(message, Cancel):

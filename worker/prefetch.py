@@ -51,10 +51,6 @@ class Prefetcher(Generic[T]):
         return self
 
     @property
-    def running(self) -> bool:
-        return self._thread.is_alive()
-
-    @property
     def wake_fd(self) -> int:
         """Readable when the consumer started waiting: a producer holding a batch open should cut it."""
         return self._wake_r
