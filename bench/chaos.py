@@ -32,6 +32,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -343,7 +344,11 @@ def main(argv: list[str] | None = None) -> int:
     hits = [noise_png(500 + k, size=96) for k in range(4)]
 
     server = start_server(args, log_dir)
-    instance_files_before = {e for e in os.listdir("/dev/shm") if e.startswith(("shmgate.", "sem.shmgate."))}
+    # Only this server's objects: another instance (a test beside this one) may come and go meanwhile.
+    instance = re.search(r"instance ([0-9a-f]{16})", server.log_path.read_text())
+    ours = (f"shmgate.{instance.group(1)}.", f"sem.shmgate.{instance.group(1)}.") if instance else ("shmgate.",
+                                                                                                   "sem.shmgate.")
+    instance_files_before = {e for e in os.listdir("/dev/shm") if e.startswith(ours)}
     failures: list[str] = []
     tally = Tally()
     faults: list[Fault] = []
