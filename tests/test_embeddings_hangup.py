@@ -137,3 +137,24 @@ def test_an_embeddings_client_that_waits_for_the_slow_model_gets_its_vector(slow
     after = _outcomes(server)
     assert {o: after[o] - before[o] for o in after} == {"ok": 1, "cancelled": 0, "client_error": 0,
                                                         "server_error": 0}
+
+
+def test_clients_that_hang_up_30_ms_after_sending_are_all_cancelled(slow_embedder: Server) -> None:
+    """Hang-ups that may land before the inputs are submitted (while their images decode): the
+    watcher starts after the submits and finds the disconnect already waiting."""
+    server = slow_embedder
+    wait_until(lambda: _idle(server), HANG_GUARD_S, "idle")
+    before = _outcomes(server)
+
+    def client(seed: int) -> None:
+        with socket.create_connection(("127.0.0.1", server.port)) as s:
+            s.sendall(_raw_request([data_url(noise_png(seed, size=128), "image/png")]))
+            time.sleep(0.03)
+
+    clients = [threading.Thread(target=client, args=(30 + i,)) for i in range(4)]
+    for c in clients:
+        c.start()
+    for c in clients:
+        c.join()
+    change = _change_once_released(server, before, 4)
+    assert change == {"ok": 0, "cancelled": 4, "client_error": 0, "server_error": 0}
