@@ -9,6 +9,7 @@ Routes:
     GET  /version               the shmgate version serving (always open)
     GET  /metrics               Prometheus text for the whole node (optionally behind the key)
     GET  /openapi.json          every route's request and answers, errors included (gateway/openapi.py)
+    GET  /docs                  that document as an interactive page (Swagger UI; always open)
 
 Every error is an OpenAI error object with the right status (gateway/http_errors.py).
 Every response carries ``x-shmgate-frontend: <slot>``, the frontend process that
@@ -35,7 +36,7 @@ from gateway.frontend import Frontend
 from gateway.guards import AllowedHosts, CatchAll
 from gateway.http_errors import error_body, error_response
 from gateway.metrics import FrontendStats, exposition
-from gateway.openapi import openapi_document
+from gateway.openapi import docs_page, openapi_document
 from gateway.preprocess import get_preprocessor
 from gateway.result_cache import ResultCache
 from gateway.served import AppOptions, Served, read_body, served
@@ -68,6 +69,7 @@ def create_app(options: AppOptions) -> FastAPI:
     app.add_exception_handler(404, _not_found)
     app.add_exception_handler(405, _not_allowed)
     app.add_api_route("/openapi.json", _openapi, methods=["GET"], include_in_schema=False)
+    app.add_api_route("/docs", _docs, methods=["GET"], include_in_schema=False)
     app.add_api_route("/health", _health, methods=["GET"])
     app.add_api_route("/version", _version, methods=["GET"])
     app.add_api_route("/ready", _ready, methods=["GET"])
@@ -137,6 +139,16 @@ def _openapi_response() -> JSONResponse:
 
 async def _openapi() -> Response:
     return _openapi_response()
+
+
+@functools.cache
+def _docs_response() -> Response:
+    """Built once, like the document it shows."""
+    return docs_page()
+
+
+async def _docs() -> Response:
+    return _docs_response()
 
 
 async def _health() -> dict[str, str]:

@@ -12,6 +12,9 @@ chat image: admission, the content cache (a repeated image is not decoded again)
 workers' batching, and its vector comes back in ``Vector`` pieces (worker/vectors.py). So inputs of
 one request and of concurrent requests batch together in the workers, and batched equals solo.
 With a result cache (gateway/result_cache.py) a repeated input skips the worker as well.
+A client that hangs up while its inputs are computed cancels them, as a chat client does
+(``cancel_on_hang_up``, gateway/render.py): no worker computes for nobody to the end, the
+arena holds go back when the workers end, and the request is counted ``cancelled``, not ``ok``.
 
 Limits are the chat path's: at most ``--max-images`` images, ``max_parts`` inputs, the body, bytes
 and pixel bounds; errors are the same OpenAI error objects. Vectors are unit-normalised float32;
@@ -31,9 +34,10 @@ import msgspec
 import numpy as np
 from fastapi import Request
 from fastapi.responses import Response
+from starlette.types import Receive
 
 from gateway.fetch import fetch_pending
-from gateway.frontend import Frontend
+from gateway.frontend import Frontend, RequestState
 from gateway.http_errors import count_error, count_ok, error_response, failure_error
 from gateway.intake import (
     ChatCompletionRequest,
@@ -47,9 +51,10 @@ from gateway.intake import (
     key_material,
 )
 from gateway.preprocess.base import Preprocessor
+from gateway.render import cancel_on_hang_up
 from gateway.result_cache import ResultCache, keyed_off_the_loop, result_key
 from gateway.served import bypass_cache, read_body, served
-from shared.errors import InvalidRequest, ShmgateError, TooManyImages, UnknownModel
+from shared.errors import Cancelled, InvalidRequest, ShmgateError, TooManyImages, UnknownModel
 from shared.stages import Stage
 from shared.wire import TASK_EMBED, Failed, Finished, SamplingParams, Vector
 
@@ -135,29 +140,59 @@ def _inputs(raw: str | list[str] | None, limits: IntakeLimits, chat: ChatRequest
 
 
 async def embed(
-    f: Frontend, job: EmbeddingJob, cache: ResultCache | None, *, bypass_cache: bool = False
+    f: Frontend, job: EmbeddingJob, cache: ResultCache | None, *, bypass_cache: bool = False,
+    receive: Receive | None = None,
 ) -> tuple[list[bytes], int]:
     """Every input's vector (float32 bytes, in input order) and the prompt tokens used. Raises ShmgateError.
 
-    Inputs run concurrently, one request each; on the first failure the others still finish (their
-    holds are released as usual) and that failure is raised.
+    Two passes: every input is first answered from the result cache or submitted (concurrently),
+    then the submitted ones are collected while ``cancel_on_hang_up`` watches the connection, as
+    the chat route does. Submitting first means the watcher knows every request it may have to
+    cancel; a client that hung up while its images were decoded is seen at once, because the
+    server's next ASGI message is already its ``http.disconnect``. A hang-up abandons every input
+    not done (each counted ``cancelled``, as each choice of a chat's n is) and raises Cancelled.
+
+    On the first failure the others still finish (their holds are released as usual) and that
+    failure is raised; a hang-up's Cancelled goes first, since nobody is left to read another.
     """
     params = f.preprocessor.cache_params()
-    results = await asyncio.gather(
-        *(_one(f, job, index, text, param, cache, bypass_cache, params) for index, text, param in job.inputs),
-        return_exceptions=True,
-    )
-    for result in results:
-        if isinstance(result, BaseException):
-            raise result
+    submitted: list[RequestState] = []
+    try:
+        started = await asyncio.gather(
+            *(_start(f, job, index, text, param, cache, bypass_cache, params, submitted)
+              for index, text, param in job.inputs),
+            return_exceptions=True,
+        )
+        watcher = cancel_on_hang_up(f, submitted, receive if submitted else None)
+        try:
+            results = await asyncio.gather(*(_finish(f, one, cache) for one in started), return_exceptions=True)
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+    finally:
+        for state in submitted:  # only when interrupted (the route's task cancelled) is one not done here
+            if not state.done:
+                f.abandon(state)
+    failures = [r for r in results if isinstance(r, BaseException)]
+    if failures:
+        raise next((e for e in failures if isinstance(e, Cancelled)), failures[0])
     done = [r for r in results if not isinstance(r, BaseException)]
     return [vector for vector, _ in done], sum(tokens for _, tokens in done)
 
 
-async def _one(
+@dataclass
+class _Started:
+    """One input after the first pass: its vector (a result-cache hit) or its submitted request."""
+
+    vector: bytes | None = None
+    state: RequestState | None = None
+    key: bytes | None = None  # where its vector goes in the result cache
+
+
+async def _start(
     f: Frontend, job: EmbeddingJob, index: int | None, text: str, param: str, cache: ResultCache | None,
-    bypass_cache: bool, params: bytes,
-) -> tuple[bytes, int]:
+    bypass_cache: bool, params: bytes, submitted: list[RequestState],
+) -> _Started:
     image: bytes | EncodedImage | None = None if index is None else job.chat.images[index]
     key = None
     if cache is not None:
@@ -166,12 +201,24 @@ async def _one(
         key = await keyed_off_the_loop(len(material), lambda: result_key(material, job.model, params, kind))
         hit = None if bypass_cache else cache.get(key)
         if hit is not None:
-            return hit, 0
+            return _Started(vector=hit)
     messages = [{"role": "user", "content": [{"type": "image"} if image is not None else
                                              {"type": "text", "text": text}]}]
     chat = ChatRequest(job.model, messages, [] if image is None else [image], [] if image is None else [param],
                        SamplingParams(), False, False, text=text, task=TASK_EMBED)
     state = await f.submit(chat)
+    submitted.append(state)
+    return _Started(state=state, key=key)
+
+
+async def _finish(f: Frontend, started: _Started | BaseException, cache: ResultCache | None) -> tuple[bytes, int]:
+    """The input's vector and prompt tokens; raises what its first pass raised, or its failure."""
+    if isinstance(started, BaseException):
+        raise started
+    if started.state is None:
+        assert started.vector is not None  # a result-cache hit
+        return started.vector, 0
+    state = started.state
     vector = bytearray()
     tokens = 0
     try:
@@ -190,8 +237,8 @@ async def _one(
             f.abandon(state)
     if not vector or len(vector) % 4:
         raise ShmgateError("the model returned no embedding")
-    if cache is not None and key is not None:
-        cache.put(key, bytes(vector))
+    if cache is not None and started.key is not None:
+        cache.put(started.key, bytes(vector))
     return bytes(vector), tokens
 
 
@@ -212,7 +259,10 @@ def embedding_response(job: EmbeddingJob, vectors: list[bytes], tokens: int) -> 
 
 
 async def embeddings_route(request: Request) -> Response:
-    """``POST /v1/embeddings``: parse, fetch image URLs, embed every input, answer (or an OpenAI error)."""
+    """``POST /v1/embeddings``: parse, fetch image URLs, embed every input, answer (or an OpenAI error).
+
+    A hang-up while the inputs run ends it with a 499 that nobody reads (see ``embed``).
+    """
     s = served(request)
     f, options, results = s.frontend, s.options, s.results
     started = time.monotonic()
@@ -224,7 +274,10 @@ async def embeddings_route(request: Request) -> Response:
         if job.chat.pending_urls:
             await fetch_pending(job.chat, options.image_urls)
         try:
-            vectors, tokens = await embed(f, job, results, bypass_cache=bypass_cache(request))
+            vectors, tokens = await embed(f, job, results, bypass_cache=bypass_cache(request),
+                                          receive=request.receive)
+        except Cancelled:  # the client hung up while its inputs ran: counted by abandon, answered to nobody
+            return Response(status_code=Cancelled.status_hint)
         finally:
             if results is not None:
                 f.stats.set_result_cache(results.stats, results.used_bytes)

@@ -4,8 +4,10 @@ FastAPI's generated document says nothing useful here, because the routes read t
 themselves (one msgspec decode, no pydantic model per request). So the document is built from the
 msgspec types the routes really decode with (``msgspec.json.schema_components``), and every error
 status a route can answer with is listed with the one OpenAI error object (gateway/http_errors.py).
-A fuzzer (tests/test_schema_fuzz.py, schemathesis) checks the server against it: a status not
+A fuzzer (tests/test_fuzz.py, schemathesis) checks the server against it: a status not
 listed, or a body not matching its schema, is a failure.
+
+``GET /docs`` shows the same document as an interactive page (``docs_page``).
 
 The statuses, and where they come from:
     400  invalid input (gateway/intake.py), an unparsable HTTP request (gateway/http_limits.py)
@@ -28,15 +30,26 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+from fastapi.openapi.docs import get_swagger_ui_html
+from starlette.responses import HTMLResponse
 
 from gateway.embeddings import EmbeddingRequest
 from gateway.http_errors import MAX_MESSAGE_CHARS
 from gateway.intake import ChatCompletionRequest
 from gateway.tokenize import DetokenizeRequest, TokenizeRequest
 
-__all__ = ["openapi_document"]
+__all__ = ["DOCUMENT_URL", "docs_page", "openapi_document"]
 
+DOCUMENT_URL = "/openapi.json"  # where gateway/app.py serves openapi_document()
 _REF = "#/components/schemas/{name}"
+# Swagger UI's script and style, and a favicon from the same package, all from one CDN.
+_SWAGGER_UI = "https://cdn.jsdelivr.net/npm/swagger-ui-dist@5/"
+
+# The API key (``--api-key``) as a bearer token: what /docs's "Authorize" sends. Optional ({}),
+# because a server started without a key asks for none; the routes that never check it
+# (/health, /ready, /docs) name no security at all.
+_BEARER = {"type": "http", "scheme": "bearer", "description": "the server's --api-key, when it has one"}
+_KEY_WHEN_SET: list[dict[str, list[str]]] = [{"apiKey": []}, {}]
 
 # Statuses every route may answer with: the Host check, a head too large, a bug, a wrong method.
 _ANY_ROUTE = (405, 421, 431, 500)
@@ -130,13 +143,15 @@ def _post(operation_id: str, request: str, ok: dict[str, Any], summary: str) -> 
     return {"post": {
         "operationId": operation_id,
         "summary": summary,
+        "security": _KEY_WHEN_SET,
         "requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": request}}}},
         "responses": {"200": ok, **_errors(_POST_BODY + _ANY_ROUTE)},
     }}
 
 
 def _get(operation_id: str, ok: dict[str, Any], summary: str, *errors: int) -> dict[str, Any]:
-    return {"get": {"operationId": operation_id, "summary": summary,
+    keyed = {"security": _KEY_WHEN_SET} if 401 in errors else {}
+    return {"get": {"operationId": operation_id, "summary": summary, **keyed,
                     "responses": {"200": ok, **_errors(errors + _ANY_ROUTE)}}}
 
 
@@ -175,6 +190,23 @@ def openapi_document() -> dict[str, Any]:
             "/metrics": _get("metrics", {"description": "Prometheus text or OpenMetrics", "content": {
                 "text/plain": {"schema": text}, "application/openmetrics-text": {"schema": text}}},
                 "Prometheus metrics of the whole node", 401),
+            "/docs": _get("docs", {"description": "an HTML page", "content": {"text/html": {"schema": text}}},
+                          f"this document as an interactive page (Swagger UI reading {DOCUMENT_URL})"),
         },
-        "components": {"schemas": components},
+        "components": {"schemas": components, "securitySchemes": {"apiKey": _BEARER}},
     }
+
+
+def docs_page() -> HTMLResponse:
+    """``GET /docs``: Swagger UI for the document at ``/openapi.json``.
+
+    The page is a few lines of HTML; its script and style load from a CDN (jsDelivr's
+    swagger-ui-dist), so a browser without internet access shows an empty page, while the document
+    itself is always served by us. It is open without the API key, as /openapi.json is: it holds
+    nothing the document does not, and every call made from it ("Try it out") is an ordinary
+    request that needs the key like any other.
+    """
+    return get_swagger_ui_html(openapi_url=DOCUMENT_URL, title="shmgate API",
+                               swagger_js_url=_SWAGGER_UI + "swagger-ui-bundle.js",
+                               swagger_css_url=_SWAGGER_UI + "swagger-ui.css",
+                               swagger_favicon_url=_SWAGGER_UI + "favicon-32x32.png")

@@ -292,7 +292,7 @@ def test_every_route_answers_as_its_openapi_document_says(api_schema: object, sp
 def test_the_document_lists_every_route_and_the_whole_request_body(spare_slot_server: Server) -> None:
     document = httpx.get(spare_slot_server.base_url + "/openapi.json", timeout=10).json()
     assert set(document["paths"]) == {"/v1/chat/completions", "/v1/embeddings", "/tokenize", "/detokenize",
-                                      "/v1/models", "/health", "/ready", "/metrics"}
+                                      "/v1/models", "/health", "/ready", "/metrics", "/docs"}
     chat = document["paths"]["/v1/chat/completions"]["post"]
     assert {"400", "413", "415", "421", "429", "500", "503"} <= set(chat["responses"])
     body = document["components"]["schemas"]["ChatCompletionRequest"]
