@@ -13,9 +13,19 @@ Rounds, each on fresh images (so every image of the request is a miss):
 Then once: one request with ``--too-many`` new images (default 7: more than an empty partition holds).
 
 Printed: the status and error code of every multi-image request, and whether the answer carried every
-image's digest. Usage (from the repository root; PYTHONPATH makes the children run this checkout):
+image's digest.
+
+``--hf DIR`` (a Qwen2-VL checkpoint, e.g. the tiny one tests/hf_fixture.py builds) runs the scattered-holes
+case instead, on ``checksum:hf:DIR``, whose tensors take the size of the image (float32 patches): the cache
+is filled with a 112x112 (294 KiB), a 168x168 (459 KiB) and a 112x56 (147 KiB) image, the first and last
+used again (so the middle one is least recently used), then one request sends two new 168x168 images
+(918 KiB together, in a 1 MiB partition). Evicting least recently used first puts the first in the middle
+hole; the second then finds 294 and 270 KiB holes with nothing else held.
+
+Usage (from the repository root; PYTHONPATH makes the children run this checkout):
 
     PYTHONPATH=$PWD python bench/arena_placement.py [--rounds 10] [--images 6] [--too-many 7]
+    PYTHONPATH=$PWD python bench/arena_placement.py --hf /tmp/tiny-qwen2-vl [--rounds 5]
 """
 
 from __future__ import annotations
@@ -55,6 +65,43 @@ def outcome(response: httpx.Response, images: list[bytes]) -> str:
     return f"{response.status_code} {response.json()['error']['code']}"
 
 
+def png(seed: int, width: int, height: int) -> bytes:
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)).save(out, "PNG")
+    return out.getvalue()
+
+
+def scattered_holes(model_dir: str, rounds: int, arena_size: str) -> None:
+    model = "checksum:" + Path(model_dir).name
+    outcomes: collections.Counter[str] = collections.Counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        server = start_server(f"checksum:hf:{model_dir}", Path(tmp), "--frontends", "1", "--workers", "1",
+                              "--arena-size", arena_size)
+        try:
+            url = server.base_url + "/v1/chat/completions"
+            with httpx.Client(timeout=60) as client:
+                for r in range(rounds):
+                    seed = 10 * r
+                    fill = [png(seed, 112, 112), png(seed + 1, 168, 168), png(seed + 2, 112, 56)]
+                    for image in [*fill, fill[0], fill[2]]:
+                        body = image_request(model, image, mime="image/png")
+                        assert client.post(url, json=body).status_code == 200
+                    pair = [png(seed + 3, 168, 168), png(seed + 4, 168, 168)]
+                    body = several_images_request(pair)
+                    body["model"] = model
+                    response = client.post(url, json=body)
+                    code = "" if response.status_code == 200 else " " + response.json()["error"]["code"]
+                    outcomes[f"{response.status_code}{code}"] += 1
+            print(f"two 168x168 images after a scattered fill, {rounds} rounds: {dict(outcomes)}")
+        finally:
+            stop_and_check(server)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=10)
@@ -62,7 +109,11 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=6)
     parser.add_argument("--too-many", type=int, default=7)
     parser.add_argument("--arena-size", default="1MiB")
+    parser.add_argument("--hf", metavar="DIR", help="a Qwen2-VL checkpoint: the scattered-holes case instead")
     args = parser.parse_args()
+    if args.hf:
+        scattered_holes(args.hf, args.rounds, args.arena_size)
+        return
     seed = 1000
     outcomes: collections.Counter[str] = collections.Counter()
     with tempfile.TemporaryDirectory() as tmp:
