@@ -18,7 +18,7 @@ from gateway.imaging import predict
 from gateway.intake import LOOP_HASH_MAX_BYTES, EncodedImage, image_bytes, key_material
 from gateway.metrics import Counter, FrontendStats
 from gateway.preprocess.base import Preprocessor, PromptInputs, options_key
-from shared.errors import ShmgateError
+from shared.errors import ArenaFull, ImageTooLarge, ShmgateError
 from shared.transport.base import TensorCache
 from shared.vocabulary import AllocateFn, TensorGroup, content_key
 from shared.wire import INLINE_TENSOR
@@ -48,7 +48,8 @@ class ImageResolver:
         self, images: list[bytes | EncodedImage], params: list[str], groups: list[TensorGroup],
         options: list[dict[str, Any]] | None = None,
     ) -> None:
-        """Append each image's held tensor group to ``groups``, in order. Raises the first failure.
+        """Append each image's held tensor group to ``groups``, in order. Raises the first failure (a 413
+        instead of arena_full when the images cannot fit the partition together: ``_never_fits``).
 
         Local cache hits are taken on the event loop, where the hit itself only takes a process-local
         mutex. The content key is computed either way: for a data URL it hashes the base64 text, so a
@@ -56,9 +57,31 @@ class ImageResolver:
         the prompt (costs: docs/benchmarks-history.md, ``python bench/loop_costs.py``). Up to LOOP_HASH_MAX_BYTES
         that is at most ~0.5 ms of loop time; larger images, remote hits and misses (base64 decode
         included) run in the decode pool.
+
+        A request whose images fit the partition together can still find no room when the holes it
+        was given are scattered (tensors of different sizes, a cached image it hit in the middle of
+        the partition). When nothing else is held, it is placed again from an emptied cache, one image
+        after another: first-fit then packs its blocks from the bottom, so it fits. Only space held by
+        other requests in flight leaves the 503 arena_full (with Retry-After).
         Groups acquired before a failure are still appended, so the caller releases them.
         ``options``: each image's processor arguments (gateway/fields.py), part of its cache key.
         """
+        try:
+            await self._resolve_all(images, params, groups, options, at_once=True)
+        except ArenaFull:
+            self.release(groups)
+            groups.clear()
+            if self.cache.held_bytes:
+                raise  # other requests hold space: transient, retry later
+            await asyncio.get_running_loop().run_in_executor(self.pool, self.cache.clear)
+            await self._resolve_all(images, params, groups, options, at_once=False)
+
+    async def _resolve_all(
+        self, images: list[bytes | EncodedImage], params: list[str], groups: list[TensorGroup],
+        options: list[dict[str, Any]] | None, *, at_once: bool,
+    ) -> None:
+        """``resolve``'s one pass: misses decoded concurrently (``at_once``) or one after another,
+        each allocated when the one before is placed (the order that packs)."""
         loop = asyncio.get_running_loop()
         slots: list[TensorGroup | asyncio.Future[TensorGroup]] = []
         for i, (image, param) in enumerate(zip(images, params, strict=True)):
@@ -70,23 +93,55 @@ class ImageResolver:
             if len(material) <= LOOP_HASH_MAX_BYTES:
                 key = content_key(material, cache_params)
                 group = self.cache.try_hit(key)
-            if group is None:
-                slots.append(loop.run_in_executor(self.pool, self._resolve_image, image, param, key, opts))
-            else:
+            if group is not None:
                 slots.append(group)
+                continue
+            future = loop.run_in_executor(self.pool, self._resolve_image, image, param, key, opts)
+            slots.append(future)
+            if not at_once:
+                await asyncio.gather(future, return_exceptions=True)
+                if future.exception() is not None:
+                    break
         futures = [s for s in slots if isinstance(s, asyncio.Future)]
         if futures:
             await asyncio.gather(*futures, return_exceptions=True)
-        failure: BaseException | None = None
+        acquired: list[TensorGroup] = []
+        failures: list[BaseException] = []
         for slot in slots:
             if isinstance(slot, TensorGroup):
-                groups.append(slot)
-            elif slot.exception() is None:
-                groups.append(slot.result())
-            elif failure is None:
-                failure = slot.exception()
-        if failure is not None:
-            raise failure
+                acquired.append(slot)
+            elif (exc := slot.exception()) is None:
+                acquired.append(slot.result())
+            else:
+                failures.append(exc)
+        groups.extend(acquired)
+        if failures:
+            raise self._never_fits(len(images), acquired, failures) or failures[0]
+
+    def _never_fits(
+        self, n_images: int, acquired: list[TensorGroup], failures: list[BaseException]
+    ) -> ImageTooLarge | None:
+        """A 413 for a request whose images cannot fit this frontend's partition together, even empty.
+
+        Why: arena_full is a 503 with Retry-After, which clients retry; when the request's own tensors
+        add up to more than the partition, no retry can ever succeed. The sum is a lower bound (an
+        image that failed counts only the tensor that did not fit), so the 413 is never wrong; a
+        request under the bound that still found no room waits on other requests' holds: 503 it is.
+        """
+        full = [f for f in failures if isinstance(f, ArenaFull)]
+        if not full:
+            return None
+        unique = {id(g): g for g in acquired}.values()  # an image sent twice is one group, held twice
+        own = sum(self.cache.footprint(g) for g in unique) + sum(f.needed_bytes for f in full)
+        size = self.cache.size
+        if own <= size:
+            return None
+        return ImageTooLarge(  # short enough to survive the error message cap (gateway/http_errors.py)
+            f"the {n_images} images need at least {own:,} bytes of shared memory together, more than this frontend's "
+            f"arena partition holds ({size:,} bytes: --arena-size / --frontends); send fewer or smaller images, "
+            "or raise --arena-size",
+            param="messages",
+        )
 
     def _cache_params(self, options: dict[str, Any]) -> bytes:
         """The content-cache key's processing part: the preprocessor's, plus an image's processor options."""

@@ -15,6 +15,12 @@ Life of a tensor group (one image's tensors):
     evict  -> when an allocation does not fit: the least recently used unheld
               group is removed from the index first, then freed
 
+Placement is one step at a time: a decode thread's allocation and the evictions it
+needs run under one process-local lock. Without it, a thread that had taken the last
+evictable group off the LRU list but not yet freed it (it was still removing it from
+the index) was invisible to a sibling thread, which found nothing to evict and failed
+with arena_full although the space on its way back was enough for both.
+
 Holds are process-local: only the owner can free its partition, so a crashed
 frontend's holds vanish with it and its successor resets the partition (and
 purges its index entries) on take-over. Concurrent misses of one key in one
@@ -29,6 +35,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from shared.allocator import ALIGN
 from shared.arena import BLOCK_HEADER_BYTES, Allocation, Partition, read_tensor
 from shared.cache_index import CacheIndex, IndexEntry
 from shared.errors import ArenaFull, DescriptorError, ImageTooLarge, Overloaded
@@ -58,6 +65,9 @@ class ContentCache:
         self._epoch = partition_epoch
         self._lock_timeout_s = lock_timeout_s
         self._mutex = threading.Lock()
+        # Held by a decode thread from a failed allocation through the evictions that make room to the
+        # allocation that uses it (never by the event loop): see the module docstring.
+        self._placing = threading.Lock()
         self._groups: dict[bytes, TensorGroup] = {}  # our indexed groups by key
         self._evictable: OrderedDict[int, TensorGroup] = OrderedDict()  # unheld indexed groups, LRU first
         self._pending: dict[bytes, threading.Event] = {}
@@ -212,23 +222,31 @@ class ContentCache:
         self.stats.remote_hits += 1
         return group
 
+    def footprint(self, group: TensorGroup) -> int:
+        """Bytes of the partition ``group`` takes: its blocks, headers and alignment included."""
+        return sum(block_bytes(a.nbytes) for a in group.allocations)
+
     def _allocate(self, nbytes: int) -> Allocation:
-        if BLOCK_HEADER_BYTES + nbytes > self.partition.size:
+        need = block_bytes(nbytes)
+        if need > self.partition.size:
             # Eviction can never make room for it: 413 naming the limit, not 503 arena_full forever.
-            raise ImageTooLarge(
-                f"the preprocessed image needs {BLOCK_HEADER_BYTES + nbytes:,} bytes of shared memory, more than "
-                f"one frontend's arena partition holds ({self.partition.size:,} bytes = "
-                f"{format_bytes(self.partition.size)}: --arena-size divided by --frontends); send a smaller image "
-                "or ask the operator to raise --arena-size"
+            raise ImageTooLarge(  # short enough to survive the error message cap (gateway/http_errors.py)
+                f"the preprocessed image needs {need:,} bytes of shared memory, more than this frontend's arena "
+                f"partition holds ({self.partition.size:,} bytes: --arena-size / --frontends); send a smaller image or "
+                "raise --arena-size"
             )
-        while True:
-            allocation = self.partition.allocate(nbytes)
-            if allocation is not None:
-                return allocation
-            if not self._evict_one():
-                raise ArenaFull(
-                    f"no room for a {nbytes}-byte tensor: every cached tensor is held by a request in flight"
-                )
+        with self._placing:
+            while True:
+                allocation = self.partition.allocate(nbytes)
+                if allocation is not None:
+                    return allocation
+                if not self._evict_one():
+                    full = ArenaFull(
+                        f"no room for a {nbytes:,}-byte tensor in this frontend's arena partition "
+                        f"({format_bytes(self.partition.size)}) while other requests in flight hold it; retry shortly"
+                    )
+                    full.needed_bytes = need
+                    raise full
 
     def _evict_one(self) -> bool:
         with self._mutex:
@@ -266,6 +284,11 @@ class ContentCache:
         """Evict everything unheld (used by tests and shutdown)."""
         while self._evict_one():
             pass
+
+
+def block_bytes(nbytes: int) -> int:
+    """The partition bytes one tensor of ``nbytes`` takes: its block header, then ALIGN rounding."""
+    return (BLOCK_HEADER_BYTES + max(nbytes, 1) + ALIGN - 1) // ALIGN * ALIGN
 
 
 def _group_nbytes(group: TensorGroup) -> int:

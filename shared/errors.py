@@ -101,6 +101,9 @@ class ArenaFull(TransportError):
 
     status_hint = 503
     code = "arena_full"
+    # The partition bytes the tensor that did not fit needs (0: unknown): with the request's other
+    # tensors it tells a request that can never fit (413) from one that waits for others' holds.
+    needed_bytes: int = 0
 
 
 class ChannelFull(TransportError):

@@ -79,6 +79,14 @@ class TensorCache(Protocol):
 
     def release(self, group: TensorGroup) -> None: ...
 
+    def footprint(self, group: TensorGroup) -> int:
+        """Bytes of ``size`` that ``group`` takes (what a request's images add up to against it)."""
+        ...
+
+    def clear(self) -> None:
+        """Evict every group no request holds (a request placed again from an emptied partition)."""
+        ...
+
 
 class FrontendLink(Protocol):
     """One frontend process's side of the seam. ``slot`` is given; ``epoch`` is known after ``take_over``."""

@@ -208,6 +208,17 @@ class MemoryCache:
                 if not group.indexed:
                     self._used -= _nbytes(group)  # a private group is freed (its bytes are not reused)
 
+    def clear(self) -> None:
+        with self._lock:
+            for key, group in list(self._groups.items()):
+                if group.holds == 0:
+                    del self._groups[key]
+                    group.indexed = False
+                    self._used -= _nbytes(group)
+
+    def footprint(self, group: TensorGroup) -> int:
+        return sum(max(8, (ref.nbytes + 7) // 8 * 8) for ref in group.refs)  # as MemoryNode.allocate rounds
+
     def _hold(self, group: TensorGroup) -> None:
         if group.holds == 0:
             self._held += _nbytes(group)
