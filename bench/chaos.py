@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
 
     server = start_server(args, log_dir)
     # Only this server's objects: another instance (a test beside this one) may come and go meanwhile.
-    instance = re.search(r"instance ([0-9a-f]{16})", server.log_path.read_text())
+    instance = re.search(r": instance ([0-9a-f]{16}) \(label ", server.log_path.read_text())
     ours = (f"shmgate.{instance.group(1)}.", f"sem.shmgate.{instance.group(1)}.") if instance else ("shmgate.",
                                                                                                    "sem.shmgate.")
     instance_files_before = {e for e in os.listdir("/dev/shm") if e.startswith(ours)}

@@ -103,7 +103,8 @@ class Server:
 
     @property
     def instance_id(self) -> str:
-        match = re.search(r"instance ([0-9a-f]{16})", self.log_path.read_text())
+        # The summary line, not "removing leftovers of dead instance ..." that may come before it.
+        match = re.search(r": instance ([0-9a-f]{16}) \(label ", self.log_path.read_text())
         assert match, "the supervisor did not log its instance id"
         return match.group(1)
 
