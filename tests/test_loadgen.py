@@ -23,8 +23,8 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway import loadgen
-from gateway.rawhttp import RawClient
+from bench_client import loadgen
+from bench_client.rawhttp import RawClient
 
 REPO = Path(__file__).resolve().parent.parent
 IMAGES = REPO / "tests" / "data" / "images"

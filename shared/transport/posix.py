@@ -277,7 +277,7 @@ class PosixNodeStats:
 
 class PosixSupervisorLink:
     """The supervisor's link to the instance it created (see SupervisorLink); code moved from
-    gateway/supervisor.py unchanged."""
+    supervise/supervisor.py unchanged."""
 
     def __init__(self, instance: Instance) -> None:
         self.instance = instance
