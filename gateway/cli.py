@@ -313,8 +313,8 @@ def _run_supervised(args: argparse.Namespace, *, with_workers: bool, started_at:
         started_at=started_at, stats_interval_s=args.log_stats_interval_s,
     )
     try:
-        return Supervisor(instance, frontends, workers, drain_timeout_s=args.drain_timeout_s,
-                          on_tick=serving_log.tick).run()
+        return Supervisor.for_instance(instance, frontends, workers, drain_timeout_s=args.drain_timeout_s,
+                                       on_tick=serving_log.tick).run()
     finally:
         request_queue.close()
         sock.close()

@@ -314,6 +314,9 @@ class PosixSupervisorLink:
                 return slot
         return None
 
+    def slot_state(self, role: Role, slot: int) -> int:
+        return int(self._table(role)[slot]["state"])
+
     def stalled(self, role: Role, slot: int) -> bool:
         return self.segment.stalled(self._table(role), slot)
 
