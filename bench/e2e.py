@@ -1,7 +1,7 @@
 """Side-by-side end-to-end benchmark: shmgate against the naive baseline and LitServe.
 
 For each selected scenario this starts the server under test as a subprocess on a free loopback
-port, waits until it answers its readiness path, drives it with ``gateway.loadgen.run`` at each
+port, waits until it answers its readiness path, drives it with ``bench_client.loadgen.run`` at each
 concurrency (1, 8, 32 by default) on the 1024 px test photos, then stops it. Results print as a
 markdown table (and JSON lines with ``--json``).
 
@@ -46,7 +46,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.disturb import Disturbance  # noqa: E402
-from gateway import loadgen  # noqa: E402
+from bench_client import loadgen  # noqa: E402
 
 LITSERVE_PYTHON = REPO / "bench" / ".venv-litserve" / "bin" / "python"
 # An earlier checkout to compare with in the same run (scenario shmgate-base), e.g.

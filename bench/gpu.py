@@ -28,7 +28,7 @@ What it measures, in one run:
 3. End to end (unless ``--skip-serve``): ``shmgate serve --model efficientnet-lite0 --device cuda
    --frontends F --workers-per-gpu W`` for F = 1 and min(8, cores - 2) (or ``--frontends``) and W = 1, 2, 4,
    and with ``--litserve`` bench/litserve_server.py (same model code, ``--accelerator cuda``, W workers on
-   the GPU) in the same run, each driven by ``gateway.loadgen`` with ``--unique`` (every request a cache
+   the GPU) in the same run, each driven by ``bench_client.loadgen`` with ``--unique`` (every request a cache
    miss) at concurrency 1, 8, 32 and 128 on the 1024 px photos of tests/data/images, after an uncounted
    warm-up run. The GPU busy fraction is sampled every 100 ms during the timed run, from
    ``torch.cuda.utilization()`` (needs pynvml / nvidia-ml-py) or else from
@@ -74,7 +74,7 @@ if str(REPO) not in sys.path:
 
 from bench.e2e import IMAGES, LITSERVE_PYTHON, ServerProcess, fmt, free_port, render_table  # noqa: E402
 from bench.gpu_overlap import overlap_rows  # noqa: E402
-from gateway import loadgen  # noqa: E402
+from bench_client import loadgen  # noqa: E402
 from shared.arena import Allocation, Partition, validate  # noqa: E402
 from shared.errors import SetupError  # noqa: E402
 from shared.instance import Instance  # noqa: E402

@@ -18,7 +18,7 @@ naive server interleaves its requests per token (each with its own forward pass)
 decodes a batch in one forward per token (or, at batch size 1, runs one request at a time). Both give the model one torch
 thread (a 64-wide model gains nothing from more; the machine has 2 cores).
 
-Per concurrency (1 and 16 by default), ``gateway.loadgen`` sends streamed, greedy
+Per concurrency (1 and 16 by default), ``bench_client.loadgen`` sends streamed, greedy
 (temperature 0) requests with unique bytes (no cache hits) over the 1024 px test photos and
 reports requests/s, latency and time to first token. Worker busy time is read from each
 server before and after the load (shmgate: ``shmgate_worker_busy_seconds_total`` on /metrics,
@@ -51,7 +51,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.e2e import IMAGES, ServerProcess, fmt, free_port, render_table
-from gateway import loadgen
+from bench_client import loadgen
 from tests.hf_fixture import FAMILIES, build_tiny_vlm
 
 

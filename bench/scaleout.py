@@ -7,7 +7,7 @@ nginx from Debian's packages stands in for the ingress/Service: it spreads reque
 and, like an ingress whose endpoint list lags, passes a request that a draining or not-yet-ready unit
 turns away (503) or refuses (connection error) to the other unit.
 
-The load is the project's load generator (`shmgate bench`, gateway/loadgen.py) through the proxy, run
+The load is the project's load generator (`shmgate bench`, bench_client/loadgen.py) through the proxy, run
 in back-to-back rounds so that it covers the whole restart. Phases:
   1. steady: both units under load (throughput of two units);
   2. rolling restart: for each unit in turn, SIGTERM to its gateway and worker at once (the kubelet's
@@ -42,7 +42,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.pods import Container, Pod, gateway_argv, pods_unavailable, terminate_together, worker_argv  # noqa: E402
-from gateway import loadgen  # noqa: E402
+from bench_client import loadgen  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 IMAGES = ROOT / "tests" / "data" / "images"
@@ -221,7 +221,7 @@ class LoadLoop:
             self.rounds.append(self.round())
 
     def round(self) -> dict[str, Any]:
-        """One `shmgate bench` run (gateway/loadgen.py, in this process so rounds follow each other
+        """One `shmgate bench` run (bench_client/loadgen.py, in this process so rounds follow each other
         without an interpreter start between them; no warm-up: every request counts)."""
         started = time.monotonic()
         parser = argparse.ArgumentParser()

@@ -9,7 +9,7 @@ then the client closes its connections and the server is measured at rest ("befo
 held by requests and in use (from /metrics), and for every server process (the supervisor and all
 its descendants, from /proc) resident memory, open file descriptors and threads. The timed run sends
 ``--requests`` requests from ``--concurrency`` tasks; request i is a cache hit (one of a few images,
-same bytes every time), a miss (unique bytes, same pixels: gateway/loadgen.py's nonce) or a bad input
+same bytes every time), a miss (unique bytes, same pixels: bench_client/loadgen.py's nonce) or a bad input
 (a rotation of malformed bodies, each must get its 4xx OpenAI error), by ``i % 20`` in the proportion
 of ``--mix``. The run is sent in two halves; the server is measured at rest after each ("mid", "after").
 
@@ -42,8 +42,8 @@ if str(REPO) not in sys.path:
 import httpx
 
 from bench.e2e import ServerProcess, free_port
-from gateway import loadgen
-from gateway.rawhttp import RawClient, TransportError
+from bench_client import loadgen
+from bench_client.rawhttp import NoHttpAnswer, RawClient
 
 IMAGES = REPO / "tests" / "data" / "images"
 MAX_WARMUP_ROUNDS = 5
@@ -143,7 +143,7 @@ async def _send_bad(client: RawClient, body: bytes, expected: int) -> bool:
         finally:
             lease.release()
         error = json.loads(payload).get("error", {})
-    except (TimeoutError, TransportError, ValueError, AttributeError):
+    except (TimeoutError, NoHttpAnswer, ValueError, AttributeError):
         return False
     return response.status == expected and set(error) == {"message", "type", "param", "code"}
 

@@ -7,7 +7,7 @@ is the only module that calls ``sys.exit`` (through ``main``'s return code).
     shmgate gateway   frontends only: owns the IPC objects; workers attach from elsewhere
     shmgate worker    one model worker (exec of ``python -m worker``, the command compose runs)
     shmgate cleanup   remove the IPC objects of dead instances
-    shmgate bench     the load generator (gateway/loadgen.py)
+    shmgate bench     the load generator (bench_client/loadgen.py)
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING
 
 from gateway.cli_flags import DEFAULT_STALL_TIMEOUT_S, HF_STALL_TIMEOUT_S, add_gateway_flags, add_worker_flags
 from gateway.config_checks import ConfigError, check_device
-from gateway.placement import Placement, gpu_count, worker_placements
 from shared.cpus import usable_cpus
 from shared.errors import SetupError
 from shared.flags import ShmgateParser, add_batching_flags, forward, origin, version
 from shared.models import ModelKind, parse_model_spec
+from supervise.placement import Placement, gpu_count, worker_placements
 
 if TYPE_CHECKING:
     from gateway.startup_log import Summary
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "worker":
         os.execv(sys.executable, [sys.executable, "-m", "worker", *argv[1:]])
     if argv and argv[0] == "bench":
-        from gateway.loadgen import main as bench_main
+        from bench_client.loadgen import main as bench_main
 
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
@@ -261,9 +261,9 @@ def _worker_slots(asked: int, n_workers: int, *, with_workers: bool) -> int:
 
 def _run_supervised(args: argparse.Namespace, *, with_workers: bool, started_at: float) -> int:
     from gateway.startup_log import ServingLog, shm_free_bytes, summary_lines
-    from gateway.supervisor import ChildProcess, Supervisor, child_env
     from shared.instance import Instance, cleanup_leftovers
     from shared.transport import PosixNodeStats, PosixSupervisorLink
+    from supervise.supervisor import ChildProcess, Supervisor, child_env
 
     model_id = _served_model(args)
     removed = cleanup_leftovers()
@@ -313,8 +313,8 @@ def _run_supervised(args: argparse.Namespace, *, with_workers: bool, started_at:
         started_at=started_at, stats_interval_s=args.log_stats_interval_s,
     )
     try:
-        return Supervisor(instance, frontends, workers, drain_timeout_s=args.drain_timeout_s,
-                          on_tick=serving_log.tick).run()
+        return Supervisor.for_instance(instance, frontends, workers, drain_timeout_s=args.drain_timeout_s,
+                                       on_tick=serving_log.tick).run()
     finally:
         request_queue.close()
         sock.close()

@@ -125,7 +125,7 @@ SLOT = np.dtype(
         ("batch_hist", "<u8", (len(BATCH_BUCKETS) + 1,)),  # batches of size <= BATCH_BUCKETS[i]; last: larger
         # Stamped only by the loop that does the work (worker: batching/model loop, per batch and per
         # decode step; frontend: a callback on its event loop), never by the heartbeat thread: a
-        # process whose beat_ns is fresh but progress_ns old is wedged (gateway/supervisor.py).
+        # process whose beat_ns is fresh but progress_ns old is wedged (supervise/supervisor.py).
         ("progress_ns", "<u8"),
         ("stalls", "<u8"),  # times this slot's process was declared stalled (never reset: a counter)
     ]

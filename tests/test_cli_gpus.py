@@ -1,5 +1,5 @@
 """Which GPUs ``shmgate serve`` hands its workers (CUDA_VISIBLE_DEVICES is a restriction, not a hint),
-which GPU each worker runs on (gateway/placement.py: one visible GPU per worker, ``cuda:N`` = GPU N only),
+which GPU each worker runs on (supervise/placement.py: one visible GPU per worker, ``cuda:N`` = GPU N only),
 and how many workers it starts on CPU. No GPU needed: the worker commands are built, not run."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import pytest
 
 from gateway import cli
 from gateway.cli import _default_cpu_workers, visible_gpus
-from gateway.placement import gpu_count
 from shared.errors import SetupError
+from supervise.placement import gpu_count
 
 
 def test_without_cuda_visible_devices_every_gpu_of_the_machine() -> None:

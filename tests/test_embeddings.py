@@ -238,7 +238,7 @@ def test_shmgate_bench_embeddings_runs_and_checks_agreement(server: Server, tmp_
     import argparse
     import asyncio
 
-    from gateway import loadgen
+    from bench_client import loadgen
 
     for name in PHOTOS:  # within this server's --max-pixels
         (tmp_path / name).symlink_to(IMAGES / name)

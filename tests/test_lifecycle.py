@@ -2,7 +2,7 @@
 SIGKILL of its supervisor under load.
 
 A terminal signals every process of its foreground group; the children run in their own groups
-(gateway/supervisor.py) so that only the supervisor gets it and stops them in order: no
+(supervise/supervisor.py) so that only the supervisor gets it and stops them in order: no
 KeyboardInterrupt tracebacks from the frontends, and no "restarting" of children that are exiting.
 When the supervisor is killed outright, its children get SIGTERM from the kernel (shared/parent_death.py)
 instead of serving on with nobody to stop them; ``shmgate cleanup`` then removes the IPC objects.

@@ -23,8 +23,8 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway import loadgen
-from gateway.rawhttp import RawClient
+from bench_client import loadgen
+from bench_client.rawhttp import RawClient
 
 REPO = Path(__file__).resolve().parent.parent
 IMAGES = REPO / "tests" / "data" / "images"
@@ -374,3 +374,14 @@ def test_an_error_event_mid_stream_is_a_failure_named_by_its_code() -> None:
         'event: error\ndata: {"error":{"message":"the worker died","type":"server_error","param":null,'
         '"code":"worker_died"}}'))
     assert outcome.error == "stream worker_died" and "the worker died" in (outcome.detail or "")
+
+
+def test_shmgate_bench_runs_the_load_generator_from_the_command_line(naive_server: tuple[str, int]) -> None:
+    """``shmgate bench`` (here ``python -m gateway bench``) is gateway/cli.py handing over to bench_client."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", "gateway", "bench", "--base-url", naive_server[0], "--model",
+                           "checksum", "-c", "2", "-n", "4", "--images", str(IMAGES), "--json"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["requests"] == 4 and result["errors"] == 0 and result["mismatches"] == 0

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from gateway.rawhttp import RawClient, TransportError
+from bench_client.rawhttp import NoHttpAnswer, RawClient
 
 Reply = Callable[[bytes], bytes | None]  # request head+body -> raw response bytes (None: close the connection)
 
@@ -89,7 +89,7 @@ def test_a_closed_connection_is_a_transport_error_and_not_reused() -> None:
         return None if len(calls) == 1 else _fixed(b"ok")
 
     async def exchange(client: RawClient) -> tuple[str, bytes]:
-        with pytest.raises(TransportError) as failure:
+        with pytest.raises(NoHttpAnswer) as failure:
             await client.post("/x", b"{}")
         response, lease = await client.post("/x", b"{}")
         body = await response.read()
@@ -157,7 +157,7 @@ def test_a_connection_the_server_closed_while_idle_is_not_reused() -> None:
 
 def test_garbage_status_line_is_a_protocol_error() -> None:
     async def exchange(client: RawClient) -> str:
-        with pytest.raises(TransportError) as failure:
+        with pytest.raises(NoHttpAnswer) as failure:
             await client.post("/x", b"{}")
         return failure.value.kind
 
@@ -172,7 +172,7 @@ def test_refused_connection_is_a_connect_error() -> None:
         server.close()
         await server.wait_closed()
         client = RawClient(f"http://127.0.0.1:{port}")
-        with pytest.raises(TransportError) as failure:
+        with pytest.raises(NoHttpAnswer) as failure:
             await client.post("/x", b"{}")
         assert str(failure.value).startswith(f"nothing listening on 127.0.0.1:{port} (connection refused)")
         return failure.value.kind

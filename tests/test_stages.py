@@ -121,7 +121,7 @@ def test_a_request_keeps_its_own_stage_figures_for_server_timing() -> None:
 
 
 def test_bench_explains_the_slowest_requests_from_server_timing() -> None:
-    from gateway.loadgen import Outcome, tail_breakdown
+    from bench_client.loadgen import Outcome, tail_breakdown
 
     def outcome(latency_ms: float, queue_ms: float) -> Outcome:
         return Outcome("a.png", latency_ms / 1000, None, 200, "x", None,
@@ -201,7 +201,7 @@ def test_bench_prints_the_stage_breakdown_of_its_run(server: Server, tmp_path: P
     import argparse
     import asyncio
 
-    from gateway import loadgen
+    from bench_client import loadgen
 
     (tmp_path / "a.png").write_bytes(noise_png(400))
     parser = argparse.ArgumentParser()

@@ -4,7 +4,7 @@ Who uses this: worker/main.py. Two signals live in the worker's slot row:
 ``beat_ns`` (a heartbeat thread: "the process exists") and ``progress_ns``
 (stamped here, only by the loops that do the work: "the process is getting
 somewhere"). The supervisor compares ``progress_ns`` with ``--stall-timeout-s``
-(gateway/supervisor.py); a heartbeat alone would keep a deadlocked model loop
+(supervise/supervisor.py); a heartbeat alone would keep a deadlocked model loop
 looking alive forever.
 """
 

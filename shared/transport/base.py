@@ -249,6 +249,9 @@ class SupervisorLink(Protocol):
     def slot_of(self, role: Role, pid: int, frontend_slot: int) -> int | None:
         """The slot the child ``pid`` claimed (a frontend claims ``frontend_slot``; a worker a free one)."""
 
+    def slot_state(self, role: Role, slot: int) -> int:
+        """The ``SlotState`` in that row (READY once the child has started serving)."""
+
     def stalled(self, role: Role, slot: int) -> bool: ...
 
     def count_stall(self, role: Role, slot: int) -> None: ...

@@ -7,6 +7,7 @@ control queue. A frontend gets a ``MemoryFrontendLink``; a worker either is a re
 ``worker.main.Worker`` on a ``MemoryWorkerLink`` (in a thread), or the test plays it with
 ``MemoryNode.take`` / ``reply`` / ``kill_worker``. Replies may be sent from any thread: they are
 queued and delivered on the frontend's event loop, as the POSIX reader does.
+``MemorySupervisorLink`` gives the supervisor rows the test sets as its children would.
 
 What it does not model: other processes (liveness is a flag, not a pid and a heartbeat), the
 arena's block headers and generations (``MemoryCache`` is a bump allocator; ``validate`` checks
@@ -29,11 +30,22 @@ import numpy as np
 
 from shared.errors import ChannelFull, DescriptorError, SetupError
 from shared.stats_layout import BATCH_BUCKETS, STATS_WORDS
-from shared.transport.base import FrontendLink, NodeStats, ReplyHandler, WorkerLink, WorkerTotals
+from shared.transport.base import (
+    FrontendLink,
+    NodeStats,
+    ReplyHandler,
+    Role,
+    SupervisorLink,
+    WorkerLink,
+    WorkerTotals,
+)
 from shared.vocabulary import AllocateFn, CacheStats, InstanceState, SlotState, TensorGroup
 from shared.wire import DTYPE_ITEMSIZE, Cancel, Submit, TensorRef
 
-__all__ = ["MemoryCache", "MemoryFrontendLink", "MemoryNode", "MemoryNodeStats", "MemoryQueue", "MemoryWorkerLink"]
+__all__ = [
+    "MemoryCache", "MemoryFrontendLink", "MemoryNode", "MemoryNodeStats", "MemoryQueue", "MemorySupervisorLink",
+    "MemoryWorkerLink",
+]
 
 
 class MemoryQueue:
@@ -460,7 +472,96 @@ class MemoryNodeStats:
         return sum(link.preparing for link in self.node.links.values())
 
 
+@dataclass
+class MemorySlot:
+    """One child's row as the supervisor sees it; the test plays the child and sets the fields."""
+
+    pid: int
+    state: SlotState = SlotState.STARTING
+    beating: bool = True  # its heartbeat is fresh
+    stalled: bool = False  # its progress stamp is older than the stall timeout
+    busy: bool = False  # a frontend with requests in flight or decoding
+    stalls: int = 0  # how often the supervisor counted it stalled
+
+
+class MemorySupervisorLink:
+    """SupervisorLink over plain rows, for unit tests of the supervisor's decisions
+    (tests/test_supervisor_decisions.py) with real child processes and no shared memory.
+
+    The test claims a row for a child (``claim``) and sets its state, heartbeat, stall and busy
+    flags as the child would; the supervisor's marks (instance states, DEAD rows, stall counts)
+    are recorded for the test to read. Worker rows are keyed by slot like frontend rows; a worker
+    claims the slot the test gives it.
+    """
+
+    def __init__(self, *, stall_timeout_s: float = 0.0) -> None:
+        self.rows: dict[Role, dict[int, MemorySlot]] = {"frontend": {}, "worker": {}}
+        self.instance_states: list[InstanceState] = []
+        self.beats = 0
+        self.locks_left_taken = 0  # what the next repair_locks finds (a dead child held them)
+        self._stall_timeout_s = stall_timeout_s
+
+    def claim(self, role: Role, slot: int, pid: int, state: SlotState = SlotState.READY) -> MemorySlot:
+        """The child ``pid`` takes ``slot`` (as its process would on start-up)."""
+        row = self.rows[role][slot] = MemorySlot(pid, state)
+        return row
+
+    def beat(self) -> None:
+        self.beats += 1
+
+    def mark_instance(self, state: InstanceState) -> None:
+        self.instance_states.append(state)
+
+    def stall_timeout_s(self) -> float:
+        return self._stall_timeout_s
+
+    def frontend_alive(self, slot: int) -> bool:
+        row = self.rows["frontend"].get(slot)
+        return row is not None and row.beating and row.state != SlotState.DEAD
+
+    def has_live_worker(self, model: str) -> bool:
+        return any(r.state == SlotState.READY and r.beating and not r.stalled for r in self.rows["worker"].values())
+
+    def slot_of(self, role: Role, pid: int, frontend_slot: int) -> int | None:
+        if role == "frontend":
+            row = self.rows["frontend"].get(frontend_slot)
+            return frontend_slot if row is not None and row.pid == pid else None
+        return next((slot for slot, row in self.rows["worker"].items() if row.pid == pid), None)
+
+    def slot_state(self, role: Role, slot: int) -> int:
+        return int(self.rows[role][slot].state)
+
+    def stalled(self, role: Role, slot: int) -> bool:
+        """As the segment judges it: only a READY row stalls (a DEAD one is already dealt with)."""
+        row = self.rows[role][slot]
+        return self._stall_timeout_s > 0 and row.state == SlotState.READY and row.stalled
+
+    def count_stall(self, role: Role, slot: int) -> None:
+        self.rows[role][slot].stalls += 1
+
+    def stalled_foreign_workers(self, our_pids: set[int]) -> list[tuple[int, int]]:
+        return [(slot, row.pid) for slot, row in self.rows["worker"].items()
+                if row.pid not in our_pids and self.stalled("worker", slot)]
+
+    def mark_dead(self, role: Role, slot: int) -> None:
+        self.rows[role][slot].state = SlotState.DEAD
+
+    def mark_dead_by_pid(self, role: Role, pid: int) -> None:
+        for row in self.rows[role].values():
+            if row.pid == pid:
+                row.state = SlotState.DEAD
+
+    def repair_locks(self) -> int:
+        repaired, self.locks_left_taken = self.locks_left_taken, 0
+        return repaired
+
+    def frontend_busy(self, slot: int) -> bool:
+        row = self.rows["frontend"].get(slot)
+        return row is not None and row.busy
+
+
 if TYPE_CHECKING:  # mypy checks that each implementation satisfies its Protocol
     _frontend_link: type[FrontendLink] = MemoryFrontendLink
     _node_stats: type[NodeStats] = MemoryNodeStats
     _worker_link: type[WorkerLink] = MemoryWorkerLink
+    _supervisor_link: type[SupervisorLink] = MemorySupervisorLink

@@ -277,7 +277,7 @@ class PosixNodeStats:
 
 class PosixSupervisorLink:
     """The supervisor's link to the instance it created (see SupervisorLink); code moved from
-    gateway/supervisor.py unchanged."""
+    supervise/supervisor.py unchanged."""
 
     def __init__(self, instance: Instance) -> None:
         self.instance = instance
@@ -313,6 +313,9 @@ class PosixSupervisorLink:
             if int(row["pid"]) == pid and int(row["pidns"]) == pidns:
                 return slot
         return None
+
+    def slot_state(self, role: Role, slot: int) -> int:
+        return int(self._table(role)[slot]["state"])
 
     def stalled(self, role: Role, slot: int) -> bool:
         return self.segment.stalled(self._table(role), slot)

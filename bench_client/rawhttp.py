@@ -7,7 +7,7 @@ heavy client compresses the differences the benchmark exists to show. This clien
 `shmgate bench` needs: POST a body (or GET the model list), read a Content-Length or chunked response, optionally line
 by line (SSE). It speaks to servers we start ourselves on loopback; it is not a general client.
 
-Failures (connection refused or reset, malformed response, timeout) raise ``TransportError``.
+Failures (connection refused or reset, malformed response, timeout) raise ``NoHttpAnswer``.
 A connection is reused only after a response was read to its end; anything else closes it.
 An idle connection is given up after ``KEEPALIVE_EXPIRY_S``, before the server's own keep-alive
 timeout (uvicorn's default is 5 s) can close it: a request sent on a connection the server is
@@ -24,7 +24,7 @@ import time
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
-__all__ = ["Lease", "RawClient", "Response", "TransportError", "connect_failure"]
+__all__ = ["Lease", "RawClient", "Response", "NoHttpAnswer", "connect_failure"]
 
 MAX_HEADER_BYTES = 64 << 10
 KEEPALIVE_EXPIRY_S = 4.0  # below uvicorn's default timeout_keep_alive (5 s); see the module docstring
@@ -32,8 +32,13 @@ KEEPALIVE_EXPIRY_S = 4.0  # below uvicorn's default timeout_keep_alive (5 s); se
 Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
 
-class TransportError(Exception):
-    """The server gave no usable HTTP answer. ``kind``: ConnectError, ReadError or ProtocolError."""
+class NoHttpAnswer(Exception):
+    """The server gave no usable HTTP answer. ``kind``: ConnectError, ReadError or ProtocolError
+    (httpx's names for the same failures, so reports read alike whichever client ran).
+
+    Not ``shared.errors.TransportError``: that one is the gateway's shared-memory transport failing
+    (a 503 it answers); this is the client getting no answer at all.
+    """
 
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
@@ -83,7 +88,7 @@ class Response:
                 if length:
                     yield await reader.readexactly(length)
         except (ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, OSError) as exc:
-            raise TransportError("ReadError", f"bad response body: {exc!r}") from exc
+            raise NoHttpAnswer("ReadError", f"bad response body: {exc!r}") from exc
         self.complete = True
 
 
@@ -129,7 +134,7 @@ class RawClient:
             raw = await reader.readuntil(b"\r\n\r\n")
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
             self._discard(writer)
-            raise TransportError("ReadError", f"no response: {exc!r}") from exc
+            raise NoHttpAnswer("ReadError", f"no response: {exc!r}") from exc
         except BaseException:  # cancelled (a timeout) mid-exchange: the connection is unusable
             self._discard(writer)
             raise
@@ -138,7 +143,7 @@ class RawClient:
             status = int(lines[0].split(" ", 2)[1])
         except (IndexError, ValueError) as exc:
             self._discard(writer)
-            raise TransportError("ProtocolError", f"bad status line {lines[0]!r}") from exc
+            raise NoHttpAnswer("ProtocolError", f"bad status line {lines[0]!r}") from exc
         headers = {}
         for line in lines[1:]:
             name, sep, value = line.partition(":")
@@ -164,7 +169,7 @@ class RawClient:
         try:
             reader, writer = await asyncio.open_connection(self._host, self._port, limit=MAX_HEADER_BYTES)
         except OSError as exc:
-            raise TransportError("ConnectError", connect_failure(self.address, exc)) from exc
+            raise NoHttpAnswer("ConnectError", connect_failure(self.address, exc)) from exc
         self._all.add(writer)
         return reader, writer
 

@@ -62,7 +62,7 @@ from typing import IO
 from shared.errors import EXIT_CONFIG
 from shared.instance import Instance
 from shared.parent_death import SUPERVISOR_PID_ENV
-from shared.transport import PosixSupervisorLink, Role
+from shared.transport import PosixSupervisorLink, Role, SupervisorLink
 from shared.vocabulary import DEAD_AFTER_S, InstanceState, SlotState
 
 __all__ = ["ChildProcess", "Supervisor"]
@@ -168,10 +168,21 @@ class ChildProcess:
 
 @dataclass
 class Supervisor:
-    instance: Instance
+    """Starts the children, restarts or replaces the ones that die or stall, stops them in order.
+
+    Its decisions read and write the instance only through ``link``, so they run over an in-memory
+    link in unit tests (tests/test_supervisor_decisions.py); ``for_instance`` builds the real one.
+    """
+
+    link: SupervisorLink
     frontends: list[ChildProcess]
     workers: list[ChildProcess]
+    # The POSIX instance whose IPC objects ``run`` unlinks at the end (None: nothing to unlink) and
+    # whose header it reads for the served-model warnings.
+    instance: Instance | None = None
     drain_timeout_s: float = 30.0
+    # The first restart of a child that keeps failing waits this long, doubling with each failure.
+    restart_backoff_s: float = 0.25
     # Called after each check of the children, in the supervisor's loop (gateway/startup_log.py:
     # "ready in N s" and the statistics line); it must return quickly.
     on_tick: Callable[[], None] | None = None
@@ -180,10 +191,13 @@ class Supervisor:
     _fatal: str = ""
     _warned_models: set[tuple[int, int]] = field(default_factory=set)  # (worker slot, epoch) already warned of
     _refused_seen: int = 0  # workers refused for another model, as last logged
-    link: PosixSupervisorLink = field(init=False)
 
-    def __post_init__(self) -> None:
-        self.link = PosixSupervisorLink(self.instance)
+    @classmethod
+    def for_instance(cls, instance: Instance, frontends: list[ChildProcess], workers: list[ChildProcess], *,
+                     drain_timeout_s: float = 30.0, on_tick: Callable[[], None] | None = None) -> Supervisor:
+        """The supervisor of a POSIX instance this process created (and unlinks when ``run`` ends)."""
+        return cls(PosixSupervisorLink(instance), frontends, workers, instance=instance,
+                   drain_timeout_s=drain_timeout_s, on_tick=on_tick)
 
     # -- signals --------------------------------------------------------------------
 
@@ -206,7 +220,7 @@ class Supervisor:
                 child.start()
             while not self._signals and not self._fatal:
                 time.sleep(TICK_S)
-                self._check_children()
+                self.check_children()
                 if self.on_tick is not None and not self._fatal:
                     self.on_tick()
             if self._fatal:
@@ -221,8 +235,9 @@ class Supervisor:
                 child.kill()
                 child.join(5)
             self.link.mark_instance(InstanceState.STOPPED)
-            self.instance.unlink()
-            self.instance.close()
+            if self.instance is not None:
+                self.instance.unlink()
+                self.instance.close()
             for s, handler in previous.items():
                 signal.signal(s, handler)
             log.info("stopped; IPC objects unlinked")
@@ -235,7 +250,8 @@ class Supervisor:
 
     # -- checking -------------------------------------------------------------------
 
-    def _check_children(self) -> None:
+    def check_children(self) -> None:
+        """One tick's decisions: start the children due a restart, replace the dead and the stalled."""
         now = time.monotonic()
         link = self.link
         for child in self.frontends + self.workers:
@@ -295,8 +311,7 @@ class Supervisor:
         found = self.link.slot_of(child.role, child.pid, child.slot)
         if found is None:
             return None
-        table = self.instance.segment.frontends if child.role == "frontend" else self.instance.segment.workers
-        return int(table[found]["state"])
+        return self.link.slot_state(child.role, found)
 
     def _check_worker_models(self) -> None:
         """Warn of workers that serve another model than the gateway: refused ones, and ready ones (once each).
@@ -305,6 +320,8 @@ class Supervisor:
         so this log says it too; one that does not refuse (an older version, another container's) would
         count as ready while no request can reach it.
         """
+        if self.instance is None:
+            return  # the model check reads the POSIX header; an in-memory link has no other model
         seg = self.instance.segment
         served = seg.served_model
         if not served:
@@ -344,7 +361,8 @@ class Supervisor:
             log.warning("repaired a lock held by the dead %s", child.role)
         ran_s = time.monotonic() - child.started_at
         child.failures = 0 if ran_s > 30 else child.failures + 1
-        child.restart_at = time.monotonic() + min(30.0, 0.25 * (2**child.failures) if child.failures else 0.0)
+        backoff_s = self.restart_backoff_s * (2**child.failures) if child.failures else 0.0
+        child.restart_at = time.monotonic() + min(30.0, backoff_s)
         child.process = None
 
     # -- shutdown -------------------------------------------------------------------

@@ -68,7 +68,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gateway.rawhttp import RawClient, Response, TransportError
+from bench_client.rawhttp import NoHttpAnswer, RawClient, Response
 from gateway.stages import parse_server_timing, stage_breakdown
 
 __all__ = ["BenchAborted", "add_arguments", "api_root", "arrival_times", "count_mismatches", "count_vector_mismatches",
@@ -257,9 +257,9 @@ async def send_one(client: RawClient, body: bytes, image: str, *, stream: bool, 
             outcome = await asyncio.wait_for(_send_streaming(client, body, image, start), client.timeout_s)
         else:
             outcome = await asyncio.wait_for(_send_plain(client, body, image, start, embeddings), client.timeout_s)
-    except (TimeoutError, TransportError) as exc:  # the server never gave a full answer
-        kind = exc.kind if isinstance(exc, TransportError) else "Timeout"
-        detail = str(exc) if isinstance(exc, TransportError) else f"no full answer in {client.timeout_s:g} s"
+    except (TimeoutError, NoHttpAnswer) as exc:  # the server never gave a full answer
+        kind = exc.kind if isinstance(exc, NoHttpAnswer) else "Timeout"
+        detail = str(exc) if isinstance(exc, NoHttpAnswer) else f"no full answer in {client.timeout_s:g} s"
         return Outcome(image, time.perf_counter() - start, None, None, "", f"transport:{kind}", detail=detail)
     return outcome
 
@@ -555,7 +555,7 @@ async def model_card(client: RawClient, root: str) -> dict[str, Any]:
             payload = await asyncio.wait_for(response.read(), client.timeout_s)
         finally:
             lease.release()
-    except (TimeoutError, TransportError) as exc:
+    except (TimeoutError, NoHttpAnswer) as exc:
         raise BenchAborted(f"cannot list the served models at {where}: {exc or 'timed out'}") from exc
     if not response.is_success:
         raise BenchAborted(f"cannot list the served models at {where}: {_snippet(response.status, payload)}")
