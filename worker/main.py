@@ -271,7 +271,10 @@ class Worker:
             except ChannelFull:
                 log.error("could not put request %x back on the queue; its deadline will end it", submit.request_id)
             self._declared_dead()
-        self._reply(submit, Claimed(submit.request_id, self.slot, self.epoch, now_ns()))
+        claimed = Claimed(
+            request_id=submit.request_id, worker_slot=self.slot, worker_epoch=self.epoch, claimed_ns=now_ns()
+        )
+        self._reply(submit, claimed)
         if submit.model != self.backend.name:
             self._fail(submit, 0, UnknownModel(f"this worker serves {self.backend.name}"))
             return None
@@ -409,13 +412,13 @@ class Worker:
                     self._reply(
                         job.submit,
                         Finished(
-                            job.submit.request_id,
-                            job.seq,
-                            event.finish_reason,
-                            event.prompt_tokens,
-                            event.completion_tokens,
-                            last,
-                            job.stamps.done(),
+                            request_id=job.submit.request_id,
+                            seq=job.seq,
+                            finish_reason=event.finish_reason,
+                            prompt_tokens=event.prompt_tokens,
+                            completion_tokens=event.completion_tokens,
+                            text=last,
+                            stamps=job.stamps.done(),
                         ),
                     )
                 elif event.flush:
