@@ -23,6 +23,7 @@ import logging  # noqa: E402
 import sys  # noqa: E402
 
 from shared import flag_types  # noqa: E402
+from shared.errors import EXIT_USAGE  # noqa: E402
 from shared.flags import ShmgateParser, add_batching_flags, add_flag, origin, version  # noqa: E402
 from shared.models import KNOWN_SPECS  # noqa: E402
 from worker.main import WorkerOptions, run_worker  # noqa: E402
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         problem = cuda_problem(args.device, origin(argv, "--device", args.device))
         if problem:
             print(f"shmgate worker: error: {problem}", file=sys.stderr)
-            return 2
+            return EXIT_USAGE
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s worker[%(process)d] %(levelname)s %(message)s"
     )

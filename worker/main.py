@@ -48,6 +48,8 @@ from shared.errors import (
     EXIT_CONFIG,
     EXIT_DECLARED_DEAD,
     EXIT_DEVICE_ERROR,
+    EXIT_FAILURE,
+    EXIT_USAGE,
     Cancelled,
     ChannelFull,
     DescriptorError,
@@ -218,13 +220,13 @@ class Worker:
                     break
                 if not link.still_ours():
                     log.error("this worker's slot was taken over (declared dead); exiting")
-                    self.exit_code = 1
+                    self.exit_code = EXIT_FAILURE
                     return
                 if not link.instance_alive():
                     # the gateway is gone or stopping: exit so the supervisor (or compose's restart
                     # policy) starts a worker that attaches to the new instance
                     log.warning("the gateway instance stopped; exiting")
-                    self.exit_code = 0 if self._stop.is_set() or self._stop_request.asked else 1
+                    self.exit_code = 0 if self._stop.is_set() or self._stop_request.asked else EXIT_FAILURE
                     return
                 self.progress.idle_turn()
                 jobs = prefetcher.get(timeout_s=0.25)
@@ -562,7 +564,7 @@ def run_worker(
         instance = Instance.attach(instance_id)
     except SetupError as exc:
         log.error("%s", exc)
-        return 2
+        return EXIT_USAGE
     gateway_model = instance.segment.served_model
     if gateway_model and gateway_model != spec.public_id:
         instance.segment.note_refused_worker(spec.public_id)  # the gateway logs it too
@@ -576,7 +578,7 @@ def run_worker(
     except SetupError as exc:
         log.error("%s", exc)
         instance.close()
-        return 2
+        return EXIT_USAGE
     except (ValueError, OSError, ImportError) as exc:
         # An unknown model or dtype, a missing model directory or extra, a model id too long:
         # restarting cannot help.
