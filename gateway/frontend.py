@@ -179,7 +179,7 @@ class Frontend:
                 text=prompt.text[:MAX_SUBMIT_TEXT_CHARS],
                 task=chat.task,
             )
-            state = RequestState(request_id, submit, groups, started)
+            state = RequestState(request_id=request_id, submit=submit, groups=groups, started=started)
             self.stages.submitted(state.timing, started)
             self.replies.add(state)
         except BaseException:
