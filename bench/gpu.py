@@ -201,7 +201,8 @@ def _place(partition: Partition, rng: np.random.Generator, dtype: str, shape: tu
         raise SetupError(f"the arena has no room for {nbytes} bytes")
     array = partition.array(allocation, dtype, shape)
     array[...] = rng.integers(0, 256, shape, dtype=np.uint8) if dtype == "uint8" else rng.random(shape, np.float32)
-    ref = TensorRef(allocation.offset, nbytes, allocation.generation, dtype, shape, "pixels")
+    ref = TensorRef(offset=allocation.offset, nbytes=nbytes, generation=allocation.generation, dtype=dtype,
+                    shape=shape, name="pixels")
     validate(partition.segment, ref)  # a descriptor a worker would accept
     # Through a memoryview: the view then holds an export, so the mapping cannot be unmapped under it
     # (worker/device.py, "Lifetime"); arena_tensors drops the views before it closes the instance.

@@ -244,7 +244,7 @@ class ShmgateProducer:
         self.next_id += 1
         self.inflight[rid] = allocation
         start = (t0 or time.monotonic_ns()).to_bytes(8, "little")
-        self.requests.send(Submit(rid, 0, tag, (ref,), inline=start), 10.0)
+        self.requests.send(Submit(request_id=rid, reply_slot=0, model=tag, tensors=(ref,), inline=start), 10.0)
 
     def send_copy(self, src: np.ndarray, dtype: str, shape: tuple[int, ...], tag: str) -> None:
         """The full handoff's producer half: allocate, one copy in, submit the descriptor."""
@@ -255,7 +255,8 @@ class ShmgateProducer:
         t1 = self._timed(tag, "p_allocate", t0)
         np.copyto(self.partition.array(allocation, "uint8", (src.nbytes,)), src)
         t2 = self._timed(tag, "p_copy", t1)
-        ref = TensorRef(allocation.offset, src.nbytes, allocation.generation, dtype, shape)
+        ref = TensorRef(offset=allocation.offset, nbytes=src.nbytes, generation=allocation.generation, dtype=dtype,
+                        shape=shape)
         self.submit(ref, tag, allocation, t0)
         self._timed(tag, "p_send", t2)
 
@@ -317,7 +318,8 @@ def bench_shmgate(sizes: list[tuple[int, str, tuple[int, ...]]], quick: bool, in
                 for block in blocks:
                     assert block is not None
                     np.copyto(producer.partition.array(block, "uint8", (nbytes,)), src)
-                    refs.append(TensorRef(block.offset, nbytes, block.generation, dtype, shape))
+                    refs.append(TensorRef(offset=block.offset, nbytes=nbytes, generation=block.generation,
+                                          dtype=dtype, shape=shape))
                 turn = [0]
 
                 def send_descriptor(phase: str, nbytes: int = nbytes) -> None:
@@ -438,7 +440,8 @@ def bench_alloc_and_index(quick: bool) -> list[dict[str, Any]]:
 
         lock = inst.lock(LockId.INDEX, (HolderKind.FRONTEND, 0, epoch))
         index = inst.cache_index()
-        ref = TensorRef(seg.data_offset + 64, 602_112, 1, "float32", (3, 224, 224), "pixels")
+        ref = TensorRef(offset=seg.data_offset + 64, nbytes=602_112, generation=1, dtype="float32",
+                        shape=(3, 224, 224), name="pixels")
         entries = [IndexEntry(os.urandom(16), 0, epoch, (ref,)) for _ in range(min(n, 2_000))]
         epochs = seg.frontends["epoch"]
         held: dict[str, list[float]] = {"insert": [], "lookup": [], "remove": [], "acquire_release": []}

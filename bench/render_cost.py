@@ -55,14 +55,16 @@ async def _round(f: Frontend, render: Render, stream: bool, iters: int, deltas: 
         await never.wait()
         return {"type": "http.disconnect"}
 
-    submit = Submit(1, 0, "checksum", (), b"", SamplingParams(), 0, 0, "")
+    submit = Submit(request_id=1, reply_slot=0, model="checksum", tensors=(), inline=b"", params=SamplingParams(),
+                    deadline_ns=0, attempt=0, text="")
     started = time.process_time()
     for i in range(iters):
         state = RequestState(i, submit, [], time.monotonic())
         state.phase = Phase.DONE  # its events are queued by hand: nothing to route, nothing to abandon
         for seq in range(deltas):
             state.events.put_nowait(Delta(i, seq, "word "))
-        state.events.put_nowait(Finished(i, deltas, "stop", 12, deltas, ""))
+        state.events.put_nowait(Finished(request_id=i, seq=deltas, finish_reason="stop", prompt_tokens=12,
+                                         completion_tokens=deltas, text=""))
         response = await render(f, state, stream, receive)
         if stream:
             async for _ in response.body_iterator:

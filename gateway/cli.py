@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from gateway.cli_flags import DEFAULT_STALL_TIMEOUT_S, HF_STALL_TIMEOUT_S, add_gateway_flags, add_worker_flags
 from gateway.config_checks import ConfigError, check_device
 from shared.cpus import usable_cpus
-from shared.errors import SetupError
+from shared.errors import EXIT_USAGE, SetupError
 from shared.flags import ShmgateParser, add_batching_flags, forward, origin, version
 from shared.models import ModelKind, parse_model_spec
 from supervise.placement import Placement, gpu_count, worker_placements
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                          given=origin(argv, "--device", args.device))
         except ConfigError as exc:
             print(f"shmgate serve: error: {exc}", file=sys.stderr)
-            return 2
+            return EXIT_USAGE
     try:
         if args.command == "cleanup":
             return _cleanup(args)
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         return _run_supervised(args, with_workers=args.command == "serve", started_at=started_at)
     except SetupError as exc:
         log.error("%s", exc)
-        return 2
+        return EXIT_USAGE
 
 
 def _cleanup(args: argparse.Namespace) -> int:

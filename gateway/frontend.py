@@ -168,18 +168,18 @@ class Frontend:
             deadline_ns = now_ns() + int(self.limits.request_timeout_s * 1e9)
             refs: list[TensorRef] = [ref for g in groups for ref in g.refs]
             submit = Submit(
-                request_id,
-                self.slot,
-                self.preprocessor.model,
-                tuple(refs),
-                inline,
-                chat.params,
-                deadline_ns,
-                0,
-                prompt.text[:MAX_SUBMIT_TEXT_CHARS],
+                request_id=request_id,
+                reply_slot=self.slot,
+                model=self.preprocessor.model,
+                tensors=tuple(refs),
+                inline=inline,
+                params=chat.params,
+                deadline_ns=deadline_ns,
+                attempt=0,
+                text=prompt.text[:MAX_SUBMIT_TEXT_CHARS],
                 task=chat.task,
             )
-            state = RequestState(request_id, submit, groups, started)
+            state = RequestState(request_id=request_id, submit=submit, groups=groups, started=started)
             self.stages.submitted(state.timing, started)
             self.replies.add(state)
         except BaseException:

@@ -164,7 +164,8 @@ class ContentCache:
             nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPE_ITEMSIZE[dtype]
             allocation = self._allocate(nbytes)
             group.allocations.append(allocation)
-            group.refs.append(TensorRef(allocation.offset, nbytes, allocation.generation, dtype, tuple(shape), name))
+            group.refs.append(TensorRef(offset=allocation.offset, nbytes=nbytes, generation=allocation.generation,
+                                        dtype=dtype, shape=tuple(shape), name=name))
             return self.partition.array(allocation, dtype, tuple(shape))
 
         try:
@@ -209,7 +210,8 @@ class ContentCache:
                 out = self.partition.array(allocation, "uint8", (ref.nbytes,))
                 read_tensor(self.partition.segment, ref, out)
                 group.refs.append(
-                    TensorRef(allocation.offset, ref.nbytes, allocation.generation, ref.dtype, ref.shape, ref.name)
+                    TensorRef(offset=allocation.offset, nbytes=ref.nbytes, generation=allocation.generation,
+                              dtype=ref.dtype, shape=ref.shape, name=ref.name)
                 )
         except DescriptorError:
             self._free_group(group)  # the owner evicted it meanwhile: decode instead

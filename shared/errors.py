@@ -290,6 +290,13 @@ def error_for_code(code: str, message: str) -> ShmgateError:
 
 # -- process exit codes the supervisor acts on -----------------------------------
 
+# A failure at run time with no more specific code below: the process was serving and had to
+# stop (the gateway instance it served vanished, its supervisor died). Restarting it may help.
+EXIT_FAILURE = 1
+# The command could not start: a bad flag value, or a setup failure before anything was served
+# (no IPC resources, no gateway to attach to). argparse exits with 2 on a usage error, so every
+# "this start cannot work as asked" exit of shmgate's commands reads the same.
+EXIT_USAGE = 2
 # A child that exits with EXIT_CONFIG failed on its configuration (an unknown model, a missing
 # model directory, a model id too long): restarting it cannot help, so ``shmgate serve`` stops
 # with the reason instead of restarting it forever (sysexits.h EX_CONFIG).

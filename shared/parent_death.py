@@ -27,6 +27,8 @@ import os
 import signal
 import sys
 
+from shared.errors import EXIT_FAILURE
+
 __all__ = ["SUPERVISOR_PID_ENV", "follow_supervisor", "set_parent_death_signal"]
 
 log = logging.getLogger("shmgate.parent")
@@ -57,4 +59,4 @@ def follow_supervisor(signum: int = signal.SIGTERM, environ: dict[str, str] | No
     if os.getppid() != int(value):
         # The supervisor died before the prctl: the signal will never come. Nobody is left to serve for.
         print(f"shmgate: the supervisor (pid {value}) is gone; exiting", file=sys.stderr)
-        os._exit(1)
+        os._exit(EXIT_FAILURE)

@@ -144,7 +144,8 @@ def stress_writer(instance_id: str, k: int, n_allocations: int, seed: int, resul
                 continue
             rid = (k + 1) << 40 | seq
             part.array(allocation, "uint8", (nbytes,))[:] = pattern(rid, nbytes)
-            ref = TensorRef(allocation.offset, nbytes, allocation.generation, "uint8", (nbytes,), f"{rid}")
+            ref = TensorRef(offset=allocation.offset, nbytes=nbytes, generation=allocation.generation, dtype="uint8",
+                            shape=(nbytes,), name=f"{rid}")
             key = entry_key(k, seq)
             with lock.hold(5.0):
                 if not index.insert(IndexEntry(key, k, epoch, (ref,))):
@@ -152,7 +153,7 @@ def stress_writer(instance_id: str, k: int, n_allocations: int, seed: int, resul
                 if seq % 4 == 0:
                     _check_other_writers_entry(inst, index, rng, k, stats)
             inflight[rid] = (allocation, key)
-            requests.send(Submit(rid, k, "stress", (ref,)), 10.0)
+            requests.send(Submit(request_id=rid, reply_slot=k, model="stress", tensors=(ref,)), 10.0)
             stats["sent"] += 1
             seq += 1
         stats["used_bytes"] = part.used_bytes
@@ -249,8 +250,8 @@ def hold_index_lock(instance_id: str, k: int, conn: Connection) -> None:
 def index_entry(i: int, epoch: int, data_offset: int) -> IndexEntry:
     """Entry number i, every field derived from i, so a torn entry is recognisable."""
     tensors = tuple(
-        TensorRef(data_offset + 64 * (4 * i + j + 1), 1 + (i * 7 + j) % 1000, 4 * i + j + 1, "uint8",
-                  (1 + (i * 7 + j) % 1000,), f"t{i}.{j}")
+        TensorRef(offset=data_offset + 64 * (4 * i + j + 1), nbytes=1 + (i * 7 + j) % 1000, generation=4 * i + j + 1,
+                  dtype="uint8", shape=(1 + (i * 7 + j) % 1000,), name=f"t{i}.{j}")
         for j in range(1 + i % 3)
     )
     return IndexEntry(entry_key(0, i), 0, epoch, tensors)
@@ -305,11 +306,12 @@ def write_slowly(instance_id: str, k: int, n_small: int, big_nbytes: int, conn: 
         allocation = part.allocate(nbytes)
         assert allocation is not None
         part.array(allocation, "uint8", (nbytes,))[:] = pattern(i + 1, nbytes)  # written before the send
-        ref = TensorRef(allocation.offset, nbytes, allocation.generation, "uint8", (nbytes,))
-        requests.send(Submit(i + 1, k, "test", (ref,)), 10.0)
+        ref = TensorRef(offset=allocation.offset, nbytes=nbytes, generation=allocation.generation, dtype="uint8",
+                        shape=(nbytes,))
+        requests.send(Submit(request_id=i + 1, reply_slot=k, model="test", tensors=(ref,)), 10.0)
     big = part.allocate(big_nbytes)
     assert big is not None
-    ref = TensorRef(big.offset, big_nbytes, big.generation, "uint8", (big_nbytes,))
+    ref = TensorRef(offset=big.offset, nbytes=big_nbytes, generation=big.generation, dtype="uint8", shape=(big_nbytes,))
     view = part.array(big, "uint8", (big_nbytes,))
     expected = pattern(999, big_nbytes)
     chunk = big_nbytes // 64
@@ -318,7 +320,8 @@ def write_slowly(instance_id: str, k: int, n_small: int, big_nbytes: int, conn: 
         if c == 8:
             conn.send(ref)  # to the test only, as a forged descriptor: it is never submitted
         time.sleep(0.02)
-    requests.send(Submit(999, k, "test", (ref,)), 10.0)  # never reached: killed before
+    # never reached: killed before
+    requests.send(Submit(request_id=999, reply_slot=k, model="test", tensors=(ref,)), 10.0)
 
 
 def take_and_hold(instance_id: str, w: int, conn: Connection) -> None:

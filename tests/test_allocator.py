@@ -146,7 +146,7 @@ def test_index_finds_and_removes_keys_that_end_in_zero_bytes() -> None:
     inst = Instance.create(arena_size=PARTITION, n_frontends=1, n_workers=1, queue_depth=1, index_capacity=64)
     try:
         index = inst.cache_index()
-        ref = TensorRef(inst.segment.data_offset + 64, 4, 1, "uint8", (4,))
+        ref = TensorRef(offset=inst.segment.data_offset + 64, nbytes=4, generation=1, dtype="uint8", shape=(4,))
         key = b"\x07" * 8 + b"\x00" * 8
         assert index.insert(IndexEntry(key, 0, 0, (ref,)))
         assert not index.insert(IndexEntry(key, 0, 0, (ref,))), "the same key was inserted twice"

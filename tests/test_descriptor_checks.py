@@ -66,7 +66,8 @@ def arena() -> Iterator[Arena]:
         assert allocation is not None
         data = np.arange(NBYTES // 4, dtype=np.float32).reshape(SHAPE)
         partition.array(allocation, "float32", SHAPE)[:] = data
-        good = TensorRef(allocation.offset, NBYTES, allocation.generation, "float32", SHAPE, "pixels")
+        good = TensorRef(offset=allocation.offset, nbytes=NBYTES, generation=allocation.generation, dtype="float32",
+                         shape=SHAPE, name="pixels")
         yield Arena(inst, partition, good, data)
     finally:
         instance_id = inst.names.instance_id
@@ -106,7 +107,8 @@ def test_a_good_descriptor_reads_back_its_tensor(arena: Arena) -> None:
 
 
 def test_a_descriptor_survives_the_wire_and_still_validates(arena: Arena) -> None:
-    message = worker_decoder.decode(encoder.encode(Submit(1, 0, "m", (arena.good,))))
+    message = worker_decoder.decode(encoder.encode(Submit(request_id=1, reply_slot=0, model="m",
+                                                          tensors=(arena.good,))))
     assert message.tensors == (arena.good,)
     validate(arena.seg, message.tensors[0])
 
@@ -130,14 +132,14 @@ def test_offset_plus_size_that_overflows_is_out_of_bounds(arena: Arena, offset: 
 def test_overflowing_values_from_the_wire_are_out_of_bounds(arena: Arena) -> None:
     """msgpack carries them fine (they are non-negative); validate must still refuse them."""
     ref = arena.bent(offset=MAX, nbytes=MAX, generation=MAX, dtype="uint8", shape=(MAX,))
-    decoded = worker_decoder.decode(encoder.encode(Submit(1, 0, "m", (ref,))))
+    decoded = worker_decoder.decode(encoder.encode(Submit(request_id=1, reply_slot=0, model="m", tensors=(ref,))))
     rejects(arena, decoded.tensors[0], OutOfBounds)
 
 
 def test_negative_values_never_decode_from_the_wire(arena: Arena) -> None:
     ref = arena.bent(offset=-64)
     with pytest.raises(msgspec.ValidationError):
-        worker_decoder.decode(encoder.encode(Submit(1, 0, "m", (ref,))))
+        worker_decoder.decode(encoder.encode(Submit(request_id=1, reply_slot=0, model="m", tensors=(ref,))))
     rejects(arena, ref, OutOfBounds)  # and validate refuses them built by hand
 
 
@@ -235,7 +237,7 @@ def test_offset_into_the_middle_of_a_tensor_is_refused(arena: Arena) -> None:
     big = arena.partition.allocate(4096)
     assert big is not None
     arena.partition.array(big, "uint8", (4096,))[:] = 0x11
-    ref = TensorRef(big.offset + 1024, 64, big.generation, "uint8", (64,))
+    ref = TensorRef(offset=big.offset + 1024, nbytes=64, generation=big.generation, dtype="uint8", shape=(64,))
     rejects(arena, ref, StaleGeneration)
 
 

@@ -195,7 +195,7 @@ def test_libcudart_is_found_in_the_process_maps(tmp_path) -> None:
 
 
 def _ref(offset: int, nbytes: int, name: str, shape: tuple[int, ...] | None = None) -> TensorRef:
-    return TensorRef(offset, nbytes, 1, "uint8", shape or (nbytes,), name)
+    return TensorRef(offset=offset, nbytes=nbytes, generation=1, dtype="uint8", shape=shape or (nbytes,), name=name)
 
 
 def test_the_prompt_stays_on_the_host_and_only_tensors_are_copied(arena: mmap.mmap) -> None:

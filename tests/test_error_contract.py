@@ -56,7 +56,7 @@ def test_an_instance_status_survives_the_trip() -> None:
 
 
 def test_an_unknown_code_from_a_newer_peer_is_passed_through() -> None:
-    error = failure_error(Failed(1, 0, "brand_new", "something new", 422))
+    error = failure_error(Failed(request_id=1, seq=0, code="brand_new", message="something new", status_hint=422))
     assert (error.code, error.status_hint, error.error_type) == ("brand_new", 422, "invalid_request_error")
 
 

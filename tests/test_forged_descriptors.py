@@ -62,7 +62,7 @@ class FakeFrontend:
     def submit(self, *tensors: TensorRef, reply_slot: int | None = None) -> int:
         self.next_id += 1
         slot = self.slot if reply_slot is None else reply_slot
-        self.requests.send(Submit(self.next_id, slot, "checksum", tensors), 10.0)
+        self.requests.send(Submit(request_id=self.next_id, reply_slot=slot, model="checksum", tensors=tensors), 10.0)
         return self.next_id
 
     def answers(self, request_id: int, timeout_s: float = 30.0) -> list[object]:
@@ -92,7 +92,8 @@ def fake(spare_slot_server: Server) -> Iterator[FakeFrontend]:
         assert allocation is not None
         pixels = np.random.default_rng(7).integers(0, 256, SHAPE, dtype=np.uint8)
         partition.array(allocation, "uint8", SHAPE)[:] = pixels
-        good = TensorRef(allocation.offset, NBYTES, allocation.generation, "uint8", SHAPE, "pixels")
+        good = TensorRef(offset=allocation.offset, nbytes=NBYTES, generation=allocation.generation, dtype="uint8",
+                         shape=SHAPE, name="pixels")
         yield FakeFrontend(inst, slot, partition, requests, replies, good, pixels.tobytes())
     finally:
         heartbeat.stop()

@@ -66,7 +66,8 @@ def _place(partition: Partition, array: np.ndarray, name: str) -> TensorRef:
     allocation = partition.allocate(array.nbytes)
     assert allocation is not None
     partition.array(allocation, array.dtype.name, array.shape)[...] = array
-    return TensorRef(allocation.offset, array.nbytes, allocation.generation, array.dtype.name, array.shape, name)
+    return TensorRef(offset=allocation.offset, nbytes=array.nbytes, generation=allocation.generation,
+                     dtype=array.dtype.name, shape=array.shape, name=name)
 
 
 def _pixels(name: str, draft_margin: int | None = None) -> np.ndarray:
@@ -229,7 +230,8 @@ def test_a_cuda_worker_classifies_the_photos_through_its_pipeline(instance: Inst
         for rounds in range(3):  # several batches, so copies of batch k+1 overlap batch k
             for i, name in enumerate(PHOTOS):
                 ref = _place(partition, _pixels(name), "pixels")
-                requests.send(Submit(100 * rounds + i, 0, "efficientnet-lite0", (ref,)), HANG_S)
+                requests.send(Submit(request_id=100 * rounds + i, reply_slot=0, model="efficientnet-lite0",
+                                     tensors=(ref,)), HANG_S)
 
     sender = threading.Thread(target=send_all, daemon=True)
     try:
@@ -276,7 +278,7 @@ def test_workitems_reach_the_backend_on_the_device(instance: Instance) -> None:
     requests, replies = instance.request_queue(), instance.reply_queue(0)
     try:
         ref = _place(Partition(instance.segment, 0), _pixels(PHOTOS[0]), "pixels")
-        requests.send(Submit(1, 0, "checksum", (ref,)), HANG_S)
+        requests.send(Submit(request_id=1, reply_slot=0, model="checksum", tensors=(ref,)), HANG_S)
         deadline = time.monotonic() + HANG_S
         while not seen:
             assert time.monotonic() < deadline

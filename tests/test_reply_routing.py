@@ -97,7 +97,8 @@ def test_a_request_runs_claimed_released_streaming_done_and_gives_its_space_back
             node.reply(message)
             await _settle()
             assert state.phase is phase
-        node.reply(Finished(submit.request_id, 1, "stop", 3, 2, "cat"))
+        node.reply(Finished(request_id=submit.request_id, seq=1, finish_reason="stop", prompt_tokens=3,
+                            completion_tokens=2, text="cat"))
         await _settle()
         assert state.done and link.cache.held_bytes == 0
         events = _drain(state)
@@ -157,7 +158,8 @@ def test_output_whose_claimed_was_lost_still_reaches_the_client() -> None:
         state = await _submit(frontend)
         submit = _take(node)  # the worker's Claimed was dropped (its channel stayed full)
         node.reply(Delta(submit.request_id, 0, "an "))
-        node.reply(Finished(submit.request_id, 1, "stop", 3, 2, "answer"))
+        node.reply(Finished(request_id=submit.request_id, seq=1, finish_reason="stop", prompt_tokens=3,
+                            completion_tokens=2, text="answer"))
         await _settle()
         assert [type(e) for e in _drain(state)] == [Delta, Delta, Finished]
         assert state.done and link.cache.held_bytes == 0
@@ -176,7 +178,8 @@ def test_a_client_that_leaves_before_the_claim_cancels_on_claim_and_holds_until_
         assert [(slot, c.request_id) for slot, c in node.cancels] == [(0, submit.request_id)]
         assert link.cache.held_bytes > 0, "the worker may still read the arena: holds stay"
         node.reply(Released(submit.request_id))
-        node.reply(Failed(submit.request_id, 0, "cancelled", "the client cancelled the request", 499))
+        node.reply(Failed(request_id=submit.request_id, seq=0, code="cancelled",
+                          message="the client cancelled the request", status_hint=499))
         await _settle()
         assert state.done and link.cache.held_bytes == 0
         assert int(link.row[Counter.CANCELLED]) == 1

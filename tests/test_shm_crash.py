@@ -193,7 +193,7 @@ def test_old_header_over_overwritten_data_is_never_accepted_after_take_over(inst
     b = old.allocate(50_000)
     assert a is not None and b is not None
     old.array(b, "uint8", (b.nbytes,))[:] = pattern(2, b.nbytes)
-    b_ref = TensorRef(b.offset, b.nbytes, b.generation, "uint8", (b.nbytes,))
+    b_ref = TensorRef(offset=b.offset, nbytes=b.nbytes, generation=b.generation, dtype="uint8", shape=(b.nbytes,))
     assert np.array_equal(read_tensor(seg, b_ref), pattern(2, b.nbytes))
 
     claim_frontend(instance, 0)[1].stop()  # the successor (the old owner is gone)
@@ -334,8 +334,9 @@ def _submit(partition: Partition, requests: Any, rid: int, nbytes: int) -> tuple
     allocation = partition.allocate(nbytes)
     assert allocation is not None
     partition.array(allocation, "uint8", (nbytes,))[:] = pattern(rid, nbytes)
-    ref = TensorRef(allocation.offset, nbytes, allocation.generation, "uint8", (nbytes,))
-    requests.send(Submit(rid, partition.slot, "test", (ref,)), 1.0)
+    ref = TensorRef(offset=allocation.offset, nbytes=nbytes, generation=allocation.generation, dtype="uint8",
+                    shape=(nbytes,))
+    requests.send(Submit(request_id=rid, reply_slot=partition.slot, model="test", tensors=(ref,)), 1.0)
     return allocation, ref
 
 

@@ -79,9 +79,12 @@ def test_stamps_fill_in_order_and_ride_in_finished() -> None:
     Stamps.mark_all([stamps], Stamp.STARTED)
     values = stamps.done()  # no output event before: the end is the first output too
     assert len(values) == STAMPS and list(values) == sorted(values) and values[Stamp.FIRST] > 0
-    message = gateway_decoder.decode(encoder.encode(Finished(7, 0, "stop", 1, 2, "text", values)))
+    finished = Finished(request_id=7, seq=0, finish_reason="stop", prompt_tokens=1, completion_tokens=2, text="text",
+                        stamps=values)
+    message = gateway_decoder.decode(encoder.encode(finished))
     assert isinstance(message, Finished) and message.stamps == values
-    claimed = gateway_decoder.decode(encoder.encode(Claimed(7, 0, 1, 12345)))
+    claimed = gateway_decoder.decode(encoder.encode(Claimed(request_id=7, worker_slot=0, worker_epoch=1,
+                                                            claimed_ns=12345)))
     assert isinstance(claimed, Claimed) and claimed.claimed_ns == 12345
     old = gateway_decoder.decode(encoder.encode(Claimed(7, 0, 1)))  # what an older worker sends
     assert isinstance(old, Claimed) and old.claimed_ns == 0
@@ -91,7 +94,8 @@ def test_recorder_histograms_render_and_parse_back() -> None:
     recorder, stats = _recorder()
     before = "\n".join(stage_lines(stats.sum(axis=0)))
     timing = RequestTiming(submitted_ns=1_000_000_000)
-    recorder.claimed(timing, Claimed(1, 0, 1, 1_004_000_000))  # 4 ms in the queue
+    recorder.claimed(timing, Claimed(request_id=1, worker_slot=0, worker_epoch=1,
+                                     claimed_ns=1_004_000_000))  # 4 ms in the queue
     recorder.observe(Stage.BODY_READ, 0.0003)
     recorder.observe(Stage.BODY_READ, 20.0)  # past the last bucket: +Inf
     after = "\n".join(stage_lines(stats.sum(axis=0)))
@@ -103,7 +107,8 @@ def test_recorder_histograms_render_and_parse_back() -> None:
     assert set(rows) == {"queue", "body_read"}  # stages nobody went through are left out
     assert rows["queue"]["count"] == 1 and rows["queue"]["mean_ms"] == pytest.approx(4.0)
     assert 2.5 <= rows["queue"]["p50_ms"] <= 5.0  # inside the bucket that holds it
-    recorder.claimed(timing, Claimed(1, 0, 1, 1_009_000_000))  # a second Claimed (a retry) counts once
+    recorder.claimed(timing, Claimed(request_id=1, worker_slot=0, worker_epoch=1,
+                                     claimed_ns=1_009_000_000))  # a second Claimed (a retry) counts once
     assert parse_stage_histograms("\n".join(stage_lines(stats.sum(axis=0))))["queue"]["count"] == 1
 
 
@@ -111,7 +116,7 @@ def test_a_request_keeps_its_own_stage_figures_for_server_timing() -> None:
     recorder, _ = _recorder()
     timing = RequestTiming(submitted_ns=1_000_000_000)
     recorder.observe(Stage.BODY_READ, 0.0005, timing)
-    recorder.claimed(timing, Claimed(1, 0, 1, 1_004_000_000))
+    recorder.claimed(timing, Claimed(request_id=1, worker_slot=0, worker_epoch=1, claimed_ns=1_004_000_000))
     recorder.observe(Stage.PREPROCESS, 0.012, timing)
     header = server_timing(timing, 0.0301)
     assert header == "body_read;dur=0.50, preprocess;dur=12.00, queue;dur=4.00, total;dur=30.10"  # stage order

@@ -92,13 +92,15 @@ class Rig:
         allocation = self.partition.allocate(NBYTES)
         assert allocation is not None
         self.partition.array(allocation, "uint8", (NBYTES,))[:] = pattern(request_id, NBYTES)
-        return allocation, TensorRef(allocation.offset, NBYTES, allocation.generation, "uint8", SHAPE, "pixels")
+        return allocation, TensorRef(offset=allocation.offset, nbytes=NBYTES, generation=allocation.generation,
+                                     dtype="uint8", shape=SHAPE, name="pixels")
 
     def submit(self, request_id: int, ref: TensorRef | None = None) -> Allocation | None:
         allocation = None
         if ref is None:
             allocation, ref = self.place(request_id)
-        self.queue("requests").send(Submit(request_id, 0, "checksum", (ref,)), HANG_S)
+        self.queue("requests").send(Submit(request_id=request_id, reply_slot=0, model="checksum",
+                                           tensors=(ref,)), HANG_S)
         return allocation
 
     def read_until(self, done: object) -> None:
@@ -224,9 +226,10 @@ def test_prompt_token_ids_in_the_arena_reach_the_backend_as_host_bytes(rig: Rig)
     allocation = rig.partition.allocate(8)
     assert allocation is not None
     rig.partition.array(allocation, "uint8", (8,))[:] = list(range(1, 9))
-    inline = TensorRef(allocation.offset, 8, allocation.generation, "uint8", (8,), INLINE_TENSOR)
+    inline = TensorRef(offset=allocation.offset, nbytes=8, generation=allocation.generation, dtype="uint8",
+                       shape=(8,), name=INLINE_TENSOR)
     rig.backend.gate.set()
-    rig.queue("requests").send(Submit(51, 0, "checksum", (pixels, inline)), HANG_S)
+    rig.queue("requests").send(Submit(request_id=51, reply_slot=0, model="checksum", tensors=(pixels, inline)), HANG_S)
     rig.read_until(_has(Finished, 51))
     answer = _answer(rig, 51)
     assert hashlib.blake2b(bytes(range(1, 9)), digest_size=16).hexdigest() in answer

@@ -23,8 +23,10 @@ import logging  # noqa: E402
 import sys  # noqa: E402
 
 from shared import flag_types  # noqa: E402
+from shared.errors import EXIT_USAGE  # noqa: E402
 from shared.flags import ShmgateParser, add_batching_flags, add_flag, origin, version  # noqa: E402
 from shared.models import KNOWN_SPECS  # noqa: E402
+from worker.diagnostics import DiagnosticOptions  # noqa: E402
 from worker.main import WorkerOptions, run_worker  # noqa: E402
 
 
@@ -87,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         problem = cuda_problem(args.device, origin(argv, "--device", args.device))
         if problem:
             print(f"shmgate worker: error: {problem}", file=sys.stderr)
-            return 2
+            return EXIT_USAGE
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s worker[%(process)d] %(levelname)s %(message)s"
     )
@@ -109,13 +111,17 @@ def main(argv: list[str] | None = None) -> int:
         batch_policy=args.batch_policy,
         threads=threads or None,
         dtype=args.dtype,
-        diag_batch_delay_ms=args.diag_batch_delay_ms,
-        diag_claim_delay_ms=args.diag_claim_delay_ms,
         compile_normalise=args.compile_normalise,
         follow_drain_s=args.follow_drain_s,
         served_model_name=args.served_model_name or "",
     )
-    return run_worker(options=options, instance_id=args.instance, label=args.label, attach_wait_s=args.attach_wait_s)
+    return run_worker(options=options, instance_id=args.instance, label=args.label, attach_wait_s=args.attach_wait_s,
+                      diagnostics=diagnostics_from(args))
+
+
+def diagnostics_from(args: argparse.Namespace) -> DiagnosticOptions:
+    """The ``--diag-*`` flags: kept off ``WorkerOptions``, which says only what production uses."""
+    return DiagnosticOptions(batch_delay_ms=args.diag_batch_delay_ms, claim_delay_ms=args.diag_claim_delay_ms)
 
 
 if __name__ == "__main__":

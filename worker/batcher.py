@@ -11,17 +11,13 @@ starts its device copy.
 What a worker takes while its model is busy is the batch policy
 (``--batch-policy``, shared/flags.py):
 
-- ``fcfs``: nothing. The next batch is collected only once the
-  model is free, so every request waits in the one shared queue until the
-  first worker that can run it *now* takes it: first come, first served across
-  frontends and workers. Measured (docs/benchmarks-history.md): with a core
-  of background load on 2 cores, requests held by a busy worker waited behind
-  its running batch while the other worker was free or faster; that wait
-  ("batch_wait" in /metrics) was the tail. The cost is the gap between two
-  batches (taking and claiming up to ``max_batch_size`` descriptors), a
-  millisecond or two against a batch of hundreds on CPU. Measured on a quiet
-  machine later it did not pay: lower c=32 throughput and a
-  longer loaded tail than ``held`` (docs/benchmarks-history.md), so it is opt-in.
+- ``fcfs``: nothing. The next batch is collected only once the model is free, so
+  every request waits in the one shared queue until the first worker that can run
+  it *now* takes it: first come, first served across frontends and workers. It
+  keeps a request from waiting behind a busy worker's batch while another worker
+  is free, at the cost of a gap between batches; measured, it did not pay on a
+  quiet machine, so it is opt-in (docs/benchmarks-history.md, "first come, first
+  served across frontends").
 - ``held`` (the default): a batch prepared while the model is still busy
   stays open after its window (``hold_open``), so it gathers what arrives
   until the model is free, as the batch of an unpipelined worker did; each

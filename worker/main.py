@@ -48,6 +48,8 @@ from shared.errors import (
     EXIT_CONFIG,
     EXIT_DECLARED_DEAD,
     EXIT_DEVICE_ERROR,
+    EXIT_FAILURE,
+    EXIT_USAGE,
     Cancelled,
     ChannelFull,
     DescriptorError,
@@ -81,6 +83,7 @@ from worker.backends import load_backend
 from worker.backends.base import ModelBackend, WorkItem, batch_size_for
 from worker.batcher import Batcher
 from worker.device import Copy, DeviceCopier, check_device, pick_device, use_device
+from worker.diagnostics import DiagnosticOptions
 from worker.drain import StopRequest
 from worker.health import Progress, is_sticky_device_error
 from worker.prefetch import Prefetcher
@@ -95,6 +98,7 @@ REPLY_TIMEOUT_S = 2.0
 # exception when empty), and a fast backend emits events microseconds apart (10% of a checksum
 # worker's CPU went there). A generating model's token steps are slower than this anyway.
 CANCEL_POLL_S = 0.002
+NO_DIAGNOSTICS = DiagnosticOptions()  # production: no deliberate delays
 PREFETCH_JOIN_S = 10.0  # at stop: how long to wait for the prefetch thread's current batch
 
 
@@ -107,10 +111,6 @@ class WorkerOptions:
     batch_policy: str = "held"  # worker/batcher.py: "held" or "fcfs" (shared/flags.py BATCH_POLICIES)
     threads: int | None = None
     dtype: str = "auto"  # hf: models only (worker/backends/hf.py DTYPES)
-    diag_batch_delay_ms: float = 0.0  # diagnostics/tests: sleep this long before each batch runs (a slow model)
-    # diagnostics/tests: sleep this long between taking a request off the queue and claiming it, widening
-    # the window in which a killed worker holds a request no frontend knows it took (tests/test_take_window.py)
-    diag_claim_delay_ms: float = 0.0
     compile_normalise: bool = False  # efficientnet: torch.compile the input normalisation (opt-in; see there)
     follow_drain_s: float = 0.0  # on SIGTERM keep serving while the gateway drains, this long at most (worker/drain.py)
     served_model_name: str = ""  # the id clients send (--served-model-name); '' the spec's default (shared/models.py)
@@ -129,15 +129,21 @@ class _Job:
 
 class Worker:
     def __init__(
-        self, instance: Instance | WorkerLink, options: WorkerOptions, backend: ModelBackend | None = None
+        self,
+        instance: Instance | WorkerLink,
+        options: WorkerOptions,
+        backend: ModelBackend | None = None,
+        diagnostics: DiagnosticOptions = NO_DIAGNOSTICS,
     ) -> None:
         """``instance``: an attached instance (its POSIX link is made here) or a ready transport link.
 
         ``backend``: a ready backend to serve instead of loading ``options.model`` (embedding, tests).
+        ``diagnostics``: deliberate delays for tests and benchmarks (worker/diagnostics.py); none by default.
         """
         link: WorkerLink = PosixWorkerLink(instance) if isinstance(instance, Instance) else instance
         self.link = link
         self.options = options
+        self.diagnostics = diagnostics
         torch.device(options.device)  # a bad device name raises (RuntimeError) before a slot is claimed
         self._stop = threading.Event()
         self._stop_request = StopRequest(options.follow_drain_s)
@@ -218,13 +224,13 @@ class Worker:
                     break
                 if not link.still_ours():
                     log.error("this worker's slot was taken over (declared dead); exiting")
-                    self.exit_code = 1
+                    self.exit_code = EXIT_FAILURE
                     return
                 if not link.instance_alive():
                     # the gateway is gone or stopping: exit so the supervisor (or compose's restart
                     # policy) starts a worker that attaches to the new instance
                     log.warning("the gateway instance stopped; exiting")
-                    self.exit_code = 0 if self._stop.is_set() or self._stop_request.asked else 1
+                    self.exit_code = 0 if self._stop.is_set() or self._stop_request.asked else EXIT_FAILURE
                     return
                 self.progress.idle_turn()
                 jobs = prefetcher.get(timeout_s=0.25)
@@ -261,8 +267,7 @@ class Worker:
 
     def _take(self, submit: Submit) -> _Job | None:
         """Claim a request the batcher took and start its device copy. None when it was answered already."""
-        if self.options.diag_claim_delay_ms > 0:
-            time.sleep(self.options.diag_claim_delay_ms / 1000)
+        self.diagnostics.before_claim()
         if self.link.declared_dead():
             # Declared dead, and the heartbeat thread has not exited us yet (it looks every 0.2 s):
             # a claim now would cost the request an attempt on a worker that will never run it.
@@ -271,7 +276,10 @@ class Worker:
             except ChannelFull:
                 log.error("could not put request %x back on the queue; its deadline will end it", submit.request_id)
             self._declared_dead()
-        self._reply(submit, Claimed(submit.request_id, self.slot, self.epoch, now_ns()))
+        claimed = Claimed(
+            request_id=submit.request_id, worker_slot=self.slot, worker_epoch=self.epoch, claimed_ns=now_ns()
+        )
+        self._reply(submit, claimed)
         if submit.model != self.backend.name:
             self._fail(submit, 0, UnknownModel(f"this worker serves {self.backend.name}"))
             return None
@@ -384,8 +392,7 @@ class Worker:
             return
         items = [job.item for job in live if job.item is not None]
         self._drain_cancels(live)  # cancels that arrived while the batch was prepared
-        if self.options.diag_batch_delay_ms > 0:
-            time.sleep(self.options.diag_batch_delay_ms / 1000)
+        self.diagnostics.before_batch()
         self.progress.step()
         Stamps.mark_all((job.stamps for job in live), Stamp.STARTED)
         try:
@@ -409,13 +416,13 @@ class Worker:
                     self._reply(
                         job.submit,
                         Finished(
-                            job.submit.request_id,
-                            job.seq,
-                            event.finish_reason,
-                            event.prompt_tokens,
-                            event.completion_tokens,
-                            last,
-                            job.stamps.done(),
+                            request_id=job.submit.request_id,
+                            seq=job.seq,
+                            finish_reason=event.finish_reason,
+                            prompt_tokens=event.prompt_tokens,
+                            completion_tokens=event.completion_tokens,
+                            text=last,
+                            stamps=job.stamps.done(),
                         ),
                     )
                 elif event.flush:
@@ -538,6 +545,7 @@ def run_worker(
     instance_id: str | None,
     label: str,
     attach_wait_s: float = 60.0,
+    diagnostics: DiagnosticOptions = NO_DIAGNOSTICS,
 ) -> int:
     """Entry point of ``python -m worker`` / ``shmgate worker``. Returns an exit code.
 
@@ -559,7 +567,7 @@ def run_worker(
         instance = Instance.attach(instance_id)
     except SetupError as exc:
         log.error("%s", exc)
-        return 2
+        return EXIT_USAGE
     gateway_model = instance.segment.served_model
     if gateway_model and gateway_model != spec.public_id:
         instance.segment.note_refused_worker(spec.public_id)  # the gateway logs it too
@@ -569,11 +577,11 @@ def run_worker(
             f"(instance {instance_id}) serves {gateway_model!r}; start it with the gateway's --model "
             "(and --served-model-name), or attach it to another gateway with --label")
     try:
-        worker = Worker(instance, options)
+        worker = Worker(instance, options, diagnostics=diagnostics)
     except SetupError as exc:
         log.error("%s", exc)
         instance.close()
-        return 2
+        return EXIT_USAGE
     except (ValueError, OSError, ImportError) as exc:
         # An unknown model or dtype, a missing model directory or extra, a model id too long:
         # restarting cannot help.

@@ -12,12 +12,10 @@ How it is computed, and why:
   taps outside the box), but never builds the 256-wide intermediate. That also makes a
   10000 x 1 image cost the same as a square one instead of a 2.5-million-pixel-wide resize.
 - JPEGs are drafted (libjpeg DCT scaling by 1/2, 1/4, 1/8) as long as the decoded shorter
-  side stays >= 256 (``draft_margin=1``). The crop geometry is kept exact through
-  ``DecodedImage.extent``. Cost, on the 1024 px test photos: decode+preprocess 2.6x faster
-  (figures in gateway/imaging.py); fidelity: top-5 probabilities move by up to 0.023 from the
-  full-decode reference (the near-tie cat photo; the others <= 0.016, top-1 unchanged).
-  ``draft_margin=2`` (shorter side >= 512) stays within 0.002 and still shrinks 3000+ px
-  camera photos 4x; ``draft_margin=0`` decodes fully and matches the reference to 2e-4.
+  side stays >= 256 (``draft_margin=1``), with the crop geometry kept exact through
+  ``DecodedImage.extent``: several times faster, at a small, measured cost in fidelity (top-1
+  unchanged on the test photos); ``draft_margin=0`` decodes fully and matches the reference to
+  2e-4. Speed and fidelity per margin: docs/benchmarks-history.md, "JPEG draft mode".
 - The arena buffer is requested only after decoding succeeded (a bad image never holds
   arena space) and is written once, one plane per channel from Pillow's own band split.
 """

@@ -242,7 +242,9 @@ class MemoryCache:
         def allocate(name: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
             nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPE_ITEMSIZE[dtype]
             offset = self._node.allocate(nbytes)
-            group.refs.append(TensorRef(offset, nbytes, 1, dtype, tuple(shape), name))
+            group.refs.append(
+                TensorRef(offset=offset, nbytes=nbytes, generation=1, dtype=dtype, shape=tuple(shape), name=name)
+            )
             out: np.ndarray = np.frombuffer(self._node.arena, dtype, nbytes // DTYPE_ITEMSIZE[dtype], offset)
             return out.reshape(shape)
 

@@ -75,6 +75,9 @@ TRICKLE_INTERVAL_S = 0.02
 _TRICKLE = re.compile(r"checksum:trickle (\d{1,6})")
 _HOLD = re.compile(r"checksum:hold (\d{1,4})")
 FAULTS_ENV = "SHMGATE_CHECKSUM_FAULTS"
+# The exit of a simulated crash: sysexits.h EX_SOFTWARE, a code no real shmgate exit uses, so a
+# test that sees it knows the crash was the one it asked for.
+SIMULATED_CRASH_EXIT = 70
 
 
 def _inject_fault(batch: Sequence[WorkItem]) -> None:
@@ -83,7 +86,7 @@ def _inject_fault(batch: Sequence[WorkItem]) -> None:
         return
     texts = {item.text.strip() for item in batch}
     if "checksum:crash" in texts:
-        os._exit(70)
+        os._exit(SIMULATED_CRASH_EXIT)
     if "checksum:device-assert" in texts:
         raise RuntimeError("CUDA error: device-side assert triggered (simulated by the checksum backend)")
     if "checksum:hang" in texts:

