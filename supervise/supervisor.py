@@ -59,7 +59,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
-from shared.errors import EXIT_CONFIG
+from shared.errors import EXIT_CONFIG, EXIT_USAGE
 from shared.instance import Instance
 from shared.parent_death import SUPERVISOR_PID_ENV
 from shared.transport import PosixSupervisorLink, Role, SupervisorLink
@@ -241,7 +241,7 @@ class Supervisor:
             for s, handler in previous.items():
                 signal.signal(s, handler)
             log.info("stopped; IPC objects unlinked")
-        return 2 if self._fatal else 0
+        return EXIT_USAGE if self._fatal else 0  # serve exits 2 for a configuration it cannot run
 
     def _beat(self, stop: threading.Event) -> None:
         # A thread, so a slow tick (joining a child) never makes the instance look dead.
