@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
+import json
 import os
 import re
 import signal
@@ -201,3 +202,21 @@ def start_server(model: str, tmp_dir: Path, *extra: str) -> Server:
         server.stop()  # never leave a half-started server behind
         raise
     return server
+
+
+def raw_post(path: str, body: dict[str, object]) -> bytes:
+    """A complete HTTP/1.1 POST of ``body`` as JSON, for tests that write to a socket and hang up."""
+    data = json.dumps(body).encode()
+    head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    return head.encode() + b"Content-Length: %d\r\n\r\n" % len(data) + data
+
+
+def request_outcomes(server: Server) -> dict[str, float]:
+    """``shmgate_requests_total`` by the outcomes the hang-up tests compare."""
+    names = ("ok", "cancelled", "client_error", "server_error")
+    return {o: server.metric(f'shmgate_requests_total{{outcome="{o}"}}') for o in names}
+
+
+def server_idle(server: Server) -> bool:
+    """Nothing in flight and no arena bytes held: every request's work is over."""
+    return server.metric("shmgate_in_flight_requests") == 0 and server.metric("shmgate_arena_held_bytes") == 0

@@ -10,7 +10,6 @@ come back to 0 (the hold is released when the worker's terminal message arrives)
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -23,7 +22,17 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.serving import Server, data_url, free_port, noise_png, stop_and_check, wait_until
+from tests.serving import (
+    Server,
+    data_url,
+    free_port,
+    noise_png,
+    raw_post,
+    request_outcomes,
+    server_idle,
+    stop_and_check,
+    wait_until,
+)
 
 MODEL = "efficientnet-lite0"
 BATCH_DELAY_MS = 2000  # the slow model: long enough to hang up inside it, short enough to keep the tests quick
@@ -61,18 +70,7 @@ def slow_embedder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 def _raw_request(inputs: list[str]) -> bytes:
-    data = json.dumps({"model": MODEL, "input": inputs}).encode()
-    return (b"POST /v1/embeddings HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n" % len(data)) + data
-
-
-def _outcomes(server: Server) -> dict[str, float]:
-    names = ("ok", "cancelled", "client_error", "server_error")
-    return {o: server.metric(f'shmgate_requests_total{{outcome="{o}"}}') for o in names}
-
-
-def _idle(server: Server) -> bool:
-    return server.metric("shmgate_in_flight_requests") == 0 and server.metric("shmgate_arena_held_bytes") == 0
+    return raw_post("/v1/embeddings", {"model": MODEL, "input": inputs})
 
 
 def _hang_up_while_computed(server: Server, inputs: list[str]) -> None:
@@ -98,10 +96,12 @@ def _hang_up_while_computed(server: Server, inputs: list[str]) -> None:
 
 def _change_once_released(server: Server, before: dict[str, float], cancelled: int) -> dict[str, float]:
     try:
-        wait_until(lambda: _outcomes(server)["cancelled"] >= before["cancelled"] + cancelled and _idle(server),
-                   HANG_GUARD_S, f"{cancelled} cancelled and the arena holds released")
+        def released() -> bool:
+            return request_outcomes(server)["cancelled"] >= before["cancelled"] + cancelled and server_idle(server)
+
+        wait_until(released, HANG_GUARD_S, f"{cancelled} cancelled and the arena holds released")
     finally:  # on a failure, what was counted instead (a hang-up not noticed is counted ok)
-        after = _outcomes(server)
+        after = request_outcomes(server)
         print({o: after[o] - before[o] for o in after}, server.metric("shmgate_in_flight_requests"),
               server.metric("shmgate_arena_held_bytes"))
     return {o: after[o] - before[o] for o in after}
@@ -110,8 +110,8 @@ def _change_once_released(server: Server, before: dict[str, float], cancelled: i
 def test_an_embeddings_client_that_hangs_up_is_counted_cancelled_and_its_arena_hold_released(
         slow_embedder: Server) -> None:
     server = slow_embedder
-    wait_until(lambda: _idle(server), HANG_GUARD_S, "idle")
-    before = _outcomes(server)
+    wait_until(lambda: server_idle(server), HANG_GUARD_S, "idle")
+    before = request_outcomes(server)
     _hang_up_while_computed(server, [data_url(noise_png(1, size=128), "image/png")])
     change = _change_once_released(server, before, 1)
     assert change == {"ok": 0, "cancelled": 1, "client_error": 0, "server_error": 0}
@@ -119,8 +119,8 @@ def test_an_embeddings_client_that_hangs_up_is_counted_cancelled_and_its_arena_h
 
 def test_every_input_of_a_hung_up_embeddings_request_is_cancelled(slow_embedder: Server) -> None:
     server = slow_embedder
-    wait_until(lambda: _idle(server), HANG_GUARD_S, "idle")
-    before = _outcomes(server)
+    wait_until(lambda: server_idle(server), HANG_GUARD_S, "idle")
+    before = request_outcomes(server)
     # each input is its own request to the workers, as each choice of a chat's n is: each is cancelled
     _hang_up_while_computed(server, [data_url(noise_png(10 + i, size=128), "image/png") for i in range(3)])
     change = _change_once_released(server, before, 3)
@@ -129,12 +129,12 @@ def test_every_input_of_a_hung_up_embeddings_request_is_cancelled(slow_embedder:
 
 def test_an_embeddings_client_that_waits_for_the_slow_model_gets_its_vector(slow_embedder: Server) -> None:
     server = slow_embedder
-    before = _outcomes(server)
+    before = request_outcomes(server)
     response = httpx.post(server.base_url + "/v1/embeddings", timeout=HANG_GUARD_S,
                           json={"model": MODEL, "input": [data_url(noise_png(20, size=128), "image/png")]})
     assert response.status_code == 200, response.text
     assert len(response.json()["data"][0]["embedding"]) == 1280
-    after = _outcomes(server)
+    after = request_outcomes(server)
     assert {o: after[o] - before[o] for o in after} == {"ok": 1, "cancelled": 0, "client_error": 0,
                                                         "server_error": 0}
 
@@ -143,8 +143,8 @@ def test_clients_that_hang_up_30_ms_after_sending_are_all_cancelled(slow_embedde
     """Hang-ups that may land before the inputs are submitted (while their images decode): the
     watcher starts after the submits and finds the disconnect already waiting."""
     server = slow_embedder
-    wait_until(lambda: _idle(server), HANG_GUARD_S, "idle")
-    before = _outcomes(server)
+    wait_until(lambda: server_idle(server), HANG_GUARD_S, "idle")
+    before = request_outcomes(server)
 
     def client(seed: int) -> None:
         with socket.create_connection(("127.0.0.1", server.port)) as s:

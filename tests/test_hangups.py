@@ -10,29 +10,17 @@ closed connection at a chosen moment. Every outcome is read from ``shmgate_reque
 
 from __future__ import annotations
 
-import json
 import socket
 import threading
 import time
 
-from tests.serving import Server, image_request, noise_png, wait_until
+from tests.serving import Server, image_request, noise_png, raw_post, request_outcomes, server_idle, wait_until
 
 HANG_GUARD_S = 30.0  # well under the 60 s request deadline, which would also free the holds
 
 
 def _raw_request(body: dict[str, object]) -> bytes:
-    data = json.dumps(body).encode()
-    return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n" % len(data)) + data
-
-
-def _outcomes(server: Server) -> dict[str, float]:
-    names = ("ok", "cancelled", "client_error", "server_error")
-    return {o: server.metric(f'shmgate_requests_total{{outcome="{o}"}}') for o in names}
-
-
-def _idle(server: Server) -> bool:
-    return server.metric("shmgate_in_flight_requests") == 0 and server.metric("shmgate_arena_held_bytes") == 0
+    return raw_post("/v1/chat/completions", body)
 
 
 def _send_and_hang_up(port: int, payload: bytes, until: threading.Event | float) -> None:
@@ -60,10 +48,10 @@ def _hang_up_while_in_flight(server: Server, body: dict[str, object]) -> None:
 
 def _cancelled_and_released(server: Server, before: dict[str, float], n: int) -> dict[str, float]:
     try:
-        wait_until(lambda: _outcomes(server)["cancelled"] >= before["cancelled"] + n and _idle(server), HANG_GUARD_S,
-                   f"{n} hang-ups counted cancelled and their arena holds released")
+        wait_until(lambda: request_outcomes(server)["cancelled"] >= before["cancelled"] + n and server_idle(server),
+                   HANG_GUARD_S, f"{n} hang-ups counted cancelled and their arena holds released")
     finally:
-        after = _outcomes(server)
+        after = request_outcomes(server)
         print({o: after[o] - before[o] for o in after}, server.metric("shmgate_in_flight_requests"),
               server.metric("shmgate_arena_held_bytes"))
     return {o: after[o] - before[o] for o in after}
@@ -72,8 +60,8 @@ def _cancelled_and_released(server: Server, before: dict[str, float], n: int) ->
 def test_a_non_streamed_request_whose_client_hangs_up_is_cancelled_and_the_worker_stops(
         checksum_server: Server) -> None:
     server = checksum_server
-    wait_until(lambda: _idle(server), HANG_GUARD_S, "idle")
-    before = _outcomes(server)
+    wait_until(lambda: server_idle(server), HANG_GUARD_S, "idle")
+    before = request_outcomes(server)
     body = image_request("checksum", noise_png(1, size=128), mime="image/png", text="checksum:trickle 90000")
     _hang_up_while_in_flight(server, body)
     change = _cancelled_and_released(server, before, 1)
@@ -82,8 +70,8 @@ def test_a_non_streamed_request_whose_client_hangs_up_is_cancelled_and_the_worke
 
 def test_a_stream_whose_client_hangs_up_before_its_first_event_is_cancelled(checksum_server: Server) -> None:
     server = checksum_server
-    wait_until(lambda: _idle(server), HANG_GUARD_S, "idle")
-    before = _outcomes(server)
+    wait_until(lambda: server_idle(server), HANG_GUARD_S, "idle")
+    before = request_outcomes(server)
     body = image_request("checksum", noise_png(2, size=128), mime="image/png", stream=True,
                          text="checksum:hold 100")  # 2 s before any output
     _hang_up_while_in_flight(server, body)
@@ -93,8 +81,8 @@ def test_a_stream_whose_client_hangs_up_before_its_first_event_is_cancelled(chec
 
 def test_twelve_clients_that_hang_up_30_ms_after_sending_are_all_cancelled(checksum_server: Server) -> None:
     server = checksum_server
-    wait_until(lambda: _idle(server), HANG_GUARD_S, "idle")
-    before = _outcomes(server)
+    wait_until(lambda: server_idle(server), HANG_GUARD_S, "idle")
+    before = request_outcomes(server)
     payloads = [_raw_request(image_request("checksum", noise_png(100 + i, size=128), mime="image/png",
                                            text="checksum:trickle 90000")) for i in range(12)]
     clients = [threading.Thread(target=_send_and_hang_up, args=(server.port, p, 0.03)) for p in payloads]
@@ -108,15 +96,15 @@ def test_twelve_clients_that_hang_up_30_ms_after_sending_are_all_cancelled(check
 
 def test_a_client_that_closes_mid_body_is_cancelled_without_a_traceback(checksum_server: Server) -> None:
     server = checksum_server
-    before = _outcomes(server)
+    before = request_outcomes(server)
     logged = server.log_path.read_text()
     head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             b"Content-Length: 100000\r\n\r\n")
     for _ in range(3):
         _send_and_hang_up(server.port, head + b'{"model": "checksum", "messages": [', 0.2)
-    wait_until(lambda: _outcomes(server)["cancelled"] >= before["cancelled"] + 3, HANG_GUARD_S,
+    wait_until(lambda: request_outcomes(server)["cancelled"] >= before["cancelled"] + 3, HANG_GUARD_S,
                "three mid-body hang-ups counted cancelled")
-    after = _outcomes(server)
+    after = request_outcomes(server)
     assert {o: after[o] - before[o] for o in after} == {"ok": 0, "cancelled": 3, "client_error": 0,
                                                         "server_error": 0}
     new_lines = server.log_path.read_text()[len(logged):]
