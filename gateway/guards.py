@@ -27,13 +27,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.http_errors import error_body, error_response
 from gateway.metrics import Counter, FrontendStats
-from shared.errors import RequestError, ShmgateError
+from shared.errors import HostNotAllowed, ShmgateError, UnsupportedMediaType
 
 __all__ = [
     "ANY_HOST",
     "AllowedHosts",
     "CatchAll",
-    "UnsupportedMediaType",
     "default_allowed_hosts",
     "parse_allowed_hosts",
     "require_json",
@@ -44,20 +43,6 @@ log = logging.getLogger("shmgate.gateway.guards")
 ANY_HOST = "*"
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 _LOOPBACK_ADDRESSES = frozenset({"localhost", "127.0.0.1", "::1", "[::1]", "ip6-localhost"})
-
-
-class UnsupportedMediaType(RequestError):
-    """The body's Content-Type is not JSON."""
-
-    status_hint = 415
-    code = "unsupported_media_type"
-
-
-class HostNotAllowed(RequestError):
-    """The ``Host`` header names a host this gateway is not configured to answer for."""
-
-    status_hint = 421
-    code = "host_not_allowed"
 
 
 # -- the catch-all --------------------------------------------------------------------------------------

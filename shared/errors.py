@@ -25,6 +25,8 @@ response happens in one place, ``gateway/http_errors.py``.
     │   ├── InvalidImageURL       an image URL that cannot be fetched (bad URL, HTTP error)
     │   │   ├── ImageURLForbidden a URL whose address may not be fetched (SSRF rules)
     │   │   └── ImageURLTimeout   the fetch did not finish within its time cap
+    │   ├── UnsupportedMediaType  a body sent as anything but JSON (415)
+    │   ├── HostNotAllowed        a Host header this gateway does not answer for (421)
     │   └── Unauthorized
     ├── ModelError                the model raised, or gave no final answer, on a batch
     ├── Cancelled                 the client went away; the worker dropped the request (never sent to it)
@@ -46,6 +48,7 @@ __all__ = [
     "Cancelled",
     "ChannelFull",
     "DescriptorError",
+    "HostNotAllowed",
     "ImageTooLarge",
     "ImageURLForbidden",
     "ImageURLTimeout",
@@ -66,6 +69,7 @@ __all__ = [
     "Unauthorized",
     "UndecodableImage",
     "UnknownModel",
+    "UnsupportedMediaType",
     "error_for_code",
 ]
 
@@ -218,6 +222,20 @@ class ImageURLTimeout(InvalidImageURL):
     code = "image_url_timeout"
 
 
+class UnsupportedMediaType(RequestError):
+    """The body's Content-Type is not JSON."""
+
+    status_hint = 415
+    code = "unsupported_media_type"
+
+
+class HostNotAllowed(RequestError):
+    """The ``Host`` header names a host this gateway is not configured to answer for."""
+
+    status_hint = 421
+    code = "host_not_allowed"
+
+
 class Unauthorized(RequestError):
     status_hint = 401
     code = "invalid_api_key"
@@ -269,6 +287,7 @@ _BY_CODE: dict[str, type[ShmgateError]] = {
         ShmgateError, TransportError, ArenaFull, ChannelFull, PeerDied, RequestTimeout, SetupError,
         DescriptorError, InvalidRequest, UnknownModel, TooManyImages, ImageTooLarge, RequestTooLarge,
         UndecodableImage, InvalidImageURL, ImageURLForbidden, ImageURLTimeout, Unauthorized,
+        UnsupportedMediaType, HostNotAllowed,
         ModelError, Cancelled, Overloaded,
     )
 }

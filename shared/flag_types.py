@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable
+from typing import TypeVar
 
 from shared.models import parse_model_spec
 from shared.names import parse_size
@@ -42,18 +43,25 @@ def _float(text: str) -> float:
     return value
 
 
-def positive_int(text: str) -> int:
-    value = _int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be 1 or more")
-    return value
+N = TypeVar("N", int, float)
 
 
-def non_negative_int(text: str) -> int:
-    value = _int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be 0 or more")
-    return value
+def _at_least(convert: Callable[[str], N], low: N, inclusive: bool, rule: str) -> Callable[[str], N]:
+    """A flag type: ``convert`` the text, then refuse a value under ``low`` (or equal, when not inclusive)."""
+
+    def check(text: str) -> N:
+        value = convert(text)
+        if value < low or (value == low and not inclusive):
+            raise argparse.ArgumentTypeError(f"{text!r} must be {rule}")
+        return value
+
+    return check
+
+
+positive_int = _at_least(_int, 1, True, "1 or more")
+non_negative_int = _at_least(_int, 0, True, "0 or more")
+positive_float = _at_least(_float, 0.0, False, "more than 0")
+non_negative_float = _at_least(_float, 0.0, True, "0 or more")
 
 
 def auto_count(text: str) -> int:
@@ -67,20 +75,6 @@ def auto_count(text: str) -> int:
     value = _int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: use auto for the default, or a count of 1 or more")
-    return value
-
-
-def positive_float(text: str) -> float:
-    value = _float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be more than 0")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    value = _float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be 0 or more")
     return value
 
 
