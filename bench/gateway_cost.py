@@ -102,6 +102,7 @@ async def measure_server(name: str, server: Server, args: argparse.Namespace, im
                 parser = argparse.ArgumentParser()
                 loadgen.add_arguments(parser)
                 flag = "--unique" if load == MISS else "--repeat-one"
+                before = role_cpu_ticks(process.pid)
                 result = await loadgen.run(parser.parse_args([
                     "--base-url", base_url, "--model", "checksum", "--concurrency", str(concurrency),
                     "--requests", str(args.requests), "--images", str(images), "--server-pid", str(process.pid),
@@ -111,6 +112,7 @@ async def measure_server(name: str, server: Server, args: argparse.Namespace, im
                        "p50_ms": result["p50_ms"], "p99_ms": result["p99_ms"], "errors": result["errors"],
                        "mismatches": result["mismatches"], "other_load_cores": result["other_load_cores"],
                        "first_error": result["first_error"]}
+                row.update(role_split(before, role_cpu_ticks(process.pid), row["cpu_ms"]))
                 results.append(row)
                 print(f"  round {round_index + 1} {name:<13} {load:<4} c={concurrency:<3} "
                       f"{row['requests_per_s']:>8} req/s  {row['cpu_ms']:6.2f} ms CPU/req  "
@@ -119,6 +121,48 @@ async def measure_server(name: str, server: Server, args: argparse.Namespace, im
     finally:
         process.stop()
     return results
+
+
+def _role(pid: int) -> str:
+    """What a server process is, from its command line: frontend, worker, pool or main."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "gone"
+    if b"frontend" in argv and b"gateway" in argv:
+        return "frontend"
+    if b"worker" in argv:
+        return "worker"
+    return "main" if b"serve" in argv or any(a.endswith(b".py") for a in argv) else "pool"
+
+
+def role_cpu_ticks(root: int) -> dict[int, tuple[str, int]]:
+    """Each live process of the server's tree: (role, CPU ticks so far)."""
+    out: dict[int, tuple[str, int]] = {}
+    for pid in loadgen.process_tree([root]):
+        stat = loadgen._read_stat(pid)
+        if stat is not None:
+            out[pid] = (_role(pid), stat[1])
+    return out
+
+
+def role_split(before: dict[int, tuple[str, int]], after: dict[int, tuple[str, int]],
+               cpu_ms: float) -> dict[str, Any]:
+    """The point's CPU per request by role (shares of the /proc deltas, warm-up included, scaled to
+    ``cpu_ms``), and how unevenly the frontends shared theirs (the busiest one's share)."""
+    deltas: dict[str, float] = {}
+    frontends: list[float] = []
+    for pid, (role, ticks) in after.items():
+        delta = ticks - before.get(pid, (role, 0))[1]
+        deltas[role] = deltas.get(role, 0.0) + delta
+        if role == "frontend":
+            frontends.append(delta)
+    total = sum(deltas.values())
+    split: dict[str, Any] = {f"{role}_ms": round(cpu_ms * d / total, 3) if total else None
+                             for role, d in deltas.items()}
+    if len(frontends) > 1 and sum(frontends):
+        split["busiest_frontend_share"] = round(max(frontends) / sum(frontends), 3)
+    return split
 
 
 async def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -187,6 +231,15 @@ def tables(results: list[dict[str, Any]], concurrencies: list[int]) -> str:
             ratio_rows.append([label, *cpu_cells, *rps_cells])
     columns = ["ratio", *(f"CPU/req c={c}" for c in concurrencies), *(f"req/s c={c}" for c in concurrencies)]
     out.append(render_table(columns, ratio_rows))
+    split_rows = []
+    for (server, load, c), rounds in by_key.items():
+        if server.startswith("shmgate"):
+            split_rows.append([server, load, c, *(_cell([r.get(k) or 0.0 for r in rounds.values()])
+                                                   for k in ("frontend_ms", "worker_ms", "main_ms")),
+                               _cell([r.get("busiest_frontend_share") or 0.0 for r in rounds.values()])])
+    if split_rows:
+        out.append(render_table(["server", "requests", "c", "frontends ms/req", "workers ms/req",
+                                 "supervisor ms/req", "busiest frontend's share"], split_rows, left=2))
     return "\n\n".join(out)
 
 
