@@ -10,6 +10,8 @@ It is measured against servers that do the same HTTP and image work without shmg
 * ``http-floor``: the same server without the image work (JSON in, an answer of the same size out);
 * ``litserve``: LitServe with the same preprocessing and a null (checksum) predict, when
   bench/.venv-litserve exists (bench/setup_litserve.sh); skipped otherwise;
+* ``shmgate-result-cache`` (not in the default list): hits answered from ``--result-cache-mb``,
+  which skip the worker;
 * ``shmgate-base`` (with ``--base DIR``): shmgate from another checkout, e.g. the commit before a cut,
   for an ABBA figure in the same run.
 
@@ -62,6 +64,8 @@ SHMGATE = ("{bin}/shmgate", "serve", "--host", "127.0.0.1", "--port", "{port}", 
 FLOOR = ("{python}", "{repo}/bench/floor_server.py", "--port", "{port}")
 SERVERS: dict[str, Server] = {
     "shmgate": Server(SHMGATE, "/ready", (MISS, HIT)),
+    # Hits answered from the frontend's result cache: no worker, no arena (how near the floor a hit can get).
+    "shmgate-result-cache": Server(SHMGATE + ("--result-cache-mb", "64"), "/ready", (HIT,)),
     "decode-floor": Server(FLOOR, "/health", (MISS,)),
     "http-floor": Server(FLOOR + ("--no-decode",), "/health", (MISS,)),
     "litserve": Server(("{litserve_python}", "{repo}/bench/litserve_server.py", "--port", "{port}", "--mode",
@@ -75,6 +79,7 @@ DEFAULT_SERVERS = ["shmgate", "decode-floor", "http-floor", "litserve"]
 RATIOS = [
     (("shmgate", MISS), ("decode-floor", MISS), "shmgate miss / decode floor"),
     (("shmgate", HIT), ("http-floor", MISS), "shmgate hit / HTTP floor"),
+    (("shmgate-result-cache", HIT), ("http-floor", MISS), "shmgate result-cache hit / HTTP floor"),
     (("litserve", MISS), ("shmgate", MISS), "LitServe / shmgate miss"),
     (("shmgate", MISS), ("shmgate-base", MISS), "shmgate miss / base miss"),
     (("shmgate", HIT), ("shmgate-base", HIT), "shmgate hit / base hit"),
