@@ -220,9 +220,10 @@ def tables(results: list[dict[str, Any]], concurrencies: list[int]) -> str:
     for (server, load, c), rounds in by_key.items():
         absolute.append([server, load, c, _cell([r["cpu_ms"] for r in rounds.values()]),
                          _cell([r["requests_per_s"] for r in rounds.values()], 1),
+                         _cell([r["p99_ms"] / r["p50_ms"] for r in rounds.values() if r["p50_ms"]]),
                          _cell([r["other_load_cores"] or 0.0 for r in rounds.values()], 2)])
-    out = [render_table(["server", "requests", "c", "server CPU ms/req", "req/s", "other load (cores)"], absolute,
-                        left=2)]
+    out = [render_table(["server", "requests", "c", "server CPU ms/req", "req/s", "p99/p50", "other load (cores)"],
+                        absolute, left=2)]
     ratio_rows = []
     for (num, den, label) in RATIOS:
         cpu_cells, rps_cells = [], []
