@@ -95,8 +95,8 @@ def normalise(pixels_hwc: np.ndarray) -> torch.Tensor:
 # -- the gateway's fast paths -------------------------------------------------------------------
 
 
-def gateway_pixels(data: bytes, margin: float) -> np.ndarray:
-    """(crop, crop, 3) uint8 from the gateway's classifier preprocessing at this draft margin."""
+def gateway_pixels(data: bytes, margin: float, reducing_gap: float | None = None) -> np.ndarray:
+    """(crop, crop, 3) uint8 from the gateway's classifier preprocessing at this draft margin (and resize)."""
     from gateway.preprocess.vision import EfficientNetPreprocessor
 
     out: list[np.ndarray] = []
@@ -105,7 +105,8 @@ def gateway_pixels(data: bytes, margin: float) -> np.ndarray:
         out.append(np.empty(shape, dtype=dtype))
         return out[-1]
 
-    EfficientNetPreprocessor(draft_margin=margin).preprocess_image(data, allocate, max_pixels=MAX_PIXELS)
+    pre = EfficientNetPreprocessor(draft_margin=margin, reducing_gap=reducing_gap)
+    pre.preprocess_image(data, allocate, max_pixels=MAX_PIXELS)
     return out[0].transpose(1, 2, 0)
 
 
@@ -202,8 +203,10 @@ class Lite0:
         return np.array([self._seen[k][0] for k in keys]), np.stack([self._seen[k][1] for k in keys])
 
 
-def measure(samples: list[Sample], margins: tuple[float, ...], model: Lite0 | None = None) -> list[dict[str, object]]:
-    """One row per fast path (and the reference's own cost), each against the reference."""
+def measure(samples: list[Sample], margins: tuple[float, ...], model: Lite0 | None = None,
+            gaps: tuple[float | None, ...] = (None,)) -> list[dict[str, object]]:
+    """One row per fast path (each margin with each resize ``reducing_gap``; and the reference's own
+    cost), each against the reference."""
     model = model or Lite0()
     started = time.process_time()
     ref = [reference_pixels(s.data) for s in samples]
@@ -211,17 +214,17 @@ def measure(samples: list[Sample], margins: tuple[float, ...], model: Lite0 | No
     ref_labels, ref_features = model.run(ref)
     rows: list[dict[str, object]] = [{"path": "reference (full decode, resize, crop)", "margin": None,
                                       "cpu_ms_per_image": round(ref_ms, 2)}]
-    for margin in margins:
+    for margin, gap in [(m, g) for g in gaps for m in margins]:
         started = time.process_time()
-        ours = [gateway_pixels(s.data, margin) for s in samples]
+        ours = [gateway_pixels(s.data, margin, gap) for s in samples]
         ms = (time.process_time() - started) * 1000 / len(samples)
         labels, features = model.run(ours)
         diffs = [np.abs(a.astype(np.int16) - b.astype(np.int16)) for a, b in zip(ours, ref, strict=True)]
         cosines = (features * ref_features).sum(axis=1)
         worst = int(np.argmin(cosines))
         rows.append({
-            "path": _path_name(margin),
-            "margin": margin, "images": len(samples),
+            "path": _path_name(margin) + ("" if gap is None else f", resize reducing_gap {gap:g}"),
+            "margin": margin, "reducing_gap": gap, "images": len(samples),
             "top1_agreement": round(float((labels == ref_labels).mean()), 4),
             "top1_disagreeing": [s.name for s, a, b in zip(samples, labels, ref_labels, strict=True) if a != b],
             "min_cosine": round(float(cosines.min()), 5), "worst_cosine_image": samples[worst].name,
@@ -261,11 +264,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--crops", type=int, default=400, help="seeded crops of the photos (default %(default)s)")
     parser.add_argument("--margins", type=float, nargs="+", default=list(DEFAULT_MARGINS),
                         help="JPEG draft margins to measure; 0 is a full decode")
+    parser.add_argument("--gaps", type=float, nargs="*", default=[],
+                        help="also measure each margin with Pillow's resize(reducing_gap=G)")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     samples = fidelity_set(args.crops)
-    rows = measure(samples, tuple(args.margins))
+    rows = measure(samples, tuple(args.margins), gaps=(None, *args.gaps))
     print(f"{len(samples)} images: {len(PHOTOS)} photos, {len(list(edge_cases()))} edge cases, {args.crops} crops",
           file=sys.stderr)
     print(table(rows))
