@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ProcessPoolExecutor
@@ -80,7 +81,16 @@ def _init_pool() -> None:
     global _preprocessor
     from gateway.preprocess.vision import ChecksumPreprocessor
 
-    _preprocessor = ChecksumPreprocessor()
+    if _preprocessor is None:  # once per pool process (main() also calls this through the pool to start it)
+        _preprocessor = ChecksumPreprocessor()
+        threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A pool process outlives a server killed with SIGKILL (it waits on its queue forever): leave with it."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(0)
 
 
 def preprocess_and_digest(payload: str) -> str:
