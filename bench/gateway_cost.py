@@ -236,7 +236,8 @@ def tables(results: list[dict[str, Any]], concurrencies: list[int]) -> str:
         if any(cell != "-" for cell in cpu_cells):
             ratio_rows.append([label, *cpu_cells, *rps_cells])
     columns = ["ratio", *(f"CPU/req c={c}" for c in concurrencies), *(f"req/s c={c}" for c in concurrencies)]
-    out.append(render_table(columns, ratio_rows))
+    if ratio_rows:
+        out.append(render_table(columns, ratio_rows))
     split_rows = []
     for (server, load, c), rounds in by_key.items():
         if server.startswith("shmgate"):
