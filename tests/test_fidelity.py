@@ -8,13 +8,20 @@ holds again, and a change to the default path that drifts fails here, not in a u
 
 from __future__ import annotations
 
+import hashlib
+import json
+from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
-from bench.fidelity import Lite0, fidelity_set, measure
+from bench.fidelity import Lite0, fidelity_set, gateway_pixels, measure
 from gateway.preprocess import get_preprocessor
 from gateway.preprocess.vision import DEFAULT_DRAFT_MARGIN, EMBEDDING_DRAFT_MARGIN, FAST_DRAFT_MARGIN
+from tests.serving import image_request, start_server, stop_and_check
+
+PHOTO = Path(__file__).parent / "data" / "images" / "camera_1024.jpg"  # 1024 x 1024: drafted at margin 1.5
 
 # The bounds docs/BENCHMARKS.md states ("Fidelity of the fast paths"), measured on 428 images.
 LABEL_MIN_TOP1 = 0.995  # the label path's default
@@ -64,3 +71,22 @@ def test_the_draft_margins_are_processor_options() -> None:
                 {"max_pixels": 100}):
         with pytest.raises(ValueError, match="--mm-processor-kwargs"):
             get_preprocessor("efficientnet-lite0", processor_kwargs=bad)
+
+
+def _digest(margin: float) -> str:
+    pixels = gateway_pixels(PHOTO.read_bytes(), margin).transpose(2, 0, 1)  # the arena's CHW bytes
+    return hashlib.blake2b(pixels.tobytes(), digest_size=16).hexdigest()
+
+
+def test_a_served_checksum_model_decodes_with_the_margin_it_was_given(tmp_path: Path) -> None:
+    """``--mm-processor-kwargs`` reaches the frontends: the worker digests the fast path's pixels."""
+    assert _digest(FAST_DRAFT_MARGIN) != _digest(DEFAULT_DRAFT_MARGIN)  # the photo tells the two apart
+    server = start_server("checksum", tmp_path, "--workers", "1",
+                          "--mm-processor-kwargs", json.dumps({"jpeg_draft_margin": FAST_DRAFT_MARGIN}))
+    try:
+        reply = httpx.post(server.base_url + "/v1/chat/completions", json=image_request("checksum", PHOTO.read_bytes()),
+                           timeout=30)
+        assert reply.status_code == 200, reply.text
+        assert _digest(FAST_DRAFT_MARGIN) in reply.json()["choices"][0]["message"]["content"]
+    finally:
+        stop_and_check(server)
