@@ -61,7 +61,8 @@ def _model_flags(model: argparse._ArgumentGroup) -> None:
     add_flag(model, "--served-model-name", "the model id clients send and /v1/models lists",
              shown_default="from --model: the directory's name for hf:DIR, org/name for a hub-cache snapshot")
     add_flag(model, "--mm-processor-kwargs", 'hf: models: image processor arguments over the checkpoint\'s, '
-             'as JSON, e.g. \'{"max_pixels": 200704}\' (docs/MODELS.md "Processor options")', default="{}",
+             'as JSON, e.g. \'{"max_pixels": 200704}\' (docs/MODELS.md "Processor options"); classifier models: '
+             'jpeg_draft_margin and embedding_jpeg_draft_margin (docs/TUNING.md)', default="{}",
              type=_json_object)
 
 

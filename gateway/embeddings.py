@@ -205,7 +205,8 @@ async def _start(
     messages = [{"role": "user", "content": [{"type": "image"} if image is not None else
                                              {"type": "text", "text": text}]}]
     chat = ChatRequest(job.model, messages, [] if image is None else [image], [] if image is None else [param],
-                       SamplingParams(), False, False, text=text, task=TASK_EMBED)
+                       SamplingParams(), False, False, text=text, task=TASK_EMBED,
+                       image_options=[] if image is None else [f.preprocessor.embedding_image_options()])
     state = await f.submit(chat)
     submitted.append(state)
     return _Started(state=state, key=key)

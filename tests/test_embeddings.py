@@ -93,8 +93,8 @@ def _reference_features(names: list[str]) -> np.ndarray:
     pixels = []
     for name in names:
         out: list[np.ndarray] = []
-        pre.preprocess_image((IMAGES / name).read_bytes(),
-                             lambda n, d, s: out.append(np.empty(s, d)) or out[-1], max_pixels=10**8)
+        pre.preprocess_image((IMAGES / name).read_bytes(), lambda n, d, s: out.append(np.empty(s, d)) or out[-1],
+                             max_pixels=10**8, options=pre.embedding_image_options())  # an embedding's decode
         pixels.append(torch.from_numpy(out[0]))
     backend = EfficientNetBackend(torch.device("cpu"), threads=1)
     with torch.inference_mode():

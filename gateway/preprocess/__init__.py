@@ -20,17 +20,22 @@ def get_preprocessor(model: str, *, max_images: int = 8,
     """The preprocessor for ``model`` (a spec, shared/models.py). Raises ValueError for an unknown model,
     and for ``processor_kwargs`` (--mm-processor-kwargs) given to a model without an HF image processor."""
     spec = parse_model_spec(model)
-    if processor_kwargs and spec.kind not in (ModelKind.HF_CHAT, ModelKind.CHECKSUM_HF):
-        raise ValueError(f"--mm-processor-kwargs applies to hf: chat models only, not {model}")
+    if processor_kwargs and spec.kind not in (ModelKind.HF_CHAT, ModelKind.CHECKSUM_HF, ModelKind.EFFICIENTNET,
+                                              ModelKind.CHECKSUM):
+        raise ValueError(f"--mm-processor-kwargs applies to hf: chat and classifier models only, not {model}")
     match spec.kind:
         case ModelKind.EFFICIENTNET:
-            from gateway.preprocess.vision import EfficientNetPreprocessor
+            from gateway.preprocess.vision import EfficientNetPreprocessor, classifier_draft_margins
 
-            return EfficientNetPreprocessor(max_images=max_images)
+            margins = classifier_draft_margins(processor_kwargs)
+            return EfficientNetPreprocessor(max_images=max_images, draft_margin=margins["draft_margin"],
+                                            embedding_draft_margin=margins["embedding_draft_margin"])
         case ModelKind.CHECKSUM:
-            from gateway.preprocess.vision import ChecksumPreprocessor
+            from gateway.preprocess.vision import ChecksumPreprocessor, classifier_draft_margins
 
-            return ChecksumPreprocessor(max_images=max_images)
+            margins = classifier_draft_margins(processor_kwargs)
+            return ChecksumPreprocessor(max_images=max_images, draft_margin=margins["draft_margin"],
+                                        embedding_draft_margin=margins["embedding_draft_margin"])
         case ModelKind.HF_EMBED:
             from gateway.preprocess.embed_hf import HFEmbeddingPreprocessor
 

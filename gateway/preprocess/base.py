@@ -105,6 +105,15 @@ class Preprocessor(abc.ABC):
             raise InvalidRequest(f"{self.model} takes no mm_processor_kwargs", param="mm_processor_kwargs")
         return {}
 
+    def embedding_image_options(self) -> dict[str, Any]:
+        """The processor arguments of an image sent to ``/v1/embeddings`` (none by default).
+
+        Why apart from ``image_options``: a vector is compared with vectors made elsewhere, so a model
+        may preprocess it closer to its reference than a label needs (gateway/preprocess/vision.py).
+        The arguments are part of the image's content-cache key, so the two never share tensors.
+        """
+        return {}
+
     def prompt_token_ids(self, messages: Sequence[dict[str, Any]], images: Sequence[ImageTensorSpec]) -> list[int]:
         """The prompt's token ids exactly as the model reads them: what ``POST /tokenize`` answers.
         Only a model with ``tokenizes`` has them."""

@@ -12,10 +12,15 @@ How it is computed, and why:
   taps outside the box), but never builds the 256-wide intermediate. That also makes a
   10000 x 1 image cost the same as a square one instead of a 2.5-million-pixel-wide resize.
 - JPEGs are drafted (libjpeg DCT scaling by 1/2, 1/4, 1/8) as long as the decoded shorter
-  side stays >= 256 (``draft_margin=1``), with the crop geometry kept exact through
-  ``DecodedImage.extent``: several times faster, at a small, measured cost in fidelity (top-1
-  unchanged on the test photos); ``draft_margin=0`` decodes fully and matches the reference to
-  2e-4. Speed and fidelity per margin: docs/benchmarks-history.md, "JPEG draft mode".
+  side stays >= 256 * ``draft_margin``, with the crop geometry kept exact through
+  ``DecodedImage.extent``. The margins are the fastest that keep the stated bounds against an
+  independent reference pipeline (bench/fidelity.py, tests/test_fidelity.py): a label
+  (``DEFAULT_DRAFT_MARGIN``, 1.5) keeps top-1 agreement >= 99.5 %; an embedding
+  (``EMBEDDING_DRAFT_MARGIN``, 2, through ``embedding_image_options``) keeps cosine >= 0.999,
+  which 1.5 does not (0.998). Margin 1 (``FAST_DRAFT_MARGIN``) is ~25 % cheaper again but drifts
+  (top-1 >= 99 %, cosine >= 0.99); ``--mm-processor-kwargs '{"jpeg_draft_margin": 1,
+  "embedding_jpeg_draft_margin": 1}'`` chooses it, 0 decodes fully. Figures: docs/BENCHMARKS.md,
+  "Fidelity of the fast paths".
 - The arena buffer is requested only after decoding succeeded (a bad image never holds
   arena space) and is written once, one plane per channel from Pillow's own band split.
 """
@@ -36,9 +41,16 @@ from gateway.imaging import DecodedImage, decode
 from gateway.preprocess.base import AllocateFn, ImageTensorSpec, Preprocessor, PromptInputs
 from shared.errors import InvalidRequest, TooManyImages
 
-__all__ = ["ChecksumPreprocessor", "EfficientNetPreprocessor", "FixedSizePreprocessor", "centre_crop_box"]
+__all__ = ["ChecksumPreprocessor", "DEFAULT_DRAFT_MARGIN", "EMBEDDING_DRAFT_MARGIN", "EfficientNetPreprocessor",
+           "FAST_DRAFT_MARGIN",
+           "FixedSizePreprocessor", "centre_crop_box", "classifier_draft_margins"]
 
 PIXELS = "pixels"  # the TensorRef name the vision backends read
+# JPEG draft margins (module docstring): the default keeps the fidelity bounds, the fast one is opt-in.
+DEFAULT_DRAFT_MARGIN = 1.5
+EMBEDDING_DRAFT_MARGIN = 2.0
+FAST_DRAFT_MARGIN = 1.0
+_DRAFT_MIN = "jpeg_draft_min"  # the internal image option an embedding's decode reads (never a client's)
 
 
 class FixedSizePreprocessor(Preprocessor):
@@ -54,22 +66,33 @@ class FixedSizePreprocessor(Preprocessor):
     deterministic_answers = True  # a pure function of the pixels: --result-cache-mb may keep answers
 
     def __init__(
-        self, max_images: int = 8, *, resize_to: int = 256, crop_to: int = 224, draft_margin: float = 1.0
+        self, max_images: int = 8, *, resize_to: int = 256, crop_to: int = 224,
+        draft_margin: float = DEFAULT_DRAFT_MARGIN, embedding_draft_margin: float = EMBEDDING_DRAFT_MARGIN,
+        reducing_gap: float | None = None,
     ) -> None:
         assert 0 < crop_to <= resize_to, "the crop must fit inside the resized image"
         assert max_images >= self.min_images, "max_images below min_images makes every request fail"
         self.max_images = max_images
         self.resize_to = resize_to
         self.crop_to = crop_to
-        # draft_margin <= 0 disables JPEG drafting; see the module docstring for the trade-off.
+        # Pillow's resize(reducing_gap=): an integer box reduction first, then bicubic over fewer pixels
+        # (bench/fidelity.py measures it as a path); None resamples the source directly.
+        self.reducing_gap = reducing_gap
+        # A margin <= 0 disables JPEG drafting; see the module docstring for the trade-off.
         self._draft_min = round(resize_to * draft_margin) if draft_margin > 0 else 0
+        self._embedding_draft_min = round(resize_to * embedding_draft_margin) if embedding_draft_margin > 0 else 0
+
+    def embedding_image_options(self) -> dict[str, Any]:
+        """An embedding's JPEG draft bound, when it is not a label's (module docstring)."""
+        return {} if self._embedding_draft_min == self._draft_min else {_DRAFT_MIN: self._embedding_draft_min}
 
     def cache_params(self) -> bytes:
         """Everything that changes the output bytes: model, geometry, filter, draft, Pillow."""
         return (
             f"vision/1 model={self.model} resize_shorter={self.resize_to} resample=bicubic "
             f"crop={self.crop_to} layout=CHW dtype=uint8 jpeg_draft_min={self._draft_min} "
-            f"pillow={PIL.__version__}"
+            + (f"reducing_gap={self.reducing_gap} " if self.reducing_gap is not None else "")
+            + f"pillow={PIL.__version__}"
         ).encode()
 
     def tensor_spec(self) -> ImageTensorSpec:
@@ -80,16 +103,19 @@ class FixedSizePreprocessor(Preprocessor):
                          options: dict[str, Any] | None = None) -> None:
         """Decode ``data`` and write ``pixels`` (uint8, (3, crop, crop)) through ``allocate``.
 
-        ``options`` is always empty here: one fixed input resolution (``Preprocessor.image_options``).
+        ``options`` is empty for a label (one fixed input resolution: ``Preprocessor.image_options``)
+        and ``embedding_image_options`` for an embedding.
 
         Raises UndecodableImage / ImageTooLarge for bad input (before allocating), and
         whatever ``allocate`` raises (ArenaFull, Overloaded).
         """
-        draft_to = (self._draft_min, self._draft_min) if self._draft_min else None
+        draft_min = int((options or {}).get(_DRAFT_MIN, self._draft_min))
+        draft_to = (draft_min, draft_min) if draft_min else None
         decoded = decode(data, max_pixels=max_pixels, draft_to=draft_to)
         crop = self.crop_to
         small = decoded.image.resize(
-            (crop, crop), Image.Resampling.BICUBIC, box=centre_crop_box(decoded, self.resize_to, crop)
+            (crop, crop), Image.Resampling.BICUBIC, box=centre_crop_box(decoded, self.resize_to, crop),
+            reducing_gap=self.reducing_gap,
         )
         out = allocate(PIXELS, "uint8", (3, crop, crop))
         np.copyto(out, np.asarray(small).transpose(2, 0, 1))  # HWC -> CHW in one strided copy
@@ -178,3 +204,22 @@ def _user_texts(messages: Sequence[dict[str, Any]]) -> list[str]:
                     raise InvalidRequest("A text part must carry a string 'text'.", param="messages")
                 texts.append(text)
     return texts
+
+
+def classifier_draft_margins(processor_kwargs: dict[str, Any] | None) -> dict[str, float]:
+    """The FixedSizePreprocessor draft margins ``--mm-processor-kwargs`` sets: ``jpeg_draft_margin`` (labels)
+    and ``embedding_jpeg_draft_margin`` (embeddings), the only keys a classifier takes.
+
+    Raises ValueError naming an unknown key or a value that is not a number from 0 to 8 (the serve
+    fails to start, rather than silently ignoring an option the operator meant).
+    """
+    options = dict(processor_kwargs or {})
+    margins = {"draft_margin": options.pop("jpeg_draft_margin", DEFAULT_DRAFT_MARGIN),
+               "embedding_draft_margin": options.pop("embedding_jpeg_draft_margin", EMBEDDING_DRAFT_MARGIN)}
+    if options:
+        raise ValueError("--mm-processor-kwargs: classifier models take only jpeg_draft_margin and "
+                         f"embedding_jpeg_draft_margin, not {', '.join(sorted(options))}")
+    for margin in margins.values():
+        if isinstance(margin, bool) or not isinstance(margin, int | float) or not 0 <= margin <= 8:
+            raise ValueError("--mm-processor-kwargs: a JPEG draft margin is a number from 0 (no draft) to 8")
+    return {name: float(margin) for name, margin in margins.items()}
