@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -24,7 +25,16 @@ from unittest import mock
 import httpx
 import pytest
 
-from tests.serving import IMAGES, Server, image_request, noise_png, start_server, stop_and_check, wait_until
+from tests.serving import (
+    IMAGES,
+    Server,
+    expected_checksum,
+    image_request,
+    noise_png,
+    start_server,
+    stop_and_check,
+    wait_until,
+)
 
 trace_service = pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_service_pb2")
 
@@ -333,3 +343,50 @@ def test_the_endpoint_gets_the_traces_path_and_must_be_a_url() -> None:
     assert otlp_endpoint("") == ""
     with pytest.raises(argparse.ArgumentTypeError, match="not an http"):
         otlp_endpoint("collector:4318")
+
+
+def test_a_client_that_hangs_up_leaves_a_trace_that_says_cancelled(traced_server: Server,
+                                                                   collector: Collector) -> None:
+    trace_id, caller = _new_ids(5)
+    body = image_request("checksum", noise_png(103), stream=True, text="checksum:trickle 90000")  # ~30 min
+    with httpx.stream("POST", traced_server.base_url + "/v1/chat/completions", json=body, timeout=30,
+                      headers={"traceparent": _traceparent(trace_id, caller)}) as response:
+        assert response.status_code == 200
+        for n, _ in enumerate(response.iter_lines()):
+            if n >= 4:
+                break  # leaving the block closes the connection mid-stream
+    spans = _wait_for(collector, trace_id, {"attempt", "compute", "POST /v1/chat/completions"})
+    attempt, compute = _one(spans, "attempt"), _one(spans, "compute")
+    assert attempt.attributes["shmgate.cancelled"] is True and "cancelled" in attempt.events
+    assert compute.attributes["shmgate.cancelled"] is True  # the worker saw the Cancel and stopped
+    assert _one(spans, "POST /v1/chat/completions").attributes["shmgate.cancelled"] is True
+
+
+def test_a_retried_request_shows_both_attempts(traced_server: Server, collector: Collector) -> None:
+    """Last of the traced server's tests: it kills the server's worker (the supervisor starts another)."""
+    server = traced_server
+    trace_id, caller = _new_ids(6)
+    image = noise_png(104)
+    body = image_request("checksum", image, text="checksum:hold 100")  # 2 s before any output: a kill lands first
+    answers: list[httpx.Response] = []
+    sender = threading.Thread(target=lambda: answers.append(
+        _post(server, body, {"traceparent": _traceparent(trace_id, caller)})))
+    sender.start()
+    wait_until(lambda: "queue" in {s.name for s in collector.trace(trace_id)}, 30, "the request claimed")
+    for pid in server.pids("worker"):
+        os.kill(pid, signal.SIGKILL)
+    sender.join(90)
+    assert answers and answers[0].status_code == 200, answers and answers[0].text
+    assert expected_checksum(image) in answers[0].json()["choices"][0]["message"]["content"]
+
+    wait_until(lambda: len([s for s in collector.trace(trace_id) if s.name == "attempt"]) == 2
+               and "compute" in {s.name for s in collector.trace(trace_id)}, 30, "both attempts")
+    spans = collector.trace(trace_id)
+    first, second = sorted((s for s in spans if s.name == "attempt"), key=lambda s: s.attributes["shmgate.attempt"])
+    server_span = _one(spans, "POST /v1/chat/completions")
+    assert first.parent_id == second.parent_id == server_span.span_id
+    assert (first.attributes["shmgate.attempt"], second.attributes["shmgate.attempt"]) == (0, 1)
+    assert first.status == 2 and second.status != 2  # the first failed (its worker died), the second answered
+    assert first.end_ns <= second.start_ns
+    assert _one(spans, "compute").parent_id == second.span_id  # the work that answered is under the retry
+    wait_until(lambda: server.metric("shmgate_workers_ready") == 1, 60, "the worker restarted")
