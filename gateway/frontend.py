@@ -184,6 +184,8 @@ class Frontend:
                 traceparent="" if trace is None else trace.attempt(request_id, 0),
             )
             state = RequestState(request_id=request_id, submit=submit, groups=groups, started=started, trace=trace)
+            if tracing.spans is not None:
+                state.timing.trace_id = tracing.spans.trace_id()
             self.stages.submitted(state.timing, started)
             if tracing.spans is not None:
                 tracing.spans.stage("preprocess", started, state.timing.spent.get(Stage.PREPROCESS, 0.0),

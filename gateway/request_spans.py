@@ -37,6 +37,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shared.errors import Cancelled
+from shared.stages import Stage
 from shared.tracing import epoch_ns
 from shared.wire import Claimed, Failed, Finished
 
@@ -63,6 +64,9 @@ class RequestSpans:
     def __init__(self, tracer: trace.Tracer, slot: int) -> None:
         self.tracer = tracer
         self.slot = slot
+        # (stage, bucket index) -> (trace id, seconds, when): the last traced request counted in each
+        # stage histogram bucket, for /metrics' exemplars (gateway/stages.py)
+        self.exemplars: dict[tuple[Stage, int], tuple[str, float, float]] = {}
 
     def middleware(self, app: ASGIApp) -> ASGIApp:
         return TracingMiddleware(app, self)
@@ -110,6 +114,12 @@ class RequestSpans:
     def request(self, model: str) -> RequestTrace:
         """One choice's trace: its attempts become children of the current (server) span."""
         return RequestTrace(self, model, otel_context.get_current())
+
+    @staticmethod
+    def trace_id() -> str:
+        """The current request's trace id (32 hex), "" outside a sampled trace."""
+        ctx = trace.get_current_span().get_span_context()
+        return f"{ctx.trace_id:032x}" if ctx.trace_flags.sampled else ""
 
 
 class RequestTrace:

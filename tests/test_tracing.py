@@ -234,15 +234,30 @@ def test_a_request_with_a_traceparent_is_one_trace_across_frontend_and_worker(
     queue, batch_wait, compute = _one(spans, "queue"), _one(spans, "batch_wait"), _one(spans, "compute")
     assert queue.end_ns <= batch_wait.end_ns <= compute.start_ns  # claimed, then cut, then run
 
-    # The same image again: a cache hit, no decode.
+    # The same image again: a cache hit, no decode (remote: the other frontend took it and copied the tensors).
     trace_id2, caller2 = _new_ids(2)
     assert _post(traced_server, image_request("checksum", image),
                  {"traceparent": _traceparent(trace_id2, caller2)}).status_code == 200
     again = _wait_for(collector, trace_id2, {"preprocess image", "compute"})
-    assert _one(again, "preprocess image").attributes["shmgate.cache"] == "hit"
+    assert _one(again, "preprocess image").attributes["shmgate.cache"] in ("hit", "remote")
 
     # The access log line carries the trace id.
     wait_until(lambda: f"trace_id={trace_id}" in traced_server.log_path.read_text(), 10, "access log trace id")
+
+
+def test_stage_histograms_carry_trace_exemplars_in_openmetrics(traced_server: Server, collector: Collector) -> None:
+    trace_id, caller = _new_ids(7)
+    assert _post(traced_server, image_request("checksum", noise_png(105)),
+                 {"traceparent": _traceparent(trace_id, caller)}).status_code == 200
+    exemplar = f'# {{trace_id="{trace_id}"}}'
+
+    def scraped() -> bool:  # the exemplars are the answering frontend's: a scrape may reach the other one
+        text = httpx.get(traced_server.base_url + "/metrics", timeout=10,
+                         headers={"Accept": "application/openmetrics-text; version=1.0.0"}).text
+        return any(line.startswith("shmgate_stage_duration_seconds_bucket{") and 'stage="compute"' in line
+                   and exemplar in line for line in text.splitlines())
+
+    wait_until(scraped, 30, "a compute bucket with the request's exemplar")
 
 
 def test_a_batch_span_links_to_every_request_it_served(traced_server: Server, collector: Collector) -> None:
