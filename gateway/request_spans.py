@@ -171,7 +171,9 @@ class RequestTrace:
         self.cancelled = True
         if self._attempt is not None:
             self._attempt.add_event("cancelled", {"reason": "the client hung up"})
-        trace.get_current_span(self._parent).set_attribute("shmgate.cancelled", True)
+        request = trace.get_current_span(self._parent)
+        if request.is_recording():  # a stream's server span may have ended first
+            request.set_attribute("shmgate.cancelled", True)
 
     def ended(self, message: Finished | Failed | None) -> None:
         """The attempt's terminal reply (None: ended here, e.g. a timeout); idempotent."""
@@ -203,8 +205,9 @@ class RequestTrace:
 
     def delivered(self, done_ns: int, ttft_s: float | None) -> None:
         """The response is built: ``delivery``, the worker's final answer (its stamp) -> now."""
-        if ttft_s is not None:
-            trace.get_current_span(self._parent).set_attribute("gen_ai.server.time_to_first_token", ttft_s)
+        request = trace.get_current_span(self._parent)
+        if ttft_s is not None and request.is_recording():
+            request.set_attribute("gen_ai.server.time_to_first_token", ttft_s)
         if done_ns <= 0:
             return
         span = self._spans.tracer.start_span("delivery", context=self._parent, start_time=epoch_ns(done_ns))
