@@ -14,6 +14,7 @@ is the difference over the requests. The three configurations run in a mirrored 
 
 Usage (from the repository root):
     python bench/tracing_cost.py --other /tmp/shmgate-base [--rounds 2] [--requests 400]
+    python bench/tracing_cost.py --span-cost    # in process: the SDK's CPU per span, bare and encoded
 """
 
 from __future__ import annotations
@@ -108,12 +109,46 @@ def _run(tree: Path, requests: int, extra: list[str], env: dict[str, str]) -> tu
         server.stop()
 
 
+def span_cost(n: int = 20_000) -> None:
+    """CPU per span in process: made and ended (no processor), then through a batch processor whose
+    exporter encodes to OTLP protobuf as the real one does (no network)."""
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
+    class Encoding(SpanExporter):
+        def export(self, spans: Any) -> SpanExportResult:
+            encode_spans(spans).SerializeToString()
+            return SpanExportResult.SUCCESS
+
+    attributes = {"shmgate.attempt": 0, "shmgate.request_id": "1000000001", "shmgate.frontend_slot": 0,
+                  "gen_ai.request.model": "checksum"}
+    for label, processor in (("bare", None), ("encoded", BatchSpanProcessor(Encoding(), max_queue_size=n + 1,
+                                                                              max_export_batch_size=512))):
+        provider = TracerProvider()
+        if processor is not None:
+            provider.add_span_processor(processor)
+        tracer = provider.get_tracer("bench")
+        started = time.process_time()
+        for _ in range(n):
+            tracer.start_span("attempt", start_time=time.time_ns(), attributes=attributes).end()
+        provider.force_flush(60_000)
+        print(f"{label}: {(time.process_time() - started) / n * 1e6:.1f} us of CPU per span")
+        provider.shutdown()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--other", required=True, help="the tree to compare with (tracing off there too)")
+    p.add_argument("--other", help="the tree to compare with (tracing off there too)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--requests", type=int, default=400)
+    p.add_argument("--span-cost", action="store_true", help="only the SDK's CPU per span, in process")
     args = p.parse_args()
+    if args.span_cost:
+        span_cost()
+        return
+    if not args.other:
+        p.error("--other is required (the tree to compare with)")
     collector = DiscardingCollector()
     configs: dict[str, tuple[Path, list[str], dict[str, str]]] = {
         "other": (Path(args.other), [], {}),
