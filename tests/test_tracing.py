@@ -55,6 +55,7 @@ class Span:
     end_ns: int
     resource: dict[str, Any]
     events: list[str]
+    trace_state: str
 
 
 def _value(v: Any) -> Any:
@@ -109,7 +110,7 @@ class Collector:
                     spans.append(Span(s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(), s.name,
                                       _attributes(s.attributes), [(k.trace_id.hex(), k.span_id.hex()) for k in s.links],
                                       s.status.code, s.start_time_unix_nano, s.end_time_unix_nano, resource,
-                                      [e.name for e in s.events]))
+                                      [e.name for e in s.events], s.trace_state))
         with self.lock:
             self.spans.extend(spans)
 
@@ -209,6 +210,7 @@ def test_a_request_with_a_traceparent_is_one_trace_across_frontend_and_worker(
 
     server = _one(spans, "POST /v1/chat/completions")
     assert server.parent_id == caller_span  # the caller's span is the parent: shmgate sits inside its trace
+    assert server.trace_state == "vendor=kept"  # and its tracestate goes on with it
     assert server.attributes["http.response.status_code"] == 200
     for name in ("body_read", "preprocess image", "preprocess", "attempt", "delivery"):
         assert _one(spans, name).parent_id == server.span_id, name
