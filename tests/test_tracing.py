@@ -25,6 +25,7 @@ from unittest import mock
 import httpx
 import pytest
 
+from tests.image_host import ImageHost, Route, serve_images
 from tests.serving import (
     IMAGES,
     Server,
@@ -139,8 +140,18 @@ def _serve_traced(tmp_dir: Path, endpoint: str, *extra: str) -> Server:
 
 
 @pytest.fixture(scope="module")
-def traced_server(collector: Collector, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    server = _serve_traced(tmp_path_factory.mktemp("traced"), collector.url)
+def image_host() -> Iterator[ImageHost]:
+    with serve_images() as host:
+        host.routes["/photo.jpg"] = Route(body=(IMAGES / "camera_640.jpg").read_bytes(),
+                                          headers={"Content-Type": "image/jpeg"})
+        yield host
+
+
+@pytest.fixture(scope="module")
+def traced_server(collector: Collector, image_host: ImageHost,
+                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    server = _serve_traced(tmp_path_factory.mktemp("traced"), collector.url, "--allow-image-urls",
+                           "--image-url-allowlist", "127.0.0.1")
     try:
         yield server
     finally:
@@ -260,6 +271,24 @@ def test_stage_histograms_carry_trace_exemplars_in_openmetrics(traced_server: Se
                    and exemplar in line for line in text.splitlines())
 
     wait_until(scraped, 30, "a compute bucket with the request's exemplar")
+
+
+def test_a_streamed_request_with_an_image_url_traces_the_fetch_and_the_first_token(
+        traced_server: Server, collector: Collector, image_host: ImageHost) -> None:
+    trace_id, caller = _new_ids(8)
+    body = {"model": "checksum", "stream": True, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": image_host.url("/photo.jpg")}}]}]}
+    with httpx.stream("POST", traced_server.base_url + "/v1/chat/completions", json=body, timeout=60,
+                      headers={"traceparent": _traceparent(trace_id, caller)}) as response:
+        assert response.status_code == 200
+        assert "[DONE]" in response.read().decode()
+    spans = _wait_for(collector, trace_id, {"image_url_fetch", "preprocess image", "compute", "delivery"})
+    server = _one(spans, "POST /v1/chat/completions")
+    fetch = _one(spans, "image_url_fetch")
+    assert fetch.parent_id == server.span_id and fetch.attributes["shmgate.image_urls"] == 1
+    assert fetch.end_ns <= _one(spans, "preprocess").start_ns  # fetched, then decoded
+    assert 0 < server.attributes["gen_ai.server.time_to_first_token"] < 60
 
 
 def test_a_batch_span_links_to_every_request_it_served(traced_server: Server, collector: Collector) -> None:
