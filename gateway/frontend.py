@@ -189,7 +189,7 @@ class Frontend:
             self.stages.submitted(state.timing, started)
             if tracing.spans is not None:
                 tracing.spans.stage("preprocess", started, state.timing.spent.get(Stage.PREPROCESS, 0.0),
-                                    **{"shmgate.images": len(groups)})
+                                    **{"shmgate.images": len(groups), "shmgate.arena_bytes": sum(r.nbytes for r in refs)})
             self.replies.add(state)
         except BaseException:
             self.images.release(groups)

@@ -226,6 +226,7 @@ def test_a_request_with_a_traceparent_is_one_trace_across_frontend_and_worker(
     for name in ("body_read", "preprocess image", "preprocess", "attempt", "delivery"):
         assert _one(spans, name).parent_id == server.span_id, name
     image_span = _one(spans, "preprocess image")
+    assert _one(spans, "preprocess").attributes["shmgate.arena_bytes"] > 0
     assert image_span.attributes["shmgate.cache"] == "miss"
     attempt = _one(spans, "attempt")
     assert attempt.attributes["shmgate.attempt"] == 0
@@ -405,6 +406,7 @@ def test_a_client_that_hangs_up_leaves_a_trace_that_says_cancelled(traced_server
     attempt, compute = _one(spans, "attempt"), _one(spans, "compute")
     assert attempt.attributes["shmgate.cancelled"] is True and "cancelled" in attempt.events
     assert compute.attributes["shmgate.cancelled"] is True  # the worker saw the Cancel and stopped
+    assert "delivery" in compute.events  # each streamed Delta the worker sent before it is an event
     assert _one(spans, "POST /v1/chat/completions").attributes["shmgate.cancelled"] is True
 
 

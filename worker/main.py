@@ -104,6 +104,8 @@ REPLY_TIMEOUT_S = 2.0
 CANCEL_POLL_S = 0.002
 NO_DIAGNOSTICS = DiagnosticOptions()  # production: no deliberate delays
 PREFETCH_JOIN_S = 10.0  # at stop: how long to wait for the prefetch thread's current batch
+# Tracing: a long stream's Deltas past this many are not recorded (the SDK keeps 128 events per span anyway).
+MAX_DELIVERY_EVENTS = 128
 
 
 @dataclass
@@ -131,6 +133,7 @@ class _Job:
     pending: list[str] = field(default_factory=list)  # text not sent yet (see BackendEvent.flush)
     stamps: Stamps = field(default_factory=Stamps)  # per-stage latency, back in Finished (shared/stages.py)
     claimed_ns: int = 0  # when it was claimed (Claimed.claimed_ns): where its batch wait begins
+    deliveries: list[int] | None = None  # tracing on: when each streamed Delta went out (worker/tracing.py)
 
 
 class Worker:
@@ -471,6 +474,11 @@ class Worker:
         for piece in pieces:
             self._reply(job.submit, Delta(job.submit.request_id, job.seq, piece))
             job.seq += 1
+            if self.spans is not None:
+                if job.deliveries is None:
+                    job.deliveries = []
+                if len(job.deliveries) < MAX_DELIVERY_EVENTS:
+                    job.deliveries.append(time.monotonic_ns())
         return last
 
     def _fail(self, submit: Submit, seq: int, error: ShmgateError) -> None:

@@ -10,7 +10,8 @@ Each request's spans are children of the attempt span whose W3C traceparent came
     ├── batch_wait                claimed -> the batch was cut
     ├── device_copy               cut -> its tensors on the device (Released)
     └── compute                   the batch started on the model -> its final answer
-                                  events: first_output; attributes: batch size, slot, cancelled
+                                  events: first_output, delivery (each streamed Delta sent);
+                                  attributes: batch size, slot, cancelled
 
 and one ``batch`` span per batch, in a trace of its own, links to the attempt of every request it
 served: a batch of 8 is one span that eight traces point at.
@@ -47,6 +48,7 @@ class TracedJob(Protocol):
     claimed_ns: int
     stamps: Stamps
     done: bool
+    deliveries: list[int] | None
 
 
 def start_batch_spans(endpoint: str, *, slot: int, model: str) -> BatchSpans:
@@ -96,6 +98,8 @@ class BatchSpans:
                                          attributes=common)
         if first:
             compute.add_event("first_output", timestamp=epoch_ns(first))
+        for seq, sent_ns in enumerate(job.deliveries or ()):
+            compute.add_event("delivery", {"shmgate.seq": seq}, timestamp=epoch_ns(sent_ns))
         if cancelled:
             compute.set_attribute("shmgate.cancelled", True)
             compute.add_event("cancelled", {"reason": "the client hung up"})
