@@ -340,7 +340,7 @@ def _summary(args: argparse.Namespace, instance_id: str, url: str, n_frontends: 
         workers, dtype = f"workers attach by label {args.label!r} (shmgate worker)", "chosen by each worker"
     return Summary(version=version(), instance_id=instance_id, label=args.label, model_id=model_id or spec.public_id,
                    model_spec=args.model, url=url, n_frontends=n_frontends, workers=workers, dtype=dtype,
-                   arena_bytes=args.arena_size, auth=bool(args.api_key))
+                   arena_bytes=args.arena_size, auth=bool(args.api_key), traces=args.otlp_traces_endpoint or "")
 
 
 def _run_frontend(args: argparse.Namespace) -> int:

@@ -255,7 +255,8 @@ def test_a_request_with_a_traceparent_is_one_trace_across_frontend_and_worker(
     again = _wait_for(collector, trace_id2, {"preprocess image", "compute"})
     assert _one(again, "preprocess image").attributes["shmgate.cache"] in ("hit", "remote")
 
-    # The access log line carries the trace id.
+    # The startup summary names the collector; the access log line carries the trace id.
+    assert "traces    OpenTelemetry spans to http://127.0.0.1:" in traced_server.log_path.read_text()
     wait_until(lambda: f"trace_id={trace_id}" in traced_server.log_path.read_text(), 10, "access log trace id")
 
 
