@@ -439,3 +439,22 @@ def test_a_retried_request_shows_both_attempts(traced_server: Server, collector:
     assert first.end_ns <= second.start_ns
     assert _one(spans, "compute").parent_id == second.span_id  # the work that answered is under the retry
     wait_until(lambda: server.metric("shmgate_workers_ready") == 1, 60, "the worker restarted")
+
+
+def test_an_unsampled_caller_is_not_traced_and_a_malformed_traceparent_starts_a_new_trace(
+        traced_server: Server, collector: Collector) -> None:
+    trace_id, caller = _new_ids(9)
+    unsampled = f"00-{trace_id}-{caller}-00"  # the caller decided not to sample: neither process records it
+    assert _post(traced_server, image_request("checksum", noise_png(106)), {"traceparent": unsampled}).status_code == 200
+    with collector.lock:
+        before = len(collector.spans)
+    assert _post(traced_server, image_request("checksum", noise_png(107)),
+                 {"traceparent": "00-not-a-trace-context"}).status_code == 200
+
+    def new_roots() -> list[Span]:
+        with collector.lock:
+            return [s for s in collector.spans[before:] if s.name == "POST /v1/chat/completions" and not s.parent_id]
+
+    wait_until(lambda: bool(new_roots()), 30, "the malformed request's own trace")
+    assert _wait_for(collector, new_roots()[0].trace_id, {"compute"})
+    assert collector.trace(trace_id) == []  # by now its spans, had there been any, would have arrived
