@@ -412,7 +412,7 @@ def test_a_client_that_hangs_up_leaves_a_trace_that_says_cancelled(traced_server
 
 
 def test_a_retried_request_shows_both_attempts(traced_server: Server, collector: Collector) -> None:
-    """Last of the traced server's tests: it kills the server's worker (the supervisor starts another)."""
+    """It kills the server's worker, and waits for the supervisor's replacement before it ends."""
     server = traced_server
     trace_id, caller = _new_ids(6)
     image = noise_png(104)
