@@ -1,7 +1,7 @@
 """A frontend's spans: the HTTP server span, its stages, and one span per attempt of each choice.
 
 Imported only when tracing is on (gateway/tracing.py ``enable_tracing``): this module imports
-OpenTelemetry at the top, the rest of gateway/ never does.
+OpenTelemetry at the top; the rest of gateway/ reaches it only through ``gateway.tracing.spans``.
 
 The tree of one chat request, as this frontend writes it (the worker adds its part under each
 attempt, worker/tracing.py):
@@ -15,10 +15,11 @@ attempt, worker/tracing.py):
     │   └── queue                      sent -> a worker claimed it
     └── delivery                       the worker's final answer -> the response built
 
-Times come from the stamps the stage histograms already take (gateway/stages.py,
-shared/stages.py): spans are made with explicit start and end times after the fact, so the data
-path gains no clock reads for them. Only ``image_url_fetch`` and ``preprocess image`` are live
-spans (their work runs in between, the image's in the decode pool).
+Stage times come from the stamps the stage histograms already take (gateway/stages.py,
+shared/stages.py): ``body_read``, ``preprocess``, ``queue`` and ``delivery`` are made after the fact
+with explicit start and end times, so the data path gains no clock reads for them. The spans that
+other work happens under are started live: the server span, ``attempt`` (the worker's spans hang
+below it), ``image_url_fetch`` and ``preprocess image`` (in the decode pool's thread).
 """
 
 from __future__ import annotations
