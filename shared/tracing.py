@@ -46,9 +46,28 @@ TRACES_PATH = "/v1/traces"  # OTLP/HTTP's path for traces, added to an endpoint 
 EXPORT_TIMEOUT_S = 3.0
 _PROTOCOLS = ("http/protobuf", "grpc")
 
+
+def _epoch_offset_ns(reads: int = 9) -> int:
+    """wall clock - CLOCK_MONOTONIC, from the tightest of a few bracketed reads.
+
+    The frontend and the worker each take their own offset, and their spans are compared (a worker's
+    ``batch_wait`` starts at the very stamp that ends the frontend's ``queue``): a process preempted
+    between its two clock reads would shift all its spans by the time it lost, so each wall-clock read
+    is bracketed by two monotonic ones and the narrowest bracket wins (well under a microsecond).
+    """
+    best_width, best_offset = 2**63, 0
+    for _ in range(reads):
+        before = time.monotonic_ns()
+        wall = time.time_ns()
+        after = time.monotonic_ns()
+        if after - before < best_width:
+            best_width, best_offset = after - before, wall - (before + after) // 2
+    return best_offset
+
+
 # CLOCK_MONOTONIC -> the wall clock spans carry, taken once per process. One offset for every
 # stamp keeps the durations exact; an NTP step after start shifts a whole trace, never its shape.
-_EPOCH_OFFSET_NS = time.time_ns() - time.monotonic_ns()
+_EPOCH_OFFSET_NS = _epoch_offset_ns()
 
 
 def epoch_ns(monotonic_ns: int) -> int:
