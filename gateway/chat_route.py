@@ -14,6 +14,7 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import Response
 
+from gateway import tracing
 from gateway.choices import submit_choices
 from gateway.fetch import fetch_pending
 from gateway.fields import check_fields_for_model, set_image_options
@@ -40,6 +41,8 @@ async def chat_completions(request: Request) -> Response:
         body = await read_body(request, options.max_body_bytes)
         read_s = time.monotonic() - started
         f.stages.observe(Stage.BODY_READ, read_s)
+        if tracing.spans is not None:
+            tracing.spans.stage("body_read", started, read_s, **{"http.request.body.size": len(body)})
         chat = parse_chat_request(body, options.intake)
         check_fields_for_model(chat.params, f.preprocessor, chat.n)
         set_image_options(chat, f.preprocessor)
@@ -47,7 +50,11 @@ async def chat_completions(request: Request) -> Response:
             raise InvalidRequest(f"{f.preprocessor.model} is an embedding model; use POST /v1/embeddings",
                                  param="model")
         if chat.pending_urls:
-            await fetch_pending(chat, options.image_urls)
+            if tracing.spans is None:
+                await fetch_pending(chat, options.image_urls)
+            else:
+                with tracing.spans.live("image_url_fetch", **{"shmgate.image_urls": len(chat.pending_urls)}):
+                    await fetch_pending(chat, options.image_urls)
         key = None
         if results is not None:
             key = await keyed_off_the_loop(sum(len(key_material(i)) for i in chat.images),

@@ -29,6 +29,7 @@ from shared.cpus import usable_cpus
 from shared.errors import EXIT_USAGE, SetupError
 from shared.flags import ShmgateParser, add_batching_flags, forward, origin, version
 from shared.models import ModelKind, parse_model_spec
+from shared.tracing import add_tracing_flags
 from supervise.placement import Placement, gpu_count, worker_placements
 
 if TYPE_CHECKING:
@@ -239,7 +240,7 @@ def _worker_children(args: argparse.Namespace, instance_id: str) -> list[tuple[l
         argv = [
             sys.executable, "-m", "worker", "--instance", instance_id, "--model", args.model,
             "--device", placement.device, "--threads", str(threads), "--log-level", args.log_level,
-            *forward(args, add_batching_flags),
+            *forward(args, add_batching_flags), *forward(args, add_tracing_flags),
         ]
         if args.served_model_name:
             argv += ["--served-model-name", args.served_model_name]
@@ -339,7 +340,7 @@ def _summary(args: argparse.Namespace, instance_id: str, url: str, n_frontends: 
         workers, dtype = f"workers attach by label {args.label!r} (shmgate worker)", "chosen by each worker"
     return Summary(version=version(), instance_id=instance_id, label=args.label, model_id=model_id or spec.public_id,
                    model_spec=args.model, url=url, n_frontends=n_frontends, workers=workers, dtype=dtype,
-                   arena_bytes=args.arena_size, auth=bool(args.api_key))
+                   arena_bytes=args.arena_size, auth=bool(args.api_key), traces=args.otlp_traces_endpoint or "")
 
 
 def _run_frontend(args: argparse.Namespace) -> int:
@@ -401,5 +402,9 @@ def _run_frontend(args: argparse.Namespace) -> int:
     )
     if args.access_log:  # uvicorn set its access logger to --log-level, WARNING when "info" (above)
         logging.getLogger("uvicorn.access").setLevel(logging.INFO)
+    if args.otlp_traces_endpoint:  # after uvicorn's logging setup: the access log gains the trace id
+        from gateway.tracing import enable_tracing
+
+        config.app = enable_tracing(config.app, args.otlp_traces_endpoint, slot=args.slot, access_log=args.access_log)
     uvicorn.Server(config).run(sockets=[sock])
     return 0

@@ -14,6 +14,7 @@ import json
 from shared import flag_types
 from shared.flags import add_batching_flags, add_flag
 from shared.models import KNOWN_SPECS
+from shared.tracing import add_tracing_flags
 
 __all__ = ["DEFAULT_STALL_TIMEOUT_S", "HF_STALL_TIMEOUT_S", "add_gateway_flags", "add_worker_flags"]
 
@@ -33,6 +34,7 @@ def add_gateway_flags(p: argparse.ArgumentParser) -> None:
     _limit_flags(p.add_argument_group("limits"))
     _image_url_flags(p.add_argument_group("image URLs"))
     _observability_flags(p.add_argument_group("observability"))
+    add_tracing_flags(p.add_argument_group("tracing"))
 
 
 def _server_flags(server: argparse._ArgumentGroup) -> None:

@@ -33,6 +33,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from gateway import tracing
 from gateway.images import ImageResolver
 from gateway.intake import ChatRequest
 from gateway.metrics import Counter, FrontendStats
@@ -41,6 +42,7 @@ from gateway.replies import ReplyRouter
 from gateway.request_state import Phase, RequestState
 from gateway.stages import StageRecorder
 from shared.errors import ChannelFull, Overloaded, UnknownModel
+from shared.stages import Stage
 from shared.transport.base import FrontendLink
 from shared.vocabulary import SlotState, TensorGroup, now_ns
 from shared.wire import (
@@ -166,6 +168,7 @@ class Frontend:
                 inline = b""
             request_id = self._next_request_id()
             deadline_ns = now_ns() + int(self.limits.request_timeout_s * 1e9)
+            trace = None if tracing.spans is None else tracing.spans.request(self.preprocessor.model)
             refs: list[TensorRef] = [ref for g in groups for ref in g.refs]
             submit = Submit(
                 request_id=request_id,
@@ -178,9 +181,15 @@ class Frontend:
                 attempt=0,
                 text=prompt.text[:MAX_SUBMIT_TEXT_CHARS],
                 task=chat.task,
+                traceparent="" if trace is None else trace.attempt(request_id, 0),
             )
-            state = RequestState(request_id=request_id, submit=submit, groups=groups, started=started)
+            state = RequestState(request_id=request_id, submit=submit, groups=groups, started=started, trace=trace)
+            if tracing.spans is not None:
+                state.timing.trace_id = tracing.spans.trace_id()
             self.stages.submitted(state.timing, started)
+            if tracing.spans is not None:
+                tracing.spans.stage("preprocess", started, state.timing.spent.get(Stage.PREPROCESS, 0.0),
+                                    **{"shmgate.images": len(groups), "shmgate.arena_bytes": sum(r.nbytes for r in refs)})
             self.replies.add(state)
         except BaseException:
             self.images.release(groups)

@@ -13,6 +13,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from gateway import tracing
 from gateway.decode_budget import DecodeBudget
 from gateway.imaging import predict
 from gateway.intake import LOOP_HASH_MAX_BYTES, EncodedImage, image_bytes, key_material
@@ -94,9 +95,12 @@ class ImageResolver:
                 key = content_key(material, cache_params)
                 group = self.cache.try_hit(key)
             if group is not None:
+                if tracing.spans is not None:
+                    tracing.spans.image_hit(i)
                 slots.append(group)
                 continue
-            future = loop.run_in_executor(self.pool, self._resolve_image, image, param, key, opts)
+            resolve = self._resolve_image if tracing.spans is None else tracing.spans.image_task(self._resolve_image, i)
+            future = loop.run_in_executor(self.pool, resolve, image, param, key, opts)
             slots.append(future)
             if not at_once:
                 await asyncio.gather(future, return_exceptions=True)
@@ -167,7 +171,9 @@ class ImageResolver:
                 self.preprocessor.preprocess_image(data, allocate, max_pixels=self.max_pixels, options=options)
 
         try:
-            group, _ = self.cache.acquire(key, make)
+            group, kind = self.cache.acquire(key, make)
+            if tracing.spans is not None:
+                tracing.spans.cache_result(kind)
         except ShmgateError as exc:
             if exc.param is None:
                 exc.param = param  # which image of the request could not be decoded

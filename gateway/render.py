@@ -211,6 +211,8 @@ class _Render:
                     yield completion.usage_chunk(*self._usage())
                 yield completion.done()
             for state in self.states:
+                if state.trace is not None:
+                    state.trace.delivered(state.timing.done_ns, self.ttft_s)
                 self.f.stages.delivered(state.timing)
             self.elapsed_s = time.monotonic() - self.started
             count_ok(self.f.stats, self.elapsed_s, self.ttft_s if self.stream else self.elapsed_s)

@@ -110,6 +110,8 @@ class ReplyRouter:
             return
         state.to(Phase.ABANDONED)
         self.stats.add(Counter.CANCELLED)
+        if state.trace is not None:
+            state.trace.abandoned()
         if state.worker is not None:
             self._send_cancel(state)
 
@@ -123,6 +125,8 @@ class ReplyRouter:
         if isinstance(message, Claimed):
             state.worker = (message.worker_slot, message.worker_epoch)
             self.stages.claimed(state.timing, message)
+            if state.trace is not None:
+                state.trace.claimed(message)
             self._taken_seq = max(self._taken_seq, state.ahead_seq)
             if state.abandoned:
                 self._send_cancel(state)
@@ -145,6 +149,8 @@ class ReplyRouter:
                     state.to(Phase.STREAMING)
                 state.events.put_nowait(Delta(message.request_id, message.seq, message.text))
             state.events.put_nowait(message)
+            if state.trace is not None:
+                state.trace.ended(message)
             self.finish(state)
 
     def _on_reply_error(self, exc: BaseException) -> None:
@@ -154,13 +160,18 @@ class ReplyRouter:
         if state.done:
             return
         state.to(Phase.DONE)
+        if state.trace is not None:
+            state.trace.ended(None)  # ended here without a reply (a send that failed): the attempt ends too
         self.states.pop(state.request_id, None)
         groups, state.groups = state.groups, []
         self.stats.set(Counter.IN_FLIGHT, len(self.states))
         self.images.release(groups)
 
     def fail(self, state: RequestState, error: ShmgateError) -> None:
-        state.events.put_nowait(failed_reply(state.request_id, 0, error))
+        message = failed_reply(state.request_id, 0, error)
+        state.events.put_nowait(message)
+        if state.trace is not None:
+            state.trace.ended(message)
         self.finish(state)
 
     def _send_cancel(self, state: RequestState) -> None:
@@ -260,8 +271,12 @@ class ReplyRouter:
         self.states.pop(old_id, None)
         state.request_id = self._next_request_id()
         self.states[state.request_id] = state
+        traceparent = state.submit.traceparent
+        if state.trace is not None:
+            state.trace.retrying(why)
+            traceparent = state.trace.attempt(state.request_id, state.submit.attempt + 1)
         state.submit = msgspec.structs.replace(
-            state.submit, request_id=state.request_id, attempt=state.submit.attempt + 1
+            state.submit, request_id=state.request_id, attempt=state.submit.attempt + 1, traceparent=traceparent
         )
         state.worker = None
         state.to(Phase.QUEUED)

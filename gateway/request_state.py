@@ -19,10 +19,14 @@ from __future__ import annotations
 import asyncio
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from gateway.stages import RequestTiming
 from shared.vocabulary import TensorGroup
 from shared.wire import Delta, Failed, Finished, Submit, TokenLogprobs, Vector
+
+if TYPE_CHECKING:
+    from gateway.request_spans import RequestTrace
 
 __all__ = ["IllegalTransition", "Phase", "RequestState"]
 
@@ -66,6 +70,7 @@ class RequestState:
     ahead_seq: int = 0  # our sends already on the queue when this one's send began: FIFO put them ahead of it
     taken_at: float | None = None  # when we learned it left the queue while still unclaimed (monotonic)
     cancel_sent_at: float = 0.0  # when a Cancel last went to its worker (monotonic; 0: never)
+    trace: RequestTrace | None = None  # its attempts' spans (gateway/request_spans.py); None: tracing off
 
     def to(self, phase: Phase) -> None:
         """Move to ``phase``; raises IllegalTransition when the life cycle does not allow it."""

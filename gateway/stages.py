@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import bisect
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.core import Exemplar, HistogramMetricFamily
 
+from gateway import tracing
 from shared.stages import Stage, worker_stage_seconds
 from shared.stats_layout import STAGE_BUCKETS_S, STAGE_COUNT, STAGE_SUM_US, stage_base
 from shared.vocabulary import now_ns
@@ -45,6 +47,7 @@ class RequestTiming:
     claimed_ns: int = 0  # the worker's stamp
     done_ns: int = 0  # the worker's final event
     spent: dict[Stage, float] = field(default_factory=dict)  # seconds per stage, as observed
+    trace_id: str = ""  # its trace (32 hex) when tracing is on: the stage histograms' exemplars
 
 
 class StageRecorder:
@@ -58,7 +61,10 @@ class StageRecorder:
         if timing is not None:
             timing.spent[stage] = seconds
         base = stage_base(stage)
-        self._row[base + bisect.bisect_left(STAGE_BUCKETS_S, seconds)] += 1
+        bucket = bisect.bisect_left(STAGE_BUCKETS_S, seconds)
+        self._row[base + bucket] += 1
+        if tracing.spans is not None and timing is not None and timing.trace_id:
+            tracing.spans.exemplars[(stage, bucket)] = (timing.trace_id, seconds, time.time())
         self._row[base + STAGE_SUM_US] += int(seconds * 1e6)
         self._row[base + STAGE_COUNT] += 1
 
@@ -124,8 +130,28 @@ def stage_histogram(total: np.ndarray) -> HistogramMetricFamily:
         for i, bound in enumerate((*STAGE_BUCKETS_S, None)):
             cumulative += int(total[base + i])
             points.append(("+Inf" if bound is None else f"{bound:g}", cumulative))
+        if tracing.spans is not None:
+            points = _with_exemplars(stage, points, tracing.spans.exemplars)
         family.add_metric([stage.name.lower()], points, sum_value=int(total[base + STAGE_SUM_US]) / 1e6)
     return family
+
+
+def _with_exemplars(stage: Stage, points: list[tuple[str, float]],
+                    exemplars: dict[tuple[Stage, int], tuple[str, float, float]]) -> list[Any]:
+    """Each bucket with the last traced request this frontend counted in it (OpenMetrics shows them).
+
+    The counts are the whole node's, the exemplars only this frontend's: an exemplar is a sample that
+    leads to a trace, not a statistic, so whichever frontend answers the scrape has good ones.
+    """
+    out: list[Any] = []
+    for i, (le, count) in enumerate(points):
+        found = exemplars.get((stage, i))
+        if found is None or count <= 0:
+            out.append((le, count))
+        else:
+            trace_id, seconds, at = found
+            out.append((le, count, Exemplar({"trace_id": trace_id}, seconds, at)))
+    return out
 
 
 _SAMPLE = re.compile(rf"^{METRIC}_(bucket|sum|count)\{{([^}}]*)\}} (\S+)$")

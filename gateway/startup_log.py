@@ -49,6 +49,7 @@ class Summary:
     dtype: str
     arena_bytes: int
     auth: bool
+    traces: str = ""  # the OTLP endpoint spans go to (--otlp-traces-endpoint); "": tracing off
 
 
 def shm_free_bytes(path: str = SHM_DIR) -> int | None:
@@ -68,6 +69,7 @@ def summary_lines(s: Summary, shm_free: int | None) -> list[str]:
         f"  arena     {format_bytes(s.arena_bytes)} in {SHM_DIR} ({free} before it)",
         f"  auth      {'on: clients send Authorization: Bearer <key>' if s.auth else 'off (no API key set)'}",
         f"  url       {s.url} (OpenAI base URL {s.url}/v1)",
+        *([f"  traces    OpenTelemetry spans to {s.traces} (docs/OBSERVABILITY.md)"] if s.traces else []),
     ]
 
 

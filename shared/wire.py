@@ -132,6 +132,9 @@ class Submit(Message, tag="s"):
     attempt: int = 0  # 0 for the first try, +1 per retry after a worker died
     text: str = ""  # the user's text, when a backend wants it (bounded by INLINE_MAX_BYTES)
     task: str = ""  # "" for the model's text answer, TASK_EMBED for an embedding vector
+    # W3C traceparent of this attempt's span (shared/tracing.py), so the worker's spans join the request's
+    # trace; "" when tracing is off. 55 characters, never more (the frontend writes it).
+    traceparent: str = ""
 
 
 class Cancel(Message, tag="c"):

@@ -26,6 +26,7 @@ from shared import flag_types  # noqa: E402
 from shared.errors import EXIT_USAGE  # noqa: E402
 from shared.flags import ShmgateParser, add_batching_flags, add_flag, origin, version  # noqa: E402
 from shared.models import KNOWN_SPECS  # noqa: E402
+from shared.tracing import add_tracing_flags  # noqa: E402
 from worker.diagnostics import DiagnosticOptions  # noqa: E402
 from worker.main import WorkerOptions, run_worker  # noqa: E402
 
@@ -61,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
              "(simulates a slow model)", default="0", type=flag_types.non_negative_float)
     add_flag(seen, "--diag-claim-delay-ms", "diagnostics and tests: sleep this long between taking a request "
              "and claiming it", default="0", type=flag_types.non_negative_float)
+    add_tracing_flags(parser.add_argument_group("tracing"))
     return parser
 
 
@@ -114,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         compile_normalise=args.compile_normalise,
         follow_drain_s=args.follow_drain_s,
         served_model_name=args.served_model_name or "",
+        otlp_traces_endpoint=args.otlp_traces_endpoint or "",
     )
     return run_worker(options=options, instance_id=args.instance, label=args.label, attach_wait_s=args.attach_wait_s,
                       diagnostics=diagnostics_from(args))

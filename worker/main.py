@@ -40,6 +40,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import msgspec
 import torch
@@ -89,6 +90,9 @@ from worker.health import Progress, is_sticky_device_error
 from worker.prefetch import Prefetcher
 from worker.vectors import vector_messages
 
+if TYPE_CHECKING:
+    from worker.tracing import BatchSpans
+
 __all__ = ["Worker", "WorkerOptions"]
 
 log = logging.getLogger("shmgate.worker")
@@ -100,6 +104,8 @@ REPLY_TIMEOUT_S = 2.0
 CANCEL_POLL_S = 0.002
 NO_DIAGNOSTICS = DiagnosticOptions()  # production: no deliberate delays
 PREFETCH_JOIN_S = 10.0  # at stop: how long to wait for the prefetch thread's current batch
+# Tracing: a long stream's Deltas past this many are not recorded (the SDK keeps 128 events per span anyway).
+MAX_DELIVERY_EVENTS = 128
 
 
 @dataclass
@@ -114,6 +120,7 @@ class WorkerOptions:
     compile_normalise: bool = False  # efficientnet: torch.compile the input normalisation (opt-in; see there)
     follow_drain_s: float = 0.0  # on SIGTERM keep serving while the gateway drains, this long at most (worker/drain.py)
     served_model_name: str = ""  # the id clients send (--served-model-name); '' the spec's default (shared/models.py)
+    otlp_traces_endpoint: str = ""  # OpenTelemetry traces go there (worker/tracing.py); '': tracing off
 
 
 @dataclass
@@ -125,6 +132,8 @@ class _Job:
     done: bool = False
     pending: list[str] = field(default_factory=list)  # text not sent yet (see BackendEvent.flush)
     stamps: Stamps = field(default_factory=Stamps)  # per-stage latency, back in Finished (shared/stages.py)
+    claimed_ns: int = 0  # when it was claimed (Claimed.claimed_ns): where its batch wait begins
+    deliveries: list[int] | None = None  # tracing on: when each streamed Delta went out (worker/tracing.py)
 
 
 class Worker:
@@ -176,6 +185,11 @@ class Worker:
         self.copier = DeviceCopier(self.device, link.mm)
         self._host_only = frozenset((INLINE_TENSOR, *self.backend.host_tensors))
         self._prefetcher: Prefetcher[list[_Job]] = Prefetcher(self._prepare, name=f"prefetch-{self.slot}")
+        self.spans: BatchSpans | None = None  # tracing off: never imported
+        if options.otlp_traces_endpoint:
+            from worker.tracing import start_batch_spans
+
+            self.spans = start_batch_spans(options.otlp_traces_endpoint, slot=self.slot, model=self.backend.name)
         self.batcher: Batcher[_Job] = Batcher(
             link.request_queue(),
             max_batch_size=batch_size_for(self.backend, options.max_batch_size),
@@ -261,7 +275,10 @@ class Worker:
         self.progress.step()
         self._run_batch(jobs)
         self.progress.step()
-        self.link.count_batch(len(jobs), now_ns() - started)
+        ended = now_ns()
+        self.link.count_batch(len(jobs), ended - started)
+        if self.spans is not None:
+            self.spans.batch(jobs, ended, [job.item is not None and job.item.cancelled for job in jobs])
 
     # -- one batch --------------------------------------------------------------------
 
@@ -296,7 +313,7 @@ class Worker:
             return None
         finally:
             self.progress.blocked_since_ns = 0
-        return None if copy is None else _Job(submit, copy=copy)
+        return None if copy is None else _Job(submit, copy=copy, claimed_ns=claimed.claimed_ns)
 
     def _expired(self, submit: Submit) -> bool:
         """Fail a request whose deadline passed before it could start; True when it did."""
@@ -457,6 +474,11 @@ class Worker:
         for piece in pieces:
             self._reply(job.submit, Delta(job.submit.request_id, job.seq, piece))
             job.seq += 1
+            if self.spans is not None:
+                if job.deliveries is None:
+                    job.deliveries = []
+                if len(job.deliveries) < MAX_DELIVERY_EVENTS:
+                    job.deliveries.append(time.monotonic_ns())
         return last
 
     def _fail(self, submit: Submit, seq: int, error: ShmgateError) -> None:
