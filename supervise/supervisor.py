@@ -323,22 +323,23 @@ class Supervisor:
         if self.instance is None:
             return  # the model check reads the POSIX header; an in-memory link has no other model
         seg = self.instance.segment
-        served = seg.served_model
+        served = seg.served_models
         if not served:
             return
+        named = " or ".join(repr(m) for m in served)
         refused, model = seg.refused_workers()
         if refused != self._refused_seen:
             self._refused_seen = refused
-            log.warning("a worker serving %r refused to attach: this gateway serves %r (%d refused so far); "
-                        "start workers with the gateway's --model and --served-model-name", model, served, refused)
+            log.warning("a worker serving %r refused to attach: this gateway serves %s (%d refused so far); "
+                        "start workers with the gateway's --model and --served-model-name", model, named, refused)
         for slot in seg.live_workers(DEAD_AFTER_S):
             row = seg.workers[slot]
             model = bytes(row["model"]).decode(errors="replace")
             key = (slot, int(row["epoch"]))
-            if model != served and key not in self._warned_models:
+            if model not in served and key not in self._warned_models:
                 self._warned_models.add(key)
-                log.warning("worker slot %d (pid %d) serves %r, not this gateway's %r: it gets no requests; "
-                            "start it with the gateway's --model", slot, int(row["pid"]), model, served)
+                log.warning("worker slot %d (pid %d) serves %r, not this gateway's %s: it gets no requests; "
+                            "start it with the gateway's --model", slot, int(row["pid"]), model, named)
 
     def _after_death(self, child: ChildProcess) -> None:
         assert child.process is not None
