@@ -10,12 +10,26 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.serving import IMAGES, Server, expected_checksum, image_request, noise_png, start_server, stop_and_check
+from shared.errors import EXIT_CONFIG
+from tests.serving import (
+    IMAGES,
+    Server,
+    expected_checksum,
+    free_port,
+    image_request,
+    noise_png,
+    start_server,
+    stop_and_check,
+)
 
 LABELS = json.loads((IMAGES / "labels.json").read_text())["images"]
 PHOTOS = ["chelsea_640.jpg", "coffee_640.jpg", "camera_640.jpg"]
@@ -130,3 +144,153 @@ def test_the_log_says_how_the_queue_budget_was_split(two_models: Server) -> None
 
 def test_the_startup_summary_names_both_models(two_models: Server) -> None:
     assert 'clients send "model": "efficientnet-lite0" or "checksum"' in two_models.log_path.read_text()
+
+
+# -- a config file, a gateway and a worker per model, per-model admission --------------------------------
+
+NODE_TOML = """
+[[models]]
+model = "efficientnet-lite0"
+served_model_name = "classifier"
+
+[[models]]
+model = "checksum"
+max_in_flight = 2
+"""
+
+
+@pytest.fixture(scope="module")
+def gateway_with_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """``shmgate gateway --config node.toml`` and one ``shmgate worker --model X`` per model, by label.
+
+    The checksum worker is slow on purpose (each batch of one waits 2 s), so its requests stay in flight.
+    """
+    tmp = tmp_path_factory.mktemp("gateway")
+    config = tmp / "node.toml"
+    config.write_text(NODE_TOML)
+    label = f"models-{os.getpid()}"
+    port = free_port()
+    log_path = tmp / "gateway.log"
+    with open(log_path, "wb") as log:
+        gateway = subprocess.Popen([sys.executable, "-m", "gateway", "gateway", "--port", str(port), "--config",
+                                    str(config), "--frontends", "1", "--arena-size", "64MiB", "--label", label],
+                                   stdout=log, stderr=subprocess.STDOUT)
+    server = Server(gateway, port, "classifier", log_path)
+    worker_flags = ["--label", label, "--device", "cpu", "--threads", "1"]
+    workers = [
+        subprocess.Popen([sys.executable, "-m", "worker", "--model", "efficientnet-lite0", "--served-model-name",
+                          "classifier", *worker_flags], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+        subprocess.Popen([sys.executable, "-m", "worker", "--model", "checksum", "--max-batch-size", "1",
+                          "--diag-batch-delay-ms", "2000", *worker_flags],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+    ]
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        try:
+            stop_and_check(server)
+        finally:
+            for worker in workers:
+                worker.terminate()
+                worker.wait(30)
+
+
+def test_a_config_file_declares_the_models_and_a_worker_per_model_attaches(gateway_with_workers: Server) -> None:
+    cards = httpx.get(gateway_with_workers.base_url + "/v1/models", timeout=10).json()["data"]
+    assert [(card["id"], card["state"]) for card in cards] == [("classifier", "ready"), ("checksum", "ready")]
+    answer = _answer(httpx.post(gateway_with_workers.base_url + "/v1/chat/completions",
+                                json=image_request("classifier", (IMAGES / "coffee_640.jpg").read_bytes()),
+                                timeout=60))
+    assert _top1(answer) == "espresso"
+
+
+def test_one_model_over_its_max_in_flight_gets_429_while_the_other_is_served(gateway_with_workers: Server) -> None:
+    url = gateway_with_workers.base_url
+
+    async def run() -> tuple[list[httpx.Response], httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            held = [asyncio.create_task(client.post("/v1/chat/completions",
+                                                    json=image_request("checksum", noise_png(400 + i))))
+                    for i in range(2)]
+            for _ in range(200):  # until both are admitted (a hang guard, not a timing check)
+                if gateway_with_workers.metric("shmgate_in_flight_requests") >= 2:
+                    break
+                await asyncio.sleep(0.05)
+            refused = await client.post("/v1/chat/completions", json=image_request("checksum", noise_png(402)))
+            other = await client.post("/v1/chat/completions",
+                                      json=image_request("classifier", (IMAGES / "camera_640.jpg").read_bytes()))
+            return list(await asyncio.gather(*held)), refused, other
+
+    held, refused, other = asyncio.run(run())
+    assert refused.status_code == 429, refused.text
+    assert refused.headers["retry-after"] and "model 'checksum'" in refused.json()["error"]["message"]
+    assert set(refused.json()["error"]) == {"message", "type", "param", "code"}
+    assert other.status_code == 200, other.text
+    for i, response in enumerate(held):
+        assert expected_checksum(noise_png(400 + i)) in _answer(response)
+
+
+def test_a_worker_for_an_undeclared_model_refuses_to_attach(gateway_with_workers: Server) -> None:
+    done = subprocess.run([sys.executable, "-m", "worker", "--instance", gateway_with_workers.instance_id,
+                           "--model", "efficientnet-lite0", "--device", "cpu", "--threads", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == EXIT_CONFIG, done.stderr[-2000:]
+    assert "'classifier', 'checksum'" in done.stderr
+
+
+# -- declaring models: one line naming the model and the key, status 2 ------------------------------------
+
+@pytest.mark.parametrize(("toml", "says"), [
+    ('[[models]]\nmodel = "checksum"\nworkers = 0\n', "models[0] ('checksum'): workers: '0': use auto"),
+    ('[[models]]\nmodel = "checksum"\nbatch_size = 4\n', "models[0] ('checksum'): unknown key 'batch_size'"),
+    ('[[models]]\nmodel = "checksum"\n[[models]]\nmodel = "gpt-4"\n', "models[1] ('gpt-4'): model: unknown model"),
+    ('[[models]]\nmodel = "checksum"\n[[models]]\nmodel = "checksum"\n',
+     "models[1] ('checksum'): served_model_name: the id 'checksum' is served by models[0] already"),
+    ('[[models]]\nmodel = "checksum"\nmax_in_flight = "many"\n', "max_in_flight: 'many' must be a number"),
+    ('[[models]]\nmodel = "checksum"\ndevice = "gpu"\n', "models[0] ('checksum'): device: 'gpu' is not a device"),
+    ('port = 80\n', "unknown key 'port'"),
+    ('[[models]]\nworkers = 1\n', "models[0]: model: missing"),
+    ('[[models]\n', "not TOML"),
+])
+def test_a_bad_config_file_is_one_line_naming_the_model_and_the_key(tmp_path: Path, toml: str, says: str) -> None:
+    config = tmp_path / "node.toml"
+    config.write_text(toml)
+    done = subprocess.run([sys.executable, "-m", "gateway", "serve", "--config", str(config)], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "SHMGATE_LABEL": f"bad-config-{os.getpid()}"})
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"{config}: " in lines[0] and says in lines[0], done.stderr
+
+
+def test_the_config_file_also_comes_from_shmgate_config_and_fills_in_the_global_flags(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gateway.cli import _worker_children, build_parser, declared_models
+
+    config = tmp_path / "node.toml"
+    config.write_text('[[models]]\nmodel = "checksum"\nworkers = 2\nmax_batch_size = 3\n\n'
+                      '[[models]]\nmodel = "efficientnet-lite0"\nserved_model_name = "classifier"\n')
+    monkeypatch.setenv("SHMGATE_CONFIG", str(config))
+    args = build_parser().parse_args(["serve", "--device", "cpu", "--max-batch-size", "5", "--threads", "1"])
+    models = declared_models(args)
+    assert [(m.public_id, m.workers, m.max_batch_size) for m in models] == [("checksum", 2, 3), ("classifier", 0, 5)]
+    children = [argv for argv, _ in _worker_children(args, "0123456789abcdef")]
+    assert [argv[argv.index("--model") + 1] for argv in children] == ["checksum", "checksum", "efficientnet-lite0"]
+    assert [argv[argv.index("--max-batch-size") + 1] for argv in children] == ["3", "3", "5"]
+    assert children[2][-2:] == ["--served-model-name", "classifier"]
+
+
+def test_model_flags_and_a_config_file_do_not_mix_and_served_names_pair_with_models(tmp_path: Path) -> None:
+    from gateway.cli import build_parser, declared_models
+    from gateway.node_config import NodeConfigError
+
+    config = tmp_path / "node.toml"
+    config.write_text('[[models]]\nmodel = "checksum"\n')
+    with pytest.raises(NodeConfigError, match="both declare models"):
+        declared_models(build_parser().parse_args(["serve", "--config", str(config), "--model", "checksum"]))
+    with pytest.raises(NodeConfigError, match="one per --model"):
+        declared_models(build_parser().parse_args(["serve", "--model", "checksum", "--model", "efficientnet-lite0",
+                                                   "--served-model-name", "a"]))
+    args = build_parser().parse_args(["serve", "--model", "checksum", "--served-model-name", "a", "--model",
+                                      "efficientnet-lite0", "--served-model-name", "b"])
+    assert [m.public_id for m in declared_models(args)] == ["a", "b"]
