@@ -36,7 +36,7 @@ from gateway.embeddings import embeddings_route
 from gateway.frontend import Frontend
 from gateway.guards import AllowedHosts, CatchAll
 from gateway.http_errors import error_body, error_response
-from gateway.metrics import FrontendStats, exposition
+from gateway.metrics import FrontendStats, ModelGauges, exposition
 from gateway.node_config import ModelConfig
 from gateway.openapi import docs_page, openapi_document
 from gateway.preprocess import get_preprocessor
@@ -121,6 +121,12 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     finally:
         await frontend.stop()
         instance.close()
+
+
+def _model_gauges(f: Frontend) -> list[ModelGauges]:
+    """Each served model's queue depth and ready workers, in model-table order (for /metrics)."""
+    depths: dict[str, int] = getattr(f.link, "model_queue_depths", dict)()  # the POSIX link's; none in memory
+    return [ModelGauges(model, depths.get(model, 0), f.ready_workers(model)) for model in f.preprocessors]
 
 
 def _model_failed(instance: Instance, model: str) -> bool:
@@ -254,7 +260,8 @@ async def _metrics(request: Request) -> Response:
     s = served(request)
     if s.options.metrics_need_key:
         s.check_key(request)
-    body, content_type = exposition(s.node, s.frontend.queue_depth, request.headers.get("accept"))
+    body, content_type = exposition(s.node, s.frontend.queue_depth, request.headers.get("accept"),
+                                    functools.partial(_model_gauges, s.frontend))
     return Response(body, headers={"Content-Type": content_type})
 
 

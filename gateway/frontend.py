@@ -43,7 +43,7 @@ from gateway.request_state import Phase, RequestState
 from gateway.stages import StageRecorder
 from shared.errors import ChannelFull, Overloaded, UnknownModel
 from shared.transport.base import FrontendLink
-from shared.vocabulary import SlotState, TensorGroup, now_ns
+from shared.vocabulary import DEAD_AFTER_S, SlotState, TensorGroup, now_ns
 from shared.wire import (
     INLINE_MAX_BYTES,
     MAX_SUBMIT_TEXT_CHARS,
@@ -89,6 +89,7 @@ class Frontend:
         served = [preprocessor] if isinstance(preprocessor, Preprocessor) else list(preprocessor)
         self.preprocessor = served[0]  # the first model: the one a one-model frontend serves
         self.preprocessors = {pre.model: pre for pre in served}
+        self._model_index = {pre.model: i for i, pre in enumerate(served)}  # its model-table row
         self.model_in_flight = {model: n for model, n in (model_in_flight or {}).items()
                                 if n < limits.max_in_flight}  # the frontend's own bound covers the rest
         self.model_failed = model_failed or (lambda model: False)
@@ -158,6 +159,13 @@ class Frontend:
     def model_ready(self, model: str) -> bool:
         return self.link.has_live_worker(model)
 
+    def ready_workers(self, model: str) -> int:
+        """How many workers serve ``model`` now (for /metrics; a scrape, not the request path)."""
+        segment = getattr(self.link, "segment", None)  # the POSIX link's; the in-memory link has none
+        if segment is None:
+            return int(self.link.has_live_worker(model))
+        return len(segment.live_workers(DEAD_AFTER_S, model))
+
     def preprocessor_for(self, model: str) -> Preprocessor:
         """The preprocessor of the model a request names; UnknownModel (404) for one not served here."""
         pre = self.preprocessors.get(model)
@@ -179,6 +187,20 @@ class Frontend:
         """Admit, resolve images, build and send the descriptor. Raises ShmgateError."""
         pre = self.preprocessor_for(chat.model)
         model = pre.model
+        try:
+            self._admit(model)
+        except Overloaded:
+            self.stats.add_model(Counter.MODEL_OVERLOADED, self._model_index[model])
+            raise
+        self.stats.add_model(Counter.MODEL_ADMITTED, self._model_index[model])
+        try:
+            return await self._dispatch(chat, pre)
+        except Overloaded:  # its queue stayed full: this model's workers are saturated
+            self.stats.add_model(Counter.MODEL_OVERLOADED, self._model_index[model])
+            raise
+
+    def _admit(self, model: str) -> None:
+        """Raise Overloaded (429/503, Retry-After) unless ``model`` may take one more request now."""
         if self.draining():
             raise Overloaded("the server is shutting down", retry_after_s=2.0)
         if len(self.replies.states) + self._resolving >= self.limits.max_in_flight:
@@ -193,6 +215,10 @@ class Frontend:
                                  retry_after_s=30.0)
             raise Overloaded("no model worker is ready yet" if len(self.preprocessors) == 1
                              else f"no worker of model {model!r} is ready yet", retry_after_s=2.0)
+
+    async def _dispatch(self, chat: ChatRequest, pre: Preprocessor) -> RequestState:
+        """Resolve the admitted request's images, build its prompt and send its descriptor to its model's queue."""
+        model = pre.model
         images = self._images_by_model[model]
         loop = asyncio.get_running_loop()
         started = time.monotonic()

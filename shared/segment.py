@@ -37,7 +37,7 @@ import posix_ipc
 from shared.cache_index import ENTRY
 from shared.errors import SetupError
 from shared.names import IPC_MODE, InstanceNames, check_shm_space
-from shared.stats_layout import BATCH_BUCKETS, STATS_WORDS
+from shared.stats_layout import BATCH_BUCKETS, MODEL_SLOTS, STATS_WORDS
 from shared.vocabulary import HEARTBEAT_INTERVAL_S, MODEL_NAME_BYTES, InstanceState, SlotState, now_ns
 from shared.wire import WIRE_VERSION
 
@@ -139,7 +139,7 @@ N_LOCKS = 3  # index, repair, table
 
 # The models one gateway serves: each has its own request queue (shared/instance.py), its own
 # workers and, here, the facts every process of the node reads about it.
-MAX_MODELS = 8
+MAX_MODELS = MODEL_SLOTS  # each row has its words in the frontends' stats rows (per-model metrics)
 MODEL_ROW = np.dtype(
     [
         ("name", f"S{MODEL_NAME_BYTES}"),  # the public id clients send as ``model``

@@ -135,6 +135,12 @@ def test_each_model_has_its_own_workers(two_models: Server) -> None:
     workers = [cmd for _, cmd in two_models.children() if "-m worker" in cmd]
     assert sorted(cmd.split("--model ", 1)[1].split()[0] for cmd in workers) == ["checksum", "efficientnet-lite0"]
     assert two_models.metric("shmgate_workers_ready") == 2
+    for model in ("efficientnet-lite0", "checksum"):
+        _answer(httpx.post(two_models.base_url + "/v1/chat/completions", json=image_request(model, noise_png(5)),
+                           timeout=60))
+        assert two_models.metric(f'shmgate_model_workers_ready{{model="{model}"}}') == 1
+        assert two_models.metric(f'shmgate_model_queue_depth{{model="{model}"}}') == 0
+        assert two_models.metric(f'shmgate_model_requests_total{{model="{model}",outcome="admitted"}}') >= 1
 
 
 def test_the_log_says_how_the_queue_budget_was_split(two_models: Server) -> None:
@@ -222,7 +228,13 @@ def test_one_model_over_its_max_in_flight_gets_429_while_the_other_is_served(gat
                                       json=image_request("classifier", (IMAGES / "camera_640.jpg").read_bytes()))
             return list(await asyncio.gather(*held)), refused, other
 
+    refused_before = gateway_with_workers.metric('shmgate_model_requests_total{model="checksum",outcome="overloaded"}')
+    other_refused = gateway_with_workers.metric('shmgate_model_requests_total{model="classifier",outcome="overloaded"}')
     held, refused, other = asyncio.run(run())
+    assert gateway_with_workers.metric(
+        'shmgate_model_requests_total{model="checksum",outcome="overloaded"}') == refused_before + 1
+    assert gateway_with_workers.metric(
+        'shmgate_model_requests_total{model="classifier",outcome="overloaded"}') == other_refused
     assert refused.status_code == 429, refused.text
     assert refused.headers["retry-after"] and "model 'checksum'" in refused.json()["error"]["message"]
     assert set(refused.json()["error"]) == {"message", "type", "param", "code"}
