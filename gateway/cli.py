@@ -13,6 +13,7 @@ is the only module that calls ``sys.exit`` (through ``main``'s return code).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -41,10 +42,15 @@ from supervise.placement import Placement, gpu_count, worker_placements
 
 if TYPE_CHECKING:
     from gateway.startup_log import Summary
+    from shared.instance import Instance
 
 __all__ = ["main"]
 
 log = logging.getLogger("shmgate")
+
+# With several models, a worker that served and then dies more than this many times in 5 minutes is not
+# restarted again, and its model is marked failed once none of its workers is left (supervise/supervisor.py).
+MODEL_RESTART_BUDGET = 5
 
 
 
@@ -347,9 +353,11 @@ def _run_supervised(args: argparse.Namespace, *, with_workers: bool, started_at:
                      pass_fds=(sock.fileno(),))
         for k in range(n_frontends)
     ]
+    worker_models = [m.public_id for m, placements in _model_plans(args) for _ in placements] if with_workers else []
     workers = [
-        ChildProcess("worker", i, argv, child_env(env))
-        for i, (argv, env) in enumerate(_worker_children(args, instance_id) if with_workers else [])
+        ChildProcess("worker", i, argv, child_env(env), model=model)
+        for i, ((argv, env), model) in enumerate(zip(_worker_children(args, instance_id) if with_workers else [],
+                                                     worker_models))
     ]
     url = f"http://{f'[{args.host}]' if ':' in args.host else args.host}:{args.port}"
     for line in summary_lines(_summary(args, instance_id, url, n_frontends, with_workers, model_id=model_id), shm_free_bytes()):
@@ -363,12 +371,25 @@ def _run_supervised(args: argparse.Namespace, *, with_workers: bool, started_at:
         started_at=started_at, stats_interval_s=args.log_stats_interval_s,
     )
     try:
-        return Supervisor.for_instance(instance, frontends, workers, drain_timeout_s=args.drain_timeout_s,
-                                       on_tick=serving_log.tick).run()
+        supervisor = Supervisor.for_instance(instance, frontends, workers, drain_timeout_s=args.drain_timeout_s,
+                                             on_tick=serving_log.tick)
+        if len(models) > 1:  # a model that keeps dying is failed; the others keep serving
+            supervisor.restart_budget = MODEL_RESTART_BUDGET
+            supervisor.on_model_failed = functools.partial(_mark_failed, instance)
+        return supervisor.run()
     finally:
         for queue in request_queues:
             queue.close()
         sock.close()
+
+
+def _mark_failed(instance: Instance, model: str) -> None:
+    """The supervisor gave up every worker of ``model``: its row says so to the frontends."""
+    from shared.segment import ModelState
+
+    index = instance.segment.model_index(model)
+    if index >= 0:
+        instance.segment.mark_model(index, ModelState.FAILED)
 
 
 def _summary(args: argparse.Namespace, instance_id: str, url: str, n_frontends: int,

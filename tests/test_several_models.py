@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -306,3 +307,41 @@ def test_model_flags_and_a_config_file_do_not_mix_and_served_names_pair_with_mod
     args = build_parser().parse_args(["serve", "--model", "checksum", "--served-model-name", "a", "--model",
                                       "efficientnet-lite0", "--served-model-name", "b"])
     assert [m.public_id for m in declared_models(args)] == ["a", "b"]
+
+
+# -- a model whose workers die beyond their restart budget fails; the others keep serving ----------------
+
+def test_a_model_whose_workers_die_beyond_the_budget_is_failed_and_the_other_keeps_running() -> None:
+    """The supervisor's decision over an in-memory link with real (sleeping) child processes."""
+    from shared.transport.memory import MemorySupervisorLink
+    from supervise.supervisor import ChildProcess, Supervisor, child_env
+
+    link = MemorySupervisorLink()
+    sleeper = ["sh", "-c", "exec sleep 30"]
+    flaky = ChildProcess("worker", 0, sleeper, child_env(), model="checksum")
+    steady = ChildProcess("worker", 1, sleeper, child_env(), model="classifier")
+    failed: list[str] = []
+    sup = Supervisor(link, [], [flaky, steady], restart_backoff_s=0.0, restart_budget=2,
+                     on_model_failed=failed.append)
+    try:
+        steady.start()
+        link.claim("worker", 1, steady.pid)
+        for death in range(3):
+            flaky.start()
+            link.claim("worker", 0, flaky.pid)
+            sup.check_children()  # it is seen READY: it served
+            assert flaky.ever_ready
+            assert flaky.process is not None
+            os.kill(flaky.pid, signal.SIGKILL)
+            flaky.process.wait(5)
+            sup.check_children()
+            assert flaky.process is None
+            assert failed == ([] if death < 2 else ["checksum"])
+        assert flaky.given_up and flaky.restart_at == float("inf")
+        sup.check_children()
+        assert flaky.process is None, "a worker beyond its budget was restarted"
+        assert steady.is_alive() and not sup._fatal
+    finally:
+        for child in (flaky, steady):
+            child.kill()
+            child.join(5)
