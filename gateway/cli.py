@@ -209,7 +209,7 @@ def declared_models(args: argparse.Namespace) -> list[ModelConfig]:
         names = getattr(args, "served_model_name_all", None) or (
             [args.served_model_name] if args.served_model_name else [])
         configs = from_flags(getattr(args, "model_all", None) or [args.model], names)
-    args.node_models = [config.with_globals(args) for config in configs]
+    args.node_models = [config.with_globals(args, alone=len(configs) == 1) for config in configs]
     return list(args.node_models)
 
 

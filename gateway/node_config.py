@@ -32,7 +32,7 @@ from typing import Any
 
 from shared import flag_types
 from shared.flags import BATCH_POLICIES, DTYPES
-from shared.models import resolve_model
+from shared.models import ModelKind, parse_model_spec, resolve_model
 from shared.segment import MAX_MODELS
 from shared.vocabulary import check_model_id
 
@@ -63,13 +63,17 @@ class ModelConfig:
     stall_timeout_s: float | None = None
     mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)
 
-    def with_globals(self, args: argparse.Namespace) -> ModelConfig:
-        """This model with every unset key taken from the global flags in ``args``."""
+    def with_globals(self, args: argparse.Namespace, *, alone: bool = True) -> ModelConfig:
+        """This model with every unset key taken from the global flags in ``args``. ``alone``: the only
+        model (a global --mm-processor-kwargs then applies to it, and is refused where it cannot)."""
         def pick(key: str) -> Any:
             own = getattr(self, key)
             return own if own is not None else getattr(args, key, None)
 
-        kwargs = self.mm_processor_kwargs or json.loads(getattr(args, "mm_processor_kwargs", "{}") or "{}")
+        kwargs = self.mm_processor_kwargs
+        if not kwargs and (alone or parse_model_spec(self.model).kind in (ModelKind.HF_CHAT, ModelKind.CHECKSUM_HF)):
+            # with several models, the global --mm-processor-kwargs reaches those with an HF image processor
+            kwargs = json.loads(getattr(args, "mm_processor_kwargs", "{}") or "{}")
         return replace(self, **{key: pick(key) for key in _GLOBAL_KEYS}, mm_processor_kwargs=kwargs)
 
 

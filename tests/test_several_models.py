@@ -345,3 +345,16 @@ def test_a_model_whose_workers_die_beyond_the_budget_is_failed_and_the_other_kee
         for child in (flaky, steady):
             child.kill()
             child.join(5)
+
+
+def test_a_global_processor_option_reaches_only_the_models_with_an_hf_processor(tmp_path: Path) -> None:
+    import argparse
+
+    from gateway.node_config import ModelConfig
+
+    flags = argparse.Namespace(mm_processor_kwargs='{"max_pixels": 200704}')
+    classifier, vlm = ModelConfig("efficientnet-lite0"), ModelConfig(f"hf:{tmp_path}/qwen")
+    assert classifier.with_globals(flags, alone=False).mm_processor_kwargs == {}
+    assert vlm.with_globals(flags, alone=False).mm_processor_kwargs == {"max_pixels": 200704}
+    # one model alone keeps the flag, and its frontend refuses it where it cannot apply, as before
+    assert classifier.with_globals(flags).mm_processor_kwargs == {"max_pixels": 200704}
