@@ -17,6 +17,8 @@ request, so every one is decoded):
 
 Printed and written as JSON (``--out``): the fast model's p50/p99 in each phase, and what the flood got
 (answered, 429, 503: its max_in_flight and its queue depth turn the excess away with Retry-After).
+Then the shared decode: 20 new images, each sent to both models (one preprocessing): the decodes and
+cache hits that took, from /metrics.
 
 Usage (from the repository root; the children run this checkout's code):
     python bench/model_isolation.py [--seconds 20] [--slow-delay-ms 50] [--flood-x 10] [--out FILE]
@@ -184,8 +186,31 @@ async def _run(url: str, seconds: float, flood_rate: float) -> dict[str, object]
         flooded = await _measure(client, seconds, seed=40_000)
         statuses = results.get(timeout=120)
         flood.join(30)
+        shared = await _shared_decode(client, 20)
     return {"alone": _summary(alone), "flooded": _summary(flooded),
-            "flood": {"rate_per_s": flood_rate, "statuses": {str(k): v for k, v in sorted(statuses.items())}}}
+            "flood": {"rate_per_s": flood_rate, "statuses": {str(k): v for k, v in sorted(statuses.items())}},
+            "shared_decode": shared}
+
+
+async def _metric(client: httpx.AsyncClient, name: str) -> float:
+    text = (await client.get("/metrics")).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+async def _shared_decode(client: httpx.AsyncClient, n: int) -> dict[str, float]:
+    """``n`` new images, each sent to one model and then to the other (both the checksum pipeline):
+    the decodes (cache misses) and cache hits that cost, from /metrics."""
+    names = ("shmgate_cache_misses_total", "shmgate_cache_hits_total", "shmgate_cache_remote_hits_total")
+    before = [await _metric(client, name) for name in names]
+    for i in range(n):
+        url = _png(60_000 + i)
+        for model in ("fast", "slow"):
+            response = await client.post("/v1/chat/completions", json=_body(model, url))
+            if response.status_code != 200:
+                raise SystemExit(f"{model} answered {response.status_code}: {response.text[:200]}")
+    after = [await _metric(client, name) for name in names]
+    return {"images": n, "requests": 2 * n, "decodes": after[0] - before[0],
+            "cache_hits": after[1] - before[1] + after[2] - before[2]}
 
 
 def main() -> None:
@@ -211,6 +236,7 @@ def main() -> None:
     print(f"fast model flooded: p50 {flooded['p50_ms']:.1f} ms, p99 {flooded['p99_ms']:.1f} ms "
           f"({flooded['requests']} req) while slow got {args.flood_x:g}x its {capacity:g} req/s: "
           f"{result['flood']}")
+    print(f"shared decode: {result['shared_decode']}")
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
 
