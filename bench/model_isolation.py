@@ -105,7 +105,7 @@ class Node:
         ]
         self.url = f"http://127.0.0.1:{self.port}"
 
-    def wait_ready(self, timeout_s: float = 120) -> None:
+    def wait_ready(self, timeout_s: float = 300) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
@@ -114,7 +114,9 @@ class Node:
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        raise SystemExit("the node did not become ready; see its log")
+        self.log.flush()
+        tail = Path(self.log.name).read_text(errors="replace")[-3000:]
+        raise SystemExit(f"the node did not become ready; its log ends:\n{tail}")
 
     def stop(self) -> None:
         self.gateway.send_signal(signal.SIGTERM)
