@@ -266,14 +266,28 @@ def test_a_worker_for_an_undeclared_model_refuses_to_attach(gateway_with_workers
     ('[[models]]\nworkers = 1\n', "models[0]: model: missing"),
     ('[[models]\n', "not TOML"),
 ])
-def test_a_bad_config_file_is_one_line_naming_the_model_and_the_key(tmp_path: Path, toml: str, says: str) -> None:
+def test_a_bad_config_file_is_refused_naming_the_model_and_the_key(tmp_path: Path, toml: str, says: str) -> None:
+    from gateway.cli import build_parser, declared_models
+    from gateway.node_config import NodeConfigError
+
     config = tmp_path / "node.toml"
     config.write_text(toml)
+    with pytest.raises(NodeConfigError) as refused:
+        declared_models(build_parser().parse_args(["serve", "--config", str(config)]))
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith(f"{config}: ") and says in message, message
+
+
+def test_serve_with_a_bad_config_file_ends_at_once_with_status_2_and_one_line(tmp_path: Path) -> None:
+    """A real process: nothing started, no traceback (a hang guard, not a timing check)."""
+    config = tmp_path / "node.toml"
+    config.write_text('[[models]]\nmodel = "checksum"\nworkers = 0\n')
     done = subprocess.run([sys.executable, "-m", "gateway", "serve", "--config", str(config)], capture_output=True,
                           text=True, timeout=60, env={**os.environ, "SHMGATE_LABEL": f"bad-config-{os.getpid()}"})
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and f"{config}: " in lines[0] and says in lines[0], done.stderr
+    assert lines == [f"shmgate serve: error: {config}: models[0] ('checksum'): workers: '0': use auto for the "
+                     "default, or a count of 1 or more"], done.stderr
 
 
 def test_the_config_file_also_comes_from_shmgate_config_and_fills_in_the_global_flags(
