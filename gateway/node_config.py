@@ -33,7 +33,7 @@ from typing import Any
 from shared import flag_types
 from shared.flags import BATCH_POLICIES, DTYPES
 from shared.models import ModelKind, parse_model_spec, resolve_model
-from shared.segment import MAX_MODELS
+from shared.stats_layout import MODEL_SLOTS as MAX_MODELS  # the model table's rows (shared/segment.py)
 from shared.vocabulary import check_model_id
 
 __all__ = ["MODEL_KEYS", "ModelConfig", "NodeConfigError", "from_flags", "load_node_config", "models_json",
