@@ -204,6 +204,9 @@ def declared_models(args: argparse.Namespace) -> list[ModelConfig]:
     if getattr(args, "config", None):
         if getattr(args, "model_all", None):
             raise NodeConfigError(f"--config {args.config} and --model both declare models; use one of them")
+        if getattr(args, "served_model_name_all", None):
+            raise NodeConfigError(f"--served-model-name with --config {args.config}: give each model's "
+                                  "served_model_name in the file")
         configs = load_node_config(args.config)
     else:
         names = getattr(args, "served_model_name_all", None) or (

@@ -315,6 +315,8 @@ def test_model_flags_and_a_config_file_do_not_mix_and_served_names_pair_with_mod
     config.write_text('[[models]]\nmodel = "checksum"\n')
     with pytest.raises(NodeConfigError, match="both declare models"):
         declared_models(build_parser().parse_args(["serve", "--config", str(config), "--model", "checksum"]))
+    with pytest.raises(NodeConfigError, match="served_model_name in the file"):
+        declared_models(build_parser().parse_args(["serve", "--config", str(config), "--served-model-name", "x"]))
     with pytest.raises(NodeConfigError, match="one per --model"):
         declared_models(build_parser().parse_args(["serve", "--model", "checksum", "--model", "efficientnet-lite0",
                                                    "--served-model-name", "a"]))
