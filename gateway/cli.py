@@ -48,10 +48,6 @@ __all__ = ["main"]
 
 log = logging.getLogger("shmgate")
 
-# With several models, a worker that served and then dies more than this many times in 5 minutes is not
-# restarted again, and its model is marked failed once none of its workers is left (supervise/supervisor.py).
-MODEL_RESTART_BUDGET = 5
-
 
 
 
@@ -376,8 +372,8 @@ def _run_supervised(args: argparse.Namespace, *, with_workers: bool, started_at:
     try:
         supervisor = Supervisor.for_instance(instance, frontends, workers, drain_timeout_s=args.drain_timeout_s,
                                              on_tick=serving_log.tick)
-        if len(models) > 1:  # a model that keeps dying is failed; the others keep serving
-            supervisor.restart_budget = MODEL_RESTART_BUDGET
+        if len(models) > 1 and with_workers:  # a model that keeps dying is failed; the others keep serving
+            supervisor.restart_budget = args.restart_budget
             supervisor.on_model_failed = functools.partial(_mark_failed, instance)
         return supervisor.run()
     finally:

@@ -181,5 +181,9 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
              shown_default="cuda when a GPU is visible, else cpu", type=flag_types.device)
     add_flag(workers, "--threads", "torch threads per CPU worker; 0: usable CPUs / workers (see --frontends)",
              default="0", type=flag_types.non_negative_int)
+    add_flag(workers, "--restart-budget", "with several models: a worker that served and then dies more than "
+             "this many times in 5 minutes is not restarted, and its model is failed once none of its workers "
+             "is left (the others keep serving); 0: restart for ever (one model always is)", default="5",
+             type=flag_types.non_negative_int)
     add_batching_flags(workers)
 

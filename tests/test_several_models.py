@@ -30,6 +30,7 @@ from tests.serving import (
     noise_png,
     start_server,
     stop_and_check,
+    wait_until,
 )
 
 LABELS = json.loads((IMAGES / "labels.json").read_text())["images"]
@@ -374,3 +375,40 @@ def test_a_global_processor_option_reaches_only_the_models_with_an_hf_processor(
     assert vlm.with_globals(flags, alone=False).mm_processor_kwargs == {"max_pixels": 200704}
     # one model alone keeps the flag, and its frontend refuses it where it cannot apply, as before
     assert classifier.with_globals(flags).mm_processor_kwargs == {"max_pixels": 200704}
+
+
+def test_a_model_that_keeps_dying_is_failed_while_the_other_keeps_serving(tmp_path: Path) -> None:
+    """End to end: the checksum worker killed twice with a restart budget of one."""
+    server = start_server("efficientnet-lite0", tmp_path, "--model", "checksum", "--workers", "1",
+                          "--restart-budget", "1")
+    try:
+        url = server.base_url
+
+        def checksum_worker() -> int | None:
+            pids = [pid for pid, cmd in server.children() if "-m worker" in cmd and "--model checksum" in cmd]
+            return pids[0] if pids else None
+
+        first = checksum_worker()
+        assert first is not None
+        os.kill(first, signal.SIGKILL)  # within the budget: restarted
+        wait_until(lambda: checksum_worker() not in (None, first), 60, "the supervisor restarted it")
+        wait_until(lambda: httpx.get(url + "/ready/checksum", timeout=10).status_code == 200, 60,
+                   "the restarted checksum worker is ready")
+        second = checksum_worker()
+        assert second is not None
+        os.kill(second, signal.SIGKILL)  # beyond it: the model fails
+        wait_until(lambda: httpx.get(url + "/v1/models/checksum", timeout=10).json()["state"] == "failed", 30,
+                   "the model is failed")
+        refused = httpx.post(url + "/v1/chat/completions", json=image_request("checksum", noise_png(7)), timeout=30)
+        assert refused.status_code == 503 and refused.headers["retry-after"], refused.text
+        assert "model 'checksum' failed" in refused.json()["error"]["message"]
+        ok = httpx.post(url + "/v1/chat/completions",
+                        json=image_request("efficientnet-lite0", (IMAGES / "coffee_640.jpg").read_bytes()), timeout=60)
+        assert _top1(_answer(ok)) == "espresso"
+        assert httpx.get(url + "/ready", timeout=10).status_code == 503
+        assert httpx.get(url + "/ready/efficientnet-lite0", timeout=10).status_code == 200
+        assert httpx.get(url + "/ready/checksum", timeout=10).json()["state"] == "failed"
+        assert checksum_worker() is None, "a worker beyond its budget was restarted"
+        assert "model 'checksum' failed" in server.log_path.read_text()
+    finally:
+        stop_and_check(server)
