@@ -43,6 +43,7 @@ from gateway.preprocess import get_preprocessor
 from gateway.result_cache import ResultCache
 from gateway.served import AppOptions, Served, read_body, served
 from gateway.tokenize import detokenize, model_card, tokenize
+from shared.cache import ModelShare
 from shared.errors import EXIT_CONFIG, ShmgateError
 from shared.flags import version
 from shared.instance import Instance
@@ -108,10 +109,13 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         print(f"shmgate frontend: configuration error: {exc}", file=sys.stderr, flush=True)
         os._exit(EXIT_CONFIG)
     instance = Instance.attach(options.instance_id)
-    frontend = Frontend(PosixFrontendLink(instance, options.slot), preprocessors, options.limits,
+    link = PosixFrontendLink(instance, options.slot)
+    shares = {i: m.arena_share for i, m in enumerate(models) if m.arena_share is not None}
+    frontend = Frontend(link, preprocessors, options.limits,
                         model_in_flight={pre.model: m.max_in_flight for pre, m in zip(preprocessors, models)
                                          if m.max_in_flight is not None},
-                        model_failed=functools.partial(_model_failed, instance))
+                        model_failed=functools.partial(_model_failed, instance),
+                        model_cache=functools.partial(_model_share, link, shares) if shares else None)
     node = PosixNodeStats(instance)
     await frontend.start()
     results = ResultCache(options.result_cache_bytes) if options.result_cache_bytes > 0 else None
@@ -121,6 +125,13 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     finally:
         await frontend.stop()
         instance.close()
+
+
+def _model_share(link: PosixFrontendLink, shares: dict[int, float], model_index: int) -> ModelShare:
+    """Model ``model_index``'s view of the frontend's cache, the arena shares set (shared/cache.py)."""
+    cache = link.content_cache()
+    cache.set_shares(shares)
+    return ModelShare(cache, model_index)
 
 
 def _model_gauges(f: Frontend) -> list[ModelGauges]:

@@ -42,7 +42,7 @@ from gateway.replies import ReplyRouter
 from gateway.request_state import Phase, RequestState
 from gateway.stages import StageRecorder
 from shared.errors import ChannelFull, Overloaded, UnknownModel
-from shared.transport.base import FrontendLink
+from shared.transport.base import FrontendLink, TensorCache
 from shared.vocabulary import DEAD_AFTER_S, SlotState, TensorGroup, now_ns
 from shared.wire import (
     INLINE_MAX_BYTES,
@@ -80,10 +80,14 @@ class Frontend:
 
     def __init__(self, link: FrontendLink, preprocessor: Preprocessor | Sequence[Preprocessor],
                  limits: FrontendLimits, *, model_in_flight: Mapping[str, int] | None = None,
-                 model_failed: Callable[[str], bool] | None = None) -> None:
+                 model_failed: Callable[[str], bool] | None = None,
+                 model_cache: Callable[[int], TensorCache] | None = None) -> None:
         """``model_in_flight``: a model's own bound on this frontend's requests in flight (beyond it, that
         model's clients get 429 while the others are admitted); ``model_failed``: does the supervisor say
-        the model's workers failed beyond their restart budget (shared/segment.py ModelState)?"""
+        the model's workers failed beyond their restart budget (shared/segment.py ModelState)?
+        ``model_cache``: a model's view of this frontend's cache by its model-table row, for the arena
+        shares (a model's images evicted for another's only beyond its share: shared/cache.py
+        ``ModelShare``), called once the cache exists; None: every model places into the cache as is."""
         self.link = link
         self.slot = link.slot
         served = [preprocessor] if isinstance(preprocessor, Preprocessor) else list(preprocessor)
@@ -93,6 +97,7 @@ class Frontend:
         self.model_in_flight = {model: n for model, n in (model_in_flight or {}).items()
                                 if n < limits.max_in_flight}  # the frontend's own bound covers the rest
         self.model_failed = model_failed or (lambda model: False)
+        self.model_cache = model_cache
         self.limits = limits
         self._resolving = 0  # admitted requests still resolving their images (not in flight yet)
         self._resolving_by_model: collections.Counter[str] = collections.Counter()
@@ -116,6 +121,11 @@ class Frontend:
         # preprocessing agrees (equal cache_params) share each decoded image
         self._images_by_model = {model: self.images.for_preprocessor(pre) if pre is not self.preprocessor
                                  else self.images for model, pre in self.preprocessors.items()}
+        if self.model_cache is not None:  # each model places through its own view: its share counts
+            for model, pre in self.preprocessors.items():
+                view = self.images.for_preprocessor(pre)
+                view.cache = self.model_cache(self._model_index[model])
+                self._images_by_model[model] = view
         self.replies = ReplyRouter(self.link, self.images, self.stats, self._next_request_id, self.stages)
         cache = self.images.cache
         self.stats.set(Counter.ARENA_SIZE_BYTES, cache.size)

@@ -61,6 +61,7 @@ class ModelConfig:
     max_in_flight: int | None = None  # per frontend, for this model; beyond it this model's clients get 429
     queue_depth: int | None = None  # this model's request queue
     stall_timeout_s: float | None = None
+    arena_share: float | None = None  # the part of each frontend's arena partition this model keeps (0..1]
     mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def with_globals(self, args: argparse.Namespace, *, alone: bool = True) -> ModelConfig:
@@ -77,6 +78,13 @@ class ModelConfig:
         return replace(self, **{key: pick(key) for key in _GLOBAL_KEYS}, mm_processor_kwargs=kwargs)
 
 
+def _fraction(text: str) -> float:
+    value = flag_types.positive_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a fraction of the arena, more than 0 and at most 1")
+    return value
+
+
 # key -> (the TOML types it may have, the flag type that checks its value)
 _CHECKS: dict[str, tuple[tuple[type, ...], Callable[[str], Any]]] = {
     "model": ((str,), flag_types.model_spec),
@@ -91,6 +99,7 @@ _CHECKS: dict[str, tuple[tuple[type, ...], Callable[[str], Any]]] = {
     "max_in_flight": ((int,), flag_types.positive_int),
     "queue_depth": ((int,), flag_types.positive_int),
     "stall_timeout_s": ((int, float), flag_types.non_negative_float),
+    "arena_share": ((int, float), _fraction),
 }
 MODEL_KEYS = (*_CHECKS, "mm_processor_kwargs")
 _GLOBAL_KEYS = ("workers", "workers_per_gpu", "device", "dtype", "max_batch_size", "max_batch_wait_ms",
@@ -171,18 +180,24 @@ def _checked(configs: list[ModelConfig], *, source: str) -> list[ModelConfig]:
                                   "already; give one of them another served_model_name")
         seen[public_id] = i
         out.append(replace(config, public_id=public_id))
+    shares = sum(c.arena_share or 0.0 for c in out)
+    if shares > 1.0 + 1e-9:
+        raise NodeConfigError(f"{source}: arena_share: the models' shares add up to {shares:g}, more than the whole "
+                              "arena (1)")
     return out
 
 
 def models_json(configs: Sequence[ModelConfig]) -> str:
     """What each frontend needs of the models, for its command line (the frontends never read the file)."""
     return json.dumps([{"model": c.model, "served_model_name": c.served_model_name, "public_id": c.public_id,
-                        "max_in_flight": c.max_in_flight, "mm_processor_kwargs": c.mm_processor_kwargs}
+                        "max_in_flight": c.max_in_flight, "arena_share": c.arena_share,
+                        "mm_processor_kwargs": c.mm_processor_kwargs}
                        for c in configs])
 
 
 def parse_models_json(text: str) -> list[ModelConfig]:
     """``models_json``'s inverse, in the frontend."""
     return [ModelConfig(model=d["model"], served_model_name=d["served_model_name"], public_id=d["public_id"],
-                        max_in_flight=d["max_in_flight"], mm_processor_kwargs=d["mm_processor_kwargs"])
+                        max_in_flight=d["max_in_flight"], arena_share=d["arena_share"],
+                        mm_processor_kwargs=d["mm_processor_kwargs"])
             for d in json.loads(text)]

@@ -161,9 +161,12 @@ NODE_TOML = """
 model = "efficientnet-lite0"
 served_model_name = "classifier"
 
+arena_share = 0.5
+
 [[models]]
 model = "checksum"
 max_in_flight = 2
+arena_share = 0.25
 """
 
 
@@ -264,6 +267,9 @@ def test_a_worker_for_an_undeclared_model_refuses_to_attach(gateway_with_workers
     ('[[models]]\nmodel = "checksum"\nmax_in_flight = "many"\n', "max_in_flight: 'many' must be a number"),
     ('[[models]]\nmodel = "checksum"\ndevice = "gpu"\n', "models[0] ('checksum'): device: 'gpu' is not a device"),
     ('port = 80\n', "unknown key 'port'"),
+    ('[[models]]\nmodel = "checksum"\narena_share = 1.5\n', "arena_share: '1.5' must be a fraction of the arena"),
+    ('[[models]]\nmodel = "checksum"\narena_share = 0.6\n[[models]]\nmodel = "efficientnet-lite0"\n'
+     'arena_share = 0.6\n', "arena_share: the models' shares add up to 1.2"),
     ('[[models]]\nworkers = 1\n', "models[0]: model: missing"),
     ('[[models]\n', "not TOML"),
 ])
