@@ -39,8 +39,9 @@ PHOTOS = ["chelsea_640.jpg", "coffee_640.jpg", "camera_640.jpg"]
 
 @pytest.fixture(scope="module")
 def two_models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    # shallow queues: the per-uid message-queue budget is shared with the other servers of the suite
     server = start_server("efficientnet-lite0", tmp_path_factory.mktemp("serve"), "--model", "checksum",
-                          "--workers", "1")
+                          "--workers", "1", "--queue-depth", "8")
     try:
         yield server
     finally:
@@ -184,7 +185,8 @@ def gateway_with_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S
     log_path = tmp / "gateway.log"
     with open(log_path, "wb") as log:
         gateway = subprocess.Popen([sys.executable, "-m", "gateway", "gateway", "--port", str(port), "--config",
-                                    str(config), "--frontends", "1", "--arena-size", "64MiB", "--label", label],
+                                    str(config), "--frontends", "1", "--arena-size", "64MiB", "--label", label,
+                                    "--queue-depth", "8", "--max-workers", "4"],
                                    stdout=log, stderr=subprocess.STDOUT)
     server = Server(gateway, port, "classifier", log_path)
     worker_flags = ["--label", label, "--device", "cpu", "--threads", "1"]
@@ -386,7 +388,7 @@ def test_a_global_processor_option_reaches_only_the_models_with_an_hf_processor(
 def test_a_model_that_keeps_dying_is_failed_while_the_other_keeps_serving(tmp_path: Path) -> None:
     """End to end: the checksum worker killed twice with a restart budget of one."""
     server = start_server("efficientnet-lite0", tmp_path, "--model", "checksum", "--workers", "1",
-                          "--restart-budget", "1")
+                          "--restart-budget", "1", "--queue-depth", "8")
     try:
         url = server.base_url
 
