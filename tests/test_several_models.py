@@ -420,3 +420,18 @@ def test_a_model_that_keeps_dying_is_failed_while_the_other_keeps_serving(tmp_pa
         assert "model 'checksum' failed" in server.log_path.read_text()
     finally:
         stop_and_check(server)
+
+
+def test_the_queue_budget_is_split_between_the_models_and_fails_naming_each_when_it_cannot_fit() -> None:
+    from shared.instance import queue_specs
+    from shared.mq_budget import MessageQueueBudgetError, plan_queue_depths
+
+    specs = queue_specs(2, 4, [64, 16], ["classifier", "vlm"])
+    assert [s.role for s in specs] == ["request classifier", "request vlm", "reply", "control"]
+    plan = plan_queue_depths(819_200, specs, system_max_depth=64)
+    assert plan.lowered and plan.total_bytes <= 819_200
+    assert 4 <= plan.depths["request classifier"] and plan.depths["request vlm"] <= 16
+    assert "1 request classifier x" in plan.describe(specs) and "1 request vlm x" in plan.describe(specs)
+    with pytest.raises(MessageQueueBudgetError) as refused:
+        plan_queue_depths(60_000, specs)
+    assert "1 request classifier x 4 x 8192 B, 1 request vlm x 4 x 8192 B" in str(refused.value)
