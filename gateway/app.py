@@ -3,9 +3,10 @@
 Routes:
     POST /v1/chat/completions   OpenAI chat, streaming (SSE) or not
     POST /v1/embeddings         OpenAI embeddings of images (and text, for CLIP-class models): gateway/embeddings.py
-    GET  /v1/models             the served model
+    GET  /v1/models             the served models, each with its state and capabilities
     GET  /health                this process is up and attached (always open)
-    GET  /ready                 a worker for the model heartbeats and we are not draining
+    GET  /ready                 every model has a worker that heartbeats, and we are not draining
+    GET  /ready/{model}         the same for one model (also ``/ready?model=ID``), for per-model probes
     GET  /version               the shmgate version serving (always open)
     GET  /metrics               Prometheus text for the whole node (optionally behind the key)
     GET  /openapi.json          every route's request and answers, errors included (gateway/openapi.py)
@@ -35,15 +36,18 @@ from gateway.embeddings import embeddings_route
 from gateway.frontend import Frontend
 from gateway.guards import AllowedHosts, CatchAll
 from gateway.http_errors import error_body, error_response
-from gateway.metrics import FrontendStats, exposition
+from gateway.metrics import FrontendStats, ModelGauges, exposition
+from gateway.node_config import ModelConfig
 from gateway.openapi import docs_page, openapi_document
 from gateway.preprocess import get_preprocessor
 from gateway.result_cache import ResultCache
 from gateway.served import AppOptions, Served, read_body, served
 from gateway.tokenize import detokenize, model_card, tokenize
-from shared.errors import EXIT_CONFIG, ShmgateError, UnknownModel
+from shared.cache import ModelShare
+from shared.errors import EXIT_CONFIG, ShmgateError
 from shared.flags import version
 from shared.instance import Instance
+from shared.segment import ModelState
 from shared.transport import PosixFrontendLink, PosixNodeStats
 from shared.vocabulary import check_model_id
 
@@ -73,6 +77,7 @@ def create_app(options: AppOptions) -> FastAPI:
     app.add_api_route("/health", _health, methods=["GET"])
     app.add_api_route("/version", _version, methods=["GET"])
     app.add_api_route("/ready", _ready, methods=["GET"])
+    app.add_api_route("/ready/{model_id:path}", _model_ready, methods=["GET"])
     app.add_api_route("/v1/models", _models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", _model, methods=["GET"])
     app.add_api_route("/tokenize", _tokenize, methods=["POST"])
@@ -86,12 +91,17 @@ def create_app(options: AppOptions) -> FastAPI:
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     options: AppOptions = app.state.options
+    models = options.models or (ModelConfig(options.model, options.served_model_name,
+                                            mm_processor_kwargs=options.processor_kwargs or {}),)
     try:
-        preprocessor = get_preprocessor(options.model, max_images=options.intake.max_images,
-                                        processor_kwargs=options.processor_kwargs)
-        if options.served_model_name:
-            preprocessor.model = options.served_model_name
-        check_model_id(preprocessor.model)
+        preprocessors = []
+        for model in models:
+            preprocessor = get_preprocessor(model.model, max_images=options.intake.max_images,
+                                            processor_kwargs=model.mm_processor_kwargs or None)
+            if model.served_model_name:
+                preprocessor.model = model.served_model_name
+            check_model_id(preprocessor.model)
+            preprocessors.append(preprocessor)
     except (ValueError, OSError, ImportError) as exc:
         # A configuration error (unknown model, missing model directory, a missing extra):
         # restarting cannot fix it, so say why and exit with the code that makes the
@@ -99,7 +109,13 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         print(f"shmgate frontend: configuration error: {exc}", file=sys.stderr, flush=True)
         os._exit(EXIT_CONFIG)
     instance = Instance.attach(options.instance_id)
-    frontend = Frontend(PosixFrontendLink(instance, options.slot), preprocessor, options.limits)
+    link = PosixFrontendLink(instance, options.slot)
+    shares = {i: m.arena_share for i, m in enumerate(models) if m.arena_share is not None}
+    frontend = Frontend(link, preprocessors, options.limits,
+                        model_in_flight={pre.model: m.max_in_flight for pre, m in zip(preprocessors, models)
+                                         if m.max_in_flight is not None},
+                        model_failed=functools.partial(_model_failed, instance),
+                        model_cache=functools.partial(_model_share, link, shares) if shares else None)
     node = PosixNodeStats(instance)
     await frontend.start()
     results = ResultCache(options.result_cache_bytes) if options.result_cache_bytes > 0 else None
@@ -109,6 +125,26 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     finally:
         await frontend.stop()
         instance.close()
+
+
+def _model_share(link: PosixFrontendLink, shares: dict[int, float], model_index: int) -> ModelShare:
+    """Model ``model_index``'s view of the frontend's cache, the arena shares set (shared/cache.py)."""
+    cache = link.content_cache()
+    cache.set_shares(shares)
+    return ModelShare(cache, model_index)
+
+
+def _model_gauges(f: Frontend) -> list[ModelGauges]:
+    """Each served model's queue depth and ready workers, in model-table order (for /metrics)."""
+    depths: dict[str, int] = getattr(f.link, "model_queue_depths", dict)()  # the POSIX link's; none in memory
+    return [ModelGauges(model, depths.get(model, 0), f.ready_workers(model)) for model in f.preprocessors]
+
+
+def _model_failed(instance: Instance, model: str) -> bool:
+    """Did the supervisor mark ``model`` failed (its workers died beyond their restart budget)?"""
+    index = instance.segment.model_index(model)
+    return index >= 0 and bool(instance.segment.served_models) and (
+        instance.segment.model_state(index) == ModelState.FAILED)
 
 
 def _frontend_stats(app: FastAPI) -> FrontendStats | None:
@@ -160,9 +196,44 @@ async def _version() -> dict[str, str]:
 
 
 async def _ready(request: Request) -> Response:
+    model = request.query_params.get("model")
+    if model is not None:
+        return await _model_ready(model, request)
     if served(request).frontend.ready():
         return JSONResponse({"status": "ready"})
     return JSONResponse({"status": "not ready"}, status_code=503, headers={"Retry-After": "1"})
+
+
+async def _model_ready(model_id: str, request: Request) -> Response:
+    """One model's readiness (a probe for one model's clients); 404 for a model not served here."""
+    f = served(request).frontend
+    f.preprocessor_for(model_id)
+    state = model_state(f, model_id)
+    if state == "ready":
+        return JSONResponse({"status": "ready", "model": model_id})
+    return JSONResponse({"status": "not ready", "model": model_id, "state": state}, status_code=503,
+                        headers={"Retry-After": "1"})
+
+
+def model_state(f: Frontend, model: str) -> str:
+    """``ready`` (a worker serves it), ``loading`` (none yet), ``failed`` (beyond its restart budget), or
+    ``draining`` (the node is shutting down)."""
+    if f.draining():
+        return "draining"
+    if f.model_ready(model):
+        return "ready"
+    return "failed" if f.model_failed(model) else "loading"
+
+
+def _card(f: Frontend, model: str) -> dict[str, object]:
+    """A model's ``/v1/models`` entry: its card plus its state and what it can do."""
+    pre = f.preprocessors[model]
+    card = model_card(pre)
+    card["state"] = model_state(f, model)
+    card["capabilities"] = {"chat": pre.serves_chat, "embeddings": pre.embedding_dim is not None,
+                            "tokenize": bool(pre.tokenizes and pre.serves_chat),
+                            "max_model_len": pre.max_prompt_tokens}
+    return card
 
 
 async def _models(request: Request) -> dict[str, object]:
@@ -170,7 +241,7 @@ async def _models(request: Request) -> dict[str, object]:
     s.check_key(request)
     return {
         "object": "list",
-        "data": [model_card(s.frontend.preprocessor)],
+        "data": [_card(s.frontend, model) for model in s.frontend.preprocessors],
     }
 
 
@@ -180,7 +251,7 @@ async def _tokenize(request: Request) -> Response:
     try:
         s.check_key(request)
         body = await read_body(request, options.max_body_bytes)
-        return JSONResponse(await tokenize(f.preprocessor, body, options.intake, options.image_urls,
+        return JSONResponse(await tokenize(f.preprocessor_for, body, options.intake, options.image_urls,
                                            f.limits.max_pixels))
     except ShmgateError as exc:
         return error_response(exc)
@@ -190,7 +261,7 @@ async def _detokenize(request: Request) -> Response:
     s = served(request)
     try:
         s.check_key(request)
-        return JSONResponse(await detokenize(s.frontend.preprocessor,
+        return JSONResponse(await detokenize(s.frontend.preprocessor_for,
                                              await read_body(request, s.options.max_body_bytes)))
     except ShmgateError as exc:
         return error_response(exc)
@@ -200,7 +271,8 @@ async def _metrics(request: Request) -> Response:
     s = served(request)
     if s.options.metrics_need_key:
         s.check_key(request)
-    body, content_type = exposition(s.node, s.frontend.queue_depth, request.headers.get("accept"))
+    body, content_type = exposition(s.node, s.frontend.queue_depth, request.headers.get("accept"),
+                                    functools.partial(_model_gauges, s.frontend))
     return Response(body, headers={"Content-Type": content_type})
 
 
@@ -208,11 +280,8 @@ async def _model(model_id: str, request: Request) -> dict[str, object]:
     """One model's card (``client.models.retrieve``); ids may hold a slash (``org/name``)."""
     s = served(request)
     s.check_key(request)
-    card = model_card(s.frontend.preprocessor)
-    if model_id != card["id"]:
-        raise UnknownModel(f"model {model_id[:100]!r} is not served here; send {card['id']!r} "
-                           "(GET /v1/models lists it)", param="model")
-    return card
+    s.frontend.preprocessor_for(model_id)  # UnknownModel (404) for a model not served here
+    return _card(s.frontend, model_id)
 
 
 class FrontendHeader:

@@ -44,10 +44,11 @@ async def chat_completions(request: Request) -> Response:
         if tracing.spans is not None:
             tracing.spans.stage("body_read", started, read_s, **{"http.request.body.size": len(body)})
         chat = parse_chat_request(body, options.intake)
-        check_fields_for_model(chat.params, f.preprocessor, chat.n)
-        set_image_options(chat, f.preprocessor)
-        if not f.preprocessor.serves_chat:
-            raise InvalidRequest(f"{f.preprocessor.model} is an embedding model; use POST /v1/embeddings",
+        pre = f.preprocessor_for(chat.model)  # the model the request names (404 for one not served)
+        check_fields_for_model(chat.params, pre, chat.n)
+        set_image_options(chat, pre)
+        if not pre.serves_chat:
+            raise InvalidRequest(f"{pre.model} is an embedding model; use POST /v1/embeddings",
                                  param="model")
         if chat.pending_urls:
             if tracing.spans is None:
@@ -58,7 +59,7 @@ async def chat_completions(request: Request) -> Response:
         key = None
         if results is not None:
             key = await keyed_off_the_loop(sum(len(key_material(i)) for i in chat.images),
-                                           functools.partial(answer_key, chat, f.preprocessor))
+                                           functools.partial(answer_key, chat, pre))
         if results is not None and key is not None:
             cached = None if bypass_cache(request) else results.get(key)
             f.stats.set_result_cache(results.stats, results.used_bytes)

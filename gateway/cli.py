@@ -13,6 +13,7 @@ is the only module that calls ``sys.exit`` (through ``main``'s return code).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -25,6 +26,14 @@ from typing import TYPE_CHECKING
 
 from gateway.cli_flags import DEFAULT_STALL_TIMEOUT_S, HF_STALL_TIMEOUT_S, add_gateway_flags, add_worker_flags
 from gateway.config_checks import ConfigError, check_device
+from gateway.node_config import (
+    ModelConfig,
+    NodeConfigError,
+    from_flags,
+    load_node_config,
+    models_json,
+    parse_models_json,
+)
 from shared.cpus import usable_cpus
 from shared.errors import EXIT_USAGE, SetupError
 from shared.flags import ShmgateParser, add_batching_flags, forward, origin, version
@@ -34,6 +43,7 @@ from supervise.placement import Placement, gpu_count, worker_placements
 
 if TYPE_CHECKING:
     from gateway.startup_log import Summary
+    from shared.instance import Instance
 
 __all__ = ["main"]
 
@@ -130,10 +140,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("serve", "gateway") and any(a == "--api-key" or a.startswith("--api-key=") for a in argv):
         log.warning("--api-key on the command line is visible to every user of this machine (ps, /proc); "
                     "set SHMGATE_API_KEY in the environment instead")
+    if args.command in ("serve", "gateway"):
+        try:
+            models = declared_models(args)
+        except NodeConfigError as exc:
+            print(f"shmgate {args.command}: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
     if args.command == "serve":
         try:
             check_device(args.device, visible_gpus(os.environ, _gpu_count()),
                          given=origin(argv, "--device", args.device))
+            for m in models:
+                if m.device != args.device:  # its own, from the config file
+                    check_device(m.device, visible_gpus(os.environ, _gpu_count()),
+                                 given=f"{args.config}: model {m.public_id!r}: device {m.device}")
         except ConfigError as exc:
             print(f"shmgate serve: error: {exc}", file=sys.stderr)
             return EXIT_USAGE
@@ -168,25 +188,36 @@ def _cleanup(args: argparse.Namespace) -> int:
     return 0
 
 
-def _served_model(args: argparse.Namespace) -> str:
-    """The public id of ``--model`` (or ``--served-model-name``), after the checks that need nothing started:
-    the spec, the checkpoint directory, the extra the model needs. Raises SetupError with the one line."""
-    from shared.models import resolve_model
-    from shared.vocabulary import check_model_id
+def declared_models(args: argparse.Namespace) -> list[ModelConfig]:
+    """The models ``serve`` / ``gateway`` serve, each with the global flags filled in where it sets nothing:
+    from ``--config`` (a TOML file, gateway/node_config.py) or the ``--model`` flags. Kept on ``args``.
 
-    try:
-        public_id = resolve_model(args.model, args.served_model_name).public_id
-        check_model_id(public_id)
-    except ValueError as exc:
-        raise SetupError(f"--model {args.model}: {exc}") from None
-    return public_id
+    Raises NodeConfigError (one line naming the model and the key) for what can be checked before
+    anything starts: the spec, the checkpoint directory, the extra the model needs, repeated ids.
+    """
+    known: list[ModelConfig] | None = getattr(args, "node_models", None)
+    if known is not None:
+        return known
+    if getattr(args, "config", None):
+        if getattr(args, "model_all", None):
+            raise NodeConfigError(f"--config {args.config} and --model both declare models; use one of them")
+        if getattr(args, "served_model_name_all", None):
+            raise NodeConfigError(f"--served-model-name with --config {args.config}: give each model's "
+                                  "served_model_name in the file")
+        configs = load_node_config(args.config)
+    else:
+        names = getattr(args, "served_model_name_all", None) or (
+            [args.served_model_name] if args.served_model_name else [])
+        configs = from_flags(getattr(args, "model_all", None) or [args.model], names)
+    args.node_models = [config.with_globals(args, alone=len(configs) == 1) for config in configs]
+    return list(args.node_models)
 
 
 # Gateway flags a frontend child does not get on its command line: the API key reaches it in its
 # environment (argv is visible in ps); the rest are the supervisor's (the socket is passed as --fd).
 _NOT_FORWARDED = frozenset(
     {"api_key", "host", "port", "frontends", "arena_size", "max_workers", "queue_depth", "stall_timeout_s",
-     "log_stats_interval_s"}
+     "log_stats_interval_s", "config"}
 )
 
 
@@ -221,30 +252,51 @@ def _default_cpu_workers(model: str, cores: int) -> int:
 
 
 def _worker_plan(args: argparse.Namespace) -> tuple[list[Placement], int]:
-    """(each worker's device and visible GPU, torch threads per worker) from the flags and the machine."""
+    """(each worker's device and visible GPU, torch threads per worker), every model's workers together."""
+    plans = _model_plans(args)
+    placements = [p for _, model_placements in plans for p in model_placements]
+    return placements, _threads(args, len(placements))
+
+
+def _model_plans(args: argparse.Namespace) -> list[tuple[ModelConfig, list[Placement]]]:
+    """Each declared model with its workers' placements (its own device and worker count, else the flags').
+
+    One model alone keeps the machine's default (two CPU workers for a small model); with several, a
+    model whose count is auto gets one CPU worker, so that two models do not start four processes on two cores.
+    """
     gpu_ids = visible_gpus(os.environ, _gpu_count())
-    device = args.device or ("cuda" if gpu_ids else "cpu")
-    placements = worker_placements(
-        device, workers=args.workers, workers_per_gpu=args.workers_per_gpu, gpu_ids=gpu_ids,
-        cpu_workers=_default_cpu_workers(args.model, usable_cpus()),
-    )
-    threads = args.threads or max(1, usable_cpus() // len(placements))
-    return placements, threads
+    models = declared_models(args)
+    plans = []
+    for model in models:
+        device = model.device or ("cuda" if gpu_ids else "cpu")
+        cpu_workers = _default_cpu_workers(model.model, usable_cpus()) if len(models) == 1 else 1
+        plans.append((model, worker_placements(device, workers=model.workers or 0,
+                                               workers_per_gpu=model.workers_per_gpu or 1, gpu_ids=gpu_ids,
+                                               cpu_workers=cpu_workers)))
+    return plans
+
+
+def _threads(args: argparse.Namespace, n_workers: int) -> int:
+    return int(args.threads or max(1, usable_cpus() // max(1, n_workers)))
 
 
 def _worker_children(args: argparse.Namespace, instance_id: str) -> list[tuple[list[str], dict[str, str]]]:
-    placements, threads = _worker_plan(args)
+    plans = _model_plans(args)
+    threads = _threads(args, sum(len(placements) for _, placements in plans))
     children = []
-    for placement in placements:
-        env = {} if placement.visible is None else {"CUDA_VISIBLE_DEVICES": placement.visible}
-        argv = [
-            sys.executable, "-m", "worker", "--instance", instance_id, "--model", args.model,
-            "--device", placement.device, "--threads", str(threads), "--log-level", args.log_level,
-            *forward(args, add_batching_flags), *forward(args, add_tracing_flags),
-        ]
-        if args.served_model_name:
-            argv += ["--served-model-name", args.served_model_name]
-        children.append((argv, env))
+    for model, placements in plans:
+        batching = argparse.Namespace(**{**vars(args), **{key: getattr(model, key) for key in (
+            "max_batch_size", "max_batch_wait_ms", "batch_policy", "dtype")}})
+        for placement in placements:
+            env = {} if placement.visible is None else {"CUDA_VISIBLE_DEVICES": placement.visible}
+            argv = [
+                sys.executable, "-m", "worker", "--instance", instance_id, "--model", model.model,
+                "--device", placement.device, "--threads", str(threads), "--log-level", args.log_level,
+                *forward(batching, add_batching_flags), *forward(args, add_tracing_flags),
+            ]
+            if model.served_model_name:
+                argv += ["--served-model-name", model.served_model_name]
+            children.append((argv, env))
     return children
 
 
@@ -262,11 +314,12 @@ def _worker_slots(asked: int, n_workers: int, *, with_workers: bool) -> int:
 
 def _run_supervised(args: argparse.Namespace, *, with_workers: bool, started_at: float) -> int:
     from gateway.startup_log import ServingLog, shm_free_bytes, summary_lines
-    from shared.instance import Instance, cleanup_leftovers
+    from shared.instance import Instance, ModelQueue, cleanup_leftovers
     from shared.transport import PosixNodeStats, PosixSupervisorLink
     from supervise.supervisor import ChildProcess, Supervisor, child_env
 
-    model_id = _served_model(args)
+    models = declared_models(args)
+    model_id = models[0].public_id
     removed = cleanup_leftovers()
     if removed:
         log.warning("removed leftovers of %d dead instance(s)", len(removed))
@@ -287,38 +340,56 @@ def _run_supervised(args: argparse.Namespace, *, with_workers: bool, started_at:
         n_workers=n_worker_slots,
         label=args.label,
         queue_depth=args.queue_depth,
-        stall_timeout_s=stall_timeout_for(args.model, args.stall_timeout_s),
-        model=model_id,
+        stall_timeout_s=stall_timeout_for(models[0].model, args.stall_timeout_s),
+        models=[ModelQueue(m.public_id, m.queue_depth or args.queue_depth,
+                           stall_timeout_for(m.model, m.stall_timeout_s)) for m in models],
     )
     instance_id = instance.names.instance_id
     fill_allowed_hosts(args)
+    args.models_json = models_json(models)  # the frontends serve every model, each with its own limits
     secrets_env = {"SHMGATE_API_KEY": args.api_key} if args.api_key else {}
     frontends = [
         ChildProcess("frontend", k, _frontend_argv(args, instance_id, k, sock.fileno()), child_env(secrets_env),
                      pass_fds=(sock.fileno(),))
         for k in range(n_frontends)
     ]
+    worker_models = [m.public_id for m, placements in _model_plans(args) for _ in placements] if with_workers else []
     workers = [
-        ChildProcess("worker", i, argv, child_env(env))
-        for i, (argv, env) in enumerate(_worker_children(args, instance_id) if with_workers else [])
+        ChildProcess("worker", i, argv, child_env(env), model=model)
+        for i, ((argv, env), model) in enumerate(zip(_worker_children(args, instance_id) if with_workers else [],
+                                                     worker_models))
     ]
     url = f"http://{f'[{args.host}]' if ':' in args.host else args.host}:{args.port}"
     for line in summary_lines(_summary(args, instance_id, url, n_frontends, with_workers, model_id=model_id), shm_free_bytes()):
         log.info("%s", line)
-    request_queue = instance.request_queue()
+    request_queues = [instance.request_queue(i) for i in range(len(models))]
     link = PosixSupervisorLink(instance)
     serving_log = ServingLog(
         node=PosixNodeStats(instance), frontend_alive=link.frontend_alive,
-        worker_ready=lambda: link.has_live_worker(model_id), n_frontends=n_frontends,
-        queue_depth=request_queue.current_messages, instance_id=instance_id, url=url,
+        worker_ready=lambda: all(link.has_live_worker(m.public_id) for m in models), n_frontends=n_frontends,
+        queue_depth=lambda: sum(q.current_messages() for q in request_queues), instance_id=instance_id, url=url,
         started_at=started_at, stats_interval_s=args.log_stats_interval_s,
     )
     try:
-        return Supervisor.for_instance(instance, frontends, workers, drain_timeout_s=args.drain_timeout_s,
-                                       on_tick=serving_log.tick).run()
+        supervisor = Supervisor.for_instance(instance, frontends, workers, drain_timeout_s=args.drain_timeout_s,
+                                             on_tick=serving_log.tick)
+        if len(models) > 1 and with_workers:  # a model that keeps dying is failed; the others keep serving
+            supervisor.restart_budget = args.restart_budget
+            supervisor.on_model_failed = functools.partial(_mark_failed, instance)
+        return supervisor.run()
     finally:
-        request_queue.close()
+        for queue in request_queues:
+            queue.close()
         sock.close()
+
+
+def _mark_failed(instance: Instance, model: str) -> None:
+    """The supervisor gave up every worker of ``model``: its row says so to the frontends."""
+    from shared.segment import ModelState
+
+    index = instance.segment.model_index(model)
+    if index >= 0:
+        instance.segment.mark_model(index, ModelState.FAILED)
 
 
 def _summary(args: argparse.Namespace, instance_id: str, url: str, n_frontends: int,
@@ -326,8 +397,13 @@ def _summary(args: argparse.Namespace, instance_id: str, url: str, n_frontends: 
     """The startup summary's facts, from the same plan the workers are started with."""
     from gateway.startup_log import Summary, plural
 
-    spec = parse_model_spec(args.model)
+    models = declared_models(args)
+    spec = parse_model_spec(models[0].model)
     hf = spec.kind in (ModelKind.HF_CHAT, ModelKind.HF_EMBED)
+    model_spec = args.model
+    if len(models) > 1:  # "clients send "model": "a" or "b""
+        model_id = '" or "'.join(m.public_id for m in models)
+        model_spec = ", ".join(m.model for m in models)
     if with_workers:
         placements, threads = _worker_plan(args)
         gpus = sorted({p.visible for p in placements if p.visible is not None})
@@ -339,7 +415,7 @@ def _summary(args: argparse.Namespace, instance_id: str, url: str, n_frontends: 
     else:
         workers, dtype = f"workers attach by label {args.label!r} (shmgate worker)", "chosen by each worker"
     return Summary(version=version(), instance_id=instance_id, label=args.label, model_id=model_id or spec.public_id,
-                   model_spec=args.model, url=url, n_frontends=n_frontends, workers=workers, dtype=dtype,
+                   model_spec=model_spec, url=url, n_frontends=n_frontends, workers=workers, dtype=dtype,
                    arena_bytes=args.arena_size, auth=bool(args.api_key), traces=args.otlp_traces_endpoint or "")
 
 
@@ -380,6 +456,7 @@ def _run_frontend(args: argparse.Namespace) -> int:
         server_timing=args.server_timing,
         allowed_hosts=parse_allowed_hosts(args.allowed_hosts) or default_allowed_hosts(args.host),
         processor_kwargs=json.loads(args.mm_processor_kwargs) or None,
+        models=tuple(parse_models_json(args.models_json)) if args.models_json else (),
         image_urls=FetchPolicy(
             allowlist=AllowList.parse(args.image_url_allowlist),
             max_bytes=args.image_url_max_bytes,

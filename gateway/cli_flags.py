@@ -16,7 +16,7 @@ from shared.flags import add_batching_flags, add_flag
 from shared.models import KNOWN_SPECS
 from shared.tracing import add_tracing_flags
 
-__all__ = ["DEFAULT_STALL_TIMEOUT_S", "HF_STALL_TIMEOUT_S", "add_gateway_flags", "add_worker_flags"]
+__all__ = ["DEFAULT_STALL_TIMEOUT_S", "HF_STALL_TIMEOUT_S", "Repeatable", "add_gateway_flags", "add_worker_flags"]
 
 # The longest a work loop may go without progress. The embedded classifier's longest step (a
 # batch of 8 on a busy 2-core CPU) is well under a second, so 10 s never fires on a healthy
@@ -57,11 +57,29 @@ def _server_flags(server: argparse._ArgumentGroup) -> None:
              type=flag_types.non_negative_float)
 
 
+class Repeatable(argparse.Action):
+    """A flag that may be given several times: ``dest`` keeps the first value (what a one-model command
+    reads, and what is forwarded to a frontend child), ``<dest>_all`` every value in order."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        given = getattr(namespace, self.dest + "_all", None) or []
+        if not given:
+            setattr(namespace, self.dest, values)
+        setattr(namespace, self.dest + "_all", [*given, values])
+
+
 def _model_flags(model: argparse._ArgumentGroup) -> None:
-    add_flag(model, "--model", f"what to serve: {KNOWN_SPECS} (docs/MODELS.md)", default="efficientnet-lite0",
-             type=flag_types.model_spec)
-    add_flag(model, "--served-model-name", "the model id clients send and /v1/models lists",
+    add_flag(model, "--model", f"what to serve: {KNOWN_SPECS}; repeat it to serve several models "
+             "(docs/MODELS.md)", default="efficientnet-lite0", type=flag_types.model_spec, action=Repeatable)
+    add_flag(model, "--served-model-name", "the model id clients send and /v1/models lists; with several "
+             "--model, one per --model in the same order", action=Repeatable,
              shown_default="from --model: the directory's name for hf:DIR, org/name for a hub-cache snapshot")
+    add_flag(model, "--config", "a TOML file declaring the models and their own settings (workers, device, "
+             "batching, max in flight, queue depth, stall timeout; docs/MODELS.md \"Several models\"); "
+             "instead of --model", shown_default="none: --model")
+    # The models as the supervisor resolved them, for the frontend children (gateway/node_config.py).
+    model.add_argument("--models-json", default=None, help=argparse.SUPPRESS)
     add_flag(model, "--mm-processor-kwargs", 'hf: models: image processor arguments over the checkpoint\'s, '
              'as JSON, e.g. \'{"max_pixels": 200704}\' (docs/MODELS.md "Processor options"); classifier models: '
              'jpeg_draft_margin and embedding_jpeg_draft_margin (docs/TUNING.md)', default="{}",
@@ -166,5 +184,9 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
              shown_default="cuda when a GPU is visible, else cpu", type=flag_types.device)
     add_flag(workers, "--threads", "torch threads per CPU worker; 0: usable CPUs / workers (see --frontends)",
              default="0", type=flag_types.non_negative_int)
+    add_flag(workers, "--restart-budget", "with several models: a worker that served and then dies more than "
+             "this many times in 5 minutes is not restarted, and its model is failed once none of its workers "
+             "is left (the others keep serving); 0: restart for ever (one model always is)", default="5",
+             type=flag_types.non_negative_int)
     add_batching_flags(workers)
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -54,7 +55,7 @@ from gateway.preprocess.base import Preprocessor
 from gateway.render import cancel_on_hang_up
 from gateway.result_cache import ResultCache, keyed_off_the_loop, result_key
 from gateway.served import bypass_cache, read_body, served
-from shared.errors import Cancelled, InvalidRequest, ShmgateError, TooManyImages, UnknownModel
+from shared.errors import Cancelled, InvalidRequest, ShmgateError, TooManyImages
 from shared.stages import Stage
 from shared.wire import TASK_EMBED, Failed, Finished, SamplingParams, Vector
 
@@ -84,12 +85,15 @@ class EmbeddingJob:
     encoding_format: str
 
 
-def parse_embedding_request(body: bytes, limits: IntakeLimits, preprocessor: Preprocessor) -> EmbeddingJob:
-    """Parse and validate; raises RequestError subclasses naming the offending param."""
+def parse_embedding_request(body: bytes, limits: IntakeLimits,
+                            preprocessor_for: Callable[[str], Preprocessor]) -> EmbeddingJob:
+    """Parse and validate; raises RequestError subclasses naming the offending param.
+
+    ``preprocessor_for``: the served model's preprocessor by id, raising UnknownModel for another.
+    """
     req: EmbeddingRequest = decode_body(_decoder, body)
+    preprocessor = preprocessor_for(req.model)
     dim = preprocessor.embedding_dim
-    if req.model != preprocessor.model:
-        raise UnknownModel(f"model {req.model[:100]!r} is not served here; GET /v1/models lists it", param="model")
     if dim is None:
         raise InvalidRequest(f"{preprocessor.model} does not produce embeddings", param="model")
     if req.dimensions is not None and req.dimensions != dim:
@@ -155,7 +159,7 @@ async def embed(
     On the first failure the others still finish (their holds are released as usual) and that
     failure is raised; a hang-up's Cancelled goes first, since nobody is left to read another.
     """
-    params = f.preprocessor.cache_params()
+    params = f.preprocessor_for(job.model).cache_params()
     submitted: list[RequestState] = []
     try:
         started = await asyncio.gather(
@@ -271,7 +275,7 @@ async def embeddings_route(request: Request) -> Response:
         s.check_key(request)
         body = await read_body(request, options.max_body_bytes)
         f.stages.observe(Stage.BODY_READ, time.monotonic() - started)
-        job = parse_embedding_request(body, options.intake, f.preprocessor)
+        job = parse_embedding_request(body, options.intake, f.preprocessor_for)
         if job.chat.pending_urls:
             await fetch_pending(job.chat, options.image_urls)
         try:

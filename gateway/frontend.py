@@ -29,8 +29,9 @@ unit tests (tests/test_reply_routing.py).
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gateway import tracing
@@ -43,8 +44,8 @@ from gateway.request_state import Phase, RequestState
 from gateway.stages import StageRecorder
 from shared.errors import ChannelFull, Overloaded, UnknownModel
 from shared.stages import Stage
-from shared.transport.base import FrontendLink
-from shared.vocabulary import SlotState, TensorGroup, now_ns
+from shared.transport.base import FrontendLink, TensorCache
+from shared.vocabulary import DEAD_AFTER_S, SlotState, TensorGroup, now_ns
 from shared.wire import (
     INLINE_MAX_BYTES,
     MAX_SUBMIT_TEXT_CHARS,
@@ -73,14 +74,35 @@ class FrontendLimits:
 
 
 class Frontend:
-    """Admission and dispatch; owns the link, the image resolver and the reply router."""
+    """Admission and dispatch; owns the link, the image resolver and the reply router.
 
-    def __init__(self, link: FrontendLink, preprocessor: Preprocessor, limits: FrontendLimits) -> None:
+    It serves every model of the node (one preprocessor each, routed by the request's ``model``);
+    each model's requests go to that model's own request queue (the link routes by ``Submit.model``).
+    """
+
+    def __init__(self, link: FrontendLink, preprocessor: Preprocessor | Sequence[Preprocessor],
+                 limits: FrontendLimits, *, model_in_flight: Mapping[str, int] | None = None,
+                 model_failed: Callable[[str], bool] | None = None,
+                 model_cache: Callable[[int], TensorCache] | None = None) -> None:
+        """``model_in_flight``: a model's own bound on this frontend's requests in flight (beyond it, that
+        model's clients get 429 while the others are admitted); ``model_failed``: does the supervisor say
+        the model's workers failed beyond their restart budget (shared/segment.py ModelState)?
+        ``model_cache``: a model's view of this frontend's cache by its model-table row, for the arena
+        shares (a model's images evicted for another's only beyond its share: shared/cache.py
+        ``ModelShare``), called once the cache exists; None: every model places into the cache as is."""
         self.link = link
         self.slot = link.slot
-        self.preprocessor = preprocessor
+        served = [preprocessor] if isinstance(preprocessor, Preprocessor) else list(preprocessor)
+        self.preprocessor = served[0]  # the first model: the one a one-model frontend serves
+        self.preprocessors = {pre.model: pre for pre in served}
+        self._model_index = {pre.model: i for i, pre in enumerate(served)}  # its model-table row
+        self.model_in_flight = {model: n for model, n in (model_in_flight or {}).items()
+                                if n < limits.max_in_flight}  # the frontend's own bound covers the rest
+        self.model_failed = model_failed or (lambda model: False)
+        self.model_cache = model_cache
         self.limits = limits
         self._resolving = 0  # admitted requests still resolving their images (not in flight yet)
+        self._resolving_by_model: collections.Counter[str] = collections.Counter()
         self._counter = 0
         self._progress_handle: asyncio.TimerHandle | None = None
         self.epoch = 0
@@ -97,6 +119,15 @@ class Frontend:
                                     max_pixels=self.limits.max_pixels, threads=self.limits.decode_threads,
                                     decode_memory_bytes=self.limits.decode_memory_bytes,
                                     decode_wait_s=self.limits.decode_wait_s)
+        # one resolver per model over the same cache, pool and decode budget: two models whose
+        # preprocessing agrees (equal cache_params) share each decoded image
+        self._images_by_model = {model: self.images.for_preprocessor(pre) if pre is not self.preprocessor
+                                 else self.images for model, pre in self.preprocessors.items()}
+        if self.model_cache is not None:  # each model places through its own view: its share counts
+            for model, pre in self.preprocessors.items():
+                view = self.images.for_preprocessor(pre)
+                view.cache = self.model_cache(self._model_index[model])
+                self._images_by_model[model] = view
         self.replies = ReplyRouter(self.link, self.images, self.stats, self._next_request_id, self.stages)
         cache = self.images.cache
         self.stats.set(Counter.ARENA_SIZE_BYTES, cache.size)
@@ -134,34 +165,84 @@ class Frontend:
         return self.link.queue_depth()
 
     def ready(self) -> bool:
-        return not self.draining() and self.link.has_live_worker(self.preprocessor.model)
+        """Not draining, and every model has a ready worker."""
+        return not self.draining() and all(self.model_ready(model) for model in self.preprocessors)
+
+    def model_ready(self, model: str) -> bool:
+        return self.link.has_live_worker(model)
+
+    def ready_workers(self, model: str) -> int:
+        """How many workers serve ``model`` now (for /metrics; a scrape, not the request path)."""
+        segment = getattr(self.link, "segment", None)  # the POSIX link's; the in-memory link has none
+        if segment is None:
+            return int(self.link.has_live_worker(model))
+        return len(segment.live_workers(DEAD_AFTER_S, model))
+
+    def preprocessor_for(self, model: str) -> Preprocessor:
+        """The preprocessor of the model a request names; UnknownModel (404) for one not served here."""
+        pre = self.preprocessors.get(model)
+        if pre is None:
+            ids = list(self.preprocessors)
+            send = f"send {ids[0]!r}" if len(ids) == 1 else "send one of " + ", ".join(repr(m) for m in ids)
+            raise UnknownModel(f"model {model[:100]!r} is not served here; {send} (GET /v1/models lists it)",
+                               param="model")
+        return pre
+
+    def in_flight_of(self, model: str) -> int:
+        """This frontend's requests of ``model`` in flight or still resolving their images."""
+        return self._resolving_by_model[model] + sum(
+            1 for state in self.replies.states.values() if state.submit.model == model)
 
     # -- the request path ---------------------------------------------------------------
 
     async def submit(self, chat: ChatRequest) -> RequestState:
         """Admit, resolve images, build and send the descriptor. Raises ShmgateError."""
-        if chat.model != self.preprocessor.model:
-            raise UnknownModel(f"model {chat.model[:100]!r} is not served here; send {self.preprocessor.model!r} "
-                               "(GET /v1/models lists it)",
-                               param="model")
+        pre = self.preprocessor_for(chat.model)
+        model = pre.model
+        try:
+            self._admit(model)
+        except Overloaded:
+            self.stats.add_model(Counter.MODEL_OVERLOADED, self._model_index[model])
+            raise
+        self.stats.add_model(Counter.MODEL_ADMITTED, self._model_index[model])
+        try:
+            return await self._dispatch(chat, pre)
+        except Overloaded:  # its queue stayed full: this model's workers are saturated
+            self.stats.add_model(Counter.MODEL_OVERLOADED, self._model_index[model])
+            raise
+
+    def _admit(self, model: str) -> None:
+        """Raise Overloaded (429/503, Retry-After) unless ``model`` may take one more request now."""
         if self.draining():
             raise Overloaded("the server is shutting down", retry_after_s=2.0)
         if len(self.replies.states) + self._resolving >= self.limits.max_in_flight:
             raise Overloaded("too many requests in flight; retry shortly", retry_after_s=1.0, status_hint=429)
-        if not self.link.has_live_worker(self.preprocessor.model):
-            raise Overloaded("no model worker is ready yet", retry_after_s=2.0)
+        bound = self.model_in_flight.get(model)
+        if bound is not None and self.in_flight_of(model) >= bound:
+            raise Overloaded(f"too many requests in flight for model {model!r}; retry shortly", retry_after_s=1.0,
+                             status_hint=429)
+        if not self.link.has_live_worker(model):
+            if self.model_failed(model):
+                raise Overloaded(f"model {model!r} failed: its workers died beyond their restart budget",
+                                 retry_after_s=30.0)
+            raise Overloaded("no model worker is ready yet" if len(self.preprocessors) == 1
+                             else f"no worker of model {model!r} is ready yet", retry_after_s=2.0)
+
+    async def _dispatch(self, chat: ChatRequest, pre: Preprocessor) -> RequestState:
+        """Resolve the admitted request's images, build its prompt and send its descriptor to its model's queue."""
+        model = pre.model
+        images = self._images_by_model[model]
         loop = asyncio.get_running_loop()
         started = time.monotonic()
         groups: list[TensorGroup] = []
-        self._set_resolving(+1)  # admitted: counts against the bound while its images decode
+        self._set_resolving(+1, model)  # admitted: counts against the bound while its images decode
         try:
-            await self.images.resolve(chat.images, chat.image_params, groups, chat.image_options)
+            await images.resolve(chat.images, chat.image_params, groups, chat.image_options)
             specs: list[ImageTensorSpec] = [{r.name: (r.dtype, r.shape) for r in g.refs} for g in groups]
-            if self.preprocessor.prompt_is_cheap:
-                prompt = self.preprocessor.build_prompt(chat.messages, specs)
+            if pre.prompt_is_cheap:
+                prompt = pre.build_prompt(chat.messages, specs)
             else:
-                prompt = await loop.run_in_executor(self.images.pool, self.preprocessor.build_prompt,
-                                                    chat.messages, specs)
+                prompt = await loop.run_in_executor(self.images.pool, pre.build_prompt, chat.messages, specs)
             inline = prompt.inline
             if len(inline) > INLINE_MAX_BYTES:
                 groups.append(await loop.run_in_executor(self.images.pool, self.images.inline_group, prompt))
@@ -173,7 +254,7 @@ class Frontend:
             submit = Submit(
                 request_id=request_id,
                 reply_slot=self.slot,
-                model=self.preprocessor.model,
+                model=model,
                 tensors=tuple(refs),
                 inline=inline,
                 params=chat.params,
@@ -195,7 +276,7 @@ class Frontend:
             self.images.release(groups)
             raise
         finally:
-            self._set_resolving(-1)  # from here on it is on the request queue (or failed)
+            self._set_resolving(-1, model)  # from here on it is on the request queue (or failed)
         self.replies.sending(state)
         try:
             await self.link.send_request(submit, min(10.0, self.limits.request_timeout_s))
@@ -212,13 +293,14 @@ class Frontend:
         self._counter += 1
         return (self.epoch << 40) | self._counter
 
-    def _set_resolving(self, change: int) -> None:
+    def _set_resolving(self, change: int, model: str) -> None:
         """Count admitted requests still decoding, and publish the count in our slot row.
 
         Workers read it (``Segment.preparing_requests``): a batch waits its window only for
         requests known to be on their way, so a lone request runs at once.
         """
         self._resolving += change
+        self._resolving_by_model[model] += change
         self.link.set_preparing(self._resolving)
 
     async def events(self, state: RequestState) -> AsyncIterator[Delta | Vector | TokenLogprobs | Finished | Failed]:

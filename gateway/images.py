@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -44,6 +45,13 @@ class ImageResolver:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def for_preprocessor(self, preprocessor: Preprocessor) -> ImageResolver:
+        """This resolver for another model: the same cache, pool and decode budget, its own preprocessing
+        (a frontend serving several models keeps one pool and one budget for all of them)."""
+        view = copy.copy(self)
+        view.preprocessor = preprocessor
+        return view
 
     async def resolve(
         self, images: list[bytes | EncodedImage], params: list[str], groups: list[TensorGroup],

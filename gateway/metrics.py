@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -23,12 +24,12 @@ from prometheus_client.registry import CollectorRegistry
 from gateway.result_cache import ResultCacheStats
 from gateway.stages import stage_histogram
 from shared.flags import version
-from shared.stats_layout import BATCH_BUCKETS, REQUEST_BUCKETS_S, Counter
+from shared.stats_layout import BATCH_BUCKETS, MODEL_SLOTS, REQUEST_BUCKETS_S, Counter
 from shared.transport.base import NodeStats
 
 # Counter (which word of the row holds what) is defined with the rest of the row's layout in
 # shared/stats_layout.py; the gateway's modules import it from here.
-__all__ = ["Counter", "FrontendStats", "NodeCollector", "exposition", "render"]
+__all__ = ["Counter", "FrontendStats", "ModelGauges", "NodeCollector", "exposition", "render"]
 
 
 class FrontendStats:
@@ -44,6 +45,11 @@ class FrontendStats:
 
     def set(self, counter: Counter, value: int) -> None:
         self._row[counter] = value
+
+    def add_model(self, base: Counter, model_index: int) -> None:
+        """Count one at the model-table row ``model_index`` of a per-model block (MODEL_ADMITTED, ...)."""
+        if 0 <= model_index < MODEL_SLOTS:
+            self._row[base + model_index] += 1
 
     def set_result_cache(self, stats: ResultCacheStats, used_bytes: int) -> None:
         """Publish this frontend's result cache counts: added as increments since the last call, so the
@@ -66,12 +72,24 @@ class FrontendStats:
         self._row[buckets + bisect.bisect_left(REQUEST_BUCKETS_S, seconds)] += 1
 
 
+class ModelGauges(NamedTuple):
+    """One declared model's live facts at a scrape, in model-table order."""
+
+    model: str
+    queue_depth: int  # descriptors waiting on its own request queue
+    workers_ready: int
+
+
 class NodeCollector:
     """A prometheus_client collector over the node's statistics (read at each scrape)."""
 
-    def __init__(self, node: NodeStats, queue_depth: Callable[[], int]) -> None:
+    def __init__(self, node: NodeStats, queue_depth: Callable[[], int],
+                 models: Callable[[], list[ModelGauges]] | None = None) -> None:
+        """``models``: the declared models' gauges; their labels are the model table's ids, so the
+        per-model series are bounded by the declared models (at most MODEL_SLOTS)."""
         self.node = node
         self.queue_depth = queue_depth
+        self.models = models
 
     def collect(self) -> Iterator[Metric]:
         node = self.node
@@ -144,6 +162,8 @@ class NodeCollector:
         yield gauge("shmgate_preparing_requests", "Admitted requests still being decoded and preprocessed.",
                     node.preparing_requests())
         yield stage_histogram(total)
+        if self.models is not None:
+            yield from _model_metrics(total, self.models())
         build = GaugeMetricFamily("shmgate_build_info", "The shmgate version serving (always 1).", labels=["version"])
         build.add_metric([version()], 1)
         yield build
@@ -163,14 +183,31 @@ def _latency_histogram(name: str, help_text: str, total: np.ndarray, buckets: in
     return family
 
 
-def exposition(node: NodeStats, queue_depth: Callable[[], int], accept: str | None) -> tuple[bytes, str]:
+def _model_metrics(total: np.ndarray, models: list[ModelGauges]) -> Iterator[Metric]:
+    """The per-model series: requests admitted and refused, queue depth and ready workers, by ``model``."""
+    requests = CounterMetricFamily("shmgate_model_requests_total", "Requests per model: admitted, or refused "
+                                   "with 429/503 (its in-flight bound, no worker, its queue full).",
+                                   labels=["model", "outcome"])
+    queue = GaugeMetricFamily("shmgate_model_queue_depth", "Descriptors waiting on the model's request queue.",
+                              labels=["model"])
+    ready = GaugeMetricFamily("shmgate_model_workers_ready", "The model's workers serving.", labels=["model"])
+    for i, m in enumerate(models[:MODEL_SLOTS]):
+        requests.add_metric([m.model, "admitted"], int(total[Counter.MODEL_ADMITTED + i]))
+        requests.add_metric([m.model, "overloaded"], int(total[Counter.MODEL_OVERLOADED + i]))
+        queue.add_metric([m.model], m.queue_depth)
+        ready.add_metric([m.model], m.workers_ready)
+    yield from (requests, queue, ready)
+
+
+def exposition(node: NodeStats, queue_depth: Callable[[], int], accept: str | None,
+               models: Callable[[], list[ModelGauges]] | None = None) -> tuple[bytes, str]:
     """(body, content type) for a scrape: OpenMetrics when ``accept`` asks for it, else the text format.
 
     An ``Accept`` header prometheus_client cannot read (``application/openmetrics-text; version=abc``
     makes ``choose_encoder`` raise) gets the text format, which every scraper understands.
     """
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(NodeCollector(node, queue_depth))
+    registry.register(NodeCollector(node, queue_depth, models))
     try:
         encoder, content_type = choose_encoder(accept or "")
         return encoder(registry), content_type

@@ -13,6 +13,7 @@ Only ``hf:`` chat models tokenize; classifiers and embedding models answer 400 n
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -30,7 +31,7 @@ from gateway.intake import (
     image_bytes,
 )
 from gateway.preprocess.base import Preprocessor
-from shared.errors import InvalidRequest, ShmgateError, UnknownModel
+from shared.errors import InvalidRequest, ShmgateError
 
 __all__ = ["detokenize", "model_card", "tokenize"]
 
@@ -63,20 +64,19 @@ def model_card(preprocessor: Preprocessor) -> dict[str, Any]:
     return card
 
 
-def _tokenizing(preprocessor: Preprocessor, model: str) -> Preprocessor:
-    if model != preprocessor.model:
-        raise UnknownModel(f"model {model[:100]!r} is not served here; send {preprocessor.model!r} "
-                           "(GET /v1/models lists it)", param="model")
+def _tokenizing(preprocessor_for: Callable[[str], Preprocessor], model: str) -> Preprocessor:
+    """The named model's preprocessor, if it tokenizes (``preprocessor_for`` raises UnknownModel for another)."""
+    preprocessor = preprocessor_for(model)
     if not preprocessor.tokenizes or not preprocessor.serves_chat:
         raise InvalidRequest(f"{preprocessor.model} has no tokenizer to count with", param="model")
     return preprocessor
 
 
-async def tokenize(preprocessor: Preprocessor, body: bytes, limits: IntakeLimits, policy: FetchPolicy,
+async def tokenize(preprocessor_for: Callable[[str], Preprocessor], body: bytes, limits: IntakeLimits, policy: FetchPolicy,
                    max_pixels: int) -> dict[str, Any]:
     """The ``/tokenize`` answer for ``body``. Raises ShmgateError subclasses (400s naming the field)."""
     req = decode_body(_tokenize_decoder, body)
-    pre = _tokenizing(preprocessor, req.model)
+    pre = _tokenizing(preprocessor_for, req.model)
     if (req.messages is None) == (req.prompt is None):
         raise InvalidRequest("send either messages or prompt", param="messages")
     if req.prompt is not None:
@@ -111,10 +111,10 @@ def _chat_tokens(pre: Preprocessor, chat: ChatRequest, max_pixels: int) -> list[
     return pre.prompt_token_ids(chat.messages, specs)
 
 
-async def detokenize(preprocessor: Preprocessor, body: bytes) -> dict[str, Any]:
+async def detokenize(preprocessor_for: Callable[[str], Preprocessor], body: bytes) -> dict[str, Any]:
     """The ``/detokenize`` answer: ``{"prompt": text}``. Raises ShmgateError subclasses."""
     req = decode_body(_detokenize_decoder, body)
-    pre = _tokenizing(preprocessor, req.model)
+    pre = _tokenizing(preprocessor_for, req.model)
     if len(req.tokens) > MAX_DETOKENIZE:
         raise InvalidRequest(f"at most {MAX_DETOKENIZE} tokens", param="tokens")
     return {"prompt": await asyncio.to_thread(pre.detokenize, req.tokens)}

@@ -29,9 +29,10 @@ frontend wait for the first decode instead of decoding twice.
 
 from __future__ import annotations
 
+import collections
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -46,7 +47,7 @@ from shared.wire import DTYPE_ITEMSIZE, TensorRef
 
 # TensorGroup and content_key are the seam's words (shared/vocabulary.py), importable from here too
 # for the tests and benchmarks that drive a ContentCache directly.
-__all__ = ["ContentCache", "TensorGroup", "content_key"]
+__all__ = ["ContentCache", "ModelShare", "TensorGroup", "content_key"]
 
 
 class ContentCache:
@@ -73,6 +74,16 @@ class ContentCache:
         self._pending: dict[bytes, threading.Event] = {}
         self._held_bytes = 0  # data bytes of groups with holds > 0: what requests in flight pin
         self.stats = CacheStats()
+        # Per-model arena shares (several models on one node): the partition bytes each model may keep
+        # against the others' evictions, by model-table row; empty: one LRU for everything, as before.
+        self._shares: dict[int, int] = {}
+        self._owner: dict[int, int] = {}  # id(group) -> the model row that placed it (shares only)
+        self._owned: collections.Counter[int] = collections.Counter()  # partition bytes per model row
+
+    def set_shares(self, shares: Mapping[int, float]) -> None:
+        """Give models (by model-table row) a share of this partition (0..1]: a model's images are evicted
+        for another model's only beyond its share, and a model over its share evicts its own first."""
+        self._shares = {owner: int(fraction * self.partition.size) for owner, fraction in shares.items()}
 
     @property
     def size(self) -> int:
@@ -95,9 +106,11 @@ class ContentCache:
 
     # -- the one entry point ----------------------------------------------------
 
-    def acquire(self, key: bytes, make: Callable[[AllocateFn], None]) -> tuple[TensorGroup, str]:
+    def acquire(self, key: bytes, make: Callable[[AllocateFn], None], *,
+                owner: int = -1) -> tuple[TensorGroup, str]:
         """A held group for ``key``: ("hit" | "remote" | "miss"). ``make`` runs on a miss.
 
+        ``owner``: the model-table row placing it, for the arena shares (-1: none).
         Raises whatever ``make`` raises (the partial group is freed), ArenaFull, Overloaded.
         """
         while True:
@@ -113,10 +126,10 @@ class ContentCache:
                     break
             pending.wait()  # another thread of ours is decoding this very image
         try:
-            group = self._copy_remote(key)
+            group = self._copy_remote(key, owner)
             kind = "remote"
             if group is None:
-                group = self._make(key, make)
+                group = self._make(key, make, owner)
                 kind = "miss"
             return group, kind
         finally:
@@ -157,12 +170,12 @@ class ContentCache:
         group.holds += 1
         self._evictable.pop(id(group), None)
 
-    def _make(self, key: bytes | None, make: Callable[[AllocateFn], None]) -> TensorGroup:
-        group = TensorGroup(key, holds=1)
+    def _make(self, key: bytes | None, make: Callable[[AllocateFn], None], owner: int = -1) -> TensorGroup:
+        group = self._new_group(key, owner)
 
         def allocate(name: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
             nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPE_ITEMSIZE[dtype]
-            allocation = self._allocate(nbytes)
+            allocation = self._allocate(nbytes, owner)
             group.allocations.append(allocation)
             group.refs.append(TensorRef(offset=allocation.offset, nbytes=nbytes, generation=allocation.generation,
                                         dtype=dtype, shape=tuple(shape), name=name))
@@ -180,9 +193,16 @@ class ContentCache:
             self._publish(group)
         return group
 
-    def acquire_private(self, make: Callable[[AllocateFn], None]) -> TensorGroup:
+    def acquire_private(self, make: Callable[[AllocateFn], None], *, owner: int = -1) -> TensorGroup:
         """A held group that is never indexed (e.g. a large prompt payload). Freed on release."""
-        return self._make(None, make)
+        return self._make(None, make, owner)
+
+    def _new_group(self, key: bytes | None, owner: int) -> TensorGroup:
+        group = TensorGroup(key, holds=1)
+        if self._shares and owner >= 0:
+            with self._mutex:
+                self._owner[id(group)] = owner
+        return group
 
     def _publish(self, group: TensorGroup) -> None:
         assert group.key is not None
@@ -197,15 +217,15 @@ class ContentCache:
                 group.indexed = True
                 self._groups[group.key] = group
 
-    def _copy_remote(self, key: bytes) -> TensorGroup | None:
+    def _copy_remote(self, key: bytes, owner: int = -1) -> TensorGroup | None:
         with self._index_lock.hold(self._lock_timeout_s):
             entry = self._index.lookup(key, self.partition.segment.frontends["epoch"])
         if entry is None or entry.partition == self.partition.slot:
             return None
-        group = TensorGroup(key, holds=1)
+        group = self._new_group(key, owner)
         try:
             for ref in entry.tensors:
-                allocation = self._allocate(ref.nbytes)
+                allocation = self._allocate(ref.nbytes, owner)
                 group.allocations.append(allocation)
                 out = self.partition.array(allocation, "uint8", (ref.nbytes,))
                 read_tensor(self.partition.segment, ref, out)
@@ -228,7 +248,7 @@ class ContentCache:
         """Bytes of the partition ``group`` takes: its blocks, headers and alignment included."""
         return sum(block_bytes(a.nbytes) for a in group.allocations)
 
-    def _allocate(self, nbytes: int) -> Allocation:
+    def _allocate(self, nbytes: int, owner: int = -1) -> Allocation:
         need = block_bytes(nbytes)
         if need > self.partition.size:
             # Eviction can never make room for it: 413 naming the limit, not 503 arena_full forever.
@@ -241,8 +261,11 @@ class ContentCache:
             while True:
                 allocation = self.partition.allocate(nbytes)
                 if allocation is not None:
+                    if self._shares and owner >= 0:
+                        with self._mutex:
+                            self._owned[owner] += block_bytes(allocation.nbytes)
                     return allocation
-                if not self._evict_one():
+                if not self._evict_one(owner, need):
                     full = ArenaFull(
                         f"no room for a {nbytes:,}-byte tensor in this frontend's arena partition "
                         f"({format_bytes(self.partition.size)}) while other requests in flight hold it; retry shortly"
@@ -250,11 +273,28 @@ class ContentCache:
                     full.needed_bytes = need
                     raise full
 
-    def _evict_one(self) -> bool:
+    def _victim(self, owner: int, need: int) -> TensorGroup | None:
+        """The group to evict for ``owner``'s allocation of ``need`` bytes (caller holds the mutex): the least
+        recently used, except that with shares a model within its share keeps its groups, and a model that
+        would go beyond its own share evicts only its own."""
+        if not self._shares:
+            return next(iter(self._evictable.values()), None)
+        mine = self._shares.get(owner)
+        if mine is not None and self._owned[owner] + need > mine:
+            return next((g for g in self._evictable.values() if self._owner.get(id(g)) == owner), None)
+        for group in self._evictable.values():
+            other = self._owner.get(id(group), -1)
+            if other not in self._shares or self._owned[other] > self._shares[other]:
+                return group
+        return None
+
+    def _evict_one(self, owner: int = -1, need: int = 0) -> bool:
         with self._mutex:
-            if not self._evictable:
+            group_or_none = self._victim(owner, need) if owner >= 0 else next(iter(self._evictable.values()), None)
+            if group_or_none is None:
                 return False
-            _, group = self._evictable.popitem(last=False)
+            group = group_or_none
+            del self._evictable[id(group)]
             group.indexed = False
             if group.key is not None:
                 self._groups.pop(group.key, None)
@@ -275,9 +315,18 @@ class ContentCache:
         return True
 
     def _free_group(self, group: TensorGroup) -> None:
+        if self._shares:
+            with self._mutex:
+                owner = self._owner.pop(id(group), -1)
+                if owner >= 0:
+                    self._owned[owner] -= sum(block_bytes(a.nbytes) for a in group.allocations)
         for allocation in group.allocations:
             self.partition.free(allocation)
         group.allocations.clear()
+
+    def owned_bytes(self, owner: int) -> int:
+        """Partition bytes the model-table row ``owner`` holds (cached or in flight; shares only)."""
+        return self._owned[owner]
 
     def evictable_count(self) -> int:
         return len(self._evictable)
@@ -286,6 +335,46 @@ class ContentCache:
         """Evict everything unheld (used by tests and shutdown)."""
         while self._evict_one():
             pass
+
+
+class ModelShare:
+    """One model's view of a frontend's cache (a TensorCache): what it places counts against its arena
+    share (``ContentCache.set_shares``); hits, releases and the rest are the cache's own."""
+
+    def __init__(self, cache: ContentCache, owner: int) -> None:
+        self.cache = cache
+        self.owner = owner
+        self.stats = cache.stats  # the same counters: a model's hits and misses are the frontend's
+
+    @property
+    def size(self) -> int:
+        return self.cache.size
+
+    @property
+    def used_bytes(self) -> int:
+        return self.cache.used_bytes
+
+    @property
+    def held_bytes(self) -> int:
+        return self.cache.held_bytes
+
+    def acquire(self, key: bytes, make: Callable[[AllocateFn], None]) -> tuple[TensorGroup, str]:
+        return self.cache.acquire(key, make, owner=self.owner)
+
+    def try_hit(self, key: bytes) -> TensorGroup | None:
+        return self.cache.try_hit(key)
+
+    def acquire_private(self, make: Callable[[AllocateFn], None]) -> TensorGroup:
+        return self.cache.acquire_private(make, owner=self.owner)
+
+    def release(self, group: TensorGroup) -> None:
+        self.cache.release(group)
+
+    def footprint(self, group: TensorGroup) -> int:
+        return self.cache.footprint(group)
+
+    def clear(self) -> None:
+        self.cache.clear()
 
 
 def block_bytes(nbytes: int) -> int:

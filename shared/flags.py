@@ -118,11 +118,13 @@ def add_flag(
     shown_default: str | None = None,
     on_off: bool = False,
     metavar: str | None = None,
+    action: type[argparse.Action] | None = None,
 ) -> argparse.Action:
     """Declare ``flag`` with its variable, its typed default and its help suffix.
 
     The variable is named after the flag (``--max-images``: ``SHMGATE_MAX_IMAGES``). ``shown_default``: what the help says when ``default`` alone would not tell
     (None: "none", computed defaults). ``on_off``: a flag without a value, off unless given.
+    ``action``: an argparse Action class for the value (a flag that may be repeated, for instance).
     """
     variable = ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
     raw = os.environ.get(variable) or None
@@ -136,6 +138,8 @@ def add_flag(
         kwargs["metavar"] = metavar
     if on_off:
         kwargs["action"] = OnOff
+    elif action is not None:
+        kwargs["action"] = action
     return group.add_argument(flag, **kwargs)
 
 

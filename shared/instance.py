@@ -17,6 +17,7 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import posix_ipc
@@ -34,7 +35,7 @@ from shared.names import (
     list_orphan_semaphore_ids,
     new_instance_id,
 )
-from shared.segment import LockId, Segment, own_pidns, peek_header
+from shared.segment import MAX_MODELS, LockId, Segment, own_pidns, peek_header
 from shared.vocabulary import DEAD_AFTER_S, InstanceState, check_model_id, now_ns
 from shared.wire import (
     CONTROL_MESSAGE_BYTES,
@@ -45,12 +46,22 @@ from shared.wire import (
 )
 
 # DEAD_AFTER_S is the seam's word (shared/vocabulary.py), importable from here too for the tests.
-__all__ = ["DEAD_AFTER_S", "Instance", "LiveInstance", "cleanup_leftovers", "find_instance", "instance_alive",
+__all__ = ["DEAD_AFTER_S", "Instance", "LiveInstance", "ModelQueue", "cleanup_leftovers", "find_instance", "instance_alive",
            "instance_objects", "live_instances"]
 
 log = logging.getLogger("shmgate.instance")
 
 CONTROL_QUEUE_DEPTH = 8  # cancels for one worker: best effort, a full queue means a busy worker
+
+
+@dataclass(frozen=True)
+class ModelQueue:
+    """One served model as the instance records it: its public id, its request queue's wanted depth and
+    its stall timeout (0: the instance's)."""
+
+    model: str
+    queue_depth: int = 64
+    stall_timeout_s: float = 0.0
 
 
 @dataclass
@@ -79,10 +90,15 @@ class Instance:
         instance_id: str | None = None,
         stall_timeout_s: float = 0.0,
         model: str = "",
+        models: Sequence[ModelQueue] = (),
     ) -> Instance:
-        """``model``: the public id of the model the gateway serves, recorded in the header so that a worker
-        started with another model refuses to attach ('' records nothing and any worker may attach)."""
-        check_model_id(model)
+        """``models``: the models the gateway serves, each with its own request queue (its index in the
+        list names it); recorded in the segment's model table so that a worker started with a model not
+        among them refuses to attach. ``model``: one model, the queue ``queue_depth`` deep (the one-model
+        form). Neither: nothing recorded, one request queue, and any worker may attach."""
+        declared = list(models) or ([ModelQueue(model, queue_depth)] if model else [])
+        for entry in declared:
+            check_model_id(entry.model)
         names = InstanceNames(instance_id or new_instance_id())
         segment = Segment.create(
             names,
@@ -93,14 +109,21 @@ class Instance:
             label=label,
             stall_timeout_s=stall_timeout_s,
         )
-        segment.header[0]["model"] = model.encode()  # before the queues exist: no worker can attach yet
+        try:
+            # before the queues exist: no worker can attach yet
+            segment.declare_models([(m.model, m.stall_timeout_s) for m in declared])
+        except SetupError:
+            segment.close()
+            posix_ipc.unlink_shared_memory(names.arena)
+            raise
+        depths = [m.queue_depth for m in declared] or [queue_depth]
         created: list[str] = []
         try:
             sems = []
             for name in names.semaphores():
                 sems.append(posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=IPC_MODE, initial_value=1))
                 created.append(name)
-            _create_queues(names, n_frontends, n_workers, queue_depth)
+            _create_queues(names, n_frontends, n_workers, depths, [m.model for m in declared])
         except BaseException:
             _unlink_all(names, n_frontends, n_workers)
             segment.close()
@@ -134,8 +157,9 @@ class Instance:
     def cache_index(self) -> CacheIndex:
         return CacheIndex.in_segment(self.segment)
 
-    def request_queue(self) -> Queue:
-        return open_queue(self.names.request_queue, worker_decoder)
+    def request_queue(self, model_index: int = 0) -> Queue:
+        """The request queue of the gateway's ``model_index``-th model (``Segment.model_index``)."""
+        return open_queue(self.names.model_request_queue(model_index), worker_decoder)
 
     def reply_queue(self, frontend_slot: int) -> Queue:
         return open_queue(self.names.reply_queue(frontend_slot), gateway_decoder)
@@ -202,31 +226,44 @@ def _pid_exists(pid: int) -> bool:
     return True
 
 
-def queue_specs(n_frontends: int, n_workers: int, queue_depth: int) -> list[QueueSpec]:
-    """The message queues of an instance, as the budget planner sees them (shared/mq_budget.py)."""
+def queue_specs(n_frontends: int, n_workers: int, queue_depth: int | Sequence[int],
+                models: Sequence[str] = ()) -> list[QueueSpec]:
+    """The message queues of an instance, as the budget planner sees them (shared/mq_budget.py).
+
+    ``queue_depth``: one depth, or one per model (each model's own request queue, role
+    ``request <model>`` so the log line says how the budget was split between them).
+    """
+    depths = [queue_depth] if isinstance(queue_depth, int) else list(queue_depth)
+    roles = ["request"] if len(depths) == 1 else [f"request {m or i}" for i, m in
+                                                 enumerate(list(models) or [""] * len(depths))]
+    reply_depth = max(depths)
     return [
-        QueueSpec("request", 1, MAX_MESSAGE_BYTES, queue_depth, min_depth=min(queue_depth, 4)),
-        QueueSpec("reply", n_frontends, REPLY_MESSAGE_BYTES, queue_depth, min_depth=min(queue_depth, 4)),
+        *(QueueSpec(role, 1, MAX_MESSAGE_BYTES, depth, min_depth=min(depth, 4)) for role, depth in zip(roles, depths)),
+        QueueSpec("reply", n_frontends, REPLY_MESSAGE_BYTES, reply_depth, min_depth=min(reply_depth, 4)),
         QueueSpec("control", n_workers, CONTROL_MESSAGE_BYTES, CONTROL_QUEUE_DEPTH, min_depth=1),
     ]
 
 
-def _create_queues(names: InstanceNames, n_frontends: int, n_workers: int, queue_depth: int) -> None:
+def _create_queues(names: InstanceNames, n_frontends: int, n_workers: int, queue_depths: Sequence[int],
+                   models: Sequence[str] = ()) -> None:
     """Create every queue of the instance, as deep as the message-queue memory this uid has allows.
 
     The plan starts from RLIMIT_MSGQUEUE; other queues of the same uid (another instance, another
     container of this uid on the host) take part of it unseen, so a creation that still fails is retried
     with a smaller plan until even the minimum does not fit (MessageQueueBudgetError names the fixes).
+    Several models split the budget: each model's request queue is a role of its own in the plan.
     """
-    specs = queue_specs(n_frontends, n_workers, queue_depth)
+    specs = queue_specs(n_frontends, n_workers, queue_depths, models)
+    request_specs = specs[:len(queue_depths)]
     budget = message_queue_budget()
     system_depth = system_queue_depth()
     while True:
         plan = plan_queue_depths(budget, specs, system_max_depth=system_depth)  # raises when nothing fits
         created: list[Queue] = []
         try:
-            created.append(create_queue(names.request_queue, worker_decoder, plan.depths["request"],
-                                        MAX_MESSAGE_BYTES))
+            for i, spec in enumerate(request_specs):
+                created.append(create_queue(names.model_request_queue(i), worker_decoder, plan.depths[spec.role],
+                                            MAX_MESSAGE_BYTES))
             for k in range(n_frontends):
                 created.append(create_queue(names.reply_queue(k), gateway_decoder, plan.depths["reply"],
                                             REPLY_MESSAGE_BYTES))
@@ -250,7 +287,8 @@ def _create_queues(names: InstanceNames, n_frontends: int, n_workers: int, queue
 
 
 def _unlink_queues(names: InstanceNames, n_frontends: int, n_workers: int) -> None:
-    unlink_queue(names.request_queue)
+    for i in range(MAX_MODELS):  # every model's request queue that may exist (unlinking a missing one is a no-op)
+        unlink_queue(names.model_request_queue(i))
     for k in range(n_frontends):
         unlink_queue(names.reply_queue(k))
     for w in range(n_workers):
@@ -324,7 +362,7 @@ class LiveInstance:
     instance_id: str
     label: str
     supervisor_pid: int
-    model: str  # '' when the gateway did not record it, or the instance is of another layout version
+    model: str  # '' when the gateway did not record it, or the instance is of another layout version; several: comma list
 
 
 def live_instances(dead_after_s: float = DEAD_AFTER_S) -> list[LiveInstance]:
@@ -346,7 +384,7 @@ def live_instances(dead_after_s: float = DEAD_AFTER_S) -> list[LiveInstance]:
         except SetupError:
             pass
         else:
-            label, model = segment.label, segment.served_model
+            label, model = segment.label, ",".join(segment.served_models)
             segment.close()
         found.append((peek.created_ns, LiveInstance(instance_id, label, peek.supervisor_pid, model)))
     return [live for _, live in sorted(found, key=lambda pair: pair[0])]

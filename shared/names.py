@@ -66,6 +66,10 @@ class InstanceNames:
     def request_queue(self) -> str:
         return f"/{PREFIX}.{self.instance_id}.req"
 
+    def model_request_queue(self, model_index: int) -> str:
+        """The request queue of the gateway's ``model_index``-th model (the first keeps the one-model name)."""
+        return self.request_queue if model_index == 0 else f"{self.request_queue}{model_index}"
+
     def reply_queue(self, frontend_slot: int) -> str:
         return f"/{PREFIX}.{self.instance_id}.rep{frontend_slot}"
 

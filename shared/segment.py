@@ -4,7 +4,8 @@ Layout (every region 64-byte aligned, data partitions 4 KiB aligned):
 
     0        header          magic, versions, sizes, label, supervisor heartbeat
     512      lock records    who holds each semaphore (one record per lock)
-    1024     frontend slots  one row per frontend: epoch, pid, heartbeat, state, generation counter
+    1024     model table     the declared models: public id, stall timeout, state (one row per model)
+    ...      frontend slots  one row per frontend: epoch, pid, heartbeat, state, generation counter
     ...      worker slots    one row per worker: epoch, pid, heartbeat, state, model
     ...      stats           one row of u64 counters per frontend (metrics any frontend can sum; shared/stats_layout.py)
     ...      cache index     open-addressing table (shared/cache_index.py)
@@ -36,13 +37,15 @@ import posix_ipc
 from shared.cache_index import ENTRY
 from shared.errors import SetupError
 from shared.names import IPC_MODE, InstanceNames, check_shm_space
-from shared.stats_layout import BATCH_BUCKETS, STATS_WORDS
+from shared.stats_layout import BATCH_BUCKETS, MODEL_SLOTS, STATS_WORDS
 from shared.vocabulary import HEARTBEAT_INTERVAL_S, MODEL_NAME_BYTES, InstanceState, SlotState, now_ns
 from shared.wire import WIRE_VERSION
 
 __all__ = [
     "Heartbeat",
     "HeaderPeek",
+    "MAX_MODELS",
+    "ModelState",
     "Segment",
     "own_pidns",
     "peek_header",
@@ -58,7 +61,8 @@ MAGIC = int.from_bytes(b"SHMGATE1", "little")
 # 2: slot rows carry ``preparing`` and the worker batch-size counters
 # 3: slot rows carry ``progress_ns`` and ``stalls``; ``model`` widened to MODEL_NAME_BYTES
 # 4: stats rows of 256 words (the per-stage latency histograms, gateway/stages.py)
-LAYOUT_VERSION = 4
+# 5: a table of the declared models (several models on one node) replaces the header's one ``model``
+LAYOUT_VERSION = 5
 ALIGN = 64
 PAGE = 4096
 
@@ -87,9 +91,9 @@ HEADER = np.dtype(
         # set by the supervisor: a READY worker whose progress_ns is older than this is stalled
         # (not counted ready; the supervisor replaces it). 0: stall detection off.
         ("stall_timeout_ns", "<u8"),
-        # set by the gateway: the public id of the model it serves, so a worker started with another
-        # model refuses to attach. Empty (all zeros, as in segments created before it existed): unknown.
-        ("model", f"S{MODEL_NAME_BYTES}"),
+        # set by the gateway: how many rows of the model table (MODEL_ROW) it declared; a worker whose
+        # model is not among them refuses to attach. 0: unknown, any worker may attach.
+        ("n_models", "<u8"),
         # set by a worker that refused to attach because it serves another model, so the gateway's own
         # log says so too (the worker's log may be in another container): how many, and the last one's model
         ("refused_workers", "<u8"),
@@ -133,6 +137,26 @@ SLOT = np.dtype(
 
 N_LOCKS = 3  # index, repair, table
 
+# The models one gateway serves: each has its own request queue (shared/instance.py), its own
+# workers and, here, the facts every process of the node reads about it.
+MAX_MODELS = MODEL_SLOTS  # each row has its words in the frontends' stats rows (per-model metrics)
+MODEL_ROW = np.dtype(
+    [
+        ("name", f"S{MODEL_NAME_BYTES}"),  # the public id clients send as ``model``
+        # a READY worker of this model whose progress_ns is older than this is stalled; 0: the header's
+        ("stall_timeout_ns", "<u8"),
+        ("state", "<u8"),  # ModelState, written by the supervisor: 0 serving as its workers allow, 1 failed
+    ]
+)
+MODELS_OFFSET = 1024
+
+
+class ModelState(enum.IntEnum):
+    """What the supervisor says of a model; ready/loading/draining are read off its workers and the instance."""
+
+    SERVING = 0
+    FAILED = 1  # its workers died beyond their restart budget; the others keep serving
+
 
 class LockId(enum.IntEnum):
     INDEX = 0
@@ -171,7 +195,7 @@ class Layout:
 
     @cached_property
     def frontend_offset(self) -> int:
-        return 1024
+        return _align(MODELS_OFFSET + MAX_MODELS * MODEL_ROW.itemsize, ALIGN)
 
     @cached_property
     def worker_offset(self) -> int:
@@ -229,6 +253,7 @@ class Segment:
             arena_size=int(h["partition_size"]) * int(h["n_frontends"]),
         )
         self.locks = np.frombuffer(mm, LOCK_RECORD, N_LOCKS, 512)
+        self.models = np.frombuffer(mm, MODEL_ROW, MAX_MODELS, MODELS_OFFSET)
         self.frontends = np.frombuffer(mm, SLOT, self.layout.n_frontends, self.layout.frontend_offset)
         self.workers = np.frombuffer(mm, SLOT, self.layout.n_workers, self.layout.worker_offset)
         self.stats = np.frombuffer(
@@ -300,7 +325,7 @@ class Segment:
 
     def close(self) -> None:
         """Unmap. Views handed out earlier must not be used afterwards."""
-        for attr in ("header", "locks", "frontends", "workers", "stats", "buf"):
+        for attr in ("header", "locks", "models", "frontends", "workers", "stats", "buf"):
             self.__dict__.pop(attr, None)
         try:
             self.mm.close()
@@ -333,8 +358,44 @@ class Segment:
 
     @property
     def served_model(self) -> str:
-        """The public id of the model the gateway serves ('' when it did not say)."""
-        return bytes(self.header[0]["model"]).decode(errors="replace")
+        """The public id of the first model the gateway serves ('' when it did not say)."""
+        served = self.served_models
+        return served[0] if served else ""
+
+    @property
+    def served_models(self) -> list[str]:
+        """The public ids of the models the gateway declared, in order (a model's index names its queue)."""
+        n = min(int(self.header[0]["n_models"]), MAX_MODELS)
+        return [bytes(self.models[i]["name"]).decode(errors="replace") for i in range(n)]
+
+    def declare_models(self, models: list[tuple[str, float]]) -> None:
+        """Write the model table (owner, before any worker can attach): (public id, stall timeout s; 0: the
+        instance's) per model. Raises SetupError for too many models or a repeated id."""
+        names = [name for name, _ in models]
+        if len(models) > MAX_MODELS:
+            raise SetupError(f"{len(models)} models declared; one gateway serves at most {MAX_MODELS}")
+        if len(set(names)) != len(names):
+            twice = sorted({n for n in names if names.count(n) > 1})
+            raise SetupError(f"model id {twice[0]!r} is declared twice; give each model its own served name")
+        for i, (name, stall_s) in enumerate(models):
+            row = self.models[i]
+            row["name"] = name.encode()[:MODEL_NAME_BYTES]
+            row["stall_timeout_ns"] = int(stall_s * 1e9)
+            row["state"] = ModelState.SERVING
+        self.header[0]["n_models"] = len(models)
+
+    def model_index(self, name: str) -> int:
+        """The row (and request queue) of model ``name``: 0 when the gateway declared none, -1 when not declared."""
+        served = self.served_models
+        if not served:
+            return 0
+        return served.index(name) if name in served else -1
+
+    def model_state(self, index: int) -> ModelState:
+        return ModelState(int(self.models[index]["state"]))
+
+    def mark_model(self, index: int, state: ModelState) -> None:
+        self.models[index]["state"] = state
 
     def note_refused_worker(self, model: str) -> None:
         """A worker serving ``model`` refused to attach (two at once may count as one: a log hint, not a metric)."""
@@ -355,11 +416,15 @@ class Segment:
 
     def stalled(self, table: np.ndarray, slot: int) -> bool:
         """Is the process in ``table[slot]`` serving but its work loop not turning?"""
-        timeout = self.stall_timeout_s
+        timeout_ns = int(self.header[0]["stall_timeout_ns"])
         row = table[slot]
-        if timeout is None or int(row["state"]) != SlotState.READY:
+        if table is self.workers and int(self.header[0]["n_models"]):
+            index = self.model_index(bytes(row["model"]).decode(errors="replace"))
+            if index >= 0 and int(self.models[index]["stall_timeout_ns"]):
+                timeout_ns = int(self.models[index]["stall_timeout_ns"])  # this model's own
+        if not timeout_ns or int(row["state"]) != SlotState.READY:
             return False
-        return now_ns() - int(row["progress_ns"]) > int(timeout * 1e9)
+        return now_ns() - int(row["progress_ns"]) > timeout_ns
 
     @property
     def label(self) -> str:

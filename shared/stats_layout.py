@@ -18,6 +18,7 @@ from shared.stages import Stage
 
 __all__ = [
     "BATCH_BUCKETS",
+    "MODEL_SLOTS",
     "REQUEST_BUCKETS_S",
     "REQUEST_HISTOGRAM_WORDS",
     "STAGE_BASE",
@@ -33,6 +34,9 @@ __all__ = [
 ]
 
 STATS_WORDS = 256  # u64 words per frontend row; the segment's layout version changes with it
+# Per-model words: one per row of the segment's model table (shared/segment.py MAX_MODELS), so a
+# per-model metric's labels are bounded by the declared models.
+MODEL_SLOTS = 8
 
 # The request latency and time-to-first-token histograms: their upper bounds, one word each, then +Inf.
 REQUEST_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -64,6 +68,8 @@ class Counter(enum.IntEnum):
     IN_FLIGHT = 62  # requests being served; the supervisor's drain waits for it to reach 0
     ARENA_HELD_BYTES = 63  # arena bytes pinned by requests in flight (0 when idle)
     CANCELLED_TOKENS = 64  # completion tokens workers generated for requests whose client had gone
+    MODEL_ADMITTED = 65  # MODEL_SLOTS words: 65 .. 72, requests admitted for model-table row i
+    MODEL_OVERLOADED = 73  # MODEL_SLOTS words: 73 .. 80, refused 429/503 (its in-flight bound, no worker, queue full)
     # The result cache (gateway/result_cache.py)
     RESULT_CACHE_HITS = 100
     RESULT_CACHE_MISSES = 101
@@ -72,6 +78,7 @@ class Counter(enum.IntEnum):
 
 
 _HISTOGRAM_STARTS = (Counter.LATENCY_BUCKETS, Counter.TTFT_BUCKETS)
+_MODEL_STARTS = (Counter.MODEL_ADMITTED, Counter.MODEL_OVERLOADED)
 
 # The per-stage latency histograms (gateway/stages.py): one block of STAGE_WORDS per Stage, in
 # Stage order from STAGE_BASE. A block holds the buckets, +Inf, the sum in µs and the count.
@@ -103,7 +110,8 @@ class Span(NamedTuple):
 
 def spans() -> tuple[Span, ...]:
     """Every entry of the row with the words it takes, in index order."""
-    entries = [Span(name, int(c), REQUEST_HISTOGRAM_WORDS if c in _HISTOGRAM_STARTS else 1)
+    entries = [Span(name, int(c), REQUEST_HISTOGRAM_WORDS if c in _HISTOGRAM_STARTS else
+                    MODEL_SLOTS if c in _MODEL_STARTS else 1)
                for name, c in Counter.__members__.items()]  # aliases included: each is an entry
     entries += [Span(f"stage {s.name}", stage_base(s), STAGE_WORDS) for s in Stage]
     return tuple(sorted(entries, key=lambda span: span.first))

@@ -95,6 +95,10 @@ class ChildProcess:
     became_ready: bool = False  # this run reached READY in its slot row
     early_deaths: int = 0  # runs in a row that died before becoming ready
     last_stderr: str = ""  # the last non-empty line the current (or last) run wrote to stderr
+    model: str = ""  # workers: the public id of the model it serves (several models on one node)
+    ever_ready: bool = False  # some run of this child reached READY
+    deaths: list[float] = field(default_factory=list)  # when its ready runs died, within the restart window
+    given_up: bool = False  # died beyond the restart budget: not restarted again
     _stderr_pump: threading.Thread | None = None
 
     def start(self) -> None:
@@ -186,6 +190,13 @@ class Supervisor:
     # Called after each check of the children, in the supervisor's loop (gateway/startup_log.py:
     # "ready in N s" and the statistics line); it must return quickly.
     on_tick: Callable[[], None] | None = None
+    # A worker that was ready and dies more than ``restart_budget`` times within ``restart_window_s`` is
+    # not restarted again; when every worker of its model is given up, ``on_model_failed(model)`` marks
+    # the model failed (its clients get 503, /v1/models says so) while the other models keep serving.
+    # 0: restart for ever (one model: nothing else could serve meanwhile).
+    restart_budget: int = 0
+    restart_window_s: float = 300.0
+    on_model_failed: Callable[[str], None] | None = None
     _signals: list[int] = field(default_factory=list)
     _force: bool = False
     _fatal: str = ""
@@ -263,7 +274,7 @@ class Supervisor:
                 continue
             if child.is_alive():
                 if not child.became_ready and self._slot_state(child) == SlotState.READY:
-                    child.became_ready = True
+                    child.became_ready = child.ever_ready = True
                     child.early_deaths = 0
                     if child.role == "worker":
                         log.info("%s (pid %d) is ready in worker slot %s", child.name, child.pid,
@@ -323,30 +334,33 @@ class Supervisor:
         if self.instance is None:
             return  # the model check reads the POSIX header; an in-memory link has no other model
         seg = self.instance.segment
-        served = seg.served_model
+        served = seg.served_models
         if not served:
             return
+        named = " or ".join(repr(m) for m in served)
         refused, model = seg.refused_workers()
         if refused != self._refused_seen:
             self._refused_seen = refused
-            log.warning("a worker serving %r refused to attach: this gateway serves %r (%d refused so far); "
-                        "start workers with the gateway's --model and --served-model-name", model, served, refused)
+            log.warning("a worker serving %r refused to attach: this gateway serves %s (%d refused so far); "
+                        "start workers with the gateway's --model and --served-model-name", model, named, refused)
         for slot in seg.live_workers(DEAD_AFTER_S):
             row = seg.workers[slot]
             model = bytes(row["model"]).decode(errors="replace")
             key = (slot, int(row["epoch"]))
-            if model != served and key not in self._warned_models:
+            if model not in served and key not in self._warned_models:
                 self._warned_models.add(key)
-                log.warning("worker slot %d (pid %d) serves %r, not this gateway's %r: it gets no requests; "
-                            "start it with the gateway's --model", slot, int(row["pid"]), model, served)
+                log.warning("worker slot %d (pid %d) serves %r, not this gateway's %s: it gets no requests; "
+                            "start it with the gateway's --model", slot, int(row["pid"]), model, named)
 
     def _after_death(self, child: ChildProcess) -> None:
         assert child.process is not None
         code = child.process.returncode
         # A crash between two ticks leaves the row READY (or DRAINING): it was ready, too.
         if self._slot_state(child) in (SlotState.READY, SlotState.DRAINING):
-            child.became_ready = True
+            child.became_ready = child.ever_ready = True
         child.early_deaths = 0 if child.became_ready else child.early_deaths + 1
+        if self._beyond_budget(child):
+            return
         if child.early_deaths >= EARLY_DEATHS_FATAL:
             words = child.last_words()
             last = f": {words}" if words else ""
@@ -364,6 +378,29 @@ class Supervisor:
         backoff_s = self.restart_backoff_s * (2**child.failures) if child.failures else 0.0
         child.restart_at = time.monotonic() + min(30.0, backoff_s)
         child.process = None
+
+    def _beyond_budget(self, child: ChildProcess) -> bool:
+        """Give up a worker that served once and now dies beyond the restart budget; mark its model failed
+        when none of the model's workers is left. True when given up (not restarted)."""
+        if not self.restart_budget or child.role != "worker" or not child.ever_ready:
+            return False
+        now = time.monotonic()
+        child.deaths = [t for t in child.deaths if now - t < self.restart_window_s] + [now]
+        if len(child.deaths) <= self.restart_budget:
+            return False
+        assert child.process is not None
+        log.error("%s of model %r died %d times in %.0f s, beyond its restart budget of %d; not restarting it",
+                  child.name, child.model, len(child.deaths), self.restart_window_s, self.restart_budget)
+        self.link.mark_dead_by_pid(child.role, child.pid)
+        child.given_up = True
+        child.process = None
+        child.restart_at = float("inf")
+        if all(c.given_up for c in self.workers if c.model == child.model):
+            log.error("model %r failed: every worker of it died beyond its restart budget; the other models "
+                      "keep serving", child.model)
+            if self.on_model_failed is not None:
+                self.on_model_failed(child.model)
+        return True
 
     # -- shutdown -------------------------------------------------------------------
 

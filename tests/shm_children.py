@@ -30,7 +30,7 @@ from shared.errors import DescriptorError, StaleGeneration
 from shared.instance import Instance
 from shared.locks import HolderKind
 from shared.names import InstanceNames
-from shared.segment import Heartbeat, LockId, SlotState
+from shared.segment import MAX_MODELS, Heartbeat, LockId, SlotState
 from shared.wire import Cancel, Claimed, Released, Submit, TensorRef
 
 STOP_ID = 0  # a Cancel with this request id tells a stress reader to exit
@@ -59,7 +59,7 @@ def leftovers(instance_id: str, slots: int = 8) -> list[str]:
     """
     found = [entry for entry in os.listdir("/dev/shm") if instance_id in entry]
     names = InstanceNames(instance_id)
-    candidates = [names.request_queue] + [names.reply_queue(k) for k in range(slots)]
+    candidates = [names.model_request_queue(i) for i in range(MAX_MODELS)] + [names.reply_queue(k) for k in range(slots)]
     candidates += [names.control_queue(w) for w in range(slots)]
     for name in candidates:
         try:

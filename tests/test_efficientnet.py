@@ -165,11 +165,14 @@ def test_image_count_is_bounded() -> None:
     assert ChecksumPreprocessor().build_prompt([{"role": "user", "content": "hi"}], []).text == "hi"
 
 
-def test_cache_params_name_the_model_and_the_pipeline() -> None:
+def test_cache_params_name_the_pipeline_not_the_model() -> None:
+    """Two fixed-size models with one pipeline produce the same bytes: they share a decode on one node."""
     efficientnet, checksum = EfficientNetPreprocessor().cache_params(), ChecksumPreprocessor().cache_params()
-    assert efficientnet != checksum
-    assert b"efficientnet-lite0" in efficientnet and b"resize_shorter=256" in efficientnet and b"crop=224" in efficientnet
+    assert efficientnet == checksum
+    assert b"efficientnet-lite0" not in efficientnet
+    assert b"resize_shorter=256" in efficientnet and b"crop=224" in efficientnet
     assert EfficientNetPreprocessor(draft_margin=0).cache_params() != efficientnet
+    assert EfficientNetPreprocessor(crop_to=192).cache_params() != efficientnet
 
 
 @pytest.fixture

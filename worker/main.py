@@ -62,7 +62,7 @@ from shared.errors import (
     UnknownModel,
 )
 from shared.instance import Instance
-from shared.models import resolve_model
+from shared.models import parse_model_spec, resolve_model
 from shared.parent_death import follow_supervisor
 from shared.stages import Stamp, Stamps
 from shared.transport import PosixWorkerLink, WorkerLink
@@ -162,7 +162,8 @@ class Worker:
         self._cancels_read_at = 0.0
         self._cancel_lock = threading.Lock()
         self._device_error: BaseException | None = None
-        self.slot, self.epoch = link.claim(options.model)
+        # Claimed under the public id: the gateway's model table maps it to this model's request queue.
+        self.slot, self.epoch = link.claim(_public_id(options))
         # After the slot: with several GPUs visible, the slot picks one (worker/device.py pick_device).
         self.device = pick_device(options.device, self.slot, _visible_gpus(options.device))
         use_device(self.device)  # this thread's CUDA calls (model load, compute) go to that GPU only
@@ -556,6 +557,14 @@ class Worker:
                 self._cancelled.clear()  # cancels of requests that finished before they arrived
 
 
+def _public_id(options: WorkerOptions) -> str:
+    """The id this worker serves under, known before its backend loads (the spec's, or the served name)."""
+    try:
+        return parse_model_spec(options.model, options.served_model_name).public_id
+    except ValueError:
+        return options.model  # load_backend reports the unknown spec as the configuration error it is
+
+
 def _visible_gpus(device: str) -> int:
     """GPUs this process sees, counted only when a GPU was asked for (CPU workers never touch CUDA)."""
     return torch.cuda.device_count() if device.startswith("cuda") else 0
@@ -590,13 +599,14 @@ def run_worker(
     except SetupError as exc:
         log.error("%s", exc)
         return EXIT_USAGE
-    gateway_model = instance.segment.served_model
-    if gateway_model and gateway_model != spec.public_id:
+    gateway_models = instance.segment.served_models
+    if gateway_models and spec.public_id not in gateway_models:
         instance.segment.note_refused_worker(spec.public_id)  # the gateway logs it too
         instance.close()
+        served = ", ".join(repr(m) for m in gateway_models)
         return _configuration_error(
             f"this worker serves {spec.public_id!r} (--model {options.model}) but the gateway it attaches to "
-            f"(instance {instance_id}) serves {gateway_model!r}; start it with the gateway's --model "
+            f"(instance {instance_id}) serves {served}; start it with one of the gateway's --model "
             "(and --served-model-name), or attach it to another gateway with --label")
     try:
         worker = Worker(instance, options, diagnostics=diagnostics)

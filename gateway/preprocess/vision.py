@@ -87,9 +87,14 @@ class FixedSizePreprocessor(Preprocessor):
         return {} if self._embedding_draft_min == self._draft_min else {_DRAFT_MIN: self._embedding_draft_min}
 
     def cache_params(self) -> bytes:
-        """Everything that changes the output bytes: model, geometry, filter, draft, Pillow."""
+        """Everything that changes the output bytes: geometry, filter, draft, Pillow.
+
+        Not the model: every fixed-size model runs this one pipeline, so two models configured alike
+        (the classifier and the checksum model, or one model under two served names) produce the same
+        bytes and share one decode of a repeated image in the node's content cache.
+        """
         return (
-            f"vision/1 model={self.model} resize_shorter={self.resize_to} resample=bicubic "
+            f"vision/2 resize_shorter={self.resize_to} resample=bicubic "
             f"crop={self.crop_to} layout=CHW dtype=uint8 jpeg_draft_min={self._draft_min} "
             + (f"reducing_gap={self.reducing_gap} " if self.reducing_gap is not None else "")
             + f"pillow={PIL.__version__}"

@@ -46,8 +46,13 @@ class PosixFrontendLink:
         self.epoch = 0
         self._cache: ContentCache | None = None
         self._heartbeat: Heartbeat | None = None
-        self._requests = instance.request_queue()
-        self._sender = AsyncSender(self._requests)
+        # one request queue per declared model (a worker takes only its own model's requests)
+        served = self.segment.served_models
+        self._model_index = {model: i for i, model in enumerate(served)}
+        self._queues = [instance.request_queue(i) for i in range(max(1, len(served)))]
+        self._requests = self._queues[0]
+        self._senders = [AsyncSender(q) for q in self._queues]
+        self._sender = self._senders[0]
         self._replies = instance.reply_queue(slot)
         self._reader: AsyncQueueReader | None = None
         self._control: dict[int, Queue] = {}
@@ -103,10 +108,14 @@ class PosixFrontendLink:
         return seg.slot_alive(seg.workers, slot, DEAD_AFTER_S, epoch)
 
     async def send_request(self, submit: Submit, timeout_s: float) -> None:
-        await self._sender.send(submit, timeout_s)
+        await self._senders[self._model_index.get(submit.model, 0)].send(submit, timeout_s)
 
     def queue_depth(self) -> int:
-        return self._requests.current_messages()
+        return sum(q.current_messages() for q in self._queues)
+
+    def model_queue_depths(self) -> dict[str, int]:
+        """Descriptors waiting on each declared model's request queue (for /metrics, by model)."""
+        return {model: self._queues[i].current_messages() for model, i in self._model_index.items()}
 
     def start_replies(self, on_message: ReplyHandler, on_error: Callable[[BaseException], None]) -> None:
         while self._replies.try_receive() is not None:
@@ -121,7 +130,8 @@ class PosixFrontendLink:
     def stop_replies(self) -> None:
         if self._reader is not None:
             self._reader.stop()
-        self._sender.close()  # ends sends still waiting for room (shared/channels.py AsyncSender)
+        for sender in self._senders:
+            sender.close()  # ends sends still waiting for room (shared/channels.py AsyncSender)
 
     def send_cancel(self, worker_slot: int, cancel: Cancel) -> None:
         if worker_slot >= self.segment.layout.n_workers:
@@ -148,7 +158,8 @@ class PosixWorkerLink:
 
     def claim(self, model: str) -> tuple[int, int]:
         self.slot, self.epoch = self.instance.claim_worker_slot(model)
-        self._requests = self.instance.request_queue()
+        # its own model's request queue: 0 when the gateway declared no models (any worker attaches)
+        self._requests = self.instance.request_queue(max(0, self.segment.model_index(model)))
         self._control = self.instance.control_queue(self.slot)
         while self._control.try_receive() is not None:
             pass  # cancels addressed to this slot's previous owner
