@@ -21,6 +21,9 @@
 #     outside Docker (as by the OOM killer) must be restarted by `restart: unless-stopped`.
 #  5. `compose down`, then nothing of shmgate may be left in the gateway's IPC namespace (/dev/shm,
 #     /dev/mqueue), seen from a probe container that joined it.
+#  6. two models from one gateway (docker/compose.models.yaml: the classifier and the checksum model, a
+#     worker service each): up, /ready, both models under load at once (all must be ok), /v1/models lists
+#     both ready, then down with the same IPC check as 5.
 # Prints timings (build, up to /ready, down), the image size, and a last line `smoke: ok` or
 # `smoke: FAILED: <what>`; exits non-zero on failure.
 #
@@ -490,6 +493,37 @@ compose_down() {
     say "compose down in ${TIMES[down]} s; the gateway's IPC namespace is empty ($before shmgate objects before)"
 }
 
+# --- 6. two models from one gateway -----------------------------------------------------------------------
+
+models_ready() { [[ $(curl -fsS -m 5 "$URL/v1/models" | grep -o '"state":"ready"' | wc -l) == 2 ]]; }
+
+two_models() {
+    STEP="two models: compose up"
+    COMPOSE+=(-f docker/compose.models.yaml)  # from here on (and in on_exit) the override is part of the project
+    local started
+    started=$(now)
+    UP=1
+    "${COMPOSE[@]}" up -d --no-build > "$WORK/up-models.log" 2>&1 || { cat "$WORK/up-models.log"; fail "compose up"; }
+    STEP="two models: wait for /ready"
+    wait_for 180 "/ready 200 with two models" is_ready
+    wait_for 10 "/v1/models lists both models ready" models_ready
+    TIMES[models_ready]=$(elapsed "$started")
+    STEP="two models: load"
+    LOADTEST_TIMEOUT_S=30 bash docker/loadtest.sh "$URL" efficientnet-lite0 64 4 > "$WORK/load-classifier.txt" 2>&1 &
+    local classifier=$!
+    LOADTEST_TIMEOUT_S=30 bash docker/loadtest.sh "$URL" checksum 64 4 > "$WORK/load-checksum.txt" 2>&1 ||
+        { cat "$WORK/load-checksum.txt"; fail "docker/loadtest.sh checksum 64 4"; }
+    wait "$classifier" || { cat "$WORK/load-classifier.txt"; fail "docker/loadtest.sh efficientnet-lite0 64 4"; }
+    local model summary
+    for model in classifier checksum; do
+        summary=$(tail -n 1 "$WORK/load-$model.txt")
+        grep -q '^64 ok, 0 failed' <<< "$summary" || fail "two models, $model: $summary"
+        say "two models, $model (64 requests at concurrency 4, both at once): $summary"
+    done
+    say "two models: up to /ready in ${TIMES[models_ready]} s; /v1/models lists both ready"
+    compose_down
+}
+
 main() {
     local started
     started=$(now)
@@ -501,6 +535,7 @@ main() {
     kill_under_load
     crash_restart
     compose_down
+    two_models
     say "timings: build ${TIMES[build]} s, up to /ready ${TIMES[ready]} s, down ${TIMES[down]} s;" \
         "image ${TIMES[size]}; whole smoke $(elapsed "$started") s"
     STEP="done"

@@ -182,7 +182,7 @@ def test_env_example_documents_every_compose_variable() -> None:
             for item in node.values():
                 collect(item)
 
-    for path in (COMPOSE, COMPOSE_GPU, DOCKER / "compose.hf.yaml"):
+    for path in (COMPOSE, COMPOSE_GPU, DOCKER / "compose.hf.yaml", DOCKER / "compose.models.yaml"):
         document = yaml.safe_load(path.read_text(encoding="utf-8"))
         collect(document)
         for spec in document["services"].values():  # pass-through entries (no value)

@@ -23,8 +23,9 @@ from shared.names import parse_size
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "k8s"
-KUSTOMIZATIONS = ["base", "overlays/gpu", "overlays/hf", "overlays/keda", "overlays/single", "prometheus-adapter"]
-UNITS = ["base", "overlays/gpu", "overlays/hf", "overlays/keda", "overlays/single"]
+KUSTOMIZATIONS = ["base", "overlays/gpu", "overlays/hf", "overlays/keda", "overlays/models", "overlays/single",
+                  "prometheus-adapter"]
+UNITS = ["base", "overlays/gpu", "overlays/hf", "overlays/keda", "overlays/models", "overlays/single"]
 OLDEST, NEWEST = "1.25.0", "1.37.0"  # docs/DEPLOY.md names the same range
 CRD_KINDS = {("keda.sh/v1alpha1", "ScaledObject")}  # no schema in kubernetes-validate; checked below
 DSHM = "dshm"
@@ -121,7 +122,7 @@ def test_one_uid_one_image_one_label_and_model(path: str) -> None:
         assert {"configMapRef": {"name": c["envFrom"][0]["configMapRef"]["name"]}} == c["envFrom"][0]
         assert not {"SHMGATE_LABEL", "SHMGATE_MODEL"} & set(_env(c)), "label and model come from the ConfigMap"
     assert len({c["envFrom"][0]["configMapRef"]["name"] for c in containers}) == 1
-    [config] = [d for d in render(path) if d["kind"] == "ConfigMap"]
+    [config] = [d for d in render(path) if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("shmgate-unit")]
     assert {"SHMGATE_LABEL", "SHMGATE_MODEL"} <= set(config["data"])
 
 
@@ -212,6 +213,29 @@ def test_hf_overlay_mounts_the_model_read_only_at_one_path_in_every_container() 
         mounts.add(mount["mountPath"])
     assert len(mounts) == 1
     assert {c["image"] for c in spec["containers"]} == {"shmgate:cuda-hf"}  # built with SHMGATE_EXTRAS=hf
+
+
+def test_models_overlay_has_a_worker_container_for_every_declared_model(tmp_path: Path) -> None:
+    """The gateway declares the models in node.toml (read here by shmgate's own parser, so a key it no
+    longer takes fails here); each declared model has a worker container naming it, and no worker names
+    a model the gateway does not serve (it would refuse to attach)."""
+    from gateway.node_config import load_node_config
+
+    docs = render("overlays/models")
+    [models] = [d for d in docs if d["kind"] == "ConfigMap" and "node.toml" in d["data"]]
+    node_toml = tmp_path / "node.toml"
+    node_toml.write_text(models["data"]["node.toml"])
+    declared = sorted(config.public_id for config in load_node_config(str(node_toml)))
+    assert declared == ["checksum", "efficientnet-lite0"]
+    spec = _pod("overlays/models")["spec"]
+    gateway = _http_container({"spec": spec})
+    config_path = gateway["args"][gateway["args"].index("--config") + 1]
+    [mount] = [m for m in gateway["volumeMounts"] if m["name"] == "models-config"]
+    assert config_path == mount["mountPath"] + "/node.toml" and mount["readOnly"] is True
+    [volume] = [v for v in spec["volumes"] if v["name"] == "models-config"]
+    assert volume["configMap"]["name"] == models["metadata"]["name"]
+    served = sorted(w["args"][w["args"].index("--model") + 1] for w in _workers({"spec": spec}))
+    assert served == declared
 
 
 def test_single_overlay_is_one_serve_container_without_autoscaling() -> None:
