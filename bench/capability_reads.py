@@ -1,7 +1,7 @@
 """What a frontend pays per request to read its model's declared capabilities.
 
 Why: every chat request reads the preprocessor's capabilities in gateway/fields.py
-(``check_fields_for_model``: samples_tokens, vocab_size; ``set_image_options``: image_options). They are declared attributes and
+(``check_fields_for_model``: samples_tokens, vocab_size; ``with_image_options``: image_options). They are declared attributes and
 methods of ``Preprocessor`` (gateway/preprocess/base.py) rather than ``getattr`` probes with defaults;
 this measures the per-request cost of those reads for the two classifiers (one image, no options), the
 best of 5 runs, so a before/after pair can be compared on one machine. Run it from each checkout:
@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from gateway.fields import check_fields_for_model, set_image_options
+from gateway.fields import check_fields_for_model, with_image_options
 from gateway.intake import ChatRequest
 from gateway.preprocess.vision import ChecksumPreprocessor, EfficientNetPreprocessor, FixedSizePreprocessor
 from shared.wire import SamplingParams
@@ -31,7 +31,7 @@ def per_request_us(pre: FixedSizePreprocessor, iters: int) -> float:
         start = time.perf_counter()
         for _ in range(iters):
             check_fields_for_model(params, pre)
-            set_image_options(chat, pre)
+            with_image_options(chat, pre)
         best = min(best, (time.perf_counter() - start) / iters * 1e6)
     return best
 

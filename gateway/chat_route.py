@@ -17,7 +17,7 @@ from fastapi.responses import Response
 from gateway import tracing
 from gateway.choices import submit_choices
 from gateway.fetch import fetch_pending
-from gateway.fields import check_fields_for_model, set_image_options
+from gateway.fields import check_fields_for_model, with_image_options
 from gateway.frontend import Frontend
 from gateway.http_errors import count_error, error_response
 from gateway.intake import key_material, parse_chat_request
@@ -46,16 +46,16 @@ async def chat_completions(request: Request) -> Response:
         chat = parse_chat_request(body, options.intake)
         pre = f.preprocessor_for(chat.model)  # the model the request names (404 for one not served)
         check_fields_for_model(chat.params, pre, chat.n)
-        set_image_options(chat, pre)
+        chat = with_image_options(chat, pre)
         if not pre.serves_chat:
             raise InvalidRequest(f"{pre.model} is an embedding model; use POST /v1/embeddings",
                                  param="model")
         if chat.pending_urls:
             if tracing.spans is None:
-                await fetch_pending(chat, options.image_urls)
+                chat = await fetch_pending(chat, options.image_urls)
             else:
                 with tracing.spans.live("image_url_fetch", **{"shmgate.image_urls": len(chat.pending_urls)}):
-                    await fetch_pending(chat, options.image_urls)
+                    chat = await fetch_pending(chat, options.image_urls)
         key = None
         if results is not None:
             key = await keyed_off_the_loop(sum(len(key_material(i)) for i in chat.images),

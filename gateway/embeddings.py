@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -277,7 +278,7 @@ async def embeddings_route(request: Request) -> Response:
         f.stages.observe(Stage.BODY_READ, time.monotonic() - started)
         job = parse_embedding_request(body, options.intake, f.preprocessor_for)
         if job.chat.pending_urls:
-            await fetch_pending(job.chat, options.image_urls)
+            job = dataclasses.replace(job, chat=await fetch_pending(job.chat, options.image_urls))
         try:
             vectors, tokens = await embed(f, job, results, bypass_cache=bypass_cache(request),
                                           receive=request.receive)

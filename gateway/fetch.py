@@ -22,6 +22,7 @@ resolved to, so error text does not map a private network for the caller.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import ipaddress
 import socket
@@ -106,8 +107,8 @@ async def fetch_image(
 async def fetch_pending(
     chat: ChatRequest, policy: FetchPolicy, *, resolve: Resolver = resolve_host,
     ssl_context: ssl.SSLContext | None = None,
-) -> None:
-    """Fetch ``chat``'s image URLs concurrently into ``chat.images``; the first error wins.
+) -> ChatRequest:
+    """``chat`` with its image URLs fetched, concurrently, into its images; the first error wins.
 
     Called by the app between intake and submission, so fetched bytes take exactly the data
     URL path from there on. The other fetches are cancelled on the first failure, and all of
@@ -125,9 +126,10 @@ async def fetch_pending(
     for item, task in zip(pending, tasks):
         if not task.cancelled() and task.exception() is not None:
             raise _with_param(task.exception(), item)
+    images = list(chat.images)
     for item, task in zip(pending, tasks):
-        chat.images[item.index] = task.result()
-    chat.pending_urls = []
+        images[item.index] = task.result()
+    return dataclasses.replace(chat, images=images, pending_urls=[])
 
 
 def _with_param(exc: BaseException | None, item: PendingImageURL) -> BaseException:

@@ -17,12 +17,14 @@ served model cannot honour:
 
 from __future__ import annotations
 
+import dataclasses
+
 from gateway.intake import ChatRequest
 from gateway.preprocess.base import Preprocessor
 from shared.errors import InvalidRequest
 from shared.wire import SamplingParams
 
-__all__ = ["check_fields_for_model", "set_image_options"]
+__all__ = ["check_fields_for_model", "with_image_options"]
 
 
 def check_fields_for_model(params: SamplingParams, preprocessor: Preprocessor, n: int = 1) -> None:
@@ -50,8 +52,8 @@ def check_fields_for_model(params: SamplingParams, preprocessor: Preprocessor, n
                              param="stop_token_ids")
 
 
-def set_image_options(chat: ChatRequest, preprocessor: Preprocessor) -> None:
-    """Fill ``chat.image_options`` from each image's ``detail`` and the request's ``mm_processor_kwargs``.
+def with_image_options(chat: ChatRequest, preprocessor: Preprocessor) -> ChatRequest:
+    """``chat`` with ``image_options`` from each image's ``detail`` and the request's ``mm_processor_kwargs``.
 
     ``hf:`` models map them to image processor arguments (gateway/preprocess/hf.py ``image_options``);
     a classifier has one fixed input resolution, so ``detail`` has nothing to choose between (accepted,
@@ -59,4 +61,5 @@ def set_image_options(chat: ChatRequest, preprocessor: Preprocessor) -> None:
     """
     if not chat.image_details:  # no image to apply them to, but mm_processor_kwargs are checked all the same
         preprocessor.image_options(chat.processor_kwargs, None)
-    chat.image_options = [preprocessor.image_options(chat.processor_kwargs, detail) for detail in chat.image_details]
+    options = [preprocessor.image_options(chat.processor_kwargs, detail) for detail in chat.image_details]
+    return dataclasses.replace(chat, image_options=options)

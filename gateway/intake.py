@@ -262,7 +262,7 @@ def image_bytes(image: bytes | EncodedImage) -> bytes:
     return image.decode() if isinstance(image, EncodedImage) else image
 
 
-@dataclass
+@dataclass(frozen=True)
 class ChatRequest:
     model: str
     messages: list[dict[str, Any]]  # Hugging Face chat-template form; images as {"type": "image"}

@@ -20,7 +20,7 @@ import msgspec
 import numpy as np
 
 from gateway.fetch import FetchPolicy, fetch_pending
-from gateway.fields import set_image_options
+from gateway.fields import with_image_options
 from gateway.intake import (
     ChatCompletionRequest,
     ChatRequest,
@@ -86,9 +86,9 @@ async def tokenize(preprocessor_for: Callable[[str], Preprocessor], body: bytes,
     else:
         chat = chat_request_from(ChatCompletionRequest(model=req.model, messages=req.messages,
                                                        mm_processor_kwargs=req.mm_processor_kwargs), limits)
-        set_image_options(chat, pre)
+        chat = with_image_options(chat, pre)
         if chat.pending_urls:
-            await fetch_pending(chat, policy)
+            chat = await fetch_pending(chat, policy)
         tokens = await asyncio.to_thread(_chat_tokens, pre, chat, max_pixels)
     return {"count": len(tokens), "max_model_len": pre.max_prompt_tokens, "tokens": tokens}
 

@@ -9,6 +9,7 @@ tiny Qwen2-VL (tests/hf_fixture.py), token for token, alone and in a batch.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Iterator
@@ -22,7 +23,7 @@ pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from gateway.fields import check_fields_for_model, set_image_options  # noqa: E402
+from gateway.fields import check_fields_for_model, with_image_options  # noqa: E402
 from gateway.intake import IntakeLimits, parse_chat_request  # noqa: E402
 from gateway.preprocess.hf import HFPreprocessor  # noqa: E402
 from gateway.preprocess.vision import ChecksumPreprocessor  # noqa: E402
@@ -267,15 +268,24 @@ def test_processor_options_the_processor_does_not_take_are_refused(pre: HFPrepro
         HFPreprocessor(tiny_qwen2_vl_dir, processor_kwargs={"no_such_option": 1})
     chat = parse_chat_request(body(mm_processor_kwargs={"max_pixels": 1000}), LIMITS)
     with pytest.raises(InvalidRequest) as caught:
-        set_image_options(chat, ChecksumPreprocessor())
+        with_image_options(chat, ChecksumPreprocessor())
     assert caught.value.param == "mm_processor_kwargs"
     # A text-only request's mm_processor_kwargs are checked against the processor all the same.
     text_only = parse_chat_request(body(mm_processor_kwargs={"no_such_option": 1}), LIMITS)
     with pytest.raises(InvalidRequest) as caught:
-        set_image_options(text_only, pre)
+        with_image_options(text_only, pre)
     assert caught.value.param == "mm_processor_kwargs"
     bad_detail = {"model": "m", "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA", "detail": "medium"}}]}]}
     with pytest.raises(InvalidRequest) as caught:
         parse_chat_request(json.dumps(bad_detail).encode(), LIMITS)
     assert caught.value.param == "messages[0].content[0].image_url.detail"
+
+
+def test_a_parsed_request_is_a_value_the_later_steps_copy() -> None:
+    """Image options (and fetched URLs, gateway/fetch.py) give a new ChatRequest; the parsed one is unchanged."""
+    chat = parse_chat_request(body(mm_processor_kwargs=None), LIMITS)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        chat.n = 2  # type: ignore[misc]
+    optioned = with_image_options(chat, ChecksumPreprocessor())
+    assert optioned is not chat and chat.image_options == [] and len(optioned.image_options) == len(chat.images)
