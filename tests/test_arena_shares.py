@@ -19,7 +19,6 @@ from PIL import Image
 
 from gateway.images import ImageResolver
 from gateway.metrics import FrontendStats
-
 from shared.arena import Partition
 from shared.cache import ContentCache, ModelShare, block_bytes
 from shared.errors import ArenaFull
