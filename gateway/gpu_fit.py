@@ -28,6 +28,7 @@ workers there. Unverified on a GPU in this project's CI: the figures come from t
 from __future__ import annotations
 
 import json
+import logging
 import os
 import struct
 import subprocess
@@ -39,6 +40,8 @@ from typing import Any
 
 __all__ = ["CUDA_OVERHEAD_BYTES", "DTYPE_BYTES", "GpuNeed", "WorkerNeed", "checkpoint_parameters",
            "classifier_need", "cuda_free_bytes", "hf_need", "misfits", "placed_needs", "worker_need"]
+
+log = logging.getLogger("shmgate")
 
 GIB = 1 << 30
 # The CUDA context, cuBLAS workspaces and the caching allocator's slack, per worker process.
@@ -226,13 +229,18 @@ def worker_need(spec: str, *, dtype: str, max_batch_size: int) -> WorkerNeed:
 
 def placed_needs(models: Sequence[tuple[str, str, str, int, Sequence[str | None]]]) -> list[GpuNeed]:
     """Each (public id, spec, dtype, max batch size, each worker's GPU) as its need on each GPU it is
-    placed on; a worker whose GPU is not known here (None) is left out."""
+    placed on; a worker whose GPU is not known here (None) is left out, and so is a model whose files
+    cannot be sized (logged: an unreadable checkpoint is its worker's error to report, not a guess here)."""
     needs = []
     for public_id, spec, dtype, max_batch_size, gpus in models:
         placed = [g for g in gpus if g is not None]
         if not placed:
             continue
-        per_worker = worker_need(spec, dtype=dtype, max_batch_size=max_batch_size)
+        try:
+            per_worker = worker_need(spec, dtype=dtype, max_batch_size=max_batch_size)
+        except (OSError, ValueError, ImportError) as exc:  # the worker's own load says what is wrong, in full
+            log.warning("GPU memory check: cannot size model %r (%s); its GPU is checked without it", public_id, exc)
+            continue
         for gpu in sorted(set(placed)):
             needs.append(GpuNeed(public_id, gpu, placed.count(gpu), per_worker))
     return needs

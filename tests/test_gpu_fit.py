@@ -111,6 +111,17 @@ def test_serve_refuses_naming_the_model_the_gpu_and_the_bytes(
     assert cli.gpu_misfits(cpu, free={"0": 0}) == []
 
 
+def test_a_checkpoint_that_cannot_be_sized_is_left_to_its_worker(tmp_path: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_vl"}))  # no weights
+    fits = GpuNeed("classifier", "0", 1, WorkerNeed(weights=1 << 30, activations=0))
+    needs = gpu_fit.placed_needs([("broken", f"hf:{tmp_path}", "auto", 0, ["0"]),
+                                  ("classifier", "efficientnet-lite0", "auto", 0, ["0"])])
+    assert [n.model for n in needs] == ["classifier"]
+    assert "cannot size model 'broken'" in caplog.text
+    assert misfits(needs, {"0": fits.total}) == []
+
+
 def test_cuda_free_bytes_on_a_gpu() -> None:
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
