@@ -43,6 +43,20 @@ def test_parameters_from_the_headers_match_the_tensors(tiny_vlm: Callable[[str],
     assert floats == _numel_by_loading(model_dir) > 0
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_weights_estimate_is_what_the_loaded_model_holds(tiny_vlm: Callable[[str], Path], dtype: str) -> None:
+    """The worker's own load (from_pretrained at the dtype, as worker/backends/hf.py does), on CPU: its
+    parameters take the bytes the estimate says (a GPU holds the same tensors)."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    model_dir = tiny_vlm("qwen2_vl")
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    need = hf_need(model_dir, dtype_bytes=gpu_fit.DTYPE_BYTES[dtype], max_batch_size=1, chat=True)
+    assert need.weights == held
+
+
 def test_a_directory_without_weights_is_refused(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="no \\*.safetensors"):
