@@ -173,9 +173,10 @@ def _patches_per_image(vision: Mapping[str, Any], model_dir: Path, asked: int | 
 
 
 def classifier_need(weights_file: str | Path, *, max_batch_size: int) -> WorkerNeed:
-    """The embedded classifier: its weights file as it is (float32) and its feature maps per image."""
-    return WorkerNeed(weights=Path(weights_file).stat().st_size,
-                      activations=(max_batch_size or CUDA_DEFAULT_BATCH) * _CLASSIFIER_ACTIVATION_BYTES)
+    """The embedded classifier: its weights file as it is (float32) and its feature maps per image of a pass,
+    which on CUDA is padded to a power of two of at least 8 images (worker/backends/efficientnet.py)."""
+    images = max(CUDA_DEFAULT_BATCH, 1 << max(0, (max_batch_size or CUDA_DEFAULT_BATCH) - 1).bit_length())
+    return WorkerNeed(weights=Path(weights_file).stat().st_size, activations=images * _CLASSIFIER_ACTIVATION_BYTES)
 
 
 def misfits(needs: Sequence[GpuNeed], free: Mapping[str, int]) -> list[str]:

@@ -96,6 +96,12 @@ def test_an_embedding_model_counts_its_vision_tower_per_image(tmp_path: Path) ->
     assert one.activations > 0 and eight.activations == 8 * one.activations
 
 
+def test_the_classifier_counts_the_padded_pass_its_cuda_worker_runs() -> None:
+    per_image = gpu_fit.classifier_need(__file__, max_batch_size=1).activations // 8  # padded to 8 images
+    assert [gpu_fit.classifier_need(__file__, max_batch_size=n).activations // per_image
+            for n in (0, 1, 8, 9, 16, 17)] == [8, 8, 8, 16, 16, 32]
+
+
 def test_models_sharing_a_gpu_that_fit_alone_but_not_together_are_named_with_their_needs() -> None:
     a = GpuNeed("classifier", "0", 1, WorkerNeed(weights=3 << 30, activations=1 << 30))
     b = GpuNeed("captioner", "0", 2, WorkerNeed(weights=4 << 30, activations=1 << 30))
