@@ -88,7 +88,12 @@ def checkpoint_parameters(model_dir: str | Path) -> tuple[int, int]:
     header-less read can give, count as float32. Raises ValueError when the directory has no weights."""
     directory = Path(model_dir)
     floats, other = 0, 0
-    files = sorted(directory.glob("*.safetensors"))
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():  # the shards it names: a directory may also hold a consolidated copy of the same weights
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
+        files = sorted({directory / name for name in weight_map.values()})
+    else:
+        files = sorted(directory.glob("*.safetensors"))
     for path in files:
         for name, entry in _safetensors_header(path).items():
             if name == "__metadata__":

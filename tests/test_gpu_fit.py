@@ -57,6 +57,23 @@ def test_the_weights_estimate_is_what_the_loaded_model_holds(tiny_vlm: Callable[
     assert need.weights == held
 
 
+def test_a_sharded_checkpoint_counts_the_shards_its_index_names_once(tiny_vlm: Callable[[str], Path],
+                                                                      tmp_path: Path) -> None:
+    """Shards named by model.safetensors.index.json, beside a consolidated copy of the same weights."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(tiny_vlm("qwen2_vl") / "model.safetensors"))
+    names = sorted(tensors)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for shard, keys in halves.items():
+        save_file({k: tensors[k] for k in keys}, str(tmp_path / shard))
+    save_file(tensors, str(tmp_path / "consolidated.safetensors"))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {k: shard for shard, keys in halves.items() for k in keys}}))
+    floats, _ = checkpoint_parameters(tmp_path)
+    assert floats == sum(t.numel() for t in tensors.values() if t.is_floating_point())
+
+
 def test_a_directory_without_weights_is_refused(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="no \\*.safetensors"):
