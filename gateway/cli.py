@@ -157,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as exc:
             print(f"shmgate serve: error: {exc}", file=sys.stderr)
             return EXIT_USAGE
+        misfit = [] if args.skip_gpu_fit_check else gpu_misfits(args)
+        if misfit:
+            print(f"shmgate serve: error: {misfit[0]} (--skip-gpu-fit-check starts anyway)", file=sys.stderr)
+            return EXIT_USAGE
     try:
         if args.command == "cleanup":
             return _cleanup(args)
@@ -274,6 +278,32 @@ def _model_plans(args: argparse.Namespace) -> list[tuple[ModelConfig, list[Place
                                                workers_per_gpu=model.workers_per_gpu or 1, gpu_ids=gpu_ids,
                                                cpu_workers=cpu_workers)))
     return plans
+
+
+def gpu_misfits(args: argparse.Namespace, free: Mapping[str, int] | None = None) -> list[str]:
+    """The GPUs whose declared models are estimated not to fit in their free memory (gateway/gpu_fit.py),
+    one line each; none without a GPU placement. ``free``: each GPU's free bytes (None: asked of CUDA)."""
+    from gateway.gpu_fit import PlacedModel, cuda_free_bytes, misfits, placed_needs
+
+    try:
+        plans = _model_plans(args)
+    except SetupError:
+        return []  # a placement that cannot work: _run_supervised says so
+    placed = [PlacedModel(m.public_id, m.model, m.dtype or "auto", m.max_batch_size or 0,
+                          tuple(p.visible for p in placements), _max_pixels(m.mm_processor_kwargs))
+              for m, placements in plans if any(p.visible is not None for p in placements)]
+    if not placed:
+        return []
+    needs = placed_needs(placed)
+    if free is None:
+        free = cuda_free_bytes(visible_gpus(os.environ, _gpu_count()))
+    return misfits(needs, free)
+
+
+def _max_pixels(kwargs: Mapping[str, object]) -> int | None:
+    """The pixel budget a model's processor kwargs set, where they set one as a number."""
+    value = kwargs.get("max_pixels")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _threads(args: argparse.Namespace, n_workers: int) -> int:

@@ -188,5 +188,7 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
              "this many times in 5 minutes is not restarted, and its model is failed once none of its workers "
              "is left (the others keep serving); 0: restart for ever (one model always is)", default="5",
              type=flag_types.non_negative_int)
+    add_flag(workers, "--skip-gpu-fit-check", "start even when the models placed on a GPU are estimated not to fit "
+             "in its free memory (docs/MODELS.md \"GPU memory at start-up\")", on_off=True)
     add_batching_flags(workers)
 

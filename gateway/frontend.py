@@ -181,6 +181,8 @@ class Frontend:
     def preprocessor_for(self, model: str) -> Preprocessor:
         """The preprocessor of the model a request names; UnknownModel (404) for one not served here."""
         pre = self.preprocessors.get(model)
+        if pre is not None:  # the request's outcome is this model's from here on (/metrics by model)
+            self.stats.serving_model(self._model_index[model])
         if pre is None:
             ids = list(self.preprocessors)
             send = f"send {ids[0]!r}" if len(ids) == 1 else "send one of " + ", ".join(repr(m) for m in ids)
@@ -199,17 +201,9 @@ class Frontend:
         """Admit, resolve images, build and send the descriptor. Raises ShmgateError."""
         pre = self.preprocessor_for(chat.model)
         model = pre.model
-        try:
-            self._admit(model)
-        except Overloaded:
-            self.stats.add_model(Counter.MODEL_OVERLOADED, self._model_index[model])
-            raise
+        self._admit(model)  # a refusal is counted by model with the request's outcome (FrontendStats.add)
         self.stats.add_model(Counter.MODEL_ADMITTED, self._model_index[model])
-        try:
-            return await self._dispatch(chat, pre)
-        except Overloaded:  # its queue stayed full: this model's workers are saturated
-            self.stats.add_model(Counter.MODEL_OVERLOADED, self._model_index[model])
-            raise
+        return await self._dispatch(chat, pre)
 
     def _admit(self, model: str) -> None:
         """Raise Overloaded (429/503, Retry-After) unless ``model`` may take one more request now."""

@@ -71,7 +71,9 @@ class ImageResolver:
         was given are scattered (tensors of different sizes, a cached image it hit in the middle of
         the partition). When nothing else is held, it is placed again from an emptied cache, one image
         after another: first-fit then packs its blocks from the bottom, so it fits. Only space held by
-        other requests in flight leaves the 503 arena_full (with Retry-After).
+        other requests in flight leaves the 503 arena_full (with Retry-After). With arena shares the
+        cache is a model's view (shared/cache.py ``ModelShare``), whose emptying spares what another model
+        keeps within its share: a request that fits only without those images gets the 503 too.
         Groups acquired before a failure are still appended, so the caller releases them.
         ``options``: each image's processor arguments (gateway/fields.py), part of its cache key.
         """

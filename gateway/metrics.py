@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from typing import NamedTuple
 
 import numpy as np
@@ -24,12 +25,27 @@ from prometheus_client.registry import CollectorRegistry
 from gateway.result_cache import ResultCacheStats
 from gateway.stages import stage_histogram
 from shared.flags import version
-from shared.stats_layout import BATCH_BUCKETS, MODEL_SLOTS, REQUEST_BUCKETS_S, Counter
+from shared.stats_layout import BATCH_BUCKETS, MODEL_SLOTS, REQUEST_BUCKETS_S, STATS_WORDS, Counter
 from shared.transport.base import NodeStats
 
 # Counter (which word of the row holds what) is defined with the rest of the row's layout in
 # shared/stats_layout.py; the gateway's modules import it from here.
 __all__ = ["Counter", "FrontendStats", "ModelGauges", "NodeCollector", "exposition", "render"]
+
+
+# The model-table row of the request this asyncio task serves (-1: none named yet). A request's outcome is
+# counted where its reply is written (gateway/render.py, gateway/embeddings.py, the routes), far from where
+# its model was resolved; a context variable carries the model between them without threading an index
+# through every counting call. Each request runs in its own task, and the tasks it starts copy it.
+_request_model: ContextVar[int] = ContextVar("shmgate_request_model", default=-1)
+# An outcome counter and the per-model block that counts the same outcome by model; as a list by word, because
+# an IntEnum's hash runs in Python (a dict lookup here cost more than the word it guards).
+_OUTCOME_BLOCKS = {Counter.REQUESTS_OK: Counter.MODEL_OK, Counter.REQUESTS_CLIENT_ERROR: Counter.MODEL_ERROR,
+                   Counter.REQUESTS_SERVER_ERROR: Counter.MODEL_ERROR,
+                   Counter.REQUESTS_OVERLOADED: Counter.MODEL_OVERLOADED, Counter.CANCELLED: Counter.MODEL_CANCELLED}
+_BY_MODEL: list[int] = [-1] * STATS_WORDS
+for _outcome, _block in _OUTCOME_BLOCKS.items():
+    _BY_MODEL[_outcome] = _block
 
 
 class FrontendStats:
@@ -41,7 +57,19 @@ class FrontendStats:
         self._result_cache_seen = (0, 0, 0)
 
     def add(self, counter: Counter, value: int = 1) -> None:
+        """Count ``value`` at ``counter``; a request outcome also at its model's row once the request named one
+        (``serving_model``)."""
         self._row[counter] += value
+        by_model = _BY_MODEL[counter]
+        if by_model >= 0 and (model := _request_model.get()) >= 0:
+            self._row[by_model + model] += value
+
+    @staticmethod
+    def serving_model(model_index: int) -> None:
+        """The request of the current task is for model-table row ``model_index``: its outcome is counted by
+        model from now on (module-level ``_request_model``: why a context variable)."""
+        if 0 <= model_index < MODEL_SLOTS:
+            _request_model.set(model_index)
 
     def set(self, counter: Counter, value: int) -> None:
         self._row[counter] = value
@@ -184,16 +212,19 @@ def _latency_histogram(name: str, help_text: str, total: np.ndarray, buckets: in
 
 
 def _model_metrics(total: np.ndarray, models: list[ModelGauges]) -> Iterator[Metric]:
-    """The per-model series: requests admitted and refused, queue depth and ready workers, by ``model``."""
-    requests = CounterMetricFamily("shmgate_model_requests_total", "Requests per model: admitted, or refused "
-                                   "with 429/503 (its in-flight bound, no worker, its queue full).",
+    """The per-model series: requests admitted and their outcomes, queue depth and ready workers, by ``model``."""
+    requests = CounterMetricFamily("shmgate_model_requests_total", "Requests per model: admitted; and how each that "
+                                   "named the model ended: ok, error (4xx/5xx but 429/503), overloaded (429/503: its "
+                                   "in-flight bound, no worker, its queue full, the arena), cancelled (client gone).",
                                    labels=["model", "outcome"])
     queue = GaugeMetricFamily("shmgate_model_queue_depth", "Descriptors waiting on the model's request queue.",
                               labels=["model"])
     ready = GaugeMetricFamily("shmgate_model_workers_ready", "The model's workers serving.", labels=["model"])
     for i, m in enumerate(models[:MODEL_SLOTS]):
         requests.add_metric([m.model, "admitted"], int(total[Counter.MODEL_ADMITTED + i]))
-        requests.add_metric([m.model, "overloaded"], int(total[Counter.MODEL_OVERLOADED + i]))
+        for outcome, base in (("ok", Counter.MODEL_OK), ("error", Counter.MODEL_ERROR),
+                              ("overloaded", Counter.MODEL_OVERLOADED), ("cancelled", Counter.MODEL_CANCELLED)):
+            requests.add_metric([m.model, outcome], int(total[base + i]))
         queue.add_metric([m.model], m.queue_depth)
         ready.add_metric([m.model], m.workers_ready)
     yield from (requests, queue, ready)

@@ -112,14 +112,32 @@ _EMBEDDINGS = {
         "usage": {"type": "object"},
     },
 }
+_MODEL_STATES = ["loading", "ready", "failed", "draining"]  # gateway/app.py model_state
+_MODEL_CARD = {
+    "type": "object",
+    "required": ["id", "object", "owned_by", "state", "capabilities"],
+    "properties": {
+        "id": {"type": "string"}, "object": {"const": "model"}, "owned_by": {"type": "string"},
+        "state": {"enum": _MODEL_STATES},
+        "capabilities": {"type": "object", "required": ["chat", "embeddings", "tokenize", "max_model_len"],
+                         "properties": {"chat": {"type": "boolean"}, "embeddings": {"type": "boolean"},
+                                        "tokenize": {"type": "boolean"},
+                                        "max_model_len": {"type": ["integer", "null"]}}},
+    },
+}
+_MODEL_READY = {"type": "object", "required": ["status", "model"],
+                "properties": {"status": {"enum": ["ready", "not ready"]}, "model": {"type": "string"},
+                               "state": {"enum": _MODEL_STATES}}}
+# A served model's id as a path parameter: ids may hold a slash (``org/name``).
+_MODEL_PARAMETER = {"name": "model", "in": "path", "required": True,
+                    "description": "a served model's id (GET /v1/models lists them); it may hold a slash",
+                    "schema": {"type": "string", "minLength": 1}}
 _MODELS = {
     "type": "object",
     "required": ["object", "data"],
     "properties": {
         "object": {"const": "list"},
-        "data": {"type": "array", "items": {"type": "object", "required": ["id", "object", "owned_by"],
-                                            "properties": {"id": {"type": "string"}, "object": {"const": "model"},
-                                                           "owned_by": {"type": "string"}}}},
+        "data": {"type": "array", "items": _MODEL_CARD},
     },
 }
 _TOKENS = {
@@ -157,8 +175,27 @@ def _get(operation_id: str, ok: dict[str, Any], summary: str, *errors: int) -> d
 
 def _ready() -> dict[str, Any]:
     """``/ready`` answers a probe, not a client: its 503 is ``{"status": "not ready"}``, as its 200 is."""
-    path = _get("ready", _json(_STATUS, "a worker serves the model"), "readiness")
-    path["get"]["responses"]["503"] = _json(_STATUS, "no worker serves the model yet, or draining")
+    path = _get("ready", _json(_STATUS, "every model has a worker serving it"), "readiness", 404)
+    path["get"]["parameters"] = [{"name": "model", "in": "query", "required": False,
+                                  "description": "one model's readiness instead (as /ready/{model})",
+                                  "schema": {"type": "string"}}]
+    path["get"]["responses"]["503"] = _json(_STATUS, "a model has no worker serving it yet, or draining")
+    return path
+
+
+def _model_ready() -> dict[str, Any]:
+    """``/ready/{model}``: one model's readiness, for a probe that gates that model's traffic; a model not
+    served is the usual 404 error object."""
+    path = _get("model_ready", _json(_MODEL_READY, "a worker serves this model"), "one model's readiness", 404)
+    path["get"]["parameters"] = [_MODEL_PARAMETER]
+    path["get"]["responses"]["503"] = _json(_MODEL_READY, "no worker serves this model yet, it failed, or draining")
+    return path
+
+
+def _model() -> dict[str, Any]:
+    """``/v1/models/{model}``: one model's entry (``client.models.retrieve``)."""
+    path = _get("model", _json(_MODEL_CARD, "the model, its state and capabilities"), "one served model", 401, 404)
+    path["get"]["parameters"] = [_MODEL_PARAMETER]
     return path
 
 
@@ -184,9 +221,11 @@ def openapi_document() -> dict[str, Any]:
                                "vLLM's tokenize: token ids of a chat request, images expanded"),
             "/detokenize": _post("detokenize", detokenize["$ref"], _json({"type": "object"}, "the text"),
                                  "vLLM's detokenize"),
-            "/v1/models": _get("models", _json(_MODELS, "the served model"), "the served model", 401),
+            "/v1/models": _get("models", _json(_MODELS, "the served models"), "the served models", 401),
+            "/v1/models/{model}": _model(),
             "/health": _get("health", _json(_STATUS, "this process is up"), "liveness"),
             "/ready": _ready(),
+            "/ready/{model}": _model_ready(),
             "/metrics": _get("metrics", {"description": "Prometheus text or OpenMetrics", "content": {
                 "text/plain": {"schema": text}, "application/openmetrics-text": {"schema": text}}},
                 "Prometheus metrics of the whole node", 401),

@@ -288,9 +288,22 @@ class ContentCache:
                 return group
         return None
 
-    def _evict_one(self, owner: int = -1, need: int = 0) -> bool:
+    def _clearable(self, owner: int) -> TensorGroup | None:
+        """The next group ``owner`` may evict when it empties the cache to pack a request (caller holds the
+        mutex): its own, and those of models without a share or beyond theirs; never what another model
+        keeps within its share, however fragmented the partition."""
+        for group in self._evictable.values():
+            other = self._owner.get(id(group), -1)
+            if other == owner or other not in self._shares or self._owned[other] > self._shares[other]:
+                return group
+        return None
+
+    def _evict_one(self, owner: int = -1, need: int = 0, *, clearing: bool = False) -> bool:
         with self._mutex:
-            group_or_none = self._victim(owner, need) if owner >= 0 else next(iter(self._evictable.values()), None)
+            if owner < 0 or not self._shares:
+                group_or_none = next(iter(self._evictable.values()), None)
+            else:
+                group_or_none = self._clearable(owner) if clearing else self._victim(owner, need)
             if group_or_none is None:
                 return False
             group = group_or_none
@@ -331,9 +344,11 @@ class ContentCache:
     def evictable_count(self) -> int:
         return len(self._evictable)
 
-    def clear(self) -> None:
-        """Evict everything unheld (used by tests and shutdown)."""
-        while self._evict_one():
+    def clear(self, owner: int = -1) -> None:
+        """Evict everything unheld (tests, shutdown, and the resolver's pack-from-empty retry,
+        gateway/images.py). ``owner``: a model-table row, with shares: only what that model may evict
+        (``_clearable``), so one model's retry under fragmentation cannot empty another's share."""
+        while self._evict_one(owner, clearing=True):
             pass
 
 
@@ -374,7 +389,8 @@ class ModelShare:
         return self.cache.footprint(group)
 
     def clear(self) -> None:
-        self.cache.clear()
+        """Empty what this model may evict: its own images and unprotected ones, not another's share."""
+        self.cache.clear(owner=self.owner)
 
 
 def block_bytes(nbytes: int) -> int:

@@ -70,6 +70,9 @@ class Counter(enum.IntEnum):
     CANCELLED_TOKENS = 64  # completion tokens workers generated for requests whose client had gone
     MODEL_ADMITTED = 65  # MODEL_SLOTS words: 65 .. 72, requests admitted for model-table row i
     MODEL_OVERLOADED = 73  # MODEL_SLOTS words: 73 .. 80, refused 429/503 (its in-flight bound, no worker, queue full)
+    MODEL_OK = 81  # MODEL_SLOTS words: 81 .. 88, answered
+    MODEL_ERROR = 89  # MODEL_SLOTS words: 89 .. 96, ended in a 4xx (but 429) or a 5xx (but 503)
+    MODEL_CANCELLED = 45  # MODEL_SLOTS words: 45 .. 52, the client went away
     # The result cache (gateway/result_cache.py)
     RESULT_CACHE_HITS = 100
     RESULT_CACHE_MISSES = 101
@@ -78,7 +81,8 @@ class Counter(enum.IntEnum):
 
 
 _HISTOGRAM_STARTS = (Counter.LATENCY_BUCKETS, Counter.TTFT_BUCKETS)
-_MODEL_STARTS = (Counter.MODEL_ADMITTED, Counter.MODEL_OVERLOADED)
+_MODEL_STARTS = (Counter.MODEL_ADMITTED, Counter.MODEL_OVERLOADED, Counter.MODEL_OK, Counter.MODEL_ERROR,
+                 Counter.MODEL_CANCELLED)
 
 # The per-stage latency histograms (gateway/stages.py): one block of STAGE_WORDS per Stage, in
 # Stage order from STAGE_BASE. A block holds the buckets, +Inf, the sum in µs and the count.

@@ -8,18 +8,26 @@ Without shares the cache is one LRU for everything (the other tests of the cache
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import io
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
+from PIL import Image
 
+from gateway.images import ImageResolver
+from gateway.metrics import FrontendStats
 from shared.arena import Partition
 from shared.cache import ContentCache, ModelShare, block_bytes
 from shared.errors import ArenaFull
 from shared.instance import Instance
 from shared.locks import HolderKind
 from shared.segment import LockId, SlotState
-from shared.vocabulary import AllocateFn
+from shared.stats_layout import STATS_WORDS
+from shared.vocabulary import AllocateFn, TensorGroup
+from tests.test_arena_placement import NaturalSize
 
 PARTITION = 1 << 20
 IMAGE = 100_000  # bytes of one cached image: ten fit the partition, five a half share
@@ -101,3 +109,62 @@ def test_when_only_protected_images_remain_the_request_gets_arena_full_not_anoth
         assert all(_cached(cache, b"large-%d" % i) for i in range(6))
         for group in held:
             small.release(group)
+
+
+# -- the resolver's pack-from-empty retry (gateway/images.py) under fragmentation ---------------------------
+
+SMALL = 99_000  # cached images: a hole of one is too small for the request's 224 x 224 x 3 tensor
+
+
+def _png(width: int, height: int) -> bytes:
+    pixels = np.random.default_rng(width * height).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG", compress_level=0)
+    return out.getvalue()
+
+
+def _place_small(cache: ContentCache, owner: int, key: bytes) -> None:
+    group, _ = cache.acquire(key, lambda allocate: allocate("pixels", "uint8", (SMALL,)).fill(1), owner=owner)
+    cache.release(group)
+
+
+def test_the_resolvers_retry_from_an_emptied_cache_spares_another_models_share() -> None:
+    """Model 0 keeps five images within its half, placed between model 1's five. Model 1's request needs one
+    contiguous block larger than any hole the evictions it may make leave (its own until it is within its share,
+    then none: model 0 is within its own), so the resolver retries from an emptied cache: emptying for model 1
+    evicts the rest of its own, which frees the top of the partition, and leaves model 0's five where they are."""
+    request = _png(224, 224)  # 150,528 bytes of pixels
+    assert block_bytes(224 * 224 * 3) > block_bytes(SMALL)  # one freed small slot cannot take it
+    assert PARTITION - 9 * block_bytes(SMALL) >= block_bytes(224 * 224 * 3)  # the top slot and the tail can
+    with shared_cache() as cache:
+        cache.set_shares({0: 0.5, 1: 0.5})
+        for i in range(10):  # first-fit, bottom up: 0 1 0 1 0 1 0 1 0 1
+            _place_small(cache, i % 2, b"m%d-%d" % (i % 2, i))
+        assert cache.owned_bytes(0) == 5 * block_bytes(SMALL) <= PARTITION // 2
+        stats = FrontendStats(np.zeros(STATS_WORDS, np.uint64))
+        resolver = ImageResolver(ModelShare(cache, 1), NaturalSize(), stats, max_pixels=40_000_000, threads=1)
+        try:
+            groups: list[TensorGroup] = []
+            asyncio.run(resolver.resolve([request], ["image 0"], groups))
+            assert groups and groups[0].refs[0].nbytes == 224 * 224 * 3
+            resolver.release(groups)
+        finally:
+            resolver.close()
+        assert all(_cached(cache, b"m0-%d" % i) for i in range(0, 9, 2)), "model 1's retry emptied model 0's share"
+        assert cache.owned_bytes(1) == block_bytes(224 * 224 * 3)  # the retry emptied model 1's own
+        assert not any(_cached(cache, b"m1-%d" % i) for i in range(1, 10, 2))
+
+
+def test_emptying_for_one_model_keeps_another_models_share_and_takes_what_is_beyond_it() -> None:
+    with shared_cache() as cache:
+        cache.set_shares({0: 0.25, 1: 0.5})
+        for i in range(4):  # model 0: four images, beyond its quarter (2.6 fit it)
+            _place_small(cache, 0, b"m0-%d" % i)
+        _place_small(cache, 1, b"m1-0")
+        ModelShare(cache, 1).clear()
+        assert not _cached(cache, b"m1-0")
+        # model 0's oldest went until it was back within its share; the rest it keeps
+        kept = [i for i in range(4) if _cached(cache, b"m0-%d" % i)]
+        assert kept == [2, 3] and cache.owned_bytes(0) <= PARTITION // 4
+        cache.clear()  # no model named: everything
+        assert cache.used_bytes == 0

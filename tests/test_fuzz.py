@@ -289,10 +289,23 @@ def test_every_route_answers_as_its_openapi_document_says(api_schema: object, sp
     run()
 
 
+@pytest.mark.parametrize(("path", "model"), [("/v1/models/{model}", "checksum"), ("/ready/{model}", "checksum"),
+                                             ("/ready/{model}", "not-served"), ("/v1/models/{model}", "a/b")])
+def test_one_models_routes_answer_as_documented_for_a_served_and_an_unknown_model(
+        api_schema: object, spare_slot_server: Server, path: str, model: str) -> None:
+    """The fuzzer's ids are random, so it meets only the 404s: the served model's answer is checked here."""
+    case = api_schema[path]["GET"].Case(path_parameters={"model": model})  # type: ignore[index]
+    response = case.call_and_validate(base_url=spare_slot_server.base_url, checks=CHECKS, timeout=60)
+    assert response.status_code == (200 if model == "checksum" else 404), response.text[:300]
+    if model == "checksum":
+        assert response.json()["model" if path.startswith("/ready") else "id"] == "checksum"
+
+
 def test_the_document_lists_every_route_and_the_whole_request_body(spare_slot_server: Server) -> None:
     document = httpx.get(spare_slot_server.base_url + "/openapi.json", timeout=10).json()
     assert set(document["paths"]) == {"/v1/chat/completions", "/v1/embeddings", "/tokenize", "/detokenize",
-                                      "/v1/models", "/health", "/ready", "/metrics", "/docs"}
+                                      "/v1/models", "/v1/models/{model}", "/health", "/ready", "/ready/{model}",
+                                      "/metrics", "/docs"}
     chat = document["paths"]["/v1/chat/completions"]["post"]
     assert {"400", "413", "415", "421", "429", "500", "503"} <= set(chat["responses"])
     body = document["components"]["schemas"]["ChatCompletionRequest"]

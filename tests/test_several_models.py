@@ -157,6 +157,26 @@ def test_the_startup_summary_names_both_models(two_models: Server) -> None:
 
 # -- a config file, a gateway and a worker per model, per-model admission --------------------------------
 
+def _outcomes(server: Server, model: str) -> dict[str, float]:
+    return {outcome: server.metric(f'shmgate_model_requests_total{{model="{model}",outcome="{outcome}"}}')
+            for outcome in ("ok", "error", "overloaded", "cancelled")}
+
+
+def test_each_request_outcome_is_counted_for_its_own_model(two_models: Server) -> None:
+    """ok and error (a 400: an image that is not one) land on the model the request named, not on the other."""
+    url = two_models.base_url + "/v1/chat/completions"
+    before = {model: _outcomes(two_models, model) for model in ("efficientnet-lite0", "checksum")}
+    _answer(httpx.post(url, json=image_request("efficientnet-lite0", noise_png(31)), timeout=60))
+    for i in range(2):
+        _answer(httpx.post(url, json=image_request("checksum", noise_png(32 + i)), timeout=60))
+    bad = httpx.post(url, json=image_request("checksum", b"not an image at all"), timeout=60)
+    assert bad.status_code == 400 and set(bad.json()["error"]) == {"message", "type", "param", "code"}
+    after = {model: _outcomes(two_models, model) for model in ("efficientnet-lite0", "checksum")}
+    gained = {model: {k: after[model][k] - before[model][k] for k in after[model]} for model in after}
+    assert gained == {"efficientnet-lite0": {"ok": 1, "error": 0, "overloaded": 0, "cancelled": 0},
+                      "checksum": {"ok": 2, "error": 1, "overloaded": 0, "cancelled": 0}}
+
+
 NODE_TOML = """
 [[models]]
 model = "efficientnet-lite0"
@@ -248,6 +268,19 @@ def test_one_model_over_its_max_in_flight_gets_429_while_the_other_is_served(gat
     assert other.status_code == 200, other.text
     for i, response in enumerate(held):
         assert expected_checksum(noise_png(400 + i)) in _answer(response)
+
+
+def test_a_client_that_hangs_up_is_counted_cancelled_for_its_model(gateway_with_workers: Server) -> None:
+    """The checksum worker holds each request 2 s: a client that gives up after 0.5 s is its model's cancelled."""
+    before = {model: _outcomes(gateway_with_workers, model) for model in ("classifier", "checksum")}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(gateway_with_workers.base_url + "/v1/chat/completions",
+                   json=image_request("checksum", noise_png(77)), timeout=httpx.Timeout(60, read=0.5))
+    wait_until(lambda: _outcomes(gateway_with_workers, "checksum")["cancelled"] == before["checksum"]["cancelled"] + 1,
+               30, "the hang-up counted as checksum's cancelled")
+    wait_until(lambda: gateway_with_workers.metric("shmgate_in_flight_requests") == 0, 30, "the request released")
+    assert _outcomes(gateway_with_workers, "classifier") == before["classifier"]
+    assert _outcomes(gateway_with_workers, "checksum")["ok"] == before["checksum"]["ok"]
 
 
 def test_a_worker_for_an_undeclared_model_refuses_to_attach(gateway_with_workers: Server) -> None:
