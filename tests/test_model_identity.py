@@ -112,6 +112,9 @@ def test_the_gateway_warns_of_a_ready_worker_that_serves_another_model(named_ser
     assert f"not this gateway's {SERVED!r}" in named_server.log_path.read_text()
 
 
+# serial: a dead instance of its own must survive until `shmgate cleanup` removes it, and that cleanup removes
+# every dead instance on the machine (another test's too); a serve starting beside it would remove it first.
+@pytest.mark.serial
 def test_cleanup_lists_live_instances_and_a_dry_run_removes_nothing(named_server: Server, tmp_path: Path) -> None:
     listed = subprocess.run([sys.executable, "-m", "gateway", "cleanup", "--list"], capture_output=True, text=True,
                             timeout=60)
