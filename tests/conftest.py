@@ -8,6 +8,22 @@ import pytest
 from tests.hf_fixture import build_tiny_vlm
 from tests.serving import Server, start_server, stop_and_check
 
+# The files that take longest (--durations=0 of a whole run, setup and teardown included), longest first.
+# scripts/test.sh hands files to its processes in collection order (--no-loadscope-reorder; pytest-xdist
+# would otherwise order them by their number of tests), and a long file handed out last leaves one process
+# running it alone at the end while the other idles. Files not named keep their order, after these.
+LONGEST_FIRST = (
+    "test_selfheal.py", "test_embeddings.py", "test_efficientnet.py", "test_decode_memory.py",
+    "test_pod_in_a_box.py", "test_faults.py", "test_chaos.py", "test_startup_log.py", "test_e2e.py", "test_fuzz.py",
+    "test_hf_families.py", "test_hf_serve.py", "test_hangups_hf.py", "test_soak.py", "test_compose_local.py",
+    "test_image_urls.py", "test_model_identity.py", "test_scaleout.py", "test_api_key.py", "test_arena_placement.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
+
 
 @pytest.fixture(scope="session")
 def tiny_vlm(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
@@ -37,6 +53,14 @@ def _serve(model: str, tmp_path_factory: pytest.TempPathFactory, *extra: str) ->
         yield server
     finally:
         stop_and_check(server)
+
+
+@pytest.fixture(scope="session")
+def qwen2_vl_server(tiny_qwen2_vl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """``shmgate serve`` of the tiny Qwen2-VL (one thread per worker, Server-Timing on), shared by every
+    module of the run (of the process, under pytest-xdist) that only sends it requests and compares metric
+    deltas: an hf: server's start, each child importing transformers, costs more than most of their tests."""
+    yield from _serve(f"hf:{tiny_qwen2_vl_dir}", tmp_path_factory, "--threads", "1", "--server-timing")
 
 
 @pytest.fixture(scope="module")
