@@ -2,7 +2,8 @@
 # Set up (first run), run the static checks (ruff, mypy; configured in pyproject.toml), then the test
 # suite in two phases, each printing its 25 slowest tests:
 #   1. every test not marked `serial`, two processes side by side (pytest-xdist, `--dist loadfile`: a
-#      file's tests stay in one process, so its module-scoped servers start once);
+#      file's tests stay in one process, so its module-scoped servers start once; files are handed out
+#      longest first, the order tests/conftest.py LONGEST_FIRST gives them);
 #   2. the `serial` tests, alone on the machine: they diff all of /dev/shm, fill the per-uid message-queue
 #      budget on purpose, remove every dead instance (`shmgate cleanup`, a serve's start-up clean-up), or
 #      time a stall.
@@ -22,7 +23,7 @@ fi
 processes=${SHMGATE_TEST_PROCESSES:-2}
 echo "== scripts/test.sh: tests that can share the machine, $processes processes"
 parallel=0
-.venv/bin/python -m pytest -q -n "$processes" --dist loadfile -m "not serial" "$@" || parallel=$?
+.venv/bin/python -m pytest -q -n "$processes" --dist loadfile --no-loadscope-reorder -m "not serial" "$@" || parallel=$?
 [ "$parallel" = 5 ] && parallel=0
 echo "== scripts/test.sh: serial tests, alone"
 serial=0
