@@ -55,14 +55,6 @@ def _serve(model: str, tmp_path_factory: pytest.TempPathFactory, *extra: str) ->
         stop_and_check(server)
 
 
-@pytest.fixture(scope="session")
-def qwen2_vl_server(tiny_qwen2_vl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """``shmgate serve`` of the tiny Qwen2-VL (one thread per worker, Server-Timing on), shared by every
-    module of the run (of the process, under pytest-xdist) that only sends it requests and compares metric
-    deltas: an hf: server's start, each child importing transformers, costs more than most of their tests."""
-    yield from _serve(f"hf:{tiny_qwen2_vl_dir}", tmp_path_factory, "--threads", "1", "--server-timing")
-
-
 @pytest.fixture(scope="module")
 def checksum_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     yield from _serve("checksum", tmp_path_factory, "--workers", "2", "--max-batch-size", "8")

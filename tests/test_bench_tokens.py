@@ -8,18 +8,22 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from bench_client import loadgen
-from tests.serving import IMAGES, Server
+from tests.serving import IMAGES, Server, start_server, stop_and_check
 
 
-@pytest.fixture
-def hf_server(qwen2_vl_server: Server) -> Server:
-    """The run's shared tiny Qwen2-VL server (tests/conftest.py): these tests send it requests and compare
-    metric deltas, never totals, so what other modules sent it before does not matter."""
-    return qwen2_vl_server
+@pytest.fixture(scope="module")
+def hf_server(tiny_qwen2_vl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    server = start_server(f"hf:{tiny_qwen2_vl_dir}", tmp_path_factory.mktemp("serve"), "--threads", "1")
+    try:
+        yield server
+    finally:
+        stop_and_check(server)
 
 
 def _bench(server: Server, capsys: pytest.CaptureFixture[str], *extra: str) -> tuple[int, str]:

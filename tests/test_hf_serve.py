@@ -7,6 +7,7 @@ import json
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -15,14 +16,20 @@ import pytest
 
 from gateway.stages import parse_server_timing
 from tests.hf_fixture import no_eos_bias
-from tests.serving import IMAGES, Server, data_url, wait_until
+from tests.serving import IMAGES, Server, data_url, start_server, wait_until
+from tests.shm_children import leftovers
 
 
-@pytest.fixture
-def hf_server(qwen2_vl_server: Server) -> Server:
-    """The run's shared tiny Qwen2-VL server (tests/conftest.py): these tests send it requests and compare
-    metric deltas, never totals, so what other modules sent it before does not matter."""
-    return qwen2_vl_server
+@pytest.fixture(scope="module")
+def hf_server(tiny_qwen2_vl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    model_dir = tiny_qwen2_vl_dir
+    server = start_server(f"hf:{model_dir}", tmp_path_factory.mktemp("serve"), "--threads", "1",
+                          "--server-timing")
+    try:
+        yield server
+    finally:
+        assert server.stop() == 0
+        assert not leftovers(server.instance_id, slots=64)
 
 
 def _messages(photo: str, text: str) -> list[dict[str, object]]:
