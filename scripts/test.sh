@@ -19,15 +19,19 @@ if [ "${SHMGATE_SKIP_LINT:-0}" != 1 ]; then
 fi
 
 # pytest's exit status 5 means "no tests collected": a phase with nothing selected (a file with no serial
-# tests) is not a failure.
+# tests) is not a failure, but both phases selecting nothing (a -k that matches no test) is pytest's 5.
 processes=${SHMGATE_TEST_PROCESSES:-2}
 echo "== scripts/test.sh: tests that can share the machine, $processes processes"
 parallel=0
 .venv/bin/python -m pytest -q -n "$processes" --dist loadfile --no-loadscope-reorder -m "not serial" "$@" || parallel=$?
-[ "$parallel" = 5 ] && parallel=0
 echo "== scripts/test.sh: serial tests, alone"
 serial=0
 .venv/bin/python -m pytest -q -m serial "$@" || serial=$?
+if [ "$parallel" = 5 ] && [ "$serial" = 5 ]; then
+  echo "scripts/test.sh: no test selected" >&2
+  exit 5
+fi
+[ "$parallel" = 5 ] && parallel=0
 [ "$serial" = 5 ] && serial=0
 if [ "$parallel" != 0 ] || [ "$serial" != 0 ]; then
   echo "scripts/test.sh: failed (parallel phase: exit $parallel, serial phase: exit $serial)" >&2
