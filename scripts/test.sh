@@ -1,6 +1,15 @@
 #!/usr/bin/env bash
-# Set up (first run), run the static checks (ruff, mypy; configured in pyproject.toml), then the whole
-# test suite. Extra arguments go to pytest. SHMGATE_SKIP_LINT=1 skips the static checks.
+# Set up (first run), run the static checks (ruff, mypy; configured in pyproject.toml), then the test
+# suite in two phases, each printing its 25 slowest tests:
+#   1. every test not marked `serial`, two processes side by side (pytest-xdist, `--dist loadfile`: a
+#      file's tests stay in one process, so its module-scoped servers start once; files are handed out
+#      longest first, the order tests/conftest.py LONGEST_FIRST gives them);
+#   2. the `serial` tests, alone on the machine: they diff all of /dev/shm, fill the per-uid message-queue
+#      budget on purpose, remove every dead instance (`shmgate cleanup`, a serve's start-up clean-up), or
+#      time a stall.
+# Exits non-zero if either phase fails (both always run). Extra arguments go to pytest in both phases, so
+# `scripts/test.sh tests/test_x.py` runs that file's tests, each in its phase. SHMGATE_TEST_PROCESSES sets
+# phase 1's processes (default 2; 0 runs it in this process); SHMGATE_SKIP_LINT=1 skips the static checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh test,hf
@@ -8,4 +17,23 @@ if [ "${SHMGATE_SKIP_LINT:-0}" != 1 ]; then
   .venv/bin/ruff check .
   .venv/bin/mypy
 fi
-exec .venv/bin/python -m pytest -q "$@"
+
+# pytest's exit status 5 means "no tests collected": a phase with nothing selected (a file with no serial
+# tests) is not a failure, but both phases selecting nothing (a -k that matches no test) is pytest's 5.
+processes=${SHMGATE_TEST_PROCESSES:-2}
+echo "== scripts/test.sh: tests that can share the machine, $processes processes"
+parallel=0
+.venv/bin/python -m pytest -q -n "$processes" --dist loadfile --no-loadscope-reorder -m "not serial" "$@" || parallel=$?
+echo "== scripts/test.sh: serial tests, alone"
+serial=0
+.venv/bin/python -m pytest -q -m serial "$@" || serial=$?
+if [ "$parallel" = 5 ] && [ "$serial" = 5 ]; then
+  echo "scripts/test.sh: no test selected" >&2
+  exit 5
+fi
+[ "$parallel" = 5 ] && parallel=0
+[ "$serial" = 5 ] && serial=0
+if [ "$parallel" != 0 ] || [ "$serial" != 0 ]; then
+  echo "scripts/test.sh: failed (parallel phase: exit $parallel, serial phase: exit $serial)" >&2
+  exit 1
+fi

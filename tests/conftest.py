@@ -8,6 +8,22 @@ import pytest
 from tests.hf_fixture import build_tiny_vlm
 from tests.serving import Server, start_server, stop_and_check
 
+# The files that take longest (--durations=0 of a whole run, setup and teardown included), longest first.
+# scripts/test.sh hands files to its processes in collection order (--no-loadscope-reorder; pytest-xdist
+# would otherwise order them by their number of tests), and a long file handed out last leaves one process
+# running it alone at the end while the other idles. Files not named keep their order, after these.
+LONGEST_FIRST = (
+    "test_selfheal.py", "test_embeddings.py", "test_efficientnet.py", "test_decode_memory.py",
+    "test_pod_in_a_box.py", "test_faults.py", "test_chaos.py", "test_startup_log.py", "test_e2e.py", "test_fuzz.py",
+    "test_hf_families.py", "test_hf_serve.py", "test_hangups_hf.py", "test_soak.py", "test_compose_local.py",
+    "test_image_urls.py", "test_model_identity.py", "test_scaleout.py", "test_api_key.py", "test_arena_placement.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
+
 
 @pytest.fixture(scope="session")
 def tiny_vlm(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:

@@ -38,6 +38,31 @@ def shm_entries() -> set[str]:
     return {name for name in os.listdir("/dev/shm") if "shmgate" in name}
 
 
+def shm_entries_created_by(pid: int, before: set[str]) -> set[str]:
+    """The shmgate entries of /dev/shm new since ``before`` that belong to an instance ``pid`` supervises.
+
+    Tests run side by side (scripts/test.sh), so a diff of all of /dev/shm would count the instances
+    neighbouring tests create meanwhile; an arena's header names its supervisor. Entries whose instance
+    has no arena (any more) count unless they vanish within 2 s: a neighbour tearing its instance down
+    removes its semaphores just after its arena, while leftovers of ``pid``'s would stay.
+    """
+    from shared.names import InstanceNames
+    from shared.segment import peek_header
+
+    mine: set[str] = set()
+    for instance_id in {match.group(0) for name in shm_entries() - before
+                        if (match := re.search(r"(?<=\.)[0-9a-f]{16}(?=\.|$)", name))}:
+        peek = peek_header(InstanceNames(instance_id))
+        if peek is not None and peek.supervisor_pid != pid:
+            continue
+        if peek is None:
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline and any(instance_id in name for name in shm_entries()):
+                time.sleep(0.05)
+        mine |= {name for name in shm_entries() - before if instance_id in name}
+    return mine
+
+
 def data_url(data: bytes, mime: str = "image/jpeg") -> str:
     return f"data:{mime};base64," + base64.b64encode(data).decode()
 

@@ -19,7 +19,7 @@ import pytest
 from gateway import cli
 from gateway.cli import _NOT_FORWARDED, _frontend_argv, _worker_children, build_parser
 from gateway.config_checks import ConfigError, check_device, torch_cuda_build
-from tests.serving import shm_entries
+from tests.serving import shm_entries, shm_entries_created_by
 from worker.__main__ import build_parser as worker_parser
 from worker.__main__ import parse_args as worker_args
 
@@ -128,7 +128,8 @@ def test_serve_refuses_a_gpu_the_machine_does_not_have_before_starting_anything(
     assert cli.main(["serve", *flags]) == 2
     err = capsys.readouterr().err
     assert err == f"shmgate serve: error: {says}\n" or (says in err and err.count("\n") == 1), err
-    assert shm_entries() - before == set(), "nothing may be created for a configuration that cannot run"
+    created = shm_entries_created_by(os.getpid(), before)
+    assert created == set(), "nothing may be created for a configuration that cannot run"
 
 
 def test_a_cpu_only_torch_cannot_serve_cuda_even_with_a_gpu() -> None:

@@ -38,7 +38,7 @@ import pytest
 
 from shared.instance import DEAD_AFTER_S
 from tests.compose_util import compose_commands, dockerfile_instructions, load_compose
-from tests.serving import free_port, shm_entries
+from tests.serving import free_port, shm_entries, shm_entries_created_by, wait_until
 from tests.shm_children import leftovers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -286,8 +286,9 @@ class LocalCompose:
         """IPC objects of this instance still present: /dev/shm entries, and message queues (not listable
         without an mqueue mount, so probed by name)."""
         instance_id = self.instance_id()
-        if instance_id is None:  # no id logged: anything named shmgate that appeared meanwhile
-            return shm_entries() - self.shm_before
+        if instance_id is None:  # no id logged: what appeared meanwhile under the gateway's pid
+            gateway = self.replicas.get("gateway")
+            return shm_entries_created_by(gateway[0].process.pid, self.shm_before) if gateway else set()
         return set(leftovers(instance_id, slots=64))
 
 
@@ -381,7 +382,10 @@ def test_compose_services_pass_the_load_test_survive_a_dead_worker_and_leave_not
         assert match and match.group(2) == "127.0.0.1" and int(match.group(3)) == stack.port, stack.logs()
         run_loadtest(stack, "checksum", 24, 4)
 
-        # Liveness across "containers".
+        # Liveness across "containers". Both replicas attached first: /ready needs only one, and on a busy
+        # machine the second may still be starting (its log empty) when the first is killed.
+        wait_until(lambda: all("ready in worker slot" in r.log_path.read_text(errors="replace")
+                               for r in stack.replicas["worker"]), READY_TIMEOUT_S, "both workers ready")
         killed, survivor = stack.replicas["worker"]
         killed.process.send_signal(signal.SIGKILL)
         killed.process.wait(10)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.serving import (
     Server,
@@ -290,6 +291,8 @@ def test_sigterm_finishes_in_flight_requests_refuses_new_ones_then_unlinks_every
 # -- the whole tree killed, then a new start -----------------------------------------------------------------
 
 
+# serial: the killed instance's leftovers must wait for this test's next start, not a neighbour's serve.
+@pytest.mark.serial
 def test_a_new_start_removes_a_killed_instances_leftovers_and_serves(tmp_path: Path) -> None:
     old = start_server("checksum", tmp_path, "--workers", "1")
     try:

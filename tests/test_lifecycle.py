@@ -90,6 +90,9 @@ def test_a_signal_to_the_whole_process_group_stops_serve_cleanly(tmp_path: Path,
     print(f"\n{signal.Signals(signum).name} to the group: serve exited 0 in {took_s:.1f} s")
 
 
+# serial: its dead instance must survive until its own `shmgate cleanup`, which removes every dead instance
+# on the machine; a serve starting beside it would remove it first.
+@pytest.mark.serial
 def test_children_exit_when_their_supervisor_is_sigkilled_under_load(tmp_path: Path) -> None:
     server = _start_in_own_group(tmp_path)
     instance_id = server.instance_id

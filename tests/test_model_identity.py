@@ -8,6 +8,7 @@ to attach to it, and a real instance left behind by a SIGKILLed creator for ``cl
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -112,6 +113,9 @@ def test_the_gateway_warns_of_a_ready_worker_that_serves_another_model(named_ser
     assert f"not this gateway's {SERVED!r}" in named_server.log_path.read_text()
 
 
+# serial: a dead instance of its own must survive until `shmgate cleanup` removes it, and that cleanup removes
+# every dead instance on the machine (another test's too); a serve starting beside it would remove it first.
+@pytest.mark.serial
 def test_cleanup_lists_live_instances_and_a_dry_run_removes_nothing(named_server: Server, tmp_path: Path) -> None:
     listed = subprocess.run([sys.executable, "-m", "gateway", "cleanup", "--list"], capture_output=True, text=True,
                             timeout=60)
@@ -123,13 +127,15 @@ def test_cleanup_lists_live_instances_and_a_dry_run_removes_nothing(named_server
         [sys.executable, "-c", "import time; from shared.instance import Instance; "
          "i = Instance.create(arena_size=8 << 20, n_frontends=1, n_workers=1, label='dead'); "
          "print(i.names.instance_id, flush=True); time.sleep(120)"],
-        stdout=subprocess.PIPE, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        assert creator.stdout is not None
+        assert creator.stdout is not None and creator.stderr is not None
         dead_id = creator.stdout.readline().strip()
     finally:
         os.kill(creator.pid, signal.SIGKILL)
         creator.wait()
+    # An empty id would match every name below (e.g. when the uid's queue budget is spent and the creator failed)
+    assert re.fullmatch(r"[0-9a-f]{16}", dead_id), f"the creator made no instance: {creator.stderr.read()[-2000:]}"
     objects = {name for name in os.listdir("/dev/shm") if dead_id in name}
     assert objects
     dry = subprocess.run([sys.executable, "-m", "gateway", "cleanup", "--dry-run"], capture_output=True, text=True,

@@ -118,6 +118,9 @@ def test_sigterm_to_every_container_at_once_fails_no_request(tmp_path: Path) -> 
         assert pod.shm_files() == []
 
 
+# serial: it fills the pods' uid's message-queue budget on purpose; a pod of another test (test_scaleout.py
+# runs the same uid) would not get its queues meanwhile, or would eat into the budget under test.
+@pytest.mark.serial
 def test_second_unit_under_the_same_uid_on_a_node_does_not_fit(tmp_path: Path) -> None:
     """RLIMIT_MSGQUEUE is per uid per node: two pods of 12 frontends each cannot both get their queues.
 

@@ -19,6 +19,9 @@ from tests.shm_children import leftovers, scratch_instance
 PARTITION = 1 << 20
 
 
+# serial: cleanup_leftovers removes every dead instance on the machine (another test's too), and once this
+# one is STOPPED a serve starting beside the test could remove it first.
+@pytest.mark.serial
 def test_cleanup_never_removes_a_live_instance_of_another_version() -> None:
     """Before: attach refused the version, and cleanup took that for a dead instance and unlinked it."""
     with scratch_instance(arena_size=2 * PARTITION, n_frontends=2, n_workers=1, queue_depth=2) as inst:

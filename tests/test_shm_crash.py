@@ -343,6 +343,9 @@ def _submit(partition: Partition, requests: Any, rid: int, nbytes: int) -> tuple
 # -- leftovers of a killed supervisor -----------------------------------------------------------------
 
 
+# serial (both clean-up tests): cleanup_leftovers removes every dead instance on the machine, and a serve
+# starting beside this test would remove its killed creator's instance first.
+@pytest.mark.serial
 def test_cleanup_removes_the_instance_of_a_killed_creator() -> None:
     process, conn = start(shm_children.create_and_die)
     try:
@@ -358,6 +361,7 @@ def test_cleanup_removes_the_instance_of_a_killed_creator() -> None:
     assert leftovers(instance_id) == []
 
 
+@pytest.mark.serial
 @pytest.mark.skipif(os.geteuid() != 0, reason="making an object owned by another user needs root")
 def test_cleanup_leaves_another_users_instance_alone() -> None:
     """Another user's instance is 0600: we can neither attach to it nor unlink it. It must not stop us."""
