@@ -9,7 +9,9 @@ It is measured against servers that do the same HTTP and image work without shmg
 * ``decode-floor``: uvicorn + msgspec + the same draft decode, resize and digest in a process pool;
 * ``http-floor``: the same server without the image work (JSON in, an answer of the same size out);
 * ``litserve``: LitServe with the same preprocessing and a null (checksum) predict, when
-  bench/.venv-litserve exists (bench/setup_litserve.sh); skipped otherwise;
+  bench/.venv-litserve exists (bench/setup_litserve.sh; ``--litserve-python`` or
+  ``$SHMGATE_LITSERVE_PYTHON`` names one made elsewhere); skipped otherwise. Its "hit" load is the
+  same image repeated: LitServe has no cache, so it decodes every time;
 * ``shmgate-result-cache`` (not in the default list): hits answered from ``--result-cache-mb``,
   which skip the worker;
 * ``shmgate-base`` (with ``--base DIR``): shmgate from another checkout, e.g. the commit before a cut,
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -69,7 +72,7 @@ SERVERS: dict[str, Server] = {
     "decode-floor": Server(FLOOR, "/health", (MISS,)),
     "http-floor": Server(FLOOR + ("--no-decode",), "/health", (MISS,)),
     "litserve": Server(("{litserve_python}", "{repo}/bench/litserve_server.py", "--port", "{port}", "--mode",
-                        "checksum"), "/health", (MISS,), needs=LITSERVE_PYTHON),
+                        "checksum"), "/health", (MISS, HIT), needs=LITSERVE_PYTHON),
     # From the base checkout's directory: the frontends start with `python -m gateway`, which looks in the cwd first.
     "shmgate-base": Server(("sh", "-c", "cd {base} && PYTHONPATH={base} exec {bin}/shmgate serve --host 127.0.0.1 "
                             "--port {port} --model checksum"), "/ready", (MISS, HIT)),
@@ -81,14 +84,16 @@ RATIOS = [
     (("shmgate", HIT), ("http-floor", MISS), "shmgate hit / HTTP floor"),
     (("shmgate-result-cache", HIT), ("http-floor", MISS), "shmgate result-cache hit / HTTP floor"),
     (("litserve", MISS), ("shmgate", MISS), "LitServe / shmgate miss"),
+    (("litserve", HIT), ("shmgate", HIT), "LitServe / shmgate repeated image (LitServe has no cache)"),
     (("shmgate", MISS), ("shmgate-base", MISS), "shmgate miss / base miss"),
     (("shmgate", HIT), ("shmgate-base", HIT), "shmgate hit / base hit"),
 ]
 
 
-def expand(command: tuple[str, ...], port: int, base: Path | None) -> list[str]:
+def expand(command: tuple[str, ...], port: int, base: Path | None,
+           litserve_python: Path = LITSERVE_PYTHON) -> list[str]:
     values = {"python": sys.executable, "bin": str(Path(sys.executable).parent), "repo": str(REPO),
-              "port": str(port), "litserve_python": str(LITSERVE_PYTHON), "base": str(base)}
+              "port": str(port), "litserve_python": str(litserve_python), "base": str(base)}
     return [part.format(**values) for part in command]
 
 
@@ -96,7 +101,7 @@ async def measure_server(name: str, server: Server, args: argparse.Namespace, im
                          round_index: int) -> list[dict[str, Any]]:
     """Start one server, run every load at every concurrency, stop it."""
     port = free_port()
-    process = ServerProcess(expand(server.command, port, args.base), log_dir / f"{name}-{round_index}.log")
+    process = ServerProcess(expand(server.command, port, args.base, args.litserve_python), log_dir / f"{name}-{round_index}.log")
     base_url = f"http://127.0.0.1:{port}"
     results = []
     process.start()
@@ -194,8 +199,10 @@ def runnable(name: str, args: argparse.Namespace) -> bool:
     if name == "shmgate-base" and args.base is None:
         print("skipping shmgate-base: give --base DIR (a checkout of the commit to compare with)", file=sys.stderr)
         return False
-    if server.needs is not None and not server.needs.exists():
-        print(f"skipping {name}: {server.needs} is missing (run bench/setup_litserve.sh)", file=sys.stderr)
+    needs = args.litserve_python if server.needs == LITSERVE_PYTHON else server.needs
+    if needs is not None and not needs.exists():
+        print(f"skipping {name}: {needs} is missing (run bench/setup_litserve.sh, or give --litserve-python)",
+              file=sys.stderr)
         return False
     return True
 
@@ -255,6 +262,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--server", action="append", choices=sorted(SERVERS),
                         help=f"repeatable, in this order; default: {', '.join(DEFAULT_SERVERS)} (+ shmgate-base "
                              "with --base)")
+    # A venv made once serves every checkout: worktrees need not each run bench/setup_litserve.sh.
+    parser.add_argument("--litserve-python", type=Path,
+                        default=Path(os.environ.get("SHMGATE_LITSERVE_PYTHON", LITSERVE_PYTHON)),
+                        help="the LitServe venv's python (default: $SHMGATE_LITSERVE_PYTHON, else "
+                             "bench/.venv-litserve/bin/python)")
     parser.add_argument("--base", type=Path, default=None, help="a checkout to run as shmgate-base")
     parser.add_argument("--rounds", type=int, default=None, help="alternated rounds (default 4; --quick: 1)")
     parser.add_argument("--requests", type=int, default=None, help="timed requests per point (default 400)")
