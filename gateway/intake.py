@@ -26,6 +26,7 @@ refusing them costs no second decode; only the warning for ignored names reads t
 from __future__ import annotations
 
 import binascii
+import functools
 import importlib
 import logging
 import re
@@ -36,6 +37,7 @@ from typing import Annotated, Any, Literal, Union
 import msgspec
 
 from shared.errors import ImageTooLarge, InvalidRequest, TooManyImages, UndecodableImage
+from shared.vocabulary import material_digest
 from shared.wire import MAX_TOP_LOGPROBS, SamplingParams
 
 __all__ = [
@@ -52,6 +54,7 @@ __all__ = [
     "LOOP_HASH_MAX_BYTES",
     "PendingImageURL",
     "image_bytes",
+    "image_digest",
     "key_material",
     "parse_chat_request",
     "strict_b64decode",
@@ -206,6 +209,12 @@ class EncodedImage:
             raise ImageTooLarge(f"the image is larger than {self.max_bytes} bytes")
         return data
 
+    @functools.cached_property
+    def digest(self) -> bytes:
+        """``material_digest`` of the text, computed once however often the image is keyed (its answer's
+        key with a result cache, then its tensors' key): hashing a 1024 px photo's text costs ~0.14 ms."""
+        return material_digest(self.text)
+
     def _decode_wrapped(self) -> bytes:
         """Base64 with line breaks or spaces in it, as some encoders write it (the slow path)."""
         try:
@@ -255,6 +264,11 @@ LOOP_HASH_MAX_BYTES = 1 << 20
 def key_material(image: bytes | EncodedImage) -> bytes | str:
     """What the content cache hashes for an image: a data URL's base64 text, a fetched image's bytes."""
     return image.text if isinstance(image, EncodedImage) else image
+
+
+def image_digest(image: bytes | EncodedImage) -> bytes:
+    """``material_digest(key_material(image))``, kept with a data URL's image so it is hashed once."""
+    return image.digest if isinstance(image, EncodedImage) else material_digest(image)
 
 
 def image_bytes(image: bytes | EncodedImage) -> bytes:
