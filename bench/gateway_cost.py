@@ -14,7 +14,7 @@ It is measured against servers that do the same HTTP and image work without shmg
   same image repeated: LitServe has no cache, so it decodes every time;
 * ``shmgate-result-cache`` (not in the default list): hits answered from ``--result-cache-mb``,
   which skip the worker;
-* ``shmgate-base`` (with ``--base DIR``): shmgate from another checkout, e.g. the commit before a cut,
+* ``shmgate-base`` and ``shmgate-base-result-cache`` (with ``--base DIR``): shmgate from another checkout, e.g. the commit before a cut,
   for an ABBA figure in the same run.
 
 Each server is started, loaded at every concurrency with every request a cache miss (``--unique``)
@@ -76,6 +76,9 @@ SERVERS: dict[str, Server] = {
     # From the base checkout's directory: the frontends start with `python -m gateway`, which looks in the cwd first.
     "shmgate-base": Server(("sh", "-c", "cd {base} && PYTHONPATH={base} exec {bin}/shmgate serve --host 127.0.0.1 "
                             "--port {port} --model checksum"), "/ready", (MISS, HIT)),
+    "shmgate-base-result-cache": Server(("sh", "-c", "cd {base} && PYTHONPATH={base} exec {bin}/shmgate serve "
+                                         "--host 127.0.0.1 --port {port} --model checksum --result-cache-mb 64"),
+                                        "/ready", (HIT,)),
 }
 DEFAULT_SERVERS = ["shmgate", "decode-floor", "http-floor", "litserve"]
 # (numerator, denominator, what the ratio says): shmgate's cost over the least a Python server can do.
@@ -87,6 +90,7 @@ RATIOS = [
     (("litserve", HIT), ("shmgate", HIT), "LitServe / shmgate repeated image (LitServe has no cache)"),
     (("shmgate", MISS), ("shmgate-base", MISS), "shmgate miss / base miss"),
     (("shmgate", HIT), ("shmgate-base", HIT), "shmgate hit / base hit"),
+    (("shmgate-result-cache", HIT), ("shmgate-base-result-cache", HIT), "result-cache hit / base result-cache hit"),
 ]
 
 
@@ -196,8 +200,8 @@ async def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def runnable(name: str, args: argparse.Namespace) -> bool:
     server = SERVERS[name]
-    if name == "shmgate-base" and args.base is None:
-        print("skipping shmgate-base: give --base DIR (a checkout of the commit to compare with)", file=sys.stderr)
+    if name.startswith("shmgate-base") and args.base is None:
+        print(f"skipping {name}: give --base DIR (a checkout of the commit to compare with)", file=sys.stderr)
         return False
     needs = args.litserve_python if server.needs == LITSERVE_PYTHON else server.needs
     if needs is not None and not needs.exists():
