@@ -117,6 +117,7 @@ async def measure_server(name: str, server: Server, args: argparse.Namespace, im
                 loadgen.add_arguments(parser)
                 flag = "--unique" if load == MISS else "--repeat-one"
                 before = role_cpu_ticks(process.pid)
+                sleeps_before = worker_sleeps(process.pid)
                 result = await loadgen.run(parser.parse_args([
                     "--base-url", base_url, "--model", "checksum", "--concurrency", str(concurrency),
                     "--requests", str(args.requests), "--images", str(images), "--server-pid", str(process.pid),
@@ -127,6 +128,8 @@ async def measure_server(name: str, server: Server, args: argparse.Namespace, im
                        "mismatches": result["mismatches"], "other_load_cores": result["other_load_cores"],
                        "first_error": result["first_error"]}
                 row.update(role_split(before, role_cpu_ticks(process.pid), row["cpu_ms"]))
+                served = args.requests + min(concurrency, args.requests)  # the warm-up round counts here too
+                row["worker_wakeups"] = round((worker_sleeps(process.pid) - sleeps_before) / served, 2)
                 results.append(row)
                 print(f"  round {round_index + 1} {name:<13} {load:<4} c={concurrency:<3} "
                       f"{row['requests_per_s']:>8} req/s  {row['cpu_ms']:6.2f} ms CPU/req  "
@@ -158,6 +161,26 @@ def role_cpu_ticks(root: int) -> dict[int, tuple[str, int]]:
         if stat is not None:
             out[pid] = (_role(pid), stat[1])
     return out
+
+
+def worker_sleeps(root: int) -> int:
+    """Voluntary context switches of every thread of the server's workers: how often they went to sleep.
+
+    Each wake-up of a waiting thread ends in one, so their count per request says how often a worker
+    woke, useful or not (a wake-up that finds its message taken by another worker costs CPU, not work).
+    """
+    total = 0
+    for pid in loadgen.process_tree([root]):
+        if _role(pid) != "worker":
+            continue
+        for status in Path(f"/proc/{pid}/task").glob("*/status"):
+            try:
+                for line in status.read_text().splitlines():
+                    if line.startswith("voluntary_ctxt_switches"):
+                        total += int(line.split()[1])
+            except OSError:
+                continue  # a thread that ended meanwhile
+    return total
 
 
 def role_split(before: dict[int, tuple[str, int]], after: dict[int, tuple[str, int]],
@@ -254,10 +277,12 @@ def tables(results: list[dict[str, Any]], concurrencies: list[int]) -> str:
         if server.startswith("shmgate"):
             split_rows.append([server, load, c, *(_cell([r.get(k) or 0.0 for r in rounds.values()])
                                                    for k in ("frontend_ms", "worker_ms", "main_ms")),
-                               _cell([r.get("busiest_frontend_share") or 0.0 for r in rounds.values()])])
+                               _cell([r.get("busiest_frontend_share") or 0.0 for r in rounds.values()]),
+                               _cell([r.get("worker_wakeups") or 0.0 for r in rounds.values()])])
     if split_rows:
         out.append(render_table(["server", "requests", "c", "frontends ms/req", "workers ms/req",
-                                 "supervisor ms/req", "busiest frontend's share"], split_rows, left=2))
+                                 "supervisor ms/req", "busiest frontend's share", "worker sleeps/req"],
+                                split_rows, left=2))
     return "\n\n".join(out)
 
 
