@@ -26,7 +26,6 @@ refusing them costs no second decode; only the warning for ignored names reads t
 from __future__ import annotations
 
 import binascii
-import functools
 import importlib
 import logging
 import re
@@ -209,11 +208,21 @@ class EncodedImage:
             raise ImageTooLarge(f"the image is larger than {self.max_bytes} bytes")
         return data
 
-    @functools.cached_property
+    _digest: bytes | None = field(default=None, init=False, repr=False)
+
+    @property
     def digest(self) -> bytes:
         """``material_digest`` of the text, computed once however often the image is keyed (its answer's
-        key with a result cache, then its tensors' key): hashing a 1024 px photo's text costs ~0.14 ms."""
-        return material_digest(self.text)
+        key with a result cache, then its tensors' key): hashing a 1024 px photo's text costs ~0.14 ms.
+
+        Not ``functools.cached_property``: on Python 3.11 it holds one lock for every instance while it
+        computes, which would serialize the decode pool's hashing of large images. Two threads that
+        race here both hash and store the same digest.
+        """
+        if self._digest is None:
+            object.__setattr__(self, "_digest", material_digest(self.text))
+        assert self._digest is not None
+        return self._digest
 
     def _decode_wrapped(self) -> bytes:
         """Base64 with line breaks or spaces in it, as some encoders write it (the slow path)."""
