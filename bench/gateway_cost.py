@@ -9,10 +9,12 @@ It is measured against servers that do the same HTTP and image work without shmg
 * ``decode-floor``: uvicorn + msgspec + the same draft decode, resize and digest in a process pool;
 * ``http-floor``: the same server without the image work (JSON in, an answer of the same size out);
 * ``litserve``: LitServe with the same preprocessing and a null (checksum) predict, when
-  bench/.venv-litserve exists (bench/setup_litserve.sh); skipped otherwise;
+  bench/.venv-litserve exists (bench/setup_litserve.sh; ``--litserve-python`` or
+  ``$SHMGATE_LITSERVE_PYTHON`` names one made elsewhere); skipped otherwise. Its "hit" load is the
+  same image repeated: LitServe has no cache, so it decodes every time;
 * ``shmgate-result-cache`` (not in the default list): hits answered from ``--result-cache-mb``,
   which skip the worker;
-* ``shmgate-base`` (with ``--base DIR``): shmgate from another checkout, e.g. the commit before a cut,
+* ``shmgate-base`` and ``shmgate-base-result-cache`` (with ``--base DIR``): shmgate from another checkout, e.g. the commit before a cut,
   for an ABBA figure in the same run.
 
 Each server is started, loaded at every concurrency with every request a cache miss (``--unique``)
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -69,10 +72,13 @@ SERVERS: dict[str, Server] = {
     "decode-floor": Server(FLOOR, "/health", (MISS,)),
     "http-floor": Server(FLOOR + ("--no-decode",), "/health", (MISS,)),
     "litserve": Server(("{litserve_python}", "{repo}/bench/litserve_server.py", "--port", "{port}", "--mode",
-                        "checksum"), "/health", (MISS,), needs=LITSERVE_PYTHON),
+                        "checksum"), "/health", (MISS, HIT), needs=LITSERVE_PYTHON),
     # From the base checkout's directory: the frontends start with `python -m gateway`, which looks in the cwd first.
     "shmgate-base": Server(("sh", "-c", "cd {base} && PYTHONPATH={base} exec {bin}/shmgate serve --host 127.0.0.1 "
                             "--port {port} --model checksum"), "/ready", (MISS, HIT)),
+    "shmgate-base-result-cache": Server(("sh", "-c", "cd {base} && PYTHONPATH={base} exec {bin}/shmgate serve "
+                                         "--host 127.0.0.1 --port {port} --model checksum --result-cache-mb 64"),
+                                        "/ready", (HIT,)),
 }
 DEFAULT_SERVERS = ["shmgate", "decode-floor", "http-floor", "litserve"]
 # (numerator, denominator, what the ratio says): shmgate's cost over the least a Python server can do.
@@ -81,14 +87,17 @@ RATIOS = [
     (("shmgate", HIT), ("http-floor", MISS), "shmgate hit / HTTP floor"),
     (("shmgate-result-cache", HIT), ("http-floor", MISS), "shmgate result-cache hit / HTTP floor"),
     (("litserve", MISS), ("shmgate", MISS), "LitServe / shmgate miss"),
+    (("litserve", HIT), ("shmgate", HIT), "LitServe / shmgate repeated image (LitServe has no cache)"),
     (("shmgate", MISS), ("shmgate-base", MISS), "shmgate miss / base miss"),
     (("shmgate", HIT), ("shmgate-base", HIT), "shmgate hit / base hit"),
+    (("shmgate-result-cache", HIT), ("shmgate-base-result-cache", HIT), "result-cache hit / base result-cache hit"),
 ]
 
 
-def expand(command: tuple[str, ...], port: int, base: Path | None) -> list[str]:
+def expand(command: tuple[str, ...], port: int, base: Path | None,
+           litserve_python: Path = LITSERVE_PYTHON) -> list[str]:
     values = {"python": sys.executable, "bin": str(Path(sys.executable).parent), "repo": str(REPO),
-              "port": str(port), "litserve_python": str(LITSERVE_PYTHON), "base": str(base)}
+              "port": str(port), "litserve_python": str(litserve_python), "base": str(base)}
     return [part.format(**values) for part in command]
 
 
@@ -96,7 +105,7 @@ async def measure_server(name: str, server: Server, args: argparse.Namespace, im
                          round_index: int) -> list[dict[str, Any]]:
     """Start one server, run every load at every concurrency, stop it."""
     port = free_port()
-    process = ServerProcess(expand(server.command, port, args.base), log_dir / f"{name}-{round_index}.log")
+    process = ServerProcess(expand(server.command, port, args.base, args.litserve_python), log_dir / f"{name}-{round_index}.log")
     base_url = f"http://127.0.0.1:{port}"
     results = []
     process.start()
@@ -108,6 +117,7 @@ async def measure_server(name: str, server: Server, args: argparse.Namespace, im
                 loadgen.add_arguments(parser)
                 flag = "--unique" if load == MISS else "--repeat-one"
                 before = role_cpu_ticks(process.pid)
+                sleeps_before = worker_sleeps(process.pid)
                 result = await loadgen.run(parser.parse_args([
                     "--base-url", base_url, "--model", "checksum", "--concurrency", str(concurrency),
                     "--requests", str(args.requests), "--images", str(images), "--server-pid", str(process.pid),
@@ -118,6 +128,8 @@ async def measure_server(name: str, server: Server, args: argparse.Namespace, im
                        "mismatches": result["mismatches"], "other_load_cores": result["other_load_cores"],
                        "first_error": result["first_error"]}
                 row.update(role_split(before, role_cpu_ticks(process.pid), row["cpu_ms"]))
+                served = args.requests + min(concurrency, args.requests)  # the warm-up round counts here too
+                row["worker_wakeups"] = round((worker_sleeps(process.pid) - sleeps_before) / served, 2)
                 results.append(row)
                 print(f"  round {round_index + 1} {name:<13} {load:<4} c={concurrency:<3} "
                       f"{row['requests_per_s']:>8} req/s  {row['cpu_ms']:6.2f} ms CPU/req  "
@@ -149,6 +161,26 @@ def role_cpu_ticks(root: int) -> dict[int, tuple[str, int]]:
         if stat is not None:
             out[pid] = (_role(pid), stat[1])
     return out
+
+
+def worker_sleeps(root: int) -> int:
+    """Voluntary context switches of every thread of the server's workers: how often they went to sleep.
+
+    Each wake-up of a waiting thread ends in one, so their count per request says how often a worker
+    woke, useful or not (a wake-up that finds its message taken by another worker costs CPU, not work).
+    """
+    total = 0
+    for pid in loadgen.process_tree([root]):
+        if _role(pid) != "worker":
+            continue
+        for status in Path(f"/proc/{pid}/task").glob("*/status"):
+            try:
+                for line in status.read_text().splitlines():
+                    if line.startswith("voluntary_ctxt_switches"):
+                        total += int(line.split()[1])
+            except OSError:
+                continue  # a thread that ended meanwhile
+    return total
 
 
 def role_split(before: dict[int, tuple[str, int]], after: dict[int, tuple[str, int]],
@@ -191,11 +223,13 @@ async def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def runnable(name: str, args: argparse.Namespace) -> bool:
     server = SERVERS[name]
-    if name == "shmgate-base" and args.base is None:
-        print("skipping shmgate-base: give --base DIR (a checkout of the commit to compare with)", file=sys.stderr)
+    if name.startswith("shmgate-base") and args.base is None:
+        print(f"skipping {name}: give --base DIR (a checkout of the commit to compare with)", file=sys.stderr)
         return False
-    if server.needs is not None and not server.needs.exists():
-        print(f"skipping {name}: {server.needs} is missing (run bench/setup_litserve.sh)", file=sys.stderr)
+    needs = args.litserve_python if server.needs == LITSERVE_PYTHON else server.needs
+    if needs is not None and not needs.exists():
+        print(f"skipping {name}: {needs} is missing (run bench/setup_litserve.sh, or give --litserve-python)",
+              file=sys.stderr)
         return False
     return True
 
@@ -243,10 +277,12 @@ def tables(results: list[dict[str, Any]], concurrencies: list[int]) -> str:
         if server.startswith("shmgate"):
             split_rows.append([server, load, c, *(_cell([r.get(k) or 0.0 for r in rounds.values()])
                                                    for k in ("frontend_ms", "worker_ms", "main_ms")),
-                               _cell([r.get("busiest_frontend_share") or 0.0 for r in rounds.values()])])
+                               _cell([r.get("busiest_frontend_share") or 0.0 for r in rounds.values()]),
+                               _cell([r.get("worker_wakeups") or 0.0 for r in rounds.values()])])
     if split_rows:
         out.append(render_table(["server", "requests", "c", "frontends ms/req", "workers ms/req",
-                                 "supervisor ms/req", "busiest frontend's share"], split_rows, left=2))
+                                 "supervisor ms/req", "busiest frontend's share", "worker sleeps/req"],
+                                split_rows, left=2))
     return "\n\n".join(out)
 
 
@@ -255,6 +291,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--server", action="append", choices=sorted(SERVERS),
                         help=f"repeatable, in this order; default: {', '.join(DEFAULT_SERVERS)} (+ shmgate-base "
                              "with --base)")
+    # A venv made once serves every checkout: worktrees need not each run bench/setup_litserve.sh.
+    parser.add_argument("--litserve-python", type=Path,
+                        default=Path(os.environ.get("SHMGATE_LITSERVE_PYTHON", LITSERVE_PYTHON)),
+                        help="the LitServe venv's python (default: $SHMGATE_LITSERVE_PYTHON, else "
+                             "bench/.venv-litserve/bin/python)")
     parser.add_argument("--base", type=Path, default=None, help="a checkout to run as shmgate-base")
     parser.add_argument("--rounds", type=int, default=None, help="alternated rounds (default 4; --quick: 1)")
     parser.add_argument("--requests", type=int, default=None, help="timed requests per point (default 400)")

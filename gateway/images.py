@@ -17,12 +17,12 @@ from typing import Any
 from gateway import tracing
 from gateway.decode_budget import DecodeBudget
 from gateway.imaging import predict
-from gateway.intake import LOOP_HASH_MAX_BYTES, EncodedImage, image_bytes, key_material
+from gateway.intake import LOOP_HASH_MAX_BYTES, EncodedImage, image_bytes, image_digest, key_material
 from gateway.metrics import Counter, FrontendStats
 from gateway.preprocess.base import Preprocessor, PromptInputs, options_key
 from shared.errors import ArenaFull, ImageTooLarge, ShmgateError
 from shared.transport.base import TensorCache
-from shared.vocabulary import AllocateFn, TensorGroup, content_key
+from shared.vocabulary import AllocateFn, TensorGroup, key_of_digest
 from shared.wire import INLINE_TENSOR
 
 __all__ = ["ImageResolver"]
@@ -102,7 +102,7 @@ class ImageResolver:
             opts = options[i] if options else {}
             cache_params = self._cache_params(opts)
             if len(material) <= LOOP_HASH_MAX_BYTES:
-                key = content_key(material, cache_params)
+                key = key_of_digest(image_digest(image), cache_params)
                 group = self.cache.try_hit(key)
             if group is not None:
                 if tracing.spans is not None:
@@ -171,7 +171,7 @@ class ImageResolver:
         Raises Overloaded when the decode memory budget has no room for the image within its wait.
         """
         if key is None:
-            key = content_key(key_material(image), self._cache_params(options or {}))
+            key = key_of_digest(image_digest(image), self._cache_params(options or {}))
 
         def make(allocate: AllocateFn) -> None:
             data = image_bytes(image)

@@ -28,7 +28,7 @@ from typing import TypeVar
 
 import msgspec
 
-from gateway.intake import LOOP_HASH_MAX_BYTES, ChatRequest, key_material
+from gateway.intake import LOOP_HASH_MAX_BYTES, ChatRequest, image_digest
 from gateway.preprocess.base import Preprocessor
 from shared.vocabulary import content_key
 
@@ -53,7 +53,7 @@ def answer_key(chat: ChatRequest, preprocessor: Preprocessor) -> bytes | None:
         return None
     h = hashlib.sha256()
     for image in chat.images:
-        h.update(content_key(key_material(image), b""))
+        h.update(image_digest(image))  # kept with the image: its tensor key on a miss hashes it no more
     h.update(msgspec.msgpack.encode(chat.params))
     h.update(chat.text.encode())
     return result_key(h.digest(), chat.model, preprocessor.cache_params(), "chat")

@@ -273,3 +273,59 @@ def test_metrics_count_every_batch_and_its_size(slow_model_server: Server) -> No
 
 def _bucket(server: Server, le: str) -> float:
     return server.metric(f'shmgate_batch_size_bucket{{le="{le}"}}')
+
+
+def _voluntary_switches(native_thread_id: int) -> int:
+    """How often a thread went to sleep: each wake-up of a waiting thread ends in one."""
+    with open(f"/proc/self/task/{native_thread_id}/status") as status:
+        for line in status:
+            if line.startswith("voluntary_ctxt_switches"):
+                return int(line.split()[1])
+    raise AssertionError("no voluntary_ctxt_switches in /proc")
+
+
+def test_a_message_wakes_one_of_two_workers_filling_their_batches(
+    instance: Instance, requests: Queue, wake: tuple[int, int]
+) -> None:
+    """Two workers wait in their batch windows on one queue: each message must wake one, not both.
+
+    Counted from the kernel's side (context switches of the two waiting threads), so it is what a
+    worker pays, whatever the code path: a select on the queue's descriptor wakes every waiter.
+    """
+    other = instance.request_queue()
+    read_end, write_end = os.pipe()
+    os.set_blocking(read_end, False)
+    filling = threading.Event()
+    filling.set()
+    thread_ids: list[int] = []
+    batches: list[list[int]] = []
+
+    def worker(queue: Queue, wake_pipe: tuple[int, int]) -> None:
+        thread_ids.append(threading.get_native_id())
+        batcher = Batcher(queue, max_batch_size=1000, max_batch_wait_s=HANG_S, on_take=lambda s: s.request_id,
+                          on_invalid=lambda what: None, more_coming=filling.is_set, wake_fd=wake_pipe[0])
+        batches.append(batcher.collect(idle_timeout_s=HANG_S))
+
+    messages = 30
+    try:
+        threads = [threading.Thread(target=worker, args=(requests, wake)),
+                   threading.Thread(target=worker, args=(other, (read_end, write_end)))]
+        for thread in threads:
+            thread.start()
+        _send(instance, 0, 1)  # one each: both are now in their windows, waiting
+        time.sleep(0.3)
+        before = sum(_voluntary_switches(tid) for tid in thread_ids)
+        for request_id in range(2, 2 + messages):
+            _send(instance, request_id)
+            time.sleep(0.01)  # each message arrives while both wait
+        time.sleep(0.1)
+        wakeups = sum(_voluntary_switches(tid) for tid in thread_ids) - before
+        filling.clear()
+        for thread in threads:
+            thread.join(HANG_S)
+        assert sorted(i for batch in batches for i in batch) == list(range(2 + messages))
+        assert wakeups < 1.5 * messages, f"{wakeups} wake-ups for {messages} messages"
+    finally:
+        other.close()
+        os.close(read_end)
+        os.close(write_end)

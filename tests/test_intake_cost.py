@@ -13,6 +13,7 @@ import importlib.util
 import itertools
 import json
 import logging
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,6 +23,7 @@ from gateway.intake import IntakeLimits, parse_chat_request, strict_b64decode
 from shared.errors import InvalidRequest
 
 LIMITS = IntakeLimits()
+IMAGES = Path(__file__).parent / "data" / "images"
 PIXEL = base64.b64encode(b"\x89PNG not really").decode()
 
 
@@ -90,3 +92,41 @@ def test_base64_accepts_and_refuses_what_strict_binascii_does() -> None:
 
 def test_pybase64_is_used_when_installed() -> None:
     assert (intake._simd_decode is not None) == (importlib.util.find_spec("pybase64") is not None)
+
+
+def test_an_image_keyed_for_its_answer_and_then_its_tensors_is_hashed_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With a result cache a miss keys each image twice (the answer, then the tensors): one hash of its text."""
+    from gateway.preprocess.vision import ChecksumPreprocessor
+    from gateway.result_cache import answer_key
+    from shared.vocabulary import content_key, key_of_digest, material_digest
+
+    hashed: list[int] = []
+
+    def counted(data: bytes | str) -> bytes:
+        hashed.append(len(data))
+        return material_digest(data)
+
+    monkeypatch.setattr(intake, "material_digest", counted)
+    photo = base64.b64encode((IMAGES / "camera_640.jpg").read_bytes()).decode()
+    content = [{"type": "image_url", "image_url": {"url": f"data:image/jpeg;base64,{photo}"}}]
+    chat = parse_chat_request(json.dumps({"model": "checksum", "messages": [{"role": "user", "content": content}]})
+                              .encode(), LIMITS)
+    preprocessor = ChecksumPreprocessor()
+    assert answer_key(chat, preprocessor) is not None
+    params = preprocessor.cache_params()  # the tensor key's parameters for an image without processor options
+    tensor_key = key_of_digest(intake.image_digest(chat.images[0]), params)
+    assert hashed == [len(photo)]  # the answer's key hashed the text; the tensor key reused that digest
+    assert tensor_key == content_key(photo, params)  # the one formula, whichever way it is reached
+
+
+def test_content_keys_keep_kinds_and_parameters_apart() -> None:
+    from shared.vocabulary import content_key
+
+    data = (IMAGES / "camera_640.jpg").read_bytes()
+    text = base64.b64encode(data).decode()
+    assert content_key(text, b"p") == content_key(text, b"p")
+    assert content_key(text, b"p") != content_key(data, b"p")  # a data URL and fetched bytes: two entries
+    assert content_key(text, b"p") != content_key(text, b"q")
+    assert content_key(b"ab", b"c") != content_key(b"a", b"bc")  # the parameters' length is in the key

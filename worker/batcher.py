@@ -29,9 +29,11 @@ idle, a batch is cut as soon as the request queue is empty and no frontend is
 still decoding a request (``more_coming``). A lone request (concurrency 1, a
 quiet service) then runs at once instead of paying the whole window; under load
 the queue or the frontends' decode pools are rarely empty, and the window
-batches as before. Waits after the first request also watch ``wake_fd``: the
-model becoming free is written there, so a held batch is cut at that moment
-rather than at the next poll.
+batches as before. A held batch's waits also watch ``wake_fd``: the model
+becoming free is written there, so a held batch is cut at that moment rather
+than at the next poll. Every other wait is a blocking receive on the queue,
+which the kernel hands to one waiting worker: a select on the queue's
+descriptor would wake every waiting worker for each message.
 """
 
 from __future__ import annotations
@@ -116,7 +118,11 @@ class Batcher(Generic[T]):
                     break
                 else:
                     remaining = WAKE_SLICE_S
-            item = self._take(remaining, wakeable=True)
+            # Only a held batch needs the wake-up (it says the model is free, so cut now). Otherwise a
+            # blocking receive waits: the kernel hands a message to one waiting receiver, where a
+            # select on the queue's descriptor wakes every waiting worker for it and all but one
+            # find it gone (measured: most of an idle-ish worker's CPU per request).
+            item = self._take(remaining, wakeable=holding)
             if item is not None and item is not False:
                 batch.append(item)  # type: ignore[arg-type]
         return batch
