@@ -80,8 +80,9 @@ def scattered_holes(model_dir: str, rounds: int, arena_size: str) -> None:
     model = "checksum:" + Path(model_dir).name
     outcomes: collections.Counter[str] = collections.Counter()
     with tempfile.TemporaryDirectory() as tmp:
-        server = start_server(f"checksum:hf:{model_dir}", Path(tmp), "--frontends", "1", "--workers", "1",
-                              "--arena-size", arena_size)
+        server = start_server(
+            f"checksum:hf:{model_dir}", Path(tmp), "--frontends", "1", "--workers", "1", "--arena-size", arena_size
+        )
         try:
             url = server.base_url + "/v1/chat/completions"
             with httpx.Client(timeout=60) as client:
@@ -117,8 +118,18 @@ def main() -> None:
     seed = 1000
     outcomes: collections.Counter[str] = collections.Counter()
     with tempfile.TemporaryDirectory() as tmp:
-        server = start_server("checksum", Path(tmp), "--frontends", "1", "--workers", "1",
-                              "--arena-size", args.arena_size, "--max-images", "8")
+        server = start_server(
+            "checksum",
+            Path(tmp),
+            "--frontends",
+            "1",
+            "--workers",
+            "1",
+            "--arena-size",
+            args.arena_size,
+            "--max-images",
+            "8",
+        )
         try:
             url = server.base_url + "/v1/chat/completions"
             with httpx.Client(timeout=60) as client:
@@ -126,7 +137,9 @@ def main() -> None:
                     for _ in range(args.fill):
                         seed += 1
                         one = noise_png(seed)
-                        assert client.post(url, json=image_request("checksum", one, mime="image/png")).status_code == 200
+                        assert (
+                            client.post(url, json=image_request("checksum", one, mime="image/png")).status_code == 200
+                        )
                     images = [noise_png(seed + 1 + k) for k in range(args.images)]
                     seed += args.images
                     outcomes[outcome(client.post(url, json=several_images_request(images)), images)] += 1
@@ -135,8 +148,10 @@ def main() -> None:
                 response = client.post(url, json=several_images_request(images))
                 print(f"{args.too_many} new images: {outcome(response, images)}")
                 if response.status_code != 200:
-                    print(f"  retry-after: {response.headers.get('retry-after')}; "
-                          f"message: {response.json()['error']['message']}")
+                    print(
+                        f"  retry-after: {response.headers.get('retry-after')}; "
+                        f"message: {response.json()['error']['message']}"
+                    )
         finally:
             stop_and_check(server)
 

@@ -59,18 +59,57 @@ GRACE_S = 15.0  # past the server's request timeout (+ its 5 s hold grace): a re
 BAD_BODIES: list[tuple[bytes, int]] = [
     (b"{not json", 400),
     (json.dumps({"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}).encode(), 404),
-    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,!!!!"}}]}]}).encode(), 400),
-    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": data_url(b"\x89PNG\r\n\x1a\n" + b"\0" * 64, "image/png")}}]}]}
-     ).encode(), 400),
+    (
+        json.dumps(
+            {
+                "model": MODEL,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,!!!!"}}],
+                    }
+                ],
+            }
+        ).encode(),
+        400,
+    ),
+    (
+        json.dumps(
+            {
+                "model": MODEL,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "image_url",
+                                "image_url": {"url": data_url(b"\x89PNG\r\n\x1a\n" + b"\0" * 64, "image/png")},
+                            }
+                        ],
+                    }
+                ],
+            }
+        ).encode(),
+        400,
+    ),
     (json.dumps({"model": MODEL, "max_tokens": -1, "messages": [{"role": "user", "content": "hi"}]}).encode(), 400),
 ]
 
 
 def body(data: bytes, text: str = "hi", stream: bool = False) -> dict[str, object]:
-    return {"model": MODEL, "stream": stream, "messages": [{"role": "user", "content": [
-        {"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": data_url(data, "image/png")}}]}]}
+    return {
+        "model": MODEL,
+        "stream": stream,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": text},
+                    {"type": "image_url", "image_url": {"url": data_url(data, "image/png")}},
+                ],
+            }
+        ],
+    }
 
 
 # -- the server -----------------------------------------------------------------------------------
@@ -112,8 +151,11 @@ class Server:
             text = httpx.get(self.url + "/metrics", timeout=2).text
         except httpx.HTTPError:
             return None  # a stopped frontend accepted the connection
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith(name + " ") or line.startswith(name + "{"))
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(name + " ") or line.startswith(name + "{")
+        )
 
     def at_full_capacity(self) -> bool:
         children = self.children()
@@ -121,8 +163,11 @@ class Server:
             return False
         frontends = sum(role.startswith("frontend") for role in children.values())
         workers = sum(role == "worker" for role in children.values())
-        return (frontends == self.n_frontends and workers == self.n_workers
-                and self.metric("shmgate_workers_ready") == self.n_workers)
+        return (
+            frontends == self.n_frontends
+            and workers == self.n_workers
+            and self.metric("shmgate_workers_ready") == self.n_workers
+        )
 
 
 def _stopped(pid: int) -> bool:
@@ -135,8 +180,11 @@ def _stopped(pid: int) -> bool:
 def _counts(pid: int) -> tuple[int, int] | None:
     try:
         fds = len(os.listdir(f"/proc/{pid}/fd"))
-        threads = int(next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-                           if line.startswith("Threads:")).split()[1])
+        threads = int(
+            next(
+                line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("Threads:")
+            ).split()[1]
+        )
     except (OSError, StopIteration, ValueError):
         return None
     return fds, threads
@@ -160,10 +208,30 @@ def start_server(args: argparse.Namespace, log_dir: Path) -> Server:
     port = free_port()
     log_path = log_dir / f"chaos-serve-{port}.log"
     process = subprocess.Popen(
-        [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--model", MODEL,
-         "--frontends", str(args.frontends), "--workers", str(args.workers), "--arena-size", args.arena_size,
-         "--stall-timeout-s", str(args.stall_timeout_s), "--request-timeout-s", str(args.request_timeout_s)],
-        stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, cwd=REPO)
+        [
+            sys.executable,
+            "-m",
+            "gateway",
+            "serve",
+            "--port",
+            str(port),
+            "--model",
+            MODEL,
+            "--frontends",
+            str(args.frontends),
+            "--workers",
+            str(args.workers),
+            "--arena-size",
+            args.arena_size,
+            "--stall-timeout-s",
+            str(args.stall_timeout_s),
+            "--request-timeout-s",
+            str(args.request_timeout_s),
+        ],
+        stdout=open(log_path, "wb"),
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+    )
     server = Server(process, port, log_path, args.frontends, args.workers)
     deadline = time.monotonic() + 180
     while not server.at_full_capacity():
@@ -211,8 +279,9 @@ async def _one(client: httpx.AsyncClient, i: int, hits: list[bytes], deadline_s:
 async def _request(client: httpx.AsyncClient, kind: str, i: int, hits: list[bytes]) -> str:
     if kind == "bad":
         payload, status = BAD_BODIES[i // 10 % len(BAD_BODIES)]
-        response = await client.post("/v1/chat/completions", content=payload,
-                                     headers={"content-type": "application/json"})
+        response = await client.post(
+            "/v1/chat/completions", content=payload, headers={"content-type": "application/json"}
+        )
         if response.status_code == status and _error_code(response):
             return "ok"
         return _clean_or_fail(response)
@@ -224,8 +293,9 @@ async def _request(client: httpx.AsyncClient, kind: str, i: int, hits: list[byte
             return "ok" if expected_checksum(data) in content else "FAIL:wrong answer"
         return _clean_or_fail(response)
     steps = 10 if kind == "stream" else 200
-    async with client.stream("POST", "/v1/chat/completions",
-                             json=body(data, f"checksum:trickle {steps}", stream=True)) as response:
+    async with client.stream(
+        "POST", "/v1/chat/completions", json=body(data, f"checksum:trickle {steps}", stream=True)
+    ) as response:
         if response.status_code != 200:
             await response.aread()
             return _clean_or_fail(response)
@@ -251,8 +321,9 @@ def _clean_or_fail(response: httpx.Response) -> str:
     return f"error:{response.status_code}:{code}" if code else f"FAIL:unclean {response.status_code}"
 
 
-async def traffic(server: Server, concurrency: int, stop: asyncio.Event, deadline_s: float, tally: Tally,
-                  hits: list[bytes]) -> None:
+async def traffic(
+    server: Server, concurrency: int, stop: asyncio.Event, deadline_s: float, tally: Tally, hits: list[bytes]
+) -> None:
     counter = iter(range(10**9))
 
     async def client_loop() -> None:
@@ -277,8 +348,14 @@ class Fault:
     back_s: float
 
 
-async def chaos(server: Server, stop: asyncio.Event, started: float, faults: list[Fault], rng: random.Random,
-                frontend_faults: list[float]) -> None:
+async def chaos(
+    server: Server,
+    stop: asyncio.Event,
+    started: float,
+    faults: list[Fault],
+    rng: random.Random,
+    frontend_faults: list[float],
+) -> None:
     while not stop.is_set():
         await asyncio.sleep(rng.uniform(1.0, 3.0))
         if stop.is_set():
@@ -346,8 +423,11 @@ def main(argv: list[str] | None = None) -> int:
     server = start_server(args, log_dir)
     # Only this server's objects: another instance (a test beside this one) may come and go meanwhile.
     instance = re.search(r": instance ([0-9a-f]{16}) \(label ", server.log_path.read_text())
-    ours = (f"shmgate.{instance.group(1)}.", f"sem.shmgate.{instance.group(1)}.") if instance else ("shmgate.",
-                                                                                                   "sem.shmgate.")
+    ours = (
+        (f"shmgate.{instance.group(1)}.", f"sem.shmgate.{instance.group(1)}.")
+        if instance
+        else ("shmgate.", "sem.shmgate.")
+    )
     instance_files_before = {e for e in os.listdir("/dev/shm") if e.startswith(ours)}
     failures: list[str] = []
     tally = Tally()
@@ -357,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     after: dict[str, tuple[int, int]] = {}
     elapsed = 0.0
     try:
+
         async def calm_round(tally_of_round: Tally) -> None:
             """3 s of traffic without faults: warms the servers' lazy pools, so census() compares like with like."""
             stop = asyncio.Event()
@@ -371,8 +452,10 @@ def main(argv: list[str] | None = None) -> int:
             stop = asyncio.Event()
             started = time.monotonic()
             asyncio.get_running_loop().call_later(args.duration_s, stop.set)
-            await asyncio.gather(traffic(server, args.concurrency, stop, deadline_s, tally, hits),
-                                 chaos(server, stop, started, faults, rng, frontend_faults))
+            await asyncio.gather(
+                traffic(server, args.concurrency, stop, deadline_s, tally, hits),
+                chaos(server, stop, started, faults, rng, frontend_faults),
+            )
 
         run_started = time.monotonic()
         asyncio.run(run())
@@ -435,11 +518,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(summary))
     else:
-        print(f"chaos: {summary['requests']} requests in {summary['duration_s']} s, {len(faults)} faults "
-              f"{summary['faults_by_kind']} (seed {seed})")
+        print(
+            f"chaos: {summary['requests']} requests in {summary['duration_s']} s, {len(faults)} faults "
+            f"{summary['faults_by_kind']} (seed {seed})"
+        )
         print(f"outcomes {summary['outcomes']}")
-        print(f"back to full capacity after each fault: median {summary['back_to_full_capacity_s']['median']} s, "
-              f"max {summary['back_to_full_capacity_s']['max']} s; slowest request {summary['slowest_request_s']} s")
+        print(
+            f"back to full capacity after each fault: median {summary['back_to_full_capacity_s']['median']} s, "
+            f"max {summary['back_to_full_capacity_s']['max']} s; slowest request {summary['slowest_request_s']} s"
+        )
         print(f"fds/threads per role before {summary['fds_threads_before']} after {summary['fds_threads_after']}")
         print("OK" if not failures else "FAILED:\n  " + "\n  ".join(failures))
     return 1 if failures else 0

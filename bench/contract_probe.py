@@ -26,8 +26,19 @@ PHOTO = Path(__file__).parent.parent / "tests" / "data" / "images" / "coffee_640
 def _chat(model: str, **extra: object) -> dict[str, object]:
     """A request every model here answers with a 200 (the classifier needs an image)."""
     image = "data:image/jpeg;base64," + base64.b64encode(PHOTO.read_bytes()).decode()
-    return {"model": model, "messages": [{"role": "user", "content": [
-        {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": image}}]}], **extra}
+    return {
+        "model": model,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "what is this?"},
+                    {"type": "image_url", "image_url": {"url": image}},
+                ],
+            }
+        ],
+        **extra,
+    }
 
 
 def _keep_alive(url: str, first: bytes) -> str:
@@ -61,23 +72,31 @@ def main(url: str) -> None:
 
     r = client.post(CHAT, json=_chat(model, logit_bias={"²": 1}))
     show("logit_bias {'²': 1}", r, r.headers.get("content-type", ""))
-    bad_accept = (f"GET /metrics HTTP/1.1\r\nHost: {netloc}\r\n"
-                  "Accept: application/openmetrics-text; version=abc\r\n\r\n").encode()
+    bad_accept = (
+        f"GET /metrics HTTP/1.1\r\nHost: {netloc}\r\nAccept: application/openmetrics-text; version=abc\r\n\r\n"
+    ).encode()
     r = client.get("/metrics", headers={"Accept": "application/openmetrics-text; version=abc"})
     show("/metrics, Accept openmetrics version=abc", r, _keep_alive(url, bad_accept))
     r = client.post(CHAT, json={"model": model, "messages": [{"role": "r" * 1_000_000, "content": "hi"}]})
     show("a 1,000,000-character role", r)
     for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
-        r = client.post(CHAT, content=json.dumps(_chat(model)),
-                        headers={"Content-Type": content_type, "Origin": "http://evil.example"})
+        r = client.post(
+            CHAT,
+            content=json.dumps(_chat(model)),
+            headers={"Content-Type": content_type, "Origin": "http://evil.example"},
+        )
         show(f"JSON body as {content_type.split(';')[0]}", r)
     r = client.post(CHAT, json=_chat(model), headers={"Host": "evil.example"})
     show("Host: evil.example", r)
     r = client.post(CHAT + "/", json=_chat(model))
     show("POST .../completions/ (trailing slash)", r, f"location={r.headers.get('location')}")
-    for field, value in [("guided_json", {"type": "object"}), ("guided_choice", ["a"]),
-                         ("structured_outputs", {"json": {}}), ("modalities", ["text", "audio"]),
-                         ("prediction", {"type": "content", "content": "x"})]:
+    for field, value in [
+        ("guided_json", {"type": "object"}),
+        ("guided_choice", ["a"]),
+        ("structured_outputs", {"json": {}}),
+        ("modalities", ["text", "audio"]),
+        ("prediction", {"type": "content", "content": "x"}),
+    ]:
         r = client.post(CHAT, json=_chat(model, **{field: value}))
         show(f"{field}", r, str(r.json().get("error", {}).get("param", "")) if r.status_code != 200 else "")
     r = client.post(CHAT, json=_chat(model))
@@ -85,8 +104,12 @@ def main(url: str) -> None:
     if model.startswith("efficientnet"):
         r = client.post(CHAT, json=_chat(model, max_tokens=1))
         answer = r.json()
-        show("classifier, max_tokens=1", r, f"completion_tokens={answer['usage']['completion_tokens']} "
-             f"finish_reason={answer['choices'][0]['finish_reason']}")
+        show(
+            "classifier, max_tokens=1",
+            r,
+            f"completion_tokens={answer['usage']['completion_tokens']} "
+            f"finish_reason={answer['choices'][0]['finish_reason']}",
+        )
 
 
 if __name__ == "__main__":

@@ -34,19 +34,20 @@ def backend_and_pixels(images: int) -> tuple[Any, list[Any]]:
 
     backend = EfficientNetBackend(torch.device("cpu"), threads=1)
     generator = torch.Generator().manual_seed(0)
-    return backend, [torch.randint(0, 256, (3, 224, 224), dtype=torch.uint8, generator=generator)
-                     for _ in range(images)]
+    return backend, [
+        torch.randint(0, 256, (3, 224, 224), dtype=torch.uint8, generator=generator) for _ in range(images)
+    ]
 
 
-def children_side_by_side(script: str, child_args: list[str], processes: int,
-                          env: dict[str, str] | None = None) -> list[str]:
+def children_side_by_side(
+    script: str, child_args: list[str], processes: int, env: dict[str, str] | None = None
+) -> list[str]:
     """The output of ``processes`` fresh ``script --child ...`` processes started together.
 
     Side by side, as the default CPU layout runs two workers of one torch thread.
     """
     argv = [sys.executable, script, "--child", *child_args]
-    children = [subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, cwd=REPO, env=env)
-                for _ in range(processes)]
+    children = [subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, cwd=REPO, env=env) for _ in range(processes)]
     return [child.communicate()[0] for child in children]
 
 
@@ -65,8 +66,9 @@ def measure(pass_images: int, seconds: float) -> float:
 
 def side_by_side(pass_images: int, processes: int, seconds: float) -> list[float]:
     """ms per image of each of ``processes`` processes measuring at the same time."""
-    return [float(out) for out in children_side_by_side(__file__, [str(pass_images), "--seconds", str(seconds)],
-                                                        processes)]
+    return [
+        float(out) for out in children_side_by_side(__file__, [str(pass_images), "--seconds", str(seconds)], processes)
+    ]
 
 
 def main() -> None:

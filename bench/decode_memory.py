@@ -93,8 +93,9 @@ def _frontend_pid(supervisor: int) -> int:
 def _request(images: list[bytes]) -> dict[str, object]:
     parts: list[dict[str, object]] = [{"type": "text", "text": "x"}]
     for data in images:
-        parts.append({"type": "image_url",
-                      "image_url": {"url": "data:image/png;base64," + base64.b64encode(data).decode()}})
+        parts.append(
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(data).decode()}}
+        )
     return {"model": "checksum", "messages": [{"role": "user", "content": parts}]}
 
 
@@ -104,9 +105,27 @@ def serve_cases(root: Path, max_pixels: int | None) -> list[tuple[str, float, in
     extra = ["--max-pixels", str(max_pixels)] if max_pixels else []
     log = tempfile.NamedTemporaryFile(prefix="decode-memory-", suffix=".log", delete=False)
     server = subprocess.Popen(
-        [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--model", "checksum", "--frontends", "1",
-         "--workers", "1", "--arena-size", "128MiB", *extra],
-        cwd=root, env=dict(os.environ, PYTHONPATH=str(root)), stdout=log, stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "gateway",
+            "serve",
+            "--port",
+            str(port),
+            "--model",
+            "checksum",
+            "--frontends",
+            "1",
+            "--workers",
+            "1",
+            "--arena-size",
+            "128MiB",
+            *extra,
+        ],
+        cwd=root,
+        env=dict(os.environ, PYTHONPATH=str(root)),
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
     rows = []
@@ -133,9 +152,15 @@ def serve_cases(root: Path, max_pixels: int | None) -> list[tuple[str, float, in
         # A neighbour's photo while two 4-image attack requests run.
         photo = _request([PHOTO.read_bytes()])
         with ThreadPoolExecutor(3) as pool:
-            attacks = [pool.submit(httpx.post, url + "/v1/chat/completions",
-                                   json=_request([attack_png(6290 - 4 * j - i) for i in range(4)]), timeout=300)
-                       for j in range(2)]
+            attacks = [
+                pool.submit(
+                    httpx.post,
+                    url + "/v1/chat/completions",
+                    json=_request([attack_png(6290 - 4 * j - i) for i in range(4)]),
+                    timeout=300,
+                )
+                for j in range(2)
+            ]
             time.sleep(0.2)
             started = time.perf_counter()
             answer = httpx.post(url + "/v1/chat/completions", json=photo, timeout=300)
@@ -149,8 +174,14 @@ def serve_cases(root: Path, max_pixels: int | None) -> list[tuple[str, float, in
 
 
 def decode_times(root: Path, rounds: int) -> tuple[float, float, float]:
-    out = subprocess.run([sys.executable, "-c", TIMING_CHILD, str(PHOTO), str(rounds)], cwd=root,
-                         env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-c", TIMING_CHILD, str(PHOTO), str(rounds)],
+        cwd=root,
+        env=dict(os.environ, PYTHONPATH=str(root)),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-3000:])
     full, drafted, header = map(float, out.stdout.split())
@@ -168,8 +199,10 @@ def main() -> None:
     for root in roots:
         for max_pixels in (None, 60_000_000):
             for case, value, status in serve_cases(root, max_pixels):
-                print(f"{str(root)[-28:]:28s} {max_pixels or 'default':>12} {case:40s} {value:12.2f} {status:6d}",
-                      flush=True)
+                print(
+                    f"{str(root)[-28:]:28s} {max_pixels or 'default':>12} {case:40s} {value:12.2f} {status:6d}",
+                    flush=True,
+                )
     print(f"\n1024 px JPEG ({PHOTO.name}), median thread CPU time of {args.rounds}:")
     print(f"{'root':28s} {'decode ms':>10s} {'drafted preprocess ms':>22s} {'header predict ms':>18s}")
     for root in roots:

@@ -57,10 +57,21 @@ class Disturbance:
     def __enter__(self) -> Disturbance:
         try:
             for duty in duties(self.cores):
-                self.processes.append(subprocess.Popen(
-                    [sys.executable, os.path.abspath(__file__), "--duty", str(duty), "--seconds",
-                     str(self.max_seconds)], start_new_session=True, stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL))
+                self.processes.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            os.path.abspath(__file__),
+                            "--duty",
+                            str(duty),
+                            "--seconds",
+                            str(self.max_seconds),
+                        ],
+                        start_new_session=True,
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL,
+                    )
+                )
         except BaseException:
             self.stop()
             raise

@@ -77,57 +77,92 @@ SCENARIOS: dict[str, Scenario] = {
     "litserve": Scenario(LITSERVE, "efficientnet-lite0", needs=LITSERVE_PYTHON),
     "litserve-checksum": Scenario(LITSERVE + ("--mode", "checksum"), "checksum", needs=LITSERVE_PYTHON),
     "shmgate-checksum": Scenario(SHMGATE + ("--model", "checksum"), "checksum", ready_path="/ready"),
-    "shmgate-checksum-cached": Scenario(SHMGATE + ("--model", "checksum"), "checksum", ready_path="/ready",
-                                        bench_flags=("--repeat-one",)),
-    "shmgate-efficientnet": Scenario(SHMGATE + ("--model", "efficientnet-lite0"), "efficientnet-lite0",
-                                     ready_path="/ready"),
+    "shmgate-checksum-cached": Scenario(
+        SHMGATE + ("--model", "checksum"), "checksum", ready_path="/ready", bench_flags=("--repeat-one",)
+    ),
+    "shmgate-efficientnet": Scenario(
+        SHMGATE + ("--model", "efficientnet-lite0"), "efficientnet-lite0", ready_path="/ready"
+    ),
     # The other batch policy (shared/flags.py --batch-policy; the default is held), for alternated
     # runs on one build.
-    "shmgate-efficientnet-fcfs": Scenario(SHMGATE + ("--model", "efficientnet-lite0", "--batch-policy", "fcfs"),
-                                          "efficientnet-lite0", ready_path="/ready"),
+    "shmgate-efficientnet-fcfs": Scenario(
+        SHMGATE + ("--model", "efficientnet-lite0", "--batch-policy", "fcfs"), "efficientnet-lite0", ready_path="/ready"
+    ),
     # Batches of 8 requests, the old default (now one forward pass on CPU: 2 per torch
     # thread), for alternated before/after runs on one build.
-    "shmgate-efficientnet-b8": Scenario(SHMGATE + ("--model", "efficientnet-lite0", "--max-batch-size", "8"),
-                                        "efficientnet-lite0", ready_path="/ready"),
+    "shmgate-efficientnet-b8": Scenario(
+        SHMGATE + ("--model", "efficientnet-lite0", "--max-batch-size", "8"), "efficientnet-lite0", ready_path="/ready"
+    ),
     # The same default command on the checkout in SHMGATE_BENCH_BASE (before/after in one run).
     # (From the base directory: the frontends start with `python -m gateway`, which looks in the cwd first.)
-    "shmgate-base": Scenario(("sh", "-c", "cd {base} && PYTHONPATH={base} exec {bin}/shmgate serve --host 127.0.0.1 "
-                              "--port {port} --model efficientnet-lite0"), "efficientnet-lite0", ready_path="/ready",
-                             needs=BASE_TREE / "gateway" / "cli.py"),
+    "shmgate-base": Scenario(
+        (
+            "sh",
+            "-c",
+            "cd {base} && PYTHONPATH={base} exec {bin}/shmgate serve --host 127.0.0.1 "
+            "--port {port} --model efficientnet-lite0",
+        ),
+        "efficientnet-lite0",
+        ready_path="/ready",
+        needs=BASE_TREE / "gateway" / "cli.py",
+    ),
     # The default on CPU is 2 workers splitting the cores (LitServe's best layout on 2 cores, too);
     # this is the other choice, one worker with every core.
-    "shmgate-efficientnet-1w": Scenario(SHMGATE + ("--model", "efficientnet-lite0", "--workers", "1"),
-                                        "efficientnet-lite0", ready_path="/ready"),
+    "shmgate-efficientnet-1w": Scenario(
+        SHMGATE + ("--model", "efficientnet-lite0", "--workers", "1"), "efficientnet-lite0", ready_path="/ready"
+    ),
     # Huge pages for torch's large tensors (worker/__main__.py turns them on by default): without
     # them in our workers, and with them in LitServe's, for alternated runs on one build.
-    "shmgate-efficientnet-nothp": Scenario(("env", "THP_MEM_ALLOC_ENABLE=0") + SHMGATE
-                                           + ("--model", "efficientnet-lite0"), "efficientnet-lite0",
-                                           ready_path="/ready"),
-    "litserve-thp": Scenario(("env", "THP_MEM_ALLOC_ENABLE=1") + LITSERVE, "efficientnet-lite0",
-                             needs=LITSERVE_PYTHON),
+    "shmgate-efficientnet-nothp": Scenario(
+        ("env", "THP_MEM_ALLOC_ENABLE=0") + SHMGATE + ("--model", "efficientnet-lite0"),
+        "efficientnet-lite0",
+        ready_path="/ready",
+    ),
+    "litserve-thp": Scenario(("env", "THP_MEM_ALLOC_ENABLE=1") + LITSERVE, "efficientnet-lite0", needs=LITSERVE_PYTHON),
 }
 # /v1/embeddings (one image per request; req/s = images/s). "-repeat": the same image every time
 # (the naive server and LitServe have no cache to hit; shmgate hits its tensor cache, and with
 # --result-cache-mb its result cache, which skips the worker).
 _EMBED = ("--unique", "--embeddings")
 _EMBED_REPEAT = ("--repeat-one", "--embeddings")
-SCENARIOS.update({
-    "naive-embed": Scenario(NAIVE + ("--mode", "efficientnet"), "efficientnet-lite0", bench_flags=_EMBED),
-    "naive-embed-repeat": Scenario(NAIVE + ("--mode", "efficientnet"), "efficientnet-lite0",
-                                   bench_flags=_EMBED_REPEAT),
-    "litserve-embed": Scenario(LITSERVE + ("--embeddings",), "efficientnet-lite0", needs=LITSERVE_PYTHON,
-                               bench_flags=_EMBED),
-    "litserve-embed-repeat": Scenario(LITSERVE + ("--embeddings",), "efficientnet-lite0", needs=LITSERVE_PYTHON,
-                                      bench_flags=_EMBED_REPEAT),
-    "shmgate-embed": Scenario(SHMGATE + ("--model", "efficientnet-lite0"), "efficientnet-lite0",
-                              ready_path="/ready", bench_flags=_EMBED),
-    "shmgate-embed-repeat": Scenario(SHMGATE + ("--model", "efficientnet-lite0"), "efficientnet-lite0",
-                                     ready_path="/ready", bench_flags=_EMBED_REPEAT),
-    "shmgate-embed-result-cache": Scenario(SHMGATE + ("--model", "efficientnet-lite0", "--result-cache-mb", "64"),
-                                           "efficientnet-lite0", ready_path="/ready", bench_flags=_EMBED_REPEAT),
-})
-EMBEDDING_SCENARIOS = ["naive-embed", "litserve-embed", "shmgate-embed", "naive-embed-repeat",
-                       "litserve-embed-repeat", "shmgate-embed-repeat", "shmgate-embed-result-cache"]
+SCENARIOS.update(
+    {
+        "naive-embed": Scenario(NAIVE + ("--mode", "efficientnet"), "efficientnet-lite0", bench_flags=_EMBED),
+        "naive-embed-repeat": Scenario(
+            NAIVE + ("--mode", "efficientnet"), "efficientnet-lite0", bench_flags=_EMBED_REPEAT
+        ),
+        "litserve-embed": Scenario(
+            LITSERVE + ("--embeddings",), "efficientnet-lite0", needs=LITSERVE_PYTHON, bench_flags=_EMBED
+        ),
+        "litserve-embed-repeat": Scenario(
+            LITSERVE + ("--embeddings",), "efficientnet-lite0", needs=LITSERVE_PYTHON, bench_flags=_EMBED_REPEAT
+        ),
+        "shmgate-embed": Scenario(
+            SHMGATE + ("--model", "efficientnet-lite0"), "efficientnet-lite0", ready_path="/ready", bench_flags=_EMBED
+        ),
+        "shmgate-embed-repeat": Scenario(
+            SHMGATE + ("--model", "efficientnet-lite0"),
+            "efficientnet-lite0",
+            ready_path="/ready",
+            bench_flags=_EMBED_REPEAT,
+        ),
+        "shmgate-embed-result-cache": Scenario(
+            SHMGATE + ("--model", "efficientnet-lite0", "--result-cache-mb", "64"),
+            "efficientnet-lite0",
+            ready_path="/ready",
+            bench_flags=_EMBED_REPEAT,
+        ),
+    }
+)
+EMBEDDING_SCENARIOS = [
+    "naive-embed",
+    "litserve-embed",
+    "shmgate-embed",
+    "naive-embed-repeat",
+    "litserve-embed-repeat",
+    "shmgate-embed-repeat",
+    "shmgate-embed-result-cache",
+]
 DEFAULT_SCENARIOS = ["naive-checksum", "naive-efficientnet", "litserve"]
 
 
@@ -142,8 +177,9 @@ class ServerProcess:
     def start(self) -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
         with self.log_path.open("wb") as log:
-            self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                            cwd=REPO, start_new_session=True)
+            self.process = subprocess.Popen(
+                self.argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True
+            )
 
     @property
     def pid(self) -> int:
@@ -204,13 +240,20 @@ def free_port() -> int:
 
 
 def expand(command: tuple[str, ...], port: int) -> list[str]:
-    values = {"python": sys.executable, "bin": str(Path(sys.executable).parent), "repo": str(REPO),
-              "port": str(port), "litserve_python": str(LITSERVE_PYTHON), "base": str(BASE_TREE)}
+    values = {
+        "python": sys.executable,
+        "bin": str(Path(sys.executable).parent),
+        "repo": str(REPO),
+        "port": str(port),
+        "litserve_python": str(LITSERVE_PYTHON),
+        "base": str(BASE_TREE),
+    }
     return [part.format(**values) for part in command]
 
 
-async def bench_scenario(name: str, scenario: Scenario, args: argparse.Namespace, images_dir: Path,
-                         log_dir: Path, round_index: int = 0) -> list[dict[str, Any]]:
+async def bench_scenario(
+    name: str, scenario: Scenario, args: argparse.Namespace, images_dir: Path, log_dir: Path, round_index: int = 0
+) -> list[dict[str, Any]]:
     """Start the scenario's server, load it at every concurrency, stop it. One result per concurrency."""
     port = free_port()
     server = ServerProcess(expand(scenario.command, port), log_dir / f"{name}-{round_index}.log")
@@ -230,9 +273,21 @@ async def bench_scenario(name: str, scenario: Scenario, args: argparse.Namespace
                 if not capacity:
                     break
                 concurrency, rate = 8, round(capacity * args.open_loop[index - len(loads)] / 100, 2)
-            argv = ["--base-url", base_url, "--model", scenario.model, "--concurrency", str(concurrency),
-                    "--requests", str(args.requests), "--images", str(images_dir),
-                    "--server-pid", str(server.pid), *scenario.bench_flags]
+            argv = [
+                "--base-url",
+                base_url,
+                "--model",
+                scenario.model,
+                "--concurrency",
+                str(concurrency),
+                "--requests",
+                str(args.requests),
+                "--images",
+                str(images_dir),
+                "--server-pid",
+                str(server.pid),
+                *scenario.bench_flags,
+            ]
             if rate is not None:
                 argv += ["--rate", str(rate), "--seed", str(args.seed)]
             if args.stream:
@@ -244,9 +299,14 @@ async def bench_scenario(name: str, scenario: Scenario, args: argparse.Namespace
                 result = await loadgen.run(parser.parse_args(argv))
             if rate is None:
                 capacity = result["requests_per_s"]
-            result.update(scenario=name, run_s=round(time.monotonic() - began, 2), startup_s=round(startup_s, 2),
-                          background_cores=args.background_cores, round=round_index,
-                          capacity=None if rate is None else capacity)
+            result.update(
+                scenario=name,
+                run_s=round(time.monotonic() - began, 2),
+                startup_s=round(startup_s, 2),
+                background_cores=args.background_cores,
+                round=round_index,
+                capacity=None if rate is None else capacity,
+            )
             results.append(result)
             emit_progress(result, args)
     finally:
@@ -259,10 +319,14 @@ def emit_progress(result: dict[str, Any], args: argparse.Namespace) -> None:
         print(json.dumps(result), flush=True)
     else:
         load = f"c={result['concurrency']:<3}" if result["offered_rate"] is None else f"rate={result['offered_rate']}"
-        print(f"  {result['scenario']:<24} {load} {result['requests_per_s']:>8} req/s  "
-              f"p50 {result['p50_ms']} ms  p99 {result['p99_ms']} ms  errors {result['errors']}  "
-              f"mismatches {result['mismatches']}  other load {result['other_load_cores']} cores  "
-              f"({result['run_s']} s)", file=sys.stderr, flush=True)
+        print(
+            f"  {result['scenario']:<24} {load} {result['requests_per_s']:>8} req/s  "
+            f"p50 {result['p50_ms']} ms  p99 {result['p99_ms']} ms  errors {result['errors']}  "
+            f"mismatches {result['mismatches']}  other load {result['other_load_cores']} cores  "
+            f"({result['run_s']} s)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def render_table(columns: list[str], rows: list[list[object]], *, left: int = 1) -> str:
@@ -281,17 +345,46 @@ def fmt(value: float | None, digits: int = 1) -> str:
 def markdown_table(results: list[dict[str, Any]]) -> str:
     """The comparison table; server CPU is per request, all of the server's processes included."""
     rounds = any(r.get("round") for r in results)
-    columns = ["round"] * rounds + ["scenario", "conc", "req/s", "p50 ms", "p90 ms", "p99 ms", "p99/p50", "ttft p50 ms", "errors",
-               "mismatches", "server CPU ms/req", "other load (cores)", "workers busy", "run s"]
+    columns = ["round"] * rounds + [
+        "scenario",
+        "conc",
+        "req/s",
+        "p50 ms",
+        "p90 ms",
+        "p99 ms",
+        "p99/p50",
+        "ttft p50 ms",
+        "errors",
+        "mismatches",
+        "server CPU ms/req",
+        "other load (cores)",
+        "workers busy",
+        "run s",
+    ]
     rows = []
     for r in results:
         cpu = r["cpu_s_per_request"]
         load = r["concurrency"] if r.get("offered_rate") is None else f"open {r['offered_rate']}/s"
         ratio = r["p99_ms"] / r["p50_ms"] if r["p99_ms"] and r["p50_ms"] else None
-        rows.append([r.get("round", 0) + 1] * rounds + [r["scenario"], load, r["requests_per_s"], fmt(r["p50_ms"]), fmt(r["p90_ms"]),
-                     fmt(r["p99_ms"]), fmt(ratio, 2), fmt(r["ttft_p50_ms"]), r["errors"], r["mismatches"],
-                     fmt(None if cpu is None else cpu * 1000), fmt(r.get("other_load_cores")),
-                     fmt(r.get("workers_busy"), 2), r["run_s"]])
+        rows.append(
+            [r.get("round", 0) + 1] * rounds
+            + [
+                r["scenario"],
+                load,
+                r["requests_per_s"],
+                fmt(r["p50_ms"]),
+                fmt(r["p90_ms"]),
+                fmt(r["p99_ms"]),
+                fmt(ratio, 2),
+                fmt(r["ttft_p50_ms"]),
+                r["errors"],
+                r["mismatches"],
+                fmt(None if cpu is None else cpu * 1000),
+                fmt(r.get("other_load_cores")),
+                fmt(r.get("workers_busy"), 2),
+                r["run_s"],
+            ]
+        )
     return render_table(columns, rows, left=1 + rounds)
 
 
@@ -326,8 +419,14 @@ def plot_open_loop(results: list[dict[str, Any]], path: Path) -> bool:
         rounds = max(len(runs) for runs in by_load.values())
         label = name if rounds == 1 else f"{name} (mean of {rounds} rounds)"
         line = ax.plot(x, [mean("p50_ms", load) for load in x], marker="o", label=f"{label} p50")[0]
-        ax.plot(x, [mean("p99_ms", load) for load in x], marker="s", linestyle="--", color=line.get_color(),
-                label=f"{label} p99")
+        ax.plot(
+            x,
+            [mean("p99_ms", load) for load in x],
+            marker="s",
+            linestyle="--",
+            color=line.get_color(),
+            label=f"{label} p99",
+        )
     ax.set_xlabel("offered load, % of the capacity measured closed-loop")
     ax.set_ylabel("latency, ms")
     ax.set_yscale("log")
@@ -353,8 +452,10 @@ async def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
             for name in args.scenario:
                 scenario = SCENARIOS[name]
                 if scenario.needs is not None and not scenario.needs.exists():
-                    print(f"skipping {name}: {scenario.needs} is missing (for litserve: run bench/setup_litserve.sh; for shmgate-base: set SHMGATE_BENCH_BASE)",
-                          file=sys.stderr)
+                    print(
+                        f"skipping {name}: {scenario.needs} is missing (for litserve: run bench/setup_litserve.sh; for shmgate-base: set SHMGATE_BENCH_BASE)",
+                        file=sys.stderr,
+                    )
                     continue
                 print(f"{name}: {' '.join(expand(scenario.command, 0))}", file=sys.stderr, flush=True)
                 try:
@@ -366,11 +467,16 @@ async def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--scenario", action="append", choices=sorted(SCENARIOS),
-                        help=f"repeatable; default: {', '.join(DEFAULT_SCENARIOS)}")
+    parser.add_argument(
+        "--scenario",
+        action="append",
+        choices=sorted(SCENARIOS),
+        help=f"repeatable; default: {', '.join(DEFAULT_SCENARIOS)}",
+    )
     parser.add_argument("--all", action="store_true", help="every scenario of the table")
-    parser.add_argument("--embeddings", action="store_true",
-                        help=f"the /v1/embeddings comparison: {', '.join(EMBEDDING_SCENARIOS)}")
+    parser.add_argument(
+        "--embeddings", action="store_true", help=f"the /v1/embeddings comparison: {', '.join(EMBEDDING_SCENARIOS)}"
+    )
     parser.add_argument("--quick", action="store_true", help="48 requests per point instead of 200")
     parser.add_argument("--requests", type=int, default=None)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
@@ -378,15 +484,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print JSON lines as results come")
     parser.add_argument("--out", default=None, help="also write the markdown table to this file")
     parser.add_argument("--log-dir", default=None, help="keep the servers' logs here")
-    parser.add_argument("--background-cores", type=float, default=0.0,
-                        help="spin this many cores of our own during each measured run (fractions by duty cycle)")
-    parser.add_argument("--open-loop", type=float, nargs="*", default=[],
-                        help="after the closed-loop runs, open-loop runs at these %% of the measured capacity")
+    parser.add_argument(
+        "--background-cores",
+        type=float,
+        default=0.0,
+        help="spin this many cores of our own during each measured run (fractions by duty cycle)",
+    )
+    parser.add_argument(
+        "--open-loop",
+        type=float,
+        nargs="*",
+        default=[],
+        help="after the closed-loop runs, open-loop runs at these %% of the measured capacity",
+    )
     parser.add_argument("--seed", type=int, default=1, help="seed of the open-loop arrival schedule")
     parser.add_argument("--rounds", type=int, default=1, help="repeat the scenario list, alternating servers")
     parser.add_argument("--plot", default=None, help="PNG of the open-loop p50/p99 against offered load")
-    parser.add_argument("--from-json", type=Path, default=None,
-                        help="run nothing: print the table (and --plot) of the JSON lines an earlier --json run wrote")
+    parser.add_argument(
+        "--from-json",
+        type=Path,
+        default=None,
+        help="run nothing: print the table (and --plot) of the JSON lines an earlier --json run wrote",
+    )
     args = parser.parse_args(argv)
     if args.from_json is not None:
         saved = [json.loads(line) for line in args.from_json.read_text().splitlines() if line.startswith("{")]
@@ -394,8 +513,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.plot:
             plot_open_loop(saved, Path(args.plot))
         return 0
-    args.scenario = sorted(SCENARIOS) if args.all else (
-        args.scenario or (EMBEDDING_SCENARIOS if args.embeddings else DEFAULT_SCENARIOS))
+    args.scenario = (
+        sorted(SCENARIOS)
+        if args.all
+        else (args.scenario or (EMBEDDING_SCENARIOS if args.embeddings else DEFAULT_SCENARIOS))
+    )
     args.requests = args.requests or (48 if args.quick else 200)
     results = asyncio.run(run_all(args))
     table = markdown_table(results)

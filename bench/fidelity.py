@@ -76,8 +76,11 @@ def reference_pixels(data: bytes, resize_to: int = RESIZE, crop: int = CROP) -> 
 
 
 def _to_rgb(img: Image.Image) -> Image.Image:
-    if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info) or \
-            (img.mode in ("L", "RGB") and "transparency" in img.info):
+    if (
+        img.mode in ("RGBA", "LA", "PA")
+        or (img.mode == "P" and "transparency" in img.info)
+        or (img.mode in ("L", "RGB") and "transparency" in img.info)
+    ):
         rgba = img.convert("RGBA")
         white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(white, rgba).convert("RGB")
@@ -194,7 +197,7 @@ class Lite0:
         keys = [hashlib.blake2b(p.tobytes(), digest_size=16).digest() for p in batch]
         todo = list({k: p for k, p in zip(keys, batch, strict=True) if k not in self._seen}.items())
         for start in range(0, len(todo), 32):
-            chunk = todo[start:start + 32]
+            chunk = todo[start : start + 32]
             f = self.model.features(torch.stack([normalise(p) for _, p in chunk]))
             labels = self.model._fc(f).argmax(dim=1).numpy()
             vectors = torch.nn.functional.normalize(f, dim=1).numpy()
@@ -203,8 +206,12 @@ class Lite0:
         return np.array([self._seen[k][0] for k in keys]), np.stack([self._seen[k][1] for k in keys])
 
 
-def measure(samples: list[Sample], margins: tuple[float, ...], model: Lite0 | None = None,
-            gaps: tuple[float | None, ...] = (None,)) -> list[dict[str, object]]:
+def measure(
+    samples: list[Sample],
+    margins: tuple[float, ...],
+    model: Lite0 | None = None,
+    gaps: tuple[float | None, ...] = (None,),
+) -> list[dict[str, object]]:
     """One row per fast path (each margin with each resize ``reducing_gap``; and the reference's own
     cost), each against the reference."""
     model = model or Lite0()
@@ -212,8 +219,9 @@ def measure(samples: list[Sample], margins: tuple[float, ...], model: Lite0 | No
     ref = [reference_pixels(s.data) for s in samples]
     ref_ms = (time.process_time() - started) * 1000 / len(samples)
     ref_labels, ref_features = model.run(ref)
-    rows: list[dict[str, object]] = [{"path": "reference (full decode, resize, crop)", "margin": None,
-                                      "cpu_ms_per_image": round(ref_ms, 2)}]
+    rows: list[dict[str, object]] = [
+        {"path": "reference (full decode, resize, crop)", "margin": None, "cpu_ms_per_image": round(ref_ms, 2)}
+    ]
     for margin, gap in [(m, g) for g in gaps for m in margins]:
         started = time.process_time()
         ours = [gateway_pixels(s.data, margin, gap) for s in samples]
@@ -222,17 +230,22 @@ def measure(samples: list[Sample], margins: tuple[float, ...], model: Lite0 | No
         diffs = [np.abs(a.astype(np.int16) - b.astype(np.int16)) for a, b in zip(ours, ref, strict=True)]
         cosines = (features * ref_features).sum(axis=1)
         worst = int(np.argmin(cosines))
-        rows.append({
-            "path": _path_name(margin) + ("" if gap is None else f", resize reducing_gap {gap:g}"),
-            "margin": margin, "reducing_gap": gap, "images": len(samples),
-            "top1_agreement": round(float((labels == ref_labels).mean()), 4),
-            "top1_disagreeing": [s.name for s, a, b in zip(samples, labels, ref_labels, strict=True) if a != b],
-            "min_cosine": round(float(cosines.min()), 5), "worst_cosine_image": samples[worst].name,
-            "mean_cosine": round(float(cosines.mean()), 6),
-            "pixel_max_abs_diff": int(max(int(d.max()) for d in diffs)),
-            "pixel_mean_abs_diff": round(float(np.mean([d.mean() for d in diffs])), 3),
-            "cpu_ms_per_image": round(ms, 2),
-        })
+        rows.append(
+            {
+                "path": _path_name(margin) + ("" if gap is None else f", resize reducing_gap {gap:g}"),
+                "margin": margin,
+                "reducing_gap": gap,
+                "images": len(samples),
+                "top1_agreement": round(float((labels == ref_labels).mean()), 4),
+                "top1_disagreeing": [s.name for s, a, b in zip(samples, labels, ref_labels, strict=True) if a != b],
+                "min_cosine": round(float(cosines.min()), 5),
+                "worst_cosine_image": samples[worst].name,
+                "mean_cosine": round(float(cosines.mean()), 6),
+                "pixel_max_abs_diff": int(max(int(d.max()) for d in diffs)),
+                "pixel_mean_abs_diff": round(float(np.mean([d.mean() for d in diffs])), 3),
+                "cpu_ms_per_image": round(ms, 2),
+            }
+        )
     return rows
 
 
@@ -240,39 +253,59 @@ def _path_name(margin: float) -> str:
     from gateway.preprocess.vision import DEFAULT_DRAFT_MARGIN, EMBEDDING_DRAFT_MARGIN, FAST_DRAFT_MARGIN
 
     name = "full decode" if margin <= 0 else f"JPEG draft, margin {margin:g}"
-    roles = {DEFAULT_DRAFT_MARGIN: "the labels' default", EMBEDDING_DRAFT_MARGIN: "the embeddings' default",
-             FAST_DRAFT_MARGIN: "the fast option"}
+    roles = {
+        DEFAULT_DRAFT_MARGIN: "the labels' default",
+        EMBEDDING_DRAFT_MARGIN: "the embeddings' default",
+        FAST_DRAFT_MARGIN: "the fast option",
+    }
     return f"{name} ({roles[margin]})" if margin in roles else name
 
 
 def table(rows: list[dict[str, object]]) -> str:
-    lines = ["| path | top-1 agreement | min cosine (image) | mean cosine | pixel max abs diff | pixel mean abs diff "
-             "| CPU ms/image |", "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| path | top-1 agreement | min cosine (image) | mean cosine | pixel max abs diff | pixel mean abs diff "
+        "| CPU ms/image |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         if r["margin"] is None:
             lines.append(f"| {r['path']} | - | - | - | - | - | {r['cpu_ms_per_image']} |")
             continue
         agreement = float(r["top1_agreement"])  # type: ignore[arg-type]
-        lines.append(f"| {r['path']} | {agreement * 100:.1f} % | {r['min_cosine']} ({r['worst_cosine_image']}) "
-                     f"| {r['mean_cosine']} | {r['pixel_max_abs_diff']} | {r['pixel_mean_abs_diff']} "
-                     f"| {r['cpu_ms_per_image']} |")
+        lines.append(
+            f"| {r['path']} | {agreement * 100:.1f} % | {r['min_cosine']} ({r['worst_cosine_image']}) "
+            f"| {r['mean_cosine']} | {r['pixel_max_abs_diff']} | {r['pixel_mean_abs_diff']} "
+            f"| {r['cpu_ms_per_image']} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--crops", type=int, default=400, help="seeded crops of the photos (default %(default)s)")
-    parser.add_argument("--margins", type=float, nargs="+", default=list(DEFAULT_MARGINS),
-                        help="JPEG draft margins to measure; 0 is a full decode")
-    parser.add_argument("--gaps", type=float, nargs="*", default=[],
-                        help="also measure each margin with Pillow's resize(reducing_gap=G)")
+    parser.add_argument(
+        "--margins",
+        type=float,
+        nargs="+",
+        default=list(DEFAULT_MARGINS),
+        help="JPEG draft margins to measure; 0 is a full decode",
+    )
+    parser.add_argument(
+        "--gaps",
+        type=float,
+        nargs="*",
+        default=[],
+        help="also measure each margin with Pillow's resize(reducing_gap=G)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     samples = fidelity_set(args.crops)
     rows = measure(samples, tuple(args.margins), gaps=(None, *args.gaps))
-    print(f"{len(samples)} images: {len(PHOTOS)} photos, {len(list(edge_cases()))} edge cases, {args.crops} crops",
-          file=sys.stderr)
+    print(
+        f"{len(samples)} images: {len(PHOTOS)} photos, {len(list(edge_cases()))} edge cases, {args.crops} crops",
+        file=sys.stderr,
+    )
     print(table(rows))
     for r in rows:
         if r.get("top1_disagreeing"):

@@ -107,14 +107,21 @@ def preprocess_and_digest(payload: str) -> str:
 
 
 def _answer(digest: str) -> str:
-    return json.dumps({"tensors": [{"name": "pixels", "index": 0, "dtype": "uint8", "shape": [3, 224, 224],
-                                    "blake2b": digest}]}, separators=(",", ":"))
+    return json.dumps(
+        {"tensors": [{"name": "pixels", "index": 0, "dtype": "uint8", "shape": [3, 224, 224], "blake2b": digest}]},
+        separators=(",", ":"),
+    )
 
 
 def image_payload(chat: Chat) -> str:
     """The base64 text of the request's single data-URL image. Raises ValueError otherwise."""
-    urls = [part.image_url.url for message in chat.messages if isinstance(message.content, list)
-            for part in message.content if part.image_url is not None]
+    urls = [
+        part.image_url.url
+        for message in chat.messages
+        if isinstance(message.content, list)
+        for part in message.content
+        if part.image_url is not None
+    ]
     if len(urls) != 1:
         raise ValueError("send exactly one image_url part")
     header, sep, payload = urls[0].partition(",")
@@ -160,21 +167,31 @@ class FloorApp:
         except Exception as exc:  # noqa: BLE001 - a floor answers every failure as a 400
             await _reply(send, 400, _error(str(exc)[:200]))
             return
-        body = {"id": f"chatcmpl-{time.monotonic_ns()}", "object": "chat.completion", "created": int(time.time()),
-                "model": chat.model, "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                                  "finish_reason": "stop"}],
-                "usage": {"prompt_tokens": 0, "completion_tokens": 1, "total_tokens": 1}}
+        body = {
+            "id": f"chatcmpl-{time.monotonic_ns()}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": chat.model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 0, "completion_tokens": 1, "total_tokens": 1},
+        }
         await _reply(send, 200, _encoder.encode(body))
 
 
 def _error(message: str) -> bytes:
-    return _encoder.encode({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                      "code": "invalid_request"}})
+    return _encoder.encode(
+        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": "invalid_request"}}
+    )
 
 
 async def _reply(send: Send, status: int, body: bytes) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -191,8 +208,9 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.processes):  # start the pool before the first request is timed
             pool.submit(_init_pool).result()
     try:
-        uvicorn.run(FloorApp(pool), host=args.host, port=args.port, log_level="warning", access_log=False,
-                    lifespan="off")
+        uvicorn.run(
+            FloorApp(pool), host=args.host, port=args.port, log_level="warning", access_log=False, lifespan="off"
+        )
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)

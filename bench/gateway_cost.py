@@ -71,14 +71,32 @@ SERVERS: dict[str, Server] = {
     "shmgate-result-cache": Server(SHMGATE + ("--result-cache-mb", "64"), "/ready", (HIT,)),
     "decode-floor": Server(FLOOR, "/health", (MISS,)),
     "http-floor": Server(FLOOR + ("--no-decode",), "/health", (MISS,)),
-    "litserve": Server(("{litserve_python}", "{repo}/bench/litserve_server.py", "--port", "{port}", "--mode",
-                        "checksum"), "/health", (MISS, HIT), needs=LITSERVE_PYTHON),
+    "litserve": Server(
+        ("{litserve_python}", "{repo}/bench/litserve_server.py", "--port", "{port}", "--mode", "checksum"),
+        "/health",
+        (MISS, HIT),
+        needs=LITSERVE_PYTHON,
+    ),
     # From the base checkout's directory: the frontends start with `python -m gateway`, which looks in the cwd first.
-    "shmgate-base": Server(("sh", "-c", "cd {base} && PYTHONPATH={base} exec {bin}/shmgate serve --host 127.0.0.1 "
-                            "--port {port} --model checksum"), "/ready", (MISS, HIT)),
-    "shmgate-base-result-cache": Server(("sh", "-c", "cd {base} && PYTHONPATH={base} exec {bin}/shmgate serve "
-                                         "--host 127.0.0.1 --port {port} --model checksum --result-cache-mb 64"),
-                                        "/ready", (HIT,)),
+    "shmgate-base": Server(
+        (
+            "sh",
+            "-c",
+            "cd {base} && PYTHONPATH={base} exec {bin}/shmgate serve --host 127.0.0.1 --port {port} --model checksum",
+        ),
+        "/ready",
+        (MISS, HIT),
+    ),
+    "shmgate-base-result-cache": Server(
+        (
+            "sh",
+            "-c",
+            "cd {base} && PYTHONPATH={base} exec {bin}/shmgate serve "
+            "--host 127.0.0.1 --port {port} --model checksum --result-cache-mb 64",
+        ),
+        "/ready",
+        (HIT,),
+    ),
 }
 DEFAULT_SERVERS = ["shmgate", "decode-floor", "http-floor", "litserve"]
 # (numerator, denominator, what the ratio says): shmgate's cost over the least a Python server can do.
@@ -94,18 +112,28 @@ RATIOS = [
 ]
 
 
-def expand(command: tuple[str, ...], port: int, base: Path | None,
-           litserve_python: Path = LITSERVE_PYTHON) -> list[str]:
-    values = {"python": sys.executable, "bin": str(Path(sys.executable).parent), "repo": str(REPO),
-              "port": str(port), "litserve_python": str(litserve_python), "base": str(base)}
+def expand(
+    command: tuple[str, ...], port: int, base: Path | None, litserve_python: Path = LITSERVE_PYTHON
+) -> list[str]:
+    values = {
+        "python": sys.executable,
+        "bin": str(Path(sys.executable).parent),
+        "repo": str(REPO),
+        "port": str(port),
+        "litserve_python": str(litserve_python),
+        "base": str(base),
+    }
     return [part.format(**values) for part in command]
 
 
-async def measure_server(name: str, server: Server, args: argparse.Namespace, images: Path, log_dir: Path,
-                         round_index: int) -> list[dict[str, Any]]:
+async def measure_server(
+    name: str, server: Server, args: argparse.Namespace, images: Path, log_dir: Path, round_index: int
+) -> list[dict[str, Any]]:
     """Start one server, run every load at every concurrency, stop it."""
     port = free_port()
-    process = ServerProcess(expand(server.command, port, args.base, args.litserve_python), log_dir / f"{name}-{round_index}.log")
+    process = ServerProcess(
+        expand(server.command, port, args.base, args.litserve_python), log_dir / f"{name}-{round_index}.log"
+    )
     base_url = f"http://127.0.0.1:{port}"
     results = []
     process.start()
@@ -118,23 +146,51 @@ async def measure_server(name: str, server: Server, args: argparse.Namespace, im
                 flag = "--unique" if load == MISS else "--repeat-one"
                 before = role_cpu_ticks(process.pid)
                 sleeps_before = worker_sleeps(process.pid)
-                result = await loadgen.run(parser.parse_args([
-                    "--base-url", base_url, "--model", "checksum", "--concurrency", str(concurrency),
-                    "--requests", str(args.requests), "--images", str(images), "--server-pid", str(process.pid),
-                    "--no-stages", flag]))
-                row = {"server": name, "load": load, "round": round_index, "concurrency": concurrency,
-                       "requests_per_s": result["requests_per_s"], "cpu_ms": result["cpu_s_per_request"] * 1000,
-                       "p50_ms": result["p50_ms"], "p99_ms": result["p99_ms"], "errors": result["errors"],
-                       "mismatches": result["mismatches"], "other_load_cores": result["other_load_cores"],
-                       "first_error": result["first_error"]}
+                result = await loadgen.run(
+                    parser.parse_args(
+                        [
+                            "--base-url",
+                            base_url,
+                            "--model",
+                            "checksum",
+                            "--concurrency",
+                            str(concurrency),
+                            "--requests",
+                            str(args.requests),
+                            "--images",
+                            str(images),
+                            "--server-pid",
+                            str(process.pid),
+                            "--no-stages",
+                            flag,
+                        ]
+                    )
+                )
+                row = {
+                    "server": name,
+                    "load": load,
+                    "round": round_index,
+                    "concurrency": concurrency,
+                    "requests_per_s": result["requests_per_s"],
+                    "cpu_ms": result["cpu_s_per_request"] * 1000,
+                    "p50_ms": result["p50_ms"],
+                    "p99_ms": result["p99_ms"],
+                    "errors": result["errors"],
+                    "mismatches": result["mismatches"],
+                    "other_load_cores": result["other_load_cores"],
+                    "first_error": result["first_error"],
+                }
                 row.update(role_split(before, role_cpu_ticks(process.pid), row["cpu_ms"]))
                 served = args.requests + min(concurrency, args.requests)  # the warm-up round counts here too
                 row["worker_wakeups"] = round((worker_sleeps(process.pid) - sleeps_before) / served, 2)
                 results.append(row)
-                print(f"  round {round_index + 1} {name:<13} {load:<4} c={concurrency:<3} "
-                      f"{row['requests_per_s']:>8} req/s  {row['cpu_ms']:6.2f} ms CPU/req  "
-                      f"errors {row['errors']}  other load {row['other_load_cores']} cores", file=sys.stderr,
-                      flush=True)
+                print(
+                    f"  round {round_index + 1} {name:<13} {load:<4} c={concurrency:<3} "
+                    f"{row['requests_per_s']:>8} req/s  {row['cpu_ms']:6.2f} ms CPU/req  "
+                    f"errors {row['errors']}  other load {row['other_load_cores']} cores",
+                    file=sys.stderr,
+                    flush=True,
+                )
     finally:
         process.stop()
     return results
@@ -183,8 +239,7 @@ def worker_sleeps(root: int) -> int:
     return total
 
 
-def role_split(before: dict[int, tuple[str, int]], after: dict[int, tuple[str, int]],
-               cpu_ms: float) -> dict[str, Any]:
+def role_split(before: dict[int, tuple[str, int]], after: dict[int, tuple[str, int]], cpu_ms: float) -> dict[str, Any]:
     """The point's CPU per request by role (shares of the /proc deltas, warm-up included, scaled to
     ``cpu_ms``), and how unevenly the frontends shared theirs (the busiest one's share)."""
     deltas: dict[str, float] = {}
@@ -195,8 +250,9 @@ def role_split(before: dict[int, tuple[str, int]], after: dict[int, tuple[str, i
         if role == "frontend":
             frontends.append(delta)
     total = sum(deltas.values())
-    split: dict[str, Any] = {f"{role}_ms": round(cpu_ms * d / total, 3) if total else None
-                             for role, d in deltas.items()}
+    split: dict[str, Any] = {
+        f"{role}_ms": round(cpu_ms * d / total, 3) if total else None for role, d in deltas.items()
+    }
     if len(frontends) > 1 and sum(frontends):
         split["busiest_frontend_share"] = round(max(frontends) / sum(frontends), 3)
     return split
@@ -228,8 +284,10 @@ def runnable(name: str, args: argparse.Namespace) -> bool:
         return False
     needs = args.litserve_python if server.needs == LITSERVE_PYTHON else server.needs
     if needs is not None and not needs.exists():
-        print(f"skipping {name}: {needs} is missing (run bench/setup_litserve.sh, or give --litserve-python)",
-              file=sys.stderr)
+        print(
+            f"skipping {name}: {needs} is missing (run bench/setup_litserve.sh, or give --litserve-python)",
+            file=sys.stderr,
+        )
         return False
     return True
 
@@ -252,21 +310,32 @@ def tables(results: list[dict[str, Any]], concurrencies: list[int]) -> str:
         by_key.setdefault((r["server"], r["load"], r["concurrency"]), {})[r["round"]] = r
     absolute = []
     for (server, load, c), rounds in by_key.items():
-        absolute.append([server, load, c, _cell([r["cpu_ms"] for r in rounds.values()]),
-                         _cell([r["requests_per_s"] for r in rounds.values()], 1),
-                         _cell([r["p99_ms"] / r["p50_ms"] for r in rounds.values() if r["p50_ms"]]),
-                         _cell([r["other_load_cores"] or 0.0 for r in rounds.values()], 2)])
-    out = [render_table(["server", "requests", "c", "server CPU ms/req", "req/s", "p99/p50", "other load (cores)"],
-                        absolute, left=2)]
+        absolute.append(
+            [
+                server,
+                load,
+                c,
+                _cell([r["cpu_ms"] for r in rounds.values()]),
+                _cell([r["requests_per_s"] for r in rounds.values()], 1),
+                _cell([r["p99_ms"] / r["p50_ms"] for r in rounds.values() if r["p50_ms"]]),
+                _cell([r["other_load_cores"] or 0.0 for r in rounds.values()], 2),
+            ]
+        )
+    out = [
+        render_table(
+            ["server", "requests", "c", "server CPU ms/req", "req/s", "p99/p50", "other load (cores)"], absolute, left=2
+        )
+    ]
     ratio_rows = []
-    for (num, den, label) in RATIOS:
+    for num, den, label in RATIOS:
         cpu_cells, rps_cells = [], []
         for c in concurrencies:
             a, b = by_key.get((*num, c), {}), by_key.get((*den, c), {})
             shared = sorted(set(a) & set(b))
             cpu_cells.append(_cell([a[i]["cpu_ms"] / b[i]["cpu_ms"] for i in shared if b[i]["cpu_ms"]]))
-            rps_cells.append(_cell([a[i]["requests_per_s"] / b[i]["requests_per_s"] for i in shared
-                                    if b[i]["requests_per_s"]]))
+            rps_cells.append(
+                _cell([a[i]["requests_per_s"] / b[i]["requests_per_s"] for i in shared if b[i]["requests_per_s"]])
+            )
         if any(cell != "-" for cell in cpu_cells):
             ratio_rows.append([label, *cpu_cells, *rps_cells])
     columns = ["ratio", *(f"CPU/req c={c}" for c in concurrencies), *(f"req/s c={c}" for c in concurrencies)]
@@ -275,27 +344,54 @@ def tables(results: list[dict[str, Any]], concurrencies: list[int]) -> str:
     split_rows = []
     for (server, load, c), rounds in by_key.items():
         if server.startswith("shmgate"):
-            split_rows.append([server, load, c, *(_cell([r.get(k) or 0.0 for r in rounds.values()])
-                                                   for k in ("frontend_ms", "worker_ms", "main_ms")),
-                               _cell([r.get("busiest_frontend_share") or 0.0 for r in rounds.values()]),
-                               _cell([r.get("worker_wakeups") or 0.0 for r in rounds.values()])])
+            split_rows.append(
+                [
+                    server,
+                    load,
+                    c,
+                    *(
+                        _cell([r.get(k) or 0.0 for r in rounds.values()])
+                        for k in ("frontend_ms", "worker_ms", "main_ms")
+                    ),
+                    _cell([r.get("busiest_frontend_share") or 0.0 for r in rounds.values()]),
+                    _cell([r.get("worker_wakeups") or 0.0 for r in rounds.values()]),
+                ]
+            )
     if split_rows:
-        out.append(render_table(["server", "requests", "c", "frontends ms/req", "workers ms/req",
-                                 "supervisor ms/req", "busiest frontend's share", "worker sleeps/req"],
-                                split_rows, left=2))
+        out.append(
+            render_table(
+                [
+                    "server",
+                    "requests",
+                    "c",
+                    "frontends ms/req",
+                    "workers ms/req",
+                    "supervisor ms/req",
+                    "busiest frontend's share",
+                    "worker sleeps/req",
+                ],
+                split_rows,
+                left=2,
+            )
+        )
     return "\n\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--server", action="append", choices=sorted(SERVERS),
-                        help=f"repeatable, in this order; default: {', '.join(DEFAULT_SERVERS)} (+ shmgate-base "
-                             "with --base)")
+    parser.add_argument(
+        "--server",
+        action="append",
+        choices=sorted(SERVERS),
+        help=f"repeatable, in this order; default: {', '.join(DEFAULT_SERVERS)} (+ shmgate-base with --base)",
+    )
     # A venv made once serves every checkout: worktrees need not each run bench/setup_litserve.sh.
-    parser.add_argument("--litserve-python", type=Path,
-                        default=Path(os.environ.get("SHMGATE_LITSERVE_PYTHON", LITSERVE_PYTHON)),
-                        help="the LitServe venv's python (default: $SHMGATE_LITSERVE_PYTHON, else "
-                             "bench/.venv-litserve/bin/python)")
+    parser.add_argument(
+        "--litserve-python",
+        type=Path,
+        default=Path(os.environ.get("SHMGATE_LITSERVE_PYTHON", LITSERVE_PYTHON)),
+        help="the LitServe venv's python (default: $SHMGATE_LITSERVE_PYTHON, else bench/.venv-litserve/bin/python)",
+    )
     parser.add_argument("--base", type=Path, default=None, help="a checkout to run as shmgate-base")
     parser.add_argument("--rounds", type=int, default=None, help="alternated rounds (default 4; --quick: 1)")
     parser.add_argument("--requests", type=int, default=None, help="timed requests per point (default 400)")
@@ -314,8 +410,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         args.json.write_text("".join(json.dumps(r) + "\n" for r in results))
     print(tables(results, args.concurrency))
-    print(f"\n{args.rounds} round(s), {args.requests} requests per point, 1024 px photos, "
-          f"{time.monotonic() - started:.0f} s", file=sys.stderr)
+    print(
+        f"\n{args.rounds} round(s), {args.requests} requests per point, 1024 px photos, "
+        f"{time.monotonic() - started:.0f} s",
+        file=sys.stderr,
+    )
     failed = [r for r in results if "failed" in r or r["errors"] or r["mismatches"]]
     return 1 if failed or not results else 0
 

@@ -125,23 +125,63 @@ def emit(row: dict[str, Any], args: argparse.Namespace) -> None:
 
 def h2d_table(rows: list[dict[str, Any]]) -> str:
     columns = ["source", "shape, dtype", "timing", "size (bytes)", "GB/s", "x peak", "p50 µs", "p99 µs", "wall p50 µs"]
-    return render_table(columns, [
-        [r["source"], f"{r['shape']}, {r['dtype']}", r["timing"], f"{r['size_bytes']:,}", fmt(r["gb_per_s"], 2),
-         fmt(r.get("ratio_to_peak"), 2), fmt(r["p50_us"]), fmt(r["p99_us"]), fmt(r["wall_p50_us"])]
-        for r in rows
-    ], left=3)
+    return render_table(
+        columns,
+        [
+            [
+                r["source"],
+                f"{r['shape']}, {r['dtype']}",
+                r["timing"],
+                f"{r['size_bytes']:,}",
+                fmt(r["gb_per_s"], 2),
+                fmt(r.get("ratio_to_peak"), 2),
+                fmt(r["p50_us"]),
+                fmt(r["p99_us"]),
+                fmt(r["wall_p50_us"]),
+            ]
+            for r in rows
+        ],
+        left=3,
+    )
 
 
 def e2e_table(rows: list[dict[str, Any]]) -> str:
-    columns = ["server", "workers/GPU", "busy source", "frontends", "conc", "req/s", "p50 ms", "p99 ms", "errors",
-               "mismatches", "GPU busy % (mean)", "GPU busy % (max)", "samples"]
-    return render_table(columns, [
-        [r["server"], r["workers_per_gpu"], r["gpu_busy_source"], r["frontends"], r["concurrency"],
-         r["requests_per_s"], fmt(r["p50_ms"]),
-         fmt(r["p99_ms"]), r["errors"], r["mismatches"], fmt(r["gpu_busy_pct"]), fmt(r["gpu_busy_max_pct"], 0),
-         r["gpu_busy_samples"]]
-        for r in rows
-    ])
+    columns = [
+        "server",
+        "workers/GPU",
+        "busy source",
+        "frontends",
+        "conc",
+        "req/s",
+        "p50 ms",
+        "p99 ms",
+        "errors",
+        "mismatches",
+        "GPU busy % (mean)",
+        "GPU busy % (max)",
+        "samples",
+    ]
+    return render_table(
+        columns,
+        [
+            [
+                r["server"],
+                r["workers_per_gpu"],
+                r["gpu_busy_source"],
+                r["frontends"],
+                r["concurrency"],
+                r["requests_per_s"],
+                fmt(r["p50_ms"]),
+                fmt(r["p99_ms"]),
+                r["errors"],
+                r["mismatches"],
+                fmt(r["gpu_busy_pct"]),
+                fmt(r["gpu_busy_max_pct"], 0),
+                r["gpu_busy_samples"],
+            ]
+            for r in rows
+        ],
+    )
 
 
 def percentiles(samples: list[float]) -> tuple[float | None, float | None]:
@@ -172,8 +212,9 @@ class ArenaTensor:
 
 
 @contextmanager
-def arena_tensors(arena_size: int, seed: int = 0, *,
-                  shapes: list[tuple[str, tuple[int, ...]]] = SIZES) -> Iterator[tuple[Instance, list[ArenaTensor]]]:
+def arena_tensors(
+    arena_size: int, seed: int = 0, *, shapes: list[tuple[str, tuple[int, ...]]] = SIZES
+) -> Iterator[tuple[Instance, list[ArenaTensor]]]:
     """A real instance with one frontend partition holding one filled tensor per shape; unlinked on exit."""
     inst = Instance.create(arena_size=arena_size, n_frontends=1, n_workers=1, queue_depth=1)
     tensors: list[ArenaTensor] = []
@@ -201,8 +242,14 @@ def _place(partition: Partition, rng: np.random.Generator, dtype: str, shape: tu
         raise SetupError(f"the arena has no room for {nbytes} bytes")
     array = partition.array(allocation, dtype, shape)
     array[...] = rng.integers(0, 256, shape, dtype=np.uint8) if dtype == "uint8" else rng.random(shape, np.float32)
-    ref = TensorRef(offset=allocation.offset, nbytes=nbytes, generation=allocation.generation, dtype=dtype,
-                    shape=shape, name="pixels")
+    ref = TensorRef(
+        offset=allocation.offset,
+        nbytes=nbytes,
+        generation=allocation.generation,
+        dtype=dtype,
+        shape=shape,
+        name="pixels",
+    )
     validate(partition.segment, ref)  # a descriptor a worker would accept
     # Through a memoryview: the view then holds an export, so the mapping cannot be unmapped under it
     # (worker/device.py, "Lifetime"); arena_tensors drops the views before it closes the instance.
@@ -213,8 +260,9 @@ def _place(partition: Partition, rng: np.random.Generator, dtype: str, shape: tu
 # -- timing ----------------------------------------------------------------------------------------
 
 
-def event_latencies_us(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream,
-                       iters: int) -> tuple[list[float], list[float]]:
+def event_latencies_us(
+    dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream, iters: int
+) -> tuple[list[float], list[float]]:
     """One copy at a time: (CUDA-event µs, wall µs) per copy."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     events, wall = [], []
@@ -252,13 +300,29 @@ def copier_latencies_us(copier: DeviceCopier, ref: TensorRef, iters: int) -> lis
     return out
 
 
-def h2d_row(source: str, src: torch.Tensor, gbps: float | None, events: list[float], wall: list[float],
-            timing: str, **extra: Any) -> dict[str, Any]:
+def h2d_row(
+    source: str,
+    src: torch.Tensor,
+    gbps: float | None,
+    events: list[float],
+    wall: list[float],
+    timing: str,
+    **extra: Any,
+) -> dict[str, Any]:
     p50, p99 = percentiles(events)
-    return {"section": "h2d", "source": source, "size_bytes": src.nbytes, "shape": "x".join(map(str, src.shape)),
-            "dtype": str(src.dtype).removeprefix("torch."), "gb_per_s": None if gbps is None else round(gbps, 3),
-            "p50_us": None if p50 is None else round(p50, 1), "p99_us": None if p99 is None else round(p99, 1),
-            "wall_p50_us": None if not wall else round(statistics.median(wall), 1), "timing": timing, **extra}
+    return {
+        "section": "h2d",
+        "source": source,
+        "size_bytes": src.nbytes,
+        "shape": "x".join(map(str, src.shape)),
+        "dtype": str(src.dtype).removeprefix("torch."),
+        "gb_per_s": None if gbps is None else round(gbps, 3),
+        "p50_us": None if p50 is None else round(p50, 1),
+        "p99_us": None if p99 is None else round(p99, 1),
+        "wall_p50_us": None if not wall else round(statistics.median(wall), 1),
+        "timing": timing,
+        **extra,
+    }
 
 
 # -- H2D section -------------------------------------------------------------------------------------
@@ -276,8 +340,7 @@ def measure_peak(plan: Plan, stream: torch.cuda.Stream, device: torch.device) ->
     return row
 
 
-def measure_size(item: ArenaTensor, copier: DeviceCopier, plan: Plan,
-                 device: torch.device) -> list[dict[str, Any]]:
+def measure_size(item: ArenaTensor, copier: DeviceCopier, plan: Plan, device: torch.device) -> list[dict[str, Any]]:
     """All sources for one size, side by side: bandwidth rounds rotate over the sources."""
     assert copier._stream is not None
     stream = copier._stream  # the copier's own side stream, as in the worker
@@ -311,8 +374,16 @@ def copier_row(item: ArenaTensor, copier: DeviceCopier, plan: Plan) -> dict[str,
     wall = copier_latencies_us(copier, item.ref, plan.latency_iters)
     gbps = plan.latency_iters * item.ref.nbytes / ((time.perf_counter() - t0) * 1e9)
     exact = bool(torch.equal(copier.copy([item.ref])[0].cpu(), item.view))
-    return h2d_row("arena_copier", item.view, gbps, wall, wall, "wall (DeviceCopier.copy, 1 in flight)",
-                   is_pinned=copier.pinned, exact=exact)
+    return h2d_row(
+        "arena_copier",
+        item.view,
+        gbps,
+        wall,
+        wall,
+        "wall (DeviceCopier.copy, 1 in flight)",
+        is_pinned=copier.pinned,
+        exact=exact,
+    )
 
 
 def run_h2d(args: argparse.Namespace, plan: Plan) -> list[dict[str, Any]]:
@@ -325,8 +396,9 @@ def run_h2d(args: argparse.Namespace, plan: Plan) -> list[dict[str, Any]]:
         try:
             emit(meta_row(device, copier, register_ms, inst, items), args)
             if not copier.pinned:
-                print("warning: the arena could not be registered; 'arena' rows measure pageable copies",
-                      file=sys.stderr)
+                print(
+                    "warning: the arena could not be registered; 'arena' rows measure pageable copies", file=sys.stderr
+                )
             peak = measure_peak(plan, copier._stream, device)  # type: ignore[arg-type]
             emit(peak, args)
             rows.append(peak)
@@ -344,13 +416,22 @@ def run_h2d(args: argparse.Namespace, plan: Plan) -> list[dict[str, Any]]:
     return rows
 
 
-def meta_row(device: torch.device, copier: DeviceCopier, register_ms: float, inst: Instance,
-             items: list[ArenaTensor]) -> dict[str, Any]:
+def meta_row(
+    device: torch.device, copier: DeviceCopier, register_ms: float, inst: Instance, items: list[ArenaTensor]
+) -> dict[str, Any]:
     props = torch.cuda.get_device_properties(device)
-    return {"section": "meta", "gpu": props.name, "gpu_memory_gib": round(props.total_memory / 2**30, 1),
-            "torch": torch.__version__, "cuda": torch.version.cuda, "cpu_count": os.cpu_count(),
-            "arena_bytes": len(inst.segment.mm), "arena_registered": copier.pinned,
-            "arena_view_is_pinned": bool(items[0].view.is_pinned()), "register_ms": round(register_ms, 1)}
+    return {
+        "section": "meta",
+        "gpu": props.name,
+        "gpu_memory_gib": round(props.total_memory / 2**30, 1),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cpu_count": os.cpu_count(),
+        "arena_bytes": len(inst.segment.mm),
+        "arena_registered": copier.pinned,
+        "arena_view_is_pinned": bool(items[0].view.is_pinned()),
+        "register_ms": round(register_ms, 1),
+    }
 
 
 def dry_run_h2d(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -381,8 +462,9 @@ def run_overlap(args: argparse.Namespace, plan: Plan) -> list[dict[str, Any]]:
     with arena_tensors(args.arena_size, seed=1, shapes=pixels) as (inst, items):
         copier = DeviceCopier(device, inst.segment.mm)
         try:
-            rows = overlap_rows(backend, copier, [item.ref for item in items],
-                                plan.overlap_batches if cuda else DRY_OVERLAP_BATCHES)
+            rows = overlap_rows(
+                backend, copier, [item.ref for item in items], plan.overlap_batches if cuda else DRY_OVERLAP_BATCHES
+            )
         finally:
             if cuda:
                 torch.cuda.synchronize()
@@ -393,13 +475,32 @@ def run_overlap(args: argparse.Namespace, plan: Plan) -> list[dict[str, Any]]:
 
 
 def overlap_table(rows: list[dict[str, Any]]) -> str:
-    columns = ["mode", "batch", "batches", "batches/s", "images/s", "copy µs p50", "compute µs p50",
-               "copy overlapped %"]
-    return render_table(columns, [
-        [r["mode"], r["batch"], r["batches"], fmt(r["batches_per_s"]), fmt(r["images_per_s"]),
-         fmt(r["copy_us_p50"]), fmt(r["compute_us_p50"]), fmt(r["overlap_pct"])]
-        for r in rows
-    ])
+    columns = [
+        "mode",
+        "batch",
+        "batches",
+        "batches/s",
+        "images/s",
+        "copy µs p50",
+        "compute µs p50",
+        "copy overlapped %",
+    ]
+    return render_table(
+        columns,
+        [
+            [
+                r["mode"],
+                r["batch"],
+                r["batches"],
+                fmt(r["batches_per_s"]),
+                fmt(r["images_per_s"]),
+                fmt(r["copy_us_p50"]),
+                fmt(r["compute_us_p50"]),
+                fmt(r["overlap_pct"]),
+            ]
+            for r in rows
+        ],
+    )
 
 
 # -- GPU busy sampling ---------------------------------------------------------------------------
@@ -456,8 +557,12 @@ class GpuSampler:
             self._thread.join(timeout=5)
             self._thread = None
         s = self.samples
-        return {"gpu_busy_pct": round(statistics.fmean(s), 1) if s else None,
-                "gpu_busy_max_pct": max(s) if s else None, "gpu_busy_samples": len(s), "gpu_busy_source": self.source}
+        return {
+            "gpu_busy_pct": round(statistics.fmean(s), 1) if s else None,
+            "gpu_busy_max_pct": max(s) if s else None,
+            "gpu_busy_samples": len(s),
+            "gpu_busy_source": self.source,
+        }
 
 
 def _torch_sample() -> float | None:
@@ -489,30 +594,82 @@ def serve_argv(port: str, frontends: int, workers_per_gpu: int, args: argparse.N
     exe = Path(sys.executable).parent / "shmgate"
     head = [str(exe)] if exe.exists() else [sys.executable, "-m", "gateway"]
     # On CPU (dry run) --workers-per-gpu means nothing: the same count as --workers.
-    workers = ["--workers", str(workers_per_gpu)] if args.serve_device == "cpu" else [
-        "--workers-per-gpu", str(workers_per_gpu)]
-    return [*head, "serve", "--host", "127.0.0.1", "--port", port, "--model", MODEL,
-            "--device", args.serve_device, "--frontends", str(frontends), *workers, *args.serve_arg]
+    workers = (
+        ["--workers", str(workers_per_gpu)]
+        if args.serve_device == "cpu"
+        else ["--workers-per-gpu", str(workers_per_gpu)]
+    )
+    return [
+        *head,
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        port,
+        "--model",
+        MODEL,
+        "--device",
+        args.serve_device,
+        "--frontends",
+        str(frontends),
+        *workers,
+        *args.serve_arg,
+    ]
 
 
 def litserve_argv(port: str, workers: int, args: argparse.Namespace) -> list[str]:
     """bench/litserve_server.py with the same model code on the same device, ``workers`` processes on it."""
     accelerator = "cpu" if args.serve_device == "cpu" else "cuda"
-    return [args.litserve_python, str(REPO / "bench" / "litserve_server.py"), "--port", port,
-            "--accelerator", accelerator, "--workers", str(workers), "--threads", "1",
-            "--max-batch-size", str(args.litserve_max_batch), "--api-servers", str(args.litserve_api_servers)]
+    return [
+        args.litserve_python,
+        str(REPO / "bench" / "litserve_server.py"),
+        "--port",
+        port,
+        "--accelerator",
+        accelerator,
+        "--workers",
+        str(workers),
+        "--threads",
+        "1",
+        "--max-batch-size",
+        str(args.litserve_max_batch),
+        "--api-servers",
+        str(args.litserve_api_servers),
+    ]
 
 
 async def load(base_url: str, pid: int, images: Path, concurrency: int, requests: int) -> dict[str, Any]:
-    argv = ["--base-url", base_url, "--model", MODEL, "--concurrency", str(concurrency), "--requests", str(requests),
-            "--images", str(images), "--server-pid", str(pid), "--unique", "--warmup", "0"]
+    argv = [
+        "--base-url",
+        base_url,
+        "--model",
+        MODEL,
+        "--concurrency",
+        str(concurrency),
+        "--requests",
+        str(requests),
+        "--images",
+        str(images),
+        "--server-pid",
+        str(pid),
+        "--unique",
+        "--warmup",
+        "0",
+    ]
     parser = argparse.ArgumentParser()
     loadgen.add_arguments(parser)
     return await loadgen.run(parser.parse_args(argv))
 
 
-async def bench_server(label: dict[str, Any], argv: list[str], ready_path: str, args: argparse.Namespace,
-                       images: Path, log_dir: Path, sampler: GpuSampler) -> list[dict[str, Any]]:
+async def bench_server(
+    label: dict[str, Any],
+    argv: list[str],
+    ready_path: str,
+    args: argparse.Namespace,
+    images: Path,
+    log_dir: Path,
+    sampler: GpuSampler,
+) -> list[dict[str, Any]]:
     """Start one server (``{port}`` in ``argv`` becomes a free port), warm it up, load it at each
     concurrency while sampling the GPU, stop it."""
     port = free_port()
@@ -559,8 +716,11 @@ async def run_e2e(args: argparse.Namespace) -> list[dict[str, Any]]:
                 label = {"server": "shmgate", "frontends": frontends, "workers_per_gpu": workers_per_gpu}
                 runs.append((label, serve_argv("{port}", frontends, workers_per_gpu, args), "/ready"))
             if args.litserve_python:
-                label = {"server": "litserve", "frontends": args.litserve_api_servers,
-                         "workers_per_gpu": workers_per_gpu}
+                label = {
+                    "server": "litserve",
+                    "frontends": args.litserve_api_servers,
+                    "workers_per_gpu": workers_per_gpu,
+                }
                 runs.append((label, litserve_argv("{port}", workers_per_gpu, args), "/health"))
         for label, argv, ready_path in runs:
             try:
@@ -577,11 +737,15 @@ def find_litserve_python(wanted: bool) -> str | None:
     if not wanted:
         return None
     for python in (sys.executable, str(LITSERVE_PYTHON)):
-        if Path(python).exists() and subprocess.run([python, "-c", "import litserve"], capture_output=True,
-                                                      timeout=120).returncode == 0:
+        if (
+            Path(python).exists()
+            and subprocess.run([python, "-c", "import litserve"], capture_output=True, timeout=120).returncode == 0
+        ):
             return python
-    print("LitServe is not importable here (bench/setup_litserve.sh, or the carried wheels): no LitServe rows",
-          file=sys.stderr)
+    print(
+        "LitServe is not importable here (bench/setup_litserve.sh, or the carried wheels): no LitServe rows",
+        file=sys.stderr,
+    )
     return None
 
 
@@ -597,12 +761,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--skip-h2d", action="store_true", help="no H2D copy section")
     parser.add_argument("--dry-run", action="store_true", help="everything except CUDA calls (serve on --device cpu)")
     parser.add_argument("--arena-size", type=int, default=1 << 30, help="bytes (default 1 GiB)")
-    parser.add_argument("--frontends", type=int, nargs="+", default=None,
-                        help="frontend counts to serve with (default: 1 and min(8, cores - 2))")
+    parser.add_argument(
+        "--frontends",
+        type=int,
+        nargs="+",
+        default=None,
+        help="frontend counts to serve with (default: 1 and min(8, cores - 2))",
+    )
     parser.add_argument("--concurrency", type=int, nargs="+", default=None, help="default: 1 8 32 128")
     parser.add_argument("--workers-per-gpu", type=int, nargs="+", default=None, help="default: 1 2 4 (dry run: 1)")
-    parser.add_argument("--litserve", action="store_true",
-                        help="also LitServe (bench/litserve_server.py) with the same model, workers and loads")
+    parser.add_argument(
+        "--litserve",
+        action="store_true",
+        help="also LitServe (bench/litserve_server.py) with the same model, workers and loads",
+    )
     parser.add_argument("--litserve-api-servers", type=int, default=2, help="LitServe's HTTP processes")
     parser.add_argument("--litserve-max-batch", type=int, default=8)
     parser.add_argument("--requests", type=int, default=None, help="timed requests per point (default 400, quick 160)")
@@ -629,8 +801,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def report(h2d: list[dict[str, Any]], overlap: list[dict[str, Any]], e2e: list[dict[str, Any]],
-           args: argparse.Namespace) -> None:
+def report(
+    h2d: list[dict[str, Any]], overlap: list[dict[str, Any]], e2e: list[dict[str, Any]], args: argparse.Namespace
+) -> None:
     parts = []
     if h2d:
         parts.append("### H2D copies\n\n" + h2d_table(h2d))

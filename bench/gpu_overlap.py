@@ -82,8 +82,9 @@ def _forward(backend: EfficientNetBackend, copy: Copy, compute: torch.cuda.Strea
     return top, span
 
 
-def _run(mode: str, backend: EfficientNetBackend, copier: DeviceCopier, refs: Sequence[TensorRef],
-         batches: int) -> tuple[float, list[tuple[_Span, _Span]]]:
+def _run(
+    mode: str, backend: EfficientNetBackend, copier: DeviceCopier, refs: Sequence[TensorRef], batches: int
+) -> tuple[float, list[tuple[_Span, _Span]]]:
     """K batches in ``mode``; returns wall seconds and (copy span, compute span) per batch."""
     compute = copier.compute_stream()
     pairs: list[tuple[_Span, _Span]] = []
@@ -115,8 +116,9 @@ def _overlap_pct(copy: _Span, compute: _Span, base: torch.cuda.Event) -> float:
     return 100.0 * shared / (c1 - c0) if c1 > c0 else 100.0
 
 
-def overlap_rows(backend: EfficientNetBackend, copier: DeviceCopier, refs: Sequence[TensorRef],
-                 batches: int) -> list[dict[str, Any]]:
+def overlap_rows(
+    backend: EfficientNetBackend, copier: DeviceCopier, refs: Sequence[TensorRef], batches: int
+) -> list[dict[str, Any]]:
     """One row per mode (serial, pipelined), after an uncounted warm-up of each."""
     cuda = copier.device.type == "cuda"
     rows = []
@@ -128,10 +130,17 @@ def overlap_rows(backend: EfficientNetBackend, copier: DeviceCopier, refs: Seque
             base = torch.cuda.Event(enable_timing=True)
             base.record(copier.compute_stream())
         wall_s, pairs = _run(mode, backend, copier, refs, batches)
-        row: dict[str, Any] = {"section": "overlap", "mode": mode, "batch": len(refs), "batches": batches,
-                               "batches_per_s": round(batches / wall_s, 1),
-                               "images_per_s": round(batches * len(refs) / wall_s, 1),
-                               "copy_us_p50": None, "compute_us_p50": None, "overlap_pct": None}
+        row: dict[str, Any] = {
+            "section": "overlap",
+            "mode": mode,
+            "batch": len(refs),
+            "batches": batches,
+            "batches_per_s": round(batches / wall_s, 1),
+            "images_per_s": round(batches * len(refs) / wall_s, 1),
+            "copy_us_p50": None,
+            "compute_us_p50": None,
+            "overlap_pct": None,
+        }
         if base is not None:
             torch.cuda.synchronize(copier.device)
             row["copy_us_p50"] = round(statistics.median(c.start.elapsed_time(c.end) * 1e3 for c, _ in pairs), 1)

@@ -67,8 +67,15 @@ def probe(device_name: str, max_batch: int, setting: str) -> list[dict[str, obje
         text, first_ms = answers(batch)
         _, second_ms = answers(batch)
         differ = sum(t != solo[i % len(photos)] for i, t in enumerate(text[:size]))
-        rows.append({"setting": setting, "batch": size, "first_ms": round(first_ms, 2),
-                     "second_ms": round(second_ms, 2), "differ_from_batch1": differ})
+        rows.append(
+            {
+                "setting": setting,
+                "batch": size,
+                "first_ms": round(first_ms, 2),
+                "second_ms": round(second_ms, 2),
+                "differ_from_batch1": differ,
+            }
+        )
     return rows
 
 
@@ -84,16 +91,24 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     for setting in SETTINGS:
-        out = subprocess.run([sys.executable, __file__, "--device", args.device, "--max-batch", str(args.max_batch),
-                              "--child", setting], env=env, capture_output=True, text=True, timeout=600)
+        out = subprocess.run(
+            [sys.executable, __file__, "--device", args.device, "--max-batch", str(args.max_batch), "--child", setting],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         if out.returncode != 0:
             print(f"{setting}: failed\n{out.stderr[-3000:]}", file=sys.stderr)
             return 1
         for row in json.loads(out.stdout.splitlines()[-1]):
-            print(json.dumps(row) if args.json else
-                  f"{row['setting']:9} batch {row['batch']:3}  first {row['first_ms']:9.2f} ms  "
-                  f"second {row['second_ms']:8.2f} ms  answers differing from batch 1: {row['differ_from_batch1']}",
-                  flush=True)
+            print(
+                json.dumps(row)
+                if args.json
+                else f"{row['setting']:9} batch {row['batch']:3}  first {row['first_ms']:9.2f} ms  "
+                f"second {row['second_ms']:8.2f} ms  answers differing from batch 1: {row['differ_from_batch1']}",
+                flush=True,
+            )
     return 0
 
 

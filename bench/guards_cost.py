@@ -16,9 +16,17 @@ from starlette.types import Message, Receive, Scope, Send
 
 from gateway.guards import AllowedHosts, CatchAll
 
-SCOPE: Scope = {"type": "http", "method": "GET", "path": "/health", "headers": [
-    (b"host", b"127.0.0.1:8000"), (b"accept", b"*/*"), (b"user-agent", b"bench"),
-    (b"content-type", b"application/json")]}
+SCOPE: Scope = {
+    "type": "http",
+    "method": "GET",
+    "path": "/health",
+    "headers": [
+        (b"host", b"127.0.0.1:8000"),
+        (b"accept", b"*/*"),
+        (b"user-agent", b"bench"),
+        (b"content-type", b"application/json"),
+    ],
+}
 
 
 async def _app(scope: Scope, receive: Receive, send: Send) -> None:

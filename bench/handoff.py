@@ -199,8 +199,13 @@ def shm_consumer(instance_id: str, results: Any) -> None:
             if message.model.endswith(":lat"):
                 oneway.setdefault(message.model, []).append((held_ns - int.from_bytes(message.inline, "little")) / 1e3)
                 samples = stages.setdefault(message.model, {})
-                for name, a, b in (("c_wait_receive", t0, t1), ("c_validate", t1, t2), ("c_view", t2, t3),
-                                   ("c_recheck", t3, t4), ("c_send_released", t4, t5)):
+                for name, a, b in (
+                    ("c_wait_receive", t0, t1),
+                    ("c_validate", t1, t2),
+                    ("c_view", t2, t3),
+                    ("c_recheck", t3, t4),
+                    ("c_send_released", t4, t5),
+                ):
                     samples.setdefault(name, []).append((b - a) / 1e3)
         results.send({"oneway": oneway, "stages": stages})
     finally:
@@ -255,8 +260,9 @@ class ShmgateProducer:
         t1 = self._timed(tag, "p_allocate", t0)
         np.copyto(self.partition.array(allocation, "uint8", (src.nbytes,)), src)
         t2 = self._timed(tag, "p_copy", t1)
-        ref = TensorRef(offset=allocation.offset, nbytes=src.nbytes, generation=allocation.generation, dtype=dtype,
-                        shape=shape)
+        ref = TensorRef(
+            offset=allocation.offset, nbytes=src.nbytes, generation=allocation.generation, dtype=dtype, shape=shape
+        )
         self.submit(ref, tag, allocation, t0)
         self._timed(tag, "p_send", t2)
 
@@ -291,8 +297,14 @@ class ShmgateProducer:
         return report
 
 
-def bench_shmgate(sizes: list[tuple[int, str, tuple[int, ...]]], quick: bool, inflight: int, which: list[str],
-                  before_each_size: Callable[[int], None], consumer_cpus: set[int] | None) -> list[dict[str, Any]]:
+def bench_shmgate(
+    sizes: list[tuple[int, str, tuple[int, ...]]],
+    quick: bool,
+    inflight: int,
+    which: list[str],
+    before_each_size: Callable[[int], None],
+    consumer_cpus: set[int] | None,
+) -> list[dict[str, Any]]:
     largest = max(n for n, _, _ in sizes)
     producer = ShmgateProducer(max(64 << 20, (inflight + 2) * (largest + 4096)), consumer_cpus)
     rows: list[dict[str, Any]] = []
@@ -309,8 +321,13 @@ def bench_shmgate(sizes: list[tuple[int, str, tuple[int, ...]]], quick: bool, in
                     last["phase"] = phase
                     producer.send_copy(src, dtype, shape, f"{tag}:{phase}")
 
-                result = drive(send_full, lambda tag=tag: producer.wait_one(f"{tag}:{last['phase']}"),
-                               *counts(nbytes, quick), inflight, nbytes)
+                result = drive(
+                    send_full,
+                    lambda tag=tag: producer.wait_one(f"{tag}:{last['phase']}"),
+                    *counts(nbytes, quick),
+                    inflight,
+                    nbytes,
+                )
                 rows.append({"transport": "shmgate", "size_bytes": nbytes, **result, "_producer": producer.stages})
             if "shmgate_descriptor" in which:
                 blocks = [producer.partition.allocate(nbytes) for _ in range(inflight)]
@@ -318,8 +335,11 @@ def bench_shmgate(sizes: list[tuple[int, str, tuple[int, ...]]], quick: bool, in
                 for block in blocks:
                     assert block is not None
                     np.copyto(producer.partition.array(block, "uint8", (nbytes,)), src)
-                    refs.append(TensorRef(offset=block.offset, nbytes=nbytes, generation=block.generation,
-                                          dtype=dtype, shape=shape))
+                    refs.append(
+                        TensorRef(
+                            offset=block.offset, nbytes=nbytes, generation=block.generation, dtype=dtype, shape=shape
+                        )
+                    )
                 turn = [0]
 
                 def send_descriptor(phase: str, nbytes: int = nbytes) -> None:
@@ -349,8 +369,13 @@ def _merge_consumer_report(rows: list[dict[str, Any]], report: dict[str, Any]) -
         consumer = report.get("stages", {}).get(key)
         if producer and consumer:  # medians of each stage over the latency samples
             stages = {**producer, **consumer}
-            out.append({"transport": "shmgate_stages", "size_bytes": row["size_bytes"],
-                        **{f"{k}_p50_us": round(percentiles(v)[0], 1) for k, v in stages.items()}})
+            out.append(
+                {
+                    "transport": "shmgate_stages",
+                    "size_bytes": row["size_bytes"],
+                    **{f"{k}_p50_us": round(percentiles(v)[0], 1) for k, v in stages.items()},
+                }
+            )
     return out
 
 
@@ -369,8 +394,9 @@ def mp_consumer(kind: str, items: Any, acks: Any) -> None:
         del item
 
 
-def bench_mp_queue(kind: str, sizes: list[tuple[int, str, tuple[int, ...]]], quick: bool, inflight: int,
-                   consumer_cpus: set[int] | None) -> list[dict[str, Any]]:
+def bench_mp_queue(
+    kind: str, sizes: list[tuple[int, str, tuple[int, ...]]], quick: bool, inflight: int, consumer_cpus: set[int] | None
+) -> list[dict[str, Any]]:
     if kind == "torch":
         import torch
         import torch.multiprocessing as tmp
@@ -433,15 +459,29 @@ def bench_alloc_and_index(quick: bool) -> list[dict[str, Any]]:
                 free_us.append(t2 - t1)
             for op, samples in (("allocate", alloc_us), ("free", free_us)):
                 p50, p99 = percentiles(samples)
-                rows.append({"transport": "alloc", "op": op, "size_bytes": nbytes, "p50_us": round(p50, 2),
-                             "p99_us": round(p99, 2), "gb_per_s": None})
+                rows.append(
+                    {
+                        "transport": "alloc",
+                        "op": op,
+                        "size_bytes": nbytes,
+                        "p50_us": round(p50, 2),
+                        "p99_us": round(p99, 2),
+                        "gb_per_s": None,
+                    }
+                )
         for allocation in keep:
             partition.free(allocation)  # type: ignore[arg-type]
 
         lock = inst.lock(LockId.INDEX, (HolderKind.FRONTEND, 0, epoch))
         index = inst.cache_index()
-        ref = TensorRef(offset=seg.data_offset + 64, nbytes=602_112, generation=1, dtype="float32",
-                        shape=(3, 224, 224), name="pixels")
+        ref = TensorRef(
+            offset=seg.data_offset + 64,
+            nbytes=602_112,
+            generation=1,
+            dtype="float32",
+            shape=(3, 224, 224),
+            name="pixels",
+        )
         entries = [IndexEntry(os.urandom(16), 0, epoch, (ref,)) for _ in range(min(n, 2_000))]
         epochs = seg.frontends["epoch"]
         held: dict[str, list[float]] = {"insert": [], "lookup": [], "remove": [], "acquire_release": []}
@@ -464,8 +504,16 @@ def bench_alloc_and_index(quick: bool) -> list[dict[str, Any]]:
                     held["acquire_release"].append((t1 - t0) + (t3 - t2))
         for op, samples in held.items():
             p50, p99 = percentiles(samples)
-            rows.append({"transport": "index_lock", "op": op, "size_bytes": 0, "p50_us": round(p50, 2),
-                         "p99_us": round(p99, 2), "gb_per_s": None})
+            rows.append(
+                {
+                    "transport": "index_lock",
+                    "op": op,
+                    "size_bytes": 0,
+                    "p50_us": round(p50, 2),
+                    "p99_us": round(p99, 2),
+                    "gb_per_s": None,
+                }
+            )
     finally:
         inst.unlink()
         inst.close()
@@ -521,8 +569,10 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             continue
         label = row["transport"] + (f"/{row['op']}" if "op" in row else "")
         gbps = "" if row["gb_per_s"] is None else f"{row['gb_per_s']:.2f}"
-        print(f"{label:<20} {row['size_bytes']:>10} {row['p50_us']:>10} {row['p99_us']:>10} {gbps:>8} "
-              f"{row.get('oneway_p50_us', ''):>12}")
+        print(
+            f"{label:<20} {row['size_bytes']:>10} {row['p50_us']:>10} {row['p99_us']:>10} {gbps:>8} "
+            f"{row.get('oneway_p50_us', ''):>12}"
+        )
 
 
 def main() -> None:
@@ -532,8 +582,11 @@ def main() -> None:
     parser.add_argument("--inflight", type=int, default=8, help="items in flight for throughput (<= 10)")
     parser.add_argument("--transport", action="append", choices=TRANSPORTS, help="run only these (repeatable)")
     parser.add_argument("--sizes", type=int, nargs="*", help="only these sizes in bytes")
-    parser.add_argument("--pin", choices=["same", "split"],
-                        help="pin producer and consumer to one CPU, or to CPUs 0 and 1 (default: the scheduler decides)")
+    parser.add_argument(
+        "--pin",
+        choices=["same", "split"],
+        help="pin producer and consumer to one CPU, or to CPUs 0 and 1 (default: the scheduler decides)",
+    )
     args = parser.parse_args()
     if not 1 <= args.inflight <= 10:
         parser.error("--inflight must be 1..10 (the POSIX queue depth here is 10)")

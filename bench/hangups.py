@@ -50,9 +50,28 @@ def start(tree: Path, *extra: str) -> Server:
     log_path = Path(f"/tmp/shmgate-hangups-{port}.log")
     env = dict(os.environ, PYTHONPATH=str(tree))
     process = subprocess.Popen(
-        [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--model", "checksum", "--frontends", "1",
-         "--workers", "1", "--arena-size", "128MiB", *extra],
-        cwd=tree, env=env, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
+        [
+            sys.executable,
+            "-m",
+            "gateway",
+            "serve",
+            "--port",
+            str(port),
+            "--model",
+            "checksum",
+            "--frontends",
+            "1",
+            "--workers",
+            "1",
+            "--arena-size",
+            "128MiB",
+            *extra,
+        ],
+        cwd=tree,
+        env=env,
+        stdout=open(log_path, "wb"),
+        stderr=subprocess.STDOUT,
+    )
     server = Server(process, port, "checksum", log_path)
     server.wait_ready()
     return server
@@ -69,8 +88,10 @@ def change(before: dict[str, float], after: dict[str, float]) -> str:
 
 def raw_request(body: dict[str, object]) -> bytes:
     data = json.dumps(body).encode()
-    return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n" % len(data)) + data
+    return (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(data)
+    ) + data
 
 
 def send_and_hang_up(port: int, body: dict[str, object], after_s: float) -> None:
@@ -86,8 +107,11 @@ def held_back_after(server: Server, since: float, before: dict[str, float], n: i
     worker stopped working on it."""
     while time.monotonic() - since < guard_s:
         counted = sum(outcomes(server).values()) - sum(before.values())
-        if (counted >= n and server.metric("shmgate_in_flight_requests") == 0
-                and server.metric("shmgate_arena_held_bytes") == 0):
+        if (
+            counted >= n
+            and server.metric("shmgate_in_flight_requests") == 0
+            and server.metric("shmgate_arena_held_bytes") == 0
+        ):
             return time.monotonic() - since
         time.sleep(0.05)
     return float("inf")
@@ -97,10 +121,16 @@ def hangup(args: argparse.Namespace) -> None:
     server = start(Path.cwd(), *args.extra)
     try:
         data = noise_png(1, size=128)
-        cases = [("non-streamed, trickle 500 (~10 s), hang up at 1 s",
-                  image_request("checksum", data, mime="image/png", text="checksum:trickle 500")),
-                 ("streamed, hold 250 (~5 s before output), hang up at 1 s",
-                  image_request("checksum", data, mime="image/png", stream=True, text="checksum:hold 250"))]
+        cases = [
+            (
+                "non-streamed, trickle 500 (~10 s), hang up at 1 s",
+                image_request("checksum", data, mime="image/png", text="checksum:trickle 500"),
+            ),
+            (
+                "streamed, hold 250 (~5 s before output), hang up at 1 s",
+                image_request("checksum", data, mime="image/png", stream=True, text="checksum:hold 250"),
+            ),
+        ]
         for what, body in cases:
             before = outcomes(server)
             send_and_hang_up(server.port, body, 1.0)
@@ -110,8 +140,10 @@ def hangup(args: argparse.Namespace) -> None:
             print(f"{what}: worker done {back:.2f} s after the hang-up; counted {change(before, after)}")
 
         before = outcomes(server)
-        bodies = [image_request("checksum", noise_png(100 + i, size=128), mime="image/png",
-                                text="checksum:trickle 50") for i in range(12)]
+        bodies = [
+            image_request("checksum", noise_png(100 + i, size=128), mime="image/png", text="checksum:trickle 50")
+            for i in range(12)
+        ]
 
         async def twelve() -> None:
             await asyncio.gather(*(asyncio.to_thread(send_and_hang_up, server.port, b, 0.03) for b in bodies))
@@ -119,8 +151,10 @@ def hangup(args: argparse.Namespace) -> None:
         asyncio.run(twelve())
         back = held_back_after(server, time.monotonic(), before, 12)
         after = outcomes(server)
-        print(f"12 clients, trickle 50 (~1 s), hang up at 30 ms: all done {back:.2f} s after; "
-              f"counted {change(before, after)}")
+        print(
+            f"12 clients, trickle 50 (~1 s), hang up at 30 ms: all done {back:.2f} s after; "
+            f"counted {change(before, after)}"
+        )
     finally:
         server.stop()
 
@@ -139,8 +173,10 @@ class Slow:
         self.cut_after: float | None = None
         self.answer = b""
         if kind == "body":
-            self.sock.send(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                           b"Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n")
+            self.sock.send(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                b"Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n"
+            )
         self.pending = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * 10000
 
     def tick(self) -> None:
@@ -209,8 +245,10 @@ def loris(args: argparse.Namespace) -> None:
             when = f", after {min(cut):.1f}-{max(cut):.1f} s" if cut else ""
             print(f"{kind:>5}: {len(cut)}/{total} cut within {args.seconds:.0f} s{when}, {answered} got a 408")
         lat = sorted(latencies)
-        print(f"ordinary requests: {len(lat)}, statuses {statuses}, p50 {statistics.median(lat) * 1000:.0f} ms, "
-              f"max {lat[-1] * 1000:.0f} ms")
+        print(
+            f"ordinary requests: {len(lat)}, statuses {statuses}, p50 {statistics.median(lat) * 1000:.0f} ms, "
+            f"max {lat[-1] * 1000:.0f} ms"
+        )
         print(f"frontend fds: {fds_idle} idle, max {max(fds)} during, {fds[-1]} at the end")
         for s in slow:
             if s.cut_after is None:
@@ -228,11 +266,31 @@ def cpu_run(tree: Path, requests: int, stream: bool) -> float:
     server = start(tree)
     try:
         pids = ",".join(str(p) for p in server.pids("frontend"))
-        command = [sys.executable, "-m", "gateway", "bench", "--base-url", server.base_url, "--model", "checksum",
-                   "--images", str(IMAGES), "-c", "8", "-n", str(requests), "--unique", "--no-stages", "--json",
-                   "--server-pid", pids, *(["--stream"] if stream else [])]
-        out = subprocess.run(command, check=True, capture_output=True, text=True, cwd=ROOT,
-                             env=dict(os.environ, PYTHONPATH=str(ROOT))).stdout
+        command = [
+            sys.executable,
+            "-m",
+            "gateway",
+            "bench",
+            "--base-url",
+            server.base_url,
+            "--model",
+            "checksum",
+            "--images",
+            str(IMAGES),
+            "-c",
+            "8",
+            "-n",
+            str(requests),
+            "--unique",
+            "--no-stages",
+            "--json",
+            "--server-pid",
+            pids,
+            *(["--stream"] if stream else []),
+        ]
+        out = subprocess.run(
+            command, check=True, capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT))
+        ).stdout
         result = json.loads(out)
         return float(result["cpu_s_per_request"]) * 1000
     finally:

@@ -71,34 +71,97 @@ class Contender:
         if self.busy_path == "/stats":
             stats = response.json()
             return float(stats["busy_s"]), float(stats["processing_s"])
-        return sum(float(line.rsplit(" ", 1)[1]) for line in response.text.splitlines()
-                   if line.startswith("shmgate_worker_busy_seconds_total")), None
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in response.text.splitlines()
+            if line.startswith("shmgate_worker_busy_seconds_total")
+        ), None
 
 
 CONTENDERS = (
-    Contender("shmgate (frontend processing)",
-              ("{python}", "-m", "gateway", "serve", "--host", "127.0.0.1", "--port", "{port}",
-               "--model", "hf:{model_dir}", "--workers", "1", "--threads", "1", "--device", "{device}"),
-              "/ready", "/metrics"),
-    Contender("shmgate, --max-batch-size 1",
-              ("{python}", "-m", "gateway", "serve", "--host", "127.0.0.1", "--port", "{port}",
-               "--model", "hf:{model_dir}", "--workers", "1", "--threads", "1", "--max-batch-size", "1",
-               "--device", "{device}"),
-              "/ready", "/metrics"),
-    Contender("naive (processing in the model thread)",
-              ("{python}", "{repo}/bench/naive_hf_server.py", "--port", "{port}", "--model-dir", "{model_dir}",
-               "--threads", "1", "--device", "{device}"), "/health", "/stats"),
+    Contender(
+        "shmgate (frontend processing)",
+        (
+            "{python}",
+            "-m",
+            "gateway",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "{port}",
+            "--model",
+            "hf:{model_dir}",
+            "--workers",
+            "1",
+            "--threads",
+            "1",
+            "--device",
+            "{device}",
+        ),
+        "/ready",
+        "/metrics",
+    ),
+    Contender(
+        "shmgate, --max-batch-size 1",
+        (
+            "{python}",
+            "-m",
+            "gateway",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "{port}",
+            "--model",
+            "hf:{model_dir}",
+            "--workers",
+            "1",
+            "--threads",
+            "1",
+            "--max-batch-size",
+            "1",
+            "--device",
+            "{device}",
+        ),
+        "/ready",
+        "/metrics",
+    ),
+    Contender(
+        "naive (processing in the model thread)",
+        (
+            "{python}",
+            "{repo}/bench/naive_hf_server.py",
+            "--port",
+            "{port}",
+            "--model-dir",
+            "{model_dir}",
+            "--threads",
+            "1",
+            "--device",
+            "{device}",
+        ),
+        "/health",
+        "/stats",
+    ),
 )
 
 
-async def measure(contender: Contender, model_dir: Path, images: Path, log_dir: Path,
-                  args: argparse.Namespace) -> list[dict[str, Any]]:
+async def measure(
+    contender: Contender, model_dir: Path, images: Path, log_dir: Path, args: argparse.Namespace
+) -> list[dict[str, Any]]:
     """Start one server, load it at every concurrency, stop it."""
     port = free_port()
-    values = {"python": sys.executable, "repo": str(REPO), "port": str(port), "model_dir": str(model_dir),
-              "device": args.device}
-    server = ServerProcess([part.format(**values) for part in contender.command],
-                           log_dir / f"{contender.name.split()[0]}.log")
+    values = {
+        "python": sys.executable,
+        "repo": str(REPO),
+        "port": str(port),
+        "model_dir": str(model_dir),
+        "device": args.device,
+    }
+    server = ServerProcess(
+        [part.format(**values) for part in contender.command], log_dir / f"{contender.name.split()[0]}.log"
+    )
     base_url = f"http://127.0.0.1:{port}"
     results = []
     for attempt in range(3):  # other jobs on a shared machine can exhaust the message-queue quota for a while
@@ -116,11 +179,28 @@ async def measure(contender: Contender, model_dir: Path, images: Path, log_dir: 
         for concurrency in args.concurrency:
             parser = argparse.ArgumentParser()
             loadgen.add_arguments(parser)
-            load = parser.parse_args([
-                "--base-url", base_url, "--model", model_dir.name, "--concurrency", str(concurrency),
-                "--requests", str(args.requests), "--images", str(images), "--server-pid", str(server.pid),
-                "--unique", "--stream", "--temperature", "0", "--max-tokens", str(args.max_tokens),
-            ])
+            load = parser.parse_args(
+                [
+                    "--base-url",
+                    base_url,
+                    "--model",
+                    model_dir.name,
+                    "--concurrency",
+                    str(concurrency),
+                    "--requests",
+                    str(args.requests),
+                    "--images",
+                    str(images),
+                    "--server-pid",
+                    str(server.pid),
+                    "--unique",
+                    "--stream",
+                    "--temperature",
+                    "0",
+                    "--max-tokens",
+                    str(args.max_tokens),
+                ]
+            )
             with httpx.Client(base_url=base_url, timeout=10) as client:
                 busy_before, processing_before = contender.busy_seconds(client)
                 began = time.monotonic()
@@ -128,12 +208,19 @@ async def measure(contender: Contender, model_dir: Path, images: Path, log_dir: 
                 busy_after, processing_after = contender.busy_seconds(client)
             sent = result["requests"] + result["warmup"]
             processing = None if processing_after is None else processing_after - (processing_before or 0.0)
-            result.update(server=contender.name, busy_ms_per_request=1000 * (busy_after - busy_before) / sent,
-                          processing_ms_per_request=None if processing is None else 1000 * processing / sent,
-                          run_s=round(time.monotonic() - began, 1))
-            print(f"  {contender.name} c={concurrency}: {result['requests_per_s']} req/s, "
-                  f"ttft p50 {result['ttft_p50_ms']} ms, busy {result['busy_ms_per_request']:.1f} ms/req, "
-                  f"errors {result['errors']}, mismatches {result['mismatches']}", file=sys.stderr, flush=True)
+            result.update(
+                server=contender.name,
+                busy_ms_per_request=1000 * (busy_after - busy_before) / sent,
+                processing_ms_per_request=None if processing is None else 1000 * processing / sent,
+                run_s=round(time.monotonic() - began, 1),
+            )
+            print(
+                f"  {contender.name} c={concurrency}: {result['requests_per_s']} req/s, "
+                f"ttft p50 {result['ttft_p50_ms']} ms, busy {result['busy_ms_per_request']:.1f} ms/req, "
+                f"errors {result['errors']}, mismatches {result['mismatches']}",
+                file=sys.stderr,
+                flush=True,
+            )
             results.append(result)
     finally:
         server.stop()
@@ -146,25 +233,50 @@ def table(results: list[dict[str, Any]], max_tokens: int) -> str:
     tokens/s is req/s x ``max_tokens``: the tiny fixtures never end early (their control tokens'
     logits are zeroed), so every answer is ``max_tokens`` long.
     """
-    columns = ["server", "conc", "req/s (median)", "tokens/s", "req/s range", "ttft p50 ms", "ttft p90 ms", "latency p50 ms",
-               "worker busy ms/req", "of which processing", "server CPU ms/req", "errors", "mismatches"]
+    columns = [
+        "server",
+        "conc",
+        "req/s (median)",
+        "tokens/s",
+        "req/s range",
+        "ttft p50 ms",
+        "ttft p90 ms",
+        "latency p50 ms",
+        "worker busy ms/req",
+        "of which processing",
+        "server CPU ms/req",
+        "errors",
+        "mismatches",
+    ]
     groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for r in results:
         groups.setdefault((r["server"], r["concurrency"]), []).append(r)
     rows = []
     for (server, concurrency), runs in groups.items():
+
         def med(key: str, scale: float = 1.0, runs: list[dict[str, Any]] = runs) -> float | None:
             values = [r[key] * scale for r in runs if r[key] is not None]
             return statistics.median(values) if values else None
 
         rates = [r["requests_per_s"] for r in runs]
         rate = med("requests_per_s")
-        rows.append([server, concurrency, fmt(rate), fmt(None if rate is None else rate * max_tokens),
-                     f"{min(rates):.1f}-{max(rates):.1f}",
-                     fmt(med("ttft_p50_ms")), fmt(med("ttft_p90_ms")), fmt(med("p50_ms")),
-                     fmt(med("busy_ms_per_request")), fmt(med("processing_ms_per_request")),
-                     fmt(med("cpu_s_per_request", 1000.0)), sum(r["errors"] for r in runs),
-                     sum(r["mismatches"] for r in runs)])
+        rows.append(
+            [
+                server,
+                concurrency,
+                fmt(rate),
+                fmt(None if rate is None else rate * max_tokens),
+                f"{min(rates):.1f}-{max(rates):.1f}",
+                fmt(med("ttft_p50_ms")),
+                fmt(med("ttft_p90_ms")),
+                fmt(med("p50_ms")),
+                fmt(med("busy_ms_per_request")),
+                fmt(med("processing_ms_per_request")),
+                fmt(med("cpu_s_per_request", 1000.0)),
+                sum(r["errors"] for r in runs),
+                sum(r["mismatches"] for r in runs),
+            ]
+        )
     return render_table(columns, rows)
 
 
@@ -193,8 +305,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="where every server runs the model: cpu or cuda")
     parser.add_argument("--rounds", type=int, default=3, help="rounds over all servers; the table shows medians")
     parser.add_argument("--log-dir", default=None, help="keep the servers' logs here")
-    parser.add_argument("--family", default="qwen2_vl", choices=FAMILIES,
-                        help="which tiny model tests/hf_fixture.py builds (config.json model_type)")
+    parser.add_argument(
+        "--family",
+        default="qwen2_vl",
+        choices=FAMILIES,
+        help="which tiny model tests/hf_fixture.py builds (config.json model_type)",
+    )
     args = parser.parse_args(argv)
     results = asyncio.run(run_all(args))
     print(table(results, args.max_tokens))

@@ -83,12 +83,23 @@ def main() -> None:
                 if args.json:
                     print(json.dumps({"start": number, "thp": int(thp), **row}), flush=True)
                 else:
-                    print(f"| {number} | {thp} | {row['cpu_ms']} | {row['wall_ms']} | {row['huge_kib']} | {row['rss_kib']} |",
-                          flush=True)
+                    print(
+                        f"| {number} | {thp} | {row['cpu_ms']} | {row['wall_ms']} | {row['huge_kib']} | {row['rss_kib']} |",
+                        flush=True,
+                    )
     off, on = round(statistics.median(cpu["0"]), 2), round(statistics.median(cpu["1"]), 2)
-    summary = {"median_cpu_ms_off": off, "median_cpu_ms_on": on, "ratio_off_to_on": round(off / on, 2),
-               "range_off": [min(cpu["0"]), max(cpu["0"])], "range_on": [min(cpu["1"]), max(cpu["1"])]}
-    print(json.dumps(summary) if args.json else f"\nmedian CPU ms per pass: off {off}, on {on}, off/on {summary['ratio_off_to_on']}")
+    summary = {
+        "median_cpu_ms_off": off,
+        "median_cpu_ms_on": on,
+        "ratio_off_to_on": round(off / on, 2),
+        "range_off": [min(cpu["0"]), max(cpu["0"])],
+        "range_on": [min(cpu["1"]), max(cpu["1"])],
+    }
+    print(
+        json.dumps(summary)
+        if args.json
+        else f"\nmedian CPU ms per pass: off {off}, on {on}, off/on {summary['ratio_off_to_on']}"
+    )
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ def alternated(a: Callable[[], object], b: Callable[[], object], rounds: int, nu
     """Median µs per call of ``a`` and ``b``, timed A B B A ..."""
     times: dict[int, list[float]] = {0: [], 1: []}
     for r in range(rounds):
-        for which in ((0, 1) if r % 2 == 0 else (1, 0)):
+        for which in (0, 1) if r % 2 == 0 else (1, 0):
             f = (a, b)[which]
             times[which].append(min(timeit.repeat(f, number=number, repeat=3)) / number * 1e6)
     return statistics.median(times[0]), statistics.median(times[1])
@@ -60,13 +60,22 @@ def main(argv: list[str] | None = None) -> int:
         intake.warn_unknown_fields(body)
         return chat
 
-    rows = [("parse_chat_request: one pass / two passes",
-             alternated(lambda: intake.parse_chat_request(body, limits), two_passes, args.rounds, 200)),
-            ("base64 of the photo: strict_b64decode / binascii strict",
-             alternated(lambda: intake.strict_b64decode(text),
-                        lambda: binascii.a2b_base64(text, strict_mode=True), args.rounds, 100))]
-    print(f"pybase64: {'installed' if intake._simd_decode is not None else 'not installed'}; "
-          f"body {len(body):,} bytes")
+    rows = [
+        (
+            "parse_chat_request: one pass / two passes",
+            alternated(lambda: intake.parse_chat_request(body, limits), two_passes, args.rounds, 200),
+        ),
+        (
+            "base64 of the photo: strict_b64decode / binascii strict",
+            alternated(
+                lambda: intake.strict_b64decode(text),
+                lambda: binascii.a2b_base64(text, strict_mode=True),
+                args.rounds,
+                100,
+            ),
+        ),
+    ]
+    print(f"pybase64: {'installed' if intake._simd_decode is not None else 'not installed'}; body {len(body):,} bytes")
     print("| what | new µs | old µs | new / old |\n|---|---:|---:|---:|")
     for name, (new, old) in rows:
         print(f"| {name} | {new:.0f} | {old:.0f} | {new / old:.2f} |")

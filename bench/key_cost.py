@@ -39,8 +39,17 @@ def tensor_key_function(params: bytes) -> Callable[[Any], bytes]:
 
 def main() -> None:
     photo = base64.b64encode(PHOTOS[0].read_bytes()).decode()
-    body = json.dumps({"model": "checksum", "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": f"data:image/jpeg;base64,{photo}"}}]}]}).encode()
+    body = json.dumps(
+        {
+            "model": "checksum",
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": f"data:image/jpeg;base64,{photo}"}}],
+                }
+            ],
+        }
+    ).encode()
     preprocessor = ChecksumPreprocessor()
     tensor_key = tensor_key_function(preprocessor.cache_params())
     best = []

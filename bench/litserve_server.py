@@ -47,8 +47,13 @@ MAX_PIXELS = 8192 * 8192
 
 def _image_url(request: Any) -> str:
     """The single image_url of a ChatCompletionRequest (LitServe's pydantic model)."""
-    urls = [part.image_url.url for message in request.messages if isinstance(message.content, list)
-            for part in message.content if getattr(part, "type", None) == "image_url"]
+    urls = [
+        part.image_url.url
+        for message in request.messages
+        if isinstance(message.content, list)
+        for part in message.content
+        if getattr(part, "type", None) == "image_url"
+    ]
     if len(urls) != 1:
         raise ValueError("send exactly one image_url part")
     return urls[0]
@@ -171,27 +176,49 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8002)
-    parser.add_argument("--mode", choices=["checksum", "efficientnet"], default="efficientnet",
-                        help="checksum measures LitServe's serving overhead alone")
+    parser.add_argument(
+        "--mode",
+        choices=["checksum", "efficientnet"],
+        default="efficientnet",
+        help="checksum measures LitServe's serving overhead alone",
+    )
     parser.add_argument("--workers", type=int, default=2, help="inference processes (workers_per_device)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     parser.add_argument("--max-batch-size", type=int, default=4)
     parser.add_argument("--batch-timeout", type=float, default=0.005, help="seconds to gather a batch")
     parser.add_argument("--api-servers", type=int, default=1, help="HTTP server processes")
-    parser.add_argument("--accelerator", choices=["cpu", "cuda"], default="cpu",
-                        help="cuda: one GPU, --workers processes on it (LitServe passes each its cuda:N)")
+    parser.add_argument(
+        "--accelerator",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cuda: one GPU, --workers processes on it (LitServe passes each its cuda:N)",
+    )
     parser.add_argument("--embeddings", action="store_true", help="serve /v1/embeddings (efficientnet features)")
     args = parser.parse_args(argv)
     api: ls.LitAPI
     if args.embeddings:
-        api = EmbeddingAPI(threads=args.threads, max_batch_size=args.max_batch_size, batch_timeout=args.batch_timeout,
-                           spec=ls.OpenAIEmbeddingSpec())
+        api = EmbeddingAPI(
+            threads=args.threads,
+            max_batch_size=args.max_batch_size,
+            batch_timeout=args.batch_timeout,
+            spec=ls.OpenAIEmbeddingSpec(),
+        )
     else:
-        api = EfficientNetAPI(mode=args.mode, threads=args.threads, max_batch_size=args.max_batch_size,
-                              batch_timeout=args.batch_timeout, spec=ls.OpenAISpec())
+        api = EfficientNetAPI(
+            mode=args.mode,
+            threads=args.threads,
+            max_batch_size=args.max_batch_size,
+            batch_timeout=args.batch_timeout,
+            spec=ls.OpenAISpec(),
+        )
     server = ls.LitServer(api, accelerator=args.accelerator, devices=1, workers_per_device=args.workers, timeout=60)
-    server.run(host=args.host, port=args.port, num_api_servers=args.api_servers, log_level="warning",
-               generate_client_file=False)
+    server.run(
+        host=args.host,
+        port=args.port,
+        num_api_servers=args.api_servers,
+        log_level="warning",
+        generate_client_file=False,
+    )
     return 0
 
 

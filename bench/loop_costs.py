@@ -53,12 +53,14 @@ def main() -> None:
         data = path.read_bytes()
         text = base64.b64encode(data).decode()
         image = EncodedImage(text, 20 << 20)
-        print(f"{path.name} ({len(data) // 1024} KiB, {len(text) // 1024} KiB as base64): "
-              f"BLAKE2b of the bytes (the old key) "
-              f"{_us(lambda: hashlib.blake2b(data, digest_size=16).digest(), args.iters):.0f} µs, "
-              f"key of the bytes {_us(lambda: content_key(data, params), args.iters):.0f} µs, "
-              f"key of the base64 text {_us(lambda: content_key(text, params), args.iters):.0f} µs, "
-              f"base64 decode {_us(image.decode, args.iters):.0f} µs")
+        print(
+            f"{path.name} ({len(data) // 1024} KiB, {len(text) // 1024} KiB as base64): "
+            f"BLAKE2b of the bytes (the old key) "
+            f"{_us(lambda: hashlib.blake2b(data, digest_size=16).digest(), args.iters):.0f} µs, "
+            f"key of the bytes {_us(lambda: content_key(data, params), args.iters):.0f} µs, "
+            f"key of the base64 text {_us(lambda: content_key(text, params), args.iters):.0f} µs, "
+            f"base64 decode {_us(image.decode, args.iters):.0f} µs"
+        )
 
 
 def _us(fn: Callable[[], object], iters: int) -> float:

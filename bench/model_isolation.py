@@ -77,8 +77,15 @@ def _png(seed: int, size: int = 64) -> str:
 
 
 def _body(model: str, url: str) -> dict[str, object]:
-    return {"model": model, "messages": [{"role": "user", "content": [
-        {"type": "text", "text": "digest"}, {"type": "image_url", "image_url": {"url": url}}]}]}
+    return {
+        "model": model,
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "digest"}, {"type": "image_url", "image_url": {"url": url}}],
+            }
+        ],
+    }
 
 
 class Node:
@@ -92,16 +99,51 @@ class Node:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         self.log = open(tmp / "gateway.log", "wb")
         self.gateway = subprocess.Popen(
-            [sys.executable, "-m", "gateway", "gateway", "--port", str(self.port), "--config", str(config),
-             "--frontends", "2", "--arena-size", "256MiB", "--label", label], env=env, stdout=self.log,
-            stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "gateway",
+                "gateway",
+                "--port",
+                str(self.port),
+                "--config",
+                str(config),
+                "--frontends",
+                "2",
+                "--arena-size",
+                "256MiB",
+                "--label",
+                label,
+            ],
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         common = ["--label", label, "--device", "cpu", "--threads", "1", "--model", "checksum"]
         self.workers = [
-            subprocess.Popen([sys.executable, "-m", "worker", *common, "--served-model-name", "slow",
-                              "--max-batch-size", "1", "--diag-batch-delay-ms", str(slow_delay_ms)], env=env,
-                             stdout=self.log, stderr=subprocess.STDOUT),
-            subprocess.Popen([sys.executable, "-m", "worker", *common, "--served-model-name", "fast"], env=env,
-                             stdout=self.log, stderr=subprocess.STDOUT),
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "worker",
+                    *common,
+                    "--served-model-name",
+                    "slow",
+                    "--max-batch-size",
+                    "1",
+                    "--diag-batch-delay-ms",
+                    str(slow_delay_ms),
+                ],
+                env=env,
+                stdout=self.log,
+                stderr=subprocess.STDOUT,
+            ),
+            subprocess.Popen(
+                [sys.executable, "-m", "worker", *common, "--served-model-name", "fast"],
+                env=env,
+                stdout=self.log,
+                stderr=subprocess.STDOUT,
+            ),
         ]
         self.url = f"http://127.0.0.1:{self.port}"
 
@@ -147,6 +189,7 @@ async def _flood(url: str, rate: float, seconds: float) -> collections.Counter[i
     body = _body("slow", _png(1))
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
     async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
+
         async def one() -> None:
             try:
                 statuses[(await client.post("/v1/chat/completions", json=body)).status_code] += 1
@@ -171,8 +214,11 @@ def _flood_process(url: str, rate: float, seconds: float, out: multiprocessing.Q
 
 def _summary(latencies: list[float]) -> dict[str, float]:
     ordered = sorted(latencies)
-    return {"requests": len(ordered), "p50_ms": 1000 * statistics.median(ordered),
-            "p99_ms": 1000 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]}
+    return {
+        "requests": len(ordered),
+        "p50_ms": 1000 * statistics.median(ordered),
+        "p99_ms": 1000 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))],
+    }
 
 
 async def _run(url: str, seconds: float, flood_rate: float) -> dict[str, object]:
@@ -189,9 +235,12 @@ async def _run(url: str, seconds: float, flood_rate: float) -> dict[str, object]
         statuses = results.get(timeout=120)
         flood.join(30)
         shared = await _shared_decode(client, 20)
-    return {"alone": _summary(alone), "flooded": _summary(flooded),
-            "flood": {"rate_per_s": flood_rate, "statuses": {str(k): v for k, v in sorted(statuses.items())}},
-            "shared_decode": shared}
+    return {
+        "alone": _summary(alone),
+        "flooded": _summary(flooded),
+        "flood": {"rate_per_s": flood_rate, "statuses": {str(k): v for k, v in sorted(statuses.items())}},
+        "shared_decode": shared,
+    }
 
 
 async def _metric(client: httpx.AsyncClient, name: str) -> float:
@@ -211,8 +260,12 @@ async def _shared_decode(client: httpx.AsyncClient, n: int) -> dict[str, float]:
             if response.status_code != 200:
                 raise SystemExit(f"{model} answered {response.status_code}: {response.text[:200]}")
     after = [await _metric(client, name) for name in names]
-    return {"images": n, "requests": 2 * n, "decodes": after[0] - before[0],
-            "cache_hits": after[1] - before[1] + after[2] - before[2]}
+    return {
+        "images": n,
+        "requests": 2 * n,
+        "decodes": after[0] - before[0],
+        "cache_hits": after[1] - before[1] + after[2] - before[2],
+    }
 
 
 def main() -> None:
@@ -235,9 +288,11 @@ def main() -> None:
     alone, flooded = result["alone"], result["flooded"]
     assert isinstance(alone, dict) and isinstance(flooded, dict)
     print(f"fast model alone:   p50 {alone['p50_ms']:.1f} ms, p99 {alone['p99_ms']:.1f} ms ({alone['requests']} req)")
-    print(f"fast model flooded: p50 {flooded['p50_ms']:.1f} ms, p99 {flooded['p99_ms']:.1f} ms "
-          f"({flooded['requests']} req) while slow got {args.flood_x:g}x its {capacity:g} req/s: "
-          f"{result['flood']}")
+    print(
+        f"fast model flooded: p50 {flooded['p50_ms']:.1f} ms, p99 {flooded['p99_ms']:.1f} ms "
+        f"({flooded['requests']} req) while slow got {args.flood_x:g}x its {capacity:g} req/s: "
+        f"{result['flood']}"
+    )
     print(f"shared decode: {result['shared_decode']}")
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))

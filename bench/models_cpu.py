@@ -84,9 +84,27 @@ class Serve:
         flags = [f for name in names for f in ("--model", "checksum", "--served-model-name", name)]
         self.log = open(tmp / f"serve-{'-'.join(names)}.log", "wb")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "gateway", "serve", "--port", str(self.port), *flags, "--frontends", "1",
-             "--workers", "1", "--arena-size", "128MiB", "--threads", "1"],
-            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=self.log, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "gateway",
+                "serve",
+                "--port",
+                str(self.port),
+                *flags,
+                "--frontends",
+                "1",
+                "--workers",
+                "1",
+                "--arena-size",
+                "128MiB",
+                "--threads",
+                "1",
+            ],
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         self.url = f"http://127.0.0.1:{self.port}"
 
     def wait_ready(self) -> None:
@@ -118,8 +136,12 @@ async def _load(routes: dict[str, str], requests: int, concurrency: int, seed: i
             while not queue.empty():
                 i = queue.get_nowait()
                 model = "ab"[i % 2]
-                body = {"model": model, "messages": [{"role": "user", "content": [
-                    {"type": "image_url", "image_url": {"url": _png(seed + i)}}]}]}
+                body = {
+                    "model": model,
+                    "messages": [
+                        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": _png(seed + i)}}]}
+                    ],
+                }
                 response = await client.post(routes[model] + "/v1/chat/completions", json=body)
                 if response.status_code != 200:
                     raise SystemExit(f"{model}: {response.status_code} {response.text[:200]}")
@@ -159,8 +181,10 @@ def main() -> None:
                 figures[together].append(ms)
                 print(f"{'together' if together else 'apart':8s} {ms:.2f} ms CPU per request", flush=True)
     for together, values in figures.items():
-        print(f"{'one two-model server' if together else 'two one-model servers'}: median "
-              f"{statistics.median(values):.2f} ms CPU per request ({', '.join(f'{v:.2f}' for v in values)})")
+        print(
+            f"{'one two-model server' if together else 'two one-model servers'}: median "
+            f"{statistics.median(values):.2f} ms CPU per request ({', '.join(f'{v:.2f}' for v in values)})"
+        )
 
 
 if __name__ == "__main__":

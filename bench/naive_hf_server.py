@@ -112,8 +112,10 @@ def _hf_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         if isinstance(content, str):
             parts = [{"type": "text", "text": content}]
         else:
-            parts = [{"type": "image"} if p.get("type") == "image_url" else {"type": "text", "text": p.get("text", "")}
-                     for p in content or ()]
+            parts = [
+                {"type": "image"} if p.get("type") == "image_url" else {"type": "text", "text": p.get("text", "")}
+                for p in content or ()
+            ]
         out.append({"role": message.get("role", "user"), "content": parts})
     return out
 
@@ -121,9 +123,13 @@ def _hf_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
 def _sampling(body: dict[str, Any]) -> SamplingParams:
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
     stop = body.get("stop") or ()
-    return SamplingParams(max_tokens=max_tokens, temperature=float(body.get("temperature", 1.0)),
-                          top_p=float(body.get("top_p", 1.0)), seed=body.get("seed"),
-                          stop=(stop,) if isinstance(stop, str) else tuple(stop))
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=float(body.get("temperature", 1.0)),
+        top_p=float(body.get("top_p", 1.0)),
+        seed=body.get("seed"),
+        stop=(stop,) if isinstance(stop, str) else tuple(stop),
+    )
 
 
 async def _events(model: ModelThread, stream: Iterator[BackendEvent]) -> AsyncIterator[BackendEvent]:
@@ -151,11 +157,18 @@ def create_app(model: ModelThread) -> FastAPI:
             parts.append(event.text)
             final = event if event.finish_reason else final
         assert final is not None, "the backend ends every item with a finish event"
-        usage = {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens,
-                 "total_tokens": final.prompt_tokens + final.completion_tokens}
+        usage = {
+            "prompt_tokens": final.prompt_tokens,
+            "completion_tokens": final.completion_tokens,
+            "total_tokens": final.prompt_tokens + final.completion_tokens,
+        }
         message = {"role": "assistant", "content": "".join(parts)}
-        return {**base, "object": "chat.completion", "usage": usage,
-                "choices": [{"index": 0, "message": message, "finish_reason": final.finish_reason}]}
+        return {
+            **base,
+            "object": "chat.completion",
+            "usage": usage,
+            "choices": [{"index": 0, "message": message, "finish_reason": final.finish_reason}],
+        }
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

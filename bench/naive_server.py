@@ -148,8 +148,12 @@ def embedding_image(body: dict[str, Any]) -> bytes:
 def embedding_list(model: str, vector: bytes, encoding: str) -> dict[str, Any]:
     """OpenAI's embedding list for one vector."""
     value: Any = base64.b64encode(vector).decode() if encoding == "base64" else np.frombuffer(vector, "<f4").tolist()
-    return {"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": value}], "model": model,
-            "usage": {"prompt_tokens": 0, "total_tokens": 0}}
+    return {
+        "object": "list",
+        "data": [{"object": "embedding", "index": 0, "embedding": value}],
+        "model": model,
+        "usage": {"prompt_tokens": 0, "total_tokens": 0},
+    }
 
 
 def _user_text(body: dict[str, Any]) -> str:
@@ -165,17 +169,23 @@ def _user_text(body: dict[str, Any]) -> str:
 def completion(model: str, text: str, tokens: int) -> dict[str, Any]:
     """A non-streaming ``chat.completion`` object."""
     return {
-        "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-        "model": model, "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                     "finish_reason": "stop"}],
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
         "usage": {"prompt_tokens": 0, "completion_tokens": tokens, "total_tokens": tokens},
     }
 
 
 def chunks(model: str, text: str) -> Iterator[str]:
     """The SSE events of a streamed answer: one content chunk, the finish chunk, [DONE]."""
-    base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
-            "created": int(time.time()), "model": model}
+    base = {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+    }
     yield f"data: {json.dumps({**base, 'choices': [{'index': 0, 'delta': {'role': 'assistant', 'content': text}, 'finish_reason': None}]})}\n\n"  # noqa: E501
     yield f"data: {json.dumps({**base, 'choices': [{'index': 0, 'delta': {}, 'finish_reason': 'stop'}]})}\n\n"
     yield "data: [DONE]\n\n"
@@ -198,10 +208,12 @@ def create_app(mode: str, handler: str, threads: int) -> FastAPI:
         return JSONResponse(completion(name, text, tokens))
 
     if handler == "async":
+
         @app.post("/v1/chat/completions")
         async def chat_async(body: dict[str, Any] = Body(...)) -> Any:  # noqa: B008
             return respond(body)  # blocks the event loop for the whole request, as naive apps do
     else:
+
         @app.post("/v1/chat/completions")
         def chat_thread(body: dict[str, Any] = Body(...)) -> Any:  # noqa: B008
             return respond(body)  # FastAPI runs plain def handlers in its threadpool
@@ -212,14 +224,17 @@ def create_app(mode: str, handler: str, threads: int) -> FastAPI:
         except BadRequest as exc:
             error = {"message": str(exc), "type": "invalid_request_error", "code": "invalid_request"}
             return JSONResponse({"error": error}, status_code=400)
-        return JSONResponse(embedding_list(body.get("model") or model.model_id, vector,
-                                           body.get("encoding_format") or "float"))
+        return JSONResponse(
+            embedding_list(body.get("model") or model.model_id, vector, body.get("encoding_format") or "float")
+        )
 
     if handler == "async":
+
         @app.post("/v1/embeddings")
         async def embeddings_async(body: dict[str, Any] = Body(...)) -> Any:  # noqa: B008
             return respond_embedding(body)
     else:
+
         @app.post("/v1/embeddings")
         def embeddings_thread(body: dict[str, Any] = Body(...)) -> Any:  # noqa: B008
             return respond_embedding(body)

@@ -81,7 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     variants: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-        "eager (served)": normalise, "cast first": cast_first, "mul reciprocal": mul_reciprocal,
+        "eager (served)": normalise,
+        "cast first": cast_first,
+        "mul reciprocal": mul_reciprocal,
         "out of place": _normalise_out_of_place,
     }
     if not args.no_compile:
@@ -101,8 +103,13 @@ def main(argv: list[str] | None = None) -> int:
             reference = normalise(x)
             for name, fn in variants.items():
                 err = (fn(x) - reference).abs().max().item()
-                row = {"device": device.type, "batch": batch, "variant": name,
-                       "us_per_batch": round(median_us(fn, x, args.rounds), 1), "max_abs_diff": err}
+                row = {
+                    "device": device.type,
+                    "batch": batch,
+                    "variant": name,
+                    "us_per_batch": round(median_us(fn, x, args.rounds), 1),
+                    "max_abs_diff": err,
+                }
                 print(json.dumps(row) if args.json else "  ".join(f"{k}={v}" for k, v in row.items()))
     return 0
 

@@ -66,12 +66,18 @@ def uid_prefix() -> tuple[str, ...]:
         return ()
     base = ("setpriv", f"--reuid={POD_UID}", f"--regid={POD_UID}", "--clear-groups")
     # the probe starts a grandchild too: a supervisor must be able to exec the interpreter again
-    probe = ("import subprocess, sys; "
-             "sys.exit(subprocess.run([sys.executable, '-c', 'import shared.segment, torch']).returncode)")
+    probe = (
+        "import subprocess, sys; "
+        "sys.exit(subprocess.run([sys.executable, '-c', 'import shared.segment, torch']).returncode)"
+    )
     for extra in ((), ("--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search")):
         prefix = (*base, *extra)
-        done = subprocess.run([*prefix, sys.executable, "-c", probe], capture_output=True, timeout=120,
-                              cwd=Path(__file__).resolve().parent.parent)
+        done = subprocess.run(
+            [*prefix, sys.executable, "-c", probe],
+            capture_output=True,
+            timeout=120,
+            cwd=Path(__file__).resolve().parent.parent,
+        )
         if done.returncode == 0:
             return prefix
     return ()
@@ -145,11 +151,13 @@ class Pod:
     containers: list[Container] = field(default_factory=list)
 
     def __enter__(self) -> Pod:
-        script = (f"mount -t tmpfs -o size={self.shm_bytes},mode=1777 {self.name}-dshm /dev/shm "
-                  "&& echo up && exec sleep 3600")
+        script = (
+            f"mount -t tmpfs -o size={self.shm_bytes},mode=1777 {self.name}-dshm /dev/shm && echo up && exec sleep 3600"
+        )
         self.holder = subprocess.Popen(
             ["unshare", "--ipc", "--mount", "--propagation", "private", "sh", "-c", script],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
         )
         assert self.holder.stdout is not None
         line = self.holder.stdout.readline()
@@ -165,8 +173,15 @@ class Pod:
             self.holder.kill()
             self.holder.wait(10)
 
-    def run(self, name: str, argv: list[str], *, mount_shm: bool = True, env: dict[str, str] | None = None,
-            pid_namespace: bool = True) -> Container:
+    def run(
+        self,
+        name: str,
+        argv: list[str],
+        *,
+        mount_shm: bool = True,
+        env: dict[str, str] | None = None,
+        pid_namespace: bool = True,
+    ) -> Container:
         """Start a container running ``argv`` (as the pod's uid). ``mount_shm=False``: a container
         that does not mount the emptyDir (the pod's IPC namespace, the node's /dev/shm)."""
         assert self.holder is not None
@@ -176,8 +191,11 @@ class Pod:
         full_env = {**os.environ, "HOME": "/tmp", "PYTHONUNBUFFERED": "1", **(env or {})}
         process = subprocess.Popen(
             [*enter, "--", *pidns, *uid_prefix(), *argv],
-            stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, env=full_env,
-            preexec_fn=_k8s_rlimits, cwd=Path(__file__).resolve().parent.parent,
+            stdout=open(log_path, "wb"),
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            preexec_fn=_k8s_rlimits,
+            cwd=Path(__file__).resolve().parent.parent,
         )
         container = Container(name, process, log_path)
         self.containers.append(container)
@@ -186,8 +204,12 @@ class Pod:
     def exec(self, argv: list[str]) -> str:
         """Run a short command in the pod's IPC and mount namespaces; its stdout."""
         assert self.holder is not None
-        out = subprocess.run(["nsenter", f"--target={self.holder.pid}", "--ipc", "--mount", "--", *argv],
-                             capture_output=True, text=True, timeout=30)
+        out = subprocess.run(
+            ["nsenter", f"--target={self.holder.pid}", "--ipc", "--mount", "--", *argv],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert out.returncode == 0, out.stderr
         return out.stdout
 
@@ -195,18 +217,69 @@ class Pod:
         return self.exec(["ls", "-A", "/dev/shm"]).split()
 
 
-def gateway_argv(port: int, *, label: str = "pod", frontends: int = 1, arena: str = "64MiB",
-                 drain_timeout_s: float = 20, max_workers: int = 2, model: str = "checksum") -> list[str]:
-    return [sys.executable, "-m", "gateway", "gateway", "--host", "127.0.0.1", "--port", str(port),
-            "--frontends", str(frontends), "--arena-size", arena, "--label", label, "--model", model,
-            "--max-workers", str(max_workers), "--drain-timeout-s", str(drain_timeout_s)]
+def gateway_argv(
+    port: int,
+    *,
+    label: str = "pod",
+    frontends: int = 1,
+    arena: str = "64MiB",
+    drain_timeout_s: float = 20,
+    max_workers: int = 2,
+    model: str = "checksum",
+) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "gateway",
+        "gateway",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--frontends",
+        str(frontends),
+        "--arena-size",
+        arena,
+        "--label",
+        label,
+        "--model",
+        model,
+        "--max-workers",
+        str(max_workers),
+        "--drain-timeout-s",
+        str(drain_timeout_s),
+    ]
 
 
-def worker_argv(*, label: str = "pod", follow_drain_s: float = 30, model: str = "checksum",
-                batch_delay_ms: float = 0, attach_wait_s: float = 60) -> list[str]:
-    return [sys.executable, "-m", "worker", "--label", label, "--model", model, "--device", "cpu",
-            "--threads", "1", "--max-batch-size", "4", "--attach-wait-s", str(attach_wait_s),
-            "--follow-drain-s", str(follow_drain_s), "--diag-batch-delay-ms", str(batch_delay_ms)]
+def worker_argv(
+    *,
+    label: str = "pod",
+    follow_drain_s: float = 30,
+    model: str = "checksum",
+    batch_delay_ms: float = 0,
+    attach_wait_s: float = 60,
+) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "worker",
+        "--label",
+        label,
+        "--model",
+        model,
+        "--device",
+        "cpu",
+        "--threads",
+        "1",
+        "--max-batch-size",
+        "4",
+        "--attach-wait-s",
+        str(attach_wait_s),
+        "--follow-drain-s",
+        str(follow_drain_s),
+        "--diag-batch-delay-ms",
+        str(batch_delay_ms),
+    ]
 
 
 def terminate_together(*containers: Container) -> None:

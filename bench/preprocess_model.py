@@ -74,8 +74,15 @@ def model_rows(rounds: int) -> list[dict[str, object]]:
             with torch.inference_mode():
                 for name, model, inp in (("plain NCHW", plain, x), ("BN folded + channels_last", folded, xl)):
                     ms = median_ms(lambda: model(inp), rounds) / batch
-                    rows.append({"section": "model", "variant": name, "threads": threads, "batch": batch,
-                                 "ms_per_image": round(ms, 2)})
+                    rows.append(
+                        {
+                            "section": "model",
+                            "variant": name,
+                            "threads": threads,
+                            "batch": batch,
+                            "ms_per_image": round(ms, 2),
+                        }
+                    )
     return rows
 
 

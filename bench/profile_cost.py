@@ -44,8 +44,10 @@ def summarize(collapsed: Path, top: int) -> str:
             continue
         count = int(count_text)
         total += count
-        frames = [frame.split(" (")[0] + " " + frame.split(" (")[-1].split(":")[0].rsplit("/", 1)[-1]
-                  for frame in stack.split(";")[1:]]  # [0] is the thread
+        frames = [
+            frame.split(" (")[0] + " " + frame.split(" (")[-1].split(":")[0].rsplit("/", 1)[-1]
+            for frame in stack.split(";")[1:]
+        ]  # [0] is the thread
         if frames:
             own[frames[-1]] += count
         for frame in set(frames):
@@ -63,10 +65,26 @@ async def load(base_url: str, images: Path, flag: str, concurrency: int, seconds
     loadgen.add_arguments(parser)
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        await loadgen.run(parser.parse_args([
-            "--base-url", base_url, "--model", "checksum", "--concurrency", str(concurrency), "--requests",
-            str(max(concurrency * 20, 200)), "--images", str(images), "--server-pid", str(pid), "--no-stages",
-            flag]))
+        await loadgen.run(
+            parser.parse_args(
+                [
+                    "--base-url",
+                    base_url,
+                    "--model",
+                    "checksum",
+                    "--concurrency",
+                    str(concurrency),
+                    "--requests",
+                    str(max(concurrency * 20, 200)),
+                    "--images",
+                    str(images),
+                    "--server-pid",
+                    str(pid),
+                    "--no-stages",
+                    flag,
+                ]
+            )
+        )
 
 
 def main() -> int:
@@ -89,14 +107,22 @@ def main() -> int:
         images.mkdir()
         for image in IMAGES:
             (images / image.name).symlink_to(image)
-        command = [str(Path(sys.executable).parent / "shmgate"), "serve", "--host", "127.0.0.1", "--port", str(port),
-                   "--model", "checksum", *args.serve_arg]
+        command = [
+            str(Path(sys.executable).parent / "shmgate"),
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--model",
+            "checksum",
+            *args.serve_arg,
+        ]
         server = ServerProcess(command, Path(tmp) / "server.log")
         server.start()
         try:
             asyncio.run(server.wait_ready(f"http://127.0.0.1:{port}/ready", 180.0))
-            pids = {role: [p for p in loadgen.process_tree([server.pid]) if _role(p) == role]
-                    for role in args.role}
+            pids = {role: [p for p in loadgen.process_tree([server.pid]) if _role(p) == role] for role in args.role}
             flag = "--unique" if args.load == "miss" else "--repeat-one"
             records = []
             for role in args.role:
@@ -104,10 +130,32 @@ def main() -> int:
                     print(f"no {role} process found", file=sys.stderr)
                     return 1
                 out = Path(tmp) / f"{role}.txt"
-                records.append((role, pids[role][0], out, subprocess.Popen(
-                    [py_spy, "record", "--pid", str(pids[role][0]), "--duration", str(int(args.seconds)),
-                     "--rate", "200", "--format", "raw", "--output", str(out), "--nonblocking"],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
+                records.append(
+                    (
+                        role,
+                        pids[role][0],
+                        out,
+                        subprocess.Popen(
+                            [
+                                py_spy,
+                                "record",
+                                "--pid",
+                                str(pids[role][0]),
+                                "--duration",
+                                str(int(args.seconds)),
+                                "--rate",
+                                "200",
+                                "--format",
+                                "raw",
+                                "--output",
+                                str(out),
+                                "--nonblocking",
+                            ],
+                            stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL,
+                        ),
+                    )
+                )
             asyncio.run(load(f"http://127.0.0.1:{port}", images, flag, args.concurrency, args.seconds + 3, server.pid))
             for role, pid, out, spy in records:
                 spy.wait(60)

@@ -35,8 +35,9 @@ from typing import Any
 ARRIVALS = 200_000  # simulated requests per point: quantiles of the model, not of one short run
 
 
-def ideal_latencies(rate: float, servers: int, service_s: float, floor_s: float, *, count: int = ARRIVALS,
-                    seed: int = 1) -> list[float]:
+def ideal_latencies(
+    rate: float, servers: int, service_s: float, floor_s: float, *, count: int = ARRIVALS, seed: int = 1
+) -> list[float]:
     """Sorted latencies (s) of ``count`` Poisson arrivals at ``rate``/s through an FCFS M/D/``servers`` queue."""
     rng = random.Random(seed)
     free_at = [0.0] * servers  # when each server is next free (a heap)
@@ -59,8 +60,14 @@ def model_point(rate: float, servers: int, capacity: float, floor_ms: float) -> 
     service_s = servers / capacity
     latencies = ideal_latencies(rate, servers, service_s, floor_ms / 1000)
     p50, p99 = quantile(latencies, 0.50) * 1000, quantile(latencies, 0.99) * 1000
-    return {"rate": round(rate, 2), "load_pct": round(100 * rate / capacity, 1), "service_ms": round(service_s * 1000, 2),
-            "ideal_p50_ms": round(p50, 1), "ideal_p99_ms": round(p99, 1), "ideal_ratio": round(p99 / p50, 2)}
+    return {
+        "rate": round(rate, 2),
+        "load_pct": round(100 * rate / capacity, 1),
+        "service_ms": round(service_s * 1000, 2),
+        "ideal_p50_ms": round(p50, 1),
+        "ideal_p99_ms": round(p99, 1),
+        "ideal_ratio": round(p99 / p50, 2),
+    }
 
 
 def from_e2e(path: Path, servers: int, floor_ms: float) -> list[dict[str, Any]]:
@@ -76,9 +83,17 @@ def from_e2e(path: Path, servers: int, floor_ms: float) -> list[dict[str, Any]]:
         if key not in capacity or not row.get("p50_ms"):
             continue
         point = model_point(row["offered_rate"], servers, capacity[key], floor_ms)
-        out.append({"scenario": key[0], "round": key[1], **point, "p50_ms": row["p50_ms"], "p99_ms": row["p99_ms"],
-                    "ratio": round(row["p99_ms"] / row["p50_ms"], 2),
-                    "p99_over_ideal": round(row["p99_ms"] / point["ideal_p99_ms"], 2)})
+        out.append(
+            {
+                "scenario": key[0],
+                "round": key[1],
+                **point,
+                "p50_ms": row["p50_ms"],
+                "p99_ms": row["p99_ms"],
+                "ratio": round(row["p99_ms"] / row["p50_ms"], 2),
+                "p99_over_ideal": round(row["p99_ms"] / point["ideal_p99_ms"], 2),
+            }
+        )
     return out
 
 
@@ -92,13 +107,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.from_e2e is not None:
         rows = from_e2e(args.from_e2e, args.servers, args.floor_ms)
-        print("| scenario | round | offered req/s | load % | ideal p50 / p99 ms | ideal p99/p50 | measured p50 / p99 ms "
-              "| measured p99/p50 | measured p99 / ideal p99 |")
+        print(
+            "| scenario | round | offered req/s | load % | ideal p50 / p99 ms | ideal p99/p50 | measured p50 / p99 ms "
+            "| measured p99/p50 | measured p99 / ideal p99 |"
+        )
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in rows:
-            print(f"| {r['scenario']} | {r['round'] + 1} | {r['rate']} | {r['load_pct']} | {r['ideal_p50_ms']} / "
-                  f"{r['ideal_p99_ms']} | {r['ideal_ratio']} | {r['p50_ms']:.1f} / {r['p99_ms']:.1f} | {r['ratio']} | "
-                  f"{r['p99_over_ideal']} |")
+            print(
+                f"| {r['scenario']} | {r['round'] + 1} | {r['rate']} | {r['load_pct']} | {r['ideal_p50_ms']} / "
+                f"{r['ideal_p99_ms']} | {r['ideal_ratio']} | {r['p50_ms']:.1f} / {r['p99_ms']:.1f} | {r['ratio']} | "
+                f"{r['p99_over_ideal']} |"
+            )
         return 0
     if args.capacity is None:
         parser.error("--capacity or --from-e2e is needed")
@@ -106,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     print("|---:|---:|---:|---:|---:|---:|")
     for pct in args.load:
         p = model_point(args.capacity * pct / 100, args.servers, args.capacity, args.floor_ms)
-        print(f"| {pct:g} | {p['rate']} | {p['service_ms']} | {p['ideal_p50_ms']} | {p['ideal_p99_ms']} | {p['ideal_ratio']} |")
+        print(
+            f"| {pct:g} | {p['rate']} | {p['service_ms']} | {p['ideal_p50_ms']} | {p['ideal_p99_ms']} | {p['ideal_ratio']} |"
+        )
     return 0
 
 

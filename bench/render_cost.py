@@ -55,16 +55,28 @@ async def _round(f: Frontend, render: Render, stream: bool, iters: int, deltas: 
         await never.wait()
         return {"type": "http.disconnect"}
 
-    submit = Submit(request_id=1, reply_slot=0, model="checksum", tensors=(), inline=b"", params=SamplingParams(),
-                    deadline_ns=0, attempt=0, text="")
+    submit = Submit(
+        request_id=1,
+        reply_slot=0,
+        model="checksum",
+        tensors=(),
+        inline=b"",
+        params=SamplingParams(),
+        deadline_ns=0,
+        attempt=0,
+        text="",
+    )
     started = time.process_time()
     for i in range(iters):
         state = RequestState(i, submit, [], time.monotonic())
         state.phase = Phase.DONE  # its events are queued by hand: nothing to route, nothing to abandon
         for seq in range(deltas):
             state.events.put_nowait(Delta(i, seq, "word "))
-        state.events.put_nowait(Finished(request_id=i, seq=deltas, finish_reason="stop", prompt_tokens=12,
-                                         completion_tokens=deltas, text=""))
+        state.events.put_nowait(
+            Finished(
+                request_id=i, seq=deltas, finish_reason="stop", prompt_tokens=12, completion_tokens=deltas, text=""
+            )
+        )
         response = await render(f, state, stream, receive)
         if stream:
             async for _ in response.body_iterator:
@@ -83,9 +95,12 @@ async def main(args: argparse.Namespace) -> None:
         for stream in (False, True):
             await _round(frontend, render, stream, 200, args.deltas)  # warm-up
             rounds = [await _round(frontend, render, stream, args.iters, args.deltas) for _ in range(args.rounds)]
-            print(f"{name}, {'streamed' if stream else 'whole'}, {args.deltas} deltas: "
-                  f"median {statistics.median(rounds):.1f} µs of CPU per answer "
-                  f"(rounds: {', '.join(f'{r:.1f}' for r in rounds)})", flush=True)
+            print(
+                f"{name}, {'streamed' if stream else 'whole'}, {args.deltas} deltas: "
+                f"median {statistics.median(rounds):.1f} µs of CPU per answer "
+                f"(rounds: {', '.join(f'{r:.1f}' for r in rounds)})",
+                flush=True,
+            )
     finally:
         await frontend.stop()
 

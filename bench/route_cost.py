@@ -20,10 +20,18 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 SCOPE: dict[str, Any] = {
-    "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-    "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "query_string": b"", "root_path": "",
+    "type": "http",
+    "asgi": {"version": "3.0"},
+    "http_version": "1.1",
+    "method": "POST",
+    "scheme": "http",
+    "path": "/v1/chat/completions",
+    "raw_path": b"/v1/chat/completions",
+    "query_string": b"",
+    "root_path": "",
     "headers": [(b"content-type", b"application/json"), (b"content-length", b"2")],
-    "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2),
+    "client": ("127.0.0.1", 1),
+    "server": ("127.0.0.1", 2),
 }
 
 
@@ -62,11 +70,13 @@ async def main(requests: int, rounds: int) -> None:
     apps = {kind: app_with(kind) for kind in ("fastapi", "starlette")}
     seen: dict[str, list[float]] = {kind: [] for kind in apps}
     for round_index in range(rounds):
-        for kind in (list(apps) if round_index % 2 == 0 else list(apps)[::-1]):
+        for kind in list(apps) if round_index % 2 == 0 else list(apps)[::-1]:
             seen[kind].append(await cpu_per_request(apps[kind], requests))
     for kind, values in seen.items():
-        print(f"{kind:>9} route: {min(values) * 1e6:5.1f} µs CPU/request (least of {rounds}), "
-              f"median {statistics.median(values) * 1e6:5.1f}")
+        print(
+            f"{kind:>9} route: {min(values) * 1e6:5.1f} µs CPU/request (least of {rounds}), "
+            f"median {statistics.median(values) * 1e6:5.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -92,13 +92,18 @@ class Unit:
         started = time.monotonic()
         self.starts += 1
         self.pod = Pod(f"{self.name}-{self.starts}", SHM_BYTES, self.log_dir).__enter__()
-        self.gateway = self.pod.run("gateway", gateway_argv(self.port, label=self.name, model=self.model,
-                                                            frontends=self.frontends, drain_timeout_s=30))
+        self.gateway = self.pod.run(
+            "gateway",
+            gateway_argv(self.port, label=self.name, model=self.model, frontends=self.frontends, drain_timeout_s=30),
+        )
         argv = worker_argv(label=self.name, model=self.model, follow_drain_s=40)
         argv[argv.index("--threads") + 1] = str(self.worker_threads)
         self.worker = self.pod.run("worker", argv)
-        wait_for(lambda: ready(self.port) or not self.gateway.alive() or not self.worker.alive(), timeout_s,
-                 f"{self.name} ready")
+        wait_for(
+            lambda: ready(self.port) or not self.gateway.alive() or not self.worker.alive(),
+            timeout_s,
+            f"{self.name} ready",
+        )
         if not ready(self.port):
             raise RuntimeError(f"{self.name} did not start:\n{self.gateway.log()}\n{self.worker.log()}")
         return time.monotonic() - started
@@ -179,8 +184,11 @@ class Proxy:
         servers = "\n".join(f"        server 127.0.0.1:{p} max_fails=0;" for p in self.upstream_ports)
         conf = self.work_dir / "nginx.conf"
         conf.write_text(NGINX_CONF.format(dir=self.work_dir, servers=servers, port=self.port))
-        self.process = subprocess.Popen([nginx, "-c", str(conf), "-p", str(self.work_dir)],
-                                        stdout=subprocess.DEVNULL, stderr=open(self.work_dir / "stderr.log", "wb"))
+        self.process = subprocess.Popen(
+            [nginx, "-c", str(conf), "-p", str(self.work_dir)],
+            stdout=subprocess.DEVNULL,
+            stderr=open(self.work_dir / "stderr.log", "wb"),
+        )
         wait_for(lambda: self._listening() or self.process.poll() is not None, 20, "nginx listening")
         if self.process.poll() is not None:
             raise RuntimeError("nginx did not start: " + (self.work_dir / "stderr.log").read_text())
@@ -227,9 +235,23 @@ class LoadLoop:
         parser = argparse.ArgumentParser()
         loadgen.add_arguments(parser)
         args = parser.parse_args(
-            ["--base-url", self.base_url, "--model", self.model, "--images", str(IMAGES),
-             "--concurrency", str(self.concurrency), "--requests", str(self.requests), "--warmup", "0",
-             "--timeout", "120"])
+            [
+                "--base-url",
+                self.base_url,
+                "--model",
+                self.model,
+                "--images",
+                str(IMAGES),
+                "--concurrency",
+                str(self.concurrency),
+                "--requests",
+                str(self.requests),
+                "--warmup",
+                "0",
+                "--timeout",
+                "120",
+            ]
+        )
         try:
             result = asyncio.run(loadgen.run(args))
         except Exception as exc:  # a load generator that broke is a failed run, never a silent one
@@ -250,9 +272,14 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     errors: Counter[str] = Counter()
     for r in rounds:
         errors.update(r["errors_by_kind"])
-    return {"rounds": len(rounds), "requests": requests, "errors": sum(errors.values()),
-            "errors_by_kind": dict(errors), "mismatches": sum(r["mismatches"] for r in rounds),
-            "requests_per_s": round(requests / wall, 1) if wall else None}
+    return {
+        "rounds": len(rounds),
+        "requests": requests,
+        "errors": sum(errors.values()),
+        "errors_by_kind": dict(errors),
+        "mismatches": sum(r["mismatches"] for r in rounds),
+        "requests_per_s": round(requests / wall, 1) if wall else None,
+    }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -265,8 +292,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             work.mkdir(parents=True, exist_ok=True)
         else:
             work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="shmgate-scaleout-")))
-        units = [Unit(f"unit{i}", free_port(), args.model, work, frontends=args.frontends,
-                      worker_threads=args.worker_threads) for i in range(2)]
+        units = [
+            Unit(
+                f"unit{i}", free_port(), args.model, work, frontends=args.frontends, worker_threads=args.worker_threads
+            )
+            for i in range(2)
+        ]
         for unit in units:
             stack.callback(unit.stop)
             unit.start()
@@ -285,20 +316,35 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for unit in units:
             gateway_code, worker_code, drain_s = unit.drain()
             ready_s = unit.start()
-            restarts.append({"unit": unit.name, "gateway_exit": gateway_code, "worker_exit": worker_code,
-                             "drain_s": round(drain_s, 2), "ready_s": round(ready_s, 2)})
+            restarts.append(
+                {
+                    "unit": unit.name,
+                    "gateway_exit": gateway_code,
+                    "worker_exit": worker_code,
+                    "drain_s": round(drain_s, 2),
+                    "ready_s": round(ready_s, 2),
+                }
+            )
             time.sleep(args.settle_s)
         ended = time.monotonic()
         load.stop()
-        during = load.rounds[len(steady):]
+        during = load.rounds[len(steady) :]
         # the load covered the whole restart: a round was running when it began, and one after it ended
         covered = bool(during) and during[0]["started_at"] <= began and during[-1]["ended_at"] >= ended
         return {
-            "model": args.model, "units": 2, "frontends_per_unit": args.frontends,
-            "worker_threads": args.worker_threads, "concurrency": args.concurrency, "proxy": "nginx",
+            "model": args.model,
+            "units": 2,
+            "frontends_per_unit": args.frontends,
+            "worker_threads": args.worker_threads,
+            "concurrency": args.concurrency,
+            "proxy": "nginx",
             "steady": summarize(steady),
-            "rolling_restart": {"restarts": restarts, "duration_s": round(ended - began, 2), "load_covered_it": covered,
-                                **summarize(during)},
+            "rolling_restart": {
+                "restarts": restarts,
+                "duration_s": round(ended - began, 2),
+                "load_covered_it": covered,
+                **summarize(during),
+            },
             "bench_failures": load.failures,
         }
 

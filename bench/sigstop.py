@@ -39,9 +39,25 @@ def main() -> int:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = Path(tempfile.mkdtemp(prefix="shmgate-sigstop-")) / "serve.log"
-    proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--port", str(port), "--workers", "2",
-                             "--frontends", "2", "--arena-size", "256MiB"], cwd=REPO,
-                            stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gateway",
+            "serve",
+            "--port",
+            str(port),
+            "--workers",
+            "2",
+            "--frontends",
+            "2",
+            "--arena-size",
+            "256MiB",
+        ],
+        cwd=REPO,
+        stdout=open(log_path, "wb"),
+        stderr=subprocess.STDOUT,
+    )
 
     def metric(name: str) -> float:
         text = httpx.get(url + "/metrics", timeout=5).text
@@ -51,8 +67,11 @@ def main() -> int:
         out = []
         for entry in os.listdir("/proc"):
             try:
-                if (entry.isdigit() and int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-                        == proc.pid and b"-m\0worker" in Path(f"/proc/{entry}/cmdline").read_bytes()):
+                if (
+                    entry.isdigit()
+                    and int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]) == proc.pid
+                    and b"-m\0worker" in Path(f"/proc/{entry}/cmdline").read_bytes()
+                ):
                     out.append(int(entry))
             except (OSError, ValueError, IndexError):
                 continue
@@ -60,8 +79,15 @@ def main() -> int:
 
     def body(i: int) -> dict[str, object]:
         data = base64.b64encode(images[i % len(images)]).decode()
-        return {"model": "efficientnet-lite0", "messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "data:image/jpeg;base64," + data}}]}]}
+        return {
+            "model": "efficientnet-lite0",
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": "data:image/jpeg;base64," + data}}],
+                }
+            ],
+        }
 
     async def run() -> None:
         while True:
@@ -106,10 +132,12 @@ def main() -> int:
         before = [lat for end, lat, _ in results if end < t0]
         during = [lat for end, lat, _ in results if t0 <= end < t0 + back]
         after = [lat for end, lat, _ in results if end >= t0 + back]
-        print(f"requests {len(results)}, failed {sum(not ok for *_, ok in results)}; stalled worker killed "
-              f"{killed:.1f} s after SIGSTOP, full capacity after {back:.1f} s; p99 before {p99(before):.2f} s, "
-              f"while wedged {p99(during):.2f} s, after {p99(after):.2f} s; "
-              f"shmgate_worker_stalls_total {metric('shmgate_worker_stalls_total'):.0f}")
+        print(
+            f"requests {len(results)}, failed {sum(not ok for *_, ok in results)}; stalled worker killed "
+            f"{killed:.1f} s after SIGSTOP, full capacity after {back:.1f} s; p99 before {p99(before):.2f} s, "
+            f"while wedged {p99(during):.2f} s, after {p99(after):.2f} s; "
+            f"shmgate_worker_stalls_total {metric('shmgate_worker_stalls_total'):.0f}"
+        )
 
     try:
         asyncio.run(run())

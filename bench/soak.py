@@ -84,8 +84,9 @@ def sample_process(pid: int) -> ProcessSample | None:
     except OSError:
         return None
     fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-    return ProcessSample(pid, _role(pid), int(fields["VmRSS"].split()[0]), int(fields["RssAnon"].split()[0]), fds,
-                         int(fields["Threads"]))
+    return ProcessSample(
+        pid, _role(pid), int(fields["VmRSS"].split()[0]), int(fields["RssAnon"].split()[0]), fds, int(fields["Threads"])
+    )
 
 
 def sample_tree(root: int) -> dict[int, ProcessSample]:
@@ -95,8 +96,7 @@ def sample_tree(root: int) -> dict[int, ProcessSample]:
 def metric(base_url: str, name: str) -> float:
     """One gauge or counter from /metrics, summed over its label sets."""
     text = httpx.get(base_url + "/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith((name + " ", name + "{")))
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith((name + " ", name + "{")))
 
 
 # -- the request mix ----------------------------------------------------------------------------------
@@ -104,6 +104,7 @@ def metric(base_url: str, name: str) -> float:
 
 def bad_bodies(model: str) -> list[tuple[str, bytes, int]]:
     """(kind, raw body, expected status): malformed requests a client may send by mistake."""
+
     def with_url(url: str) -> bytes:
         return json.dumps(loadgen.build_body(model, url, stream=False, max_tokens=None)).encode()
 
@@ -111,8 +112,11 @@ def bad_bodies(model: str) -> list[tuple[str, bytes, int]]:
         ("invalid_json", b'{"model": "' + model.encode() + b'", "messages": [', 400),
         ("bad_base64", with_url("data:image/jpeg;base64,@@not base64@@"), 400),
         ("not_an_image", with_url("data:image/png;base64,aGVsbG8sIEkgYW0gdGV4dA=="), 400),
-        ("unknown_model", json.dumps({"model": "gpt-99", "messages": [{"role": "user", "content": "hi"}]}).encode(),
-         404),
+        (
+            "unknown_model",
+            json.dumps({"model": "gpt-99", "messages": [{"role": "user", "content": "hi"}]}).encode(),
+            404,
+        ),
         ("no_messages", json.dumps({"model": model}).encode(), 400),
     ]
 
@@ -148,14 +152,23 @@ async def _send_bad(client: RawClient, body: bytes, expected: int) -> bool:
     return response.status == expected and set(error) == {"message", "type", "param", "code"}
 
 
-async def drive(base_url: str, model: str, images: list[loadgen.BenchImage], count: int, first: int,
-                concurrency: int, mix: tuple[int, int, int], timeout_s: float) -> Tally:
+async def drive(
+    base_url: str,
+    model: str,
+    images: list[loadgen.BenchImage],
+    count: int,
+    first: int,
+    concurrency: int,
+    mix: tuple[int, int, int],
+    timeout_s: float,
+) -> Tally:
     """Send ``count`` requests of the mix; request numbers start at ``first`` (nonces stay unique)."""
     hits, misses, _ = mix
     bad = bad_bodies(model)
     tally = Tally(Counter(), [], [])
     counter = itertools.count()
     template = loadgen.BodyTemplate(model, stream=False, max_tokens=None)
+
     async def one(client: RawClient, i: int) -> None:
         slot = i % 20
         if slot < hits + misses:
@@ -195,8 +208,12 @@ class Snapshot:
 
 
 def snapshot(base_url: str, server_pid: int) -> Snapshot:
-    return Snapshot(metric(base_url, "shmgate_arena_held_bytes"), metric(base_url, "shmgate_arena_used_bytes"),
-                    metric(base_url, "shmgate_in_flight_requests"), sample_tree(server_pid))
+    return Snapshot(
+        metric(base_url, "shmgate_arena_held_bytes"),
+        metric(base_url, "shmgate_arena_used_bytes"),
+        metric(base_url, "shmgate_in_flight_requests"),
+        sample_tree(server_pid),
+    )
 
 
 def problems(before: Snapshot, after: Snapshot, max_rss_growth_kib: int, mid: Snapshot | None = None) -> list[str]:
@@ -209,8 +226,10 @@ def problems(before: Snapshot, after: Snapshot, max_rss_growth_kib: int, mid: Sn
     found = []
     counts = mid or before
     if after.held_bytes != before.held_bytes or after.in_flight:
-        found.append(f"arena holds {after.held_bytes:g} B (baseline {before.held_bytes:g}), "
-                     f"{after.in_flight:g} requests in flight")
+        found.append(
+            f"arena holds {after.held_bytes:g} B (baseline {before.held_bytes:g}), "
+            f"{after.in_flight:g} requests in flight"
+        )
     if set(after.processes) != set(before.processes):
         found.append(f"server processes changed: {sorted(before.processes)} -> {sorted(after.processes)}")
     for pid, b in before.processes.items():
@@ -226,8 +245,9 @@ def problems(before: Snapshot, after: Snapshot, max_rss_growth_kib: int, mid: Sn
     return found
 
 
-def settle(base_url: str, server_pid: int, before: Snapshot, max_rss_growth_kib: int,
-           mid: Snapshot | None = None) -> Snapshot:
+def settle(
+    base_url: str, server_pid: int, before: Snapshot, max_rss_growth_kib: int, mid: Snapshot | None = None
+) -> Snapshot:
     """The server at rest after the load: retried for a while, as closing sockets takes a moment."""
     deadline = time.monotonic() + SETTLE_S
     while True:
@@ -242,16 +262,22 @@ def _counts(s: Snapshot) -> dict[int, tuple[int, int]]:
 
 
 def table(before: Snapshot, mid: Snapshot, after: Snapshot) -> str:
-    rows = [("| process | pid | RSS KiB before | after | private RSS KiB before | after "
-             "| fds before / mid / after | threads before / mid / after |"),
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    rows = [
+        (
+            "| process | pid | RSS KiB before | after | private RSS KiB before | after "
+            "| fds before / mid / after | threads before / mid / after |"
+        ),
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for pid, b in sorted(before.processes.items(), key=lambda kv: kv[1].role):
         a, m = after.processes.get(pid), mid.processes.get(pid)
         if a is None or m is None:
             rows.append(f"| {b.role} | {pid} | {b.rss_kib} | gone | {b.anon_kib} | gone | {b.fds} | {b.threads} |")
             continue
-        rows.append(f"| {b.role} | {pid} | {b.rss_kib} | {a.rss_kib} | {b.anon_kib} | {a.anon_kib} | "
-                    f"{b.fds} / {m.fds} / {a.fds} | {b.threads} / {m.threads} / {a.threads} |")
+        rows.append(
+            f"| {b.role} | {pid} | {b.rss_kib} | {a.rss_kib} | {b.anon_kib} | {a.anon_kib} | "
+            f"{b.fds} / {m.fds} / {a.fds} | {b.threads} / {m.threads} / {a.threads} |"
+        )
     rows.append(f"| arena held bytes | | {before.held_bytes:.0f} | {after.held_bytes:.0f} | | | | |")
     rows.append(f"| arena used bytes (cache) | | {before.used_bytes:.0f} | {after.used_bytes:.0f} | | | | |")
     return "\n".join(rows)
@@ -299,25 +325,42 @@ def run(args: argparse.Namespace, base_url: str, server_pid: int) -> dict[str, A
     if mismatches:
         found.append(f"{mismatches} answers disagreed with an earlier answer for the same image")
     return {
-        "requests": args.requests, "warmup": round_ * args.warmup, "concurrency": args.concurrency, "mix": args.mix,
-        "duration_s": round(wall_s, 2), "requests_per_s": round(args.requests / wall_s, 1),
+        "requests": args.requests,
+        "warmup": round_ * args.warmup,
+        "concurrency": args.concurrency,
+        "mix": args.mix,
+        "duration_s": round(wall_s, 2),
+        "requests_per_s": round(args.requests / wall_s, 1),
         "p50_ms": round(1000 * (loadgen.percentile(tally.latencies_s, 50) or 0), 1),
         "p99_ms": round(1000 * (loadgen.percentile(tally.latencies_s, 99) or 0), 1),
-        "outcomes": dict(sorted(tally.outcomes.items())), "mismatches": mismatches,
-        "before": {"held_bytes": before.held_bytes, "used_bytes": before.used_bytes,
-                   "processes": [vars(p) for p in before.processes.values()]},
-        "after": {"held_bytes": after.held_bytes, "used_bytes": after.used_bytes,
-                  "processes": [vars(p) for p in after.processes.values()]},
+        "outcomes": dict(sorted(tally.outcomes.items())),
+        "mismatches": mismatches,
+        "before": {
+            "held_bytes": before.held_bytes,
+            "used_bytes": before.used_bytes,
+            "processes": [vars(p) for p in before.processes.values()],
+        },
+        "after": {
+            "held_bytes": after.held_bytes,
+            "used_bytes": after.used_bytes,
+            "processes": [vars(p) for p in after.processes.values()],
+        },
         "mid": {"processes": [vars(p) for p in mid.processes.values()]},
-        "table": table(before, mid, after), "problems": found, "ok": not found,
+        "table": table(before, mid, after),
+        "problems": found,
+        "ok": not found,
     }
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench/soak.py", description=__doc__.splitlines()[0])
     p.add_argument("--requests", "-n", type=int, default=20_000)
-    p.add_argument("--warmup", type=int, default=200,
-                   help="uncounted requests per warm-up round (rounds repeat until fds/threads are steady)")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=200,
+        help="uncounted requests per warm-up round (rounds repeat until fds/threads are steady)",
+    )
     p.add_argument("--concurrency", "-c", type=int, default=16)
     p.add_argument("--mix", default="hit=9,miss=9,bad=2", help="of every 20 requests: hits, misses, bad inputs")
     p.add_argument("--model", default="checksum")
@@ -336,15 +379,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    report: Callable[[dict[str, Any]], str] = (json.dumps if args.json else _human)
+    report: Callable[[dict[str, Any]], str] = json.dumps if args.json else _human
     if args.base_url:
         result = run(args, args.base_url.rstrip("/"), args.server_pid)
         print(report(result))
         return 0 if result["ok"] else 1
     port = free_port()
     log_path = Path(tempfile.mkdtemp(prefix="shmgate-soak-")) / "serve.log"
-    server = ServerProcess([sys.executable, "-m", "gateway", "serve", "--host", "127.0.0.1", "--port", str(port),
-                            "--model", args.model, *args.serve_arg], log_path)
+    server = ServerProcess(
+        [
+            sys.executable,
+            "-m",
+            "gateway",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--model",
+            args.model,
+            *args.serve_arg,
+        ],
+        log_path,
+    )
     base_url = f"http://127.0.0.1:{port}"
     server.start()
     try:
@@ -359,9 +416,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _human(result: dict[str, Any]) -> str:
     lines = [
-        (f"soak: {result['requests']} requests (+{result['warmup']} warm-up), "
-         f"concurrency {result['concurrency']}, mix {result['mix']}: {result['duration_s']} s, "
-         f"{result['requests_per_s']} req/s, p50 {result['p50_ms']} ms, p99 {result['p99_ms']} ms"),
+        (
+            f"soak: {result['requests']} requests (+{result['warmup']} warm-up), "
+            f"concurrency {result['concurrency']}, mix {result['mix']}: {result['duration_s']} s, "
+            f"{result['requests_per_s']} req/s, p50 {result['p50_ms']} ms, p99 {result['p99_ms']} ms"
+        ),
         f"outcomes {result['outcomes']}  mismatches {result['mismatches']}",
         "",
         result["table"],

@@ -51,8 +51,13 @@ def start_once(device: str, compile_normalise: bool, cache: Path | None) -> dict
         env["TORCHINDUCTOR_CACHE_DIR"] = str(cache / "inductor")
         env["TRITON_CACHE_DIR"] = str(cache / "triton")
     began = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", CHILD, device, "1" if compile_normalise else "0"], env=env,
-                         capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, device, "1" if compile_normalise else "0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if out.returncode != 0:
         raise RuntimeError(f"the start-up child failed:\n{out.stderr[-3000:]}")
     total = time.perf_counter() - began
@@ -81,12 +86,20 @@ def main(argv: list[str] | None = None) -> int:
                 if k == 0 and cache is warm:
                     start_once(args.device, True, warm)  # fill it (this is a cold start; not counted)
                 runs.append(start_once(args.device, compile_normalise, where))  # type: ignore[arg-type]
-            row = {"case": name, "device": args.device, "runs": args.runs,
-                   **{key: round(statistics.median(r[key] for r in runs), 2) for key in runs[0]}}
+            row = {
+                "case": name,
+                "device": args.device,
+                "runs": args.runs,
+                **{key: round(statistics.median(r[key] for r in runs), 2) for key in runs[0]},
+            }
             rows.append(row)
-            print(json.dumps(row) if args.json else f"{name:22} total {row['total_s']:6.2f} s  "
-                  f"(imports {row['imports_s']:.2f} s, backend ready {row['backend_s']:.2f} s, fused {row['fused']})",
-                  flush=True)
+            print(
+                json.dumps(row)
+                if args.json
+                else f"{name:22} total {row['total_s']:6.2f} s  "
+                f"(imports {row['imports_s']:.2f} s, backend ready {row['backend_s']:.2f} s, fused {row['fused']})",
+                flush=True,
+            )
     return 0
 
 

@@ -34,9 +34,27 @@ def one_try(signum: int) -> tuple[int, float, str]:
     """(exit status, seconds from the signal to the exit, the server's output)."""
     port = _free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--model", "checksum", "--frontends", "2",
-         "--workers", "1", "--arena-size", "64MiB"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "gateway",
+            "serve",
+            "--port",
+            str(port),
+            "--model",
+            "checksum",
+            "--frontends",
+            "2",
+            "--workers",
+            "1",
+            "--arena-size",
+            "64MiB",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and process.poll() is None:
         try:
@@ -57,8 +75,11 @@ def main() -> None:
     tries = int(sys.argv[2]) if len(sys.argv) > 2 else 6
     for i in range(tries):
         code, took_s, out = one_try(signum)
-        print(f"{signum.name} try {i + 1}: exit {code} after {took_s:.1f} s, "
-              f"{out.count('Traceback')} Traceback, {out.count('restarting')} restarting", flush=True)
+        print(
+            f"{signum.name} try {i + 1}: exit {code} after {took_s:.1f} s, "
+            f"{out.count('Traceback')} Traceback, {out.count('restarting')} restarting",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -88,21 +88,55 @@ def _run(tree: Path, requests: int, extra: list[str], env: dict[str, str]) -> tu
     port = free_port()
     log_path = Path(f"/tmp/shmgate-tracing-cost-{port}.log")
     process = subprocess.Popen(
-        [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--model", "checksum", "--frontends", "1",
-         "--workers", "1", "--arena-size", "128MiB", *extra],
-        cwd=tree, env=dict(os.environ, PYTHONPATH=str(tree), **env), stdout=open(log_path, "wb"),
-        stderr=subprocess.STDOUT)
+        [
+            sys.executable,
+            "-m",
+            "gateway",
+            "serve",
+            "--port",
+            str(port),
+            "--model",
+            "checksum",
+            "--frontends",
+            "1",
+            "--workers",
+            "1",
+            "--arena-size",
+            "128MiB",
+            *extra,
+        ],
+        cwd=tree,
+        env=dict(os.environ, PYTHONPATH=str(tree), **env),
+        stdout=open(log_path, "wb"),
+        stderr=subprocess.STDOUT,
+    )
     server = Server(process, port, "checksum", log_path)
     try:
         server.wait_ready()
-        bench = [sys.executable, "-m", "gateway", "bench", "--base-url", server.base_url, "--model", "checksum",
-                 "--images", str(IMAGES), "-c", "8", "--unique", "--no-stages", "--json"]
+        bench = [
+            sys.executable,
+            "-m",
+            "gateway",
+            "bench",
+            "--base-url",
+            server.base_url,
+            "--model",
+            "checksum",
+            "--images",
+            str(IMAGES),
+            "-c",
+            "8",
+            "--unique",
+            "--no-stages",
+            "--json",
+        ]
         bench_env = dict(os.environ, PYTHONPATH=str(ROOT))
         subprocess.run([*bench, "-n", "40"], check=True, capture_output=True, cwd=ROOT, env=bench_env)  # warm-up
         pids = {role: server.pids(role) for role in ("frontend", "worker")}
         before = {role: sum(cpu_s(p) for p in ps) for role, ps in pids.items()}
-        subprocess.run([*bench, "-n", str(requests), "--warmup", "0"], check=True, capture_output=True, cwd=ROOT,
-                       env=bench_env)
+        subprocess.run(
+            [*bench, "-n", str(requests), "--warmup", "0"], check=True, capture_output=True, cwd=ROOT, env=bench_env
+        )
         after = {role: sum(cpu_s(p) for p in ps) for role, ps in pids.items()}
         return tuple((after[r] - before[r]) / requests * 1000 for r in ("frontend", "worker"))  # type: ignore[return-value]
     finally:
@@ -121,10 +155,16 @@ def span_cost(n: int = 20_000) -> None:
             encode_spans(spans).SerializeToString()
             return SpanExportResult.SUCCESS
 
-    attributes = {"shmgate.attempt": 0, "shmgate.request_id": "1000000001", "shmgate.frontend_slot": 0,
-                  "gen_ai.request.model": "checksum"}
-    for label, processor in (("bare", None), ("encoded", BatchSpanProcessor(Encoding(), max_queue_size=n + 1,
-                                                                              max_export_batch_size=512))):
+    attributes = {
+        "shmgate.attempt": 0,
+        "shmgate.request_id": "1000000001",
+        "shmgate.frontend_slot": 0,
+        "gen_ai.request.model": "checksum",
+    }
+    for label, processor in (
+        ("bare", None),
+        ("encoded", BatchSpanProcessor(Encoding(), max_queue_size=n + 1, max_export_batch_size=512)),
+    ):
         provider = TracerProvider()
         if processor is not None:
             provider.add_span_processor(processor)
@@ -166,8 +206,10 @@ def main() -> None:
     for name, values in seen.items():
         front = [v[0] for v in values]
         work = [v[1] for v in values]
-        print(f"{name:>5}: frontend mean {statistics.mean(front):.3f} ms (sd {statistics.stdev(front):.3f}), "
-              f"worker mean {statistics.mean(work):.3f} ms (sd {statistics.stdev(work):.3f}) over {len(values)} runs")
+        print(
+            f"{name:>5}: frontend mean {statistics.mean(front):.3f} ms (sd {statistics.stdev(front):.3f}), "
+            f"worker mean {statistics.mean(work):.3f} ms (sd {statistics.stdev(work):.3f}) over {len(values)} runs"
+        )
 
 
 if __name__ == "__main__":

@@ -71,8 +71,21 @@ from typing import Any
 from bench_client.rawhttp import NoHttpAnswer, RawClient, Response
 from gateway.stages import parse_server_timing, stage_breakdown
 
-__all__ = ["BenchAborted", "add_arguments", "api_root", "arrival_times", "count_mismatches", "count_vector_mismatches",
-           "error_kind", "main", "percentile", "process_tree", "run", "tree_cpu_seconds", "warmup_failure"]
+__all__ = [
+    "BenchAborted",
+    "add_arguments",
+    "api_root",
+    "arrival_times",
+    "count_mismatches",
+    "count_vector_mismatches",
+    "error_kind",
+    "main",
+    "percentile",
+    "process_tree",
+    "run",
+    "tree_cpu_seconds",
+    "warmup_failure",
+]
 
 IMAGE_TYPES = {".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".png": "image/png", ".webp": "image/webp"}
 PROMPT = "What is in this image?"
@@ -146,41 +159,73 @@ def _snippet(status: int | None, payload: bytes | str) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare the `bench` options on ``parser`` (the `shmgate` CLI and ``main`` both call this)."""
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000",
-                        help="server URL, with or without a trailing /v1 (default: %(default)s)")
-    parser.add_argument("--model", default=None,
-                        help="model id sent in each request (default: the first one GET /v1/models lists)")
-    parser.add_argument("--concurrency", "-c", type=int, default=8,
-                        help="requests in flight at once (default: %(default)s)")
+    parser.add_argument(
+        "--base-url",
+        default="http://127.0.0.1:8000",
+        help="server URL, with or without a trailing /v1 (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--model", default=None, help="model id sent in each request (default: the first one GET /v1/models lists)"
+    )
+    parser.add_argument(
+        "--concurrency", "-c", type=int, default=8, help="requests in flight at once (default: %(default)s)"
+    )
     parser.add_argument("--requests", "-n", type=int, default=200, help="timed requests to send (default: %(default)s)")
     parser.add_argument("--images", required=True, type=Path, help="folder of jpg/jpeg/png/webp images")
-    parser.add_argument("--stream", action="store_true",
-                        help="ask for SSE streaming (generative models: adds TTFT, TPOT and ITL to the report)")
-    parser.add_argument("--embeddings", action="store_true",
-                        help="POST /v1/embeddings with one image per request instead of chat")
+    parser.add_argument(
+        "--stream",
+        action="store_true",
+        help="ask for SSE streaming (generative models: adds TTFT, TPOT and ITL to the report)",
+    )
+    parser.add_argument(
+        "--embeddings", action="store_true", help="POST /v1/embeddings with one image per request instead of chat"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a report")
     parser.add_argument("--repeat-one", action="store_true", help="always send the first image (cache hits)")
-    parser.add_argument("--unique", action="store_true",
-                        help="make every request's bytes unique (same pixels), so no content cache can hit")
+    parser.add_argument(
+        "--unique",
+        action="store_true",
+        help="make every request's bytes unique (same pixels), so no content cache can hit",
+    )
     parser.add_argument("--api-key", default=None, help="sent as a Bearer token")
     parser.add_argument("--max-tokens", type=int, default=None, help="max_tokens of each request")
-    parser.add_argument("--temperature", type=float, default=None,
-                        help="temperature of each request (0: greedy, so a generative model's answers can agree)")
-    parser.add_argument("--timeout", type=float, default=60.0,
-                        help="per-request timeout in seconds (default: %(default)s)")
-    parser.add_argument("--warmup", type=int, default=None,
-                        help="uncounted requests first (default min(C, N)); when none succeeds, or one is refused "
-                             "with a 4xx other than 429, the run stops there (exit 1); 0: no warm-up, no check")
-    parser.add_argument("--server-pid", action="append", default=[],
-                        help="server pid whose CPU time (with descendants) to measure; repeat or comma list")
-    parser.add_argument("--rate", type=float, default=None,
-                        help="open loop: Poisson arrivals at this many requests/s (--concurrency then only "
-                             "sizes the warm-up)")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="temperature of each request (0: greedy, so a generative model's answers can agree)",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=60.0, help="per-request timeout in seconds (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="uncounted requests first (default min(C, N)); when none succeeds, or one is refused "
+        "with a 4xx other than 429, the run stops there (exit 1); 0: no warm-up, no check",
+    )
+    parser.add_argument(
+        "--server-pid",
+        action="append",
+        default=[],
+        help="server pid whose CPU time (with descendants) to measure; repeat or comma list",
+    )
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="open loop: Poisson arrivals at this many requests/s (--concurrency then only sizes the warm-up)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="--rate: seed of the arrival schedule")
-    parser.add_argument("--no-stages", action="store_true",
-                        help="do not scrape /metrics (no stage breakdown, no cache hit ratio)")
-    parser.add_argument("--allow-errors", action="store_true",
-                        help="exit 0 even when requests failed (overload runs); disagreeing answers still exit 1")
+    parser.add_argument(
+        "--no-stages", action="store_true", help="do not scrape /metrics (no stage breakdown, no cache hit ratio)"
+    )
+    parser.add_argument(
+        "--allow-errors",
+        action="store_true",
+        help="exit 0 even when requests failed (overload runs); disagreeing answers still exit 1",
+    )
 
 
 def load_images(folder: Path) -> list[BenchImage]:
@@ -201,9 +246,16 @@ def load_images(folder: Path) -> list[BenchImage]:
     return images
 
 
-def build_body(model: str, url: str, *, stream: bool, max_tokens: int | None,
-               temperature: float | None = None, embeddings: bool = False,
-               include_usage: bool = False) -> dict[str, Any]:
+def build_body(
+    model: str,
+    url: str,
+    *,
+    stream: bool,
+    max_tokens: int | None,
+    temperature: float | None = None,
+    embeddings: bool = False,
+    include_usage: bool = False,
+) -> dict[str, Any]:
     """The OpenAI chat request for one image (with ``embeddings``: the embeddings request).
 
     ``include_usage`` (streamed only) asks for the usage chunk that gives a streamed answer's token count.
@@ -232,10 +284,25 @@ class BodyTemplate:
 
     _MARK = "\x00url\x00"
 
-    def __init__(self, model: str, *, stream: bool, max_tokens: int | None, temperature: float | None = None,
-                 embeddings: bool = False, include_usage: bool = False) -> None:
-        body = build_body(model, self._MARK, stream=stream, max_tokens=max_tokens, temperature=temperature,
-                          embeddings=embeddings, include_usage=include_usage)
+    def __init__(
+        self,
+        model: str,
+        *,
+        stream: bool,
+        max_tokens: int | None,
+        temperature: float | None = None,
+        embeddings: bool = False,
+        include_usage: bool = False,
+    ) -> None:
+        body = build_body(
+            model,
+            self._MARK,
+            stream=stream,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            embeddings=embeddings,
+            include_usage=include_usage,
+        )
         encoded = json.dumps(body).encode()
         self.prefix, self.suffix = encoded.split(json.dumps(self._MARK).encode())
         self.stream = stream
@@ -244,8 +311,9 @@ class BodyTemplate:
         return b"".join((self.prefix, b'"', url.encode("ascii"), b'"', self.suffix))
 
 
-async def send_one(client: RawClient, body: bytes, image: str, *, stream: bool, embeddings: bool = False,
-                   start: float | None = None) -> Outcome:
+async def send_one(
+    client: RawClient, body: bytes, image: str, *, stream: bool, embeddings: bool = False, start: float | None = None
+) -> Outcome:
     """Send one request (a JSON body) and time it. Never raises for server or transport failures.
 
     With ``embeddings`` the outcome's text is the answer's base64 vector. ``start``: the
@@ -275,15 +343,27 @@ async def _send_plain(client: RawClient, body: bytes, image: str, start: float, 
     header = response.headers.get("server-timing")
     timing = parse_server_timing(header) if header else None
     if not response.is_success:
-        return Outcome(image, latency, None, response.status, "", error_kind(response.status, payload), timing,
-                       detail=_snippet(response.status, payload))
+        return Outcome(
+            image,
+            latency,
+            None,
+            response.status,
+            "",
+            error_kind(response.status, payload),
+            timing,
+            detail=_snippet(response.status, payload),
+        )
     try:
         answer = json.loads(payload)
-        text = _vector_text(answer["data"][0]["embedding"]) if embeddings else (
-            answer["choices"][0]["message"]["content"] or "")
+        text = (
+            _vector_text(answer["data"][0]["embedding"])
+            if embeddings
+            else (answer["choices"][0]["message"]["content"] or "")
+        )
     except (ValueError, KeyError, IndexError, TypeError):
-        return Outcome(image, latency, None, response.status, "", "bad_body", timing,
-                       detail=_snippet(response.status, payload))
+        return Outcome(
+            image, latency, None, response.status, "", "bad_body", timing, detail=_snippet(response.status, payload)
+        )
     tokens = None if embeddings else _completion_tokens(answer)
     return Outcome(image, latency, latency, response.status, text, None, timing, output_tokens=tokens)
 
@@ -317,8 +397,15 @@ async def _read_sse(response: Response, image: str, start: float) -> Outcome:
     between successive such chunks (vllm bench serve's definitions); the token count from the usage chunk."""
     if not response.is_success:
         payload = await response.read()
-        return Outcome(image, time.perf_counter() - start, None, response.status, "",
-                       error_kind(response.status, payload), detail=_snippet(response.status, payload))
+        return Outcome(
+            image,
+            time.perf_counter() - start,
+            None,
+            response.status,
+            "",
+            error_kind(response.status, payload),
+            detail=_snippet(response.status, payload),
+        )
     parts: list[str] = []
     arrivals: list[float] = []  # perf_counter of each chunk with content
     tokens: int | None = None
@@ -348,7 +435,9 @@ async def _read_sse(response: Response, image: str, start: float) -> Outcome:
         if event == "error" or "error" in chunk:
             error, detail, done = f"stream {_error_code(data.encode()) or 'error'}", _snippet(None, data), True
             continue
-        pieces = [piece for choice in chunk.get("choices") or () if (piece := (choice.get("delta") or {}).get("content"))]
+        pieces = [
+            piece for choice in chunk.get("choices") or () if (piece := (choice.get("delta") or {}).get("content"))
+        ]
         if pieces:
             arrivals.append(time.perf_counter())
             parts.extend(pieces)
@@ -356,8 +445,9 @@ async def _read_sse(response: Response, image: str, start: float) -> Outcome:
     latency = time.perf_counter() - start
     ttft = arrivals[0] - start if arrivals else None
     gaps = tuple(b - a for a, b in zip(arrivals, arrivals[1:]))
-    return Outcome(image, latency, ttft, response.status, "".join(parts), error, output_tokens=tokens, itl_s=gaps,
-                   detail=detail)
+    return Outcome(
+        image, latency, ttft, response.status, "".join(parts), error, output_tokens=tokens, itl_s=gaps, detail=detail
+    )
 
 
 def count_mismatches(answers: Iterable[tuple[str, str]]) -> int:
@@ -421,7 +511,7 @@ def _read_stat(pid: int) -> tuple[int, int] | None:
         raw = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    fields = raw[raw.rfind(")") + 2:].split()  # the command name may hold spaces and parentheses
+    fields = raw[raw.rfind(")") + 2 :].split()  # the command name may hold spaces and parentheses
     return int(fields[1]), sum(int(f) for f in fields[11:15])
 
 
@@ -472,16 +562,20 @@ async def _drive(
     """Send ``count`` requests from ``args.concurrency`` tasks; ``first`` offsets the nonces."""
     counter = itertools.count()
     outcomes: list[Outcome] = []
-    template = BodyTemplate(args.model, stream=args.stream, max_tokens=args.max_tokens,
-                            temperature=args.temperature, embeddings=args.embeddings,
-                            include_usage=getattr(args, "include_usage", False))
+    template = BodyTemplate(
+        args.model,
+        stream=args.stream,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        embeddings=args.embeddings,
+        include_usage=getattr(args, "include_usage", False),
+    )
 
     async def worker() -> None:
         while (index := next(counter)) < count:
             image = images[0] if args.repeat_one else images[index % len(images)]
             body = template.render(image.data_url(first + index if args.unique else None))
-            outcomes.append(await send_one(client, body, image.name, stream=args.stream,
-                                           embeddings=args.embeddings))
+            outcomes.append(await send_one(client, body, image.name, stream=args.stream, embeddings=args.embeddings))
 
     await asyncio.gather(*(worker() for _ in range(min(args.concurrency, count))))
     return outcomes
@@ -507,9 +601,14 @@ async def _drive_open(
     client: RawClient, args: argparse.Namespace, images: list[BenchImage], count: int, first: int
 ) -> list[Outcome]:
     """Send ``count`` requests at Poisson arrival times (``args.rate``), never waiting for answers."""
-    template = BodyTemplate(args.model, stream=args.stream, max_tokens=args.max_tokens,
-                            temperature=args.temperature, embeddings=args.embeddings,
-                            include_usage=getattr(args, "include_usage", False))
+    template = BodyTemplate(
+        args.model,
+        stream=args.stream,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        embeddings=args.embeddings,
+        include_usage=getattr(args, "include_usage", False),
+    )
     schedule = arrival_times(args.rate, count, args.seed)
     tasks = []
     origin = time.perf_counter()
@@ -519,8 +618,11 @@ async def _drive_open(
             await asyncio.sleep(delay)
         image = images[0] if args.repeat_one else images[index % len(images)]
         body = template.render(image.data_url(first + index if args.unique else None))
-        tasks.append(asyncio.create_task(send_one(client, body, image.name, stream=args.stream,
-                                                  embeddings=args.embeddings, start=origin + at)))
+        tasks.append(
+            asyncio.create_task(
+                send_one(client, body, image.name, stream=args.stream, embeddings=args.embeddings, start=origin + at)
+            )
+        )
     return list(await asyncio.gather(*tasks))
 
 
@@ -580,8 +682,10 @@ def warmup_failure(warm: Sequence[Outcome]) -> str | None:
     if not failed or (len(failed) < len(warm) and not refused):
         return None
     first = (refused or failed)[0]
-    return (f"{len(failed)} of {len(warm)} warm-up requests failed: {_error_counts(failed)}\n"
-            f"  first error: {first.detail or first.error}")
+    return (
+        f"{len(failed)} of {len(warm)} warm-up requests failed: {_error_counts(failed)}\n"
+        f"  first error: {first.detail or first.error}"
+    )
 
 
 def _error_counts(failed: Iterable[Outcome]) -> str:
@@ -625,15 +729,20 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             except BenchAborted:
                 card = None
         model = args.model if args.model is not None else str(card["id"] if card else "")
-        generative = (not args.embeddings and card is not None and card.get("id") == model
-                      and card.get("max_model_len") is not None)
+        generative = (
+            not args.embeddings
+            and card is not None
+            and card.get("id") == model
+            and card.get("max_model_len") is not None
+        )
         args = argparse.Namespace(**{**vars(args), "model": model, "include_usage": generative})
         warm = await _drive(client, args, images, warmup, nonces) if warmup > 0 else []
         if (why := warmup_failure(warm)) is not None:
             path = "/v1/embeddings" if args.embeddings else "/v1/chat/completions"
             served = "" if card is None or card.get("id") == model else f" (the server serves {card.get('id')!r})"
-            raise BenchAborted(f"the warm-up against {root}{path} with model {model!r}{served} failed, so nothing "
-                               f"was timed\n  {why}")
+            raise BenchAborted(
+                f"the warm-up against {root}{path} with model {model!r}{served} failed, so nothing was timed\n  {why}"
+            )
         scraped = None if args.no_stages else await scrape_metrics(root, headers)
         cpu_before = tree_cpu_seconds(pids) if pids else None
         busy_before, client_cpu_before = machine_busy_seconds(), time.process_time()
@@ -647,23 +756,34 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         await client.aclose()
     result = summarize(args, outcomes, wall, warm, client_cpu, server_cpu)
-    result.update(base_url=root, generative=generative, distinct_images=distinct_images(args, images, warmup),
-                  image_count=len(images), cache=cache_counts(scraped, after))
+    result.update(
+        base_url=root,
+        generative=generative,
+        distinct_images=distinct_images(args, images, warmup),
+        image_count=len(images),
+        cache=cache_counts(scraped, after),
+    )
     # Whatever else ran during the timed phase took CPU from the server: on a small machine that
     # skews a comparison, so say how much (only known when the server's own share is).
-    result["other_load_cores"] = (None if server_cpu is None or wall <= 0
-                                  else round(max(0.0, busy - server_cpu - client_cpu) / wall, 2))
+    result["other_load_cores"] = (
+        None if server_cpu is None or wall <= 0 else round(max(0.0, busy - server_cpu - client_cpu) / wall, 2)
+    )
     result["stages"] = stage_breakdown(scraped, after) if scraped is not None and after is not None else []
     busy_start = _counter(scraped, "shmgate_worker_busy_seconds_total")
     busy_end = _counter(after, "shmgate_worker_busy_seconds_total")
     # workers busy on average (0..workers): low while requests wait says they wait for something else
-    result["workers_busy"] = (None if busy_start is None or busy_end is None or wall <= 0
-                              else round((busy_end - busy_start) / wall, 2))
+    result["workers_busy"] = (
+        None if busy_start is None or busy_end is None or wall <= 0 else round((busy_end - busy_start) / wall, 2)
+    )
     return result
 
 
-CACHE_COUNTERS = {"hits": "shmgate_cache_hits_total", "remote_hits": "shmgate_cache_remote_hits_total",
-                  "misses": "shmgate_cache_misses_total", "result_hits": "shmgate_result_cache_hits_total"}
+CACHE_COUNTERS = {
+    "hits": "shmgate_cache_hits_total",
+    "remote_hits": "shmgate_cache_remote_hits_total",
+    "misses": "shmgate_cache_misses_total",
+    "result_hits": "shmgate_result_cache_hits_total",
+}
 
 
 def cache_counts(before: str | None, after: str | None) -> dict[str, Any] | None:
@@ -688,8 +808,14 @@ def _counter(text: str | None, name: str) -> float | None:
     return None
 
 
-def summarize(args: argparse.Namespace, outcomes: list[Outcome], wall_s: float, warm: list[Outcome],
-              client_cpu_s: float, server_cpu_s: float | None) -> dict[str, Any]:
+def summarize(
+    args: argparse.Namespace,
+    outcomes: list[Outcome],
+    wall_s: float,
+    warm: list[Outcome],
+    client_cpu_s: float,
+    server_cpu_s: float | None,
+) -> dict[str, Any]:
     """Turn the timed outcomes into the result dict (latencies of successful requests only)."""
     ok = [o for o in outcomes if o.error is None]
     latencies = [o.latency_s for o in ok]
@@ -703,8 +829,11 @@ def summarize(args: argparse.Namespace, outcomes: list[Outcome], wall_s: float, 
         return None if value is None else round(value * 1000.0, 3)
 
     # vllm bench serve's TPOT: the time per output token after the first, per request of 2+ tokens
-    tpots = [(o.latency_s - o.ttft_s) / (o.output_tokens - 1) for o in ok
-             if args.stream and o.ttft_s is not None and o.output_tokens is not None and o.output_tokens > 1]
+    tpots = [
+        (o.latency_s - o.ttft_s) / (o.output_tokens - 1)
+        for o in ok
+        if args.stream and o.ttft_s is not None and o.output_tokens is not None and o.output_tokens > 1
+    ]
     itls = [gap for o in ok for gap in o.itl_s]
     counted = [o.output_tokens for o in ok if o.output_tokens is not None]
     output_tokens = sum(counted) if counted else None
@@ -713,20 +842,34 @@ def summarize(args: argparse.Namespace, outcomes: list[Outcome], wall_s: float, 
     n = len(outcomes)
     rate = getattr(args, "rate", None)
     return {
-        "model": args.model, "stream": bool(args.stream), "embeddings": bool(args.embeddings),
-        "concurrency": args.concurrency, "requests": n, "offered_rate": rate,
-        "repeat_one": bool(args.repeat_one), "unique": bool(args.unique), "warmup": len(warm),
+        "model": args.model,
+        "stream": bool(args.stream),
+        "embeddings": bool(args.embeddings),
+        "concurrency": args.concurrency,
+        "requests": n,
+        "offered_rate": rate,
+        "repeat_one": bool(args.repeat_one),
+        "unique": bool(args.unique),
+        "warmup": len(warm),
         # successful requests only: a failure is often fast, and counting it would flatter a broken server
-        "duration_s": round(wall_s, 3), "requests_per_s": round(len(ok) / wall_s, 2) if wall_s > 0 else None,
-        "p50_ms": ms(percentile(latencies, 50)), "p90_ms": ms(percentile(latencies, 90)),
-        "p99_ms": ms(percentile(latencies, 99)), "ttft_p50_ms": ms(percentile(ttfts, 50)),
-        "ttft_p90_ms": ms(percentile(ttfts, 90)), "ttft_p99_ms": ms(percentile(ttfts, 99)),
+        "duration_s": round(wall_s, 3),
+        "requests_per_s": round(len(ok) / wall_s, 2) if wall_s > 0 else None,
+        "p50_ms": ms(percentile(latencies, 50)),
+        "p90_ms": ms(percentile(latencies, 90)),
+        "p99_ms": ms(percentile(latencies, 99)),
+        "ttft_p50_ms": ms(percentile(ttfts, 50)),
+        "ttft_p90_ms": ms(percentile(ttfts, 90)),
+        "ttft_p99_ms": ms(percentile(ttfts, 99)),
         "output_tokens": output_tokens,
         "output_tokens_per_s": None if output_tokens is None or wall_s <= 0 else round(output_tokens / wall_s, 2),
-        "tpot_p50_ms": ms(percentile(tpots, 50)), "tpot_p90_ms": ms(percentile(tpots, 90)),
-        "tpot_p99_ms": ms(percentile(tpots, 99)), "itl_p50_ms": ms(percentile(itls, 50)),
-        "itl_p90_ms": ms(percentile(itls, 90)), "itl_p99_ms": ms(percentile(itls, 99)),
-        "errors": sum(errors.values()), "errors_by_kind": dict(sorted(errors.items())),
+        "tpot_p50_ms": ms(percentile(tpots, 50)),
+        "tpot_p90_ms": ms(percentile(tpots, 90)),
+        "tpot_p99_ms": ms(percentile(tpots, 99)),
+        "itl_p50_ms": ms(percentile(itls, 50)),
+        "itl_p90_ms": ms(percentile(itls, 90)),
+        "itl_p99_ms": ms(percentile(itls, 99)),
+        "errors": sum(errors.values()),
+        "errors_by_kind": dict(sorted(errors.items())),
         "first_error": None if first_error is None else first_error.detail or first_error.error,
         "mismatches": mismatches,
         "distinct_answers": len({(o.image, o.text) for o in ok}),
@@ -750,7 +893,7 @@ def tail_breakdown(ok: Sequence[Outcome]) -> list[dict[str, Any]]:
     timed = sorted((o for o in ok if o.server_timing), key=lambda o: o.latency_s)
     if not timed:
         return []
-    slowest = timed[-max(1, round(len(timed) * TAIL_SHARE)):]
+    slowest = timed[-max(1, round(len(timed) * TAIL_SHARE)) :]
 
     def means(group: Sequence[Outcome]) -> dict[str, float]:
         totals: dict[str, float] = {}
@@ -764,12 +907,20 @@ def tail_breakdown(ok: Sequence[Outcome]) -> list[dict[str, Any]]:
 
     everyone, tail = means(timed), means(slowest)
     names = [n for n in everyone if n not in ("total", "client", "latency")] + ["client", "latency"]
-    return [{"stage": n, "all_mean_ms": round(everyone.get(n, 0.0), 2), "tail_mean_ms": round(tail.get(n, 0.0), 2),
-             "tail_count": len(slowest)} for n in names]
+    return [
+        {
+            "stage": n,
+            "all_mean_ms": round(everyone.get(n, 0.0), 2),
+            "tail_mean_ms": round(tail.get(n, 0.0), 2),
+            "tail_count": len(slowest),
+        }
+        for n in names
+    ]
 
 
 def format_report(result: dict[str, Any]) -> str:
     """The human-readable form of a result."""
+
     def f(key: str, source: dict[str, Any] = result) -> str:
         value = source.get(key)
         return "-" if value is None else f"{value:.1f}"
@@ -778,8 +929,11 @@ def format_report(result: dict[str, Any]) -> str:
         return f"p50 {f(name + '_p50_ms')}  p90 {f(name + '_p90_ms')}  p99 {f(name + '_p99_ms')}"
 
     cpu = result["cpu_s_per_request"]
-    load = (f"concurrency {result['concurrency']}" if result.get("offered_rate") is None
-            else f"open loop {result['offered_rate']} req/s offered")
+    load = (
+        f"concurrency {result['concurrency']}"
+        if result.get("offered_rate") is None
+        else f"open loop {result['offered_rate']} req/s offered"
+    )
     kind = "embeddings" if result["embeddings"] else ("chat, streamed" if result["stream"] else "chat")
     generative = bool(result.get("generative"))
     ok = result["requests"] - result["errors"]
@@ -791,21 +945,26 @@ def format_report(result: dict[str, Any]) -> str:
     ]
     if generative:
         tokens = result.get("output_tokens")
-        lines.append(f"tokens       {'-' if tokens is None else tokens} output tokens, "
-                     f"{'-' if result.get('output_tokens_per_s') is None else result['output_tokens_per_s']} "
-                     "tokens/s (from each answer's usage)")
+        lines.append(
+            f"tokens       {'-' if tokens is None else tokens} output tokens, "
+            f"{'-' if result.get('output_tokens_per_s') is None else result['output_tokens_per_s']} "
+            "tokens/s (from each answer's usage)"
+        )
     lines.append(f"latency ms   p50 {f('p50_ms')}  p90 {f('p90_ms')}  p99 {f('p99_ms')}")
     if generative and result["stream"]:
-        lines += [f"ttft ms      {spread('ttft')}  (to the first content chunk)",
-                  f"tpot ms      {spread('tpot')}  (per output token after the first)",
-                  f"itl ms       {spread('itl')}  (between content chunks)"]
+        lines += [
+            f"ttft ms      {spread('ttft')}  (to the first content chunk)",
+            f"tpot ms      {spread('tpot')}  (per output token after the first)",
+            f"itl ms       {spread('itl')}  (between content chunks)",
+        ]
     elif generative:
         lines.append("ttft ms      -  (ttft, tpot and itl need --stream)")
     elif not result["embeddings"]:
         lines.append(f"ttft ms      p50 {f('ttft_p50_ms')}  p90 {f('ttft_p90_ms')}")
     if result["errors"]:
-        counts = ", ".join(f"{kind}: {n}" for kind, n in sorted(result["errors_by_kind"].items(),
-                                                                   key=lambda item: -item[1]))
+        counts = ", ".join(
+            f"{kind}: {n}" for kind, n in sorted(result["errors_by_kind"].items(), key=lambda item: -item[1])
+        )
         lines += [f"errors       {result['errors']} ({counts})", f"first error  {result.get('first_error')}"]
     else:
         lines.append("errors       0")
@@ -822,11 +981,15 @@ def format_report(result: dict[str, Any]) -> str:
     if result.get("stages"):
         lines.append("stages       count     mean ms    p50 ms    p99 ms   (from the server's /metrics, this run)")
         for row in result["stages"]:
-            lines.append(f"  {row['stage']:<12} {row['count']:>6} {f('mean_ms', row):>10} {f('p50_ms', row):>9} "
-                         f"{f('p99_ms', row):>9}")
+            lines.append(
+                f"  {row['stage']:<12} {row['count']:>6} {f('mean_ms', row):>10} {f('p50_ms', row):>9} "
+                f"{f('p99_ms', row):>9}"
+            )
     if result.get("tail"):
-        lines.append(f"slowest {result['tail'][0]['tail_count']}   all mean ms   slowest mean ms   "
-                     "(per request, from Server-Timing)")
+        lines.append(
+            f"slowest {result['tail'][0]['tail_count']}   all mean ms   slowest mean ms   "
+            "(per request, from Server-Timing)"
+        )
         for row in result["tail"]:
             lines.append(f"  {row['stage']:<12} {f('all_mean_ms', row):>12} {f('tail_mean_ms', row):>17}")
     return "\n".join(lines)
@@ -841,13 +1004,17 @@ def _cache_lines(result: dict[str, Any]) -> list[str]:
         lines = [f"images       {sent} distinct of {sent} sent (--unique): every request a cache miss"]
     else:
         distinct = result["distinct_images"]
-        lines = [f"images       {distinct} distinct of {sent} sent: all but the first {distinct} repeat bytes "
-                 "a content cache answers (--unique: every request a miss)"]
+        lines = [
+            f"images       {distinct} distinct of {sent} sent: all but the first {distinct} repeat bytes "
+            "a content cache answers (--unique: every request a miss)"
+        ]
     cache = result.get("cache")
     if cache is not None:
         ratio = "-" if cache["hit_ratio"] is None else f"{cache['hit_ratio'] * 100:.1f}%"
-        line = (f"cache        hit ratio {ratio} this run ({cache['hits'] + cache['remote_hits']} hits, "
-                f"{cache['misses']} misses, from the server's /metrics)")
+        line = (
+            f"cache        hit ratio {ratio} this run ({cache['hits'] + cache['remote_hits']} hits, "
+            f"{cache['misses']} misses, from the server's /metrics)"
+        )
         if cache["result_hits"]:
             line += f"; {cache['result_hits']} answers from its result cache"
         lines.append(line)
@@ -872,8 +1039,12 @@ disagreed; 2 a bad argument."""
 def main(argv: list[str] | None = None) -> int:
     """Parse, run, print. Exit status 1 when the run could not start (no server, a failed warm-up),
     any request failed (unless ``--allow-errors``) or answers disagreed; 2 for a bad argument."""
-    parser = argparse.ArgumentParser(prog="shmgate bench", description=__doc__.splitlines()[0], epilog=EPILOG,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="shmgate bench",
+        description=__doc__.splitlines()[0],
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_arguments(parser)
     args = parser.parse_args(argv)
     try:

@@ -95,8 +95,14 @@ class Response:
 class RawClient:
     """Keep-alive connections to one ``http://host:port`` base URL, at most one request each at a time."""
 
-    def __init__(self, base_url: str, *, headers: dict[str, str] | None = None, timeout_s: float = 60.0,
-                 keepalive_expiry_s: float = KEEPALIVE_EXPIRY_S) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        headers: dict[str, str] | None = None,
+        timeout_s: float = 60.0,
+        keepalive_expiry_s: float = KEEPALIVE_EXPIRY_S,
+    ) -> None:
         parts = urlsplit(base_url)
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"the load generator speaks plain http only: {base_url!r}")
@@ -126,8 +132,9 @@ class RawClient:
     async def _request(self, method: str, path: str, body: bytes) -> tuple[Response, Lease]:
         conn = self._take_idle() or await self._connect()
         reader, writer = conn
-        head = (f"{method} {self._prefix}{path} HTTP/1.1\r\n{self._fixed_headers}"
-                f"Content-Length: {len(body)}\r\n\r\n").encode()
+        head = (
+            f"{method} {self._prefix}{path} HTTP/1.1\r\n{self._fixed_headers}Content-Length: {len(body)}\r\n\r\n"
+        ).encode()
         try:
             writer.write(head)
             writer.write(body)

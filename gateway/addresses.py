@@ -104,9 +104,7 @@ def embedded_ipv4(address: IPAddress) -> ipaddress.IPv4Address | None:
     return address.sixtofour
 
 
-def _lookup(
-    address: IPAddress, table: tuple[tuple[IPNetwork, AddressKind], ...], default: AddressKind
-) -> AddressKind:
+def _lookup(address: IPAddress, table: tuple[tuple[IPNetwork, AddressKind], ...], default: AddressKind) -> AddressKind:
     for network, kind in table:
         if address in network:
             return kind

@@ -60,8 +60,9 @@ def create_app(options: AppOptions) -> FastAPI:
     """The frontend's ASGI app: middleware, error handlers and routes; state arrives with the lifespan."""
     # redirect_slashes off: a trailing slash is a 404, never a 307 whose Location is built from the Host header.
     # openapi_url off: FastAPI's generated document knows nothing of bodies the routes decode themselves.
-    app = FastAPI(title="shmgate", lifespan=_lifespan, docs_url=None, redoc_url=None, openapi_url=None,
-                  redirect_slashes=False)
+    app = FastAPI(
+        title="shmgate", lifespan=_lifespan, docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False
+    )
     app.state.options = options
     app.state.served = None
     # Outermost last: the frontend header goes on every response, the catch-all's 500 and the Host refusal included.
@@ -91,13 +92,15 @@ def create_app(options: AppOptions) -> FastAPI:
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     options: AppOptions = app.state.options
-    models = options.models or (ModelConfig(options.model, options.served_model_name,
-                                            mm_processor_kwargs=options.processor_kwargs or {}),)
+    models = options.models or (
+        ModelConfig(options.model, options.served_model_name, mm_processor_kwargs=options.processor_kwargs or {}),
+    )
     try:
         preprocessors = []
         for model in models:
-            preprocessor = get_preprocessor(model.model, max_images=options.intake.max_images,
-                                            processor_kwargs=model.mm_processor_kwargs or None)
+            preprocessor = get_preprocessor(
+                model.model, max_images=options.intake.max_images, processor_kwargs=model.mm_processor_kwargs or None
+            )
             if model.served_model_name:
                 preprocessor.model = model.served_model_name
             check_model_id(preprocessor.model)
@@ -111,11 +114,16 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     instance = Instance.attach(options.instance_id)
     link = PosixFrontendLink(instance, options.slot)
     shares = {i: m.arena_share for i, m in enumerate(models) if m.arena_share is not None}
-    frontend = Frontend(link, preprocessors, options.limits,
-                        model_in_flight={pre.model: m.max_in_flight for pre, m in zip(preprocessors, models)
-                                         if m.max_in_flight is not None},
-                        model_failed=functools.partial(_model_failed, instance),
-                        model_cache=functools.partial(_model_share, link, shares) if shares else None)
+    frontend = Frontend(
+        link,
+        preprocessors,
+        options.limits,
+        model_in_flight={
+            pre.model: m.max_in_flight for pre, m in zip(preprocessors, models) if m.max_in_flight is not None
+        },
+        model_failed=functools.partial(_model_failed, instance),
+        model_cache=functools.partial(_model_share, link, shares) if shares else None,
+    )
     node = PosixNodeStats(instance)
     await frontend.start()
     results = ResultCache(options.result_cache_bytes) if options.result_cache_bytes > 0 else None
@@ -143,8 +151,11 @@ def _model_gauges(f: Frontend) -> list[ModelGauges]:
 def _model_failed(instance: Instance, model: str) -> bool:
     """Did the supervisor mark ``model`` failed (its workers died beyond their restart budget)?"""
     index = instance.segment.model_index(model)
-    return index >= 0 and bool(instance.segment.served_models) and (
-        instance.segment.model_state(index) == ModelState.FAILED)
+    return (
+        index >= 0
+        and bool(instance.segment.served_models)
+        and (instance.segment.model_state(index) == ModelState.FAILED)
+    )
 
 
 def _frontend_stats(app: FastAPI) -> FrontendStats | None:
@@ -163,8 +174,9 @@ async def _not_found(request: Request, exc: Exception) -> Response:
 
 
 async def _not_allowed(request: Request, exc: Exception) -> Response:
-    return JSONResponse(error_body("method not allowed", "invalid_request_error", "method_not_allowed"),
-                        status_code=405)
+    return JSONResponse(
+        error_body("method not allowed", "invalid_request_error", "method_not_allowed"), status_code=405
+    )
 
 
 @functools.cache
@@ -211,8 +223,9 @@ async def _model_ready(model_id: str, request: Request) -> Response:
     state = model_state(f, model_id)
     if state == "ready":
         return JSONResponse({"status": "ready", "model": model_id})
-    return JSONResponse({"status": "not ready", "model": model_id, "state": state}, status_code=503,
-                        headers={"Retry-After": "1"})
+    return JSONResponse(
+        {"status": "not ready", "model": model_id, "state": state}, status_code=503, headers={"Retry-After": "1"}
+    )
 
 
 def model_state(f: Frontend, model: str) -> str:
@@ -230,9 +243,12 @@ def _card(f: Frontend, model: str) -> dict[str, object]:
     pre = f.preprocessors[model]
     card = model_card(pre)
     card["state"] = model_state(f, model)
-    card["capabilities"] = {"chat": pre.serves_chat, "embeddings": pre.embedding_dim is not None,
-                            "tokenize": bool(pre.tokenizes and pre.serves_chat),
-                            "max_model_len": pre.max_prompt_tokens}
+    card["capabilities"] = {
+        "chat": pre.serves_chat,
+        "embeddings": pre.embedding_dim is not None,
+        "tokenize": bool(pre.tokenizes and pre.serves_chat),
+        "max_model_len": pre.max_prompt_tokens,
+    }
     return card
 
 
@@ -251,8 +267,9 @@ async def _tokenize(request: Request) -> Response:
     try:
         s.check_key(request)
         body = await read_body(request, options.max_body_bytes)
-        return JSONResponse(await tokenize(f.preprocessor_for, body, options.intake, options.image_urls,
-                                           f.limits.max_pixels))
+        return JSONResponse(
+            await tokenize(f.preprocessor_for, body, options.intake, options.image_urls, f.limits.max_pixels)
+        )
     except ShmgateError as exc:
         return error_response(exc)
 
@@ -261,8 +278,9 @@ async def _detokenize(request: Request) -> Response:
     s = served(request)
     try:
         s.check_key(request)
-        return JSONResponse(await detokenize(s.frontend.preprocessor_for,
-                                             await read_body(request, s.options.max_body_bytes)))
+        return JSONResponse(
+            await detokenize(s.frontend.preprocessor_for, await read_body(request, s.options.max_body_bytes))
+        )
     except ShmgateError as exc:
         return error_response(exc)
 
@@ -271,8 +289,9 @@ async def _metrics(request: Request) -> Response:
     s = served(request)
     if s.options.metrics_need_key:
         s.check_key(request)
-    body, content_type = exposition(s.node, s.frontend.queue_depth, request.headers.get("accept"),
-                                    functools.partial(_model_gauges, s.frontend))
+    body, content_type = exposition(
+        s.node, s.frontend.queue_depth, request.headers.get("accept"), functools.partial(_model_gauges, s.frontend)
+    )
     return Response(body, headers={"Content-Type": content_type})
 
 

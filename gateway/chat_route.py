@@ -48,8 +48,7 @@ async def chat_completions(request: Request) -> Response:
         check_fields_for_model(chat.params, pre, chat.n)
         chat = with_image_options(chat, pre)
         if not pre.serves_chat:
-            raise InvalidRequest(f"{pre.model} is an embedding model; use POST /v1/embeddings",
-                                 param="model")
+            raise InvalidRequest(f"{pre.model} is an embedding model; use POST /v1/embeddings", param="model")
         if chat.pending_urls:
             if tracing.spans is None:
                 chat = await fetch_pending(chat, options.image_urls)
@@ -58,8 +57,9 @@ async def chat_completions(request: Request) -> Response:
                     chat = await fetch_pending(chat, options.image_urls)
         key = None
         if results is not None:
-            key = await keyed_off_the_loop(sum(len(key_material(i)) for i in chat.images),
-                                           functools.partial(answer_key, chat, pre))
+            key = await keyed_off_the_loop(
+                sum(len(key_material(i)) for i in chat.images), functools.partial(answer_key, chat, pre)
+            )
         if results is not None and key is not None:
             cached = None if bypass_cache(request) else results.get(key)
             f.stats.set_result_cache(results.stats, results.used_bytes)
@@ -72,13 +72,21 @@ async def chat_completions(request: Request) -> Response:
         return error_response(exc)
     for state in states:
         state.timing.spent[Stage.BODY_READ] = read_s
-    return await answer(f, states, chat.model, started, stream=chat.stream, include_usage=chat.include_usage,
-                        logprobs=chat.params.logprobs >= 0, keep=keep, timing_header=options.server_timing,
-                        receive=request.receive)
+    return await answer(
+        f,
+        states,
+        chat.model,
+        started,
+        stream=chat.stream,
+        include_usage=chat.include_usage,
+        logprobs=chat.params.logprobs >= 0,
+        keep=keep,
+        timing_header=options.server_timing,
+        receive=request.receive,
+    )
 
 
 def _keep_answer(f: Frontend, results: ResultCache, key: bytes, event: Finished, text: str) -> None:
     """Store a completed deterministic answer in the result cache."""
-    results.put(key, msgspec.msgpack.encode((text, event.finish_reason, event.prompt_tokens,
-                                             event.completion_tokens)))
+    results.put(key, msgspec.msgpack.encode((text, event.finish_reason, event.prompt_tokens, event.completion_tokens)))
     f.stats.set_result_cache(results.stats, results.used_bytes)

@@ -28,8 +28,16 @@ def choice_requests(chat: ChatRequest) -> list[ChatRequest]:
     if chat.n == 1:
         return [chat]
     seed = chat.params.seed
-    return [dataclasses.replace(chat, n=1, params=chat.params if seed is None else msgspec.structs.replace(
-        chat.params, seed=(seed + i + (1 << 63)) % (1 << 64) - (1 << 63))) for i in range(chat.n)]
+    return [
+        dataclasses.replace(
+            chat,
+            n=1,
+            params=chat.params
+            if seed is None
+            else msgspec.structs.replace(chat.params, seed=(seed + i + (1 << 63)) % (1 << 64) - (1 << 63)),
+        )
+        for i in range(chat.n)
+    ]
 
 
 async def submit_choices(f: Frontend, chat: ChatRequest) -> list[RequestState]:

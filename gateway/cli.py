@@ -50,8 +50,6 @@ __all__ = ["main"]
 log = logging.getLogger("shmgate")
 
 
-
-
 def stall_timeout_for(model: str, flag: float | None) -> float:
     """The stall timeout to use: the flag (0 turns detection off), else a default for the model."""
     if flag is not None:
@@ -90,7 +88,6 @@ def visible_gpus(environ: Mapping[str, str], machine_gpus: int) -> list[str]:
     return [part.strip() for part in visible.split(",") if part.strip()]
 
 
-
 def build_parser() -> argparse.ArgumentParser:
     parser = ShmgateParser(prog="shmgate", description="An OpenAI-compatible HTTP gateway for vision models.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
@@ -103,9 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
     # test forging descriptors) attaches as a frontend there without stealing a real
     # frontend's replies. They take a share of the arena, so the default is none.
     serve.add_argument("--spare-frontend-slots", type=int, default=0, help=argparse.SUPPRESS)
-    gateway = sub.add_parser("gateway", help="frontends only; workers attach by label",
-                             description="Frontends only: own the shared memory and queues; workers in other "
-                             "containers attach by --label (shmgate worker).")
+    gateway = sub.add_parser(
+        "gateway",
+        help="frontends only; workers attach by label",
+        description="Frontends only: own the shared memory and queues; workers in other "
+        "containers attach by --label (shmgate worker).",
+    )
     add_gateway_flags(gateway)
     sub.add_parser("worker", help="one model worker (see shmgate worker --help)", add_help=False)
     cleanup = sub.add_parser("cleanup", help="remove IPC objects of dead instances")
@@ -121,8 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_SERVE_DESCRIPTION = ("Serve a model: HTTP frontends and model workers, supervised, in one command. Every flag "
-                      "also reads the SHMGATE_* variable shown with it; the flag wins.")
+_SERVE_DESCRIPTION = (
+    "Serve a model: HTTP frontends and model workers, supervised, in one command. Every flag "
+    "also reads the SHMGATE_* variable shown with it; the flag wins."
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,11 +137,15 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper() if hasattr(args, "log_level") else "INFO",
-                        format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper() if hasattr(args, "log_level") else "INFO",
+        format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s",
+    )
     if args.command in ("serve", "gateway") and any(a == "--api-key" or a.startswith("--api-key=") for a in argv):
-        log.warning("--api-key on the command line is visible to every user of this machine (ps, /proc); "
-                    "set SHMGATE_API_KEY in the environment instead")
+        log.warning(
+            "--api-key on the command line is visible to every user of this machine (ps, /proc); "
+            "set SHMGATE_API_KEY in the environment instead"
+        )
     if args.command in ("serve", "gateway"):
         try:
             models = declared_models(args)
@@ -148,12 +154,16 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_USAGE
     if args.command == "serve":
         try:
-            check_device(args.device, visible_gpus(os.environ, _gpu_count()),
-                         given=origin(argv, "--device", args.device))
+            check_device(
+                args.device, visible_gpus(os.environ, _gpu_count()), given=origin(argv, "--device", args.device)
+            )
             for m in models:
                 if m.device != args.device:  # its own, from the config file
-                    check_device(m.device, visible_gpus(os.environ, _gpu_count()),
-                                 given=f"{args.config}: model {m.public_id!r}: device {m.device}")
+                    check_device(
+                        m.device,
+                        visible_gpus(os.environ, _gpu_count()),
+                        given=f"{args.config}: model {m.public_id!r}: device {m.device}",
+                    )
         except ConfigError as exc:
             print(f"shmgate serve: error: {exc}", file=sys.stderr)
             return EXIT_USAGE
@@ -206,12 +216,14 @@ def declared_models(args: argparse.Namespace) -> list[ModelConfig]:
         if getattr(args, "model_all", None):
             raise NodeConfigError(f"--config {args.config} and --model both declare models; use one of them")
         if getattr(args, "served_model_name_all", None):
-            raise NodeConfigError(f"--served-model-name with --config {args.config}: give each model's "
-                                  "served_model_name in the file")
+            raise NodeConfigError(
+                f"--served-model-name with --config {args.config}: give each model's served_model_name in the file"
+            )
         configs = load_node_config(args.config)
     else:
         names = getattr(args, "served_model_name_all", None) or (
-            [args.served_model_name] if args.served_model_name else [])
+            [args.served_model_name] if args.served_model_name else []
+        )
         configs = from_flags(getattr(args, "model_all", None) or [args.model], names)
     args.node_models = [config.with_globals(args, alone=len(configs) == 1) for config in configs]
     return list(args.node_models)
@@ -220,8 +232,18 @@ def declared_models(args: argparse.Namespace) -> list[ModelConfig]:
 # Gateway flags a frontend child does not get on its command line: the API key reaches it in its
 # environment (argv is visible in ps); the rest are the supervisor's (the socket is passed as --fd).
 _NOT_FORWARDED = frozenset(
-    {"api_key", "host", "port", "frontends", "arena_size", "max_workers", "queue_depth", "stall_timeout_s",
-     "log_stats_interval_s", "config"}
+    {
+        "api_key",
+        "host",
+        "port",
+        "frontends",
+        "arena_size",
+        "max_workers",
+        "queue_depth",
+        "stall_timeout_s",
+        "log_stats_interval_s",
+        "config",
+    }
 )
 
 
@@ -237,8 +259,19 @@ def fill_allowed_hosts(args: argparse.Namespace) -> None:
 def _frontend_argv(args: argparse.Namespace, instance_id: str, slot: int, fd: int) -> list[str]:
     """The frontend child's command: every gateway flag but _NOT_FORWARDED, read off the parser, so a
     new flag reaches the frontends without a second list to keep in step."""
-    return [sys.executable, "-m", "gateway", "frontend", "--instance", instance_id, "--slot", str(slot),
-            "--fd", str(fd), *forward(args, add_gateway_flags, skip=_NOT_FORWARDED)]
+    return [
+        sys.executable,
+        "-m",
+        "gateway",
+        "frontend",
+        "--instance",
+        instance_id,
+        "--slot",
+        str(slot),
+        "--fd",
+        str(fd),
+        *forward(args, add_gateway_flags, skip=_NOT_FORWARDED),
+    ]
 
 
 def _default_cpu_workers(model: str, cores: int) -> int:
@@ -274,9 +307,18 @@ def _model_plans(args: argparse.Namespace) -> list[tuple[ModelConfig, list[Place
     for model in models:
         device = model.device or ("cuda" if gpu_ids else "cpu")
         cpu_workers = _default_cpu_workers(model.model, usable_cpus()) if len(models) == 1 else 1
-        plans.append((model, worker_placements(device, workers=model.workers or 0,
-                                               workers_per_gpu=model.workers_per_gpu or 1, gpu_ids=gpu_ids,
-                                               cpu_workers=cpu_workers)))
+        plans.append(
+            (
+                model,
+                worker_placements(
+                    device,
+                    workers=model.workers or 0,
+                    workers_per_gpu=model.workers_per_gpu or 1,
+                    gpu_ids=gpu_ids,
+                    cpu_workers=cpu_workers,
+                ),
+            )
+        )
     return plans
 
 
@@ -289,9 +331,18 @@ def gpu_misfits(args: argparse.Namespace, free: Mapping[str, int] | None = None)
         plans = _model_plans(args)
     except SetupError:
         return []  # a placement that cannot work: _run_supervised says so
-    placed = [PlacedModel(m.public_id, m.model, m.dtype or "auto", m.max_batch_size or 0,
-                          tuple(p.visible for p in placements), _max_pixels(m.mm_processor_kwargs))
-              for m, placements in plans if any(p.visible is not None for p in placements)]
+    placed = [
+        PlacedModel(
+            m.public_id,
+            m.model,
+            m.dtype or "auto",
+            m.max_batch_size or 0,
+            tuple(p.visible for p in placements),
+            _max_pixels(m.mm_processor_kwargs),
+        )
+        for m, placements in plans
+        if any(p.visible is not None for p in placements)
+    ]
     if not placed:
         return []
     needs = placed_needs(placed)
@@ -315,14 +366,32 @@ def _worker_children(args: argparse.Namespace, instance_id: str) -> list[tuple[l
     threads = _threads(args, sum(len(placements) for _, placements in plans))
     children = []
     for model, placements in plans:
-        batching = argparse.Namespace(**{**vars(args), **{key: getattr(model, key) for key in (
-            "max_batch_size", "max_batch_wait_ms", "batch_policy", "dtype")}})
+        batching = argparse.Namespace(
+            **{
+                **vars(args),
+                **{
+                    key: getattr(model, key) for key in ("max_batch_size", "max_batch_wait_ms", "batch_policy", "dtype")
+                },
+            }
+        )
         for placement in placements:
             env = {} if placement.visible is None else {"CUDA_VISIBLE_DEVICES": placement.visible}
             argv = [
-                sys.executable, "-m", "worker", "--instance", instance_id, "--model", model.model,
-                "--device", placement.device, "--threads", str(threads), "--log-level", args.log_level,
-                *forward(batching, add_batching_flags), *forward(args, add_tracing_flags),
+                sys.executable,
+                "-m",
+                "worker",
+                "--instance",
+                instance_id,
+                "--model",
+                model.model,
+                "--device",
+                placement.device,
+                "--threads",
+                str(threads),
+                "--log-level",
+                args.log_level,
+                *forward(batching, add_batching_flags),
+                *forward(args, add_tracing_flags),
             ]
             if model.served_model_name:
                 argv += ["--served-model-name", model.served_model_name]
@@ -371,38 +440,54 @@ def _run_supervised(args: argparse.Namespace, *, with_workers: bool, started_at:
         label=args.label,
         queue_depth=args.queue_depth,
         stall_timeout_s=stall_timeout_for(models[0].model, args.stall_timeout_s),
-        models=[ModelQueue(m.public_id, m.queue_depth or args.queue_depth,
-                           stall_timeout_for(m.model, m.stall_timeout_s)) for m in models],
+        models=[
+            ModelQueue(m.public_id, m.queue_depth or args.queue_depth, stall_timeout_for(m.model, m.stall_timeout_s))
+            for m in models
+        ],
     )
     instance_id = instance.names.instance_id
     fill_allowed_hosts(args)
     args.models_json = models_json(models)  # the frontends serve every model, each with its own limits
     secrets_env = {"SHMGATE_API_KEY": args.api_key} if args.api_key else {}
     frontends = [
-        ChildProcess("frontend", k, _frontend_argv(args, instance_id, k, sock.fileno()), child_env(secrets_env),
-                     pass_fds=(sock.fileno(),))
+        ChildProcess(
+            "frontend",
+            k,
+            _frontend_argv(args, instance_id, k, sock.fileno()),
+            child_env(secrets_env),
+            pass_fds=(sock.fileno(),),
+        )
         for k in range(n_frontends)
     ]
     worker_models = [m.public_id for m, placements in _model_plans(args) for _ in placements] if with_workers else []
     workers = [
         ChildProcess("worker", i, argv, child_env(env), model=model)
-        for i, ((argv, env), model) in enumerate(zip(_worker_children(args, instance_id) if with_workers else [],
-                                                     worker_models))
+        for i, ((argv, env), model) in enumerate(
+            zip(_worker_children(args, instance_id) if with_workers else [], worker_models)
+        )
     ]
     url = f"http://{f'[{args.host}]' if ':' in args.host else args.host}:{args.port}"
-    for line in summary_lines(_summary(args, instance_id, url, n_frontends, with_workers, model_id=model_id), shm_free_bytes()):
+    for line in summary_lines(
+        _summary(args, instance_id, url, n_frontends, with_workers, model_id=model_id), shm_free_bytes()
+    ):
         log.info("%s", line)
     request_queues = [instance.request_queue(i) for i in range(len(models))]
     link = PosixSupervisorLink(instance)
     serving_log = ServingLog(
-        node=PosixNodeStats(instance), frontend_alive=link.frontend_alive,
-        worker_ready=lambda: all(link.has_live_worker(m.public_id) for m in models), n_frontends=n_frontends,
-        queue_depth=lambda: sum(q.current_messages() for q in request_queues), instance_id=instance_id, url=url,
-        started_at=started_at, stats_interval_s=args.log_stats_interval_s,
+        node=PosixNodeStats(instance),
+        frontend_alive=link.frontend_alive,
+        worker_ready=lambda: all(link.has_live_worker(m.public_id) for m in models),
+        n_frontends=n_frontends,
+        queue_depth=lambda: sum(q.current_messages() for q in request_queues),
+        instance_id=instance_id,
+        url=url,
+        started_at=started_at,
+        stats_interval_s=args.log_stats_interval_s,
     )
     try:
-        supervisor = Supervisor.for_instance(instance, frontends, workers, drain_timeout_s=args.drain_timeout_s,
-                                             on_tick=serving_log.tick)
+        supervisor = Supervisor.for_instance(
+            instance, frontends, workers, drain_timeout_s=args.drain_timeout_s, on_tick=serving_log.tick
+        )
         if len(models) > 1 and with_workers:  # a model that keeps dying is failed; the others keep serving
             supervisor.restart_budget = args.restart_budget
             supervisor.on_model_failed = functools.partial(_mark_failed, instance)
@@ -422,8 +507,14 @@ def _mark_failed(instance: Instance, model: str) -> None:
         instance.segment.mark_model(index, ModelState.FAILED)
 
 
-def _summary(args: argparse.Namespace, instance_id: str, url: str, n_frontends: int,
-             with_workers: bool, model_id: str | None = None) -> Summary:
+def _summary(
+    args: argparse.Namespace,
+    instance_id: str,
+    url: str,
+    n_frontends: int,
+    with_workers: bool,
+    model_id: str | None = None,
+) -> Summary:
     """The startup summary's facts, from the same plan the workers are started with."""
     from gateway.startup_log import Summary, plural
 
@@ -444,9 +535,20 @@ def _summary(args: argparse.Namespace, instance_id: str, url: str, n_frontends: 
         dtype = (("float32" if cpu else "bfloat16") if args.dtype == "auto" else args.dtype) if hf else "the model's"
     else:
         workers, dtype = f"workers attach by label {args.label!r} (shmgate worker)", "chosen by each worker"
-    return Summary(version=version(), instance_id=instance_id, label=args.label, model_id=model_id or spec.public_id,
-                   model_spec=model_spec, url=url, n_frontends=n_frontends, workers=workers, dtype=dtype,
-                   arena_bytes=args.arena_size, auth=bool(args.api_key), traces=args.otlp_traces_endpoint or "")
+    return Summary(
+        version=version(),
+        instance_id=instance_id,
+        label=args.label,
+        model_id=model_id or spec.public_id,
+        model_spec=model_spec,
+        url=url,
+        n_frontends=n_frontends,
+        workers=workers,
+        dtype=dtype,
+        arena_bytes=args.arena_size,
+        auth=bool(args.api_key),
+        traces=args.otlp_traces_endpoint or "",
+    )
 
 
 def _run_frontend(args: argparse.Namespace) -> int:
@@ -500,8 +602,14 @@ def _run_frontend(args: argparse.Namespace) -> int:
     config = uvicorn.Config(
         create_app(options),
         # a bounded request head, slow clients cut, a cap on connections (gateway/http_limits.py)
-        http=http_protocol(ConnectionLimits(header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
-                                            body_min_rate=args.body_min_rate, max_connections=args.max_connections)),
+        http=http_protocol(
+            ConnectionLimits(
+                header_timeout_s=args.header_timeout_s,
+                body_timeout_s=args.body_timeout_s,
+                body_min_rate=args.body_min_rate,
+                max_connections=args.max_connections,
+            )
+        ),
         log_level=args.log_level.lower() if args.log_level.lower() != "info" else "warning",
         timeout_graceful_shutdown=int(args.drain_timeout_s),
         access_log=args.access_log,

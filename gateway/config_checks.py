@@ -39,8 +39,9 @@ def torch_cuda_build() -> str | None:
     return match.group(1) if match else None
 
 
-def check_device(device: str | None, gpu_ids: list[str], *, given: str = "",
-                 cuda_build: Callable[[], str | None] = torch_cuda_build) -> None:
+def check_device(
+    device: str | None, gpu_ids: list[str], *, given: str = "", cuda_build: Callable[[], str | None] = torch_cuda_build
+) -> None:
     """Refuse a CUDA ``device`` this machine cannot run. None (the default: cuda when a GPU is
     visible) and ``cpu`` always pass. ``gpu_ids``: the visible GPUs (gateway/cli.py ``visible_gpus``);
     ``given``: where the value came from, for the message (default ``--device <device>``)."""
@@ -55,5 +56,7 @@ def check_device(device: str | None, gpu_ids: list[str], *, given: str = "",
     if index and int(index) >= len(gpu_ids):
         raise ConfigError(f"{given}: only {len(gpu_ids)} GPU(s) are visible, cuda:0 to cuda:{len(gpu_ids) - 1}")
     if cuda_build() is None:
-        raise ConfigError(f"{given}: the installed torch is a CPU-only build; install a CUDA build of torch "
-                          "(https://pytorch.org/get-started/locally/) or use --device cpu")
+        raise ConfigError(
+            f"{given}: the installed torch is a CPU-only build; install a CUDA build of torch "
+            "(https://pytorch.org/get-started/locally/) or use --device cpu"
+        )

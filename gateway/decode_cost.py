@@ -89,7 +89,12 @@ def pixel_bytes_budget(max_pixels: int) -> int:
 
 
 def decode_cost(
-    fmt: str, mode: str, size: tuple[int, int], *, needs_conversion: bool, progressive: bool = False,
+    fmt: str,
+    mode: str,
+    size: tuple[int, int],
+    *,
+    needs_conversion: bool,
+    progressive: bool = False,
     sampling: tuple[tuple[int, int], ...] = (),
 ) -> DecodeCost:
     """The cost of decoding a ``fmt`` file whose header says ``mode`` and ``size``.
@@ -120,4 +125,3 @@ def _coefficient_bytes(width: int, height: int, sampling: tuple[tuple[int, int],
     mcus_y = math.ceil(height / (8 * v_max))
     blocks = sum(mcus_x * h * mcus_y * v for h, v in sampling)
     return blocks * 64 * 2
-

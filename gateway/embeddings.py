@@ -86,8 +86,9 @@ class EmbeddingJob:
     encoding_format: str
 
 
-def parse_embedding_request(body: bytes, limits: IntakeLimits,
-                            preprocessor_for: Callable[[str], Preprocessor]) -> EmbeddingJob:
+def parse_embedding_request(
+    body: bytes, limits: IntakeLimits, preprocessor_for: Callable[[str], Preprocessor]
+) -> EmbeddingJob:
     """Parse and validate; raises RequestError subclasses naming the offending param.
 
     ``preprocessor_for``: the served model's preprocessor by id, raising UnknownModel for another.
@@ -98,18 +99,22 @@ def parse_embedding_request(body: bytes, limits: IntakeLimits,
     if dim is None:
         raise InvalidRequest(f"{preprocessor.model} does not produce embeddings", param="model")
     if req.dimensions is not None and req.dimensions != dim:
-        raise InvalidRequest(f"{preprocessor.model} embeds into {dim} dimensions only; leave dimensions out",
-                             param="dimensions")
+        raise InvalidRequest(
+            f"{preprocessor.model} embeds into {dim} dimensions only; leave dimensions out", param="dimensions"
+        )
     if (req.input is None) == (req.messages is None):
         raise InvalidRequest("send either input or messages", param="input")
     if req.messages is not None:
         chat = chat_request_from(ChatCompletionRequest(req.model, req.messages), limits)
         if len(chat.images) > 1:
-            raise TooManyImages("the messages form embeds one image per request; use input for several",
-                                param="messages")
+            raise TooManyImages(
+                "the messages form embeds one image per request; use input for several", param="messages"
+            )
         if chat.images and chat.text.strip():
             raise InvalidRequest("these models embed an image or a text, not both in one input", param="messages")
-        inputs: list[tuple[int | None, str, str]] = [(0, "", chat.image_params[0])] if chat.images else [(None, chat.text, "messages")]
+        inputs: list[tuple[int | None, str, str]] = (
+            [(0, "", chat.image_params[0])] if chat.images else [(None, chat.text, "messages")]
+        )
     else:
         chat = ChatRequest(req.model, [], [], [], SamplingParams(), False, False)
         inputs = _inputs(req.input, limits, chat)
@@ -117,8 +122,10 @@ def parse_embedding_request(body: bytes, limits: IntakeLimits,
         if index is None and not text.strip():
             raise InvalidRequest("an input is empty", param=param)
         if index is None and not preprocessor.embeds_text:
-            raise InvalidRequest(f"{preprocessor.model} embeds images only; send each image as a data URL "
-                                 "(data:image/jpeg;base64,...)", param=param)
+            raise InvalidRequest(
+                f"{preprocessor.model} embeds images only; send each image as a data URL (data:image/jpeg;base64,...)",
+                param=param,
+            )
     return EmbeddingJob(req.model, chat, inputs, req.encoding_format)
 
 
@@ -145,7 +152,11 @@ def _inputs(raw: str | list[str] | None, limits: IntakeLimits, chat: ChatRequest
 
 
 async def embed(
-    f: Frontend, job: EmbeddingJob, cache: ResultCache | None, *, bypass_cache: bool = False,
+    f: Frontend,
+    job: EmbeddingJob,
+    cache: ResultCache | None,
+    *,
+    bypass_cache: bool = False,
     receive: Receive | None = None,
 ) -> tuple[list[bytes], int]:
     """Every input's vector (float32 bytes, in input order) and the prompt tokens used. Raises ShmgateError.
@@ -164,8 +175,10 @@ async def embed(
     submitted: list[RequestState] = []
     try:
         started = await asyncio.gather(
-            *(_start(f, job, index, text, param, cache, bypass_cache, params, submitted)
-              for index, text, param in job.inputs),
+            *(
+                _start(f, job, index, text, param, cache, bypass_cache, params, submitted)
+                for index, text, param in job.inputs
+            ),
             return_exceptions=True,
         )
         watcher = cancel_on_hang_up(f, submitted, receive if submitted else None)
@@ -195,8 +208,15 @@ class _Started:
 
 
 async def _start(
-    f: Frontend, job: EmbeddingJob, index: int | None, text: str, param: str, cache: ResultCache | None,
-    bypass_cache: bool, params: bytes, submitted: list[RequestState],
+    f: Frontend,
+    job: EmbeddingJob,
+    index: int | None,
+    text: str,
+    param: str,
+    cache: ResultCache | None,
+    bypass_cache: bool,
+    params: bytes,
+    submitted: list[RequestState],
 ) -> _Started:
     image: bytes | EncodedImage | None = None if index is None else job.chat.images[index]
     key = None
@@ -207,11 +227,21 @@ async def _start(
         hit = None if bypass_cache else cache.get(key)
         if hit is not None:
             return _Started(vector=hit)
-    messages = [{"role": "user", "content": [{"type": "image"} if image is not None else
-                                             {"type": "text", "text": text}]}]
-    chat = ChatRequest(job.model, messages, [] if image is None else [image], [] if image is None else [param],
-                       SamplingParams(), False, False, text=text, task=TASK_EMBED,
-                       image_options=[] if image is None else [f.preprocessor.embedding_image_options()])
+    messages = [
+        {"role": "user", "content": [{"type": "image"} if image is not None else {"type": "text", "text": text}]}
+    ]
+    chat = ChatRequest(
+        job.model,
+        messages,
+        [] if image is None else [image],
+        [] if image is None else [param],
+        SamplingParams(),
+        False,
+        False,
+        text=text,
+        task=TASK_EMBED,
+        image_options=[] if image is None else [f.preprocessor.embedding_image_options()],
+    )
     state = await f.submit(chat)
     submitted.append(state)
     return _Started(state=state, key=key)
@@ -254,13 +284,18 @@ def embedding_response(job: EmbeddingJob, vectors: list[bytes], tokens: int) -> 
         {
             "object": "embedding",
             "index": i,
-            "embedding": base64.b64encode(v).decode() if job.encoding_format == "base64"
+            "embedding": base64.b64encode(v).decode()
+            if job.encoding_format == "base64"
             else np.frombuffer(v, dtype="<f4").tolist(),
         }
         for i, v in enumerate(vectors)
     ]
-    body = {"object": "list", "data": data, "model": job.model,
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+    body = {
+        "object": "list",
+        "data": data,
+        "model": job.model,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
     return msgspec.json.encode(body)
 
 
@@ -280,8 +315,7 @@ async def embeddings_route(request: Request) -> Response:
         if job.chat.pending_urls:
             job = dataclasses.replace(job, chat=await fetch_pending(job.chat, options.image_urls))
         try:
-            vectors, tokens = await embed(f, job, results, bypass_cache=bypass_cache(request),
-                                          receive=request.receive)
+            vectors, tokens = await embed(f, job, results, bypass_cache=bypass_cache(request), receive=request.receive)
         except Cancelled:  # the client hung up while its inputs ran: counted by abandon, answered to nobody
             return Response(status_code=Cancelled.status_hint)
         finally:

@@ -105,7 +105,10 @@ async def fetch_image(
 
 
 async def fetch_pending(
-    chat: ChatRequest, policy: FetchPolicy, *, resolve: Resolver = resolve_host,
+    chat: ChatRequest,
+    policy: FetchPolicy,
+    *,
+    resolve: Resolver = resolve_host,
     ssl_context: ssl.SSLContext | None = None,
 ) -> ChatRequest:
     """``chat`` with its image URLs fetched, concurrently, into its images; the first error wins.
@@ -115,8 +118,9 @@ async def fetch_pending(
     them when the caller is cancelled (client gone).
     """
     pending = chat.pending_urls
-    tasks = [asyncio.ensure_future(fetch_image(p.url, policy, resolve=resolve, ssl_context=ssl_context))
-             for p in pending]
+    tasks = [
+        asyncio.ensure_future(fetch_image(p.url, policy, resolve=resolve, ssl_context=ssl_context)) for p in pending
+    ]
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
     finally:
@@ -144,8 +148,9 @@ async def _follow(url: httpx.URL, policy: FetchPolicy, resolve: Resolver, contex
     for _ in range(MAX_REDIRECTS + 1):
         address = await _check(url, policy.allowlist, resolve)
         transport = httpx.AsyncHTTPTransport(verify=context, trust_env=False, retries=0)
-        async with httpx.AsyncClient(transport=transport, trust_env=False, follow_redirects=False,
-                                     timeout=policy.timeout_s) as client:  # a fresh client: no cookie jar
+        async with httpx.AsyncClient(
+            transport=transport, trust_env=False, follow_redirects=False, timeout=policy.timeout_s
+        ) as client:  # a fresh client: no cookie jar
             try:
                 response = await client.send(_pinned_request(client, url, address), stream=True)
                 try:
@@ -156,8 +161,13 @@ async def _follow(url: httpx.URL, policy: FetchPolicy, resolve: Resolver, contex
                         raise InvalidImageURL(
                             f"fetching the image from {url.host!r} returned HTTP {response.status_code}"
                         )
-                    return await read_capped(response.headers.get("content-length"), response.aiter_raw(),
-                                             policy.max_bytes, "the image", ImageTooLarge)
+                    return await read_capped(
+                        response.headers.get("content-length"),
+                        response.aiter_raw(),
+                        policy.max_bytes,
+                        "the image",
+                        ImageTooLarge,
+                    )
                 finally:
                     await response.aclose()
             except httpx.TimeoutException:

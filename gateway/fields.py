@@ -41,15 +41,16 @@ def check_fields_for_model(params: SamplingParams, preprocessor: Preprocessor, n
     if vocab is None:
         for name, used in token_fields.items():
             if used:
-                raise InvalidRequest(f"{name} is not supported by {preprocessor.model}: it does not sample tokens",
-                                     param=name)
+                raise InvalidRequest(
+                    f"{name} is not supported by {preprocessor.model}: it does not sample tokens", param=name
+                )
         return
     if any(token_id >= vocab for token_id, _ in params.logit_bias):
-        raise InvalidRequest(f"logit_bias names a token id outside the vocabulary (0..{vocab - 1})",
-                             param="logit_bias")
+        raise InvalidRequest(f"logit_bias names a token id outside the vocabulary (0..{vocab - 1})", param="logit_bias")
     if any(token_id >= vocab for token_id in params.stop_token_ids):
-        raise InvalidRequest(f"stop_token_ids names a token id outside the vocabulary (0..{vocab - 1})",
-                             param="stop_token_ids")
+        raise InvalidRequest(
+            f"stop_token_ids names a token id outside the vocabulary (0..{vocab - 1})", param="stop_token_ids"
+        )
 
 
 def with_image_options(chat: ChatRequest, preprocessor: Preprocessor) -> ChatRequest:

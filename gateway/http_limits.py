@@ -70,22 +70,30 @@ class _Phase(enum.Enum):
     APP = "app"  # the request is whole and the app answers it: no deadline here
 
 
-def _closing_response(status: bytes, message: str, code: str, error_type: str = "invalid_request_error",
-                      extra_headers: bytes = b"") -> bytes:
+def _closing_response(
+    status: bytes, message: str, code: str, error_type: str = "invalid_request_error", extra_headers: bytes = b""
+) -> bytes:
     """A complete HTTP/1.1 response carrying an OpenAI error object, after which we close."""
     body = json.dumps(error_body(message, error_type, code)).encode()
-    head = (b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%sconnection: close\r\n\r\n")
+    head = b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%sconnection: close\r\n\r\n"
     return head % (status, len(body), extra_headers) + body
 
 
-_TOO_LARGE = _closing_response(b"431 Request Header Fields Too Large",
-                               f"the request line and headers are larger than {MAX_HEAD_BYTES} bytes",
-                               "headers_too_large")
+_TOO_LARGE = _closing_response(
+    b"431 Request Header Fields Too Large",
+    f"the request line and headers are larger than {MAX_HEAD_BYTES} bytes",
+    "headers_too_large",
+)
 _UNPARSABLE = _closing_response(b"400 Bad Request", "the HTTP request could not be parsed", "invalid_http")
 
 
-_TOO_MANY = _closing_response(b"503 Service Unavailable", "too many open connections to this server; retry shortly",
-                             "too_many_connections", "server_error", b"retry-after: 1\r\n")
+_TOO_MANY = _closing_response(
+    b"503 Service Unavailable",
+    "too many open connections to this server; retry shortly",
+    "too_many_connections",
+    "server_error",
+    b"retry-after: 1\r\n",
+)
 
 
 class _ClientDeadlines:
@@ -174,12 +182,16 @@ def _too_slow(phase: _Phase, limits: ConnectionLimits) -> bytes:
     if phase is _Phase.HEAD:
         message = f"the request line and headers did not arrive within {limits.header_timeout_s:g} s"
     else:
-        message = (f"the request body arrived too slowly (it gets {limits.body_timeout_s:g} s, "
-                   f"plus 1 s per {limits.body_min_rate:g} bytes received)")
+        message = (
+            f"the request body arrived too slowly (it gets {limits.body_timeout_s:g} s, "
+            f"plus 1 s per {limits.body_min_rate:g} bytes received)"
+        )
     return _closing_response(b"408 Request Timeout", message, "request_timeout")
 
 
-def http_protocol(limits: ConnectionLimits = ConnectionLimits(), *, prefer: str = "httptools") -> type[asyncio.Protocol]:
+def http_protocol(
+    limits: ConnectionLimits = ConnectionLimits(), *, prefer: str = "httptools"
+) -> type[asyncio.Protocol]:
     """The protocol class for ``uvicorn.Config(http=...)``: bounded httptools, else (or with ``prefer="h11"``) h11."""
     if prefer == "httptools":
         try:

@@ -33,8 +33,15 @@ class ImageResolver:
     decodes running at once (gateway/decode_budget.py), ``decode_wait_s`` how long one waits for room."""
 
     def __init__(
-        self, cache: TensorCache, preprocessor: Preprocessor, stats: FrontendStats, *, max_pixels: int, threads: int,
-        decode_memory_bytes: int = 512 << 20, decode_wait_s: float = 5.0,
+        self,
+        cache: TensorCache,
+        preprocessor: Preprocessor,
+        stats: FrontendStats,
+        *,
+        max_pixels: int,
+        threads: int,
+        decode_memory_bytes: int = 512 << 20,
+        decode_wait_s: float = 5.0,
     ) -> None:
         self.cache = cache
         self.preprocessor = preprocessor
@@ -54,7 +61,10 @@ class ImageResolver:
         return view
 
     async def resolve(
-        self, images: list[bytes | EncodedImage], params: list[str], groups: list[TensorGroup],
+        self,
+        images: list[bytes | EncodedImage],
+        params: list[str],
+        groups: list[TensorGroup],
         options: list[dict[str, Any]] | None = None,
     ) -> None:
         """Append each image's held tensor group to ``groups``, in order. Raises the first failure (a 413
@@ -88,8 +98,13 @@ class ImageResolver:
             await self._resolve_all(images, params, groups, options, at_once=False)
 
     async def _resolve_all(
-        self, images: list[bytes | EncodedImage], params: list[str], groups: list[TensorGroup],
-        options: list[dict[str, Any]] | None, *, at_once: bool,
+        self,
+        images: list[bytes | EncodedImage],
+        params: list[str],
+        groups: list[TensorGroup],
+        options: list[dict[str, Any]] | None,
+        *,
+        at_once: bool,
     ) -> None:
         """``resolve``'s one pass: misses decoded concurrently (``at_once``) or one after another,
         each allocated when the one before is placed (the order that packs)."""
@@ -163,8 +178,9 @@ class ImageResolver:
             return self.preprocessor.cache_params()
         return self.preprocessor.cache_params() + b"|" + options_key(options)
 
-    def _resolve_image(self, image: bytes | EncodedImage, param: str, key: bytes | None,
-                       options: dict[str, Any] | None = None) -> TensorGroup:
+    def _resolve_image(
+        self, image: bytes | EncodedImage, param: str, key: bytes | None, options: dict[str, Any] | None = None
+    ) -> TensorGroup:
         """Thread pool: the cached tensors of one image, decoding (base64, then pixels) only on a miss.
 
         A decode error names ``param``, the request field the image came from (data URL or fetched).

@@ -174,9 +174,7 @@ def _input_errors(data: bytes) -> Iterator[None]:
     try:
         yield
     except Image.DecompressionBombError:
-        raise ImageTooLarge(
-            "The image has more pixels than can be decoded safely. Resize it before sending."
-        ) from None
+        raise ImageTooLarge("The image has more pixels than can be decoded safely. Resize it before sending.") from None
     except _DECODE_ERRORS as exc:
         raise UndecodableImage(
             f"The image could not be decoded: {_describe(exc)}. Send a complete {_ACCEPTED_TEXT} file."

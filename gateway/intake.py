@@ -407,11 +407,19 @@ def chat_request_from(req: ChatCompletionRequest, limits: IntakeLimits) -> ChatR
                         raise TooManyImages(
                             f"at most {limits.max_images} images per request", param=f"messages[{i}].content"
                         )
-                    add_image(part.image_url.url, f"messages[{i}].content[{j}].image_url", limits, images,
-                              image_params, pending)
+                    add_image(
+                        part.image_url.url,
+                        f"messages[{i}].content[{j}].image_url",
+                        limits,
+                        images,
+                        image_params,
+                        pending,
+                    )
                     if part.image_url.detail not in (None, "auto", "low", "high"):
-                        raise InvalidRequest('detail must be "auto", "low" or "high"',
-                                             param=f"messages[{i}].content[{j}].image_url.detail")
+                        raise InvalidRequest(
+                            'detail must be "auto", "low" or "high"',
+                            param=f"messages[{i}].content[{j}].image_url.detail",
+                        )
                     details.append(part.image_url.detail)
                     parts.append({"type": "image"})
         if n_parts > limits.max_parts:
@@ -455,11 +463,18 @@ def _sampling(req: ChatCompletionRequest) -> SamplingParams:
     seed = req.seed
     if seed is not None and not -(1 << 63) <= seed < 1 << 63:
         raise InvalidRequest("seed is out of range", param="seed")
-    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
-                          presence_penalty=_penalty(req.presence_penalty, "presence_penalty"),
-                          frequency_penalty=_penalty(req.frequency_penalty, "frequency_penalty"),
-                          logit_bias=_logit_bias(req.logit_bias), stop_token_ids=_stop_token_ids(req.stop_token_ids),
-                          logprobs=(req.top_logprobs or 0) if req.logprobs else -1)
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        stop=stop,
+        presence_penalty=_penalty(req.presence_penalty, "presence_penalty"),
+        frequency_penalty=_penalty(req.frequency_penalty, "frequency_penalty"),
+        logit_bias=_logit_bias(req.logit_bias),
+        stop_token_ids=_stop_token_ids(req.stop_token_ids),
+        logprobs=(req.top_logprobs or 0) if req.logprobs else -1,
+    )
 
 
 def check_unsupported(req: ChatCompletionRequest) -> None:
@@ -478,8 +493,10 @@ def check_unsupported(req: ChatCompletionRequest) -> None:
         raise InvalidRequest('function_call is not supported; only "none" is accepted', param="function_call")
     for name, feature in FORM_FIELDS.items():
         if getattr(req, name) is not None:
-            raise InvalidRequest(f"Unrecognized request argument supplied: {name} ({feature} is not supported by "
-                                 "this server)", param=name)
+            raise InvalidRequest(
+                f"Unrecognized request argument supplied: {name} ({feature} is not supported by this server)",
+                param=name,
+            )
     if req.modalities is not None and req.modalities != ["text"]:
         raise InvalidRequest('only modalities ["text"] is supported', param="modalities")
     if req.echo is not None and req.echo is not False:
@@ -529,8 +546,14 @@ def _stop_token_ids(ids: list[int] | None) -> tuple[int, ...]:
     return tuple(sorted(set(ids)))
 
 
-def add_image(url: str, param: str, limits: IntakeLimits, images: list[bytes | EncodedImage], params: list[str],
-              pending: list[PendingImageURL]) -> None:
+def add_image(
+    url: str,
+    param: str,
+    limits: IntakeLimits,
+    images: list[bytes | EncodedImage],
+    params: list[str],
+    pending: list[PendingImageURL],
+) -> None:
     """Append an image given by URL: a data URL's (checked) text, or, when fetching is allowed, a
     placeholder and its PendingImageURL. Raises RequestError subclasses naming ``param``."""
     if limits.allow_image_urls and url[:8].lower().startswith(("http://", "https://")):

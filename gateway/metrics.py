@@ -40,9 +40,13 @@ __all__ = ["Counter", "FrontendStats", "ModelGauges", "NodeCollector", "expositi
 _request_model: ContextVar[int] = ContextVar("shmgate_request_model", default=-1)
 # An outcome counter and the per-model block that counts the same outcome by model; as a list by word, because
 # an IntEnum's hash runs in Python (a dict lookup here cost more than the word it guards).
-_OUTCOME_BLOCKS = {Counter.REQUESTS_OK: Counter.MODEL_OK, Counter.REQUESTS_CLIENT_ERROR: Counter.MODEL_ERROR,
-                   Counter.REQUESTS_SERVER_ERROR: Counter.MODEL_ERROR,
-                   Counter.REQUESTS_OVERLOADED: Counter.MODEL_OVERLOADED, Counter.CANCELLED: Counter.MODEL_CANCELLED}
+_OUTCOME_BLOCKS = {
+    Counter.REQUESTS_OK: Counter.MODEL_OK,
+    Counter.REQUESTS_CLIENT_ERROR: Counter.MODEL_ERROR,
+    Counter.REQUESTS_SERVER_ERROR: Counter.MODEL_ERROR,
+    Counter.REQUESTS_OVERLOADED: Counter.MODEL_OVERLOADED,
+    Counter.CANCELLED: Counter.MODEL_CANCELLED,
+}
 _BY_MODEL: list[int] = [-1] * STATS_WORDS
 for _outcome, _block in _OUTCOME_BLOCKS.items():
     _BY_MODEL[_outcome] = _block
@@ -111,8 +115,9 @@ class ModelGauges(NamedTuple):
 class NodeCollector:
     """A prometheus_client collector over the node's statistics (read at each scrape)."""
 
-    def __init__(self, node: NodeStats, queue_depth: Callable[[], int],
-                 models: Callable[[], list[ModelGauges]] | None = None) -> None:
+    def __init__(
+        self, node: NodeStats, queue_depth: Callable[[], int], models: Callable[[], list[ModelGauges]] | None = None
+    ) -> None:
         """``models``: the declared models' gauges; their labels are the model table's ids, so the
         per-model series are bounded by the declared models (at most MODEL_SLOTS)."""
         self.node = node
@@ -129,42 +134,78 @@ class NodeCollector:
         def gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
             return GaugeMetricFamily(name, help_text, value=value)
 
-        requests = CounterMetricFamily("shmgate_requests_total", "Chat completion and embedding requests by outcome.",
-                                       labels=["outcome"])
-        for outcome, index in (("ok", Counter.REQUESTS_OK), ("client_error", Counter.REQUESTS_CLIENT_ERROR),
-                               ("server_error", Counter.REQUESTS_SERVER_ERROR),
-                               ("overloaded", Counter.REQUESTS_OVERLOADED), ("cancelled", Counter.CANCELLED)):
+        requests = CounterMetricFamily(
+            "shmgate_requests_total", "Chat completion and embedding requests by outcome.", labels=["outcome"]
+        )
+        for outcome, index in (
+            ("ok", Counter.REQUESTS_OK),
+            ("client_error", Counter.REQUESTS_CLIENT_ERROR),
+            ("server_error", Counter.REQUESTS_SERVER_ERROR),
+            ("overloaded", Counter.REQUESTS_OVERLOADED),
+            ("cancelled", Counter.CANCELLED),
+        ):
             requests.add_metric([outcome], int(total[index]))
         yield requests
-        yield _latency_histogram("shmgate_request_duration_seconds", "Request latency.", total,
-                                 Counter.LATENCY_BUCKETS, Counter.LATENCY_SUM_US, Counter.LATENCY_COUNT)
-        yield _latency_histogram("shmgate_time_to_first_token_seconds", "Time to the first streamed content.", total,
-                                 Counter.TTFT_BUCKETS, Counter.TTFT_SUM_US, Counter.TTFT_COUNT)
-        yield counter("shmgate_cache_hits_total", "Images found in this frontend's partition (no decode).",
-                      Counter.CACHE_HITS)
-        yield counter("shmgate_cache_remote_hits_total", "Images copied from another frontend's partition.",
-                      Counter.CACHE_REMOTE_HITS)
+        yield _latency_histogram(
+            "shmgate_request_duration_seconds",
+            "Request latency.",
+            total,
+            Counter.LATENCY_BUCKETS,
+            Counter.LATENCY_SUM_US,
+            Counter.LATENCY_COUNT,
+        )
+        yield _latency_histogram(
+            "shmgate_time_to_first_token_seconds",
+            "Time to the first streamed content.",
+            total,
+            Counter.TTFT_BUCKETS,
+            Counter.TTFT_SUM_US,
+            Counter.TTFT_COUNT,
+        )
+        yield counter(
+            "shmgate_cache_hits_total", "Images found in this frontend's partition (no decode).", Counter.CACHE_HITS
+        )
+        yield counter(
+            "shmgate_cache_remote_hits_total",
+            "Images copied from another frontend's partition.",
+            Counter.CACHE_REMOTE_HITS,
+        )
         yield counter("shmgate_cache_misses_total", "Images decoded and preprocessed.", Counter.CACHE_MISSES)
         yield counter("shmgate_cache_evictions_total", "Cached images evicted to make room.", Counter.CACHE_EVICTIONS)
-        yield counter("shmgate_result_cache_hits_total",
-                      "Answers (embeddings, classifier labels) served from a frontend's result cache.",
-                      Counter.RESULT_CACHE_HITS)
-        yield counter("shmgate_result_cache_misses_total",
-                      "Answers looked up in a result cache and not found (then computed).",
-                      Counter.RESULT_CACHE_MISSES)
-        yield counter("shmgate_result_cache_evictions_total", "Result cache entries evicted to make room.",
-                      Counter.RESULT_CACHE_EVICTIONS)
-        yield gauge("shmgate_result_cache_bytes", "Bytes held by the frontends' result caches.",
-                    int(total[Counter.RESULT_CACHE_BYTES]))
+        yield counter(
+            "shmgate_result_cache_hits_total",
+            "Answers (embeddings, classifier labels) served from a frontend's result cache.",
+            Counter.RESULT_CACHE_HITS,
+        )
+        yield counter(
+            "shmgate_result_cache_misses_total",
+            "Answers looked up in a result cache and not found (then computed).",
+            Counter.RESULT_CACHE_MISSES,
+        )
+        yield counter(
+            "shmgate_result_cache_evictions_total",
+            "Result cache entries evicted to make room.",
+            Counter.RESULT_CACHE_EVICTIONS,
+        )
+        yield gauge(
+            "shmgate_result_cache_bytes",
+            "Bytes held by the frontends' result caches.",
+            int(total[Counter.RESULT_CACHE_BYTES]),
+        )
         yield counter("shmgate_retries_total", "Requests resubmitted after their worker died.", Counter.RETRIES)
-        yield counter("shmgate_cancelled_tokens_total",
-                      "Completion tokens generated for requests whose client had hung up (work for nobody).",
-                      Counter.CANCELLED_TOKENS)
+        yield counter(
+            "shmgate_cancelled_tokens_total",
+            "Completion tokens generated for requests whose client had hung up (work for nobody).",
+            Counter.CANCELLED_TOKENS,
+        )
         used = int(total[Counter.ARENA_USED_BYTES])
         size = int(total[Counter.ARENA_SIZE_BYTES])
         yield gauge("shmgate_arena_used_bytes", "Arena bytes allocated.", used)
-        yield gauge("shmgate_arena_held_bytes", "Arena bytes pinned by requests in flight (cached tensors excluded).",
-                    int(total[Counter.ARENA_HELD_BYTES]))
+        yield gauge(
+            "shmgate_arena_held_bytes",
+            "Arena bytes pinned by requests in flight (cached tensors excluded).",
+            int(total[Counter.ARENA_HELD_BYTES]),
+        )
         yield gauge("shmgate_arena_free_bytes", "Arena bytes free.", size - used)
         yield gauge("shmgate_in_flight_requests", "Requests being served.", int(total[Counter.IN_FLIGHT]))
         yield gauge("shmgate_request_queue_depth", "Descriptors waiting for a worker.", self.queue_depth())
@@ -172,23 +213,35 @@ class NodeCollector:
         # READY, heartbeating and progressing: a worker killed in another container (no one marks its row
         # DEAD) stops counting once its heartbeat is stale, a wedged one once its progress is (as /ready).
         yield gauge("shmgate_workers_ready", "Workers serving.", node.live_workers())
-        yield CounterMetricFamily("shmgate_worker_starts_total", "Worker (re)starts; restarts = starts - workers.",
-                                  value=workers.starts)
-        yield CounterMetricFamily("shmgate_worker_stalls_total",
-                                  "Workers declared stalled (alive but no progress for --stall-timeout-s) and replaced.",
-                                  value=workers.stalls)
-        yield CounterMetricFamily("shmgate_frontend_stalls_total",
-                                  "Frontends whose event loop stopped turning for --stall-timeout-s, killed and "
-                                  "restarted.", value=workers.frontend_stalls)
-        yield CounterMetricFamily("shmgate_worker_busy_seconds_total", "Time workers spent running batches.",
-                                  value=workers.busy_ns / 1e9)
+        yield CounterMetricFamily(
+            "shmgate_worker_starts_total", "Worker (re)starts; restarts = starts - workers.", value=workers.starts
+        )
+        yield CounterMetricFamily(
+            "shmgate_worker_stalls_total",
+            "Workers declared stalled (alive but no progress for --stall-timeout-s) and replaced.",
+            value=workers.stalls,
+        )
+        yield CounterMetricFamily(
+            "shmgate_frontend_stalls_total",
+            "Frontends whose event loop stopped turning for --stall-timeout-s, killed and restarted.",
+            value=workers.frontend_stalls,
+        )
+        yield CounterMetricFamily(
+            "shmgate_worker_busy_seconds_total", "Time workers spent running batches.", value=workers.busy_ns / 1e9
+        )
         batch = HistogramMetricFamily("shmgate_batch_size", "Requests per batch the workers ran.")
         cumulative = np.cumsum(node.batch_histogram())
-        batch.add_metric([], [(bound, int(c)) for bound, c in zip((*map(str, BATCH_BUCKETS), "+Inf"), cumulative)],
-                         sum_value=workers.batched_requests)
+        batch.add_metric(
+            [],
+            [(bound, int(c)) for bound, c in zip((*map(str, BATCH_BUCKETS), "+Inf"), cumulative)],
+            sum_value=workers.batched_requests,
+        )
         yield batch
-        yield gauge("shmgate_preparing_requests", "Admitted requests still being decoded and preprocessed.",
-                    node.preparing_requests())
+        yield gauge(
+            "shmgate_preparing_requests",
+            "Admitted requests still being decoded and preprocessed.",
+            node.preparing_requests(),
+        )
         yield stage_histogram(total)
         if self.models is not None:
             yield from _model_metrics(total, self.models())
@@ -197,8 +250,9 @@ class NodeCollector:
         yield build
 
 
-def _latency_histogram(name: str, help_text: str, total: np.ndarray, buckets: int, sum_idx: int,
-                       count_idx: int) -> HistogramMetricFamily:
+def _latency_histogram(
+    name: str, help_text: str, total: np.ndarray, buckets: int, sum_idx: int, count_idx: int
+) -> HistogramMetricFamily:
     family = HistogramMetricFamily(name, help_text)
     cumulative = 0
     points: list[tuple[str, float]] = []
@@ -213,25 +267,37 @@ def _latency_histogram(name: str, help_text: str, total: np.ndarray, buckets: in
 
 def _model_metrics(total: np.ndarray, models: list[ModelGauges]) -> Iterator[Metric]:
     """The per-model series: requests admitted and their outcomes, queue depth and ready workers, by ``model``."""
-    requests = CounterMetricFamily("shmgate_model_requests_total", "Requests per model: admitted; and how each that "
-                                   "named the model ended: ok, error (4xx/5xx but 429/503), overloaded (429/503: its "
-                                   "in-flight bound, no worker, its queue full, the arena), cancelled (client gone).",
-                                   labels=["model", "outcome"])
-    queue = GaugeMetricFamily("shmgate_model_queue_depth", "Descriptors waiting on the model's request queue.",
-                              labels=["model"])
+    requests = CounterMetricFamily(
+        "shmgate_model_requests_total",
+        "Requests per model: admitted; and how each that "
+        "named the model ended: ok, error (4xx/5xx but 429/503), overloaded (429/503: its "
+        "in-flight bound, no worker, its queue full, the arena), cancelled (client gone).",
+        labels=["model", "outcome"],
+    )
+    queue = GaugeMetricFamily(
+        "shmgate_model_queue_depth", "Descriptors waiting on the model's request queue.", labels=["model"]
+    )
     ready = GaugeMetricFamily("shmgate_model_workers_ready", "The model's workers serving.", labels=["model"])
     for i, m in enumerate(models[:MODEL_SLOTS]):
         requests.add_metric([m.model, "admitted"], int(total[Counter.MODEL_ADMITTED + i]))
-        for outcome, base in (("ok", Counter.MODEL_OK), ("error", Counter.MODEL_ERROR),
-                              ("overloaded", Counter.MODEL_OVERLOADED), ("cancelled", Counter.MODEL_CANCELLED)):
+        for outcome, base in (
+            ("ok", Counter.MODEL_OK),
+            ("error", Counter.MODEL_ERROR),
+            ("overloaded", Counter.MODEL_OVERLOADED),
+            ("cancelled", Counter.MODEL_CANCELLED),
+        ):
             requests.add_metric([m.model, outcome], int(total[base + i]))
         queue.add_metric([m.model], m.queue_depth)
         ready.add_metric([m.model], m.workers_ready)
     yield from (requests, queue, ready)
 
 
-def exposition(node: NodeStats, queue_depth: Callable[[], int], accept: str | None,
-               models: Callable[[], list[ModelGauges]] | None = None) -> tuple[bytes, str]:
+def exposition(
+    node: NodeStats,
+    queue_depth: Callable[[], int],
+    accept: str | None,
+    models: Callable[[], list[ModelGauges]] | None = None,
+) -> tuple[bytes, str]:
     """(body, content type) for a scrape: OpenMetrics when ``accept`` asks for it, else the text format.
 
     An ``Accept`` header prometheus_client cannot read (``application/openmetrics-text; version=abc``

@@ -36,8 +36,15 @@ from shared.models import ModelKind, parse_model_spec, resolve_model
 from shared.stats_layout import MODEL_SLOTS as MAX_MODELS  # the model table's rows (shared/segment.py)
 from shared.vocabulary import check_model_id
 
-__all__ = ["MODEL_KEYS", "ModelConfig", "NodeConfigError", "from_flags", "load_node_config", "models_json",
-           "parse_models_json"]
+__all__ = [
+    "MODEL_KEYS",
+    "ModelConfig",
+    "NodeConfigError",
+    "from_flags",
+    "load_node_config",
+    "models_json",
+    "parse_models_json",
+]
 
 
 class NodeConfigError(ValueError):
@@ -67,6 +74,7 @@ class ModelConfig:
     def with_globals(self, args: argparse.Namespace, *, alone: bool = True) -> ModelConfig:
         """This model with every unset key taken from the global flags in ``args``. ``alone``: the only
         model (a global --mm-processor-kwargs then applies to it, and is refused where it cannot)."""
+
         def pick(key: str) -> Any:
             own = getattr(self, key)
             return own if own is not None else getattr(args, key, None)
@@ -102,8 +110,18 @@ _CHECKS: dict[str, tuple[tuple[type, ...], Callable[[str], Any]]] = {
     "arena_share": ((int, float), _fraction),
 }
 MODEL_KEYS = (*_CHECKS, "mm_processor_kwargs")
-_GLOBAL_KEYS = ("workers", "workers_per_gpu", "device", "dtype", "max_batch_size", "max_batch_wait_ms",
-                "batch_policy", "max_in_flight", "queue_depth", "stall_timeout_s")
+_GLOBAL_KEYS = (
+    "workers",
+    "workers_per_gpu",
+    "device",
+    "dtype",
+    "max_batch_size",
+    "max_batch_wait_ms",
+    "batch_policy",
+    "max_in_flight",
+    "queue_depth",
+    "stall_timeout_s",
+)
 
 
 def load_node_config(path: str) -> list[ModelConfig]:
@@ -117,8 +135,10 @@ def load_node_config(path: str) -> list[ModelConfig]:
         raise NodeConfigError(f"{path}: not TOML: {exc}") from None
     unknown = sorted(set(document) - {"models"})
     if unknown:
-        raise NodeConfigError(f"{path}: unknown key {unknown[0]!r}: the file declares [[models]] tables only "
-                              "(the other settings are flags)")
+        raise NodeConfigError(
+            f"{path}: unknown key {unknown[0]!r}: the file declares [[models]] tables only "
+            "(the other settings are flags)"
+        )
     tables = document.get("models")
     if not isinstance(tables, list) or not tables or not all(isinstance(t, dict) for t in tables):
         raise NodeConfigError(f"{path}: declare at least one model as a [[models]] table with a model key")
@@ -129,7 +149,7 @@ def _model_from_table(path: str, index: int, table: dict[str, Any]) -> ModelConf
     spec = table.get("model")
     where = f"{path}: models[{index}]" + (f" ({spec!r})" if isinstance(spec, str) else "")
     if "model" not in table:
-        raise NodeConfigError(f"{where}: model: missing; name what to serve (e.g. model = \"efficientnet-lite0\")")
+        raise NodeConfigError(f'{where}: model: missing; name what to serve (e.g. model = "efficientnet-lite0")')
     values: dict[str, Any] = {}
     for key, raw in table.items():
         if key == "mm_processor_kwargs":
@@ -154,8 +174,10 @@ def from_flags(models: Sequence[str], served_names: Sequence[str]) -> list[Model
     """The models of repeated ``--model`` flags, each ``--served-model-name`` in the same order (one name for
     one model; none: each model's default id). Raises NodeConfigError."""
     if served_names and len(served_names) != len(models):
-        raise NodeConfigError(f"--served-model-name given {len(served_names)} times for {len(models)} --model; "
-                              "give one per --model, in the same order, or use --config")
+        raise NodeConfigError(
+            f"--served-model-name given {len(served_names)} times for {len(models)} --model; "
+            "give one per --model, in the same order, or use --config"
+        )
     names = list(served_names) or [""] * len(models)
     return _checked([ModelConfig(model, served) for model, served in zip(models, names)], source="--model")
 
@@ -176,28 +198,47 @@ def _checked(configs: list[ModelConfig], *, source: str) -> list[ModelConfig]:
             raise NodeConfigError(f"{where}: {key}{exc}") from None
         if public_id in seen:
             key = "" if source == "--model" else "served_model_name: "
-            raise NodeConfigError(f"{where}: {key}the id {public_id!r} is served by models[{seen[public_id]}] "
-                                  "already; give one of them another served_model_name")
+            raise NodeConfigError(
+                f"{where}: {key}the id {public_id!r} is served by models[{seen[public_id]}] "
+                "already; give one of them another served_model_name"
+            )
         seen[public_id] = i
         out.append(replace(config, public_id=public_id))
     shares = sum(c.arena_share or 0.0 for c in out)
     if shares > 1.0 + 1e-9:
-        raise NodeConfigError(f"{source}: arena_share: the models' shares add up to {shares:g}, more than the whole "
-                              "arena (1)")
+        raise NodeConfigError(
+            f"{source}: arena_share: the models' shares add up to {shares:g}, more than the whole arena (1)"
+        )
     return out
 
 
 def models_json(configs: Sequence[ModelConfig]) -> str:
     """What each frontend needs of the models, for its command line (the frontends never read the file)."""
-    return json.dumps([{"model": c.model, "served_model_name": c.served_model_name, "public_id": c.public_id,
-                        "max_in_flight": c.max_in_flight, "arena_share": c.arena_share,
-                        "mm_processor_kwargs": c.mm_processor_kwargs}
-                       for c in configs])
+    return json.dumps(
+        [
+            {
+                "model": c.model,
+                "served_model_name": c.served_model_name,
+                "public_id": c.public_id,
+                "max_in_flight": c.max_in_flight,
+                "arena_share": c.arena_share,
+                "mm_processor_kwargs": c.mm_processor_kwargs,
+            }
+            for c in configs
+        ]
+    )
 
 
 def parse_models_json(text: str) -> list[ModelConfig]:
     """``models_json``'s inverse, in the frontend."""
-    return [ModelConfig(model=d["model"], served_model_name=d["served_model_name"], public_id=d["public_id"],
-                        max_in_flight=d["max_in_flight"], arena_share=d["arena_share"],
-                        mm_processor_kwargs=d["mm_processor_kwargs"])
-            for d in json.loads(text)]
+    return [
+        ModelConfig(
+            model=d["model"],
+            served_model_name=d["served_model_name"],
+            public_id=d["public_id"],
+            max_in_flight=d["max_in_flight"],
+            arena_share=d["arena_share"],
+            mm_processor_kwargs=d["mm_processor_kwargs"],
+        )
+        for d in json.loads(text)
+    ]

@@ -74,8 +74,9 @@ _ERROR = {
 _USAGE = {
     "type": "object",
     "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
-    "properties": {name: {"type": "integer", "minimum": 0}
-                   for name in ("prompt_tokens", "completion_tokens", "total_tokens")},
+    "properties": {
+        name: {"type": "integer", "minimum": 0} for name in ("prompt_tokens", "completion_tokens", "total_tokens")
+    },
 }
 _CHAT_COMPLETION = {
     "type": "object",
@@ -85,16 +86,22 @@ _CHAT_COMPLETION = {
         "object": {"const": "chat.completion"},
         "created": {"type": "integer"},
         "model": {"type": "string"},
-        "choices": {"type": "array", "items": {
-            "type": "object",
-            "required": ["index", "message", "finish_reason"],
-            "properties": {
-                "index": {"type": "integer", "minimum": 0},
-                "message": {"type": "object", "required": ["role", "content"],
-                            "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}}},
-                "finish_reason": {"enum": ["stop", "length"]},
+        "choices": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["index", "message", "finish_reason"],
+                "properties": {
+                    "index": {"type": "integer", "minimum": 0},
+                    "message": {
+                        "type": "object",
+                        "required": ["role", "content"],
+                        "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
+                    },
+                    "finish_reason": {"enum": ["stop", "length"]},
+                },
             },
-        }},
+        },
         "usage": {"$ref": _REF.format(name="Usage")},
     },
 }
@@ -103,11 +110,18 @@ _EMBEDDINGS = {
     "required": ["object", "data", "model", "usage"],
     "properties": {
         "object": {"const": "list"},
-        "data": {"type": "array", "items": {
-            "type": "object", "required": ["object", "index", "embedding"],
-            "properties": {"object": {"const": "embedding"}, "index": {"type": "integer"},
-                           "embedding": {"type": ["array", "string"], "items": {"type": "number"}}},
-        }},
+        "data": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["object", "index", "embedding"],
+                "properties": {
+                    "object": {"const": "embedding"},
+                    "index": {"type": "integer"},
+                    "embedding": {"type": ["array", "string"], "items": {"type": "number"}},
+                },
+            },
+        },
         "model": {"type": "string"},
         "usage": {"type": "object"},
     },
@@ -117,21 +131,39 @@ _MODEL_CARD = {
     "type": "object",
     "required": ["id", "object", "owned_by", "state", "capabilities"],
     "properties": {
-        "id": {"type": "string"}, "object": {"const": "model"}, "owned_by": {"type": "string"},
+        "id": {"type": "string"},
+        "object": {"const": "model"},
+        "owned_by": {"type": "string"},
         "state": {"enum": _MODEL_STATES},
-        "capabilities": {"type": "object", "required": ["chat", "embeddings", "tokenize", "max_model_len"],
-                         "properties": {"chat": {"type": "boolean"}, "embeddings": {"type": "boolean"},
-                                        "tokenize": {"type": "boolean"},
-                                        "max_model_len": {"type": ["integer", "null"]}}},
+        "capabilities": {
+            "type": "object",
+            "required": ["chat", "embeddings", "tokenize", "max_model_len"],
+            "properties": {
+                "chat": {"type": "boolean"},
+                "embeddings": {"type": "boolean"},
+                "tokenize": {"type": "boolean"},
+                "max_model_len": {"type": ["integer", "null"]},
+            },
+        },
     },
 }
-_MODEL_READY = {"type": "object", "required": ["status", "model"],
-                "properties": {"status": {"enum": ["ready", "not ready"]}, "model": {"type": "string"},
-                               "state": {"enum": _MODEL_STATES}}}
+_MODEL_READY = {
+    "type": "object",
+    "required": ["status", "model"],
+    "properties": {
+        "status": {"enum": ["ready", "not ready"]},
+        "model": {"type": "string"},
+        "state": {"enum": _MODEL_STATES},
+    },
+}
 # A served model's id as a path parameter: ids may hold a slash (``org/name``).
-_MODEL_PARAMETER = {"name": "model", "in": "path", "required": True,
-                    "description": "a served model's id (GET /v1/models lists them); it may hold a slash",
-                    "schema": {"type": "string", "minLength": 1}}
+_MODEL_PARAMETER = {
+    "name": "model",
+    "in": "path",
+    "required": True,
+    "description": "a served model's id (GET /v1/models lists them); it may hold a slash",
+    "schema": {"type": "string", "minLength": 1},
+}
 _MODELS = {
     "type": "object",
     "required": ["object", "data"],
@@ -158,27 +190,41 @@ def _errors(statuses: tuple[int, ...]) -> dict[str, Any]:
 
 
 def _post(operation_id: str, request: str, ok: dict[str, Any], summary: str) -> dict[str, Any]:
-    return {"post": {
-        "operationId": operation_id,
-        "summary": summary,
-        "security": _KEY_WHEN_SET,
-        "requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": request}}}},
-        "responses": {"200": ok, **_errors(_POST_BODY + _ANY_ROUTE)},
-    }}
+    return {
+        "post": {
+            "operationId": operation_id,
+            "summary": summary,
+            "security": _KEY_WHEN_SET,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": request}}}},
+            "responses": {"200": ok, **_errors(_POST_BODY + _ANY_ROUTE)},
+        }
+    }
 
 
 def _get(operation_id: str, ok: dict[str, Any], summary: str, *errors: int) -> dict[str, Any]:
     keyed = {"security": _KEY_WHEN_SET} if 401 in errors else {}
-    return {"get": {"operationId": operation_id, "summary": summary, **keyed,
-                    "responses": {"200": ok, **_errors(errors + _ANY_ROUTE)}}}
+    return {
+        "get": {
+            "operationId": operation_id,
+            "summary": summary,
+            **keyed,
+            "responses": {"200": ok, **_errors(errors + _ANY_ROUTE)},
+        }
+    }
 
 
 def _ready() -> dict[str, Any]:
     """``/ready`` answers a probe, not a client: its 503 is ``{"status": "not ready"}``, as its 200 is."""
     path = _get("ready", _json(_STATUS, "every model has a worker serving it"), "readiness", 404)
-    path["get"]["parameters"] = [{"name": "model", "in": "query", "required": False,
-                                  "description": "one model's readiness instead (as /ready/{model})",
-                                  "schema": {"type": "string"}}]
+    path["get"]["parameters"] = [
+        {
+            "name": "model",
+            "in": "query",
+            "required": False,
+            "description": "one model's readiness instead (as /ready/{model})",
+            "schema": {"type": "string"},
+        }
+    ]
     path["get"]["responses"]["503"] = _json(_STATUS, "a model has no worker serving it yet, or draining")
     return path
 
@@ -202,35 +248,60 @@ def _model() -> dict[str, Any]:
 def openapi_document() -> dict[str, Any]:
     """The whole document (OpenAPI 3.1: its schemas are JSON Schema, as msgspec writes them)."""
     (chat, embeddings, tokenize, detokenize), components = msgspec.json.schema_components(
-        [ChatCompletionRequest, EmbeddingRequest, TokenizeRequest, DetokenizeRequest], ref_template=_REF)
+        [ChatCompletionRequest, EmbeddingRequest, TokenizeRequest, DetokenizeRequest], ref_template=_REF
+    )
     components |= {"Error": _ERROR, "Usage": _USAGE, "ChatCompletion": _CHAT_COMPLETION}
-    completion = {"description": "the answer: one JSON object, or server-sent events when stream is true",
-                  "content": {"application/json": {"schema": {"$ref": _REF.format(name="ChatCompletion")}},
-                              "text/event-stream": {"schema": {"type": "string"}}}}
+    completion = {
+        "description": "the answer: one JSON object, or server-sent events when stream is true",
+        "content": {
+            "application/json": {"schema": {"$ref": _REF.format(name="ChatCompletion")}},
+            "text/event-stream": {"schema": {"type": "string"}},
+        },
+    }
     text = {"type": "string"}
     return {
         "openapi": "3.1.0",
-        "info": {"title": "shmgate", "version": "1",
-                 "description": "An OpenAI-compatible gateway for vision models. Every error is an OpenAI "
-                                "error object."},
+        "info": {
+            "title": "shmgate",
+            "version": "1",
+            "description": "An OpenAI-compatible gateway for vision models. Every error is an OpenAI error object.",
+        },
         "paths": {
             "/v1/chat/completions": _post("chat", chat["$ref"], completion, "OpenAI chat completions with images"),
-            "/v1/embeddings": _post("embeddings", embeddings["$ref"], _json(_EMBEDDINGS, "the vectors"),
-                                    "OpenAI embeddings of images (and text, for CLIP-class models)"),
-            "/tokenize": _post("tokenize", tokenize["$ref"], _json(_TOKENS, "the prompt's token ids"),
-                               "vLLM's tokenize: token ids of a chat request, images expanded"),
-            "/detokenize": _post("detokenize", detokenize["$ref"], _json({"type": "object"}, "the text"),
-                                 "vLLM's detokenize"),
+            "/v1/embeddings": _post(
+                "embeddings",
+                embeddings["$ref"],
+                _json(_EMBEDDINGS, "the vectors"),
+                "OpenAI embeddings of images (and text, for CLIP-class models)",
+            ),
+            "/tokenize": _post(
+                "tokenize",
+                tokenize["$ref"],
+                _json(_TOKENS, "the prompt's token ids"),
+                "vLLM's tokenize: token ids of a chat request, images expanded",
+            ),
+            "/detokenize": _post(
+                "detokenize", detokenize["$ref"], _json({"type": "object"}, "the text"), "vLLM's detokenize"
+            ),
             "/v1/models": _get("models", _json(_MODELS, "the served models"), "the served models", 401),
             "/v1/models/{model}": _model(),
             "/health": _get("health", _json(_STATUS, "this process is up"), "liveness"),
             "/ready": _ready(),
             "/ready/{model}": _model_ready(),
-            "/metrics": _get("metrics", {"description": "Prometheus text or OpenMetrics", "content": {
-                "text/plain": {"schema": text}, "application/openmetrics-text": {"schema": text}}},
-                "Prometheus metrics of the whole node", 401),
-            "/docs": _get("docs", {"description": "an HTML page", "content": {"text/html": {"schema": text}}},
-                          f"this document as an interactive page (Swagger UI reading {DOCUMENT_URL})"),
+            "/metrics": _get(
+                "metrics",
+                {
+                    "description": "Prometheus text or OpenMetrics",
+                    "content": {"text/plain": {"schema": text}, "application/openmetrics-text": {"schema": text}},
+                },
+                "Prometheus metrics of the whole node",
+                401,
+            ),
+            "/docs": _get(
+                "docs",
+                {"description": "an HTML page", "content": {"text/html": {"schema": text}}},
+                f"this document as an interactive page (Swagger UI reading {DOCUMENT_URL})",
+            ),
         },
         "components": {"schemas": components, "securitySchemes": {"apiKey": _BEARER}},
     }
@@ -245,7 +316,10 @@ def docs_page() -> HTMLResponse:
     nothing the document does not, and every call made from it ("Try it out") is an ordinary
     request that needs the key like any other.
     """
-    return get_swagger_ui_html(openapi_url=DOCUMENT_URL, title="shmgate API",
-                               swagger_js_url=_SWAGGER_UI + "swagger-ui-bundle.js",
-                               swagger_css_url=_SWAGGER_UI + "swagger-ui.css",
-                               swagger_favicon_url=_SWAGGER_UI + "favicon-32x32.png")
+    return get_swagger_ui_html(
+        openapi_url=DOCUMENT_URL,
+        title="shmgate API",
+        swagger_js_url=_SWAGGER_UI + "swagger-ui-bundle.js",
+        swagger_css_url=_SWAGGER_UI + "swagger-ui.css",
+        swagger_favicon_url=_SWAGGER_UI + "favicon-32x32.png",
+    )

@@ -99,9 +99,19 @@ def cancel_on_hang_up(f: Frontend, states: list[RequestState], receive: Receive 
     return asyncio.get_running_loop().create_task(watch())
 
 
-async def answer(f: Frontend, states: list[RequestState], model: str, started: float, *, stream: bool,
-                 include_usage: bool = False, logprobs: bool = False, keep: KeepAnswer | None = None,
-                 timing_header: bool = False, receive: Receive | None = None) -> Response:
+async def answer(
+    f: Frontend,
+    states: list[RequestState],
+    model: str,
+    started: float,
+    *,
+    stream: bool,
+    include_usage: bool = False,
+    logprobs: bool = False,
+    keep: KeepAnswer | None = None,
+    timing_header: bool = False,
+    receive: Receive | None = None,
+) -> Response:
     """Answer a chat request whose ``states`` (one per choice) are submitted.
 
     ``keep`` stores a one-choice answer in the result cache; ``timing_header`` adds Server-Timing to
@@ -110,8 +120,9 @@ async def answer(f: Frontend, states: list[RequestState], model: str, started: f
     written (from then on Starlette's StreamingResponse listens for the disconnect itself).
     """
     events = ChoiceEvents(f, states)
-    render = _Render(f, states, events, model, started, stream=stream, include_usage=include_usage,
-                     logprobs=logprobs, keep=keep)
+    render = _Render(
+        f, states, events, model, started, stream=stream, include_usage=include_usage, logprobs=logprobs, keep=keep
+    )
     watcher = cancel_on_hang_up(f, states, receive)
     try:
         try:
@@ -144,8 +155,19 @@ def failure_response(f: Frontend, event: Failed) -> Response:
 class _Render:
     """One answer's walk over its choices' events, and what it collected."""
 
-    def __init__(self, f: Frontend, states: list[RequestState], events: ChoiceEvents, model: str, started: float,
-                 *, stream: bool, include_usage: bool, logprobs: bool, keep: KeepAnswer | None) -> None:
+    def __init__(
+        self,
+        f: Frontend,
+        states: list[RequestState],
+        events: ChoiceEvents,
+        model: str,
+        started: float,
+        *,
+        stream: bool,
+        include_usage: bool,
+        logprobs: bool,
+        keep: KeepAnswer | None,
+    ) -> None:
         self.f = f
         self.states = states
         self.events = events
@@ -184,8 +206,9 @@ class _Render:
                         if self.stream:
                             if self.ttft_s is None:
                                 self.ttft_s = time.monotonic() - self.started
-                            yield completion.content_chunk(text, self.entries[index] if self.logprobs else None,
-                                                           index=index)
+                            yield completion.content_chunk(
+                                text, self.entries[index] if self.logprobs else None, index=index
+                            )
                             self.entries[index] = []
                     case Finished(finish_reason=reason):
                         self.finished[index] = event
@@ -227,17 +250,21 @@ class _Render:
         """The whole answer once ``walk`` ended (or the error it ended with)."""
         if self.failed is not None:
             return failure_response(self.f, self.failed)
-        choices = [self.completion.choice(i, "".join(self.texts[i]), self.finished[i].finish_reason,
-                                          self.entries[i] if self.logprobs else None)
-                   for i in range(len(self.states))]
+        choices = [
+            self.completion.choice(
+                i, "".join(self.texts[i]), self.finished[i].finish_reason, self.entries[i] if self.logprobs else None
+            )
+            for i in range(len(self.states))
+        ]
         headers = None
         if timing_header:
             headers = {"Server-Timing": server_timing(self.states[self.last].timing, self.elapsed_s)}
         return JSONResponse(self.completion.completion_of(choices, *self._usage()), headers=headers)
 
 
-def cached_answer(f: Frontend, model: str, stream: bool, include_usage: bool, cached: bytes,
-                  started: float) -> Response:
+def cached_answer(
+    f: Frontend, model: str, stream: bool, include_usage: bool, cached: bytes, started: float
+) -> Response:
     """A result-cache hit, answered as the model would have (one content chunk when streaming)."""
     text, finish_reason, prompt_tokens, completion_tokens = msgspec.msgpack.decode(cached)
     completion = Completion(model)

@@ -218,8 +218,11 @@ class ReplyRouter:
                 if alive is None:
                     alive = verdicts[state.worker] = self.link.worker_alive(*state.worker)
                 if not alive:
-                    await self._retry(state, "lost its worker before any answer",
-                                      failure="the model worker died while serving this request")
+                    await self._retry(
+                        state,
+                        "lost its worker before any answer",
+                        failure="the model worker died while serving this request",
+                    )
                     continue
             if now > state.submit.deadline_ns + (self.grace_ns if state.worker else 0):
                 if state.worker is not None:
@@ -252,8 +255,10 @@ class ReplyRouter:
                 state.taken_at = now
             elif now - state.taken_at > self.taken_unclaimed_s and not state.done and state.worker is None:
                 await self._retry(
-                    state, f"left the queue but no worker claimed it in {self.taken_unclaimed_s:.0f} s",
-                    failure="the model worker that took this request died before claiming it")
+                    state,
+                    f"left the queue but no worker claimed it in {self.taken_unclaimed_s:.0f} s",
+                    failure="the model worker that took this request died before claiming it",
+                )
 
     async def _retry(self, state: RequestState, why: str, *, failure: str) -> None:
         """Send a request whose worker died again, as its next attempt, under a new id; or fail it.
@@ -282,8 +287,7 @@ class ReplyRouter:
         state.to(Phase.QUEUED)
         state.send_seq = 0
         self.stats.add(Counter.RETRIES)
-        log.warning("request %x %s; retrying as %x (attempt %d)", old_id, why, state.request_id,
-                    state.submit.attempt)
+        log.warning("request %x %s; retrying as %x (attempt %d)", old_id, why, state.request_id, state.submit.attempt)
         self.sending(state)
         try:
             await self.link.send_request(state.submit, 5.0)

@@ -87,8 +87,9 @@ class RequestSpans:
     def image_hit(self, index: int) -> None:
         """An image found in this frontend's content cache on the event loop: no decode at all."""
         now = time.time_ns()
-        span = self.tracer.start_span("preprocess image", start_time=now,
-                                      attributes={"shmgate.image.index": index, "shmgate.cache": "hit"})
+        span = self.tracer.start_span(
+            "preprocess image", start_time=now, attributes={"shmgate.image.index": index, "shmgate.cache": "hit"}
+        )
         span.end(end_time=now)
 
     def image_task(self, fn: Callable[..., T], index: int) -> Callable[..., T]:
@@ -101,8 +102,9 @@ class RequestSpans:
 
         @functools.wraps(fn)
         def traced(*args: Any) -> T:
-            with self.tracer.start_as_current_span("preprocess image", context=parent,
-                                                   attributes={"shmgate.image.index": index}):
+            with self.tracer.start_as_current_span(
+                "preprocess image", context=parent, attributes={"shmgate.image.index": index}
+            ):
                 return fn(*args)
 
         return traced
@@ -145,10 +147,17 @@ class RequestTrace:
         """Open the span of a new try of the request; returns the traceparent its Submit carries."""
         self._attempt_started_ns = time.monotonic_ns()
         span = self._spans.tracer.start_span(
-            "attempt", context=self._parent, start_time=epoch_ns(self._attempt_started_ns),
-            attributes={"gen_ai.operation.name": "chat", "gen_ai.request.model": self._model,
-                        "shmgate.request_id": f"{request_id:x}", "shmgate.attempt": attempt,
-                        "shmgate.frontend_slot": self._spans.slot})
+            "attempt",
+            context=self._parent,
+            start_time=epoch_ns(self._attempt_started_ns),
+            attributes={
+                "gen_ai.operation.name": "chat",
+                "gen_ai.request.model": self._model,
+                "shmgate.request_id": f"{request_id:x}",
+                "shmgate.attempt": attempt,
+                "shmgate.frontend_slot": self._spans.slot,
+            },
+        )
         self._attempt = span
         return traceparent_of(span)
 
@@ -159,8 +168,9 @@ class RequestTrace:
             return
         span.set_attribute("shmgate.worker_slot", message.worker_slot)
         if message.claimed_ns >= self._attempt_started_ns > 0:
-            queue = self._spans.tracer.start_span("queue", context=trace.set_span_in_context(span),
-                                                  start_time=epoch_ns(self._attempt_started_ns))
+            queue = self._spans.tracer.start_span(
+                "queue", context=trace.set_span_in_context(span), start_time=epoch_ns(self._attempt_started_ns)
+            )
             queue.end(end_time=epoch_ns(message.claimed_ns))
 
     def retrying(self, why: str) -> None:
@@ -182,9 +192,13 @@ class RequestTrace:
         if span is None:
             return
         if isinstance(message, Finished):
-            span.set_attributes({"gen_ai.usage.input_tokens": message.prompt_tokens,
-                                 "gen_ai.usage.output_tokens": message.completion_tokens,
-                                 "gen_ai.response.finish_reasons": (message.finish_reason,)})
+            span.set_attributes(
+                {
+                    "gen_ai.usage.input_tokens": message.prompt_tokens,
+                    "gen_ai.usage.output_tokens": message.completion_tokens,
+                    "gen_ai.response.finish_reasons": (message.finish_reason,),
+                }
+            )
             self._end(StatusCode.UNSET, None)
         elif isinstance(message, Failed):
             span.set_attribute("error.type", message.code)
@@ -230,14 +244,24 @@ class TracingMiddleware:
         if scope["type"] != "http" or not scope["path"].startswith(TRACED_PATH_PREFIX):
             await self.app(scope, receive, send)
             return
-        carrier = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]
-                   if k in (b"traceparent", b"tracestate")}
+        carrier = {
+            k.decode("latin-1"): v.decode("latin-1")
+            for k, v in scope["headers"]
+            if k in (b"traceparent", b"tracestate")
+        }
         parent = PROPAGATOR.extract(carrier) if carrier else None
         method, path = scope["method"], scope["path"]
         span = self.spans.tracer.start_span(
-            f"{method} {path}", context=parent, kind=SpanKind.SERVER,
-            attributes={"http.request.method": method, "url.path": path, "http.route": path,
-                        "shmgate.frontend_slot": self.spans.slot})
+            f"{method} {path}",
+            context=parent,
+            kind=SpanKind.SERVER,
+            attributes={
+                "http.request.method": method,
+                "url.path": path,
+                "http.route": path,
+                "shmgate.frontend_slot": self.spans.slot,
+            },
+        )
         token = otel_context.attach(trace.set_span_in_context(span, parent))
 
         async def send_traced(message: Message) -> None:

@@ -62,8 +62,7 @@ class Served:
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                                 self.options.api_key.encode()):
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.options.api_key.encode()):
             raise Unauthorized("missing or invalid API key; send 'Authorization: Bearer <key>'")
 
 

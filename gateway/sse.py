@@ -65,12 +65,19 @@ class Completion:
     def done() -> bytes:
         return b"data: [DONE]\n\n"
 
-    def completion(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,
-                   logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    def completion(
+        self,
+        text: str,
+        finish_reason: str,
+        prompt_tokens: int,
+        completion_tokens: int,
+        logprobs: list[dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
         return self.completion_of([self.choice(0, text, finish_reason, logprobs)], prompt_tokens, completion_tokens)
 
-    def completion_of(self, choices: list[dict[str, Any]], prompt_tokens: int,
-                      completion_tokens: int) -> dict[str, Any]:
+    def completion_of(
+        self, choices: list[dict[str, Any]], prompt_tokens: int, completion_tokens: int
+    ) -> dict[str, Any]:
         """The ``chat.completion`` body with these ``choices`` (each from ``choice``)."""
         return {
             "id": self.id,
@@ -82,11 +89,15 @@ class Completion:
         }
 
     @staticmethod
-    def choice(index: int, text: str, finish_reason: str,
-               logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    def choice(
+        index: int, text: str, finish_reason: str, logprobs: list[dict[str, Any]] | None = None
+    ) -> dict[str, Any]:
         """One whole answer of a ``chat.completion``; ``logprobs`` only when the request asked for them."""
-        choice: dict[str, Any] = {"index": index, "message": {"role": "assistant", "content": text},
-                                  "finish_reason": finish_reason}
+        choice: dict[str, Any] = {
+            "index": index,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": finish_reason,
+        }
         if logprobs is not None:
             choice["logprobs"] = {"content": logprobs}
         return choice

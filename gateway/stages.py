@@ -28,8 +28,17 @@ from shared.stats_layout import STAGE_BUCKETS_S, STAGE_COUNT, STAGE_SUM_US, stag
 from shared.vocabulary import now_ns
 from shared.wire import Claimed, Finished
 
-__all__ = ["METRIC", "STAGE_BUCKETS_S", "RequestTiming", "StageRecorder", "parse_server_timing",
-           "parse_stage_histograms", "server_timing", "stage_breakdown", "stage_histogram"]
+__all__ = [
+    "METRIC",
+    "STAGE_BUCKETS_S",
+    "RequestTiming",
+    "StageRecorder",
+    "parse_server_timing",
+    "parse_stage_histograms",
+    "server_timing",
+    "stage_breakdown",
+    "stage_histogram",
+]
 
 METRIC = "shmgate_stage_duration_seconds"
 
@@ -121,8 +130,9 @@ def parse_server_timing(value: str) -> dict[str, float]:
 
 def stage_histogram(total: np.ndarray) -> HistogramMetricFamily:
     """The stage histograms for /metrics' collector (``total``: the summed stats rows)."""
-    family = HistogramMetricFamily(METRIC, "Time requests spent in each stage of serving (see shared/stages.py).",
-                                   labels=["stage"])
+    family = HistogramMetricFamily(
+        METRIC, "Time requests spent in each stage of serving (see shared/stages.py).", labels=["stage"]
+    )
     for stage in Stage:
         base = stage_base(stage)
         cumulative = 0
@@ -136,8 +146,9 @@ def stage_histogram(total: np.ndarray) -> HistogramMetricFamily:
     return family
 
 
-def _with_exemplars(stage: Stage, points: list[tuple[str, float]],
-                    exemplars: dict[tuple[Stage, int], tuple[str, float, float]]) -> list[Any]:
+def _with_exemplars(
+    stage: Stage, points: list[tuple[str, float]], exemplars: dict[tuple[Stage, int], tuple[str, float, float]]
+) -> list[Any]:
     """Each bucket with the last traced request this frontend counted in it (OpenMetrics shows them).
 
     The counts are the whole node's, the exemplars only this frontend's: an exemplar is a sample that
@@ -217,7 +228,13 @@ def stage_breakdown(before: str, after: str) -> list[dict[str, Any]]:
             continue
         total_s = second[name]["sum"] - old["sum"]
         p50, p99 = _quantile(buckets, 0.5), _quantile(buckets, 0.99)
-        rows.append({"stage": name, "count": count, "mean_ms": round(total_s / count * 1000, 3),
-                     "p50_ms": None if p50 is None else round(p50 * 1000, 3),
-                     "p99_ms": None if p99 is None else round(p99 * 1000, 3)})
+        rows.append(
+            {
+                "stage": name,
+                "count": count,
+                "mean_ms": round(total_s / count * 1000, 3),
+                "p50_ms": None if p50 is None else round(p50 * 1000, 3),
+                "p99_ms": None if p99 is None else round(p99 * 1000, 3),
+            }
+        )
     return rows

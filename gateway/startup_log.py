@@ -64,7 +64,7 @@ def summary_lines(s: Summary, shm_free: int | None) -> list[str]:
     free = f"{format_bytes(shm_free)} free" if shm_free is not None else "free space unknown"
     return [
         f"shmgate {s.version}: instance {s.instance_id} (label {s.label!r}) starting",
-        f"  model     {s.model_spec}: clients send \"model\": \"{s.model_id}\"",
+        f'  model     {s.model_spec}: clients send "model": "{s.model_id}"',
         f"  processes {plural(s.n_frontends, 'frontend')}, {s.workers}; dtype {s.dtype}",
         f"  arena     {format_bytes(s.arena_bytes)} in {SHM_DIR} ({free} before it)",
         f"  auth      {'on: clients send Authorization: Bearer <key>' if s.auth else 'off (no API key set)'}",
@@ -84,9 +84,19 @@ class _Snapshot:
 class ServingLog:
     """The supervisor's running log: "listening", "ready in", and the periodic statistics line."""
 
-    def __init__(self, *, node: NodeStats, frontend_alive: Callable[[int], bool], worker_ready: Callable[[], bool],
-                 n_frontends: int, queue_depth: Callable[[], int], instance_id: str, url: str, started_at: float,
-                 stats_interval_s: float) -> None:
+    def __init__(
+        self,
+        *,
+        node: NodeStats,
+        frontend_alive: Callable[[int], bool],
+        worker_ready: Callable[[], bool],
+        n_frontends: int,
+        queue_depth: Callable[[], int],
+        instance_id: str,
+        url: str,
+        started_at: float,
+        stats_interval_s: float,
+    ) -> None:
         """``worker_ready``: a worker serves the model (the frontends' /ready condition, while not
         draining); ``started_at``: ``time.monotonic()`` when the command began; ``stats_interval_s``
         0: no statistics line."""
@@ -107,8 +117,9 @@ class ServingLog:
         now = time.monotonic()
         if not self.listening and all(self.frontend_alive(k) for k in range(self.n_frontends)):
             self.listening = True
-            log.info("instance %s listening on %s with %s", self.instance_id, self.url,
-                     plural(self.n_frontends, "frontend"))
+            log.info(
+                "instance %s listening on %s with %s", self.instance_id, self.url, plural(self.n_frontends, "frontend")
+            )
         if self.listening and not self.ready and self.worker_ready():
             self.ready = True
             log.info("ready in %.1f s: %s/v1 is serving", now - self.started_at, self.url)
@@ -118,8 +129,10 @@ class ServingLog:
     def _snapshot(self, now: float) -> _Snapshot:
         total = self.node.frontend_totals()
         ok = int(total[Counter.REQUESTS_OK])
-        errors = sum(int(total[c]) for c in (Counter.REQUESTS_CLIENT_ERROR, Counter.REQUESTS_SERVER_ERROR,
-                                             Counter.REQUESTS_OVERLOADED))
+        errors = sum(
+            int(total[c])
+            for c in (Counter.REQUESTS_CLIENT_ERROR, Counter.REQUESTS_SERVER_ERROR, Counter.REQUESTS_OVERLOADED)
+        )
         return _Snapshot(now, ok, errors, ok + errors + int(total[Counter.CANCELLED]))
 
     def _stats(self, now: float) -> None:
@@ -133,8 +146,16 @@ class ServingLog:
         total = self.node.frontend_totals()
         used = int(total[Counter.ARENA_USED_BYTES])
         size = int(total[Counter.ARENA_SIZE_BYTES])
-        log.info("stats: %.1f req/s, %d ok, %d errors in the last %g s; %d in flight, %d queued, "
-                 "arena %s of %s used, %s ready",
-                 (current.total - last.total) / (now - last.at), current.ok - last.ok, current.errors - last.errors,
-                 round(now - last.at, 1), int(total[Counter.IN_FLIGHT]), self.queue_depth(), format_bytes(used),
-                 format_bytes(size), plural(self.node.live_workers(), "worker"))
+        log.info(
+            "stats: %.1f req/s, %d ok, %d errors in the last %g s; %d in flight, %d queued, "
+            "arena %s of %s used, %s ready",
+            (current.total - last.total) / (now - last.at),
+            current.ok - last.ok,
+            current.errors - last.errors,
+            round(now - last.at, 1),
+            int(total[Counter.IN_FLIGHT]),
+            self.queue_depth(),
+            format_bytes(used),
+            format_bytes(size),
+            plural(self.node.live_workers(), "worker"),
+        )

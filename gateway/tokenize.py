@@ -72,8 +72,13 @@ def _tokenizing(preprocessor_for: Callable[[str], Preprocessor], model: str) -> 
     return preprocessor
 
 
-async def tokenize(preprocessor_for: Callable[[str], Preprocessor], body: bytes, limits: IntakeLimits, policy: FetchPolicy,
-                   max_pixels: int) -> dict[str, Any]:
+async def tokenize(
+    preprocessor_for: Callable[[str], Preprocessor],
+    body: bytes,
+    limits: IntakeLimits,
+    policy: FetchPolicy,
+    max_pixels: int,
+) -> dict[str, Any]:
     """The ``/tokenize`` answer for ``body``. Raises ShmgateError subclasses (400s naming the field)."""
     req = decode_body(_tokenize_decoder, body)
     pre = _tokenizing(preprocessor_for, req.model)
@@ -84,8 +89,10 @@ async def tokenize(preprocessor_for: Callable[[str], Preprocessor], body: bytes,
             raise InvalidRequest(f"the prompt is longer than {limits.max_text_chars} characters", param="prompt")
         tokens = await asyncio.to_thread(pre.text_token_ids, req.prompt)
     else:
-        chat = chat_request_from(ChatCompletionRequest(model=req.model, messages=req.messages,
-                                                       mm_processor_kwargs=req.mm_processor_kwargs), limits)
+        chat = chat_request_from(
+            ChatCompletionRequest(model=req.model, messages=req.messages, mm_processor_kwargs=req.mm_processor_kwargs),
+            limits,
+        )
         chat = with_image_options(chat, pre)
         if chat.pending_urls:
             chat = await fetch_pending(chat, policy)

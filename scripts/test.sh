@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Set up (first run), run the static checks (ruff, mypy; configured in pyproject.toml), then the test
-# suite in two phases, each printing its 25 slowest tests:
+# Set up (first run), run the static checks (ruff check, ruff format --check, mypy; configured in
+# pyproject.toml), then the test suite in two phases, each printing its 25 slowest tests:
 #   1. every test not marked `serial`, two processes side by side (pytest-xdist, `--dist loadfile`: a
 #      file's tests stay in one process, so its module-scoped servers start once; files are handed out
 #      longest first, the order tests/conftest.py LONGEST_FIRST gives them);
@@ -15,6 +15,7 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh test,hf
 if [ "${SHMGATE_SKIP_LINT:-0}" != 1 ]; then
   .venv/bin/ruff check .
+  .venv/bin/ruff format --check .
   .venv/bin/mypy
 fi
 

@@ -106,8 +106,7 @@ class ContentCache:
 
     # -- the one entry point ----------------------------------------------------
 
-    def acquire(self, key: bytes, make: Callable[[AllocateFn], None], *,
-                owner: int = -1) -> tuple[TensorGroup, str]:
+    def acquire(self, key: bytes, make: Callable[[AllocateFn], None], *, owner: int = -1) -> tuple[TensorGroup, str]:
         """A held group for ``key``: ("hit" | "remote" | "miss"). ``make`` runs on a miss.
 
         ``owner``: the model-table row placing it, for the arena shares (-1: none).
@@ -177,8 +176,16 @@ class ContentCache:
             nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPE_ITEMSIZE[dtype]
             allocation = self._allocate(nbytes, owner)
             group.allocations.append(allocation)
-            group.refs.append(TensorRef(offset=allocation.offset, nbytes=nbytes, generation=allocation.generation,
-                                        dtype=dtype, shape=tuple(shape), name=name))
+            group.refs.append(
+                TensorRef(
+                    offset=allocation.offset,
+                    nbytes=nbytes,
+                    generation=allocation.generation,
+                    dtype=dtype,
+                    shape=tuple(shape),
+                    name=name,
+                )
+            )
             return self.partition.array(allocation, dtype, tuple(shape))
 
         try:
@@ -230,8 +237,14 @@ class ContentCache:
                 out = self.partition.array(allocation, "uint8", (ref.nbytes,))
                 read_tensor(self.partition.segment, ref, out)
                 group.refs.append(
-                    TensorRef(offset=allocation.offset, nbytes=ref.nbytes, generation=allocation.generation,
-                              dtype=ref.dtype, shape=ref.shape, name=ref.name)
+                    TensorRef(
+                        offset=allocation.offset,
+                        nbytes=ref.nbytes,
+                        generation=allocation.generation,
+                        dtype=ref.dtype,
+                        shape=ref.shape,
+                        name=ref.name,
+                    )
                 )
         except DescriptorError:
             self._free_group(group)  # the owner evicted it meanwhile: decode instead

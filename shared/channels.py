@@ -348,8 +348,12 @@ class AsyncSender:
             if time.monotonic() >= deadline:
                 if wchan != "0":  # asleep elsewhere for a whole second: a kernel that names the wait otherwise?
                     _wchan_visible = False
-                    log.warning("sender thread %d waits in %r, not a message queue; sends wait in order "
-                                "without checking from now on", ahead.tid, wchan)
+                    log.warning(
+                        "sender thread %d waits in %r, not a message queue; sends wait in order "
+                        "without checking from now on",
+                        ahead.tid,
+                        wchan,
+                    )
                 return
             time.sleep(0.0002)
 
@@ -370,6 +374,7 @@ class AsyncSender:
     @staticmethod
     def _finish(job: _Send, error: BaseException | None) -> None:
         """Hand a send's outcome to its event loop (gone already when the frontend is shutting down)."""
+
         def resolve() -> None:
             if job.future.done():
                 return

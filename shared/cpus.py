@@ -77,7 +77,9 @@ def _has_cpu_files(directory: Path) -> bool:
     return (directory / "cpu.max").exists() or (directory / "cpu.cfs_quota_us").exists()
 
 
-def cgroup_cpu_limit(root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Path("/proc/self/cgroup")) -> float | None:
+def cgroup_cpu_limit(
+    root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Path("/proc/self/cgroup")
+) -> float | None:
     """The CPU limit of this process's cgroup in CPUs (e.g. 1.5), or None when unlimited or unknown.
 
     The first directory that has the controller's files decides; a nested cgroup's parents

@@ -284,11 +284,29 @@ class Overloaded(ShmgateError):
 _BY_CODE: dict[str, type[ShmgateError]] = {
     cls.code: cls
     for cls in (
-        ShmgateError, TransportError, ArenaFull, ChannelFull, PeerDied, RequestTimeout, SetupError,
-        DescriptorError, InvalidRequest, UnknownModel, TooManyImages, ImageTooLarge, RequestTooLarge,
-        UndecodableImage, InvalidImageURL, ImageURLForbidden, ImageURLTimeout, Unauthorized,
-        UnsupportedMediaType, HostNotAllowed,
-        ModelError, Cancelled, Overloaded,
+        ShmgateError,
+        TransportError,
+        ArenaFull,
+        ChannelFull,
+        PeerDied,
+        RequestTimeout,
+        SetupError,
+        DescriptorError,
+        InvalidRequest,
+        UnknownModel,
+        TooManyImages,
+        ImageTooLarge,
+        RequestTooLarge,
+        UndecodableImage,
+        InvalidImageURL,
+        ImageURLForbidden,
+        ImageURLTimeout,
+        Unauthorized,
+        UnsupportedMediaType,
+        HostNotAllowed,
+        ModelError,
+        Cancelled,
+        Overloaded,
     )
 }
 

@@ -17,8 +17,22 @@ from typing import TypeVar
 from shared.models import parse_model_spec
 from shared.names import parse_size
 
-__all__ = ["AUTO", "LOG_LEVELS", "auto_count", "choice", "device", "flag_bool", "log_level", "model_spec",
-           "non_negative_float", "non_negative_int", "port", "positive_float", "positive_int", "size"]
+__all__ = [
+    "AUTO",
+    "LOG_LEVELS",
+    "auto_count",
+    "choice",
+    "device",
+    "flag_bool",
+    "log_level",
+    "model_spec",
+    "non_negative_float",
+    "non_negative_int",
+    "port",
+    "positive_float",
+    "positive_int",
+    "size",
+]
 
 AUTO = 0  # what auto_count returns for "auto": the caller picks the count
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -140,8 +154,9 @@ def model_spec(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
     if spec.directory is not None:
         if not os.path.isdir(spec.directory):
-            raise argparse.ArgumentTypeError(f"{spec.directory}: no such directory (an hf: model is a local "
-                                             "checkpoint directory; download it first)")
+            raise argparse.ArgumentTypeError(
+                f"{spec.directory}: no such directory (an hf: model is a local checkpoint directory; download it first)"
+            )
         if not os.path.isfile(os.path.join(spec.directory, "config.json")):
             raise argparse.ArgumentTypeError(f"{spec.directory}: not a Hugging Face checkpoint (no config.json)")
     return text

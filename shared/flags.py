@@ -27,8 +27,18 @@ from typing import Any, NoReturn
 
 from shared import flag_types
 
-__all__ = ["BATCH_POLICIES", "DTYPES", "EnvValue", "ShmgateParser", "add_batching_flags", "add_flag", "env",
-           "forward", "origin", "version"]
+__all__ = [
+    "BATCH_POLICIES",
+    "DTYPES",
+    "EnvValue",
+    "ShmgateParser",
+    "add_batching_flags",
+    "add_flag",
+    "env",
+    "forward",
+    "origin",
+    "version",
+]
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 BATCH_POLICIES = ("fcfs", "held")  # worker/batcher.py: what a worker takes while its model is busy
@@ -103,8 +113,13 @@ class OnOff(argparse.Action):
         kwargs.pop("nargs", None)
         super().__init__(option_strings, dest, nargs=0, **kwargs)
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
-                 option_string: str | None = None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
         setattr(namespace, self.dest, True)
 
 
@@ -150,8 +165,11 @@ class ShmgateParser(argparse.ArgumentParser):
     in a terminal and in a container log.
     """
 
-    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
-                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+    def parse_known_args(  # type: ignore[override]
+        self,
+        args: Sequence[str] | None = None,
+        namespace: argparse.Namespace | None = None,
+    ) -> tuple[argparse.Namespace, list[str]]:
         try:
             return super().parse_known_args(args, namespace)
         except EnvValueError as exc:
@@ -163,20 +181,46 @@ class ShmgateParser(argparse.ArgumentParser):
 
 def add_batching_flags(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """The worker's batching and model flags, the same in ``serve`` and in ``worker``."""
-    add_flag(p, "--max-batch-size", "requests per batch; 0: the model's choice (one forward pass for the "
-             "classifier on CPU, 2 per torch thread; 8 on CUDA and for other models)",
-             default="0", type=flag_types.non_negative_int)
-    add_flag(p, "--max-batch-wait-ms", "how long a worker waits for a batch to fill once it has a request",
-             default="5", type=flag_types.non_negative_float)
-    add_flag(p, "--batch-policy", "held: a busy worker's next batch gathers while the model runs; fcfs: a "
-             "busy worker takes nothing, requests wait in the shared queue for the first free worker "
-             "(worker/batcher.py, docs/TUNING.md)",
-             default="held", type=flag_types.choice(*BATCH_POLICIES), metavar="{" + ",".join(BATCH_POLICIES) + "}")
-    add_flag(p, "--dtype", "weights of hf: models (auto: bfloat16 on CUDA, float32 on CPU)",
-             default="auto", type=flag_types.choice(*DTYPES), metavar="{" + ",".join(DTYPES) + "}")
-    add_flag(p, "--compile-normalise", "efficientnet: compile the input normalisation into one kernel (needs a "
-             "C compiler; set TORCHINDUCTOR_CACHE_DIR to a persistent directory; see docs/ARCHITECTURE.md)",
-             on_off=True)
+    add_flag(
+        p,
+        "--max-batch-size",
+        "requests per batch; 0: the model's choice (one forward pass for the "
+        "classifier on CPU, 2 per torch thread; 8 on CUDA and for other models)",
+        default="0",
+        type=flag_types.non_negative_int,
+    )
+    add_flag(
+        p,
+        "--max-batch-wait-ms",
+        "how long a worker waits for a batch to fill once it has a request",
+        default="5",
+        type=flag_types.non_negative_float,
+    )
+    add_flag(
+        p,
+        "--batch-policy",
+        "held: a busy worker's next batch gathers while the model runs; fcfs: a "
+        "busy worker takes nothing, requests wait in the shared queue for the first free worker "
+        "(worker/batcher.py, docs/TUNING.md)",
+        default="held",
+        type=flag_types.choice(*BATCH_POLICIES),
+        metavar="{" + ",".join(BATCH_POLICIES) + "}",
+    )
+    add_flag(
+        p,
+        "--dtype",
+        "weights of hf: models (auto: bfloat16 on CUDA, float32 on CPU)",
+        default="auto",
+        type=flag_types.choice(*DTYPES),
+        metavar="{" + ",".join(DTYPES) + "}",
+    )
+    add_flag(
+        p,
+        "--compile-normalise",
+        "efficientnet: compile the input normalisation into one kernel (needs a "
+        "C compiler; set TORCHINDUCTOR_CACHE_DIR to a persistent directory; see docs/ARCHITECTURE.md)",
+        on_off=True,
+    )
 
 
 def forward(
@@ -203,4 +247,3 @@ def forward(
         else:
             argv += [flag, str(value)]
     return argv
-

@@ -64,20 +64,30 @@ _QWEN = ("Qwen2VLImageProcessor",)  # the three Qwen generations share Qwen2-VL'
 _TILES = ("Idefics3ImageProcessor", "SmolVLMImageProcessor")  # SmolVLM's is Idefics3's under its own name
 
 # The order is the one start-up errors and docs/MODELS.md list.
-HF_FAMILIES: dict[str, HFFamily] = {family.model_type: family for family in (
-    HFFamily("qwen2_vl", "Qwen2-VL", _QWEN, PromptStyle.MERGED_PATCHES, InputStyle.MROPE),
-    HFFamily("qwen2_5_vl", "Qwen2.5-VL", _QWEN, PromptStyle.MERGED_PATCHES, InputStyle.MROPE),
-    HFFamily("qwen3_vl", "Qwen3-VL", _QWEN, PromptStyle.MERGED_PATCHES, InputStyle.MROPE),
-    HFFamily("llava", "LLaVA-1.5", ("CLIPImageProcessor",), PromptStyle.CLIP_PATCHES, InputStyle.FIXED_SIZE),
-    HFFamily("idefics3", "Idefics3, SmolVLM", _TILES, PromptStyle.TILES, InputStyle.TILED),
-    HFFamily("llava_next", "LLaVA-NeXT", ("LlavaNextImageProcessor",), PromptStyle.COUNTED,
-             InputStyle.ANY_RESOLUTION),
-    HFFamily("gemma3", "Gemma 3", ("Gemma3ImageProcessor",), PromptStyle.WRAPPED, InputStyle.TOKEN_TYPES),
-    HFFamily("paligemma", "PaliGemma", ("SiglipImageProcessor",), PromptStyle.SIGLIP_PATCHES, InputStyle.PREFIX_LM,
-             prefix_lm_prompt=True),
-    HFFamily("internvl", "InternVL", ("GotOcr2ImageProcessor",), PromptStyle.CROPS, InputStyle.CROPS),
-    HFFamily("smolvlm", "SmolVLM2", _TILES, PromptStyle.TILES, InputStyle.TILED),
-)}
+HF_FAMILIES: dict[str, HFFamily] = {
+    family.model_type: family
+    for family in (
+        HFFamily("qwen2_vl", "Qwen2-VL", _QWEN, PromptStyle.MERGED_PATCHES, InputStyle.MROPE),
+        HFFamily("qwen2_5_vl", "Qwen2.5-VL", _QWEN, PromptStyle.MERGED_PATCHES, InputStyle.MROPE),
+        HFFamily("qwen3_vl", "Qwen3-VL", _QWEN, PromptStyle.MERGED_PATCHES, InputStyle.MROPE),
+        HFFamily("llava", "LLaVA-1.5", ("CLIPImageProcessor",), PromptStyle.CLIP_PATCHES, InputStyle.FIXED_SIZE),
+        HFFamily("idefics3", "Idefics3, SmolVLM", _TILES, PromptStyle.TILES, InputStyle.TILED),
+        HFFamily(
+            "llava_next", "LLaVA-NeXT", ("LlavaNextImageProcessor",), PromptStyle.COUNTED, InputStyle.ANY_RESOLUTION
+        ),
+        HFFamily("gemma3", "Gemma 3", ("Gemma3ImageProcessor",), PromptStyle.WRAPPED, InputStyle.TOKEN_TYPES),
+        HFFamily(
+            "paligemma",
+            "PaliGemma",
+            ("SiglipImageProcessor",),
+            PromptStyle.SIGLIP_PATCHES,
+            InputStyle.PREFIX_LM,
+            prefix_lm_prompt=True,
+        ),
+        HFFamily("internvl", "InternVL", ("GotOcr2ImageProcessor",), PromptStyle.CROPS, InputStyle.CROPS),
+        HFFamily("smolvlm", "SmolVLM2", _TILES, PromptStyle.TILES, InputStyle.TILED),
+    )
+}
 
 
 def chat_family(directory: str) -> HFFamily:
@@ -93,5 +103,7 @@ def chat_family(directory: str) -> HFFamily:
 
 def unsupported_model_type(directory: str, model_type: str) -> str:
     """The start-up error for a checkpoint whose architecture hf: chat does not serve."""
-    return (f"{directory}: model_type {model_type!r} is not supported for chat; supported: "
-            f"{', '.join(HF_FAMILIES)} (docs/MODELS.md lists the families)")
+    return (
+        f"{directory}: model_type {model_type!r} is not supported for chat; supported: "
+        f"{', '.join(HF_FAMILIES)} (docs/MODELS.md lists the families)"
+    )

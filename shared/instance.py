@@ -46,8 +46,17 @@ from shared.wire import (
 )
 
 # DEAD_AFTER_S is the seam's word (shared/vocabulary.py), importable from here too for the tests.
-__all__ = ["DEAD_AFTER_S", "Instance", "LiveInstance", "ModelQueue", "cleanup_leftovers", "find_instance", "instance_alive",
-           "instance_objects", "live_instances"]
+__all__ = [
+    "DEAD_AFTER_S",
+    "Instance",
+    "LiveInstance",
+    "ModelQueue",
+    "cleanup_leftovers",
+    "find_instance",
+    "instance_alive",
+    "instance_objects",
+    "live_instances",
+]
 
 log = logging.getLogger("shmgate.instance")
 
@@ -226,16 +235,20 @@ def _pid_exists(pid: int) -> bool:
     return True
 
 
-def queue_specs(n_frontends: int, n_workers: int, queue_depth: int | Sequence[int],
-                models: Sequence[str] = ()) -> list[QueueSpec]:
+def queue_specs(
+    n_frontends: int, n_workers: int, queue_depth: int | Sequence[int], models: Sequence[str] = ()
+) -> list[QueueSpec]:
     """The message queues of an instance, as the budget planner sees them (shared/mq_budget.py).
 
     ``queue_depth``: one depth, or one per model (each model's own request queue, role
     ``request <model>`` so the log line says how the budget was split between them).
     """
     depths = [queue_depth] if isinstance(queue_depth, int) else list(queue_depth)
-    roles = ["request"] if len(depths) == 1 else [f"request {m or i}" for i, m in
-                                                 enumerate(list(models) or [""] * len(depths))]
+    roles = (
+        ["request"]
+        if len(depths) == 1
+        else [f"request {m or i}" for i, m in enumerate(list(models) or [""] * len(depths))]
+    )
     reply_depth = max(depths)
     return [
         *(QueueSpec(role, 1, MAX_MESSAGE_BYTES, depth, min_depth=min(depth, 4)) for role, depth in zip(roles, depths)),
@@ -244,8 +257,9 @@ def queue_specs(n_frontends: int, n_workers: int, queue_depth: int | Sequence[in
     ]
 
 
-def _create_queues(names: InstanceNames, n_frontends: int, n_workers: int, queue_depths: Sequence[int],
-                   models: Sequence[str] = ()) -> None:
+def _create_queues(
+    names: InstanceNames, n_frontends: int, n_workers: int, queue_depths: Sequence[int], models: Sequence[str] = ()
+) -> None:
     """Create every queue of the instance, as deep as the message-queue memory this uid has allows.
 
     The plan starts from RLIMIT_MSGQUEUE; other queues of the same uid (another instance, another
@@ -254,7 +268,7 @@ def _create_queues(names: InstanceNames, n_frontends: int, n_workers: int, queue
     Several models split the budget: each model's request queue is a role of its own in the plan.
     """
     specs = queue_specs(n_frontends, n_workers, queue_depths, models)
-    request_specs = specs[:len(queue_depths)]
+    request_specs = specs[: len(queue_depths)]
     budget = message_queue_budget()
     system_depth = system_queue_depth()
     while True:
@@ -262,14 +276,19 @@ def _create_queues(names: InstanceNames, n_frontends: int, n_workers: int, queue
         created: list[Queue] = []
         try:
             for i, spec in enumerate(request_specs):
-                created.append(create_queue(names.model_request_queue(i), worker_decoder, plan.depths[spec.role],
-                                            MAX_MESSAGE_BYTES))
+                created.append(
+                    create_queue(
+                        names.model_request_queue(i), worker_decoder, plan.depths[spec.role], MAX_MESSAGE_BYTES
+                    )
+                )
             for k in range(n_frontends):
-                created.append(create_queue(names.reply_queue(k), gateway_decoder, plan.depths["reply"],
-                                            REPLY_MESSAGE_BYTES))
+                created.append(
+                    create_queue(names.reply_queue(k), gateway_decoder, plan.depths["reply"], REPLY_MESSAGE_BYTES)
+                )
             for w in range(n_workers):
-                created.append(create_queue(names.control_queue(w), worker_decoder, plan.depths["control"],
-                                            CONTROL_MESSAGE_BYTES))
+                created.append(
+                    create_queue(names.control_queue(w), worker_decoder, plan.depths["control"], CONTROL_MESSAGE_BYTES)
+                )
         except SetupError as exc:
             for q in created:
                 q.close()
@@ -277,8 +296,9 @@ def _create_queues(names: InstanceNames, n_frontends: int, n_workers: int, queue
             if not isinstance(exc.__cause__, OSError):  # EMFILE (budget) is an OSError; a name clash is not
                 raise
             budget = plan.total_bytes * 3 // 4  # part of the budget is in use elsewhere: ask for less
-            log.warning("could not create the message queues within %s bytes; trying smaller ones",
-                        f"{plan.total_bytes:,}")
+            log.warning(
+                "could not create the message queues within %s bytes; trying smaller ones", f"{plan.total_bytes:,}"
+            )
             continue
         for q in created:
             q.close()
@@ -311,8 +331,13 @@ def instance_alive(segment: Segment, dead_after_s: float = DEAD_AFTER_S) -> bool
 
 def _supervisor_alive(segment: Segment, dead_after_s: float) -> bool:
     h = segment.header[0]
-    return _alive(int(h["state"]), int(h["supervisor_pid"]), int(h["supervisor_pidns"]),
-                  int(h["supervisor_beat_ns"]), dead_after_s)
+    return _alive(
+        int(h["state"]),
+        int(h["supervisor_pid"]),
+        int(h["supervisor_pidns"]),
+        int(h["supervisor_beat_ns"]),
+        dead_after_s,
+    )
 
 
 def _alive(state: int, pid: int, pidns: int, beat_ns: int, dead_after_s: float) -> bool:
@@ -362,7 +387,9 @@ class LiveInstance:
     instance_id: str
     label: str
     supervisor_pid: int
-    model: str  # '' when the gateway did not record it, or the instance is of another layout version; several: comma list
+    model: (
+        str  # '' when the gateway did not record it, or the instance is of another layout version; several: comma list
+    )
 
 
 def live_instances(dead_after_s: float = DEAD_AFTER_S) -> list[LiveInstance]:

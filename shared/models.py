@@ -19,8 +19,16 @@ from dataclasses import dataclass
 
 from shared.embedding_models import embedding_model_type
 
-__all__ = ["KNOWN_SPECS", "ModelKind", "ModelSpec", "check_checkpoint_dir", "missing_dependency", "model_id_for",
-           "parse_model_spec", "resolve_model"]
+__all__ = [
+    "KNOWN_SPECS",
+    "ModelKind",
+    "ModelSpec",
+    "check_checkpoint_dir",
+    "missing_dependency",
+    "model_id_for",
+    "parse_model_spec",
+    "resolve_model",
+]
 
 KNOWN_SPECS = "efficientnet-lite0, checksum, hf:<directory>, checksum:hf:<directory>"
 
@@ -64,8 +72,10 @@ def check_checkpoint_dir(directory: str) -> None:
     if not os.path.isdir(directory):
         raise ValueError(f"hf:{directory}: no such directory (the path is read on the server, after ~ expansion)")
     if not os.path.isfile(os.path.join(directory, "config.json")):
-        raise ValueError(f"hf:{directory}: not a checkpoint (no config.json in it); point at the directory that "
-                         "holds config.json, e.g. a hub-cache .../snapshots/<commit> directory")
+        raise ValueError(
+            f"hf:{directory}: not a checkpoint (no config.json in it); point at the directory that "
+            "holds config.json, e.g. a hub-cache .../snapshots/<commit> directory"
+        )
 
 
 def missing_dependency(spec: ModelSpec) -> str | None:
@@ -74,7 +84,8 @@ def missing_dependency(spec: ModelSpec) -> str | None:
     Checked by ``find_spec`` (no import: a frontend or a supervisor does not load transformers for this).
     """
     if spec.kind in (ModelKind.HF_CHAT, ModelKind.HF_EMBED, ModelKind.CHECKSUM_HF) and (
-            importlib.util.find_spec("transformers") is None):
+        importlib.util.find_spec("transformers") is None
+    ):
         return "hf:<directory> models need transformers: pip install 'shmgate[hf]'"
     return None
 

@@ -84,7 +84,9 @@ def queue_bytes(depth: int, message_bytes: int) -> int:
     return depth * (message_bytes + KERNEL_BYTES_PER_MESSAGE)
 
 
-def plan_queue_depths(budget_bytes: int, specs: Sequence[QueueSpec], *, system_max_depth: int | None = None) -> QueuePlan:
+def plan_queue_depths(
+    budget_bytes: int, specs: Sequence[QueueSpec], *, system_max_depth: int | None = None
+) -> QueuePlan:
     """Choose one depth per role so that all queues together fit in ``budget_bytes``.
 
     Each role gets ``min(wanted_depth, system_max_depth, cap)`` (never below its
@@ -93,6 +95,7 @@ def plan_queue_depths(budget_bytes: int, specs: Sequence[QueueSpec], *, system_m
     ``system_max_depth`` is ``fs.mqueue.msg_max`` (an unprivileged creator cannot exceed it).
     Raises MessageQueueBudgetError, naming the fixes, when even every ``min_depth`` does not fit.
     """
+
     def depth(spec: QueueSpec, cap: int) -> int:
         wanted = spec.wanted_depth if system_max_depth is None else min(spec.wanted_depth, system_max_depth)
         return max(spec.min_depth, min(wanted, cap))

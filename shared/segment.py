@@ -256,9 +256,9 @@ class Segment:
         self.models = np.frombuffer(mm, MODEL_ROW, MAX_MODELS, MODELS_OFFSET)
         self.frontends = np.frombuffer(mm, SLOT, self.layout.n_frontends, self.layout.frontend_offset)
         self.workers = np.frombuffer(mm, SLOT, self.layout.n_workers, self.layout.worker_offset)
-        self.stats = np.frombuffer(
-            mm, "<u8", self.layout.n_frontends * STATS_WORDS, self.layout.stats_offset
-        ).reshape(self.layout.n_frontends, STATS_WORDS)
+        self.stats = np.frombuffer(mm, "<u8", self.layout.n_frontends * STATS_WORDS, self.layout.stats_offset).reshape(
+            self.layout.n_frontends, STATS_WORDS
+        )
 
     # -- life cycle -----------------------------------------------------------
 

@@ -81,13 +81,17 @@ class Counter(enum.IntEnum):
 
 
 _HISTOGRAM_STARTS = (Counter.LATENCY_BUCKETS, Counter.TTFT_BUCKETS)
-_MODEL_STARTS = (Counter.MODEL_ADMITTED, Counter.MODEL_OVERLOADED, Counter.MODEL_OK, Counter.MODEL_ERROR,
-                 Counter.MODEL_CANCELLED)
+_MODEL_STARTS = (
+    Counter.MODEL_ADMITTED,
+    Counter.MODEL_OVERLOADED,
+    Counter.MODEL_OK,
+    Counter.MODEL_ERROR,
+    Counter.MODEL_CANCELLED,
+)
 
 # The per-stage latency histograms (gateway/stages.py): one block of STAGE_WORDS per Stage, in
 # Stage order from STAGE_BASE. A block holds the buckets, +Inf, the sum in µs and the count.
-STAGE_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0,
-                   10.0)
+STAGE_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0)
 STAGE_SUM_US = len(STAGE_BUCKETS_S) + 1  # offsets inside a stage's block
 STAGE_COUNT = len(STAGE_BUCKETS_S) + 2
 STAGE_WORDS = len(STAGE_BUCKETS_S) + 3
@@ -114,8 +118,13 @@ class Span(NamedTuple):
 
 def spans() -> tuple[Span, ...]:
     """Every entry of the row with the words it takes, in index order."""
-    entries = [Span(name, int(c), REQUEST_HISTOGRAM_WORDS if c in _HISTOGRAM_STARTS else
-                    MODEL_SLOTS if c in _MODEL_STARTS else 1)
-               for name, c in Counter.__members__.items()]  # aliases included: each is an entry
+    entries = [
+        Span(
+            name,
+            int(c),
+            REQUEST_HISTOGRAM_WORDS if c in _HISTOGRAM_STARTS else MODEL_SLOTS if c in _MODEL_STARTS else 1,
+        )
+        for name, c in Counter.__members__.items()
+    ]  # aliases included: each is an entry
     entries += [Span(f"stage {s.name}", stage_base(s), STAGE_WORDS) for s in Stage]
     return tuple(sorted(entries, key=lambda span: span.first))

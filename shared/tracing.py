@@ -86,13 +86,16 @@ def otlp_endpoint(text: str) -> str:
     parts = urlsplit(text)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise argparse.ArgumentTypeError(f"{text!r} is not an http(s) URL, e.g. http://otel-collector:4318")
-    if importlib.util.find_spec("opentelemetry.sdk") is None or importlib.util.find_spec(
-            "opentelemetry.exporter.otlp.proto.http") is None:
+    if (
+        importlib.util.find_spec("opentelemetry.sdk") is None
+        or importlib.util.find_spec("opentelemetry.exporter.otlp.proto.http") is None
+    ):
         raise argparse.ArgumentTypeError(f"tracing needs the OpenTelemetry SDK and OTLP exporter: {EXTRA_HINT}")
     protocol = _protocol()
     if protocol not in _PROTOCOLS:
-        raise argparse.ArgumentTypeError(f"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL={protocol!r} is not supported; "
-                                         f"use one of {', '.join(_PROTOCOLS)}")
+        raise argparse.ArgumentTypeError(
+            f"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL={protocol!r} is not supported; use one of {', '.join(_PROTOCOLS)}"
+        )
     if protocol == "grpc" and importlib.util.find_spec("opentelemetry.exporter.otlp.proto.grpc") is None:
         raise argparse.ArgumentTypeError("OTLP over grpc needs pip install opentelemetry-exporter-otlp-proto-grpc")
     if protocol == "http/protobuf" and parts.path in ("", "/"):
@@ -102,15 +105,28 @@ def otlp_endpoint(text: str) -> str:
 
 def add_tracing_flags(group: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """``--otlp-traces-endpoint``, the same for serve, gateway, the frontend child and the worker."""
-    add_flag(group, "--otlp-traces-endpoint", "send OpenTelemetry traces (one per request, across the frontend "
-             "and the worker) to this OTLP collector URL, e.g. http://otel-collector:4318; needs "
-             f"{EXTRA_HINT}; OTEL_SERVICE_NAME, OTEL_TRACES_SAMPLER and the other OTEL_* variables apply",
-             shown_default="off", type=otlp_endpoint, metavar="URL")
+    add_flag(
+        group,
+        "--otlp-traces-endpoint",
+        "send OpenTelemetry traces (one per request, across the frontend "
+        "and the worker) to this OTLP collector URL, e.g. http://otel-collector:4318; needs "
+        f"{EXTRA_HINT}; OTEL_SERVICE_NAME, OTEL_TRACES_SAMPLER and the other OTEL_* variables apply",
+        shown_default="off",
+        type=otlp_endpoint,
+        metavar="URL",
+    )
 
 
 def _protocol() -> str:
-    return (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
-            or "http/protobuf").strip().lower()
+    return (
+        (
+            os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+            or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+            or "http/protobuf"
+        )
+        .strip()
+        .lower()
+    )
 
 
 def _export_timeout_s() -> float:
@@ -135,7 +151,8 @@ def start_provider(endpoint: str, role: str, attributes: dict[str, str | int]) -
 
     resource_attributes: dict[str, str | int] = {"shmgate.role": role, **attributes}
     if not os.environ.get("OTEL_SERVICE_NAME") and "service.name=" not in os.environ.get(
-            "OTEL_RESOURCE_ATTRIBUTES", ""):
+        "OTEL_RESOURCE_ATTRIBUTES", ""
+    ):
         resource_attributes["service.name"] = "shmgate"
     provider = TracerProvider(resource=Resource.create(resource_attributes))
     timeout_s = _export_timeout_s()

@@ -85,8 +85,10 @@ MODEL_NAME_BYTES = 128  # a worker refuses to start with a longer model id (it c
 def check_model_id(model_id: str) -> None:
     """Refuse a model id the slot rows cannot hold whole: cut, it would never match (ValueError)."""
     if len(model_id.encode()) > MODEL_NAME_BYTES:
-        raise ValueError(f"the model id {model_id[:60]!r}... is longer than {MODEL_NAME_BYTES} bytes; "
-                         "serve it from a directory with a shorter name")
+        raise ValueError(
+            f"the model id {model_id[:60]!r}... is longer than {MODEL_NAME_BYTES} bytes; "
+            "serve it from a directory with a shorter name"
+        )
 
 
 # -- the content cache's words ------------------------------------------------------------------

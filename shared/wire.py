@@ -196,8 +196,13 @@ class Failed(Message, tag="x"):
 def failed_reply(request_id: int, seq: int, error: ShmgateError) -> Failed:
     """The Failed that carries ``error`` (its code, message and status); the receiver rebuilds the class
     with ``shared.errors.error_for_code``. The message is cut to fit one reply message."""
-    return Failed(request_id=request_id, seq=seq, code=error.code, message=error.message[:MAX_DELTA_CHARS],
-                  status_hint=error.status_hint)
+    return Failed(
+        request_id=request_id,
+        seq=seq,
+        code=error.code,
+        message=error.message[:MAX_DELTA_CHARS],
+        status_hint=error.status_hint,
+    )
 
 
 class Vector(Message, tag="v"):

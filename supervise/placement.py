@@ -34,8 +34,9 @@ class Placement:
     visible: str | None = None
 
 
-def worker_placements(device: str, *, workers: int, workers_per_gpu: int, gpu_ids: list[str],
-                      cpu_workers: int) -> list[Placement]:
+def worker_placements(
+    device: str, *, workers: int, workers_per_gpu: int, gpu_ids: list[str], cpu_workers: int
+) -> list[Placement]:
     """One Placement per worker. ``workers`` 0 means the default for the device.
 
     ``gpu_ids``: the visible GPUs (gateway/cli.py ``visible_gpus``); ``cpu_workers``: the default

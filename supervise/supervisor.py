@@ -105,15 +105,17 @@ class ChildProcess:
         env = {**self.env, SUPERVISOR_PID_ENV: str(os.getpid())}
         # process_group=0: a terminal's Ctrl-C (or a kill of the supervisor's group) reaches the
         # supervisor only, which stops the children in order (module docstring).
-        self.process = subprocess.Popen(self.argv, env=env, pass_fds=self.pass_fds, process_group=0,
-                                        stderr=subprocess.PIPE)
+        self.process = subprocess.Popen(
+            self.argv, env=env, pass_fds=self.pass_fds, process_group=0, stderr=subprocess.PIPE
+        )
         self.started_at = time.monotonic()
         self.starts += 1
         self.became_ready = False
         self.last_stderr = ""
         assert self.process.stderr is not None
-        self._stderr_pump = threading.Thread(target=self._pass_stderr, args=(self.process.stderr,), daemon=True,
-                                             name=f"stderr-{self.role}-{self.slot}")
+        self._stderr_pump = threading.Thread(
+            target=self._pass_stderr, args=(self.process.stderr,), daemon=True, name=f"stderr-{self.role}-{self.slot}"
+        )
         self._stderr_pump.start()
         log.info("started %s (pid %d)", self.name, self.process.pid)
 
@@ -136,7 +138,7 @@ class ChildProcess:
                 try:
                     view = memoryview(line)
                     while view:  # a signal can cut a write to a pipe short
-                        view = view[os.write(2, view):]
+                        view = view[os.write(2, view) :]
                 except OSError:
                     pass  # our stderr is gone: keep draining, or the child blocks on a full pipe
                 text = line.decode(errors="replace").strip()
@@ -204,11 +206,24 @@ class Supervisor:
     _refused_seen: int = 0  # workers refused for another model, as last logged
 
     @classmethod
-    def for_instance(cls, instance: Instance, frontends: list[ChildProcess], workers: list[ChildProcess], *,
-                     drain_timeout_s: float = 30.0, on_tick: Callable[[], None] | None = None) -> Supervisor:
+    def for_instance(
+        cls,
+        instance: Instance,
+        frontends: list[ChildProcess],
+        workers: list[ChildProcess],
+        *,
+        drain_timeout_s: float = 30.0,
+        on_tick: Callable[[], None] | None = None,
+    ) -> Supervisor:
         """The supervisor of a POSIX instance this process created (and unlinks when ``run`` ends)."""
-        return cls(PosixSupervisorLink(instance), frontends, workers, instance=instance,
-                   drain_timeout_s=drain_timeout_s, on_tick=on_tick)
+        return cls(
+            PosixSupervisorLink(instance),
+            frontends,
+            workers,
+            instance=instance,
+            drain_timeout_s=drain_timeout_s,
+            on_tick=on_tick,
+        )
 
     # -- signals --------------------------------------------------------------------
 
@@ -277,8 +292,12 @@ class Supervisor:
                     child.became_ready = child.ever_ready = True
                     child.early_deaths = 0
                     if child.role == "worker":
-                        log.info("%s (pid %d) is ready in worker slot %s", child.name, child.pid,
-                                 link.slot_of(child.role, child.pid, child.slot))
+                        log.info(
+                            "%s (pid %d) is ready in worker slot %s",
+                            child.name,
+                            child.pid,
+                            link.slot_of(child.role, child.pid, child.slot),
+                        )
                 if child.role == "frontend" and now - child.started_at > FRONTEND_STARTUP_GRACE_S:
                     if not link.frontend_alive(child.slot):
                         log.error("frontend %d stopped beating; killing it", child.slot)
@@ -288,7 +307,12 @@ class Supervisor:
                         continue
                 found = link.slot_of(child.role, child.pid, child.slot)
                 if found is not None and link.stalled(child.role, found):
-                    log.error("%s (pid %d) made no progress for %.1f s; killing it", child.name, child.pid, self.stall_timeout_s)
+                    log.error(
+                        "%s (pid %d) made no progress for %.1f s; killing it",
+                        child.name,
+                        child.pid,
+                        self.stall_timeout_s,
+                    )
                     link.count_stall(child.role, found)
                     child.kill()
                     child.join(5)
@@ -297,7 +321,8 @@ class Supervisor:
             if child.process is not None and child.process.returncode == EXIT_CONFIG:
                 words = child.last_words().split("configuration error: ", 1)[-1]
                 self._fatal = f"{child.name} failed on a configuration error" + (
-                    f": {words}" if words else " (its reason is above)")
+                    f": {words}" if words else " (its reason is above)"
+                )
                 child.process = None
                 return
             self._after_death(child)
@@ -312,8 +337,13 @@ class Supervisor:
         """Workers we did not start (other containers): mark a stalled one DEAD; it exits on seeing that."""
         ours = {child.pid for child in self.workers if child.process is not None}
         for slot, pid in self.link.stalled_foreign_workers(ours):
-            log.error("worker slot %d (pid %d in another PID namespace or tree) made no progress for %.1f s; "
-                      "marking it dead (it exits when it sees that)", slot, pid, self.stall_timeout_s)
+            log.error(
+                "worker slot %d (pid %d in another PID namespace or tree) made no progress for %.1f s; "
+                "marking it dead (it exits when it sees that)",
+                slot,
+                pid,
+                self.stall_timeout_s,
+            )
             self.link.count_stall("worker", slot)
             self.link.mark_dead("worker", slot)
 
@@ -341,16 +371,27 @@ class Supervisor:
         refused, model = seg.refused_workers()
         if refused != self._refused_seen:
             self._refused_seen = refused
-            log.warning("a worker serving %r refused to attach: this gateway serves %s (%d refused so far); "
-                        "start workers with the gateway's --model and --served-model-name", model, named, refused)
+            log.warning(
+                "a worker serving %r refused to attach: this gateway serves %s (%d refused so far); "
+                "start workers with the gateway's --model and --served-model-name",
+                model,
+                named,
+                refused,
+            )
         for slot in seg.live_workers(DEAD_AFTER_S):
             row = seg.workers[slot]
             model = bytes(row["model"]).decode(errors="replace")
             key = (slot, int(row["epoch"]))
             if model not in served and key not in self._warned_models:
                 self._warned_models.add(key)
-                log.warning("worker slot %d (pid %d) serves %r, not this gateway's %s: it gets no requests; "
-                            "start it with the gateway's --model", slot, int(row["pid"]), model, named)
+                log.warning(
+                    "worker slot %d (pid %d) serves %r, not this gateway's %s: it gets no requests; "
+                    "start it with the gateway's --model",
+                    slot,
+                    int(row["pid"]),
+                    model,
+                    named,
+                )
 
     def _after_death(self, child: ChildProcess) -> None:
         assert child.process is not None
@@ -364,8 +405,10 @@ class Supervisor:
         if child.early_deaths >= EARLY_DEATHS_FATAL:
             words = child.last_words()
             last = f": {words}" if words else ""
-            self._fatal = (f"{child.name} exited {child.early_deaths} times in a row before it became "
-                           f"ready (last exit status {code}){last}")
+            self._fatal = (
+                f"{child.name} exited {child.early_deaths} times in a row before it became "
+                f"ready (last exit status {code}){last}"
+            )
             self.link.mark_dead_by_pid(child.role, child.pid)
             child.process = None
             return
@@ -389,15 +432,23 @@ class Supervisor:
         if len(child.deaths) <= self.restart_budget:
             return False
         assert child.process is not None
-        log.error("%s of model %r died %d times in %.0f s, beyond its restart budget of %d; not restarting it",
-                  child.name, child.model, len(child.deaths), self.restart_window_s, self.restart_budget)
+        log.error(
+            "%s of model %r died %d times in %.0f s, beyond its restart budget of %d; not restarting it",
+            child.name,
+            child.model,
+            len(child.deaths),
+            self.restart_window_s,
+            self.restart_budget,
+        )
         self.link.mark_dead_by_pid(child.role, child.pid)
         child.given_up = True
         child.process = None
         child.restart_at = float("inf")
         if all(c.given_up for c in self.workers if c.model == child.model):
-            log.error("model %r failed: every worker of it died beyond its restart budget; the other models "
-                      "keep serving", child.model)
+            log.error(
+                "model %r failed: every worker of it died beyond its restart budget; the other models keep serving",
+                child.model,
+            )
             if self.on_model_failed is not None:
                 self.on_model_failed(child.model)
         return True

@@ -13,10 +13,26 @@ from tests.serving import Server, start_server, stop_and_check
 # would otherwise order them by their number of tests), and a long file handed out last leaves one process
 # running it alone at the end while the other idles. Files not named keep their order, after these.
 LONGEST_FIRST = (
-    "test_selfheal.py", "test_embeddings.py", "test_efficientnet.py", "test_decode_memory.py",
-    "test_pod_in_a_box.py", "test_faults.py", "test_chaos.py", "test_startup_log.py", "test_e2e.py", "test_fuzz.py",
-    "test_hf_families.py", "test_hf_serve.py", "test_hangups_hf.py", "test_soak.py", "test_compose_local.py",
-    "test_image_urls.py", "test_model_identity.py", "test_scaleout.py", "test_api_key.py", "test_arena_placement.py",
+    "test_selfheal.py",
+    "test_embeddings.py",
+    "test_efficientnet.py",
+    "test_decode_memory.py",
+    "test_pod_in_a_box.py",
+    "test_faults.py",
+    "test_chaos.py",
+    "test_startup_log.py",
+    "test_e2e.py",
+    "test_fuzz.py",
+    "test_hf_families.py",
+    "test_hf_serve.py",
+    "test_hangups_hf.py",
+    "test_soak.py",
+    "test_compose_local.py",
+    "test_image_urls.py",
+    "test_model_identity.py",
+    "test_scaleout.py",
+    "test_api_key.py",
+    "test_arena_placement.py",
 )
 
 
@@ -68,5 +84,6 @@ def efficientnet_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Se
 @pytest.fixture(scope="module")
 def spare_slot_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """One worker (so its pid identifies it) and one frontend slot no process uses, for a test to attach to."""
-    yield from _serve("checksum", tmp_path_factory, "--workers", "1", "--max-workers", "2",
-                      "--spare-frontend-slots", "1")
+    yield from _serve(
+        "checksum", tmp_path_factory, "--workers", "1", "--max-workers", "2", "--spare-frontend-slots", "1"
+    )

@@ -66,9 +66,14 @@ def measure(data: bytes, max_pixels: int) -> dict[str, object]:
         refused = str(exc)
     seconds = time.perf_counter() - started
     peak = _status_kib("VmHWM") - before
-    return {"peak_bytes": peak * 1024, "held_bytes": held * 1024, "predicted_bytes": predicted,
-            "rgb_bytes": width * height * 3,
-            "seconds": seconds, "refused": refused}
+    return {
+        "peak_bytes": peak * 1024,
+        "held_bytes": held * 1024,
+        "predicted_bytes": predicted,
+        "rgb_bytes": width * height * 3,
+        "seconds": seconds,
+        "refused": refused,
+    }
 
 
 _LIBC = ctypes.CDLL("libc.so.6")

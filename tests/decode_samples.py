@@ -48,8 +48,12 @@ def sixteen_bit_png(pixels: np.ndarray, colour_type: int, level: int = 1) -> byt
     rows = pixels.astype(">u2").reshape(height, -1).view(np.uint8)
     raw = np.concatenate([np.zeros((height, 1), np.uint8), rows], axis=1)  # filter byte 0 per row
     ihdr = struct.pack(">IIBBBBB", width, height, 16, colour_type, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", ihdr) + _chunk(b"IDAT", zlib.compress(raw.tobytes(), level))
-            + _chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + _chunk(b"IHDR", ihdr)
+        + _chunk(b"IDAT", zlib.compress(raw.tobytes(), level))
+        + _chunk(b"IEND", b"")
+    )
 
 
 @functools.lru_cache(maxsize=8)
@@ -96,8 +100,10 @@ SAMPLES: dict[str, Callable[[int, int], bytes]] = {
     "png_exif_rotated": lambda w, h: _encode(_rgb(w, h), "PNG", exif=_exif(8)),
     "apng": lambda w, h: _encode(_frames(w, h)[0], "PNG", save_all=True, append_images=_frames(w, h)[1:]),
     "webp_rgb": lambda w, h: _encode(_rgb(w, h), "WEBP", quality=80),
-    "webp_rgba_lossless": lambda w, h: _encode(Image.fromarray(_gradient(w, h, 4), "RGBA"), "WEBP",
-                                               lossless=True, quality=0),
-    "webp_animated": lambda w, h: _encode(_frames(w, h)[0], "WEBP", save_all=True,
-                                          append_images=_frames(w, h)[1:], quality=80),
+    "webp_rgba_lossless": lambda w, h: _encode(
+        Image.fromarray(_gradient(w, h, 4), "RGBA"), "WEBP", lossless=True, quality=0
+    ),
+    "webp_animated": lambda w, h: _encode(
+        _frames(w, h)[0], "WEBP", save_all=True, append_images=_frames(w, h)[1:], quality=80
+    ),
 }

@@ -35,9 +35,14 @@ def _bpe(special: list[str], *, suffix: str | None, metaspace: bool) -> tuple[di
     tok = Tokenizer(models.BPE(end_of_word_suffix=suffix) if suffix else models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Metaspace() if metaspace else pre_tokenizers.ByteLevel(add_prefix_space=False)
     kwargs: dict[str, Any] = {"end_of_word_suffix": suffix} if suffix else {}
-    trainer = trainers.BpeTrainer(vocab_size=300, min_frequency=1, special_tokens=special, show_progress=False,
-                                  initial_alphabet=[] if metaspace else pre_tokenizers.ByteLevel.alphabet(),
-                                  **kwargs)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        min_frequency=1,
+        special_tokens=special,
+        show_progress=False,
+        initial_alphabet=[] if metaspace else pre_tokenizers.ByteLevel.alphabet(),
+        **kwargs,
+    )
     tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
     model = json.loads(tok.to_str())["model"]
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
@@ -60,16 +65,27 @@ def _gemma_tokenizer() -> Any:
 
 def _text_config(tokenizer: Any) -> dict[str, Any]:
     return {
-        "vocab_size": len(tokenizer), "hidden_size": _WIDTH, "intermediate_size": 2 * _WIDTH,
-        "num_hidden_layers": 2, "num_attention_heads": 2, "max_position_embeddings": _TEXT_TOKENS,
-        "pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.bos_token_id,
+        "vocab_size": len(tokenizer),
+        "hidden_size": _WIDTH,
+        "intermediate_size": 2 * _WIDTH,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "max_position_embeddings": _TEXT_TOKENS,
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": tokenizer.eos_token_id,
     }
 
 
 def _vision_config(**extra: Any) -> dict[str, Any]:
-    return {"hidden_size": _WIDTH, "intermediate_size": 2 * _WIDTH, "num_hidden_layers": 2,
-            "num_attention_heads": 2, "patch_size": 8, **extra}
+    return {
+        "hidden_size": _WIDTH,
+        "intermediate_size": 2 * _WIDTH,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "patch_size": 8,
+        **extra,
+    }
 
 
 def build_tiny_embedder(kind: str, path: Path) -> Path:
@@ -93,18 +109,23 @@ def build_tiny_embedder(kind: str, path: Path) -> Path:
     if kind == "clip":
         tokenizer = _clip_tokenizer()
         processor: Any = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-        model: Any = CLIPModel(CLIPConfig(text_config=_text_config(tokenizer),
-                                          vision_config=_vision_config(image_size=32), projection_dim=24))
+        model: Any = CLIPModel(
+            CLIPConfig(
+                text_config=_text_config(tokenizer), vision_config=_vision_config(image_size=32), projection_dim=24
+            )
+        )
     elif kind == "siglip":
         tokenizer = _gemma_tokenizer()
         processor = SiglipImageProcessorPil(size={"height": 32, "width": 32})
-        model = SiglipModel(SiglipConfig(text_config=_text_config(tokenizer),
-                                         vision_config=_vision_config(image_size=32)))
+        model = SiglipModel(
+            SiglipConfig(text_config=_text_config(tokenizer), vision_config=_vision_config(image_size=32))
+        )
     elif kind == "siglip2":
         tokenizer = _gemma_tokenizer()
         processor = Siglip2ImageProcessorPil(patch_size=8, max_num_patches=16)
-        model = Siglip2Model(Siglip2Config(text_config=_text_config(tokenizer),
-                                           vision_config=_vision_config(num_patches=16)))
+        model = Siglip2Model(
+            Siglip2Config(text_config=_text_config(tokenizer), vision_config=_vision_config(num_patches=16))
+        )
     else:
         raise ValueError(f"unknown kind {kind!r}")
     tokenizer.save_pretrained(str(path))
@@ -126,11 +147,14 @@ def reference_features(model_dir: Path, *, images: Sequence[Any] = (), texts: Se
     out = []
     with torch.inference_mode():
         if images:
-            inputs = AutoImageProcessor.from_pretrained(model_dir, backend="pil")(images=list(images),
-                                                                                  return_tensors="pt")
+            inputs = AutoImageProcessor.from_pretrained(model_dir, backend="pil")(
+                images=list(images), return_tensors="pt"
+            )
             out.append(model.get_image_features(**inputs).pooler_output)
         if texts:
             tok = AutoTokenizer.from_pretrained(model_dir)
-            inputs = tok(list(texts), padding="max_length", truncation=True, max_length=_TEXT_TOKENS, return_tensors="pt")
+            inputs = tok(
+                list(texts), padding="max_length", truncation=True, max_length=_TEXT_TOKENS, return_tensors="pt"
+            )
             out.append(model.get_text_features(**inputs).pooler_output)
     return torch.nn.functional.normalize(torch.cat(out), dim=-1).numpy()

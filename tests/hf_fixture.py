@@ -101,7 +101,18 @@ def _train_tokenizer_files() -> tuple[dict[str, int], list[tuple[str, str]]]:
 # embeddings, interleaved RoPE sections and "deepstack" visual features fed into early text layers. The
 # others are described beside their constants below; all share the trained tokenizer, each with its own
 # special tokens and a chat template written for the test.
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "idefics3", "llava_next", "gemma3", "paligemma", "internvl", "smolvlm")
+FAMILIES = (
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "llava",
+    "idefics3",
+    "llava_next",
+    "gemma3",
+    "paligemma",
+    "internvl",
+    "smolvlm",
+)
 # LLaVA-1.5: a CLIP vision tower at a fixed 56 x 56 px (4 x 4 patches of 14 px: 16 image tokens, the
 # CLS feature dropped as vision_feature_select_strategy "default" does), a Llama text model, and
 # LLaVA-1.5's "USER: <image>\n... ASSISTANT:" prompt format.
@@ -123,8 +134,13 @@ _LLAVA_TEMPLATE = (
 # tile), images resized to at most 112 px and split into 56 px tiles plus a global view, and Idefics3's
 # "<|im_start|>User:<image>...<end_of_utterance>\nAssistant:" prompt format.
 IDEFICS3_TILE = 56
-IDEFICS3_SPECIAL = ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>",
-                    *[f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]]
+IDEFICS3_SPECIAL = [
+    "<fake_token_around_image>",
+    "<image>",
+    "<global-img>",
+    "<end_of_utterance>",
+    *[f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)],
+]
 _IDEFICS3_TEMPLATE = (
     "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}"
     "{% if message['content'] is string %}: {{ message['content'] }}"
@@ -189,16 +205,24 @@ _PALIGEMMA_TEMPLATE = (
 )
 UNUSUAL: dict[str, dict[str, Any]] = {
     # Qwen family: other pixel bounds (4..12 merged patches) and normalisation.
-    **{family: {"min_pixels": 4 * (2 * _patch(family)) ** 2, "max_pixels": 12 * (2 * _patch(family)) ** 2,
-                "image_mean": [0.25, 0.5, 0.75], "image_std": [0.2, 0.3, 0.4]}
-       for family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")},
+    **{
+        family: {
+            "min_pixels": 4 * (2 * _patch(family)) ** 2,
+            "max_pixels": 12 * (2 * _patch(family)) ** 2,
+            "image_mean": [0.25, 0.5, 0.75],
+            "image_std": [0.2, 0.3, 0.4],
+        }
+        for family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+    },
     # LLaVA-1.5: a 42 px tower (3 x 3 patches) that keeps the CLS feature ("full"): 10 tokens an image.
     "llava": {"image_size": 42, "vision_feature_select_strategy": "full"},
     # LLaVA-NeXT: 42 px tiles on other grids (its model drops the CLS feature whatever the setting says).
     "llava_next": {"image_size": 42, "image_grid_pinpoints": [[42, 84], [84, 42], [84, 84], [42, 126]]},
     # Idefics3, SmolVLM2: 56 px tiles of 4 x 4 patches, pixel-shuffled by 4: one token a tile; up to 3 x 3 tiles.
-    **{family: {"tile": 56, "scale_factor": 4, "image_seq_len": 1, "longest_edge": 168}
-       for family in ("idefics3", "smolvlm")},
+    **{
+        family: {"tile": 56, "scale_factor": 4, "image_seq_len": 1, "longest_edge": 168}
+        for family in ("idefics3", "smolvlm")
+    },
     # Gemma 3: the 4 x 4 patches pooled to one token.
     "gemma3": {"image_seq_length": 1},
     # PaliGemma: a 42 px tower (9 tokens).
@@ -213,12 +237,20 @@ _NAMED_TOKENS: dict[str, dict[str, str]] = {
     "qwen3_vl": {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"},
     "llava": {"image_token": "<image>"},
     "llava_next": {"image_token": "<image>"},
-    "smolvlm": {"image_token": "<image>", "fake_image_token": "<fake_token_around_image>",
-                "global_image_token": "<global-img>", "end_of_utterance_token": "<end_of_utterance>"},
+    "smolvlm": {
+        "image_token": "<image>",
+        "fake_image_token": "<fake_token_around_image>",
+        "global_image_token": "<global-img>",
+        "end_of_utterance_token": "<end_of_utterance>",
+    },
     "gemma3": {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"},
     "paligemma": {"image_token": "<image>"},
-    "internvl": {"start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>",
-                 "video_token": "<|video_pad|>"},
+    "internvl": {
+        "start_image_token": "<img>",
+        "end_image_token": "</img>",
+        "context_image_token": "<IMG_CONTEXT>",
+        "video_token": "<|video_pad|>",
+    },
 }
 
 
@@ -232,8 +264,10 @@ def _train_gemma_tokenizer(special: list[str]) -> Any:
     tok.normalizer = normalizers.Replace(" ", "\u2581")
     tok.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
     base = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", *(f"<0x{i:02X}>" for i in range(256))]
-    tok.train_from_iterator([_CORPUS] * 4, trainer=trainers.BpeTrainer(
-        vocab_size=600, min_frequency=1, special_tokens=base, show_progress=False))
+    tok.train_from_iterator(
+        [_CORPUS] * 4,
+        trainer=trainers.BpeTrainer(vocab_size=600, min_frequency=1, special_tokens=base, show_progress=False),
+    )
     model = json.loads(tok.to_str())["model"]
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
     tokenizer = GemmaTokenizer(vocab=model["vocab"], merges=merges, add_bos_token=True, model_max_length=4096)
@@ -261,9 +295,15 @@ def _build_processor(path: Path, family: str = "qwen2_vl", unusual: bool = False
     from transformers import Qwen2Tokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    extra = {"llava": ["<image>"], "llava_next": ["<image>"], "paligemma": ["<image>"], "idefics3": IDEFICS3_SPECIAL, "smolvlm": IDEFICS3_SPECIAL,
-             "internvl": INTERNVL_SPECIAL,
-             "gemma3": GEMMA3_SPECIAL}.get(family, [])
+    extra = {
+        "llava": ["<image>"],
+        "llava_next": ["<image>"],
+        "paligemma": ["<image>"],
+        "idefics3": IDEFICS3_SPECIAL,
+        "smolvlm": IDEFICS3_SPECIAL,
+        "internvl": INTERNVL_SPECIAL,
+        "gemma3": GEMMA3_SPECIAL,
+    }.get(family, [])
     if unusual and family in BOS_FAMILIES:
         tokenizer = _train_gemma_tokenizer(_SPECIAL_TOKENS + extra)
     else:
@@ -271,9 +311,14 @@ def _build_processor(path: Path, family: str = "qwen2_vl", unusual: bool = False
         tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=4096)
         tokenizer.add_special_tokens({"additional_special_tokens": _SPECIAL_TOKENS[1:] + extra})
     tokenizer.eos_token = "<|im_end|>"
-    tokenizer.chat_template = {"llava": _LLAVA_TEMPLATE, "llava_next": _LLAVA_TEMPLATE,
-                               "idefics3": _IDEFICS3_TEMPLATE, "smolvlm": _IDEFICS3_TEMPLATE, "gemma3": _GEMMA3_TEMPLATE,
-                               "internvl": _INTERNVL_TEMPLATE}.get(family, _CHAT_TEMPLATE)
+    tokenizer.chat_template = {
+        "llava": _LLAVA_TEMPLATE,
+        "llava_next": _LLAVA_TEMPLATE,
+        "idefics3": _IDEFICS3_TEMPLATE,
+        "smolvlm": _IDEFICS3_TEMPLATE,
+        "gemma3": _GEMMA3_TEMPLATE,
+        "internvl": _INTERNVL_TEMPLATE,
+    }.get(family, _CHAT_TEMPLATE)
     if family == "paligemma":
         tokenizer.chat_template = None
         tokenizer.bos_token = "<bos>" if unusual else "<|endoftext|>"
@@ -290,40 +335,65 @@ def _build_processor(path: Path, family: str = "qwen2_vl", unusual: bool = False
 
         size = odd.get("image_size", LLAVA_IMAGE_SIZE)
         CLIPImageProcessorPil(size={"shortest_edge": size}, crop_size={"height": size, "width": size}).save_pretrained(
-            str(path))
+            str(path)
+        )
         if unusual:
-            (path / "processor_config.json").write_text(json.dumps({
-                "processor_class": "LlavaProcessor", "patch_size": 14, "num_additional_image_tokens": 1,
-                "vision_feature_select_strategy": odd["vision_feature_select_strategy"]}) + "\n")
+            (path / "processor_config.json").write_text(
+                json.dumps(
+                    {
+                        "processor_class": "LlavaProcessor",
+                        "patch_size": 14,
+                        "num_additional_image_tokens": 1,
+                        "vision_feature_select_strategy": odd["vision_feature_select_strategy"],
+                    }
+                )
+                + "\n"
+            )
         return tokenizer
     if family == "llava_next":
         from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
 
         size = odd.get("image_size", LLAVA_IMAGE_SIZE)
-        LlavaNextImageProcessorPil(size={"shortest_edge": size}, crop_size={"height": size, "width": size},
-                                   image_grid_pinpoints=odd.get("image_grid_pinpoints", LLAVA_NEXT_PINPOINTS)
-                                   ).save_pretrained(str(path))
-        (path / "processor_config.json").write_text(json.dumps({
-            "processor_class": "LlavaNextProcessor", "patch_size": 14,
-            "vision_feature_select_strategy": odd.get("vision_feature_select_strategy", "default"),
-            "num_additional_image_tokens": 1}) + "\n")
+        LlavaNextImageProcessorPil(
+            size={"shortest_edge": size},
+            crop_size={"height": size, "width": size},
+            image_grid_pinpoints=odd.get("image_grid_pinpoints", LLAVA_NEXT_PINPOINTS),
+        ).save_pretrained(str(path))
+        (path / "processor_config.json").write_text(
+            json.dumps(
+                {
+                    "processor_class": "LlavaNextProcessor",
+                    "patch_size": 14,
+                    "vision_feature_select_strategy": odd.get("vision_feature_select_strategy", "default"),
+                    "num_additional_image_tokens": 1,
+                }
+            )
+            + "\n"
+        )
         return tokenizer
     if family == "internvl":
         from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 
         side = odd.get("image_size", 56)
-        GotOcr2ImageProcessorPil(size={"height": side, "width": side}, crop_to_patches=True,
-                                 min_patches=odd.get("min_patches", 1),
-                                 max_patches=odd.get("max_patches", 4)).save_pretrained(str(path))
+        GotOcr2ImageProcessorPil(
+            size={"height": side, "width": side},
+            crop_to_patches=True,
+            min_patches=odd.get("min_patches", 1),
+            max_patches=odd.get("max_patches", 4),
+        ).save_pretrained(str(path))
         (path / "processor_config.json").write_text(
-            json.dumps({"processor_class": "InternVLProcessor", "image_seq_length": odd.get("image_seq_length", 4)}) + "\n")
+            json.dumps({"processor_class": "InternVLProcessor", "image_seq_length": odd.get("image_seq_length", 4)})
+            + "\n"
+        )
         return tokenizer
     if family == "paligemma":
         from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
         side = odd.get("image_size", 56)
         siglip = SiglipImageProcessorPil(size={"height": side, "width": side})
-        siglip.image_seq_length = odd.get("image_seq_length", PALIGEMMA_IMAGE_TOKENS)  # PaliGemmaProcessor reads it, as real checkpoints carry it
+        siglip.image_seq_length = odd.get(
+            "image_seq_length", PALIGEMMA_IMAGE_TOKENS
+        )  # PaliGemmaProcessor reads it, as real checkpoints carry it
         siglip.save_pretrained(str(path))
         (path / "processor_config.json").write_text(json.dumps({"processor_class": "PaliGemmaProcessor"}) + "\n")
         return tokenizer
@@ -332,7 +402,9 @@ def _build_processor(path: Path, family: str = "qwen2_vl", unusual: bool = False
 
         Gemma3ImageProcessorPil(size={"height": 56, "width": 56}).save_pretrained(str(path))
         (path / "processor_config.json").write_text(
-            json.dumps({"processor_class": "Gemma3Processor", "image_seq_length": odd.get("image_seq_length", 4)}) + "\n")
+            json.dumps({"processor_class": "Gemma3Processor", "image_seq_length": odd.get("image_seq_length", 4)})
+            + "\n"
+        )
         return tokenizer
     if family in ("idefics3", "smolvlm"):  # SmolVLM2: Idefics3's tiles and prompt, its own classes
         from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
@@ -340,19 +412,24 @@ def _build_processor(path: Path, family: str = "qwen2_vl", unusual: bool = False
 
         tiles = Idefics3ImageProcessorPil if family == "idefics3" else SmolVLMImageProcessorPil
         tile = odd.get("tile", IDEFICS3_TILE)
-        tiles(size={"longest_edge": odd.get("longest_edge", 2 * tile)},
-              max_image_size={"longest_edge": tile}).save_pretrained(str(path))
+        tiles(
+            size={"longest_edge": odd.get("longest_edge", 2 * tile)}, max_image_size={"longest_edge": tile}
+        ).save_pretrained(str(path))
         processor_class = "Idefics3Processor" if family == "idefics3" else "SmolVLMProcessor"
         (path / "processor_config.json").write_text(
-            json.dumps({"processor_class": processor_class, "image_seq_len": odd.get("image_seq_len", 4)}) + "\n")
+            json.dumps({"processor_class": processor_class, "image_seq_len": odd.get("image_seq_len", 4)}) + "\n"
+        )
         return tokenizer
     scale = (_patch(family) / 14) ** 2  # the same token bounds at the family's patch size
     bounds = {"min_pixels": int(TINY_MIN_PIXELS * scale), "max_pixels": int(TINY_MAX_PIXELS * scale)}
     image_processor = Qwen2VLImageProcessorPil(**{**bounds, **odd}, patch_size=_patch(family))
     image_processor.save_pretrained(str(path))
-    processor_class = {"qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLProcessor"}.get(family, "Qwen2VLProcessor")
+    processor_class = {"qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLProcessor"}.get(
+        family, "Qwen2VLProcessor"
+    )
     (path / "processor_config.json").write_text(
-        json.dumps({"processor_class": processor_class if unusual else "Qwen2VLProcessor"}) + "\n")
+        json.dumps({"processor_class": processor_class if unusual else "Qwen2VLProcessor"}) + "\n"
+    )
     return tokenizer
 
 
@@ -368,8 +445,16 @@ def _vision_config(family: str) -> dict[str, Any]:
             "spatial_merge_size": 2,
             "temporal_patch_size": 2,
         }
-    common = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
-              "patch_size": _patch(family), "spatial_merge_size": 2, "temporal_patch_size": 2}
+    common = {
+        "depth": 1,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "out_hidden_size": 64,
+        "patch_size": _patch(family),
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    }
     if family == "qwen2_5_vl":
         return {**common, "window_size": 56, "fullatt_block_indexes": [0]}
     return {**common, "num_position_embeddings": 64, "deepstack_visual_indexes": [0]}
@@ -378,20 +463,41 @@ def _vision_config(family: str) -> dict[str, Any]:
 def _build_llava(tokenizer: Any, ids: dict[str, int], family: str = "llava", odd: dict[str, Any] | None = None) -> Any:
     import transformers
 
-    config_class, model_class = {"llava": ("LlavaConfig", "LlavaForConditionalGeneration"),
-                                 "llava_next": ("LlavaNextConfig", "LlavaNextForConditionalGeneration")}[family]
+    config_class, model_class = {
+        "llava": ("LlavaConfig", "LlavaForConditionalGeneration"),
+        "llava_next": ("LlavaNextConfig", "LlavaNextForConditionalGeneration"),
+    }[family]
     odd = odd or {}
-    extra: dict[str, Any] = ({"image_grid_pinpoints": odd.get("image_grid_pinpoints", LLAVA_NEXT_PINPOINTS)}
-                             if family == "llava_next" else {})
-    config = getattr(transformers, config_class)(**extra,
-        vision_config={"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64,
-                       "num_hidden_layers": 2, "num_attention_heads": 2,
-                       "image_size": odd.get("image_size", LLAVA_IMAGE_SIZE),
-                       "patch_size": 14, "projection_dim": 32},
-        text_config={"model_type": "llama", "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128,
-                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                     "max_position_embeddings": 4096, "bos_token_id": ids["<|endoftext|>"],
-                     "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"]},
+    extra: dict[str, Any] = (
+        {"image_grid_pinpoints": odd.get("image_grid_pinpoints", LLAVA_NEXT_PINPOINTS)}
+        if family == "llava_next"
+        else {}
+    )
+    config = getattr(transformers, config_class)(
+        **extra,
+        vision_config={
+            "model_type": "clip_vision_model",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "image_size": odd.get("image_size", LLAVA_IMAGE_SIZE),
+            "patch_size": 14,
+            "projection_dim": 32,
+        },
+        text_config={
+            "model_type": "llama",
+            "vocab_size": len(tokenizer),
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 4096,
+            "bos_token_id": ids["<|endoftext|>"],
+            "eos_token_id": ids["<|im_end|>"],
+            "pad_token_id": ids["<|endoftext|>"],
+        },
         image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
         vision_feature_layer=-2,
         vision_feature_select_strategy=odd.get("vision_feature_select_strategy", "default"),
@@ -399,19 +505,37 @@ def _build_llava(tokenizer: Any, ids: dict[str, int], family: str = "llava", odd
     return getattr(transformers, model_class)(config).eval()
 
 
-def _build_idefics3(tokenizer: Any, ids: dict[str, int], family: str = "idefics3",
-                    odd: dict[str, Any] | None = None) -> Any:
+def _build_idefics3(
+    tokenizer: Any, ids: dict[str, int], family: str = "idefics3", odd: dict[str, Any] | None = None
+) -> Any:
     import transformers
 
-    config_class, model_class = {"idefics3": ("Idefics3Config", "Idefics3ForConditionalGeneration"),
-                                 "smolvlm": ("SmolVLMConfig", "SmolVLMForConditionalGeneration")}[family]
+    config_class, model_class = {
+        "idefics3": ("Idefics3Config", "Idefics3ForConditionalGeneration"),
+        "smolvlm": ("SmolVLMConfig", "SmolVLMForConditionalGeneration"),
+    }[family]
     config = getattr(transformers, config_class)(
-        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-                       "image_size": (odd or {}).get("tile", IDEFICS3_TILE), "patch_size": 14},
-        text_config={"model_type": "llama", "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128,
-                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                     "max_position_embeddings": 4096, "bos_token_id": ids["<|endoftext|>"],
-                     "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"]},
+        vision_config={
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "image_size": (odd or {}).get("tile", IDEFICS3_TILE),
+            "patch_size": 14,
+        },
+        text_config={
+            "model_type": "llama",
+            "vocab_size": len(tokenizer),
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 4096,
+            "bos_token_id": ids["<|endoftext|>"],
+            "eos_token_id": ids["<|im_end|>"],
+            "pad_token_id": ids["<|endoftext|>"],
+        },
         image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
         scale_factor=(odd or {}).get("scale_factor", 2),
     )
@@ -422,13 +546,31 @@ def _build_gemma3(tokenizer: Any, ids: dict[str, int], odd: dict[str, Any]) -> A
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
     config = Gemma3Config(
-        vision_config={"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64,
-                       "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 56, "patch_size": 14},
-        text_config={"vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128,
-                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-                     "query_pre_attn_scalar": 16, "max_position_embeddings": 4096, "sliding_window": GEMMA3_WINDOW,
-                     "layer_types": ["sliding_attention", "full_attention"], "bos_token_id": ids["<|endoftext|>"],
-                     "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"]},
+        vision_config={
+            "model_type": "siglip_vision_model",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "image_size": 56,
+            "patch_size": 14,
+        },
+        text_config={
+            "vocab_size": len(tokenizer),
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,
+            "max_position_embeddings": 4096,
+            "sliding_window": GEMMA3_WINDOW,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "bos_token_id": ids["<|endoftext|>"],
+            "eos_token_id": ids["<|im_end|>"],
+            "pad_token_id": ids["<|endoftext|>"],
+        },
         mm_tokens_per_image=odd.get("image_seq_length", 4),
         boi_token_index=tokenizer.convert_tokens_to_ids("<start_of_image>"),
         eoi_token_index=tokenizer.convert_tokens_to_ids("<end_of_image>"),
@@ -441,14 +583,33 @@ def _build_paligemma(tokenizer: Any, ids: dict[str, int], odd: dict[str, Any]) -
     from transformers import PaliGemmaConfig, PaliGemmaForConditionalGeneration
 
     config = PaliGemmaConfig(
-        vision_config={"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64,
-                       "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": odd.get("image_size", 56),
-                       "patch_size": 14, "projection_dim": 64},
-        text_config={"model_type": "gemma", "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128,
-                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-                     "max_position_embeddings": 4096, "bos_token_id": ids["<|endoftext|>"],
-                     "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"]},
-        projection_dim=64, hidden_size=64, vocab_size=len(tokenizer),
+        vision_config={
+            "model_type": "siglip_vision_model",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "image_size": odd.get("image_size", 56),
+            "patch_size": 14,
+            "projection_dim": 64,
+        },
+        text_config={
+            "model_type": "gemma",
+            "vocab_size": len(tokenizer),
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "max_position_embeddings": 4096,
+            "bos_token_id": ids["<|endoftext|>"],
+            "eos_token_id": ids["<|im_end|>"],
+            "pad_token_id": ids["<|endoftext|>"],
+        },
+        projection_dim=64,
+        hidden_size=64,
+        vocab_size=len(tokenizer),
         image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
     )
     return PaliGemmaForConditionalGeneration(config).eval()
@@ -458,13 +619,29 @@ def _build_internvl(tokenizer: Any, ids: dict[str, int], odd: dict[str, Any]) ->
     from transformers import InternVLConfig, InternVLForConditionalGeneration
 
     config = InternVLConfig(
-        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-                       "image_size": [odd.get("image_size", 56)] * 2, "patch_size": [14, 14]},
-        text_config={"model_type": "qwen2", "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128,
-                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                     "max_position_embeddings": 4096, "bos_token_id": ids["<|endoftext|>"],
-                     "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"]},
-        image_token_id=tokenizer.convert_tokens_to_ids("<IMG_CONTEXT>"), downsample_ratio=0.5,
+        vision_config={
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "image_size": [odd.get("image_size", 56)] * 2,
+            "patch_size": [14, 14],
+        },
+        text_config={
+            "model_type": "qwen2",
+            "vocab_size": len(tokenizer),
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 4096,
+            "bos_token_id": ids["<|endoftext|>"],
+            "eos_token_id": ids["<|im_end|>"],
+            "pad_token_id": ids["<|endoftext|>"],
+        },
+        image_token_id=tokenizer.convert_tokens_to_ids("<IMG_CONTEXT>"),
+        downsample_ratio=0.5,
         **({} if odd else {"image_seq_length": 4}),  # unusual: the default (256) stays, as in real checkpoints
     )
     return InternVLForConditionalGeneration(config).eval()
@@ -476,8 +653,12 @@ def _build_model(path: Path, tokenizer: Any, family: str = "qwen2_vl", odd: dict
 
     if family in ("llava", "llava_next", "idefics3", "smolvlm", "gemma3", "paligemma", "internvl"):
         ids = {t: tokenizer.convert_tokens_to_ids(t) for t in _SPECIAL_TOKENS}
-        extra = {"idefics3": IDEFICS3_SPECIAL, "smolvlm": IDEFICS3_SPECIAL, "gemma3": GEMMA3_SPECIAL,
-                 "internvl": INTERNVL_SPECIAL}.get(family, ["<image>"])
+        extra = {
+            "idefics3": IDEFICS3_SPECIAL,
+            "smolvlm": IDEFICS3_SPECIAL,
+            "gemma3": GEMMA3_SPECIAL,
+            "internvl": INTERNVL_SPECIAL,
+        }.get(family, ["<image>"])
         torch.manual_seed(0)
         builders = {"gemma3": _build_gemma3, "paligemma": _build_paligemma, "internvl": _build_internvl}
         if family in ("idefics3", "smolvlm"):

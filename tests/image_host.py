@@ -104,8 +104,26 @@ def self_signed(directory: Path, hostname: str) -> tuple[Path, Path]:
     """(certificate, key) for ``hostname``, made by the openssl command; the cert is its own CA."""
     cert, key = directory / f"{hostname}.crt", directory / f"{hostname}.key"
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", f"/CN={hostname}",
-         "-addext", f"subjectAltName=DNS:{hostname}", "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True, timeout=60,
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "2",
+            "-subj",
+            f"/CN={hostname}",
+            "-addext",
+            f"subjectAltName=DNS:{hostname}",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
     )
     return cert, key

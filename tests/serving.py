@@ -50,8 +50,9 @@ def shm_entries_created_by(pid: int, before: set[str]) -> set[str]:
     from shared.segment import peek_header
 
     mine: set[str] = set()
-    for instance_id in {match.group(0) for name in shm_entries() - before
-                        if (match := re.search(r"(?<=\.)[0-9a-f]{16}(?=\.|$)", name))}:
+    for instance_id in {
+        match.group(0) for name in shm_entries() - before if (match := re.search(r"(?<=\.)[0-9a-f]{16}(?=\.|$)", name))
+    }:
         peek = peek_header(InstanceNames(instance_id))
         if peek is not None and peek.supervisor_pid != pid:
             continue
@@ -67,8 +68,9 @@ def data_url(data: bytes, mime: str = "image/jpeg") -> str:
     return f"data:{mime};base64," + base64.b64encode(data).decode()
 
 
-def image_request(model: str, data: bytes, *, mime: str = "image/jpeg", stream: bool = False,
-                  text: str = "What is in this image?") -> dict[str, object]:
+def image_request(
+    model: str, data: bytes, *, mime: str = "image/jpeg", stream: bool = False, text: str = "What is in this image?"
+) -> dict[str, object]:
     return {
         "model": model,
         "stream": stream,
@@ -215,8 +217,21 @@ def start_server(model: str, tmp_dir: Path, *extra: str) -> Server:
     log_path = tmp_dir / f"serve-{model.replace('/', '_').replace(':', '_')}-{port}.log"
     log = open(log_path, "wb")
     process = subprocess.Popen(
-        [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--model", model,
-         "--frontends", "2", "--arena-size", "128MiB", *extra],
+        [
+            sys.executable,
+            "-m",
+            "gateway",
+            "serve",
+            "--port",
+            str(port),
+            "--model",
+            model,
+            "--frontends",
+            "2",
+            "--arena-size",
+            "128MiB",
+            *extra,
+        ],
         stdout=log,
         stderr=subprocess.STDOUT,
     )

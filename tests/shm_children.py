@@ -59,7 +59,9 @@ def leftovers(instance_id: str, slots: int = 8) -> list[str]:
     """
     found = [entry for entry in os.listdir("/dev/shm") if instance_id in entry]
     names = InstanceNames(instance_id)
-    candidates = [names.model_request_queue(i) for i in range(MAX_MODELS)] + [names.reply_queue(k) for k in range(slots)]
+    candidates = [names.model_request_queue(i) for i in range(MAX_MODELS)] + [
+        names.reply_queue(k) for k in range(slots)
+    ]
     candidates += [names.control_queue(w) for w in range(slots)]
     for name in candidates:
         try:
@@ -144,8 +146,14 @@ def stress_writer(instance_id: str, k: int, n_allocations: int, seed: int, resul
                 continue
             rid = (k + 1) << 40 | seq
             part.array(allocation, "uint8", (nbytes,))[:] = pattern(rid, nbytes)
-            ref = TensorRef(offset=allocation.offset, nbytes=nbytes, generation=allocation.generation, dtype="uint8",
-                            shape=(nbytes,), name=f"{rid}")
+            ref = TensorRef(
+                offset=allocation.offset,
+                nbytes=nbytes,
+                generation=allocation.generation,
+                dtype="uint8",
+                shape=(nbytes,),
+                name=f"{rid}",
+            )
             key = entry_key(k, seq)
             with lock.hold(5.0):
                 if not index.insert(IndexEntry(key, k, epoch, (ref,))):
@@ -250,8 +258,14 @@ def hold_index_lock(instance_id: str, k: int, conn: Connection) -> None:
 def index_entry(i: int, epoch: int, data_offset: int) -> IndexEntry:
     """Entry number i, every field derived from i, so a torn entry is recognisable."""
     tensors = tuple(
-        TensorRef(offset=data_offset + 64 * (4 * i + j + 1), nbytes=1 + (i * 7 + j) % 1000, generation=4 * i + j + 1,
-                  dtype="uint8", shape=(1 + (i * 7 + j) % 1000,), name=f"t{i}.{j}")
+        TensorRef(
+            offset=data_offset + 64 * (4 * i + j + 1),
+            nbytes=1 + (i * 7 + j) % 1000,
+            generation=4 * i + j + 1,
+            dtype="uint8",
+            shape=(1 + (i * 7 + j) % 1000,),
+            name=f"t{i}.{j}",
+        )
         for j in range(1 + i % 3)
     )
     return IndexEntry(entry_key(0, i), 0, epoch, tensors)
@@ -284,6 +298,7 @@ def hold_cached_tensors(instance_id: str, k: int, n_keys: int, conn: Connection)
     cache = ContentCache(Partition(inst.segment, k), inst.cache_index(), lock, epoch)
     refs = []
     for i in range(n_keys):
+
         def make(allocate: Any, i: int = i) -> None:
             nbytes = 4096 + 10_000 * i
             allocate("pixels", "uint8", (nbytes,))[:] = pattern(i, nbytes)
@@ -306,8 +321,9 @@ def write_slowly(instance_id: str, k: int, n_small: int, big_nbytes: int, conn: 
         allocation = part.allocate(nbytes)
         assert allocation is not None
         part.array(allocation, "uint8", (nbytes,))[:] = pattern(i + 1, nbytes)  # written before the send
-        ref = TensorRef(offset=allocation.offset, nbytes=nbytes, generation=allocation.generation, dtype="uint8",
-                        shape=(nbytes,))
+        ref = TensorRef(
+            offset=allocation.offset, nbytes=nbytes, generation=allocation.generation, dtype="uint8", shape=(nbytes,)
+        )
         requests.send(Submit(request_id=i + 1, reply_slot=k, model="test", tensors=(ref,)), 10.0)
     big = part.allocate(big_nbytes)
     assert big is not None

@@ -24,7 +24,8 @@ def keyed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 @pytest.mark.parametrize("authorization", [None, f"Bearer {KEY}"])
 def test_docs_is_an_html_page_that_loads_the_openapi_document_with_or_without_the_key(
-        keyed_server: Server, authorization: str | None) -> None:
+    keyed_server: Server, authorization: str | None
+) -> None:
     headers = {} if authorization is None else {"Authorization": authorization}
     page = httpx.get(keyed_server.base_url + "/docs", headers=headers, timeout=10)
     assert page.status_code == 200, page.text[:300]

@@ -42,8 +42,20 @@ def _assert_401(response: httpx.Response) -> None:
 
 @pytest.mark.parametrize(
     "authorization",
-    [None, "", f"Basic {KEY}", f"Token {KEY}", KEY, "Bearer", "Bearer wrong", f"Bearer {KEY}x",
-     f"Bearer {KEY[:-1]}", f"Bearer x{KEY}", f"Bearer {KEY.upper()}", f"Bearer {KEY} {KEY}"],
+    [
+        None,
+        "",
+        f"Basic {KEY}",
+        f"Token {KEY}",
+        KEY,
+        "Bearer",
+        "Bearer wrong",
+        f"Bearer {KEY}x",
+        f"Bearer {KEY[:-1]}",
+        f"Bearer x{KEY}",
+        f"Bearer {KEY.upper()}",
+        f"Bearer {KEY} {KEY}",
+    ],
 )
 def test_chat_without_the_right_bearer_key_is_401(keyed_server: Server, authorization: str | None) -> None:
     headers = {} if authorization is None else {"Authorization": authorization}
@@ -52,8 +64,12 @@ def test_chat_without_the_right_bearer_key_is_401(keyed_server: Server, authoriz
 
 
 def test_the_key_is_checked_before_the_body_is_parsed(keyed_server: Server) -> None:
-    response = httpx.post(keyed_server.base_url + CHAT, content=b"{not json", timeout=30,
-                          headers={"Content-Type": "application/json", "Authorization": "Bearer nope"})
+    response = httpx.post(
+        keyed_server.base_url + CHAT,
+        content=b"{not json",
+        timeout=30,
+        headers={"Content-Type": "application/json", "Authorization": "Bearer nope"},
+    )
     _assert_401(response)
 
 
@@ -69,8 +85,9 @@ def test_the_openai_client_with_the_key_works(keyed_server: Server) -> None:
     reply = client.chat.completions.create(model="checksum", messages=[{"role": "user", "content": content}])
     digest = json.loads(reply.choices[0].message.content or "")["tensors"][0]["blake2b"]
     assert digest == expected_checksum(image)
-    stream = client.chat.completions.create(model="checksum", messages=[{"role": "user", "content": content}],
-                                            stream=True)
+    stream = client.chat.completions.create(
+        model="checksum", messages=[{"role": "user", "content": content}], stream=True
+    )
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert json.loads(text)["tensors"][0]["blake2b"] == digest
 
@@ -83,8 +100,7 @@ def test_the_openai_client_with_a_wrong_key_gets_an_authentication_error(keyed_s
 
 
 def test_the_bearer_scheme_is_case_insensitive(keyed_server: Server) -> None:
-    response = httpx.get(keyed_server.base_url + "/v1/models", headers={"Authorization": f"bearer {KEY}"},
-                         timeout=30)
+    response = httpx.get(keyed_server.base_url + "/v1/models", headers={"Authorization": f"bearer {KEY}"}, timeout=30)
     assert response.status_code == 200
 
 
@@ -99,7 +115,6 @@ def test_metrics_are_open_by_default_and_behind_the_key_with_metrics_need_key(ke
     assert keyed.status_code == 200 and "shmgate_requests_total" in keyed.text
     if _metrics_need_key(keyed_server):
         _assert_401(anonymous)
-        _assert_401(httpx.get(keyed_server.base_url + "/metrics", headers={"Authorization": "Bearer no"},
-                              timeout=30))
+        _assert_401(httpx.get(keyed_server.base_url + "/metrics", headers={"Authorization": "Bearer no"}, timeout=30))
     else:
         assert anonymous.status_code == 200 and "shmgate_requests_total" in anonymous.text

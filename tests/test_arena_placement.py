@@ -118,8 +118,9 @@ class NaturalSize(Preprocessor):
     def cache_params(self) -> bytes:
         return b"natural-size/1"
 
-    def preprocess_image(self, data: bytes, allocate: AllocateFn, *, max_pixels: int,
-                         options: dict[str, Any] | None = None) -> None:
+    def preprocess_image(
+        self, data: bytes, allocate: AllocateFn, *, max_pixels: int, options: dict[str, Any] | None = None
+    ) -> None:
         image = Image.open(io.BytesIO(data)).convert("RGB")
         np.copyto(allocate("pixels", "uint8", (image.height, image.width, 3)), np.asarray(image))
 
@@ -217,8 +218,18 @@ FIT = PARTITION // CHECKSUM_IMAGE_BLOCK  # 6 images fit the partition together, 
 
 @pytest.fixture(scope="module")
 def tiny_arena_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    server = start_server("checksum", tmp_path_factory.mktemp("arena"), "--frontends", "1", "--workers", "1",
-                          "--arena-size", "1MiB", "--max-images", "8")
+    server = start_server(
+        "checksum",
+        tmp_path_factory.mktemp("arena"),
+        "--frontends",
+        "1",
+        "--workers",
+        "1",
+        "--arena-size",
+        "1MiB",
+        "--max-images",
+        "8",
+    )
     try:
         yield server
     finally:
@@ -259,4 +270,3 @@ def test_server_answers_413_for_images_larger_together_than_its_partition(tiny_a
         one = noise_png(400)  # the frontend gave the space back: an ordinary request is served
         response = client.post(url, json=image_request("checksum", one, mime="image/png"))
         assert response.status_code == 200 and expected_checksum(one) in response.text, response.text
-

@@ -26,8 +26,16 @@ from tests.test_hf_transport import Case, noise_image
 
 @pytest.fixture(scope="module")
 def small_arena_server(tiny_qwen2_vl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    yield from _serve(f"checksum:hf:{tiny_qwen2_vl_dir}", tmp_path_factory, "--frontends", "1", "--workers", "1",
-                      "--arena-size", "1MiB")
+    yield from _serve(
+        f"checksum:hf:{tiny_qwen2_vl_dir}",
+        tmp_path_factory,
+        "--frontends",
+        "1",
+        "--workers",
+        "1",
+        "--arena-size",
+        "1MiB",
+    )
 
 
 def test_two_images_that_fit_together_are_placed_after_a_scattered_fill(
@@ -43,8 +51,9 @@ def test_two_images_that_fit_together_are_placed_after_a_scattered_fill(
         for image in [*fill, fill[0], fill[2]]:
             response = client.post(url, json=Case("Fill the cache.", (image, "image/png")).body())
             assert response.status_code == 200, response.text
-        pair = Case("Compare these two.", (noise_image(168, 168, 4), "image/png"),
-                    (noise_image(168, 168, 5), "image/png"))
+        pair = Case(
+            "Compare these two.", (noise_image(168, 168, 4), "image/png"), (noise_image(168, 168, 5), "image/png")
+        )
         response = client.post(url, json=pair.body())
     assert response.status_code == 200, response.text
     want: dict[str, Any]

@@ -66,8 +66,14 @@ def wake() -> Iterator[tuple[int, int]]:
         os.close(write_end)
 
 
-def _batcher(requests: Queue, wake: tuple[int, int], *, max_batch_wait_s: float = LONG_WINDOW_S,
-             more_coming: Callable[[], bool], policy: str = "held") -> Batcher[int]:
+def _batcher(
+    requests: Queue,
+    wake: tuple[int, int],
+    *,
+    max_batch_wait_s: float = LONG_WINDOW_S,
+    more_coming: Callable[[], bool],
+    policy: str = "held",
+) -> Batcher[int]:
     return Batcher(
         requests,
         max_batch_size=8,
@@ -133,9 +139,7 @@ def test_the_window_waits_for_a_request_a_frontend_is_still_decoding(
     assert took < HANG_S
 
 
-def test_the_window_still_bounds_the_wait(
-    instance: Instance, requests: Queue, wake: tuple[int, int]
-) -> None:
+def test_the_window_still_bounds_the_wait(instance: Instance, requests: Queue, wake: tuple[int, int]) -> None:
     _send(instance, 1)
     # a frontend that never finishes decoding: the window (0.2 s) ends the wait
     batch, took = _timed_collect(_batcher(requests, wake, max_batch_wait_s=0.2, more_coming=lambda: True))
@@ -233,8 +237,16 @@ def slow_model_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serv
     """checksum with a 300 ms model and a two-minute window: batches form only while the model is busy."""
     with pytest.MonkeyPatch.context() as env:
         env.setenv("SHMGATE_DIAG_BATCH_DELAY_MS", "300")  # read by the workers serve starts
-        server = start_server("checksum", tmp_path_factory.mktemp("batching"), "--workers", "1",
-                              "--max-batch-size", "8", "--max-batch-wait-ms", str(int(LONG_WINDOW_S * 1000)))
+        server = start_server(
+            "checksum",
+            tmp_path_factory.mktemp("batching"),
+            "--workers",
+            "1",
+            "--max-batch-size",
+            "8",
+            "--max-batch-wait-ms",
+            str(int(LONG_WINDOW_S * 1000)),
+        )
     try:
         yield server
     finally:
@@ -302,14 +314,23 @@ def test_a_message_wakes_one_of_two_workers_filling_their_batches(
 
     def worker(queue: Queue, wake_pipe: tuple[int, int]) -> None:
         thread_ids.append(threading.get_native_id())
-        batcher = Batcher(queue, max_batch_size=1000, max_batch_wait_s=HANG_S, on_take=lambda s: s.request_id,
-                          on_invalid=lambda what: None, more_coming=filling.is_set, wake_fd=wake_pipe[0])
+        batcher = Batcher(
+            queue,
+            max_batch_size=1000,
+            max_batch_wait_s=HANG_S,
+            on_take=lambda s: s.request_id,
+            on_invalid=lambda what: None,
+            more_coming=filling.is_set,
+            wake_fd=wake_pipe[0],
+        )
         batches.append(batcher.collect(idle_timeout_s=HANG_S))
 
     messages = 30
     try:
-        threads = [threading.Thread(target=worker, args=(requests, wake)),
-                   threading.Thread(target=worker, args=(other, (read_end, write_end)))]
+        threads = [
+            threading.Thread(target=worker, args=(requests, wake)),
+            threading.Thread(target=worker, args=(other, (read_end, write_end))),
+        ]
         for thread in threads:
             thread.start()
         _send(instance, 0, 1)  # one each: both are now in their windows, waiting

@@ -32,16 +32,32 @@ def test_gpu_scripts_pass_shellcheck(script: Path) -> None:
 
 
 def test_gpu_run_refuses_an_unknown_stage(tmp_path: Path) -> None:
-    result = subprocess.run(["bash", str(SCRIPTS[0]), "--dry-run", "benchmarks"], capture_output=True, text=True,
-                            timeout=30, env={"OUT": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    result = subprocess.run(
+        ["bash", str(SCRIPTS[0]), "--dry-run", "benchmarks"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={"OUT": str(tmp_path), "PATH": "/usr/bin:/bin"},
+    )
     assert result.returncode == 2 and "unknown argument: benchmarks" in result.stderr
 
 
 def test_gpu_bench_dry_run_exits_cleanly() -> None:
     result = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "gpu.py"), "--dry-run", "--skip-serve", "--skip-overlap", "--json",
-         "--arena-size", str(32 << 20)],
-        capture_output=True, text=True, timeout=120, cwd=REPO,
+        [
+            sys.executable,
+            str(REPO / "bench" / "gpu.py"),
+            "--dry-run",
+            "--skip-serve",
+            "--skip-overlap",
+            "--json",
+            "--arena-size",
+            str(32 << 20),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.count('"exact": true') == 3

@@ -28,13 +28,29 @@ def hf_server(tiny_qwen2_vl_dir: Path, tmp_path_factory: pytest.TempPathFactory)
 
 def _bench(server: Server, capsys: pytest.CaptureFixture[str], *extra: str) -> tuple[int, str]:
     # One at a time: batches of one, so greedy answers for an image agree bit for bit (no mismatches)
-    code = loadgen.main(["--base-url", server.base_url + "/v1", "--images", str(IMAGES), "-c", "1", "-n", "4",
-                         "--max-tokens", "6", "--temperature", "0", *extra])
+    code = loadgen.main(
+        [
+            "--base-url",
+            server.base_url + "/v1",
+            "--images",
+            str(IMAGES),
+            "-c",
+            "1",
+            "-n",
+            "4",
+            "--max-tokens",
+            "6",
+            "--temperature",
+            "0",
+            *extra,
+        ]
+    )
     return code, capsys.readouterr().out
 
 
-def test_a_streamed_run_reports_tokens_per_second_ttft_tpot_and_itl(hf_server: Server,
-                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_streamed_run_reports_tokens_per_second_ttft_tpot_and_itl(
+    hf_server: Server, capsys: pytest.CaptureFixture[str]
+) -> None:
     code, report = _bench(hf_server, capsys, "--stream")
     assert code == 0, report
     assert report.startswith(f"shmgate bench  {hf_server.base_url}  model tiny-qwen2-vl  (chat, streamed)")
@@ -48,7 +64,8 @@ def test_a_streamed_run_reports_tokens_per_second_ttft_tpot_and_itl(hf_server: S
 
 
 def test_a_plain_run_counts_tokens_from_usage_and_says_ttft_needs_streaming(
-        hf_server: Server, capsys: pytest.CaptureFixture[str]) -> None:
+    hf_server: Server, capsys: pytest.CaptureFixture[str]
+) -> None:
     code, out = _bench(hf_server, capsys, "--json")
     result = json.loads(out)
     assert code == 0 and result["generative"] and result["errors"] == 0

@@ -17,12 +17,27 @@ REPO = Path(__file__).resolve().parent.parent
 
 def test_a_short_chaos_soak_ends_every_request_cleanly(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "chaos.py"), "--duration-s", "20", "--json", "--seed", "1",
-         "--log-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=400, cwd=REPO)
+        [
+            sys.executable,
+            str(REPO / "bench" / "chaos.py"),
+            "--duration-s",
+            "20",
+            "--json",
+            "--seed",
+            "1",
+            "--log-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        cwd=REPO,
+    )
     assert done.stdout.strip(), done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
-    print(f"\nchaos (20 s): {summary['requests']} requests, {summary['faults']} faults {summary['faults_by_kind']}, "
-          f"back to full capacity median {summary['back_to_full_capacity_s']['median']} s; {summary['outcomes']}")
+    print(
+        f"\nchaos (20 s): {summary['requests']} requests, {summary['faults']} faults {summary['faults_by_kind']}, "
+        f"back to full capacity median {summary['back_to_full_capacity_s']['median']} s; {summary['outcomes']}"
+    )
     assert done.returncode == 0 and not summary["failures"], summary["failures"]
     assert summary["faults"] >= 2 and summary["requests"] > 50

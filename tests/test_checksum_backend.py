@@ -47,14 +47,22 @@ def test_hash_equals_blake2b_of_the_preprocessed_array() -> None:
     body = answer(WorkItem(5, {"pixels": [torch.from_numpy(pixels)]}))
     assert body == {
         "tensors": [
-            {"name": "pixels", "index": 0, "dtype": "uint8", "shape": [3, 224, 224], "blake2b": blake2b_16(pixels.tobytes())}
+            {
+                "name": "pixels",
+                "index": 0,
+                "dtype": "uint8",
+                "shape": [3, 224, 224],
+                "blake2b": blake2b_16(pixels.tobytes()),
+            }
         ]
     }
 
 
 def test_checksum_preprocessing_is_byte_identical_to_efficientnets() -> None:
     for name in ("chelsea_640.jpg", "camera_1024.jpg"):
-        assert preprocess(ChecksumPreprocessor(), name).tobytes() == preprocess(EfficientNetPreprocessor(), name).tobytes()
+        assert (
+            preprocess(ChecksumPreprocessor(), name).tobytes() == preprocess(EfficientNetPreprocessor(), name).tobytes()
+        )
 
 
 def test_tensors_are_listed_by_name_then_in_order() -> None:

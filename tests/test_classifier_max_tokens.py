@@ -19,19 +19,29 @@ __all__ = ["backend"]  # the module-scoped fixture, shared with tests/test_effic
 
 
 def _item(names: list[str], max_tokens: int | None) -> WorkItem:
-    return WorkItem(1, {"pixels": [torch.from_numpy(preprocess(name)) for name in names]},
-                    SamplingParams(max_tokens=max_tokens))
+    return WorkItem(
+        1, {"pixels": [torch.from_numpy(preprocess(name)) for name in names]}, SamplingParams(max_tokens=max_tokens)
+    )
 
 
 def _labels(text: str) -> list[str]:
     return [line for line in text.splitlines() if not line.startswith("image ")]
 
 
-@pytest.mark.parametrize(("max_tokens", "lines", "finish"), [
-    (1, 1, "length"), (3, 3, "length"), (4, 4, "length"), (5, 5, "stop"), (6, 5, "stop"), (None, 5, "stop"),
-])
-def test_max_tokens_bounds_the_label_lines_of_one_image(backend: EfficientNetBackend, max_tokens: int | None,
-                                                        lines: int, finish: str) -> None:
+@pytest.mark.parametrize(
+    ("max_tokens", "lines", "finish"),
+    [
+        (1, 1, "length"),
+        (3, 3, "length"),
+        (4, 4, "length"),
+        (5, 5, "stop"),
+        (6, 5, "stop"),
+        (None, 5, "stop"),
+    ],
+)
+def test_max_tokens_bounds_the_label_lines_of_one_image(
+    backend: EfficientNetBackend, max_tokens: int | None, lines: int, finish: str
+) -> None:
     events = answers(backend, [_item(["coffee_640.jpg"], max_tokens)])[0]
     text = "".join(e.text for e in events)
     assert len(_labels(text)) == lines and text.startswith("espresso: ")

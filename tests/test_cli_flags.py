@@ -25,12 +25,18 @@ from worker.__main__ import parse_args as worker_args
 
 # (variable without SHMGATE_, bad value, what the one line must say besides the variable)
 BAD_ENVIRONMENT = [
-    ("PORT", "eighty", "not a whole number"), ("REQUEST_TIMEOUT_S", "soon", "not a number"),
-    ("MAX_BATCH_SIZE", "8.5", "not a whole number"), ("STALL_TIMEOUT_S", "x", "not a number"),
-    ("IMAGE_URL_MAX_BYTES", "lots", "not a size"), ("WORKERS", "-1", "use auto"),
-    ("ARENA_SIZE", "lots", "not a size"), ("LOG_LEVEL", "verbose", "not a log level"),
-    ("DEVICE", "gpu", "use cpu, cuda or cuda:N"), ("BATCH_POLICY", "fifo", "not one of fcfs, held"),
-    ("ACCESS_LOG", "maybe", "not on or off"), ("MODEL", "gpt-4", "unknown model"),
+    ("PORT", "eighty", "not a whole number"),
+    ("REQUEST_TIMEOUT_S", "soon", "not a number"),
+    ("MAX_BATCH_SIZE", "8.5", "not a whole number"),
+    ("STALL_TIMEOUT_S", "x", "not a number"),
+    ("IMAGE_URL_MAX_BYTES", "lots", "not a size"),
+    ("WORKERS", "-1", "use auto"),
+    ("ARENA_SIZE", "lots", "not a size"),
+    ("LOG_LEVEL", "verbose", "not a log level"),
+    ("DEVICE", "gpu", "use cpu, cuda or cuda:N"),
+    ("BATCH_POLICY", "fifo", "not one of fcfs, held"),
+    ("ACCESS_LOG", "maybe", "not on or off"),
+    ("MODEL", "gpt-4", "unknown model"),
 ]
 
 
@@ -51,14 +57,22 @@ def test_a_bad_environment_value_is_one_line_naming_its_variable_not_the_flag(
 # (flag, bad value, what the one line must say)
 BAD_FLAGS = [
     ("--workers", "-1", "use auto for the default, or a count of 1 or more"),
-    ("--workers", "0", "use auto"), ("--frontends", "0", "use auto"),
-    ("--arena-size", "lots", "not a size"), ("--arena-size", "1KiB", "too small"),
-    ("--log-level", "verbose", "not a log level"), ("--device", "gpu", "use cpu, cuda or cuda:N"),
-    ("--device", "cuda:x", "use cpu, cuda or cuda:N"), ("--port", "70000", "1 to 65535"),
-    ("--port", "eighty", "not a whole number"), ("--request-timeout-s", "-1", "more than 0"),
-    ("--drain-timeout-s", "-5", "0 or more"), ("--image-url-timeout-s", "nan", "not a finite number"),
-    ("--max-batch-wait-ms", "-1", "0 or more"), ("--model", "gpt-4", "unknown model 'gpt-4'"),
-    ("--model", "hf:/no/such/dir", "no such directory"), ("--batch-policy", "fifo", "not one of fcfs, held"),
+    ("--workers", "0", "use auto"),
+    ("--frontends", "0", "use auto"),
+    ("--arena-size", "lots", "not a size"),
+    ("--arena-size", "1KiB", "too small"),
+    ("--log-level", "verbose", "not a log level"),
+    ("--device", "gpu", "use cpu, cuda or cuda:N"),
+    ("--device", "cuda:x", "use cpu, cuda or cuda:N"),
+    ("--port", "70000", "1 to 65535"),
+    ("--port", "eighty", "not a whole number"),
+    ("--request-timeout-s", "-1", "more than 0"),
+    ("--drain-timeout-s", "-5", "0 or more"),
+    ("--image-url-timeout-s", "nan", "not a finite number"),
+    ("--max-batch-wait-ms", "-1", "0 or more"),
+    ("--model", "gpt-4", "unknown model 'gpt-4'"),
+    ("--model", "hf:/no/such/dir", "no such directory"),
+    ("--batch-policy", "fifo", "not one of fcfs, held"),
 ]
 
 
@@ -74,7 +88,8 @@ def test_a_bad_flag_value_is_one_line_naming_the_flag(
 
 
 def test_an_hf_directory_without_config_json_is_not_a_checkpoint(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--model", f"hf:{tmp_path}"])
     assert "not a Hugging Face checkpoint (no config.json)" in capsys.readouterr().err
@@ -98,8 +113,9 @@ def test_the_worker_refuses_bad_values_the_same_way(
 def test_each_command_ends_at_once_with_status_2_and_one_line(command: list[str]) -> None:
     """A real process: no traceback, no restart loop, nothing started (a hang guard, not a timing check)."""
     env = {**os.environ, "SHMGATE_LOG_LEVEL": "verbose", "SHMGATE_LABEL": "never-attached-cli-test"}
-    done = subprocess.run([sys.executable, "-m", "gateway", *command], env=env, capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "gateway", *command], env=env, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "SHMGATE_LOG_LEVEL: 'verbose' is not a log level" in lines[0], done.stderr
@@ -111,14 +127,20 @@ def test_each_command_ends_at_once_with_status_2_and_one_line(command: list[str]
 
 @pytest.mark.parametrize(
     ("flags", "environ", "gpus", "says"),
-    [(["--device", "cuda"], {}, 0, "--device cuda: no GPU is visible (no NVIDIA GPU was found); use --device cpu"),
-     ([], {"SHMGATE_DEVICE": "cuda"}, 0, "SHMGATE_DEVICE='cuda': no GPU is visible"),
-     (["--device", "cuda:0"], {"CUDA_VISIBLE_DEVICES": ""}, 4, "CUDA_VISIBLE_DEVICES='' hides them"),
-     (["--device", "cuda:2"], {"CUDA_VISIBLE_DEVICES": "0,1"}, 4, "only 2 GPU(s) are visible, cuda:0 to cuda:1")],
+    [
+        (["--device", "cuda"], {}, 0, "--device cuda: no GPU is visible (no NVIDIA GPU was found); use --device cpu"),
+        ([], {"SHMGATE_DEVICE": "cuda"}, 0, "SHMGATE_DEVICE='cuda': no GPU is visible"),
+        (["--device", "cuda:0"], {"CUDA_VISIBLE_DEVICES": ""}, 4, "CUDA_VISIBLE_DEVICES='' hides them"),
+        (["--device", "cuda:2"], {"CUDA_VISIBLE_DEVICES": "0,1"}, 4, "only 2 GPU(s) are visible, cuda:0 to cuda:1"),
+    ],
 )
 def test_serve_refuses_a_gpu_the_machine_does_not_have_before_starting_anything(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], flags: list[str],
-    environ: dict[str, str], gpus: int, says: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    flags: list[str],
+    environ: dict[str, str],
+    gpus: int,
+    says: str,
 ) -> None:
     monkeypatch.setattr(cli, "_gpu_count", lambda: gpus)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
@@ -150,8 +172,13 @@ def test_torch_cuda_build_reads_the_installed_torch_without_importing_it() -> No
 
 
 def _options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
-    return [a for a in parser._actions if a.option_strings and a.help != argparse.SUPPRESS
-            and not isinstance(a, (argparse._HelpAction, argparse._VersionAction))]
+    return [
+        a
+        for a in parser._actions
+        if a.option_strings
+        and a.help != argparse.SUPPRESS
+        and not isinstance(a, (argparse._HelpAction, argparse._VersionAction))
+    ]
 
 
 def _subparser(name: str) -> argparse.ArgumentParser:
@@ -162,7 +189,8 @@ def _subparser(name: str) -> argparse.ArgumentParser:
 
 @pytest.mark.parametrize("parser_name", ["serve", "gateway", "worker"])
 def test_every_flag_has_help_with_its_default_and_its_variable(
-        monkeypatch: pytest.MonkeyPatch, parser_name: str) -> None:
+    monkeypatch: pytest.MonkeyPatch, parser_name: str
+) -> None:
     for name in [n for n in os.environ if n.startswith("SHMGATE_")]:
         monkeypatch.delenv(name)
     parser = worker_parser() if parser_name == "worker" else _subparser(parser_name)
@@ -193,7 +221,8 @@ def test_top_level_help_lists_the_commands_but_not_the_internal_frontend(capsys:
 
 @pytest.mark.parametrize("parse", [build_parser().parse_args, worker_args])
 def test_version_prints_the_installed_version(
-        capsys: pytest.CaptureFixture[str], parse: Callable[[list[str]], argparse.Namespace]) -> None:
+    capsys: pytest.CaptureFixture[str], parse: Callable[[list[str]], argparse.Namespace]
+) -> None:
     with pytest.raises(SystemExit) as exited:
         parse(["--version"])
     assert exited.value.code == 0
@@ -229,8 +258,22 @@ def test_a_flag_wins_over_a_bad_environment_value(monkeypatch: pytest.MonkeyPatc
 def test_a_frontend_child_parses_back_to_the_supervisor_s_values(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SHMGATE_API_KEY", "secret-key")
     parent = build_parser().parse_args(
-        ["serve", "--allow-image-urls", "--metrics-need-key", "--access-log", "--max-images", "3", "--result-cache-mb", "1.5",
-         "--image-url-allowlist", "10.0.0.0/8", "--label", "blue", "--port", "9009"]
+        [
+            "serve",
+            "--allow-image-urls",
+            "--metrics-need-key",
+            "--access-log",
+            "--max-images",
+            "3",
+            "--result-cache-mb",
+            "1.5",
+            "--image-url-allowlist",
+            "10.0.0.0/8",
+            "--label",
+            "blue",
+            "--port",
+            "9009",
+        ]
     )
     argv = _frontend_argv(parent, "abc", 2, 7)
     assert "secret-key" not in argv and "--api-key" not in argv, "a secret on argv is visible in ps"
@@ -244,14 +287,30 @@ def test_a_frontend_child_parses_back_to_the_supervisor_s_values(monkeypatch: py
 def test_serve_s_worker_children_get_its_batching_flags() -> None:
     """serve and worker share one definition of the batching flags (shared/flags.py)."""
     parent = build_parser().parse_args(
-        ["serve", "--device", "cpu", "--workers", "1", "--max-batch-size", "3", "--max-batch-wait-ms", "2.5",
-         "--dtype", "float32", "--compile-normalise"]
+        [
+            "serve",
+            "--device",
+            "cpu",
+            "--workers",
+            "1",
+            "--max-batch-size",
+            "3",
+            "--max-batch-wait-ms",
+            "2.5",
+            "--dtype",
+            "float32",
+            "--compile-normalise",
+        ]
     )
     [(argv, _)] = _worker_children(parent, "abc")
     child = worker_args(argv[3:])
     assert child.instance == "abc"
     assert (child.max_batch_size, child.max_batch_wait_ms, child.dtype, child.compile_normalise) == (
-        3, 2.5, "float32", True)
+        3,
+        2.5,
+        "float32",
+        True,
+    )
 
 
 def test_the_worker_refuses_cuda_without_a_usable_gpu_naming_where_the_value_came_from(
@@ -264,8 +323,9 @@ def test_the_worker_refuses_cuda_without_a_usable_gpu_naming_where_the_value_cam
 
     never = ["--label", "never-attached-cli-test", "--attach-wait-s", "0"]
     assert worker_main(["--device", "cuda:0", *never]) == 2
-    assert capsys.readouterr().err == ("shmgate worker: error: --device cuda:0: CUDA is not available "
-                                       "(a CPU-only build of torch); use --device cpu\n")
+    assert capsys.readouterr().err == (
+        "shmgate worker: error: --device cuda:0: CUDA is not available (a CPU-only build of torch); use --device cpu\n"
+    )
     monkeypatch.setenv("SHMGATE_DEVICE", "cuda")
     assert worker_main(never) == 2
     assert "error: SHMGATE_DEVICE='cuda': CUDA is not available" in capsys.readouterr().err

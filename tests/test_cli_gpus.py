@@ -37,8 +37,9 @@ def test_cpu_default_is_two_workers_splitting_the_cores_and_one_for_hf_models() 
 # --- placement: which GPU each worker of `shmgate serve` runs on ------------------------------------------
 
 
-def _serve_workers(monkeypatch: pytest.MonkeyPatch, flags: list[str], *, gpus: int,
-                   visible: str | None = None) -> list[tuple[str, str | None]]:
+def _serve_workers(
+    monkeypatch: pytest.MonkeyPatch, flags: list[str], *, gpus: int, visible: str | None = None
+) -> list[tuple[str, str | None]]:
     """(--device, CUDA_VISIBLE_DEVICES) of each worker `shmgate serve FLAGS` starts on a machine with ``gpus``."""
     monkeypatch.setattr(cli, "_gpu_count", lambda: gpus)
     if visible is None:
@@ -53,7 +54,8 @@ def _serve_workers(monkeypatch: pytest.MonkeyPatch, flags: list[str], *, gpus: i
 
 
 def test_each_cuda_worker_sees_exactly_its_own_gpu_and_each_gpu_gets_workers_per_gpu(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     workers = _serve_workers(monkeypatch, ["--device", "cuda", "--workers-per-gpu", "2"], gpus=4)
     assert len(workers) == 8
     assert {device for device, _ in workers} == {"cuda:0"}  # GPU 0 of what it sees: its own
@@ -67,14 +69,18 @@ def test_the_default_device_on_a_gpu_machine_is_one_worker_per_gpu(monkeypatch: 
 
 def test_cuda_n_means_gpu_n_only_with_its_workers_on_it(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _serve_workers(monkeypatch, ["--device", "cuda:2", "--workers-per-gpu", "2"], gpus=4) == [
-        ("cuda:0", "2"), ("cuda:0", "2")]
+        ("cuda:0", "2"),
+        ("cuda:0", "2"),
+    ]
     assert _serve_workers(monkeypatch, ["--device", "cuda:1", "--workers", "3"], gpus=2) == [("cuda:0", "1")] * 3
 
 
 def test_cuda_n_counts_within_cuda_visible_devices_as_cuda_does(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _serve_workers(monkeypatch, ["--device", "cuda:1"], gpus=8, visible="5,7") == [("cuda:0", "7")]
     assert _serve_workers(monkeypatch, ["--device", "cuda"], gpus=8, visible="5,7") == [
-        ("cuda:0", "5"), ("cuda:0", "7")]
+        ("cuda:0", "5"),
+        ("cuda:0", "7"),
+    ]
 
 
 def test_cuda_n_past_the_visible_gpus_is_a_setup_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -87,7 +93,9 @@ def test_cuda_n_past_the_visible_gpus_is_a_setup_error(monkeypatch: pytest.Monke
 def test_gpus_not_countable_here_leave_the_choice_to_the_worker(monkeypatch: pytest.MonkeyPatch) -> None:
     # No /proc/driver/nvidia (some containers): the device as asked, visibility inherited.
     assert _serve_workers(monkeypatch, ["--device", "cuda", "--workers-per-gpu", "2"], gpus=0) == [
-        ("cuda", None), ("cuda", None)]
+        ("cuda", None),
+        ("cuda", None),
+    ]
     assert _serve_workers(monkeypatch, ["--device", "cuda:1"], gpus=0) == [("cuda:1", None)]
 
 

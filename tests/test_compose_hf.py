@@ -79,12 +79,20 @@ def _config(binary: list[str], *files: Path, env: dict[str, str], fmt: list[str]
     argv = [*binary, "--project-directory", str(DOCKER), "-p", "shmgate-config-check"]
     for f in files:
         argv += ["-f", str(f)]
-    return subprocess.run([*argv, "config", *fmt], capture_output=True, text=True, timeout=60,
-                          env={**{k: v for k, v in os.environ.items() if not k.startswith("SHMGATE_")}, **env})
+    return subprocess.run(
+        [*argv, "config", *fmt],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**{k: v for k, v in os.environ.items() if not k.startswith("SHMGATE_")}, **env},
+    )
 
 
-@pytest.mark.parametrize("binary", _compose_binaries() or [pytest.param([], marks=pytest.mark.skip("no Compose"))],
-                         ids=lambda b: " ".join(b) or "none")
+@pytest.mark.parametrize(
+    "binary",
+    _compose_binaries() or [pytest.param([], marks=pytest.mark.skip("no Compose"))],
+    ids=lambda b: " ".join(b) or "none",
+)
 def test_compose_accepts_the_override_and_refuses_it_unset(binary: list[str]) -> None:
     for files in ((COMPOSE, COMPOSE_HF), (COMPOSE, COMPOSE_GPU, COMPOSE_HF)):
         ok = _config(binary, *files, env=ENV, fmt=["-q"])

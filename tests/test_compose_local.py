@@ -51,8 +51,14 @@ HEALTHY_TIMEOUT_S = 30.0  # bounded waits only; none of them is a timing asserti
 READY_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 20.0
 INSTANCE_LOG = re.compile(r"instance ([0-9a-f]{16}) listening on http://([^:]+):(\d+)")
-_RLIMITS = {"msgqueue": resource.RLIMIT_MSGQUEUE, "nofile": resource.RLIMIT_NOFILE, "nproc": resource.RLIMIT_NPROC,
-            "memlock": resource.RLIMIT_MEMLOCK, "core": resource.RLIMIT_CORE, "stack": resource.RLIMIT_STACK}
+_RLIMITS = {
+    "msgqueue": resource.RLIMIT_MSGQUEUE,
+    "nofile": resource.RLIMIT_NOFILE,
+    "nproc": resource.RLIMIT_NPROC,
+    "memlock": resource.RLIMIT_MEMLOCK,
+    "core": resource.RLIMIT_CORE,
+    "stack": resource.RLIMIT_STACK,
+}
 
 
 def summary_line(n: int) -> re.Pattern[str]:
@@ -187,9 +193,11 @@ class LocalCompose:
         self.replicas.setdefault(service, []).append(Replica(service, index, process, log_path, env))
 
     def _wait_dependencies(self, service: str, depends_on: Mapping | list) -> None:
-        conditions = {name: "service_started" for name in depends_on} if isinstance(depends_on, list) else {
-            name: (value or {}).get("condition", "service_started") for name, value in depends_on.items()
-        }
+        conditions = (
+            {name: "service_started" for name in depends_on}
+            if isinstance(depends_on, list)
+            else {name: (value or {}).get("condition", "service_started") for name, value in depends_on.items()}
+        )
         for dependency, condition in conditions.items():
             assert self.replicas.get(dependency), f"{service} depends on {dependency}, which did not start"
             if condition == "service_healthy":
@@ -211,16 +219,20 @@ class LocalCompose:
         assert kind in ("CMD", "CMD-SHELL"), f"unsupported health check {test!r}"
         timeout_s = duration_s(check.get("timeout"), 30.0)
         # Docker gives up after start_period + retries x interval; locally we poll faster, within a bound.
-        budget = min(HEALTHY_TIMEOUT_S, duration_s(check.get("start_period"), 0.0)
-                     + int(check.get("retries", 3)) * duration_s(check.get("interval"), 30.0))
+        budget = min(
+            HEALTHY_TIMEOUT_S,
+            duration_s(check.get("start_period"), 0.0)
+            + int(check.get("retries", 3)) * duration_s(check.get("interval"), 30.0),
+        )
         deadline = time.monotonic() + budget
         for replica in self.replicas[service]:
             last = ""
             while True:
                 assert replica.alive(), f"{service} exited early ({replica.process.returncode}):\n{replica.log()}"
                 try:
-                    result = subprocess.run(argv, env=replica.env, capture_output=True, text=True,
-                                            timeout=timeout_s, cwd=self.log_dir)
+                    result = subprocess.run(
+                        argv, env=replica.env, capture_output=True, text=True, timeout=timeout_s, cwd=self.log_dir
+                    )
                     if result.returncode == 0:
                         break
                     last = result.stderr[-500:]
@@ -341,7 +353,11 @@ def run_loadtest(stack: LocalCompose, model: str, requests: int, concurrency: in
     env = {k: v for k, v in os.environ.items() if k not in ("SHMGATE_API_KEY", "OPENAI_API_KEY")}
     result = subprocess.run(
         ["bash", str(LOADTEST), stack.base_url, model, str(requests), str(concurrency), str(IMAGES)],
-        capture_output=True, text=True, timeout=120, cwd=ROOT, env={**env, "LOADTEST_TIMEOUT_S": "60"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**env, "LOADTEST_TIMEOUT_S": "60"},
     )
     lines = result.stdout.strip().splitlines()
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr}\n{stack.logs()}"
@@ -362,8 +378,10 @@ def wait_status(stack: LocalCompose, expected: int, timeout_s: float, after: str
 def test_compose_file_starts_as_local_processes(monkeypatch: pytest.MonkeyPatch) -> None:
     """What the tests below start: the gateway, then the worker; both on this interpreter's console script."""
     commands = compose_commands(COMPOSE, {"SHMGATE_LABEL": "x", "SHMGATE_MODEL": "checksum"})
-    assert [(c.service, c.argv) for c in commands] == [("gateway", ["shmgate", "gateway"]),
-                                                       ("worker", ["shmgate", "worker"])]
+    assert [(c.service, c.argv) for c in commands] == [
+        ("gateway", ["shmgate", "gateway"]),
+        ("worker", ["shmgate", "worker"]),
+    ]
     assert all(c.environment["SHMGATE_LABEL"] == "x" for c in commands)
     assert local_argv(["shmgate", "worker"])[1:] in (["worker"], ["-m", "gateway", "worker"])
     monkeypatch.setenv("SHMGATE_HOST", "0.0.0.0")
@@ -384,8 +402,13 @@ def test_compose_services_pass_the_load_test_survive_a_dead_worker_and_leave_not
 
         # Liveness across "containers". Both replicas attached first: /ready needs only one, and on a busy
         # machine the second may still be starting (its log empty) when the first is killed.
-        wait_until(lambda: all("ready in worker slot" in r.log_path.read_text(errors="replace")
-                               for r in stack.replicas["worker"]), READY_TIMEOUT_S, "both workers ready")
+        wait_until(
+            lambda: all(
+                "ready in worker slot" in r.log_path.read_text(errors="replace") for r in stack.replicas["worker"]
+            ),
+            READY_TIMEOUT_S,
+            "both workers ready",
+        )
         killed, survivor = stack.replicas["worker"]
         killed.process.send_signal(signal.SIGKILL)
         killed.process.wait(10)

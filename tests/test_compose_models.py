@@ -63,8 +63,11 @@ def test_every_declared_model_has_its_own_worker_service() -> None:
         assert spec["depends_on"]["gateway"]["condition"] == "service_healthy", name
 
 
-@pytest.mark.parametrize("binary", _compose_binaries() or [pytest.param([], marks=pytest.mark.skip("no Compose"))],
-                         ids=lambda b: " ".join(b) or "none")
+@pytest.mark.parametrize(
+    "binary",
+    _compose_binaries() or [pytest.param([], marks=pytest.mark.skip("no Compose"))],
+    ids=lambda b: " ".join(b) or "none",
+)
 def test_compose_accepts_the_override(binary: list[str]) -> None:
     ok = _config(binary, COMPOSE, COMPOSE_MODELS, env={}, fmt=["-q"])
     assert ok.returncode == 0, ok.stderr

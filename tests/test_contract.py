@@ -112,11 +112,13 @@ def guarded() -> Iterator[tuple[int, np.ndarray]]:
 
 
 def test_a_stray_exception_is_a_500_in_openai_form_and_the_connection_stays_usable(
-        guarded: tuple[int, np.ndarray], caplog: pytest.LogCaptureFixture) -> None:
+    guarded: tuple[int, np.ndarray], caplog: pytest.LogCaptureFixture
+) -> None:
     port, row = guarded
     caplog.set_level(logging.INFO)
     (status, headers, body), (next_status, _, next_body) = _two_on_one_connection(
-        port, _request("GET", "/boom", port), _request("GET", "/fine", port))
+        port, _request("GET", "/boom", port), _request("GET", "/fine", port)
+    )
     error = _openai_error(body)
     assert status == 500 and (error["type"], error["code"]) == ("server_error", "internal_error")
     assert headers["x-request-id"] in str(error["message"])
@@ -130,8 +132,14 @@ def test_a_stray_exception_is_a_500_in_openai_form_and_the_connection_stays_usab
 def test_the_host_check_refuses_other_names_with_an_openai_error(guarded: tuple[int, np.ndarray]) -> None:
     port, row = guarded
     refused_before = int(row[Counter.REQUESTS_CLIENT_ERROR])
-    for host, allowed in [("localhost:1", True), ("127.0.0.1", True), ("evil.example", False),
-                          ("evil.example:80", False), ("127.0.0.1.evil.example", False), (None, True)]:
+    for host, allowed in [
+        ("localhost:1", True),
+        ("127.0.0.1", True),
+        ("evil.example", False),
+        ("evil.example:80", False),
+        ("127.0.0.1.evil.example", False),
+        (None, True),
+    ]:
         with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
             head = "" if host is None else f"Host: {host}\r\n"  # none: an HTTP/1.0 probe; browsers always send one
             sock.sendall(f"GET /fine HTTP/1.1\r\n{head}\r\n".encode())
@@ -155,9 +163,13 @@ def test_the_default_hosts_are_the_loopback_names_only_when_listening_on_loopbac
 def test_the_supervisor_hands_its_frontends_the_host_default_for_its_own_listen_address() -> None:
     from gateway.cli import _frontend_argv, build_parser, fill_allowed_hosts
 
-    for flags, want in [(["--host", "0.0.0.0"], "*"), (["--host", "127.0.0.1"], "localhost,127.0.0.1,::1"),
-                        (["--host", "::1"], "localhost,127.0.0.1,::1"), ([], "localhost,127.0.0.1,::1"),
-                        (["--host", "0.0.0.0", "--allowed-hosts", "api.example"], "api.example")]:
+    for flags, want in [
+        (["--host", "0.0.0.0"], "*"),
+        (["--host", "127.0.0.1"], "localhost,127.0.0.1,::1"),
+        (["--host", "::1"], "localhost,127.0.0.1,::1"),
+        ([], "localhost,127.0.0.1,::1"),
+        (["--host", "0.0.0.0", "--allowed-hosts", "api.example"], "api.example"),
+    ]:
         parent = build_parser().parse_args(["serve", *flags])
         fill_allowed_hosts(parent)
         child = build_parser().parse_args(_frontend_argv(parent, "abc", 0, 3)[3:])
@@ -174,18 +186,22 @@ def server(checksum_server: Server) -> Server:
 
 def test_a_non_ascii_digit_in_logit_bias_is_a_400(server: Server) -> None:
     for key in ("²", "٣", "１"):  # isdigit() is true for each; int() refuses the first
-        response = httpx.post(server.base_url + CHAT, content=_body(logit_bias={key: 1}),
-                              headers={"Content-Type": "application/json"}, timeout=30)
+        response = httpx.post(
+            server.base_url + CHAT,
+            content=_body(logit_bias={key: 1}),
+            headers={"Content-Type": "application/json"},
+            timeout=30,
+        )
         assert response.status_code == 400, response.text
         assert response.json()["error"]["param"] == "logit_bias"
 
 
-def test_an_unreadable_openmetrics_accept_gets_the_text_format_on_a_connection_that_stays_open(
-        server: Server) -> None:
+def test_an_unreadable_openmetrics_accept_gets_the_text_format_on_a_connection_that_stays_open(server: Server) -> None:
     before = server.metric('shmgate_requests_total{outcome="server_error"}')
     bad = _request("GET", "/metrics", server.port, headers="Accept: application/openmetrics-text; version=abc\r\n")
     (status, headers, body), (next_status, _, _) = _two_on_one_connection(
-        server.port, bad, _request("GET", "/health", server.port))
+        server.port, bad, _request("GET", "/health", server.port)
+    )
     assert status == 200 and headers["content-type"].startswith("text/plain")
     assert b"shmgate_requests_total" in body
     assert next_status == 200
@@ -198,16 +214,20 @@ def test_a_client_that_hangs_up_mid_body_is_counted_cancelled_without_a_tracebac
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
         sock.sendall(_request("POST", CHAT, server.port, body=_body())[:-10])  # 10 bytes short of the body
         time.sleep(0.2)
-    wait_until(lambda: server.metric('shmgate_requests_total{outcome="cancelled"}') > before, 10,
-               "the hang-up counted as cancelled")
+    wait_until(
+        lambda: server.metric('shmgate_requests_total{outcome="cancelled"}') > before,
+        10,
+        "the hang-up counted as cancelled",
+    )
     log = server.log_path.read_text()
     assert log.count("Traceback") == tracebacks and "ClientDisconnect" not in log
 
 
 def test_an_error_quotes_at_most_a_few_hundred_characters_of_the_input(server: Server) -> None:
     body = json.dumps({"model": "checksum", "messages": [{"role": "r" * 1_000_000, "content": "hi"}]})
-    response = httpx.post(server.base_url + CHAT, content=body, headers={"Content-Type": "application/json"},
-                          timeout=30)
+    response = httpx.post(
+        server.base_url + CHAT, content=body, headers={"Content-Type": "application/json"}, timeout=30
+    )
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == "messages[0].role"
@@ -226,65 +246,110 @@ def test_a_capped_message_keeps_its_head_and_tail_within_the_documented_bound() 
         assert out == message or "characters cut" in out
 
 
-@pytest.mark.parametrize("content_type", [
-    "text/plain", "text/plain;charset=UTF-8", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
-    "application/json-patch+json", "application/jsonx",
-])
+@pytest.mark.parametrize(
+    "content_type",
+    [
+        "text/plain",
+        "text/plain;charset=UTF-8",
+        "application/x-www-form-urlencoded",
+        "multipart/form-data; boundary=x",
+        "application/json-patch+json",
+        "application/jsonx",
+    ],
+)
 def test_a_body_that_is_not_declared_json_is_a_415(server: Server, content_type: str) -> None:
     for path in (CHAT, "/v1/embeddings", "/tokenize"):
-        response = httpx.post(server.base_url + path, content=_body(),
-                              headers={"Content-Type": content_type, "Origin": "http://evil.example"}, timeout=30)
+        response = httpx.post(
+            server.base_url + path,
+            content=_body(),
+            headers={"Content-Type": content_type, "Origin": "http://evil.example"},
+            timeout=30,
+        )
         assert response.status_code == 415, (path, response.text)
         error = response.json()["error"]
         assert error["code"] == "unsupported_media_type" and "Content-Type: application/json" in error["message"]
 
 
-@pytest.mark.parametrize("content_type", [None, "application/json", "application/json; charset=utf-8",
-                                          "Application/JSON"])
+@pytest.mark.parametrize(
+    "content_type", [None, "application/json", "application/json; charset=utf-8", "Application/JSON"]
+)
 def test_json_or_no_content_type_is_accepted(server: Server, content_type: str | None) -> None:
     headers = {} if content_type is None else {"Content-Type": content_type}
     response = httpx.post(server.base_url + CHAT, content=_body(), headers=headers, timeout=30)
     assert response.status_code == 200, response.text
 
 
-@pytest.mark.parametrize(("host", "status"), [
-    ("evil.example", 421), ("evil.example:{port}", 421), ("localhost:{port}", 200), ("127.0.0.1:{port}", 200),
-    ("[::1]:{port}", 200), ("LOCALHOST", 200),
-])
+@pytest.mark.parametrize(
+    ("host", "status"),
+    [
+        ("evil.example", 421),
+        ("evil.example:{port}", 421),
+        ("localhost:{port}", 200),
+        ("127.0.0.1:{port}", 200),
+        ("[::1]:{port}", 200),
+        ("LOCALHOST", 200),
+    ],
+)
 def test_a_server_on_loopback_answers_only_loopback_host_names(server: Server, host: str, status: int) -> None:
-    response = httpx.post(server.base_url + CHAT, content=_body(), timeout=30,
-                          headers={"Host": host.format(port=server.port), "Content-Type": "application/json"})
+    response = httpx.post(
+        server.base_url + CHAT,
+        content=_body(),
+        timeout=30,
+        headers={"Host": host.format(port=server.port), "Content-Type": "application/json"},
+    )
     assert response.status_code == status, response.text
     if status != 200:
         assert response.json()["error"]["code"] == "host_not_allowed"
 
 
 def test_a_trailing_slash_is_a_404_not_a_redirect_built_from_the_host(server: Server) -> None:
-    response = httpx.post(server.base_url + CHAT + "/", content=_body(), timeout=30,
-                          headers={"Content-Type": "application/json"})
+    response = httpx.post(
+        server.base_url + CHAT + "/", content=_body(), timeout=30, headers={"Content-Type": "application/json"}
+    )
     assert response.status_code == 404 and "location" not in response.headers
     assert _openai_error(response.content)["code"] == "not_found"
 
 
-@pytest.mark.parametrize(("field", "value"), [
-    *[(name, {"type": "object"}) for name in FORM_FIELDS],
-    ("guided_choice", ["a", "b"]), ("structured_outputs", {"json": {}}), ("modalities", ["text", "audio"]),
-    ("modalities", ["audio"]), ("audio", {"voice": "alloy", "format": "wav"}),
-    ("prediction", {"type": "content", "content": "x"}), ("echo", True), ("tools", [{"type": "function"}]),
-    ("tool_choice", "auto"), ("response_format", {"type": "json_object"}),
-])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        *[(name, {"type": "object"}) for name in FORM_FIELDS],
+        ("guided_choice", ["a", "b"]),
+        ("structured_outputs", {"json": {}}),
+        ("modalities", ["text", "audio"]),
+        ("modalities", ["audio"]),
+        ("audio", {"voice": "alloy", "format": "wav"}),
+        ("prediction", {"type": "content", "content": "x"}),
+        ("echo", True),
+        ("tools", [{"type": "function"}]),
+        ("tool_choice", "auto"),
+        ("response_format", {"type": "json_object"}),
+    ],
+)
 def test_a_field_that_changes_the_answer_form_is_refused_by_name(server: Server, field: str, value: object) -> None:
-    response = httpx.post(server.base_url + CHAT, content=_body(**{field: value}), timeout=30,
-                          headers={"Content-Type": "application/json"})
+    response = httpx.post(
+        server.base_url + CHAT,
+        content=_body(**{field: value}),
+        timeout=30,
+        headers={"Content-Type": "application/json"},
+    )
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == field
 
 
-@pytest.mark.parametrize("extra", [{"modalities": ["text"]}, {"guided_json": None}, {"echo": False},
-                                   {"store": True, "metadata": {"a": "b"}, "service_tier": "auto"}])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"modalities": ["text"]},
+        {"guided_json": None},
+        {"echo": False},
+        {"store": True, "metadata": {"a": "b"}, "service_tier": "auto"},
+    ],
+)
 def test_harmless_or_absent_values_of_those_fields_are_accepted(server: Server, extra: dict[str, object]) -> None:
-    response = httpx.post(server.base_url + CHAT, content=_body(**extra), timeout=30,
-                          headers={"Content-Type": "application/json"})
+    response = httpx.post(
+        server.base_url + CHAT, content=_body(**extra), timeout=30, headers={"Content-Type": "application/json"}
+    )
     assert response.status_code == 200, response.text
 
 

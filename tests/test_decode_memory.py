@@ -51,7 +51,10 @@ def peaks(paths: list[Path], max_pixels: int) -> list[dict[str, object]]:
     """Each file's decode peak, measured in one fresh interpreter (one decode after another)."""
     run = subprocess.run(
         [sys.executable, "-m", "tests.decode_peak", str(max_pixels), *map(str, paths)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     return [json.loads(line) for line in run.stdout.splitlines()]
@@ -92,7 +95,9 @@ def test_the_decoded_image_keeps_only_its_own_pixels_alive(measured: dict[str, d
 def test_a_16_bit_gray_png_under_the_pixel_cap_is_refused_for_the_memory_it_needs() -> None:
     data = attack_png(6300)
     assert len(data) < 100_000
-    with pytest.raises(ImageTooLarge, match=r"6300x6300 pixels in mode I;16; decoding it needs I;16 pixels 75.7 MiB \+ RGB result 151"):
+    with pytest.raises(
+        ImageTooLarge, match=r"6300x6300 pixels in mode I;16; decoding it needs I;16 pixels 75.7 MiB \+ RGB result 151"
+    ):
         predict(data, max_pixels=40_000_000)
     with pytest.raises(ImageTooLarge, match="I;16"):
         decode(data, max_pixels=40_000_000)
@@ -188,9 +193,22 @@ def test_the_attack_png_gets_a_413_and_costs_the_frontend_nothing(checksum_serve
 @pytest.fixture(scope="module")
 def budget_server(tmp_path_factory: pytest.TempPathFactory) -> Server:
     """One frontend that accepts the attack image by pixels but decodes at most one of them at a time."""
-    server = start_server("checksum", tmp_path_factory.mktemp("budget"), "--frontends", "1", "--workers", "1",
-                          "--max-pixels", "60000000", "--decode-memory-mb", "300", "--decode-wait-s", "0.2",
-                          "--decode-threads", "4")
+    server = start_server(
+        "checksum",
+        tmp_path_factory.mktemp("budget"),
+        "--frontends",
+        "1",
+        "--workers",
+        "1",
+        "--max-pixels",
+        "60000000",
+        "--decode-memory-mb",
+        "300",
+        "--decode-wait-s",
+        "0.2",
+        "--decode-threads",
+        "4",
+    )
     yield server  # type: ignore[misc]
     stop_and_check(server)
 

@@ -66,8 +66,14 @@ def arena() -> Iterator[Arena]:
         assert allocation is not None
         data = np.arange(NBYTES // 4, dtype=np.float32).reshape(SHAPE)
         partition.array(allocation, "float32", SHAPE)[:] = data
-        good = TensorRef(offset=allocation.offset, nbytes=NBYTES, generation=allocation.generation, dtype="float32",
-                         shape=SHAPE, name="pixels")
+        good = TensorRef(
+            offset=allocation.offset,
+            nbytes=NBYTES,
+            generation=allocation.generation,
+            dtype="float32",
+            shape=SHAPE,
+            name="pixels",
+        )
         yield Arena(inst, partition, good, data)
     finally:
         instance_id = inst.names.instance_id
@@ -107,8 +113,9 @@ def test_a_good_descriptor_reads_back_its_tensor(arena: Arena) -> None:
 
 
 def test_a_descriptor_survives_the_wire_and_still_validates(arena: Arena) -> None:
-    message = worker_decoder.decode(encoder.encode(Submit(request_id=1, reply_slot=0, model="m",
-                                                          tensors=(arena.good,))))
+    message = worker_decoder.decode(
+        encoder.encode(Submit(request_id=1, reply_slot=0, model="m", tensors=(arena.good,)))
+    )
     assert message.tensors == (arena.good,)
     validate(arena.seg, message.tensors[0])
 

@@ -58,8 +58,10 @@ class FakeRuntime:
         return code
 
     def error_string(self, code: int) -> str:
-        return {INVALID_VALUE: "invalid argument", ALREADY_REGISTERED: "part or all of the requested memory "
-                "range is already mapped"}.get(code, f"error {code}")
+        return {
+            INVALID_VALUE: "invalid argument",
+            ALREADY_REGISTERED: "part or all of the requested memory range is already mapped",
+        }.get(code, f"error {code}")
 
     def kernel_launch(self) -> None:
         if self.get_last_error() != SUCCESS:
@@ -94,8 +96,9 @@ def test_an_explicit_device_is_kept() -> None:
 # -- registration --------------------------------------------------------------------------------------
 
 
-def test_a_failed_registration_is_cleared_logged_and_falls_back(arena: mmap.mmap,
-                                                                caplog: pytest.LogCaptureFixture) -> None:
+def test_a_failed_registration_is_cleared_logged_and_falls_back(
+    arena: mmap.mmap, caplog: pytest.LogCaptureFixture
+) -> None:
     runtime = FakeRuntime(fail_with=INVALID_VALUE)
     registrations = HostRegistrations()
     with caplog.at_level(logging.WARNING, logger="shmgate.worker.device"):
@@ -149,7 +152,8 @@ class _FakeStream:
 
 
 def test_the_copier_registers_on_its_own_device_and_unregisters_at_close(
-        arena: mmap.mmap, monkeypatch: pytest.MonkeyPatch) -> None:
+    arena: mmap.mmap, monkeypatch: pytest.MonkeyPatch
+) -> None:
     runtime = FakeRuntime()
 
     def set_device(device: torch.device) -> None:
@@ -158,8 +162,9 @@ def test_the_copier_registers_on_its_own_device_and_unregisters_at_close(
     monkeypatch.setattr(torch.cuda, "set_device", set_device)
     monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
     registrations = HostRegistrations()
-    copiers = [DeviceCopier(torch.device("cuda", 1), arena, runtime=runtime, registrations=registrations)
-               for _ in range(2)]
+    copiers = [
+        DeviceCopier(torch.device("cuda", 1), arena, runtime=runtime, registrations=registrations) for _ in range(2)
+    ]
     assert runtime.device_at_register == [torch.device("cuda", 1)]  # not GPU 0: no stray context there
     assert all(c.pinned for c in copiers) and registrations.users(arena) == 2
     for c in copiers:
@@ -231,7 +236,8 @@ def test_a_closed_copier_hands_out_no_views(arena: mmap.mmap) -> None:
 
 
 def test_on_cuda_the_prompt_is_cloned_on_the_host_and_the_copy_event_blocks(
-        arena: mmap.mmap, monkeypatch: pytest.MonkeyPatch) -> None:
+    arena: mmap.mmap, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Control flow of the CUDA branch with stand-ins: the token ids never reach a device copy, and the
     # event the prefetch thread waits on is a blocking one (a waiting thread sleeps, it does not spin).
     events: list[dict[str, object]] = []

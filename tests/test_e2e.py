@@ -72,13 +72,27 @@ def test_openai_client_streams_several_chunks_then_usage(efficientnet_server: Se
 
 def test_curl_with_a_data_url(efficientnet_server: Server, tmp_path) -> None:
     body = tmp_path / "body.json"
-    body.write_text(json.dumps({"model": "efficientnet-lite0",
-                                "messages": [{"role": "user", "content": _content("chelsea_640.jpg")}]}))
+    body.write_text(
+        json.dumps(
+            {"model": "efficientnet-lite0", "messages": [{"role": "user", "content": _content("chelsea_640.jpg")}]}
+        )
+    )
     headers = tmp_path / "headers.txt"
     out = subprocess.run(
-        ["curl", "-sS", "-H", "Content-Type: application/json", "--data-binary", f"@{body}", "-D", str(headers),
-         efficientnet_server.base_url + "/v1/chat/completions"],
-        capture_output=True, check=True, timeout=60,
+        [
+            "curl",
+            "-sS",
+            "-H",
+            "Content-Type: application/json",
+            "--data-binary",
+            f"@{body}",
+            "-D",
+            str(headers),
+            efficientnet_server.base_url + "/v1/chat/completions",
+        ],
+        capture_output=True,
+        check=True,
+        timeout=60,
     )
     answer = json.loads(out.stdout)["choices"][0]["message"]["content"]
     assert _top1(answer) in LABELS["chelsea_640.jpg"]["accept_top1"]
@@ -101,8 +115,9 @@ async def _post_all(base_url: str, bodies: list[dict[str, object]]) -> list[http
 
 def test_64_concurrent_distinct_images_each_get_their_own_answer(checksum_server: Server) -> None:
     images = [noise_png(seed) for seed in range(64)]
-    responses = asyncio.run(_post_all(checksum_server.base_url, [image_request("checksum", d, mime="image/png")
-                                                                 for d in images]))
+    responses = asyncio.run(
+        _post_all(checksum_server.base_url, [image_request("checksum", d, mime="image/png") for d in images])
+    )
     for data, response in zip(images, responses):
         assert response.status_code == 200, response.text
         answer = response.json()["choices"][0]["message"]["content"]
@@ -115,13 +130,16 @@ def test_a_repeated_image_is_a_cache_hit_not_a_second_decode(checksum_server: Se
     first = httpx.post(checksum_server.base_url + "/v1/chat/completions", json=body, timeout=60)
     misses = checksum_server.metric("shmgate_cache_misses_total")
     hits = checksum_server.metric("shmgate_cache_hits_total") + checksum_server.metric(
-        "shmgate_cache_remote_hits_total")
+        "shmgate_cache_remote_hits_total"
+    )
     for _ in range(4):
         again = httpx.post(checksum_server.base_url + "/v1/chat/completions", json=body, timeout=60)
         assert again.json()["choices"][0]["message"]["content"] == first.json()["choices"][0]["message"]["content"]
     assert checksum_server.metric("shmgate_cache_misses_total") == misses
-    assert checksum_server.metric("shmgate_cache_hits_total") + checksum_server.metric(
-        "shmgate_cache_remote_hits_total") == hits + 4
+    assert (
+        checksum_server.metric("shmgate_cache_hits_total") + checksum_server.metric("shmgate_cache_remote_hits_total")
+        == hits + 4
+    )
 
 
 # -- bad input ------------------------------------------------------------------------------------------
@@ -132,8 +150,11 @@ def _bad_bodies() -> dict[str, tuple[bytes, int]]:
     photo = (IMAGES / "coffee_640.jpg").read_bytes()
 
     def req(url: str, **extra: object) -> bytes:
-        body = {"model": "checksum", "messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": url}}]}], **extra}
+        body = {
+            "model": "checksum",
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}],
+            **extra,
+        }
         return json.dumps(body).encode()
 
     big = np.random.default_rng(0).integers(0, 255, (20, 20, 3), dtype=np.uint8)
@@ -150,11 +171,22 @@ def _bad_bodies() -> dict[str, tuple[bytes, int]]:
         "not an image": (req(data_url(b"hello, I am text", "image/png")), 400),
         "truncated jpeg": (req(data_url(photo[: len(photo) // 3])), 400),
         "unsupported format": (req("data:image/gif;base64,R0lGODlhAQABAAAAACw="), 400),
-        "too many images": (json.dumps({"model": "checksum", "messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": data_url(photo)}}] * 9}]}).encode(), 400),
+        "too many images": (
+            json.dumps(
+                {
+                    "model": "checksum",
+                    "messages": [
+                        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(photo)}}] * 9}
+                    ],
+                }
+            ).encode(),
+            400,
+        ),
         "too many pixels": (req(data_url(buf.getvalue(), "image/png")), 413),
-        "unknown model": (json.dumps({"model": "gpt-99", "messages": [{"role": "user", "content": "hi"}]}).encode(),
-                          404),
+        "unknown model": (
+            json.dumps({"model": "gpt-99", "messages": [{"role": "user", "content": "hi"}]}).encode(),
+            404,
+        ),
         "http url": (req("http://169.254.169.254/latest"), 400),
     }
 
@@ -162,8 +194,12 @@ def _bad_bodies() -> dict[str, tuple[bytes, int]]:
 @pytest.mark.parametrize("case", list(_bad_bodies()))
 def test_bad_input_gets_an_openai_error_and_the_server_stays_healthy(checksum_server: Server, case: str) -> None:
     body, status = _bad_bodies()[case]
-    response = httpx.post(checksum_server.base_url + "/v1/chat/completions", content=body,
-                          headers={"Content-Type": "application/json"}, timeout=60)
+    response = httpx.post(
+        checksum_server.base_url + "/v1/chat/completions",
+        content=body,
+        headers={"Content-Type": "application/json"},
+        timeout=60,
+    )
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
@@ -172,8 +208,12 @@ def test_bad_input_gets_an_openai_error_and_the_server_stays_healthy(checksum_se
 
 
 def test_a_body_over_the_limit_is_refused(checksum_server: Server) -> None:
-    response = httpx.post(checksum_server.base_url + "/v1/chat/completions", content=b"x" * (33 << 20),
-                          headers={"Content-Type": "application/json"}, timeout=60)
+    response = httpx.post(
+        checksum_server.base_url + "/v1/chat/completions",
+        content=b"x" * (33 << 20),
+        headers={"Content-Type": "application/json"},
+        timeout=60,
+    )
     assert response.status_code == 413
     assert response.json()["error"]["code"] == "request_too_large"
 
@@ -200,10 +240,13 @@ def test_a_killed_worker_is_restarted_and_no_request_is_lost(checksum_server: Se
         else:  # only if output had already streamed; never a hang, never a wrong answer
             assert response.json()["error"]["code"] == "worker_died"
     deadline = time.monotonic() + 60
-    while checksum_server.metric("shmgate_worker_starts_total") <= starts or checksum_server.metric(
-            "shmgate_workers_ready") < 2:
+    while (
+        checksum_server.metric("shmgate_worker_starts_total") <= starts
+        or checksum_server.metric("shmgate_workers_ready") < 2
+    ):
         assert time.monotonic() < deadline, "the killed worker was not restarted"
         time.sleep(0.2)
-    after = httpx.post(checksum_server.base_url + "/v1/chat/completions",
-                       json=image_request("checksum", noise_png(7)), timeout=60)
+    after = httpx.post(
+        checksum_server.base_url + "/v1/chat/completions", json=image_request("checksum", noise_png(7)), timeout=60
+    )
     assert after.status_code == 200

@@ -68,9 +68,21 @@ def test_the_result_cache_is_bounded_and_least_recently_used() -> None:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = start_server("efficientnet-lite0", tmp_path_factory.mktemp("embed"), "--api-key", KEY,
-                     "--result-cache-mb", "4", "--max-pixels", "1000000", "--max-images", "4",
-                     "--allow-image-urls", "--image-url-allowlist", "127.0.0.1/32")
+    s = start_server(
+        "efficientnet-lite0",
+        tmp_path_factory.mktemp("embed"),
+        "--api-key",
+        KEY,
+        "--result-cache-mb",
+        "4",
+        "--max-pixels",
+        "1000000",
+        "--max-images",
+        "4",
+        "--allow-image-urls",
+        "--image-url-allowlist",
+        "127.0.0.1/32",
+    )
     try:
         yield s
     finally:
@@ -78,8 +90,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 def _post(server: Server, body: dict, **headers: str) -> httpx.Response:
-    return httpx.post(server.base_url + "/v1/embeddings", json=body, timeout=60,
-                      headers={"Authorization": f"Bearer {KEY}", **headers})
+    return httpx.post(
+        server.base_url + "/v1/embeddings", json=body, timeout=60, headers={"Authorization": f"Bearer {KEY}", **headers}
+    )
 
 
 def _reference_features(names: list[str]) -> np.ndarray:
@@ -93,8 +106,12 @@ def _reference_features(names: list[str]) -> np.ndarray:
     pixels = []
     for name in names:
         out: list[np.ndarray] = []
-        pre.preprocess_image((IMAGES / name).read_bytes(), lambda n, d, s: out.append(np.empty(s, d)) or out[-1],
-                             max_pixels=10**8, options=pre.embedding_image_options())  # an embedding's decode
+        pre.preprocess_image(
+            (IMAGES / name).read_bytes(),
+            lambda n, d, s: out.append(np.empty(s, d)) or out[-1],
+            max_pixels=10**8,
+            options=pre.embedding_image_options(),
+        )  # an embedding's decode
         pixels.append(torch.from_numpy(out[0]))
     backend = EfficientNetBackend(torch.device("cpu"), threads=1)
     with torch.inference_mode():
@@ -180,24 +197,41 @@ def _big_png(width: int, height: int) -> bytes:
     return out.getvalue()
 
 
-@pytest.mark.parametrize("body,status,param,code", [
-    ({"input": ["a cat"]}, 400, "input[0]", None),
-    ({"input": "a cat"}, 400, "input", None),
-    ({"input": [_url("camera_640.jpg")], "dimensions": 64}, 400, "dimensions", None),
-    ({"input": [_url("camera_640.jpg")] * 5}, 400, "input", "too_many_images"),
-    ({"input": ["data:image/jpeg;base64,!!!!"]}, 400, "input[0]", None),
-    ({"input": ["data:image/gif;base64,R0lGODlh"]}, 400, "input[0]", None),
-    ({"input": [_url("camera_640.jpg"), "http://10.1.2.3/cat.jpg"]}, 400, "input[1]", None),
-    ({"input": [data_url(_big_png(1200, 1000), "image/png")]}, 413, "input[0]", "image_too_large"),
-    ({"input": []}, 400, "input", None),
-    ({"input": [[1, 2, 3]]}, 400, "input[0]", None),
-    ({"input": [_url("camera_640.jpg")], "model": "gpt-4"}, 404, "model", "model_not_found"),
-    ({"messages": [{"role": "user", "content": [
-        {"type": "text", "text": "a cat"}, {"type": "image_url", "image_url": {"url": _url("camera_640.jpg")}}]}]},
-     400, "messages", None),
-])
-def test_bad_inputs_get_the_chat_paths_errors(server: Server, body: dict, status: int, param: str,
-                                              code: str | None) -> None:
+@pytest.mark.parametrize(
+    "body,status,param,code",
+    [
+        ({"input": ["a cat"]}, 400, "input[0]", None),
+        ({"input": "a cat"}, 400, "input", None),
+        ({"input": [_url("camera_640.jpg")], "dimensions": 64}, 400, "dimensions", None),
+        ({"input": [_url("camera_640.jpg")] * 5}, 400, "input", "too_many_images"),
+        ({"input": ["data:image/jpeg;base64,!!!!"]}, 400, "input[0]", None),
+        ({"input": ["data:image/gif;base64,R0lGODlh"]}, 400, "input[0]", None),
+        ({"input": [_url("camera_640.jpg"), "http://10.1.2.3/cat.jpg"]}, 400, "input[1]", None),
+        ({"input": [data_url(_big_png(1200, 1000), "image/png")]}, 413, "input[0]", "image_too_large"),
+        ({"input": []}, 400, "input", None),
+        ({"input": [[1, 2, 3]]}, 400, "input[0]", None),
+        ({"input": [_url("camera_640.jpg")], "model": "gpt-4"}, 404, "model", "model_not_found"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "a cat"},
+                            {"type": "image_url", "image_url": {"url": _url("camera_640.jpg")}},
+                        ],
+                    }
+                ]
+            },
+            400,
+            "messages",
+            None,
+        ),
+    ],
+)
+def test_bad_inputs_get_the_chat_paths_errors(
+    server: Server, body: dict, status: int, param: str, code: str | None
+) -> None:
     response = _post(server, {"model": "efficientnet-lite0", **body})
     assert response.status_code == status, response.text
     error = response.json()["error"]
@@ -219,8 +253,11 @@ def test_an_image_url_is_fetched_and_embedded_like_its_data_url(server: Server) 
 
 
 def test_the_api_key_guards_embeddings(server: Server) -> None:
-    response = httpx.post(server.base_url + "/v1/embeddings", timeout=30,
-                          json={"model": "efficientnet-lite0", "input": _url("camera_640.jpg")})
+    response = httpx.post(
+        server.base_url + "/v1/embeddings",
+        timeout=30,
+        json={"model": "efficientnet-lite0", "input": _url("camera_640.jpg")},
+    )
     assert response.status_code == 401 and response.json()["error"]["code"]
 
 
@@ -229,8 +266,7 @@ def test_the_openai_client_creates_embeddings(server: Server) -> None:
     result = client.embeddings.create(model="efficientnet-lite0", input=[_url(n) for n in PHOTOS[:2]])
     assert len(result.data) == 2 and len(result.data[0].embedding) == 1280
     # the client's default asks for base64 and decodes it itself when numpy is installed
-    float_result = client.embeddings.create(model="efficientnet-lite0", input=_url(PHOTOS[0]),
-                                            encoding_format="float")
+    float_result = client.embeddings.create(model="efficientnet-lite0", input=_url(PHOTOS[0]), encoding_format="float")
     assert _cos(np.array(result.data[0].embedding), np.array(float_result.data[0].embedding)) >= 0.9999
 
 
@@ -245,9 +281,24 @@ def test_shmgate_bench_embeddings_runs_and_checks_agreement(server: Server, tmp_
 
     parser = argparse.ArgumentParser()
     loadgen.add_arguments(parser)
-    args = parser.parse_args(["--base-url", server.base_url, "--model", "efficientnet-lite0", "--embeddings",
-                              "--images", str(tmp_path), "--concurrency", "4", "--requests", "8", "--unique",
-                              "--api-key", KEY])
+    args = parser.parse_args(
+        [
+            "--base-url",
+            server.base_url,
+            "--model",
+            "efficientnet-lite0",
+            "--embeddings",
+            "--images",
+            str(tmp_path),
+            "--concurrency",
+            "4",
+            "--requests",
+            "8",
+            "--unique",
+            "--api-key",
+            KEY,
+        ]
+    )
     result = asyncio.run(loadgen.run(args))
     assert result["embeddings"] and result["errors"] == 0 and result["mismatches"] == 0, result["errors_by_kind"]
     vector = base64.b64encode(np.ones(4, dtype="<f4").tobytes()).decode()
@@ -297,16 +348,16 @@ def test_the_two_halves_give_the_models_features(kind: str, embedder_dirs: dict[
         items.append(WorkItem(len(items), {}, inline=prompt.inline, task="embed"))
     backend = HFEmbeddingBackend(str(model_dir), torch.device("cpu"), name=pre.model)
     events = list(backend.run(items))
-    vectors = np.stack([np.frombuffer(e.vector, dtype="<f4") for e in sorted(events, key=lambda e: e.index)
-                        if e.vector is not None])
+    vectors = np.stack(
+        [np.frombuffer(e.vector, dtype="<f4") for e in sorted(events, key=lambda e: e.index) if e.vector is not None]
+    )
     assert vectors.shape == (4, pre.embedding_dim)
     assert [e.index for e in events if e.finish_reason] == [0, 1, 2, 3]
     images = [Image.open(IMAGES / name).convert("RGB") for name in PHOTOS[:2]]
     assert _cos(vectors, reference_features(model_dir, images=images, texts=TEXTS)).min() >= 0.9999
 
 
-def test_a_siglip2_server_embeds_images_and_text_in_one_space(embedder_dirs: dict[str, Path],
-                                                               tmp_path: Path) -> None:
+def test_a_siglip2_server_embeds_images_and_text_in_one_space(embedder_dirs: dict[str, Path], tmp_path: Path) -> None:
     """SigLIP2 sends three tensors per image (pixels, patch mask, spatial shapes) through the arena."""
     from tests.embed_fixture import reference_features
 
@@ -323,14 +374,23 @@ def test_a_siglip2_server_embeds_images_and_text_in_one_space(embedder_dirs: dic
         reference = reference_features(model_dir, images=images, texts=TEXTS)
         assert _cos(vectors[[0, 2, 1, 3]], reference).min() >= 0.9999
         assert body["usage"]["prompt_tokens"] > 0  # the texts' tokens
-        text_only = httpx.post(s.base_url + "/v1/embeddings", timeout=60, json={
-            "model": model, "messages": [{"role": "user", "content": TEXTS[0]}]}).json()
+        text_only = httpx.post(
+            s.base_url + "/v1/embeddings",
+            timeout=60,
+            json={"model": model, "messages": [{"role": "user", "content": TEXTS[0]}]},
+        ).json()
         assert _cos(_vectors(text_only)[0], vectors[1]) >= 0.9999
-        chat = httpx.post(s.base_url + "/v1/chat/completions", timeout=30, json={
-            "model": model, "messages": [{"role": "user", "content": "hi"}]})
+        chat = httpx.post(
+            s.base_url + "/v1/chat/completions",
+            timeout=30,
+            json={"model": model, "messages": [{"role": "user", "content": "hi"}]},
+        )
         assert chat.status_code == 400 and chat.json()["error"]["param"] == "model"
-        dims = httpx.post(s.base_url + "/v1/embeddings", timeout=30,
-                          json={"model": model, "input": "x", "dimensions": vectors.shape[1]})
+        dims = httpx.post(
+            s.base_url + "/v1/embeddings",
+            timeout=30,
+            json={"model": model, "input": "x", "dimensions": vectors.shape[1]},
+        )
         assert dims.status_code == 200, dims.text
     finally:
         stop_and_check(s)

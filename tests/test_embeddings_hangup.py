@@ -47,15 +47,48 @@ def slow_embedder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     gateway_log, worker_log = tmp / "gateway.log", tmp / "worker.log"
     with open(gateway_log, "wb") as out:
         gateway = subprocess.Popen(
-            [sys.executable, "-m", "gateway", "gateway", "--port", str(port), "--label", label, "--model", MODEL,
-             "--frontends", "1", "--arena-size", "64MiB", "--max-workers", "2"],
-            stdout=out, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "gateway",
+                "gateway",
+                "--port",
+                str(port),
+                "--label",
+                label,
+                "--model",
+                MODEL,
+                "--frontends",
+                "1",
+                "--arena-size",
+                "64MiB",
+                "--max-workers",
+                "2",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     server = Server(gateway, port, MODEL, gateway_log)
     with open(worker_log, "wb") as out:
         worker = subprocess.Popen(
-            [sys.executable, "-m", "worker", "--model", MODEL, "--label", label, "--device", "cpu", "--threads", "1",
-             "--diag-batch-delay-ms", str(BATCH_DELAY_MS)],
-            stdout=out, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "worker",
+                "--model",
+                MODEL,
+                "--label",
+                label,
+                "--device",
+                "cpu",
+                "--threads",
+                "1",
+                "--diag-batch-delay-ms",
+                str(BATCH_DELAY_MS),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         server.wait_ready()
         yield server
@@ -86,8 +119,9 @@ def _hang_up_while_computed(server: Server, inputs: list[str]) -> None:
     thread = threading.Thread(target=client)
     thread.start()
     try:
-        wait_until(lambda: server.metric("shmgate_in_flight_requests") >= len(inputs), HANG_GUARD_S,
-                   "the inputs in flight")
+        wait_until(
+            lambda: server.metric("shmgate_in_flight_requests") >= len(inputs), HANG_GUARD_S, "the inputs in flight"
+        )
         time.sleep(0.3)  # well inside the worker's delay
     finally:
         go.set()
@@ -96,19 +130,24 @@ def _hang_up_while_computed(server: Server, inputs: list[str]) -> None:
 
 def _change_once_released(server: Server, before: dict[str, float], cancelled: int) -> dict[str, float]:
     try:
+
         def released() -> bool:
             return request_outcomes(server)["cancelled"] >= before["cancelled"] + cancelled and server_idle(server)
 
         wait_until(released, HANG_GUARD_S, f"{cancelled} cancelled and the arena holds released")
     finally:  # on a failure, what was counted instead (a hang-up not noticed is counted ok)
         after = request_outcomes(server)
-        print({o: after[o] - before[o] for o in after}, server.metric("shmgate_in_flight_requests"),
-              server.metric("shmgate_arena_held_bytes"))
+        print(
+            {o: after[o] - before[o] for o in after},
+            server.metric("shmgate_in_flight_requests"),
+            server.metric("shmgate_arena_held_bytes"),
+        )
     return {o: after[o] - before[o] for o in after}
 
 
 def test_an_embeddings_client_that_hangs_up_is_counted_cancelled_and_its_arena_hold_released(
-        slow_embedder: Server) -> None:
+    slow_embedder: Server,
+) -> None:
     server = slow_embedder
     wait_until(lambda: server_idle(server), HANG_GUARD_S, "idle")
     before = request_outcomes(server)
@@ -130,13 +169,15 @@ def test_every_input_of_a_hung_up_embeddings_request_is_cancelled(slow_embedder:
 def test_an_embeddings_client_that_waits_for_the_slow_model_gets_its_vector(slow_embedder: Server) -> None:
     server = slow_embedder
     before = request_outcomes(server)
-    response = httpx.post(server.base_url + "/v1/embeddings", timeout=HANG_GUARD_S,
-                          json={"model": MODEL, "input": [data_url(noise_png(20, size=128), "image/png")]})
+    response = httpx.post(
+        server.base_url + "/v1/embeddings",
+        timeout=HANG_GUARD_S,
+        json={"model": MODEL, "input": [data_url(noise_png(20, size=128), "image/png")]},
+    )
     assert response.status_code == 200, response.text
     assert len(response.json()["data"][0]["embedding"]) == 1280
     after = request_outcomes(server)
-    assert {o: after[o] - before[o] for o in after} == {"ok": 1, "cancelled": 0, "client_error": 0,
-                                                        "server_error": 0}
+    assert {o: after[o] - before[o] for o in after} == {"ok": 1, "cancelled": 0, "client_error": 0, "server_error": 0}
 
 
 def test_clients_that_hang_up_30_ms_after_sending_are_all_cancelled(slow_embedder: Server) -> None:

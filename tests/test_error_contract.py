@@ -64,8 +64,12 @@ def test_the_http_body_is_an_openai_error_object() -> None:
     response = error_response(failure_error(failed_reply(1, 0, UnknownModel("this worker serves x"))))
     assert response.status_code == 404
     assert json.loads(response.body) == {
-        "error": {"message": "this worker serves x", "type": "invalid_request_error", "param": None,
-                  "code": "model_not_found"}
+        "error": {
+            "message": "this worker serves x",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "model_not_found",
+        }
     }
 
 

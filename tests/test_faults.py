@@ -42,14 +42,18 @@ def trickle_request(seed: int, steps: int, *, stream: bool = False) -> tuple[byt
 
 
 def answer_is_right(response: httpx.Response, data: bytes) -> bool:
-    return response.status_code == 200 and expected_checksum(data) in response.json()["choices"][0]["message"][
-        "content"]
+    return (
+        response.status_code == 200 and expected_checksum(data) in response.json()["choices"][0]["message"]["content"]
+    )
 
 
 def wait_idle(server: Server) -> float:
     """Until no request is in flight and no arena byte is held; returns the seconds it took."""
-    return wait_until(lambda: server.metric("shmgate_in_flight_requests") == 0
-                      and server.metric("shmgate_arena_held_bytes") == 0, 30, "arena holds released")
+    return wait_until(
+        lambda: server.metric("shmgate_in_flight_requests") == 0 and server.metric("shmgate_arena_held_bytes") == 0,
+        30,
+        "arena holds released",
+    )
 
 
 # -- a frontend killed under load ---------------------------------------------------------------------
@@ -67,8 +71,9 @@ class PinnedClient:
 async def _pinned_clients(base_url: str, per_slot: int) -> list[PinnedClient]:
     pinned: list[PinnedClient] = []
     for _ in range(60):  # the kernel hands connections to whichever frontend accepts first
-        c = PinnedClient(httpx.AsyncClient(base_url=base_url, timeout=HANG_GUARD_S,
-                                           limits=httpx.Limits(max_connections=1)))
+        c = PinnedClient(
+            httpx.AsyncClient(base_url=base_url, timeout=HANG_GUARD_S, limits=httpx.Limits(max_connections=1))
+        )
         c.slot = int((await c.client.get("/health")).headers["x-shmgate-frontend"])
         pinned.append(c)
         counts = Counter(p.slot for p in pinned)
@@ -102,8 +107,11 @@ def test_a_killed_frontend_drops_only_its_own_connections_and_is_replaced(checks
             os.kill(victim_pid, signal.SIGKILL)
             # the successor resets the partition on take-over: that is when the dead one's space is back
             restarted = await asyncio.to_thread(
-                wait_until, lambda: server.frontend_pid(0) not in (None, victim_pid), HANG_GUARD_S,
-                "frontend 0 restarted")
+                wait_until,
+                lambda: server.frontend_pid(0) not in (None, victim_pid),
+                HANG_GUARD_S,
+                "frontend 0 restarted",
+            )
             await asyncio.wait_for(asyncio.gather(*tasks), HANG_GUARD_S)
         finally:
             for c in pinned:
@@ -125,15 +133,20 @@ def test_a_killed_frontend_drops_only_its_own_connections_and_is_replaced(checks
     # the replacement serves: new connections until one lands on slot 0
     def served_by_new_frontend() -> bool:
         data = noise_png(777, size=64)
-        response = httpx.post(server.base_url + "/v1/chat/completions",
-                              json=image_request("checksum", data, mime="image/png"), timeout=HANG_GUARD_S)
+        response = httpx.post(
+            server.base_url + "/v1/chat/completions",
+            json=image_request("checksum", data, mime="image/png"),
+            timeout=HANG_GUARD_S,
+        )
         return response.headers["x-shmgate-frontend"] == "0" and answer_is_right(response, data)
 
     wait_until(served_by_new_frontend, HANG_GUARD_S, "the restarted frontend answers")
     reclaimed = wait_idle(server)
-    print(f"\nfrontend kill: {len(victims)} victim / {len(others)} other connections, {dropped} dropped, "
-          f"{sum(r == 'ok' for c in pinned for _, r in c.outcomes)} answered; replacement up {restarted:.1f} s "
-          f"after the kill; holds 0 {reclaimed:.1f} s after the load ended")
+    print(
+        f"\nfrontend kill: {len(victims)} victim / {len(others)} other connections, {dropped} dropped, "
+        f"{sum(r == 'ok' for c in pinned for _, r in c.outcomes)} answered; replacement up {restarted:.1f} s "
+        f"after the kill; holds 0 {reclaimed:.1f} s after the load ended"
+    )
 
 
 # -- a client that hangs up mid-stream -------------------------------------------------------------------
@@ -162,10 +175,12 @@ def test_a_client_that_hangs_up_mid_stream_cancels_its_work_and_frees_its_space(
         limits = httpx.Limits(max_connections=32)
         async with httpx.AsyncClient(base_url=server.base_url, timeout=HANG_GUARD_S, limits=limits) as client:
             hang_ups = [_hang_up_mid_stream(client, 30_000 + k) for k in range(4)]
-            plain = [client.post("/v1/chat/completions", json=image_request("checksum", d, mime="image/png"))
-                     for d in images]
-            results = await asyncio.wait_for(asyncio.gather(asyncio.gather(*hang_ups), asyncio.gather(*plain)),
-                                             HANG_GUARD_S)
+            plain = [
+                client.post("/v1/chat/completions", json=image_request("checksum", d, mime="image/png")) for d in images
+            ]
+            results = await asyncio.wait_for(
+                asyncio.gather(asyncio.gather(*hang_ups), asyncio.gather(*plain)), HANG_GUARD_S
+            )
         return results[0], results[1]
 
     _, responses = asyncio.run(run())
@@ -192,8 +207,9 @@ def test_a_worker_killed_mid_batch_loses_no_request_and_frees_its_space(checksum
         limits = httpx.Limits(max_connections=len(requests))
         async with httpx.AsyncClient(base_url=server.base_url, timeout=HANG_GUARD_S, limits=limits) as client:
             task = asyncio.gather(*(client.post("/v1/chat/completions", json=b) for _, b in requests))
-            await asyncio.to_thread(wait_until, lambda: server.metric("shmgate_in_flight_requests") >= 8,
-                                    HANG_GUARD_S, "requests in flight")
+            await asyncio.to_thread(
+                wait_until, lambda: server.metric("shmgate_in_flight_requests") >= 8, HANG_GUARD_S, "requests in flight"
+            )
             os.kill(server.pids("worker")[0], signal.SIGKILL)
             return await asyncio.wait_for(task, HANG_GUARD_S)
 
@@ -209,18 +225,25 @@ def test_a_worker_killed_mid_batch_loses_no_request_and_frees_its_space(checksum
             outcomes["worker_died"] += 1
     retried = server.metric("shmgate_retries_total") - retries
     assert outcomes["worker_died"] + retried >= 1, "the kill did not land mid-batch"
-    wait_until(lambda: server.metric("shmgate_worker_starts_total") > starts
-               and server.metric("shmgate_workers_ready") == 2, HANG_GUARD_S, "the killed worker restarted")
+    wait_until(
+        lambda: server.metric("shmgate_worker_starts_total") > starts and server.metric("shmgate_workers_ready") == 2,
+        HANG_GUARD_S,
+        "the killed worker restarted",
+    )
     took = wait_idle(server)
     data = noise_png(41_000)
-    assert answer_is_right(httpx.post(server.base_url + "/v1/chat/completions",
-                                      json=image_request("checksum", data, mime="image/png"), timeout=60), data)
-    print(f"\nworker kill mid-batch: {dict(outcomes)}, retries {retried:g};"
-          f" holds back to 0 in {took:.1f} s")
+    assert answer_is_right(
+        httpx.post(
+            server.base_url + "/v1/chat/completions", json=image_request("checksum", data, mime="image/png"), timeout=60
+        ),
+        data,
+    )
+    print(f"\nworker kill mid-batch: {dict(outcomes)}, retries {retried:g}; holds back to 0 in {took:.1f} s")
 
 
 def test_requests_claimed_by_killed_workers_before_any_output_are_retried_on_their_replacements(
-        checksum_server: Server) -> None:
+    checksum_server: Server,
+) -> None:
     server = checksum_server
     wait_until(lambda: server.metric("shmgate_workers_ready") == 2, HANG_GUARD_S, "two workers")
     wait_idle(server)
@@ -237,9 +260,15 @@ def test_requests_claimed_by_killed_workers_before_any_output_are_retried_on_the
         limits = httpx.Limits(max_connections=len(bodies))
         async with httpx.AsyncClient(base_url=server.base_url, timeout=HANG_GUARD_S, limits=limits) as client:
             task = asyncio.gather(*(client.post("/v1/chat/completions", json=b) for b in bodies))
-            await asyncio.to_thread(wait_until, lambda: server.metric("shmgate_in_flight_requests") >= 1
-                                    and server.metric("shmgate_request_queue_depth") == 0, HANG_GUARD_S,
-                                    "requests claimed")
+            await asyncio.to_thread(
+                wait_until,
+                lambda: (
+                    server.metric("shmgate_in_flight_requests") >= 1
+                    and server.metric("shmgate_request_queue_depth") == 0
+                ),
+                HANG_GUARD_S,
+                "requests claimed",
+            )
             for pid in server.pids("worker"):
                 os.kill(pid, signal.SIGKILL)
             return await asyncio.wait_for(task, HANG_GUARD_S)
@@ -249,10 +278,17 @@ def test_requests_claimed_by_killed_workers_before_any_output_are_retried_on_the
     retried = server.metric("shmgate_retries_total") - retries
     assert retried >= 1
     took = wait_idle(server)
-    wait_until(lambda: server.metric("shmgate_worker_starts_total") >= starts + 2
-               and server.metric("shmgate_workers_ready") == 2, HANG_GUARD_S, "both workers restarted")
-    print(f"\nall workers killed before output: {len(images)}/{len(images)} answered 200, {retried:g} retried; "
-          f"holds 0 in {took:.1f} s")
+    wait_until(
+        lambda: (
+            server.metric("shmgate_worker_starts_total") >= starts + 2 and server.metric("shmgate_workers_ready") == 2
+        ),
+        HANG_GUARD_S,
+        "both workers restarted",
+    )
+    print(
+        f"\nall workers killed before output: {len(images)}/{len(images)} answered 200, {retried:g} retried; "
+        f"holds 0 in {took:.1f} s"
+    )
 
 
 # -- SIGTERM during load -----------------------------------------------------------------------------------
@@ -267,13 +303,28 @@ def test_sigterm_finishes_in_flight_requests_refuses_new_ones_then_unlinks_every
             limits = httpx.Limits(max_connections=16)
             async with httpx.AsyncClient(base_url=server.base_url, timeout=HANG_GUARD_S, limits=limits) as client:
                 in_flight = asyncio.gather(*(client.post("/v1/chat/completions", json=b) for _, b in requests))
-                await asyncio.to_thread(wait_until, lambda: server.metric("shmgate_in_flight_requests") == 6,
-                                        HANG_GUARD_S, "six requests in flight")
+                await asyncio.to_thread(
+                    wait_until,
+                    lambda: server.metric("shmgate_in_flight_requests") == 6,
+                    HANG_GUARD_S,
+                    "six requests in flight",
+                )
                 server.process.send_signal(signal.SIGTERM)
-                await asyncio.to_thread(wait_until, lambda: httpx.get(server.base_url + "/ready").status_code == 503,
-                                        HANG_GUARD_S, "/ready turns 503")
-                late = await asyncio.gather(*(client.post("/v1/chat/completions", json=image_request(
-                    "checksum", noise_png(51_000 + i), mime="image/png")) for i in range(4)))
+                await asyncio.to_thread(
+                    wait_until,
+                    lambda: httpx.get(server.base_url + "/ready").status_code == 503,
+                    HANG_GUARD_S,
+                    "/ready turns 503",
+                )
+                late = await asyncio.gather(
+                    *(
+                        client.post(
+                            "/v1/chat/completions",
+                            json=image_request("checksum", noise_png(51_000 + i), mime="image/png"),
+                        )
+                        for i in range(4)
+                    )
+                )
                 return await asyncio.wait_for(in_flight, HANG_GUARD_S), late
 
         finished, late = asyncio.run(run())
@@ -296,13 +347,21 @@ def test_sigterm_finishes_in_flight_requests_refuses_new_ones_then_unlinks_every
 def test_a_new_start_removes_a_killed_instances_leftovers_and_serves(tmp_path: Path) -> None:
     old = start_server("checksum", tmp_path, "--workers", "1")
     try:
+
         async def load_then_kill() -> list[httpx.Response | BaseException]:
-            async with httpx.AsyncClient(base_url=old.base_url, timeout=HANG_GUARD_S,
-                                         limits=httpx.Limits(max_connections=16)) as client:
-                task = asyncio.gather(*(client.post("/v1/chat/completions", json=trickle_request(60_000 + i, 50)[1])
-                                        for i in range(16)), return_exceptions=True)
-                await asyncio.to_thread(wait_until, lambda: old.metric("shmgate_in_flight_requests") >= 4,
-                                        HANG_GUARD_S, "requests in flight")
+            async with httpx.AsyncClient(
+                base_url=old.base_url, timeout=HANG_GUARD_S, limits=httpx.Limits(max_connections=16)
+            ) as client:
+                task = asyncio.gather(
+                    *(client.post("/v1/chat/completions", json=trickle_request(60_000 + i, 50)[1]) for i in range(16)),
+                    return_exceptions=True,
+                )
+                await asyncio.to_thread(
+                    wait_until,
+                    lambda: old.metric("shmgate_in_flight_requests") >= 4,
+                    HANG_GUARD_S,
+                    "requests in flight",
+                )
                 for pid in [old.process.pid] + [pid for pid, _ in old.children()]:
                     os.kill(pid, signal.SIGKILL)
                 return await asyncio.wait_for(task, HANG_GUARD_S)
@@ -321,8 +380,14 @@ def test_a_new_start_removes_a_killed_instances_leftovers_and_serves(tmp_path: P
         assert leftovers(old.instance_id, slots=64) == []
         assert "removed leftovers of" in new.log_path.read_text()
         data = noise_png(61_000)
-        assert answer_is_right(httpx.post(new.base_url + "/v1/chat/completions",
-                                          json=image_request("checksum", data, mime="image/png"), timeout=60), data)
+        assert answer_is_right(
+            httpx.post(
+                new.base_url + "/v1/chat/completions",
+                json=image_request("checksum", data, mime="image/png"),
+                timeout=60,
+            ),
+            data,
+        )
     finally:
         stop_and_check(new)
     print(f"\ntree kill: {len(left)} IPC objects left by the dead instance, removed by the next start")

@@ -62,13 +62,21 @@ def test_the_draft_margins_are_processor_options() -> None:
     default = get_preprocessor("efficientnet-lite0")
     assert b"jpeg_draft_min=384 " in default.cache_params()
     assert default.embedding_image_options() == {"jpeg_draft_min": 512}  # part of the cache key: apart
-    fast = get_preprocessor("efficientnet-lite0", processor_kwargs={"jpeg_draft_margin": FAST_DRAFT_MARGIN,
-                                                                    "embedding_jpeg_draft_margin": FAST_DRAFT_MARGIN})
+    fast = get_preprocessor(
+        "efficientnet-lite0",
+        processor_kwargs={"jpeg_draft_margin": FAST_DRAFT_MARGIN, "embedding_jpeg_draft_margin": FAST_DRAFT_MARGIN},
+    )
     assert b"jpeg_draft_min=256 " in fast.cache_params()  # a different cache key: never each other's tensors
     assert fast.embedding_image_options() == {}  # the same decode for both: the same tensors
-    assert b"jpeg_draft_min=0 " in get_preprocessor("checksum", processor_kwargs={"jpeg_draft_margin": 0}).cache_params()
-    for bad in ({"jpeg_draft_margin": -1}, {"jpeg_draft_margin": True}, {"embedding_jpeg_draft_margin": "1"},
-                {"max_pixels": 100}):
+    assert (
+        b"jpeg_draft_min=0 " in get_preprocessor("checksum", processor_kwargs={"jpeg_draft_margin": 0}).cache_params()
+    )
+    for bad in (
+        {"jpeg_draft_margin": -1},
+        {"jpeg_draft_margin": True},
+        {"embedding_jpeg_draft_margin": "1"},
+        {"max_pixels": 100},
+    ):
         with pytest.raises(ValueError, match="--mm-processor-kwargs"):
             get_preprocessor("efficientnet-lite0", processor_kwargs=bad)
 
@@ -81,11 +89,18 @@ def _digest(margin: float) -> str:
 def test_a_served_checksum_model_decodes_with_the_margin_it_was_given(tmp_path: Path) -> None:
     """``--mm-processor-kwargs`` reaches the frontends: the worker digests the fast path's pixels."""
     assert _digest(FAST_DRAFT_MARGIN) != _digest(DEFAULT_DRAFT_MARGIN)  # the photo tells the two apart
-    server = start_server("checksum", tmp_path, "--workers", "1",
-                          "--mm-processor-kwargs", json.dumps({"jpeg_draft_margin": FAST_DRAFT_MARGIN}))
+    server = start_server(
+        "checksum",
+        tmp_path,
+        "--workers",
+        "1",
+        "--mm-processor-kwargs",
+        json.dumps({"jpeg_draft_margin": FAST_DRAFT_MARGIN}),
+    )
     try:
-        reply = httpx.post(server.base_url + "/v1/chat/completions", json=image_request("checksum", PHOTO.read_bytes()),
-                           timeout=30)
+        reply = httpx.post(
+            server.base_url + "/v1/chat/completions", json=image_request("checksum", PHOTO.read_bytes()), timeout=30
+        )
         assert reply.status_code == 200, reply.text
         assert _digest(FAST_DRAFT_MARGIN) in reply.json()["choices"][0]["message"]["content"]
     finally:

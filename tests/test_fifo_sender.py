@@ -108,6 +108,7 @@ def test_a_send_that_timed_out_never_goes_later(instance: Instance) -> None:
 
 def test_close_ends_a_send_blocked_on_a_full_queue(instance: Instance) -> None:
     """A frontend that stops must not wait out its sends' timeouts (its process exits after the thread)."""
+
     async def scenario() -> None:
         producer = instance.request_queue()
         sender = AsyncSender(producer)
@@ -132,6 +133,7 @@ def test_two_senders_share_a_full_queue_in_the_order_their_sends_began(instance:
     line they took turns (10, 20, 11, 21, 12, ...); now every waiting send is in the line, so A's
     earlier ones go first.
     """
+
     async def scenario() -> list[int]:
         a_queue, b_queue, consumer = instance.request_queue(), instance.request_queue(), instance.request_queue()
         a, b = AsyncSender(a_queue), AsyncSender(b_queue)
@@ -185,7 +187,8 @@ def _sender_threads() -> int:
 
 
 def test_idle_sender_threads_exit_and_a_later_burst_starts_new_ones(
-        instance: Instance, monkeypatch: pytest.MonkeyPatch) -> None:
+    instance: Instance, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A burst leaves no threads behind once idle (bench/soak.py counts a frontend's threads at rest)."""
     monkeypatch.setattr(channels, "SENDER_IDLE_S", 0.05)
 
@@ -231,8 +234,9 @@ def test_a_frontend_killed_with_sends_blocked_in_the_kernel_leaves_no_trace(inst
     """
     spawn = multiprocessing.get_context("spawn")
     ours, theirs = spawn.Pipe(duplex=False)
-    victim = spawn.Process(target=shm_children.send_behind_a_full_queue,
-                           args=(instance.names.instance_id, 10, 5, theirs), daemon=True)
+    victim = spawn.Process(
+        target=shm_children.send_behind_a_full_queue, args=(instance.names.instance_id, 10, 5, theirs), daemon=True
+    )
 
     async def scenario() -> list[int]:
         producer, consumer = instance.request_queue(), instance.request_queue()
@@ -285,7 +289,9 @@ def test_a_thread_blocked_on_a_full_queue_is_seen_in_the_kernels_line(instance: 
     try:
         deadline = time.monotonic() + HANG_S
         while not (tids and channels._in_a_queue_wait(channels._wchan(tids[0]))):
-            assert time.monotonic() < deadline, f"never seen blocked: wchan {channels._wchan(tids[0]) if tids else None!r}"
+            assert time.monotonic() < deadline, (
+                f"never seen blocked: wchan {channels._wchan(tids[0]) if tids else None!r}"
+            )
             time.sleep(0.001)
         assert channels._wchan(tids[0]) not in (None, "0")  # seen asleep in the queue, not gone
     finally:

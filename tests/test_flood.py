@@ -43,8 +43,20 @@ MAX_GROWTH_AFTER_FIRST_WAVE_KIB = 32 << 10
 
 @pytest.fixture(scope="module")
 def small_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    server = start_server("checksum", tmp_path_factory.mktemp("flood"), "--workers", "1", "--max-in-flight", "4",
-                          "--arena-size", "2MiB", "--queue-depth", "4", "--max-batch-size", "4")
+    server = start_server(
+        "checksum",
+        tmp_path_factory.mktemp("flood"),
+        "--workers",
+        "1",
+        "--max-in-flight",
+        "4",
+        "--arena-size",
+        "2MiB",
+        "--queue-depth",
+        "4",
+        "--max-batch-size",
+        "4",
+    )
     try:
         yield server
     finally:
@@ -59,8 +71,9 @@ def _request(seed: int, n_images: int) -> tuple[list[bytes], dict[str, object]]:
     return images, body
 
 
-async def _one(client: httpx.AsyncClient, data: list[bytes], body: dict[str, object]
-               ) -> tuple[httpx.Response, float, list[bytes]]:
+async def _one(
+    client: httpx.AsyncClient, data: list[bytes], body: dict[str, object]
+) -> tuple[httpx.Response, float, list[bytes]]:
     started = time.monotonic()
     response = await client.post("/v1/chat/completions", json=body)
     return response, time.monotonic() - started, data
@@ -84,8 +97,12 @@ def _private_kib(server: Server) -> dict[int, int]:
 def test_a_flood_of_ten_times_capacity_is_refused_quickly_and_the_server_recovers(small_server: Server) -> None:
     server = small_server
     warm = noise_png(1)
-    assert httpx.post(server.base_url + "/v1/chat/completions", json=image_request("checksum", warm, mime="image/png"),
-                      timeout=60).status_code == 200
+    assert (
+        httpx.post(
+            server.base_url + "/v1/chat/completions", json=image_request("checksum", warm, mime="image/png"), timeout=60
+        ).status_code
+        == 200
+    )
     memory = [_private_kib(server)]
     outcomes: Counter[str] = Counter()
     slowest_refusal_s = 0.0
@@ -111,12 +128,19 @@ def test_a_flood_of_ten_times_capacity_is_refused_quickly_and_the_server_recover
         assert memory[-1][pid] - before < MAX_FRONTEND_GROWTH_KIB, memory
         assert memory[-1][pid] - memory[1][pid] < MAX_GROWTH_AFTER_FIRST_WAVE_KIB, memory
     # recovery, with nobody's help
-    took = wait_until(lambda: server.metric("shmgate_in_flight_requests") == 0
-                      and server.metric("shmgate_arena_held_bytes") == 0, 30, "arena holds released")
+    took = wait_until(
+        lambda: server.metric("shmgate_in_flight_requests") == 0 and server.metric("shmgate_arena_held_bytes") == 0,
+        30,
+        "arena holds released",
+    )
     after = noise_png(2)
-    response = httpx.post(server.base_url + "/v1/chat/completions", json=image_request("checksum", after, mime="image/png"),
-                          timeout=60)
-    assert response.status_code == 200 and expected_checksum(after) in response.json()["choices"][0]["message"][
-        "content"]
-    print(f"\nflood: {WAVES} x {FLOOD} concurrent: {dict(outcomes)}; slowest refusal {slowest_refusal_s:.2f} s; "
-          f"frontend private KiB per wave {memory}; holds 0 after {took:.1f} s")
+    response = httpx.post(
+        server.base_url + "/v1/chat/completions", json=image_request("checksum", after, mime="image/png"), timeout=60
+    )
+    assert (
+        response.status_code == 200 and expected_checksum(after) in response.json()["choices"][0]["message"]["content"]
+    )
+    print(
+        f"\nflood: {WAVES} x {FLOOD} concurrent: {dict(outcomes)}; slowest refusal {slowest_refusal_s:.2f} s; "
+        f"frontend private KiB per wave {memory}; holds 0 after {took:.1f} s"
+    )

@@ -92,8 +92,14 @@ def fake(spare_slot_server: Server) -> Iterator[FakeFrontend]:
         assert allocation is not None
         pixels = np.random.default_rng(7).integers(0, 256, SHAPE, dtype=np.uint8)
         partition.array(allocation, "uint8", SHAPE)[:] = pixels
-        good = TensorRef(offset=allocation.offset, nbytes=NBYTES, generation=allocation.generation, dtype="uint8",
-                         shape=SHAPE, name="pixels")
+        good = TensorRef(
+            offset=allocation.offset,
+            nbytes=NBYTES,
+            generation=allocation.generation,
+            dtype="uint8",
+            shape=SHAPE,
+            name="pixels",
+        )
         yield FakeFrontend(inst, slot, partition, requests, replies, good, pixels.tobytes())
     finally:
         heartbeat.stop()
@@ -138,8 +144,9 @@ def _forgeries() -> dict[str, Callable[[FakeFrontend], TensorRef]]:
         "offset far past the arena": lambda f: f.ref(offset=total(f) + (1 << 40)),
         "offset 2**63-1": lambda f: f.ref(offset=MAX),
         "offset + nbytes overflows int64": lambda f: f.ref(offset=MAX - 63, nbytes=MAX),
-        "nbytes past the end": lambda f: f.ref(nbytes=total(f) - f.good.offset + 64, shape=(total(f) - f.good.offset
-                                                                                            + 64,)),
+        "nbytes past the end": lambda f: f.ref(
+            nbytes=total(f) - f.good.offset + 64, shape=(total(f) - f.good.offset + 64,)
+        ),
         "offset in the segment header": lambda f: f.ref(offset=64),
         "misaligned offset": lambda f: f.ref(offset=f.good.offset + 8),
         "another frontend's partition": other_partition,
@@ -166,15 +173,28 @@ FORGERIES = _forgeries()
 OUTSIDE, PAST_END, NOT_A_BLOCK = "tensor offset or size lies outside", "tensor extends past", "tensor offset is not"
 STALE, MISMATCH, BAD_SHAPE = "the tensor was freed or reused", "dtype and shape do not match", "tensor shape is not"
 CAUGHT_BY = {
-    "offset at the end of the arena": OUTSIDE, "offset far past the arena": OUTSIDE, "offset 2**63-1": OUTSIDE,
-    "offset + nbytes overflows int64": OUTSIDE, "nbytes past the end": PAST_END,
-    "offset in the segment header": NOT_A_BLOCK, "misaligned offset": NOT_A_BLOCK,
-    "another frontend's partition": STALE, "across a partition boundary": "tensor crosses a partition",
-    "freed space": STALE, "reused space (stale generation)": STALE, "generation 0": STALE,
-    "wrong dtype": MISMATCH, "wrong shape": MISMATCH, "nbytes beyond the allocation": "descriptor claims more",
-    "huge dims": BAD_SHAPE, "a zero dim beside a huge one": BAD_SHAPE, "nine dims": BAD_SHAPE,
-    "zero bytes": "a tensor of zero bytes", "zero bytes, three dims": "a tensor of zero bytes",
-    "unknown dtype": "unknown dtype 'complex128'", "a 2000-character dtype": "unknown dtype 'xxxxxxxxxxxxxxxx'",
+    "offset at the end of the arena": OUTSIDE,
+    "offset far past the arena": OUTSIDE,
+    "offset 2**63-1": OUTSIDE,
+    "offset + nbytes overflows int64": OUTSIDE,
+    "nbytes past the end": PAST_END,
+    "offset in the segment header": NOT_A_BLOCK,
+    "misaligned offset": NOT_A_BLOCK,
+    "another frontend's partition": STALE,
+    "across a partition boundary": "tensor crosses a partition",
+    "freed space": STALE,
+    "reused space (stale generation)": STALE,
+    "generation 0": STALE,
+    "wrong dtype": MISMATCH,
+    "wrong shape": MISMATCH,
+    "nbytes beyond the allocation": "descriptor claims more",
+    "huge dims": BAD_SHAPE,
+    "a zero dim beside a huge one": BAD_SHAPE,
+    "nine dims": BAD_SHAPE,
+    "zero bytes": "a tensor of zero bytes",
+    "zero bytes, three dims": "a tensor of zero bytes",
+    "unknown dtype": "unknown dtype 'complex128'",
+    "a 2000-character dtype": "unknown dtype 'xxxxxxxxxxxxxxxx'",
 }
 
 
@@ -192,7 +212,8 @@ def test_an_honest_descriptor_on_the_same_channel_is_served(fake: FakeFrontend) 
 
 @pytest.mark.parametrize("name", list(FORGERIES))
 def test_a_forged_descriptor_fails_its_request_and_the_worker_carries_on(
-        spare_slot_server: Server, fake: FakeFrontend, name: str) -> None:
+    spare_slot_server: Server, fake: FakeFrontend, name: str
+) -> None:
     [worker] = spare_slot_server.pids("worker")
     replies = fake.answers(fake.submit(FORGERIES[name](fake)))
     assert [type(m) for m in replies] == [Claimed, Released, Failed], replies
@@ -208,8 +229,9 @@ def test_one_forged_tensor_fails_the_whole_request(fake: FakeFrontend) -> None:
     assert isinstance(replies[-1], Failed) and replies[-1].code == "bad_descriptor"
 
 
-def test_an_undecodable_descriptor_gets_an_error_reply_and_the_next_one_is_served(spare_slot_server: Server,
-                                                                                 fake: FakeFrontend) -> None:
+def test_an_undecodable_descriptor_gets_an_error_reply_and_the_next_one_is_served(
+    spare_slot_server: Server, fake: FakeFrontend
+) -> None:
     [worker] = spare_slot_server.pids("worker")
     undecodable = fake.submit(fake.ref(shape=(-3, 224, 224)))  # NonNegative on the wire: fails to decode
     answers = fake.answers(undecodable)
@@ -222,8 +244,7 @@ def test_an_undecodable_descriptor_gets_an_error_reply_and_the_next_one_is_serve
     assert spare_slot_server.pids("worker") == [worker]
 
 
-def test_a_forged_reply_slot_gets_no_answer_and_harms_nothing(spare_slot_server: Server,
-                                                              fake: FakeFrontend) -> None:
+def test_a_forged_reply_slot_gets_no_answer_and_harms_nothing(spare_slot_server: Server, fake: FakeFrontend) -> None:
     [worker] = spare_slot_server.pids("worker")
     fake.submit(fake.ref(offset=MAX), reply_slot=10_000)
     assert isinstance(fake.answers(fake.submit(fake.good))[-1], Finished)
@@ -233,8 +254,11 @@ def test_a_forged_reply_slot_gets_no_answer_and_harms_nothing(spare_slot_server:
 def test_http_requests_still_complete_after_the_forgeries(spare_slot_server: Server, fake: FakeFrontend) -> None:
     for seed in range(3):
         image = noise_png(900 + seed, size=64)
-        response = httpx.post(spare_slot_server.base_url + "/v1/chat/completions",
-                              json=image_request("checksum", image, mime="image/png"), timeout=60)
+        response = httpx.post(
+            spare_slot_server.base_url + "/v1/chat/completions",
+            json=image_request("checksum", image, mime="image/png"),
+            timeout=60,
+        )
         assert response.status_code == 200
         assert expected_checksum(image) in response.json()["choices"][0]["message"]["content"]
 

@@ -57,8 +57,12 @@ def fuzz_settings(default: int, *, server: bool = False) -> settings:
         deadline=HANG_GUARD,
         derandomize=FUZZ_EXAMPLES == 0,  # CI: the same examples every run; big runs: fresh ones
         database=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much,
-                               HealthCheck.function_scoped_fixture],
+        suppress_health_check=[
+            HealthCheck.too_slow,
+            HealthCheck.data_too_large,
+            HealthCheck.filter_too_much,
+            HealthCheck.function_scoped_fixture,
+        ],
     )
 
 
@@ -162,8 +166,12 @@ def test_mutated_data_urls_through_request_parsing_give_request_errors_only(data
     if wrap:  # line-wrapped base64, as some encoders write it
         head, payload = url.split(",", 1)
         url = head + "," + "\n".join(payload[i : i + wrap] for i in range(0, len(payload), wrap))
-    body = json.dumps({"model": "checksum", "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": url}}]}]}).encode()
+    body = json.dumps(
+        {
+            "model": "checksum",
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}],
+        }
+    ).encode()
     try:
         chat = parse_chat_request(body, IntakeLimits())
         (image,) = chat.images
@@ -204,22 +212,50 @@ JSON = st.recursive(
     max_leaves=20,
 )
 ANY = st.one_of(JSON, st.just(2**70), st.just(-1), st.just(""), st.just(1e308))
-URL = st.one_of(st.integers(0, 3).map(_png), st.text(max_size=40),
-                st.builds(lambda t, p: f"data:{t};base64,{p}", st.sampled_from(["image/png", "image/gif", ""]),
-                          st.text("ABCDEFabc0123+/=\n _-", max_size=60)))
+URL = st.one_of(
+    st.integers(0, 3).map(_png),
+    st.text(max_size=40),
+    st.builds(
+        lambda t, p: f"data:{t};base64,{p}",
+        st.sampled_from(["image/png", "image/gif", ""]),
+        st.text("ABCDEFabc0123+/=\n _-", max_size=60),
+    ),
+)
 PART = st.one_of(
     st.fixed_dictionaries({"type": st.just("text"), "text": st.one_of(st.text(max_size=50), ANY)}),
-    st.fixed_dictionaries({"type": st.just("image_url"), "image_url": st.one_of(
-        st.fixed_dictionaries({"url": URL}, optional={"detail": ANY, "extra": ANY}), ANY)}),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("image_url"),
+            "image_url": st.one_of(st.fixed_dictionaries({"url": URL}, optional={"detail": ANY, "extra": ANY}), ANY),
+        }
+    ),
     st.fixed_dictionaries({"type": st.one_of(st.sampled_from(["input_audio", "file", "refusal"]), ANY)}),
 )
 MESSAGE = st.fixed_dictionaries(
     {"role": st.one_of(st.sampled_from(["user", "system", "assistant", "developer", "tool"]), ANY)},
-    optional={"content": st.one_of(st.text(max_size=50), st.lists(PART, max_size=4), ANY), "name": ANY,
-              "surprise": ANY},
+    optional={
+        "content": st.one_of(st.text(max_size=50), st.lists(PART, max_size=4), ANY),
+        "name": ANY,
+        "surprise": ANY,
+    },
 )
-OPTIONAL = {name: ANY for name in ["stream_options", "max_tokens", "max_completion_tokens", "temperature", "top_p",
-                                   "seed", "stop", "n", "user", "tools", "logprobs", "response_format"]}
+OPTIONAL = {
+    name: ANY
+    for name in [
+        "stream_options",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "seed",
+        "stop",
+        "n",
+        "user",
+        "tools",
+        "logprobs",
+        "response_format",
+    ]
+}
 OPTIONAL |= {"stream": st.booleans()}
 CHAT_BODY = st.fixed_dictionaries(
     {"model": st.one_of(st.just("checksum"), ANY), "messages": st.one_of(st.lists(MESSAGE, max_size=3), ANY)},
@@ -244,8 +280,14 @@ def test_random_json_and_random_bytes_get_a_400(client: httpx.Client, body: byte
 @fuzz_settings(40, server=True)
 @given(data=MUTATED_IMAGE)
 def test_mutated_images_through_the_server_get_200_or_our_4xx(client: httpx.Client, data: bytes) -> None:
-    body = json.dumps({"model": "checksum", "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": data_url(data, "image/webp")}}]}]}).encode()
+    body = json.dumps(
+        {
+            "model": "checksum",
+            "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(data, "image/webp")}}]}
+            ],
+        }
+    ).encode()
     response = _post(client, body, allowed=(200, 400, 413))
     if response.status_code == 200:  # the worker saw exactly the pixels the pipeline makes locally
         pixels = _run_pipeline(data)
@@ -257,14 +299,22 @@ def test_mutated_images_through_the_server_get_200_or_our_4xx(client: httpx.Clie
 
 # -- (c) every route against its OpenAPI document -------------------------------------------------------
 
-CHECKS = [schemathesis.checks.not_a_server_error, schemathesis.checks.status_code_conformance,
-          schemathesis.checks.content_type_conformance, schemathesis.checks.response_schema_conformance]
+CHECKS = [
+    schemathesis.checks.not_a_server_error,
+    schemathesis.checks.status_code_conformance,
+    schemathesis.checks.content_type_conformance,
+    schemathesis.checks.response_schema_conformance,
+]
 # (path, method, mode) of every operation the server documents (the document is built the same way
 # here): valid requests for each, and invalid ones where there is a body to get wrong.
-OPERATIONS = [(path, method, mode) for path, item in openapi_document()["paths"].items()
-              for method, operation in item.items()
-              for mode in ([GenerationMode.POSITIVE, GenerationMode.NEGATIVE] if "requestBody" in operation
-                           else [GenerationMode.POSITIVE])]
+OPERATIONS = [
+    (path, method, mode)
+    for path, item in openapi_document()["paths"].items()
+    for method, operation in item.items()
+    for mode in (
+        [GenerationMode.POSITIVE, GenerationMode.NEGATIVE] if "requestBody" in operation else [GenerationMode.POSITIVE]
+    )
+]
 
 
 @pytest.fixture(scope="module")
@@ -273,8 +323,9 @@ def api_schema(spare_slot_server: Server) -> object:
 
 
 @pytest.mark.parametrize(("path", "method", "mode"), OPERATIONS)
-def test_every_route_answers_as_its_openapi_document_says(api_schema: object, spare_slot_server: Server, path: str,
-                                                          method: str, mode: GenerationMode) -> None:
+def test_every_route_answers_as_its_openapi_document_says(
+    api_schema: object, spare_slot_server: Server, path: str, method: str, mode: GenerationMode
+) -> None:
     # schemathesis's pytest plugin (from_fixture) fails on pytest 9; its strategies work under plain hypothesis.
     @fuzz_settings(12, server=True)
     @given(case=api_schema[path][method.upper()].as_strategy(mode))  # type: ignore[index]
@@ -289,10 +340,18 @@ def test_every_route_answers_as_its_openapi_document_says(api_schema: object, sp
     run()
 
 
-@pytest.mark.parametrize(("path", "model"), [("/v1/models/{model}", "checksum"), ("/ready/{model}", "checksum"),
-                                             ("/ready/{model}", "not-served"), ("/v1/models/{model}", "a/b")])
+@pytest.mark.parametrize(
+    ("path", "model"),
+    [
+        ("/v1/models/{model}", "checksum"),
+        ("/ready/{model}", "checksum"),
+        ("/ready/{model}", "not-served"),
+        ("/v1/models/{model}", "a/b"),
+    ],
+)
 def test_one_models_routes_answer_as_documented_for_a_served_and_an_unknown_model(
-        api_schema: object, spare_slot_server: Server, path: str, model: str) -> None:
+    api_schema: object, spare_slot_server: Server, path: str, model: str
+) -> None:
     """The fuzzer's ids are random, so it meets only the 404s: the served model's answer is checked here."""
     case = api_schema[path]["GET"].Case(path_parameters={"model": model})  # type: ignore[index]
     response = case.call_and_validate(base_url=spare_slot_server.base_url, checks=CHECKS, timeout=60)
@@ -303,9 +362,19 @@ def test_one_models_routes_answer_as_documented_for_a_served_and_an_unknown_mode
 
 def test_the_document_lists_every_route_and_the_whole_request_body(spare_slot_server: Server) -> None:
     document = httpx.get(spare_slot_server.base_url + "/openapi.json", timeout=10).json()
-    assert set(document["paths"]) == {"/v1/chat/completions", "/v1/embeddings", "/tokenize", "/detokenize",
-                                      "/v1/models", "/v1/models/{model}", "/health", "/ready", "/ready/{model}",
-                                      "/metrics", "/docs"}
+    assert set(document["paths"]) == {
+        "/v1/chat/completions",
+        "/v1/embeddings",
+        "/tokenize",
+        "/detokenize",
+        "/v1/models",
+        "/v1/models/{model}",
+        "/health",
+        "/ready",
+        "/ready/{model}",
+        "/metrics",
+        "/docs",
+    }
     chat = document["paths"]["/v1/chat/completions"]["post"]
     assert {"400", "413", "415", "421", "429", "500", "503"} <= set(chat["responses"])
     body = document["components"]["schemas"]["ChatCompletionRequest"]
@@ -337,15 +406,23 @@ def _parses_or_refuses(body: dict[str, object]) -> None:
 # Values shaped like what a field may hold (a map of numbers, a list of numbers) reach the checks
 # behind the type check more often than arbitrary JSON does.
 SMALL = st.integers(-300, 300) | st.floats(-300, 300)  # around the bounds the checks use (2, 100, 256, ...)
-FIELD_VALUE = (ANY_JSON | SMALL | st.dictionaries(KEY, SMALL, min_size=1, max_size=2)
-               | st.lists(SMALL | TRICKY, min_size=1, max_size=3))
+FIELD_VALUE = (
+    ANY_JSON
+    | SMALL
+    | st.dictionaries(KEY, SMALL, min_size=1, max_size=2)
+    | st.lists(SMALL | TRICKY, min_size=1, max_size=3)
+)
 
 
 @pytest.mark.parametrize("field", sorted(ChatCompletionRequest.__struct_fields__))
 def test_any_json_value_in_any_field_parses_or_is_a_request_error(field: str) -> None:
     @fuzz_settings(20)
-    @given(value=FIELD_VALUE, others=st.dictionaries(st.sampled_from(sorted(ChatCompletionRequest.__struct_fields__)),
-                                                     FIELD_VALUE, max_size=1))
+    @given(
+        value=FIELD_VALUE,
+        others=st.dictionaries(
+            st.sampled_from(sorted(ChatCompletionRequest.__struct_fields__)), FIELD_VALUE, max_size=1
+        ),
+    )
     def run(value: object, others: dict[str, object]) -> None:
         _parses_or_refuses({**GOOD, **others, field: value})
 
@@ -353,12 +430,16 @@ def test_any_json_value_in_any_field_parses_or_is_a_request_error(field: str) ->
 
 
 @fuzz_settings(150)
-@given(message=st.dictionaries(st.sampled_from(["role", "content", "name"]), ANY_JSON, max_size=3),
-       part=st.dictionaries(st.sampled_from(["type", "text", "image_url"]),
-                            ANY_JSON | st.sampled_from(["text", "image_url"]), max_size=3),
-       image_url=st.dictionaries(st.sampled_from(["url", "detail"]), ANY_JSON, max_size=2))
+@given(
+    message=st.dictionaries(st.sampled_from(["role", "content", "name"]), ANY_JSON, max_size=3),
+    part=st.dictionaries(
+        st.sampled_from(["type", "text", "image_url"]), ANY_JSON | st.sampled_from(["text", "image_url"]), max_size=3
+    ),
+    image_url=st.dictionaries(st.sampled_from(["url", "detail"]), ANY_JSON, max_size=2),
+)
 def test_any_json_value_inside_a_message_parses_or_is_a_request_error(
-        message: dict[str, object], part: dict[str, object], image_url: dict[str, object]) -> None:
+    message: dict[str, object], part: dict[str, object], image_url: dict[str, object]
+) -> None:
     _parses_or_refuses({**GOOD, "messages": [{"role": "user", **message}]})
     nested = {**part, "image_url": image_url} if part.get("type") == "image_url" else part
     _parses_or_refuses({**GOOD, "messages": [{"role": "user", "content": [nested]}]})

@@ -66,8 +66,14 @@ def _place(partition: Partition, array: np.ndarray, name: str) -> TensorRef:
     allocation = partition.allocate(array.nbytes)
     assert allocation is not None
     partition.array(allocation, array.dtype.name, array.shape)[...] = array
-    return TensorRef(offset=allocation.offset, nbytes=array.nbytes, generation=allocation.generation,
-                     dtype=array.dtype.name, shape=array.shape, name=name)
+    return TensorRef(
+        offset=allocation.offset,
+        nbytes=array.nbytes,
+        generation=allocation.generation,
+        dtype=array.dtype.name,
+        shape=array.shape,
+        name=name,
+    )
 
 
 def _pixels(name: str, draft_margin: int | None = None) -> np.ndarray:
@@ -218,8 +224,9 @@ def test_an_answer_does_not_depend_on_the_batch_it_lands_in() -> None:
 
 def test_a_cuda_worker_classifies_the_photos_through_its_pipeline(instance: Instance) -> None:
     """Copy stream -> event -> compute stream, with the prefetch thread: the stream-race check's subject."""
-    worker = Worker(instance, WorkerOptions(model="efficientnet-lite0", device="cuda", max_batch_size=4,
-                                            max_batch_wait_ms=2))
+    worker = Worker(
+        instance, WorkerOptions(model="efficientnet-lite0", device="cuda", max_batch_size=4, max_batch_wait_ms=2)
+    )
     assert worker.device == torch.device("cuda", 0) and worker.copier.pinned
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
@@ -230,8 +237,10 @@ def test_a_cuda_worker_classifies_the_photos_through_its_pipeline(instance: Inst
         for rounds in range(3):  # several batches, so copies of batch k+1 overlap batch k
             for i, name in enumerate(PHOTOS):
                 ref = _place(partition, _pixels(name), "pixels")
-                requests.send(Submit(request_id=100 * rounds + i, reply_slot=0, model="efficientnet-lite0",
-                                     tensors=(ref,)), HANG_S)
+                requests.send(
+                    Submit(request_id=100 * rounds + i, reply_slot=0, model="efficientnet-lite0", tensors=(ref,)),
+                    HANG_S,
+                )
 
     sender = threading.Thread(target=send_all, daemon=True)
     try:

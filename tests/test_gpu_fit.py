@@ -57,8 +57,9 @@ def test_the_weights_estimate_is_what_the_loaded_model_holds(tiny_vlm: Callable[
     assert need.weights == held
 
 
-def test_a_sharded_checkpoint_counts_the_shards_its_index_names_once(tiny_vlm: Callable[[str], Path],
-                                                                      tmp_path: Path) -> None:
+def test_a_sharded_checkpoint_counts_the_shards_its_index_names_once(
+    tiny_vlm: Callable[[str], Path], tmp_path: Path
+) -> None:
     """Shards named by model.safetensors.index.json, beside a consolidated copy of the same weights."""
     from safetensors.torch import load_file, save_file
 
@@ -68,8 +69,9 @@ def test_a_sharded_checkpoint_counts_the_shards_its_index_names_once(tiny_vlm: C
     for shard, keys in halves.items():
         save_file({k: tensors[k] for k in keys}, str(tmp_path / shard))
     save_file(tensors, str(tmp_path / "consolidated.safetensors"))
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
-        {"weight_map": {k: shard for shard, keys in halves.items() for k in keys}}))
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {k: shard for shard, keys in halves.items() for k in keys}})
+    )
     floats, _ = checkpoint_parameters(tmp_path)
     assert floats == sum(t.numel() for t in tensors.values() if t.is_floating_point())
 
@@ -81,11 +83,13 @@ def test_a_directory_without_weights_is_refused(tmp_path: Path) -> None:
 
 
 def test_a_chat_model_needs_its_weights_at_the_load_dtype_and_a_full_batch_of_kv_cache(
-        tiny_vlm: Callable[[str], Path]) -> None:
+    tiny_vlm: Callable[[str], Path],
+) -> None:
     model_dir = tiny_vlm("qwen2_vl")
     floats = _numel_by_loading(model_dir)
     text = json.loads((model_dir / "config.json").read_text()).get("text_config") or json.loads(
-        (model_dir / "config.json").read_text())
+        (model_dir / "config.json").read_text()
+    )
     heads = text["num_attention_heads"]
     head_dim = text.get("head_dim") or text["hidden_size"] // heads
     kv_per_token = 2 * text["num_hidden_layers"] * text.get("num_key_value_heads", heads) * head_dim
@@ -99,8 +103,10 @@ def test_a_chat_model_needs_its_weights_at_the_load_dtype_and_a_full_batch_of_kv
     assert bf16_four.activations - bf16_one.activations >= 3 * kv_one_sequence
     assert bf16_one.activations >= kv_one_sequence
     # a larger pixel budget in the processor kwargs means more patches per image, so more activations
-    assert hf_need(model_dir, dtype_bytes=2, max_batch_size=1, chat=True,
-                   max_pixels=4 * 25088).activations > bf16_one.activations
+    assert (
+        hf_need(model_dir, dtype_bytes=2, max_batch_size=1, chat=True, max_pixels=4 * 25088).activations
+        > bf16_one.activations
+    )
     # an embedding-style reading of the same checkpoint (no generation) keeps no KV cache
     assert hf_need(model_dir, dtype_bytes=2, max_batch_size=1, chat=False).activations < bf16_one.activations
 
@@ -115,8 +121,9 @@ def test_an_embedding_model_counts_its_vision_tower_per_image(tmp_path: Path) ->
 
 def test_the_classifier_counts_the_padded_pass_its_cuda_worker_runs() -> None:
     per_image = gpu_fit.classifier_need(__file__, max_batch_size=1).activations // 8  # padded to 8 images
-    assert [gpu_fit.classifier_need(__file__, max_batch_size=n).activations // per_image
-            for n in (0, 1, 8, 9, 16, 17)] == [8, 8, 8, 16, 16, 32]
+    assert [
+        gpu_fit.classifier_need(__file__, max_batch_size=n).activations // per_image for n in (0, 1, 8, 9, 16, 17)
+    ] == [8, 8, 8, 16, 16, 32]
 
 
 def test_models_sharing_a_gpu_that_fit_alone_but_not_together_are_named_with_their_needs() -> None:
@@ -126,8 +133,10 @@ def test_models_sharing_a_gpu_that_fit_alone_but_not_together_are_named_with_the
     free = {"0": b.total + (1 << 30), "1": 80 << 30}
     assert misfits([a], free) == [] and misfits([b], free) == []
     (line,) = misfits([a, b, elsewhere], free)
-    assert line.startswith(f"GPU 0: the models placed on it need {(a.total + b.total) / (1 << 30):.2f} GiB, "
-                           f"{free['0'] / (1 << 30):.2f} GiB is free")
+    assert line.startswith(
+        f"GPU 0: the models placed on it need {(a.total + b.total) / (1 << 30):.2f} GiB, "
+        f"{free['0'] / (1 << 30):.2f} GiB is free"
+    )
     assert "'classifier'" in line and "'captioner'" in line and "2 x [weights 4.00 GiB" in line
     assert "embedder" not in line
     assert misfits([a, b], {"0": a.total + b.total}) == []  # exactly enough fits
@@ -135,7 +144,8 @@ def test_models_sharing_a_gpu_that_fit_alone_but_not_together_are_named_with_the
 
 
 def test_serve_refuses_naming_the_model_the_gpu_and_the_bytes(
-        tiny_vlm: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    tiny_vlm: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``shmgate serve``'s check for two models on GPU 0 of a stated size: the classifier alone fits, with a chat
     model it does not. The plan (placements from the flags) and the arithmetic are the ones ``main`` runs, which
     prints the first line and exits 2; only the free bytes are stated instead of asked of CUDA."""
@@ -149,8 +159,10 @@ def test_serve_refuses_naming_the_model_the_gpu_and_the_bytes(
 
     both = ["serve", "--model", "efficientnet-lite0", "--model", f"hf:{model_dir}", "--device", "cuda:0"]
     (line,) = cli.gpu_misfits(cli.build_parser().parse_args(both), free={"0": stated})
-    assert line.startswith(f"GPU 0: the models placed on it need {(classifier.total + chat.total) / (1 << 30):.2f} "
-                           f"GiB, {stated / (1 << 30):.2f} GiB is free")
+    assert line.startswith(
+        f"GPU 0: the models placed on it need {(classifier.total + chat.total) / (1 << 30):.2f} "
+        f"GiB, {stated / (1 << 30):.2f} GiB is free"
+    )
     assert "'efficientnet-lite0' " in line and f"'{model_dir.name}' " in line
 
     # a pixel budget in the processor kwargs is the model's own: more patches, a larger need
@@ -164,12 +176,17 @@ def test_serve_refuses_naming_the_model_the_gpu_and_the_bytes(
     assert cli.gpu_misfits(cpu, free={"0": 0}) == []
 
 
-def test_a_checkpoint_that_cannot_be_sized_is_left_to_its_worker(tmp_path: Path,
-                                                                  caplog: pytest.LogCaptureFixture) -> None:
+def test_a_checkpoint_that_cannot_be_sized_is_left_to_its_worker(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_vl"}))  # no weights
     fits = GpuNeed("classifier", "0", 1, WorkerNeed(weights=1 << 30, activations=0))
-    needs = gpu_fit.placed_needs([PlacedModel("broken", f"hf:{tmp_path}", "auto", 0, ("0",)),
-                                  PlacedModel("classifier", "efficientnet-lite0", "auto", 0, ("0",))])
+    needs = gpu_fit.placed_needs(
+        [
+            PlacedModel("broken", f"hf:{tmp_path}", "auto", 0, ("0",)),
+            PlacedModel("classifier", "efficientnet-lite0", "auto", 0, ("0",)),
+        ]
+    )
     assert [n.model for n in needs] == ["classifier"]
     assert "cannot size model 'broken'" in caplog.text
     assert misfits(needs, {"0": fits.total}) == []

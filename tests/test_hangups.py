@@ -48,17 +48,24 @@ def _hang_up_while_in_flight(server: Server, body: dict[str, object]) -> None:
 
 def _cancelled_and_released(server: Server, before: dict[str, float], n: int) -> dict[str, float]:
     try:
-        wait_until(lambda: request_outcomes(server)["cancelled"] >= before["cancelled"] + n and server_idle(server),
-                   HANG_GUARD_S, f"{n} hang-ups counted cancelled and their arena holds released")
+        wait_until(
+            lambda: request_outcomes(server)["cancelled"] >= before["cancelled"] + n and server_idle(server),
+            HANG_GUARD_S,
+            f"{n} hang-ups counted cancelled and their arena holds released",
+        )
     finally:
         after = request_outcomes(server)
-        print({o: after[o] - before[o] for o in after}, server.metric("shmgate_in_flight_requests"),
-              server.metric("shmgate_arena_held_bytes"))
+        print(
+            {o: after[o] - before[o] for o in after},
+            server.metric("shmgate_in_flight_requests"),
+            server.metric("shmgate_arena_held_bytes"),
+        )
     return {o: after[o] - before[o] for o in after}
 
 
 def test_a_non_streamed_request_whose_client_hangs_up_is_cancelled_and_the_worker_stops(
-        checksum_server: Server) -> None:
+    checksum_server: Server,
+) -> None:
     server = checksum_server
     wait_until(lambda: server_idle(server), HANG_GUARD_S, "idle")
     before = request_outcomes(server)
@@ -72,8 +79,9 @@ def test_a_stream_whose_client_hangs_up_before_its_first_event_is_cancelled(chec
     server = checksum_server
     wait_until(lambda: server_idle(server), HANG_GUARD_S, "idle")
     before = request_outcomes(server)
-    body = image_request("checksum", noise_png(2, size=128), mime="image/png", stream=True,
-                         text="checksum:hold 100")  # 2 s before any output
+    body = image_request(
+        "checksum", noise_png(2, size=128), mime="image/png", stream=True, text="checksum:hold 100"
+    )  # 2 s before any output
     _hang_up_while_in_flight(server, body)
     change = _cancelled_and_released(server, before, 1)
     assert change == {"ok": 0, "cancelled": 1, "client_error": 0, "server_error": 0}
@@ -83,8 +91,12 @@ def test_twelve_clients_that_hang_up_30_ms_after_sending_are_all_cancelled(check
     server = checksum_server
     wait_until(lambda: server_idle(server), HANG_GUARD_S, "idle")
     before = request_outcomes(server)
-    payloads = [_raw_request(image_request("checksum", noise_png(100 + i, size=128), mime="image/png",
-                                           text="checksum:trickle 90000")) for i in range(12)]
+    payloads = [
+        _raw_request(
+            image_request("checksum", noise_png(100 + i, size=128), mime="image/png", text="checksum:trickle 90000")
+        )
+        for i in range(12)
+    ]
     clients = [threading.Thread(target=_send_and_hang_up, args=(server.port, p, 0.03)) for p in payloads]
     for c in clients:
         c.start()
@@ -98,14 +110,18 @@ def test_a_client_that_closes_mid_body_is_cancelled_without_a_traceback(checksum
     server = checksum_server
     before = request_outcomes(server)
     logged = server.log_path.read_text()
-    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            b"Content-Length: 100000\r\n\r\n")
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 100000\r\n\r\n"
+    )
     for _ in range(3):
         _send_and_hang_up(server.port, head + b'{"model": "checksum", "messages": [', 0.2)
-    wait_until(lambda: request_outcomes(server)["cancelled"] >= before["cancelled"] + 3, HANG_GUARD_S,
-               "three mid-body hang-ups counted cancelled")
+    wait_until(
+        lambda: request_outcomes(server)["cancelled"] >= before["cancelled"] + 3,
+        HANG_GUARD_S,
+        "three mid-body hang-ups counted cancelled",
+    )
     after = request_outcomes(server)
-    assert {o: after[o] - before[o] for o in after} == {"ok": 0, "cancelled": 3, "client_error": 0,
-                                                        "server_error": 0}
-    new_lines = server.log_path.read_text()[len(logged):]
+    assert {o: after[o] - before[o] for o in after} == {"ok": 0, "cancelled": 3, "client_error": 0, "server_error": 0}
+    new_lines = server.log_path.read_text()[len(logged) :]
     assert "Traceback" not in new_lines and "ClientDisconnect" not in new_lines, new_lines[-3000:]

@@ -27,8 +27,9 @@ HANG_GUARD_S = 60.0
 
 @pytest.fixture(scope="module")
 def hf_server(tiny_qwen2_vl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    server = start_server(f"hf:{tiny_qwen2_vl_dir}", tmp_path_factory.mktemp("serve"), "--threads", "1",
-                          "--frontends", "1")
+    server = start_server(
+        f"hf:{tiny_qwen2_vl_dir}", tmp_path_factory.mktemp("serve"), "--threads", "1", "--frontends", "1"
+    )
     try:
         yield server
     finally:
@@ -36,20 +37,37 @@ def hf_server(tiny_qwen2_vl_dir: Path, tmp_path_factory: pytest.TempPathFactory)
 
 
 def _request(model_dir: Path, *, stream: bool) -> bytes:
-    body = json.dumps({
-        "model": "tiny-qwen2-vl", "stream": stream, "max_tokens": MAX_TOKENS, "temperature": 0,
-        "logit_bias": no_eos_bias(model_dir),
-        "messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": data_url((IMAGES / "chelsea_640.jpg").read_bytes())}},
-            {"type": "text", "text": "Describe the photo at length."}]}],
-    }).encode()
-    return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n" % len(body)) + body
+    body = json.dumps(
+        {
+            "model": "tiny-qwen2-vl",
+            "stream": stream,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "logit_bias": no_eos_bias(model_dir),
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "image_url",
+                            "image_url": {"url": data_url((IMAGES / "chelsea_640.jpg").read_bytes())},
+                        },
+                        {"type": "text", "text": "Describe the photo at length."},
+                    ],
+                }
+            ],
+        }
+    ).encode()
+    return (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(body)
+    ) + body
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["non-streamed", "streamed"])
-def test_a_long_generation_stops_when_its_client_hangs_up(hf_server: Server, tiny_qwen2_vl_dir: Path,
-                                                          stream: bool) -> None:
+def test_a_long_generation_stops_when_its_client_hangs_up(
+    hf_server: Server, tiny_qwen2_vl_dir: Path, stream: bool
+) -> None:
     server = hf_server
     cancelled = server.metric('shmgate_requests_total{outcome="cancelled"}')
     ok = server.metric('shmgate_requests_total{outcome="ok"}')
@@ -69,17 +87,26 @@ def test_a_long_generation_stops_when_its_client_hangs_up(hf_server: Server, tin
     finally:
         go.set()
         thread.join()
-    wait_until(lambda: server.metric('shmgate_requests_total{outcome="cancelled"}') == cancelled + 1
-               and server.metric("shmgate_in_flight_requests") == 0, HANG_GUARD_S, "the hang-up cancelled")
+    wait_until(
+        lambda: (
+            server.metric('shmgate_requests_total{outcome="cancelled"}') == cancelled + 1
+            and server.metric("shmgate_in_flight_requests") == 0
+        ),
+        HANG_GUARD_S,
+        "the hang-up cancelled",
+    )
     generated = server.metric("shmgate_cancelled_tokens_total") - tokens
     assert server.metric('shmgate_requests_total{outcome="ok"}') == ok
     assert generated < MAX_TOKENS / 2, f"{generated:.0f} of {MAX_TOKENS} tokens generated for nobody"
-    print(f"\nhf hang-up ({'streamed' if stream else 'non-streamed'}) after 1 s: the worker stopped after "
-          f"{generated:.0f} of {MAX_TOKENS} tokens")
+    print(
+        f"\nhf hang-up ({'streamed' if stream else 'non-streamed'}) after 1 s: the worker stopped after "
+        f"{generated:.0f} of {MAX_TOKENS} tokens"
+    )
 
 
-def test_a_stream_read_token_by_token_stops_within_a_few_tokens_of_the_hang_up(hf_server: Server,
-                                                                               tiny_qwen2_vl_dir: Path) -> None:
+def test_a_stream_read_token_by_token_stops_within_a_few_tokens_of_the_hang_up(
+    hf_server: Server, tiny_qwen2_vl_dir: Path
+) -> None:
     """The client reads as the tokens come and leaves after READ of them: the worker's count says how many more
     it generated (those already on their way, plus the steps until the Cancel reached it). Printed, and bounded
     loosely: the exact figure depends on how far the client lags behind the model."""
@@ -97,9 +124,17 @@ def test_a_stream_read_token_by_token_stops_within_a_few_tokens_of_the_hang_up(h
             pending += chunk
             *lines, pending = pending.split(b"\n")
             seen += sum(line.startswith(b"data: ") and b'"content":' in line for line in lines)
-    wait_until(lambda: server.metric('shmgate_requests_total{outcome="cancelled"}') == cancelled + 1
-               and server.metric("shmgate_in_flight_requests") == 0, HANG_GUARD_S, "the hang-up cancelled")
+    wait_until(
+        lambda: (
+            server.metric('shmgate_requests_total{outcome="cancelled"}') == cancelled + 1
+            and server.metric("shmgate_in_flight_requests") == 0
+        ),
+        HANG_GUARD_S,
+        "the hang-up cancelled",
+    )
     generated = server.metric("shmgate_cancelled_tokens_total") - tokens
     assert seen <= generated < MAX_TOKENS / 2
-    print(f"\nhf stream left after {seen} content chunks: the worker generated {generated:.0f} tokens "
-          f"({generated - seen:.0f} after the client's last read)")
+    print(
+        f"\nhf stream left after {seen} content chunks: the worker generated {generated:.0f} tokens "
+        f"({generated - seen:.0f} after the client's last read)"
+    )

@@ -211,7 +211,9 @@ def test_an_image_the_processor_refuses_is_undecodable(pre: HFPreprocessor) -> N
     buffer = io.BytesIO()
     Image.new("RGB", (600, 2)).save(buffer, format="PNG")  # 300:1, Qwen2-VL allows at most 200:1
     with pytest.raises(UndecodableImage, match="aspect ratio"):
-        pre.preprocess_image(buffer.getvalue(), lambda *a: pytest.fail("allocated for a refused image"), max_pixels=10**6)
+        pre.preprocess_image(
+            buffer.getvalue(), lambda *a: pytest.fail("allocated for a refused image"), max_pixels=10**6
+        )
 
 
 def test_prompt_longer_than_the_context_is_refused(pre: HFPreprocessor, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -263,8 +265,9 @@ def test_max_tokens_ends_with_length_and_counts_usage(pre: HFPreprocessor, backe
     assert finish.prompt_tokens == len(item.inline) // 4
 
 
-def test_every_forward_pass_reports_progress(pre: HFPreprocessor, backend: HFBackend,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_forward_pass_reports_progress(
+    pre: HFPreprocessor, backend: HFBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The worker stamps its progress in ``on_step``: a long generation that yields no text for a
     while must still read as progress (the supervisor kills workers whose progress stalls)."""
     steps: list[int] = []
@@ -307,10 +310,13 @@ def test_items_of_a_padded_batch_answer_as_when_alone(pre: HFPreprocessor, backe
     items = [
         work_item(pre, "What is this?", [WIDE], SamplingParams(max_tokens=12, temperature=0.8, seed=5), 1),
         work_item(pre, "Two pictures, compare.", [SQUARE, WIDE], SamplingParams(max_tokens=40, temperature=0.0), 2),
-        work_item(pre, "No picture, just talk for a while please.", [], SamplingParams(max_tokens=3, temperature=0.0), 3),
+        work_item(
+            pre, "No picture, just talk for a while please.", [], SamplingParams(max_tokens=3, temperature=0.0), 3
+        ),
         work_item(pre, "Square one.", [SQUARE], SamplingParams(max_tokens=30, temperature=0.0, stop=("e",)), 4),
-        work_item(pre, "Wide one, sampled.", [WIDE], SamplingParams(max_tokens=40, temperature=1.0, top_p=0.9,
-                                                                    seed=11), 5),
+        work_item(
+            pre, "Wide one, sampled.", [WIDE], SamplingParams(max_tokens=40, temperature=1.0, top_p=0.9, seed=11), 5
+        ),
     ]
     alone = [answer(list(backend.run([item]))) for item in items]
     events = list(backend.run(items))
@@ -333,13 +339,18 @@ def test_generation_passes_transformers_no_deprecated_argument(pre: HFPreprocess
     (``past_key_values`` is deprecated in favour of ``cache``, and its removal announced)."""
     import warnings
 
-    items = [work_item(pre, "Hi", [WIDE], SamplingParams(max_tokens=3, temperature=0.0), 1),
-             work_item(pre, "Hello there.", [], SamplingParams(max_tokens=3, temperature=0.0), 2)]
+    items = [
+        work_item(pre, "Hi", [WIDE], SamplingParams(max_tokens=3, temperature=0.0), 1),
+        work_item(pre, "Hello there.", [], SamplingParams(max_tokens=3, temperature=0.0), 2),
+    ]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         list(backend.run(items))
-    deprecated = [str(w.message) for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))
-                  and "transformers" in w.filename]
+    deprecated = [
+        str(w.message)
+        for w in caught
+        if issubclass(w.category, (FutureWarning, DeprecationWarning)) and "transformers" in w.filename
+    ]
     assert deprecated == []
 
 
@@ -453,7 +464,8 @@ def test_dtype_flag_picks_the_weights_dtype(pre: HFPreprocessor, model_dir: Path
 
 
 def test_one_host_sync_per_prefill_and_per_decode_step_whatever_the_rows(
-        pre: HFPreprocessor, backend: HFBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    pre: HFPreprocessor, backend: HFBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # On CUDA every read of a device value waits for the stream: reading each row's token apart
     # (and each image's grid) cost a sync per row per step. Now a step reads all rows at once.
     from worker.backends import hf
@@ -461,8 +473,7 @@ def test_one_host_sync_per_prefill_and_per_decode_step_whatever_the_rows(
     reads: list[int] = []
     real = hf._to_host
     monkeypatch.setattr(hf, "_to_host", lambda tokens: reads.append(len(tokens)) or real(tokens))
-    items = [work_item(pre, f"Row {i}.", [SQUARE], SamplingParams(max_tokens=5, temperature=0.0), i)
-             for i in range(3)]
+    items = [work_item(pre, f"Row {i}.", [SQUARE], SamplingParams(max_tokens=5, temperature=0.0), i) for i in range(3)]
     events = list(backend.run(items))
     assert all(answer(events, i)[1].completion_tokens == 5 for i in range(3))
     assert reads == [1, 1, 1, 3, 3, 3, 3]  # three prefills, then four steps of all three rows

@@ -79,13 +79,18 @@ def transformers_processor(directory: Path) -> Any:
     if name == "SmolVLMProcessor":  # it needs num2words for video captions; its image prompt is Idefics3's
         name = "Idefics3Processor"
     cls = getattr(transformers, name)
-    parts: list[Any] = [AutoImageProcessor.from_pretrained(directory, backend="pil"),
-                        AutoTokenizer.from_pretrained(directory)]
+    parts: list[Any] = [
+        AutoImageProcessor.from_pretrained(directory, backend="pil"),
+        AutoTokenizer.from_pretrained(directory),
+    ]
     if "video_processor" in cls.get_attributes():
         parts.append(None)
     check = ProcessorMixin.check_argument_for_proper_class
-    no_video = mock.patch.object(ProcessorMixin, "check_argument_for_proper_class",
-                                 lambda self, arg_name, arg: None if arg is None else check(self, arg_name, arg))
+    no_video = mock.patch.object(
+        ProcessorMixin,
+        "check_argument_for_proper_class",
+        lambda self, arg_name, arg: None if arg is None else check(self, arg_name, arg),
+    )
     with no_video:
         return cls(*parts, **settings)
 
@@ -104,15 +109,21 @@ def transformers_inputs(directory: Path, paths: list[Path], text: str) -> dict[s
         conversation = messages(text, len(paths))
         for part, image in zip(conversation[0]["content"], images):
             part["image"] = image
-        out = processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True,
-                                            return_dict=True, return_tensors="pt",
-                                            chat_template=processor.chat_template or processor.tokenizer.chat_template)
+        out = processor.apply_chat_template(
+            conversation,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+            return_tensors="pt",
+            chat_template=processor.chat_template or processor.tokenizer.chat_template,
+        )
     return {k: v for k, v in out.items() if k not in ("attention_mask", "labels")}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def family_backend(request: pytest.FixtureRequest, unusual_vlm: Callable[[str], Path],
-                   one_thread: None) -> tuple[HFPreprocessor, HFBackend]:
+def family_backend(
+    request: pytest.FixtureRequest, unusual_vlm: Callable[[str], Path], one_thread: None
+) -> tuple[HFPreprocessor, HFBackend]:
     directory = unusual_vlm(request.param)
     return HFPreprocessor(directory), HFBackend(str(directory), torch.device("cpu"))
 
@@ -133,7 +144,7 @@ def test_prompt_and_greedy_answer_equal_transformers(family_backend: tuple[HFPre
         reference["mm_token_type_ids"] = (ids == backend._layout.image_token_id).to(torch.int32)
     out = backend.model.generate(input_ids=ids, **reference, max_new_tokens=TOKENS, do_sample=False)
     text, finish = answer(list(backend.run([item])))
-    assert text == backend.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    assert text == backend.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
     assert (finish.prompt_tokens, finish.completion_tokens) == (ids.shape[1], out.shape[1] - ids.shape[1])
 
 
@@ -145,9 +156,11 @@ def test_an_image_fits_the_content_cache(family_backend: tuple[HFPreprocessor, H
 
 def test_a_padded_batch_answers_as_its_items_alone(family_backend: tuple[HFPreprocessor, HFBackend]) -> None:
     pre, backend = family_backend
-    cases = [("Describe.", [WIDE], SamplingParams(max_tokens=TOKENS, temperature=0.0)),
-             ("Hi", [], SamplingParams(max_tokens=4, temperature=0.0)),
-             ("Two?", [SQUARE, WIDE], SamplingParams(max_tokens=TOKENS, temperature=0.8, seed=5))]
+    cases = [
+        ("Describe.", [WIDE], SamplingParams(max_tokens=TOKENS, temperature=0.0)),
+        ("Hi", [], SamplingParams(max_tokens=4, temperature=0.0)),
+        ("Two?", [SQUARE, WIDE], SamplingParams(max_tokens=TOKENS, temperature=0.8, seed=5)),
+    ]
     items = [work_item(pre, text, images, params, request_id=i) for i, (text, images, params) in enumerate(cases)]
     alone = [answer(list(backend.run([item])))[0] for item in items]
     events = list(backend.run(items))
@@ -169,8 +182,16 @@ def test_paligemma_user_written_control_tokens_stay_text(unusual_vlm: Callable[[
 
 @pytest.fixture(scope="module")
 def internvl_server(unusual_vlm: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    server = start_server(f"hf:{unusual_vlm('internvl')}", tmp_path_factory.mktemp("serve"), "--threads", "1",
-                          "--max-batch-size", "1", "--frontends", "1")
+    server = start_server(
+        f"hf:{unusual_vlm('internvl')}",
+        tmp_path_factory.mktemp("serve"),
+        "--threads",
+        "1",
+        "--max-batch-size",
+        "1",
+        "--frontends",
+        "1",
+    )
     try:
         yield server
     finally:
@@ -178,20 +199,34 @@ def internvl_server(unusual_vlm: Callable[[str], Path], tmp_path_factory: pytest
 
 
 def test_served_internvl_answers_a_photo_as_transformers_and_caches_it(
-        internvl_server: Server, unusual_vlm: Callable[[str], Path], one_thread: None) -> None:
+    internvl_server: Server, unusual_vlm: Callable[[str], Path], one_thread: None
+) -> None:
     directory = unusual_vlm("internvl")
     reference = transformers_inputs(directory, [WIDE], TEXT)
     ids = reference.pop("input_ids")
     backend = HFBackend(str(directory), torch.device("cpu"))
     out = backend.model.generate(input_ids=ids, **reference, max_new_tokens=TOKENS, do_sample=False)
-    body = {"model": directory.name, "max_tokens": TOKENS, "temperature": 0, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": data_url(WIDE.read_bytes())}}, {"type": "text", "text": TEXT}]}]}
+    body = {
+        "model": directory.name,
+        "max_tokens": TOKENS,
+        "temperature": 0,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": data_url(WIDE.read_bytes())}},
+                    {"type": "text", "text": TEXT},
+                ],
+            }
+        ],
+    }
     before = internvl_server.metric("shmgate_cache_hits_total")
     replies = [httpx.post(internvl_server.base_url + "/v1/chat/completions", json=body, timeout=60) for _ in range(2)]
     assert [r.status_code for r in replies] == [200, 200], replies[0].text
     first = replies[0].json()
-    assert first["choices"][0]["message"]["content"] == backend.tokenizer.decode(out[0, ids.shape[1]:],
-                                                                                 skip_special_tokens=True)
+    assert first["choices"][0]["message"]["content"] == backend.tokenizer.decode(
+        out[0, ids.shape[1] :], skip_special_tokens=True
+    )
     assert first["usage"]["prompt_tokens"] == ids.shape[1]
     assert replies[1].json()["usage"] == first["usage"]
     assert internvl_server.metric("shmgate_cache_hits_total") >= before + 1
@@ -199,7 +234,8 @@ def test_served_internvl_answers_a_photo_as_transformers_and_caches_it(
 
 @pytest.mark.parametrize("model_type", ["mllama", "gemma3n", "llava_onevision"])
 def test_an_unsupported_architecture_is_a_startup_error_naming_it(
-        model_type: str, tiny_qwen2_vl_dir: Path, tmp_path: Path) -> None:
+    model_type: str, tiny_qwen2_vl_dir: Path, tmp_path: Path
+) -> None:
     import json
     import shutil
 
@@ -208,7 +244,10 @@ def test_an_unsupported_architecture_is_a_startup_error_naming_it(
     config = json.loads((directory / "config.json").read_text())
     (directory / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
     for load in (lambda: HFPreprocessor(directory), lambda: HFBackend(str(directory), torch.device("cpu"))):
-        with pytest.raises(ValueError, match=f"model_type '{model_type}' is not supported.*qwen2_vl, qwen2_5_vl, qwen3_vl, llava, idefics3, llava_next, gemma3, paligemma, internvl, smolvlm"):
+        with pytest.raises(
+            ValueError,
+            match=f"model_type '{model_type}' is not supported.*qwen2_vl, qwen2_5_vl, qwen3_vl, llava, idefics3, llava_next, gemma3, paligemma, internvl, smolvlm",
+        ):
             load()
 
 
@@ -221,17 +260,33 @@ def test_gemma3_newlines_beside_images_tokenize_as_its_processor(tiny_vlm: Calla
     directory = tiny_vlm("gemma3")
     pre = HFPreprocessor(directory)
     tokenizer = pre.tokenizer
-    tokenizer.boi_token, tokenizer.eoi_token, tokenizer.image_token = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
-    tokenizer.boi_token_id, tokenizer.image_token_id = (tokenizer.convert_tokens_to_ids(t) for t in (
-        "<start_of_image>", "<image_soft_token>"))
-    processor = Gemma3Processor(AutoImageProcessor.from_pretrained(directory, backend="pil"), tokenizer,
-                                image_seq_length=4)
+    tokenizer.boi_token, tokenizer.eoi_token, tokenizer.image_token = (
+        "<start_of_image>",
+        "<end_of_image>",
+        "<image_soft_token>",
+    )
+    tokenizer.boi_token_id, tokenizer.image_token_id = (
+        tokenizer.convert_tokens_to_ids(t) for t in ("<start_of_image>", "<image_soft_token>")
+    )
+    processor = Gemma3Processor(
+        AutoImageProcessor.from_pretrained(directory, backend="pil"), tokenizer, image_seq_length=4
+    )
     spec = {"pixel_values": ("float32", (1, 3, 56, 56))}
 
     def conversation(tail: str) -> list[dict[str, Any]]:
-        return [{"role": "user", "content": [
-            {"type": "text", "text": "Look:\n"}, {"type": "image"}, {"type": "text", "text": "\n\nand\n"},
-            {"type": "image"}, {"type": "image"}, {"type": "text", "text": tail}]}]
+        return [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "Look:\n"},
+                    {"type": "image"},
+                    {"type": "text", "text": "\n\nand\n"},
+                    {"type": "image"},
+                    {"type": "image"},
+                    {"type": "text", "text": tail},
+                ],
+            }
+        ]
 
     prompt = tokenizer.apply_chat_template(conversation("\nthis"), add_generation_prompt=True, tokenize=False)
     image = Image.open(SQUARE).convert("RGB")
@@ -242,7 +297,8 @@ def test_gemma3_newlines_beside_images_tokenize_as_its_processor(tiny_vlm: Calla
 
 
 def test_llava_next_images_of_different_tile_counts_answer_as_transformers(
-        tiny_vlm: Callable[[str], Path], tmp_path: Path) -> None:
+    tiny_vlm: Callable[[str], Path], tmp_path: Path
+) -> None:
     """A small wide image is fitted to a 56 x 112 grid (2 tiles + overview), a photo to 112 x 112 (4 + 1):
     the worker pads the first with empty tiles, as LlavaNextProcessor pads a prompt's images."""
     from PIL import Image
@@ -257,5 +313,5 @@ def test_llava_next_images_of_different_tile_counts_answer_as_transformers(
     reference = transformers_inputs(directory, [small, SQUARE], "Compare them.")
     assert reference.pop("input_ids")[0].tolist() == ids[0].tolist()
     out = backend.model.generate(input_ids=ids, **reference, max_new_tokens=TOKENS, do_sample=False)
-    expected = backend.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    expected = backend.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
     assert answer(list(backend.run([item])))[0] == expected

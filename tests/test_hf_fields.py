@@ -41,24 +41,27 @@ def body(**fields: Any) -> bytes:
     return json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}).encode()
 
 
-@pytest.mark.parametrize(("fields", "param"), [
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"tool_choice": "auto"}, "tool_choice"),
-    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
-    ({"functions": [{"name": "f"}]}, "functions"),
-    ({"function_call": "auto"}, "function_call"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
-    ({"stream_options": {"include_usage": True}}, "stream_options"),
-    ({"top_logprobs": 3}, "top_logprobs"),
-    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"presence_penalty": 2.5}, "presence_penalty"),
-    ({"frequency_penalty": -3}, "frequency_penalty"),
-    ({"logit_bias": {"abc": 1}}, "logit_bias"),
-    ({"logit_bias": {"5": 101}}, "logit_bias"),
-    ({"stop_token_ids": [-1]}, "stop_token_ids"),
-    ({"n": 17}, "n"),
-])
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"function_call": "auto"}, "function_call"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"n": 17}, "n"),
+    ],
+)
 def test_a_field_no_model_honours_is_a_400_naming_it(fields: dict[str, Any], param: str) -> None:
     with pytest.raises(InvalidRequest) as caught:
         parse_chat_request(body(**fields), LIMITS)
@@ -66,10 +69,19 @@ def test_a_field_no_model_honours_is_a_400_naming_it(fields: dict[str, Any], par
 
 
 def test_the_harmless_forms_are_accepted() -> None:
-    chat = parse_chat_request(body(tool_choice="none", response_format={"type": "text"}, logprobs=False,
-                                   stream=True, stream_options={"include_usage": True},
-                                   logit_bias={"7": -100, "3": 2.5}, presence_penalty=0.5,
-                                   stop_token_ids=[9, 4, 9]), LIMITS)
+    chat = parse_chat_request(
+        body(
+            tool_choice="none",
+            response_format={"type": "text"},
+            logprobs=False,
+            stream=True,
+            stream_options={"include_usage": True},
+            logit_bias={"7": -100, "3": 2.5},
+            presence_penalty=0.5,
+            stop_token_ids=[9, 4, 9],
+        ),
+        LIMITS,
+    )
     assert chat.params.logit_bias == ((3, 2.5), (7, -100.0))
     assert chat.params.stop_token_ids == (4, 9) and chat.params.presence_penalty == 0.5
 
@@ -86,11 +98,13 @@ def test_an_unknown_field_is_logged_once_per_name(caplog: pytest.LogCaptureFixtu
 def test_a_classifier_refuses_token_level_fields() -> None:
     pre = ChecksumPreprocessor()
     check_fields_for_model(SamplingParams(temperature=0.3, seed=1, stop=("x",)), pre)  # accepted, no effect
-    for name, params in [("presence_penalty", SamplingParams(presence_penalty=1.0)),
-                         ("frequency_penalty", SamplingParams(frequency_penalty=1.0)),
-                         ("logit_bias", SamplingParams(logit_bias=((1, 1.0),))),
-                         ("stop_token_ids", SamplingParams(stop_token_ids=(1,))),
-                         ("logprobs", SamplingParams(logprobs=0))]:
+    for name, params in [
+        ("presence_penalty", SamplingParams(presence_penalty=1.0)),
+        ("frequency_penalty", SamplingParams(frequency_penalty=1.0)),
+        ("logit_bias", SamplingParams(logit_bias=((1, 1.0),))),
+        ("stop_token_ids", SamplingParams(stop_token_ids=(1,))),
+        ("logprobs", SamplingParams(logprobs=0)),
+    ]:
         with pytest.raises(InvalidRequest) as caught:
             check_fields_for_model(params, pre)
         assert caught.value.param == name
@@ -101,8 +115,10 @@ def test_a_classifier_refuses_token_level_fields() -> None:
 
 def test_token_ids_outside_the_vocabulary_are_refused(pre: HFPreprocessor) -> None:
     check_fields_for_model(SamplingParams(logit_bias=((pre.vocab_size - 1, 1.0),)), pre)
-    for name, params in [("logit_bias", SamplingParams(logit_bias=((pre.vocab_size, 1.0),))),
-                         ("stop_token_ids", SamplingParams(stop_token_ids=(pre.vocab_size,)))]:
+    for name, params in [
+        ("logit_bias", SamplingParams(logit_bias=((pre.vocab_size, 1.0),))),
+        ("stop_token_ids", SamplingParams(stop_token_ids=(pre.vocab_size,))),
+    ]:
         with pytest.raises(InvalidRequest) as caught:
             check_fields_for_model(params, pre)
         assert caught.value.param == name
@@ -132,7 +148,7 @@ class OpenAIPenalties:
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         counts = torch.zeros_like(scores)
-        generated = input_ids[:, self.prompt_len:]
+        generated = input_ids[:, self.prompt_len :]
         counts.scatter_add_(1, generated, torch.ones_like(generated, dtype=scores.dtype))
         return scores - counts * self.frequency - (counts > 0).to(scores.dtype) * self.presence
 
@@ -145,9 +161,11 @@ def reference(backend: HFBackend, item: WorkItem, **generate: Any) -> tuple[list
         pixel_values=torch.cat(item.tensors["pixel_values"]),
         image_grid_thw=torch.cat(item.tensors["image_grid_thw"]),
         mm_token_type_ids=(ids == backend._layout.image_token_id).to(torch.int32),
-        max_new_tokens=TOKENS, do_sample=False, **generate,
+        max_new_tokens=TOKENS,
+        do_sample=False,
+        **generate,
     )
-    new = out[0, ids.shape[1]:].tolist()
+    new = out[0, ids.shape[1] :].tolist()
     return new, backend.tokenizer.decode(new, skip_special_tokens=True)
 
 
@@ -188,10 +206,12 @@ def test_stop_token_ids_end_like_eos(pre: HFPreprocessor, backend: HFBackend) ->
 
 
 def test_fields_in_a_batch_answer_as_alone(pre: HFPreprocessor, backend: HFBackend) -> None:
-    cases = [("Describe.", [SQUARE], greedy(logit_bias=((5, 6.0),))),
-             ("Say it again.", [WIDE], greedy(presence_penalty=1.0, frequency_penalty=1.0)),
-             ("Hi", [], greedy()),
-             ("Go on.", [SQUARE], SamplingParams(max_tokens=TOKENS, temperature=0.9, seed=3, frequency_penalty=2.0))]
+    cases = [
+        ("Describe.", [SQUARE], greedy(logit_bias=((5, 6.0),))),
+        ("Say it again.", [WIDE], greedy(presence_penalty=1.0, frequency_penalty=1.0)),
+        ("Hi", [], greedy()),
+        ("Go on.", [SQUARE], SamplingParams(max_tokens=TOKENS, temperature=0.9, seed=3, frequency_penalty=2.0)),
+    ]
     items = [work_item(pre, text, images, params, request_id=i) for i, (text, images, params) in enumerate(cases)]
     alone = [answer(list(backend.run([item])))[0] for item in items]
     events = list(backend.run(items))
@@ -203,15 +223,19 @@ def test_logprobs_equal_transformers_scores(pre: HFPreprocessor, backend: HFBack
     item = work_item(pre, "Describe.", [WIDE], greedy(logprobs=5, logit_bias=((11, 2.0),)))
     ids = torch.from_numpy(np.frombuffer(item.inline, dtype=np.int32).astype(np.int64)).view(1, -1)
     out = backend.model.generate(
-        input_ids=ids, pixel_values=torch.cat(item.tensors["pixel_values"]),
+        input_ids=ids,
+        pixel_values=torch.cat(item.tensors["pixel_values"]),
         image_grid_thw=torch.cat(item.tensors["image_grid_thw"]),
         mm_token_type_ids=(ids == backend._layout.image_token_id).to(torch.int32),
-        max_new_tokens=TOKENS, do_sample=False, sequence_bias={(11,): 2.0},
-        output_scores=True, return_dict_in_generate=True,
+        max_new_tokens=TOKENS,
+        do_sample=False,
+        sequence_bias={(11,): 2.0},
+        output_scores=True,
+        return_dict_in_generate=True,
     )
     events = list(backend.run([item]))
     entries = [e.logprob for e in events if e.logprob is not None]
-    new = out.sequences[0, ids.shape[1]:].tolist()
+    new = out.sequences[0, ids.shape[1] :].tolist()
     assert len(entries) == len(new) == answer(events)[1].completion_tokens
     for entry, token, scores in zip(entries, new, out.scores):
         reference = torch.log_softmax(scores[0].float(), dim=-1)  # after the bias, as ours
@@ -245,10 +269,11 @@ def test_processor_options_equal_the_processor_configured_alike(tiny_qwen2_vl_di
 
     big = HFPreprocessor(tiny_qwen2_vl_dir, processor_kwargs={"max_pixels": BIG})  # --mm-processor-kwargs
     image = np.asarray(Image.open(WIDE).convert("RGB"))
-    for options, reference_kwargs in [({}, {"max_pixels": BIG}),
-                                      ({"size": {"longest_edge": 28 * 28 * 8, "shortest_edge": 3136}},
-                                       {"max_pixels": 28 * 28 * 8}),
-                                      (big.image_options(None, "low"), {"max_pixels": 256 * 28 * 28})]:
+    for options, reference_kwargs in [
+        ({}, {"max_pixels": BIG}),
+        ({"size": {"longest_edge": 28 * 28 * 8, "shortest_edge": 3136}}, {"max_pixels": 28 * 28 * 8}),
+        (big.image_options(None, "low"), {"max_pixels": 256 * 28 * 28}),
+    ]:
         tokens, pixels = image_tokens(big, WIDE, options)
         reference = AutoImageProcessor.from_pretrained(tiny_qwen2_vl_dir, backend="pil", **reference_kwargs)
         expected = reference(images=[image], return_tensors="np", input_data_format="channels_last")
@@ -258,8 +283,9 @@ def test_processor_options_equal_the_processor_configured_alike(tiny_qwen2_vl_di
     assert big.cache_params() != HFPreprocessor(tiny_qwen2_vl_dir).cache_params()
 
 
-def test_processor_options_the_processor_does_not_take_are_refused(pre: HFPreprocessor,
-                                                                   tiny_qwen2_vl_dir: Path) -> None:
+def test_processor_options_the_processor_does_not_take_are_refused(
+    pre: HFPreprocessor, tiny_qwen2_vl_dir: Path
+) -> None:
     for bad in [{"no_such_option": 1}, {"patch_size": 16}, {"merge_size": 1}]:
         with pytest.raises(InvalidRequest) as caught:
             pre.image_options(bad, None)
@@ -275,8 +301,17 @@ def test_processor_options_the_processor_does_not_take_are_refused(pre: HFPrepro
     with pytest.raises(InvalidRequest) as caught:
         with_image_options(text_only, pre)
     assert caught.value.param == "mm_processor_kwargs"
-    bad_detail = {"model": "m", "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA", "detail": "medium"}}]}]}
+    bad_detail = {
+        "model": "m",
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA", "detail": "medium"}}
+                ],
+            }
+        ],
+    }
     with pytest.raises(InvalidRequest) as caught:
         parse_chat_request(json.dumps(bad_detail).encode(), LIMITS)
     assert caught.value.param == "messages[0].content[0].image_url.detail"

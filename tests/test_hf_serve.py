@@ -23,8 +23,7 @@ from tests.shm_children import leftovers
 @pytest.fixture(scope="module")
 def hf_server(tiny_qwen2_vl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     model_dir = tiny_qwen2_vl_dir
-    server = start_server(f"hf:{model_dir}", tmp_path_factory.mktemp("serve"), "--threads", "1",
-                          "--server-timing")
+    server = start_server(f"hf:{model_dir}", tmp_path_factory.mktemp("serve"), "--threads", "1", "--server-timing")
     try:
         yield server
     finally:
@@ -33,21 +32,30 @@ def hf_server(tiny_qwen2_vl_dir: Path, tmp_path_factory: pytest.TempPathFactory)
 
 
 def _messages(photo: str, text: str) -> list[dict[str, object]]:
-    return [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": data_url((IMAGES / photo).read_bytes())}},
-        {"type": "text", "text": text},
-    ]}]
+    return [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": data_url((IMAGES / photo).read_bytes())}},
+                {"type": "text", "text": text},
+            ],
+        }
+    ]
 
 
 def test_streamed_tokens_equal_the_non_streamed_answer_with_the_same_seed(hf_server: Server) -> None:
     client = openai.OpenAI(base_url=hf_server.base_url + "/v1", api_key="unused")
     model = client.models.list().data[0].id
     assert model == "tiny-qwen2-vl"
-    kwargs = dict(model=model, messages=_messages("chelsea_640.jpg", "Describe the photo."), seed=7,
-                  temperature=0.8, max_tokens=12)
+    kwargs = dict(
+        model=model,
+        messages=_messages("chelsea_640.jpg", "Describe the photo."),
+        seed=7,
+        temperature=0.8,
+        max_tokens=12,
+    )
     whole = client.chat.completions.create(**kwargs)  # type: ignore[call-overload]
-    stream = client.chat.completions.create(stream=True, stream_options={"include_usage": True},
-                                            **kwargs)  # type: ignore[call-overload]
+    stream = client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs)  # type: ignore[call-overload]
     chunks = list(stream)
     pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
     finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
@@ -60,17 +68,26 @@ def test_streamed_tokens_equal_the_non_streamed_answer_with_the_same_seed(hf_ser
 
 def test_max_tokens_ends_with_length_and_exact_usage(hf_server: Server) -> None:
     client = openai.OpenAI(base_url=hf_server.base_url + "/v1", api_key="unused")
-    reply = client.chat.completions.create(model="tiny-qwen2-vl", messages=_messages("coffee_1024.jpg", "Hi"),
-                                           max_tokens=5, temperature=0)
+    reply = client.chat.completions.create(
+        model="tiny-qwen2-vl", messages=_messages("coffee_1024.jpg", "Hi"), max_tokens=5, temperature=0
+    )
     assert reply.choices[0].finish_reason == "length"
     assert reply.usage is not None and reply.usage.completion_tokens == 5
 
 
 def test_concurrent_requests_with_different_images_do_not_mix(hf_server: Server) -> None:
-    cases = [("chelsea_1024.jpg", "What animal?"), ("coffee_640.jpg", "What drink?"),
-             ("camera_640.jpg", "What object?"), ("chelsea_640.jpg", "Colour?")]
-    body = lambda photo, text: {"model": "tiny-qwen2-vl", "messages": _messages(photo, text),  # noqa: E731
-                                "max_tokens": 8, "temperature": 0}
+    cases = [
+        ("chelsea_1024.jpg", "What animal?"),
+        ("coffee_640.jpg", "What drink?"),
+        ("camera_640.jpg", "What object?"),
+        ("chelsea_640.jpg", "Colour?"),
+    ]
+    body = lambda photo, text: {  # noqa: E731
+        "model": "tiny-qwen2-vl",
+        "messages": _messages(photo, text),
+        "max_tokens": 8,
+        "temperature": 0,
+    }
 
     def alone(photo: str, text: str) -> str:
         r = httpx.post(hf_server.base_url + "/v1/chat/completions", json=body(photo, text), timeout=120)
@@ -80,8 +97,9 @@ def test_concurrent_requests_with_different_images_do_not_mix(hf_server: Server)
 
     async def together() -> list[str]:
         async with httpx.AsyncClient(base_url=hf_server.base_url, timeout=120) as client:
-            responses = await asyncio.gather(*(client.post("/v1/chat/completions", json=body(*case))
-                                               for case in cases * 2))
+            responses = await asyncio.gather(
+                *(client.post("/v1/chat/completions", json=body(*case)) for case in cases * 2)
+            )
         return [r.json()["choices"][0]["message"]["content"] for r in responses]
 
     assert asyncio.run(together()) == expected * 2
@@ -90,11 +108,13 @@ def test_concurrent_requests_with_different_images_do_not_mix(hf_server: Server)
 def test_unsupported_fields_are_a_400_naming_them_over_http(hf_server: Server) -> None:
     url = hf_server.base_url + "/v1/chat/completions"
     base = {"model": "tiny-qwen2-vl", "messages": _messages("coffee_640.jpg", "Hi"), "max_tokens": 2}
-    for extra, param in [({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
-                         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-                         ({"response_format": {"type": "json_object"}}, "response_format"),
-                         ({"stream_options": {"include_usage": True}}, "stream_options"),
-                         ({"logit_bias": {"999999": 1}}, "logit_bias")]:
+    for extra, param in [
+        ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"logit_bias": {"999999": 1}}, "logit_bias"),
+    ]:
         r = httpx.post(url, json={**base, **extra}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
     assert httpx.post(url, json={**base, "some_future_field": 1}, timeout=60).status_code == 200
@@ -106,15 +126,26 @@ def test_logit_bias_is_honoured_over_http(hf_server: Server, tiny_qwen2_vl_dir: 
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen2_vl_dir)
     favoured = tokenizer.encode(" fox")[0]
     client = openai.OpenAI(base_url=hf_server.base_url + "/v1", api_key="unused")
-    reply = client.chat.completions.create(model="tiny-qwen2-vl", messages=_messages("camera_640.jpg", "Name it."),
-                                           max_tokens=3, temperature=0, logit_bias={str(favoured): 100})
+    reply = client.chat.completions.create(
+        model="tiny-qwen2-vl",
+        messages=_messages("camera_640.jpg", "Name it."),
+        max_tokens=3,
+        temperature=0,
+        logit_bias={str(favoured): 100},
+    )
     assert reply.choices[0].message.content == tokenizer.decode([favoured] * 3) != ""
 
 
 def test_logprobs_streamed_and_whole_agree(hf_server: Server) -> None:
     client = openai.OpenAI(base_url=hf_server.base_url + "/v1", api_key="unused")
-    kwargs = dict(model="tiny-qwen2-vl", messages=_messages("chelsea_640.jpg", "Describe."), max_tokens=8,
-                  temperature=0, logprobs=True, top_logprobs=3)
+    kwargs = dict(
+        model="tiny-qwen2-vl",
+        messages=_messages("chelsea_640.jpg", "Describe."),
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
     whole = client.chat.completions.create(**kwargs)  # type: ignore[call-overload]
     content = whole.choices[0].logprobs.content
     assert len(content) == whole.usage.completion_tokens and all(len(e.top_logprobs) == 3 for e in content)
@@ -128,8 +159,9 @@ def test_logprobs_streamed_and_whole_agree(hf_server: Server) -> None:
 
 def test_n_choices_are_the_seeded_single_answers(hf_server: Server) -> None:
     client = openai.OpenAI(base_url=hf_server.base_url + "/v1", api_key="unused")
-    kwargs = dict(model="tiny-qwen2-vl", messages=_messages("coffee_640.jpg", "Describe."), max_tokens=6,
-                  temperature=0.9)
+    kwargs = dict(
+        model="tiny-qwen2-vl", messages=_messages("coffee_640.jpg", "Describe."), max_tokens=6, temperature=0.9
+    )
     many = client.chat.completions.create(n=3, seed=40, **kwargs)  # type: ignore[call-overload]
     singles = [client.chat.completions.create(seed=40 + i, **kwargs) for i in range(3)]  # type: ignore[call-overload]
     assert [c.index for c in many.choices] == [0, 1, 2]
@@ -137,8 +169,10 @@ def test_n_choices_are_the_seeded_single_answers(hf_server: Server) -> None:
     assert many.usage.prompt_tokens == singles[0].usage.prompt_tokens
     assert many.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
     chunks = list(client.chat.completions.create(n=3, seed=40, stream=True, **kwargs))  # type: ignore[call-overload]
-    streamed = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
-                for i in range(3)]
+    streamed = [
+        "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+        for i in range(3)
+    ]
     assert streamed == [c.message.content for c in many.choices]
 
 
@@ -148,18 +182,21 @@ def test_tokenize_counts_what_the_model_reads(hf_server: Server, tiny_qwen2_vl_d
     url = hf_server.base_url
     messages = _messages("chelsea_1024.jpg", "Count me.")
     counted = httpx.post(url + "/tokenize", json={"model": "tiny-qwen2-vl", "messages": messages}, timeout=60).json()
-    chat = httpx.post(url + "/v1/chat/completions", json={"model": "tiny-qwen2-vl", "messages": messages,
-                                                          "max_tokens": 1}, timeout=60).json()
+    chat = httpx.post(
+        url + "/v1/chat/completions", json={"model": "tiny-qwen2-vl", "messages": messages, "max_tokens": 1}, timeout=60
+    ).json()
     assert counted["count"] == len(counted["tokens"]) == chat["usage"]["prompt_tokens"]
-    pad = httpx.post(url + "/tokenize", json={"model": "tiny-qwen2-vl", "prompt": "<|image_pad|>"},
-                     timeout=60).json()["tokens"]
+    pad = httpx.post(url + "/tokenize", json={"model": "tiny-qwen2-vl", "prompt": "<|image_pad|>"}, timeout=60).json()[
+        "tokens"
+    ]
     assert len(pad) == 1
     assert counted["tokens"].count(pad[0]) == 24  # the 1024x681 photo at the fixture's bounds (tests/hf_fixture.py)
     max_len = AutoConfig.from_pretrained(tiny_qwen2_vl_dir).get_text_config().max_position_embeddings
     assert counted["max_model_len"] == max_len
     assert httpx.get(url + "/v1/models").json()["data"][0]["max_model_len"] == max_len
-    text = httpx.post(url + "/detokenize", json={"model": "tiny-qwen2-vl", "tokens": counted["tokens"]},
-                      timeout=60).json()["prompt"]
+    text = httpx.post(
+        url + "/detokenize", json={"model": "tiny-qwen2-vl", "tokens": counted["tokens"]}, timeout=60
+    ).json()["prompt"]
     assert text.count("<|image_pad|>") == 24 and "Count me." in text
     bad = httpx.post(url + "/detokenize", json={"model": "tiny-qwen2-vl", "tokens": [10**6]}, timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
@@ -172,8 +209,11 @@ def test_mm_processor_kwargs_change_the_image_tokens_and_the_cache_key(hf_server
     messages = _messages("chelsea_1024.jpg", "Tokens?")
 
     def prompt_tokens(**extra: object) -> int:
-        r = httpx.post(url + "/v1/chat/completions", json={"model": "tiny-qwen2-vl", "messages": messages,
-                                                           "max_tokens": 1, **extra}, timeout=60)
+        r = httpx.post(
+            url + "/v1/chat/completions",
+            json={"model": "tiny-qwen2-vl", "messages": messages, "max_tokens": 1, **extra},
+            timeout=60,
+        )
         assert r.status_code == 200, r.text
         return int(r.json()["usage"]["prompt_tokens"])
 
@@ -181,11 +221,17 @@ def test_mm_processor_kwargs_change_the_image_tokens_and_the_cache_key(hf_server
     small = prompt_tokens(mm_processor_kwargs={"max_pixels": 28 * 28 * 8})
     assert small <= default - 16  # 24 image tokens by default, at most 8 now
     assert prompt_tokens() == default  # the same image, default options again: not the small tensors
-    counted = httpx.post(url + "/tokenize", json={"model": "tiny-qwen2-vl", "messages": messages,
-                                                  "mm_processor_kwargs": {"max_pixels": 28 * 28 * 8}}, timeout=60)
+    counted = httpx.post(
+        url + "/tokenize",
+        json={"model": "tiny-qwen2-vl", "messages": messages, "mm_processor_kwargs": {"max_pixels": 28 * 28 * 8}},
+        timeout=60,
+    )
     assert counted.json()["count"] == small
-    bad = httpx.post(url + "/v1/chat/completions", json={"model": "tiny-qwen2-vl", "messages": messages,
-                                                         "mm_processor_kwargs": {"patch_size": 7}}, timeout=60)
+    bad = httpx.post(
+        url + "/v1/chat/completions",
+        json={"model": "tiny-qwen2-vl", "messages": messages, "mm_processor_kwargs": {"patch_size": 7}},
+        timeout=60,
+    )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "mm_processor_kwargs"
 
 
@@ -195,17 +241,32 @@ HANG_GUARD_S = 60.0
 
 
 def _body(n: int, *, stream: bool = False, max_tokens: int = 4, **extra: object) -> dict[str, object]:
-    return {"model": "tiny-qwen2-vl", "n": n, "stream": stream, "max_tokens": max_tokens, "seed": 7,
-            "messages": [{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": data_url((IMAGES / "chelsea_640.jpg").read_bytes())}},
-                {"type": "text", "text": "What is it?"}]}], **extra}
+    return {
+        "model": "tiny-qwen2-vl",
+        "n": n,
+        "stream": stream,
+        "max_tokens": max_tokens,
+        "seed": 7,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": data_url((IMAGES / "chelsea_640.jpg").read_bytes())}},
+                    {"type": "text", "text": "What is it?"},
+                ],
+            }
+        ],
+        **extra,
+    }
 
 
-_COUNTS = {"ok": 'shmgate_requests_total{outcome="ok"}',
-           "cancelled": 'shmgate_requests_total{outcome="cancelled"}',
-           "server_error": 'shmgate_requests_total{outcome="server_error"}',
-           "ttft": "shmgate_time_to_first_token_seconds_count",
-           "delivery": 'shmgate_stage_duration_seconds_count{stage="delivery"}'}
+_COUNTS = {
+    "ok": 'shmgate_requests_total{outcome="ok"}',
+    "cancelled": 'shmgate_requests_total{outcome="cancelled"}',
+    "server_error": 'shmgate_requests_total{outcome="server_error"}',
+    "ttft": "shmgate_time_to_first_token_seconds_count",
+    "delivery": 'shmgate_stage_duration_seconds_count{stage="delivery"}',
+}
 
 
 def _counts(server: Server) -> dict[str, float]:
@@ -243,10 +304,13 @@ def test_n_choices_whose_client_hangs_up_are_all_cancelled(hf_server: Server, ti
     before = _counts(server)
     tokens = server.metric("shmgate_cancelled_tokens_total")
     max_tokens = 8000
-    data = json.dumps(_body(2, max_tokens=max_tokens, temperature=0,
-                            logit_bias=no_eos_bias(tiny_qwen2_vl_dir))).encode()
-    request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-               b"Content-Length: %d\r\n\r\n" % len(data)) + data
+    data = json.dumps(
+        _body(2, max_tokens=max_tokens, temperature=0, logit_bias=no_eos_bias(tiny_qwen2_vl_dir))
+    ).encode()
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(data)
+    ) + data
     go = threading.Event()
 
     def client() -> None:
@@ -262,10 +326,19 @@ def test_n_choices_whose_client_hangs_up_are_all_cancelled(hf_server: Server, ti
     finally:
         go.set()
         thread.join()
-    wait_until(lambda: server.metric(_COUNTS["cancelled"]) >= before["cancelled"] + 2
-               and server.metric("shmgate_in_flight_requests") == 0, HANG_GUARD_S, "both choices cancelled")
+    wait_until(
+        lambda: (
+            server.metric(_COUNTS["cancelled"]) >= before["cancelled"] + 2
+            and server.metric("shmgate_in_flight_requests") == 0
+        ),
+        HANG_GUARD_S,
+        "both choices cancelled",
+    )
     after = _counts(server)
     assert {k: after[k] - before[k] for k in ("ok", "cancelled", "server_error")} == {
-        "ok": 0, "cancelled": 2, "server_error": 0}
+        "ok": 0,
+        "cancelled": 2,
+        "server_error": 0,
+    }
     generated = server.metric("shmgate_cancelled_tokens_total") - tokens
     assert generated < max_tokens, f"{generated:.0f} of {2 * max_tokens} tokens generated for nobody"

@@ -80,9 +80,13 @@ class Case:
         self.images = images
 
     def body(self) -> dict[str, Any]:
-        parts: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": data_url(data, mime)}}
-                                       for data, mime in self.images]
-        return {"model": MODEL, "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": self.text}]}]}
+        parts: list[dict[str, Any]] = [
+            {"type": "image_url", "image_url": {"url": data_url(data, mime)}} for data, mime in self.images
+        ]
+        return {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": self.text}]}],
+        }
 
     def expected(self, reference: Any) -> tuple[dict[str, Any], list[int]]:
         """What the worker must report, computed with transformers' processor; and the token ids."""
@@ -93,8 +97,9 @@ class Case:
             for name in ("image_grid_thw", "pixel_values"):
                 tensors.append({"name": name, "index": index, **digest(out[name])})
         tensors.sort(key=lambda t: (t["name"], t["index"]))
-        conversation = [{"role": "user", "content": [*({"type": "image"} for _ in pictures),
-                                                     {"type": "text", "text": self.text}]}]
+        conversation = [
+            {"role": "user", "content": [*({"type": "image"} for _ in pictures), {"type": "text", "text": self.text}]}
+        ]
         text = reference.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
         ids = reference(text=[text], images=pictures or None, return_tensors="np")["input_ids"][0].astype(np.int32)
         inline = {"nbytes": ids.nbytes, "blake2b": blake2b_16(ids.tobytes())}

@@ -107,79 +107,156 @@ def _cases() -> dict[str, Case]:
     hi = {"role": "user", "content": "hi"}
     return {
         # -- bombs and sizes
-        "png claiming 100000x100000": Case(_image(data_url(handmade_png(100_000, 100_000), "image/png")), 413,
-                                           "image_too_large", "messages[0].content[1].image_url"),
-        "jpeg claiming 65500x65500": Case(_image(data_url(_jpeg_claiming(jpeg, 65500, 65500))), 413,
-                                          "image_too_large", "messages[0].content[1].image_url"),
-        "png 0x0": Case(_image(data_url(handmade_png(0, 0), "image/png")), 400, "invalid_image", "messages[0].content[1].image_url"),
-        "png 1x1": Case(_image(data_url(encode(Image.new("RGB", (1, 1), (1, 2, 3)), "PNG"), "image/png")), 200,
-                        digest=_solid_digest((1, 2, 3))),
-        "png 1x10000": Case(_image(data_url(encode(Image.new("RGB", (1, 10000), (9, 8, 7)), "PNG"), "image/png")),
-                            200, digest=_solid_digest((9, 8, 7))),
-        "png 10000x1": Case(_image(data_url(encode(Image.new("RGB", (10000, 1), (7, 8, 9)), "PNG"), "image/png")),
-                            200, digest=_solid_digest((7, 8, 9))),
+        "png claiming 100000x100000": Case(
+            _image(data_url(handmade_png(100_000, 100_000), "image/png")),
+            413,
+            "image_too_large",
+            "messages[0].content[1].image_url",
+        ),
+        "jpeg claiming 65500x65500": Case(
+            _image(data_url(_jpeg_claiming(jpeg, 65500, 65500))),
+            413,
+            "image_too_large",
+            "messages[0].content[1].image_url",
+        ),
+        "png 0x0": Case(
+            _image(data_url(handmade_png(0, 0), "image/png")), 400, "invalid_image", "messages[0].content[1].image_url"
+        ),
+        "png 1x1": Case(
+            _image(data_url(encode(Image.new("RGB", (1, 1), (1, 2, 3)), "PNG"), "image/png")),
+            200,
+            digest=_solid_digest((1, 2, 3)),
+        ),
+        "png 1x10000": Case(
+            _image(data_url(encode(Image.new("RGB", (1, 10000), (9, 8, 7)), "PNG"), "image/png")),
+            200,
+            digest=_solid_digest((9, 8, 7)),
+        ),
+        "png 10000x1": Case(
+            _image(data_url(encode(Image.new("RGB", (10000, 1), (7, 8, 9)), "PNG"), "image/png")),
+            200,
+            digest=_solid_digest((7, 8, 9)),
+        ),
         # -- metadata, animation, modes
-        "jpeg with a 65 KB garbage EXIF": Case(_image(data_url(_jpeg_with_segments(jpeg, [huge_exif]))), 200,
-                                               digest=expected_checksum(jpeg)),
-        "jpeg with 4000 APP segments": Case(_image(data_url(_jpeg_with_segments(jpeg, many_apps))), 200,
-                                            digest=expected_checksum(jpeg)),
-        "animated webp: first frame": Case(_image(data_url(animated_webp, "image/webp")), 200,
-                                           digest=_solid_digest((255, 0, 0))),
-        "animated gif, honest mime": Case(_image(data_url(animated_gif, "image/gif")), 400, "invalid_image",
-                                          "messages[0].content[1].image_url"),
-        "animated gif sent as png": Case(_image(data_url(animated_gif, "image/png")), 400, "invalid_image",
-                                         "messages[0].content[1].image_url"),
-        "16-bit grayscale png": Case(_image(data_url(sixteen_bit, "image/png")), 200,
-                                     digest=_solid_digest((100, 100, 100))),
+        "jpeg with a 65 KB garbage EXIF": Case(
+            _image(data_url(_jpeg_with_segments(jpeg, [huge_exif]))), 200, digest=expected_checksum(jpeg)
+        ),
+        "jpeg with 4000 APP segments": Case(
+            _image(data_url(_jpeg_with_segments(jpeg, many_apps))), 200, digest=expected_checksum(jpeg)
+        ),
+        "animated webp: first frame": Case(
+            _image(data_url(animated_webp, "image/webp")), 200, digest=_solid_digest((255, 0, 0))
+        ),
+        "animated gif, honest mime": Case(
+            _image(data_url(animated_gif, "image/gif")), 400, "invalid_image", "messages[0].content[1].image_url"
+        ),
+        "animated gif sent as png": Case(
+            _image(data_url(animated_gif, "image/png")), 400, "invalid_image", "messages[0].content[1].image_url"
+        ),
+        "16-bit grayscale png": Case(
+            _image(data_url(sixteen_bit, "image/png")), 200, digest=_solid_digest((100, 100, 100))
+        ),
         "cmyk jpeg": Case(_image(data_url(cmyk)), 200, digest=expected_checksum(cmyk)),
         # -- data URLs and base64
         "png sent as image/jpeg": Case(_image(data_url(png, "image/jpeg")), 200, digest=_solid_digest((200, 10, 10))),
-        "png sent as text/plain": Case(_image(data_url(png, "text/plain")), 400, "invalid_image",
-                                       "messages[0].content[1].image_url"),
-        "base64 wrapped at 76 columns": Case(_image("data:image/png;base64," + "\r\n".join(
-            b64[i : i + 76] for i in range(0, len(b64), 76))), 200, digest=_solid_digest((200, 10, 10))),
-        "base64 without padding": Case(_image("data:image/png;base64," + b64.rstrip("=")), 400, "invalid_request",
-                                       "messages[0].content[1].image_url"),
-        "base64 with a '!'": Case(_image("data:image/png;base64," + b64[:20] + "!" + b64[20:]), 400,
-                                  "invalid_request", "messages[0].content[1].image_url"),
-        "url-safe base64": Case(_image("data:image/png;base64," + urlsafe), 400, "invalid_request",
-                                "messages[0].content[1].image_url"),
+        "png sent as text/plain": Case(
+            _image(data_url(png, "text/plain")), 400, "invalid_image", "messages[0].content[1].image_url"
+        ),
+        "base64 wrapped at 76 columns": Case(
+            _image("data:image/png;base64," + "\r\n".join(b64[i : i + 76] for i in range(0, len(b64), 76))),
+            200,
+            digest=_solid_digest((200, 10, 10)),
+        ),
+        "base64 without padding": Case(
+            _image("data:image/png;base64," + b64.rstrip("=")),
+            400,
+            "invalid_request",
+            "messages[0].content[1].image_url",
+        ),
+        "base64 with a '!'": Case(
+            _image("data:image/png;base64," + b64[:20] + "!" + b64[20:]),
+            400,
+            "invalid_request",
+            "messages[0].content[1].image_url",
+        ),
+        "url-safe base64": Case(
+            _image("data:image/png;base64," + urlsafe), 400, "invalid_request", "messages[0].content[1].image_url"
+        ),
         "data url without base64": Case(_image("data:image/png," + b64), 400, "invalid_request"),
         # -- JSON shape and size
         "100k nested arrays": Case(b"[" * 100_000 + b"]" * 100_000, 400, "invalid_request"),
         "100k nested arrays in an unknown field": Case(
             b'{"x":' + b"[" * 100_000 + b"]" * 100_000 + b',"model":"checksum","messages":[' + _json(hi) + b"]}",
-            400, "invalid_request"),
+            400,
+            "invalid_request",
+        ),
         "100k nested objects, unclosed": Case(b'{"x":' + b'{"a":' * 100_000, 400, "invalid_request"),
-        "200k unknown keys": Case(b"{" + b",".join(b'"k%d":%d' % (i, i) for i in range(200_000))
-                                  + b',"model":"checksum","messages":[' + _json(hi) + b"]}", 200),
+        "200k unknown keys": Case(
+            b"{"
+            + b",".join(b'"k%d":%d' % (i, i) for i in range(200_000))
+            + b',"model":"checksum","messages":['
+            + _json(hi)
+            + b"]}",
+            200,
+        ),
         "5000 content parts": Case(_chat([{"type": "text", "text": "x"}] * 5000), 400, "invalid_request", "messages"),
-        "5000 messages": Case(_json({"model": "checksum", "messages": [hi] * 5000}), 400, "invalid_request",
-                              "messages"),
+        "5000 messages": Case(
+            _json({"model": "checksum", "messages": [hi] * 5000}), 400, "invalid_request", "messages"
+        ),
         "a 3 MiB prompt": Case(_chat("x" * (3 << 20)), 400, "invalid_request", "messages"),
         "a 1,000,000-character prompt (under the limit)": Case(_chat("é" * 1_000_000), 200),
-        "invalid utf-8 in a string": Case(b'{"model":"checksum","messages":[{"role":"user","content":"\xc3("}]}',
-                                          400, "invalid_request"),
+        "invalid utf-8 in a string": Case(
+            b'{"model":"checksum","messages":[{"role":"user","content":"\xc3("}]}', 400, "invalid_request"
+        ),
         "a lone surrogate escape": Case(_chat("\\ud800").replace(b"\\\\", b"\\"), 400, "invalid_request"),
-        "NaN max_tokens": Case(b'{"model":"checksum","max_tokens":NaN,"messages":[' + _json(hi) + b"]}", 400,
-                               "invalid_request"),
-        "unknown fields at every level": Case(_json({
-            "model": "checksum", "future": {"a": [1]}, "stream_options": None,
-            "messages": [{"role": "user", "x": 1, "content": [
-                {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}},
-                {"type": "image_url", "image_url": {"url": data_url(png, "image/png"), "detail": "low", "y": 2},
-                 "z": 3}]}]}), 200, digest=_solid_digest((200, 10, 10))),
-        "unknown part type": Case(_chat([{"type": "input_audio", "input_audio": {}}]), 400, "invalid_request",
-                                  "messages[0].content[0].type"),
-        "unknown role": Case(_json({"model": "checksum", "messages": [{"role": "wizard", "content": "hi"}]}), 400,
-                             "invalid_request", "messages[0].role"),
+        "NaN max_tokens": Case(
+            b'{"model":"checksum","max_tokens":NaN,"messages":[' + _json(hi) + b"]}", 400, "invalid_request"
+        ),
+        "unknown fields at every level": Case(
+            _json(
+                {
+                    "model": "checksum",
+                    "future": {"a": [1]},
+                    "stream_options": None,
+                    "messages": [
+                        {
+                            "role": "user",
+                            "x": 1,
+                            "content": [
+                                {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}},
+                                {
+                                    "type": "image_url",
+                                    "image_url": {"url": data_url(png, "image/png"), "detail": "low", "y": 2},
+                                    "z": 3,
+                                },
+                            ],
+                        }
+                    ],
+                }
+            ),
+            200,
+            digest=_solid_digest((200, 10, 10)),
+        ),
+        "unknown part type": Case(
+            _chat([{"type": "input_audio", "input_audio": {}}]), 400, "invalid_request", "messages[0].content[0].type"
+        ),
+        "unknown role": Case(
+            _json({"model": "checksum", "messages": [{"role": "wizard", "content": "hi"}]}),
+            400,
+            "invalid_request",
+            "messages[0].role",
+        ),
         # -- sampling parameters
         "n=2": Case(_chat("hi", n=2), 400, "invalid_request", "n"),
         "max_tokens=-1": Case(_chat("hi", max_tokens=-1), 400, "invalid_request", "max_tokens"),
         "max_tokens=10**30": Case(_chat("hi", max_tokens=10**30), 400, "invalid_request", "max_tokens"),
         "temperature=-0.5": Case(_chat("hi", temperature=-0.5), 400, "invalid_request", "temperature"),
-        "temperature=1e999": Case(b'{"model":"checksum","temperature":1e999,"messages":[' + _json(hi) + b"]}", 400,
-                                  "invalid_request", "temperature"),
+        "temperature=1e999": Case(
+            b'{"model":"checksum","temperature":1e999,"messages":[' + _json(hi) + b"]}",
+            400,
+            "invalid_request",
+            "temperature",
+        ),
         "top_p=0": Case(_chat("hi", top_p=0), 400, "invalid_request", "top_p"),
         "five stop strings": Case(_chat("hi", stop=["a", "b", "c", "d", "e"]), 400, "invalid_request", "stop"),
         "seed=2**64": Case(_chat("hi", seed=2**64), 400, "invalid_request", "seed"),
@@ -188,8 +265,18 @@ def _cases() -> dict[str, Case]:
 
 # Wrong types, one field at a time: each is a 400 naming that field.
 WRONG_TYPES: dict[str, object] = {
-    "model": 1, "messages": {"role": "user"}, "stream": "yes", "stream_options": 1, "max_tokens": "5",
-    "max_completion_tokens": 2.5, "temperature": "hot", "top_p": [1], "seed": "x", "stop": 5, "n": "2", "user": 5,
+    "model": 1,
+    "messages": {"role": "user"},
+    "stream": "yes",
+    "stream_options": 1,
+    "max_tokens": "5",
+    "max_completion_tokens": 2.5,
+    "temperature": "hot",
+    "top_p": [1],
+    "seed": "x",
+    "stop": 5,
+    "n": "2",
+    "user": 5,
 }
 
 # Wrong types inside a message: the 400 names the path to the offending value.
@@ -199,18 +286,23 @@ NESTED_WRONG_TYPES: dict[str, tuple[object, str]] = {
     "messages[0].name": ({"role": "user", "content": "hi", "name": []}, "messages[0].name"),
     "a part's text": ({"role": "user", "content": [{"type": "text", "text": 5}]}, "messages[0].content[0].text"),
     "a part's type": ({"role": "user", "content": [{"type": 5, "text": "x"}]}, "messages[0].content[0].type"),
-    "image_url as a string": ({"role": "user", "content": [{"type": "image_url", "image_url": "data:,"}]},
-                              "messages[0].content[0].image_url"),
-    "image_url.url": ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": None}}]},
-                      "messages[0].content[0].image_url.url"),
+    "image_url as a string": (
+        {"role": "user", "content": [{"type": "image_url", "image_url": "data:,"}]},
+        "messages[0].content[0].image_url",
+    ),
+    "image_url.url": (
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": None}}]},
+        "messages[0].content[0].image_url.url",
+    ),
     "a message that is a string": ("hi", "messages[0]"),
 }
 
 CASES = _cases()
 
 
-async def _alongside_a_good_request(server: Server, body: bytes, seed: int) -> tuple[httpx.Response, bytes,
-                                                                                     httpx.Response]:
+async def _alongside_a_good_request(
+    server: Server, body: bytes, seed: int
+) -> tuple[httpx.Response, bytes, httpx.Response]:
     good = noise_png(seed, size=64)
     async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as client:
         hostile, ok = await asyncio.gather(
@@ -251,7 +343,8 @@ def _send_and_check(server: Server, case: Case, seed: int) -> None:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_hostile_input_is_answered_precisely_and_a_concurrent_request_is_unaffected(
-        spare_slot_server: Server, name: str) -> None:
+    spare_slot_server: Server, name: str
+) -> None:
     _send_and_check(spare_slot_server, CASES[name], seed=list(CASES).index(name))
 
 
@@ -262,8 +355,7 @@ def test_a_wrongly_typed_field_is_a_400_naming_it(spare_slot_server: Server, fie
 
 
 @pytest.mark.parametrize("name", list(NESTED_WRONG_TYPES))
-def test_a_wrongly_typed_value_inside_a_message_is_a_400_naming_its_path(spare_slot_server: Server,
-                                                                         name: str) -> None:
+def test_a_wrongly_typed_value_inside_a_message_is_a_400_naming_its_path(spare_slot_server: Server, name: str) -> None:
     message, param = NESTED_WRONG_TYPES[name]
     body = _json({"model": "checksum", "messages": [message]})
     _send_and_check(spare_slot_server, Case(body, 400, "invalid_request", param), seed=150 + len(name))
@@ -274,8 +366,11 @@ def test_exif_orientation_is_applied_before_preprocessing(spare_slot_server: Ser
     stored = exif_rotated_jpeg((200, 120), orientation)  # small: never drafted, so both paths decode fully
     # Pillow's own exif_transpose is the reference; the pre-rotated copy carries no orientation.
     pre_rotated = encode(ImageOps.exif_transpose(Image.open(io.BytesIO(stored))).convert("RGB"), "PNG")
-    _send_and_check(spare_slot_server, Case(_image(data_url(stored)), 200, digest=expected_checksum(pre_rotated)),
-                    seed=200 + orientation)
+    _send_and_check(
+        spare_slot_server,
+        Case(_image(data_url(stored)), 200, digest=expected_checksum(pre_rotated)),
+        seed=200 + orientation,
+    )
 
 
 def test_every_hostile_input_at_once_leaves_the_good_requests_intact(spare_slot_server: Server) -> None:
@@ -284,8 +379,9 @@ def test_every_hostile_input_at_once_leaves_the_good_requests_intact(spare_slot_
     async def run() -> tuple[list[httpx.Response], list[httpx.Response]]:
         limits = httpx.Limits(max_connections=len(CASES) + len(goods))
         async with httpx.AsyncClient(base_url=spare_slot_server.base_url, timeout=120, limits=limits) as client:
-            hostile = [client.post(CHAT, content=c.body, headers={"Content-Type": "application/json"})
-                       for c in CASES.values()]
+            hostile = [
+                client.post(CHAT, content=c.body, headers={"Content-Type": "application/json"}) for c in CASES.values()
+            ]
             good = [client.post(CHAT, json=image_request("checksum", g, mime="image/png")) for g in goods]
             results = await asyncio.gather(*hostile, *good)
         return list(results[: len(CASES)]), list(results[len(CASES) :])
@@ -333,13 +429,17 @@ def _answer_json(answer: bytes) -> tuple[int, dict[str, object]]:
     return int(head.split(b" ", 2)[1]), json.loads(body)
 
 
-@pytest.mark.parametrize(("name", "head", "filler"), [
-    ("an endless header value", b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-A: ", b"a"),
-    ("an endless request line", b"GET /v1/models?q=", b"a"),
-    ("endless headers", b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n", b"X-B: 1\r\n"),
-])
-def test_an_endless_request_head_is_cut_off_with_a_431(spare_slot_server: Server, name: str, head: bytes,
-                                                       filler: bytes) -> None:
+@pytest.mark.parametrize(
+    ("name", "head", "filler"),
+    [
+        ("an endless header value", b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-A: ", b"a"),
+        ("an endless request line", b"GET /v1/models?q=", b"a"),
+        ("endless headers", b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n", b"X-B: 1\r\n"),
+    ],
+)
+def test_an_endless_request_head_is_cut_off_with_a_431(
+    spare_slot_server: Server, name: str, head: bytes, filler: bytes
+) -> None:
     # 64 MiB offered; the answer after ~1 MiB proves the frontend stopped buffering (it grew by
     # 400 MB on the same input before gateway/http_limits.py).
     status, body = _answer_json(_raw_exchange(spare_slot_server, head, filler, max_mib=64))

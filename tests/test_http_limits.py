@@ -45,8 +45,9 @@ class App:
             if not message.get("more_body"):
                 break
         body = str(size).encode()
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-length", str(len(body)).encode())]})
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": [(b"content-length", str(len(body)).encode())]}
+        )
         await send({"type": "http.response.body", "body": body})
 
 
@@ -54,8 +55,15 @@ class App:
 def served(request: pytest.FixtureRequest) -> Iterator[tuple[int, App]]:
     app = App()
     port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, http=http_protocol(LIMITS, prefer=request.param),
-                            log_level="warning", lifespan="off", timeout_keep_alive=5)
+    config = uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=port,
+        http=http_protocol(LIMITS, prefer=request.param),
+        log_level="warning",
+        lifespan="off",
+        timeout_keep_alive=5,
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -163,6 +171,7 @@ def test_connections_past_the_cap_get_a_503(served: tuple[int, App]) -> None:
 
 @pytest.mark.parametrize("flag", ["--header-timeout-s", "--body-timeout-s", "--body-min-rate"])
 def test_a_limit_of_zero_is_refused_when_the_flags_are_parsed(flag: str) -> None:
-    result = subprocess.run([sys.executable, "-m", "gateway", "serve", flag, "0"], capture_output=True, text=True,
-                            timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "gateway", "serve", flag, "0"], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 2 and flag in result.stderr and "must be more than 0" in result.stderr

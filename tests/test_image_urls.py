@@ -38,25 +38,56 @@ CAP = 256 << 10  # bytes; every photo in tests/data/images is smaller
 
 A = AddressKind
 CLASSIFIED = [
-    ("8.8.8.8", A.PUBLIC), ("1.1.1.1", A.PUBLIC), ("100.63.255.255", A.PUBLIC), ("100.128.0.0", A.PUBLIC),
-    ("172.15.255.255", A.PUBLIC), ("172.32.0.0", A.PUBLIC), ("223.255.255.255", A.PUBLIC),
-    ("0.0.0.0", A.UNSPECIFIED), ("0.1.2.3", A.RESERVED),
-    ("127.0.0.1", A.LOOPBACK), ("127.255.255.254", A.LOOPBACK),
-    ("10.0.0.1", A.PRIVATE), ("172.16.0.1", A.PRIVATE), ("172.31.255.255", A.PRIVATE),
-    ("192.168.1.1", A.PRIVATE), ("100.64.0.1", A.PRIVATE),
-    ("169.254.169.254", A.LINK_LOCAL), ("224.0.0.1", A.MULTICAST), ("239.255.255.250", A.MULTICAST),
-    ("192.0.2.1", A.RESERVED), ("198.18.0.1", A.RESERVED), ("240.0.0.1", A.RESERVED),
-    ("255.255.255.255", A.RESERVED), ("192.0.0.8", A.RESERVED),
-    ("2606:4700:4700::1111", A.PUBLIC), ("2001:4860:4860::8888", A.PUBLIC),
-    ("::", A.UNSPECIFIED), ("::1", A.LOOPBACK), ("fe80::1", A.LINK_LOCAL), ("fc00::1", A.PRIVATE),
-    ("fd12:3456::1", A.PRIVATE), ("fec0::1", A.PRIVATE), ("ff02::1", A.MULTICAST),
-    ("2001:db8::1", A.RESERVED), ("2001::1", A.RESERVED), ("100::1", A.RESERVED), ("4000::1", A.RESERVED),
+    ("8.8.8.8", A.PUBLIC),
+    ("1.1.1.1", A.PUBLIC),
+    ("100.63.255.255", A.PUBLIC),
+    ("100.128.0.0", A.PUBLIC),
+    ("172.15.255.255", A.PUBLIC),
+    ("172.32.0.0", A.PUBLIC),
+    ("223.255.255.255", A.PUBLIC),
+    ("0.0.0.0", A.UNSPECIFIED),
+    ("0.1.2.3", A.RESERVED),
+    ("127.0.0.1", A.LOOPBACK),
+    ("127.255.255.254", A.LOOPBACK),
+    ("10.0.0.1", A.PRIVATE),
+    ("172.16.0.1", A.PRIVATE),
+    ("172.31.255.255", A.PRIVATE),
+    ("192.168.1.1", A.PRIVATE),
+    ("100.64.0.1", A.PRIVATE),
+    ("169.254.169.254", A.LINK_LOCAL),
+    ("224.0.0.1", A.MULTICAST),
+    ("239.255.255.250", A.MULTICAST),
+    ("192.0.2.1", A.RESERVED),
+    ("198.18.0.1", A.RESERVED),
+    ("240.0.0.1", A.RESERVED),
+    ("255.255.255.255", A.RESERVED),
+    ("192.0.0.8", A.RESERVED),
+    ("2606:4700:4700::1111", A.PUBLIC),
+    ("2001:4860:4860::8888", A.PUBLIC),
+    ("::", A.UNSPECIFIED),
+    ("::1", A.LOOPBACK),
+    ("fe80::1", A.LINK_LOCAL),
+    ("fc00::1", A.PRIVATE),
+    ("fd12:3456::1", A.PRIVATE),
+    ("fec0::1", A.PRIVATE),
+    ("ff02::1", A.MULTICAST),
+    ("2001:db8::1", A.RESERVED),
+    ("2001::1", A.RESERVED),
+    ("100::1", A.RESERVED),
+    ("4000::1", A.RESERVED),
     ("::127.0.0.1", A.RESERVED),  # IPv4-compatible (deprecated)
     # IPv6 forms that deliver to an IPv4 host are judged by that host
-    ("::ffff:127.0.0.1", A.LOOPBACK), ("::ffff:10.1.2.3", A.PRIVATE), ("::ffff:169.254.169.254", A.LINK_LOCAL),
-    ("::ffff:8.8.8.8", A.PUBLIC), ("64:ff9b::7f00:1", A.LOOPBACK), ("64:ff9b::a00:1", A.PRIVATE),
-    ("64:ff9b::808:808", A.PUBLIC), ("64:ff9b:1::1", A.PRIVATE),
-    ("2002:7f00:1::1", A.LOOPBACK), ("2002:a9fe:a9fe::", A.LINK_LOCAL), ("2002:808:808::1", A.PUBLIC),
+    ("::ffff:127.0.0.1", A.LOOPBACK),
+    ("::ffff:10.1.2.3", A.PRIVATE),
+    ("::ffff:169.254.169.254", A.LINK_LOCAL),
+    ("::ffff:8.8.8.8", A.PUBLIC),
+    ("64:ff9b::7f00:1", A.LOOPBACK),
+    ("64:ff9b::a00:1", A.PRIVATE),
+    ("64:ff9b::808:808", A.PUBLIC),
+    ("64:ff9b:1::1", A.PRIVATE),
+    ("2002:7f00:1::1", A.LOOPBACK),
+    ("2002:a9fe:a9fe::", A.LINK_LOCAL),
+    ("2002:808:808::1", A.PUBLIC),
 ]
 
 
@@ -90,8 +121,14 @@ def test_allow_list_rejects_malformed_entries(entry: str) -> None:
 # -- the fetch, against a local server -----------------------------------------------------------
 
 
-def fetch(url: str, allow: AllowList = LOCAL, *, timeout_s: float = 5.0, resolve: Any = None,
-          ssl_context: ssl.SSLContext | None = None) -> bytes:
+def fetch(
+    url: str,
+    allow: AllowList = LOCAL,
+    *,
+    timeout_s: float = 5.0,
+    resolve: Any = None,
+    ssl_context: ssl.SSLContext | None = None,
+) -> bytes:
     policy = FetchPolicy(allowlist=allow, max_bytes=CAP, timeout_s=timeout_s)
     kwargs: dict[str, Any] = {"ssl_context": ssl_context}
     if resolve is not None:
@@ -114,22 +151,24 @@ class FakeDNS:
 @pytest.fixture(scope="module")
 def image_host() -> Iterator[ImageHost]:
     with serve_images() as host:
-        host.routes.update({
-            "/photo.jpg": Route(body=PHOTO, headers={"Content-Type": "image/jpeg", "Set-Cookie": "s=1"}),
-            "/r1": Route(302, headers={"Location": "/r2", "Set-Cookie": "track=1"}),
-            "/r2": Route(301, headers={"Location": "/photo.jpg"}),
-            "/loop": Route(302, headers={"Location": "/loop"}),
-            "/to-internal": Route(302, headers={"Location": "http://internal.test/photo.jpg"}),
-            "/to-literal": Route(307, headers={"Location": f"http://127.0.0.1:{host.port}/photo.jpg"}),
-            "/to-unspecified": Route(307, headers={"Location": f"http://0.0.0.0:{host.port}/photo.jpg"}),
-            "/to-file": Route(302, headers={"Location": "file:///etc/passwd"}),
-            "/no-location": Route(302),
-            "/big": Route(body=b"\xff" * (CAP + 1)),
-            "/big-unannounced": Route(body=b"\xff" * (4 * CAP), send_length=False),
-            "/stall": Route(body=PHOTO, stall=True),
-            "/missing": Route(404, b"gone"),
-            "/text": Route(body=b"<html>not an image</html>", headers={"Content-Type": "text/html"}),
-        })
+        host.routes.update(
+            {
+                "/photo.jpg": Route(body=PHOTO, headers={"Content-Type": "image/jpeg", "Set-Cookie": "s=1"}),
+                "/r1": Route(302, headers={"Location": "/r2", "Set-Cookie": "track=1"}),
+                "/r2": Route(301, headers={"Location": "/photo.jpg"}),
+                "/loop": Route(302, headers={"Location": "/loop"}),
+                "/to-internal": Route(302, headers={"Location": "http://internal.test/photo.jpg"}),
+                "/to-literal": Route(307, headers={"Location": f"http://127.0.0.1:{host.port}/photo.jpg"}),
+                "/to-unspecified": Route(307, headers={"Location": f"http://0.0.0.0:{host.port}/photo.jpg"}),
+                "/to-file": Route(302, headers={"Location": "file:///etc/passwd"}),
+                "/no-location": Route(302),
+                "/big": Route(body=b"\xff" * (CAP + 1)),
+                "/big-unannounced": Route(body=b"\xff" * (4 * CAP), send_length=False),
+                "/stall": Route(body=PHOTO, stall=True),
+                "/missing": Route(404, b"gone"),
+                "/text": Route(body=b"<html>not an image</html>", headers={"Content-Type": "text/html"}),
+            }
+        )
         yield host
 
 
@@ -144,8 +183,12 @@ def test_allow_listed_local_url_returns_the_bytes_with_our_headers(image_host: I
 def test_loopback_without_allow_list_is_refused_before_connecting(image_host: ImageHost) -> None:
     before = len(image_host.seen)
     shorthand = ("2130706433", "0x7f.1", "127.1")  # the system resolver reads these as 127.0.0.1
-    for url in (image_host.url("/photo.jpg"), image_host.url("/photo.jpg", "[::ffff:127.0.0.1]"),
-                image_host.url("/photo.jpg", "localhost"), *(image_host.url("/photo.jpg", h) for h in shorthand)):
+    for url in (
+        image_host.url("/photo.jpg"),
+        image_host.url("/photo.jpg", "[::ffff:127.0.0.1]"),
+        image_host.url("/photo.jpg", "localhost"),
+        *(image_host.url("/photo.jpg", h) for h in shorthand),
+    ):
         with pytest.raises(ImageURLForbidden, match="loopback"):
             fetch(url, AllowList())
     assert len(image_host.seen) == before
@@ -154,11 +197,20 @@ def test_loopback_without_allow_list_is_refused_before_connecting(image_host: Im
 def test_private_and_metadata_addresses_are_refused_before_connecting() -> None:
     # A resolver answer whose first address is allowed is refused for its second one: ANY counts.
     # (A first address other than 127.0.0.1 would be contacted if this rule broke.)
-    dns = FakeDNS({"internal.test": ["10.0.0.7"], "mixed.test": ["127.0.0.1", "192.168.0.3"],
-                   "mixed6.test": ["127.0.0.1", "fd00::1"]})
-    for url, kind in [("http://internal.test/a.jpg", "private"), ("https://mixed.test/a.jpg", "private"),
-                      ("http://mixed6.test/a.jpg", "private"), ("http://0.0.0.0/a.jpg", "unspecified"),
-                      ("http://169.254.169.254/latest/meta-data/", "link-local")]:
+    dns = FakeDNS(
+        {
+            "internal.test": ["10.0.0.7"],
+            "mixed.test": ["127.0.0.1", "192.168.0.3"],
+            "mixed6.test": ["127.0.0.1", "fd00::1"],
+        }
+    )
+    for url, kind in [
+        ("http://internal.test/a.jpg", "private"),
+        ("https://mixed.test/a.jpg", "private"),
+        ("http://mixed6.test/a.jpg", "private"),
+        ("http://0.0.0.0/a.jpg", "unspecified"),
+        ("http://169.254.169.254/latest/meta-data/", "link-local"),
+    ]:
         with pytest.raises(ImageURLForbidden, match=kind):
             fetch(url, resolve=dns)
     assert dns.asked == ["internal.test", "mixed.test", "mixed6.test"]  # a literal is never resolved
@@ -172,13 +224,16 @@ def test_a_name_is_resolved_once_and_the_connection_pinned_to_the_checked_addres
     assert all("cookie" not in s.headers for s in image_host.seen[-3:])  # r1 set one
 
 
-@pytest.mark.parametrize(("path", "error", "match"), [
-    ("/to-internal", ImageURLForbidden, "private"),
-    ("/to-literal", ImageURLForbidden, "loopback"),  # 127.0.0.1 is allowed by name only, not by address
-    ("/to-file", ImageURLForbidden, "only http and https"),
-    ("/loop", InvalidImageURL, "redirected more than 5 times"),
-    ("/no-location", InvalidImageURL, "without a Location"),
-])
+@pytest.mark.parametrize(
+    ("path", "error", "match"),
+    [
+        ("/to-internal", ImageURLForbidden, "private"),
+        ("/to-literal", ImageURLForbidden, "loopback"),  # 127.0.0.1 is allowed by name only, not by address
+        ("/to-file", ImageURLForbidden, "only http and https"),
+        ("/loop", InvalidImageURL, "redirected more than 5 times"),
+        ("/no-location", InvalidImageURL, "without a Location"),
+    ],
+)
 def test_every_redirect_hop_is_checked(image_host: ImageHost, path: str, error: type[Exception], match: str) -> None:
     dns = FakeDNS({"images.test": ["127.0.0.1"], "internal.test": ["10.0.0.7"]})
     before = len(image_host.seen)
@@ -187,8 +242,9 @@ def test_every_redirect_hop_is_checked(image_host: ImageHost, path: str, error: 
     assert "/photo.jpg" not in image_host.paths()[before:]
 
 
-@pytest.mark.parametrize("url", ["ftp://127.0.0.1/a.jpg", "file:///etc/passwd", "http://user:pw@127.0.0.1/a.jpg",
-                                 "gopher://127.0.0.1:70/"])
+@pytest.mark.parametrize(
+    "url", ["ftp://127.0.0.1/a.jpg", "file:///etc/passwd", "http://user:pw@127.0.0.1/a.jpg", "gopher://127.0.0.1:70/"]
+)
 def test_other_schemes_and_credentials_are_forbidden(url: str) -> None:
     with pytest.raises(ImageURLForbidden):
         fetch(url)
@@ -240,10 +296,14 @@ def test_env_settings_reach_the_frontend_command_line(monkeypatch: pytest.Monkey
     monkeypatch.setenv("SHMGATE_IMAGE_URL_TIMEOUT_S", "2.5")
     serve = build_parser().parse_args(["serve"])
     argv = _frontend_argv(serve, "0" * 16, 0, 3)
-    for name in ("SHMGATE_ALLOW_IMAGE_URLS", "SHMGATE_IMAGE_URL_ALLOWLIST", "SHMGATE_IMAGE_URL_MAX_BYTES",
-                 "SHMGATE_IMAGE_URL_TIMEOUT_S"):
+    for name in (
+        "SHMGATE_ALLOW_IMAGE_URLS",
+        "SHMGATE_IMAGE_URL_ALLOWLIST",
+        "SHMGATE_IMAGE_URL_MAX_BYTES",
+        "SHMGATE_IMAGE_URL_TIMEOUT_S",
+    ):
         monkeypatch.delenv(name)  # the frontend must get them from its command line alone
-    frontend = build_parser().parse_args(argv[argv.index("frontend"):])
+    frontend = build_parser().parse_args(argv[argv.index("frontend") :])
     assert frontend.allow_image_urls is True
     assert AllowList.parse(frontend.image_url_allowlist) == AllowList.parse("images.internal,10.0.0.0/8")
     assert (frontend.image_url_max_bytes, frontend.image_url_timeout_s) == (3 << 20, 2.5)
@@ -278,8 +338,18 @@ def open_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def url_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    yield from _serve("checksum", tmp_path_factory, *SERVE, "--allow-image-urls", "--image-url-allowlist",
-                      "127.0.0.1/32", "--image-url-max-bytes", str(CAP), "--image-url-timeout-s", "2")
+    yield from _serve(
+        "checksum",
+        tmp_path_factory,
+        *SERVE,
+        "--allow-image-urls",
+        "--image-url-allowlist",
+        "127.0.0.1/32",
+        "--image-url-max-bytes",
+        str(CAP),
+        "--image-url-timeout-s",
+        "2",
+    )
 
 
 def url_request(url: str, *, stream: bool = False) -> dict[str, Any]:
@@ -329,22 +399,27 @@ def test_a_data_url_and_an_image_url_mix_in_one_request(url_server: Server, imag
     other = (IMAGES / "coffee_640.jpg").read_bytes()
     mixed = image_request("checksum", other)
     mixed["messages"][0]["content"].append(  # type: ignore[index, union-attr]
-        {"type": "image_url", "image_url": {"url": image_host.url("/photo.jpg")}})
+        {"type": "image_url", "image_url": {"url": image_host.url("/photo.jpg")}}
+    )
     both = post(url_server, mixed)
     assert both.status_code == 200, both.text
     assert len(both.json()["choices"][0]["message"]["content"].split("blake2b")) == 3  # two images hashed
 
 
-@pytest.mark.parametrize(("path", "status", "code"), [
-    ("/to-unspecified", 400, "image_url_forbidden"),
-    ("/big", 413, "image_too_large"),
-    ("/big-unannounced", 413, "image_too_large"),
-    ("/stall", 400, "image_url_timeout"),
-    ("/missing", 400, "invalid_image_url"),
-    ("/text", 400, "invalid_image"),
-])
-def test_fetch_failures_are_openai_errors(url_server: Server, image_host: ImageHost, path: str, status: int,
-                                          code: str) -> None:
+@pytest.mark.parametrize(
+    ("path", "status", "code"),
+    [
+        ("/to-unspecified", 400, "image_url_forbidden"),
+        ("/big", 413, "image_too_large"),
+        ("/big-unannounced", 413, "image_too_large"),
+        ("/stall", 400, "image_url_timeout"),
+        ("/missing", 400, "invalid_image_url"),
+        ("/text", 400, "invalid_image"),
+    ],
+)
+def test_fetch_failures_are_openai_errors(
+    url_server: Server, image_host: ImageHost, path: str, status: int, code: str
+) -> None:
     response = post(url_server, url_request(image_host.url(path)))
     assert response.status_code == status, response.text
     error = error_of(response)

@@ -84,7 +84,9 @@ def test_zero_sized_png_is_undecodable() -> None:
 # -- not images, truncated, refused formats --------------------------------------------------
 
 
-@pytest.mark.parametrize("data", [b"", b"hello, world", b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"RIFF\x00\x00\x00\x00WEBP"])
+@pytest.mark.parametrize(
+    "data", [b"", b"hello, world", b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"RIFF\x00\x00\x00\x00WEBP"]
+)
 def test_non_images_are_undecodable(data: bytes) -> None:
     with pytest.raises(UndecodableImage):
         decode_image(data, max_pixels=MAX_PIXELS)
@@ -329,8 +331,9 @@ def _many_tiles_sample(mode: str, size: tuple[int, int] = (400, 250)) -> Image.I
 
 
 @pytest.mark.parametrize("orientation", range(1, 9))
-@pytest.mark.parametrize(("mode", "size"), [(m, (400, 250)) for m in ("RGB", "L", "P", "LA", "RGBA", "I;16")]
-                         + [("LA", (70_000, 2))])  # wider than a tile: a row is split
+@pytest.mark.parametrize(
+    ("mode", "size"), [(m, (400, 250)) for m in ("RGB", "L", "P", "LA", "RGBA", "I;16")] + [("LA", (70_000, 2))]
+)  # wider than a tile: a row is split
 def test_tiled_conversion_and_rotation_equal_the_whole_image_ones(
     mode: str, size: tuple[int, int], orientation: int
 ) -> None:

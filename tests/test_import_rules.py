@@ -24,10 +24,19 @@ import shared.transport.posix
 
 REPO = Path(__file__).resolve().parent.parent
 
-POSIX_LAYER = frozenset({
-    "shared.segment", "shared.cache", "shared.cache_index", "shared.instance", "shared.channels",
-    "shared.locks", "shared.allocator", "shared.arena", "shared.transport.posix",
-})
+POSIX_LAYER = frozenset(
+    {
+        "shared.segment",
+        "shared.cache",
+        "shared.cache_index",
+        "shared.instance",
+        "shared.channels",
+        "shared.locks",
+        "shared.allocator",
+        "shared.arena",
+        "shared.transport.posix",
+    }
+)
 COMPOSITION_ROOTS = frozenset({"gateway/app.py", "gateway/cli.py", "supervise/supervisor.py", "worker/main.py"})
 NEUTRAL = ("shared/vocabulary.py", "shared/stats_layout.py", "shared/transport/base.py", "shared/transport/memory.py")
 
@@ -86,8 +95,10 @@ def test_only_the_composition_roots_of_gateway_and_worker_import_the_posix_layer
         for p in _sources("gateway", "worker", "supervise", "bench_client")
         if str(p.relative_to(REPO)) not in COMPOSITION_ROOTS and (found := _posix_imports(p))
     }
-    assert offenders == {}, "import these names from shared/vocabulary.py, shared/stats_layout.py or the " \
-                            f"transport's Protocols instead: {offenders}"
+    assert offenders == {}, (
+        "import these names from shared/vocabulary.py, shared/stats_layout.py or the "
+        f"transport's Protocols instead: {offenders}"
+    )
 
 
 def test_every_allowed_root_still_builds_the_posix_transport() -> None:
@@ -98,8 +109,10 @@ def test_every_allowed_root_still_builds_the_posix_transport() -> None:
 
 def test_the_detector_sees_function_local_and_package_re_exported_imports(tmp_path: Path) -> None:
     probe = tmp_path / "probe.py"
-    probe.write_text("from shared.transport import FrontendLink\n"
-                     "def f():\n    from shared.transport import PosixNodeStats\n    import shared.locks\n")
+    probe.write_text(
+        "from shared.transport import FrontendLink\n"
+        "def f():\n    from shared.transport import PosixNodeStats\n    import shared.locks\n"
+    )
     assert _posix_imports(probe) == {"shared.transport.posix", "shared.locks"}
 
 
@@ -108,7 +121,8 @@ def test_no_module_but_the_roots_loads_the_posix_layer_when_imported() -> None:
     worker/ except the composition roots and the ``__main__`` entry points that run them, and the
     shared-memory layer (posix_ipc included) must still be unloaded."""
     modules = [
-        _module_name(p) for p in _sources("gateway", "worker", "supervise", "bench_client")
+        _module_name(p)
+        for p in _sources("gateway", "worker", "supervise", "bench_client")
         if str(p.relative_to(REPO)) not in COMPOSITION_ROOTS and p.name != "__main__.py"
     ]
     probe = (
@@ -117,8 +131,9 @@ def test_no_module_but_the_roots_loads_the_posix_layer_when_imported() -> None:
         "print(json.dumps(sorted(sys.modules)))\n"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=REPO,
-                          timeout=120, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=REPO, timeout=120, check=True
+    )
     loaded = set(json.loads(done.stdout.splitlines()[-1]))
     assert "gateway.frontend" in loaded and "worker.batcher" in loaded
     assert sorted(loaded & (POSIX_LAYER | {"posix_ipc"})) == []
@@ -140,7 +155,7 @@ def test_shared_has_no_import_cycle() -> None:
 
     def walk(node: str, trail: list[str]) -> None:
         if node in trail:
-            cycle = trail[trail.index(node):] + [node]
+            cycle = trail[trail.index(node) :] + [node]
             raise AssertionError("import cycle: " + " -> ".join(cycle))
         if node in done:
             return

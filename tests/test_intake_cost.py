@@ -28,8 +28,10 @@ PIXEL = base64.b64encode(b"\x89PNG not really").decode()
 
 
 def body(**extra: Any) -> bytes:
-    content = [{"type": "text", "text": "hi"},
-               {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PIXEL}"}}]
+    content = [
+        {"type": "text", "text": "hi"},
+        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PIXEL}"}},
+    ]
     return json.dumps({"model": "checksum", "messages": [{"role": "user", "content": content}], **extra}).encode()
 
 
@@ -50,13 +52,16 @@ def test_unknown_fields_are_still_ignored_and_logged(caplog: pytest.LogCaptureFi
     assert any("cost_test_unknown_z" in r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.parametrize(("raw", "message", "param"), [
-    (b"{not json", "not valid JSON", None),
-    (body(temperature="hot"), "Expected `float", "temperature"),
-    (body(cost_test_unknown_w=1, temperature="hot"), "Expected `float", "temperature"),
-    (body(guided_json={"type": "object"}), "structured output", "guided_json"),
-    (b'{"model": "m", "messages": [], "extra": ' + b"[" * 2000 + b"]" * 2000 + b"}", "nests", None),
-])
+@pytest.mark.parametrize(
+    ("raw", "message", "param"),
+    [
+        (b"{not json", "not valid JSON", None),
+        (body(temperature="hot"), "Expected `float", "temperature"),
+        (body(cost_test_unknown_w=1, temperature="hot"), "Expected `float", "temperature"),
+        (body(guided_json={"type": "object"}), "structured output", "guided_json"),
+        (b'{"model": "m", "messages": [], "extra": ' + b"[" * 2000 + b"]" * 2000 + b"}", "nests", None),
+    ],
+)
 def test_errors_are_the_lenient_decoders(raw: bytes, message: str, param: str | None) -> None:
     with pytest.raises(InvalidRequest) as caught:
         parse_chat_request(raw, LIMITS)
@@ -111,8 +116,9 @@ def test_an_image_keyed_for_its_answer_and_then_its_tensors_is_hashed_once(
     monkeypatch.setattr(intake, "material_digest", counted)
     photo = base64.b64encode((IMAGES / "camera_640.jpg").read_bytes()).decode()
     content = [{"type": "image_url", "image_url": {"url": f"data:image/jpeg;base64,{photo}"}}]
-    chat = parse_chat_request(json.dumps({"model": "checksum", "messages": [{"role": "user", "content": content}]})
-                              .encode(), LIMITS)
+    chat = parse_chat_request(
+        json.dumps({"model": "checksum", "messages": [{"role": "user", "content": content}]}).encode(), LIMITS
+    )
     preprocessor = ChecksumPreprocessor()
     assert answer_key(chat, preprocessor) is not None
     params = preprocessor.cache_params()  # the tensor key's parameters for an image without processor options

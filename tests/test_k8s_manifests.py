@@ -23,8 +23,15 @@ from shared.names import parse_size
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "k8s"
-KUSTOMIZATIONS = ["base", "overlays/gpu", "overlays/hf", "overlays/keda", "overlays/models", "overlays/single",
-                  "prometheus-adapter"]
+KUSTOMIZATIONS = [
+    "base",
+    "overlays/gpu",
+    "overlays/hf",
+    "overlays/keda",
+    "overlays/models",
+    "overlays/single",
+    "prometheus-adapter",
+]
 UNITS = ["base", "overlays/gpu", "overlays/hf", "overlays/keda", "overlays/models", "overlays/single"]
 OLDEST, NEWEST = "1.25.0", "1.37.0"  # docs/DEPLOY.md names the same range
 CRD_KINDS = {("keda.sh/v1alpha1", "ScaledObject")}  # no schema in kubernetes-validate; checked below
@@ -66,8 +73,17 @@ def _quantity(text: str | int) -> int:
     match = re.fullmatch(r"(\d+)([KMGT]i?|)", str(text))
     assert match, text
     number, unit = int(match[1]), match[2]
-    scale = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
-             "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}[unit]
+    scale = {
+        "": 1,
+        "K": 10**3,
+        "M": 10**6,
+        "G": 10**9,
+        "T": 10**12,
+        "Ki": 2**10,
+        "Mi": 2**20,
+        "Gi": 2**30,
+        "Ti": 2**40,
+    }[unit]
     return number * scale
 
 
@@ -122,7 +138,9 @@ def test_one_uid_one_image_one_label_and_model(path: str) -> None:
         assert {"configMapRef": {"name": c["envFrom"][0]["configMapRef"]["name"]}} == c["envFrom"][0]
         assert not {"SHMGATE_LABEL", "SHMGATE_MODEL"} & set(_env(c)), "label and model come from the ConfigMap"
     assert len({c["envFrom"][0]["configMapRef"]["name"] for c in containers}) == 1
-    [config] = [d for d in render(path) if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("shmgate-unit")]
+    [config] = [
+        d for d in render(path) if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("shmgate-unit")
+    ]
     assert {"SHMGATE_LABEL", "SHMGATE_MODEL"} <= set(config["data"])
 
 
@@ -209,7 +227,7 @@ def test_hf_overlay_mounts_the_model_read_only_at_one_path_in_every_container() 
     for c in spec["containers"]:
         [mount] = [m for m in c["volumeMounts"] if m["name"] == "models"]
         assert mount.get("readOnly") is True, c["name"]
-        assert model[len("hf:"):].startswith(mount["mountPath"].rstrip("/") + "/"), (c["name"], model)
+        assert model[len("hf:") :].startswith(mount["mountPath"].rstrip("/") + "/"), (c["name"], model)
         mounts.add(mount["mountPath"])
     assert len(mounts) == 1
     assert {c["image"] for c in spec["containers"]} == {"shmgate:cuda-hf"}  # built with SHMGATE_EXTRAS=hf
@@ -258,7 +276,8 @@ def test_selectors_match_the_pod(path: str) -> None:
     pdb = _one(docs, "PodDisruptionBudget")
     assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
     term = deployment["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"][
-        "requiredDuringSchedulingIgnoredDuringExecution"][0]
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ][0]
     assert term["topologyKey"] == "kubernetes.io/hostname"  # one unit per node: the queue budget is per uid
     assert term["labelSelector"]["matchLabels"].items() <= labels.items()
     for scaler in [d for d in docs if d["kind"] in ("HorizontalPodAutoscaler", "ScaledObject")]:

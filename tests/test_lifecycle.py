@@ -34,9 +34,27 @@ def _start_in_own_group(tmp_path: Path, *extra: str) -> Server:
     log_path = tmp_path / f"serve-{port}.log"
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--model", "checksum",
-             "--frontends", "2", "--workers", "1", "--arena-size", "64MiB", *extra],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "gateway",
+                "serve",
+                "--port",
+                str(port),
+                "--model",
+                "checksum",
+                "--frontends",
+                "2",
+                "--workers",
+                "1",
+                "--arena-size",
+                "64MiB",
+                *extra,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     server = Server(process, port, "checksum", log_path)
     try:
         server.wait_ready()
@@ -119,8 +137,9 @@ def test_children_exit_when_their_supervisor_is_sigkilled_under_load(tmp_path: P
         os.kill(server.process.pid, signal.SIGKILL)
         server.process.wait(10)
         try:
-            took_s = wait_until(lambda: all(_gone(pid) for pid in children), 10,
-                                "every child exits after its supervisor was SIGKILLed")
+            took_s = wait_until(
+                lambda: all(_gone(pid) for pid in children), 10, "every child exits after its supervisor was SIGKILLed"
+            )
         except AssertionError:
             raise AssertionError(f"left: {[commands[pid] for pid in children if not _gone(pid)]}") from None
     finally:

@@ -28,8 +28,20 @@ from bench_client.rawhttp import RawClient
 
 REPO = Path(__file__).resolve().parent.parent
 IMAGES = REPO / "tests" / "data" / "images"
-RESULT_KEYS = {"requests_per_s", "p50_ms", "p90_ms", "p99_ms", "ttft_p50_ms", "errors", "mismatches",
-               "concurrency", "requests", "model", "stream", "cpu_s_per_request"}
+RESULT_KEYS = {
+    "requests_per_s",
+    "p50_ms",
+    "p90_ms",
+    "p99_ms",
+    "ttft_p50_ms",
+    "errors",
+    "mismatches",
+    "concurrency",
+    "requests",
+    "model",
+    "stream",
+    "cpu_s_per_request",
+}
 
 
 def _free_port() -> int:
@@ -43,9 +55,13 @@ def naive_server() -> Iterator[tuple[str, int]]:
     """(base URL, pid) of a naive checksum server; stopped (with its process group) afterwards."""
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    process = subprocess.Popen([sys.executable, str(REPO / "bench" / "naive_server.py"), "--port", str(port),
-                                "--mode", "checksum"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               start_new_session=True)
+    process = subprocess.Popen(
+        [sys.executable, str(REPO / "bench" / "naive_server.py"), "--port", str(port), "--mode", "checksum"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     base_url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -78,8 +94,19 @@ def _args(*argv: str) -> argparse.Namespace:
 
 
 def _bench(base_url: str, *extra: str) -> dict[str, Any]:
-    args = _args("--base-url", base_url, "--model", "checksum", "--concurrency", "4", "--requests", "12",
-                 "--images", str(IMAGES), *extra)
+    args = _args(
+        "--base-url",
+        base_url,
+        "--model",
+        "checksum",
+        "--concurrency",
+        "4",
+        "--requests",
+        "12",
+        "--images",
+        str(IMAGES),
+        *extra,
+    )
     return asyncio.run(loadgen.run(args))
 
 
@@ -107,10 +134,23 @@ def test_repeat_one_sends_only_the_first_image(naive_server: tuple[str, int]) ->
 
 
 def test_server_rejections_are_counted_by_status_and_code_and_not_as_throughput(
-        naive_server: tuple[str, int], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    naive_server: tuple[str, int], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     (tmp_path / "broken.jpg").write_bytes(b"this is not a JPEG")
-    argv = ["--base-url", naive_server[0], "--model", "checksum", "--concurrency", "2", "--requests", "4",
-            "--images", str(tmp_path), "--warmup", "0"]
+    argv = [
+        "--base-url",
+        naive_server[0],
+        "--model",
+        "checksum",
+        "--concurrency",
+        "2",
+        "--requests",
+        "4",
+        "--images",
+        str(tmp_path),
+        "--warmup",
+        "0",
+    ]
     result = asyncio.run(loadgen.run(_args(*argv)))
     assert result["errors"] == 4 and result["errors_by_kind"] == {"400 invalid_request": 4}
     assert result["p50_ms"] is None  # latencies are of successful requests only
@@ -132,8 +172,9 @@ def test_a_warm_up_the_server_refuses_stops_the_run(naive_server: tuple[str, int
 
 def test_no_server_exits_1_at_the_warm_up_saying_nothing_listens(capsys: pytest.CaptureFixture[str]) -> None:
     port = _free_port()
-    code = loadgen.main(["--base-url", f"http://127.0.0.1:{port}", "--model", "m", "-c", "2", "-n", "50",
-                         "--images", str(IMAGES)])
+    code = loadgen.main(
+        ["--base-url", f"http://127.0.0.1:{port}", "--model", "m", "-c", "2", "-n", "50", "--images", str(IMAGES)]
+    )
     out, err = capsys.readouterr()
     assert code == 1 and out == ""  # no report, so no throughput of failures
     assert f"http://127.0.0.1:{port}/v1/chat/completions" in err
@@ -155,8 +196,9 @@ def test_a_base_url_ending_in_v1_is_the_same_server(naive_server: tuple[str, int
     assert result["base_url"] == naive_server[0]
 
 
-def test_without_model_the_first_listed_one_is_benched(naive_server: tuple[str, int],
-                                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_without_model_the_first_listed_one_is_benched(
+    naive_server: tuple[str, int], capsys: pytest.CaptureFixture[str]
+) -> None:
     code = loadgen.main(["--base-url", naive_server[0], "-c", "3", "-n", "7", "--images", str(IMAGES)])
     report = capsys.readouterr().out
     header, load = report.splitlines()[:2]
@@ -166,17 +208,47 @@ def test_without_model_the_first_listed_one_is_benched(naive_server: tuple[str, 
     assert "tokens/s" not in report and "tpot" not in report  # not a generative model: no token lines
 
 
-def test_main_prints_one_json_object_and_exits_zero(naive_server: tuple[str, int],
-                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    code = loadgen.main(["--base-url", naive_server[0], "--model", "checksum", "-c", "2", "-n", "4",
-                         "--images", str(IMAGES), "--json", "--warmup", "0"])
+def test_main_prints_one_json_object_and_exits_zero(
+    naive_server: tuple[str, int], capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = loadgen.main(
+        [
+            "--base-url",
+            naive_server[0],
+            "--model",
+            "checksum",
+            "-c",
+            "2",
+            "-n",
+            "4",
+            "--images",
+            str(IMAGES),
+            "--json",
+            "--warmup",
+            "0",
+        ]
+    )
     result = json.loads(capsys.readouterr().out)
     assert code == 0 and result["requests"] == 4 and result["warmup"] == 0
 
 
 def test_unreachable_server_without_warm_up_is_a_transport_error_per_request(tmp_path: Path) -> None:
-    args = _args("--base-url", f"http://127.0.0.1:{_free_port()}", "--model", "m", "-c", "1", "-n", "2",
-                 "--images", str(IMAGES), "--warmup", "0", "--timeout", "2")
+    args = _args(
+        "--base-url",
+        f"http://127.0.0.1:{_free_port()}",
+        "--model",
+        "m",
+        "-c",
+        "1",
+        "-n",
+        "2",
+        "--images",
+        str(IMAGES),
+        "--warmup",
+        "0",
+        "--timeout",
+        "2",
+    )
     result = asyncio.run(loadgen.run(args))
     assert result["errors"] == 2 and list(result["errors_by_kind"]) == ["transport:ConnectError"]
     assert "nothing listening on 127.0.0.1" in result["first_error"]
@@ -202,8 +274,13 @@ def test_server_pids_accept_repeats_and_comma_lists() -> None:
 
 
 def test_tree_cpu_includes_live_children() -> None:
-    child = subprocess.Popen([sys.executable, "-c", "import time\nt=time.process_time()\n"
-                              "while time.process_time()-t<0.3: pass\ntime.sleep(30)"])
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time\nt=time.process_time()\nwhile time.process_time()-t<0.3: pass\ntime.sleep(30)",
+        ]
+    )
     try:
         time.sleep(1.0)
         assert loadgen.tree_cpu_seconds([os.getpid()]) >= time.process_time() + 0.2
@@ -228,10 +305,24 @@ def test_body_template_gives_the_bytes_json_dumps_would(stream: bool, max_tokens
         assert template.render(url) == expected
 
 
-def test_a_wrong_model_shows_the_servers_404_and_exits_1(checksum_server,  # type: ignore[no-untyped-def]
-                                                         capsys: pytest.CaptureFixture[str]) -> None:
-    code = loadgen.main(["--base-url", checksum_server.base_url, "--model", "no-such-model", "-c", "2", "-n", "20",
-                         "--images", str(IMAGES)])
+def test_a_wrong_model_shows_the_servers_404_and_exits_1(
+    checksum_server,  # type: ignore[no-untyped-def]
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code = loadgen.main(
+        [
+            "--base-url",
+            checksum_server.base_url,
+            "--model",
+            "no-such-model",
+            "-c",
+            "2",
+            "-n",
+            "20",
+            "--images",
+            str(IMAGES),
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 1 and out == ""
     assert f"{checksum_server.base_url}/v1/chat/completions with model 'no-such-model'" in err
@@ -240,11 +331,14 @@ def test_a_wrong_model_shows_the_servers_404_and_exits_1(checksum_server,  # typ
     assert "2 of 2 warm-up requests failed: 404 model_not_found: 2" in err
 
 
-def test_a_run_reports_the_servers_cache_hits_and_misses(checksum_server,  # type: ignore[no-untyped-def]
-                                                         capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_run_reports_the_servers_cache_hits_and_misses(
+    checksum_server,  # type: ignore[no-untyped-def]
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     """Six photos, 2 + 12 requests: the second round of the six repeats bytes the server has cached."""
-    code = loadgen.main(["--base-url", checksum_server.base_url + "/v1", "-c", "2", "-n", "12", "--images",
-                         str(IMAGES), "--json"])
+    code = loadgen.main(
+        ["--base-url", checksum_server.base_url + "/v1", "-c", "2", "-n", "12", "--images", str(IMAGES), "--json"]
+    )
     result = json.loads(capsys.readouterr().out)
     assert code == 0 and result["errors"] == 0 and result["mismatches"] == 0
     assert result["model"] == "checksum" and result["distinct_images"] == 6
@@ -259,6 +353,7 @@ def test_a_run_reports_the_servers_cache_hits_and_misses(checksum_server,  # typ
 
 def test_unique_runs_never_repeat_bytes_an_earlier_run_sent(checksum_server) -> None:  # type: ignore[no-untyped-def]
     """Two --unique runs against one server: every request is a cache miss (a warmed server must not hit)."""
+
     def cache(kind: str) -> float:
         return checksum_server.metric(f"shmgate_cache_{kind}_total")
 
@@ -294,8 +389,14 @@ def test_open_loop_sends_every_request_and_reports_the_offered_rate(naive_server
 
 
 def _outcome(**fields: Any) -> loadgen.Outcome:
-    base: dict[str, Any] = {"image": "a.jpg", "latency_s": 1.0, "ttft_s": 0.2, "status": 200, "text": "x",
-                            "error": None}
+    base: dict[str, Any] = {
+        "image": "a.jpg",
+        "latency_s": 1.0,
+        "ttft_s": 0.2,
+        "status": 200,
+        "text": "x",
+        "error": None,
+    }
     return loadgen.Outcome(**{**base, **fields})
 
 
@@ -306,14 +407,17 @@ def test_a_warm_up_goes_on_through_overload_but_not_through_refusals_or_total_fa
     assert loadgen.warmup_failure([]) is None
     assert "first error: 404 {...}" in (loadgen.warmup_failure([ok, overloaded, refused]) or "")
     assert (loadgen.warmup_failure([overloaded, overloaded]) or "").startswith(
-        "2 of 2 warm-up requests failed: 429 overloaded: 2")
+        "2 of 2 warm-up requests failed: 429 overloaded: 2"
+    )
 
 
 def test_tpot_and_itl_follow_vllm_bench_serve() -> None:
     """TPOT = (latency - ttft) / (tokens - 1) per request of 2+ tokens; ITL = every gap between content chunks."""
-    outcomes = [_outcome(latency_s=1.0, ttft_s=0.2, output_tokens=5, itl_s=(0.2, 0.3, 0.3)),
-                _outcome(latency_s=0.5, ttft_s=0.5, output_tokens=1),  # one token: no TPOT
-                _outcome(status=503, error="503 overloaded", output_tokens=None, ttft_s=None)]
+    outcomes = [
+        _outcome(latency_s=1.0, ttft_s=0.2, output_tokens=5, itl_s=(0.2, 0.3, 0.3)),
+        _outcome(latency_s=0.5, ttft_s=0.5, output_tokens=1),  # one token: no TPOT
+        _outcome(status=503, error="503 overloaded", output_tokens=None, ttft_s=None),
+    ]
     args = _args("--model", "m", "--images", str(IMAGES), "--stream")
     result = loadgen.summarize(args, outcomes, 2.0, [], 0.0, None)
     assert result["tpot_p50_ms"] == pytest.approx(200.0) and result["tpot_p99_ms"] == pytest.approx(200.0)
@@ -340,6 +444,7 @@ def _sse_reply(*events: str) -> bytes:
 
 def _stream_once(reply: bytes) -> loadgen.Outcome:
     """One streamed request to a loopback server that answers ``reply`` (made-up SSE, real sockets)."""
+
     async def main() -> loadgen.Outcome:
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             head = await reader.readuntil(b"\r\n\r\n")
@@ -360,28 +465,56 @@ def _stream_once(reply: bytes) -> loadgen.Outcome:
 
 
 def test_a_stream_gives_ttft_chunk_gaps_and_the_usage_token_count() -> None:
-    outcome = _stream_once(_sse_reply(
-        'data: {"choices":[{"delta":{"role":"assistant"}}]}', 'data: {"choices":[{"delta":{"content":"a"}}]}',
-        'data: {"choices":[{"delta":{"content":"b c"}}]}', 'data: {"choices":[],"usage":{"completion_tokens":3}}',
-        "data: [DONE]"))
+    outcome = _stream_once(
+        _sse_reply(
+            'data: {"choices":[{"delta":{"role":"assistant"}}]}',
+            'data: {"choices":[{"delta":{"content":"a"}}]}',
+            'data: {"choices":[{"delta":{"content":"b c"}}]}',
+            'data: {"choices":[],"usage":{"completion_tokens":3}}',
+            "data: [DONE]",
+        )
+    )
     assert outcome.error is None and outcome.text == "ab c" and outcome.output_tokens == 3
     assert outcome.ttft_s is not None and len(outcome.itl_s) == 1  # two content chunks: one gap
 
 
 def test_an_error_event_mid_stream_is_a_failure_named_by_its_code() -> None:
-    outcome = _stream_once(_sse_reply(
-        'data: {"choices":[{"delta":{"content":"a"}}]}',
-        'event: error\ndata: {"error":{"message":"the worker died","type":"server_error","param":null,'
-        '"code":"worker_died"}}'))
+    outcome = _stream_once(
+        _sse_reply(
+            'data: {"choices":[{"delta":{"content":"a"}}]}',
+            'event: error\ndata: {"error":{"message":"the worker died","type":"server_error","param":null,'
+            '"code":"worker_died"}}',
+        )
+    )
     assert outcome.error == "stream worker_died" and "the worker died" in (outcome.detail or "")
 
 
 def test_shmgate_bench_runs_the_load_generator_from_the_command_line(naive_server: tuple[str, int]) -> None:
     """``shmgate bench`` (here ``python -m gateway bench``) is gateway/cli.py handing over to bench_client."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-m", "gateway", "bench", "--base-url", naive_server[0], "--model",
-                           "checksum", "-c", "2", "-n", "4", "--images", str(IMAGES), "--json"],
-                          capture_output=True, text=True, env=env, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gateway",
+            "bench",
+            "--base-url",
+            naive_server[0],
+            "--model",
+            "checksum",
+            "-c",
+            "2",
+            "-n",
+            "4",
+            "--images",
+            str(IMAGES),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert result["requests"] == 4 and result["errors"] == 0 and result["mismatches"] == 0

@@ -29,8 +29,17 @@ from worker.backends.base import DEFAULT_BATCH_SIZE, BackendEvent, ModelBackend,
 ROOT = Path(__file__).resolve().parent.parent
 
 # The capabilities each base class declares with a default (the contract's optional part).
-PREPROCESSOR_CAPABILITIES = ("prompt_is_cheap", "serves_chat", "embedding_dim", "embeds_text", "max_prompt_tokens",
-                             "samples_tokens", "vocab_size", "tokenizes", "deterministic_answers")
+PREPROCESSOR_CAPABILITIES = (
+    "prompt_is_cheap",
+    "serves_chat",
+    "embedding_dim",
+    "embeds_text",
+    "max_prompt_tokens",
+    "samples_tokens",
+    "vocab_size",
+    "tokenizes",
+    "deterministic_answers",
+)
 BACKEND_CAPABILITIES = ("embeds", "host_tensors", "preferred_batch_size", "on_step")
 
 
@@ -66,8 +75,9 @@ class _Minimal(Preprocessor):
     def cache_params(self) -> bytes:
         return b"minimal"
 
-    def preprocess_image(self, data: bytes, allocate: AllocateFn, *, max_pixels: int,
-                         options: dict[str, Any] | None = None) -> None:
+    def preprocess_image(
+        self, data: bytes, allocate: AllocateFn, *, max_pixels: int, options: dict[str, Any] | None = None
+    ) -> None:
         allocate("pixels", "uint8", (1,))
 
     def build_prompt(self, messages: Sequence[dict[str, Any]], images: Sequence[ImageTensorSpec]) -> PromptInputs:
@@ -76,9 +86,16 @@ class _Minimal(Preprocessor):
 
 def test_a_preprocessor_gets_every_capability_from_the_defaults() -> None:
     pre = _Minimal()
-    assert (pre.serves_chat, pre.embedding_dim, pre.embeds_text, pre.max_prompt_tokens, pre.samples_tokens,
-            pre.vocab_size, pre.tokenizes, pre.deterministic_answers) == (True, None, False, None, False,
-                                                                          None, False, False)
+    assert (
+        pre.serves_chat,
+        pre.embedding_dim,
+        pre.embeds_text,
+        pre.max_prompt_tokens,
+        pre.samples_tokens,
+        pre.vocab_size,
+        pre.tokenizes,
+        pre.deterministic_answers,
+    ) == (True, None, False, None, False, None, False, False)
     assert pre.image_options(None, "low") == {}  # one fixed resolution: detail chooses nothing
     with pytest.raises(InvalidRequest) as refused:
         pre.image_options({"max_pixels": 1}, None)
@@ -97,8 +114,9 @@ def test_a_model_missing_a_required_method_cannot_be_built() -> None:
         def cache_params(self) -> bytes:
             return b""
 
-        def preprocess_image(self, data: bytes, allocate: AllocateFn, *, max_pixels: int,
-                             options: dict[str, Any] | None = None) -> None:
+        def preprocess_image(
+            self, data: bytes, allocate: AllocateFn, *, max_pixels: int, options: dict[str, Any] | None = None
+        ) -> None:
             return None
 
     class NoRun(ModelBackend):
@@ -137,8 +155,10 @@ def test_every_family_names_styles_both_halves_implement() -> None:
     # family names the image processors its prompt style was written for.
     assert {f.prompt for f in HF_FAMILIES.values()} == set(PromptStyle)
     assert {f.inputs for f in HF_FAMILIES.values()} == set(InputStyle)
-    assert all(f.image_processors and all(p.endswith("ImageProcessor") for p in f.image_processors)
-               for f in HF_FAMILIES.values())
+    assert all(
+        f.image_processors and all(p.endswith("ImageProcessor") for p in f.image_processors)
+        for f in HF_FAMILIES.values()
+    )
 
 
 # A capability probe: getattr/hasattr on a preprocessor or a backend (the contract declares them all).
@@ -146,9 +166,13 @@ PROBE = re.compile(r"\b(?:getattr|hasattr)\(\s*(?:[\w.]*\.)?(?:preprocessor|pre|
 
 
 def test_no_capability_is_probed() -> None:
-    probes = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
-              for package in ("gateway", "worker") for path in sorted((ROOT / package).rglob("*.py"))
-              for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if PROBE.search(line)]
+    probes = [
+        f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+        for package in ("gateway", "worker")
+        for path in sorted((ROOT / package).rglob("*.py"))
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if PROBE.search(line)
+    ]
     assert probes == []
     assert PROBE.search('getattr(f.preprocessor, "serves_chat", True)')  # the pattern finds the old probes
     assert PROBE.search('hasattr(self.backend, "on_step")')

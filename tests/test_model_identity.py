@@ -39,8 +39,7 @@ SERVED = "team/checksum-v2"  # a slash on purpose: hub ids are org/name, and the
 
 @pytest.fixture(scope="module")
 def named_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    server = start_server("checksum", tmp_path_factory.mktemp("named"), "--workers", "1",
-                          "--served-model-name", SERVED)
+    server = start_server("checksum", tmp_path_factory.mktemp("named"), "--workers", "1", "--served-model-name", SERVED)
     try:
         yield server
     finally:
@@ -82,14 +81,31 @@ def test_the_openai_client_retrieves_the_card_and_gets_not_found_for_another_id(
 
 def test_a_worker_for_another_model_refuses_to_attach_naming_both(named_server: Server) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "worker", "--instance", named_server.instance_id, "--model", "checksum",
-         "--device", "cpu", "--threads", "1"],
-        capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "worker",
+            "--instance",
+            named_server.instance_id,
+            "--model",
+            "checksum",
+            "--device",
+            "cpu",
+            "--threads",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == EXIT_CONFIG, done.stderr[-2000:]
     assert "'checksum'" in done.stderr and repr(SERVED) in done.stderr, done.stderr[-2000:]
     assert named_server.metric("shmgate_workers_ready") == 1  # the refused worker never counted
-    wait_until(lambda: "a worker serving 'checksum' refused to attach" in named_server.log_path.read_text(), 10,
-               "the gateway's own log says a worker was refused")
+    wait_until(
+        lambda: "a worker serving 'checksum' refused to attach" in named_server.log_path.read_text(),
+        10,
+        "the gateway's own log says a worker was refused",
+    )
 
 
 def test_the_gateway_warns_of_a_ready_worker_that_serves_another_model(named_server: Server) -> None:
@@ -117,17 +133,25 @@ def test_the_gateway_warns_of_a_ready_worker_that_serves_another_model(named_ser
 # every dead instance on the machine (another test's too); a serve starting beside it would remove it first.
 @pytest.mark.serial
 def test_cleanup_lists_live_instances_and_a_dry_run_removes_nothing(named_server: Server, tmp_path: Path) -> None:
-    listed = subprocess.run([sys.executable, "-m", "gateway", "cleanup", "--list"], capture_output=True, text=True,
-                            timeout=60)
+    listed = subprocess.run(
+        [sys.executable, "-m", "gateway", "cleanup", "--list"], capture_output=True, text=True, timeout=60
+    )
     assert listed.returncode == 0, listed.stderr
     line = next(line for line in listed.stdout.splitlines() if named_server.instance_id in line)
     assert f"pid={named_server.process.pid}" in line and f"model={SERVED}" in line and "label=default" in line
     # A dead instance: its creator was SIGKILLed, so nobody unlinked its objects.
     creator = subprocess.Popen(
-        [sys.executable, "-c", "import time; from shared.instance import Instance; "
-         "i = Instance.create(arena_size=8 << 20, n_frontends=1, n_workers=1, label='dead'); "
-         "print(i.names.instance_id, flush=True); time.sleep(120)"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import time; from shared.instance import Instance; "
+            "i = Instance.create(arena_size=8 << 20, n_frontends=1, n_workers=1, label='dead'); "
+            "print(i.names.instance_id, flush=True); time.sleep(120)",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert creator.stdout is not None and creator.stderr is not None
         dead_id = creator.stdout.readline().strip()
@@ -138,8 +162,9 @@ def test_cleanup_lists_live_instances_and_a_dry_run_removes_nothing(named_server
     assert re.fullmatch(r"[0-9a-f]{16}", dead_id), f"the creator made no instance: {creator.stderr.read()[-2000:]}"
     objects = {name for name in os.listdir("/dev/shm") if dead_id in name}
     assert objects
-    dry = subprocess.run([sys.executable, "-m", "gateway", "cleanup", "--dry-run"], capture_output=True, text=True,
-                         timeout=60)
+    dry = subprocess.run(
+        [sys.executable, "-m", "gateway", "cleanup", "--dry-run"], capture_output=True, text=True, timeout=60
+    )
     assert dry.returncode == 0, dry.stderr
     assert dead_id in dry.stdout and named_server.instance_id not in dry.stdout
     assert "would remove" in dry.stdout
@@ -163,9 +188,28 @@ def test_a_missing_transformers_is_one_line_before_anything_starts(tmp_path: Pat
     (model / "config.json").write_text('{"model_type": "qwen2_vl"}')
     repo = Path(__file__).parent.parent
     done = subprocess.run(
-        [sys.executable, "-S", "-m", "gateway", "serve", "--port", str(free_port()), "--model", f"hf:{model}",
-         "--frontends", "2", "--workers", "1", "--arena-size", "64MiB"],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": f"{repo}:{without}"})
+        [
+            sys.executable,
+            "-S",
+            "-m",
+            "gateway",
+            "serve",
+            "--port",
+            str(free_port()),
+            "--model",
+            f"hf:{model}",
+            "--frontends",
+            "2",
+            "--workers",
+            "1",
+            "--arena-size",
+            "64MiB",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": f"{repo}:{without}"},
+    )
     assert done.returncode == 2, done.stderr[-2000:]
     lines = [line for line in done.stderr.splitlines() if "need transformers" in line]
     assert len(lines) == 1 and lines[0].endswith("pip install 'shmgate[hf]'"), done.stderr[-2000:]
@@ -178,7 +222,9 @@ def test_the_supervisor_and_the_worker_name_the_same_worker_slot(named_server: S
     import re
 
     def tied() -> re.Match[str] | None:
-        return re.search(r"worker process 0 \(pid (\d+)\) is ready in worker slot (\d+)", named_server.log_path.read_text())
+        return re.search(
+            r"worker process 0 \(pid (\d+)\) is ready in worker slot (\d+)", named_server.log_path.read_text()
+        )
 
     wait_until(lambda: tied() is not None, 10, "the supervisor logs which slot its worker got")
     match = tied()

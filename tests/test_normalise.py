@@ -49,7 +49,8 @@ def test_cuda_workers_normalise_eagerly_unless_asked_to_compile() -> None:
 
 
 def test_compiling_without_a_c_compiler_says_so_and_stays_eager(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     monkeypatch.delenv("CC", raising=False)
     monkeypatch.setenv("PATH", "/nonexistent")  # the slim image: no cc, no gcc
     with caplog.at_level(logging.WARNING, logger="shmgate.worker.efficientnet"):

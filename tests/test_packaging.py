@@ -73,8 +73,14 @@ def test_setup_refuses_python_older_than_311_before_downloading(tmp_path: Path) 
         pytest.skip("no Python 3.10 on this machine")
     old = working[0]
     root = _setup_copy(tmp_path)
-    result = subprocess.run(["bash", "scripts/setup.sh"], cwd=root, env={**os.environ, "PYTHON": old},
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        ["bash", "scripts/setup.sh"],
+        cwd=root,
+        env={**os.environ, "PYTHON": old},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2, result.stderr
     assert "Python 3.10" in result.stderr and "needs 3.11 or newer" in result.stderr
     assert not (root / ".venv").exists()  # nothing created, nothing downloaded

@@ -48,9 +48,19 @@ def _run(tmp_path: Path, delay: float, *, parent_waits: bool) -> tuple[int, Path
     """Returns once the child is gone too: it holds the captured pipes. (pid, marker, the stderr of both)."""
     marker = tmp_path / "marker"
     repo = str(Path(__file__).parent.parent)
-    done = subprocess.run([sys.executable, "-c", PARENT, CHILD.format(delay=delay, marker=str(marker)),
-                           str(marker) if parent_waits else ""],
-                          capture_output=True, text=True, timeout=30, env={**os.environ, "PYTHONPATH": repo})
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            PARENT,
+            CHILD.format(delay=delay, marker=str(marker)),
+            str(marker) if parent_waits else "",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "PYTHONPATH": repo},
+    )
     return int(done.stdout.strip()), marker, done.stderr
 
 
@@ -77,8 +87,10 @@ def test_a_child_that_asked_is_signalled_when_its_supervisor_dies(tmp_path: Path
 
 def test_a_child_nobody_supervises_is_not_affected(tmp_path: Path) -> None:
     marker = tmp_path / "marker"
-    child = subprocess.Popen([sys.executable, "-c", CHILD.format(delay=0, marker=str(marker))],
-                             env={k: v for k, v in os.environ.items() if k != "SHMGATE_SUPERVISOR_PID"})
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD.format(delay=0, marker=str(marker))],
+        env={k: v for k, v in os.environ.items() if k != "SHMGATE_SUPERVISOR_PID"},
+    )
     try:
         wait_until(marker.exists, 15, "the unsupervised child carries on")
         time.sleep(0.2)

@@ -39,8 +39,9 @@ def _metric(port: int, name: str) -> float:
 
 
 def _chat(port: int, data: bytes, timeout_s: float = 60) -> httpx.Response:
-    return httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=image_request("checksum", data),
-                      timeout=timeout_s)
+    return httpx.post(
+        f"http://127.0.0.1:{port}/v1/chat/completions", json=image_request("checksum", data), timeout=timeout_s
+    )
 
 
 def test_unit_in_a_pod_serves_a_chat_completion(tmp_path: Path) -> None:
@@ -54,8 +55,10 @@ def test_unit_in_a_pod_serves_a_chat_completion(tmp_path: Path) -> None:
         wait_until(lambda: _ready(port) or not gateway.alive() or not worker.alive(), 120, "the unit ready")
         assert _ready(port), gateway.log() + worker.log()
         # the two containers are in different PID namespaces; liveness crossed them by heartbeats
-        assert Path(f"/proc/{gateway.main_pid()}/ns/pid").readlink() != Path(
-            f"/proc/{worker.main_pid()}/ns/pid").readlink()
+        assert (
+            Path(f"/proc/{gateway.main_pid()}/ns/pid").readlink()
+            != Path(f"/proc/{worker.main_pid()}/ns/pid").readlink()
+        )
         data = (IMAGES / "chelsea_640.jpg").read_bytes()
         response = _chat(port, data)
         assert response.status_code == 200, response.text
@@ -100,8 +103,11 @@ def test_sigterm_to_every_container_at_once_fails_no_request(tmp_path: Path) -> 
             futures = [pool.submit(_chat, port, data) for data in images]
             # every request admitted (in flight, or already answered) before the signal: a request that
             # reaches a draining gateway is turned away with 503 and Retry-After, which is checked below
-            wait_until(lambda: _metric(port, "shmgate_in_flight_requests") + sum(f.done() for f in futures)
-                       >= len(images), 60, "every request admitted")
+            wait_until(
+                lambda: _metric(port, "shmgate_in_flight_requests") + sum(f.done() for f in futures) >= len(images),
+                60,
+                "every request admitted",
+            )
             terminate_together(gateway, worker)
             time.sleep(0.3)
             late = _chat(port, images[0], timeout_s=10)  # during the drain: turned away, with a hint
@@ -158,8 +164,11 @@ def test_sigterm_while_requests_are_still_decoding_answers_each_with_200_or_503(
         assert _ready(port), gateway.log() + worker.log()
         with concurrent.futures.ThreadPoolExecutor(32) as pool:
             futures = [pool.submit(_chat, port, photos[i % 3] + bytes(i)) for i in range(32)]  # distinct: no cache
-            wait_until(lambda: _metric(port, "shmgate_in_flight_requests") > 0 or any(f.done() for f in futures),
-                       60, "a request in flight")
+            wait_until(
+                lambda: _metric(port, "shmgate_in_flight_requests") > 0 or any(f.done() for f in futures),
+                60,
+                "a request in flight",
+            )
             terminate_together(gateway, worker)
             outcomes = []
             for future in futures:
@@ -167,7 +176,12 @@ def test_sigterm_while_requests_are_still_decoding_answers_each_with_200_or_503(
                     outcomes.append(future.result())
                 except httpx.HTTPError as exc:
                     outcomes.append(exc)
-        bad = [o for o in outcomes if isinstance(o, Exception)
-               or o.status_code not in (200, 503) or (o.status_code == 503 and "retry-after" not in o.headers)]
+        bad = [
+            o
+            for o in outcomes
+            if isinstance(o, Exception)
+            or o.status_code not in (200, 503)
+            or (o.status_code == 503 and "retry-after" not in o.headers)
+        ]
         assert not bad, f"{bad}\n{gateway.log()}\n{worker.log()}"
         assert gateway.wait(60) == 0 and worker.wait(60) == 0

@@ -20,8 +20,13 @@ async def _serve(reply: Reply) -> tuple[asyncio.Server, str, list[int]]:
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
-                length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
-                                  if line.lower().startswith(b"content-length")))
+                length = int(
+                    next(
+                        line.split(b":")[1]
+                        for line in head.split(b"\r\n")
+                        if line.lower().startswith(b"content-length")
+                    )
+                )
                 body = await reader.readexactly(length)
                 raw = reply(head + body)
                 if raw is None:
@@ -47,6 +52,7 @@ def _run(reply: Reply, exchange: Callable[[RawClient], object], timeout_s: float
         finally:
             await client.aclose()
             server.close()
+
     return asyncio.run(main())
 
 
@@ -68,8 +74,9 @@ def test_content_length_responses_reuse_one_connection() -> None:
 
 
 def test_chunked_body_is_read_as_lines() -> None:
-    chunked = (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
-               b"7\r\ndata: a\r\n5\r\n\ndata\r\n4\r\n: b\n\r\n0\r\n\r\n")
+    chunked = (
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n7\r\ndata: a\r\n5\r\n\ndata\r\n4\r\n: b\n\r\n0\r\n\r\n"
+    )
 
     async def exchange(client: RawClient) -> list[str]:
         response, lease = await client.post("/x", b"{}")
@@ -102,6 +109,7 @@ def test_a_closed_connection_is_a_transport_error_and_not_reused() -> None:
 
 def test_an_idle_connection_past_its_expiry_is_not_reused() -> None:
     """A server closes idle keep-alive connections after its timeout; the client gives them up first."""
+
     async def exchange(client: RawClient) -> list[bytes]:
         out = []
         for pause_s in (0.0, 0.0, 0.3):
@@ -126,6 +134,7 @@ def test_an_idle_connection_past_its_expiry_is_not_reused() -> None:
 
 def test_a_connection_the_server_closed_while_idle_is_not_reused() -> None:
     """No "connection: close", but the server hung up after answering: the next request goes on a new one."""
+
     async def main() -> tuple[list[bytes], int]:
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             connections.append(1)

@@ -58,8 +58,21 @@ def _run(scenario: Scenario) -> None:
 
 async def _two_choices(frontend: Frontend, node: MemoryNode) -> tuple[list[RequestState], list[Submit]]:
     """Submit a two-choice request and claim both choices, as a worker would."""
-    body = json.dumps({"model": "checksum", "n": 2, "messages": [{"role": "user", "content": [
-        {"type": "text", "text": "what is it?"}, {"type": "image_url", "image_url": {"url": _png()}}]}]}).encode()
+    body = json.dumps(
+        {
+            "model": "checksum",
+            "n": 2,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "what is it?"},
+                        {"type": "image_url", "image_url": {"url": _png()}},
+                    ],
+                }
+            ],
+        }
+    ).encode()
     states = await submit_choices(frontend, parse_chat_request(body, IntakeLimits()))
     submits = [node.take(), node.take()]
     assert all(s is not None for s in submits)
@@ -114,8 +127,9 @@ def test_a_hang_up_before_any_output_cancels_every_choice(stream: bool) -> None:
             await gone.wait()
             return {"type": "http.disconnect"}
 
-        answering = asyncio.create_task(answer(frontend, states, "checksum", time.monotonic(), stream=stream,
-                                               receive=receive))
+        answering = asyncio.create_task(
+            answer(frontend, states, "checksum", time.monotonic(), stream=stream, receive=receive)
+        )
         await asyncio.sleep(0.05)
         assert not answering.done()  # waiting for the first output
         gone.set()

@@ -91,14 +91,24 @@ def test_a_request_runs_claimed_released_streaming_done_and_gives_its_space_back
         assert state.phase is Phase.QUEUED and link.cache.held_bytes > 0
         submit = _take(node)
         assert submit.tensors and submit.reply_slot == 0
-        for message, phase in ((Claimed(submit.request_id, 0, 1), Phase.CLAIMED),
-                               (Released(submit.request_id), Phase.RELEASED),
-                               (Delta(submit.request_id, 0, "a "), Phase.STREAMING)):
+        for message, phase in (
+            (Claimed(submit.request_id, 0, 1), Phase.CLAIMED),
+            (Released(submit.request_id), Phase.RELEASED),
+            (Delta(submit.request_id, 0, "a "), Phase.STREAMING),
+        ):
             node.reply(message)
             await _settle()
             assert state.phase is phase
-        node.reply(Finished(request_id=submit.request_id, seq=1, finish_reason="stop", prompt_tokens=3,
-                            completion_tokens=2, text="cat"))
+        node.reply(
+            Finished(
+                request_id=submit.request_id,
+                seq=1,
+                finish_reason="stop",
+                prompt_tokens=3,
+                completion_tokens=2,
+                text="cat",
+            )
+        )
         await _settle()
         assert state.done and link.cache.held_bytes == 0
         events = _drain(state)
@@ -158,8 +168,16 @@ def test_output_whose_claimed_was_lost_still_reaches_the_client() -> None:
         state = await _submit(frontend)
         submit = _take(node)  # the worker's Claimed was dropped (its channel stayed full)
         node.reply(Delta(submit.request_id, 0, "an "))
-        node.reply(Finished(request_id=submit.request_id, seq=1, finish_reason="stop", prompt_tokens=3,
-                            completion_tokens=2, text="answer"))
+        node.reply(
+            Finished(
+                request_id=submit.request_id,
+                seq=1,
+                finish_reason="stop",
+                prompt_tokens=3,
+                completion_tokens=2,
+                text="answer",
+            )
+        )
         await _settle()
         assert [type(e) for e in _drain(state)] == [Delta, Delta, Finished]
         assert state.done and link.cache.held_bytes == 0
@@ -178,8 +196,15 @@ def test_a_client_that_leaves_before_the_claim_cancels_on_claim_and_holds_until_
         assert [(slot, c.request_id) for slot, c in node.cancels] == [(0, submit.request_id)]
         assert link.cache.held_bytes > 0, "the worker may still read the arena: holds stay"
         node.reply(Released(submit.request_id))
-        node.reply(Failed(request_id=submit.request_id, seq=0, code="cancelled",
-                          message="the client cancelled the request", status_hint=499))
+        node.reply(
+            Failed(
+                request_id=submit.request_id,
+                seq=0,
+                code="cancelled",
+                message="the client cancelled the request",
+                status_hint=499,
+            )
+        )
         await _settle()
         assert state.done and link.cache.held_bytes == 0
         assert int(link.row[Counter.CANCELLED]) == 1
@@ -264,6 +289,7 @@ def test_a_claim_proves_taken_only_what_was_on_the_queue_before_its_send_began()
     ``taken_unclaimed_s`` while its first copy still waits to run. C, whose send began after A's had
     ended, does prove A taken once claimed.
     """
+
     async def scenario(frontend: Frontend, node: MemoryNode, link: MemoryFrontendLink) -> None:
         replies = frontend.replies
         replies.taken_unclaimed_s = 0.0
@@ -335,12 +361,15 @@ def test_metrics_render_from_the_in_memory_node_stats() -> None:
     run(scenario)
 
 
-@pytest.mark.parametrize(("path", "illegal"), [
-    ((), Phase.RELEASED),
-    ((Phase.CLAIMED, Phase.STREAMING), Phase.QUEUED),
-    ((Phase.ABANDONED,), Phase.STREAMING),
-    ((Phase.DONE,), Phase.DONE),
-])
+@pytest.mark.parametrize(
+    ("path", "illegal"),
+    [
+        ((), Phase.RELEASED),
+        ((Phase.CLAIMED, Phase.STREAMING), Phase.QUEUED),
+        ((Phase.ABANDONED,), Phase.STREAMING),
+        ((Phase.DONE,), Phase.DONE),
+    ],
+)
 def test_request_state_refuses_an_illegal_transition(path: tuple[Phase, ...], illegal: Phase) -> None:
     state = RequestState(1, Submit(1, 0, "checksum"), [], 0.0)
     for phase in path:

@@ -21,8 +21,16 @@ def test_rolling_restart_of_two_units_behind_nginx_fails_no_request() -> None:
         pytest.skip(reason)
     if shutil.which("nginx") is None and not shutil.which("/usr/sbin/nginx"):
         pytest.skip("nginx is not installed (apt-get install nginx)")
-    args = argparse.Namespace(model="checksum", concurrency=8, requests=100, steady_s=2.0, settle_s=1.0,
-                              frontends=1, worker_threads=1, work_dir=None)
+    args = argparse.Namespace(
+        model="checksum",
+        concurrency=8,
+        requests=100,
+        steady_s=2.0,
+        settle_s=1.0,
+        frontends=1,
+        worker_threads=1,
+        work_dir=None,
+    )
     result = scaleout.run(args)
     assert result["bench_failures"] == []
     assert result["steady"]["requests"] > 0 and result["steady"]["errors"] == 0

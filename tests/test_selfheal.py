@@ -48,8 +48,16 @@ GUARD_S = 60.0
 def faulty_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     os.environ["SHMGATE_CHECKSUM_FAULTS"] = "1"
     try:
-        server = start_server("checksum", tmp_path_factory.mktemp("selfheal"), "--workers", "2",
-                              "--stall-timeout-s", str(STALL_S), "--request-timeout-s", "50")
+        server = start_server(
+            "checksum",
+            tmp_path_factory.mktemp("selfheal"),
+            "--workers",
+            "2",
+            "--stall-timeout-s",
+            str(STALL_S),
+            "--request-timeout-s",
+            "50",
+        )
     finally:
         del os.environ["SHMGATE_CHECKSUM_FAULTS"]
     try:
@@ -64,8 +72,9 @@ def request(seed: int, text: str = "What is in this image?", *, stream: bool = F
 
 
 def is_right(response: httpx.Response, data: bytes) -> bool:
-    return response.status_code == 200 and expected_checksum(data) in response.json()["choices"][0]["message"][
-        "content"]
+    return (
+        response.status_code == 200 and expected_checksum(data) in response.json()["choices"][0]["message"]["content"]
+    )
 
 
 def error_code(response: httpx.Response) -> str:
@@ -73,17 +82,24 @@ def error_code(response: httpx.Response) -> str:
 
 
 def wait_idle(server: Server) -> None:
-    wait_until(lambda: server.metric("shmgate_in_flight_requests") == 0
-               and server.metric("shmgate_arena_held_bytes") == 0, GUARD_S, "holds back to 0")
+    wait_until(
+        lambda: server.metric("shmgate_in_flight_requests") == 0 and server.metric("shmgate_arena_held_bytes") == 0,
+        GUARD_S,
+        "holds back to 0",
+    )
 
 
 def wait_full_capacity(server: Server, workers: int = 2) -> float:
-    return wait_until(lambda: server.metric("shmgate_workers_ready") == workers and len(server.pids("worker")) == workers,
-                      GUARD_S, "every worker ready")
+    return wait_until(
+        lambda: server.metric("shmgate_workers_ready") == workers and len(server.pids("worker")) == workers,
+        GUARD_S,
+        "every worker ready",
+    )
 
 
-async def _closed_loop(base_url: str, clients: int, stop: asyncio.Event, seed: int, text: str = "hi",
-                       stream: bool = False) -> list[tuple[str, float]]:
+async def _closed_loop(
+    base_url: str, clients: int, stop: asyncio.Event, seed: int, text: str = "hi", stream: bool = False
+) -> list[tuple[str, float]]:
     """``clients`` connections sending requests back to back until ``stop``; (outcome, seconds) of each."""
     outcomes: list[tuple[str, float]] = []
 
@@ -144,8 +160,9 @@ def test_a_sigstopped_worker_under_load_is_replaced_and_no_request_fails(faulty_
         os.kill(victim, signal.SIGSTOP)
         stopped_at = time.monotonic()
         try:
-            await asyncio.to_thread(wait_until, lambda: victim not in server.pids("worker"), GUARD_S,
-                                    "the stopped worker killed")
+            await asyncio.to_thread(
+                wait_until, lambda: victim not in server.pids("worker"), GUARD_S, "the stopped worker killed"
+            )
             killed = time.monotonic() - stopped_at
             await asyncio.to_thread(wait_full_capacity, server)
             back = time.monotonic() - stopped_at
@@ -165,8 +182,10 @@ def test_a_sigstopped_worker_under_load_is_replaced_and_no_request_fails(faulty_
     assert server.metric("shmgate_worker_stalls_total") == stalls + 1
     wait_idle(server)
     slowest = max(seconds for _, seconds in outcomes)
-    print(f"\nSIGSTOP under load: {len(outcomes)} requests, all correct (slowest {slowest:.1f} s); "
-          f"stalled worker killed {killed:.1f} s after the stop, full capacity again after {back:.1f} s")
+    print(
+        f"\nSIGSTOP under load: {len(outcomes)} requests, all correct (slowest {slowest:.1f} s); "
+        f"stalled worker killed {killed:.1f} s after the stop, full capacity again after {back:.1f} s"
+    )
 
 
 def test_a_worker_paused_and_resumed_adds_no_duplicate_answer(faulty_server: Server) -> None:
@@ -180,8 +199,9 @@ def test_a_worker_paused_and_resumed_adds_no_duplicate_answer(faulty_server: Ser
 
     async def run() -> list[tuple[str, float]]:
         stop = asyncio.Event()
-        load = asyncio.ensure_future(_closed_loop(server.base_url, 8, stop, 200_000, "checksum:trickle 150",
-                                                  stream=True))
+        load = asyncio.ensure_future(
+            _closed_loop(server.base_url, 8, stop, 200_000, "checksum:trickle 150", stream=True)
+        )
         await asyncio.sleep(1.0)
         victim = server.pids("worker")[0]
         os.kill(victim, signal.SIGSTOP)
@@ -201,7 +221,8 @@ def test_a_worker_paused_and_resumed_adds_no_duplicate_answer(faulty_server: Ser
 
 
 def test_a_worker_whose_model_call_hangs_is_replaced_and_the_request_gets_no_third_worker(
-        faulty_server: Server) -> None:
+    faulty_server: Server,
+) -> None:
     server = faulty_server
     wait_full_capacity(server)
     stalls = server.metric("shmgate_worker_stalls_total")
@@ -228,16 +249,19 @@ def test_a_worker_whose_model_call_hangs_is_replaced_and_the_request_gets_no_thi
     wait_full_capacity(server)
     assert server.metric("shmgate_worker_starts_total") == starts + 2
     wait_idle(server)
-    print(f"\nhung model call: detected and replaced twice, the request failed worker_died after {took:.1f} s; "
-          f"{len(served)} other requests served meanwhile")
+    print(
+        f"\nhung model call: detected and replaced twice, the request failed worker_died after {took:.1f} s; "
+        f"{len(served)} other requests served meanwhile"
+    )
 
 
 def test_a_request_that_kills_its_worker_kills_two_at_most(faulty_server: Server) -> None:
     server = faulty_server
     wait_full_capacity(server)
     starts = server.metric("shmgate_worker_starts_total")
-    response = httpx.post(server.base_url + "/v1/chat/completions", json=request(2, "checksum:crash")[1],
-                          timeout=GUARD_S)
+    response = httpx.post(
+        server.base_url + "/v1/chat/completions", json=request(2, "checksum:crash")[1], timeout=GUARD_S
+    )
     assert response.status_code == 502 and error_code(response) == "worker_died", response.text
     wait_full_capacity(server)
     assert server.metric("shmgate_worker_starts_total") == starts + 2
@@ -249,8 +273,9 @@ def test_a_sticky_device_error_restarts_the_worker_at_once(faulty_server: Server
     server = faulty_server
     wait_full_capacity(server)
     starts = server.metric("shmgate_worker_starts_total")
-    response = httpx.post(server.base_url + "/v1/chat/completions", json=request(4, "checksum:device-assert")[1],
-                          timeout=GUARD_S)
+    response = httpx.post(
+        server.base_url + "/v1/chat/completions", json=request(4, "checksum:device-assert")[1], timeout=GUARD_S
+    )
     assert response.status_code == 500 and error_code(response) == "model_error", response.text
     wait_until(lambda: server.metric("shmgate_worker_starts_total") == starts + 1, GUARD_S, "worker restarted")
     wait_full_capacity(server)
@@ -262,8 +287,7 @@ def test_a_sticky_device_error_restarts_the_worker_at_once(faulty_server: Server
 # -- a wedged frontend ------------------------------------------------------------------------------------
 
 
-def test_a_frontend_whose_event_loop_is_blocked_is_replaced_and_the_other_is_unaffected(
-        faulty_server: Server) -> None:
+def test_a_frontend_whose_event_loop_is_blocked_is_replaced_and_the_other_is_unaffected(faulty_server: Server) -> None:
     server = faulty_server
     victim_pid = server.frontend_pid(0)
     stalls = server.metric("shmgate_frontend_stalls_total")
@@ -272,14 +296,16 @@ def test_a_frontend_whose_event_loop_is_blocked_is_replaced_and_the_other_is_una
         pinned: dict[int, httpx.AsyncClient] = {}
         spare: list[httpx.AsyncClient] = []
         while len(pinned) < 2:  # one keep-alive connection on each frontend
-            client = httpx.AsyncClient(base_url=server.base_url, timeout=GUARD_S,
-                                       limits=httpx.Limits(max_connections=1))
+            client = httpx.AsyncClient(
+                base_url=server.base_url, timeout=GUARD_S, limits=httpx.Limits(max_connections=1)
+            )
             slot = int((await client.get("/health")).headers["x-shmgate-frontend"])
             (spare.append(client) if slot in pinned else pinned.__setitem__(slot, client))
         started = time.monotonic()
         try:
             blocked = asyncio.ensure_future(
-                pinned[0].post("/v1/chat/completions", json=request(6, "checksum:block-loop 120")[1]))
+                pinned[0].post("/v1/chat/completions", json=request(6, "checksum:block-loop 120")[1])
+            )
             other: list[str] = []
             while server.frontend_pid(0) in (victim_pid, None):
                 data, body = request(400_000 + len(other))
@@ -302,8 +328,10 @@ def test_a_frontend_whose_event_loop_is_blocked_is_replaced_and_the_other_is_una
     assert victim != "answered"  # its connection went with the killed process
     assert server.metric("shmgate_frontend_stalls_total") == stalls + 1
     wait_until(lambda: httpx.get(server.base_url + "/ready", timeout=5).status_code == 200, GUARD_S, "ready")
-    print(f"\nblocked event loop: frontend 0 replaced {replaced:.1f} s after the block; the other frontend "
-          f"answered all {len(other)} requests meanwhile")
+    print(
+        f"\nblocked event loop: frontend 0 replaced {replaced:.1f} s after the block; the other frontend "
+        f"answered all {len(other)} requests meanwhile"
+    )
 
 
 # -- a worker in another process tree (compose) -------------------------------------------------------------
@@ -318,16 +346,52 @@ def test_a_stalled_worker_attached_by_label_exits_by_itself(tmp_path: Path) -> N
     env = {**os.environ, "SHMGATE_CHECKSUM_FAULTS": "1"}
     log = open(tmp_path / "gateway.log", "wb")
     gateway = subprocess.Popen(
-        [sys.executable, "-m", "gateway", "gateway", "--port", str(port), "--model", "checksum", "--frontends", "1",
-         "--arena-size", "64MiB", "--label", label, "--stall-timeout-s", str(STALL_S), "--max-workers", "2"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "gateway",
+            "gateway",
+            "--port",
+            str(port),
+            "--model",
+            "checksum",
+            "--frontends",
+            "1",
+            "--arena-size",
+            "64MiB",
+            "--label",
+            label,
+            "--stall-timeout-s",
+            str(STALL_S),
+            "--max-workers",
+            "2",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     server = Server(gateway, port, "checksum", tmp_path / "gateway.log")
 
     def start_worker(n: int) -> subprocess.Popen[bytes]:
         return subprocess.Popen(
-            [sys.executable, "-m", "worker", "--model", "checksum", "--label", label, "--device", "cpu",
-             "--threads", "1"], env=env, stdout=open(tmp_path / f"worker{n}.log", "wb"), stderr=subprocess.STDOUT,
-            start_new_session=True)  # its own session: not in the gateway's process tree
+            [
+                sys.executable,
+                "-m",
+                "worker",
+                "--model",
+                "checksum",
+                "--label",
+                label,
+                "--device",
+                "cpu",
+                "--threads",
+                "1",
+            ],
+            env=env,
+            stdout=open(tmp_path / f"worker{n}.log", "wb"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # its own session: not in the gateway's process tree
 
     workers = [start_worker(0)]
     try:
@@ -355,8 +419,10 @@ def test_a_stalled_worker_attached_by_label_exits_by_itself(tmp_path: Path) -> N
             server.wait_ready()
             data, body = request(8)
             assert is_right(client.post("/v1/chat/completions", json=body), data)
-        print(f"\nworker in another process tree: SIGSTOPped one exited by itself {stopped_took:.1f} s after the "
-              f"stop (on SIGCONT); two hung ones exited by themselves; the hung request failed after 2 attempts")
+        print(
+            f"\nworker in another process tree: SIGSTOPped one exited by itself {stopped_took:.1f} s after the "
+            f"stop (on SIGCONT); two hung ones exited by themselves; the hung request failed after 2 attempts"
+        )
     finally:
         for w in workers:
             if w.poll() is None:
@@ -374,9 +440,26 @@ def test_a_configuration_error_stops_serve_with_the_reason_instead_of_restarting
     (tmp_path / "config.json").write_text('{"model_type": "bert"}')
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "gateway", "serve", "--port", str(free_port()), "--model", f"hf:{tmp_path}",
-         "--frontends", "1", "--workers", "1", "--arena-size", "64MiB"],
-        capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "gateway",
+            "serve",
+            "--port",
+            str(free_port()),
+            "--model",
+            f"hf:{tmp_path}",
+            "--frontends",
+            "1",
+            "--workers",
+            "1",
+            "--arena-size",
+            "64MiB",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2, done.stderr[-2000:]
     assert "configuration error: " in done.stderr and "model_type 'bert' is not supported" in done.stderr
     assert "failed on a configuration error" in done.stderr
@@ -386,9 +469,28 @@ def test_a_configuration_error_stops_serve_with_the_reason_instead_of_restarting
 
 def test_a_device_typo_stops_serve_before_anything_starts(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "gateway", "serve", "--port", str(free_port()), "--model", "checksum",
-         "--frontends", "1", "--workers", "1", "--arena-size", "64MiB", "--device", "gpu"],
-        capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "gateway",
+            "serve",
+            "--port",
+            str(free_port()),
+            "--model",
+            "checksum",
+            "--frontends",
+            "1",
+            "--workers",
+            "1",
+            "--arena-size",
+            "64MiB",
+            "--device",
+            "gpu",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2, done.stderr[-2000:]
     assert "--device: 'gpu' is not a device: use cpu, cuda or cuda:N" in done.stderr
     assert "started" not in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
@@ -401,9 +503,24 @@ def test_a_worker_refuses_a_device_it_cannot_use_in_one_line(device: str) -> Non
 
     if device == "cuda" and torch.cuda.is_available():
         pytest.skip("CUDA is usable here")
-    done = subprocess.run([sys.executable, "-m", "worker", "--model", "checksum", "--device", device,
-                           "--label", "no-such-gateway", "--attach-wait-s", "0"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "worker",
+            "--model",
+            "checksum",
+            "--device",
+            device,
+            "--label",
+            "no-such-gateway",
+            "--attach-wait-s",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2, done.stderr[-2000:]  # a usage error, as every command's bad flag value
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("shmgate worker: error: ") and "--device" in lines[0], done.stderr
@@ -418,23 +535,61 @@ def test_cuda_where_it_cannot_run_stops_serve_with_the_workers_reason_instead_of
         pytest.skip("CUDA is usable here")
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "gateway", "serve", "--port", str(free_port()), "--model", "checksum",
-         "--frontends", "1", "--workers", "1", "--arena-size", "64MiB", "--device", "cuda"],
-        capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "gateway",
+            "serve",
+            "--port",
+            str(free_port()),
+            "--model",
+            "checksum",
+            "--frontends",
+            "1",
+            "--workers",
+            "1",
+            "--arena-size",
+            "64MiB",
+            "--device",
+            "cuda",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2, done.stderr[-2000:]
     # Refused by serve itself when it sees no GPU (gateway/config_checks.py), else by the worker,
     # which loads torch: either way one reason, no restarts.
-    assert ("shmgate serve: error: --device cuda: " in done.stderr
-            or "failed on a configuration error: --device cuda" in done.stderr), done.stderr[-2000:]
+    assert (
+        "shmgate serve: error: --device cuda: " in done.stderr
+        or "failed on a configuration error: --device cuda" in done.stderr
+    ), done.stderr[-2000:]
     assert "restarting" not in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
     print(f"\n--device cuda without CUDA: serve exited 2 after {time.monotonic() - started:.1f} s")
 
 
 def test_an_unknown_model_stops_serve_before_anything_starts(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "gateway", "serve", "--port", str(free_port()), "--model", "no-such-model",
-         "--frontends", "1", "--workers", "1", "--arena-size", "64MiB"],
-        capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "gateway",
+            "serve",
+            "--port",
+            str(free_port()),
+            "--model",
+            "no-such-model",
+            "--frontends",
+            "1",
+            "--workers",
+            "1",
+            "--arena-size",
+            "64MiB",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2, done.stderr[-2000:]
     assert "unknown model 'no-such-model'" in done.stderr
     assert "started frontend" not in done.stderr and f"exited with {EXIT_CONFIG}" not in done.stderr
@@ -447,9 +602,25 @@ def test_a_worker_that_dies_before_it_is_ever_ready_stops_serve_after_three_trie
     log_path = tmp_path / "serve.log"
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--model", "checksum",
-             "--frontends", "1", "--workers", "1", "--arena-size", "64MiB"],
-            stdout=log, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "gateway",
+                "serve",
+                "--port",
+                str(port),
+                "--model",
+                "checksum",
+                "--frontends",
+                "1",
+                "--workers",
+                "1",
+                "--arena-size",
+                "64MiB",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     server = Server(process, port, "checksum", log_path)
     killed: set[int] = set()
     try:

@@ -70,8 +70,9 @@ def test_a_worker_rows_busy_time_and_stall_count_survive_a_restart_in_its_slot()
 
 
 def test_a_ready_worker_without_progress_is_stalled_and_not_live() -> None:
-    with scratch_instance(arena_size=2 * PARTITION, n_frontends=2, n_workers=1, queue_depth=2,
-                          stall_timeout_s=5.0) as inst:
+    with scratch_instance(
+        arena_size=2 * PARTITION, n_frontends=2, n_workers=1, queue_depth=2, stall_timeout_s=5.0
+    ) as inst:
         seg = inst.segment
         seg.claim_slot(seg.workers, 0, model="m")
         seg.workers[0]["state"] = SlotState.READY

@@ -40,8 +40,16 @@ PHOTOS = ["chelsea_640.jpg", "coffee_640.jpg", "camera_640.jpg"]
 @pytest.fixture(scope="module")
 def two_models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     # shallow queues: the per-uid message-queue budget is shared with the other servers of the suite
-    server = start_server("efficientnet-lite0", tmp_path_factory.mktemp("serve"), "--model", "checksum",
-                          "--workers", "1", "--queue-depth", "8")
+    server = start_server(
+        "efficientnet-lite0",
+        tmp_path_factory.mktemp("serve"),
+        "--model",
+        "checksum",
+        "--workers",
+        "1",
+        "--queue-depth",
+        "8",
+    )
     try:
         yield server
     finally:
@@ -68,10 +76,12 @@ def test_both_models_answer_correctly_under_interleaved_concurrent_load(two_mode
         jobs.append(("efficientnet-lite0", photos[i % len(photos)], photo))
 
     async def run() -> list[httpx.Response]:
-        async with httpx.AsyncClient(base_url=two_models.base_url, timeout=120,
-                                     limits=httpx.Limits(max_connections=len(jobs))) as client:
-            return await asyncio.gather(*(client.post("/v1/chat/completions", json=image_request(model, data))
-                                          for model, data, _ in jobs))
+        async with httpx.AsyncClient(
+            base_url=two_models.base_url, timeout=120, limits=httpx.Limits(max_connections=len(jobs))
+        ) as client:
+            return await asyncio.gather(
+                *(client.post("/v1/chat/completions", json=image_request(model, data)) for model, data, _ in jobs)
+            )
 
     responses = asyncio.run(run())
     for (model, data, photo), response in zip(jobs, responses):
@@ -87,16 +97,17 @@ def test_one_decode_serves_both_models_when_their_preprocessing_agrees(two_model
     data = noise_png(977)  # an image no other test sends
     misses = two_models.metric("shmgate_cache_misses_total")
     hits = two_models.metric("shmgate_cache_hits_total") + two_models.metric("shmgate_cache_remote_hits_total")
-    first = httpx.post(two_models.base_url + "/v1/chat/completions", json=image_request("checksum", data),
-                       timeout=60)
+    first = httpx.post(two_models.base_url + "/v1/chat/completions", json=image_request("checksum", data), timeout=60)
     assert expected_checksum(data) in _answer(first)
     assert two_models.metric("shmgate_cache_misses_total") == misses + 1
-    second = httpx.post(two_models.base_url + "/v1/chat/completions",
-                        json=image_request("efficientnet-lite0", data), timeout=60)
+    second = httpx.post(
+        two_models.base_url + "/v1/chat/completions", json=image_request("efficientnet-lite0", data), timeout=60
+    )
     _answer(second)
     assert two_models.metric("shmgate_cache_misses_total") == misses + 1, "the classifier decoded it again"
-    assert two_models.metric("shmgate_cache_hits_total") + two_models.metric(
-        "shmgate_cache_remote_hits_total") == hits + 1
+    assert (
+        two_models.metric("shmgate_cache_hits_total") + two_models.metric("shmgate_cache_remote_hits_total") == hits + 1
+    )
 
 
 def test_models_lists_each_model_with_its_state_and_capabilities(two_models: Server) -> None:
@@ -107,7 +118,8 @@ def test_models_lists_each_model_with_its_state_and_capabilities(two_models: Ser
     # the classifier also embeds (its 1280-wide features); the checksum model only answers chat
     assert [card["capabilities"] for card in cards] == [
         {"chat": True, "embeddings": True, "tokenize": False, "max_model_len": None},
-        {"chat": True, "embeddings": False, "tokenize": False, "max_model_len": None}]
+        {"chat": True, "embeddings": False, "tokenize": False, "max_model_len": None},
+    ]
     one = httpx.get(url + "/v1/models/checksum", timeout=10)
     assert one.status_code == 200 and one.json() == cards[1]
 
@@ -139,8 +151,11 @@ def test_each_model_has_its_own_workers(two_models: Server) -> None:
     assert sorted(cmd.split("--model ", 1)[1].split()[0] for cmd in workers) == ["checksum", "efficientnet-lite0"]
     assert two_models.metric("shmgate_workers_ready") == 2
     for model in ("efficientnet-lite0", "checksum"):
-        _answer(httpx.post(two_models.base_url + "/v1/chat/completions", json=image_request(model, noise_png(5)),
-                           timeout=60))
+        _answer(
+            httpx.post(
+                two_models.base_url + "/v1/chat/completions", json=image_request(model, noise_png(5)), timeout=60
+            )
+        )
         assert two_models.metric(f'shmgate_model_workers_ready{{model="{model}"}}') == 1
         assert two_models.metric(f'shmgate_model_queue_depth{{model="{model}"}}') == 0
         assert two_models.metric(f'shmgate_model_requests_total{{model="{model}",outcome="admitted"}}') >= 1
@@ -157,9 +172,12 @@ def test_the_startup_summary_names_both_models(two_models: Server) -> None:
 
 # -- a config file, a gateway and a worker per model, per-model admission --------------------------------
 
+
 def _outcomes(server: Server, model: str) -> dict[str, float]:
-    return {outcome: server.metric(f'shmgate_model_requests_total{{model="{model}",outcome="{outcome}"}}')
-            for outcome in ("ok", "error", "overloaded", "cancelled")}
+    return {
+        outcome: server.metric(f'shmgate_model_requests_total{{model="{model}",outcome="{outcome}"}}')
+        for outcome in ("ok", "error", "overloaded", "cancelled")
+    }
 
 
 def test_each_request_outcome_is_counted_for_its_own_model(two_models: Server) -> None:
@@ -173,8 +191,10 @@ def test_each_request_outcome_is_counted_for_its_own_model(two_models: Server) -
     assert bad.status_code == 400 and set(bad.json()["error"]) == {"message", "type", "param", "code"}
     after = {model: _outcomes(two_models, model) for model in ("efficientnet-lite0", "checksum")}
     gained = {model: {k: after[model][k] - before[model][k] for k in after[model]} for model in after}
-    assert gained == {"efficientnet-lite0": {"ok": 1, "error": 0, "overloaded": 0, "cancelled": 0},
-                      "checksum": {"ok": 2, "error": 1, "overloaded": 0, "cancelled": 0}}
+    assert gained == {
+        "efficientnet-lite0": {"ok": 1, "error": 0, "overloaded": 0, "cancelled": 0},
+        "checksum": {"ok": 2, "error": 1, "overloaded": 0, "cancelled": 0},
+    }
 
 
 NODE_TOML = """
@@ -204,18 +224,63 @@ def gateway_with_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S
     port = free_port()
     log_path = tmp / "gateway.log"
     with open(log_path, "wb") as log:
-        gateway = subprocess.Popen([sys.executable, "-m", "gateway", "gateway", "--port", str(port), "--config",
-                                    str(config), "--frontends", "1", "--arena-size", "64MiB", "--label", label,
-                                    "--queue-depth", "8", "--max-workers", "4"],
-                                   stdout=log, stderr=subprocess.STDOUT)
+        gateway = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "gateway",
+                "gateway",
+                "--port",
+                str(port),
+                "--config",
+                str(config),
+                "--frontends",
+                "1",
+                "--arena-size",
+                "64MiB",
+                "--label",
+                label,
+                "--queue-depth",
+                "8",
+                "--max-workers",
+                "4",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     server = Server(gateway, port, "classifier", log_path)
     worker_flags = ["--label", label, "--device", "cpu", "--threads", "1"]
     workers = [
-        subprocess.Popen([sys.executable, "-m", "worker", "--model", "efficientnet-lite0", "--served-model-name",
-                          "classifier", *worker_flags], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
-        subprocess.Popen([sys.executable, "-m", "worker", "--model", "checksum", "--max-batch-size", "1",
-                          "--diag-batch-delay-ms", "2000", *worker_flags],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "worker",
+                "--model",
+                "efficientnet-lite0",
+                "--served-model-name",
+                "classifier",
+                *worker_flags,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        ),
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "worker",
+                "--model",
+                "checksum",
+                "--max-batch-size",
+                "1",
+                "--diag-batch-delay-ms",
+                "2000",
+                *worker_flags,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        ),
     ]
     try:
         server.wait_ready()
@@ -232,9 +297,13 @@ def gateway_with_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S
 def test_a_config_file_declares_the_models_and_a_worker_per_model_attaches(gateway_with_workers: Server) -> None:
     cards = httpx.get(gateway_with_workers.base_url + "/v1/models", timeout=10).json()["data"]
     assert [(card["id"], card["state"]) for card in cards] == [("classifier", "ready"), ("checksum", "ready")]
-    answer = _answer(httpx.post(gateway_with_workers.base_url + "/v1/chat/completions",
-                                json=image_request("classifier", (IMAGES / "coffee_640.jpg").read_bytes()),
-                                timeout=60))
+    answer = _answer(
+        httpx.post(
+            gateway_with_workers.base_url + "/v1/chat/completions",
+            json=image_request("classifier", (IMAGES / "coffee_640.jpg").read_bytes()),
+            timeout=60,
+        )
+    )
     assert _top1(answer) == "espresso"
 
 
@@ -243,25 +312,33 @@ def test_one_model_over_its_max_in_flight_gets_429_while_the_other_is_served(gat
 
     async def run() -> tuple[list[httpx.Response], httpx.Response, httpx.Response]:
         async with httpx.AsyncClient(base_url=url, timeout=60) as client:
-            held = [asyncio.create_task(client.post("/v1/chat/completions",
-                                                    json=image_request("checksum", noise_png(400 + i))))
-                    for i in range(2)]
+            held = [
+                asyncio.create_task(
+                    client.post("/v1/chat/completions", json=image_request("checksum", noise_png(400 + i)))
+                )
+                for i in range(2)
+            ]
             for _ in range(200):  # until both are admitted (a hang guard, not a timing check)
                 if gateway_with_workers.metric("shmgate_in_flight_requests") >= 2:
                     break
                 await asyncio.sleep(0.05)
             refused = await client.post("/v1/chat/completions", json=image_request("checksum", noise_png(402)))
-            other = await client.post("/v1/chat/completions",
-                                      json=image_request("classifier", (IMAGES / "camera_640.jpg").read_bytes()))
+            other = await client.post(
+                "/v1/chat/completions", json=image_request("classifier", (IMAGES / "camera_640.jpg").read_bytes())
+            )
             return list(await asyncio.gather(*held)), refused, other
 
     refused_before = gateway_with_workers.metric('shmgate_model_requests_total{model="checksum",outcome="overloaded"}')
     other_refused = gateway_with_workers.metric('shmgate_model_requests_total{model="classifier",outcome="overloaded"}')
     held, refused, other = asyncio.run(run())
-    assert gateway_with_workers.metric(
-        'shmgate_model_requests_total{model="checksum",outcome="overloaded"}') == refused_before + 1
-    assert gateway_with_workers.metric(
-        'shmgate_model_requests_total{model="classifier",outcome="overloaded"}') == other_refused
+    assert (
+        gateway_with_workers.metric('shmgate_model_requests_total{model="checksum",outcome="overloaded"}')
+        == refused_before + 1
+    )
+    assert (
+        gateway_with_workers.metric('shmgate_model_requests_total{model="classifier",outcome="overloaded"}')
+        == other_refused
+    )
     assert refused.status_code == 429, refused.text
     assert refused.headers["retry-after"] and "model 'checksum'" in refused.json()["error"]["message"]
     assert set(refused.json()["error"]) == {"message", "type", "param", "code"}
@@ -274,40 +351,70 @@ def test_a_client_that_hangs_up_is_counted_cancelled_for_its_model(gateway_with_
     """The checksum worker holds each request 2 s: a client that gives up after 0.5 s is its model's cancelled."""
     before = {model: _outcomes(gateway_with_workers, model) for model in ("classifier", "checksum")}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(gateway_with_workers.base_url + "/v1/chat/completions",
-                   json=image_request("checksum", noise_png(77)), timeout=httpx.Timeout(60, read=0.5))
-    wait_until(lambda: _outcomes(gateway_with_workers, "checksum")["cancelled"] == before["checksum"]["cancelled"] + 1,
-               30, "the hang-up counted as checksum's cancelled")
+        httpx.post(
+            gateway_with_workers.base_url + "/v1/chat/completions",
+            json=image_request("checksum", noise_png(77)),
+            timeout=httpx.Timeout(60, read=0.5),
+        )
+    wait_until(
+        lambda: _outcomes(gateway_with_workers, "checksum")["cancelled"] == before["checksum"]["cancelled"] + 1,
+        30,
+        "the hang-up counted as checksum's cancelled",
+    )
     wait_until(lambda: gateway_with_workers.metric("shmgate_in_flight_requests") == 0, 30, "the request released")
     assert _outcomes(gateway_with_workers, "classifier") == before["classifier"]
     assert _outcomes(gateway_with_workers, "checksum")["ok"] == before["checksum"]["ok"]
 
 
 def test_a_worker_for_an_undeclared_model_refuses_to_attach(gateway_with_workers: Server) -> None:
-    done = subprocess.run([sys.executable, "-m", "worker", "--instance", gateway_with_workers.instance_id,
-                           "--model", "efficientnet-lite0", "--device", "cpu", "--threads", "1"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "worker",
+            "--instance",
+            gateway_with_workers.instance_id,
+            "--model",
+            "efficientnet-lite0",
+            "--device",
+            "cpu",
+            "--threads",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == EXIT_CONFIG, done.stderr[-2000:]
     assert "'classifier', 'checksum'" in done.stderr
 
 
 # -- declaring models: one line naming the model and the key, status 2 ------------------------------------
 
-@pytest.mark.parametrize(("toml", "says"), [
-    ('[[models]]\nmodel = "checksum"\nworkers = 0\n', "models[0] ('checksum'): workers: '0': use auto"),
-    ('[[models]]\nmodel = "checksum"\nbatch_size = 4\n', "models[0] ('checksum'): unknown key 'batch_size'"),
-    ('[[models]]\nmodel = "checksum"\n[[models]]\nmodel = "gpt-4"\n', "models[1] ('gpt-4'): model: unknown model"),
-    ('[[models]]\nmodel = "checksum"\n[[models]]\nmodel = "checksum"\n',
-     "models[1] ('checksum'): served_model_name: the id 'checksum' is served by models[0] already"),
-    ('[[models]]\nmodel = "checksum"\nmax_in_flight = "many"\n', "max_in_flight: 'many' must be a number"),
-    ('[[models]]\nmodel = "checksum"\ndevice = "gpu"\n', "models[0] ('checksum'): device: 'gpu' is not a device"),
-    ('port = 80\n', "unknown key 'port'"),
-    ('[[models]]\nmodel = "checksum"\narena_share = 1.5\n', "arena_share: '1.5' must be a fraction of the arena"),
-    ('[[models]]\nmodel = "checksum"\narena_share = 0.6\n[[models]]\nmodel = "efficientnet-lite0"\n'
-     'arena_share = 0.6\n', "arena_share: the models' shares add up to 1.2"),
-    ('[[models]]\nworkers = 1\n', "models[0]: model: missing"),
-    ('[[models]\n', "not TOML"),
-])
+
+@pytest.mark.parametrize(
+    ("toml", "says"),
+    [
+        ('[[models]]\nmodel = "checksum"\nworkers = 0\n', "models[0] ('checksum'): workers: '0': use auto"),
+        ('[[models]]\nmodel = "checksum"\nbatch_size = 4\n', "models[0] ('checksum'): unknown key 'batch_size'"),
+        ('[[models]]\nmodel = "checksum"\n[[models]]\nmodel = "gpt-4"\n', "models[1] ('gpt-4'): model: unknown model"),
+        (
+            '[[models]]\nmodel = "checksum"\n[[models]]\nmodel = "checksum"\n',
+            "models[1] ('checksum'): served_model_name: the id 'checksum' is served by models[0] already",
+        ),
+        ('[[models]]\nmodel = "checksum"\nmax_in_flight = "many"\n', "max_in_flight: 'many' must be a number"),
+        ('[[models]]\nmodel = "checksum"\ndevice = "gpu"\n', "models[0] ('checksum'): device: 'gpu' is not a device"),
+        ("port = 80\n", "unknown key 'port'"),
+        ('[[models]]\nmodel = "checksum"\narena_share = 1.5\n', "arena_share: '1.5' must be a fraction of the arena"),
+        (
+            '[[models]]\nmodel = "checksum"\narena_share = 0.6\n[[models]]\nmodel = "efficientnet-lite0"\n'
+            "arena_share = 0.6\n",
+            "arena_share: the models' shares add up to 1.2",
+        ),
+        ("[[models]]\nworkers = 1\n", "models[0]: model: missing"),
+        ("[[models]\n", "not TOML"),
+    ],
+)
 def test_a_bad_config_file_is_refused_naming_the_model_and_the_key(tmp_path: Path, toml: str, says: str) -> None:
     from gateway.cli import build_parser, declared_models
     from gateway.node_config import NodeConfigError
@@ -324,21 +431,31 @@ def test_serve_with_a_bad_config_file_ends_at_once_with_status_2_and_one_line(tm
     """A real process: nothing started, no traceback (a hang guard, not a timing check)."""
     config = tmp_path / "node.toml"
     config.write_text('[[models]]\nmodel = "checksum"\nworkers = 0\n')
-    done = subprocess.run([sys.executable, "-m", "gateway", "serve", "--config", str(config)], capture_output=True,
-                          text=True, timeout=60, env={**os.environ, "SHMGATE_LABEL": f"bad-config-{os.getpid()}"})
+    done = subprocess.run(
+        [sys.executable, "-m", "gateway", "serve", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "SHMGATE_LABEL": f"bad-config-{os.getpid()}"},
+    )
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
-    assert lines == [f"shmgate serve: error: {config}: models[0] ('checksum'): workers: '0': use auto for the "
-                     "default, or a count of 1 or more"], done.stderr
+    assert lines == [
+        f"shmgate serve: error: {config}: models[0] ('checksum'): workers: '0': use auto for the "
+        "default, or a count of 1 or more"
+    ], done.stderr
 
 
 def test_the_config_file_also_comes_from_shmgate_config_and_fills_in_the_global_flags(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from gateway.cli import _worker_children, build_parser, declared_models
 
     config = tmp_path / "node.toml"
-    config.write_text('[[models]]\nmodel = "checksum"\nworkers = 2\nmax_batch_size = 3\n\n'
-                      '[[models]]\nmodel = "efficientnet-lite0"\nserved_model_name = "classifier"\n')
+    config.write_text(
+        '[[models]]\nmodel = "checksum"\nworkers = 2\nmax_batch_size = 3\n\n'
+        '[[models]]\nmodel = "efficientnet-lite0"\nserved_model_name = "classifier"\n'
+    )
     monkeypatch.setenv("SHMGATE_CONFIG", str(config))
     args = build_parser().parse_args(["serve", "--device", "cpu", "--max-batch-size", "5", "--threads", "1"])
     models = declared_models(args)
@@ -360,14 +477,29 @@ def test_model_flags_and_a_config_file_do_not_mix_and_served_names_pair_with_mod
     with pytest.raises(NodeConfigError, match="served_model_name in the file"):
         declared_models(build_parser().parse_args(["serve", "--config", str(config), "--served-model-name", "x"]))
     with pytest.raises(NodeConfigError, match="one per --model"):
-        declared_models(build_parser().parse_args(["serve", "--model", "checksum", "--model", "efficientnet-lite0",
-                                                   "--served-model-name", "a"]))
-    args = build_parser().parse_args(["serve", "--model", "checksum", "--served-model-name", "a", "--model",
-                                      "efficientnet-lite0", "--served-model-name", "b"])
+        declared_models(
+            build_parser().parse_args(
+                ["serve", "--model", "checksum", "--model", "efficientnet-lite0", "--served-model-name", "a"]
+            )
+        )
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--model",
+            "checksum",
+            "--served-model-name",
+            "a",
+            "--model",
+            "efficientnet-lite0",
+            "--served-model-name",
+            "b",
+        ]
+    )
     assert [m.public_id for m in declared_models(args)] == ["a", "b"]
 
 
 # -- a model whose workers die beyond their restart budget fails; the others keep serving ----------------
+
 
 def test_a_model_whose_workers_die_beyond_the_budget_is_failed_and_the_other_keeps_running() -> None:
     """The supervisor's decision over an in-memory link with real (sleeping) child processes."""
@@ -379,8 +511,7 @@ def test_a_model_whose_workers_die_beyond_the_budget_is_failed_and_the_other_kee
     flaky = ChildProcess("worker", 0, sleeper, child_env(), model="checksum")
     steady = ChildProcess("worker", 1, sleeper, child_env(), model="classifier")
     failed: list[str] = []
-    sup = Supervisor(link, [], [flaky, steady], restart_backoff_s=0.0, restart_budget=2,
-                     on_model_failed=failed.append)
+    sup = Supervisor(link, [], [flaky, steady], restart_backoff_s=0.0, restart_budget=2, on_model_failed=failed.append)
     try:
         steady.start()
         link.claim("worker", 1, steady.pid)
@@ -420,8 +551,18 @@ def test_a_global_processor_option_reaches_only_the_models_with_an_hf_processor(
 
 def test_a_model_that_keeps_dying_is_failed_while_the_other_keeps_serving(tmp_path: Path) -> None:
     """End to end: the checksum worker killed twice with a restart budget of one."""
-    server = start_server("efficientnet-lite0", tmp_path, "--model", "checksum", "--workers", "1",
-                          "--restart-budget", "1", "--queue-depth", "8")
+    server = start_server(
+        "efficientnet-lite0",
+        tmp_path,
+        "--model",
+        "checksum",
+        "--workers",
+        "1",
+        "--restart-budget",
+        "1",
+        "--queue-depth",
+        "8",
+    )
     try:
         url = server.base_url
 
@@ -433,18 +574,27 @@ def test_a_model_that_keeps_dying_is_failed_while_the_other_keeps_serving(tmp_pa
         assert first is not None
         os.kill(first, signal.SIGKILL)  # within the budget: restarted
         wait_until(lambda: checksum_worker() not in (None, first), 60, "the supervisor restarted it")
-        wait_until(lambda: httpx.get(url + "/ready/checksum", timeout=10).status_code == 200, 60,
-                   "the restarted checksum worker is ready")
+        wait_until(
+            lambda: httpx.get(url + "/ready/checksum", timeout=10).status_code == 200,
+            60,
+            "the restarted checksum worker is ready",
+        )
         second = checksum_worker()
         assert second is not None
         os.kill(second, signal.SIGKILL)  # beyond it: the model fails
-        wait_until(lambda: httpx.get(url + "/v1/models/checksum", timeout=10).json()["state"] == "failed", 30,
-                   "the model is failed")
+        wait_until(
+            lambda: httpx.get(url + "/v1/models/checksum", timeout=10).json()["state"] == "failed",
+            30,
+            "the model is failed",
+        )
         refused = httpx.post(url + "/v1/chat/completions", json=image_request("checksum", noise_png(7)), timeout=30)
         assert refused.status_code == 503 and refused.headers["retry-after"], refused.text
         assert "model 'checksum' failed" in refused.json()["error"]["message"]
-        ok = httpx.post(url + "/v1/chat/completions",
-                        json=image_request("efficientnet-lite0", (IMAGES / "coffee_640.jpg").read_bytes()), timeout=60)
+        ok = httpx.post(
+            url + "/v1/chat/completions",
+            json=image_request("efficientnet-lite0", (IMAGES / "coffee_640.jpg").read_bytes()),
+            timeout=60,
+        )
         assert _top1(_answer(ok)) == "espresso"
         assert httpx.get(url + "/ready", timeout=10).status_code == 503
         assert httpx.get(url + "/ready/efficientnet-lite0", timeout=10).status_code == 200

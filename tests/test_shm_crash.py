@@ -334,8 +334,9 @@ def _submit(partition: Partition, requests: Any, rid: int, nbytes: int) -> tuple
     allocation = partition.allocate(nbytes)
     assert allocation is not None
     partition.array(allocation, "uint8", (nbytes,))[:] = pattern(rid, nbytes)
-    ref = TensorRef(offset=allocation.offset, nbytes=nbytes, generation=allocation.generation, dtype="uint8",
-                    shape=(nbytes,))
+    ref = TensorRef(
+        offset=allocation.offset, nbytes=nbytes, generation=allocation.generation, dtype="uint8", shape=(nbytes,)
+    )
     requests.send(Submit(request_id=rid, reply_slot=partition.slot, model="test", tensors=(ref,)), 1.0)
     return allocation, ref
 

@@ -44,8 +44,9 @@ def test_writers_and_readers_exchange_10k_tensors_without_corruption_or_leaks(in
     for k in range(N_WRITERS):
         ours, theirs = ctx.Pipe(duplex=False)
         pipes.append(("writer", ours))
-        processes.append(ctx.Process(target=shm_children.stress_writer,
-                                     args=(instance_id, k, ALLOCATIONS_PER_WRITER, k, theirs)))
+        processes.append(
+            ctx.Process(target=shm_children.stress_writer, args=(instance_id, k, ALLOCATIONS_PER_WRITER, k, theirs))
+        )
     for w in range(N_READERS):
         ours, theirs = ctx.Pipe(duplex=False)
         pipes.append(("reader", ours))

@@ -25,9 +25,24 @@ HANG_GUARD_S = 20.0
 
 @pytest.fixture(scope="module")
 def strict_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    server = start_server("checksum", tmp_path_factory.mktemp("serve"), "--frontends", "1", "--workers", "1",
-                          "--api-key", "k", "--header-timeout-s", "2", "--body-timeout-s", "2",
-                          "--body-min-rate", "100", "--max-connections", str(MAX_CONNECTIONS))
+    server = start_server(
+        "checksum",
+        tmp_path_factory.mktemp("serve"),
+        "--frontends",
+        "1",
+        "--workers",
+        "1",
+        "--api-key",
+        "k",
+        "--header-timeout-s",
+        "2",
+        "--body-timeout-s",
+        "2",
+        "--body-min-rate",
+        "100",
+        "--max-connections",
+        str(MAX_CONNECTIONS),
+    )
     try:
         yield server
     finally:
@@ -51,8 +66,10 @@ class SlowClient:
         self.closed = False
         self.to_send = self.HEAD
         if kind == "body":
-            self.sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer k\r\n"
-                              b"Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n{")
+            self.sock.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer k\r\n"
+                b"Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n{"
+            )
 
     def tick(self) -> None:
         if self.closed:
@@ -84,14 +101,16 @@ class SlowClient:
 
 
 def test_a_slow_loris_is_cut_while_ordinary_requests_are_answered_and_descriptors_stay_bounded(
-        strict_server: Server) -> None:
+    strict_server: Server,
+) -> None:
     server = strict_server
     pid = server.frontend_pid(0)
     assert pid is not None
     fds_before = _open_fds(pid)
     clients = [SlowClient(server.port, "head") for _ in range(200)]
-    clients += [SlowClient(server.port, "body") for _ in range(20)] + [SlowClient(server.port, "idle")
-                                                                        for _ in range(10)]
+    clients += [SlowClient(server.port, "body") for _ in range(20)] + [
+        SlowClient(server.port, "idle") for _ in range(10)
+    ]
     body = image_request("checksum", noise_png(3, size=64), mime="image/png")
     statuses: list[int] = []
     latencies: list[float] = []
@@ -99,8 +118,9 @@ def test_a_slow_loris_is_cut_while_ordinary_requests_are_answered_and_descriptor
     started = time.monotonic()
     with httpx.Client(base_url=server.base_url, timeout=HANG_GUARD_S, headers={"Authorization": "Bearer k"}) as c:
         while not all(s.closed for s in clients):
-            assert time.monotonic() - started < HANG_GUARD_S, \
+            assert time.monotonic() - started < HANG_GUARD_S, (
                 f"{sum(not s.closed for s in clients)} slow connections still open"
+            )
             for s in clients:
                 s.tick()
             fds_max = max(fds_max, _open_fds(pid))
@@ -114,9 +134,11 @@ def test_a_slow_loris_is_cut_while_ordinary_requests_are_answered_and_descriptor
     assert all(code == "request_timeout" for code in codes["head"] + codes["idle"] + codes["body"]), codes
     assert fds_max <= fds_before + len(clients) + 20
     wait_until(lambda: _open_fds(pid) <= fds_before + 5, HANG_GUARD_S, "the frontend's descriptors back")
-    print(f"\nslow-loris: {len(clients)} slow connections all cut (408) in {cut_after:.1f} s; "
-          f"{len(statuses)} ordinary requests 200, p50 {sorted(latencies)[len(latencies) // 2] * 1000:.0f} ms, "
-          f"max {max(latencies) * 1000:.0f} ms; frontend fds {fds_before} -> max {fds_max}")
+    print(
+        f"\nslow-loris: {len(clients)} slow connections all cut (408) in {cut_after:.1f} s; "
+        f"{len(statuses)} ordinary requests 200, p50 {sorted(latencies)[len(latencies) // 2] * 1000:.0f} ms, "
+        f"max {max(latencies) * 1000:.0f} ms; frontend fds {fds_before} -> max {fds_max}"
+    )
 
 
 def test_connections_beyond_the_cap_get_a_503_and_are_closed(strict_server: Server) -> None:

@@ -25,9 +25,23 @@ from tests.shm_children import scratch_instance
 
 
 def test_a_short_soak_of_hits_misses_and_bad_inputs_leaves_nothing_behind(
-        checksum_server: Server, capsys: pytest.CaptureFixture[str]) -> None:
-    code = soak.main(["--base-url", checksum_server.base_url, "--server-pid", str(checksum_server.process.pid),
-                      "--requests", "300", "--warmup", "60", "--concurrency", "8", "--json"])
+    checksum_server: Server, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = soak.main(
+        [
+            "--base-url",
+            checksum_server.base_url,
+            "--server-pid",
+            str(checksum_server.process.pid),
+            "--requests",
+            "300",
+            "--warmup",
+            "60",
+            "--concurrency",
+            "8",
+            "--json",
+        ]
+    )
     result = json.loads(capsys.readouterr().out)
     assert result["problems"] == [] and code == 0
     outcomes = result["outcomes"]

@@ -58,16 +58,20 @@ def test_worker_stamps_turn_into_stage_durations() -> None:
     ms = 1_000_000
     stamps = (110 * ms, 112 * ms, 150 * ms, 170 * ms, 190 * ms)  # cut, copied, started, first, done
     seconds = worker_stage_seconds(100 * ms, stamps)
-    assert seconds == pytest.approx({Stage.BATCH_WAIT: 0.048, Stage.DEVICE_COPY: 0.002, Stage.COMPUTE: 0.040,
-                                     Stage.FIRST_OUTPUT: 0.020})
+    assert seconds == pytest.approx(
+        {Stage.BATCH_WAIT: 0.048, Stage.DEVICE_COPY: 0.002, Stage.COMPUTE: 0.040, Stage.FIRST_OUTPUT: 0.020}
+    )
 
 
-@pytest.mark.parametrize("claimed, stamps", [
-    (0, (1, 2, 3, 4, 5)),  # an older worker: no claim stamp
-    (1, ()),  # an older worker: no stamps
-    (10, (1, 2, 3, 4, 5)),  # out of order: no figures rather than negative ones
-    (1, (1, 5, 3, 4, 6)),
-])
+@pytest.mark.parametrize(
+    "claimed, stamps",
+    [
+        (0, (1, 2, 3, 4, 5)),  # an older worker: no claim stamp
+        (1, ()),  # an older worker: no stamps
+        (10, (1, 2, 3, 4, 5)),  # out of order: no figures rather than negative ones
+        (1, (1, 5, 3, 4, 6)),
+    ],
+)
 def test_missing_or_odd_stamps_give_no_figures(claimed: int, stamps: tuple[int, ...]) -> None:
     assert worker_stage_seconds(claimed, stamps) == {}
 
@@ -79,12 +83,14 @@ def test_stamps_fill_in_order_and_ride_in_finished() -> None:
     Stamps.mark_all([stamps], Stamp.STARTED)
     values = stamps.done()  # no output event before: the end is the first output too
     assert len(values) == STAMPS and list(values) == sorted(values) and values[Stamp.FIRST] > 0
-    finished = Finished(request_id=7, seq=0, finish_reason="stop", prompt_tokens=1, completion_tokens=2, text="text",
-                        stamps=values)
+    finished = Finished(
+        request_id=7, seq=0, finish_reason="stop", prompt_tokens=1, completion_tokens=2, text="text", stamps=values
+    )
     message = gateway_decoder.decode(encoder.encode(finished))
     assert isinstance(message, Finished) and message.stamps == values
-    claimed = gateway_decoder.decode(encoder.encode(Claimed(request_id=7, worker_slot=0, worker_epoch=1,
-                                                            claimed_ns=12345)))
+    claimed = gateway_decoder.decode(
+        encoder.encode(Claimed(request_id=7, worker_slot=0, worker_epoch=1, claimed_ns=12345))
+    )
     assert isinstance(claimed, Claimed) and claimed.claimed_ns == 12345
     old = gateway_decoder.decode(encoder.encode(Claimed(7, 0, 1)))  # what an older worker sends
     assert isinstance(old, Claimed) and old.claimed_ns == 0
@@ -94,8 +100,9 @@ def test_recorder_histograms_render_and_parse_back() -> None:
     recorder, stats = _recorder()
     before = "\n".join(stage_lines(stats.sum(axis=0)))
     timing = RequestTiming(submitted_ns=1_000_000_000)
-    recorder.claimed(timing, Claimed(request_id=1, worker_slot=0, worker_epoch=1,
-                                     claimed_ns=1_004_000_000))  # 4 ms in the queue
+    recorder.claimed(
+        timing, Claimed(request_id=1, worker_slot=0, worker_epoch=1, claimed_ns=1_004_000_000)
+    )  # 4 ms in the queue
     recorder.observe(Stage.BODY_READ, 0.0003)
     recorder.observe(Stage.BODY_READ, 20.0)  # past the last bucket: +Inf
     after = "\n".join(stage_lines(stats.sum(axis=0)))
@@ -107,8 +114,9 @@ def test_recorder_histograms_render_and_parse_back() -> None:
     assert set(rows) == {"queue", "body_read"}  # stages nobody went through are left out
     assert rows["queue"]["count"] == 1 and rows["queue"]["mean_ms"] == pytest.approx(4.0)
     assert 2.5 <= rows["queue"]["p50_ms"] <= 5.0  # inside the bucket that holds it
-    recorder.claimed(timing, Claimed(request_id=1, worker_slot=0, worker_epoch=1,
-                                     claimed_ns=1_009_000_000))  # a second Claimed (a retry) counts once
+    recorder.claimed(
+        timing, Claimed(request_id=1, worker_slot=0, worker_epoch=1, claimed_ns=1_009_000_000)
+    )  # a second Claimed (a retry) counts once
     assert parse_stage_histograms("\n".join(stage_lines(stats.sum(axis=0))))["queue"]["count"] == 1
 
 
@@ -129,8 +137,15 @@ def test_bench_explains_the_slowest_requests_from_server_timing() -> None:
     from bench_client.loadgen import Outcome, tail_breakdown
 
     def outcome(latency_ms: float, queue_ms: float) -> Outcome:
-        return Outcome("a.png", latency_ms / 1000, None, 200, "x", None,
-                       {"queue": queue_ms, "compute": 10.0, "total": latency_ms - 1.0})
+        return Outcome(
+            "a.png",
+            latency_ms / 1000,
+            None,
+            200,
+            "x",
+            None,
+            {"queue": queue_ms, "compute": 10.0, "total": latency_ms - 1.0},
+        )
 
     ok = [outcome(20.0, 9.0) for _ in range(99)] + [outcome(120.0, 109.0)]
     rows = {row["stage"]: row for row in tail_breakdown(ok)}
@@ -184,17 +199,20 @@ def test_metrics_have_every_stage_and_the_counts_move(server: Server) -> None:
 
 def test_server_timing_header_names_each_stage_of_one_request(server: Server) -> None:
     """--server-timing: a non-streamed answer says where its own time went; a streamed one cannot (headers first)."""
-    r = httpx.post(server.base_url + "/v1/chat/completions", json=image_request("checksum", noise_png(350)),
-                   timeout=60)
+    r = httpx.post(server.base_url + "/v1/chat/completions", json=image_request("checksum", noise_png(350)), timeout=60)
     assert r.status_code == 200, r.text
     spent = parse_server_timing(r.headers["server-timing"])
     assert set(spent) == set(STAGE_NAMES) | {"total"}
     assert all(value >= 0 for value in spent.values())
-    inside = sum(spent[name] for name in ("body_read", "preprocess", "queue", "batch_wait", "device_copy",
-                                          "compute", "delivery"))
+    inside = sum(
+        spent[name] for name in ("body_read", "preprocess", "queue", "batch_wait", "device_copy", "compute", "delivery")
+    )
     assert inside <= spent["total"] + 0.1  # each figure is rounded to 0.01 ms
-    streamed = httpx.post(server.base_url + "/v1/chat/completions",
-                          json={**image_request("checksum", noise_png(351)), "stream": True}, timeout=60)
+    streamed = httpx.post(
+        server.base_url + "/v1/chat/completions",
+        json={**image_request("checksum", noise_png(351)), "stream": True},
+        timeout=60,
+    )
     assert streamed.status_code == 200 and "server-timing" not in streamed.headers
 
 
@@ -211,8 +229,21 @@ def test_bench_prints_the_stage_breakdown_of_its_run(server: Server, tmp_path: P
     (tmp_path / "a.png").write_bytes(noise_png(400))
     parser = argparse.ArgumentParser()
     loadgen.add_arguments(parser)
-    args = parser.parse_args(["--base-url", server.base_url, "--model", "checksum", "--images", str(tmp_path),
-                              "-c", "2", "-n", "6", "--unique"])
+    args = parser.parse_args(
+        [
+            "--base-url",
+            server.base_url,
+            "--model",
+            "checksum",
+            "--images",
+            str(tmp_path),
+            "-c",
+            "2",
+            "-n",
+            "6",
+            "--unique",
+        ]
+    )
     result = asyncio.run(loadgen.run(args))
     assert result["errors"] == 0
     assert {row["stage"] for row in result["stages"]} == set(STAGE_NAMES)

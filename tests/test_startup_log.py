@@ -31,8 +31,19 @@ def _index(lines: list[str], pattern: str) -> int:
 def logged_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """One frontend and one worker (the singular forms), access log and a statistics line every 0.5 s.
     Small queues: message-queue memory is a per-user limit shared with every other test running."""
-    server = start_server("checksum", tmp_path_factory.mktemp("serve"), "--frontends", "1", "--workers", "1",
-                          "--queue-depth", "2", "--access-log", "--log-stats-interval-s", "0.5")
+    server = start_server(
+        "checksum",
+        tmp_path_factory.mktemp("serve"),
+        "--frontends",
+        "1",
+        "--workers",
+        "1",
+        "--queue-depth",
+        "2",
+        "--access-log",
+        "--log-stats-interval-s",
+        "0.5",
+    )
     try:
         yield server
     finally:
@@ -43,7 +54,7 @@ def test_the_summary_comes_before_any_child_and_says_what_a_client_needs(checksu
     lines = _lines(checksum_server)
     summary = _index(lines, rf"shmgate {re.escape(VERSION)}: instance [0-9a-f]{{16}} \(label 'default'\) starting")
     assert summary < _index(lines, r"started (frontend|worker) ")
-    body = "\n".join(lines[summary:summary + 6])
+    body = "\n".join(lines[summary : summary + 6])
     assert 'clients send "model": "checksum"' in body
     assert "2 frontends, 2 workers on cpu, 1 torch thread each" in body
     assert re.search(r"arena +128 MiB in /dev/shm \([0-9.]+ [KMG]iB free before it\)", body), body
@@ -51,10 +62,10 @@ def test_the_summary_comes_before_any_child_and_says_what_a_client_needs(checksu
     assert f"url       {checksum_server.base_url} (OpenAI base URL {checksum_server.base_url}/v1)" in body
 
 
-def test_ready_in_is_logged_when_ready_is_true_and_listening_not_before_the_children(
-        checksum_server: Server) -> None:
-    wait_until(lambda: any(re.search(r"ready in \d+\.\d s: ", line) for line in _lines(checksum_server)), 10,
-               "the ready line")
+def test_ready_in_is_logged_when_ready_is_true_and_listening_not_before_the_children(checksum_server: Server) -> None:
+    wait_until(
+        lambda: any(re.search(r"ready in \d+\.\d s: ", line) for line in _lines(checksum_server)), 10, "the ready line"
+    )
     lines = _lines(checksum_server)
     listening = _index(lines, rf"listening on {re.escape(checksum_server.base_url)} with 2 frontends$")
     assert listening > _index(lines, r"started worker process 1 ")
@@ -74,20 +85,26 @@ def test_one_frontend_and_one_worker_are_counted_in_the_singular(logged_server: 
 def test_the_access_log_has_a_line_per_request_when_asked(logged_server: Server, checksum_server: Server) -> None:
     response = httpx.get(logged_server.base_url + "/v1/models", timeout=10)
     assert response.status_code == 200
-    wait_until(lambda: re.search(r'"GET /v1/models HTTP/1.1" 200', logged_server.log_path.read_text()) is not None,
-               10, "the access log line")
+    wait_until(
+        lambda: re.search(r'"GET /v1/models HTTP/1.1" 200', logged_server.log_path.read_text()) is not None,
+        10,
+        "the access log line",
+    )
     httpx.get(checksum_server.base_url + "/v1/models", timeout=10)
     assert "/v1/models HTTP/1.1" not in checksum_server.log_path.read_text(), "off by default"
 
 
 def test_the_statistics_line_counts_what_was_served(logged_server: Server) -> None:
     for seed in range(3):
-        answer = httpx.post(logged_server.base_url + "/v1/chat/completions",
-                            json=image_request("checksum", noise_png(seed)), timeout=30)
+        answer = httpx.post(
+            logged_server.base_url + "/v1/chat/completions", json=image_request("checksum", noise_png(seed)), timeout=30
+        )
         assert answer.status_code == 200, answer.text
     httpx.post(logged_server.base_url + "/v1/chat/completions", json={"model": "nope", "messages": []}, timeout=10)
-    pattern = re.compile(r"stats: [0-9.]+ req/s, (\d+) ok, (\d+) errors in the last [0-9.]+ s; \d+ in flight, "
-                         r"\d+ queued, arena .+ of 128 MiB used, 1 worker ready")
+    pattern = re.compile(
+        r"stats: [0-9.]+ req/s, (\d+) ok, (\d+) errors in the last [0-9.]+ s; \d+ in flight, "
+        r"\d+ queued, arena .+ of 128 MiB used, 1 worker ready"
+    )
 
     def counted() -> bool:
         seen = [tuple(map(int, m.groups())) for m in pattern.finditer(logged_server.log_path.read_text())]
@@ -106,7 +123,8 @@ def test_serve_prints_no_summary_for_a_configuration_it_refuses(tmp_path: Path) 
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "gateway", "serve", "--arena-size", "lots"],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "gateway", "serve", "--arena-size", "lots"], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 2
     assert "starting" not in done.stderr and "listening on" not in done.stderr

@@ -37,6 +37,7 @@ HANG_GUARD_S = 90
 # so a live victim is never retried for being slow: only the kill makes a retry.
 CLAIM_DELAY_MS = 1500
 
+
 def _can_unshare_pid() -> bool:
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         return False
@@ -64,8 +65,21 @@ def test_a_worker_killed_in_another_pid_namespace_before_claiming_loses_no_reque
     label = f"take-window-{os.getpid()}-{port}"
     base_url = f"http://127.0.0.1:{port}"
     logs = {name: open(tmp_path / f"{name}.log", "wb") for name in ("gateway", "survivor", "victim")}
-    worker = [sys.executable, "-m", "worker", "--model", "checksum", "--label", label, "--device", "cpu",
-              "--threads", "1", "--max-batch-size", "2"]
+    worker = [
+        sys.executable,
+        "-m",
+        "worker",
+        "--model",
+        "checksum",
+        "--label",
+        label,
+        "--device",
+        "cpu",
+        "--threads",
+        "1",
+        "--max-batch-size",
+        "2",
+    ]
     procs: dict[str, subprocess.Popen[bytes]] = {}
 
     def log_tail() -> str:
@@ -73,21 +87,46 @@ def test_a_worker_killed_in_another_pid_namespace_before_claiming_loses_no_reque
 
     try:
         procs["gateway"] = subprocess.Popen(
-            [sys.executable, "-m", "gateway", "gateway", "--port", str(port), "--label", label, "--model", "checksum",
-             "--frontends", "1", "--arena-size", "64MiB", "--max-workers", "4",
-             "--request-timeout-s", str(REQUEST_TIMEOUT_S)],
-            stdout=logs["gateway"], stderr=subprocess.STDOUT, start_new_session=True)
-        procs["survivor"] = subprocess.Popen(worker, stdout=logs["survivor"], stderr=subprocess.STDOUT,
-                                             start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "gateway",
+                "gateway",
+                "--port",
+                str(port),
+                "--label",
+                label,
+                "--model",
+                "checksum",
+                "--frontends",
+                "1",
+                "--arena-size",
+                "64MiB",
+                "--max-workers",
+                "4",
+                "--request-timeout-s",
+                str(REQUEST_TIMEOUT_S),
+            ],
+            stdout=logs["gateway"],
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        procs["survivor"] = subprocess.Popen(
+            worker, stdout=logs["survivor"], stderr=subprocess.STDOUT, start_new_session=True
+        )
         procs["victim"] = subprocess.Popen(
             ["unshare", "--pid", "--fork", "--kill-child", *worker, "--diag-claim-delay-ms", str(CLAIM_DELAY_MS)],
-            stdout=logs["victim"], stderr=subprocess.STDOUT, start_new_session=True)
+            stdout=logs["victim"],
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
         def workers_ready() -> float:
             try:
                 return _metric(base_url, "shmgate_workers_ready")
             except httpx.HTTPError:
                 return 0
+
         wait_until(lambda: workers_ready() == 2, 60, "two workers ready\n" + log_tail())
 
         images = [noise_png(seed) for seed in range(6)]
@@ -98,8 +137,11 @@ def test_a_worker_killed_in_another_pid_namespace_before_claiming_loses_no_reque
             data = images[i % len(images)]
             started = time.monotonic()
             try:
-                r = httpx.post(base_url + "/v1/chat/completions", json=image_request("checksum", data),
-                               timeout=REQUEST_TIMEOUT_S + 15)
+                r = httpx.post(
+                    base_url + "/v1/chat/completions",
+                    json=image_request("checksum", data),
+                    timeout=REQUEST_TIMEOUT_S + 15,
+                )
                 ok = r.status_code == 200 and expected_checksum(data) in r.text
                 outcomes.append((r.status_code, time.monotonic() - started, ok))
             except httpx.HTTPError:
@@ -129,13 +171,18 @@ def test_a_worker_killed_in_another_pid_namespace_before_claiming_loses_no_reque
         assert httpx.get(base_url + "/ready", timeout=5).status_code == 200
         procs["survivor"].terminate()
         assert procs["survivor"].wait(30) == 0
-        wait_until(lambda: httpx.get(base_url + "/ready", timeout=5).status_code == 503, DEAD_AFTER_S + 5,
-                   "/ready turns 503 without workers")
+        wait_until(
+            lambda: httpx.get(base_url + "/ready", timeout=5).status_code == 503,
+            DEAD_AFTER_S + 5,
+            "/ready turns 503 without workers",
+        )
         procs["gateway"].terminate()
         assert procs["gateway"].wait(30) == 0, log_tail()
         instance_id = next(
             line.split("instance ", 1)[1].split()[0]
-            for line in (tmp_path / "gateway.log").read_text().splitlines() if " listening on " in line)
+            for line in (tmp_path / "gateway.log").read_text().splitlines()
+            if " listening on " in line
+        )
         assert leftovers(instance_id, slots=4) == []
     finally:
         # Each tree in its own session: a failed run kills the gateway's frontends too. Left running, they

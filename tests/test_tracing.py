@@ -108,10 +108,22 @@ class Collector:
             resource = _attributes(rs.resource.attributes)
             for ss in rs.scope_spans:
                 for s in ss.spans:
-                    spans.append(Span(s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(), s.name,
-                                      _attributes(s.attributes), [(k.trace_id.hex(), k.span_id.hex()) for k in s.links],
-                                      s.status.code, s.start_time_unix_nano, s.end_time_unix_nano, resource,
-                                      [e.name for e in s.events], s.trace_state))
+                    spans.append(
+                        Span(
+                            s.trace_id.hex(),
+                            s.span_id.hex(),
+                            s.parent_span_id.hex(),
+                            s.name,
+                            _attributes(s.attributes),
+                            [(k.trace_id.hex(), k.span_id.hex()) for k in s.links],
+                            s.status.code,
+                            s.start_time_unix_nano,
+                            s.end_time_unix_nano,
+                            resource,
+                            [e.name for e in s.events],
+                            s.trace_state,
+                        )
+                    )
         with self.lock:
             self.spans.extend(spans)
 
@@ -135,23 +147,36 @@ def collector() -> Iterator[Collector]:
 
 def _serve_traced(tmp_dir: Path, endpoint: str, *extra: str) -> Server:
     with mock.patch.dict(os.environ, FAST_EXPORT):
-        return start_server("checksum", tmp_dir, "--workers", "1", "--max-batch-size", "8", "--access-log",
-                            "--otlp-traces-endpoint", endpoint, *extra)
+        return start_server(
+            "checksum",
+            tmp_dir,
+            "--workers",
+            "1",
+            "--max-batch-size",
+            "8",
+            "--access-log",
+            "--otlp-traces-endpoint",
+            endpoint,
+            *extra,
+        )
 
 
 @pytest.fixture(scope="module")
 def image_host() -> Iterator[ImageHost]:
     with serve_images() as host:
-        host.routes["/photo.jpg"] = Route(body=(IMAGES / "camera_640.jpg").read_bytes(),
-                                          headers={"Content-Type": "image/jpeg"})
+        host.routes["/photo.jpg"] = Route(
+            body=(IMAGES / "camera_640.jpg").read_bytes(), headers={"Content-Type": "image/jpeg"}
+        )
         yield host
 
 
 @pytest.fixture(scope="module")
-def traced_server(collector: Collector, image_host: ImageHost,
-                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    server = _serve_traced(tmp_path_factory.mktemp("traced"), collector.url, "--allow-image-urls",
-                           "--image-url-allowlist", "127.0.0.1")
+def traced_server(
+    collector: Collector, image_host: ImageHost, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    server = _serve_traced(
+        tmp_path_factory.mktemp("traced"), collector.url, "--allow-image-urls", "--image-url-allowlist", "127.0.0.1"
+    )
     try:
         yield server
     finally:
@@ -182,8 +207,15 @@ def _one(spans: list[Span], name: str) -> Span:
 
 
 WORKER_SPANS = {"batch_wait", "device_copy", "compute"}
-FRONTEND_SPANS = {"POST /v1/chat/completions", "body_read", "preprocess image", "preprocess", "attempt", "queue",
-                  "delivery"}
+FRONTEND_SPANS = {
+    "POST /v1/chat/completions",
+    "body_read",
+    "preprocess image",
+    "preprocess",
+    "attempt",
+    "queue",
+    "delivery",
+}
 
 
 def test_a_broken_collector_never_fails_or_holds_a_request(tmp_path_factory: pytest.TempPathFactory) -> None:
@@ -211,11 +243,15 @@ def test_a_broken_collector_never_fails_or_holds_a_request(tmp_path_factory: pyt
 
 
 def test_a_request_with_a_traceparent_is_one_trace_across_frontend_and_worker(
-        traced_server: Server, collector: Collector) -> None:
+    traced_server: Server, collector: Collector
+) -> None:
     trace_id, caller_span = _new_ids(1)
     image = noise_png(101)
-    response = _post(traced_server, image_request("checksum", image),
-                     {"traceparent": _traceparent(trace_id, caller_span), "tracestate": "vendor=kept"})
+    response = _post(
+        traced_server,
+        image_request("checksum", image),
+        {"traceparent": _traceparent(trace_id, caller_span), "tracestate": "vendor=kept"},
+    )
     assert response.status_code == 200, response.text
     spans = _wait_for(collector, trace_id, FRONTEND_SPANS | WORKER_SPANS)
 
@@ -250,8 +286,12 @@ def test_a_request_with_a_traceparent_is_one_trace_across_frontend_and_worker(
 
     # The same image again: a cache hit, no decode (remote: the other frontend took it and copied the tensors).
     trace_id2, caller2 = _new_ids(2)
-    assert _post(traced_server, image_request("checksum", image),
-                 {"traceparent": _traceparent(trace_id2, caller2)}).status_code == 200
+    assert (
+        _post(
+            traced_server, image_request("checksum", image), {"traceparent": _traceparent(trace_id2, caller2)}
+        ).status_code
+        == 200
+    )
     again = _wait_for(collector, trace_id2, {"preprocess image", "compute"})
     assert _one(again, "preprocess image").attributes["shmgate.cache"] in ("hit", "remote")
 
@@ -262,27 +302,52 @@ def test_a_request_with_a_traceparent_is_one_trace_across_frontend_and_worker(
 
 def test_stage_histograms_carry_trace_exemplars_in_openmetrics(traced_server: Server, collector: Collector) -> None:
     trace_id, caller = _new_ids(7)
-    assert _post(traced_server, image_request("checksum", noise_png(105)),
-                 {"traceparent": _traceparent(trace_id, caller)}).status_code == 200
+    assert (
+        _post(
+            traced_server, image_request("checksum", noise_png(105)), {"traceparent": _traceparent(trace_id, caller)}
+        ).status_code
+        == 200
+    )
     exemplar = f'# {{trace_id="{trace_id}"}}'
 
     def scraped() -> bool:  # the exemplars are the answering frontend's: a scrape may reach the other one
-        text = httpx.get(traced_server.base_url + "/metrics", timeout=10,
-                         headers={"Accept": "application/openmetrics-text; version=1.0.0"}).text
-        return any(line.startswith("shmgate_stage_duration_seconds_bucket{") and 'stage="compute"' in line
-                   and exemplar in line for line in text.splitlines())
+        text = httpx.get(
+            traced_server.base_url + "/metrics",
+            timeout=10,
+            headers={"Accept": "application/openmetrics-text; version=1.0.0"},
+        ).text
+        return any(
+            line.startswith("shmgate_stage_duration_seconds_bucket{") and 'stage="compute"' in line and exemplar in line
+            for line in text.splitlines()
+        )
 
     wait_until(scraped, 30, "a compute bucket with the request's exemplar")
 
 
 def test_a_streamed_request_with_an_image_url_traces_the_fetch_and_the_first_token(
-        traced_server: Server, collector: Collector, image_host: ImageHost) -> None:
+    traced_server: Server, collector: Collector, image_host: ImageHost
+) -> None:
     trace_id, caller = _new_ids(8)
-    body = {"model": "checksum", "stream": True, "messages": [{"role": "user", "content": [
-        {"type": "text", "text": "what is this?"},
-        {"type": "image_url", "image_url": {"url": image_host.url("/photo.jpg")}}]}]}
-    with httpx.stream("POST", traced_server.base_url + "/v1/chat/completions", json=body, timeout=60,
-                      headers={"traceparent": _traceparent(trace_id, caller)}) as response:
+    body = {
+        "model": "checksum",
+        "stream": True,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "what is this?"},
+                    {"type": "image_url", "image_url": {"url": image_host.url("/photo.jpg")}},
+                ],
+            }
+        ],
+    }
+    with httpx.stream(
+        "POST",
+        traced_server.base_url + "/v1/chat/completions",
+        json=body,
+        timeout=60,
+        headers={"traceparent": _traceparent(trace_id, caller)},
+    ) as response:
         assert response.status_code == 200
         assert "[DONE]" in response.read().decode()
     spans = _wait_for(collector, trace_id, {"image_url_fetch", "preprocess image", "compute", "delivery"})
@@ -342,38 +407,55 @@ def test_requests_without_a_traceparent_start_their_own_trace(traced_server: Ser
 
 
 def test_an_error_answer_is_a_failed_server_span_and_untraced_paths_make_no_spans(
-        traced_server: Server, collector: Collector) -> None:
+    traced_server: Server, collector: Collector
+) -> None:
     trace_id, caller = _new_ids(3)
-    bad = _post(traced_server, {"model": "checksum", "messages": "not a list"},
-                {"traceparent": _traceparent(trace_id, caller)})
+    bad = _post(
+        traced_server, {"model": "checksum", "messages": "not a list"}, {"traceparent": _traceparent(trace_id, caller)}
+    )
     assert bad.status_code == 400
     server = _one(_wait_for(collector, trace_id, {"POST /v1/chat/completions"}), "POST /v1/chat/completions")
     assert server.attributes["http.response.status_code"] == 400
     trace_id, caller = _new_ids(4)
-    assert httpx.get(traced_server.base_url + "/health", headers={"traceparent": _traceparent(trace_id, caller)},
-                     timeout=10).status_code == 200
+    assert (
+        httpx.get(
+            traced_server.base_url + "/health", headers={"traceparent": _traceparent(trace_id, caller)}, timeout=10
+        ).status_code
+        == 200
+    )
     time.sleep(0.5)  # several export intervals: a span would have arrived
     assert collector.trace(trace_id) == []
 
 
 def test_tracing_off_loads_no_sdk_and_no_span_module() -> None:
     """Off (the default), the data path's hooks are a None test: the SDK and our span modules stay unloaded."""
-    code = ("import sys, gateway.cli, gateway.app, worker.main; "
-            "print(sorted(m for m in sys.modules if m.startswith('opentelemetry.sdk') or m.startswith('opentelemetry.exporter')"
-            " or m in ('gateway.request_spans', 'worker.tracing')))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+    code = (
+        "import sys, gateway.cli, gateway.app, worker.main; "
+        "print(sorted(m for m in sys.modules if m.startswith('opentelemetry.sdk') or m.startswith('opentelemetry.exporter')"
+        " or m in ('gateway.request_spans', 'worker.tracing')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)},
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
 
 
-def test_tracing_without_the_extra_is_a_one_line_config_error(monkeypatch: pytest.MonkeyPatch,
-                                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_tracing_without_the_extra_is_a_one_line_config_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     from gateway.cli import build_parser
 
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name.startswith("opentelemetry.") else real_find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name.startswith("opentelemetry.") else real_find_spec(name, *a),
+    )
     with pytest.raises(SystemExit) as stopped:
         build_parser().parse_args(["serve", "--otlp-traces-endpoint", "http://collector:4318"])
     assert stopped.value.code == 2
@@ -393,12 +475,16 @@ def test_the_endpoint_gets_the_traces_path_and_must_be_a_url() -> None:
         otlp_endpoint("collector:4318")
 
 
-def test_a_client_that_hangs_up_leaves_a_trace_that_says_cancelled(traced_server: Server,
-                                                                   collector: Collector) -> None:
+def test_a_client_that_hangs_up_leaves_a_trace_that_says_cancelled(traced_server: Server, collector: Collector) -> None:
     trace_id, caller = _new_ids(5)
     body = image_request("checksum", noise_png(103), stream=True, text="checksum:trickle 90000")  # ~30 min
-    with httpx.stream("POST", traced_server.base_url + "/v1/chat/completions", json=body, timeout=30,
-                      headers={"traceparent": _traceparent(trace_id, caller)}) as response:
+    with httpx.stream(
+        "POST",
+        traced_server.base_url + "/v1/chat/completions",
+        json=body,
+        timeout=30,
+        headers={"traceparent": _traceparent(trace_id, caller)},
+    ) as response:
         assert response.status_code == 200
         for n, _ in enumerate(response.iter_lines()):
             if n >= 4:
@@ -418,8 +504,9 @@ def test_a_retried_request_shows_both_attempts(traced_server: Server, collector:
     image = noise_png(104)
     body = image_request("checksum", image, text="checksum:hold 100")  # 2 s before any output: a kill lands first
     answers: list[httpx.Response] = []
-    sender = threading.Thread(target=lambda: answers.append(
-        _post(server, body, {"traceparent": _traceparent(trace_id, caller)})))
+    sender = threading.Thread(
+        target=lambda: answers.append(_post(server, body, {"traceparent": _traceparent(trace_id, caller)}))
+    )
     sender.start()
     wait_until(lambda: "queue" in {s.name for s in collector.trace(trace_id)}, 30, "the request claimed")
     for pid in server.pids("worker"):
@@ -428,8 +515,14 @@ def test_a_retried_request_shows_both_attempts(traced_server: Server, collector:
     assert answers and answers[0].status_code == 200, answers and answers[0].text
     assert expected_checksum(image) in answers[0].json()["choices"][0]["message"]["content"]
 
-    wait_until(lambda: len([s for s in collector.trace(trace_id) if s.name == "attempt"]) == 2
-               and "compute" in {s.name for s in collector.trace(trace_id)}, 30, "both attempts")
+    wait_until(
+        lambda: (
+            len([s for s in collector.trace(trace_id) if s.name == "attempt"]) == 2
+            and "compute" in {s.name for s in collector.trace(trace_id)}
+        ),
+        30,
+        "both attempts",
+    )
     spans = collector.trace(trace_id)
     first, second = sorted((s for s in spans if s.name == "attempt"), key=lambda s: s.attributes["shmgate.attempt"])
     server_span = _one(spans, "POST /v1/chat/completions")
@@ -442,14 +535,21 @@ def test_a_retried_request_shows_both_attempts(traced_server: Server, collector:
 
 
 def test_an_unsampled_caller_is_not_traced_and_a_malformed_traceparent_starts_a_new_trace(
-        traced_server: Server, collector: Collector) -> None:
+    traced_server: Server, collector: Collector
+) -> None:
     trace_id, caller = _new_ids(9)
     unsampled = f"00-{trace_id}-{caller}-00"  # the caller decided not to sample: neither process records it
-    assert _post(traced_server, image_request("checksum", noise_png(106)), {"traceparent": unsampled}).status_code == 200
+    assert (
+        _post(traced_server, image_request("checksum", noise_png(106)), {"traceparent": unsampled}).status_code == 200
+    )
     with collector.lock:
         before = len(collector.spans)
-    assert _post(traced_server, image_request("checksum", noise_png(107)),
-                 {"traceparent": "00-not-a-trace-context"}).status_code == 200
+    assert (
+        _post(
+            traced_server, image_request("checksum", noise_png(107)), {"traceparent": "00-not-a-trace-context"}
+        ).status_code
+        == 200
+    )
 
     def new_roots() -> list[Span]:
         with collector.lock:

@@ -28,8 +28,19 @@ def test_submit_by_keyword_encodes_as_by_position() -> None:
     ref = TensorRef(*REF_ARGS)
     parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
     positional = Submit(9, 2, "checksum", (ref,), b"\x01", PARAMS, 123, 0, "a cat", "", parent)
-    named = Submit(request_id=9, reply_slot=2, model="checksum", tensors=(ref,), inline=b"\x01", params=PARAMS,
-                   deadline_ns=123, attempt=0, text="a cat", task="", traceparent=parent)
+    named = Submit(
+        request_id=9,
+        reply_slot=2,
+        model="checksum",
+        tensors=(ref,),
+        inline=b"\x01",
+        params=PARAMS,
+        deadline_ns=123,
+        attempt=0,
+        text="a cat",
+        task="",
+        traceparent=parent,
+    )
     assert encoder.encode(named) == encoder.encode(positional)
     layout = msgspec.msgpack.decode(encoder.encode(named))
     assert layout[:4] == ["s", 9, 2, "checksum"] and layout[7:] == [123, 0, "a cat", "", parent]
@@ -43,8 +54,9 @@ def test_tensor_ref_by_keyword_encodes_as_by_position() -> None:
 
 
 def test_replies_by_keyword_encode_as_by_position() -> None:
-    finished = Finished(request_id=5, seq=3, finish_reason="length", prompt_tokens=11, completion_tokens=4,
-                        text="end", stamps=(1, 2))
+    finished = Finished(
+        request_id=5, seq=3, finish_reason="length", prompt_tokens=11, completion_tokens=4, text="end", stamps=(1, 2)
+    )
     assert encoder.encode(finished) == encoder.encode(Finished(5, 3, "length", 11, 4, "end", (1, 2)))
     assert msgspec.msgpack.decode(encoder.encode(finished)) == ["f", 5, 3, "length", 11, 4, "end", [1, 2]]
     claimed = Claimed(request_id=5, worker_slot=1, worker_epoch=2, claimed_ns=99)

@@ -82,8 +82,11 @@ class Rig:
     def queue(self, which: str) -> Queue:
         """The test frontend's queues, opened once and closed at teardown (their memory counts until then)."""
         if which not in self.queues:
-            opener = {"requests": self.inst.request_queue, "replies": lambda: self.inst.reply_queue(0),
-                      "control": lambda: self.inst.control_queue(self.worker.slot)}[which]
+            opener = {
+                "requests": self.inst.request_queue,
+                "replies": lambda: self.inst.reply_queue(0),
+                "control": lambda: self.inst.control_queue(self.worker.slot),
+            }[which]
             self.queues[which] = opener()
         return self.queues[which]
 
@@ -92,15 +95,22 @@ class Rig:
         allocation = self.partition.allocate(NBYTES)
         assert allocation is not None
         self.partition.array(allocation, "uint8", (NBYTES,))[:] = pattern(request_id, NBYTES)
-        return allocation, TensorRef(offset=allocation.offset, nbytes=NBYTES, generation=allocation.generation,
-                                     dtype="uint8", shape=SHAPE, name="pixels")
+        return allocation, TensorRef(
+            offset=allocation.offset,
+            nbytes=NBYTES,
+            generation=allocation.generation,
+            dtype="uint8",
+            shape=SHAPE,
+            name="pixels",
+        )
 
     def submit(self, request_id: int, ref: TensorRef | None = None) -> Allocation | None:
         allocation = None
         if ref is None:
             allocation, ref = self.place(request_id)
-        self.queue("requests").send(Submit(request_id=request_id, reply_slot=0, model="checksum",
-                                           tensors=(ref,)), HANG_S)
+        self.queue("requests").send(
+            Submit(request_id=request_id, reply_slot=0, model="checksum", tensors=(ref,)), HANG_S
+        )
         return allocation
 
     def read_until(self, done: object) -> None:
@@ -226,8 +236,14 @@ def test_prompt_token_ids_in_the_arena_reach_the_backend_as_host_bytes(rig: Rig)
     allocation = rig.partition.allocate(8)
     assert allocation is not None
     rig.partition.array(allocation, "uint8", (8,))[:] = list(range(1, 9))
-    inline = TensorRef(offset=allocation.offset, nbytes=8, generation=allocation.generation, dtype="uint8",
-                       shape=(8,), name=INLINE_TENSOR)
+    inline = TensorRef(
+        offset=allocation.offset,
+        nbytes=8,
+        generation=allocation.generation,
+        dtype="uint8",
+        shape=(8,),
+        name=INLINE_TENSOR,
+    )
     rig.backend.gate.set()
     rig.queue("requests").send(Submit(request_id=51, reply_slot=0, model="checksum", tensors=(pixels, inline)), HANG_S)
     rig.read_until(_has(Finished, 51))
@@ -300,8 +316,9 @@ def test_requests_of_a_worker_killed_while_it_holds_a_prepared_batch_are_retried
     bodies = [image_request("checksum", d, mime="image/png") for d in images]
 
     async def run() -> list[httpx.Response]:
-        async with httpx.AsyncClient(base_url=server.base_url, timeout=120,
-                                     limits=httpx.Limits(max_connections=len(bodies))) as client:
+        async with httpx.AsyncClient(
+            base_url=server.base_url, timeout=120, limits=httpx.Limits(max_connections=len(bodies))
+        ) as client:
             task = asyncio.gather(*(client.post("/v1/chat/completions", json=b) for b in bodies))
             await asyncio.sleep(0.8)  # both workers busy: 12 requests, ~6 per second per worker
             os.kill(server.pids("worker")[0], signal.SIGKILL)
@@ -319,4 +336,3 @@ def test_requests_of_a_worker_killed_while_it_holds_a_prepared_batch_are_retried
     while server.metric("shmgate_in_flight_requests") > 0:  # nothing held: every request ended
         assert time.monotonic() < deadline, "requests stayed in flight"
         time.sleep(0.2)
-

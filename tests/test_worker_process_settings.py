@@ -39,15 +39,14 @@ def _thp_mode() -> str:
         text = THP_MODE.read_text()
     except OSError:
         return ""
-    return text[text.find("[") + 1:text.find("]")] if "[" in text else ""
+    return text[text.find("[") + 1 : text.find("]")] if "[" in text else ""
 
 
 def _huge_kib(env_value: str | None) -> int:
     env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
     if env_value is not None:
         env["THP_MEM_ALLOC_ENABLE"] = env_value
-    done = subprocess.run([sys.executable, "-c", CHILD], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run([sys.executable, "-c", CHILD], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return int(done.stdout.split()[-1])
 

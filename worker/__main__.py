@@ -32,36 +32,79 @@ from worker.main import WorkerOptions, run_worker  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = ShmgateParser(prog="shmgate worker", description="Run one model worker, attached to a running "
-                           "gateway (shmgate gateway or serve) found by --label or --instance. Every flag also "
-                           "reads the SHMGATE_* variable shown with it; the flag wins.")
+    parser = ShmgateParser(
+        prog="shmgate worker",
+        description="Run one model worker, attached to a running "
+        "gateway (shmgate gateway or serve) found by --label or --instance. Every flag also "
+        "reads the SHMGATE_* variable shown with it; the flag wins.",
+    )
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     model = parser.add_argument_group("model")
-    add_flag(model, "--model", f"what to serve: {KNOWN_SPECS}; the same as the gateway's",
-             default="efficientnet-lite0", type=flag_types.model_spec)
-    add_flag(model, "--served-model-name", "the model id clients send; must match the gateway's",
-             shown_default="from --model")
-    add_flag(model, "--device", "cpu, cuda or cuda:N", shown_default="cuda when a GPU is usable, else cpu",
-             type=flag_types.device)
-    add_flag(model, "--threads", "torch threads; 0: on CPU the CPUs this process may use, cgroup limit included",
-             default="0", type=flag_types.non_negative_int)
+    add_flag(
+        model,
+        "--model",
+        f"what to serve: {KNOWN_SPECS}; the same as the gateway's",
+        default="efficientnet-lite0",
+        type=flag_types.model_spec,
+    )
+    add_flag(
+        model,
+        "--served-model-name",
+        "the model id clients send; must match the gateway's",
+        shown_default="from --model",
+    )
+    add_flag(
+        model,
+        "--device",
+        "cpu, cuda or cuda:N",
+        shown_default="cuda when a GPU is usable, else cpu",
+        type=flag_types.device,
+    )
+    add_flag(
+        model,
+        "--threads",
+        "torch threads; 0: on CPU the CPUs this process may use, cgroup limit included",
+        default="0",
+        type=flag_types.non_negative_int,
+    )
     batching = parser.add_argument_group("batching")
     add_batching_flags(batching)
     attach = parser.add_argument_group("attaching")
     add_flag(attach, "--instance", "instance id of the gateway to attach to", shown_default="find it by --label")
     add_flag(attach, "--label", "label of the gateway to attach to (its --label)", default="default")
-    add_flag(attach, "--attach-wait-s", "how long to wait for a gateway with --label to appear (a container "
-             "starting first)", default="60", type=flag_types.non_negative_float)
-    add_flag(attach, "--follow-drain-s", "on SIGTERM keep serving while the gateway drains, up to this long; "
-             "0: stop at once. For pods, whose containers all get SIGTERM together", default="0",
-             type=flag_types.non_negative_float)
+    add_flag(
+        attach,
+        "--attach-wait-s",
+        "how long to wait for a gateway with --label to appear (a container starting first)",
+        default="60",
+        type=flag_types.non_negative_float,
+    )
+    add_flag(
+        attach,
+        "--follow-drain-s",
+        "on SIGTERM keep serving while the gateway drains, up to this long; "
+        "0: stop at once. For pods, whose containers all get SIGTERM together",
+        default="0",
+        type=flag_types.non_negative_float,
+    )
     seen = parser.add_argument_group("observability and diagnostics")
-    add_flag(seen, "--log-level", f"one of {', '.join(flag_types.LOG_LEVELS)}", default="info",
-             type=flag_types.log_level)
-    add_flag(seen, "--diag-batch-delay-ms", "diagnostics and tests: sleep this long before each batch runs "
-             "(simulates a slow model)", default="0", type=flag_types.non_negative_float)
-    add_flag(seen, "--diag-claim-delay-ms", "diagnostics and tests: sleep this long between taking a request "
-             "and claiming it", default="0", type=flag_types.non_negative_float)
+    add_flag(
+        seen, "--log-level", f"one of {', '.join(flag_types.LOG_LEVELS)}", default="info", type=flag_types.log_level
+    )
+    add_flag(
+        seen,
+        "--diag-batch-delay-ms",
+        "diagnostics and tests: sleep this long before each batch runs (simulates a slow model)",
+        default="0",
+        type=flag_types.non_negative_float,
+    )
+    add_flag(
+        seen,
+        "--diag-claim-delay-ms",
+        "diagnostics and tests: sleep this long between taking a request and claiming it",
+        default="0",
+        type=flag_types.non_negative_float,
+    )
     add_tracing_flags(parser.add_argument_group("tracing"))
     return parser
 
@@ -118,8 +161,13 @@ def main(argv: list[str] | None = None) -> int:
         served_model_name=args.served_model_name or "",
         otlp_traces_endpoint=args.otlp_traces_endpoint or "",
     )
-    return run_worker(options=options, instance_id=args.instance, label=args.label, attach_wait_s=args.attach_wait_s,
-                      diagnostics=diagnostics_from(args))
+    return run_worker(
+        options=options,
+        instance_id=args.instance,
+        label=args.label,
+        attach_wait_s=args.attach_wait_s,
+        diagnostics=diagnostics_from(args),
+    )
 
 
 def diagnostics_from(args: argparse.Namespace) -> DiagnosticOptions:

@@ -99,8 +99,10 @@ def check_device(requested: str) -> torch.device:
     if device.type == "cpu":
         return device
     if torch.version.cuda is None:
-        raise ValueError(f"--device {requested}: this torch ({torch.__version__}) is built without CUDA; "
-                         "install a CUDA build of torch, or use --device cpu")
+        raise ValueError(
+            f"--device {requested}: this torch ({torch.__version__}) is built without CUDA; "
+            "install a CUDA build of torch, or use --device cpu"
+        )
     if not torch.cuda.is_available():
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         hint = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
@@ -166,12 +168,19 @@ class HostRegistrations:
                     "could not register the arena (%d MiB) as pinned host memory after %.0f ms: %s (cudaError %d); "
                     "host-to-device copies will be pageable. Registering faults in the whole arena: it fails "
                     "where /dev/shm cannot back it (shm_size, emptyDir.sizeLimit); RLIMIT_MEMLOCK is not the cause",
-                    key[1] >> 20, took_s * 1e3, runtime.error_string(code), code,
+                    key[1] >> 20,
+                    took_s * 1e3,
+                    runtime.error_string(code),
+                    code,
                 )
                 return None
             self._ranges[key] = _Registration(export, 1)
-        log.info("arena registered as pinned host memory: %d MiB in %.0f ms (%.1f GB/s faulted in and pinned)",
-                 key[1] >> 20, took_s * 1e3, key[1] / max(took_s, 1e-9) / 1e9)
+        log.info(
+            "arena registered as pinned host memory: %d MiB in %.0f ms (%.1f GB/s faulted in and pinned)",
+            key[1] >> 20,
+            took_s * 1e3,
+            key[1] / max(took_s, 1e-9) / 1e9,
+        )
         return key[0]
 
     def unregister(self, ptr: int, nbytes: int, runtime: Runtime) -> None:

@@ -228,9 +228,14 @@ class Worker:
         self.progress.step()  # before READY: loading the model was not a stall
         link.mark(SlotState.READY)
         # "slot" is the segment's worker slot; the supervisor logs which of its workers holds it (by pid)
-        log.info("ready in worker slot %d: model %s (served as %s) on %s, batches of up to %d", self.slot,
-                 self.options.model, self.backend.name, self.device,
-                 batch_size_for(self.backend, self.options.max_batch_size))
+        log.info(
+            "ready in worker slot %d: model %s (served as %s) on %s, batches of up to %d",
+            self.slot,
+            self.options.model,
+            self.backend.name,
+            self.device,
+            batch_size_for(self.backend, self.options.max_batch_size),
+        )
         prefetcher = self._prefetcher.start()
         try:
             while not self._stop.is_set():
@@ -607,7 +612,8 @@ def run_worker(
         return _configuration_error(
             f"this worker serves {spec.public_id!r} (--model {options.model}) but the gateway it attaches to "
             f"(instance {instance_id}) serves {served}; start it with one of the gateway's --model "
-            "(and --served-model-name), or attach it to another gateway with --label")
+            "(and --served-model-name), or attach it to another gateway with --label"
+        )
     try:
         worker = Worker(instance, options, diagnostics=diagnostics)
     except SetupError as exc:

@@ -71,8 +71,11 @@ class BatchSpans:
         """
         links: list[Link] = []
         starts = [job.stamps.values[Stamp.CUT] for job in jobs if job.stamps.values[Stamp.CUT]]
-        attributes: dict[str, int | str] = {"shmgate.worker_slot": self.slot, "shmgate.batch_size": len(jobs),
-                      "gen_ai.request.model": self.model}
+        attributes: dict[str, int | str] = {
+            "shmgate.worker_slot": self.slot,
+            "shmgate.batch_size": len(jobs),
+            "gen_ai.request.model": self.model,
+        }
         for job, was_cancelled in zip(jobs, cancelled, strict=True):
             parent = _parent(job.submit.traceparent)
             if parent is None:
@@ -82,20 +85,21 @@ class BatchSpans:
                 links.append(Link(ctx, {"shmgate.request_id": f"{job.submit.request_id:x}"}))
             self._request_spans(job, parent, ended_ns, was_cancelled, attributes)
         if links and starts:
-            span = self.tracer.start_span("batch", context=Context(), start_time=epoch_ns(min(starts)),
-                                          links=links, attributes=attributes)
+            span = self.tracer.start_span(
+                "batch", context=Context(), start_time=epoch_ns(min(starts)), links=links, attributes=attributes
+            )
             span.end(end_time=epoch_ns(ended_ns))
 
-    def _request_spans(self, job: TracedJob, parent: Context, ended_ns: int, cancelled: bool,
-                       batch: dict[str, int | str]) -> None:
+    def _request_spans(
+        self, job: TracedJob, parent: Context, ended_ns: int, cancelled: bool, batch: dict[str, int | str]
+    ) -> None:
         cut, copied, started, first, done = job.stamps.values
         common = {**batch, "shmgate.attempt": job.submit.attempt}
         self._span("batch_wait", parent, job.claimed_ns, cut, common)
         self._span("device_copy", parent, cut, copied, common)
         if not started:
             return
-        compute = self.tracer.start_span("compute", context=parent, start_time=epoch_ns(started),
-                                         attributes=common)
+        compute = self.tracer.start_span("compute", context=parent, start_time=epoch_ns(started), attributes=common)
         if first:
             compute.add_event("first_output", timestamp=epoch_ns(first))
         for seq, sent_ns in enumerate(job.deliveries or ()):

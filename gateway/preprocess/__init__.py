@@ -15,27 +15,38 @@ from shared.models import ModelKind, ModelSpec, parse_model_spec
 __all__ = ["get_preprocessor", "preprocessor_class"]
 
 
-def get_preprocessor(model: str, *, max_images: int = 8,
-                     processor_kwargs: dict[str, Any] | None = None) -> Preprocessor:
+def get_preprocessor(
+    model: str, *, max_images: int = 8, processor_kwargs: dict[str, Any] | None = None
+) -> Preprocessor:
     """The preprocessor for ``model`` (a spec, shared/models.py). Raises ValueError for an unknown model,
     and for ``processor_kwargs`` (--mm-processor-kwargs) given to a model without an HF image processor."""
     spec = parse_model_spec(model)
-    if processor_kwargs and spec.kind not in (ModelKind.HF_CHAT, ModelKind.CHECKSUM_HF, ModelKind.EFFICIENTNET,
-                                              ModelKind.CHECKSUM):
+    if processor_kwargs and spec.kind not in (
+        ModelKind.HF_CHAT,
+        ModelKind.CHECKSUM_HF,
+        ModelKind.EFFICIENTNET,
+        ModelKind.CHECKSUM,
+    ):
         raise ValueError(f"--mm-processor-kwargs applies to hf: chat and classifier models only, not {model}")
     match spec.kind:
         case ModelKind.EFFICIENTNET:
             from gateway.preprocess.vision import EfficientNetPreprocessor, classifier_draft_margins
 
             margins = classifier_draft_margins(processor_kwargs)
-            return EfficientNetPreprocessor(max_images=max_images, draft_margin=margins["draft_margin"],
-                                            embedding_draft_margin=margins["embedding_draft_margin"])
+            return EfficientNetPreprocessor(
+                max_images=max_images,
+                draft_margin=margins["draft_margin"],
+                embedding_draft_margin=margins["embedding_draft_margin"],
+            )
         case ModelKind.CHECKSUM:
             from gateway.preprocess.vision import ChecksumPreprocessor, classifier_draft_margins
 
             margins = classifier_draft_margins(processor_kwargs)
-            return ChecksumPreprocessor(max_images=max_images, draft_margin=margins["draft_margin"],
-                                        embedding_draft_margin=margins["embedding_draft_margin"])
+            return ChecksumPreprocessor(
+                max_images=max_images,
+                draft_margin=margins["draft_margin"],
+                embedding_draft_margin=margins["embedding_draft_margin"],
+            )
         case ModelKind.HF_EMBED:
             from gateway.preprocess.embed_hf import HFEmbeddingPreprocessor
 
@@ -45,8 +56,13 @@ def get_preprocessor(model: str, *, max_images: int = 8,
             # feeds a worker that answers with digests (worker/backends/checksum.py).
             from gateway.preprocess.hf import HFPreprocessor
 
-            return HFPreprocessor(_directory(spec), max_images=max_images, model_id=spec.public_id,
-                                  samples_tokens=spec.kind is ModelKind.HF_CHAT, processor_kwargs=processor_kwargs)
+            return HFPreprocessor(
+                _directory(spec),
+                max_images=max_images,
+                model_id=spec.public_id,
+                samples_tokens=spec.kind is ModelKind.HF_CHAT,
+                processor_kwargs=processor_kwargs,
+            )
 
 
 def preprocessor_class(kind: ModelKind) -> type[Preprocessor]:

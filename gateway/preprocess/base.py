@@ -79,8 +79,9 @@ class Preprocessor(abc.ABC):
         """Bytes that identify the preprocessing configuration; part of the content cache key."""
 
     @abc.abstractmethod
-    def preprocess_image(self, data: bytes, allocate: AllocateFn, *, max_pixels: int,
-                         options: dict[str, Any] | None = None) -> None:
+    def preprocess_image(
+        self, data: bytes, allocate: AllocateFn, *, max_pixels: int, options: dict[str, Any] | None = None
+    ) -> None:
         """Decode ``data`` and write its tensors into buffers obtained from ``allocate``.
 
         ``options`` are this image's processor arguments, as ``image_options`` made them (None or

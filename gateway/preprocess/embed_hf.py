@@ -54,21 +54,27 @@ class HFEmbeddingPreprocessor(Preprocessor):
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         config = AutoConfig.from_pretrained(path)
         text_config = config.text_config
-        self.max_text_tokens = min(int(text_config.max_position_embeddings),
-                                   int(getattr(self.tokenizer, "model_max_length", 1 << 30)))
+        self.max_text_tokens = min(
+            int(text_config.max_position_embeddings), int(getattr(self.tokenizer, "model_max_length", 1 << 30))
+        )
         # CLIP projects both towers to projection_dim; SigLIP's towers end at their hidden size.
         self.embedding_dim = int(getattr(config, "projection_dim", None) or text_config.hidden_size)
-        self._cache_params = json.dumps({
-            "kind": "hf-embed/1",
-            "image_processor": type(self.image_processor).__name__,
-            "config": self.image_processor.to_dict(),
-        }, sort_keys=True, default=str).encode()
+        self._cache_params = json.dumps(
+            {
+                "kind": "hf-embed/1",
+                "image_processor": type(self.image_processor).__name__,
+                "config": self.image_processor.to_dict(),
+            },
+            sort_keys=True,
+            default=str,
+        ).encode()
 
     def cache_params(self) -> bytes:
         return self._cache_params
 
-    def preprocess_image(self, data: bytes, allocate: AllocateFn, *, max_pixels: int,
-                         options: dict[str, Any] | None = None) -> None:
+    def preprocess_image(
+        self, data: bytes, allocate: AllocateFn, *, max_pixels: int, options: dict[str, Any] | None = None
+    ) -> None:
         """Decode, run the image processor, copy each output into the arena once (after success).
         ``options`` is always empty: the configured processor (``Preprocessor.image_options``)."""
         image = decode_image(data, max_pixels=max_pixels)

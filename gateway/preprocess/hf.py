@@ -116,12 +116,23 @@ def _qwen_low_detail(image_processor: Any) -> dict[str, Any]:
 
 # Processor arguments neither --mm-processor-kwargs nor a request may set: they change the tensor
 # layout the model was built for (patch and merge sizes), or how the processor returns its output.
-FIXED_PROCESSOR_KEYS = frozenset({
-    "patch_size", "temporal_patch_size", "merge_size", "return_tensors", "data_format", "input_data_format",
-    "device", "disable_grouping", "image_seq_length", "return_row_col_info", "max_image_size",
-    "image_grid_pinpoints",
-    "do_pan_and_scan",  # Gemma 3's extra crops: the frontend carries the one view its prompt expects
-})
+FIXED_PROCESSOR_KEYS = frozenset(
+    {
+        "patch_size",
+        "temporal_patch_size",
+        "merge_size",
+        "return_tensors",
+        "data_format",
+        "input_data_format",
+        "device",
+        "disable_grouping",
+        "image_seq_length",
+        "return_row_col_info",
+        "max_image_size",
+        "image_grid_pinpoints",
+        "do_pan_and_scan",  # Gemma 3's extra crops: the frontend carries the one view its prompt expects
+    }
+)
 
 
 def processor_keys(image_processor: Any) -> frozenset[str]:
@@ -188,14 +199,19 @@ def _idefics3_expand(pre: HFPreprocessor, spec: ImageTensorSpec) -> list[int]:
     return pre.expansion_ids(rows, cols)
 
 
-def _idefics3_text(rows: int, cols: int, seq_len: int, fake: str = "<fake_token_around_image>",
-                   image_token: str = "<image>", global_image: str = "<global-img>") -> str:
+def _idefics3_text(
+    rows: int,
+    cols: int,
+    seq_len: int,
+    fake: str = "<fake_token_around_image>",
+    image_token: str = "<image>",
+    global_image: str = "<global-img>",
+) -> str:
     image = image_token * seq_len
     glob = f"{fake}{global_image}{image}{fake}"
     if rows == 0:
         return glob
-    lines = ["".join(f"{fake}<row_{r + 1}_col_{c + 1}>{image}" for c in range(cols)) + "\n"
-             for r in range(rows)]
+    lines = ["".join(f"{fake}<row_{r + 1}_col_{c + 1}>{image}" for c in range(cols)) + "\n" for r in range(rows)]
     return "".join(lines) + "\n" + glob
 
 
@@ -245,8 +261,14 @@ def _internvl_expand(pre: HFPreprocessor, spec: ImageTensorSpec) -> list[int]:
     as InternVLProcessor reads them."""
     if PIXEL_VALUES not in spec or len(spec[PIXEL_VALUES][1]) != 4 or spec[PIXEL_VALUES][1][0] <= 0:
         raise InvalidRequest(f"An image has no 4-D '{PIXEL_VALUES}' tensor; it was not made by this preprocessor.")
-    start, context, end = (pre.named_token_id(attribute, default) for attribute, default in (
-        ("start_image_token", "<img>"), ("context_image_token", "<IMG_CONTEXT>"), ("end_image_token", "</img>")))
+    start, context, end = (
+        pre.named_token_id(attribute, default)
+        for attribute, default in (
+            ("start_image_token", "<img>"),
+            ("context_image_token", "<IMG_CONTEXT>"),
+            ("end_image_token", "</img>"),
+        )
+    )
     per_crop = int(pre.processor_settings.get("image_seq_length", INTERNVL_SEQ_LENGTH))
     return [start, *[context] * (per_crop * spec[PIXEL_VALUES][1][0]), end]
 
@@ -272,21 +294,33 @@ _ARCHITECTURES: dict[PromptStyle, _Architecture] = {
     PromptStyle.CLIP_PATCHES: _Architecture("<image>", _clip_patches),  # LLaVA-1.5
     # Idefics3 and SmolVLM2: tiles of max_image_size plus a global view; "low" detail is the global view alone.
     PromptStyle.TILES: _Architecture(
-        "<image>", lambda pre, spec: 0, lambda ip: {"do_image_splitting": False}, _idefics3_expand,
-        (("return_row_col_info", True),), _idefics3_outputs),
+        "<image>",
+        lambda pre, spec: 0,
+        lambda ip: {"do_image_splitting": False},
+        _idefics3_expand,
+        (("return_row_col_info", True),),
+        _idefics3_outputs,
+    ),
     # InternVL (transformers format): 1..max_patches crops plus a thumbnail, each image_seq_length tokens
     # between <img> and </img>; "low" detail is the thumbnail alone.
-    PromptStyle.CROPS: _Architecture("<IMG_CONTEXT>", lambda pre, spec: 0,
-                                     lambda ip: {"crop_to_patches": False}, _internvl_expand,
-                                     outputs=lambda pre, out: {PIXEL_VALUES: out[PIXEL_VALUES]},
-                                     token_attribute="context_image_token"),
+    PromptStyle.CROPS: _Architecture(
+        "<IMG_CONTEXT>",
+        lambda pre, spec: 0,
+        lambda ip: {"crop_to_patches": False},
+        _internvl_expand,
+        outputs=lambda pre, out: {PIXEL_VALUES: out[PIXEL_VALUES]},
+        token_attribute="context_image_token",
+    ),
     # PaliGemma: a fixed-size SigLIP view per image, image_seq_length tokens.
     PromptStyle.SIGLIP_PATCHES: _Architecture("<image>", _siglip_patches),
     # Gemma 3: a fixed-size SigLIP view per image (pan-and-scan crops are not carried: off by default).
-    PromptStyle.WRAPPED: _Architecture("<start_of_image>", lambda pre, spec: 0,
-                                       outputs=lambda pre, out: {PIXEL_VALUES: out[PIXEL_VALUES]},
-                                       wrapped=("<start_of_image>", "<image_soft_token>", "<end_of_image>"),
-                                       token_attribute="boi_token"),
+    PromptStyle.WRAPPED: _Architecture(
+        "<start_of_image>",
+        lambda pre, spec: 0,
+        outputs=lambda pre, out: {PIXEL_VALUES: out[PIXEL_VALUES]},
+        wrapped=("<start_of_image>", "<image_soft_token>", "<end_of_image>"),
+        token_attribute="boi_token",
+    ),
     # LLaVA-NeXT: any-resolution tiles plus an overview; token count from the original size.
     PromptStyle.COUNTED: _Architecture("<image>", _counted_tokens, outputs=_llava_next_outputs),
 }
@@ -310,11 +344,14 @@ def _llava_next_processor(path: str, pre: HFPreprocessor) -> Any:
     settings = pre.processor_settings
     model = pre._config
     return LlavaNextProcessor(
-        pre.image_processor, pre.tokenizer,
+        pre.image_processor,
+        pre.tokenizer,
         patch_size=settings.get("patch_size", model.vision_config.patch_size),
-        vision_feature_select_strategy=settings.get("vision_feature_select_strategy",
-                                                    model.vision_feature_select_strategy),
-        num_additional_image_tokens=settings.get("num_additional_image_tokens", 1))
+        vision_feature_select_strategy=settings.get(
+            "vision_feature_select_strategy", model.vision_feature_select_strategy
+        ),
+        num_additional_image_tokens=settings.get("num_additional_image_tokens", 1),
+    )
 
 
 def _special_wrapping(tokenizer: Any) -> tuple[list[int], list[int]]:
@@ -323,8 +360,8 @@ def _special_wrapping(tokenizer: Any) -> tuple[list[int], list[int]]:
     plain = [int(i) for i in tokenizer.encode("a", add_special_tokens=False)]
     full = [int(i) for i in tokenizer.encode("a", add_special_tokens=True)]
     for start in range(len(full) - len(plain) + 1):
-        if full[start:start + len(plain)] == plain:
-            return full[:start], full[start + len(plain):]
+        if full[start : start + len(plain)] == plain:
+            return full[:start], full[start + len(plain) :]
     return [], []
 
 
@@ -347,8 +384,13 @@ class HFPreprocessor(Preprocessor):
     tokenizes = True  # /tokenize and /detokenize: prompt_token_ids, detokenize
 
     def __init__(
-        self, model_dir: str | os.PathLike[str], *, max_images: int = 8, model_id: str | None = None,
-        samples_tokens: bool = True, processor_kwargs: dict[str, Any] | None = None,
+        self,
+        model_dir: str | os.PathLike[str],
+        *,
+        max_images: int = 8,
+        model_id: str | None = None,
+        samples_tokens: bool = True,
+        processor_kwargs: dict[str, Any] | None = None,
     ) -> None:
         """Load the processor parts from ``model_dir``.
 
@@ -369,14 +411,18 @@ class HFPreprocessor(Preprocessor):
         if processor_kwargs:  # --mm-processor-kwargs: the checkpoint's processor config, overridden
             unknown = set(processor_kwargs) - processor_keys(self.image_processor)
             if unknown:
-                raise ValueError(f"--mm-processor-kwargs: {sorted(unknown)} are not settable arguments of "
-                                 f"{type(self.image_processor).__name__}; known: {sorted(processor_keys(self.image_processor))}")
+                raise ValueError(
+                    f"--mm-processor-kwargs: {sorted(unknown)} are not settable arguments of "
+                    f"{type(self.image_processor).__name__}; known: {sorted(processor_keys(self.image_processor))}"
+                )
             self.image_processor = AutoImageProcessor.from_pretrained(path, backend="pil", **processor_kwargs)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         kind = type(self.image_processor).__name__.removesuffix("Pil").removesuffix("Fast")
         if kind not in family.image_processors:
-            raise ValueError(f"{path}: image processor {kind} is not supported for model_type {family.model_type!r}; "
-                             f"known: {', '.join(family.image_processors)}")
+            raise ValueError(
+                f"{path}: image processor {kind} is not supported for model_type {family.model_type!r}; "
+                f"known: {', '.join(family.image_processors)}"
+            )
         self._arch = _ARCHITECTURES[family.prompt]
         self.processor_settings = _processor_settings(path)
         self._image_token_id = self.named_token_id(self._arch.token_attribute, self._arch.image_token)
@@ -436,12 +482,14 @@ class HFPreprocessor(Preprocessor):
                 raise InvalidRequest(
                     f"mm_processor_kwargs: {sorted(unknown)[:5]} are not settable for "
                     f"{type(self.image_processor).__name__}; accepted: {sorted(processor_keys(self.image_processor))}",
-                    param="mm_processor_kwargs")
+                    param="mm_processor_kwargs",
+                )
             options.update(request_kwargs)
         return options
 
-    def preprocess_image(self, data: bytes, allocate: AllocateFn, *, max_pixels: int,
-                         options: dict[str, Any] | None = None) -> None:
+    def preprocess_image(
+        self, data: bytes, allocate: AllocateFn, *, max_pixels: int, options: dict[str, Any] | None = None
+    ) -> None:
         """Decode ``data``, run the image processor on it (with ``options``, ``image_options``'s), and
         copy each output into the arena.
 
@@ -451,11 +499,17 @@ class HFPreprocessor(Preprocessor):
         image = decode_image(data, max_pixels=max_pixels)
         try:
             # channels_last: never let the processor guess the layout of a 3-pixel-tall image.
-            out = self.image_processor(images=[image], return_tensors="np", input_data_format="channels_last",
-                                       **dict(self._arch.call_args), **(options or {}))
+            out = self.image_processor(
+                images=[image],
+                return_tensors="np",
+                input_data_format="channels_last",
+                **dict(self._arch.call_args),
+                **(options or {}),
+            )
         except (TypeError, AttributeError, KeyError) as exc:
-            raise InvalidRequest(f"mm_processor_kwargs are not valid for this processor: {exc}",
-                                 param="mm_processor_kwargs") from None
+            raise InvalidRequest(
+                f"mm_processor_kwargs are not valid for this processor: {exc}", param="mm_processor_kwargs"
+            ) from None
         except ValueError as exc:  # e.g. Qwen2-VL refuses aspect ratios above 200:1
             raise UndecodableImage(f"The image cannot be processed for this model: {exc}") from None
         arrays = {name: np.ascontiguousarray(value) for name, value in self._arch.outputs(self, out).items()}
@@ -512,9 +566,14 @@ class HFPreprocessor(Preprocessor):
         key = (rows, cols)
         if key not in self._expansions:
             seq_len = int(self.processor_settings.get("image_seq_len") or _idefics3_seq_len(self._config))
-            names = tuple(getattr(self.tokenizer, attribute, None) or default for attribute, default in (
-                ("fake_image_token", "<fake_token_around_image>"), ("image_token", "<image>"),
-                ("global_image_token", "<global-img>")))
+            names = tuple(
+                getattr(self.tokenizer, attribute, None) or default
+                for attribute, default in (
+                    ("fake_image_token", "<fake_token_around_image>"),
+                    ("image_token", "<image>"),
+                    ("global_image_token", "<global-img>"),
+                )
+            )
             with self._tokenizer_lock:
                 ids = self.tokenizer.encode(_idefics3_text(rows, cols, seq_len, *names), add_special_tokens=False)
             self._expansions[key] = [int(i) for i in ids]
@@ -544,12 +603,14 @@ class HFPreprocessor(Preprocessor):
         added = np.flatnonzero(np.isin(ids[start:], self._added_ids))
         run = start + (int(added[-1]) + 1 if len(added) else 0)
         with self._tokenizer_lock:
-            text = str(self.tokenizer.decode(ids[run:].tolist(), skip_special_tokens=False,
-                                             clean_up_tokenization_spaces=False))
+            text = str(
+                self.tokenizer.decode(ids[run:].tolist(), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            )
             tail = self.tokenizer.encode(text + PALIGEMMA_SUFFIX, add_special_tokens=False, split_special_tokens=True)
         bos = [int(self.tokenizer.bos_token_id)] if self.tokenizer.bos_token_id is not None else []
-        return np.concatenate([ids[:start], np.asarray(bos, np.int32), ids[start:run],
-                               np.asarray(tail, np.int32)]).astype(np.int32)
+        return np.concatenate(
+            [ids[:start], np.asarray(bos, np.int32), ids[start:run], np.asarray(tail, np.int32)]
+        ).astype(np.int32)
 
     def _wrap_images(self, ids: list[int]) -> list[int]:
         """Gemma 3: what Gemma3Processor's text replacement gives, done on ids (the user's text stays
@@ -557,8 +618,10 @@ class HFPreprocessor(Preprocessor):
         "\n\n", and those newlines are tokenized together with the newline tokens next to them, as they
         would be in one string (a "\n" before an image and the "\n\n" become one "\n\n\n" token)."""
         assert self._arch.wrapped is not None
-        boi, image, eoi = (self.named_token_id(attribute, default) for attribute, default in
-                           zip(("boi_token", "image_token", "eoi_token"), self._arch.wrapped))
+        boi, image, eoi = (
+            self.named_token_id(attribute, default)
+            for attribute, default in zip(("boi_token", "image_token", "eoi_token"), self._arch.wrapped)
+        )
         seq_len = int(self.processor_settings.get("image_seq_length") or self._config.mm_tokens_per_image)
         with self._tokenizer_lock:
             newline: dict[int, str] = {t: str(self.tokenizer.decode([t])) for t in set(ids)}
@@ -588,8 +651,9 @@ class HFPreprocessor(Preprocessor):
             flush()
         return out
 
-    def _prompt_ids(self, messages: Sequence[dict[str, Any]],
-                    images: Sequence[ImageTensorSpec]) -> tuple[np.ndarray, np.ndarray]:
+    def _prompt_ids(
+        self, messages: Sequence[dict[str, Any]], images: Sequence[ImageTensorSpec]
+    ) -> tuple[np.ndarray, np.ndarray]:
         """(the template's ids with one placeholder per image, the ids with every placeholder expanded)."""
         import jinja2
 
@@ -616,8 +680,10 @@ class HFPreprocessor(Preprocessor):
             return ids, np.asarray(self._wrap_images(ids.tolist()), dtype=np.int32)
         if self._arch.expand is not None:
             parts = np.split(ids, slots)  # each later part starts with its image's placeholder
-            pieces = [parts[0]] + [np.concatenate([np.asarray(self._arch.expand(self, spec), dtype=np.int32), part[1:]])
-                                   for spec, part in zip(images, parts[1:])]
+            pieces = [parts[0]] + [
+                np.concatenate([np.asarray(self._arch.expand(self, spec), dtype=np.int32), part[1:]])
+                for spec, part in zip(images, parts[1:])
+            ]
             return ids, np.concatenate(pieces).astype(np.int32)
         repeats = np.ones(len(ids), dtype=np.int64)
         repeats[slots] = [self._arch.tokens_per_image(self, spec) for spec in images]

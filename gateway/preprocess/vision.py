@@ -41,9 +41,16 @@ from gateway.imaging import DecodedImage, decode
 from gateway.preprocess.base import AllocateFn, ImageTensorSpec, Preprocessor, PromptInputs
 from shared.errors import InvalidRequest, TooManyImages
 
-__all__ = ["ChecksumPreprocessor", "DEFAULT_DRAFT_MARGIN", "EMBEDDING_DRAFT_MARGIN", "EfficientNetPreprocessor",
-           "FAST_DRAFT_MARGIN",
-           "FixedSizePreprocessor", "centre_crop_box", "classifier_draft_margins"]
+__all__ = [
+    "ChecksumPreprocessor",
+    "DEFAULT_DRAFT_MARGIN",
+    "EMBEDDING_DRAFT_MARGIN",
+    "EfficientNetPreprocessor",
+    "FAST_DRAFT_MARGIN",
+    "FixedSizePreprocessor",
+    "centre_crop_box",
+    "classifier_draft_margins",
+]
 
 PIXELS = "pixels"  # the TensorRef name the vision backends read
 # JPEG draft margins (module docstring): the default keeps the fidelity bounds, the fast one is opt-in.
@@ -66,8 +73,13 @@ class FixedSizePreprocessor(Preprocessor):
     deterministic_answers = True  # a pure function of the pixels: --result-cache-mb may keep answers
 
     def __init__(
-        self, max_images: int = 8, *, resize_to: int = 256, crop_to: int = 224,
-        draft_margin: float = DEFAULT_DRAFT_MARGIN, embedding_draft_margin: float = EMBEDDING_DRAFT_MARGIN,
+        self,
+        max_images: int = 8,
+        *,
+        resize_to: int = 256,
+        crop_to: int = 224,
+        draft_margin: float = DEFAULT_DRAFT_MARGIN,
+        embedding_draft_margin: float = EMBEDDING_DRAFT_MARGIN,
         reducing_gap: float | None = None,
     ) -> None:
         assert 0 < crop_to <= resize_to, "the crop must fit inside the resized image"
@@ -104,8 +116,9 @@ class FixedSizePreprocessor(Preprocessor):
         """The tensors ``preprocess_image`` writes for every image (known without decoding)."""
         return {PIXELS: ("uint8", (3, self.crop_to, self.crop_to))}
 
-    def preprocess_image(self, data: bytes, allocate: AllocateFn, *, max_pixels: int,
-                         options: dict[str, Any] | None = None) -> None:
+    def preprocess_image(
+        self, data: bytes, allocate: AllocateFn, *, max_pixels: int, options: dict[str, Any] | None = None
+    ) -> None:
         """Decode ``data`` and write ``pixels`` (uint8, (3, crop, crop)) through ``allocate``.
 
         ``options`` is empty for a label (one fixed input resolution: ``Preprocessor.image_options``)
@@ -119,7 +132,9 @@ class FixedSizePreprocessor(Preprocessor):
         decoded = decode(data, max_pixels=max_pixels, draft_to=draft_to)
         crop = self.crop_to
         small = decoded.image.resize(
-            (crop, crop), Image.Resampling.BICUBIC, box=centre_crop_box(decoded, self.resize_to, crop),
+            (crop, crop),
+            Image.Resampling.BICUBIC,
+            box=centre_crop_box(decoded, self.resize_to, crop),
             reducing_gap=self.reducing_gap,
         )
         out = allocate(PIXELS, "uint8", (3, crop, crop))
@@ -219,11 +234,15 @@ def classifier_draft_margins(processor_kwargs: dict[str, Any] | None) -> dict[st
     fails to start, rather than silently ignoring an option the operator meant).
     """
     options = dict(processor_kwargs or {})
-    margins = {"draft_margin": options.pop("jpeg_draft_margin", DEFAULT_DRAFT_MARGIN),
-               "embedding_draft_margin": options.pop("embedding_jpeg_draft_margin", EMBEDDING_DRAFT_MARGIN)}
+    margins = {
+        "draft_margin": options.pop("jpeg_draft_margin", DEFAULT_DRAFT_MARGIN),
+        "embedding_draft_margin": options.pop("embedding_jpeg_draft_margin", EMBEDDING_DRAFT_MARGIN),
+    }
     if options:
-        raise ValueError("--mm-processor-kwargs: classifier models take only jpeg_draft_margin and "
-                         f"embedding_jpeg_draft_margin, not {', '.join(sorted(options))}")
+        raise ValueError(
+            "--mm-processor-kwargs: classifier models take only jpeg_draft_margin and "
+            f"embedding_jpeg_draft_margin, not {', '.join(sorted(options))}"
+        )
     for margin in margins.values():
         if isinstance(margin, bool) or not isinstance(margin, int | float) or not 0 <= margin <= 8:
             raise ValueError("--mm-processor-kwargs: a JPEG draft margin is a number from 0 (no draft) to 8")

@@ -43,7 +43,12 @@ from shared.vocabulary import AllocateFn, CacheStats, InstanceState, SlotState, 
 from shared.wire import DTYPE_ITEMSIZE, Cancel, Submit, TensorRef
 
 __all__ = [
-    "MemoryCache", "MemoryFrontendLink", "MemoryNode", "MemoryNodeStats", "MemoryQueue", "MemorySupervisorLink",
+    "MemoryCache",
+    "MemoryFrontendLink",
+    "MemoryNode",
+    "MemoryNodeStats",
+    "MemoryQueue",
+    "MemorySupervisorLink",
     "MemoryWorkerLink",
 ]
 
@@ -436,7 +441,10 @@ class MemoryWorkerLink:
     def validate(self, ref: TensorRef) -> None:
         if ref.offset < 4096 or ref.offset + ref.nbytes > len(self.node.arena):
             raise DescriptorError("a tensor descriptor points outside the arena")
-        if ref.dtype not in DTYPE_ITEMSIZE or int(np.prod(ref.shape, dtype=np.int64)) * DTYPE_ITEMSIZE[ref.dtype] != ref.nbytes:
+        if (
+            ref.dtype not in DTYPE_ITEMSIZE
+            or int(np.prod(ref.shape, dtype=np.int64)) * DTYPE_ITEMSIZE[ref.dtype] != ref.nbytes
+        ):
             raise DescriptorError("a tensor descriptor's dtype and shape disagree with its size")
 
     def recheck(self, ref: TensorRef) -> None:
@@ -542,8 +550,11 @@ class MemorySupervisorLink:
         self.rows[role][slot].stalls += 1
 
     def stalled_foreign_workers(self, our_pids: set[int]) -> list[tuple[int, int]]:
-        return [(slot, row.pid) for slot, row in self.rows["worker"].items()
-                if row.pid not in our_pids and self.stalled("worker", slot)]
+        return [
+            (slot, row.pid)
+            for slot, row in self.rows["worker"].items()
+            if row.pid not in our_pids and self.stalled("worker", slot)
+        ]
 
     def mark_dead(self, role: Role, slot: int) -> None:
         self.rows[role][slot].state = SlotState.DEAD

@@ -135,8 +135,10 @@ def make_normaliser(device: torch.device, *, compile: bool = False) -> Callable[
         return normalise
     compiler = c_compiler()
     if compiler is None:
-        log.warning("--compile-normalise: no C compiler (cc, gcc or $CC) in this environment, which Triton and "
-                    "Inductor need; normalising eagerly")
+        log.warning(
+            "--compile-normalise: no C compiler (cc, gcc or $CC) in this environment, which Triton and "
+            "Inductor need; normalising eagerly"
+        )
         return normalise
     import torch._inductor.config as inductor_config  # only when compiling: it costs every worker's start
 
@@ -144,8 +146,12 @@ def make_normaliser(device: torch.device, *, compile: bool = False) -> Callable[
     started = time.perf_counter()
     fused = FusedNormaliser()
     fused.warm_up(device)
-    log.info("normalisation compiled in %.1f s with %s (cache: %s)", time.perf_counter() - started, compiler,
-             os.environ.get("TORCHINDUCTOR_CACHE_DIR", "Inductor's default under /tmp"))
+    log.info(
+        "normalisation compiled in %.1f s with %s (cache: %s)",
+        time.perf_counter() - started,
+        compiler,
+        os.environ.get("TORCHINDUCTOR_CACHE_DIR", "Inductor's default under /tmp"),
+    )
     return fused
 
 
@@ -353,11 +359,18 @@ class EfficientNetBackend(ModelBackend):
                 else:
                     live.append(i)
             if live:
-                yield from self._answer(live, [pixels[i] for i in live], [batch[i].task for i in live],
-                                        [batch[i].params.max_tokens for i in live])
+                yield from self._answer(
+                    live,
+                    [pixels[i] for i in live],
+                    [batch[i].task for i in live],
+                    [batch[i].params.max_tokens for i in live],
+                )
 
     def _answer(
-        self, indices: list[int], images: list[list[torch.Tensor]], tasks: list[str],
+        self,
+        indices: list[int],
+        images: list[list[torch.Tensor]],
+        tasks: list[str],
         max_tokens: list[int | None] | None = None,
     ) -> Iterator[BackendEvent]:
         """One forward pass over these items' images, then each item's answer (labels, or a vector).

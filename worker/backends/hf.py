@@ -77,8 +77,14 @@ DEFAULT_MAX_TOKENS = 256
 # way its record's ``inputs`` style says (``_InputLayout.from_config``).
 SUPPORTED_MODEL_TYPES = tuple(HF_FAMILIES)
 # The image tensors this backend passes to the model, by TensorRef name.
-IMAGE_TENSORS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "tile_grid", "image_sizes",
-                 "image_token_count")
+IMAGE_TENSORS = (
+    "pixel_values",
+    "image_grid_thw",
+    "pixel_attention_mask",
+    "tile_grid",
+    "image_sizes",
+    "image_token_count",
+)
 # Read on the host (checked and turned into token counts): the worker hands them over there, so
 # checking them costs no device round trip per image.
 HOST_TENSORS = ("image_grid_thw", "tile_grid", "image_sizes", "image_token_count")
@@ -139,9 +145,7 @@ class HFBackend(ModelBackend):
         self.device = device
         self.dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         self.default_max_tokens = default_max_tokens
-        model = AutoModelForImageTextToText.from_pretrained(
-            model_dir, dtype=self.dtype, device_map=_device_map(device)
-        )
+        model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=self.dtype, device_map=_device_map(device))
         self.model: Any = model.to(device).eval()  # a no-op when it was loaded there
         self.tokenizer: Any = AutoTokenizer.from_pretrained(model_dir)
         self._layout = _InputLayout.from_config(self.model.config, family.inputs)
@@ -197,8 +201,11 @@ class HFBackend(ModelBackend):
             stops=StopStringFilter(params.stop),
             generator=_generator(self.device, params.seed),
             bias=_bias_vector(params, self._layout.vocab_size, self.device),
-            counts=(torch.zeros(self._layout.vocab_size, device=self.device)
-                    if params.presence_penalty or params.frequency_penalty else None),
+            counts=(
+                torch.zeros(self._layout.vocab_size, device=self.device)
+                if params.presence_penalty or params.frequency_penalty
+                else None
+            ),
         )
 
     def _pick(self, row: _Row, logits: torch.Tensor) -> torch.Tensor:
@@ -214,8 +221,9 @@ class HFBackend(ModelBackend):
             if row.bias is not None:
                 logits = logits + row.bias
             if row.counts is not None:
-                logits = (logits - row.counts * params.frequency_penalty
-                          - (row.counts > 0).float() * params.presence_penalty)
+                logits = (
+                    logits - row.counts * params.frequency_penalty - (row.counts > 0).float() * params.presence_penalty
+                )
         if params.logprobs >= 0:
             row.logprobs = torch.log_softmax(logits.float(), dim=-1)
         return pick_token(logits, params.temperature, params.top_p, row.generator)
@@ -248,8 +256,9 @@ class HFBackend(ModelBackend):
         """
         values, ids = torch.topk(logprobs, top) if top else (logprobs[:0], logprobs[:0].long())
         chosen, top_values, top_ids = float(logprobs[token]), values.tolist(), ids.tolist()
-        return TokenLogprob(self._token_text(token), chosen,
-                            tuple((self._token_text(i), v) for i, v in zip(top_ids, top_values)))
+        return TokenLogprob(
+            self._token_text(token), chosen, tuple((self._token_text(i), v) for i, v in zip(top_ids, top_values))
+        )
 
     def _token_text(self, token: int) -> str:
         return str(self.tokenizer.decode([token], skip_special_tokens=False))[:MAX_LOGPROB_TOKEN_CHARS]
@@ -365,8 +374,10 @@ def _merge_caches(rows: Sequence[_Row]) -> None:
         # held, they are the last positions of the padded sequence, which is what the layer must hold.
         held = max(cache.layers[i].keys.shape[-2] for cache in caches)
         for attr in ("keys", "values"):
-            parts = [F.pad(getattr(cache.layers[i], attr), (0, 0, held - getattr(cache.layers[i], attr).shape[-2], 0))
-                     for cache in caches]
+            parts = [
+                F.pad(getattr(cache.layers[i], attr), (0, 0, held - getattr(cache.layers[i], attr).shape[-2], 0))
+                for cache in caches
+            ]
             setattr(layer, attr, torch.cat(parts))
         if kind == "DynamicSlidingWindowLayer":
             layer.cumulative_length = longest
@@ -421,49 +432,99 @@ class _InputLayout:
     tiled: bool = False  # Idefics3: each image is (1 + rows * cols) tiles of image_size px, a tile_grid beside
     any_resolution: bool = False  # LLaVA-NeXT: tiles fitted to grid_pinpoints, image_sizes and a token count beside
     grid_pinpoints: tuple[tuple[int, int], ...] = ()
-    token_types: bool = False  # Gemma 3: token_type_ids (1 on image tokens) at prefill, for bidirectional image attention
+    token_types: bool = (
+        False  # Gemma 3: token_type_ids (1 on image tokens) at prefill, for bidirectional image attention
+    )
     crops: bool = False  # InternVL: each image is (n, 3, S, S) crops of tokens_per_image tokens each
-    prefix_lm: bool = False  # PaliGemma: token_type_ids 0 over the whole prompt (it attends both ways), positions from 1
+    prefix_lm: bool = (
+        False  # PaliGemma: token_type_ids 0 over the whole prompt (it attends both ways), positions from 1
+    )
 
     @classmethod
     def from_config(cls, config: Any, style: InputStyle) -> _InputLayout:
         """The layout of a model of ``style`` (its family's record, shared/hf_families.py) from its config."""
         text, vision = config.get_text_config(), config.vision_config
         patch = vision.patch_size
-        common = {"vocab_size": text.vocab_size, "max_positions": text.max_position_embeddings,
-                  "image_token_id": config.image_token_id}
+        common = {
+            "vocab_size": text.vocab_size,
+            "max_positions": text.max_position_embeddings,
+            "image_token_id": config.image_token_id,
+        }
         match style:
             case InputStyle.TILED:
                 side = vision.image_size // patch
-                return cls(**common, merge=1, patch_dim=0, mrope=False, tiled=True, image_size=vision.image_size,
-                           tokens_per_image=side * side // config.scale_factor**2)
+                return cls(
+                    **common,
+                    merge=1,
+                    patch_dim=0,
+                    mrope=False,
+                    tiled=True,
+                    image_size=vision.image_size,
+                    tokens_per_image=side * side // config.scale_factor**2,
+                )
             case InputStyle.CROPS:
                 # Tokens per crop from the tower's geometry, as the model computes its features: the config's
                 # image_seq_length is a copy of the processor's setting that the model never reads (stale in
                 # checkpoints whose processor was changed).
                 side = int(vision.image_size if isinstance(vision.image_size, int) else vision.image_size[0])
                 patch_side = int(patch if isinstance(patch, int) else patch[0])
-                return cls(**common, merge=1, patch_dim=0, mrope=False, crops=True, image_size=side,
-                           tokens_per_image=int((side // patch_side) ** 2 * config.downsample_ratio ** 2))
+                return cls(
+                    **common,
+                    merge=1,
+                    patch_dim=0,
+                    mrope=False,
+                    crops=True,
+                    image_size=side,
+                    tokens_per_image=int((side // patch_side) ** 2 * config.downsample_ratio**2),
+                )
             case InputStyle.PREFIX_LM:
                 side = vision.image_size // patch
-                return cls(**common, merge=1, patch_dim=0, mrope=False, prefix_lm=True, image_size=vision.image_size,
-                           tokens_per_image=side * side)
+                return cls(
+                    **common,
+                    merge=1,
+                    patch_dim=0,
+                    mrope=False,
+                    prefix_lm=True,
+                    image_size=vision.image_size,
+                    tokens_per_image=side * side,
+                )
             case InputStyle.TOKEN_TYPES:
-                return cls(**common, merge=1, patch_dim=0, mrope=False, token_types=True,
-                           image_size=vision.image_size, tokens_per_image=config.mm_tokens_per_image)
+                return cls(
+                    **common,
+                    merge=1,
+                    patch_dim=0,
+                    mrope=False,
+                    token_types=True,
+                    image_size=vision.image_size,
+                    tokens_per_image=config.mm_tokens_per_image,
+                )
             case InputStyle.ANY_RESOLUTION:
-                return cls(**common, merge=1, patch_dim=0, mrope=False, any_resolution=True,
-                           image_size=vision.image_size,
-                           grid_pinpoints=tuple((int(h), int(w)) for h, w in config.image_grid_pinpoints))
+                return cls(
+                    **common,
+                    merge=1,
+                    patch_dim=0,
+                    mrope=False,
+                    any_resolution=True,
+                    image_size=vision.image_size,
+                    grid_pinpoints=tuple((int(h), int(w)) for h, w in config.image_grid_pinpoints),
+                )
             case InputStyle.FIXED_SIZE:
                 side = vision.image_size // patch
                 extra = 0 if config.vision_feature_select_strategy == "default" else 1  # the CLS feature
-                return cls(**common, merge=1, patch_dim=0, mrope=False, image_size=vision.image_size,
-                           tokens_per_image=side * side + extra)
+                return cls(
+                    **common,
+                    merge=1,
+                    patch_dim=0,
+                    mrope=False,
+                    image_size=vision.image_size,
+                    tokens_per_image=side * side + extra,
+                )
             case InputStyle.MROPE:
-                return cls(**common, merge=vision.spatial_merge_size**2,
-                           patch_dim=vision.in_channels * vision.temporal_patch_size * patch * patch)
+                return cls(
+                    **common,
+                    merge=vision.spatial_merge_size**2,
+                    patch_dim=vision.in_channels * vision.temporal_patch_size * patch * patch,
+                )
 
     def check(self, item: WorkItem, device: torch.device) -> _Inputs:
         """Validate ``item`` on the host and build its model inputs on ``device``. Raises InvalidRequest."""
@@ -502,21 +563,37 @@ class _InputLayout:
             return _Inputs(input_ids, None, None)
         return _Inputs(input_ids, torch.cat(pixels).to(device), torch.cat(grids).to(device))
 
-    def _check_crops(self, item: WorkItem, ids: np.ndarray, pixels: list[torch.Tensor], grids: list[torch.Tensor],
-                     device: torch.device) -> _Inputs:
+    def _check_crops(
+        self,
+        item: WorkItem,
+        ids: np.ndarray,
+        pixels: list[torch.Tensor],
+        grids: list[torch.Tensor],
+        device: torch.device,
+    ) -> _Inputs:
         """InternVL: each image is float (n, 3, S, S) crops of the tower's side S, ``tokens_per_image`` each."""
         rid = item.request_id
         side = self.image_size
-        if grids or any(not p.is_floating_point() or p.dim() != 4 or p.shape[0] == 0
-                        or tuple(p.shape[1:]) != (3, side, side) for p in pixels):
-            raise InvalidRequest(f"Request {rid}: each image must be float pixel_values of shape (n, 3, {side}, {side}).")
+        if grids or any(
+            not p.is_floating_point() or p.dim() != 4 or p.shape[0] == 0 or tuple(p.shape[1:]) != (3, side, side)
+            for p in pixels
+        ):
+            raise InvalidRequest(
+                f"Request {rid}: each image must be float pixel_values of shape (n, 3, {side}, {side})."
+            )
         if int((ids == self.image_token_id).sum()) != sum(p.shape[0] for p in pixels) * self.tokens_per_image:
             raise InvalidRequest(f"Request {rid}: the prompt's image slots do not match its images' crops.")
         input_ids = torch.from_numpy(ids.astype(np.int64)).view(1, -1).to(device)
         return _Inputs(input_ids, torch.cat(pixels).to(device) if pixels else None, None)
 
-    def _check_fixed_size(self, item: WorkItem, ids: np.ndarray, pixels: list[torch.Tensor], grids: list[torch.Tensor],
-                          device: torch.device) -> _Inputs:
+    def _check_fixed_size(
+        self,
+        item: WorkItem,
+        ids: np.ndarray,
+        pixels: list[torch.Tensor],
+        grids: list[torch.Tensor],
+        device: torch.device,
+    ) -> _Inputs:
         """LLaVA: each image is one float (1, 3, S, S) tensor of the tower's size S, worth ``tokens_per_image``."""
         rid = item.request_id
         shape = (1, 3, self.image_size, self.image_size)
@@ -527,8 +604,9 @@ class _InputLayout:
         input_ids = torch.from_numpy(ids.astype(np.int64)).view(1, -1).to(device)
         return _Inputs(input_ids, torch.cat(pixels).to(device) if pixels else None, None)
 
-    def _check_tiled(self, item: WorkItem, ids: np.ndarray, pixels: list[torch.Tensor],
-                     device: torch.device) -> _Inputs:
+    def _check_tiled(
+        self, item: WorkItem, ids: np.ndarray, pixels: list[torch.Tensor], device: torch.device
+    ) -> _Inputs:
         """Idefics3: per image, float pixel_values (n, 3, h, w) with h, w <= the tower's side, a bool
         pixel_attention_mask (n, h, w) and a tile_grid of shape (rows + 1, cols + 1), n = 1 + rows * cols
         (1 when unsplit). The images' tiles are padded to the tower's side (mask False there, as the
@@ -543,11 +621,20 @@ class _InputLayout:
         for p, m, g in zip(pixels, masks, grids):
             rows, cols = (g.shape[0] - 1, g.shape[1] - 1) if g.dim() == 2 else (-1, -1)
             n = 1 + rows * cols if rows > 0 and cols > 0 else 1
-            if (rows < 0 or (rows == 0) != (cols == 0) or p.dim() != 4 or not p.is_floating_point()
-                    or tuple(p.shape[:2]) != (n, 3) or max(p.shape[2:]) > side or m.dtype != torch.bool
-                    or tuple(m.shape) != (n, *p.shape[2:])):
-                raise InvalidRequest(f"Request {rid}: an image's tiles are not (1 + rows * cols, 3, <= {side}, "
-                                     f"<= {side}) with a matching pixel_attention_mask and tile_grid.")
+            if (
+                rows < 0
+                or (rows == 0) != (cols == 0)
+                or p.dim() != 4
+                or not p.is_floating_point()
+                or tuple(p.shape[:2]) != (n, 3)
+                or max(p.shape[2:]) > side
+                or m.dtype != torch.bool
+                or tuple(m.shape) != (n, *p.shape[2:])
+            ):
+                raise InvalidRequest(
+                    f"Request {rid}: an image's tiles are not (1 + rows * cols, 3, <= {side}, "
+                    f"<= {side}) with a matching pixel_attention_mask and tile_grid."
+                )
             pad = (0, side - p.shape[3], 0, side - p.shape[2])
             padded_pixels.append(F.pad(p, pad))
             padded_masks.append(F.pad(m, pad))
@@ -557,11 +644,13 @@ class _InputLayout:
         input_ids = torch.from_numpy(ids.astype(np.int64)).view(1, -1).to(device)
         if not pixels:
             return _Inputs(input_ids, None, None)
-        return _Inputs(input_ids, torch.cat(padded_pixels)[None].to(device), None,
-                       torch.cat(padded_masks)[None].to(device))
+        return _Inputs(
+            input_ids, torch.cat(padded_pixels)[None].to(device), None, torch.cat(padded_masks)[None].to(device)
+        )
 
-    def _check_any_resolution(self, item: WorkItem, ids: np.ndarray, pixels: list[torch.Tensor],
-                              device: torch.device) -> _Inputs:
+    def _check_any_resolution(
+        self, item: WorkItem, ids: np.ndarray, pixels: list[torch.Tensor], device: torch.device
+    ) -> _Inputs:
         """LLaVA-NeXT: per image, float pixel_values (n, 3, S, S) with n the tiles its image_sizes (int64
         (1, 2)) asks for, and an image_token_count of shape (tokens,). Images are stacked, padded with
         empty tiles to the most tiles (as the processor pads a batch; the model drops them by image_sizes)."""
@@ -577,8 +666,10 @@ class _InputLayout:
                 raise InvalidRequest(f"Request {rid}: image_sizes must be positive int64 (1, 2).")
             n = image_size_to_num_patches(size[0].tolist(), [list(g) for g in self.grid_pinpoints], side)
             if not p.is_floating_point() or tuple(p.shape) != (n, 3, side, side):
-                raise InvalidRequest(f"Request {rid}: pixel_values must be float ({n}, 3, {side}, {side}) for "
-                                     f"an image of {tuple(size[0].tolist())}, got {p.dtype} {tuple(p.shape)}.")
+                raise InvalidRequest(
+                    f"Request {rid}: pixel_values must be float ({n}, 3, {side}, {side}) for "
+                    f"an image of {tuple(size[0].tolist())}, got {p.dtype} {tuple(p.shape)}."
+                )
         if int((ids == self.image_token_id).sum()) != sum(c.shape[0] for c in counts):
             raise InvalidRequest(f"Request {rid}: the prompt's image slots do not match its images.")
         input_ids = torch.from_numpy(ids.astype(np.int64)).view(1, -1).to(device)
@@ -623,8 +714,9 @@ def _device_map(device: torch.device) -> str | None:
     if device.type != "cuda":
         return None
     if importlib.util.find_spec("accelerate") is None:
-        log.info("loading the weights into host memory first; `pip install accelerate` loads them straight to %s",
-                 device)
+        log.info(
+            "loading the weights into host memory first; `pip install accelerate` loads them straight to %s", device
+        )
         return None
     return str(device)
 

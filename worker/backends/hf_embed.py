@@ -42,7 +42,12 @@ class HFEmbeddingBackend(ModelBackend):
     embeds = True
 
     def __init__(
-        self, model_dir: str, device: torch.device, *, name: str, dtype: torch.dtype | None = None,
+        self,
+        model_dir: str,
+        device: torch.device,
+        *,
+        name: str,
+        dtype: torch.dtype | None = None,
         threads: int | None = None,
     ) -> None:
         from transformers import AutoConfig, AutoModel
