@@ -341,10 +341,14 @@ def test_a_message_wakes_one_of_two_workers_filling_their_batches(
             time.sleep(0.01)  # each message arrives while both wait
         time.sleep(0.1)
         wakeups = sum(_voluntary_switches(tid) for tid in thread_ids) - before
-        filling.clear()
+        filling.clear()  # nothing more is coming: the next message each takes ends its batch
+        for request_id in range(2 + messages, 4 + messages):
+            _send(instance, request_id)
+            time.sleep(0.05)
         for thread in threads:
             thread.join(HANG_S)
-        assert sorted(i for batch in batches for i in batch) == list(range(2 + messages))
+        assert not any(thread.is_alive() for thread in threads)
+        assert sorted(i for batch in batches for i in batch) == list(range(4 + messages))
         assert wakeups < 1.5 * messages, f"{wakeups} wake-ups for {messages} messages"
     finally:
         other.close()
