@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up (first run), run the static checks (ruff check, ruff format --check, mypy; configured in
 # pyproject.toml), then the test suite in two phases, each printing its 25 slowest tests:
-#   1. every test not marked `serial`, two processes side by side (pytest-xdist, `--dist loadfile`: a
+#   1. every test not marked `serial`, three processes side by side (pytest-xdist, `--dist loadfile`: a
 #      file's tests stay in one process, so its module-scoped servers start once; files are handed out
 #      longest first, the order tests/conftest.py LONGEST_FIRST gives them);
 #   2. the `serial` tests, alone on the machine: they diff all of /dev/shm, fill the per-uid message-queue
@@ -9,7 +9,9 @@
 #      time a stall.
 # Exits non-zero if either phase fails (both always run). Extra arguments go to pytest in both phases, so
 # `scripts/test.sh tests/test_x.py` runs that file's tests, each in its phase. SHMGATE_TEST_PROCESSES sets
-# phase 1's processes (default 2; 0 runs it in this process); SHMGATE_SKIP_LINT=1 skips the static checks.
+# phase 1's processes (default 3: on 2 cores many tests wait on servers, heartbeats and timeouts, and 3
+# finished in 5.5 min where 2 took 6.7; 0 runs it in this process); SHMGATE_SKIP_LINT=1 skips the
+# static checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh test,hf
@@ -21,7 +23,7 @@ fi
 
 # pytest's exit status 5 means "no tests collected": a phase with nothing selected (a file with no serial
 # tests) is not a failure, but both phases selecting nothing (a -k that matches no test) is pytest's 5.
-processes=${SHMGATE_TEST_PROCESSES:-2}
+processes=${SHMGATE_TEST_PROCESSES:-3}
 echo "== scripts/test.sh: tests that can share the machine, $processes processes"
 parallel=0
 .venv/bin/python -m pytest -q -n "$processes" --dist loadfile --no-loadscope-reorder -m "not serial" "$@" || parallel=$?

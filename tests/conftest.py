@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -7,6 +8,14 @@ import pytest
 
 from tests.hf_fixture import build_tiny_vlm
 from tests.serving import Server, start_server, stop_and_check
+
+# The servers the tests start share one uid's POSIX message-queue memory (RLIMIT_MSGQUEUE, 800 KB by
+# default, and raising it needs CAP_SYS_RESOURCE, which CI's container lacks). At the default depth of
+# 64 one server plans its queues to take nearly all of it, so the next server (another test process
+# under pytest-xdist) finds too little and cannot start. Shallow queues by default (a full queue only
+# makes a frontend wait for room, up to 10 s, so no test's outcome depends on the depth); a test that
+# is about depth or budget passes --queue-depth or sets its own limit.
+os.environ.setdefault("SHMGATE_QUEUE_DEPTH", "8")
 
 # The files that take longest (--durations=0 of a whole run, setup and teardown included), longest first.
 # scripts/test.sh hands files to its processes in collection order (--no-loadscope-reorder; pytest-xdist

@@ -137,11 +137,13 @@ def test_second_unit_under_the_same_uid_on_a_node_does_not_fit(tmp_path: Path) -
     if not uid_prefix():
         pytest.skip("needs a uid of its own (setpriv): root's queue budget is shared with everything else")
     with Pod("node-unit-1", SHM_BYTES, tmp_path) as first, Pod("node-unit-2", SHM_BYTES, tmp_path) as second:
-        one = first.run("gateway", gateway_argv(free_port(), label="u1", frontends=12))
+        # the default depth, named: the suite's servers default to shallow queues (tests/conftest.py)
+        full_depth = ["--queue-depth", "64"]
+        one = first.run("gateway", gateway_argv(free_port(), label="u1", frontends=12) + full_depth)
         # its queues exist once it logs that it listens (before its frontends start)
         wait_until(lambda: "listening on" in one.log() or not one.alive(), 60, "the first unit's queues")
         assert one.alive(), one.log()
-        two = second.run("gateway", gateway_argv(free_port(), label="u2", frontends=12))
+        two = second.run("gateway", gateway_argv(free_port(), label="u2", frontends=12) + full_depth)
         code = two.wait(60)
         one.kill()  # its frontends are not needed: its queues were the point
         assert code == 2, two.log()
