@@ -45,7 +45,7 @@ from gateway.stages import StageRecorder
 from shared.errors import ChannelFull, Overloaded, UnknownModel
 from shared.stages import Stage
 from shared.transport.base import FrontendLink, TensorCache
-from shared.vocabulary import DEAD_AFTER_S, SlotState, TensorGroup, now_ns
+from shared.vocabulary import SlotState, TensorGroup, now_ns
 from shared.wire import (
     INLINE_MAX_BYTES,
     MAX_SUBMIT_TEXT_CHARS,
@@ -187,10 +187,7 @@ class Frontend:
 
     def ready_workers(self, model: str) -> int:
         """How many workers serve ``model`` now (for /metrics; a scrape, not the request path)."""
-        segment = getattr(self.link, "segment", None)  # the POSIX link's; the in-memory link has none
-        if segment is None:
-            return int(self.link.has_live_worker(model))
-        return len(segment.live_workers(DEAD_AFTER_S, model))
+        return self.link.live_workers(model)
 
     def preprocessor_for(self, model: str) -> Preprocessor:
         """The preprocessor of the model a request names; UnknownModel (404) for one not served here."""

@@ -15,7 +15,7 @@ from tests.serving import Server, start_server, stop_and_check
 # under pytest-xdist) finds too little and cannot start. Shallow queues by default (a full queue only
 # makes a frontend wait for room, up to 10 s, so no test's outcome depends on the depth); a test that
 # is about depth or budget passes --queue-depth or sets its own limit.
-os.environ.setdefault("SHMGATE_QUEUE_DEPTH", "8")
+os.environ.setdefault("SHMGATE_QUEUE_DEPTH", "4")
 
 # The files that take longest (--durations=0 of a whole run, setup and teardown included), longest first.
 # scripts/test.sh hands files to its processes in collection order (--no-loadscope-reorder; pytest-xdist

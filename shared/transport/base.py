@@ -124,6 +124,9 @@ class FrontendLink(Protocol):
     def has_live_worker(self, model: str) -> bool:
         """Is some worker READY, beating and progressing for ``model``?"""
 
+    def live_workers(self, model: str) -> int:
+        """How many workers are READY, beating and progressing for ``model`` (for /metrics)."""
+
     def worker_alive(self, slot: int, epoch: int) -> bool:
         """Is worker ``slot`` still the process of ``epoch``, and alive?"""
 

@@ -309,7 +309,10 @@ class MemoryFrontendLink:
         return self.node.state == InstanceState.RUNNING
 
     def has_live_worker(self, model: str) -> bool:
-        return any(w.alive and w.state == SlotState.READY and w.model == model for w in self.node.workers)
+        return self.live_workers(model) > 0
+
+    def live_workers(self, model: str) -> int:
+        return sum(1 for w in self.node.workers if w.alive and w.state == SlotState.READY and w.model == model)
 
     def worker_alive(self, slot: int, epoch: int) -> bool:
         if slot >= len(self.node.workers):

@@ -103,6 +103,9 @@ class PosixFrontendLink:
     def has_live_worker(self, model: str) -> bool:
         return bool(self.segment.live_workers(DEAD_AFTER_S, model))
 
+    def live_workers(self, model: str) -> int:
+        return len(self.segment.live_workers(DEAD_AFTER_S, model))
+
     def worker_alive(self, slot: int, epoch: int) -> bool:
         seg = self.segment
         return seg.slot_alive(seg.workers, slot, DEAD_AFTER_S, epoch)
