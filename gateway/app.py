@@ -268,7 +268,14 @@ async def _tokenize(request: Request) -> Response:
         s.check_key(request)
         body = await read_body(request, options.max_body_bytes)
         return JSONResponse(
-            await tokenize(f.preprocessor_for, body, options.intake, options.image_urls, f.limits.max_pixels)
+            await tokenize(
+                f.preprocessor_for,
+                body,
+                options.intake,
+                options.image_urls,
+                f.limits.max_pixels,
+                f.images.decode_budget,
+            )
         )
     except ShmgateError as exc:
         return error_response(exc)

@@ -19,8 +19,10 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from gateway.decode_budget import DecodeBudget
 from gateway.fetch import FetchPolicy, fetch_pending
 from gateway.fields import with_image_options
+from gateway.imaging import predict
 from gateway.intake import (
     ChatCompletionRequest,
     ChatRequest,
@@ -78,8 +80,13 @@ async def tokenize(
     limits: IntakeLimits,
     policy: FetchPolicy,
     max_pixels: int,
+    decode_budget: DecodeBudget,
 ) -> dict[str, Any]:
-    """The ``/tokenize`` answer for ``body``. Raises ShmgateError subclasses (400s naming the field)."""
+    """The ``/tokenize`` answer for ``body``. Raises ShmgateError subclasses (400s naming the field).
+
+    Its images are decoded (their token counts follow their sizes) within the frontend's decode
+    memory budget, as the chat path's are: counting tokens is no way around ``--decode-memory-mb``.
+    """
     req = decode_body(_tokenize_decoder, body)
     pre = _tokenizing(preprocessor_for, req.model)
     if (req.messages is None) == (req.prompt is None):
@@ -96,11 +103,11 @@ async def tokenize(
         chat = with_image_options(chat, pre)
         if chat.pending_urls:
             chat = await fetch_pending(chat, policy)
-        tokens = await asyncio.to_thread(_chat_tokens, pre, chat, max_pixels)
+        tokens = await asyncio.to_thread(_chat_tokens, pre, chat, max_pixels, decode_budget)
     return {"count": len(tokens), "max_model_len": pre.max_prompt_tokens, "tokens": tokens}
 
 
-def _chat_tokens(pre: Preprocessor, chat: ChatRequest, max_pixels: int) -> list[int]:
+def _chat_tokens(pre: Preprocessor, chat: ChatRequest, max_pixels: int, decode_budget: DecodeBudget) -> list[int]:
     specs = []
     for i, (image, param) in enumerate(zip(chat.images, chat.image_params)):
         spec: dict[str, tuple[str, tuple[int, ...]]] = {}
@@ -110,7 +117,9 @@ def _chat_tokens(pre: Preprocessor, chat: ChatRequest, max_pixels: int) -> list[
             return np.empty(shape, dtype=dtype)
 
         try:
-            pre.preprocess_image(image_bytes(image), allocate, max_pixels=max_pixels, options=chat.image_options[i])
+            data = image_bytes(image)
+            with decode_budget.reserve(predict(data, max_pixels=max_pixels).peak_bytes):
+                pre.preprocess_image(data, allocate, max_pixels=max_pixels, options=chat.image_options[i])
         except ShmgateError as exc:
             exc.param = exc.param or param
             raise

@@ -324,3 +324,30 @@ def test_a_parsed_request_is_a_value_the_later_steps_copy() -> None:
         chat.n = 2  # type: ignore[misc]
     optioned = with_image_options(chat, ChecksumPreprocessor())
     assert optioned is not chat and chat.image_options == [] and len(optioned.image_options) == len(chat.images)
+
+
+def test_tokenize_decodes_its_images_within_the_decode_memory_budget(pre: HFPreprocessor) -> None:
+    """/tokenize decodes each image to count its tokens: under the same budget as the chat path, so an
+    image the frontend may not decode at once is a 413 naming it there too, and one that fits is counted."""
+    import asyncio
+    import base64
+
+    from gateway.decode_budget import DecodeBudget
+    from gateway.fetch import FetchPolicy
+    from gateway.tokenize import tokenize
+    from shared.errors import ImageTooLarge
+
+    photo = (Path(__file__).parent / "data" / "images" / "chelsea_1024.jpg").read_bytes()
+    url = "data:image/jpeg;base64," + base64.b64encode(photo).decode()
+    content = [{"type": "text", "text": "What is it?"}, {"type": "image_url", "image_url": {"url": url}}]
+    body = json.dumps({"model": pre.model, "messages": [{"role": "user", "content": content}]}).encode()
+
+    def count(budget: DecodeBudget) -> dict[str, Any]:
+        return asyncio.run(tokenize(lambda _model: pre, body, LIMITS, FetchPolicy(), 64 << 20, budget))
+
+    small = DecodeBudget(256 << 10, wait_s=0.1)  # 256 KiB: less than the photo's decode needs
+    with pytest.raises(ImageTooLarge) as refused:
+        count(small)
+    assert refused.value.param == "messages[0].content[1].image_url" and small.reserved_bytes == 0
+    roomy = DecodeBudget(512 << 20, wait_s=0.1)
+    assert count(roomy)["count"] > 0 and roomy.reserved_bytes == 0
