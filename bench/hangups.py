@@ -45,10 +45,11 @@ from tests.serving import Server, free_port, image_request, noise_png, shm_entri
 IMAGES = ROOT / "tests" / "data" / "images"
 
 
-def start(tree: Path, *extra: str) -> Server:
+def start(tree: Path, *extra: str, env: dict[str, str] | None = None) -> Server:
+    """``shmgate serve --model checksum`` of ``tree`` (one frontend, one worker), ready; ``env`` on top of ours."""
     port = free_port()
-    log_path = Path(f"/tmp/shmgate-hangups-{port}.log")
-    env = dict(os.environ, PYTHONPATH=str(tree))
+    log_path = Path(f"/tmp/shmgate-bench-{port}.log")
+    env = dict(os.environ, PYTHONPATH=str(tree), **(env or {}))
     process = subprocess.Popen(
         [
             sys.executable,

@@ -33,7 +33,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.serving import Server, free_port  # noqa: E402
+from bench.hangups import start  # noqa: E402
 
 IMAGES = ROOT / "tests" / "data" / "images"
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -85,34 +85,8 @@ def run(tree: Path, requests: int, extra: list[str], env: dict[str, str]) -> tup
 
 
 def _run(tree: Path, requests: int, extra: list[str], env: dict[str, str]) -> tuple[float, float]:
-    port = free_port()
-    log_path = Path(f"/tmp/shmgate-tracing-cost-{port}.log")
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gateway",
-            "serve",
-            "--port",
-            str(port),
-            "--model",
-            "checksum",
-            "--frontends",
-            "1",
-            "--workers",
-            "1",
-            "--arena-size",
-            "128MiB",
-            *extra,
-        ],
-        cwd=tree,
-        env=dict(os.environ, PYTHONPATH=str(tree), **env),
-        stdout=open(log_path, "wb"),
-        stderr=subprocess.STDOUT,
-    )
-    server = Server(process, port, "checksum", log_path)
+    server = start(tree, *extra, env=env)
     try:
-        server.wait_ready()
         bench = [
             sys.executable,
             "-m",
