@@ -35,6 +35,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -277,7 +278,21 @@ async def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
     return results
 
 
+def add_variant(spec: str) -> None:
+    """``NAME=FLAGS``: shmgate with extra serve flags as one more server, compared with plain shmgate."""
+    name, sep, flags = spec.partition("=")
+    if not sep or not name or name in SERVERS:
+        raise SystemExit(f"--variant {spec!r}: give NAME=FLAGS with a new NAME")
+    SERVERS[name] = Server(SHMGATE + tuple(shlex.split(flags)), "/ready", (MISS, HIT))
+    RATIOS.append(((name, MISS), ("shmgate", MISS), f"{name} miss / shmgate miss"))
+    RATIOS.append(((name, MISS), ("decode-floor", MISS), f"{name} miss / decode floor"))
+    RATIOS.append(((name, HIT), ("shmgate", HIT), f"{name} hit / shmgate hit"))
+
+
 def runnable(name: str, args: argparse.Namespace) -> bool:
+    if name not in SERVERS:
+        print(f"skipping {name}: not a server (give it with --variant {name}=FLAGS)", file=sys.stderr)
+        return False
     server = SERVERS[name]
     if name.startswith("shmgate-base") and args.base is None:
         print(f"skipping {name}: give --base DIR (a checkout of the commit to compare with)", file=sys.stderr)
@@ -343,7 +358,7 @@ def tables(results: list[dict[str, Any]], concurrencies: list[int]) -> str:
         out.append(render_table(columns, ratio_rows))
     split_rows = []
     for (server, load, c), rounds in by_key.items():
-        if server.startswith("shmgate"):
+        if any("frontend_ms" in r for r in rounds.values()):
             split_rows.append(
                 [
                     server,
@@ -382,8 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--server",
         action="append",
-        choices=sorted(SERVERS),
-        help=f"repeatable, in this order; default: {', '.join(DEFAULT_SERVERS)} (+ shmgate-base with --base)",
+        help=f"repeatable, one of {', '.join(sorted(SERVERS))} or a --variant's NAME, "
+        f", in this order; default: {', '.join(DEFAULT_SERVERS)} (+ shmgate-base with --base)",
     )
     # A venv made once serves every checkout: worktrees need not each run bench/setup_litserve.sh.
     parser.add_argument(
@@ -398,7 +413,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=None, help="default: 1 8 32")
     parser.add_argument("--quick", action="store_true", help="a smoke check: 1 round, c=8, 48 requests")
     parser.add_argument("--json", type=Path, default=None, help="also write every measured point as JSON lines")
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="repeatable: also run `shmgate serve --model checksum FLAGS` as server NAME (e.g. "
+        "'one-frontend=--frontends 1'), with its ratios to shmgate",
+    )
     args = parser.parse_args(argv)
+    for spec in args.variant:
+        add_variant(spec)
     if args.base is not None:
         args.base = args.base.resolve()
     args.server = args.server or DEFAULT_SERVERS + (["shmgate-base"] if args.base else [])
