@@ -12,8 +12,9 @@ Life of a tensor group (one image's tensors):
               checked by generation before and after) -> private, not indexed
     release-> holds - 1; at 0 an indexed group becomes evictable (LRU order),
               a private group is freed at once
-    evict  -> when an allocation does not fit: the least recently used unheld
-              group is removed from the index first, then freed
+    evict  -> when an allocation does not fit, or when publishing would take this
+              frontend past its quota of the shared index: the least recently used
+              unheld group is removed from the index first, then freed
 
 Placement is one step at a time: a decode thread's allocation and the evictions it
 needs run under one process-local lock. Without it, a thread that had taken the last
@@ -79,6 +80,9 @@ class ContentCache:
         self._shares: dict[int, int] = {}
         self._owner: dict[int, int] = {}  # id(group) -> the model row that placed it (shares only)
         self._owned: collections.Counter[int] = collections.Counter()  # partition bytes per model row
+        # Our share of the shared index, at most half of it for all frontends together: linear probing
+        # within MAX_PROBE slots then rarely finds a neighbourhood full (shared/cache_index.py).
+        self.index_quota = max(1, index.capacity // (2 * partition.segment.layout.n_frontends))
 
     def set_shares(self, shares: Mapping[int, float]) -> None:
         """Give models (by model-table row) a share of this partition (0..1]: a model's images are evicted
@@ -197,7 +201,7 @@ class ContentCache:
             self._held_bytes += _group_nbytes(group)
         if key is not None:
             self.stats.misses += 1
-            self._publish(group)
+            self._publish(group, owner)
         return group
 
     def acquire_private(self, make: Callable[[AllocateFn], None], *, owner: int = -1) -> TensorGroup:
@@ -211,10 +215,12 @@ class ContentCache:
                 self._owner[id(group)] = owner
         return group
 
-    def _publish(self, group: TensorGroup) -> None:
+    def _publish(self, group: TensorGroup, owner: int = -1) -> None:
         assert group.key is not None
         entry = IndexEntry(group.key, self.partition.slot, self._epoch, tuple(group.refs))
         try:
+            if not self._index_room(owner):
+                return  # every entry of ours is held: private to this request, as when the index is busy
             with self._index_lock.hold(self._lock_timeout_s):
                 inserted = self._index.insert(entry)
         except Overloaded:
@@ -223,6 +229,21 @@ class ContentCache:
             with self._mutex:
                 group.indexed = True
                 self._groups[group.key] = group
+
+    def _index_room(self, owner: int) -> bool:
+        """Keep our index entries under ``index_quota`` by evicting our least recently used; False when
+        every one of them is held.
+
+        Why: the index is shared and fixed in size, and an entry leaves it only when its tensors are
+        evicted, which happens when the partition is full. Small tensors (a 150 KB uint8 image) fill the
+        index long before the partition: with no bound, the first few thousand distinct images filled it
+        and every later image was decoded and never cached again, however often it was sent.
+        """
+        while len(self._groups) >= self.index_quota:
+            with self._placing:  # evictions run one at a time, as an allocation's do (module docstring)
+                if not self._evict_one(owner):
+                    return False
+        return True
 
     def _copy_remote(self, key: bytes, owner: int = -1) -> TensorGroup | None:
         with self._index_lock.hold(self._lock_timeout_s):

@@ -14,7 +14,11 @@ entry of the old epoch reads as a miss even before the successor purges them.
 
 Open addressing with linear probing, bounded to ``MAX_PROBE`` slots: a full
 neighbourhood makes an insert fail (the image is simply not cached), never a
-long scan. Removed entries become tombstones, reused by later inserts.
+long scan. Removed entries become tombstones, reused by later inserts. Each
+frontend keeps its own entries within its quota of half the table
+(shared/cache.py ``index_quota``), so the table stays at most half full and a
+failed insert stays rare: a full table would refuse every new image for good,
+however much of the arena is free.
 """
 
 from __future__ import annotations
@@ -104,6 +108,11 @@ class CacheIndex:
     def in_segment(cls, segment: MappedSegment) -> CacheIndex:
         layout = segment.layout
         return cls(np.frombuffer(segment.mm, ENTRY, layout.index_capacity, layout.index_offset))
+
+    @property
+    def capacity(self) -> int:
+        """Slots in the table (a power of two)."""
+        return len(self._table)
 
     def _probe(self, key: bytes) -> range:
         start = int.from_bytes(key[:8], "little") & self._mask

@@ -95,7 +95,7 @@ class Instance:
         n_workers: int,
         label: str = "default",
         queue_depth: int = 64,
-        index_capacity: int = 4096,
+        index_capacity: int = 0,  # 0: sized from the arena (shared/segment.py index_capacity_for)
         instance_id: str | None = None,
         stall_timeout_s: float = 0.0,
         model: str = "",

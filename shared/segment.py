@@ -222,6 +222,22 @@ class Layout:
         return self.data_offset + self.partition_size * self.n_frontends
 
 
+
+INDEX_SLOT_PER_ARENA_BYTES = 32 << 10  # one index slot per 32 KiB of arena: room for small images too
+MIN_INDEX_CAPACITY, MAX_INDEX_CAPACITY = 4096, 65536
+
+
+def index_capacity_for(arena_size: int) -> int:
+    """The content index's slots for an arena: a power of two, one per 32 KiB, 4,096 to 65,536.
+
+    Why: an image is cached only while it has an index entry, and the frontends together fill at most
+    half of the index (shared/cache.py ``index_quota``). A fixed 4,096 slots capped a 1 GiB arena at
+    2,048 cached images of any size; one slot per 32 KiB lets the arena, not the index,
+    bound how many small images stay cached. An entry is 432 bytes: 14 MiB for 1 GiB of arena.
+    """
+    wanted = max(1, arena_size // INDEX_SLOT_PER_ARENA_BYTES)
+    return min(MAX_INDEX_CAPACITY, max(MIN_INDEX_CAPACITY, 1 << (wanted - 1).bit_length()))
+
 class Segment:
     """One mapped arena segment plus numpy views of its tables.
 
@@ -270,11 +286,15 @@ class Segment:
         arena_size: int,
         n_frontends: int,
         n_workers: int,
-        index_capacity: int = 4096,
+        index_capacity: int = 0,
         label: str = "default",
         stall_timeout_s: float = 0.0,
     ) -> Segment:
-        """Create and initialise the segment (owner only). Raises SetupError."""
+        """Create and initialise the segment (owner only). Raises SetupError.
+
+        ``index_capacity``: the content index's slots, a power of two; 0 sizes it from the arena
+        (``index_capacity_for``)."""
+        index_capacity = index_capacity or index_capacity_for(arena_size)
         if n_frontends < 1 or n_workers < 1:
             raise SetupError("an instance needs at least one frontend slot and one worker slot")
         if index_capacity & (index_capacity - 1):
