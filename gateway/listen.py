@@ -9,7 +9,8 @@ A frontend that dies loses only the connections it had accepted: the queue belon
 and the kernel picks a listening socket for each new connection by a hash of its addresses and
 ports. The supervisor still binds first, with ``SO_REUSEPORT`` too, so a port already taken fails
 ``serve`` at once and ``--port 0`` learns its port, but it never listens: a bound socket reserves
-the port and takes no connection. A frontend binds before its app starts and listens only after
+the port and takes no connection. A second server of the same uid could bind beside it, so the
+supervisor also refuses a port where some socket already listens (``_refuse_a_listener``). A frontend binds before its app starts and listens only after
 the app's start-up (uvicorn's ``startup`` runs the lifespan, then ``create_server`` listens), so a
 frontend still starting takes none. A frontend that dies takes its socket out of the kernel's
 choice at once, and with it the connections waiting in its accept queue: those are reset unless
@@ -73,10 +74,31 @@ def bind_supervisor(host: str, port: int, mode: str) -> tuple[socket.socket, str
         sock = _bound(host, port, reuseport=mode == "reuseport")
     except OSError as exc:
         raise SetupError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
+    if mode == "reuseport":
+        try:
+            _refuse_a_listener(host, sock.getsockname()[1])
+        except BaseException:
+            sock.close()
+            raise
     if mode == "shared":
         sock.listen(BACKLOG)
         sock.set_inheritable(True)
     return sock, mode
+
+
+def _refuse_a_listener(host: str, port: int) -> None:
+    """Raise SetupError when some socket already listens on ``port``.
+
+    ``SO_REUSEPORT`` lets every socket of the same uid bind the port, so a second ``serve`` on the
+    same port would bind too and split the connections with the first. A socket with ``SO_REUSEADDR``
+    alone can bind beside bound sockets that do not listen (ours, and connections in TIME_WAIT) but
+    not beside a listening one, so binding one tells. (It cannot tell while the other server has no
+    frontend listening, in the seconds its frontends start.)
+    """
+    try:
+        _bound(host, port, reuseport=False).close()
+    except OSError as exc:
+        raise SetupError(f"cannot listen on {host}:{port}: {exc.strerror} (another server listens there)") from exc
 
 
 def bind_frontend(host: str, port: int) -> socket.socket:

@@ -27,6 +27,7 @@ import pytest
 from gateway import listen
 from gateway.cli import _frontend_argv, build_parser
 from gateway.listen import bind_frontend, bind_supervisor
+from shared.errors import SetupError
 from tests.serving import Server, expected_checksum, image_request, noise_png, start_server, stop_and_check, wait_until
 
 GUARD_S = 60.0
@@ -72,6 +73,21 @@ def test_the_supervisors_socket_reserves_the_port_and_each_frontends_takes_a_sha
     finally:
         for sock in [reserved, *frontends]:
             sock.close()
+
+
+def test_a_port_another_server_listens_on_is_refused_though_it_has_so_reuseport_too() -> None:
+    first, _ = bind_supervisor("127.0.0.1", 0, "reuseport")
+    port = first.getsockname()[1]
+    with first, bind_frontend("127.0.0.1", port) as listening:
+        listening.listen(16)  # the first server serves: a second one must not split its connections
+        with pytest.raises(SetupError, match="another server listens there"):
+            bind_supervisor("127.0.0.1", port, "reuseport")
+    with socket.socket() as plain:  # any other server on the port
+        plain.bind(("127.0.0.1", 0))
+        plain.listen(1)
+        for mode in ("reuseport", "shared"):
+            with pytest.raises(SetupError):
+                bind_supervisor("127.0.0.1", plain.getsockname()[1], mode)
 
 
 def test_a_restarted_frontend_binds_the_port_again() -> None:
