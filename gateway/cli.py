@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from gateway.cli_flags import DEFAULT_STALL_TIMEOUT_S, HF_STALL_TIMEOUT_S, add_gateway_flags, add_worker_flags
 from gateway.config_checks import ConfigError, check_device
+from gateway.listen import bind_frontend, bind_supervisor
 from gateway.node_config import (
     ModelConfig,
     NodeConfigError,
@@ -116,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     frontend = sub.add_parser("frontend")
     frontend.add_argument("--instance", required=True, help=argparse.SUPPRESS)
     frontend.add_argument("--slot", type=int, required=True, help=argparse.SUPPRESS)
-    frontend.add_argument("--fd", type=int, required=True, help=argparse.SUPPRESS)
+    # The shared listening socket's descriptor (--listen shared); without it the frontend binds its own.
+    frontend.add_argument("--fd", type=int, default=None, help=argparse.SUPPRESS)
     add_gateway_flags(frontend)
     return parser
 
@@ -230,12 +232,12 @@ def declared_models(args: argparse.Namespace) -> list[ModelConfig]:
 
 
 # Gateway flags a frontend child does not get on its command line: the API key reaches it in its
-# environment (argv is visible in ps); the rest are the supervisor's (the socket is passed as --fd).
+# environment (argv is visible in ps); the rest are the supervisor's. --host and --port are
+# forwarded (the port the supervisor bound, when --port 0): a frontend that listens on its own
+# socket (--listen reuseport) binds them; with a shared socket it gets the descriptor (--fd).
 _NOT_FORWARDED = frozenset(
     {
         "api_key",
-        "host",
-        "port",
         "frontends",
         "arena_size",
         "max_workers",
@@ -248,17 +250,18 @@ _NOT_FORWARDED = frozenset(
 
 
 def fill_allowed_hosts(args: argparse.Namespace) -> None:
-    """Set ``--allowed-hosts``, when not given, to the default for ``--host``: decided in the supervisor,
-    because the frontends are not told ``--host`` (_NOT_FORWARDED) and would assume loopback."""
+    """Set ``--allowed-hosts``, when not given, to the default for ``--host``: decided once, in the
+    supervisor, and forwarded to the frontends with the other flags."""
     if not args.allowed_hosts:
         from gateway.guards import default_allowed_hosts
 
         args.allowed_hosts = ",".join(default_allowed_hosts(args.host))
 
 
-def _frontend_argv(args: argparse.Namespace, instance_id: str, slot: int, fd: int) -> list[str]:
+def _frontend_argv(args: argparse.Namespace, instance_id: str, slot: int, fd: int | None) -> list[str]:
     """The frontend child's command: every gateway flag but _NOT_FORWARDED, read off the parser, so a
-    new flag reaches the frontends without a second list to keep in step."""
+    new flag reaches the frontends without a second list to keep in step. ``fd``: the shared
+    listening socket; None, the frontend binds its own (``--listen reuseport``)."""
     return [
         sys.executable,
         "-m",
@@ -268,8 +271,7 @@ def _frontend_argv(args: argparse.Namespace, instance_id: str, slot: int, fd: in
         instance_id,
         "--slot",
         str(slot),
-        "--fd",
-        str(fd),
+        *(["--fd", str(fd)] if fd is not None else []),
         *forward(args, add_gateway_flags, skip=_NOT_FORWARDED),
     ]
 
@@ -425,14 +427,10 @@ def _run_supervised(args: argparse.Namespace, *, with_workers: bool, started_at:
     n_frontends = args.frontends or usable_cpus()
     n_workers = len(_worker_plan(args)[0]) if with_workers else 0
     n_worker_slots = _worker_slots(args.max_workers, n_workers, with_workers=with_workers)
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((args.host, args.port))
-    except OSError as exc:
-        raise SetupError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from exc
-    sock.listen(2048)
-    sock.set_inheritable(True)
+    # reuseport: bound, not listening; the frontends listen on sockets of their own (gateway/listen.py)
+    sock, args.listen = bind_supervisor(args.host, args.port, args.listen)
+    args.port = sock.getsockname()[1]  # the kernel's choice for --port 0
+    shared_fd = sock.fileno() if args.listen == "shared" else None
     instance = Instance.create(
         arena_size=args.arena_size,
         n_frontends=n_frontends + getattr(args, "spare_frontend_slots", 0),
@@ -453,9 +451,9 @@ def _run_supervised(args: argparse.Namespace, *, with_workers: bool, started_at:
         ChildProcess(
             "frontend",
             k,
-            _frontend_argv(args, instance_id, k, sock.fileno()),
+            _frontend_argv(args, instance_id, k, shared_fd),
             child_env(secrets_env),
-            pass_fds=(sock.fileno(),),
+            pass_fds=(shared_fd,) if shared_fd is not None else (),
         )
         for k in range(n_frontends)
     ]
@@ -597,8 +595,10 @@ def _run_frontend(args: argparse.Namespace) -> int:
     )
     # uvicorn's own fd= support wraps the descriptor as AF_UNIX, so accepted connections
     # would miss asyncio's TCP_NODELAY and keep-alive clients would hit Nagle + delayed-ACK
-    # stalls of 40 ms. Wrapping it with its real family avoids that.
-    sock = socket.socket(fileno=args.fd)
+    # stalls of 40 ms. Wrapping it with its real family avoids that. Without --fd the frontend
+    # binds a socket of its own (--listen reuseport), which uvicorn listens on after the
+    # lifespan's start-up: a frontend still starting takes no connection.
+    sock = socket.socket(fileno=args.fd) if args.fd is not None else bind_frontend(args.host, args.port)
     config = uvicorn.Config(
         create_app(options),
         # a bounded request head, slow clients cut, a cap on connections (gateway/http_limits.py)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from gateway.listen import LISTEN_MODES
 from shared import flag_types
 from shared.flags import add_batching_flags, add_flag
 from shared.models import KNOWN_SPECS
@@ -46,6 +47,16 @@ def _server_flags(server: argparse._ArgumentGroup) -> None:
         "HTTP frontend processes; auto: the CPUs this process may use (cgroup limit, affinity, cores)",
         default="auto",
         type=flag_types.auto_count,
+    )
+    add_flag(
+        server,
+        "--listen",
+        "shared: the frontends accept from one listening socket; reuseport: each frontend listens "
+        "on its own socket on the same port (SO_REUSEPORT) and the kernel spreads new connections "
+        "over the live ones (docs/DEPLOY.md)",
+        default="shared",
+        type=flag_types.choice(*LISTEN_MODES),
+        metavar="{" + ",".join(LISTEN_MODES) + "}",
     )
     add_flag(
         server,
