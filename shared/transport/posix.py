@@ -17,7 +17,7 @@ import numpy as np
 from shared.arena import Partition, recheck, validate
 from shared.cache import ContentCache
 from shared.channels import AsyncQueueReader, AsyncSender, Queue
-from shared.errors import Overloaded
+from shared.errors import ChannelFull, Overloaded
 from shared.instance import Instance, instance_alive
 from shared.locks import HolderKind
 from shared.segment import Heartbeat, LockId, own_pidns
@@ -37,6 +37,7 @@ from shared.wire import Cancel, Submit, TensorRef
 __all__ = ["PosixFrontendLink", "PosixNodeStats", "PosixSupervisorLink", "PosixWorkerLink"]
 
 
+FULL_REPLY_QUEUE_S = 5.0  # how long a worker sends to a reply queue that stayed full without waiting
 LIVE_ANSWER_TTL_S = 0.05  # how long a frontend trusts "this model has a live worker" (has_live_worker)
 
 
@@ -177,6 +178,7 @@ class PosixWorkerLink:
         self._requests: Queue | None = None
         self._control: Queue | None = None
         self._replies: dict[int, Queue] = {}  # by frontend slot
+        self._full_until: dict[int, float] = {}  # frontend slot -> until when its reply queue is not waited on
 
     def claim(self, model: str) -> tuple[int, int]:
         self.slot, self.epoch = self.instance.claim_worker_slot(model)
@@ -248,7 +250,25 @@ class PosixWorkerLink:
         return self.segment.layout.n_frontends
 
     def send_reply(self, frontend_slot: int, message: object, timeout_s: float) -> None:
-        self._replies[frontend_slot].send(message, timeout_s)
+        """Send, waiting up to ``timeout_s`` for room, except to a queue that stayed full for a whole wait in
+        the last FULL_REPLY_QUEUE_S: that one is tried once, without waiting (ChannelFull at once).
+
+        Why: a frontend SIGKILLed with its supervisor reads no more, but looks alive until its heartbeat
+        ages (its pid may linger as a zombie), so every reply to it waited the full timeout: a worker
+        stopping after its supervisor's death sent a few replies per request of its last batches and
+        outlived the supervisor by over 10 s under load. A frontend that starts reading again gets its
+        replies at once, and waited on again.
+        """
+        now = time.monotonic()
+        if self._full_until.get(frontend_slot, 0.0) > now:
+            timeout_s = 0.0
+        try:
+            self._replies[frontend_slot].send(message, timeout_s)
+        except ChannelFull:
+            if timeout_s > 0:
+                self._full_until[frontend_slot] = now + FULL_REPLY_QUEUE_S
+            raise
+        self._full_until.pop(frontend_slot, None)
 
     def frontend_alive(self, frontend_slot: int) -> bool:
         seg = self.segment
