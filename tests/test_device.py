@@ -8,17 +8,26 @@ show (a real registration, the DMA, the stream-ordering) is tests/test_gpu.py's,
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import mmap
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
 
 from shared.wire import INLINE_TENSOR, TensorRef
 from worker.cudart import SUCCESS, find_libcudart
-from worker.device import DeviceCopier, HostRegistrations, check_device, pick_device
+from worker.device import DeviceCopier, HostRegistrations, check_device, host_copy, pick_device
 
+REPO = Path(__file__).resolve().parent.parent
 ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
 INVALID_VALUE = 1
 
@@ -214,6 +223,76 @@ def test_the_prompt_stays_on_the_host_and_only_tensors_are_copied(arena: mmap.mm
     assert copy.host[INLINE_TENSOR][0].numpy().tobytes() == b"\x07\x00\x00\x00"
     assert copy.tensors[0].flatten().tolist() == list(range(12))
     copier.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bool, torch.bfloat16, torch.float16, torch.int64])
+@pytest.mark.parametrize("shape", [(), (0,), (3, 4), (2, 0, 5), (3, 224, 224)])
+def test_a_host_copy_is_an_equal_tensor_of_its_own(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    view = (torch.rand(shape) * 100).to(dtype)
+    copy = host_copy(view)
+    assert copy.dtype == view.dtype and copy.shape == view.shape and torch.equal(copy, view)
+    if view.numel():
+        assert copy.data_ptr() != view.data_ptr()
+
+
+def _sleeps_while_a_thread_copies(copy: Callable[[torch.Tensor], torch.Tensor], view: torch.Tensor) -> int:
+    """Voluntary context switches of the process's other threads while a new thread (as the prefetch thread
+    is) copies ``view`` 20 times, 1 ms apart (as requests come): 20 of them are that thread's own sleeps."""
+    counts: list[int] = []
+    me = threading.get_native_id()
+
+    def switches() -> int:
+        total = 0
+        for task in Path("/proc/self/task").iterdir():
+            if task.name == str(me):
+                continue  # the test's thread, waiting for the copier
+            with contextlib.suppress(OSError):
+                status = (task / "status").read_text()
+                total += next(int(line.split()[1]) for line in status.splitlines() if line.startswith("voluntary_ctxt"))
+        return total
+
+    def body() -> None:
+        copy(view)  # the first call may start an OpenMP team
+        time.sleep(0.01)
+        before = switches()
+        for _ in range(20):
+            copy(view)
+            time.sleep(0.001)
+        counts.append(switches() - before)
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join()
+    return counts[0]
+
+
+def _sleeps_per_copier(arena: mmap.mmap) -> dict[str, int]:
+    copier = DeviceCopier(torch.device("cpu"), arena)
+    view = copier.views([_ref(0, 3 * 224 * 224, "pixels", (3, 224, 224))])[0]
+    counts = {"clone": _sleeps_while_a_thread_copies(torch.Tensor.clone, view)}
+    counts["host_copy"] = _sleeps_while_a_thread_copies(host_copy, view)
+    del view
+    copier.close()
+    return counts
+
+
+def test_a_host_copy_in_a_thread_wakes_no_other_thread() -> None:
+    """torch's clone of a photo-sized tensor splits over the calling thread's OpenMP team: in the worker's
+    prefetch thread, a team of its own, woken on every copy. The host copy is one thread's memcpy.
+
+    In a process with the worker's OpenMP settings (worker/__main__.py: passive waits), two intra-op threads.
+    """
+    script = (
+        "import json, mmap; from tests.test_device import _sleeps_per_copier; "
+        "print(json.dumps(_sleeps_per_copier(mmap.mmap(-1, 1 << 20))))"
+    )
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "2", "PYTHONPATH": str(REPO)}
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120, check=True
+    )
+    counts = json.loads(out.stdout.strip().splitlines()[-1])
+    assert counts["clone"] >= 30, counts  # the control: torch's clone wakes a thread per copy here
+    assert counts["host_copy"] <= 23, counts  # the copying thread's own 20 sleeps, and rarely another thread's
 
 
 def test_a_host_view_keeps_the_mapping_alive(arena: mmap.mmap) -> None:
