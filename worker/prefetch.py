@@ -20,7 +20,6 @@ Rules this keeps:
 from __future__ import annotations
 
 import os
-import queue
 import threading
 from collections.abc import Callable
 from typing import Generic, TypeVar
@@ -36,10 +35,14 @@ class Prefetcher(Generic[T]):
     def __init__(self, produce: Callable[[], T | None], *, name: str = "prefetch") -> None:
         """``produce()`` returns the next item, or None when there was nothing to do (it is called again)."""
         self._produce = produce
-        self._ready: queue.Queue[T] = queue.Queue(maxsize=1)
-        self._credit = threading.Semaphore(1)  # 1: the hand-off is free and nothing is being produced
-        self._stop = threading.Event()
-        self._waiting = threading.Event()  # the consumer is in get(): it has nothing to run
+        # The hand-off is two plain locks, each waited on in C: one acquire or release per side and
+        # item, where a queue.Queue, a Semaphore and an Event each run a Condition's Python code per call.
+        self._item: T | None = None  # the prepared item, while ``_filled`` is released
+        self._filled = threading.Lock()
+        self._filled.acquire()  # released: ``_item`` holds an item for the consumer
+        self._credit = threading.Lock()  # free: the hand-off is free and nothing is being produced
+        self._stop = False
+        self._waiting = False  # the consumer is in get(): it has nothing to run
         self._wake_r, self._wake_w = os.pipe()  # a byte each time the consumer starts waiting
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -64,39 +67,37 @@ class Prefetcher(Generic[T]):
     @property
     def consumer_busy(self) -> bool:
         """True while the consumer works on an item it took (the producer may keep gathering)."""
-        return not self._waiting.is_set()
+        return not self._waiting
 
     def get(self, timeout_s: float) -> T | None:
         """The next prepared item, or None after ``timeout_s``. Re-raises the producer's exception."""
-        if not self._waiting.is_set():
-            self._waiting.set()
+        if not self._waiting:
+            self._waiting = True
             self._wake()
-        try:
-            item = self._ready.get(timeout=timeout_s)
-        except queue.Empty:
+        if not self._filled.acquire(timeout=timeout_s):
             if self._error is not None:
                 raise self._error from None
             return None
-        self._waiting.clear()
+        item, self._item = self._item, None
+        self._waiting = False
         self._credit.release()  # the consumer holds it now: prepare the next one
         return item
 
     def stop(self) -> None:
         """Ask the thread to stop after the item it is producing (which is still handed over)."""
-        self._stop.set()
+        self._stop = True
 
     def drain(self, timeout_s: float) -> list[T]:
         """Stop, wait up to ``timeout_s`` for the thread, and return the items nobody took."""
         self.stop()
-        self._waiting.set()  # nobody is busy any more: a producer holding a batch open cuts it now
+        self._waiting = True  # nobody is busy any more: a producer holding a batch open cuts it now
         self._wake()
         self._thread.join(timeout_s)
-        left = []
-        while True:
-            try:
-                left.append(self._ready.get_nowait())
-            except queue.Empty:
-                return left
+        if not self._filled.acquire(blocking=False):
+            return []
+        item, self._item = self._item, None
+        assert item is not None
+        return [item]
 
     def close(self) -> None:
         """Close the wake pipe; after ``drain`` (the thread no longer reads it)."""
@@ -109,13 +110,14 @@ class Prefetcher(Generic[T]):
 
     def _loop(self) -> None:
         try:
-            while not self._stop.is_set():
+            while not self._stop:
                 if not self._credit.acquire(timeout=_CREDIT_POLL_S):
                     continue
                 item = self._produce()
                 if item is None:
                     self._credit.release()
                     continue
-                self._ready.put_nowait(item)  # never full: the credit says the consumer took the last one
+                self._item = item  # the slot is empty: the credit says the consumer took the last one
+                self._filled.release()
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which decides (worker/main.py: die)
             self._error = exc
