@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import select
 import threading
+import time
 
 import pytest
 
@@ -109,3 +110,64 @@ def test_drain_returns_a_prepared_item_nobody_took() -> None:
     assert prefetcher.drain(HANG_S) == [1]
     assert prefetcher.drain(HANG_S) == []  # taken once
     prefetcher.close()
+
+
+def test_while_the_consumer_is_idle_the_next_item_is_collected_before_the_last_is_taken() -> None:
+    """An idle consumer takes what is in the slot at once: the producer goes on without waiting for that
+    (a sleep per item it would otherwise spend), and never holds more than that item and one more."""
+    producer = Steered()
+    prefetcher = Prefetcher(producer)
+    assert prefetcher.get(0.01) is None  # the consumer waits: it is idle
+    prefetcher.start()
+    _wait_for_calls(producer, 2)  # item 1 sits in the slot, untaken, and item 2 is collected beside it
+    assert not producer.calls.acquire(timeout=0.05)  # but no third: item 2 waits for the slot
+    assert producer.started == 2
+    assert prefetcher.consumer_busy  # item 1 is the consumer's next: a batch being collected now is held
+    assert prefetcher.get(HANG_S) == 1  # the consumer runs item 1 now (busy): item 2 takes the slot
+    _wait_for_calls(producer, 0)
+    assert prefetcher.get(HANG_S) == 2
+    prefetcher.drain(HANG_S)
+    prefetcher.close()
+
+
+def test_drain_takes_what_a_producer_finished_beside_an_untaken_item() -> None:
+    producer = Steered()
+    prefetcher = Prefetcher(producer)
+    assert prefetcher.get(0.01) is None
+    prefetcher.start()
+    _wait_for_calls(producer, 2)
+    assert prefetcher.drain(HANG_S) == [1, 2]  # the second was waiting for the slot: not dropped
+
+
+def _producer_sleeps_per_item(items: int) -> float:
+    """Voluntary context switches of the producer thread per item, handing to a consumer that is always
+    waiting; each item costs the producer one sleep of its own (1 ms, as a message's arrival would)."""
+    tids: list[int] = []
+
+    def produce() -> int | None:
+        if not tids:
+            tids.append(threading.get_native_id())
+        time.sleep(0.001)
+        return 1
+
+    def switches() -> int:
+        with open(f"/proc/self/task/{tids[0]}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
+
+    prefetcher = Prefetcher(produce)
+    assert prefetcher.get(0.01) is None
+    prefetcher.start()
+    for _ in range(5):
+        assert prefetcher.get(HANG_S) == 1
+    before = switches()
+    for _ in range(items):
+        assert prefetcher.get(HANG_S) == 1
+    sleeps = switches() - before
+    prefetcher.drain(HANG_S)
+    prefetcher.close()
+    return sleeps / items
+
+
+def test_handing_to_an_idle_consumer_costs_the_producer_no_sleep_of_its_own() -> None:
+    # 1 per item is the producer's own sleep; waiting for the credit after each hand-off made it 2
+    assert _producer_sleeps_per_item(100) < 1.5
