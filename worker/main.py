@@ -20,10 +20,10 @@ Liveness: a heartbeat thread stamps the worker's slot row ("the process
 exists"); ``progress_ns`` is stamped only by the main loop, per turn (at most
 every ``LOOK_EVERY_S``), per batch, per backend event and per decode step
 (worker/health.py), so the supervisor can tell a turning loop from a stuck one
-and replace the stuck one. A worker that
-finds its slot marked DEAD or taken over exits at once (from the heartbeat
-thread, whatever the main thread is stuck in): in another container, where the
-supervisor cannot signal it, that is how a wedged worker is replaced.
+and replace the stuck one. A worker that finds its slot marked DEAD or taken
+over exits at once (from the heartbeat thread, whatever the main thread is
+stuck in): in another container, where the supervisor cannot signal it, that is
+how a wedged worker is replaced.
 
 One request's data never kills the worker: a descriptor that does not decode,
 does not validate, or makes the copy raise fails that request alone. A sticky
