@@ -120,7 +120,15 @@ class Queue:
             raise ChannelFull("a message channel stayed full; the receiver is not keeping up") from exc
 
     def try_receive(self) -> Any | None:
-        """Receive without waiting. None when empty. Raises msgspec.DecodeError for a malformed message."""
+        """Receive without waiting. None when empty. Raises msgspec.DecodeError for a malformed message.
+
+        An empty queue is told by its attributes first: a ``receive(0)`` of an empty queue (a timed
+        receive whose time is up) costs ~16 µs of CPU here against ~0.3 µs for the attribute read,
+        and nearly every drain of a reply or control queue ends on an empty one. A message that arrives just after the
+        look is left for the next drain (the descriptor stays readable).
+        """
+        if not self._mq.current_messages:
+            return None
         try:
             data, _ = self._mq.receive(0)
         except posix_ipc.BusyError:

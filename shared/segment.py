@@ -489,9 +489,12 @@ class Segment:
 
     def preparing_requests(self) -> int:
         """Requests the serving frontends admitted and are still decoding: they reach the queue soon."""
-        rows = self.frontends
-        serving = (rows["state"] == SlotState.READY) | (rows["state"] == SlotState.DRAINING)
-        return int(rows["preparing"][serving].sum())
+        rows = self.frontends  # a worker's batch window asks this per wait: a loop over lists, 1 µs, not 7 in numpy
+        total = 0
+        for state, preparing in zip(rows["state"].tolist(), rows["preparing"].tolist()):
+            if state == SlotState.READY or state == SlotState.DRAINING:
+                total += preparing
+        return total
 
     def live_workers(self, dead_after_s: float, model: str | None = None) -> list[int]:
         """Slots of workers that are READY, not stalled (and serve ``model``, if given)."""

@@ -8,9 +8,17 @@ show (a real registration, the DMA, the stream-ordering) is tests/test_gpu.py's,
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import mmap
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +27,7 @@ from shared.wire import INLINE_TENSOR, TensorRef
 from worker.cudart import SUCCESS, find_libcudart
 from worker.device import DeviceCopier, HostRegistrations, check_device, pick_device
 
+REPO = Path(__file__).resolve().parent.parent
 ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
 INVALID_VALUE = 1
 
@@ -214,6 +223,86 @@ def test_the_prompt_stays_on_the_host_and_only_tensors_are_copied(arena: mmap.mm
     assert copy.host[INLINE_TENSOR][0].numpy().tobytes() == b"\x07\x00\x00\x00"
     assert copy.tensors[0].flatten().tolist() == list(range(12))
     copier.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bool, torch.bfloat16, torch.float16, torch.int64])
+@pytest.mark.parametrize("shape", [(), (3, 4), (3, 64, 64)])
+def test_a_host_copy_is_an_equal_tensor_of_its_own(
+    arena: mmap.mmap, dtype: torch.dtype, shape: tuple[int, ...]
+) -> None:
+    tensor = (torch.rand(shape) * 100).to(dtype)
+    data = tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+    arena[4096 : 4096 + len(data)] = data
+    dtype_name = str(dtype).removeprefix("torch.")
+    ref = TensorRef(offset=4096, nbytes=len(data), generation=1, dtype=dtype_name, shape=shape, name="pixels")
+    copier = DeviceCopier(torch.device("cpu"), arena)
+    copy = copier.start([ref]).tensors[0]
+    assert copy.dtype == dtype and copy.shape == shape and torch.equal(copy, tensor)
+    arena[4096 : 4096 + len(data)] = bytes(len(data))  # released arena bytes may change under it
+    assert torch.equal(copy, tensor)
+    copier.close()
+    arena.close()  # the copy holds no export of the mapping
+
+
+def _sleeps_while_a_thread_copies(copy: Callable[[], torch.Tensor]) -> int:
+    """Voluntary context switches of the process's other threads while a new thread (as the prefetch thread
+    is) copies 20 times, 1 ms apart (as requests come): 20 of them are that thread's own sleeps."""
+    counts: list[int] = []
+    me = threading.get_native_id()
+
+    def switches() -> int:
+        total = 0
+        for task in Path("/proc/self/task").iterdir():
+            if task.name == str(me):
+                continue  # the test's thread, waiting for the copier
+            with contextlib.suppress(OSError):
+                status = (task / "status").read_text()
+                total += next(int(line.split()[1]) for line in status.splitlines() if line.startswith("voluntary_ctxt"))
+        return total
+
+    def body() -> None:
+        copy()  # the first call may start an OpenMP team
+        time.sleep(0.01)
+        before = switches()
+        for _ in range(20):
+            copy()
+            time.sleep(0.001)
+        counts.append(switches() - before)
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join()
+    return counts[0]
+
+
+def _sleeps_per_copier(arena: mmap.mmap) -> dict[str, int]:
+    copier = DeviceCopier(torch.device("cpu"), arena)
+    ref = _ref(0, 3 * 224 * 224, "pixels", (3, 224, 224))
+    view = copier.views([ref])[0]
+    counts = {"clone": _sleeps_while_a_thread_copies(view.clone)}
+    counts["host_copies"] = _sleeps_while_a_thread_copies(lambda: copier.host_copies([ref])[0])
+    del view
+    copier.close()
+    return counts
+
+
+def test_a_host_copy_in_a_thread_wakes_no_other_thread() -> None:
+    """torch's clone of a photo-sized tensor splits over the calling thread's OpenMP team: in the worker's
+    prefetch thread, a team of its own, woken on every copy. The host copy is one thread's memcpy.
+
+    In a process with the worker's OpenMP settings (worker/__main__.py: passive waits), two intra-op threads.
+    """
+    script = (
+        "import json, mmap; from tests.test_device import _sleeps_per_copier; "
+        "print(json.dumps(_sleeps_per_copier(mmap.mmap(-1, 1 << 20))))"
+    )
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "2", "PYTHONPATH": str(REPO)}
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120, check=True
+    )
+    counts = json.loads(out.stdout.strip().splitlines()[-1])
+    assert counts["clone"] >= 30, counts  # the control: torch's clone wakes a thread per copy here
+    assert counts["host_copies"] <= 23, counts  # the copying thread's own 20 sleeps, and rarely another thread's
 
 
 def test_a_host_view_keeps_the_mapping_alive(arena: mmap.mmap) -> None:

@@ -17,12 +17,13 @@ the worker carries on; only SIGTERM/SIGINT stops it, after the current batch
 and the prepared one (both were claimed: they run, nothing is dropped).
 
 Liveness: a heartbeat thread stamps the worker's slot row ("the process
-exists"); ``progress_ns`` is stamped only by the main loop, per turn, per batch,
-per backend event and per decode step (worker/health.py), so the supervisor can
-tell a turning loop from a stuck one and replace the stuck one. A worker that
-finds its slot marked DEAD or taken over exits at once (from the heartbeat
-thread, whatever the main thread is stuck in): in another container, where the
-supervisor cannot signal it, that is how a wedged worker is replaced.
+exists"); ``progress_ns`` is stamped only by the main loop, per turn (at most
+every ``LOOK_EVERY_S``), per batch, per backend event and per decode step
+(worker/health.py), so the supervisor can tell a turning loop from a stuck one
+and replace the stuck one. A worker that finds its slot marked DEAD or taken
+over exits at once (from the heartbeat thread, whatever the main thread is
+stuck in): in another container, where the supervisor cannot signal it, that is
+how a wedged worker is replaced.
 
 One request's data never kills the worker: a descriptor that does not decode,
 does not validate, or makes the copy raise fails that request alone. A sticky
@@ -103,6 +104,10 @@ REPLY_TIMEOUT_S = 2.0
 # worker's CPU went there). A generating model's token steps are slower than this anyway.
 CANCEL_POLL_S = 0.002
 NO_DIAGNOSTICS = DiagnosticOptions()  # production: no deliberate delays
+# The main loop's turns: an idle one waits this long for a batch; the instance's state, the slot and the
+# supervisor are looked at (and an idle turn stamped) at most this often, not per batch (~5 µs a look).
+GET_TIMEOUT_S = 0.25
+LOOK_EVERY_S = 0.1
 PREFETCH_JOIN_S = 10.0  # at stop: how long to wait for the prefetch thread's current batch
 # Tracing: a long stream's Deltas past this many are not recorded (the SDK keeps 128 events per span anyway).
 MAX_DELIVERY_EVENTS = 128
@@ -237,23 +242,26 @@ class Worker:
             batch_size_for(self.backend, self.options.max_batch_size),
         )
         prefetcher = self._prefetcher.start()
+        next_look = 0.0  # when the loop next looks at the instance and its slot (monotonic)
         try:
             while not self._stop.is_set():
-                if self._stop_request.due(link.instance_state()):
-                    self._stop.set()
-                    break
-                if not link.still_ours():
-                    log.error("this worker's slot was taken over (declared dead); exiting")
-                    self.exit_code = EXIT_FAILURE
-                    return
-                if not link.instance_alive():
-                    # the gateway is gone or stopping: exit so the supervisor (or compose's restart
-                    # policy) starts a worker that attaches to the new instance
-                    log.warning("the gateway instance stopped; exiting")
-                    self.exit_code = 0 if self._stop.is_set() or self._stop_request.asked else EXIT_FAILURE
-                    return
-                self.progress.idle_turn()
-                jobs = prefetcher.get(timeout_s=0.25)
+                if (now := time.monotonic()) >= next_look:
+                    next_look = now + LOOK_EVERY_S
+                    if self._stop_request.due(link.instance_state()):
+                        self._stop.set()
+                        break
+                    if not link.still_ours():
+                        log.error("this worker's slot was taken over (declared dead); exiting")
+                        self.exit_code = EXIT_FAILURE
+                        return
+                    if not link.instance_alive():
+                        # the gateway is gone or stopping: exit so the supervisor (or compose's restart
+                        # policy) starts a worker that attaches to the new instance
+                        log.warning("the gateway instance stopped; exiting")
+                        self.exit_code = 0 if self._stop.is_set() or self._stop_request.asked else EXIT_FAILURE
+                        return
+                    self.progress.idle_turn()
+                jobs = prefetcher.get(timeout_s=GET_TIMEOUT_S)
                 if jobs:
                     self._timed_run(jobs)
                 if self._device_error is not None:

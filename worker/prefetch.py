@@ -3,10 +3,14 @@
 Who uses this: worker/main.py. ``produce`` (collect a batch, validate it, start
 its device copy, wait for the copy, release the arena) runs in a daemon thread;
 the worker's main thread takes each result with ``get`` and runs the model on
-it. The hand-off holds at most one prepared batch, and the thread starts
-collecting the next only after the consumer took the previous one (a credit),
-so a worker never holds more than one running and one prepared batch: other
-workers can still take the rest from the shared request queue.
+it. The hand-off holds at most one prepared batch. While the consumer runs an
+item, the thread starts collecting the next only after the consumer took the
+previous one (a credit); while the consumer is idle it starts at once, since
+the consumer takes the previous one at once. Either way a worker never holds
+more than two batches (one running or about to, one prepared or being
+collected): other workers can still take the rest from the shared request queue.
+The hand-off is two plain locks, so each side waits in C, and a producer that
+finds the consumer idle does not sleep until the consumer has woken up.
 
 Rules this keeps:
 - a produced batch is never dropped: after ``stop`` the thread finishes the
@@ -20,8 +24,8 @@ Rules this keeps:
 from __future__ import annotations
 
 import os
-import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
@@ -36,10 +40,17 @@ class Prefetcher(Generic[T]):
     def __init__(self, produce: Callable[[], T | None], *, name: str = "prefetch") -> None:
         """``produce()`` returns the next item, or None when there was nothing to do (it is called again)."""
         self._produce = produce
-        self._ready: queue.Queue[T] = queue.Queue(maxsize=1)
-        self._credit = threading.Semaphore(1)  # 1: the hand-off is free and nothing is being produced
-        self._stop = threading.Event()
-        self._waiting = threading.Event()  # the consumer is in get(): it has nothing to run
+        # Two plain locks, each waited on in C: one acquire or release per side and item, where a
+        # queue.Queue, a Semaphore and an Event each run a Condition's Python code per call.
+        self._item: T | None = None  # the prepared item, while ``_filled`` is released
+        self._filled = threading.Lock()
+        self._filled.acquire()  # released: ``_item`` holds an item for the consumer
+        # Free: the consumer took the last item, so the slot may be filled again (the producer takes
+        # it once per item it hands over; the consumer gives it back once per item it takes).
+        self._taken = threading.Lock()
+        self._stop = False
+        self._waiting = False  # the consumer is in get(): it has nothing to run
+        self._full = False  # the slot holds an item the consumer has not taken yet: it will run it next
         self._wake_r, self._wake_w = os.pipe()  # a byte each time the consumer starts waiting
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -63,40 +74,48 @@ class Prefetcher(Generic[T]):
 
     @property
     def consumer_busy(self) -> bool:
-        """True while the consumer works on an item it took (the producer may keep gathering)."""
-        return not self._waiting.is_set()
+        """True while the consumer works on an item it took, or has one waiting in the slot (the producer may
+        keep gathering)."""
+        return not self._waiting or self._full
 
     def get(self, timeout_s: float) -> T | None:
         """The next prepared item, or None after ``timeout_s``. Re-raises the producer's exception."""
-        if not self._waiting.is_set():
-            self._waiting.set()
+        if not self._waiting:
+            self._waiting = True
             self._wake()
-        try:
-            item = self._ready.get(timeout=timeout_s)
-        except queue.Empty:
+        if not self._filled.acquire(timeout=timeout_s):
             if self._error is not None:
                 raise self._error from None
             return None
-        self._waiting.clear()
-        self._credit.release()  # the consumer holds it now: prepare the next one
+        item, self._item = self._item, None
+        self._full = self._waiting = False
+        self._taken.release()  # the slot is free again (and a producer waiting for that may go on)
         return item
 
     def stop(self) -> None:
         """Ask the thread to stop after the item it is producing (which is still handed over)."""
-        self._stop.set()
+        self._stop = True
 
     def drain(self, timeout_s: float) -> list[T]:
         """Stop, wait up to ``timeout_s`` for the thread, and return the items nobody took."""
         self.stop()
-        self._waiting.set()  # nobody is busy any more: a producer holding a batch open cuts it now
+        self._waiting = True  # nobody is busy any more: a producer holding a batch open cuts it now
         self._wake()
-        self._thread.join(timeout_s)
-        left = []
-        while True:
-            try:
-                left.append(self._ready.get_nowait())
-            except queue.Empty:
-                return left
+        left: list[T] = []
+        deadline = time.monotonic() + timeout_s
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            self._take_left(left)  # a producer with a finished item may be waiting for the slot
+            self._thread.join(0.01)
+        self._take_left(left)
+        return left
+
+    def _take_left(self, left: list[T]) -> None:
+        if self._filled.acquire(blocking=False):
+            item, self._item = self._item, None
+            assert item is not None
+            left.append(item)
+            self._full = False
+            self._taken.release()
 
     def close(self) -> None:
         """Close the wake pipe; after ``drain`` (the thread no longer reads it)."""
@@ -108,14 +127,28 @@ class Prefetcher(Generic[T]):
         self._wake_r = self._wake_w = -1
 
     def _loop(self) -> None:
+        slot_ours = False  # ``_taken`` is ours: the slot is empty and this thread fills it next
         try:
-            while not self._stop.is_set():
-                if not self._credit.acquire(timeout=_CREDIT_POLL_S):
-                    continue
+            while not self._stop:
+                if not slot_ours and not self._waiting:
+                    # The consumer is running an item: collect the next only once it took the last
+                    # one (the credit), or this worker would hold a third batch.
+                    if not self._taken.acquire(timeout=_CREDIT_POLL_S):
+                        continue
+                    slot_ours = True
+                    if self._stop:  # given back by drain: stopping, so nothing new is collected
+                        break
+                # Otherwise the consumer is idle and takes what is in the slot at once: collecting
+                # now holds at most that item and this one, and spares this thread a sleep per item
+                # (waiting for the credit while the consumer wakes up to take it).
                 item = self._produce()
                 if item is None:
-                    self._credit.release()
                     continue
-                self._ready.put_nowait(item)  # never full: the credit says the consumer took the last one
+                while not slot_ours:  # collected beside an item the consumer had not taken yet
+                    slot_ours = self._taken.acquire(timeout=_CREDIT_POLL_S)
+                self._item = item
+                self._full = True
+                slot_ours = False
+                self._filled.release()
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which decides (worker/main.py: die)
             self._error = exc
