@@ -62,7 +62,7 @@ end
 request = function()
   counter = counter + 1
   local body = prefix .. nonce(base + thread_id * 1000000000 + counter) .. suffix
-  return wrk.format("POST", "/v1/chat/completions", {{["Content-Type"] = "application/json"}}, body)
+  return wrk.format("POST", "/v1/chat/completions", {{["Content-Type"] = "application/json"{close}}}, body)
 end
 """
 
@@ -89,9 +89,9 @@ def write_request(folder: Path, model: str) -> None:
     (folder / "suffix").write_bytes(after)
 
 
-def lua_script(folder: Path) -> Path:
+def lua_script(folder: Path, *, fresh: bool = False) -> Path:
     # wrk's setup() runs once per thread in the main Lua state, so its counter numbers the threads
-    script = LUA.format(dir=folder)
+    script = LUA.format(dir=folder, close=', ["Connection"] = "close"' if fresh else "")
     path = folder / "misses.lua"
     path.write_text(script)
     return path
@@ -195,7 +195,7 @@ async def main_async(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="shmgate-wrk-") as tmp:
         folder = Path(tmp)
         write_request(folder, args.model)
-        script = lua_script(folder)
+        script = lua_script(folder, fresh=args.fresh_connections)
         for round_index in range(args.rounds):
             order = names if round_index % 2 == 0 else names[::-1]
             for name in order:
@@ -230,6 +230,11 @@ def main() -> int:
     parser.add_argument("--connections", type=int, default=32)
     parser.add_argument("--background-cores", type=float, default=1.0)
     parser.add_argument("--model", default="efficientnet-lite0")
+    parser.add_argument(
+        "--fresh-connections",
+        action="store_true",
+        help="every request on a new connection (Connection: close): how the frontends share accepts",
+    )
     parser.add_argument("--litserve-python", type=Path, default=LITSERVE_PYTHON)
     args = parser.parse_args()
     if shutil.which("wrk") is None:
