@@ -27,10 +27,6 @@ from shared.wire import INLINE_TENSOR
 
 __all__ = ["ImageResolver"]
 
-# A remote hit's copy on the event loop: up to 4 MiB (~0.3-0.5 ms of memcpy), as long as the hash it
-# follows (LOOP_HASH_MAX_BYTES); larger tensors are copied in the decode pool.
-LOOP_COPY_MAX_BYTES = 4 << 20
-
 
 class ImageResolver:
     """Resolves a request's images in its decode pool; ``decode_memory_bytes`` bounds the memory of the
@@ -78,10 +74,8 @@ class ImageResolver:
         mutex. The content key is computed either way: for a data URL it hashes the base64 text, so a
         hit costs no base64 decode at all, and doing it here saves a pool hop for the image and one for
         the prompt (costs: docs/benchmarks-history.md, ``python bench/loop_costs.py``). Up to LOOP_HASH_MAX_BYTES
-        that is at most ~0.5 ms of loop time. A remote hit (the image is in another frontend's
-        partition) is copied on the loop too when it never waits and copies at most LOOP_COPY_MAX_BYTES
-        (``ContentCache.try_remote_hit``: 150 KB is ~20 µs, a pool hop costs the loop more). Larger
-        images, remote hits that would wait, and misses (base64 decode included) run in the decode pool.
+        that is at most ~0.5 ms of loop time; larger images, remote hits and misses (base64 decode
+        included) run in the decode pool.
 
         A request whose images fit the partition together can still find no room when the holes it
         was given are scattered (tensors of different sizes, a cached image it hit in the middle of
@@ -124,7 +118,7 @@ class ImageResolver:
             cache_params = self._cache_params(opts)
             if len(material) <= LOOP_HASH_MAX_BYTES:
                 key = key_of_digest(image_digest(image), cache_params)
-                group = self.cache.try_hit(key) or self.cache.try_remote_hit(key, max_bytes=LOOP_COPY_MAX_BYTES)
+                group = self.cache.try_hit(key)
             if group is not None:
                 if tracing.spans is not None:
                     tracing.spans.image_hit(i)

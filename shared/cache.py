@@ -1,8 +1,7 @@
 """A frontend's content cache: held tensor groups in its partition, indexed for every frontend.
 
 Who calls this: a frontend's decode threads (never the event loop: ``acquire``
-may wait on the index semaphore and runs the decode); the event loop only
-``try_hit`` and ``try_remote_hit``, which never wait.
+may wait on the index semaphore and runs the decode).
 
 Life of a tensor group (one image's tensors):
 
@@ -246,49 +245,15 @@ class ContentCache:
                     return False
         return True
 
-    def try_remote_hit(self, key: bytes, *, max_bytes: int, owner: int = -1) -> TensorGroup | None:
-        """A hit in another frontend's partition, copied on the caller's thread when nothing would make
-        it wait; None otherwise (the caller then goes through ``acquire`` in a thread).
-
-        Why: the copy of a preprocessed image is a memcpy (~20 µs for 150 KB), but through the thread
-        pool it cost the event loop a hand-off on every such request, and with two frontends about
-        half of all repeated images are remote hits for one of them. It runs here only when the index
-        lock is free at once, no thread of ours is decoding the key, the tensors total at most
-        ``max_bytes`` and they fit in free space (an eviction may wait on another thread's placement).
-        """
-        with self._mutex:
-            if key in self._pending or key in self._groups:
-                return None
-        return self._copy_remote(key, owner, max_bytes=max_bytes)
-
-    def _copy_remote(self, key: bytes, owner: int = -1, *, max_bytes: int | None = None) -> TensorGroup | None:
-        """Copy ``key``'s tensors from another frontend's partition into a private group of ours.
-
-        ``max_bytes`` None: may wait for the index lock and evict to make room (a decode thread);
-        a number: never waits (``try_remote_hit``) and gives up instead.
-        """
-        waits = max_bytes is None
-        if waits:
-            with self._index_lock.hold(self._lock_timeout_s):
-                entry = self._index.lookup(key, self.partition.segment.frontends["epoch"])
-        elif self._index_lock.acquire(0):
-            try:
-                entry = self._index.lookup(key, self.partition.segment.frontends["epoch"])
-            finally:
-                self._index_lock.release()
-        else:
-            return None
+    def _copy_remote(self, key: bytes, owner: int = -1) -> TensorGroup | None:
+        with self._index_lock.hold(self._lock_timeout_s):
+            entry = self._index.lookup(key, self.partition.segment.frontends["epoch"])
         if entry is None or entry.partition == self.partition.slot:
-            return None
-        if max_bytes is not None and sum(ref.nbytes for ref in entry.tensors) > max_bytes:
             return None
         group = self._new_group(key, owner)
         try:
             for ref in entry.tensors:
-                allocation = self._allocate(ref.nbytes, owner) if waits else self._allocate_now(ref.nbytes, owner)
-                if allocation is None:
-                    self._free_group(group)
-                    return None
+                allocation = self._allocate(ref.nbytes, owner)
                 group.allocations.append(allocation)
                 out = self.partition.array(allocation, "uint8", (ref.nbytes,))
                 read_tensor(self.partition.segment, ref, out)
@@ -341,19 +306,6 @@ class ContentCache:
                     )
                     full.needed_bytes = need
                     raise full
-
-    def _allocate_now(self, nbytes: int, owner: int = -1) -> Allocation | None:
-        """``_allocate`` without waiting or evicting: None when another thread is placing or there is no room."""
-        if not self._placing.acquire(blocking=False):
-            return None
-        try:
-            allocation = self.partition.allocate(nbytes)
-            if allocation is not None and self._shares and owner >= 0:
-                with self._mutex:
-                    self._owned[owner] += block_bytes(allocation.nbytes)
-            return allocation
-        finally:
-            self._placing.release()
 
     def _victim(self, owner: int, need: int) -> TensorGroup | None:
         """The group to evict for ``owner``'s allocation of ``need`` bytes (caller holds the mutex): the least
@@ -460,9 +412,6 @@ class ModelShare:
 
     def try_hit(self, key: bytes) -> TensorGroup | None:
         return self.cache.try_hit(key)
-
-    def try_remote_hit(self, key: bytes, *, max_bytes: int) -> TensorGroup | None:
-        return self.cache.try_remote_hit(key, max_bytes=max_bytes, owner=self.owner)
 
     def acquire_private(self, make: Callable[[AllocateFn], None]) -> TensorGroup:
         return self.cache.acquire_private(make, owner=self.owner)

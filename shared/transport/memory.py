@@ -203,9 +203,6 @@ class MemoryCache:
             self.stats.hits += 1
             return group
 
-    def try_remote_hit(self, key: bytes, *, max_bytes: int) -> TensorGroup | None:
-        return None  # one process, one cache: nothing is ever in another frontend's partition
-
     def acquire(self, key: bytes, make: Callable[[AllocateFn], None]) -> tuple[TensorGroup, str]:
         group = self.try_hit(key)
         if group is not None:
