@@ -49,7 +49,10 @@ def measure(passes: int) -> dict[str, float]:
     cpu = time.process_time()
     for _ in range(passes):
         backend.classify(pixels)
-    return {"cpu_ms": round((time.process_time() - cpu) / passes * 1000, 2)}
+    cpu_ms = round((time.process_time() - cpu) / passes * 1000, 2)
+    from bench.huge_pages import memory_kib
+
+    return {"cpu_ms": cpu_ms, **memory_kib()}
 
 
 def conditions(pads: list[int]) -> list[tuple[str, list[str], dict[str, str]]]:
@@ -61,7 +64,7 @@ def conditions(pads: list[int]) -> list[tuple[str, list[str], dict[str, str]]]:
     return out
 
 
-def run_start(prefix: list[str], extra: dict[str, str], passes: int) -> float:
+def run_start(prefix: list[str], extra: dict[str, str], passes: int) -> dict[str, float]:
     env = dict(os.environ, **extra)
     out = subprocess.run(
         [*prefix, sys.executable, __file__, "--child", str(passes)],
@@ -71,7 +74,7 @@ def run_start(prefix: list[str], extra: dict[str, str], passes: int) -> float:
         env=env,
         check=True,
     ).stdout
-    return float(json.loads(out)["cpu_ms"])
+    return json.loads(out)  # type: ignore[no-any-return]
 
 
 def main() -> None:
@@ -90,17 +93,24 @@ def main() -> None:
             raise SystemExit(f"{tool} is needed (util-linux)")
     plan = conditions(args.pads)
     results: dict[str, list[float]] = {name: [] for name, _, _ in plan}
+    huge: list[tuple[float, float]] = []  # (AnonHugePages KiB, CPU ms per pass) of every start
     for number in range(1, args.starts + 1):
         for name, prefix, extra in plan:
-            cpu_ms = run_start(prefix, extra, args.passes)
-            results[name].append(cpu_ms)
-            line = {"start": number, "condition": name, "cpu_ms": cpu_ms, "load": os.getloadavg()[0]}
-            print(json.dumps(line) if args.json else f"  start {number} {name:<16} {cpu_ms:7.2f} ms/pass", flush=True)
+            row = run_start(prefix, extra, args.passes)
+            results[name].append(row["cpu_ms"])
+            huge.append((row["huge_kib"], row["cpu_ms"]))
+            line = {"start": number, "condition": name, **row, "load": os.getloadavg()[0]}
+            text = f"  start {number} {name:<16} {row['cpu_ms']:7.2f} ms/pass  huge pages {row['huge_kib']} KiB"
+            print(json.dumps(line) if args.json else text, flush=True)
     print("\n| condition | starts | CPU ms per pass: median | min-max | max/min |")
     print("|---|---:|---:|---:|---:|")
     for name, values in results.items():
         low, high = min(values), max(values)
         print(f"| {name} | {len(values)} | {statistics.median(values):.2f} | {low:.2f}-{high:.2f} | {high / low:.2f} |")
+    if len({h for h, _ in huge}) > 1:
+        r = statistics.correlation([h for h, _ in huge], [c for _, c in huge])
+        print(f"\nhuge pages per start: {min(h for h, _ in huge):.0f}-{max(h for h, _ in huge):.0f} KiB; "
+              f"correlation with CPU per pass {r:+.2f}")  # fmt: skip
 
 
 if __name__ == "__main__":
