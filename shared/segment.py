@@ -222,7 +222,6 @@ class Layout:
         return self.data_offset + self.partition_size * self.n_frontends
 
 
-
 INDEX_SLOT_PER_ARENA_BYTES = 32 << 10  # one index slot per 32 KiB of arena: room for small images too
 MIN_INDEX_CAPACITY, MAX_INDEX_CAPACITY = 4096, 65536
 
@@ -237,6 +236,7 @@ def index_capacity_for(arena_size: int) -> int:
     """
     wanted = max(1, arena_size // INDEX_SLOT_PER_ARENA_BYTES)
     return min(MAX_INDEX_CAPACITY, max(MIN_INDEX_CAPACITY, 1 << (wanted - 1).bit_length()))
+
 
 class Segment:
     """One mapped arena segment plus numpy views of its tables.
