@@ -97,23 +97,10 @@ def busiest(seen: collections.Counter[int], frontends: int = 2) -> float:
 
 async def measure(mode: str, args: argparse.Namespace, log_dir: Path, round_index: int) -> dict[str, object]:
     port = free_port()
+    shmgate = str(Path(sys.executable).parent / "shmgate")
+    flags = f"--port {port} --model checksum --frontends 2 --workers 1 --arena-size 128MiB --listen {mode}"
     server = ServerProcess(
-        [
-            str(Path(sys.executable).parent / "shmgate"),
-            "serve",
-            "--port",
-            str(port),
-            "--model",
-            "checksum",
-            "--frontends",
-            "2",
-            "--workers",
-            "1",
-            "--arena-size",
-            "128MiB",
-            "--listen",
-            mode,
-        ],
+        [shmgate, "serve", *flags.split()],
         log_dir / f"{mode}-{round_index}.log",
     )
     server.start()

@@ -28,31 +28,19 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-IMAGES_PER_PASS = 2
-
 
 def measure(passes: int) -> dict[str, float]:
-    """This process's CPU ms per pass (after a warm-up)."""
+    """This process's CPU ms per pass (after a warm-up) and its huge pages, as bench/huge_pages.py measures."""
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # before torch: as worker/__main__.py does
-    from bench.cpu_passes import backend_and_pixels
+    from bench.huge_pages import measure as measure_passes
 
-    backend, pixels = backend_and_pixels(IMAGES_PER_PASS)
-    for _ in range(20):
-        backend.classify(pixels)
-    cpu = time.process_time()
-    for _ in range(passes):
-        backend.classify(pixels)
-    cpu_ms = round((time.process_time() - cpu) / passes * 1000, 2)
-    from bench.huge_pages import memory_kib
-
-    return {"cpu_ms": cpu_ms, **memory_kib()}
+    return measure_passes(passes)
 
 
 def conditions(pads: list[int]) -> list[tuple[str, list[str], dict[str, str]]]:
