@@ -21,9 +21,15 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
 
+from gateway.imaging import predict
 from shared.errors import ImageTooLarge, Overloaded
 from shared.names import format_bytes
+from shared.vocabulary import AllocateFn
+
+if TYPE_CHECKING:
+    from gateway.preprocess.base import Preprocessor
 
 __all__ = ["DecodeBudget"]
 
@@ -38,6 +44,21 @@ class DecodeBudget:
         self.reserved_bytes = 0
         self.refused = 0  # decodes that waited wait_s in vain (for tests and metrics)
         self._room = threading.Condition()
+
+    def preprocess(
+        self,
+        pre: Preprocessor,
+        data: bytes,
+        allocate: AllocateFn,
+        *,
+        max_pixels: int,
+        options: dict[str, Any] | None = None,
+    ) -> None:
+        """``pre.preprocess_image(data, ...)`` once the memory its decode needs is free: the header says
+        how much (``gateway.imaging.predict``), and that much is reserved for the decode's length. The
+        one way every decode of a frontend (chat, embeddings, /tokenize) goes through the budget."""
+        with self.reserve(predict(data, max_pixels=max_pixels).peak_bytes):
+            pre.preprocess_image(data, allocate, max_pixels=max_pixels, options=options)
 
     @contextmanager
     def reserve(self, nbytes: int) -> Iterator[None]:

@@ -16,7 +16,6 @@ from typing import Any
 
 from gateway import tracing
 from gateway.decode_budget import DecodeBudget
-from gateway.imaging import predict
 from gateway.intake import LOOP_HASH_MAX_BYTES, EncodedImage, image_bytes, image_digest, key_material
 from gateway.metrics import Counter, FrontendStats
 from gateway.preprocess.base import Preprocessor, PromptInputs, options_key
@@ -191,10 +190,9 @@ class ImageResolver:
 
         def make(allocate: AllocateFn) -> None:
             data = image_bytes(image)
-            # The header says what the decode will need; it starts only once that much is free.
-            cost = predict(data, max_pixels=self.max_pixels)
-            with self.decode_budget.reserve(cost.peak_bytes):
-                self.preprocessor.preprocess_image(data, allocate, max_pixels=self.max_pixels, options=options)
+            self.decode_budget.preprocess(
+                self.preprocessor, data, allocate, max_pixels=self.max_pixels, options=options
+            )
 
         try:
             group, kind = self.cache.acquire(key, make)

@@ -22,7 +22,6 @@ import numpy as np
 from gateway.decode_budget import DecodeBudget
 from gateway.fetch import FetchPolicy, fetch_pending
 from gateway.fields import with_image_options
-from gateway.imaging import predict
 from gateway.intake import (
     ChatCompletionRequest,
     ChatRequest,
@@ -117,9 +116,9 @@ def _chat_tokens(pre: Preprocessor, chat: ChatRequest, max_pixels: int, decode_b
             return np.empty(shape, dtype=dtype)
 
         try:
-            data = image_bytes(image)
-            with decode_budget.reserve(predict(data, max_pixels=max_pixels).peak_bytes):
-                pre.preprocess_image(data, allocate, max_pixels=max_pixels, options=chat.image_options[i])
+            decode_budget.preprocess(
+                pre, image_bytes(image), allocate, max_pixels=max_pixels, options=chat.image_options[i]
+            )
         except ShmgateError as exc:
             exc.param = exc.param or param
             raise
