@@ -18,16 +18,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
+from blake3 import blake3
 
 from shared.wire import TensorRef
 
 if TYPE_CHECKING:
     from shared.arena import Allocation  # only the POSIX cache fills ``TensorGroup.allocations``
 
-try:  # a dependency; SHA-256 keeps the keys sound where it cannot be installed
-    from blake3 import blake3 as _new_hash
-except ImportError:  # pragma: no cover - the test environment has it
-    _new_hash = hashlib.sha256  # type: ignore[assignment,misc]
 
 __all__ = [
     "DEAD_AFTER_S",
@@ -109,12 +106,12 @@ def material_digest(data: bytes | str) -> bytes:
     ways is two entries, never a confusion. A cache key must resist collisions crafted by a client,
     so the hash is a cryptographic one: BLAKE3 (the blake3 package) hashes the 220 KB text of a
     1024 px photo in ~45 µs here, SHA-256 with the SHA extensions in ~135 µs, hashlib's BLAKE2b in
-    ~250 µs (``python bench/key_cost.py``); SHA-256 without the package. Every frontend of an
-    instance runs from one install, so all of them key alike.
+    ~250 µs (``python bench/key_cost.py``). A dependency, not optional: every frontend of an
+    instance must key alike.
     Split from ``content_key`` so that an image keyed twice (its answer's key, then its tensors')
     is hashed once: the digest is kept with the image (``EncodedImage.digest``).
     """
-    h = _new_hash()
+    h = blake3()
     if isinstance(data, str):
         h.update(b"b64:")
         h.update(data.encode("utf-8", "surrogatepass"))
