@@ -289,11 +289,10 @@ class DeviceCopier:
         """
         if self._host is None:
             raise RuntimeError("the copier is closed")
-        tensors = []
-        for ref in refs:
-            host = torch.frombuffer(self._host, dtype=torch.uint8, count=ref.nbytes, offset=ref.offset)
-            tensors.append(host.view(TORCH_DTYPES[ref.dtype]).reshape(ref.shape))
-        return tensors
+        return [
+            _typed(torch.frombuffer(self._host, dtype=torch.uint8, count=ref.nbytes, offset=ref.offset), ref)
+            for ref in refs
+        ]
 
     def host_copies(self, refs: Sequence[TensorRef]) -> list[torch.Tensor]:
         """Copies of (already validated) tensors in process memory, each one memcpy by this thread alone.
@@ -304,9 +303,7 @@ class DeviceCopier:
             raise RuntimeError("the copier is closed")
         host = self._host
         return [
-            torch.frombuffer(bytearray(host[ref.offset : ref.offset + ref.nbytes]), dtype=torch.uint8)
-            .view(TORCH_DTYPES[ref.dtype])
-            .reshape(ref.shape)
+            _typed(torch.frombuffer(bytearray(host[ref.offset : ref.offset + ref.nbytes]), dtype=torch.uint8), ref)
             for ref in refs
         ]
 
@@ -358,3 +355,8 @@ class DeviceCopier:
             self._registrations.unregister(self._pinned_ptr, self._nbytes, self._runtime)
             self._pinned_ptr = None
         self._host = None
+
+
+def _typed(raw: torch.Tensor, ref: TensorRef) -> torch.Tensor:
+    """A tensor's bytes (uint8, 1-D) seen as the dtype and shape its descriptor gives."""
+    return raw.view(TORCH_DTYPES[ref.dtype]).reshape(ref.shape)
