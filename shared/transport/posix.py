@@ -110,8 +110,8 @@ class PosixFrontendLink:
         """Whether ``model`` has a live worker; a yes stands for LIVE_ANSWER_TTL_S.
 
         Why the memo: every request asks (admission), and the answer scans the worker table with a
-        liveness syscall per worker, ~22 µs with two workers: a few per cent of a cache hit's frontend
-        CPU. A yes up to 50 ms old admits a request that a worker's death in those 50 ms leaves
+        liveness syscall per worker, 18-22 µs with two workers (``python bench/admission_cost.py``):
+        a few per cent of a cache hit's frontend CPU. A yes up to 50 ms old admits a request that a worker's death in those 50 ms leaves
         queued, as a death just after admission always could: it waits there for the next worker (or
         its deadline). A no is never kept: a worker that comes up is served at once.
         """
