@@ -40,6 +40,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -278,12 +279,18 @@ async def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
     return results
 
 
+def parse_variant(spec: str, taken: Collection[str]) -> tuple[str, tuple[str, ...]]:
+    """``--variant NAME=FLAGS``: the new server's name and its extra serve flags (also bench/wrk_tail.py's)."""
+    name, sep, flags = spec.partition("=")
+    if not sep or not name or name in taken:
+        raise SystemExit(f"--variant {spec!r}: give NAME=FLAGS with a new NAME")
+    return name, tuple(shlex.split(flags))
+
+
 def add_variant(spec: str) -> None:
     """``NAME=FLAGS``: shmgate with extra serve flags as one more server, compared with plain shmgate."""
-    name, sep, flags = spec.partition("=")
-    if not sep or not name or name in SERVERS:
-        raise SystemExit(f"--variant {spec!r}: give NAME=FLAGS with a new NAME")
-    SERVERS[name] = Server(SHMGATE + tuple(shlex.split(flags)), "/ready", (MISS, HIT))
+    name, flags = parse_variant(spec, SERVERS)
+    SERVERS[name] = Server(SHMGATE + flags, "/ready", (MISS, HIT))
     RATIOS.append(((name, MISS), ("shmgate", MISS), f"{name} miss / shmgate miss"))
     RATIOS.append(((name, MISS), ("decode-floor", MISS), f"{name} miss / decode floor"))
     RATIOS.append(((name, HIT), ("shmgate", HIT), f"{name} hit / shmgate hit"))

@@ -30,6 +30,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.e2e import IMAGES, ServerProcess, free_port  # noqa: E402
+from bench_client import loadgen  # noqa: E402
 
 COUNTERS = ("shmgate_cache_hits_total", "shmgate_cache_remote_hits_total", "shmgate_cache_misses_total")
 
@@ -41,22 +42,9 @@ def counters(url: str) -> dict[str, float]:
 
 def send_new_image(url: str, repeats: int) -> None:
     data = IMAGES[1].read_bytes() + os.urandom(16)  # bytes no earlier request carried
-    body = json.dumps(
-        {
-            "model": "checksum",
-            "messages": [
-                {
-                    "role": "user",
-                    "content": [
-                        {
-                            "type": "image_url",
-                            "image_url": {"url": "data:image/jpeg;base64," + base64.b64encode(data).decode()},
-                        }
-                    ],
-                }
-            ],
-        }
-    ).encode()
+    body = loadgen.BodyTemplate("checksum", stream=False, max_tokens=None).render(
+        "data:image/jpeg;base64," + base64.b64encode(data).decode()
+    )
     for _ in range(repeats):
         request = urllib.request.Request(url + "/v1/chat/completions", body, {"content-type": "application/json"})
         urllib.request.urlopen(request, timeout=30).read()

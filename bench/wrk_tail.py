@@ -23,7 +23,6 @@ import asyncio
 import os
 import random
 import re
-import shlex
 import shutil
 import statistics
 import subprocess
@@ -38,7 +37,7 @@ if str(REPO) not in sys.path:
 
 from bench.disturb import Disturbance  # noqa: E402
 from bench.e2e import IMAGES, LITSERVE_PYTHON, ServerProcess, free_port  # noqa: E402
-from bench.gateway_cost import _role  # noqa: E402
+from bench.gateway_cost import parse_variant, role_cpu_ticks  # noqa: E402
 from bench_client import loadgen  # noqa: E402
 
 # The request: one photo, the nonce spliced in as 8 base64 characters (6 bytes after the padded image).
@@ -124,13 +123,8 @@ def parse_wrk(out: str) -> dict[str, float]:
 
 
 def frontend_ticks(root: int) -> dict[int, int]:
-    out = {}
-    for pid in loadgen.process_tree([root]):
-        if _role(pid) == "frontend":
-            stat = loadgen._read_stat(pid)
-            if stat is not None:
-                out[pid] = stat[1]
-    return out
+    """Each frontend of the server's tree: its CPU ticks so far."""
+    return {pid: ticks for pid, (role, ticks) in role_cpu_ticks(root).items() if role == "frontend"}
 
 
 async def run_one(name: str, server: Server, args: argparse.Namespace, folder: Path, script: Path) -> dict:
@@ -179,10 +173,8 @@ async def run_one(name: str, server: Server, args: argparse.Namespace, folder: P
 
 
 def add_variant(spec: str) -> str:
-    name, sep, flags = spec.partition("=")
-    if not sep or not name or name in SERVERS:
-        raise SystemExit(f"--variant {spec!r}: give NAME=FLAGS with a new NAME")
-    SERVERS[name] = Server(SHMGATE + tuple(shlex.split(flags)), "/ready")
+    name, flags = parse_variant(spec, SERVERS)
+    SERVERS[name] = Server(SHMGATE + flags, "/ready")
     return name
 
 
