@@ -10,9 +10,10 @@ and the kernel picks a listening socket for each new connection by a hash of its
 ports. The supervisor still binds first, with ``SO_REUSEPORT`` too, so a port already taken fails
 ``serve`` at once and ``--port 0`` learns its port, but it never listens: a bound socket reserves
 the port and takes no connection. A second server of the same uid could bind beside it, so the
-supervisor also refuses a port where some socket already listens (``_refuse_a_listener``). A frontend binds before its app starts and listens only after
-the app's start-up (uvicorn's ``startup`` runs the lifespan, then ``create_server`` listens), so a
-frontend still starting takes none. A frontend that dies takes its socket out of the kernel's
+supervisor also refuses a port where some socket already listens (``_refuse_a_listener``). A
+frontend binds before its app starts and listens only after the app's start-up (uvicorn's
+``startup`` runs the lifespan, then ``create_server`` listens), so a frontend still starting takes
+none. A frontend that dies takes its socket out of the kernel's
 choice at once, and with it the connections waiting in its accept queue: those are reset unless
 ``net.ipv4.tcp_migrate_req=1`` moves them to another frontend's queue (docs/DEPLOY.md). While no
 frontend listens (all of them restarting) a connection is refused rather than queued.
