@@ -42,8 +42,8 @@ if str(REPO) not in sys.path:
 import httpx
 
 from bench.e2e import ServerProcess, free_port
-from bench_client import loadgen
-from bench_client.rawhttp import NoHttpAnswer, RawClient
+from shmgate.bench_client import loadgen
+from shmgate.bench_client.rawhttp import NoHttpAnswer, RawClient
 
 IMAGES = REPO / "tests" / "data" / "images"
 MAX_WARMUP_ROUNDS = 5
@@ -71,7 +71,7 @@ def _role(pid: int) -> str:
     words = [a.decode(errors="replace") for a in argv]
     if "frontend" in words and "--slot" in words:
         return f"frontend {words[words.index('--slot') + 1]}"
-    if "worker" in words:
+    if "shmgate.worker" in words:  # python -m shmgate.worker ...
         return "worker"
     return "supervisor" if "serve" in words or "gateway" in words else "?"
 
@@ -390,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         [
             sys.executable,
             "-m",
-            "gateway",
+            "shmgate.gateway",
             "serve",
             "--host",
             "127.0.0.1",

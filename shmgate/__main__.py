@@ -1,0 +1,8 @@
+"""``python -m shmgate ...`` is the ``shmgate`` command."""
+
+import sys
+
+from shmgate.gateway.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())
