@@ -37,7 +37,7 @@ import msgspec
 
 from shared.errors import ImageTooLarge, InvalidRequest, TooManyImages, UndecodableImage
 from shared.vocabulary import material_digest
-from shared.wire import MAX_TOP_LOGPROBS, SamplingParams
+from shared.wire import MAX_TOP_LOGPROBS, MIN_TEMPERATURE, SamplingParams
 
 __all__ = [
     "ChatCompletionRequest",
@@ -450,6 +450,8 @@ def _sampling(req: ChatCompletionRequest) -> SamplingParams:
     temperature = 1.0 if req.temperature is None else req.temperature
     if not 0.0 <= temperature <= 2.0:
         raise InvalidRequest("temperature must be between 0 and 2", param="temperature")
+    if temperature < MIN_TEMPERATURE:  # greedy, as 0 is: smaller would overflow float32 logits
+        temperature = 0.0
     top_p = 1.0 if req.top_p is None else req.top_p
     if not 0.0 < top_p <= 1.0:
         raise InvalidRequest("top_p must be in (0, 1]", param="top_p")
