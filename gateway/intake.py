@@ -86,7 +86,7 @@ class Message(msgspec.Struct):
 
 
 class StreamOptions(msgspec.Struct):
-    include_usage: bool = False
+    include_usage: bool | None = None  # null as false: OpenAI's schema lets optional fields be null
 
 
 # A field that would change the answer's form if honoured, which no model here does (FORM_FIELDS);
@@ -97,7 +97,7 @@ Refused = Annotated[Any, msgspec.Meta(description="not supported: a 400 naming t
 class ChatCompletionRequest(msgspec.Struct):
     model: str
     messages: list[Message]
-    stream: bool = False
+    stream: bool | None = None  # null is false (OpenAI's schema allows it)
     stream_options: StreamOptions | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -433,7 +433,7 @@ def chat_request_from(req: ChatCompletionRequest, limits: IntakeLimits) -> ChatR
         images=images,
         image_params=image_params,
         params=params,
-        stream=req.stream,
+        stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         text="\n".join(texts),
         pending_urls=pending,
