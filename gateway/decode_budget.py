@@ -55,9 +55,13 @@ class DecodeBudget:
         options: dict[str, Any] | None = None,
     ) -> None:
         """``pre.preprocess_image(data, ...)`` once the memory its decode needs is free: the header says
-        how much (``gateway.imaging.predict``), and that much is reserved for the decode's length. The
-        one way every decode of a frontend (chat, embeddings, /tokenize) goes through the budget."""
-        with self.reserve(predict(data, max_pixels=max_pixels).peak_bytes):
+        how much (``gateway.imaging.predict``), and that much, plus what the processor's work on the
+        image will take (``Preprocessor.plan_image``, which also refuses an image too large for the
+        model's context from the header alone), is reserved for the decode's length. The one way every
+        decode of a frontend (chat, embeddings, /tokenize) goes through the budget."""
+        cost = predict(data, max_pixels=max_pixels)
+        work_bytes = pre.plan_image(cost.width, cost.height, options)  # may refuse: before any decode
+        with self.reserve(cost.peak_bytes + work_bytes):
             pre.preprocess_image(data, allocate, max_pixels=max_pixels, options=options)
 
     @contextmanager
