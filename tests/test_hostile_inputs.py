@@ -117,3 +117,17 @@ def test_an_image_over_the_context_is_refused_from_its_header_before_any_decode(
         budget.preprocess(pre, png.getvalue(), lambda *a: pytest.fail("allocated"), max_pixels=1 << 30, options=options)
     assert budget.reserved_bytes == 0
     assert pre.plan_image(64, 64, pre.image_options({"max_pixels": 6272}, None)) > 0  # counted, and it fits
+
+
+def test_memory_of_a_large_decode_is_handed_back_once_the_budget_is_idle() -> None:
+    from gateway.decode_budget import TRIM_AFTER_BYTES, DecodeBudget
+
+    budget = DecodeBudget(1 << 30, wait_s=1)
+    with budget.reserve(1 << 20):
+        pass
+    assert budget.trims == 0  # small decodes leave nothing worth a trim
+    with budget.reserve(1 << 20):
+        with budget.reserve(TRIM_AFTER_BYTES):
+            pass
+        assert budget.trims == 0  # not while another decode is running
+    assert budget.trims == (1 if budget._trim is not None else 0)
