@@ -94,3 +94,12 @@ def test_null_is_accepted_where_openais_schema_allows_it(server: Server) -> None
     streamed = {**chat, "stream": True, "stream_options": {"include_usage": None}}
     reply = httpx.post(server.base_url + "/v1/chat/completions", json=streamed, timeout=30)
     assert reply.status_code == 200 and reply.text.rstrip().endswith("data: [DONE]"), reply.text
+
+
+def test_null_options_of_an_embeddings_request_read_as_their_defaults() -> None:
+    from gateway.embeddings import EmbeddingRequest, _decoder
+    from gateway.intake import decode_body
+
+    body = b'{"model": "m", "input": "hi", "encoding_format": null, "dimensions": null, "user": null}'
+    req = decode_body(_decoder, body)
+    assert isinstance(req, EmbeddingRequest) and req.encoding_format is None and req.dimensions is None
