@@ -47,7 +47,7 @@ Invariants:
 
 Inputs come from our own frontend, but a worker checks them anyway before they touch
 the device (an out-of-range id is a device-side assert on CUDA, which kills the
-process's CUDA context): a mismatch raises InvalidRequest and fails the batch.
+process's CUDA context): a mismatch fails that request alone with InvalidRequest.
 """
 
 from __future__ import annotations
@@ -164,11 +164,18 @@ class HFBackend(ModelBackend):
     def run(self, batch: Sequence[WorkItem]) -> Iterator[BackendEvent]:
         """Generate every item of ``batch``, yielding text as it is decoded.
 
-        All items are checked before any work starts. Raises InvalidRequest when an
-        item's token ids or tensors are not what the frontend writes.
+        All items are checked before any work starts: one whose token ids or tensors are not what
+        the frontend writes ends at once with an InvalidRequest ``error`` event of its own, and the
+        others run without it (invariant 5).
         """
-        inputs = [self._layout.check(item, self.device) for item in batch]
-        rows = [self._row(i, item, x) for i, (item, x) in enumerate(zip(batch, inputs))]
+        rows: list[_Row] = []
+        for i, item in enumerate(batch):
+            try:
+                inputs = self._layout.check(item, self.device)
+            except InvalidRequest as exc:
+                yield BackendEvent(i, error=exc)
+                continue
+            rows.append(self._row(i, item, inputs))
         live: list[_Row] = []
         for row in rows:  # prefill one at a time: every prompt has its own length and images
             if row.limit == 0 or row.item.cancelled:
