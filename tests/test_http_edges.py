@@ -103,3 +103,34 @@ def test_null_options_of_an_embeddings_request_read_as_their_defaults() -> None:
     body = b'{"model": "m", "input": "hi", "encoding_format": null, "dimensions": null, "user": null}'
     req = decode_body(_decoder, body)
     assert isinstance(req, EmbeddingRequest) and req.encoding_format is None and req.dimensions is None
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", "1e999"),
+        ("temperature", "-1e999"),
+        ("top_p", "1e999"),
+        ("presence_penalty", "-1e999"),
+        ("frequency_penalty", "1e999"),
+        ("logit_bias", '{"1": 1e999}'),
+    ],
+)
+def test_a_non_finite_sampling_number_is_a_400_naming_its_field(server: Server, field: str, value: str) -> None:
+    # 1e999 is valid JSON and reads as infinity.
+    body = f'{{"model": "checksum", "messages": [{{"role": "user", "content": "hi"}}], "{field}": {value}}}'
+    reply = httpx.post(
+        server.base_url + "/v1/chat/completions",
+        content=body,
+        headers={"Content-Type": "application/json"},
+        timeout=30,
+    )
+    assert reply.status_code == 400 and reply.json()["error"]["param"].startswith(field), reply.text
+
+
+def test_a_temperature_too_small_for_float32_samples_greedily() -> None:
+    from gateway.intake import IntakeLimits, parse_chat_request
+
+    for tiny in ("1e-300", "5e-324", "1e-6"):
+        body = f'{{"model": "m", "messages": [{{"role": "user", "content": "hi"}}], "temperature": {tiny}}}'
+        assert parse_chat_request(body.encode(), IntakeLimits()).params.temperature == 0.0
