@@ -131,3 +131,16 @@ def test_memory_of_a_large_decode_is_handed_back_once_the_budget_is_idle() -> No
             pass
         assert budget.trims == 0  # not while another decode is running
     assert budget.trims == (1 if budget._trim is not None else 0)
+
+
+def test_a_maximum_below_the_configured_minimum_lowers_the_minimum_too() -> None:
+    from gateway.preprocess.options import bounded_options
+    from shared.errors import InvalidRequest
+
+    configured = {"shortest_edge": 3136, "longest_edge": 25088}
+    assert bounded_options({"max_pixels": 1000}, configured, {})["size"] == {
+        "shortest_edge": 1000,
+        "longest_edge": 1000,
+    }
+    with pytest.raises(InvalidRequest):
+        bounded_options({"max_pixels": 1000, "min_pixels": 2000}, configured, {})

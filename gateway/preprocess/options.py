@@ -121,5 +121,7 @@ def _bounded_size(request: dict[str, int], configured: Mapping[str, Any]) -> dic
                 param=PARAM,
             )
     if size.get("shortest_edge", 0) > size.get("longest_edge", math.inf):
-        raise _refuse("min_pixels", "at most max_pixels")
+        if "shortest_edge" in request or "size.shortest_edge" in request:
+            raise _refuse("min_pixels", "at most max_pixels")
+        size["shortest_edge"] = size["longest_edge"]  # a maximum lowered below the configured minimum
     return size
