@@ -78,3 +78,25 @@ def test_finite_rows_checks_every_row_in_one_pass() -> None:
     logits = torch.tensor([[0.0, 1.0], [float("nan"), 1.0], [float("inf"), 0.0]])
     assert finite_rows(logits).tolist() == [True, False, False]
     assert sample_token(torch.tensor([0.0, 5.0, 1.0]), 1e-300, 1.0, torch.Generator().manual_seed(0)) == 1
+
+
+def test_a_row_whose_sampling_raises_fails_alone(
+    pre: HFPreprocessor, backend: HFBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A sampling failure no check foresaw, injected into one row's pick: that row ends, its mate runs on.
+    from worker.backends import hf
+
+    real = hf.pick_token
+
+    def pick(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
+        if temperature == 0.5:
+            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+        return real(logits, temperature, top_p, generator)
+
+    monkeypatch.setattr(hf, "pick_token", pick)
+    good = work_item(pre, "Hi", [WIDE], SamplingParams(max_tokens=6, temperature=0.0), 1)
+    bad = work_item(pre, "Hi", [SQUARE], SamplingParams(max_tokens=6, temperature=0.5), 2)
+    alone = answer(list(backend.run([good])))[0]
+    events = list(backend.run([good, bad]))
+    assert "sampling failed" in str(_failure(events, 1).error)
+    assert answer(events, 0)[0] == alone

@@ -203,7 +203,8 @@ class HFBackend(ModelBackend):
             self.on_step()
             finite = finite_rows(logits)  # one vectorised check for the whole step
             picks = [self._guarded_pick(row, logits[i], finite[i]) for i, row in enumerate(live)]
-            tokens = iter(_to_host([t for t in picks if t is not None]))
+            sampled = [t for t in picks if t is not None]
+            tokens = iter(_to_host(sampled) if sampled else [])
             for row, pick in zip(live, picks):
                 yield from self._accept(row, next(tokens) if pick is not None else SAMPLING_FAILED)
 
