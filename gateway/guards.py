@@ -185,7 +185,8 @@ def framing_error(headers: Iterable[tuple[bytes, bytes]]) -> ShmgateError | None
     hosts = [value for name, value in headers if name == b"host"]
     if len(hosts) > 1:
         return InvalidRequest("a request must carry one Host header, not several")
-    if hosts and not _HOST_VALUE.fullmatch(hosts[0].decode("latin-1")):
+    host = hosts[0].decode("latin-1").strip() if hosts else ""
+    if host and not _HOST_VALUE.fullmatch(host):  # an empty Host is allowed: a target without authority
         return InvalidRequest("the Host header is not a host name or address with an optional port")
     codings = [c.strip().lower() for name, value in headers if name == b"transfer-encoding" for c in value.split(b",")]
     if codings and codings != [b"chunked"]:

@@ -72,6 +72,9 @@ def test_an_absolute_form_target_is_judged_by_its_own_authority(server: Server) 
     assert status == 200
     status, _ = _exchange(server, _get("/v1/models", allowed))
     assert status == 200
+    # IPv6 literals are hosts: the loopback one allowed, another one not
+    assert _exchange(server, _get("/v1/models", f"Host: [::1]:{server.port}"))[0] == 200
+    assert _exchange(server, _get("/v1/models", "Host: [2001:db8::1]:8000"))[0] == 421
 
 
 @pytest.mark.parametrize(
