@@ -106,9 +106,9 @@ def test_an_image_over_the_context_is_refused_from_its_header_before_any_decode(
 
     from PIL import Image
 
-    from gateway.decode_budget import DecodeBudget
-    from gateway.preprocess.hf import HFPreprocessor
-    from shared.errors import InvalidRequest
+    from shmgate.gateway.decode_budget import DecodeBudget
+    from shmgate.gateway.preprocess.hf import HFPreprocessor
+    from shmgate.shared.errors import InvalidRequest
 
     pre = HFPreprocessor(tiny_qwen2_vl_dir, processor_kwargs={"max_pixels": 20_000_000})
     options = pre.image_options({"min_pixels": 20_000_000}, None)
@@ -122,7 +122,7 @@ def test_an_image_over_the_context_is_refused_from_its_header_before_any_decode(
 
 
 def test_memory_of_a_large_decode_is_handed_back_once_the_budget_is_idle() -> None:
-    from gateway.decode_budget import TRIM_AFTER_BYTES, DecodeBudget
+    from shmgate.gateway.decode_budget import TRIM_AFTER_BYTES, DecodeBudget
 
     budget = DecodeBudget(1 << 30, wait_s=1)
     with budget.reserve(1 << 20):
@@ -136,8 +136,8 @@ def test_memory_of_a_large_decode_is_handed_back_once_the_budget_is_idle() -> No
 
 
 def test_a_maximum_below_the_configured_minimum_lowers_the_minimum_too() -> None:
-    from gateway.preprocess.options import bounded_options
-    from shared.errors import InvalidRequest
+    from shmgate.gateway.preprocess.options import bounded_options
+    from shmgate.shared.errors import InvalidRequest
 
     configured = {"shortest_edge": 3136, "longest_edge": 25088}
     assert bounded_options({"max_pixels": 1000}, configured, {})["size"] == {

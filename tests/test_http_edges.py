@@ -100,8 +100,8 @@ def test_null_is_accepted_where_openais_schema_allows_it(server: Server) -> None
 
 
 def test_null_options_of_an_embeddings_request_read_as_their_defaults() -> None:
-    from gateway.embeddings import EmbeddingRequest, _decoder
-    from gateway.intake import decode_body
+    from shmgate.gateway.embeddings import EmbeddingRequest, _decoder
+    from shmgate.gateway.intake import decode_body
 
     body = b'{"model": "m", "input": "hi", "encoding_format": null, "dimensions": null, "user": null}'
     req = decode_body(_decoder, body)
@@ -132,7 +132,7 @@ def test_a_non_finite_sampling_number_is_a_400_naming_its_field(server: Server, 
 
 
 def test_a_temperature_too_small_for_float32_samples_greedily() -> None:
-    from gateway.intake import IntakeLimits, parse_chat_request
+    from shmgate.gateway.intake import IntakeLimits, parse_chat_request
 
     for tiny in ("1e-300", "5e-324", "1e-6"):
         body = f'{{"model": "m", "messages": [{{"role": "user", "content": "hi"}}], "temperature": {tiny}}}'

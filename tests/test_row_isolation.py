@@ -16,12 +16,12 @@ pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from gateway.preprocess.hf import HFPreprocessor  # noqa: E402
-from shared.errors import ModelError  # noqa: E402
-from shared.wire import SamplingParams  # noqa: E402
+from shmgate.gateway.preprocess.hf import HFPreprocessor  # noqa: E402
+from shmgate.shared.errors import ModelError  # noqa: E402
+from shmgate.shared.wire import SamplingParams  # noqa: E402
+from shmgate.worker.backends.base import BackendEvent, WorkItem  # noqa: E402
+from shmgate.worker.backends.hf import HFBackend, finite_rows, sample_token  # noqa: E402
 from tests.test_hf import SQUARE, WIDE, answer, work_item  # noqa: E402
-from worker.backends.base import BackendEvent, WorkItem  # noqa: E402
-from worker.backends.hf import HFBackend, finite_rows, sample_token  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ def test_a_row_whose_sampling_raises_fails_alone(
     pre: HFPreprocessor, backend: HFBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A sampling failure no check foresaw, injected into one row's pick: that row ends, its mate runs on.
-    from worker.backends import hf
+    from shmgate.worker.backends import hf
 
     real = hf.pick_token
 

@@ -19,7 +19,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from shared.errors import InvalidRequest
+from shmgate.shared.errors import InvalidRequest
 
 __all__ = ["PIXEL_KEYS", "bounded_options"]
 

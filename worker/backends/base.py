@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.errors import ShmgateError
-from shared.wire import SamplingParams, TokenLogprob
+from shmgate.shared.errors import ShmgateError
+from shmgate.shared.wire import SamplingParams, TokenLogprob
 
 __all__ = ["DEFAULT_BATCH_SIZE", "BackendEvent", "ModelBackend", "WorkItem", "batch_size_for"]
 
