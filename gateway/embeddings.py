@@ -67,7 +67,7 @@ class EmbeddingRequest(msgspec.Struct):
     model: str
     input: str | list[str] | None = None
     messages: list[Message] | None = None
-    encoding_format: Literal["float", "base64"] = "float"
+    encoding_format: Literal["float", "base64"] | None = None  # null: "float"
     dimensions: int | None = None
     user: str | None = None
 
@@ -126,7 +126,7 @@ def parse_embedding_request(
                 f"{preprocessor.model} embeds images only; send each image as a data URL (data:image/jpeg;base64,...)",
                 param=param,
             )
-    return EmbeddingJob(req.model, chat, inputs, req.encoding_format)
+    return EmbeddingJob(req.model, chat, inputs, req.encoding_format or "float")
 
 
 def _inputs(raw: str | list[str] | None, limits: IntakeLimits, chat: ChatRequest) -> list[tuple[int | None, str, str]]:

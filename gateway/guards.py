@@ -9,7 +9,11 @@
 - ``AllowedHosts``: the ``Host`` header must name this server. A gateway listening on loopback
   without an API key could otherwise be driven by any web page the developer opens, through DNS
   rebinding (the browser's same-origin check trusts the name, not the address). A request with
-  no ``Host`` at all (an HTTP/1.0 probe) passes: browsers always send one.
+  no ``Host`` at all (an HTTP/1.0 probe) passes: browsers always send one. The same layer refuses
+  what RFC 9112 says a server must (``framing_error``), whatever hosts are allowed: more than one
+  ``Host`` or one that is not a host (``127.0.0.1:8000@evil.example``) is a 400 (sec. 3.2), and a
+  transfer coding other than ``chunked`` alone (``gzip, chunked``) a 501 (sec. 6.1): a proxy in
+  front that applies the gzip coding would read other bytes than we do.
 - ``require_json``: request bodies are parsed only when sent as ``application/json`` (or with no
   Content-Type at all). ``text/plain``, form and multipart bodies are the ones a browser sends
   cross-site without a preflight, so refusing them keeps other origins from posting to us.
@@ -18,6 +22,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import secrets
 from collections.abc import Callable, Iterable
 
@@ -27,13 +32,20 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shmgate.gateway.http_errors import error_body, error_response
 from shmgate.gateway.metrics import Counter, FrontendStats
-from shmgate.shared.errors import HostNotAllowed, ShmgateError, UnsupportedMediaType
+from shmgate.shared.errors import (
+    HostNotAllowed,
+    InvalidRequest,
+    ShmgateError,
+    UnsupportedMediaType,
+    UnsupportedTransferCoding,
+)
 
 __all__ = [
     "ANY_HOST",
     "AllowedHosts",
     "CatchAll",
     "default_allowed_hosts",
+    "framing_error",
     "parse_allowed_hosts",
     "require_json",
 ]
@@ -143,27 +155,51 @@ class AllowedHosts:
         self.stats = stats
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.any or scope["type"] != "http":
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        host = ""
-        for name, value in scope["headers"]:
-            if name == b"host":
-                host = value.decode("latin-1")
-                break
-        if not host or _host_name(host) in self.hosts:  # no Host (HTTP/1.0 probes): no name to rebind
+        error = framing_error(scope["headers"])
+        if error is None and not self.any:
+            host = next((value.decode("latin-1") for name, value in scope["headers"] if name == b"host"), "")
+            if host and _host_name(host) not in self.hosts:  # no Host (HTTP/1.0 probes): no name to rebind
+                error = HostNotAllowed(
+                    "the Host header names a host this server does not answer for; "
+                    "use one of --allowed-hosts (by default the loopback names)"
+                )
+        if error is None:
             await self.app(scope, receive, send)
             return
-        error = HostNotAllowed(
-            "the Host header names a host this server does not answer for; "
-            "use one of --allowed-hosts (by default the loopback names)"
-        )
         stats = self.stats()
         if stats is not None:
             stats.add(Counter.REQUESTS_CLIENT_ERROR)
-        await JSONResponse(
-            error_body(error.message, error.error_type, error.code, "Host"), status_code=error.status_hint
+        param = "Transfer-Encoding" if error.status_hint == 501 else "Host"
+        await JSONResponse(  # the body was framed as we read it, not as the client meant: close the connection
+            error_body(error.message, error.error_type, error.code, param),
+            status_code=error.status_hint,
+            headers={"connection": "close"},
         )(scope, receive, send)
+
+
+# A Host value (RFC 9112 sec. 3.2, RFC 3986 sec. 3.2.2): a name or IPv4 address, or an IPv6 address in
+# brackets, then an optional port. No userinfo ("@"), no list (","), no spaces.
+_HOST_VALUE = re.compile(r"(?:\[[0-9a-fA-F:.]+\]|[A-Za-z0-9._~-]+)(?::[0-9]{0,5})?")
+
+
+def framing_error(headers: Iterable[tuple[bytes, bytes]]) -> ShmgateError | None:
+    """The error RFC 9112 makes of this head, or None: a 400 for more than one Host or an invalid one,
+    a 501 for any transfer coding but ``chunked`` alone (several Transfer-Encoding lines are one list)."""
+    hosts = [value for name, value in headers if name == b"host"]
+    if len(hosts) > 1:
+        return InvalidRequest("a request must carry one Host header, not several")
+    host = hosts[0].decode("latin-1").strip() if hosts else ""
+    if host and not _HOST_VALUE.fullmatch(host):  # an empty Host is allowed: a target without authority
+        return InvalidRequest("the Host header is not a host name or address with an optional port")
+    codings = [c.strip().lower() for name, value in headers if name == b"transfer-encoding" for c in value.split(b",")]
+    if codings and codings != [b"chunked"]:
+        return UnsupportedTransferCoding(
+            "only the chunked transfer coding is accepted, alone (no gzip, deflate or others)"
+        )
+    return None
 
 
 # -- the body's media type --------------------------------------------------------------------------------

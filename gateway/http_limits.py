@@ -16,6 +16,11 @@ The same protocol answers requests httptools cannot parse (``Content-Length: abc
 request line) with an OpenAI error object instead of uvicorn's plain-text 400, so that every
 error a client can get from a frontend has one shape.
 
+An absolute-form target (``GET http://evil.example/v1/models``) names its host in the target, and
+RFC 9112 sec. 3.2.2 says the server then ignores ``Host``: the protocol puts the target's authority
+in the ``Host`` header's place (``absolute_form_host``), so the Host check (gateway/guards.py) judges
+the host the request really names.
+
 It also cuts slow clients, below the API key check (``ConnectionLimits``). uvicorn closes a
 keep-alive connection that stays idle after a response (``timeout_keep_alive``), but nothing
 else: a connection that never sends a byte, a head sent one byte a second, or a body that drips
@@ -209,6 +214,10 @@ def _httptools_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol]:
         _in_head = True  # from the connection's start or a message's end until headers are complete
 
         def on_headers_complete(self) -> None:
+            authority = absolute_form_host(self.url)
+            if authority is not None:
+                # in place: the scope built at the message's start holds this very list
+                self.headers[:] = [(n, v) for n, v in self.headers if n != b"host"] + [(b"host", authority)]
             self._in_head = False
             self._head_bytes = 0
             self._enter(_Phase.BODY)
@@ -279,6 +288,18 @@ def _h11_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol]:
 
     SlowClientH11Protocol.limits = limits
     return SlowClientH11Protocol
+
+
+def absolute_form_host(target: bytes) -> bytes | None:
+    """The authority of an absolute-form request target (``http://host:port/path``), or None for the
+    usual origin form (``/path``) and ``*``. An authority with userinfo (``user@host``) is returned whole,
+    so the Host check refuses it."""
+    if target.startswith((b"/", b"*")):
+        return None
+    scheme, sep, rest = target.partition(b"://")
+    if not sep:
+        return target  # not a URL at all: the Host check refuses it as a host value
+    return rest.split(b"/", 1)[0].split(b"?", 1)[0]
 
 
 async def read_capped(

@@ -37,7 +37,7 @@ import msgspec
 
 from shmgate.shared.errors import ImageTooLarge, InvalidRequest, TooManyImages, UndecodableImage
 from shmgate.shared.vocabulary import material_digest
-from shmgate.shared.wire import MAX_TOP_LOGPROBS, SamplingParams
+from shmgate.shared.wire import MAX_TOP_LOGPROBS, MIN_TEMPERATURE, SamplingParams
 
 __all__ = [
     "ChatCompletionRequest",
@@ -86,7 +86,7 @@ class Message(msgspec.Struct):
 
 
 class StreamOptions(msgspec.Struct):
-    include_usage: bool = False
+    include_usage: bool | None = None  # null as false: OpenAI's schema lets optional fields be null
 
 
 # A field that would change the answer's form if honoured, which no model here does (FORM_FIELDS);
@@ -97,7 +97,7 @@ Refused = Annotated[Any, msgspec.Meta(description="not supported: a 400 naming t
 class ChatCompletionRequest(msgspec.Struct):
     model: str
     messages: list[Message]
-    stream: bool = False
+    stream: bool | None = None  # null is false (OpenAI's schema allows it)
     stream_options: StreamOptions | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -433,7 +433,7 @@ def chat_request_from(req: ChatCompletionRequest, limits: IntakeLimits) -> ChatR
         images=images,
         image_params=image_params,
         params=params,
-        stream=req.stream,
+        stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         text="\n".join(texts),
         pending_urls=pending,
@@ -450,6 +450,8 @@ def _sampling(req: ChatCompletionRequest) -> SamplingParams:
     temperature = 1.0 if req.temperature is None else req.temperature
     if not 0.0 <= temperature <= 2.0:
         raise InvalidRequest("temperature must be between 0 and 2", param="temperature")
+    if temperature < MIN_TEMPERATURE:  # greedy, as 0 is: smaller would overflow float32 logits
+        temperature = 0.0
     top_p = 1.0 if req.top_p is None else req.top_p
     if not 0.0 < top_p <= 1.0:
         raise InvalidRequest("top_p must be in (0, 1]", param="top_p")

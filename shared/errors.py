@@ -27,6 +27,7 @@ response happens in one place, ``gateway/http_errors.py``.
     │   │   └── ImageURLTimeout   the fetch did not finish within its time cap
     │   ├── UnsupportedMediaType  a body sent as anything but JSON (415)
     │   ├── HostNotAllowed        a Host header this gateway does not answer for (421)
+    │   ├── UnsupportedTransferCoding  a transfer coding other than chunked alone (501)
     │   └── Unauthorized
     ├── ModelError                the model raised, or gave no final answer, on a batch
     ├── Cancelled                 the client went away; the worker dropped the request (never sent to it)
@@ -67,6 +68,7 @@ __all__ = [
     "TooManyImages",
     "TransportError",
     "Unauthorized",
+    "UnsupportedTransferCoding",
     "UndecodableImage",
     "UnknownModel",
     "UnsupportedMediaType",
@@ -236,6 +238,13 @@ class HostNotAllowed(RequestError):
     code = "host_not_allowed"
 
 
+class UnsupportedTransferCoding(RequestError):
+    """A Transfer-Encoding other than ``chunked`` alone (RFC 9112 sec. 6.1: a server answers 501)."""
+
+    status_hint = 501
+    code = "unsupported_transfer_coding"
+
+
 class Unauthorized(RequestError):
     status_hint = 401
     code = "invalid_api_key"
@@ -304,6 +313,7 @@ _BY_CODE: dict[str, type[ShmgateError]] = {
         Unauthorized,
         UnsupportedMediaType,
         HostNotAllowed,
+        UnsupportedTransferCoding,
         ModelError,
         Cancelled,
         Overloaded,

@@ -100,6 +100,12 @@ class TensorRef(Struct, array_like=True, frozen=True, gc=False):
     name: str = ""  # role of the tensor for the backend, e.g. "pixels", "pixel_values", "image_grid_thw"
 
 
+# Temperatures below this sample greedily, as 0 does (OpenAI's and vLLM's reading of a tiny temperature):
+# dividing logits by less overflows float32 to infinity, and a softmax over infinities is NaN. The frontend
+# maps them at intake and a worker, distrusting its descriptors, again before sampling.
+MIN_TEMPERATURE = 1e-5
+
+
 class SamplingParams(Struct, array_like=True, frozen=True, gc=False, omit_defaults=True):
     max_tokens: int | None = None
     temperature: float = 1.0

@@ -13,7 +13,10 @@
     deliberately invalid ones: no 5xx, every status, content type and body as documented, every
     4xx an OpenAI error object.
 (d) ``parse_chat_request`` gets bodies whose fields (top level, a message, a part) hold any JSON
-    value: each ends in a parse or a RequestError, never another exception.
+    value, non-finite numbers included (``1e999`` reads as infinity): each ends in a parse or a
+    RequestError, never another exception, and what parses samples with finite numbers a worker can use.
+(e) ``mm_processor_kwargs`` of any shape go through a Qwen2-VL image processor: pixels, all finite,
+    or a RequestError.
 
 Counts stay small for CI (the file runs in about a minute on 2 busy cores); ``SHMGATE_FUZZ_EXAMPLES=N`` runs
 N examples per component test and N/10 per server test, with fresh randomness.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from collections.abc import Iterator
 from datetime import timedelta
@@ -40,8 +44,10 @@ from schemathesis import GenerationMode
 
 from shmgate.gateway.intake import ChatCompletionRequest, IntakeLimits, image_bytes, parse_chat_request
 from shmgate.gateway.openapi import openapi_document
+from shmgate.gateway.preprocess.hf import HFPreprocessor
 from shmgate.gateway.preprocess.vision import ChecksumPreprocessor
 from shmgate.shared.errors import ImageTooLarge, RequestError, UndecodableImage
+from shmgate.shared.wire import MIN_TEMPERATURE
 from tests.serving import IMAGES, Server, data_url
 from tests.test_imaging import encode, exif_rotated_jpeg
 
@@ -397,15 +403,22 @@ GOOD = {"model": "checksum", "messages": [{"role": "user", "content": "hi"}]}
 
 
 def _parses_or_refuses(body: dict[str, object]) -> None:
+    # Infinities as JSON numbers too large for a double (json.dumps writes the invalid word Infinity).
+    text = json.dumps(body).replace("Infinity", "1e999")
     try:
-        parse_chat_request(json.dumps(body).encode(), IntakeLimits())
+        params = parse_chat_request(text.encode(), IntakeLimits()).params
     except RequestError:
-        pass
+        return
+    numbers = [params.temperature, params.top_p, params.presence_penalty, params.frequency_penalty]
+    assert all(math.isfinite(x) for x in numbers + [bias for _, bias in params.logit_bias]), params
+    assert params.temperature == 0.0 or params.temperature >= MIN_TEMPERATURE, params
 
 
 # Values shaped like what a field may hold (a map of numbers, a list of numbers) reach the checks
 # behind the type check more often than arbitrary JSON does.
-SMALL = st.integers(-300, 300) | st.floats(-300, 300)  # around the bounds the checks use (2, 100, 256, ...)
+SMALL = (  # around the bounds the checks use (2, 100, 256, ...), and where float32 gives out
+    st.integers(-300, 300) | st.floats(-300, 300) | st.sampled_from([1e-300, 5e-324, 1e-6, 1e308, float("inf")])
+)
 FIELD_VALUE = (
     ANY_JSON
     | SMALL
@@ -443,3 +456,34 @@ def test_any_json_value_inside_a_message_parses_or_is_a_request_error(
     _parses_or_refuses({**GOOD, "messages": [{"role": "user", **message}]})
     nested = {**part, "image_url": image_url} if part.get("type") == "image_url" else part
     _parses_or_refuses({**GOOD, "messages": [{"role": "user", "content": [nested]}]})
+
+
+# -- (e) image processor options of any shape ------------------------------------------------------------------
+
+OPTION_KEYS = ["max_pixels", "min_pixels", "size", "image_mean", "image_std", "rescale_factor", "resample"]
+OPTION_KEYS += ["do_resize", "do_rescale", "do_normalize", "do_convert_rgb", "patch_size", "unknown"]
+OPTION_VALUE = FIELD_VALUE | st.integers(1, 1 << 26) | st.lists(st.floats(-2, 2) | SMALL, min_size=3, max_size=3)
+
+
+def test_any_processor_options_give_finite_pixels_or_a_request_error(tiny_qwen2_vl_dir: object) -> None:
+    pre = HFPreprocessor(str(tiny_qwen2_vl_dir))
+    image = encode(Image.open(IMAGES / "camera_640.jpg").convert("RGB").resize((40, 30)), "PNG")
+
+    @fuzz_settings(60)
+    @given(options=st.dictionaries(st.sampled_from(OPTION_KEYS), OPTION_VALUE, min_size=1, max_size=3))
+    def run(options: dict[str, object]) -> None:
+        out: dict[str, np.ndarray] = {}
+
+        def allocate(name: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+            out[name] = np.zeros(shape, dtype)
+            return out[name]
+
+        try:
+            chosen = pre.image_options(options, None)
+            pre.plan_image(40, 30, chosen)
+            pre.preprocess_image(image, allocate, max_pixels=MAX_PIXELS, options=chosen)
+        except RequestError:
+            return
+        assert np.isfinite(out["pixel_values"]).all(), options
+
+    run()

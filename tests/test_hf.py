@@ -390,11 +390,12 @@ def test_cancelled_item_stops_between_tokens(pre: HFPreprocessor, backend: HFBac
 def test_inputs_that_do_not_match_are_refused(pre: HFPreprocessor, backend: HFBackend) -> None:
     item = work_item(pre, "Hi", [WIDE], GREEDY)
     out_of_vocab = WorkItem(1, item.tensors, GREEDY, inline=np.array([1, 10**6], np.int32).tobytes())
-    with pytest.raises(InvalidRequest, match="outside the vocabulary"):
-        list(backend.run([out_of_vocab]))
-    missing_image = WorkItem(1, {}, GREEDY, inline=item.inline)
-    with pytest.raises(InvalidRequest, match="image slots"):
-        list(backend.run([missing_image]))
+    missing_image = WorkItem(2, {}, GREEDY, inline=item.inline)
+    events = list(backend.run([out_of_vocab, item, missing_image]))  # each bad item fails alone
+    errors = {e.index: e.error for e in events if e.error is not None}
+    assert set(errors) == {0, 2} and all(isinstance(e, InvalidRequest) for e in errors.values())
+    assert "outside the vocabulary" in str(errors[0]) and "image slots" in str(errors[2])
+    assert answer(events, 1)[1].completion_tokens == GREEDY.max_tokens
 
 
 # -- text and sampling units -------------------------------------------------------------

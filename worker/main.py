@@ -12,8 +12,8 @@ Per request the worker sends, in order: Claimed (as soon as it takes the
 descriptor), Released (after its tensors were copied to the device and the
 generation re-checked; never before the copy finished reading the arena), then
 Delta* and exactly one terminal Finished or Failed. A bad descriptor, an
-expired deadline or a backend exception fails that request (or that batch) and
-the worker carries on; only SIGTERM/SIGINT stops it, after the current batch
+expired deadline or a backend event with an ``error`` fails that request alone, a
+backend exception fails that batch, and the worker carries on; only SIGTERM/SIGINT stops it, after the current batch
 and the prepared one (both were claimed: they run, nothing is dropped).
 
 Liveness: a heartbeat thread stamps the worker's slot row ("the process
@@ -441,7 +441,11 @@ class Worker:
                 if event.vector is not None:
                     for message in vector_messages(job.submit.request_id, event.vector):
                         self._reply(job.submit, message)
-                if event.finish_reason is not None:
+                if event.error is not None:  # this item alone failed: answer it, the batch goes on
+                    job.done = True
+                    self._flush_text(job)
+                    self._fail(job.submit, job.seq, event.error)
+                elif event.finish_reason is not None:
                     job.done = True
                     last = self._flush_text(job, keep_last=True)
                     self._reply(

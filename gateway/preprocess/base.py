@@ -89,6 +89,12 @@ class Preprocessor(abc.ABC):
         for bad input. Runs in a thread; must not touch the event loop.
         """
 
+    def plan_image(self, width: int, height: int, options: dict[str, Any] | None) -> int:
+        """Before any decode, from the header's ``width`` x ``height`` and this image's ``options``: the
+        bytes the processor's own work will take beyond the decode (counted in the decode budget, 0 when
+        negligible). Raises InvalidRequest when the image alone cannot fit the model's context."""
+        return 0
+
     @abc.abstractmethod
     def build_prompt(self, messages: Sequence[dict[str, Any]], images: Sequence[ImageTensorSpec]) -> PromptInputs:
         """Turn the conversation into the inline payload and text for the worker.

@@ -55,6 +55,7 @@ import numpy as np
 
 from shmgate.gateway.imaging import decode_image
 from shmgate.gateway.preprocess.base import AllocateFn, ImageTensorSpec, Preprocessor, PromptInputs
+from shmgate.gateway.preprocess.options import bounded_options
 from shmgate.shared.errors import InvalidRequest, UndecodableImage
 from shmgate.shared.hf_families import PromptStyle, chat_family  # each family's record
 from shmgate.shared.models import model_id_for  # the rules, said in shared/models.py
@@ -133,6 +134,28 @@ FIXED_PROCESSOR_KEYS = frozenset(
         "do_pan_and_scan",  # Gemma 3's extra crops: the frontend carries the one view its prompt expects
     }
 )
+
+
+def _strict_validation() -> tuple[type[Exception], ...]:
+    """transformers' strict dataclass check of processor arguments raises huggingface_hub's class."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # an older huggingface_hub: no strict validation
+        return ()
+    return (StrictDataclassError,)
+
+
+# What a processor call raises for its options (not for the image): a 400 naming mm_processor_kwargs.
+_OPTION_ERRORS: tuple[type[Exception], ...] = (TypeError, AttributeError, KeyError, *_strict_validation())
+
+
+def _size_of(image_processor: Any) -> dict[str, Any]:
+    """The processor's configured ``size`` as a plain dict of its set values (a dict or a SizeDict)."""
+    size = getattr(image_processor, "size", None)
+    if size is None:
+        return {}
+    items = size.items() if isinstance(size, dict) else vars(size).items()
+    return {k: v for k, v in items if v is not None}
 
 
 def processor_keys(image_processor: Any) -> frozenset[str]:
@@ -484,8 +507,33 @@ class HFPreprocessor(Preprocessor):
                     f"{type(self.image_processor).__name__}; accepted: {sorted(processor_keys(self.image_processor))}",
                     param="mm_processor_kwargs",
                 )
-            options.update(request_kwargs)
+            annotations = getattr(getattr(self.image_processor, "valid_kwargs", None), "__annotations__", {})
+            options.update(bounded_options(request_kwargs, _size_of(self.image_processor), annotations))
         return options
+
+    def plan_image(self, width: int, height: int, options: dict[str, Any] | None) -> int:
+        """The Qwen2-VL family (a pixel budget in ``size``): the resized image's tokens, computed as its
+        processor will resize it (``smart_resize``), refused when they alone fill the context; and the
+        processor's float32 copies of it (about five: the resize, rescale, normalise and the patches).
+        Other processors resize to a fixed size: nothing to plan."""
+        size = {**_size_of(self.image_processor), **((options or {}).get("size") or {})}
+        merge = getattr(self.image_processor, "merge_size", None)
+        if not merge or "longest_edge" not in size or "shortest_edge" not in size:
+            return 0
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        patch = int(self.image_processor.patch_size)
+        try:
+            h, w = smart_resize(height, width, patch * merge, size["shortest_edge"], size["longest_edge"])
+        except ValueError as exc:  # e.g. an aspect ratio above 200:1
+            raise UndecodableImage(f"The image cannot be processed for this model: {exc}") from None
+        tokens = h * w // (patch * patch * merge * merge)
+        if self.max_prompt_tokens is not None and tokens >= self.max_prompt_tokens:
+            raise InvalidRequest(
+                f"This image alone would take {tokens} tokens; this model reads at most "
+                f"{self.max_prompt_tokens - 1}. Send a smaller image or a lower max_pixels."
+            )
+        return 5 * h * w * 3 * 4
 
     def preprocess_image(
         self, data: bytes, allocate: AllocateFn, *, max_pixels: int, options: dict[str, Any] | None = None
@@ -506,7 +554,7 @@ class HFPreprocessor(Preprocessor):
                 **dict(self._arch.call_args),
                 **(options or {}),
             )
-        except (TypeError, AttributeError, KeyError) as exc:
+        except _OPTION_ERRORS as exc:
             raise InvalidRequest(
                 f"mm_processor_kwargs are not valid for this processor: {exc}", param="mm_processor_kwargs"
             ) from None

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shmgate.shared.errors import ShmgateError
 from shmgate.shared.wire import SamplingParams, TokenLogprob
 
 __all__ = ["DEFAULT_BATCH_SIZE", "BackendEvent", "ModelBackend", "WorkItem", "batch_size_for"]
@@ -41,7 +42,9 @@ class BackendEvent:
     """A piece of output for ``batch[index]``.
 
     ``text`` is appended to the answer. A non-None ``finish_reason`` ("stop" or
-    "length") ends that item; a backend must end every item exactly once.
+    "length") ends that item, and so does a non-None ``error`` (that item alone failed; the
+    worker answers it with its own Failed and the batch goes on); a backend must end every
+    item exactly once.
 
     ``flush=False`` says more output for this item follows at once (no model work in between):
     the worker then holds the text and sends it with the next flushed event, so a burst of small
@@ -60,6 +63,9 @@ class BackendEvent:
     # The log-probabilities of the token sampled for this event (SamplingParams.logprobs >= 0), sent
     # to the frontend before the event's text.
     logprob: TokenLogprob | None = None
+    # The item failed on its own (its logits were not finite, its sampling raised): the worker fails
+    # that request with this error and leaves its batch mates running.
+    error: ShmgateError | None = None
 
 
 DEFAULT_BATCH_SIZE = 8  # requests per batch for a backend that states no preference

@@ -37,9 +37,17 @@ Invariants:
 4. Every item ends with exactly one event carrying ``finish_reason`` and usage.
    ``completion_tokens`` counts every sampled token, the EOS token included.
 
+5. A row fails alone (rows are isolated): one whose logits are not finite (NaN pixels, an
+   overflow) or whose sampling raises ends with an ``error`` event of its own, and its batch
+   mates go on as if it had never been there. Non-finite logits never reach ``multinomial``
+   (on CUDA a NaN there is a device-side assert, fatal to the process's CUDA context): each
+   step checks all rows' logits in one vectorised ``isfinite``, samples the bad rows from
+   zeros instead, and reads the verdict back with the tokens (``NOT_FINITE``), so the check
+   adds no host sync.
+
 Inputs come from our own frontend, but a worker checks them anyway before they touch
 the device (an out-of-range id is a device-side assert on CUDA, which kills the
-process's CUDA context): a mismatch raises InvalidRequest and fails the batch.
+process's CUDA context): a mismatch fails that request alone with InvalidRequest.
 """
 
 from __future__ import annotations
@@ -54,15 +62,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from shmgate.shared.errors import InvalidRequest
+from shmgate.shared.errors import InvalidRequest, ModelError
 from shmgate.shared.hf_families import HF_FAMILIES, InputStyle, chat_family  # each family's record
 from shmgate.shared.models import model_id_for  # rules: shared/models.py
-from shmgate.shared.wire import MAX_LOGPROB_TOKEN_CHARS, SamplingParams, TokenLogprob
+from shmgate.shared.wire import MAX_LOGPROB_TOKEN_CHARS, MIN_TEMPERATURE, SamplingParams, TokenLogprob
 from shmgate.worker.backends.base import BackendEvent, ModelBackend, WorkItem
 
 __all__ = [
     "DTYPES",
     "HFBackend",
+    "NOT_FINITE",
     "IncrementalDetokenizer",
     "StopStringFilter",
     "model_id_for",
@@ -155,11 +164,18 @@ class HFBackend(ModelBackend):
     def run(self, batch: Sequence[WorkItem]) -> Iterator[BackendEvent]:
         """Generate every item of ``batch``, yielding text as it is decoded.
 
-        All items are checked before any work starts. Raises InvalidRequest when an
-        item's token ids or tensors are not what the frontend writes.
+        All items are checked before any work starts: one whose token ids or tensors are not what
+        the frontend writes ends at once with an InvalidRequest ``error`` event of its own, and the
+        others run without it (invariant 5).
         """
-        inputs = [self._layout.check(item, self.device) for item in batch]
-        rows = [self._row(i, item, x) for i, (item, x) in enumerate(zip(batch, inputs))]
+        rows: list[_Row] = []
+        for i, item in enumerate(batch):
+            try:
+                inputs = self._layout.check(item, self.device)
+            except InvalidRequest as exc:
+                yield BackendEvent(i, error=exc)
+                continue
+            rows.append(self._row(i, item, inputs))
         live: list[_Row] = []
         for row in rows:  # prefill one at a time: every prompt has its own length and images
             if row.limit == 0 or row.item.cancelled:
@@ -167,7 +183,8 @@ class HFBackend(ModelBackend):
                 continue
             logits, row.cache, row.delta = self._prefill(row.inputs)
             self.on_step()
-            yield from self._accept(row, _to_host([self._pick(row, logits)])[0])
+            token = self._guarded_pick(row, logits, finite_rows(logits))
+            yield from self._accept(row, _to_host([token])[0] if token is not None else SAMPLING_FAILED)
             if row.finish is None:
                 live.append(row)
         if len(live) > 1:
@@ -184,9 +201,12 @@ class HFBackend(ModelBackend):
                 break
             logits = self._decode_step(live)
             self.on_step()
-            tokens = _to_host([self._pick(row, row_logits) for row, row_logits in zip(live, logits)])
-            for row, token in zip(live, tokens):
-                yield from self._accept(row, token)
+            finite = finite_rows(logits)  # one vectorised check for the whole step
+            picks = [self._guarded_pick(row, logits[i], finite[i]) for i, row in enumerate(live)]
+            sampled = [t for t in picks if t is not None]
+            tokens = iter(_to_host(sampled) if sampled else [])
+            for row, pick in zip(live, picks):
+                yield from self._accept(row, next(tokens) if pick is not None else SAMPLING_FAILED)
 
     def _row(self, index: int, item: WorkItem, inputs: _Inputs) -> _Row:
         prompt_tokens = inputs.input_ids.shape[1]
@@ -207,6 +227,22 @@ class HFBackend(ModelBackend):
                 else None
             ),
         )
+
+    def _guarded_pick(self, row: _Row, logits: torch.Tensor, finite: torch.Tensor) -> torch.Tensor | None:
+        """The row's next token, ``NOT_FINITE`` where ``finite`` (a 0-d bool on the device) says its
+        logits are not, or None when its sampling raised (invariant 5: that row fails, not the batch).
+
+        Non-finite logits are replaced by zeros before anything samples from them, and the verdict
+        rides back in the token itself: no host sync of its own.
+        """
+        try:
+            token = self._pick(
+                row, torch.where(finite, logits, torch.zeros((), dtype=logits.dtype, device=logits.device))
+            )
+        except Exception as exc:  # this row's parameters or numbers: fail it alone
+            log.warning("request %x: sampling raised %r; it fails alone", row.item.request_id, exc)
+            return None
+        return torch.where(finite, token, torch.full_like(token, NOT_FINITE))
 
     def _pick(self, row: _Row, logits: torch.Tensor) -> torch.Tensor:
         """The row's next token from its ``logits``, left on the device (no sync).
@@ -230,6 +266,10 @@ class HFBackend(ModelBackend):
 
     def _accept(self, row: _Row, token: int) -> list[BackendEvent]:
         """Take the row's sampled ``token``; return its text, and the end if it ended."""
+        if token == NOT_FINITE:
+            return self._fail_row(row, "the model's output for this request was not finite (NaN or infinity)")
+        if token == SAMPLING_FAILED:
+            return self._fail_row(row, "sampling failed for this request")
         row.completion_tokens += 1
         row.token = token
         if row.counts is not None:
@@ -262,6 +302,13 @@ class HFBackend(ModelBackend):
 
     def _token_text(self, token: int) -> str:
         return str(self.tokenizer.decode([token], skip_special_tokens=False))[:MAX_LOGPROB_TOKEN_CHARS]
+
+    def _fail_row(self, row: _Row, message: str) -> list[BackendEvent]:
+        """End the row alone with an error (invariant 5); its text held back is dropped with it."""
+        row.finish = "error"
+        row.cache = None
+        row.logprobs = None
+        return [BackendEvent(row.index, error=ModelError(message))]
 
     def _finish(self, row: _Row, reason: str) -> list[BackendEvent]:
         """End the row: release held-back text (unless a stop string cut it) and report usage."""
@@ -763,6 +810,18 @@ def _generator(device: torch.device, seed: int | None) -> torch.Generator:
     return generator
 
 
+# Read back in a row's token slot: its logits were not finite (NOT_FINITE), or its sampling raised
+# (SAMPLING_FAILED). Token ids are never negative.
+NOT_FINITE = -1
+SAMPLING_FAILED = -2
+
+
+def finite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Whether each row of ``logits`` (``[rows, vocab]``, or one row ``[vocab]``) is all finite: a bool
+    tensor on the device (``[rows]`` or 0-d), computed in one pass and never read here (no host sync)."""
+    return torch.isfinite(logits).all(dim=-1)
+
+
 def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
     """Pick the next token from 1-D ``logits``: greedy at temperature 0, else nucleus sampling.
 
@@ -773,8 +832,12 @@ def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generat
 
 
 def pick_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
-    """``sample_token`` without reading the result: a 0-d tensor on ``logits``' device (no host sync)."""
-    if temperature <= 0.0:
+    """``sample_token`` without reading the result: a 0-d tensor on ``logits``' device (no host sync).
+
+    Below ``MIN_TEMPERATURE`` the pick is greedy: ``logits / temperature`` would overflow to
+    infinity and the softmax to NaN.
+    """
+    if not temperature >= MIN_TEMPERATURE:  # NaN included
         return torch.argmax(logits)
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p >= 1.0:
