@@ -1,8 +1,8 @@
 """Chaos soak: mixed traffic while workers and frontends are SIGKILLed and SIGSTOPped at random.
 
-    python bench/chaos.py                       # 10 minutes against a server it starts
-    python bench/chaos.py --duration-s 40       # the short run tests/test_chaos.py makes
-    python bench/chaos.py --json                # one JSON summary line at the end
+    python -m bench chaos                       # 10 minutes against a server it starts
+    python -m bench chaos --duration-s 40       # the short run tests/test_chaos.py makes
+    python -m bench chaos --json                # one JSON summary line at the end
 
 It starts ``shmgate serve --model checksum`` (2 frontends, 2 workers, ``--stall-timeout-s``
 short), warms it up, measures every server process at rest, then runs ``--concurrency`` clients
@@ -35,21 +35,17 @@ import random
 import re
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+import httpx
 
-import httpx  # noqa: E402
-
-from shared.channels import SENDER_IDLE_S  # noqa: E402
-from tests.serving import data_url, expected_checksum, free_port, noise_png  # noqa: E402
+from bench.servers import REPO, free_port, shmgate_serve
+from shared.channels import SENDER_IDLE_S
+from tests.serving import data_url, expected_checksum, noise_png
 
 MODEL = "checksum"
 # A census waits this long after traffic: a frontend's sender threads exit once idle for SENDER_IDLE_S.
@@ -208,26 +204,12 @@ def start_server(args: argparse.Namespace, log_dir: Path) -> Server:
     port = free_port()
     log_path = log_dir / f"chaos-serve-{port}.log"
     process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gateway",
-            "serve",
-            "--port",
-            str(port),
-            "--model",
-            MODEL,
-            "--frontends",
-            str(args.frontends),
-            "--workers",
-            str(args.workers),
-            "--arena-size",
-            args.arena_size,
-            "--stall-timeout-s",
-            str(args.stall_timeout_s),
-            "--request-timeout-s",
-            str(args.request_timeout_s),
-        ],
+        shmgate_serve(
+            port,
+            *("--model", MODEL, "--frontends", str(args.frontends), "--workers", str(args.workers)),
+            *("--arena-size", args.arena_size, "--stall-timeout-s", str(args.stall_timeout_s)),
+            *("--request-timeout-s", str(args.request_timeout_s)),
+        ),
         stdout=open(log_path, "wb"),
         stderr=subprocess.STDOUT,
         cwd=REPO,
@@ -530,7 +512,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fds/threads per role before {summary['fds_threads_before']} after {summary['fds_threads_after']}")
         print("OK" if not failures else "FAILED:\n  " + "\n  ".join(failures))
     return 1 if failures else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -19,7 +19,7 @@ The set (``fidelity_set``): the photos of tests/data/images, seeded crops of the
 aspect ratios and JPEG qualities, and generated edge cases (EXIF orientations 2-8, CMYK, 16-bit
 PNG, grayscale, RGBA and palette PNGs with transparency, WebP, odd and tiny sizes).
 
-Usage: ``python bench/fidelity.py [--crops N] [--margins 0 1 1.5 2] [--json FILE]``; prints a markdown
+Usage: ``python -m bench fidelity [--crops N] [--margins 0 1 1.5 2] [--json FILE]``; prints a markdown
 table. tests/test_fidelity.py asserts the bounds docs/BENCHMARKS.md states on a smaller set.
 """
 
@@ -37,12 +37,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from PIL import Image, ImageOps  # noqa: E402
+import numpy as np
+import torch
+from PIL import Image, ImageOps
 
 PHOTOS = sorted((REPO / "tests" / "data" / "images").glob("*.jpg"))
 RESIZE, CROP = 256, 224
@@ -313,7 +311,3 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -24,7 +24,7 @@ the consumer holding a usable view, on CLOCK_MONOTONIC, which both processes sha
 partition block), ``index_lock`` (the index critical section, acquire to release, around an
 insert, a lookup and a remove) and ``shmgate_stages`` (where one full handoff's time goes).
 
-Usage: ``python bench/handoff.py [--quick] [--json] [--inflight 8] [--transport NAME ...] [--pin same|split]``.
+Usage: ``python -m bench handoff [--quick] [--json] [--inflight 8] [--transport NAME ...] [--pin same|split]``.
 Every child is joined (or killed) and the instance unlinked in a ``finally``.
 """
 
@@ -34,7 +34,6 @@ import argparse
 import json
 import multiprocessing
 import os
-import sys
 import time
 from collections.abc import Callable
 from math import prod
@@ -44,15 +43,13 @@ from typing import Any
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
-from shared.arena import Partition, recheck, validate  # noqa: E402
-from shared.cache_index import IndexEntry  # noqa: E402
-from shared.instance import Instance  # noqa: E402
-from shared.locks import HolderKind  # noqa: E402
-from shared.segment import LockId, SlotState  # noqa: E402
-from shared.wire import Cancel, Released, Submit, TensorRef  # noqa: E402
+from shared.arena import Partition, recheck, validate
+from shared.cache_index import IndexEntry
+from shared.instance import Instance
+from shared.locks import HolderKind
+from shared.segment import LockId, SlotState
+from shared.wire import Cancel, Released, Submit, TensorRef
 
 SIZES: list[tuple[int, str, tuple[int, ...]]] = [
     (150_528, "uint8", (3, 224, 224)),
@@ -575,7 +572,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer samples: finishes in under a minute")
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
@@ -587,13 +584,10 @@ def main() -> None:
         choices=["same", "split"],
         help="pin producer and consumer to one CPU, or to CPUs 0 and 1 (default: the scheduler decides)",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not 1 <= args.inflight <= 10:
         parser.error("--inflight must be 1..10 (the POSIX queue depth here is 10)")
     rows = run(args)
     if not args.json:
         print_table(rows)
-
-
-if __name__ == "__main__":
-    main()
+    return 0

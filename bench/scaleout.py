@@ -1,7 +1,7 @@
 """Scale-out on one machine: two shmgate units behind nginx, then a rolling restart under load.
 
 Each unit is what one Kubernetes pod runs (deploy/k8s/base): a gateway container and a worker
-container in their own IPC and mount namespace with a fresh /dev/shm (bench/pods.py), so the two
+container in their own IPC and mount namespace with a fresh /dev/shm (bench_client/pods.py), so the two
 units share nothing but the machine, as two pods on two nodes would share nothing but the network.
 nginx from Debian's packages stands in for the ingress/Service: it spreads requests over both units
 and, like an ingress whose endpoint list lags, passes a request that a draining or not-yet-ready unit
@@ -14,7 +14,7 @@ in back-to-back rounds so that it covers the whole restart. Phases:
      way; the worker follows the drain), wait for both to exit, start it again, wait until /ready;
      the load keeps running throughout. The outcome is the number of failed requests (the goal: 0).
 
-    sudo .venv/bin/python bench/scaleout.py --model efficientnet-lite0 --steady-s 20 --concurrency 16 --json
+    sudo .venv/bin/python -m bench scaleout --model efficientnet-lite0 --steady-s 20 --concurrency 16 --json
 
 Needs root (namespaces) and nginx (`apt-get install nginx`).
 """
@@ -26,7 +26,6 @@ import asyncio
 import json
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -39,10 +38,8 @@ from typing import Any
 import httpx
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.pods import Container, Pod, gateway_argv, pods_unavailable, terminate_together, worker_argv  # noqa: E402
-from bench_client import loadgen  # noqa: E402
+    from bench_client.pods import Container, Pod, gateway_argv, pods_unavailable, terminate_together, worker_argv
+from bench_client import loadgen
 
 ROOT = Path(__file__).resolve().parent.parent
 IMAGES = ROOT / "tests" / "data" / "images"
@@ -350,7 +347,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bench/scaleout.py", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="checksum", help="checksum (test model) or efficientnet-lite0")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--requests", type=int, default=200, help="requests per `shmgate bench` round")
@@ -368,7 +365,3 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result, indent=2))
     ok = result["rolling_restart"]["errors"] == 0 and result["steady"]["errors"] == 0 and not result["bench_failures"]
     return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
