@@ -18,7 +18,6 @@ from typing import cast
 SCENARIOS: dict[str, tuple[str, str]] = {
     "e2e": ("bench.e2e", "shmgate against a naive app and LitServe, end to end: req/s, latency, server CPU"),
     "gateway-cost": ("bench.gateway_cost", "shmgate's own CPU per request against floor servers and LitServe"),
-    "handoff": ("bench.handoff", "one tensor from a frontend to a worker, against pickled and torch queues"),
     "hf-processing": ("bench.hf_processing", "a tiny VLM: shmgate against a naive transformers server"),
     "preprocess-model": ("bench.preprocess_model", "the frontends' decode and the model's CPU per image"),
     "startup": ("bench.startup", "a worker's start-up time, from a fresh interpreter to a ready backend"),

@@ -44,6 +44,8 @@ from pathlib import Path
 import httpx
 
 from bench.servers import REPO, free_port, shmgate_serve
+from bench_client import processes
+from bench_client.loadgen import process_tree
 from shared.channels import SENDER_IDLE_S
 from tests.serving import data_url, expected_checksum, noise_png
 
@@ -125,22 +127,8 @@ class Server:
 
     def children(self) -> dict[int, str]:
         """pid -> role ("frontend <slot>" | "worker") of the supervisor's children."""
-        out = {}
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-                if int(stat.rsplit(")", 1)[1].split()[1]) != self.process.pid:
-                    continue
-                argv = Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace").split("\0")
-            except (OSError, ValueError, IndexError):
-                continue
-            if "frontend" in argv and "--slot" in argv:
-                out[int(entry)] = f"frontend {argv[argv.index('--slot') + 1]}"
-            elif "worker" in argv:
-                out[int(entry)] = "worker"
-        return out
+        roles = {pid: processes.role(pid) for pid in process_tree([self.process.pid])}
+        return {pid: r for pid, r in roles.items() if r == "worker" or r.startswith("frontend")}
 
     def metric(self, name: str) -> float | None:
         try:
@@ -173,30 +161,16 @@ def _stopped(pid: int) -> bool:
         return False
 
 
-def _counts(pid: int) -> tuple[int, int] | None:
-    try:
-        fds = len(os.listdir(f"/proc/{pid}/fd"))
-        threads = int(
-            next(
-                line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("Threads:")
-            ).split()[1]
-        )
-    except (OSError, StopIteration, ValueError):
-        return None
-    return fds, threads
-
-
 def census(server: Server) -> dict[str, tuple[int, int]]:
     """Per role, the most fds and threads any of its processes has (the supervisor's own too)."""
     out: dict[str, tuple[int, int]] = {}
     pids = {server.process.pid: "supervisor", **server.children()}
-    for pid, role in pids.items():
-        counts = _counts(pid)
-        if counts is None:
+    for pid, name in pids.items():
+        if (sample := processes.sample_process(pid)) is None:
             continue
-        role = "frontend" if role.startswith("frontend") else role
-        old = out.get(role, (0, 0))
-        out[role] = (max(old[0], counts[0]), max(old[1], counts[1]))
+        kind = name.split()[0]  # frontend <slot> -> frontend
+        old = out.get(kind, (0, 0))
+        out[kind] = (max(old[0], sample.fds), max(old[1], sample.threads))
     return out
 
 

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.report import fmt, publish, render_table
+from bench import load, report
+from bench.report import fmt, render_table
 from bench.servers import (
     BASE_TREE,
     LITSERVE_PYTHON,
@@ -38,10 +39,10 @@ from bench.servers import (
     ServerProcess,
     comparison_server,
     free_port,
+    parse_variant,
     photo_folder,
     shmgate_serve,
 )
-from bench_client import loadgen
 from bench_client.disturb import Disturbance
 
 
@@ -53,7 +54,6 @@ class Scenario:
     flags: tuple[str, ...]  # the server's own flags
     model: str  # the model id the load generator sends
     bench_flags: tuple[str, ...] = ("--unique",)  # distinct bytes per request: no cache hits
-    env: tuple[str, ...] = ()  # KEY=VALUE set for the server
     ready_timeout_s: float = 180.0
 
     @property
@@ -66,11 +66,9 @@ class Scenario:
 
     def argv(self, port: int) -> list[str]:
         if self.server.startswith("shmgate"):
-            argv = shmgate_serve(port, *self.flags)
-        else:
-            python = LITSERVE_PYTHON if self.server == "litserve_server" else sys.executable
-            argv = comparison_server(self.server, port, *self.flags, python=python)
-        return ["env", *self.env, *argv] if self.env else argv
+            return shmgate_serve(port, *self.flags)
+        python = LITSERVE_PYTHON if self.server == "litserve_server" else sys.executable
+        return comparison_server(self.server, port, *self.flags, python=python)
 
 
 LITE0 = "efficientnet-lite0"
@@ -83,20 +81,8 @@ SCENARIOS: dict[str, Scenario] = {
     "shmgate-checksum": Scenario("shmgate", (*SHMGATE, "checksum"), "checksum"),
     "shmgate-checksum-cached": Scenario("shmgate", (*SHMGATE, "checksum"), "checksum", bench_flags=("--repeat-one",)),
     "shmgate-efficientnet": Scenario("shmgate", (*SHMGATE, LITE0), LITE0),
-    # The other batch policy (--batch-policy; the default is held), for alternated runs on one build.
-    "shmgate-efficientnet-fcfs": Scenario("shmgate", (*SHMGATE, LITE0, "--batch-policy", "fcfs"), LITE0),
-    # Batches of 8 requests, the old default (now one forward pass on CPU: 2 per torch
-    # thread), for alternated before/after runs on one build.
-    "shmgate-efficientnet-b8": Scenario("shmgate", (*SHMGATE, LITE0, "--max-batch-size", "8"), LITE0),
     # The default command on the checkout in SHMGATE_BENCH_BASE (before/after in one run).
     "shmgate-base": Scenario("shmgate-base", ("--model", LITE0), LITE0),
-    # The default on CPU is 2 workers splitting the cores (LitServe's best layout on 2 cores, too);
-    # this is the other choice, one worker with every core.
-    "shmgate-efficientnet-1w": Scenario("shmgate", (*SHMGATE, LITE0, "--workers", "1"), LITE0),
-    # Huge pages for torch's large tensors (worker/__main__.py turns them on by default): without
-    # them in our workers, and with them in LitServe's, for alternated runs on one build.
-    "shmgate-efficientnet-nothp": Scenario("shmgate", (*SHMGATE, LITE0), LITE0, env=("THP_MEM_ALLOC_ENABLE=0",)),
-    "litserve-thp": Scenario("litserve_server", (), LITE0, env=("THP_MEM_ALLOC_ENABLE=1",)),
 }
 # /v1/embeddings (one image per request; req/s = images/s). "-repeat": the same image every time
 # (the naive server and LitServe have no cache to hit; shmgate hits its tensor cache, and with
@@ -151,30 +137,20 @@ async def bench_scenario(
                 if not capacity:
                     break
                 concurrency, rate = 8, round(capacity * args.open_loop[index - len(loads)] / 100, 2)
-            argv = [
-                "--base-url",
-                base_url,
-                "--model",
-                scenario.model,
-                "--concurrency",
-                str(concurrency),
-                "--requests",
-                str(args.requests),
-                "--images",
-                str(images_dir),
-                "--server-pid",
-                str(server.pid),
-                *scenario.bench_flags,
-            ]
+            flags = [*scenario.bench_flags, *(["--stream"] if args.stream else [])]
             if rate is not None:
-                argv += ["--rate", str(rate), "--seed", str(args.seed)]
-            if args.stream:
-                argv.append("--stream")
-            parser = argparse.ArgumentParser()
-            loadgen.add_arguments(parser)
+                flags += ["--rate", str(rate), "--seed", str(args.seed)]
             began = time.monotonic()
             with Disturbance(args.background_cores):
-                result = await loadgen.run(parser.parse_args(argv))
+                result = await load.run(
+                    base_url,
+                    scenario.model,
+                    images_dir,
+                    concurrency=concurrency,
+                    requests=args.requests,
+                    server_pid=server.pid,
+                    flags=flags,
+                )
             if rate is None:
                 capacity = result["requests_per_s"]
             result.update(
@@ -337,14 +313,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--all", action="store_true", help="every scenario of the table")
     parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="NAME=FLAGS: shmgate-efficientnet with extra serve flags as one more scenario (repeatable), "
+        'e.g. fcfs="--batch-policy fcfs" or 1w="--workers 1"',
+    )
+    parser.add_argument(
         "--embeddings", action="store_true", help=f"the /v1/embeddings comparison: {', '.join(EMBEDDING_SCENARIOS)}"
     )
     parser.add_argument("--quick", action="store_true", help="48 requests per point instead of 200")
     parser.add_argument("--requests", type=int, default=None)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--stream", action="store_true", help="streaming requests")
-    parser.add_argument("--json", action="store_true", help="print JSON lines as results come")
-    parser.add_argument("--out", default=None, help="also write the markdown table to this file")
+    report.add_arguments(parser)
     parser.add_argument("--log-dir", default=None, help="keep the servers' logs here")
     parser.add_argument(
         "--background-cores",
@@ -378,12 +360,16 @@ def main(argv: list[str] | None = None) -> int:
     args.scenario = (
         sorted(SCENARIOS)
         if args.all
-        else (args.scenario or (EMBEDDING_SCENARIOS if args.embeddings else DEFAULT_SCENARIOS))
+        else (args.scenario or ([] if args.variant else EMBEDDING_SCENARIOS if args.embeddings else DEFAULT_SCENARIOS))
     )
+    for spec in args.variant:
+        name, flags = parse_variant(spec, SCENARIOS)
+        SCENARIOS[name] = Scenario("shmgate", (*SHMGATE, LITE0, *flags), LITE0)
+        args.scenario.append(name)
     args.requests = args.requests or (48 if args.quick else 200)
     results = asyncio.run(run_all(args))
     table = markdown_table(results)
-    publish(table, [], as_json=args.json, out=args.out)  # --json printed each result as it came
+    report.publish(table, [], args)  # --json printed each result as it came
     if args.plot:
         plot_open_loop(results, Path(args.plot))
     return 0 if results and all(r["errors"] == 0 and r["mismatches"] == 0 for r in results) else 1

@@ -31,10 +31,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ProcessPoolExecutor
-from pathlib import Path
 from typing import Any
-
-REPO = Path(__file__).resolve().parent.parent
 
 import msgspec
 import numpy as np

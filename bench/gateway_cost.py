@@ -33,18 +33,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import shlex
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench import load, report
 from bench.report import render_table
 from bench.servers import (
     LITSERVE_PYTHON,
@@ -52,6 +50,7 @@ from bench.servers import (
     ServerProcess,
     comparison_server,
     free_port,
+    parse_variant,
     photo_folder,
     shmgate_serve,
 )
@@ -115,36 +114,22 @@ async def measure_server(
     process.start()
     try:
         await process.wait_ready(base_url + server.ready_path, 180.0)
-        for load in server.loads:
+        for kind in server.loads:
             for concurrency in args.concurrency:
-                parser = argparse.ArgumentParser()
-                loadgen.add_arguments(parser)
-                flag = "--unique" if load == MISS else "--repeat-one"
                 before = role_cpu_ticks(process.pid)
                 sleeps_before = worker_sleeps(process.pid)
-                result = await loadgen.run(
-                    parser.parse_args(
-                        [
-                            "--base-url",
-                            base_url,
-                            "--model",
-                            "checksum",
-                            "--concurrency",
-                            str(concurrency),
-                            "--requests",
-                            str(args.requests),
-                            "--images",
-                            str(images),
-                            "--server-pid",
-                            str(process.pid),
-                            "--no-stages",
-                            flag,
-                        ]
-                    )
+                result = await load.run(
+                    base_url,
+                    "checksum",
+                    images,
+                    concurrency=concurrency,
+                    requests=args.requests,
+                    server_pid=process.pid,
+                    flags=("--no-stages", "--unique" if kind == MISS else "--repeat-one"),
                 )
                 row = {
                     "server": name,
-                    "load": load,
+                    "load": kind,
                     "round": round_index,
                     "concurrency": concurrency,
                     "requests_per_s": result["requests_per_s"],
@@ -161,7 +146,7 @@ async def measure_server(
                 row["worker_wakeups"] = round((worker_sleeps(process.pid) - sleeps_before) / served, 2)
                 results.append(row)
                 print(
-                    f"  round {round_index + 1} {name:<13} {load:<4} c={concurrency:<3} "
+                    f"  round {round_index + 1} {name:<13} {kind:<4} c={concurrency:<3} "
                     f"{row['requests_per_s']:>8} req/s  {row['cpu_ms']:6.2f} ms CPU/req  "
                     f"errors {row['errors']}  other load {row['other_load_cores']} cores",
                     file=sys.stderr,
@@ -238,14 +223,6 @@ async def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
     return results
 
 
-def parse_variant(spec: str, taken: Collection[str]) -> tuple[str, tuple[str, ...]]:
-    """``--variant NAME=FLAGS``: the new server's name and its extra serve flags ."""
-    name, sep, flags = spec.partition("=")
-    if not sep or not name or name in taken:
-        raise SystemExit(f"--variant {spec!r}: give NAME=FLAGS with a new NAME")
-    return name, tuple(shlex.split(flags))
-
-
 def add_variant(spec: str) -> None:
     """``NAME=FLAGS``: shmgate with extra serve flags as one more server, compared with plain shmgate."""
     name, flags = parse_variant(spec, SERVERS)
@@ -290,11 +267,11 @@ def tables(results: list[dict[str, Any]], concurrencies: list[int]) -> str:
     for r in rows:
         by_key.setdefault((r["server"], r["load"], r["concurrency"]), {})[r["round"]] = r
     absolute = []
-    for (server, load, c), rounds in by_key.items():
+    for (server, kind, c), rounds in by_key.items():
         absolute.append(
             [
                 server,
-                load,
+                kind,
                 c,
                 _cell([r["cpu_ms"] for r in rounds.values()]),
                 _cell([r["requests_per_s"] for r in rounds.values()], 1),
@@ -323,12 +300,12 @@ def tables(results: list[dict[str, Any]], concurrencies: list[int]) -> str:
     if ratio_rows:
         out.append(render_table(columns, ratio_rows))
     split_rows = []
-    for (server, load, c), rounds in by_key.items():
+    for (server, kind, c), rounds in by_key.items():
         if any("frontend_ms" in r for r in rounds.values()):
             split_rows.append(
                 [
                     server,
-                    load,
+                    kind,
                     c,
                     *(
                         _cell([r.get(k) or 0.0 for r in rounds.values()])
@@ -378,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=None, help="timed requests per point (default 400)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=None, help="default: 1 8 32")
     parser.add_argument("--quick", action="store_true", help="a smoke check: 1 round, c=8, 48 requests")
-    parser.add_argument("--json", type=Path, default=None, help="also write every measured point as JSON lines")
+    report.add_arguments(parser)
     parser.add_argument(
         "--variant",
         action="append",
@@ -398,9 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     args.concurrency = args.concurrency or ([8] if args.quick else [1, 8, 32])
     started = time.monotonic()
     results = asyncio.run(run_all(args))
-    if args.json is not None:
-        args.json.write_text("".join(json.dumps(r) + "\n" for r in results))
-    print(tables(results, args.concurrency))
+    report.publish(tables(results, args.concurrency), results, args)
     print(
         f"\n{args.rounds} round(s), {args.requests} requests per point, 1024 px photos, "
         f"{time.monotonic() - started:.0f} s",

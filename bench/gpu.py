@@ -69,6 +69,8 @@ from typing import Any
 import numpy as np
 import torch
 
+import bench.load
+from bench import report
 from bench.gpu_overlap import overlap_rows
 from bench.report import fmt, render_table
 from bench.servers import LITSERVE_PYTHON, ServerProcess, comparison_server, free_port, photo_folder, shmgate_serve
@@ -89,6 +91,7 @@ SIZES: list[tuple[str, tuple[int, ...]]] = [
 PEAK_BYTES = 256 << 20
 OVERLAP_BATCH = 8  # images per batch in the overlap section (the worker's default max batch)
 MODEL = "efficientnet-lite0"
+UNIQUE_NO_WARMUP = ("--unique", "--warmup", "0")  # every request a cache miss, all of them counted
 NO_CUDA = "python -m bench gpu: these measurements need a CUDA device (torch.cuda.is_available() is false); skipping."
 
 
@@ -611,26 +614,9 @@ def litserve_argv(workers: int, args: argparse.Namespace, port: int) -> list[str
 
 
 async def load(base_url: str, pid: int, images: Path, concurrency: int, requests: int) -> dict[str, Any]:
-    argv = [
-        "--base-url",
-        base_url,
-        "--model",
-        MODEL,
-        "--concurrency",
-        str(concurrency),
-        "--requests",
-        str(requests),
-        "--images",
-        str(images),
-        "--server-pid",
-        str(pid),
-        "--unique",
-        "--warmup",
-        "0",
-    ]
-    parser = argparse.ArgumentParser()
-    loadgen.add_arguments(parser)
-    return await loadgen.run(parser.parse_args(argv))
+    return await bench.load.run(
+        base_url, MODEL, images, concurrency=concurrency, requests=requests, server_pid=pid, flags=UNIQUE_NO_WARMUP
+    )
 
 
 async def bench_server(
@@ -724,7 +710,6 @@ def find_litserve_python(wanted: bool) -> str | None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer iterations and 160 requests per point")
-    parser.add_argument("--json", action="store_true", help="JSON lines on stdout instead of markdown tables")
     parser.add_argument("--skip-serve", action="store_true", help="no end-to-end section")
     parser.add_argument("--skip-overlap", action="store_true", help="no copy/compute overlap section")
     parser.add_argument("--skip-h2d", action="store_true", help="no H2D copy section")
@@ -749,7 +734,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=None, help="timed requests per point (default 400, quick 160)")
     parser.add_argument("--serve-arg", action="append", default=[], help="extra `shmgate serve` argument (repeat)")
     parser.add_argument("--log-dir", default=None, help="keep the servers' logs here")
-    parser.add_argument("--out", default=None, help="also write the markdown tables to this file")
+    report.add_arguments(parser)
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
     cores = os.cpu_count() or 1
@@ -770,7 +755,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def report(
+def write_report(
     h2d: list[dict[str, Any]], overlap: list[dict[str, Any]], e2e: list[dict[str, Any]], args: argparse.Namespace
 ) -> None:
     parts = []
@@ -781,11 +766,7 @@ def report(
     done = [r for r in e2e if "failed" not in r]
     if done:
         parts.append("### End to end\n\n" + e2e_table(done))
-    text = "\n\n".join(parts)
-    if not args.json and text:
-        print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    report.publish("\n\n".join(parts), [], args)  # --json printed each row as it came
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -801,7 +782,7 @@ def main(argv: list[str] | None = None) -> int:
     except SetupError as exc:
         print(f"python -m bench gpu: {exc}", file=sys.stderr)
         return 2
-    report(h2d, overlap, e2e, args)
+    write_report(h2d, overlap, e2e, args)
     return finish(before, h2d, e2e)
 
 

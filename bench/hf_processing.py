@@ -46,6 +46,7 @@ from typing import Any
 
 import httpx
 
+from bench import load, report
 from bench.report import fmt, render_table
 from bench.servers import ServerProcess, comparison_server, free_port, photo_folder, shmgate_serve
 from bench_client import loadgen
@@ -110,34 +111,20 @@ async def measure(
             await asyncio.sleep(20)
     try:
         for concurrency in args.concurrency:
-            parser = argparse.ArgumentParser()
-            loadgen.add_arguments(parser)
-            load = parser.parse_args(
-                [
-                    "--base-url",
-                    base_url,
-                    "--model",
-                    model_dir.name,
-                    "--concurrency",
-                    str(concurrency),
-                    "--requests",
-                    str(args.requests),
-                    "--images",
-                    str(images),
-                    "--server-pid",
-                    str(server.pid),
-                    "--unique",
-                    "--stream",
-                    "--temperature",
-                    "0",
-                    "--max-tokens",
-                    str(args.max_tokens),
-                ]
+            greedy = ("--unique", "--stream", "--temperature", "0", "--max-tokens", str(args.max_tokens))
+            options = load.options(
+                base_url,
+                model_dir.name,
+                images,
+                concurrency=concurrency,
+                requests=args.requests,
+                server_pid=server.pid,
+                flags=greedy,
             )
             with httpx.Client(base_url=base_url, timeout=10) as client:
                 busy_before, processing_before = contender.busy_seconds(client)
                 began = time.monotonic()
-                result = await loadgen.run(load)
+                result = await loadgen.run(options)
                 busy_after, processing_after = contender.busy_seconds(client)
             sent = result["requests"] + result["warmup"]
             processing = None if processing_after is None else processing_after - (processing_before or 0.0)
@@ -241,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         choices=FAMILIES,
         help="which tiny model tests/hf_fixture.py builds (config.json model_type)",
     )
+    report.add_arguments(parser)
     args = parser.parse_args(argv)
     results = asyncio.run(run_all(args))
-    print(table(results, args.max_tokens))
+    report.publish(table(results, args.max_tokens), results, args)
     return 0 if results and all(r["errors"] == 0 and r["mismatches"] == 0 for r in results) else 1

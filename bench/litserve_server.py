@@ -31,10 +31,7 @@ import argparse
 import base64
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
-
-REPO = Path(__file__).resolve().parent.parent
 
 import litserve as ls
 import numpy as np

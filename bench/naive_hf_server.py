@@ -34,10 +34,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any, TypeVar
-
-REPO = Path(__file__).resolve().parent.parent
 
 import numpy as np
 import torch

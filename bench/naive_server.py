@@ -32,10 +32,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
-
-REPO = Path(__file__).resolve().parent.parent
 
 import numpy as np
 import torch

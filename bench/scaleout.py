@@ -37,21 +37,13 @@ from typing import Any
 
 import httpx
 
-if __package__ in (None, ""):
-    from bench_client.pods import Container, Pod, gateway_argv, pods_unavailable, terminate_together, worker_argv
+from bench import load
+from bench.servers import REPO, free_port
 from bench_client import loadgen
+from bench_client.pods import Container, Pod, gateway_argv, pods_unavailable, terminate_together, worker_argv
 
-ROOT = Path(__file__).resolve().parent.parent
-IMAGES = ROOT / "tests" / "data" / "images"
+IMAGES = REPO / "tests" / "data" / "images"
 SHM_BYTES = 80 * 2**20
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ready(port: int) -> bool:
@@ -229,25 +221,9 @@ class LoadLoop:
         """One `shmgate bench` run (bench_client/loadgen.py, in this process so rounds follow each other
         without an interpreter start between them; no warm-up: every request counts)."""
         started = time.monotonic()
-        parser = argparse.ArgumentParser()
-        loadgen.add_arguments(parser)
-        args = parser.parse_args(
-            [
-                "--base-url",
-                self.base_url,
-                "--model",
-                self.model,
-                "--images",
-                str(IMAGES),
-                "--concurrency",
-                str(self.concurrency),
-                "--requests",
-                str(self.requests),
-                "--warmup",
-                "0",
-                "--timeout",
-                "120",
-            ]
+        every_request = ("--warmup", "0", "--timeout", "120")
+        args = load.options(
+            self.base_url, self.model, IMAGES, concurrency=self.concurrency, requests=self.requests, flags=every_request
         )
         try:
             result = asyncio.run(loadgen.run(args))
@@ -302,12 +278,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         stack.callback(proxy.stop)
         proxy.start()
         base_url = f"http://127.0.0.1:{proxy.port}"
-        load = LoadLoop(base_url, args.model, args.concurrency, args.requests)
-        load.round()  # warm-up: models, caches, keep-alive connections; not counted
-        load.start()
-        stack.callback(load.stop)
+        traffic = LoadLoop(base_url, args.model, args.concurrency, args.requests)
+        traffic.round()  # warm-up: models, caches, keep-alive connections; not counted
+        traffic.start()
+        stack.callback(traffic.stop)
         time.sleep(args.steady_s)
-        steady = list(load.rounds)
+        steady = list(traffic.rounds)
         restarts = []
         began = time.monotonic()
         for unit in units:
@@ -324,9 +300,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
             time.sleep(args.settle_s)
         ended = time.monotonic()
-        load.stop()
-        during = load.rounds[len(steady) :]
-        # the load covered the whole restart: a round was running when it began, and one after it ended
+        traffic.stop()
+        during = traffic.rounds[len(steady) :]
+        # the traffic covered the whole restart: a round was running when it began, and one after it ended
         covered = bool(during) and during[0]["started_at"] <= began and during[-1]["ended_at"] >= ended
         return {
             "model": args.model,
@@ -342,7 +318,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "load_covered_it": covered,
                 **summarize(during),
             },
-            "bench_failures": load.failures,
+            "bench_failures": traffic.failures,
         }
 
 

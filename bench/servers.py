@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shlex
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,6 +48,15 @@ def shmgate_serve(port: int, *flags: str) -> list[str]:
     script = Path(sys.executable).parent / "shmgate"
     head = [str(script)] if script.exists() else [sys.executable, "-m", "gateway"]
     return [*head, "serve", "--host", "127.0.0.1", "--port", str(port), *flags]
+
+
+def parse_variant(spec: str, taken: Collection[str]) -> tuple[str, tuple[str, ...]]:
+    """``--variant NAME=FLAGS`` (shmgate with extra serve flags, e.g. ``fcfs=--batch-policy fcfs``):
+    the new server's name and its flags. Raises SystemExit when NAME is missing or ``taken``."""
+    name, sep, flags = spec.partition("=")
+    if not sep or not name or name in taken:
+        raise SystemExit(f"--variant {spec!r}: give NAME=FLAGS with a new NAME")
+    return name, tuple(shlex.split(flags))
 
 
 def comparison_server(module: str, port: int, *flags: str, python: str | Path = sys.executable) -> list[str]:

@@ -102,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--servers", type=int, default=2, help="requests the machine runs at once")
     parser.add_argument("--capacity", type=float, help="closed-loop req/s the server measured")
     parser.add_argument("--floor-ms", type=float, default=0.0, help="a lone request's latency beyond its service")
-    parser.add_argument("--load", type=float, nargs="+", default=[50.0, 80.0, 95.0], help="offered load, %% of capacity")
+    parser.add_argument(
+        "--load", type=float, nargs="+", default=[50.0, 80.0, 95.0], help="offered load, %% of capacity"
+    )
     parser.add_argument(
         "--from-e2e", type=Path, help="compare with the open-loop rows of a python -m bench e2e --json output"
     )

@@ -40,18 +40,18 @@ FULL_DECODE_MAX_PIXEL_DIFF = 8  # the crop-box resize against resize-then-crop: 
 
 
 @pytest.fixture(scope="module")
-def rows(tmp_path_factory: pytest.TempPathFactory) -> dict[float, dict[str, Any]]:
-    out = tmp_path_factory.mktemp("fidelity") / "rows.json"
+def rows() -> dict[float, dict[str, Any]]:
     margins = [str(m) for m in (0.0, DEFAULT_DRAFT_MARGIN, EMBEDDING_DRAFT_MARGIN, FAST_DRAFT_MARGIN)]
     done = subprocess.run(
-        [sys.executable, "-m", "bench", "fidelity", "--crops", "6", "--margins", *margins, "--json", str(out)],
+        [sys.executable, "-m", "bench", "fidelity", "--crops", "6", "--margins", *margins, "--json"],
         capture_output=True,
         text=True,
         timeout=300,
         cwd=Path(__file__).resolve().parent.parent,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    return {float(r["margin"]): r for r in json.loads(out.read_text()) if r["margin"] is not None}
+    measured = [json.loads(line) for line in done.stdout.splitlines()]
+    return {float(r["margin"]): r for r in measured if r["margin"] is not None}
 
 
 def test_the_default_paths_keep_labels_and_embeddings(rows: dict[float, dict[str, Any]]) -> None:
