@@ -44,9 +44,9 @@ from pathlib import Path
 import httpx
 
 from bench.servers import REPO, free_port, shmgate_serve
-from bench_client import processes
-from bench_client.loadgen import process_tree
-from shared.channels import SENDER_IDLE_S
+from shmgate.bench_client import processes
+from shmgate.bench_client.loadgen import process_tree
+from shmgate.shared.channels import SENDER_IDLE_S
 from tests.serving import data_url, expected_checksum, noise_png
 
 MODEL = "checksum"

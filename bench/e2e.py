@@ -43,7 +43,7 @@ from bench.servers import (
     photo_folder,
     shmgate_serve,
 )
-from bench_client.disturb import Disturbance
+from shmgate.bench_client.disturb import Disturbance
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,7 @@ from bench.servers import (
     photo_folder,
     shmgate_serve,
 )
-from bench_client import loadgen, processes
+from shmgate.bench_client import loadgen, processes
 
 MISS, HIT = "miss", "hit"
 

@@ -74,14 +74,14 @@ from bench import report
 from bench.gpu_overlap import overlap_rows
 from bench.report import fmt, render_table
 from bench.servers import LITSERVE_PYTHON, ServerProcess, comparison_server, free_port, photo_folder, shmgate_serve
-from bench_client import loadgen
-from shared.arena import Allocation, Partition, validate
-from shared.errors import SetupError
-from shared.instance import Instance
-from shared.segment import SlotState
-from shared.wire import TensorRef
-from worker.backends.efficientnet import EfficientNetBackend
-from worker.device import TORCH_DTYPES, DeviceCopier
+from shmgate.bench_client import loadgen
+from shmgate.shared.arena import Allocation, Partition, validate
+from shmgate.shared.errors import SetupError
+from shmgate.shared.instance import Instance
+from shmgate.shared.segment import SlotState
+from shmgate.shared.wire import TensorRef
+from shmgate.worker.backends.efficientnet import EfficientNetBackend
+from shmgate.worker.device import TORCH_DTYPES, DeviceCopier
 
 SIZES: list[tuple[str, tuple[int, ...]]] = [
     ("uint8", (3, 224, 224)),  # 150,528 B

@@ -49,7 +49,7 @@ import httpx
 from bench import load, report
 from bench.report import fmt, render_table
 from bench.servers import ServerProcess, comparison_server, free_port, photo_folder, shmgate_serve
-from bench_client import loadgen
+from shmgate.bench_client import loadgen
 from tests.hf_fixture import FAMILIES, build_tiny_vlm
 
 

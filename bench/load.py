@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench_client import loadgen
+from shmgate.bench_client import loadgen
 
 
 def options(

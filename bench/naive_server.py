@@ -40,8 +40,8 @@ import uvicorn
 from fastapi import Body, FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from gateway.preprocess.vision import ChecksumPreprocessor, EfficientNetPreprocessor
-from worker.backends.base import ModelBackend, WorkItem
+from shmgate.gateway.preprocess.vision import ChecksumPreprocessor, EfficientNetPreprocessor
+from shmgate.worker.backends.base import ModelBackend, WorkItem
 
 PREPROCESSORS = {"checksum": ChecksumPreprocessor, "efficientnet": EfficientNetPreprocessor}
 MAX_PIXELS = 8192 * 8192  # generous: the naive server has no real bound, this only stops decompression bombs
@@ -61,10 +61,10 @@ class BadRequest(Exception):
 def make_backend(mode: str, threads: int) -> ModelBackend:
     """The project's backend for ``mode``, on the CPU. An explicit table, no import-by-string."""
     if mode == "efficientnet":
-        from worker.backends.efficientnet import EfficientNetBackend
+        from shmgate.worker.backends.efficientnet import EfficientNetBackend
 
         return EfficientNetBackend(torch.device("cpu"), threads=threads)
-    from worker.backends.checksum import ChecksumBackend
+    from shmgate.worker.backends.checksum import ChecksumBackend
 
     return ChecksumBackend(torch.device("cpu"))
 

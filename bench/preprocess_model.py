@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gateway.preprocess.vision import EfficientNetPreprocessor
-from worker.backends.efficientnet import EfficientNetLite0, fold_batchnorms, load_lite0_state_dict
+from shmgate.gateway.preprocess.vision import EfficientNetPreprocessor
+from shmgate.worker.backends.efficientnet import EfficientNetLite0, fold_batchnorms, load_lite0_state_dict
 
 IMAGES = Path(__file__).resolve().parent.parent / "tests" / "data" / "images"
 

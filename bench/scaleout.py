@@ -39,8 +39,8 @@ import httpx
 
 from bench import load
 from bench.servers import REPO, free_port
-from bench_client import loadgen
-from bench_client.pods import Container, Pod, gateway_argv, pods_unavailable, terminate_together, worker_argv
+from shmgate.bench_client import loadgen
+from shmgate.bench_client.pods import Container, Pod, gateway_argv, pods_unavailable, terminate_together, worker_argv
 
 IMAGES = REPO / "tests" / "data" / "images"
 SHM_BYTES = 80 * 2**20

@@ -43,10 +43,10 @@ def free_port() -> int:
 
 def shmgate_serve(port: int, *flags: str) -> list[str]:
     """``shmgate serve --host 127.0.0.1 --port PORT FLAGS``: this environment's console script, or
-    ``python -m gateway`` where there is none (packages installed with ``pip --target``, as on the GPU
+    ``python -m shmgate.gateway`` where there is none (packages installed with ``pip --target``, as on the GPU
     machine)."""
     script = Path(sys.executable).parent / "shmgate"
-    head = [str(script)] if script.exists() else [sys.executable, "-m", "gateway"]
+    head = [str(script)] if script.exists() else [sys.executable, "-m", "shmgate.gateway"]
     return [*head, "serve", "--host", "127.0.0.1", "--port", str(port), *flags]
 
 
@@ -77,7 +77,7 @@ class ServerProcess:
     """A server under test, started in its own session so its whole tree can be stopped.
 
     ``tree``: run it from another checkout (its directory first on PYTHONPATH and as the working
-    directory, where ``python -m gateway`` of its children looks first), for before/after runs.
+    directory, where ``python -m shmgate.gateway`` of its children looks first), for before/after runs.
     """
 
     argv: list[str]

@@ -36,9 +36,9 @@ from typing import Any
 import httpx
 
 from bench.servers import REPO, ServerProcess, free_port, shmgate_serve
-from bench_client import loadgen
-from bench_client.processes import ProcessSample, sample_tree
-from bench_client.rawhttp import NoHttpAnswer, RawClient
+from shmgate.bench_client import loadgen
+from shmgate.bench_client.processes import ProcessSample, sample_tree
+from shmgate.bench_client.rawhttp import NoHttpAnswer, RawClient
 
 IMAGES = REPO / "tests" / "data" / "images"
 MAX_WARMUP_ROUNDS = 5

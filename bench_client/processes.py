@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench_client.loadgen import process_tree
+from shmgate.bench_client.loadgen import process_tree
 
 __all__ = ["ProcessSample", "memory_kib", "role", "sample_process", "sample_tree"]
 

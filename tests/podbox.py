@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench_client.pods import (  # noqa: F401  (re-exported for the tests)
+from shmgate.bench_client.pods import (  # noqa: F401  (re-exported for the tests)
     Container,
     Pod,
     gateway_argv,

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from bench_client.disturb import Disturbance, duties
+from shmgate.bench_client.disturb import Disturbance, duties
 
 
 def _alive(pid: int) -> bool:

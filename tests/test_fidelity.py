@@ -20,8 +20,8 @@ import httpx
 import numpy as np
 import pytest
 
-from gateway.preprocess import get_preprocessor
-from gateway.preprocess.vision import (
+from shmgate.gateway.preprocess import get_preprocessor
+from shmgate.gateway.preprocess.vision import (
     DEFAULT_DRAFT_MARGIN,
     EMBEDDING_DRAFT_MARGIN,
     FAST_DRAFT_MARGIN,

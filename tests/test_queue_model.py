@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench_client.queue_model import ideal_latencies, model_point, quantile
+from shmgate.bench_client.queue_model import ideal_latencies, model_point, quantile
 
 
 def test_md1_mean_wait_matches_pollaczek_khinchine() -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from bench_client.pods import pods_unavailable
+from shmgate.bench_client.pods import pods_unavailable
 
 REPO = Path(__file__).resolve().parent.parent
 
