@@ -1,8 +1,8 @@
 """Chaos soak: mixed traffic while workers and frontends are SIGKILLed and SIGSTOPped at random.
 
-    python bench/chaos.py                       # 10 minutes against a server it starts
-    python bench/chaos.py --duration-s 40       # the short run tests/test_chaos.py makes
-    python bench/chaos.py --json                # one JSON summary line at the end
+    python -m bench chaos                       # 10 minutes against a server it starts
+    python -m bench chaos --duration-s 40       # the short run tests/test_chaos.py makes
+    python -m bench chaos --json                # one JSON summary line at the end
 
 It starts ``shmgate serve --model checksum`` (2 frontends, 2 workers, ``--stall-timeout-s``
 short), warms it up, measures every server process at rest, then runs ``--concurrency`` clients
@@ -35,21 +35,19 @@ import random
 import re
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+import httpx
 
-import httpx  # noqa: E402
-
-from shmgate.shared.channels import SENDER_IDLE_S  # noqa: E402
-from tests.serving import data_url, expected_checksum, free_port, noise_png  # noqa: E402
+from bench.servers import REPO, free_port, shmgate_serve
+from shmgate.bench_client import processes
+from shmgate.bench_client.loadgen import process_tree
+from shmgate.shared.channels import SENDER_IDLE_S
+from tests.serving import data_url, expected_checksum, noise_png
 
 MODEL = "checksum"
 # A census waits this long after traffic: a frontend's sender threads exit once idle for SENDER_IDLE_S.
@@ -129,22 +127,8 @@ class Server:
 
     def children(self) -> dict[int, str]:
         """pid -> role ("frontend <slot>" | "worker") of the supervisor's children."""
-        out = {}
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-                if int(stat.rsplit(")", 1)[1].split()[1]) != self.process.pid:
-                    continue
-                argv = Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace").split("\0")
-            except (OSError, ValueError, IndexError):
-                continue
-            if "frontend" in argv and "--slot" in argv:
-                out[int(entry)] = f"frontend {argv[argv.index('--slot') + 1]}"
-            elif "shmgate.worker" in argv:  # python -m shmgate.worker ...
-                out[int(entry)] = "worker"
-        return out
+        roles = {pid: processes.role(pid) for pid in process_tree([self.process.pid])}
+        return {pid: r for pid, r in roles.items() if r == "worker" or r.startswith("frontend")}
 
     def metric(self, name: str) -> float | None:
         try:
@@ -177,30 +161,16 @@ def _stopped(pid: int) -> bool:
         return False
 
 
-def _counts(pid: int) -> tuple[int, int] | None:
-    try:
-        fds = len(os.listdir(f"/proc/{pid}/fd"))
-        threads = int(
-            next(
-                line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("Threads:")
-            ).split()[1]
-        )
-    except (OSError, StopIteration, ValueError):
-        return None
-    return fds, threads
-
-
 def census(server: Server) -> dict[str, tuple[int, int]]:
     """Per role, the most fds and threads any of its processes has (the supervisor's own too)."""
     out: dict[str, tuple[int, int]] = {}
     pids = {server.process.pid: "supervisor", **server.children()}
-    for pid, role in pids.items():
-        counts = _counts(pid)
-        if counts is None:
+    for pid, name in pids.items():
+        if (sample := processes.sample_process(pid)) is None:
             continue
-        role = "frontend" if role.startswith("frontend") else role
-        old = out.get(role, (0, 0))
-        out[role] = (max(old[0], counts[0]), max(old[1], counts[1]))
+        kind = name.split()[0]  # frontend <slot> -> frontend
+        old = out.get(kind, (0, 0))
+        out[kind] = (max(old[0], sample.fds), max(old[1], sample.threads))
     return out
 
 
@@ -208,26 +178,12 @@ def start_server(args: argparse.Namespace, log_dir: Path) -> Server:
     port = free_port()
     log_path = log_dir / f"chaos-serve-{port}.log"
     process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "shmgate.gateway",
-            "serve",
-            "--port",
-            str(port),
-            "--model",
-            MODEL,
-            "--frontends",
-            str(args.frontends),
-            "--workers",
-            str(args.workers),
-            "--arena-size",
-            args.arena_size,
-            "--stall-timeout-s",
-            str(args.stall_timeout_s),
-            "--request-timeout-s",
-            str(args.request_timeout_s),
-        ],
+        shmgate_serve(
+            port,
+            *("--model", MODEL, "--frontends", str(args.frontends), "--workers", str(args.workers)),
+            *("--arena-size", args.arena_size, "--stall-timeout-s", str(args.stall_timeout_s)),
+            *("--request-timeout-s", str(args.request_timeout_s)),
+        ),
         stdout=open(log_path, "wb"),
         stderr=subprocess.STDOUT,
         cwd=REPO,
@@ -530,7 +486,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fds/threads per role before {summary['fds_threads_before']} after {summary['fds_threads_after']}")
         print("OK" if not failures else "FAILED:\n  " + "\n  ".join(failures))
     return 1 if failures else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

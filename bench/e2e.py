@@ -3,25 +3,18 @@
 For each selected scenario this starts the server under test as a subprocess on a free loopback
 port, waits until it answers its readiness path, drives it with ``bench_client.loadgen.run`` at each
 concurrency (1, 8, 32 by default) on the 1024 px test photos, then stops it. Results print as a
-markdown table (and JSON lines with ``--json``).
-
-Invariants: every server is started in its own session and stopped as a process group (SIGTERM,
-then SIGKILL after a grace period), in a ``finally``, so no worker a server forked outlives the
-run. Only 127.0.0.1 is ever contacted. Each load run is bounded by its request count and the
-load generator's per-request timeout.
-
-The command lines live in ``SCENARIOS``, a plain table, so they can be adjusted as the shmgate CLI
-changes. Placeholders: ``{python}`` (this interpreter), ``{bin}`` (its bin folder), ``{repo}``,
-``{port}``, ``{litserve_python}``, ``{base}`` (``SHMGATE_BENCH_BASE``).
+markdown table (and JSON lines with ``--json``). Servers start and stop through bench/servers.py;
+each load run is bounded by its request count and the load generator's per-request timeout.
+``SCENARIOS`` is the table of servers and their flags.
 
 Shared-machine and open-loop figures: ``--background-cores X`` runs spinning processes
-of our own worth X cores (bench/disturb.py) during each measured run, started and stopped around
+of our own worth X cores (bench_client/disturb.py) during each measured run, started and stopped around
 it; ``--open-loop 50 80 95`` then drives each server with Poisson arrivals (``shmgate bench --rate``)
 at those percentages of the capacity it just measured closed-loop (its req/s at the last
 concurrency), and ``--plot FILE`` draws p50/p99 against offered load. ``--rounds K`` repeats the
 scenario list K times, alternating the servers, so a before/after pair shares the machine's moods.
 
-Usage: ``python bench/e2e.py [--quick] [--scenario NAME ...] [--embeddings] [--stream] [--json] [--out FILE]
+Usage: ``python -m bench e2e [--quick] [--scenario NAME ...] [--embeddings] [--stream] [--json] [--out FILE]
 [--background-cores X] [--open-loop PCT ...] [--plot FILE] [--rounds K]``.
 """
 
@@ -30,95 +23,66 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from bench.disturb import Disturbance  # noqa: E402
-from shmgate.bench_client import loadgen  # noqa: E402
-
-LITSERVE_PYTHON = REPO / "bench" / ".venv-litserve" / "bin" / "python"
-# An earlier checkout to compare with in the same run (scenario shmgate-base), e.g.
-# `git worktree add --detach /tmp/base <commit>`, then SHMGATE_BENCH_BASE=/tmp/base. Its code runs on
-# this environment's packages (PYTHONPATH puts it before the editable install).
-BASE_TREE = Path(os.environ.get("SHMGATE_BENCH_BASE", "/nonexistent-base-tree"))
-IMAGES = sorted((REPO / "tests" / "data" / "images").glob("*_1024.jpg"))
+from bench import load, report
+from bench.report import fmt, render_table
+from bench.servers import (
+    BASE_TREE,
+    LITSERVE_PYTHON,
+    REPO,
+    ServerProcess,
+    comparison_server,
+    free_port,
+    parse_variant,
+    photo_folder,
+    shmgate_serve,
+)
+from shmgate.bench_client.disturb import Disturbance
 
 
 @dataclass(frozen=True)
 class Scenario:
     """One server under test and how to load it."""
 
-    command: tuple[str, ...]  # with placeholders, see the module docstring
+    server: str  # "shmgate", "shmgate-base" (SHMGATE_BENCH_BASE's tree) or a comparison server's module
+    flags: tuple[str, ...]  # the server's own flags
     model: str  # the model id the load generator sends
-    ready_path: str = "/health"  # GET that answers 200 once the server can serve
     bench_flags: tuple[str, ...] = ("--unique",)  # distinct bytes per request: no cache hits
-    needs: Path | None = None  # a file that must exist for the scenario to run
     ready_timeout_s: float = 180.0
 
+    @property
+    def ready_path(self) -> str:  # GET that answers 200 once the server can serve
+        return "/ready" if self.server.startswith("shmgate") else "/health"
 
-NAIVE = ("{python}", "{repo}/bench/naive_server.py", "--port", "{port}")
-LITSERVE = ("{litserve_python}", "{repo}/bench/litserve_server.py", "--port", "{port}")
-SHMGATE = ("{bin}/shmgate", "serve", "--host", "127.0.0.1", "--port", "{port}", "--server-timing")
+    @property
+    def needs(self) -> Path | None:  # a file that must exist for the scenario to run
+        return {"litserve_server": LITSERVE_PYTHON, "shmgate-base": BASE_TREE / "gateway"}.get(self.server)
+
+    def argv(self, port: int) -> list[str]:
+        if self.server.startswith("shmgate"):
+            return shmgate_serve(port, *self.flags)
+        python = LITSERVE_PYTHON if self.server == "litserve_server" else sys.executable
+        return comparison_server(self.server, port, *self.flags, python=python)
+
+
+LITE0 = "efficientnet-lite0"
+SHMGATE = ("--server-timing", "--model")  # then the model
 SCENARIOS: dict[str, Scenario] = {
-    "naive-checksum": Scenario(NAIVE + ("--mode", "checksum"), "checksum"),
-    "naive-efficientnet": Scenario(NAIVE + ("--mode", "efficientnet"), "efficientnet-lite0"),
-    "litserve": Scenario(LITSERVE, "efficientnet-lite0", needs=LITSERVE_PYTHON),
-    "litserve-checksum": Scenario(LITSERVE + ("--mode", "checksum"), "checksum", needs=LITSERVE_PYTHON),
-    "shmgate-checksum": Scenario(SHMGATE + ("--model", "checksum"), "checksum", ready_path="/ready"),
-    "shmgate-checksum-cached": Scenario(
-        SHMGATE + ("--model", "checksum"), "checksum", ready_path="/ready", bench_flags=("--repeat-one",)
-    ),
-    "shmgate-efficientnet": Scenario(
-        SHMGATE + ("--model", "efficientnet-lite0"), "efficientnet-lite0", ready_path="/ready"
-    ),
-    # The other batch policy (shared/flags.py --batch-policy; the default is held), for alternated
-    # runs on one build.
-    "shmgate-efficientnet-fcfs": Scenario(
-        SHMGATE + ("--model", "efficientnet-lite0", "--batch-policy", "fcfs"), "efficientnet-lite0", ready_path="/ready"
-    ),
-    # Batches of 8 requests, the old default (now one forward pass on CPU: 2 per torch
-    # thread), for alternated before/after runs on one build.
-    "shmgate-efficientnet-b8": Scenario(
-        SHMGATE + ("--model", "efficientnet-lite0", "--max-batch-size", "8"), "efficientnet-lite0", ready_path="/ready"
-    ),
-    # The same default command on the checkout in SHMGATE_BENCH_BASE (before/after in one run).
-    # (From the base directory: the frontends start with `python -m shmgate.gateway`, which looks in the cwd first.)
-    "shmgate-base": Scenario(
-        (
-            "sh",
-            "-c",
-            "cd {base} && PYTHONPATH={base} exec {bin}/shmgate serve --host 127.0.0.1 "
-            "--port {port} --model efficientnet-lite0",
-        ),
-        "efficientnet-lite0",
-        ready_path="/ready",
-        needs=BASE_TREE / "gateway" / "cli.py",
-    ),
-    # The default on CPU is 2 workers splitting the cores (LitServe's best layout on 2 cores, too);
-    # this is the other choice, one worker with every core.
-    "shmgate-efficientnet-1w": Scenario(
-        SHMGATE + ("--model", "efficientnet-lite0", "--workers", "1"), "efficientnet-lite0", ready_path="/ready"
-    ),
-    # Huge pages for torch's large tensors (worker/__main__.py turns them on by default): without
-    # them in our workers, and with them in LitServe's, for alternated runs on one build.
-    "shmgate-efficientnet-nothp": Scenario(
-        ("env", "THP_MEM_ALLOC_ENABLE=0") + SHMGATE + ("--model", "efficientnet-lite0"),
-        "efficientnet-lite0",
-        ready_path="/ready",
-    ),
-    "litserve-thp": Scenario(("env", "THP_MEM_ALLOC_ENABLE=1") + LITSERVE, "efficientnet-lite0", needs=LITSERVE_PYTHON),
+    "naive-checksum": Scenario("naive_server", ("--mode", "checksum"), "checksum"),
+    "naive-efficientnet": Scenario("naive_server", ("--mode", "efficientnet"), LITE0),
+    "litserve": Scenario("litserve_server", (), LITE0),
+    "litserve-checksum": Scenario("litserve_server", ("--mode", "checksum"), "checksum"),
+    "shmgate-checksum": Scenario("shmgate", (*SHMGATE, "checksum"), "checksum"),
+    "shmgate-checksum-cached": Scenario("shmgate", (*SHMGATE, "checksum"), "checksum", bench_flags=("--repeat-one",)),
+    "shmgate-efficientnet": Scenario("shmgate", (*SHMGATE, LITE0), LITE0),
+    # The default command on the checkout in SHMGATE_BENCH_BASE (before/after in one run).
+    "shmgate-base": Scenario("shmgate-base", ("--model", LITE0), LITE0),
 }
 # /v1/embeddings (one image per request; req/s = images/s). "-repeat": the same image every time
 # (the naive server and LitServe have no cache to hit; shmgate hits its tensor cache, and with
@@ -127,30 +91,14 @@ _EMBED = ("--unique", "--embeddings")
 _EMBED_REPEAT = ("--repeat-one", "--embeddings")
 SCENARIOS.update(
     {
-        "naive-embed": Scenario(NAIVE + ("--mode", "efficientnet"), "efficientnet-lite0", bench_flags=_EMBED),
-        "naive-embed-repeat": Scenario(
-            NAIVE + ("--mode", "efficientnet"), "efficientnet-lite0", bench_flags=_EMBED_REPEAT
-        ),
-        "litserve-embed": Scenario(
-            LITSERVE + ("--embeddings",), "efficientnet-lite0", needs=LITSERVE_PYTHON, bench_flags=_EMBED
-        ),
-        "litserve-embed-repeat": Scenario(
-            LITSERVE + ("--embeddings",), "efficientnet-lite0", needs=LITSERVE_PYTHON, bench_flags=_EMBED_REPEAT
-        ),
-        "shmgate-embed": Scenario(
-            SHMGATE + ("--model", "efficientnet-lite0"), "efficientnet-lite0", ready_path="/ready", bench_flags=_EMBED
-        ),
-        "shmgate-embed-repeat": Scenario(
-            SHMGATE + ("--model", "efficientnet-lite0"),
-            "efficientnet-lite0",
-            ready_path="/ready",
-            bench_flags=_EMBED_REPEAT,
-        ),
+        "naive-embed": Scenario("naive_server", ("--mode", "efficientnet"), LITE0, bench_flags=_EMBED),
+        "naive-embed-repeat": Scenario("naive_server", ("--mode", "efficientnet"), LITE0, bench_flags=_EMBED_REPEAT),
+        "litserve-embed": Scenario("litserve_server", ("--embeddings",), LITE0, bench_flags=_EMBED),
+        "litserve-embed-repeat": Scenario("litserve_server", ("--embeddings",), LITE0, bench_flags=_EMBED_REPEAT),
+        "shmgate-embed": Scenario("shmgate", (*SHMGATE, LITE0), LITE0, bench_flags=_EMBED),
+        "shmgate-embed-repeat": Scenario("shmgate", (*SHMGATE, LITE0), LITE0, bench_flags=_EMBED_REPEAT),
         "shmgate-embed-result-cache": Scenario(
-            SHMGATE + ("--model", "efficientnet-lite0", "--result-cache-mb", "64"),
-            "efficientnet-lite0",
-            ready_path="/ready",
-            bench_flags=_EMBED_REPEAT,
+            "shmgate", (*SHMGATE, LITE0, "--result-cache-mb", "64"), LITE0, bench_flags=_EMBED_REPEAT
         ),
     }
 )
@@ -166,97 +114,13 @@ EMBEDDING_SCENARIOS = [
 DEFAULT_SCENARIOS = ["naive-checksum", "naive-efficientnet", "litserve"]
 
 
-@dataclass
-class ServerProcess:
-    """A server under test, started in its own session so its whole tree can be stopped."""
-
-    argv: list[str]
-    log_path: Path
-    process: subprocess.Popen[bytes] | None = field(default=None, init=False)
-
-    def start(self) -> None:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-        with self.log_path.open("wb") as log:
-            self.process = subprocess.Popen(
-                self.argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True
-            )
-
-    @property
-    def pid(self) -> int:
-        assert self.process is not None, "start() first"
-        return self.process.pid
-
-    def log_tail(self, nbytes: int = 3000) -> str:
-        return self.log_path.read_bytes()[-nbytes:].decode(errors="replace")
-
-    async def wait_ready(self, url: str, timeout_s: float) -> None:
-        """Poll ``url`` until it answers 200. Raises RuntimeError if the server exits or times out."""
-        import httpx
-
-        deadline = time.monotonic() + timeout_s
-        async with httpx.AsyncClient(timeout=2.0) as client:
-            while time.monotonic() < deadline:
-                if self.process is None or self.process.poll() is not None:
-                    raise RuntimeError(f"server exited before it was ready:\n{self.log_tail()}")
-                try:
-                    if (await client.get(url)).status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-                await asyncio.sleep(0.25)
-        raise RuntimeError(f"server not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
-
-    def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM the process group, wait, then SIGKILL whatever is left of it."""
-        if self.process is None:
-            return
-        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(self.process.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.process.wait(timeout=wait_s)
-            except subprocess.TimeoutExpired:
-                continue
-            if not _group_alive(self.process.pid):
-                break
-            time.sleep(0.5)  # the leader is gone; give its children a moment before the next signal
-        self.process.wait()
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def expand(command: tuple[str, ...], port: int) -> list[str]:
-    values = {
-        "python": sys.executable,
-        "bin": str(Path(sys.executable).parent),
-        "repo": str(REPO),
-        "port": str(port),
-        "litserve_python": str(LITSERVE_PYTHON),
-        "base": str(BASE_TREE),
-    }
-    return [part.format(**values) for part in command]
-
-
 async def bench_scenario(
     name: str, scenario: Scenario, args: argparse.Namespace, images_dir: Path, log_dir: Path, round_index: int = 0
 ) -> list[dict[str, Any]]:
     """Start the scenario's server, load it at every concurrency, stop it. One result per concurrency."""
     port = free_port()
-    server = ServerProcess(expand(scenario.command, port), log_dir / f"{name}-{round_index}.log")
+    tree = BASE_TREE if scenario.server == "shmgate-base" else REPO
+    server = ServerProcess(scenario.argv(port), log_dir / f"{name}-{round_index}.log", tree)
     base_url = f"http://127.0.0.1:{port}"
     results = []
     started = time.monotonic()
@@ -273,30 +137,20 @@ async def bench_scenario(
                 if not capacity:
                     break
                 concurrency, rate = 8, round(capacity * args.open_loop[index - len(loads)] / 100, 2)
-            argv = [
-                "--base-url",
-                base_url,
-                "--model",
-                scenario.model,
-                "--concurrency",
-                str(concurrency),
-                "--requests",
-                str(args.requests),
-                "--images",
-                str(images_dir),
-                "--server-pid",
-                str(server.pid),
-                *scenario.bench_flags,
-            ]
+            flags = [*scenario.bench_flags, *(["--stream"] if args.stream else [])]
             if rate is not None:
-                argv += ["--rate", str(rate), "--seed", str(args.seed)]
-            if args.stream:
-                argv.append("--stream")
-            parser = argparse.ArgumentParser()
-            loadgen.add_arguments(parser)
+                flags += ["--rate", str(rate), "--seed", str(args.seed)]
             began = time.monotonic()
             with Disturbance(args.background_cores):
-                result = await loadgen.run(parser.parse_args(argv))
+                result = await load.run(
+                    base_url,
+                    scenario.model,
+                    images_dir,
+                    concurrency=concurrency,
+                    requests=args.requests,
+                    server_pid=server.pid,
+                    flags=flags,
+                )
             if rate is None:
                 capacity = result["requests_per_s"]
             result.update(
@@ -327,19 +181,6 @@ def emit_progress(result: dict[str, Any], args: argparse.Namespace) -> None:
             file=sys.stderr,
             flush=True,
         )
-
-
-def render_table(columns: list[str], rows: list[list[object]], *, left: int = 1) -> str:
-    """A markdown table; the first ``left`` columns are text, the rest right-aligned numbers."""
-    align = ["---"] * left + ["---:"] * (len(columns) - left)
-    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join(align) + "|"]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def fmt(value: float | None, digits: int = 1) -> str:
-    """A number for a table; '-' when it was not measured."""
-    return "-" if value is None else f"{value:,.{digits}f}"
 
 
 def markdown_table(results: list[dict[str, Any]]) -> str:
@@ -442,10 +283,7 @@ def plot_open_loop(results: list[dict[str, Any]], path: Path) -> bool:
 async def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="shmgate-e2e-") as tmp:
-        images_dir = Path(tmp) / "images"
-        images_dir.mkdir()
-        for image in IMAGES:  # the load generator takes a folder: give it only the 1024 px photos
-            (images_dir / image.name).symlink_to(image)
+        images_dir = photo_folder(Path(tmp) / "images")
         log_dir = Path(args.log_dir) if args.log_dir else Path(tmp)
         log_dir.mkdir(parents=True, exist_ok=True)
         for round_index in range(args.rounds):
@@ -457,7 +295,7 @@ async def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
                         file=sys.stderr,
                     )
                     continue
-                print(f"{name}: {' '.join(expand(scenario.command, 0))}", file=sys.stderr, flush=True)
+                print(f"{name}: {' '.join(scenario.argv(0))}", file=sys.stderr, flush=True)
                 try:
                     results += await bench_scenario(name, scenario, args, images_dir, log_dir, round_index)
                 except RuntimeError as exc:
@@ -475,14 +313,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--all", action="store_true", help="every scenario of the table")
     parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="NAME=FLAGS: shmgate-efficientnet with extra serve flags as one more scenario (repeatable), "
+        'e.g. fcfs="--batch-policy fcfs" or 1w="--workers 1"',
+    )
+    parser.add_argument(
         "--embeddings", action="store_true", help=f"the /v1/embeddings comparison: {', '.join(EMBEDDING_SCENARIOS)}"
     )
     parser.add_argument("--quick", action="store_true", help="48 requests per point instead of 200")
     parser.add_argument("--requests", type=int, default=None)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--stream", action="store_true", help="streaming requests")
-    parser.add_argument("--json", action="store_true", help="print JSON lines as results come")
-    parser.add_argument("--out", default=None, help="also write the markdown table to this file")
+    report.add_arguments(parser)
     parser.add_argument("--log-dir", default=None, help="keep the servers' logs here")
     parser.add_argument(
         "--background-cores",
@@ -516,19 +360,16 @@ def main(argv: list[str] | None = None) -> int:
     args.scenario = (
         sorted(SCENARIOS)
         if args.all
-        else (args.scenario or (EMBEDDING_SCENARIOS if args.embeddings else DEFAULT_SCENARIOS))
+        else (args.scenario or ([] if args.variant else EMBEDDING_SCENARIOS if args.embeddings else DEFAULT_SCENARIOS))
     )
+    for spec in args.variant:
+        name, flags = parse_variant(spec, SCENARIOS)
+        SCENARIOS[name] = Scenario("shmgate", (*SHMGATE, LITE0, *flags), LITE0)
+        args.scenario.append(name)
     args.requests = args.requests or (48 if args.quick else 200)
     results = asyncio.run(run_all(args))
     table = markdown_table(results)
-    if not args.json:
-        print(table)
-    if args.out:
-        Path(args.out).write_text(table + "\n")
+    report.publish(table, [], args)  # --json printed each result as it came
     if args.plot:
         plot_open_loop(results, Path(args.plot))
     return 0 if results and all(r["errors"] == 0 and r["mismatches"] == 0 for r in results) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

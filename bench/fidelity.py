@@ -19,7 +19,7 @@ The set (``fidelity_set``): the photos of tests/data/images, seeded crops of the
 aspect ratios and JPEG qualities, and generated edge cases (EXIF orientations 2-8, CMYK, 16-bit
 PNG, grayscale, RGBA and palette PNGs with transparency, WebP, odd and tiny sizes).
 
-Usage: ``python bench/fidelity.py [--crops N] [--margins 0 1 1.5 2] [--json FILE]``; prints a markdown
+Usage: ``python -m bench fidelity [--crops N] [--margins 0 1 1.5 2] [--json] [--out FILE]``; prints a markdown
 table. tests/test_fidelity.py asserts the bounds docs/BENCHMARKS.md states on a smaller set.
 """
 
@@ -28,21 +28,18 @@ from __future__ import annotations
 import argparse
 import hashlib
 import io
-import json
 import random
 import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+import numpy as np
+import torch
+from PIL import Image, ImageOps
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from PIL import Image, ImageOps  # noqa: E402
+from bench import report
+from bench.servers import REPO
 
 PHOTOS = sorted((REPO / "tests" / "data" / "images").glob("*.jpg"))
 RESIZE, CROP = 256, 224
@@ -297,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         help="also measure each margin with Pillow's resize(reducing_gap=G)",
     )
-    parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
+    report.add_arguments(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     samples = fidelity_set(args.crops)
@@ -306,14 +303,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{len(samples)} images: {len(PHOTOS)} photos, {len(list(edge_cases()))} edge cases, {args.crops} crops",
         file=sys.stderr,
     )
-    print(table(rows))
+    report.publish(table(rows), rows, args)
     for r in rows:
         if r.get("top1_disagreeing"):
             print(f"{r['path']}: top-1 differs on {', '.join(r['top1_disagreeing'])}", file=sys.stderr)  # type: ignore[arg-type]
-    if args.json is not None:
-        args.json.write_text(json.dumps(rows, indent=1) + "\n")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

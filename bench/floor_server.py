@@ -15,8 +15,8 @@ Why a process pool and not threads: Pillow releases the GIL while decoding, but 
 and the resize's Python glue do not; a pool is what a server that wants all its cores does, and it
 pays for that with a pickled round trip per request, as shmgate pays with its descriptor.
 
-Only for benchmarks (bench/gateway_cost.py): binds 127.0.0.1, answers 400 on anything it cannot
-use, and has no limits of any kind. Usage: ``python bench/floor_server.py --port P [--no-decode]``.
+Only for benchmarks (the gateway-cost scenario): binds 127.0.0.1, answers 400 on anything it cannot
+use, and has no limits of any kind. Usage: ``python -m bench.floor_server --port P [--no-decode]``.
 """
 
 from __future__ import annotations
@@ -31,16 +31,11 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ProcessPoolExecutor
-from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # run as a script from anywhere: the project's modules live in the repo root
-    sys.path.insert(0, str(REPO))
-
-import msgspec  # noqa: E402
-import numpy as np  # noqa: E402
-import uvicorn  # noqa: E402
+import msgspec
+import numpy as np
+import uvicorn
 
 MAX_PIXELS = 8192 * 8192
 MODEL = "checksum"
@@ -74,7 +69,7 @@ _encoder = msgspec.json.Encoder()
 _preprocessor: Any = None  # per pool process (_init_pool)
 
 
-from shmgate.gateway.intake import strict_b64decode  # noqa: E402
+from shmgate.gateway.intake import strict_b64decode
 
 
 def _init_pool() -> None:

@@ -24,7 +24,7 @@ is all of the server's processes (the started pid and its descendants, from /pro
 moods fall on all of them; the printed ratios are per round (median, and the range), not absolute
 figures, which on a shared machine move with the neighbours' load.
 
-Usage: ``python bench/gateway_cost.py [--quick] [--rounds K] [--requests N] [--concurrency 1 8 32]
+Usage: ``python -m bench gateway-cost [--quick] [--rounds K] [--requests N] [--concurrency 1 8 32]
 [--server NAME ...] [--base DIR] [--json FILE]``. ``--quick`` is a smoke check (1 round, c=8, 48
 requests). Exit status 1 when any request failed or answers disagreed.
 """
@@ -33,24 +33,28 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import shlex
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from bench.e2e import IMAGES, LITSERVE_PYTHON, ServerProcess, free_port, render_table  # noqa: E402
-from shmgate.bench_client import loadgen  # noqa: E402
+from bench import load, report
+from bench.report import render_table
+from bench.servers import (
+    LITSERVE_PYTHON,
+    REPO,
+    ServerProcess,
+    comparison_server,
+    free_port,
+    parse_variant,
+    photo_folder,
+    shmgate_serve,
+)
+from shmgate.bench_client import loadgen, processes
 
 MISS, HIT = "miss", "hit"
 
@@ -59,46 +63,30 @@ MISS, HIT = "miss", "hit"
 class Server:
     """One server under test: how to start it and which loads it takes."""
 
-    command: tuple[str, ...]  # {python}, {repo}, {port}, {litserve_python}, {base}, {bin}
-    ready_path: str
+    kind: str  # "shmgate", "shmgate-base" (--base's tree), or a comparison server's module
+    flags: tuple[str, ...]  # shmgate's beyond --model checksum, or the comparison server's
     loads: tuple[str, ...]  # MISS (--unique) and/or HIT (--repeat-one)
-    needs: Path | None = None
+
+    @property
+    def ready_path(self) -> str:
+        return "/ready" if self.kind.startswith("shmgate") else "/health"
+
+    def argv(self, port: int, litserve_python: Path) -> list[str]:
+        if self.kind.startswith("shmgate"):
+            return shmgate_serve(port, "--model", "checksum", *self.flags)
+        python = litserve_python if self.kind == "litserve_server" else sys.executable
+        return comparison_server(self.kind, port, *self.flags, python=python)
 
 
-SHMGATE = ("{bin}/shmgate", "serve", "--host", "127.0.0.1", "--port", "{port}", "--model", "checksum")
-FLOOR = ("{python}", "{repo}/bench/floor_server.py", "--port", "{port}")
 SERVERS: dict[str, Server] = {
-    "shmgate": Server(SHMGATE, "/ready", (MISS, HIT)),
+    "shmgate": Server("shmgate", (), (MISS, HIT)),
     # Hits answered from the frontend's result cache: no worker, no arena (how near the floor a hit can get).
-    "shmgate-result-cache": Server(SHMGATE + ("--result-cache-mb", "64"), "/ready", (HIT,)),
-    "decode-floor": Server(FLOOR, "/health", (MISS,)),
-    "http-floor": Server(FLOOR + ("--no-decode",), "/health", (MISS,)),
-    "litserve": Server(
-        ("{litserve_python}", "{repo}/bench/litserve_server.py", "--port", "{port}", "--mode", "checksum"),
-        "/health",
-        (MISS, HIT),
-        needs=LITSERVE_PYTHON,
-    ),
-    # From the base checkout's directory: the frontends start with `python -m shmgate.gateway`, which looks in the cwd first.
-    "shmgate-base": Server(
-        (
-            "sh",
-            "-c",
-            "cd {base} && PYTHONPATH={base} exec {bin}/shmgate serve --host 127.0.0.1 --port {port} --model checksum",
-        ),
-        "/ready",
-        (MISS, HIT),
-    ),
-    "shmgate-base-result-cache": Server(
-        (
-            "sh",
-            "-c",
-            "cd {base} && PYTHONPATH={base} exec {bin}/shmgate serve "
-            "--host 127.0.0.1 --port {port} --model checksum --result-cache-mb 64",
-        ),
-        "/ready",
-        (HIT,),
-    ),
+    "shmgate-result-cache": Server("shmgate", ("--result-cache-mb", "64"), (HIT,)),
+    "decode-floor": Server("floor_server", (), (MISS,)),
+    "http-floor": Server("floor_server", ("--no-decode",), (MISS,)),
+    "litserve": Server("litserve_server", ("--mode", "checksum"), (MISS, HIT)),
+    "shmgate-base": Server("shmgate-base", (), (MISS, HIT)),
+    "shmgate-base-result-cache": Server("shmgate-base", ("--result-cache-mb", "64"), (HIT,)),
 }
 DEFAULT_SERVERS = ["shmgate", "decode-floor", "http-floor", "litserve"]
 # (numerator, denominator, what the ratio says): shmgate's cost over the least a Python server can do.
@@ -114,63 +102,34 @@ RATIOS = [
 ]
 
 
-def expand(
-    command: tuple[str, ...], port: int, base: Path | None, litserve_python: Path = LITSERVE_PYTHON
-) -> list[str]:
-    values = {
-        "python": sys.executable,
-        "bin": str(Path(sys.executable).parent),
-        "repo": str(REPO),
-        "port": str(port),
-        "litserve_python": str(litserve_python),
-        "base": str(base),
-    }
-    return [part.format(**values) for part in command]
-
-
 async def measure_server(
     name: str, server: Server, args: argparse.Namespace, images: Path, log_dir: Path, round_index: int
 ) -> list[dict[str, Any]]:
     """Start one server, run every load at every concurrency, stop it."""
     port = free_port()
-    process = ServerProcess(
-        expand(server.command, port, args.base, args.litserve_python), log_dir / f"{name}-{round_index}.log"
-    )
+    tree = args.base if server.kind == "shmgate-base" else REPO
+    process = ServerProcess(server.argv(port, args.litserve_python), log_dir / f"{name}-{round_index}.log", tree)
     base_url = f"http://127.0.0.1:{port}"
     results = []
     process.start()
     try:
         await process.wait_ready(base_url + server.ready_path, 180.0)
-        for load in server.loads:
+        for kind in server.loads:
             for concurrency in args.concurrency:
-                parser = argparse.ArgumentParser()
-                loadgen.add_arguments(parser)
-                flag = "--unique" if load == MISS else "--repeat-one"
                 before = role_cpu_ticks(process.pid)
                 sleeps_before = worker_sleeps(process.pid)
-                result = await loadgen.run(
-                    parser.parse_args(
-                        [
-                            "--base-url",
-                            base_url,
-                            "--model",
-                            "checksum",
-                            "--concurrency",
-                            str(concurrency),
-                            "--requests",
-                            str(args.requests),
-                            "--images",
-                            str(images),
-                            "--server-pid",
-                            str(process.pid),
-                            "--no-stages",
-                            flag,
-                        ]
-                    )
+                result = await load.run(
+                    base_url,
+                    "checksum",
+                    images,
+                    concurrency=concurrency,
+                    requests=args.requests,
+                    server_pid=process.pid,
+                    flags=("--no-stages", "--unique" if kind == MISS else "--repeat-one"),
                 )
                 row = {
                     "server": name,
-                    "load": load,
+                    "load": kind,
                     "round": round_index,
                     "concurrency": concurrency,
                     "requests_per_s": result["requests_per_s"],
@@ -187,7 +146,7 @@ async def measure_server(
                 row["worker_wakeups"] = round((worker_sleeps(process.pid) - sleeps_before) / served, 2)
                 results.append(row)
                 print(
-                    f"  round {round_index + 1} {name:<13} {load:<4} c={concurrency:<3} "
+                    f"  round {round_index + 1} {name:<13} {kind:<4} c={concurrency:<3} "
                     f"{row['requests_per_s']:>8} req/s  {row['cpu_ms']:6.2f} ms CPU/req  "
                     f"errors {row['errors']}  other load {row['other_load_cores']} cores",
                     file=sys.stderr,
@@ -198,26 +157,14 @@ async def measure_server(
     return results
 
 
-def _role(pid: int) -> str:
-    """What a server process is, from its command line: frontend, worker, pool or main."""
-    try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return "gone"
-    if b"frontend" in argv and b"gateway" in argv:
-        return "frontend"
-    if b"worker" in argv:
-        return "worker"
-    return "main" if b"serve" in argv or any(a.endswith(b".py") for a in argv) else "pool"
-
-
 def role_cpu_ticks(root: int) -> dict[int, tuple[str, int]]:
     """Each live process of the server's tree: (role, CPU ticks so far)."""
     out: dict[int, tuple[str, int]] = {}
     for pid in loadgen.process_tree([root]):
         stat = loadgen._read_stat(pid)
         if stat is not None:
-            out[pid] = (_role(pid), stat[1])
+            kind = processes.role(pid, root).split()[0]  # frontend <slot> -> frontend
+            out[pid] = ("main" if kind == "supervisor" else kind, stat[1])
     return out
 
 
@@ -229,7 +176,7 @@ def worker_sleeps(root: int) -> int:
     """
     total = 0
     for pid in loadgen.process_tree([root]):
-        if _role(pid) != "worker":
+        if processes.role(pid) != "worker":
             continue
         for status in Path(f"/proc/{pid}/task").glob("*/status"):
             try:
@@ -264,10 +211,7 @@ async def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
     names = [n for n in args.server if runnable(n, args)]
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="shmgate-cost-") as tmp:
-        images = Path(tmp) / "images"
-        images.mkdir()
-        for image in IMAGES:  # 1024 px photos only
-            (images / image.name).symlink_to(image)
+        images = photo_folder(Path(tmp) / "images")
         for round_index in range(args.rounds):
             order = names if round_index % 2 == 0 else names[::-1]
             for name in order:
@@ -279,18 +223,10 @@ async def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
     return results
 
 
-def parse_variant(spec: str, taken: Collection[str]) -> tuple[str, tuple[str, ...]]:
-    """``--variant NAME=FLAGS``: the new server's name and its extra serve flags (also bench/wrk_tail.py's)."""
-    name, sep, flags = spec.partition("=")
-    if not sep or not name or name in taken:
-        raise SystemExit(f"--variant {spec!r}: give NAME=FLAGS with a new NAME")
-    return name, tuple(shlex.split(flags))
-
-
 def add_variant(spec: str) -> None:
     """``NAME=FLAGS``: shmgate with extra serve flags as one more server, compared with plain shmgate."""
     name, flags = parse_variant(spec, SERVERS)
-    SERVERS[name] = Server(SHMGATE + flags, "/ready", (MISS, HIT))
+    SERVERS[name] = Server("shmgate", flags, (MISS, HIT))
     RATIOS.append(((name, MISS), ("shmgate", MISS), f"{name} miss / shmgate miss"))
     RATIOS.append(((name, MISS), ("decode-floor", MISS), f"{name} miss / decode floor"))
     RATIOS.append(((name, HIT), ("shmgate", HIT), f"{name} hit / shmgate hit"))
@@ -304,7 +240,7 @@ def runnable(name: str, args: argparse.Namespace) -> bool:
     if name.startswith("shmgate-base") and args.base is None:
         print(f"skipping {name}: give --base DIR (a checkout of the commit to compare with)", file=sys.stderr)
         return False
-    needs = args.litserve_python if server.needs == LITSERVE_PYTHON else server.needs
+    needs = args.litserve_python if server.kind == "litserve_server" else None
     if needs is not None and not needs.exists():
         print(
             f"skipping {name}: {needs} is missing (run bench/setup_litserve.sh, or give --litserve-python)",
@@ -331,11 +267,11 @@ def tables(results: list[dict[str, Any]], concurrencies: list[int]) -> str:
     for r in rows:
         by_key.setdefault((r["server"], r["load"], r["concurrency"]), {})[r["round"]] = r
     absolute = []
-    for (server, load, c), rounds in by_key.items():
+    for (server, kind, c), rounds in by_key.items():
         absolute.append(
             [
                 server,
-                load,
+                kind,
                 c,
                 _cell([r["cpu_ms"] for r in rounds.values()]),
                 _cell([r["requests_per_s"] for r in rounds.values()], 1),
@@ -364,12 +300,12 @@ def tables(results: list[dict[str, Any]], concurrencies: list[int]) -> str:
     if ratio_rows:
         out.append(render_table(columns, ratio_rows))
     split_rows = []
-    for (server, load, c), rounds in by_key.items():
+    for (server, kind, c), rounds in by_key.items():
         if any("frontend_ms" in r for r in rounds.values()):
             split_rows.append(
                 [
                     server,
-                    load,
+                    kind,
                     c,
                     *(
                         _cell([r.get(k) or 0.0 for r in rounds.values()])
@@ -419,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=None, help="timed requests per point (default 400)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=None, help="default: 1 8 32")
     parser.add_argument("--quick", action="store_true", help="a smoke check: 1 round, c=8, 48 requests")
-    parser.add_argument("--json", type=Path, default=None, help="also write every measured point as JSON lines")
+    report.add_arguments(parser)
     parser.add_argument(
         "--variant",
         action="append",
@@ -439,9 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     args.concurrency = args.concurrency or ([8] if args.quick else [1, 8, 32])
     started = time.monotonic()
     results = asyncio.run(run_all(args))
-    if args.json is not None:
-        args.json.write_text("".join(json.dumps(r) + "\n" for r in results))
-    print(tables(results, args.concurrency))
+    report.publish(tables(results, args.concurrency), results, args)
     print(
         f"\n{args.rounds} round(s), {args.requests} requests per point, 1024 px photos, "
         f"{time.monotonic() - started:.0f} s",
@@ -449,7 +383,3 @@ def main(argv: list[str] | None = None) -> int:
     )
     failed = [r for r in results if "failed" in r or r["errors"] or r["mismatches"]]
     return 1 if failed or not results else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -41,7 +41,7 @@ calls (arena instance, allocation, fill, validation, DeviceCopier's CPU path, un
 loops on the CPU; and, unless ``--skip-serve``, a tiny serve run with ``--device cpu``), so the
 script can be smoke-tested anywhere.
 
-Usage: ``python bench/gpu.py [--quick] [--json] [--skip-serve] [--skip-overlap] [--dry-run] [--litserve]
+Usage: ``python -m bench gpu [--quick] [--json] [--skip-serve] [--skip-overlap] [--dry-run] [--litserve]
 [--workers-per-gpu W ...] [--concurrency C ...] [--frontends F ...] [--out FILE]``; bench/gpu_run.sh runs it
 on the GPU machine.
 """
@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import shutil
@@ -68,20 +69,19 @@ from typing import Any
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from bench.e2e import IMAGES, LITSERVE_PYTHON, ServerProcess, fmt, free_port, render_table  # noqa: E402
-from bench.gpu_overlap import overlap_rows  # noqa: E402
-from shmgate.bench_client import loadgen  # noqa: E402
-from shmgate.shared.arena import Allocation, Partition, validate  # noqa: E402
-from shmgate.shared.errors import SetupError  # noqa: E402
-from shmgate.shared.instance import Instance  # noqa: E402
-from shmgate.shared.segment import SlotState  # noqa: E402
-from shmgate.shared.wire import TensorRef  # noqa: E402
-from shmgate.worker.backends.efficientnet import EfficientNetBackend  # noqa: E402
-from shmgate.worker.device import TORCH_DTYPES, DeviceCopier  # noqa: E402
+import bench.load
+from bench import report
+from bench.gpu_overlap import overlap_rows
+from bench.report import fmt, render_table
+from bench.servers import LITSERVE_PYTHON, ServerProcess, comparison_server, free_port, photo_folder, shmgate_serve
+from shmgate.bench_client import loadgen
+from shmgate.shared.arena import Allocation, Partition, validate
+from shmgate.shared.errors import SetupError
+from shmgate.shared.instance import Instance
+from shmgate.shared.segment import SlotState
+from shmgate.shared.wire import TensorRef
+from shmgate.worker.backends.efficientnet import EfficientNetBackend
+from shmgate.worker.device import TORCH_DTYPES, DeviceCopier
 
 SIZES: list[tuple[str, tuple[int, ...]]] = [
     ("uint8", (3, 224, 224)),  # 150,528 B
@@ -91,7 +91,8 @@ SIZES: list[tuple[str, tuple[int, ...]]] = [
 PEAK_BYTES = 256 << 20
 OVERLAP_BATCH = 8  # images per batch in the overlap section (the worker's default max batch)
 MODEL = "efficientnet-lite0"
-NO_CUDA = "bench/gpu.py: these measurements need a CUDA device (torch.cuda.is_available() is false); skipping."
+UNIQUE_NO_WARMUP = ("--unique", "--warmup", "0")  # every request a cache miss, all of them counted
+NO_CUDA = "python -m bench gpu: these measurements need a CUDA device (torch.cuda.is_available() is false); skipping."
 
 
 @dataclass(frozen=True)
@@ -590,90 +591,47 @@ def _nvml_index() -> str:
 # -- end to end --------------------------------------------------------------------------------------
 
 
-def serve_argv(port: str, frontends: int, workers_per_gpu: int, args: argparse.Namespace) -> list[str]:
-    exe = Path(sys.executable).parent / "shmgate"
-    head = [str(exe)] if exe.exists() else [sys.executable, "-m", "shmgate.gateway"]
+def serve_argv(frontends: int, workers_per_gpu: int, args: argparse.Namespace, port: int) -> list[str]:
     # On CPU (dry run) --workers-per-gpu means nothing: the same count as --workers.
-    workers = (
-        ["--workers", str(workers_per_gpu)]
-        if args.serve_device == "cpu"
-        else ["--workers-per-gpu", str(workers_per_gpu)]
-    )
-    return [
-        *head,
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
+    workers = "--workers" if args.serve_device == "cpu" else "--workers-per-gpu"
+    return shmgate_serve(
         port,
-        "--model",
-        MODEL,
-        "--device",
-        args.serve_device,
-        "--frontends",
-        str(frontends),
-        *workers,
-        *args.serve_arg,
-    ]
+        *("--model", MODEL, "--device", args.serve_device, "--frontends", str(frontends)),
+        *(workers, str(workers_per_gpu), *args.serve_arg),
+    )
 
 
-def litserve_argv(port: str, workers: int, args: argparse.Namespace) -> list[str]:
+def litserve_argv(workers: int, args: argparse.Namespace, port: int) -> list[str]:
     """bench/litserve_server.py with the same model code on the same device, ``workers`` processes on it."""
     accelerator = "cpu" if args.serve_device == "cpu" else "cuda"
-    return [
-        args.litserve_python,
-        str(REPO / "bench" / "litserve_server.py"),
-        "--port",
+    return comparison_server(
+        "litserve_server",
         port,
-        "--accelerator",
-        accelerator,
-        "--workers",
-        str(workers),
-        "--threads",
-        "1",
-        "--max-batch-size",
-        str(args.litserve_max_batch),
-        "--api-servers",
-        str(args.litserve_api_servers),
-    ]
+        *("--accelerator", accelerator, "--workers", str(workers), "--threads", "1"),
+        *("--max-batch-size", str(args.litserve_max_batch), "--api-servers", str(args.litserve_api_servers)),
+        python=args.litserve_python,
+    )
 
 
 async def load(base_url: str, pid: int, images: Path, concurrency: int, requests: int) -> dict[str, Any]:
-    argv = [
-        "--base-url",
-        base_url,
-        "--model",
-        MODEL,
-        "--concurrency",
-        str(concurrency),
-        "--requests",
-        str(requests),
-        "--images",
-        str(images),
-        "--server-pid",
-        str(pid),
-        "--unique",
-        "--warmup",
-        "0",
-    ]
-    parser = argparse.ArgumentParser()
-    loadgen.add_arguments(parser)
-    return await loadgen.run(parser.parse_args(argv))
+    return await bench.load.run(
+        base_url, MODEL, images, concurrency=concurrency, requests=requests, server_pid=pid, flags=UNIQUE_NO_WARMUP
+    )
 
 
 async def bench_server(
     label: dict[str, Any],
-    argv: list[str],
+    argv_for: Callable[[int], list[str]],
     ready_path: str,
     args: argparse.Namespace,
     images: Path,
     log_dir: Path,
     sampler: GpuSampler,
 ) -> list[dict[str, Any]]:
-    """Start one server (``{port}`` in ``argv`` becomes a free port), warm it up, load it at each
+    """Start one server (``argv_for(port)`` on a free port), warm it up, load it at each
     concurrency while sampling the GPU, stop it."""
     port = free_port()
-    argv = [str(port) if a == "{port}" else a for a in argv]
+    argv = argv_for(port)
     name = f"{label['server']}-f{label['frontends']}-w{label['workers_per_gpu']}"
     server = ServerProcess(argv, log_dir / f"{name}.log")
     base_url = f"http://127.0.0.1:{port}"
@@ -704,24 +662,21 @@ async def run_e2e(args: argparse.Namespace) -> list[dict[str, Any]]:
     print(f"GPU busy source: {sampler.source}", file=sys.stderr, flush=True)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="shmgate-gpu-") as tmp:
-        images = Path(tmp) / "images"
-        images.mkdir()
-        for image in IMAGES:
-            (images / image.name).symlink_to(image)
+        images = photo_folder(Path(tmp) / "images")
         log_dir = Path(args.log_dir) if args.log_dir else Path(tmp)
         log_dir.mkdir(parents=True, exist_ok=True)
-        runs: list[tuple[dict[str, Any], list[str], str]] = []
+        runs: list[tuple[dict[str, Any], Callable[[int], list[str]], str]] = []
         for workers_per_gpu in args.workers_per_gpu:
             for frontends in args.frontends:
                 label = {"server": "shmgate", "frontends": frontends, "workers_per_gpu": workers_per_gpu}
-                runs.append((label, serve_argv("{port}", frontends, workers_per_gpu, args), "/ready"))
+                runs.append((label, functools.partial(serve_argv, frontends, workers_per_gpu, args), "/ready"))
             if args.litserve_python:
                 label = {
                     "server": "litserve",
                     "frontends": args.litserve_api_servers,
                     "workers_per_gpu": workers_per_gpu,
                 }
-                runs.append((label, litserve_argv("{port}", workers_per_gpu, args), "/health"))
+                runs.append((label, functools.partial(litserve_argv, workers_per_gpu, args), "/health"))
         for label, argv, ready_path in runs:
             try:
                 rows += await bench_server(label, argv, ready_path, args, images, log_dir, sampler)
@@ -755,7 +710,6 @@ def find_litserve_python(wanted: bool) -> str | None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer iterations and 160 requests per point")
-    parser.add_argument("--json", action="store_true", help="JSON lines on stdout instead of markdown tables")
     parser.add_argument("--skip-serve", action="store_true", help="no end-to-end section")
     parser.add_argument("--skip-overlap", action="store_true", help="no copy/compute overlap section")
     parser.add_argument("--skip-h2d", action="store_true", help="no H2D copy section")
@@ -780,7 +734,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=None, help="timed requests per point (default 400, quick 160)")
     parser.add_argument("--serve-arg", action="append", default=[], help="extra `shmgate serve` argument (repeat)")
     parser.add_argument("--log-dir", default=None, help="keep the servers' logs here")
-    parser.add_argument("--out", default=None, help="also write the markdown tables to this file")
+    report.add_arguments(parser)
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
     cores = os.cpu_count() or 1
@@ -801,7 +755,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def report(
+def write_report(
     h2d: list[dict[str, Any]], overlap: list[dict[str, Any]], e2e: list[dict[str, Any]], args: argparse.Namespace
 ) -> None:
     parts = []
@@ -812,11 +766,7 @@ def report(
     done = [r for r in e2e if "failed" not in r]
     if done:
         parts.append("### End to end\n\n" + e2e_table(done))
-    text = "\n\n".join(parts)
-    if not args.json and text:
-        print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    report.publish("\n\n".join(parts), [], args)  # --json printed each row as it came
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -830,9 +780,9 @@ def main(argv: list[str] | None = None) -> int:
         overlap = [] if args.skip_overlap else run_overlap(args, args.plan)
         e2e = [] if args.skip_serve else asyncio.run(run_e2e(args))
     except SetupError as exc:
-        print(f"bench/gpu.py: {exc}", file=sys.stderr)
+        print(f"python -m bench gpu: {exc}", file=sys.stderr)
         return 2
-    report(h2d, overlap, e2e, args)
+    write_report(h2d, overlap, e2e, args)
     return finish(before, h2d, e2e)
 
 
@@ -848,7 +798,3 @@ def finish(before: set[str], h2d: list[dict[str, Any]], e2e: list[dict[str, Any]
     bad_copy = any(r.get("exact") is False for r in h2d)
     bad_e2e = any("failed" in r or r["errors"] or r["mismatches"] for r in e2e)
     return 1 if bad_copy or bad_e2e else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """Copy overlapped with compute: the worker's pipeline (worker/main.py) measured with CUDA events.
 
-Who calls this: bench/gpu.py (section "overlap"), with a real arena holding ``B`` uint8
+Who calls this: the gpu scenario, bench/gpu.py (section "overlap"), with a real arena holding ``B`` uint8
 3x224x224 images, the worker's own ``DeviceCopier`` and ``EfficientNetBackend``. It runs
 ``K`` batches of EfficientNet-Lite0 two ways:
 
@@ -15,7 +15,7 @@ Per batch, timing events around the copy (copy stream) and around normalise + fo
 top-k (compute stream) give copy µs, compute µs and the overlapped share of the copy
 issued in that iteration: |copy ∩ compute| / copy. ``serial`` should show ~0 %, and
 ``pipelined`` near 100 % when a copy is shorter than a batch's compute. batches/s is by the
-wall clock over all K. Without CUDA (bench/gpu.py --dry-run) the same loops run on the CPU
+wall clock over all K. Without CUDA (python -m bench gpu --dry-run) the same loops run on the CPU
 by wall clock only (a CPU copy is synchronous; no event columns).
 """
 

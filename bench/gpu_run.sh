@@ -10,10 +10,10 @@
 # calls, name the stages: `bash bench/gpu_run.sh tests sanitizer h2d costs`, then `... e2e`):
 #   tests      the CUDA tests (tests/test_gpu.py) and the CPU ones of the GPU path beside them
 #   sanitizer  TORCH_CUDA_SANITIZER=1 over the CUDA worker tests: the stream-race check
-#   h2d        bench/gpu.py: H2D from the arena vs pinned and pageable, copy/compute overlap
-#   costs      bench/startup.py (worker start, compiled normalisation cold/warm) and
-#              bench/preprocess_model.py (the frontends' decode cost: the ceiling is cores / that)
-#   e2e        bench/gpu.py end to end: default model, 1024 px misses, c = 1, 8, 32, 128, 1/2/4 workers
+#   h2d        python -m bench gpu: H2D from the arena vs pinned and pageable, copy/compute overlap
+#   costs      python -m bench startup (worker start, compiled normalisation cold/warm) and
+#              python -m bench preprocess-model (the frontends' decode cost: the ceiling is cores / that)
+#   e2e        python -m bench gpu, end to end: default model, 1024 px misses, c = 1, 8, 32, 128, 1/2/4 workers
 #              per GPU, against LitServe with the same model code on the same GPU
 # Usage: bench/gpu_run.sh [--dry-run] [STAGE ...]   (default: every stage)
 # --dry-run runs the same stages in their CPU form (CUDA tests skip, benches run on the CPU, smaller), so
@@ -96,13 +96,13 @@ for s in "${stages[@]}"; do
             stage sanitizer 90 env TORCH_CUDA_SANITIZER=1 "$py" -m pytest -q -rs -p no:cacheprovider \
                 "${gpu_tests[@]}" -k "worker or token_ids or exact or backend" ;;
         h2d)
-            stage h2d 90 "$py" bench/gpu.py "${bench_mode[@]}" --skip-serve --arena-size $((256 << 20)) \
+            stage h2d 90 "$py" -m bench gpu "${bench_mode[@]}" --skip-serve --arena-size $((256 << 20)) \
                 --out "$out/h2d.md" ;;
         costs)
-            stage costs 90 bash -c "'$py' bench/preprocess_model.py --rounds 5; \
-                '$py' bench/startup.py --device $startup_device --runs 1" ;;
+            stage costs 90 bash -c "'$py' -m bench preprocess-model --rounds 5; \
+                '$py' -m bench startup --device $startup_device --runs 1" ;;
         e2e)
-            stage e2e 200 "$py" bench/gpu.py "${bench_mode[@]}" --skip-h2d --skip-overlap --litserve \
+            stage e2e 200 "$py" -m bench gpu "${bench_mode[@]}" --skip-h2d --skip-overlap --litserve \
                 --arena-size $((1 << 30)) "${e2e[@]}" --out "$out/e2e.md" ;;
     esac
 done

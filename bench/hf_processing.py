@@ -29,7 +29,7 @@ Identical greedy answers per image (``mismatches`` 0) check that neither server 
 The shared 2-core machine is noisy (+-40 % between runs of one server), so the servers take
 turns for ``--rounds`` rounds and the table shows medians, with the range of requests/s.
 
-Usage: ``python bench/hf_processing.py [--rounds 3] [--requests N] [--concurrency 1 16] [--max-tokens 16]``.
+Usage: ``python -m bench hf-processing [--rounds 3] [--requests N] [--concurrency 1 16] [--max-tokens 16]``.
 """
 
 from __future__ import annotations
@@ -46,11 +46,9 @@ from typing import Any
 
 import httpx
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from bench.e2e import IMAGES, ServerProcess, fmt, free_port, render_table
+from bench import load, report
+from bench.report import fmt, render_table
+from bench.servers import ServerProcess, comparison_server, free_port, photo_folder, shmgate_serve
 from shmgate.bench_client import loadgen
 from tests.hf_fixture import FAMILIES, build_tiny_vlm
 
@@ -60,9 +58,15 @@ class Contender:
     """A server of the tiny model: how to start it, and how to read its model's busy seconds."""
 
     name: str
-    command: tuple[str, ...]  # placeholders: {python}, {repo}, {port}, {model_dir}, {device}
+    server: str  # "shmgate" or a comparison server's module
+    flags: tuple[str, ...]  # beyond the model and the device
     ready_path: str
     busy_path: str
+
+    def argv(self, port: int, model_dir: Path, device: str) -> list[str]:
+        if self.server == "shmgate":
+            return shmgate_serve(port, "--model", f"hf:{model_dir}", "--device", device, *self.flags)
+        return comparison_server(self.server, port, "--model-dir", str(model_dir), "--device", device, *self.flags)
 
     def busy_seconds(self, client: httpx.Client) -> tuple[float, float | None]:
         """(model busy seconds, of which image + prompt processing; None where it is not in the model's process)."""
@@ -78,72 +82,11 @@ class Contender:
         ), None
 
 
+ONE_THREAD = ("--workers", "1", "--threads", "1")
 CONTENDERS = (
-    Contender(
-        "shmgate (frontend processing)",
-        (
-            "{python}",
-            "-m",
-            "shmgate.gateway",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "{port}",
-            "--model",
-            "hf:{model_dir}",
-            "--workers",
-            "1",
-            "--threads",
-            "1",
-            "--device",
-            "{device}",
-        ),
-        "/ready",
-        "/metrics",
-    ),
-    Contender(
-        "shmgate, --max-batch-size 1",
-        (
-            "{python}",
-            "-m",
-            "shmgate.gateway",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "{port}",
-            "--model",
-            "hf:{model_dir}",
-            "--workers",
-            "1",
-            "--threads",
-            "1",
-            "--max-batch-size",
-            "1",
-            "--device",
-            "{device}",
-        ),
-        "/ready",
-        "/metrics",
-    ),
-    Contender(
-        "naive (processing in the model thread)",
-        (
-            "{python}",
-            "{repo}/bench/naive_hf_server.py",
-            "--port",
-            "{port}",
-            "--model-dir",
-            "{model_dir}",
-            "--threads",
-            "1",
-            "--device",
-            "{device}",
-        ),
-        "/health",
-        "/stats",
-    ),
+    Contender("shmgate (frontend processing)", "shmgate", ONE_THREAD, "/ready", "/metrics"),
+    Contender("shmgate, --max-batch-size 1", "shmgate", (*ONE_THREAD, "--max-batch-size", "1"), "/ready", "/metrics"),
+    Contender("naive (processing in the model thread)", "naive_hf_server", ("--threads", "1"), "/health", "/stats"),
 )
 
 
@@ -152,16 +95,7 @@ async def measure(
 ) -> list[dict[str, Any]]:
     """Start one server, load it at every concurrency, stop it."""
     port = free_port()
-    values = {
-        "python": sys.executable,
-        "repo": str(REPO),
-        "port": str(port),
-        "model_dir": str(model_dir),
-        "device": args.device,
-    }
-    server = ServerProcess(
-        [part.format(**values) for part in contender.command], log_dir / f"{contender.name.split()[0]}.log"
-    )
+    server = ServerProcess(contender.argv(port, model_dir, args.device), log_dir / f"{contender.name.split()[0]}.log")
     base_url = f"http://127.0.0.1:{port}"
     results = []
     for attempt in range(3):  # other jobs on a shared machine can exhaust the message-queue quota for a while
@@ -177,34 +111,20 @@ async def measure(
             await asyncio.sleep(20)
     try:
         for concurrency in args.concurrency:
-            parser = argparse.ArgumentParser()
-            loadgen.add_arguments(parser)
-            load = parser.parse_args(
-                [
-                    "--base-url",
-                    base_url,
-                    "--model",
-                    model_dir.name,
-                    "--concurrency",
-                    str(concurrency),
-                    "--requests",
-                    str(args.requests),
-                    "--images",
-                    str(images),
-                    "--server-pid",
-                    str(server.pid),
-                    "--unique",
-                    "--stream",
-                    "--temperature",
-                    "0",
-                    "--max-tokens",
-                    str(args.max_tokens),
-                ]
+            greedy = ("--unique", "--stream", "--temperature", "0", "--max-tokens", str(args.max_tokens))
+            options = load.options(
+                base_url,
+                model_dir.name,
+                images,
+                concurrency=concurrency,
+                requests=args.requests,
+                server_pid=server.pid,
+                flags=greedy,
             )
             with httpx.Client(base_url=base_url, timeout=10) as client:
                 busy_before, processing_before = contender.busy_seconds(client)
                 began = time.monotonic()
-                result = await loadgen.run(load)
+                result = await loadgen.run(options)
                 busy_after, processing_after = contender.busy_seconds(client)
             sent = result["requests"] + result["warmup"]
             processing = None if processing_after is None else processing_after - (processing_before or 0.0)
@@ -284,10 +204,7 @@ async def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="shmgate-hfbench-") as tmp:
         model_dir = build_tiny_vlm(Path(tmp) / ("tiny-" + args.family.replace("_", "-")), args.family)
-        images = Path(tmp) / "images"
-        images.mkdir()
-        for image in IMAGES:  # the 1024 px photos only
-            (images / image.name).symlink_to(image)
+        images = photo_folder(Path(tmp) / "images")
         log_dir = Path(args.log_dir) if args.log_dir else Path(tmp)
         log_dir.mkdir(parents=True, exist_ok=True)
         for round_no in range(1, args.rounds + 1):  # contenders alternate, so a noisy spell hits all of them
@@ -311,11 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         choices=FAMILIES,
         help="which tiny model tests/hf_fixture.py builds (config.json model_type)",
     )
+    report.add_arguments(parser)
     args = parser.parse_args(argv)
     results = asyncio.run(run_all(args))
-    print(table(results, args.max_tokens))
+    report.publish(table(results, args.max_tokens), results, args)
     return 0 if results and all(r["errors"] == 0 and r["mismatches"] == 0 for r in results) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -4,7 +4,7 @@ It serves the same model with the same preprocessing as shmgate (the project's
 ``gateway.preprocess.vision`` and ``worker.backends.efficientnet``), so the comparison measures the
 serving machinery, not the model code. Run it with the bench venv made by ``setup_litserve.sh``:
 
-    bench/.venv-litserve/bin/python bench/litserve_server.py --port P
+    bench/.venv-litserve/bin/python -m bench.litserve_server --port P   (from the repository root)
 
 How LitServe 0.2.x runs this (read from its source): the API server process receives the request
 into a pydantic ``ChatCompletionRequest`` (the whole data URL included) and pickles it onto a
@@ -14,7 +14,7 @@ then ``batch`` / ``predict`` / ``encode_response`` once for the batch. With the 
 worker loop is the streaming one, so ``predict`` is a generator yielding one list of answers per
 step and ``encode_response`` turns each list into chat messages.
 
-On a GPU (``--accelerator cuda``, bench/gpu.py) the model runs there and LitServe's workers still
+On a GPU (``--accelerator cuda``, ``python -m bench gpu``) the model runs there and LitServe's workers still
 decode on the CPU, as its design has it.
 
 ``--embeddings`` serves ``POST /v1/embeddings`` through LitServe's ``OpenAIEmbeddingSpec`` instead:
@@ -31,16 +31,11 @@ import argparse
 import base64
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # the bench venv does not install the project: use the checkout
-    sys.path.insert(0, str(REPO))
-
-import litserve as ls  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import litserve as ls
+import numpy as np
+import torch
 
 MAX_PIXELS = 8192 * 8192
 

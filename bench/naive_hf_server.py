@@ -3,7 +3,7 @@
 What a plain server for a Hugging Face VLM does: one process, the model loaded once, and each
 request's image decoding, image processor, chat template and tokenizer run right before its
 generation, on the thread that owns the model. shmgate moves everything but the generation to
-its frontends; bench/hf_processing.py measures the difference.
+its frontends; ``python -m bench hf-processing`` measures the difference.
 
 To be a fair baseline, not a straw man, it shares everything else with shmgate's HF path:
 - the same code: ``gateway.preprocess.hf.HFPreprocessor`` (frontend half) and
@@ -19,7 +19,7 @@ To be a fair baseline, not a straw man, it shares everything else with shmgate's
 ``processing_s`` (the part of it that was image + prompt processing): the counterpart of
 shmgate's ``shmgate_worker_busy_seconds_total``.
 
-Usage: ``python bench/naive_hf_server.py --port P --model-dir DIR [--threads N] [--device cpu|cuda]``.
+Usage: ``python -m bench.naive_hf_server --port P --model-dir DIR [--threads N] [--device cpu|cuda]``.
 Only for benchmarks: it binds 127.0.0.1 by default and has no limits of any kind.
 """
 
@@ -34,12 +34,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any, TypeVar
-
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # run as a script from anywhere: the project's modules live in the repo root
-    sys.path.insert(0, str(REPO))
 
 import numpy as np
 import torch

@@ -17,7 +17,7 @@ answer, all inside the request handler. shmgate is measured against it, so it mu
 one image per request (``input`` a data URL), the project's backend asked for its pooled features
 (``WorkItem.task == "embed"``), answered as OpenAI's embedding list (float or base64).
 
-Usage: ``python bench/naive_server.py --port P --mode checksum|efficientnet [--handler thread|async]``.
+Usage: ``python -m bench.naive_server --port P --mode checksum|efficientnet [--handler thread|async]``.
 Only for benchmarks and tests: it binds 127.0.0.1 by default and has no limits of any kind.
 """
 
@@ -32,21 +32,16 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # run as a script from anywhere: the project's modules live in the repo root
-    sys.path.insert(0, str(REPO))
+import numpy as np
+import torch
+import uvicorn
+from fastapi import Body, FastAPI
+from fastapi.responses import JSONResponse, StreamingResponse
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import uvicorn  # noqa: E402
-from fastapi import Body, FastAPI  # noqa: E402
-from fastapi.responses import JSONResponse, StreamingResponse  # noqa: E402
-
-from shmgate.gateway.preprocess.vision import ChecksumPreprocessor, EfficientNetPreprocessor  # noqa: E402
-from shmgate.worker.backends.base import ModelBackend, WorkItem  # noqa: E402
+from shmgate.gateway.preprocess.vision import ChecksumPreprocessor, EfficientNetPreprocessor
+from shmgate.worker.backends.base import ModelBackend, WorkItem
 
 PREPROCESSORS = {"checksum": ChecksumPreprocessor, "efficientnet": EfficientNetPreprocessor}
 MAX_PIXELS = 8192 * 8192  # generous: the naive server has no real bound, this only stops decompression bombs

@@ -1,6 +1,6 @@
 """The two per-image costs of the embedded model, and the choices they justify.
 
-    .venv/bin/python bench/preprocess_model.py [--rounds N] [--json]
+    python -m bench preprocess-model [--rounds N] [--json]
 
 1. Frontend: decode + preprocess of each photo in tests/data/images through the real
    ``EfficientNetPreprocessor`` (writing into a numpy buffer, as into the arena), with JPEG
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,10 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from shmgate.gateway.preprocess.vision import EfficientNetPreprocessor  # noqa: E402
-from shmgate.worker.backends.efficientnet import EfficientNetLite0, fold_batchnorms, load_lite0_state_dict  # noqa: E402
+from shmgate.gateway.preprocess.vision import EfficientNetPreprocessor
+from shmgate.worker.backends.efficientnet import EfficientNetLite0, fold_batchnorms, load_lite0_state_dict
 
 IMAGES = Path(__file__).resolve().parent.parent / "tests" / "data" / "images"
 
@@ -95,7 +92,3 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         print(json.dumps(row) if args.json else "  ".join(f"{k}={v}" for k, v in row.items()))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,7 @@
 """Scale-out on one machine: two shmgate units behind nginx, then a rolling restart under load.
 
 Each unit is what one Kubernetes pod runs (deploy/k8s/base): a gateway container and a worker
-container in their own IPC and mount namespace with a fresh /dev/shm (bench/pods.py), so the two
+container in their own IPC and mount namespace with a fresh /dev/shm (bench_client/pods.py), so the two
 units share nothing but the machine, as two pods on two nodes would share nothing but the network.
 nginx from Debian's packages stands in for the ingress/Service: it spreads requests over both units
 and, like an ingress whose endpoint list lags, passes a request that a draining or not-yet-ready unit
@@ -14,7 +14,7 @@ in back-to-back rounds so that it covers the whole restart. Phases:
      way; the worker follows the drain), wait for both to exit, start it again, wait until /ready;
      the load keeps running throughout. The outcome is the number of failed requests (the goal: 0).
 
-    sudo .venv/bin/python bench/scaleout.py --model efficientnet-lite0 --steady-s 20 --concurrency 16 --json
+    sudo .venv/bin/python -m bench scaleout --model efficientnet-lite0 --steady-s 20 --concurrency 16 --json
 
 Needs root (namespaces) and nginx (`apt-get install nginx`).
 """
@@ -26,7 +26,6 @@ import asyncio
 import json
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -38,23 +37,13 @@ from typing import Any
 
 import httpx
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench import load
+from bench.servers import REPO, free_port
+from shmgate.bench_client import loadgen
+from shmgate.bench_client.pods import Container, Pod, gateway_argv, pods_unavailable, terminate_together, worker_argv
 
-from bench.pods import Container, Pod, gateway_argv, pods_unavailable, terminate_together, worker_argv  # noqa: E402
-from shmgate.bench_client import loadgen  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
-IMAGES = ROOT / "tests" / "data" / "images"
+IMAGES = REPO / "tests" / "data" / "images"
 SHM_BYTES = 80 * 2**20
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ready(port: int) -> bool:
@@ -232,25 +221,9 @@ class LoadLoop:
         """One `shmgate bench` run (bench_client/loadgen.py, in this process so rounds follow each other
         without an interpreter start between them; no warm-up: every request counts)."""
         started = time.monotonic()
-        parser = argparse.ArgumentParser()
-        loadgen.add_arguments(parser)
-        args = parser.parse_args(
-            [
-                "--base-url",
-                self.base_url,
-                "--model",
-                self.model,
-                "--images",
-                str(IMAGES),
-                "--concurrency",
-                str(self.concurrency),
-                "--requests",
-                str(self.requests),
-                "--warmup",
-                "0",
-                "--timeout",
-                "120",
-            ]
+        every_request = ("--warmup", "0", "--timeout", "120")
+        args = load.options(
+            self.base_url, self.model, IMAGES, concurrency=self.concurrency, requests=self.requests, flags=every_request
         )
         try:
             result = asyncio.run(loadgen.run(args))
@@ -305,12 +278,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         stack.callback(proxy.stop)
         proxy.start()
         base_url = f"http://127.0.0.1:{proxy.port}"
-        load = LoadLoop(base_url, args.model, args.concurrency, args.requests)
-        load.round()  # warm-up: models, caches, keep-alive connections; not counted
-        load.start()
-        stack.callback(load.stop)
+        traffic = LoadLoop(base_url, args.model, args.concurrency, args.requests)
+        traffic.round()  # warm-up: models, caches, keep-alive connections; not counted
+        traffic.start()
+        stack.callback(traffic.stop)
         time.sleep(args.steady_s)
-        steady = list(load.rounds)
+        steady = list(traffic.rounds)
         restarts = []
         began = time.monotonic()
         for unit in units:
@@ -327,9 +300,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
             time.sleep(args.settle_s)
         ended = time.monotonic()
-        load.stop()
-        during = load.rounds[len(steady) :]
-        # the load covered the whole restart: a round was running when it began, and one after it ended
+        traffic.stop()
+        during = traffic.rounds[len(steady) :]
+        # the traffic covered the whole restart: a round was running when it began, and one after it ended
         covered = bool(during) and during[0]["started_at"] <= began and during[-1]["ended_at"] >= ended
         return {
             "model": args.model,
@@ -345,12 +318,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "load_covered_it": covered,
                 **summarize(during),
             },
-            "bench_failures": load.failures,
+            "bench_failures": traffic.failures,
         }
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bench/scaleout.py", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="checksum", help="checksum (test model) or efficientnet-lite0")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--requests", type=int, default=200, help="requests per `shmgate bench` round")
@@ -368,7 +341,3 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result, indent=2))
     ok = result["rolling_restart"]["errors"] == 0 and result["steady"]["errors"] == 0 and not result["bench_failures"]
     return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

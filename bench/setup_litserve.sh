@@ -5,8 +5,8 @@
 # change the project's environment. system-site-packages stays OFF so nothing leaks in.
 # Why torch first and pinned: torch==2.13.0 resolves to the CPU wheel in the local wheel folder;
 # letting litserve pull an unpinned torch would fetch multi-GB CUDA packages from the registry.
-# The project's modules (preprocessing, model) come in through PYTHONPATH (bench/litserve_server.py
-# sets it itself), so the repo needs no install here.
+# The project's modules (preprocessing, model) come from the checkout: the server runs as
+# `python -m bench.litserve_server` from the repository root, so the repo needs no install here.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"

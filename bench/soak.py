@@ -1,8 +1,8 @@
 """Soak: many requests mixing cache hits, misses and bad inputs, then proof that nothing accumulated.
 
-    python bench/soak.py                          # 20,000 requests against a server it starts
-    python bench/soak.py -n 300 --json            # short (what tests/test_soak.py runs)
-    python bench/soak.py --base-url http://127.0.0.1:8000 --server-pid <supervisor pid>
+    python -m bench soak                          # 20,000 requests against a server it starts
+    python -m bench soak -n 300 --json            # short (what tests/test_soak.py runs)
+    python -m bench soak --base-url http://127.0.0.1:8000 --server-pid <supervisor pid>
 
 Theory of operation: a warm-up round (same mix) opens the server's thread pools and fills its cache,
 then the client closes its connections and the server is measured at rest ("before"): arena bytes
@@ -25,8 +25,6 @@ import argparse
 import asyncio
 import itertools
 import json
-import os
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -35,62 +33,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
 import httpx
 
-from bench.e2e import ServerProcess, free_port
+from bench.servers import REPO, ServerProcess, free_port, shmgate_serve
 from shmgate.bench_client import loadgen
+from shmgate.bench_client.processes import ProcessSample, sample_tree
 from shmgate.bench_client.rawhttp import NoHttpAnswer, RawClient
 
 IMAGES = REPO / "tests" / "data" / "images"
 MAX_WARMUP_ROUNDS = 5
 SETTLE_S = 10.0  # how long the server gets to close client sockets and finish after the load
-
-
-# -- the server's processes, from /proc -------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ProcessSample:
-    pid: int
-    role: str  # supervisor | frontend <slot> | worker
-    rss_kib: int  # all resident pages, including touched pages of the shared arena
-    anon_kib: int  # private heap: what would grow with a leak (the arena is RssShmem, bounded by its size)
-    fds: int
-    threads: int
-
-
-def _role(pid: int) -> str:
-    try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return "?"
-    words = [a.decode(errors="replace") for a in argv]
-    if "frontend" in words and "--slot" in words:
-        return f"frontend {words[words.index('--slot') + 1]}"
-    if "shmgate.worker" in words:  # python -m shmgate.worker ...
-        return "worker"
-    return "supervisor" if "serve" in words or "gateway" in words else "?"
-
-
-def sample_process(pid: int) -> ProcessSample | None:
-    """RSS, open fds and threads of one process; None when it is gone."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-        fds = len(os.listdir(f"/proc/{pid}/fd"))
-    except OSError:
-        return None
-    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-    return ProcessSample(
-        pid, _role(pid), int(fields["VmRSS"].split()[0]), int(fields["RssAnon"].split()[0]), fds, int(fields["Threads"])
-    )
-
-
-def sample_tree(root: int) -> dict[int, ProcessSample]:
-    return {pid: s for pid in sorted(loadgen.process_tree([root])) if (s := sample_process(pid)) is not None}
 
 
 def metric(base_url: str, name: str) -> float:
@@ -353,7 +305,7 @@ def run(args: argparse.Namespace, base_url: str, server_pid: int) -> dict[str, A
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="bench/soak.py", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", "-n", type=int, default=20_000)
     p.add_argument(
         "--warmup",
@@ -386,22 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if result["ok"] else 1
     port = free_port()
     log_path = Path(tempfile.mkdtemp(prefix="shmgate-soak-")) / "serve.log"
-    server = ServerProcess(
-        [
-            sys.executable,
-            "-m",
-            "shmgate.gateway",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--model",
-            args.model,
-            *args.serve_arg,
-        ],
-        log_path,
-    )
+    server = ServerProcess(shmgate_serve(port, "--model", args.model, *args.serve_arg), log_path)
     base_url = f"http://127.0.0.1:{port}"
     server.start()
     try:
@@ -428,7 +365,3 @@ def _human(result: dict[str, Any]) -> str:
         "OK: nothing accumulated" if result["ok"] else "PROBLEMS:\n  " + "\n  ".join(result["problems"]),
     ]
     return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

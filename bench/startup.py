@@ -1,6 +1,6 @@
 """Worker start-up with and without the compiled input normalisation, cold and warm compile caches.
 
-    .venv/bin/python bench/startup.py [--device cpu|cuda] [--runs N] [--json]
+    python -m bench startup [--device cpu|cuda] [--runs N] [--json]
 
 Why: ``--compile-normalise`` (worker/backends/efficientnet.py) costs every worker start; in a
 container the compile caches die with the container unless ``TORCHINDUCTOR_CACHE_DIR`` (and
@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from bench.servers import REPO
 
 CHILD = """
 import time, sys
@@ -101,7 +101,3 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

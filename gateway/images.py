@@ -72,7 +72,7 @@ class ImageResolver:
         Local cache hits are taken on the event loop, where the hit itself only takes a process-local
         mutex. The content key is computed either way: for a data URL it hashes the base64 text, so a
         hit costs no base64 decode at all, and doing it here saves a pool hop for the image and one for
-        the prompt (costs: docs/benchmarks-history.md, ``python bench/loop_costs.py``). Up to LOOP_HASH_MAX_BYTES
+        the prompt (costs: docs/benchmarks-history.md, bench/loop_costs.py). Up to LOOP_HASH_MAX_BYTES
         that is at most ~0.5 ms of loop time; larger images, remote hits and misses (base64 decode
         included) run in the decode pool.
 

@@ -106,7 +106,7 @@ def material_digest(data: bytes | str) -> bytes:
     ways is two entries, never a confusion. A cache key must resist collisions crafted by a client,
     so the hash is a cryptographic one: BLAKE3 (the blake3 package) hashes the 220 KB text of a
     1024 px photo in ~45 µs here, SHA-256 with the SHA extensions in ~135 µs, hashlib's BLAKE2b in
-    ~250 µs (``python bench/key_cost.py``). A dependency, not optional: every frontend of an
+    ~250 µs (bench/key_cost.py; docs/benchmarks-history.md). A dependency, not optional: every frontend of an
     instance must key alike.
     Split from ``content_key`` so that an image keyed twice (its answer's key, then its tensors')
     is hashed once: the digest is kept with the image (``EncodedImage.digest``).

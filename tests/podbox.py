@@ -1,10 +1,10 @@
-"""Pods in a box for tests (the machinery is bench/pods.py, shared with bench/scaleout.py)."""
+"""Pods in a box for tests (the machinery is bench_client/pods.py, shared with the scale-out benchmark)."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.pods import (  # noqa: F401  (re-exported for the tests)
+from shmgate.bench_client.pods import (  # noqa: F401  (re-exported for the tests)
     Container,
     Pod,
     gateway_argv,

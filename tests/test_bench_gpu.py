@@ -1,7 +1,7 @@
 """The GPU benchmark scripts arrive working: a later session runs them on a GPU in one call of limited time.
 
 On CPU: bench/gpu_run.sh and bench/gpu_wheels.sh pass shellcheck, gpu_run.sh refuses an unknown stage,
-and bench/gpu.py's dry run (instance, arena, validation, DeviceCopier's CPU path, unlink) exits 0.
+and `python -m bench gpu`'s dry run (instance, arena, validation, DeviceCopier's CPU path, unlink) exits 0.
 `bench/gpu_run.sh --dry-run` runs every stage in its CPU form (minutes: not part of the suite).
 """
 
@@ -46,7 +46,9 @@ def test_gpu_bench_dry_run_exits_cleanly() -> None:
     result = subprocess.run(
         [
             sys.executable,
-            str(REPO / "bench" / "gpu.py"),
+            "-m",
+            "bench",
+            "gpu",
             "--dry-run",
             "--skip-serve",
             "--skip-overlap",

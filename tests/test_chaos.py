@@ -1,7 +1,7 @@
-"""The short chaos soak (bench/chaos.py): mixed traffic while workers and frontends are SIGKILLed and
+"""The short chaos soak (``python -m bench chaos``): mixed traffic while workers and frontends are SIGKILLed and
 SIGSTOPped at random. The script is the test: it exits 1 when any request ended in a wrong answer,
 an unclean error or a hang, when holds did not return to 0, when fds or threads grew, or when the
-server did not stop cleanly and leave /dev/shm empty. The 10-minute run is ``python bench/chaos.py``
+server did not stop cleanly and leave /dev/shm empty. The 10-minute run is ``python -m bench chaos``
 (figures in docs/RELIABILITY.md).
 """
 
@@ -19,7 +19,9 @@ def test_a_short_chaos_soak_ends_every_request_cleanly(tmp_path: Path) -> None:
     done = subprocess.run(
         [
             sys.executable,
-            str(REPO / "bench" / "chaos.py"),
+            "-m",
+            "bench",
+            "chaos",
             "--duration-s",
             "20",
             "--json",

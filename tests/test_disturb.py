@@ -1,4 +1,4 @@
-"""bench/disturb.py: the background load of the shared-machine benchmarks starts and stops its processes.
+"""bench_client/disturb.py: the background load of the shared-machine benchmarks starts and stops its processes.
 
 Real processes: they are seen alive (and spinning in their own session) inside the ``with``, and
 gone after it, also when the block raises. No CPU figure is asserted (that is timing).
@@ -7,13 +7,10 @@ gone after it, also when the block raises. No CPU figure is asserted (that is ti
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.disturb import Disturbance, duties  # noqa: E402
+from shmgate.bench_client.disturb import Disturbance, duties
 
 
 def _alive(pid: int) -> bool:

@@ -1,7 +1,8 @@
 """The classifier preprocessing keeps its stated fidelity bounds against an independent reference.
 
-The reference and the measurement are bench/fidelity.py's (full decode, EXIF transpose, RGB,
-resize, centre crop, [-1, 1]; EfficientNet-Lite0's top-1 and pooled features). The set here is the
+The reference and the measurement are the fidelity benchmark's (``python -m bench fidelity``: full
+decode, EXIF transpose, RGB, resize, centre crop, [-1, 1]; EfficientNet-Lite0's top-1 and pooled
+features), run here as a command. The set here is the
 photos, every generated edge case and 6 seeded crops: deterministic, so a bound that held once
 holds again, and a change to the default path that drifts fails here, not in a user's index.
 """
@@ -10,15 +11,22 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 
-from bench.fidelity import Lite0, fidelity_set, gateway_pixels, measure
 from shmgate.gateway.preprocess import get_preprocessor
-from shmgate.gateway.preprocess.vision import DEFAULT_DRAFT_MARGIN, EMBEDDING_DRAFT_MARGIN, FAST_DRAFT_MARGIN
+from shmgate.gateway.preprocess.vision import (
+    DEFAULT_DRAFT_MARGIN,
+    EMBEDDING_DRAFT_MARGIN,
+    FAST_DRAFT_MARGIN,
+    EfficientNetPreprocessor,
+)
 from tests.serving import image_request, start_server, stop_and_check
 
 PHOTO = Path(__file__).parent / "data" / "images" / "camera_1024.jpg"  # 1024 x 1024: drafted at margin 1.5
@@ -33,8 +41,16 @@ FULL_DECODE_MAX_PIXEL_DIFF = 8  # the crop-box resize against resize-then-crop: 
 
 @pytest.fixture(scope="module")
 def rows() -> dict[float, dict[str, Any]]:
-    margins = (0.0, DEFAULT_DRAFT_MARGIN, EMBEDDING_DRAFT_MARGIN, FAST_DRAFT_MARGIN)
-    measured = measure(fidelity_set(6), margins, Lite0())
+    margins = [str(m) for m in (0.0, DEFAULT_DRAFT_MARGIN, EMBEDDING_DRAFT_MARGIN, FAST_DRAFT_MARGIN)]
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", "fidelity", "--crops", "6", "--margins", *margins, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    measured = [json.loads(line) for line in done.stdout.splitlines()]
     return {float(r["margin"]): r for r in measured if r["margin"] is not None}
 
 
@@ -82,8 +98,15 @@ def test_the_draft_margins_are_processor_options() -> None:
 
 
 def _digest(margin: float) -> str:
-    pixels = gateway_pixels(PHOTO.read_bytes(), margin).transpose(2, 0, 1)  # the arena's CHW bytes
-    return hashlib.blake2b(pixels.tobytes(), digest_size=16).hexdigest()
+    """The digest the checksum model gives of the photo preprocessed at this draft margin (the arena's CHW bytes)."""
+    out: list[np.ndarray] = []
+
+    def allocate(name: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+        out.append(np.empty(shape, dtype=dtype))
+        return out[-1]
+
+    EfficientNetPreprocessor(draft_margin=margin).preprocess_image(PHOTO.read_bytes(), allocate, max_pixels=1 << 26)
+    return hashlib.blake2b(out[0].tobytes(), digest_size=16).hexdigest()
 
 
 def test_a_served_checksum_model_decodes_with_the_margin_it_was_given(tmp_path: Path) -> None:

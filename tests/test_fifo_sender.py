@@ -189,7 +189,7 @@ def _sender_threads() -> int:
 def test_idle_sender_threads_exit_and_a_later_burst_starts_new_ones(
     instance: Instance, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A burst leaves no threads behind once idle (bench/soak.py counts a frontend's threads at rest)."""
+    """A burst leaves no threads behind once idle (the soak benchmark counts a frontend's threads at rest)."""
     monkeypatch.setattr(channels, "SENDER_IDLE_S", 0.05)
 
     async def burst(sender: AsyncSender, consumer: Queue, first: int) -> list[int]:

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from bench.soak import sample_process
+from shmgate.bench_client.processes import sample_process
 from tests.serving import (
     Server,
     data_url,

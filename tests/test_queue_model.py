@@ -1,4 +1,4 @@
-"""bench/queue_model.py: the ideal FCFS queue the open-loop figures are compared with.
+"""bench_client/queue_model.py: the ideal FCFS queue the open-loop figures are compared with.
 
 The simulator is checked against what queueing theory says exactly, so its "ideal" is a real bound.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.queue_model import ideal_latencies, model_point, quantile
+from shmgate.bench_client.queue_model import ideal_latencies, model_point, quantile
 
 
 def test_md1_mean_wait_matches_pollaczek_khinchine() -> None:

@@ -1,18 +1,23 @@
 """Two shmgate units behind nginx, then a rolling restart under load: no request fails (short run).
 
-The longer run is bench/scaleout.py; its figures are in docs/RELIABILITY.md. Each unit is a pod in a
-box (bench/pods.py): its own IPC and mount namespace and /dev/shm, a gateway and a worker container.
+The longer run is ``python -m bench scaleout``; its figures are in docs/RELIABILITY.md. Each unit is a
+pod in a box (bench_client/pods.py): its own IPC and mount namespace and /dev/shm, a gateway and a
+worker container.
 """
 
 from __future__ import annotations
 
-import argparse
+import json
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from bench import scaleout
-from bench.pods import pods_unavailable
+from shmgate.bench_client.pods import pods_unavailable
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def test_rolling_restart_of_two_units_behind_nginx_fails_no_request() -> None:
@@ -21,17 +26,12 @@ def test_rolling_restart_of_two_units_behind_nginx_fails_no_request() -> None:
         pytest.skip(reason)
     if shutil.which("nginx") is None and not shutil.which("/usr/sbin/nginx"):
         pytest.skip("nginx is not installed (apt-get install nginx)")
-    args = argparse.Namespace(
-        model="checksum",
-        concurrency=8,
-        requests=100,
-        steady_s=2.0,
-        settle_s=1.0,
-        frontends=1,
-        worker_threads=1,
-        work_dir=None,
+    short = ["--concurrency", "8", "--requests", "100", "--steady-s", "2", "--settle-s", "1", "--json"]
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", "scaleout", *short], capture_output=True, text=True, timeout=300, cwd=REPO
     )
-    result = scaleout.run(args)
+    assert done.stdout.strip(), done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["bench_failures"] == []
     assert result["steady"]["requests"] > 0 and result["steady"]["errors"] == 0
     restart = result["rolling_restart"]

@@ -1,4 +1,4 @@
-"""The soak (bench/soak.py), short: a few hundred mixed requests leave nothing behind.
+"""The soak (``python -m bench soak``), short: a few hundred mixed requests leave nothing behind.
 
 The full run (20,000 requests) is a benchmark; its figures are in docs/RELIABILITY.md. The soak
 calls any growth of a process's descriptors or threads in the timed run's second half a leak, so
@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
-import pytest
-
-from bench import soak
 from shmgate.gateway.images import _started_pool
 from shmgate.shared.instance import Instance
 from shmgate.shared.transport import PosixWorkerLink
@@ -24,11 +24,13 @@ from tests.serving import Server
 from tests.shm_children import scratch_instance
 
 
-def test_a_short_soak_of_hits_misses_and_bad_inputs_leaves_nothing_behind(
-    checksum_server: Server, capsys: pytest.CaptureFixture[str]
-) -> None:
-    code = soak.main(
+def test_a_short_soak_of_hits_misses_and_bad_inputs_leaves_nothing_behind(checksum_server: Server) -> None:
+    done = subprocess.run(
         [
+            sys.executable,
+            "-m",
+            "bench",
+            "soak",
             "--base-url",
             checksum_server.base_url,
             "--server-pid",
@@ -40,10 +42,15 @@ def test_a_short_soak_of_hits_misses_and_bad_inputs_leaves_nothing_behind(
             "--concurrency",
             "8",
             "--json",
-        ]
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parent.parent,
     )
-    result = json.loads(capsys.readouterr().out)
-    assert result["problems"] == [] and code == 0
+    assert done.stdout.strip(), done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["problems"] == [] and done.returncode == 0
     outcomes = result["outcomes"]
     assert outcomes["hit:ok"] + outcomes["miss:ok"] + outcomes["bad:ok"] == 300
     assert result["after"]["held_bytes"] == 0

@@ -26,7 +26,7 @@ THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 CHILD = """
 import shmgate.worker.__main__
 import torch
-from bench.huge_pages import memory_kib
+from shmgate.bench_client.processes import memory_kib
 tensor = torch.empty(16 * 1024 * 1024, dtype=torch.float32)
 tensor.fill_(1.0)
 print(memory_kib()["huge_kib"])

@@ -110,7 +110,7 @@ class PosixFrontendLink:
         """Whether ``model`` has a live worker; a yes stands for LIVE_ANSWER_TTL_S.
 
         Why the memo: every request asks (admission), and the answer scans the worker table with a
-        liveness syscall per worker, 18-22 µs with two workers (``python bench/admission_cost.py``):
+        liveness syscall per worker, 18-22 µs with two workers (bench/admission_cost.py; docs/benchmarks-history.md):
         a few per cent of a cache hit's frontend CPU. A yes up to 50 ms old admits a request that a worker's death in those 50 ms leaves
         queued, as a death just after admission always could: it waits there for the next worker (or
         its deadline). A no is never kept: a worker that comes up is served at once.
@@ -188,7 +188,7 @@ class PosixWorkerLink:
         while self._control.try_receive() is not None:
             pass  # cancels addressed to this slot's previous owner
         # Every frontend slot's reply queue now, not on its first reply: the worker's descriptors are
-        # then fixed for its life, whichever frontends its requests came from (bench/soak.py counts them).
+        # then fixed for its life, whichever frontends its requests came from (the soak benchmark counts them).
         self._replies = {k: self.instance.reply_queue(k) for k in range(self.n_frontends())}
         return self.slot, self.epoch
 

@@ -15,8 +15,8 @@ is exactly as busy as the server was. ``--floor-ms`` is latency a lone request h
 network, the hand-offs), added to every request: the c=1 p50 minus D.
 
 Usage:
-    python bench/queue_model.py --servers 2 --capacity 95 --floor-ms 8 --load 50 80 95
-    python bench/queue_model.py --servers 2 --floor-ms 8 --from-e2e open.jsonl   # bench/e2e.py --json output
+    python -m bench queue-model --servers 2 --capacity 95 --floor-ms 8 --load 50 80 95
+    python -m bench queue-model --servers 2 --floor-ms 8 --from-e2e open.jsonl   # python -m bench e2e --json output
 
 With ``--from-e2e`` every open-loop row of the file is compared with the model at its own offered rate
 and the capacity of the closed-loop row before it (same scenario and round).
@@ -102,8 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--servers", type=int, default=2, help="requests the machine runs at once")
     parser.add_argument("--capacity", type=float, help="closed-loop req/s the server measured")
     parser.add_argument("--floor-ms", type=float, default=0.0, help="a lone request's latency beyond its service")
-    parser.add_argument("--load", type=float, nargs="+", default=[50.0, 80.0, 95.0], help="offered load, % of capacity")
-    parser.add_argument("--from-e2e", type=Path, help="compare with the open-loop rows of a bench/e2e.py --json output")
+    parser.add_argument(
+        "--load", type=float, nargs="+", default=[50.0, 80.0, 95.0], help="offered load, %% of capacity"
+    )
+    parser.add_argument(
+        "--from-e2e", type=Path, help="compare with the open-loop rows of a python -m bench e2e --json output"
+    )
     args = parser.parse_args(argv)
     if args.from_e2e is not None:
         rows = from_e2e(args.from_e2e, args.servers, args.floor_ms)

@@ -7,7 +7,7 @@ processes spinning all the time, plus one spinning the fractional rest by duty c
 ``duty x 10 ms`` of every 10 ms), each in its own session, and stops them (SIGKILL to each process
 group, then a wait) when the ``with`` block ends, whatever happened inside it.
 
-Run alone: ``python bench/disturb.py --cores 1 --seconds 30`` (stops by itself).
+Run alone: ``python -m shmgate.bench_client.disturb --cores 1 --seconds 30`` (stops by itself).
 """
 
 from __future__ import annotations

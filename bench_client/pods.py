@@ -1,4 +1,4 @@
-"""A Kubernetes pod in a box, for tests and bench/scaleout.py: namespaces made with util-linux `unshare`, as root.
+"""A Kubernetes pod in a box, for tests and the scale-out scenario: namespaces made with util-linux `unshare`, as root.
 
 What a pod gives a shmgate unit, rebuilt here without a cluster:
   - one IPC namespace for all its containers (message queues, and the kernel's defaults in it:

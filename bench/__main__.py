@@ -1,0 +1,55 @@
+"""``python -m bench <scenario> [options]``: run one scenario of the benchmark suite.
+
+Run it from the repository root (bench/ is not installed). ``python -m bench`` lists the scenarios,
+``python -m bench <scenario> --help`` gives a scenario's options. Each scenario is a module with a
+``main(argv) -> int``; ``SCENARIOS`` below is the whole list, and a module is imported only when its
+scenario runs, so one scenario's dependencies (torch, CUDA) never load for another.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import sys
+from collections.abc import Callable
+from typing import cast
+
+# scenario -> (module, what it measures). docs/BENCHMARKS.md has the command and figures of each.
+SCENARIOS: dict[str, tuple[str, str]] = {
+    "e2e": ("bench.e2e", "shmgate against a naive app and LitServe, end to end: req/s, latency, server CPU"),
+    "gateway-cost": ("bench.gateway_cost", "shmgate's own CPU per request against floor servers and LitServe"),
+    "hf-processing": ("bench.hf_processing", "a tiny VLM: shmgate against a naive transformers server"),
+    "preprocess-model": ("bench.preprocess_model", "the frontends' decode and the model's CPU per image"),
+    "startup": ("bench.startup", "a worker's start-up time, from a fresh interpreter to a ready backend"),
+    "fidelity": ("bench.fidelity", "the classifier's fast preprocessing paths against a reference"),
+    "queue-model": ("shmgate.bench_client.queue_model", "the ideal M/D/c queue's latency beside open-loop results"),
+    "chaos": ("bench.chaos", "mixed traffic while workers and frontends are killed and stopped"),
+    "soak": ("bench.soak", "many hits, misses and bad inputs, then proof that nothing accumulated"),
+    "scaleout": ("bench.scaleout", "two units in pods behind nginx, a rolling restart under load (root)"),
+    "gpu": ("bench.gpu", "H2D copies out of the arena, and serving on a GPU (bench/gpu_run.sh runs it)"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, SCENARIOS))
+    lines = [f"  {name:<{width}}  {summary}" for name, (_, summary) in SCENARIOS.items()]
+    return "usage: python -m bench <scenario> [options]   (from the repository root)\n\nscenarios:\n" + "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in SCENARIOS:
+        close = difflib.get_close_matches(name, SCENARIOS, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        print(f"unknown scenario {name!r}{hint}\n\n{usage()}", file=sys.stderr)
+        return 2
+    sys.argv[0] = f"python -m bench {name}"  # argparse's usage line names the command people type
+    run = cast(Callable[[list[str]], "int | None"], importlib.import_module(SCENARIOS[name][0]).main)
+    return run(rest) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
