@@ -2,7 +2,7 @@
 
 import sys
 
-from gateway.cli import main
+from node.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -37,12 +37,12 @@ from gateway.frontend import Frontend
 from gateway.guards import AllowedHosts, CatchAll
 from gateway.http_errors import error_body, error_response
 from gateway.metrics import FrontendStats, ModelGauges, exposition
-from gateway.node_config import ModelConfig
 from gateway.openapi import docs_page, openapi_document
 from gateway.preprocess import get_preprocessor
 from gateway.result_cache import ResultCache
 from gateway.served import AppOptions, Served, read_body, served
 from gateway.tokenize import detokenize, model_card, tokenize
+from node.models import ModelConfig
 from shared.cache import ModelShare
 from shared.errors import EXIT_CONFIG, ShmgateError
 from shared.flags import version

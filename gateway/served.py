@@ -18,8 +18,8 @@ from gateway.frontend import Frontend, FrontendLimits
 from gateway.guards import require_json
 from gateway.http_limits import read_capped
 from gateway.intake import IntakeLimits
-from gateway.node_config import ModelConfig
 from gateway.result_cache import ResultCache
+from node.models import ModelConfig
 from shared.errors import Cancelled, InvalidRequest, RequestTooLarge, Unauthorized
 from shared.transport import NodeStats
 
@@ -42,7 +42,7 @@ class AppOptions:
     processor_kwargs: dict[str, Any] | None = None  # --mm-processor-kwargs (hf: models)
     server_timing: bool = False  # --server-timing: per-stage durations in a Server-Timing header
     allowed_hosts: tuple[str, ...] = ("*",)  # --allowed-hosts: Host header names answered (gateway/guards.py)
-    # every model the node serves, as the supervisor resolved them (gateway/node_config.py); empty: ``model``
+    # every model the node serves, as the supervisor resolved them (node/models.py); empty: ``model``
     # alone, with ``served_model_name`` and ``processor_kwargs``
     models: tuple[ModelConfig, ...] = ()
 

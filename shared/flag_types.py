@@ -137,7 +137,7 @@ def choice(*values: str) -> Callable[[str], str]:
 
 
 def device(text: str) -> str:
-    """``cpu``, ``cuda`` or ``cuda:N``: the spelling only; gateway/config_checks.py asks the machine."""
+    """``cpu``, ``cuda`` or ``cuda:N``: the spelling only; node/checks.py asks the machine."""
     head, colon, tail = text.partition(":")
     if text == "cpu" or text == "cuda" or (head == "cuda" and colon and tail.isdigit()):
         return text

@@ -189,7 +189,7 @@ class Supervisor:
     drain_timeout_s: float = 30.0
     # The first restart of a child that keeps failing waits this long, doubling with each failure.
     restart_backoff_s: float = 0.25
-    # Called after each check of the children, in the supervisor's loop (gateway/startup_log.py:
+    # Called after each check of the children, in the supervisor's loop (node/startup_log.py:
     # "ready in N s" and the statistics line); it must return quickly.
     on_tick: Callable[[], None] | None = None
     # A worker that was ready and dies more than ``restart_budget`` times within ``restart_window_s`` is

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from gateway import cli
-from gateway.cli import _NOT_FORWARDED, _frontend_argv, _worker_children, build_parser
-from gateway.config_checks import ConfigError, check_device, torch_cuda_build
+from node import cli
+from node.checks import ConfigError, check_device, torch_cuda_build
+from node.cli import _NOT_FORWARDED, _frontend_argv, _worker_children, build_parser
 from tests.serving import shm_entries, shm_entries_created_by
 from worker.__main__ import build_parser as worker_parser
 from worker.__main__ import parse_args as worker_args

@@ -161,7 +161,7 @@ def test_the_default_hosts_are_the_loopback_names_only_when_listening_on_loopbac
 
 
 def test_the_supervisor_hands_its_frontends_the_host_default_for_its_own_listen_address() -> None:
-    from gateway.cli import _frontend_argv, build_parser, fill_allowed_hosts
+    from node.cli import _frontend_argv, build_parser, fill_allowed_hosts
 
     for flags, want in [
         (["--host", "0.0.0.0"], "*"),

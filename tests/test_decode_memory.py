@@ -247,7 +247,7 @@ def test_an_image_bigger_than_the_whole_budget_is_a_413(budget_server: Server) -
 
 
 def test_the_budget_flags_read_their_variables_and_reach_the_frontends(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gateway.cli import _frontend_argv, build_parser
+    from node.cli import _frontend_argv, build_parser
 
     monkeypatch.setenv("SHMGATE_DECODE_MEMORY_MB", "64")
     monkeypatch.setenv("SHMGATE_DECODE_WAIT_S", "0.5")
@@ -261,7 +261,7 @@ def test_the_budget_flags_read_their_variables_and_reach_the_frontends(monkeypat
 def test_a_zero_decode_budget_is_a_usage_error_naming_its_variable(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from gateway.cli import build_parser
+    from node.cli import build_parser
 
     monkeypatch.setenv("SHMGATE_DECODE_MEMORY_MB", "0")
     with pytest.raises(SystemExit) as exited:

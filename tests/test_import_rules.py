@@ -37,7 +37,7 @@ POSIX_LAYER = frozenset(
         "shared.transport.posix",
     }
 )
-COMPOSITION_ROOTS = frozenset({"gateway/app.py", "gateway/cli.py", "supervise/supervisor.py", "worker/main.py"})
+COMPOSITION_ROOTS = frozenset({"gateway/app.py", "node/cli.py", "supervise/supervisor.py", "worker/main.py"})
 NEUTRAL = ("shared/vocabulary.py", "shared/stats_layout.py", "shared/transport/base.py", "shared/transport/memory.py")
 
 # shared/transport/__init__.py re-exports the POSIX links: importing them from the package is
@@ -92,7 +92,7 @@ def _sources(*tops: str) -> list[Path]:
 def test_only_the_composition_roots_of_gateway_and_worker_import_the_posix_layer() -> None:
     offenders = {
         str(p.relative_to(REPO)): sorted(found)
-        for p in _sources("gateway", "worker", "supervise", "bench_client")
+        for p in _sources("gateway", "worker", "supervise", "bench_client", "node")
         if str(p.relative_to(REPO)) not in COMPOSITION_ROOTS and (found := _posix_imports(p))
     }
     assert offenders == {}, (
@@ -122,7 +122,7 @@ def test_no_module_but_the_roots_loads_the_posix_layer_when_imported() -> None:
     shared-memory layer (posix_ipc included) must still be unloaded."""
     modules = [
         _module_name(p)
-        for p in _sources("gateway", "worker", "supervise", "bench_client")
+        for p in _sources("gateway", "worker", "supervise", "bench_client", "node")
         if str(p.relative_to(REPO)) not in COMPOSITION_ROOTS and p.name != "__main__.py"
     ]
     probe = (

@@ -1,4 +1,4 @@
-"""``--listen reuseport``: each frontend listens on a socket of its own on the one port (gateway/listen.py).
+"""``--listen reuseport``: each frontend listens on a socket of its own on the one port (node/listen.py).
 
 The sockets first, as the supervisor and a frontend make them: the supervisor's reserves the port
 and takes no connection, each frontend's takes a share, a closed one's share goes to the others,
@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from gateway import listen
-from gateway.cli import _frontend_argv, build_parser
-from gateway.listen import bind_frontend, bind_supervisor
+from node import listen
+from node.cli import _frontend_argv, build_parser
+from node.listen import bind_frontend, bind_supervisor
 from shared.errors import SetupError
 from tests.serving import Server, expected_checksum, image_request, noise_png, start_server, stop_and_check, wait_until
 

@@ -27,7 +27,7 @@ def test_every_package_directory_is_in_the_wheel() -> None:
     listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {
         ".".join(init.parent.relative_to(REPO).parts)
-        for top in ("gateway", "worker", "shared", "supervise", "bench_client")
+        for top in ("gateway", "worker", "shared", "supervise", "bench_client", "node")
         for init in (REPO / top).rglob("__init__.py")
     }
     assert found == listed

@@ -416,8 +416,8 @@ def test_a_worker_for_an_undeclared_model_refuses_to_attach(gateway_with_workers
     ],
 )
 def test_a_bad_config_file_is_refused_naming_the_model_and_the_key(tmp_path: Path, toml: str, says: str) -> None:
-    from gateway.cli import build_parser, declared_models
-    from gateway.node_config import NodeConfigError
+    from node.cli import build_parser, declared_models
+    from node.models import NodeConfigError
 
     config = tmp_path / "node.toml"
     config.write_text(toml)
@@ -449,7 +449,7 @@ def test_serve_with_a_bad_config_file_ends_at_once_with_status_2_and_one_line(tm
 def test_the_config_file_also_comes_from_shmgate_config_and_fills_in_the_global_flags(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from gateway.cli import _worker_children, build_parser, declared_models
+    from node.cli import _worker_children, build_parser, declared_models
 
     config = tmp_path / "node.toml"
     config.write_text(
@@ -467,8 +467,8 @@ def test_the_config_file_also_comes_from_shmgate_config_and_fills_in_the_global_
 
 
 def test_model_flags_and_a_config_file_do_not_mix_and_served_names_pair_with_models(tmp_path: Path) -> None:
-    from gateway.cli import build_parser, declared_models
-    from gateway.node_config import NodeConfigError
+    from node.cli import build_parser, declared_models
+    from node.models import NodeConfigError
 
     config = tmp_path / "node.toml"
     config.write_text('[[models]]\nmodel = "checksum"\n')
@@ -539,7 +539,7 @@ def test_a_model_whose_workers_die_beyond_the_budget_is_failed_and_the_other_kee
 def test_a_global_processor_option_reaches_only_the_models_with_an_hf_processor(tmp_path: Path) -> None:
     import argparse
 
-    from gateway.node_config import ModelConfig
+    from node.models import ModelConfig
 
     flags = argparse.Namespace(mm_processor_kwargs='{"max_pixels": 200704}')
     classifier, vlm = ModelConfig("efficientnet-lite0"), ModelConfig(f"hf:{tmp_path}/qwen")

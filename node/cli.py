@@ -24,10 +24,10 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from gateway.cli_flags import DEFAULT_STALL_TIMEOUT_S, HF_STALL_TIMEOUT_S, add_gateway_flags, add_worker_flags
-from gateway.config_checks import ConfigError, check_device
-from gateway.listen import bind_frontend, bind_supervisor
-from gateway.node_config import (
+from node.checks import ConfigError, check_device
+from node.cli_flags import DEFAULT_STALL_TIMEOUT_S, HF_STALL_TIMEOUT_S, add_gateway_flags, add_worker_flags
+from node.listen import bind_frontend, bind_supervisor
+from node.models import (
     ModelConfig,
     NodeConfigError,
     from_flags,
@@ -35,15 +35,15 @@ from gateway.node_config import (
     models_json,
     parse_models_json,
 )
+from node.placement import Placement, gpu_count, worker_placements
 from shared.cpus import usable_cpus
 from shared.errors import EXIT_USAGE, SetupError
 from shared.flags import ShmgateParser, add_batching_flags, forward, origin, version
 from shared.models import ModelKind, parse_model_spec
 from shared.tracing import add_tracing_flags
-from supervise.placement import Placement, gpu_count, worker_placements
 
 if TYPE_CHECKING:
-    from gateway.startup_log import Summary
+    from node.startup_log import Summary
     from shared.instance import Instance
 
 __all__ = ["main"]
@@ -206,7 +206,7 @@ def _cleanup(args: argparse.Namespace) -> int:
 
 def declared_models(args: argparse.Namespace) -> list[ModelConfig]:
     """The models ``serve`` / ``gateway`` serve, each with the global flags filled in where it sets nothing:
-    from ``--config`` (a TOML file, gateway/node_config.py) or the ``--model`` flags. Kept on ``args``.
+    from ``--config`` (a TOML file, node/models.py) or the ``--model`` flags. Kept on ``args``.
 
     Raises NodeConfigError (one line naming the model and the key) for what can be checked before
     anything starts: the spec, the checkpoint directory, the extra the model needs, repeated ids.
@@ -325,9 +325,9 @@ def _model_plans(args: argparse.Namespace) -> list[tuple[ModelConfig, list[Place
 
 
 def gpu_misfits(args: argparse.Namespace, free: Mapping[str, int] | None = None) -> list[str]:
-    """The GPUs whose declared models are estimated not to fit in their free memory (gateway/gpu_fit.py),
+    """The GPUs whose declared models are estimated not to fit in their free memory (node/gpu_fit.py),
     one line each; none without a GPU placement. ``free``: each GPU's free bytes (None: asked of CUDA)."""
-    from gateway.gpu_fit import PlacedModel, cuda_free_bytes, misfits, placed_needs
+    from node.gpu_fit import PlacedModel, cuda_free_bytes, misfits, placed_needs
 
     try:
         plans = _model_plans(args)
@@ -414,7 +414,7 @@ def _worker_slots(asked: int, n_workers: int, *, with_workers: bool) -> int:
 
 
 def _run_supervised(args: argparse.Namespace, *, with_workers: bool, started_at: float) -> int:
-    from gateway.startup_log import ServingLog, shm_free_bytes, summary_lines
+    from node.startup_log import ServingLog, shm_free_bytes, summary_lines
     from shared.instance import Instance, ModelQueue, cleanup_leftovers
     from shared.transport import PosixNodeStats, PosixSupervisorLink
     from supervise.supervisor import ChildProcess, Supervisor, child_env
@@ -427,7 +427,7 @@ def _run_supervised(args: argparse.Namespace, *, with_workers: bool, started_at:
     n_frontends = args.frontends or usable_cpus()
     n_workers = len(_worker_plan(args)[0]) if with_workers else 0
     n_worker_slots = _worker_slots(args.max_workers, n_workers, with_workers=with_workers)
-    # reuseport: bound, not listening; the frontends listen on sockets of their own (gateway/listen.py)
+    # reuseport: bound, not listening; the frontends listen on sockets of their own (node/listen.py)
     sock, args.listen = bind_supervisor(args.host, args.port, args.listen)
     args.port = sock.getsockname()[1]  # the kernel's choice for --port 0
     shared_fd = sock.fileno() if args.listen == "shared" else None
@@ -514,7 +514,7 @@ def _summary(
     model_id: str | None = None,
 ) -> Summary:
     """The startup summary's facts, from the same plan the workers are started with."""
-    from gateway.startup_log import Summary, plural
+    from node.startup_log import Summary, plural
 
     models = declared_models(args)
     spec = parse_model_spec(models[0].model)

@@ -43,7 +43,7 @@ def check_device(
     device: str | None, gpu_ids: list[str], *, given: str = "", cuda_build: Callable[[], str | None] = torch_cuda_build
 ) -> None:
     """Refuse a CUDA ``device`` this machine cannot run. None (the default: cuda when a GPU is
-    visible) and ``cpu`` always pass. ``gpu_ids``: the visible GPUs (gateway/cli.py ``visible_gpus``);
+    visible) and ``cpu`` always pass. ``gpu_ids``: the visible GPUs (node/cli.py ``visible_gpus``);
     ``given``: where the value came from, for the message (default ``--device <device>``)."""
     if device is None or not device.startswith("cuda"):
         return

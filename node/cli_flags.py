@@ -2,7 +2,7 @@
 
 Every flag is declared with shared/flags.py ``add_flag`` (its SHMGATE_* variable, its typed default,
 the help suffix) and a type from shared/flag_types.py, so a bad value ends the command when it is
-parsed. gateway/cli.py builds the commands from these groups and forwards the gateway flags to each
+parsed. node/cli.py builds the commands from these groups and forwards the gateway flags to each
 frontend child (``forward``), which parses them with the same definitions.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from gateway.listen import LISTEN_MODES
+from node.listen import LISTEN_MODES
 from shared import flag_types
 from shared.flags import add_batching_flags, add_flag
 from shared.models import KNOWN_SPECS
@@ -134,7 +134,7 @@ def _model_flags(model: argparse._ArgumentGroup) -> None:
         "instead of --model",
         shown_default="none: --model",
     )
-    # The models as the supervisor resolved them, for the frontend children (gateway/node_config.py).
+    # The models as the supervisor resolved them, for the frontend children (node/models.py).
     model.add_argument("--models-json", default=None, help=argparse.SUPPRESS)
     add_flag(
         model,
