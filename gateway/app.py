@@ -42,11 +42,11 @@ from gateway.preprocess import get_preprocessor
 from gateway.result_cache import ResultCache
 from gateway.served import AppOptions, Served, read_body, served
 from gateway.tokenize import detokenize, model_card, tokenize
-from node.models import ModelConfig
 from shared.cache import ModelShare
 from shared.errors import EXIT_CONFIG, ShmgateError
 from shared.flags import version
 from shared.instance import Instance
+from shared.model_config import ModelConfig
 from shared.segment import ModelState
 from shared.transport import PosixFrontendLink, PosixNodeStats
 from shared.vocabulary import check_model_id

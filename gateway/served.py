@@ -19,8 +19,8 @@ from gateway.guards import require_json
 from gateway.http_limits import read_capped
 from gateway.intake import IntakeLimits
 from gateway.result_cache import ResultCache
-from node.models import ModelConfig
 from shared.errors import Cancelled, InvalidRequest, RequestTooLarge, Unauthorized
+from shared.model_config import ModelConfig
 from shared.transport import NodeStats
 
 __all__ = ["AppOptions", "Served", "bypass_cache", "read_body", "served"]

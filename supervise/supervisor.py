@@ -2,9 +2,9 @@
 
 Modelled on uvicorn's multiprocess supervisor: signal handlers only record the
 signal; a loop wakes every ``TICK_S``, stamps the instance heartbeat, drains the
-signals and checks the children. Children are fresh interpreters running the
-same commands docker compose runs (``python -m gateway frontend ...``,
-``python -m worker ...``), so the supervisor knows processes, not HTTP or models.
+signals and checks the children. Children are fresh interpreters (``python -m gateway``,
+``python -m worker``, each with its configuration in its environment: node/serve.py), so the
+supervisor knows processes, not HTTP or models.
 
 A child that exits, whose heartbeat goes stale (frontends), or whose *progress*
 stalls for longer than ``stall_timeout_s`` (any child: ``progress_ns`` in its

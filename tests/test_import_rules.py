@@ -37,7 +37,9 @@ POSIX_LAYER = frozenset(
         "shared.transport.posix",
     }
 )
-COMPOSITION_ROOTS = frozenset({"gateway/app.py", "node/cli.py", "supervise/supervisor.py", "worker/main.py"})
+COMPOSITION_ROOTS = frozenset(
+    {"gateway/app.py", "node/serve.py", "node/cli.py", "supervise/supervisor.py", "worker/main.py"}
+)
 NEUTRAL = ("shared/vocabulary.py", "shared/stats_layout.py", "shared/transport/base.py", "shared/transport/memory.py")
 
 # shared/transport/__init__.py re-exports the POSIX links: importing them from the package is
@@ -165,3 +167,24 @@ def test_shared_has_no_import_cycle() -> None:
 
     for name in sorted(graph):
         walk(name, [])
+
+
+# Which top-level package may import which: the node (node/) composes the processes and sits above
+# them; gateway/ is the HTTP frontend only and worker/ the model process; neither imports the node,
+# the supervisor or the load generator, nor each other.
+FORBIDDEN = {
+    "gateway": {"node", "supervise", "bench_client", "worker"},
+    "worker": {"node", "supervise", "bench_client", "gateway"},
+    "supervise": {"node", "gateway", "worker", "bench_client"},
+    "shared": {"node", "supervise", "bench_client", "gateway", "worker"},
+}
+
+
+def test_no_package_imports_one_above_it_or_beside_it() -> None:
+    offenders = {
+        str(p.relative_to(REPO)): found
+        for top, forbidden in FORBIDDEN.items()
+        for p in _sources(top)
+        if (found := sorted({m for m in _imports(p, type_only=True) if m.split(".")[0] in forbidden}))
+    }
+    assert offenders == {}
