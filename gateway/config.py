@@ -172,3 +172,4 @@ class FrontendConfig(FrontendOptions):
     slot: int = 0
     fd: int | None = None  # the shared listening socket (--listen shared); None: bind one's own
     models: tuple[ModelConfig, ...] = ()  # every model the node serves, as the supervisor resolved them
+    started_at: int = 0  # when the supervisor started (Unix seconds): /v1/models's ``created``, the same everywhere

@@ -51,6 +51,7 @@ def app_options(config: FrontendConfig) -> AppOptions:
         allowed_hosts=parse_allowed_hosts(config.allowed_hosts) or default_allowed_hosts(config.host),
         processor_kwargs=dict(first.mm_processor_kwargs) or None,
         models=config.models,
+        created=config.started_at,
         image_urls=FetchPolicy(
             allowlist=AllowList.parse(config.image_url_allowlist),
             max_bytes=config.image_url_max_bytes,

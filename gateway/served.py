@@ -45,6 +45,7 @@ class AppOptions:
     # every model the node serves, as the supervisor resolved them (node/models.py); empty: ``model``
     # alone, with ``served_model_name`` and ``processor_kwargs``
     models: tuple[ModelConfig, ...] = ()
+    created: int = 0  # when the node started serving (Unix seconds; /v1/models); 0: this process's start
 
 
 @dataclass(frozen=True)

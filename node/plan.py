@@ -178,7 +178,13 @@ def _max_pixels(kwargs: Mapping[str, object]) -> int | None:
 
 
 def frontend_config(
-    config: GatewayConfig, models: list[ModelConfig], instance_id: str, slot: int, fd: int | None
+    config: GatewayConfig,
+    models: list[ModelConfig],
+    instance_id: str,
+    slot: int,
+    fd: int | None,
+    *,
+    started_at: int = 0,
 ) -> FrontendConfig:
     """Frontend ``slot``'s whole configuration: every frontend option of ``config`` (the fields
     gateway/config.py declares, nothing else), the resolved models, and ``--allowed-hosts`` decided
@@ -194,6 +200,7 @@ def frontend_config(
         slot=slot,
         fd=fd,
         models=tuple(models),
+        started_at=started_at,
     )
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import sys
+import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -78,12 +79,19 @@ def run_supervised(config: GatewayConfig, models: list[ModelConfig], *, started_
     )
     instance_id = instance.names.instance_id
     bound = replace(config, port=port, listen=listen)
+    started = int(time.time())  # /v1/models's "created" for every model, from every frontend
     frontends = [
         ChildProcess(
             "frontend",
             k,
             [sys.executable, "-m", "gateway", *_title("frontend", "--slot", str(k))],
-            child_env({CHILD_CONFIG_ENV: encode(frontend_config(bound, models, instance_id, k, shared_fd))}),
+            child_env(
+                {
+                    CHILD_CONFIG_ENV: encode(
+                        frontend_config(bound, models, instance_id, k, shared_fd, started_at=started)
+                    )
+                }
+            ),
             pass_fds=(shared_fd,) if shared_fd is not None else (),
         )
         for k in range(n_frontends)

@@ -159,6 +159,21 @@ def test_serve_refuses_a_gpu_the_machine_does_not_have_before_starting_anything(
     assert created == set(), "nothing may be created for a configuration that cannot run"
 
 
+def test_a_config_file_s_device_the_machine_lacks_names_the_file_s_key_not_a_flag(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    monkeypatch.setattr(plan, "_gpu_count", lambda: 0)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    config = tmp_path / "node.toml"
+    config.write_text('[[models]]\nmodel = "checksum"\ndevice = "cuda"\n')
+    assert main(["serve", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"shmgate serve: error: {config}: model 'checksum': device cuda: no GPU is visible (no NVIDIA GPU was "
+        f'found); set device = "cpu" for this model in {config}\n'
+    ), err
+
+
 def test_a_cpu_only_torch_cannot_serve_cuda_even_with_a_gpu() -> None:
     with pytest.raises(ConfigError, match="CPU-only build; install a CUDA build of torch"):
         check_device("cuda", ["0"], cuda_build=lambda: None)

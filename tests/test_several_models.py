@@ -599,7 +599,11 @@ def test_a_model_that_keeps_dying_is_failed_while_the_other_keeps_serving(tmp_pa
             timeout=60,
         )
         assert _top1(_answer(ok)) == "espresso"
-        assert httpx.get(url + "/ready", timeout=10).status_code == 503
+        not_ready = httpx.get(url + "/ready", timeout=10)
+        assert not_ready.status_code == 503
+        assert not_ready.json()["waiting_for"] == ["checksum"], not_ready.text  # says what it waits for
+        assert not_ready.json()["models"] == {"efficientnet-lite0": "ready", "checksum": "failed"}
+        assert not_ready.json()["message"].startswith("model 'checksum' failed: "), not_ready.text
         assert httpx.get(url + "/ready/efficientnet-lite0", timeout=10).status_code == 200
         assert httpx.get(url + "/ready/checksum", timeout=10).json()["state"] == "failed"
         assert checksum_worker() is None, "a worker beyond its budget was restarted"
