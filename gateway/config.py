@@ -54,13 +54,13 @@ class ServerOptions:
         metavar="{" + ",".join(LISTEN_MODES) + "}",
     )
     api_key: str | None = option(
-        "key clients must send as 'Authorization: Bearer KEY'; prefer the "
+        "key clients must send as 'Authorization: Bearer KEY' (/health and /ready stay open); prefer the "
         "environment variable: a flag is visible in ps",
         shown_default="none: no key needed",
     )
     allowed_hosts: str = option(
         "comma list of host names the Host header may carry ('*': any); empty: "
-        "the loopback names when --host is a loopback address, else any (docs/SECURITY.md)",
+        "the loopback names when --host is a loopback address, else any; others get 421 (docs/SECURITY.md)",
         default="",
         shown_default="loopback names for a loopback --host, else *",
     )
@@ -93,7 +93,7 @@ class LimitOptions:
     decode_threads: int = option("image decoding threads per frontend", default="2", type=flag_types.positive_int)
     decode_memory_mb: float = option(
         "memory (MiB) one frontend's concurrent image decodes may use "
-        "together; a decode waits for room, then gets a 503",
+        "together; a decode waits for room, then gets a 503; an image that alone needs more gets a 413",
         default="512",
         type=flag_types.positive_float,
     )
@@ -115,7 +115,7 @@ class LimitOptions:
         type=flag_types.positive_float,
     )
     max_connections: int = option(
-        "per frontend: open connections beyond this get a 503 and are closed",
+        "per frontend: open connections beyond this get a 503 and are closed (keep it under ulimit -n)",
         default="1000",
         type=flag_types.positive_int,
     )
@@ -126,7 +126,8 @@ class LimitOptions:
     )
     result_cache_mb: float = option(
         "per frontend: keep this many MiB of deterministic answers "
-        "(embeddings, the classifier's); 0: off (docs/MODELS.md)",
+        "(embeddings, the classifier's), so a repeated input skips the worker; Cache-Control: no-cache "
+        "bypasses it; 0: off (docs/MODELS.md)",
         default="0",
         type=flag_types.non_negative_float,
     )
@@ -143,7 +144,9 @@ class ImageUrlOptions:
         type=_allowlist,
     )
     image_url_max_bytes: int = option("largest image a URL may return", default="20MiB", type=flag_types.size)
-    image_url_timeout_s: float = option("time to fetch one image URL", default="10", type=flag_types.positive_float)
+    image_url_timeout_s: float = option(
+        "time to fetch one image URL, redirects included", default="10", type=flag_types.positive_float
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

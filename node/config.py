@@ -104,7 +104,8 @@ class NodeOptions:
         group="limits",
     )
     queue_depth: int = option(
-        "message queue depth (capped by /proc/sys/fs/mqueue/msg_max)",
+        "message queue depth (capped by /proc/sys/fs/mqueue/msg_max, 10 by default, and lowered to fit "
+        "ulimit -q, logged)",
         default="64",
         type=flag_types.positive_int,
         group="limits",

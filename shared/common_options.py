@@ -86,7 +86,8 @@ class BatchingOptions:
         type=flag_types.non_negative_int,
     )
     max_batch_wait_ms: float = option(
-        "how long a worker waits for a batch to fill once it has a request",
+        "how long a worker waits for a batch to fill once it has a request; it waits only while more "
+        "requests are queued or still decoding, so a lone request runs at once",
         default="5",
         type=flag_types.non_negative_float,
     )
