@@ -1,11 +1,11 @@
-"""Which code may import the shared-memory layer: read from the source with ``ast``, so it holds for
-every module, including imports inside functions.
+"""Which code may import the shared-memory layer, and which package may import which: read from the
+source with ``ast``, so it holds for every module, including imports inside functions.
 
 gateway/ and worker/ program against the transport seam (shared/transport/base.py) and its
 vocabulary (shared/vocabulary.py, shared/stats_layout.py). Only the composition roots, the places
 that build the POSIX transport or own the instance's life, import the POSIX layer: the gateway's
-app (its lifespan attaches the instance), its CLI (creates it, cleans leftovers), its supervisor
-(unlinks it at the end) and the worker's main (attaches and builds its link). The transport-neutral
+app (its lifespan attaches the instance), the node (node/serve.py creates it, node/cli.py and
+node/serve.py clean leftovers), the supervisor (unlinks it at the end) and the worker's main (attaches and builds its link). The transport-neutral
 modules of shared/ import none of it (shared/transport/__init__.py loads the POSIX links only when
 asked for one), and shared/ has no import cycle.
 """
