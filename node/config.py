@@ -144,8 +144,9 @@ class WorkerPlanOptions:
 
 
 @dataclass(frozen=True, kw_only=True)
-class GatewayConfig(FrontendOptions, NodeOptions, LabelOption, ModelOptions):
-    """``shmgate gateway``: frontends only; workers attach from elsewhere by ``--label``."""
+class GatewayConfig(NodeOptions, LabelOption, ModelOptions, FrontendOptions):
+    """``shmgate gateway``: frontends only; workers attach from elsewhere by ``--label``. (A dataclass lists
+    its last base's fields first: the bases are in the reverse of the order --help shows them.)"""
 
     # Slots with a partition and a reply channel but no HTTP process: a diagnostic tool (or a test
     # forging descriptors) attaches as a frontend there. serve's hidden --spare-frontend-slots.
@@ -154,5 +155,5 @@ class GatewayConfig(FrontendOptions, NodeOptions, LabelOption, ModelOptions):
 
 
 @dataclass(frozen=True, kw_only=True)
-class ServeConfig(DiagnosticFlags, GatewayConfig, BatchingOptions, PlacementOptions, WorkerPlanOptions):
+class ServeConfig(BatchingOptions, PlacementOptions, WorkerPlanOptions, GatewayConfig, DiagnosticFlags):
     """``shmgate serve``: the gateway and its supervised workers."""

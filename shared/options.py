@@ -134,7 +134,10 @@ def declared_flags(cls: type) -> Iterator[tuple[str, Flag]]:
 
 def add_options(parser: argparse.ArgumentParser, cls: type, *, skip: Sequence[str] = ()) -> None:
     """Declare every flag of the options dataclass ``cls`` on ``parser``, each in its group."""
-    declared = [(flag, spec) for flag, spec in declared_flags(cls) if flag not in skip]
+    # in --help's group order, so that the usage line follows the groups (a stable sort: field order within)
+    declared = sorted(
+        ((flag, spec) for flag, spec in declared_flags(cls) if flag not in skip), key=lambda d: _group_rank(d[1].group)
+    )
     titles = sorted({spec.group for _, spec in declared}, key=_group_rank)
     groups = {g.title: g for g in parser._action_groups}
     for title in titles:
