@@ -47,10 +47,6 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=ShmgateParser)
     serve = sub.add_parser("serve", help="gateway and workers in one command", description=_SERVE_DESCRIPTION)
     add_options(serve, ServeConfig)
-    # Slots with a partition and a reply channel but no HTTP process: a diagnostic tool (or a
-    # test forging descriptors) attaches as a frontend there without stealing a real
-    # frontend's replies. They take a share of the arena, so the default is none.
-    serve.add_argument("--spare-frontend-slots", type=int, default=0, help=argparse.SUPPRESS)
     gateway = sub.add_parser(
         "gateway",
         help="frontends only; workers attach by label",

@@ -148,12 +148,20 @@ class GatewayConfig(NodeOptions, LabelOption, ModelOptions, FrontendOptions):
     """``shmgate gateway``: frontends only; workers attach from elsewhere by ``--label``. (A dataclass lists
     its last base's fields first: the bases are in the reverse of the order --help shows them.)"""
 
-    # Slots with a partition and a reply channel but no HTTP process: a diagnostic tool (or a test
-    # forging descriptors) attaches as a frontend there. serve's hidden --spare-frontend-slots.
-    spare_frontend_slots: int = 0
     given: frozenset[str] = frozenset()  # the repeatable flags typed on the command line (--model, ...)
 
 
 @dataclass(frozen=True, kw_only=True)
 class ServeConfig(BatchingOptions, PlacementOptions, WorkerPlanOptions, GatewayConfig, DiagnosticFlags):
     """``shmgate serve``: the gateway and its supervised workers."""
+
+    # Slots with a partition and a reply channel but no HTTP process: a diagnostic tool (or a test
+    # forging descriptors) attaches as a frontend there without stealing a real frontend's replies.
+    # They take a share of the arena, so the default is none.
+    spare_frontend_slots: int = option(
+        "frontend slots without a process, for tools and tests",
+        default="0",
+        type=flag_types.non_negative_int,
+        group="server",
+        hidden=True,
+    )

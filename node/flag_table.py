@@ -36,6 +36,8 @@ def render() -> str:
     takes: dict[str, list[str]] = {}
     for command, config in COMMANDS:
         for flag, spec in declared_flags(config):
+            if spec.hidden:
+                continue
             flags.setdefault(flag, spec)
             takes.setdefault(flag, []).append(command)
     groups = sorted(

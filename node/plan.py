@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from gateway.config import FrontendConfig
 from node.config import DEFAULT_STALL_TIMEOUT_S, HF_STALL_TIMEOUT_S, GatewayConfig, ServeConfig
@@ -19,7 +19,7 @@ from node.models import NodeConfigError, from_flags, load_node_config
 from node.placement import Placement, gpu_count, worker_placements
 from shared.cpus import usable_cpus
 from shared.errors import SetupError
-from shared.model_config import ModelConfig
+from shared.model_config import GLOBAL_KEYS, ModelConfig
 from shared.models import ModelKind, parse_model_spec
 from shared.options import project
 from worker.config import WorkerConfig
@@ -204,6 +204,13 @@ def frontend_config(
     )
 
 
+# A model's own settings (a --config file's keys, else the flags') that a worker reads: the device is
+# set per placement below.
+_PER_MODEL_WORKER_KEYS = tuple(
+    key for key in GLOBAL_KEYS if key in {f.name for f in fields(WorkerConfig)} and key != "device"
+)
+
+
 @dataclass(frozen=True)
 class WorkerChild:
     """One worker to start: its configuration, its environment (its GPU), the model it serves."""
@@ -226,11 +233,7 @@ def worker_children(
             base,
             model=(model.model,),
             served_model_name=(model.served_model_name,) if model.served_model_name else (),
-            **{
-                key: value
-                for key in ("max_batch_size", "max_batch_wait_ms", "batch_policy", "dtype")
-                if (value := getattr(model, key)) is not None
-            },
+            **{key: value for key in _PER_MODEL_WORKER_KEYS if (value := getattr(model, key)) is not None},
         )
         for placement in placements:
             env = {} if placement.visible is None else {"CUDA_VISIBLE_DEVICES": placement.visible}

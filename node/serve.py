@@ -67,7 +67,7 @@ def run_supervised(config: GatewayConfig, models: list[ModelConfig], *, started_
     shared_fd = sock.fileno() if listen == "shared" else None
     instance = Instance.create(
         arena_size=config.arena_size,
-        n_frontends=n_frontends + config.spare_frontend_slots,
+        n_frontends=n_frontends + (config.spare_frontend_slots if isinstance(config, ServeConfig) else 0),
         n_workers=n_worker_slots,
         label=config.label,
         queue_depth=config.queue_depth,

@@ -81,6 +81,7 @@ class Flag:
     metavar: str | None = None
     repeatable: bool = False
     group: str = ""  # "": the declaring class's GROUP
+    hidden: bool = False  # a tool's or a test's flag: parsed, left out of --help and the README
 
 
 def option(
@@ -93,10 +94,11 @@ def option(
     metavar: str | None = None,
     repeatable: bool = False,
     group: str = "",
+    hidden: bool = False,
 ) -> Any:
     """A dataclass field that is also a flag. ``repeatable``: the flag may be given several times and
     the field is the tuple of its values (the default alone when it is absent)."""
-    spec = Flag(help, default, type, shown_default, on_off, metavar, repeatable, group)
+    spec = Flag(help, default, type, shown_default, on_off, metavar, repeatable, group, hidden)
     value: Any = False if on_off else (None if default is None else type(default))
     if repeatable:
         value = () if value is None else (value,)
@@ -144,7 +146,7 @@ def add_options(parser: argparse.ArgumentParser, cls: type, *, skip: Sequence[st
         if title not in groups:
             groups[title] = parser.add_argument_group(title)
     for flag, spec in declared:
-        add_flag(
+        action = add_flag(
             groups[spec.group],
             flag,
             spec.help,
@@ -155,6 +157,8 @@ def add_options(parser: argparse.ArgumentParser, cls: type, *, skip: Sequence[st
             metavar=spec.metavar,
             action=Repeatable if spec.repeatable else None,
         )
+        if spec.hidden:
+            action.help = argparse.SUPPRESS
 
 
 def _group_rank(title: str) -> tuple[int, str]:
