@@ -27,6 +27,7 @@ from node.models import NodeConfigError
 from node.plan import _gpu_count, declared_models, gpu_misfits, visible_gpus
 from shared.errors import EXIT_USAGE, SetupError
 from shared.flags import ShmgateParser, origin, version
+from shared.model_config import ModelConfig
 from shared.options import add_options, from_args
 
 __all__ = ["build_parser", "main", "parse_config"]
@@ -84,7 +85,11 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s",
     )
     if args.command == "cleanup":
-        return _cleanup(args)
+        try:
+            return _cleanup(args)
+        except SetupError as exc:
+            log.error("%s", exc)
+            return EXIT_USAGE
     config = from_args(CONFIGS[args.command], args)
     if any(a == "--api-key" or a.startswith("--api-key=") for a in argv):
         log.warning(
@@ -110,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
 
 
-def _machine_refusal(config: ServeConfig, models: list, argv: Sequence[str]) -> str | None:  # type: ignore[type-arg]
+def _machine_refusal(config: ServeConfig, models: list[ModelConfig], argv: Sequence[str]) -> str | None:
     """Why this machine cannot run ``config`` (a GPU it lacks, models that do not fit), or None."""
     gpus = visible_gpus(os.environ, _gpu_count())
     try:
