@@ -12,12 +12,12 @@ import argparse
 from dataclasses import dataclass
 from typing import ClassVar
 
-from gateway.sockets import LISTEN_MODES
-from shared import flag_types
-from shared.common_options import LogOptions
-from shared.model_config import ModelConfig
-from shared.options import option
-from shared.tracing import TracingOptions
+from shmgate.gateway.sockets import LISTEN_MODES
+from shmgate.shared import flag_types
+from shmgate.shared.common_options import LogOptions
+from shmgate.shared.model_config import ModelConfig
+from shmgate.shared.options import option
+from shmgate.shared.tracing import TracingOptions
 
 __all__ = [
     "FrontendConfig",
@@ -31,7 +31,7 @@ __all__ = [
 
 def _allowlist(text: str) -> str:
     """Validate the allow-list when the flags are parsed, so a typo stops ``serve`` at once."""
-    from gateway.addresses import AllowList
+    from shmgate.gateway.addresses import AllowList
 
     try:
         AllowList.parse(text)

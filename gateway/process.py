@@ -1,6 +1,6 @@
 """One frontend process: its configuration in, uvicorn serving the app out.
 
-The supervisor starts it as ``python -m gateway`` with its ``FrontendConfig`` encoded in its
+The supervisor starts it as ``python -m shmgate.gateway`` with its ``FrontendConfig`` encoded in its
 environment (gateway/config.py, shared/options.py ``child_config``); nothing here parses a flag.
 """
 
@@ -11,22 +11,22 @@ import signal
 import socket
 from typing import TYPE_CHECKING
 
-from gateway.config import FrontendConfig
+from shmgate.gateway.config import FrontendConfig
 
 if TYPE_CHECKING:
-    from gateway.served import AppOptions
+    from shmgate.gateway.served import AppOptions
 
 __all__ = ["app_options", "run_frontend"]
 
 
 def app_options(config: FrontendConfig) -> AppOptions:
     """The app's options (gateway/served.py ``AppOptions``) from the frontend's configuration."""
-    from gateway.addresses import AllowList
-    from gateway.fetch import FetchPolicy
-    from gateway.frontend import FrontendLimits
-    from gateway.guards import default_allowed_hosts, parse_allowed_hosts
-    from gateway.intake import IntakeLimits
-    from gateway.served import AppOptions
+    from shmgate.gateway.addresses import AllowList
+    from shmgate.gateway.fetch import FetchPolicy
+    from shmgate.gateway.frontend import FrontendLimits
+    from shmgate.gateway.guards import default_allowed_hosts, parse_allowed_hosts
+    from shmgate.gateway.intake import IntakeLimits
+    from shmgate.gateway.served import AppOptions
 
     first = config.models[0]
     return AppOptions(
@@ -61,16 +61,16 @@ def app_options(config: FrontendConfig) -> AppOptions:
 
 
 def run_frontend(config: FrontendConfig) -> int:
-    from shared.parent_death import follow_supervisor
+    from shmgate.shared.parent_death import follow_supervisor
 
     # SIGKILL, not SIGTERM: shared/parent_death.py says why. Before the slow imports, so a
     # supervisor gone meanwhile is noticed at once.
     follow_supervisor(signal.SIGKILL)
     import uvicorn
 
-    from gateway.app import create_app
-    from gateway.http_limits import ConnectionLimits, http_protocol
-    from gateway.sockets import bind_frontend
+    from shmgate.gateway.app import create_app
+    from shmgate.gateway.http_limits import ConnectionLimits, http_protocol
+    from shmgate.gateway.sockets import bind_frontend
 
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s"
@@ -100,7 +100,7 @@ def run_frontend(config: FrontendConfig) -> int:
     if config.access_log:  # uvicorn set its access logger to --log-level, WARNING when "info" (above)
         logging.getLogger("uvicorn.access").setLevel(logging.INFO)
     if config.otlp_traces_endpoint:  # after uvicorn's logging setup: the access log gains the trace id
-        from gateway.tracing import enable_tracing
+        from shmgate.gateway.tracing import enable_tracing
 
         uv_config.app = enable_tracing(
             uv_config.app, config.otlp_traces_endpoint, slot=config.slot, access_log=config.access_log

@@ -1,8 +1,8 @@
-"""``python -m node ...`` is ``shmgate ...``."""
+"""``python -m shmgate.node ...`` is ``shmgate ...``."""
 
 import sys
 
-from node.cli import main
+from shmgate.node.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -2,7 +2,7 @@
 
     shmgate serve     gateway + supervised workers, one command (the embedded default model)
     shmgate gateway   frontends only: owns the IPC objects; workers attach from elsewhere
-    shmgate worker    one model worker (exec of ``python -m worker``, the command compose runs)
+    shmgate worker    one model worker (exec of ``python -m shmgate.worker``, the command compose runs)
     shmgate cleanup   remove the IPC objects of dead instances
     shmgate bench     the load generator (bench_client/loadgen.py)
 
@@ -21,14 +21,14 @@ import sys
 import time
 from collections.abc import Sequence
 
-from node.checks import ConfigError, check_device
-from node.config import GatewayConfig, ServeConfig
-from node.models import NodeConfigError
-from node.plan import _gpu_count, declared_models, gpu_misfits, visible_gpus
-from shared.errors import EXIT_USAGE, SetupError
-from shared.flags import ShmgateParser, origin, version
-from shared.model_config import ModelConfig
-from shared.options import add_options, from_args
+from shmgate.node.checks import ConfigError, check_device
+from shmgate.node.config import GatewayConfig, ServeConfig
+from shmgate.node.models import NodeConfigError
+from shmgate.node.plan import _gpu_count, declared_models, gpu_misfits, visible_gpus
+from shmgate.shared.errors import EXIT_USAGE, SetupError
+from shmgate.shared.flags import ShmgateParser, origin, version
+from shmgate.shared.model_config import ModelConfig
+from shmgate.shared.options import add_options, from_args
 
 __all__ = ["build_parser", "main", "parse_config"]
 
@@ -74,9 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     started_at = time.monotonic()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "worker":
-        os.execv(sys.executable, [sys.executable, "-m", "worker", *argv[1:]])
+        os.execv(sys.executable, [sys.executable, "-m", "shmgate.worker", *argv[1:]])
     if argv and argv[0] == "bench":
-        from bench_client.loadgen import main as bench_main
+        from shmgate.bench_client.loadgen import main as bench_main
 
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"shmgate serve: error: {refusal}", file=sys.stderr)
             return EXIT_USAGE
     try:
-        from node.serve import run_supervised
+        from shmgate.node.serve import run_supervised
 
         return run_supervised(config, models, started_at=started_at)
     except SetupError as exc:
@@ -138,7 +138,7 @@ def _machine_refusal(config: ServeConfig, models: list[ModelConfig], argv: Seque
 
 def _cleanup(args: argparse.Namespace) -> int:
     """``shmgate cleanup [--dry-run] [--list]``: remove (or list) dead instances' IPC objects; list live ones."""
-    from shared.instance import cleanup_leftovers, instance_objects, live_instances
+    from shmgate.shared.instance import cleanup_leftovers, instance_objects, live_instances
 
     if args.list:
         live = live_instances()

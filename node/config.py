@@ -18,11 +18,11 @@ import json
 from dataclasses import dataclass
 from typing import ClassVar
 
-from gateway.config import FrontendOptions
-from shared import flag_types
-from shared.common_options import BatchingOptions, LabelOption, ModelOptions, PlacementOptions
-from shared.options import option
-from worker.config import DiagnosticFlags
+from shmgate.gateway.config import FrontendOptions
+from shmgate.shared import flag_types
+from shmgate.shared.common_options import BatchingOptions, LabelOption, ModelOptions, PlacementOptions
+from shmgate.shared.options import option
+from shmgate.worker.config import DiagnosticFlags
 
 __all__ = [
     "DEFAULT_STALL_TIMEOUT_S",

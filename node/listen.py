@@ -26,8 +26,8 @@ from __future__ import annotations
 import logging
 import socket
 
-from gateway.sockets import bound
-from shared.errors import SetupError
+from shmgate.gateway.sockets import bound
+from shmgate.shared.errors import SetupError
 
 __all__ = ["bind_supervisor", "reuseport_available"]
 

@@ -29,12 +29,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from shared import flag_types
-from shared.common_options import BATCH_POLICIES, DTYPES
-from shared.model_config import ModelConfig
-from shared.models import resolve_model
-from shared.stats_layout import MODEL_SLOTS as MAX_MODELS  # the model table's rows (shared/segment.py)
-from shared.vocabulary import check_model_id
+from shmgate.shared import flag_types
+from shmgate.shared.common_options import BATCH_POLICIES, DTYPES
+from shmgate.shared.model_config import ModelConfig
+from shmgate.shared.models import resolve_model
+from shmgate.shared.stats_layout import MODEL_SLOTS as MAX_MODELS  # the model table's rows (shared/segment.py)
+from shmgate.shared.vocabulary import check_model_id
 
 __all__ = [
     "MODEL_KEYS",

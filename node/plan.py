@@ -13,16 +13,16 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 
-from gateway.config import FrontendConfig
-from node.config import DEFAULT_STALL_TIMEOUT_S, HF_STALL_TIMEOUT_S, GatewayConfig, ServeConfig
-from node.models import NodeConfigError, from_flags, load_node_config
-from node.placement import Placement, gpu_count, worker_placements
-from shared.cpus import usable_cpus
-from shared.errors import SetupError
-from shared.model_config import GLOBAL_KEYS, ModelConfig
-from shared.models import ModelKind, parse_model_spec
-from shared.options import project
-from worker.config import WorkerConfig
+from shmgate.gateway.config import FrontendConfig
+from shmgate.node.config import DEFAULT_STALL_TIMEOUT_S, HF_STALL_TIMEOUT_S, GatewayConfig, ServeConfig
+from shmgate.node.models import NodeConfigError, from_flags, load_node_config
+from shmgate.node.placement import Placement, gpu_count, worker_placements
+from shmgate.shared.cpus import usable_cpus
+from shmgate.shared.errors import SetupError
+from shmgate.shared.model_config import GLOBAL_KEYS, ModelConfig
+from shmgate.shared.models import ModelKind, parse_model_spec
+from shmgate.shared.options import project
+from shmgate.worker.config import WorkerConfig
 
 __all__ = [
     "WorkerChild",
@@ -145,7 +145,7 @@ def gpu_misfits(
 ) -> list[str]:
     """The GPUs whose declared models are estimated not to fit in their free memory (node/gpu_fit.py),
     one line each; none without a GPU placement. ``free``: each GPU's free bytes (None: asked of CUDA)."""
-    from node.gpu_fit import PlacedModel, cuda_free_bytes, misfits, placed_needs
+    from shmgate.node.gpu_fit import PlacedModel, cuda_free_bytes, misfits, placed_needs
 
     try:
         plans = model_plans(declared_models(config) if models is None else models)
@@ -189,7 +189,7 @@ def frontend_config(
     """Frontend ``slot``'s whole configuration: every frontend option of ``config`` (the fields
     gateway/config.py declares, nothing else), the resolved models, and ``--allowed-hosts`` decided
     once for ``--host``. ``fd``: the shared listening socket; None, the frontend binds its own."""
-    from gateway.guards import default_allowed_hosts
+    from shmgate.gateway.guards import default_allowed_hosts
 
     allowed = config.allowed_hosts or ",".join(default_allowed_hosts(config.host))
     return project(

@@ -1,8 +1,8 @@
 """``shmgate serve`` and ``shmgate gateway`` once the configuration is valid: create the instance, start
 and supervise the children, log the start-up.
 
-The one place that turns the plan (node/plan.py) into processes: each child is ``python -m gateway``
-or ``python -m worker`` with its whole configuration encoded in its environment (shared/options.py
+The one place that turns the plan (node/plan.py) into processes: each child is ``python -m shmgate.gateway``
+or ``python -m shmgate.worker`` with its whole configuration encoded in its environment (shared/options.py
 ``CHILD_CONFIG_ENV``), never a command line to re-parse; the words after the module only name the
 child in ps (``_title``).
 """
@@ -16,18 +16,18 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from node.config import GatewayConfig, ServeConfig
-from node.listen import bind_supervisor
-from node.plan import frontend_config, model_plans, stall_timeout_for, worker_children, worker_threads
-from shared.cpus import usable_cpus
-from shared.flags import version
-from shared.model_config import ModelConfig
-from shared.models import ModelKind, parse_model_spec
-from shared.options import CHILD_CONFIG_ENV, encode
+from shmgate.node.config import GatewayConfig, ServeConfig
+from shmgate.node.listen import bind_supervisor
+from shmgate.node.plan import frontend_config, model_plans, stall_timeout_for, worker_children, worker_threads
+from shmgate.shared.cpus import usable_cpus
+from shmgate.shared.flags import version
+from shmgate.shared.model_config import ModelConfig
+from shmgate.shared.models import ModelKind, parse_model_spec
+from shmgate.shared.options import CHILD_CONFIG_ENV, encode
 
 if TYPE_CHECKING:
-    from node.startup_log import Summary
-    from shared.instance import Instance
+    from shmgate.node.startup_log import Summary
+    from shmgate.shared.instance import Instance
 
 __all__ = ["run_supervised", "summary"]
 
@@ -48,10 +48,10 @@ def _worker_slots(asked: int, n_workers: int, *, with_workers: bool) -> int:
 
 def run_supervised(config: GatewayConfig, models: list[ModelConfig], *, started_at: float) -> int:
     """Serve until stopped: frontends for ``models``, and their workers when ``config`` is a ServeConfig."""
-    from node.startup_log import ServingLog, shm_free_bytes, summary_lines
-    from shared.instance import Instance, ModelQueue, cleanup_leftovers
-    from shared.transport import PosixNodeStats, PosixSupervisorLink
-    from supervise.supervisor import ChildProcess, Supervisor, child_env
+    from shmgate.node.startup_log import ServingLog, shm_free_bytes, summary_lines
+    from shmgate.shared.instance import Instance, ModelQueue, cleanup_leftovers
+    from shmgate.shared.transport import PosixNodeStats, PosixSupervisorLink
+    from shmgate.supervise.supervisor import ChildProcess, Supervisor, child_env
 
     with_workers = isinstance(config, ServeConfig)
     plans = model_plans(models) if isinstance(config, ServeConfig) else []
@@ -84,7 +84,7 @@ def run_supervised(config: GatewayConfig, models: list[ModelConfig], *, started_
         ChildProcess(
             "frontend",
             k,
-            [sys.executable, "-m", "gateway", *_title("frontend", "--slot", str(k))],
+            [sys.executable, "-m", "shmgate.gateway", *_title("frontend", "--slot", str(k))],
             child_env(
                 {
                     CHILD_CONFIG_ENV: encode(
@@ -100,7 +100,7 @@ def run_supervised(config: GatewayConfig, models: list[ModelConfig], *, started_
         ChildProcess(
             "worker",
             i,
-            [sys.executable, "-m", "worker", *_title("--model", child.config.model[0])],
+            [sys.executable, "-m", "shmgate.worker", *_title("--model", child.config.model[0])],
             child_env({**child.env, CHILD_CONFIG_ENV: encode(child.config)}),
             model=child.model,
         )
@@ -139,14 +139,14 @@ def run_supervised(config: GatewayConfig, models: list[ModelConfig], *, started_
 
 
 def _title(*words: str) -> list[str]:
-    """Arguments that only name a child in ps, /proc and tools (``-m gateway frontend --slot 2``,
-    ``-m worker --model checksum``): the child reads its configuration, never these."""
+    """Arguments that only name a child in ps, /proc and tools (``-m shmgate.gateway frontend --slot 2``,
+    ``-m shmgate.worker --model checksum``): the child reads its configuration, never these."""
     return list(words)
 
 
 def _mark_failed(instance: Instance, model: str) -> None:
     """The supervisor gave up every worker of ``model``: its row says so to the frontends."""
-    from shared.segment import ModelState
+    from shmgate.shared.segment import ModelState
 
     index = instance.segment.model_index(model)
     if index >= 0:
@@ -155,7 +155,7 @@ def _mark_failed(instance: Instance, model: str) -> None:
 
 def summary(config: GatewayConfig, models: list[ModelConfig], instance_id: str, url: str, n_frontends: int) -> Summary:
     """The startup summary's facts, from the same plan the workers are started with."""
-    from node.startup_log import Summary, plural
+    from shmgate.node.startup_log import Summary, plural
 
     spec = parse_model_spec(models[0].model)
     hf = spec.kind in (ModelKind.HF_CHAT, ModelKind.HF_EMBED)

@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from shared import flag_types
-from shared.models import KNOWN_SPECS
-from shared.options import option
+from shmgate.shared import flag_types
+from shmgate.shared.models import KNOWN_SPECS
+from shmgate.shared.options import option
 
 __all__ = [
     "BATCH_POLICIES",

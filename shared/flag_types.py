@@ -14,8 +14,8 @@ import os
 from collections.abc import Callable
 from typing import TypeVar
 
-from shared.models import parse_model_spec
-from shared.names import parse_size
+from shmgate.shared.models import parse_model_spec
+from shmgate.shared.names import parse_size
 
 __all__ = [
     "AUTO",
@@ -149,7 +149,7 @@ def model_spec(text: str) -> str:
     """A model spec that names something servable: a known name, an ``hf:`` checkpoint directory
     that exists and has a config.json (shared/models.py says which forms exist), or a Hugging Face
     hub id ``org/name``, returned as ``hf:<its snapshot directory>`` (cached or downloaded: shared/hub.py)."""
-    from shared.hub import is_hub_id, resolve_hub_id
+    from shmgate.shared.hub import is_hub_id, resolve_hub_id
 
     if is_hub_id(text):
         try:

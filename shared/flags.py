@@ -22,7 +22,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from shared import flag_types
+from shmgate.shared import flag_types
 
 __all__ = [
     "EnvValue",

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from shared.models import ModelKind, parse_model_spec
+from shmgate.shared.models import ModelKind, parse_model_spec
 
 __all__ = ["GLOBAL_KEYS", "ModelConfig"]
 

@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from shared.flags import add_flag
+from shmgate.shared.flags import add_flag
 
 __all__ = [
     "CHILD_CONFIG_ENV",

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 from urllib.parse import urlsplit
 
-from shared.options import option
+from shmgate.shared.options import option
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider

@@ -30,8 +30,8 @@ def _msg_max() -> int:
 def needed_bytes(processes: int) -> int:
     """What ``processes`` test servers at once take (tests/serving.py: 2 frontends, 2 workers, so 4 worker
     slots), at the depths the kernel lets them have."""
-    from shared.instance import queue_specs
-    from shared.mq_budget import queue_bytes
+    from shmgate.shared.instance import queue_specs
+    from shmgate.shared.mq_budget import queue_bytes
 
     cap = _msg_max()
     one = sum(s.count * queue_bytes(min(s.wanted_depth, cap), s.message_bytes) for s in queue_specs(2, 4, 64))
@@ -43,7 +43,7 @@ def free_bytes(up_to: int) -> int:
     until one is refused or ``up_to`` is reached."""
     import posix_ipc
 
-    from shared.mq_budget import message_queue_budget, queue_bytes
+    from shmgate.shared.mq_budget import message_queue_budget, queue_bytes
 
     message_queue_budget()  # the soft limit raised to the hard one, as a server does
     depth = min(PROBE_DEPTH, _msg_max())
@@ -69,8 +69,8 @@ def free_bytes(up_to: int) -> int:
 
 def holders() -> tuple[list[str], int]:
     """(the live shmgate instances of this user, one line each; how many dead ones of this user are left)."""
-    from shared.instance import live_instances
-    from shared.names import SHM_DIR, InstanceNames, list_arena_instances
+    from shmgate.shared.instance import live_instances
+    from shmgate.shared.names import SHM_DIR, InstanceNames, list_arena_instances
 
     def mine(instance_id: str) -> bool:
         try:

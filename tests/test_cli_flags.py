@@ -17,16 +17,16 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import FrontendConfig
-from node import plan
-from node.checks import ConfigError, check_device, torch_cuda_build
-from node.cli import build_parser, main, parse_config
-from node.config import ServeConfig
-from shared.options import decode, encode
+from shmgate.gateway.config import FrontendConfig
+from shmgate.node import plan
+from shmgate.node.checks import ConfigError, check_device, torch_cuda_build
+from shmgate.node.cli import build_parser, main, parse_config
+from shmgate.node.config import ServeConfig
+from shmgate.shared.options import decode, encode
+from shmgate.worker.__main__ import build_parser as worker_parser
+from shmgate.worker.__main__ import parse_args as worker_args
+from shmgate.worker.config import WorkerConfig
 from tests.serving import shm_entries, shm_entries_created_by
-from worker.__main__ import build_parser as worker_parser
-from worker.__main__ import parse_args as worker_args
-from worker.config import WorkerConfig
 
 # (variable without SHMGATE_, bad value, what the one line must say besides the variable)
 BAD_ENVIRONMENT = [
@@ -119,7 +119,7 @@ def test_each_command_ends_at_once_with_status_2_and_one_line(command: list[str]
     """A real process: no traceback, no restart loop, nothing started (a hang guard, not a timing check)."""
     env = {**os.environ, "SHMGATE_LOG_LEVEL": "verbose", "SHMGATE_LABEL": "never-attached-cli-test"}
     done = subprocess.run(
-        [sys.executable, "-m", "gateway", *command], env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "shmgate.gateway", *command], env=env, capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
@@ -360,7 +360,7 @@ def test_the_worker_refuses_cuda_without_a_usable_gpu_naming_where_the_value_cam
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         pytest.skip("this machine has a usable GPU")
-    from worker.__main__ import main as worker_main
+    from shmgate.worker.__main__ import main as worker_main
 
     never = ["--label", "never-attached-cli-test", "--attach-wait-s", "0"]
     assert worker_main(["--device", "cuda:0", *never]) == 2

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from node import plan
-from node.cli import parse_config
-from node.config import ServeConfig
-from node.placement import gpu_count
-from node.plan import _default_cpu_workers, visible_gpus
-from node.serve import summary
-from shared.errors import SetupError
+from shmgate.node import plan
+from shmgate.node.cli import parse_config
+from shmgate.node.config import ServeConfig
+from shmgate.node.placement import gpu_count
+from shmgate.node.plan import _default_cpu_workers, visible_gpus
+from shmgate.node.serve import summary
+from shmgate.shared.errors import SetupError
 
 
 def _serve(flags: list[str]) -> ServeConfig:
@@ -125,8 +125,8 @@ def test_gpus_are_counted_from_the_driver_or_else_from_the_device_nodes(tmp_path
 
 
 def test_only_a_served_hugging_face_checkpoint_gets_the_long_stall_timeout() -> None:
-    from node.config import DEFAULT_STALL_TIMEOUT_S, HF_STALL_TIMEOUT_S
-    from node.plan import stall_timeout_for
+    from shmgate.node.config import DEFAULT_STALL_TIMEOUT_S, HF_STALL_TIMEOUT_S
+    from shmgate.node.plan import stall_timeout_for
 
     assert stall_timeout_for("hf:/models/qwen", None) == HF_STALL_TIMEOUT_S
     assert stall_timeout_for("checksum:hf:/models/qwen", None) == DEFAULT_STALL_TIMEOUT_S  # no weights loaded

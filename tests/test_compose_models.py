@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from node.cli import parse_config
-from node.plan import declared_models
+from shmgate.node.cli import parse_config
+from shmgate.node.plan import declared_models
 from tests.compose_util import load_compose
 from tests.test_compose import compose_validator  # noqa: F401  (the fixture, shared with the base files' test)
 from tests.test_compose_hf import _compose_binaries, _config

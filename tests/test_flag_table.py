@@ -1,11 +1,11 @@
 """README.md's flag tables are the declarations' (node/flag_table.py): a flag added, removed or reworded
-without ``python -m node.flag_table --write`` fails here."""
+without ``python -m shmgate.node.flag_table --write`` fails here."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from node.flag_table import BEGIN, END, render, replace_in
+from shmgate.node.flag_table import BEGIN, END, render, replace_in
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -13,15 +13,15 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 def test_the_readme_lists_every_declared_flag_as_declared() -> None:
     text = README.read_text()
     assert BEGIN in text and END in text
-    assert replace_in(text) == text, "README.md's flag table is stale: run python -m node.flag_table --write"
+    assert replace_in(text) == text, "README.md's flag table is stale: run python -m shmgate.node.flag_table --write"
 
 
 def test_the_table_has_every_flag_of_each_command_once() -> None:
     """What ``--help`` shows for serve, gateway and worker, each flag in one row."""
     import argparse
 
-    from node.cli import build_parser
-    from worker.__main__ import build_parser as worker_parser
+    from shmgate.node.cli import build_parser
+    from shmgate.worker.__main__ import build_parser as worker_parser
 
     [commands] = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
     table = render()

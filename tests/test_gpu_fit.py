@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from node import gpu_fit
-from node.cli import parse_config
-from node.config import ServeConfig
-from node.gpu_fit import (
+from shmgate.node import gpu_fit
+from shmgate.node.cli import parse_config
+from shmgate.node.config import ServeConfig
+from shmgate.node.gpu_fit import (
     CUDA_OVERHEAD_BYTES,
     GpuNeed,
     PlacedModel,
@@ -28,7 +28,7 @@ from tests.embed_fixture import build_tiny_embedder
 
 
 def _misfits(argv: list[str], free: dict[str, int]) -> list[str]:
-    from node.plan import gpu_misfits
+    from shmgate.node.plan import gpu_misfits
 
     config = parse_config(argv)
     assert isinstance(config, ServeConfig)

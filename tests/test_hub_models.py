@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from node.cli import build_parser, parse_config
-from node.plan import declared_models
+from shmgate.node.cli import build_parser, parse_config
+from shmgate.node.plan import declared_models
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -65,7 +65,7 @@ def test_a_hub_id_neither_cached_nor_downloadable_is_one_line_saying_so(
 
 
 def test_a_relative_directory_is_not_taken_for_a_hub_id(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from shared.hub import is_hub_id
+    from shmgate.shared.hub import is_hub_id
 
     monkeypatch.chdir(tmp_path)
     assert is_hub_id("team/model")

@@ -25,12 +25,12 @@ from pathlib import Path
 
 import pytest
 
-from gateway import sockets
-from gateway.sockets import bind_frontend
-from node.cli import build_parser, parse_config
-from node.listen import bind_supervisor
-from node.plan import declared_models, frontend_config
-from shared.errors import SetupError
+from shmgate.gateway import sockets
+from shmgate.gateway.sockets import bind_frontend
+from shmgate.node.cli import build_parser, parse_config
+from shmgate.node.listen import bind_supervisor
+from shmgate.node.plan import declared_models, frontend_config
+from shmgate.shared.errors import SetupError
 from tests.serving import Server, expected_checksum, image_request, noise_png, start_server, stop_and_check, wait_until
 
 GUARD_S = 60.0

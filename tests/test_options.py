@@ -10,9 +10,9 @@ from typing import ClassVar
 import msgspec
 import pytest
 
-from shared import flag_types
-from shared.flags import ShmgateParser
-from shared.options import add_options, declared_flags, decode, encode, from_args, option, project
+from shmgate.shared import flag_types
+from shmgate.shared.flags import ShmgateParser
+from shmgate.shared.options import add_options, declared_flags, decode, encode, from_args, option, project
 
 
 @dataclass(frozen=True, kw_only=True)

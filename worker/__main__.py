@@ -1,4 +1,4 @@
-"""``python -m worker``: the command the supervisor runs for each worker, and docker compose too.
+"""``python -m shmgate.worker``: the command the supervisor runs for each worker, and docker compose too.
 
 Started by ``shmgate serve``, a worker reads its whole configuration from its environment
 (shared/options.py ``child_config``); started by hand or by compose, it parses its flags, each of which
@@ -24,12 +24,12 @@ import argparse  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402
 
-from shared.errors import EXIT_USAGE  # noqa: E402
-from shared.flags import ShmgateParser, origin, version  # noqa: E402
-from shared.options import add_options, child_config, from_args  # noqa: E402
-from worker.config import WorkerConfig  # noqa: E402
-from worker.diagnostics import DiagnosticOptions  # noqa: E402
-from worker.main import WorkerOptions, run_worker  # noqa: E402
+from shmgate.shared.errors import EXIT_USAGE  # noqa: E402
+from shmgate.shared.flags import ShmgateParser, origin, version  # noqa: E402
+from shmgate.shared.options import add_options, child_config, from_args  # noqa: E402
+from shmgate.worker.config import WorkerConfig  # noqa: E402
+from shmgate.worker.diagnostics import DiagnosticOptions  # noqa: E402
+from shmgate.worker.main import WorkerOptions, run_worker  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,7 +91,7 @@ def run(config: WorkerConfig) -> int:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     threads = config.threads
     if not threads and device.startswith("cpu"):
-        from shared.cpus import usable_cpus
+        from shmgate.shared.cpus import usable_cpus
 
         threads = usable_cpus()  # torch's own default is the node's cores, not the container's limit
     options = WorkerOptions(

@@ -1,6 +1,6 @@
 """A worker's configuration: the flags only a worker reads, and ``WorkerConfig``, everything it reads.
 
-``shmgate worker`` (``python -m worker``, what docker compose runs) parses these flags; a worker that
+``shmgate worker`` (``python -m shmgate.worker``, what docker compose runs) parses these flags; a worker that
 ``shmgate serve`` starts gets its ``WorkerConfig`` whole from the supervisor (node/plan.py
 ``worker_configs``, shared/options.py ``encode``) and parses nothing. The flags a worker shares with
 ``serve`` are declared in shared/common_options.py.
@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from shared import flag_types
-from shared.common_options import BatchingOptions, LabelOption, LogOptions, ModelOptions, PlacementOptions
-from shared.options import option
-from shared.tracing import TracingOptions
+from shmgate.shared import flag_types
+from shmgate.shared.common_options import BatchingOptions, LabelOption, LogOptions, ModelOptions, PlacementOptions
+from shmgate.shared.options import option
+from shmgate.shared.tracing import TracingOptions
 
 __all__ = ["AttachOptions", "DiagnosticFlags", "WorkerConfig"]
 
