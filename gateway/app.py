@@ -24,6 +24,7 @@ import functools
 import logging
 import os
 import sys
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -37,7 +38,6 @@ from shmgate.gateway.frontend import Frontend
 from shmgate.gateway.guards import AllowedHosts, CatchAll
 from shmgate.gateway.http_errors import error_body, error_response
 from shmgate.gateway.metrics import FrontendStats, ModelGauges, exposition
-from shmgate.gateway.node_config import ModelConfig
 from shmgate.gateway.openapi import docs_page, openapi_document
 from shmgate.gateway.preprocess import get_preprocessor
 from shmgate.gateway.result_cache import ResultCache
@@ -47,11 +47,15 @@ from shmgate.shared.cache import ModelShare
 from shmgate.shared.errors import EXIT_CONFIG, ShmgateError
 from shmgate.shared.flags import version
 from shmgate.shared.instance import Instance
+from shmgate.shared.model_config import ModelConfig
 from shmgate.shared.segment import ModelState
 from shmgate.shared.transport import PosixFrontendLink, PosixNodeStats
 from shmgate.shared.vocabulary import check_model_id
 
 __all__ = ["AppOptions", "create_app"]
+
+# /v1/models's ``created`` when the supervisor did not say when the node started (an app built alone)
+_STARTED = int(time.time())
 
 log = logging.getLogger("shmgate.app")
 
@@ -211,9 +215,34 @@ async def _ready(request: Request) -> Response:
     model = request.query_params.get("model")
     if model is not None:
         return await _model_ready(model, request)
-    if served(request).frontend.ready():
+    f = served(request).frontend
+    if f.ready():
         return JSONResponse({"status": "ready"})
-    return JSONResponse({"status": "not ready"}, status_code=503, headers={"Retry-After": "1"})
+    states = {model: model_state(f, model) for model in f.preprocessors}
+    waiting = [model for model, state in states.items() if state != "ready"]
+    return JSONResponse(
+        {
+            "status": "not ready",
+            "message": _waiting_for(states),
+            "waiting_for": [] if f.draining() else waiting,
+            "models": states,
+        },
+        status_code=503,
+        headers={"Retry-After": "1"},
+    )
+
+
+_WAITING = {
+    "loading": "no worker of model {model!r} is ready yet (starting, loading its weights, or restarting)",
+    "failed": "model {model!r} failed: its workers kept dying and are not restarted (the supervisor's log says why)",
+}
+
+
+def _waiting_for(states: dict[str, str]) -> str:
+    """What a not-ready node waits for, in one line: each model without a ready worker, or the drain."""
+    if "draining" in states.values():
+        return "the node is draining (shutting down): it takes no new requests"
+    return "; ".join(_WAITING[state].format(model=model) for model, state in states.items() if state != "ready")
 
 
 async def _model_ready(model_id: str, request: Request) -> Response:
@@ -238,10 +267,10 @@ def model_state(f: Frontend, model: str) -> str:
     return "failed" if f.model_failed(model) else "loading"
 
 
-def _card(f: Frontend, model: str) -> dict[str, object]:
+def _card(f: Frontend, model: str, created: int) -> dict[str, object]:
     """A model's ``/v1/models`` entry: its card plus its state and what it can do."""
     pre = f.preprocessors[model]
-    card = model_card(pre)
+    card = model_card(pre, created)
     card["state"] = model_state(f, model)
     card["capabilities"] = {
         "chat": pre.serves_chat,
@@ -257,7 +286,7 @@ async def _models(request: Request) -> dict[str, object]:
     s.check_key(request)
     return {
         "object": "list",
-        "data": [_card(s.frontend, model) for model in s.frontend.preprocessors],
+        "data": [_card(s.frontend, model, s.options.created or _STARTED) for model in s.frontend.preprocessors],
     }
 
 
@@ -307,7 +336,7 @@ async def _model(model_id: str, request: Request) -> dict[str, object]:
     s = served(request)
     s.check_key(request)
     s.frontend.preprocessor_for(model_id)  # UnknownModel (404) for a model not served here
-    return _card(s.frontend, model_id)
+    return _card(s.frontend, model_id, s.options.created or _STARTED)
 
 
 class FrontendHeader:

@@ -21,7 +21,8 @@ The statuses, and where they come from:
     431  a request head over 1 MiB (gateway/http_limits.py)
     500  a model error, or a bug (the catch-all in gateway/guards.py names a request id)
     502  the worker died with the request
-    503  overloaded (arena, queues), no worker, draining (``/ready``: ``{"status": "not ready"}``)
+    503  overloaded (arena, queues), no worker, draining (``/ready``: ``{"status": "not ready", ...}`` saying
+         which models it waits for)
     504  ``--request-timeout-s`` passed
 """
 
@@ -129,10 +130,11 @@ _EMBEDDINGS = {
 _MODEL_STATES = ["loading", "ready", "failed", "draining"]  # gateway/app.py model_state
 _MODEL_CARD = {
     "type": "object",
-    "required": ["id", "object", "owned_by", "state", "capabilities"],
+    "required": ["id", "object", "created", "owned_by", "state", "capabilities"],
     "properties": {
         "id": {"type": "string"},
         "object": {"const": "model"},
+        "created": {"type": "integer", "description": "when the node started serving it (Unix seconds)"},
         "owned_by": {"type": "string"},
         "state": {"enum": _MODEL_STATES},
         "capabilities": {
@@ -178,6 +180,20 @@ _TOKENS = {
     "properties": {"count": {"type": "integer"}, "tokens": {"type": "array", "items": {"type": "integer"}}},
 }
 _STATUS = {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}}
+_NOT_READY = {
+    "type": "object",
+    "required": ["status", "message", "waiting_for", "models"],
+    "properties": {
+        "status": {"const": "not ready"},
+        "message": {"type": "string", "description": "what the node waits for, in one line"},
+        "waiting_for": {
+            "type": "array",
+            "items": {"type": "string"},
+            "description": "the models without a ready worker (empty while draining)",
+        },
+        "models": {"type": "object", "additionalProperties": {"enum": _MODEL_STATES}},
+    },
+}
 
 
 def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
@@ -214,7 +230,8 @@ def _get(operation_id: str, ok: dict[str, Any], summary: str, *errors: int) -> d
 
 
 def _ready() -> dict[str, Any]:
-    """``/ready`` answers a probe, not a client: its 503 is ``{"status": "not ready"}``, as its 200 is."""
+    """``/ready`` answers a probe, not a client: its 200 is ``{"status": "ready"}``; its 503 says which models
+    it waits for, and each one's state."""
     path = _get("ready", _json(_STATUS, "every model has a worker serving it"), "readiness", 404)
     path["get"]["parameters"] = [
         {
@@ -225,7 +242,7 @@ def _ready() -> dict[str, Any]:
             "schema": {"type": "string"},
         }
     ]
-    path["get"]["responses"]["503"] = _json(_STATUS, "a model has no worker serving it yet, or draining")
+    path["get"]["responses"]["503"] = _json(_NOT_READY, "a model has no worker serving it yet, or draining")
     return path
 
 

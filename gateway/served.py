@@ -18,9 +18,9 @@ from shmgate.gateway.frontend import Frontend, FrontendLimits
 from shmgate.gateway.guards import require_json
 from shmgate.gateway.http_limits import read_capped
 from shmgate.gateway.intake import IntakeLimits
-from shmgate.gateway.node_config import ModelConfig
 from shmgate.gateway.result_cache import ResultCache
 from shmgate.shared.errors import Cancelled, InvalidRequest, RequestTooLarge, Unauthorized
+from shmgate.shared.model_config import ModelConfig
 from shmgate.shared.transport import NodeStats
 
 __all__ = ["AppOptions", "Served", "bypass_cache", "read_body", "served"]
@@ -42,9 +42,10 @@ class AppOptions:
     processor_kwargs: dict[str, Any] | None = None  # --mm-processor-kwargs (hf: models)
     server_timing: bool = False  # --server-timing: per-stage durations in a Server-Timing header
     allowed_hosts: tuple[str, ...] = ("*",)  # --allowed-hosts: Host header names answered (gateway/guards.py)
-    # every model the node serves, as the supervisor resolved them (gateway/node_config.py); empty: ``model``
+    # every model the node serves, as the supervisor resolved them (node/models.py); empty: ``model``
     # alone, with ``served_model_name`` and ``processor_kwargs``
     models: tuple[ModelConfig, ...] = ()
+    created: int = 0  # when the node started serving (Unix seconds; /v1/models); 0: this process's start
 
 
 @dataclass(frozen=True)

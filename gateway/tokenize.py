@@ -55,10 +55,11 @@ _detokenize_decoder = msgspec.json.Decoder(DetokenizeRequest)
 MAX_DETOKENIZE = 1 << 20
 
 
-def model_card(preprocessor: Preprocessor) -> dict[str, Any]:
-    """The model's entry in ``GET /v1/models``; ``max_model_len`` (prompt + answer tokens) where the model
-    has a context bound (``hf:`` chat models: the text config's ``max_position_embeddings``)."""
-    card: dict[str, Any] = {"id": preprocessor.model, "object": "model", "created": 0, "owned_by": "shmgate"}
+def model_card(preprocessor: Preprocessor, created: int) -> dict[str, Any]:
+    """The model's entry in ``GET /v1/models``; ``created``: when the node started serving it (Unix seconds);
+    ``max_model_len`` (prompt + answer tokens) where the model has a context bound (``hf:`` chat models: the
+    text config's ``max_position_embeddings``)."""
+    card: dict[str, Any] = {"id": preprocessor.model, "object": "model", "created": created, "owned_by": "shmgate"}
     max_len = preprocessor.max_prompt_tokens
     if max_len is not None:
         card["max_model_len"] = max_len

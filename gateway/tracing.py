@@ -1,6 +1,6 @@
 """The frontend's tracing switch: the data path's hooks test ``spans`` and do nothing more when it is None.
 
-Who sets it: ``enable_tracing``, once, in the frontend process before it serves (gateway/cli.py,
+Who sets it: ``enable_tracing``, once, in the frontend process before it serves (gateway/process.py,
 with ``--otlp-traces-endpoint``). Like a logger it is process-wide and set before any request, so
 a hook is ``if tracing.spans is not None: tracing.spans.<stage>(...)``: off, that test is the whole
 cost, and neither this module nor any hook imports OpenTelemetry (gateway/request_spans.py, which

@@ -12,6 +12,9 @@
 # phase 1's processes (default 3: on 2 cores many tests wait on servers, heartbeats and timeouts, and 3
 # finished in 5.5 min where 2 took 6.7; 0 runs it in this process); SHMGATE_SKIP_LINT=1 skips the
 # static checks.
+# The tests start real servers, whose message queues are charged to this user's RLIMIT_MSGQUEUE (`ulimit
+# -q`): another shmgate instance of the same user holding part of it would fail the suite in many places,
+# so tests/mq_preflight.py checks the budget first and says so once (SHMGATE_SKIP_MQ_CHECK=1 skips it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh test,hf
@@ -19,6 +22,10 @@ if [ "${SHMGATE_SKIP_LINT:-0}" != 1 ]; then
   .venv/bin/ruff check .
   .venv/bin/ruff format --check .
   .venv/bin/mypy
+fi
+
+if [ "${SHMGATE_SKIP_MQ_CHECK:-0}" != 1 ]; then
+  SHMGATE_TEST_PROCESSES=${SHMGATE_TEST_PROCESSES:-3} .venv/bin/python -m tests.mq_preflight
 fi
 
 # pytest's exit status 5 means "no tests collected": a phase with nothing selected (a file with no serial

@@ -137,7 +137,7 @@ def choice(*values: str) -> Callable[[str], str]:
 
 
 def device(text: str) -> str:
-    """``cpu``, ``cuda`` or ``cuda:N``: the spelling only; gateway/config_checks.py asks the machine."""
+    """``cpu``, ``cuda`` or ``cuda:N``: the spelling only; node/checks.py asks the machine."""
     head, colon, tail = text.partition(":")
     if text == "cpu" or text == "cuda" or (head == "cuda" and colon and tail.isdigit()):
         return text
@@ -146,8 +146,16 @@ def device(text: str) -> str:
 
 
 def model_spec(text: str) -> str:
-    """A model spec that names something servable: a known name, or an ``hf:`` checkpoint directory
-    that exists and has a config.json (shared/models.py says which forms exist)."""
+    """A model spec that names something servable: a known name, an ``hf:`` checkpoint directory
+    that exists and has a config.json (shared/models.py says which forms exist), or a Hugging Face
+    hub id ``org/name``, returned as ``hf:<its snapshot directory>`` (cached or downloaded: shared/hub.py)."""
+    from shmgate.shared.hub import is_hub_id, resolve_hub_id
+
+    if is_hub_id(text):
+        try:
+            text = "hf:" + resolve_hub_id(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
     try:
         spec = parse_model_spec(text)
     except ValueError as exc:

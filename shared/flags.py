@@ -1,47 +1,38 @@
-"""Command-line flags: how every flag is declared, and the flags more than one command takes.
+"""Command-line flags: how one flag is put on a parser, and the parser every command uses.
 
-``shmgate serve`` and ``python -m shmgate.worker`` (which ``shmgate worker`` execs) both take the worker's
-batching flags, and gateway/ and worker/ never import each other, so the definitions live here.
-
-Rules every flag keeps, because every flag is declared with ``add_flag``:
+Flags are declared as fields of options dataclasses (shared/options.py ``option``); ``add_options``
+puts each on a parser with ``add_flag`` here. Rules every flag keeps, because of that:
 - it reads ``SHMGATE_<NAME>`` as its default, and the flag wins; an empty variable means unset;
 - its help ends with its default and its variable (``(default: 8000) [env: SHMGATE_PORT]``),
   written here once, never by hand;
 - a default is text run through the flag's ``type`` (shared/flag_types.py) when the flag is absent,
   so a bad variable is refused like a bad flag, and the one line that says so names the variable
   (``SHMGATE_PORT='eighty' ...``), not the flag the user never typed;
-- ``ShmgateParser`` reports any usage error as one line and exit status 2, never a traceback.
-
-A parent passes flags to a child with ``forward``, read off the same definitions, never from a
-hand-kept list.
+- ``ShmgateParser`` reports any usage error as one line and exit status 2, never a traceback, and a
+  mistyped flag gets the nearest declared one (``did you mean --max-images?``).
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import functools
 import importlib.metadata
 import os
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from shmgate.shared import flag_types
 
 __all__ = [
-    "BATCH_POLICIES",
-    "DTYPES",
     "EnvValue",
     "ShmgateParser",
-    "add_batching_flags",
     "add_flag",
     "env",
-    "forward",
     "origin",
     "version",
 ]
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-BATCH_POLICIES = ("fcfs", "held")  # worker/batcher.py: what a worker takes while its model is busy
 ENV_PREFIX = "SHMGATE_"
 
 
@@ -176,74 +167,22 @@ class ShmgateParser(argparse.ArgumentParser):
             self.error(str(exc))
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(2, f"{self.prog}: error: {message}{self._did_you_mean(message)} (see {self.prog} --help)\n")
 
-
-def add_batching_flags(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """The worker's batching and model flags, the same in ``serve`` and in ``worker``."""
-    add_flag(
-        p,
-        "--max-batch-size",
-        "requests per batch; 0: the model's choice (one forward pass for the "
-        "classifier on CPU, 2 per torch thread; 8 on CUDA and for other models)",
-        default="0",
-        type=flag_types.non_negative_int,
-    )
-    add_flag(
-        p,
-        "--max-batch-wait-ms",
-        "how long a worker waits for a batch to fill once it has a request",
-        default="5",
-        type=flag_types.non_negative_float,
-    )
-    add_flag(
-        p,
-        "--batch-policy",
-        "held: a busy worker's next batch gathers while the model runs; fcfs: a "
-        "busy worker takes nothing, requests wait in the shared queue for the first free worker "
-        "(worker/batcher.py, docs/TUNING.md)",
-        default="held",
-        type=flag_types.choice(*BATCH_POLICIES),
-        metavar="{" + ",".join(BATCH_POLICIES) + "}",
-    )
-    add_flag(
-        p,
-        "--dtype",
-        "weights of hf: models (auto: bfloat16 on CUDA, float32 on CPU)",
-        default="auto",
-        type=flag_types.choice(*DTYPES),
-        metavar="{" + ",".join(DTYPES) + "}",
-    )
-    add_flag(
-        p,
-        "--compile-normalise",
-        "efficientnet: compile the input normalisation into one kernel (needs a "
-        "C compiler; set TORCHINDUCTOR_CACHE_DIR to a persistent directory; see docs/ARCHITECTURE.md)",
-        on_off=True,
-    )
-
-
-def forward(
-    args: argparse.Namespace,
-    add_flags: Callable[[argparse.ArgumentParser], None],
-    *,
-    skip: Collection[str] = (),
-) -> list[str]:
-    """The command-line form of the values in ``args`` of the flags that ``add_flags`` defines.
-
-    Flags whose value is None, or whose dest is in ``skip``, are left out (the child falls back to
-    its own default); an on/off flag appears only when on.
-    """
-    probe = argparse.ArgumentParser(add_help=False)
-    add_flags(probe)
-    argv: list[str] = []
-    for action in probe._actions:
-        value = getattr(args, action.dest)
-        if action.dest in skip or value is None:
-            continue
-        flag = action.option_strings[0]
-        if action.nargs == 0:
-            argv += [flag] if value else []
-        else:
-            argv += [flag, str(value)]
-    return argv
+    def _did_you_mean(self, message: str) -> str:
+        """``; did you mean --x?`` for the first unrecognized flag near a declared one (this parser's and
+        its subcommands': argparse reports a subcommand's unknown flags from the top parser)."""
+        prefix = "unrecognized arguments: "
+        if not message.startswith(prefix):
+            return ""
+        known = set(self._option_string_actions)
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    known.update(sub._option_string_actions)
+        for word in message[len(prefix) :].split():
+            if word.startswith("--"):
+                close = difflib.get_close_matches(word.partition("=")[0], sorted(known), n=1, cutoff=0.6)
+                if close:
+                    return f"; did you mean {close[0]}?"
+        return ""

@@ -30,7 +30,7 @@ __all__ = [
     "resolve_model",
 ]
 
-KNOWN_SPECS = "efficientnet-lite0, checksum, hf:<directory>, checksum:hf:<directory>"
+KNOWN_SPECS = "efficientnet-lite0, checksum, hf:<directory>, checksum:hf:<directory>, a Hugging Face hub id org/name"
 
 
 class ModelKind(enum.Enum):

@@ -28,15 +28,16 @@ import argparse
 import importlib.util
 import os
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
 from urllib.parse import urlsplit
 
-from shmgate.shared.flags import add_flag
+from shmgate.shared.options import option
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
 
-__all__ = ["EXTRA_HINT", "TRACES_PATH", "add_tracing_flags", "epoch_ns", "otlp_endpoint", "start_provider"]
+__all__ = ["EXTRA_HINT", "TRACES_PATH", "TracingOptions", "epoch_ns", "otlp_endpoint", "start_provider"]
 
 EXTRA_HINT = "pip install shmgate[otel]"
 TRACES_PATH = "/v1/traces"  # OTLP/HTTP's path for traces, added to an endpoint given without one
@@ -103,11 +104,12 @@ def otlp_endpoint(text: str) -> str:
     return text
 
 
-def add_tracing_flags(group: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """``--otlp-traces-endpoint``, the same for serve, gateway, the frontend child and the worker."""
-    add_flag(
-        group,
-        "--otlp-traces-endpoint",
+@dataclass(frozen=True, kw_only=True)
+class TracingOptions:
+    """``--otlp-traces-endpoint``, the same for serve, gateway, the frontends and the worker."""
+
+    GROUP: ClassVar[str] = "tracing"
+    otlp_traces_endpoint: str | None = option(
         "send OpenTelemetry traces (one per request, across the frontend "
         "and the worker) to this OTLP collector URL, e.g. http://otel-collector:4318; needs "
         f"{EXTRA_HINT}; OTEL_SERVICE_NAME, OTEL_TRACES_SAMPLER and the other OTEL_* variables apply",

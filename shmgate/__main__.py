@@ -2,7 +2,7 @@
 
 import sys
 
-from shmgate.gateway.cli import main
+from shmgate.node.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -2,9 +2,9 @@
 
 Modelled on uvicorn's multiprocess supervisor: signal handlers only record the
 signal; a loop wakes every ``TICK_S``, stamps the instance heartbeat, drains the
-signals and checks the children. Children are fresh interpreters running the
-same commands docker compose runs (``python -m shmgate.gateway frontend ...``,
-``python -m shmgate.worker ...``), so the supervisor knows processes, not HTTP or models.
+signals and checks the children. Children are fresh interpreters (``python -m shmgate.gateway``,
+``python -m shmgate.worker``, each with its configuration in its environment: node/serve.py), so the
+supervisor knows processes, not HTTP or models.
 
 A child that exits, whose heartbeat goes stale (frontends), or whose *progress*
 stalls for longer than ``stall_timeout_s`` (any child: ``progress_ns`` in its
@@ -189,7 +189,7 @@ class Supervisor:
     drain_timeout_s: float = 30.0
     # The first restart of a child that keeps failing waits this long, doubling with each failure.
     restart_backoff_s: float = 0.25
-    # Called after each check of the children, in the supervisor's loop (gateway/startup_log.py:
+    # Called after each check of the children, in the supervisor's loop (node/startup_log.py:
     # "ready in N s" and the statistics line); it must return quickly.
     on_tick: Callable[[], None] | None = None
     # A worker that was ready and dies more than ``restart_budget`` times within ``restart_window_s`` is

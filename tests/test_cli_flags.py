@@ -1,11 +1,12 @@
 """The command line: SHMGATE_* environment values are flag defaults; a bad value, typed or from the
 environment, ends the command with status 2 and one line naming where it came from, before anything
 starts; an empty variable means "unset". Every flag explains itself (help, default, variable). A
-frontend child gets the gateway flags it needs from the parser itself."""
+child gets its configuration whole, as the supervisor parsed it."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.metadata
 import os
 import re
@@ -16,11 +17,15 @@ from pathlib import Path
 
 import pytest
 
-from shmgate.gateway import cli
-from shmgate.gateway.cli import _NOT_FORWARDED, _frontend_argv, _worker_children, build_parser
-from shmgate.gateway.config_checks import ConfigError, check_device, torch_cuda_build
+from shmgate.gateway.config import FrontendConfig
+from shmgate.node import plan
+from shmgate.node.checks import ConfigError, check_device, torch_cuda_build
+from shmgate.node.cli import build_parser, main, parse_config
+from shmgate.node.config import ServeConfig
+from shmgate.shared.options import decode, encode
 from shmgate.worker.__main__ import build_parser as worker_parser
 from shmgate.worker.__main__ import parse_args as worker_args
+from shmgate.worker.config import WorkerConfig
 from tests.serving import shm_entries, shm_entries_created_by
 
 # (variable without SHMGATE_, bad value, what the one line must say besides the variable)
@@ -142,16 +147,31 @@ def test_serve_refuses_a_gpu_the_machine_does_not_have_before_starting_anything(
     gpus: int,
     says: str,
 ) -> None:
-    monkeypatch.setattr(cli, "_gpu_count", lambda: gpus)
+    monkeypatch.setattr(plan, "_gpu_count", lambda: gpus)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     for name, value in environ.items():
         monkeypatch.setenv(name, value)
     before = shm_entries()
-    assert cli.main(["serve", *flags]) == 2
+    assert main(["serve", *flags]) == 2
     err = capsys.readouterr().err
     assert err == f"shmgate serve: error: {says}\n" or (says in err and err.count("\n") == 1), err
     created = shm_entries_created_by(os.getpid(), before)
     assert created == set(), "nothing may be created for a configuration that cannot run"
+
+
+def test_a_config_file_s_device_the_machine_lacks_names_the_file_s_key_not_a_flag(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    monkeypatch.setattr(plan, "_gpu_count", lambda: 0)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    config = tmp_path / "node.toml"
+    config.write_text('[[models]]\nmodel = "checksum"\ndevice = "cuda"\n')
+    assert main(["serve", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"shmgate serve: error: {config}: model 'checksum': device cuda: no GPU is visible (no NVIDIA GPU was "
+        f'found); set device = "cpu" for this model in {config}\n'
+    ), err
 
 
 def test_a_cpu_only_torch_cannot_serve_cuda_even_with_a_gpu() -> None:
@@ -255,9 +275,11 @@ def test_a_flag_wins_over_a_bad_environment_value(monkeypatch: pytest.MonkeyPatc
     assert build_parser().parse_args(["serve", "--port", "8080"]).port == 8080
 
 
-def test_a_frontend_child_parses_back_to_the_supervisor_s_values(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_frontend_child_gets_the_supervisor_s_values_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every option a frontend declares arrives with the value the supervisor parsed, through one
+    encoded value (no flag re-rendered and re-parsed); the node's own options do not."""
     monkeypatch.setenv("SHMGATE_API_KEY", "secret-key")
-    parent = build_parser().parse_args(
+    parent = parse_config(
         [
             "serve",
             "--allow-image-urls",
@@ -275,18 +297,22 @@ def test_a_frontend_child_parses_back_to_the_supervisor_s_values(monkeypatch: py
             "9009",
         ]
     )
-    argv = _frontend_argv(parent, "abc", 2, 7)
-    assert "secret-key" not in argv and "--api-key" not in argv, "a secret on argv is visible in ps"
-    child = build_parser().parse_args(argv[3:])
-    assert (child.command, child.instance, child.slot, child.fd) == ("frontend", "abc", 2, 7)
-    shared = set(vars(child)) & set(vars(parent)) - _NOT_FORWARDED - {"command"}
+    models = plan.declared_models(parent)
+    child = decode(FrontendConfig, encode(plan.frontend_config(parent, models, "abc", 2, 7)))
+    assert (child.instance_id, child.slot, child.fd, child.api_key) == ("abc", 2, 7, "secret-key")
+    assert [m.public_id for m in child.models] == ["efficientnet-lite0"]
+    shared = {f.name for f in dataclasses.fields(FrontendConfig)} & {f.name for f in dataclasses.fields(ServeConfig)}
     assert {"max_images", "allow_image_urls", "metrics_need_key", "image_url_max_bytes", "access_log"} <= shared
-    assert {dest: getattr(child, dest) for dest in shared} == {dest: getattr(parent, dest) for dest in shared}
+    assert "allowed_hosts" in shared  # decided once by the supervisor for --host
+    assert {d: getattr(child, d) for d in shared - {"allowed_hosts"}} == {
+        d: getattr(parent, d) for d in shared - {"allowed_hosts"}
+    }
+    assert not hasattr(child, "arena_size") and not hasattr(child, "frontends"), "the supervisor's own options"
 
 
 def test_serve_s_worker_children_get_its_batching_flags() -> None:
-    """serve and worker share one definition of the batching flags (shared/flags.py)."""
-    parent = build_parser().parse_args(
+    """serve and worker share one declaration of the batching options (shared/common_options.py)."""
+    parent = parse_config(
         [
             "serve",
             "--device",
@@ -302,15 +328,30 @@ def test_serve_s_worker_children_get_its_batching_flags() -> None:
             "--compile-normalise",
         ]
     )
-    [(argv, _)] = _worker_children(parent, "abc")
-    child = worker_args(argv[3:])
-    assert child.instance == "abc"
+    assert isinstance(parent, ServeConfig)
+    [worker] = plan.worker_children(parent, plan.model_plans(plan.declared_models(parent)), "abc")
+    child = decode(WorkerConfig, encode(worker.config))
+    assert child.instance == "abc" and child.model == ("efficientnet-lite0",) and child.device == "cpu"
     assert (child.max_batch_size, child.max_batch_wait_ms, child.dtype, child.compile_normalise) == (
         3,
         2.5,
         "float32",
         True,
     )
+
+
+def test_a_mistyped_flag_gets_the_nearest_declared_one(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["serve", "--max-imgaes", "3"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unrecognized arguments: --max-imgaes 3; did you mean --max-images?" in err, err
+    with pytest.raises(SystemExit):
+        worker_args(["--attach-wiat-s", "1"])
+    assert "did you mean --attach-wait-s?" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--zzzz"])
+    assert "did you mean" not in capsys.readouterr().err
 
 
 def test_the_worker_refuses_cuda_without_a_usable_gpu_naming_where_the_value_came_from(

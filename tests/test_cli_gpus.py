@@ -1,15 +1,24 @@
 """Which GPUs ``shmgate serve`` hands its workers (CUDA_VISIBLE_DEVICES is a restriction, not a hint),
-which GPU each worker runs on (supervise/placement.py: one visible GPU per worker, ``cuda:N`` = GPU N only),
-and how many workers it starts on CPU. No GPU needed: the worker commands are built, not run."""
+which GPU each worker runs on (node/placement.py: one visible GPU per worker, ``cuda:N`` = GPU N only),
+and how many workers it starts on CPU. No GPU needed: the workers' configurations are built, not run."""
 
 from __future__ import annotations
 
 import pytest
 
-from shmgate.gateway import cli
-from shmgate.gateway.cli import _default_cpu_workers, visible_gpus
+from shmgate.node import plan
+from shmgate.node.cli import parse_config
+from shmgate.node.config import ServeConfig
+from shmgate.node.placement import gpu_count
+from shmgate.node.plan import _default_cpu_workers, visible_gpus
+from shmgate.node.serve import summary
 from shmgate.shared.errors import SetupError
-from shmgate.supervise.placement import gpu_count
+
+
+def _serve(flags: list[str]) -> ServeConfig:
+    config = parse_config(["serve", *flags])
+    assert isinstance(config, ServeConfig)
+    return config
 
 
 def test_without_cuda_visible_devices_every_gpu_of_the_machine() -> None:
@@ -41,16 +50,14 @@ def _serve_workers(
     monkeypatch: pytest.MonkeyPatch, flags: list[str], *, gpus: int, visible: str | None = None
 ) -> list[tuple[str, str | None]]:
     """(--device, CUDA_VISIBLE_DEVICES) of each worker `shmgate serve FLAGS` starts on a machine with ``gpus``."""
-    monkeypatch.setattr(cli, "_gpu_count", lambda: gpus)
+    monkeypatch.setattr(plan, "_gpu_count", lambda: gpus)
     if visible is None:
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     else:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
-    args = cli.build_parser().parse_args(["serve", "--model", "efficientnet-lite0", *flags])
-    out = []
-    for argv, env in cli._worker_children(args, "0123456789abcdef"):
-        out.append((argv[argv.index("--device") + 1], env.get("CUDA_VISIBLE_DEVICES")))
-    return out
+    config = _serve(["--model", "efficientnet-lite0", *flags])
+    children = plan.worker_children(config, plan.model_plans(plan.declared_models(config)), "0123456789abcdef")
+    return [(child.config.device or "", child.env.get("CUDA_VISIBLE_DEVICES")) for child in children]
 
 
 def test_each_cuda_worker_sees_exactly_its_own_gpu_and_each_gpu_gets_workers_per_gpu(
@@ -118,7 +125,8 @@ def test_gpus_are_counted_from_the_driver_or_else_from_the_device_nodes(tmp_path
 
 
 def test_only_a_served_hugging_face_checkpoint_gets_the_long_stall_timeout() -> None:
-    from shmgate.gateway.cli import DEFAULT_STALL_TIMEOUT_S, HF_STALL_TIMEOUT_S, stall_timeout_for
+    from shmgate.node.config import DEFAULT_STALL_TIMEOUT_S, HF_STALL_TIMEOUT_S
+    from shmgate.node.plan import stall_timeout_for
 
     assert stall_timeout_for("hf:/models/qwen", None) == HF_STALL_TIMEOUT_S
     assert stall_timeout_for("checksum:hf:/models/qwen", None) == DEFAULT_STALL_TIMEOUT_S  # no weights loaded
@@ -127,12 +135,14 @@ def test_only_a_served_hugging_face_checkpoint_gets_the_long_stall_timeout() -> 
 
 
 def test_the_startup_summary_names_the_gpus_the_workers_run_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cli, "_gpu_count", lambda: 4)
+    monkeypatch.setattr(plan, "_gpu_count", lambda: 4)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
-    args = cli.build_parser().parse_args(["serve", "--device", "cuda", "--dtype", "float16"])
-    summary = cli._summary(args, "0123456789abcdef", "http://127.0.0.1:8000", 2, with_workers=True)
-    assert summary.workers == "2 workers on GPU 2, 3"
-    monkeypatch.setattr(cli, "_gpu_count", lambda: 1)
+    config = _serve(["--device", "cuda", "--dtype", "float16"])
+    facts = summary(config, plan.declared_models(config), "0123456789abcdef", "http://127.0.0.1:8000", 2)
+    assert facts.workers == "2 workers on GPU 2, 3"
+    monkeypatch.setattr(plan, "_gpu_count", lambda: 1)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    args = cli.build_parser().parse_args(["serve", "--device", "cuda", "--workers-per-gpu", "2"])
-    assert cli._summary(args, "0123456789abcdef", "http://h:1", 1, with_workers=True).workers == "2 workers on GPU 0"
+    config = _serve(["--device", "cuda", "--workers-per-gpu", "2"])
+    assert summary(config, plan.declared_models(config), "0123456789abcdef", "http://h:1", 1).workers == (
+        "2 workers on GPU 0"
+    )

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shmgate.gateway.cli import build_parser, declared_models
+from shmgate.node.cli import parse_config
+from shmgate.node.plan import declared_models
 from tests.compose_util import load_compose
 from tests.test_compose import compose_validator  # noqa: F401  (the fixture, shared with the base files' test)
 from tests.test_compose_hf import _compose_binaries, _config
@@ -49,8 +50,7 @@ def test_every_declared_model_has_its_own_worker_service() -> None:
     services = _merged()
     command = services["gateway"]["command"]
     assert command[0] == "gateway"
-    args = build_parser().parse_args(command)
-    declared = [config.public_id for config in declared_models(args)]
+    declared = [config.public_id for config in declared_models(parse_config(command))]
     assert declared == ["efficientnet-lite0", "checksum"]
     workers = {name: _worker_model(spec) for name, spec in services.items() if name != "gateway"}
     assert sorted(workers.values()) == sorted(declared), workers

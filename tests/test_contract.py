@@ -161,7 +161,8 @@ def test_the_default_hosts_are_the_loopback_names_only_when_listening_on_loopbac
 
 
 def test_the_supervisor_hands_its_frontends_the_host_default_for_its_own_listen_address() -> None:
-    from shmgate.gateway.cli import _frontend_argv, build_parser, fill_allowed_hosts
+    from shmgate.node.cli import parse_config
+    from shmgate.node.plan import declared_models, frontend_config
 
     for flags, want in [
         (["--host", "0.0.0.0"], "*"),
@@ -170,9 +171,8 @@ def test_the_supervisor_hands_its_frontends_the_host_default_for_its_own_listen_
         ([], "localhost,127.0.0.1,::1"),
         (["--host", "0.0.0.0", "--allowed-hosts", "api.example"], "api.example"),
     ]:
-        parent = build_parser().parse_args(["serve", *flags])
-        fill_allowed_hosts(parent)
-        child = build_parser().parse_args(_frontend_argv(parent, "abc", 0, 3)[3:])
+        parent = parse_config(["serve", *flags])
+        child = frontend_config(parent, declared_models(parent), "abc", 0, 3)
         assert child.allowed_hosts == want, flags
 
 

@@ -247,21 +247,21 @@ def test_an_image_bigger_than_the_whole_budget_is_a_413(budget_server: Server) -
 
 
 def test_the_budget_flags_read_their_variables_and_reach_the_frontends(monkeypatch: pytest.MonkeyPatch) -> None:
-    from shmgate.gateway.cli import _frontend_argv, build_parser
+    from shmgate.node.cli import parse_config
+    from shmgate.node.plan import declared_models, frontend_config
 
     monkeypatch.setenv("SHMGATE_DECODE_MEMORY_MB", "64")
     monkeypatch.setenv("SHMGATE_DECODE_WAIT_S", "0.5")
-    args = build_parser().parse_args(["serve"])
-    assert args.decode_memory_mb == 64 and args.decode_wait_s == 0.5
-    argv = _frontend_argv(args, "0" * 16, 0, 3)
-    assert float(argv[argv.index("--decode-memory-mb") + 1]) == 64
-    assert float(argv[argv.index("--decode-wait-s") + 1]) == 0.5
+    config = parse_config(["serve"])
+    assert config.decode_memory_mb == 64 and config.decode_wait_s == 0.5
+    child = frontend_config(config, declared_models(config), "0" * 16, 0, 3)
+    assert (child.decode_memory_mb, child.decode_wait_s) == (64, 0.5)
 
 
 def test_a_zero_decode_budget_is_a_usage_error_naming_its_variable(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from shmgate.gateway.cli import build_parser
+    from shmgate.node.cli import build_parser
 
     monkeypatch.setenv("SHMGATE_DECODE_MEMORY_MB", "0")
     with pytest.raises(SystemExit) as exited:

@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from shmgate.gateway import cli, gpu_fit
-from shmgate.gateway.gpu_fit import (
+from shmgate.node import gpu_fit
+from shmgate.node.cli import parse_config
+from shmgate.node.config import ServeConfig
+from shmgate.node.gpu_fit import (
     CUDA_OVERHEAD_BYTES,
     GpuNeed,
     PlacedModel,
@@ -23,6 +25,14 @@ from shmgate.gateway.gpu_fit import (
     misfits,
 )
 from tests.embed_fixture import build_tiny_embedder
+
+
+def _misfits(argv: list[str], free: dict[str, int]) -> list[str]:
+    from shmgate.node.plan import gpu_misfits
+
+    config = parse_config(argv)
+    assert isinstance(config, ServeConfig)
+    return gpu_misfits(config, free=free)
 
 
 def _numel_by_loading(model_dir: Path) -> int:
@@ -158,7 +168,7 @@ def test_serve_refuses_naming_the_model_the_gpu_and_the_bytes(
     stated = classifier.total + chat.total // 2
 
     both = ["serve", "--model", "efficientnet-lite0", "--model", f"hf:{model_dir}", "--device", "cuda:0"]
-    (line,) = cli.gpu_misfits(cli.build_parser().parse_args(both), free={"0": stated})
+    (line,) = _misfits(both, free={"0": stated})
     assert line.startswith(
         f"GPU 0: the models placed on it need {(classifier.total + chat.total) / (1 << 30):.2f} "
         f"GiB, {stated / (1 << 30):.2f} GiB is free"
@@ -166,14 +176,11 @@ def test_serve_refuses_naming_the_model_the_gpu_and_the_bytes(
     assert "'efficientnet-lite0' " in line and f"'{model_dir.name}' " in line
 
     # a pixel budget in the processor kwargs is the model's own: more patches, a larger need
-    wide = cli.build_parser().parse_args([*both, "--mm-processor-kwargs", '{"max_pixels": 1003520}'])
-    (wider,) = cli.gpu_misfits(wide, free={"0": stated})
+    (wider,) = _misfits([*both, "--mm-processor-kwargs", '{"max_pixels": 1003520}'], free={"0": stated})
     assert float(wider.split(" need ")[1].split()[0]) > float(line.split(" need ")[1].split()[0])
 
-    alone = cli.build_parser().parse_args([*both[:3], *both[5:]])
-    assert cli.gpu_misfits(alone, free={"0": stated}) == []
-    cpu = cli.build_parser().parse_args([*both[:5], "--device", "cpu"])  # nothing on a GPU: nothing to check
-    assert cli.gpu_misfits(cpu, free={"0": 0}) == []
+    assert _misfits([*both[:3], *both[5:]], free={"0": stated}) == []
+    assert _misfits([*both[:5], "--device", "cpu"], free={"0": 0}) == []  # nothing on a GPU: nothing to check
 
 
 def test_a_checkpoint_that_cannot_be_sized_is_left_to_its_worker(

@@ -287,23 +287,26 @@ def test_https_is_pinned_yet_verified_against_the_name(tmp_path: Path) -> None:
 # -- configuration -----------------------------------------------------------------------------
 
 
-def test_env_settings_reach_the_frontend_command_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    from shmgate.gateway.cli import _frontend_argv, build_parser
+def test_env_settings_reach_the_frontend_configuration(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shmgate.gateway.config import FrontendConfig
+    from shmgate.node.cli import build_parser, parse_config
+    from shmgate.node.plan import declared_models, frontend_config
+    from shmgate.shared.options import decode, encode
 
     monkeypatch.setenv("SHMGATE_ALLOW_IMAGE_URLS", "1")
     monkeypatch.setenv("SHMGATE_IMAGE_URL_ALLOWLIST", "10.0.0.0/8,images.internal")
     monkeypatch.setenv("SHMGATE_IMAGE_URL_MAX_BYTES", "3MiB")
     monkeypatch.setenv("SHMGATE_IMAGE_URL_TIMEOUT_S", "2.5")
-    serve = build_parser().parse_args(["serve"])
-    argv = _frontend_argv(serve, "0" * 16, 0, 3)
+    serve = parse_config(["serve"])
+    text = encode(frontend_config(serve, declared_models(serve), "0" * 16, 0, 3))
     for name in (
         "SHMGATE_ALLOW_IMAGE_URLS",
         "SHMGATE_IMAGE_URL_ALLOWLIST",
         "SHMGATE_IMAGE_URL_MAX_BYTES",
         "SHMGATE_IMAGE_URL_TIMEOUT_S",
     ):
-        monkeypatch.delenv(name)  # the frontend must get them from its command line alone
-    frontend = build_parser().parse_args(argv[argv.index("frontend") :])
+        monkeypatch.delenv(name)  # the frontend must get them from its configuration alone
+    frontend = decode(FrontendConfig, text)
     assert frontend.allow_image_urls is True
     assert AllowList.parse(frontend.image_url_allowlist) == AllowList.parse("images.internal,10.0.0.0/8")
     assert (frontend.image_url_max_bytes, frontend.image_url_timeout_s) == (3 << 20, 2.5)
@@ -311,7 +314,7 @@ def test_env_settings_reach_the_frontend_command_line(monkeypatch: pytest.Monkey
 
 
 def test_a_malformed_allow_list_stops_the_command_at_parse_time() -> None:
-    from shmgate.gateway.cli import build_parser
+    from shmgate.node.cli import build_parser
 
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--image-url-allowlist", "10.0.0.0/33"])

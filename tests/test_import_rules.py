@@ -1,11 +1,11 @@
-"""Which code may import the shared-memory layer: read from the source with ``ast``, so it holds for
-every module, including imports inside functions.
+"""Which code may import the shared-memory layer, and which package may import which: read from the
+source with ``ast``, so it holds for every module, including imports inside functions.
 
 gateway/ and worker/ program against the transport seam (shared/transport/base.py) and its
 vocabulary (shared/vocabulary.py, shared/stats_layout.py). Only the composition roots, the places
 that build the POSIX transport or own the instance's life, import the POSIX layer: the gateway's
-app (its lifespan attaches the instance), its CLI (creates it, cleans leftovers), its supervisor
-(unlinks it at the end) and the worker's main (attaches and builds its link). The transport-neutral
+app (its lifespan attaches the instance), the node (node/serve.py creates it, node/cli.py and
+node/serve.py clean leftovers), the supervisor (unlinks it at the end) and the worker's main (attaches and builds its link). The transport-neutral
 modules of shared/ import none of it (shared/transport/__init__.py loads the POSIX links only when
 asked for one), and shared/ has no import cycle.
 """
@@ -37,7 +37,9 @@ POSIX_LAYER = frozenset(
         "shmgate.shared.transport.posix",
     }
 )
-COMPOSITION_ROOTS = frozenset({"gateway/app.py", "gateway/cli.py", "supervise/supervisor.py", "worker/main.py"})
+COMPOSITION_ROOTS = frozenset(
+    {"gateway/app.py", "node/serve.py", "node/cli.py", "supervise/supervisor.py", "worker/main.py"}
+)
 NEUTRAL = ("shared/vocabulary.py", "shared/stats_layout.py", "shared/transport/base.py", "shared/transport/memory.py")
 
 # shared/transport/__init__.py re-exports the POSIX links: importing them from the package is
@@ -92,7 +94,7 @@ def _sources(*tops: str) -> list[Path]:
 def test_only_the_composition_roots_of_gateway_and_worker_import_the_posix_layer() -> None:
     offenders = {
         str(p.relative_to(REPO)): sorted(found)
-        for p in _sources("gateway", "worker", "supervise", "bench_client")
+        for p in _sources("gateway", "worker", "supervise", "bench_client", "node")
         if str(p.relative_to(REPO)) not in COMPOSITION_ROOTS and (found := _posix_imports(p))
     }
     assert offenders == {}, (
@@ -122,7 +124,7 @@ def test_no_module_but_the_roots_loads_the_posix_layer_when_imported() -> None:
     shared-memory layer (posix_ipc included) must still be unloaded."""
     modules = [
         _module_name(p)
-        for p in _sources("gateway", "worker", "supervise", "bench_client")
+        for p in _sources("gateway", "worker", "supervise", "bench_client", "node")
         if str(p.relative_to(REPO)) not in COMPOSITION_ROOTS and p.name != "__main__.py"
     ]
     probe = (
@@ -167,20 +169,42 @@ def test_shared_has_no_import_cycle() -> None:
         walk(name, [])
 
 
-TOP_LEVEL_PARTS = ("gateway", "worker", "shared", "supervise", "bench_client", "node", "bench")
+# Which top-level package may import which: the node (node/) composes the processes and sits above
+# them; gateway/ is the HTTP frontend only and worker/ the model process; neither imports the node,
+# the supervisor or the load generator, nor each other.
+FORBIDDEN = {
+    "gateway": {"node", "supervise", "bench_client", "worker"},
+    "worker": {"node", "supervise", "bench_client", "gateway"},
+    "supervise": {"node", "gateway", "worker", "bench_client"},
+    "shared": {"node", "supervise", "bench_client", "gateway", "worker"},
+}
+
+
+def _part(module: str) -> str:
+    """The top-level folder a module lives in: ``shmgate.gateway.app`` -> ``gateway``."""
+    return module.removeprefix("shmgate.").split(".")[0]
+
+
+def test_no_package_imports_one_above_it_or_beside_it() -> None:
+    offenders = {
+        str(p.relative_to(REPO)): found
+        for top, forbidden in FORBIDDEN.items()
+        for p in _sources(top)
+        if (found := sorted({m for m in _imports(p, type_only=True) if _part(m) in forbidden}))
+    }
+    assert offenders == {}
+
+
+TOP_LEVEL_PARTS = ("gateway", "worker", "shared", "supervise", "bench_client", "node")
 
 
 def test_every_import_of_a_part_goes_through_the_shmgate_name() -> None:
     """``import shared`` would find the checkout's folder from the repository root, and another
-    distribution's ``shared`` anywhere else: every module, test and benchmark names ``shmgate.shared``.
+    distribution's ``shared`` anywhere else: every module and test names ``shmgate.shared``.
     (``bench`` is the benchmark package run from a checkout, not installed, so it keeps its name.)"""
     offenders = {}
-    for path in _sources("gateway", "worker", "shared", "supervise", "bench_client", "tests", "shmgate"):
-        bare = sorted(
-            name
-            for name in _imports(path, type_only=False)
-            if name.split(".")[0] in TOP_LEVEL_PARTS and name.split(".")[0] != "bench"
-        )
+    for path in _sources(*TOP_LEVEL_PARTS, "tests", "bench", "shmgate"):
+        bare = sorted(name for name in _imports(path, type_only=False) if name.split(".")[0] in TOP_LEVEL_PARTS)
         if bare:
             offenders[str(path.relative_to(REPO))] = bare
     assert offenders == {}

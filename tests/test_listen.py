@@ -1,4 +1,4 @@
-"""``--listen reuseport``: each frontend listens on a socket of its own on the one port (gateway/listen.py).
+"""``--listen reuseport``: each frontend listens on a socket of its own on the one port (node/listen.py, gateway/sockets.py).
 
 The sockets first, as the supervisor and a frontend make them: the supervisor's reserves the port
 and takes no connection, each frontend's takes a share, a closed one's share goes to the others,
@@ -25,9 +25,11 @@ from pathlib import Path
 
 import pytest
 
-from shmgate.gateway import listen
-from shmgate.gateway.cli import _frontend_argv, build_parser
-from shmgate.gateway.listen import bind_frontend, bind_supervisor
+from shmgate.gateway import sockets
+from shmgate.gateway.sockets import bind_frontend
+from shmgate.node.cli import build_parser, parse_config
+from shmgate.node.listen import bind_supervisor
+from shmgate.node.plan import declared_models, frontend_config
 from shmgate.shared.errors import SetupError
 from tests.serving import Server, expected_checksum, image_request, noise_png, start_server, stop_and_check, wait_until
 
@@ -132,7 +134,7 @@ def test_the_shared_socket_listens_in_the_supervisor_and_is_inherited() -> None:
 def test_without_so_reuseport_the_frontends_share_one_socket(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.delattr(listen.socket, "SO_REUSEPORT")
+    monkeypatch.delattr(sockets.socket, "SO_REUSEPORT")
     with caplog.at_level(logging.WARNING, "shmgate"):
         sock, mode = bind_supervisor("127.0.0.1", 0, "reuseport")
     sock.close()
@@ -141,10 +143,11 @@ def test_without_so_reuseport_the_frontends_share_one_socket(
 
 
 def test_a_frontend_of_reuseport_gets_the_port_and_no_descriptor() -> None:
-    parent = build_parser().parse_args(["serve", "--listen", "reuseport", "--host", "::1", "--port", "9010"])
-    child = build_parser().parse_args(_frontend_argv(parent, "abc", 1, None)[3:])
+    parent = parse_config(["serve", "--listen", "reuseport", "--host", "::1", "--port", "9010"])
+    child = frontend_config(parent, declared_models(parent), "abc", 1, None)
     assert (child.fd, child.host, child.port, child.listen) == (None, "::1", 9010, "reuseport")
-    shared = build_parser().parse_args(_frontend_argv(build_parser().parse_args(["serve"]), "abc", 1, 3)[3:])
+    default = parse_config(["serve"])
+    shared = frontend_config(default, declared_models(default), "abc", 1, 3)
     assert (shared.fd, shared.listen) == (3, "shared")
 
 

@@ -490,7 +490,7 @@ def test_an_error_event_mid_stream_is_a_failure_named_by_its_code() -> None:
 
 
 def test_shmgate_bench_runs_the_load_generator_from_the_command_line(naive_server: tuple[str, int]) -> None:
-    """``shmgate bench`` (here ``python -m shmgate.gateway bench``) is gateway/cli.py handing over to bench_client."""
+    """``shmgate bench`` (here ``python -m shmgate.gateway bench``) is node/cli.py handing over to bench_client."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run(
         [

@@ -49,6 +49,9 @@ def named_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 def test_clients_send_the_served_name_and_it_is_the_only_id(named_server: Server) -> None:
     url = named_server.base_url
     assert [card["id"] for card in httpx.get(url + "/v1/models", timeout=10).json()["data"]] == [SERVED]
+    # "created": when the node started serving, the same from every frontend (never 0)
+    created = {httpx.get(url + "/v1/models/" + SERVED, timeout=10).json()["created"] for _ in range(6)}
+    assert len(created) == 1 and time.time() - 3600 < created.pop() <= time.time(), created
     image = noise_png(3)
     ok = httpx.post(url + "/v1/chat/completions", json=image_request(SERVED, image), timeout=30)
     assert ok.status_code == 200, ok.text

@@ -129,3 +129,17 @@ def test_scripts_pass_shellcheck() -> None:
     assert len(scripts) >= 4
     result = subprocess.run([shellcheck, "--shell=bash", *scripts], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_image_copies_every_top_level_package() -> None:
+    """docker/Dockerfile installs from a copy of the sources (what .dockerignore lets into the context): a
+    package left out of either imports in the editable checkout and fails only in the image."""
+    listed = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    # shmgate/ itself and the folder each of its links points to
+    packages = {"shmgate"} | {p.split(".")[1] for p in listed if p.count(".") >= 1}
+    lines = (REPO / "docker" / "Dockerfile").read_text().splitlines()
+    copied = {line.split()[1] for line in lines if line.startswith("COPY ") and len(line.split()) == 3}
+    let_in = {
+        line[1:].rstrip("/") for line in (REPO / ".dockerignore").read_text().splitlines() if line.startswith("!")
+    }
+    assert sorted(packages - copied) == [] and sorted(packages - let_in) == []

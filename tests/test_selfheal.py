@@ -558,7 +558,7 @@ def test_cuda_where_it_cannot_run_stops_serve_with_the_workers_reason_instead_of
         timeout=120,
     )
     assert done.returncode == 2, done.stderr[-2000:]
-    # Refused by serve itself when it sees no GPU (gateway/config_checks.py), else by the worker,
+    # Refused by serve itself when it sees no GPU (node/checks.py), else by the worker,
     # which loads torch: either way one reason, no restarts.
     assert (
         "shmgate serve: error: --device cuda: " in done.stderr

@@ -416,13 +416,14 @@ def test_a_worker_for_an_undeclared_model_refuses_to_attach(gateway_with_workers
     ],
 )
 def test_a_bad_config_file_is_refused_naming_the_model_and_the_key(tmp_path: Path, toml: str, says: str) -> None:
-    from shmgate.gateway.cli import build_parser, declared_models
-    from shmgate.gateway.node_config import NodeConfigError
+    from shmgate.node.cli import parse_config
+    from shmgate.node.models import NodeConfigError
+    from shmgate.node.plan import declared_models
 
     config = tmp_path / "node.toml"
     config.write_text(toml)
     with pytest.raises(NodeConfigError) as refused:
-        declared_models(build_parser().parse_args(["serve", "--config", str(config)]))
+        declared_models(parse_config(["serve", "--config", str(config)]))
     message = str(refused.value)
     assert "\n" not in message and message.startswith(f"{config}: ") and says in message, message
 
@@ -449,7 +450,9 @@ def test_serve_with_a_bad_config_file_ends_at_once_with_status_2_and_one_line(tm
 def test_the_config_file_also_comes_from_shmgate_config_and_fills_in_the_global_flags(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from shmgate.gateway.cli import _worker_children, build_parser, declared_models
+    from shmgate.node.cli import parse_config
+    from shmgate.node.config import ServeConfig
+    from shmgate.node.plan import declared_models, model_plans, worker_children
 
     config = tmp_path / "node.toml"
     config.write_text(
@@ -457,32 +460,32 @@ def test_the_config_file_also_comes_from_shmgate_config_and_fills_in_the_global_
         '[[models]]\nmodel = "efficientnet-lite0"\nserved_model_name = "classifier"\n'
     )
     monkeypatch.setenv("SHMGATE_CONFIG", str(config))
-    args = build_parser().parse_args(["serve", "--device", "cpu", "--max-batch-size", "5", "--threads", "1"])
+    args = parse_config(["serve", "--device", "cpu", "--max-batch-size", "5", "--threads", "1"])
+    assert isinstance(args, ServeConfig)
     models = declared_models(args)
     assert [(m.public_id, m.workers, m.max_batch_size) for m in models] == [("checksum", 2, 3), ("classifier", 0, 5)]
-    children = [argv for argv, _ in _worker_children(args, "0123456789abcdef")]
-    assert [argv[argv.index("--model") + 1] for argv in children] == ["checksum", "checksum", "efficientnet-lite0"]
-    assert [argv[argv.index("--max-batch-size") + 1] for argv in children] == ["3", "3", "5"]
-    assert children[2][-2:] == ["--served-model-name", "classifier"]
+    children = [child.config for child in worker_children(args, model_plans(models), "0123456789abcdef")]
+    assert [c.model for c in children] == [("checksum",), ("checksum",), ("efficientnet-lite0",)]
+    assert [c.max_batch_size for c in children] == [3, 3, 5]
+    assert children[2].served_model_name == ("classifier",)
 
 
 def test_model_flags_and_a_config_file_do_not_mix_and_served_names_pair_with_models(tmp_path: Path) -> None:
-    from shmgate.gateway.cli import build_parser, declared_models
-    from shmgate.gateway.node_config import NodeConfigError
+    from shmgate.node.cli import parse_config
+    from shmgate.node.models import NodeConfigError
+    from shmgate.node.plan import declared_models
 
     config = tmp_path / "node.toml"
     config.write_text('[[models]]\nmodel = "checksum"\n')
     with pytest.raises(NodeConfigError, match="both declare models"):
-        declared_models(build_parser().parse_args(["serve", "--config", str(config), "--model", "checksum"]))
+        declared_models(parse_config(["serve", "--config", str(config), "--model", "checksum"]))
     with pytest.raises(NodeConfigError, match="served_model_name in the file"):
-        declared_models(build_parser().parse_args(["serve", "--config", str(config), "--served-model-name", "x"]))
+        declared_models(parse_config(["serve", "--config", str(config), "--served-model-name", "x"]))
     with pytest.raises(NodeConfigError, match="one per --model"):
         declared_models(
-            build_parser().parse_args(
-                ["serve", "--model", "checksum", "--model", "efficientnet-lite0", "--served-model-name", "a"]
-            )
+            parse_config(["serve", "--model", "checksum", "--model", "efficientnet-lite0", "--served-model-name", "a"])
         )
-    args = build_parser().parse_args(
+    args = parse_config(
         [
             "serve",
             "--model",
@@ -539,7 +542,7 @@ def test_a_model_whose_workers_die_beyond_the_budget_is_failed_and_the_other_kee
 def test_a_global_processor_option_reaches_only_the_models_with_an_hf_processor(tmp_path: Path) -> None:
     import argparse
 
-    from shmgate.gateway.node_config import ModelConfig
+    from shmgate.shared.model_config import ModelConfig
 
     flags = argparse.Namespace(mm_processor_kwargs='{"max_pixels": 200704}')
     classifier, vlm = ModelConfig("efficientnet-lite0"), ModelConfig(f"hf:{tmp_path}/qwen")
@@ -596,7 +599,11 @@ def test_a_model_that_keeps_dying_is_failed_while_the_other_keeps_serving(tmp_pa
             timeout=60,
         )
         assert _top1(_answer(ok)) == "espresso"
-        assert httpx.get(url + "/ready", timeout=10).status_code == 503
+        not_ready = httpx.get(url + "/ready", timeout=10)
+        assert not_ready.status_code == 503
+        assert not_ready.json()["waiting_for"] == ["checksum"], not_ready.text  # says what it waits for
+        assert not_ready.json()["models"] == {"efficientnet-lite0": "ready", "checksum": "failed"}
+        assert not_ready.json()["message"].startswith("model 'checksum' failed: "), not_ready.text
         assert httpx.get(url + "/ready/efficientnet-lite0", timeout=10).status_code == 200
         assert httpx.get(url + "/ready/checksum", timeout=10).json()["state"] == "failed"
         assert checksum_worker() is None, "a worker beyond its budget was restarted"

@@ -430,7 +430,7 @@ def test_an_error_answer_is_a_failed_server_span_and_untraced_paths_make_no_span
 def test_tracing_off_loads_no_sdk_and_no_span_module() -> None:
     """Off (the default), the data path's hooks are a None test: the SDK and our span modules stay unloaded."""
     code = (
-        "import sys, gateway.cli, gateway.app, worker.main; "
+        "import sys, node.cli, gateway.app, gateway.process, worker.main; "
         "print(sorted(m for m in sys.modules if m.startswith('opentelemetry.sdk') or m.startswith('opentelemetry.exporter')"
         " or m in ('shmgate.gateway.request_spans', 'shmgate.worker.tracing')))"
     )
@@ -448,7 +448,7 @@ def test_tracing_off_loads_no_sdk_and_no_span_module() -> None:
 def test_tracing_without_the_extra_is_a_one_line_config_error(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from shmgate.gateway.cli import build_parser
+    from shmgate.node.cli import build_parser
 
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(

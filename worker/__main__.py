@@ -1,6 +1,8 @@
 """``python -m shmgate.worker``: the command the supervisor runs for each worker, and docker compose too.
 
-Every flag also reads a ``SHMGATE_*`` environment variable; flags win.
+Started by ``shmgate serve``, a worker reads its whole configuration from its environment
+(shared/options.py ``child_config``); started by hand or by compose, it parses its flags, each of which
+also reads a ``SHMGATE_*`` environment variable (flags win).
 """
 
 from __future__ import annotations
@@ -22,11 +24,10 @@ import argparse  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402
 
-from shmgate.shared import flag_types  # noqa: E402
 from shmgate.shared.errors import EXIT_USAGE  # noqa: E402
-from shmgate.shared.flags import ShmgateParser, add_batching_flags, add_flag, origin, version  # noqa: E402
-from shmgate.shared.models import KNOWN_SPECS  # noqa: E402
-from shmgate.shared.tracing import add_tracing_flags  # noqa: E402
+from shmgate.shared.flags import ShmgateParser, origin, version  # noqa: E402
+from shmgate.shared.options import add_options, child_config, from_args  # noqa: E402
+from shmgate.worker.config import WorkerConfig  # noqa: E402
 from shmgate.worker.diagnostics import DiagnosticOptions  # noqa: E402
 from shmgate.worker.main import WorkerOptions, run_worker  # noqa: E402
 
@@ -39,73 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
         "reads the SHMGATE_* variable shown with it; the flag wins.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
-    model = parser.add_argument_group("model")
-    add_flag(
-        model,
-        "--model",
-        f"what to serve: {KNOWN_SPECS}; the same as the gateway's",
-        default="efficientnet-lite0",
-        type=flag_types.model_spec,
-    )
-    add_flag(
-        model,
-        "--served-model-name",
-        "the model id clients send; must match the gateway's",
-        shown_default="from --model",
-    )
-    add_flag(
-        model,
-        "--device",
-        "cpu, cuda or cuda:N",
-        shown_default="cuda when a GPU is usable, else cpu",
-        type=flag_types.device,
-    )
-    add_flag(
-        model,
-        "--threads",
-        "torch threads; 0: on CPU the CPUs this process may use, cgroup limit included",
-        default="0",
-        type=flag_types.non_negative_int,
-    )
-    batching = parser.add_argument_group("batching")
-    add_batching_flags(batching)
-    attach = parser.add_argument_group("attaching")
-    add_flag(attach, "--instance", "instance id of the gateway to attach to", shown_default="find it by --label")
-    add_flag(attach, "--label", "label of the gateway to attach to (its --label)", default="default")
-    add_flag(
-        attach,
-        "--attach-wait-s",
-        "how long to wait for a gateway with --label to appear (a container starting first)",
-        default="60",
-        type=flag_types.non_negative_float,
-    )
-    add_flag(
-        attach,
-        "--follow-drain-s",
-        "on SIGTERM keep serving while the gateway drains, up to this long; "
-        "0: stop at once. For pods, whose containers all get SIGTERM together",
-        default="0",
-        type=flag_types.non_negative_float,
-    )
-    seen = parser.add_argument_group("observability and diagnostics")
-    add_flag(
-        seen, "--log-level", f"one of {', '.join(flag_types.LOG_LEVELS)}", default="info", type=flag_types.log_level
-    )
-    add_flag(
-        seen,
-        "--diag-batch-delay-ms",
-        "diagnostics and tests: sleep this long before each batch runs (simulates a slow model)",
-        default="0",
-        type=flag_types.non_negative_float,
-    )
-    add_flag(
-        seen,
-        "--diag-claim-delay-ms",
-        "diagnostics and tests: sleep this long between taking a request and claiming it",
-        default="0",
-        type=flag_types.non_negative_float,
-    )
-    add_tracing_flags(parser.add_argument_group("tracing"))
+    add_options(parser, WorkerConfig)
     return parser
 
 
@@ -128,51 +63,62 @@ def cuda_problem(device: str, given: str) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """A worker from its supervisor's configuration (shared/options.py ``child_config``), else from its flags."""
     argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    if args.device and args.device.startswith("cuda"):
-        problem = cuda_problem(args.device, origin(argv, "--device", args.device))
+    config = child_config(WorkerConfig)
+    if config is None:
+        args = parse_args(argv)
+        if len(getattr(args, "model_all", None) or ()) > 1:
+            print("shmgate worker: error: --model given more than once; a worker serves one model", file=sys.stderr)
+            return EXIT_USAGE
+        config = from_args(WorkerConfig, args)
+    if config.device and config.device.startswith("cuda"):
+        problem = cuda_problem(config.device, origin(argv, "--device", config.device))
         if problem:
             print(f"shmgate worker: error: {problem}", file=sys.stderr)
             return EXIT_USAGE
+    return run(config)
+
+
+def run(config: WorkerConfig) -> int:
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s worker[%(process)d] %(levelname)s %(message)s"
+        level=config.log_level.upper(), format="%(asctime)s worker[%(process)d] %(levelname)s %(message)s"
     )
-    device = args.device
+    device = config.device
     if not device:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    threads = args.threads
+    threads = config.threads
     if not threads and device.startswith("cpu"):
         from shmgate.shared.cpus import usable_cpus
 
         threads = usable_cpus()  # torch's own default is the node's cores, not the container's limit
     options = WorkerOptions(
-        model=args.model,
+        model=config.model[0],
         device=device,
-        max_batch_size=args.max_batch_size,
-        max_batch_wait_ms=args.max_batch_wait_ms,
-        batch_policy=args.batch_policy,
+        max_batch_size=config.max_batch_size,
+        max_batch_wait_ms=config.max_batch_wait_ms,
+        batch_policy=config.batch_policy,
         threads=threads or None,
-        dtype=args.dtype,
-        compile_normalise=args.compile_normalise,
-        follow_drain_s=args.follow_drain_s,
-        served_model_name=args.served_model_name or "",
-        otlp_traces_endpoint=args.otlp_traces_endpoint or "",
+        dtype=config.dtype,
+        compile_normalise=config.compile_normalise,
+        follow_drain_s=config.follow_drain_s,
+        served_model_name=config.served_model_name[0] if config.served_model_name else "",
+        otlp_traces_endpoint=config.otlp_traces_endpoint or "",
     )
     return run_worker(
         options=options,
-        instance_id=args.instance,
-        label=args.label,
-        attach_wait_s=args.attach_wait_s,
-        diagnostics=diagnostics_from(args),
+        instance_id=config.instance,
+        label=config.label,
+        attach_wait_s=config.attach_wait_s,
+        diagnostics=diagnostics_from(config),
     )
 
 
-def diagnostics_from(args: argparse.Namespace) -> DiagnosticOptions:
+def diagnostics_from(config: WorkerConfig | argparse.Namespace) -> DiagnosticOptions:
     """The ``--diag-*`` flags: kept off ``WorkerOptions``, which says only what production uses."""
-    return DiagnosticOptions(batch_delay_ms=args.diag_batch_delay_ms, claim_delay_ms=args.diag_claim_delay_ms)
+    return DiagnosticOptions(batch_delay_ms=config.diag_batch_delay_ms, claim_delay_ms=config.diag_claim_delay_ms)
 
 
 if __name__ == "__main__":

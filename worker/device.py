@@ -3,7 +3,7 @@
 Which device: ``pick_device`` turns the requested ``cpu`` / ``cuda`` / ``cuda:N`` into one
 device. ``cuda`` with several GPUs visible (a compose replica granted them all) picks
 ``cuda:(slot mod GPUs)``, so replicas spread over the GPUs instead of all landing on cuda:0;
-``shmgate serve`` gives each worker exactly one visible GPU instead (supervise/placement.py).
+``shmgate serve`` gives each worker exactly one visible GPU instead (node/placement.py).
 ``use_device`` makes it the current device of the calling thread: CUDA's current device is per
 thread and defaults to 0, so a thread that touches CUDA without it opens a second context on
 GPU 0 (the worker's main and prefetch threads both call it).

@@ -36,7 +36,7 @@ def plural(n: int, word: str) -> str:
 
 @dataclass(frozen=True)
 class Summary:
-    """The facts of one start, each already decided by gateway/cli.py."""
+    """The facts of one start, each already decided by node/serve.py from the plan."""
 
     version: str
     instance_id: str

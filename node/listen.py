@@ -26,11 +26,11 @@ from __future__ import annotations
 import logging
 import socket
 
+from shmgate.gateway.sockets import bound
 from shmgate.shared.errors import SetupError
 
-__all__ = ["LISTEN_MODES", "bind_frontend", "bind_supervisor", "reuseport_available"]
+__all__ = ["bind_supervisor", "reuseport_available"]
 
-LISTEN_MODES = ("shared", "reuseport")
 BACKLOG = 2048  # the shared socket's accept queue (uvicorn's default backlog for a frontend's own)
 
 log = logging.getLogger("shmgate")
@@ -48,19 +48,6 @@ def reuseport_available() -> bool:
     return True
 
 
-def _bound(host: str, port: int, *, reuseport: bool) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if reuseport:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind((host, port))
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
 def bind_supervisor(host: str, port: int, mode: str) -> tuple[socket.socket, str]:
     """The supervisor's socket and the mode the frontends will use (``reuseport`` falls back to
     ``shared``, logged, where the platform lacks it). ``shared``: listening and inheritable;
@@ -72,7 +59,7 @@ def bind_supervisor(host: str, port: int, mode: str) -> tuple[socket.socket, str
         log.warning("--listen reuseport: this platform has no SO_REUSEPORT; the frontends share one socket")
         mode = "shared"
     try:
-        sock = _bound(host, port, reuseport=mode == "reuseport")
+        sock = bound(host, port, reuseport=mode == "reuseport")
     except OSError as exc:
         raise SetupError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
     if mode == "reuseport":
@@ -97,12 +84,6 @@ def _refuse_a_listener(host: str, port: int) -> None:
     frontend listening, in the seconds its frontends start.)
     """
     try:
-        _bound(host, port, reuseport=False).close()
+        bound(host, port, reuseport=False).close()
     except OSError as exc:
         raise SetupError(f"cannot listen on {host}:{port}: {exc.strerror} (another server listens there)") from exc
-
-
-def bind_frontend(host: str, port: int) -> socket.socket:
-    """A frontend's own socket on the supervisor's port (``reuseport``), bound and not yet listening:
-    uvicorn listens on it once the app has started."""
-    return _bound(host, port, reuseport=True)

@@ -1,6 +1,6 @@
 """Which device each worker of ``shmgate serve`` runs on: one GPU per worker, never "all on GPU 0".
 
-Who uses this: gateway/cli.py, when it builds the worker commands. Pure functions of the flags and
+Who uses this: node/plan.py, when it plans the workers. Pure functions of the flags and
 the visible GPU ids, so the mapping is tested without a GPU (tests/test_cli_gpus.py).
 
 Rules:
@@ -39,7 +39,7 @@ def worker_placements(
 ) -> list[Placement]:
     """One Placement per worker. ``workers`` 0 means the default for the device.
 
-    ``gpu_ids``: the visible GPUs (gateway/cli.py ``visible_gpus``); ``cpu_workers``: the default
+    ``gpu_ids``: the visible GPUs (node/plan.py ``visible_gpus``); ``cpu_workers``: the default
     count on a non-CUDA device. Raises SetupError for ``cuda:N`` past the visible GPUs and for a device
     that is none of ``cpu``, ``cuda``, ``cuda:N`` (whether CUDA works is the worker's check: it needs torch).
     """

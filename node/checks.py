@@ -40,23 +40,29 @@ def torch_cuda_build() -> str | None:
 
 
 def check_device(
-    device: str | None, gpu_ids: list[str], *, given: str = "", cuda_build: Callable[[], str | None] = torch_cuda_build
+    device: str | None,
+    gpu_ids: list[str],
+    *,
+    given: str = "",
+    remedy: str = "use --device cpu",
+    cuda_build: Callable[[], str | None] = torch_cuda_build,
 ) -> None:
     """Refuse a CUDA ``device`` this machine cannot run. None (the default: cuda when a GPU is
-    visible) and ``cpu`` always pass. ``gpu_ids``: the visible GPUs (gateway/cli.py ``visible_gpus``);
-    ``given``: where the value came from, for the message (default ``--device <device>``)."""
+    visible) and ``cpu`` always pass. ``gpu_ids``: the visible GPUs (node/plan.py ``visible_gpus``);
+    ``given``: where the value came from, for the message (default ``--device <device>``); ``remedy``:
+    what to change there (a config file's model changes its ``device`` key, not a flag)."""
     if device is None or not device.startswith("cuda"):
         return
     given = given or f"--device {device}"
     if not gpu_ids:
         hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
         why = f"CUDA_VISIBLE_DEVICES={hidden!r} hides them" if hidden is not None else "no NVIDIA GPU was found"
-        raise ConfigError(f"{given}: no GPU is visible ({why}); use --device cpu")
+        raise ConfigError(f"{given}: no GPU is visible ({why}); {remedy}")
     _, _, index = device.partition(":")
     if index and int(index) >= len(gpu_ids):
         raise ConfigError(f"{given}: only {len(gpu_ids)} GPU(s) are visible, cuda:0 to cuda:{len(gpu_ids) - 1}")
     if cuda_build() is None:
         raise ConfigError(
             f"{given}: the installed torch is a CPU-only build; install a CUDA build of torch "
-            "(https://pytorch.org/get-started/locally/) or use --device cpu"
+            f"(https://pytorch.org/get-started/locally/) or {remedy}"
         )

@@ -24,15 +24,15 @@ before anything is started. The keys and their meaning: docs/MODELS.md "Several 
 from __future__ import annotations
 
 import argparse
-import json
 import tomllib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from shmgate.shared import flag_types
-from shmgate.shared.flags import BATCH_POLICIES, DTYPES
-from shmgate.shared.models import ModelKind, parse_model_spec, resolve_model
+from shmgate.shared.common_options import BATCH_POLICIES, DTYPES
+from shmgate.shared.model_config import ModelConfig
+from shmgate.shared.models import resolve_model
 from shmgate.shared.stats_layout import MODEL_SLOTS as MAX_MODELS  # the model table's rows (shared/segment.py)
 from shmgate.shared.vocabulary import check_model_id
 
@@ -42,48 +42,11 @@ __all__ = [
     "NodeConfigError",
     "from_flags",
     "load_node_config",
-    "models_json",
-    "parse_models_json",
 ]
 
 
 class NodeConfigError(ValueError):
     """A model declaration that cannot work; the message is the one line the user sees."""
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """One declared model. None: the global flag's value (``with_globals`` fills them in)."""
-
-    model: str  # the spec (shared/models.py)
-    served_model_name: str = ""
-    public_id: str = ""  # filled by ``_checked``: what clients send
-    workers: int | None = None  # 0: auto
-    workers_per_gpu: int | None = None
-    device: str | None = None
-    dtype: str | None = None
-    max_batch_size: int | None = None
-    max_batch_wait_ms: float | None = None
-    batch_policy: str | None = None
-    max_in_flight: int | None = None  # per frontend, for this model; beyond it this model's clients get 429
-    queue_depth: int | None = None  # this model's request queue
-    stall_timeout_s: float | None = None
-    arena_share: float | None = None  # the part of each frontend's arena partition this model keeps (0..1]
-    mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)
-
-    def with_globals(self, args: argparse.Namespace, *, alone: bool = True) -> ModelConfig:
-        """This model with every unset key taken from the global flags in ``args``. ``alone``: the only
-        model (a global --mm-processor-kwargs then applies to it, and is refused where it cannot)."""
-
-        def pick(key: str) -> Any:
-            own = getattr(self, key)
-            return own if own is not None else getattr(args, key, None)
-
-        kwargs = self.mm_processor_kwargs
-        if not kwargs and (alone or parse_model_spec(self.model).kind in (ModelKind.HF_CHAT, ModelKind.CHECKSUM_HF)):
-            # with several models, the global --mm-processor-kwargs reaches those with an HF image processor
-            kwargs = json.loads(getattr(args, "mm_processor_kwargs", "{}") or "{}")
-        return replace(self, **{key: pick(key) for key in _GLOBAL_KEYS}, mm_processor_kwargs=kwargs)
 
 
 def _fraction(text: str) -> float:
@@ -110,18 +73,6 @@ _CHECKS: dict[str, tuple[tuple[type, ...], Callable[[str], Any]]] = {
     "arena_share": ((int, float), _fraction),
 }
 MODEL_KEYS = (*_CHECKS, "mm_processor_kwargs")
-_GLOBAL_KEYS = (
-    "workers",
-    "workers_per_gpu",
-    "device",
-    "dtype",
-    "max_batch_size",
-    "max_batch_wait_ms",
-    "batch_policy",
-    "max_in_flight",
-    "queue_depth",
-    "stall_timeout_s",
-)
 
 
 def load_node_config(path: str) -> list[ModelConfig]:
@@ -210,35 +161,3 @@ def _checked(configs: list[ModelConfig], *, source: str) -> list[ModelConfig]:
             f"{source}: arena_share: the models' shares add up to {shares:g}, more than the whole arena (1)"
         )
     return out
-
-
-def models_json(configs: Sequence[ModelConfig]) -> str:
-    """What each frontend needs of the models, for its command line (the frontends never read the file)."""
-    return json.dumps(
-        [
-            {
-                "model": c.model,
-                "served_model_name": c.served_model_name,
-                "public_id": c.public_id,
-                "max_in_flight": c.max_in_flight,
-                "arena_share": c.arena_share,
-                "mm_processor_kwargs": c.mm_processor_kwargs,
-            }
-            for c in configs
-        ]
-    )
-
-
-def parse_models_json(text: str) -> list[ModelConfig]:
-    """``models_json``'s inverse, in the frontend."""
-    return [
-        ModelConfig(
-            model=d["model"],
-            served_model_name=d["served_model_name"],
-            public_id=d["public_id"],
-            max_in_flight=d["max_in_flight"],
-            arena_share=d["arena_share"],
-            mm_processor_kwargs=d["mm_processor_kwargs"],
-        )
-        for d in json.loads(text)
-    ]

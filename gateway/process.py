@@ -1,0 +1,109 @@
+"""One frontend process: its configuration in, uvicorn serving the app out.
+
+The supervisor starts it as ``python -m shmgate.gateway`` with its ``FrontendConfig`` encoded in its
+environment (gateway/config.py, shared/options.py ``child_config``); nothing here parses a flag.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+from typing import TYPE_CHECKING
+
+from shmgate.gateway.config import FrontendConfig
+
+if TYPE_CHECKING:
+    from shmgate.gateway.served import AppOptions
+
+__all__ = ["app_options", "run_frontend"]
+
+
+def app_options(config: FrontendConfig) -> AppOptions:
+    """The app's options (gateway/served.py ``AppOptions``) from the frontend's configuration."""
+    from shmgate.gateway.addresses import AllowList
+    from shmgate.gateway.fetch import FetchPolicy
+    from shmgate.gateway.frontend import FrontendLimits
+    from shmgate.gateway.guards import default_allowed_hosts, parse_allowed_hosts
+    from shmgate.gateway.intake import IntakeLimits
+    from shmgate.gateway.served import AppOptions
+
+    first = config.models[0]
+    return AppOptions(
+        instance_id=config.instance_id,
+        slot=config.slot,
+        model=first.model,
+        served_model_name=first.served_model_name,
+        api_key=config.api_key,
+        metrics_need_key=config.metrics_need_key,
+        max_body_bytes=int(config.max_body_mb * (1 << 20)),
+        intake=IntakeLimits(max_images=config.max_images, allow_image_urls=config.allow_image_urls),
+        limits=FrontendLimits(
+            max_in_flight=config.max_in_flight,
+            request_timeout_s=config.request_timeout_s,
+            max_pixels=config.max_pixels,
+            decode_threads=config.decode_threads,
+            decode_memory_bytes=int(config.decode_memory_mb * (1 << 20)),
+            decode_wait_s=config.decode_wait_s,
+        ),
+        result_cache_bytes=int(config.result_cache_mb * (1 << 20)),
+        server_timing=config.server_timing,
+        allowed_hosts=parse_allowed_hosts(config.allowed_hosts) or default_allowed_hosts(config.host),
+        processor_kwargs=dict(first.mm_processor_kwargs) or None,
+        models=config.models,
+        created=config.started_at,
+        image_urls=FetchPolicy(
+            allowlist=AllowList.parse(config.image_url_allowlist),
+            max_bytes=config.image_url_max_bytes,
+            timeout_s=config.image_url_timeout_s,
+        ),
+    )
+
+
+def run_frontend(config: FrontendConfig) -> int:
+    from shmgate.shared.parent_death import follow_supervisor
+
+    # SIGKILL, not SIGTERM: shared/parent_death.py says why. Before the slow imports, so a
+    # supervisor gone meanwhile is noticed at once.
+    follow_supervisor(signal.SIGKILL)
+    import uvicorn
+
+    from shmgate.gateway.app import create_app
+    from shmgate.gateway.http_limits import ConnectionLimits, http_protocol
+    from shmgate.gateway.sockets import bind_frontend
+
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s"
+    )
+    # uvicorn's own fd= support wraps the descriptor as AF_UNIX, so accepted connections
+    # would miss asyncio's TCP_NODELAY and keep-alive clients would hit Nagle + delayed-ACK
+    # stalls of 40 ms. Wrapping it with its real family avoids that. Without an fd the frontend
+    # binds a socket of its own (--listen reuseport), which uvicorn listens on after the
+    # lifespan's start-up: a frontend still starting takes no connection.
+    sock = socket.socket(fileno=config.fd) if config.fd is not None else bind_frontend(config.host, config.port)
+    uv_config = uvicorn.Config(
+        create_app(app_options(config)),
+        # a bounded request head, slow clients cut, a cap on connections (gateway/http_limits.py)
+        http=http_protocol(
+            ConnectionLimits(
+                header_timeout_s=config.header_timeout_s,
+                body_timeout_s=config.body_timeout_s,
+                body_min_rate=config.body_min_rate,
+                max_connections=config.max_connections,
+            )
+        ),
+        log_level=config.log_level.lower() if config.log_level.lower() != "info" else "warning",
+        timeout_graceful_shutdown=int(config.drain_timeout_s),
+        access_log=config.access_log,
+        lifespan="on",
+    )
+    if config.access_log:  # uvicorn set its access logger to --log-level, WARNING when "info" (above)
+        logging.getLogger("uvicorn.access").setLevel(logging.INFO)
+    if config.otlp_traces_endpoint:  # after uvicorn's logging setup: the access log gains the trace id
+        from shmgate.gateway.tracing import enable_tracing
+
+        uv_config.app = enable_tracing(
+            uv_config.app, config.otlp_traces_endpoint, slot=config.slot, access_log=config.access_log
+        )
+    uvicorn.Server(uv_config).run(sockets=[sock])
+    return 0
