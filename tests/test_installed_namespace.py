@@ -12,6 +12,7 @@ which does not activate the checkout's editable install.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -33,8 +34,16 @@ def _site_packages(venv: Path) -> Path:
 @pytest.fixture(scope="module")
 def clean_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("wheel")
+    # A copy of the sources, so no build/ directory left in the checkout by an earlier build adds stale modules.
+    source = tmp / "source"
+    shutil.copytree(
+        REPO,
+        source,
+        symlinks=True,
+        ignore=shutil.ignore_patterns(".*", "build", "*.egg-info", "__pycache__", "tests", "docs", "bench", "deploy"),
+    )
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp), str(REPO)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp), str(source)],
         check=True,
         timeout=300,
     )
@@ -77,7 +86,11 @@ def test_a_wheel_install_beside_packages_named_shared_and_worker_serves_a_reques
 ) -> None:
     python = clean_venv / "bin" / "python"
     probe = subprocess.run(
-        [str(python), "-c", "import shmgate.gateway.cli, shmgate.worker.main; print(shmgate.gateway.cli.__file__)"],
+        [
+            str(python),
+            "-c",
+            "import shmgate.node.cli, shmgate.gateway.app, shmgate.worker.main; print(shmgate.node.cli.__file__)",
+        ],
         capture_output=True,
         text=True,
         cwd=tmp_path,
