@@ -387,14 +387,28 @@ def test_cancelled_item_stops_between_tokens(pre: HFPreprocessor, backend: HFBac
     assert finish.completion_tokens < 5
 
 
-def test_inputs_that_do_not_match_are_refused(pre: HFPreprocessor, backend: HFBackend) -> None:
+def test_inputs_that_do_not_match_fail_their_row_alone(pre: HFPreprocessor, backend: HFBackend) -> None:
     item = work_item(pre, "Hi", [WIDE], GREEDY)
+    alone, _ = answer(list(backend.run([item])))
     out_of_vocab = WorkItem(1, item.tensors, GREEDY, inline=np.array([1, 10**6], np.int32).tobytes())
-    with pytest.raises(InvalidRequest, match="outside the vocabulary"):
-        list(backend.run([out_of_vocab]))
-    missing_image = WorkItem(1, {}, GREEDY, inline=item.inline)
-    with pytest.raises(InvalidRequest, match="image slots"):
-        list(backend.run([missing_image]))
+    missing_image = WorkItem(2, {}, GREEDY, inline=item.inline)
+    events = list(backend.run([out_of_vocab, item, missing_image]))
+    errors = {e.index: e.error for e in events if e.error is not None}
+    assert isinstance(errors[0], InvalidRequest) and "outside the vocabulary" in str(errors[0])
+    assert isinstance(errors[2], InvalidRequest) and "image slots" in str(errors[2])
+    assert answer(events, 1)[0] == alone  # its batch mates' bad inputs cost it nothing
+
+
+def test_a_row_whose_distribution_is_not_finite_fails_alone(pre: HFPreprocessor, backend: HFBackend) -> None:
+    # 1e-300 overflows the division by the temperature: NaN probabilities must never reach multinomial
+    # (on CUDA a device-side assert that ends the worker's context), and must end that row only.
+    good = work_item(pre, "Keep going.", [WIDE], SamplingParams(max_tokens=8, temperature=0.0), 1)
+    alone, _ = answer(list(backend.run([good])))
+    bad = work_item(pre, "Hi", [SQUARE], SamplingParams(max_tokens=8, temperature=1e-300, seed=3), 2)
+    events = list(backend.run([bad, good]))
+    failed = [e for e in events if e.index == 0 and e.error is not None]
+    assert len(failed) == 1 and not any(e.index == 0 and e.finish_reason for e in events)
+    assert answer(events, 1)[0] == alone
 
 
 # -- text and sampling units -------------------------------------------------------------
