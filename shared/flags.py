@@ -216,6 +216,30 @@ def add_batching_flags(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> 
     )
     add_flag(
         p,
+        "--max-num-batched-tokens",
+        "hf: models: tokens one engine step runs (each decoding row's one, then waiting prompts' "
+        "tokens; a longer Qwen2-VL prompt is prefilled in chunks of this)",
+        default="2048",
+        type=flag_types.positive_int,
+    )
+    add_flag(
+        p,
+        "--kv-cache-tokens",
+        "hf: models: the KV cache budget in token positions; requests wait and the newest running one is "
+        "preempted beyond it; 0: unbounded on CPU, 70%% of the memory free after the weights on CUDA",
+        default="0",
+        type=flag_types.non_negative_int,
+    )
+    add_flag(
+        p,
+        "--encoder-cache-mb",
+        "hf: models: vision-tower outputs kept by image content key (Qwen2-VL, Qwen2.5-VL), least "
+        "recently used out first; 0: none",
+        default="256",
+        type=flag_types.non_negative_float,
+    )
+    add_flag(
+        p,
         "--compile-normalise",
         "efficientnet: compile the input normalisation into one kernel (needs a "
         "C compiler; set TORCHINDUCTOR_CACHE_DIR to a persistent directory; see docs/ARCHITECTURE.md)",

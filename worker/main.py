@@ -130,6 +130,9 @@ class WorkerOptions:
     threads: int | None = None
     dtype: str = "auto"  # hf: models only (worker/backends/hf.py DTYPES)
     compile_normalise: bool = False  # efficientnet: torch.compile the input normalisation (opt-in; see there)
+    max_num_batched_tokens: int = 2048  # hf: models: tokens per engine step (worker/backends/hf.py)
+    kv_cache_tokens: int = 0  # hf: models: the KV budget in tokens; 0: unbounded on CPU, from free memory on CUDA
+    encoder_cache_mb: float = 256.0  # hf: models: vision-tower outputs kept by image key
     follow_drain_s: float = 0.0  # on SIGTERM keep serving while the gateway drains, this long at most (worker/drain.py)
     served_model_name: str = ""  # the id clients send (--served-model-name); '' the spec's default (shared/models.py)
     otlp_traces_endpoint: str = ""  # OpenTelemetry traces go there (worker/tracing.py); '': tracing off
@@ -192,6 +195,9 @@ class Worker:
             threads=options.threads,
             dtype=options.dtype,
             compile_normalise=options.compile_normalise,
+            max_num_batched_tokens=options.max_num_batched_tokens,
+            kv_cache_tokens=options.kv_cache_tokens,
+            encoder_cache_mb=options.encoder_cache_mb,
         )
         if options.served_model_name:
             self.backend.name = options.served_model_name
@@ -420,7 +426,15 @@ class Worker:
                 inline = b"".join(t.numpy().tobytes() for t in tensors)
             else:
                 by_name.setdefault(name, []).extend(tensors)  # on the host: the backend asked for that
-        return WorkItem(submit.request_id, by_name, submit.params, inline, submit.text, task=submit.task)
+        return WorkItem(
+            submit.request_id,
+            by_name,
+            submit.params,
+            inline,
+            submit.text,
+            task=submit.task,
+            image_keys=submit.image_keys,
+        )
 
     # -- the main thread: run a prepared batch ------------------------------------------------
 

@@ -258,6 +258,21 @@ class HFBackend(ModelBackend):
     def has_work(self) -> bool:
         return bool(self._out or self._waiting or self._running)
 
+    @property
+    def running(self) -> int:
+        """Rows decoding together."""
+        return len(self._running)
+
+    @property
+    def waiting(self) -> int:
+        """Requests added and not yet running (a preempted row among them)."""
+        return len(self._waiting)
+
+    @property
+    def kv_used(self) -> int:
+        """KV cache positions held now (the padded batch's rows x length, and prompts part way in)."""
+        return self._kv_used()
+
     def room(self, batch_size: int) -> int:
         """Rows to add now: up to ``batch_size`` running and waiting, none while the KV budget is spent."""
         if self.kv_budget and self._kv_used() >= self.kv_budget:
