@@ -235,3 +235,92 @@ def test_the_encoder_cache_forgets_the_least_recently_used_first() -> None:
     cache.put((b"d", (1, 1, 1)), torch.zeros(4))
     assert cache.get((b"b", (1, 1, 1))) is None and cache.get((b"a", (1, 1, 1))) is not None
     assert len(cache) == 3 and cache.held_bytes == 48
+
+
+# -- the same engine behind a real worker loop, on the in-memory transport ----------------------------
+
+
+def _chat(text: str, max_tokens: int, bias: tuple[tuple[int, float], ...]) -> bytes:
+    import base64
+    import json
+
+    url = "data:image/jpeg;base64," + base64.b64encode(SQUARE.read_bytes()).decode()
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}]
+    body = {
+        "model": "tiny-qwen2-vl",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "logit_bias": {str(k): v for k, v in bias},
+    }
+    return json.dumps(body).encode()
+
+
+def test_through_the_worker_loop_a_request_joins_a_running_answer_and_a_cancel_ends_its_row(
+    tiny_qwen2_vl_dir: Path, backend: HFBackend, endless: tuple[tuple[int, float], ...]
+) -> None:
+    import asyncio
+    import threading
+
+    from gateway.frontend import Frontend, FrontendLimits
+    from gateway.intake import IntakeLimits, parse_chat_request
+    from shared.stats_layout import Counter
+    from shared.transport.memory import MemoryFrontendLink, MemoryNode, MemoryNodeStats, MemoryWorkerLink
+    from shared.wire import Delta, Finished
+    from worker.main import Worker, WorkerOptions
+
+    backend.clear()
+    node = MemoryNode()
+    worker = Worker(MemoryWorkerLink(node), WorkerOptions(model=f"hf:{tiny_qwen2_vl_dir}"), backend=backend)
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    order: list[str] = []
+
+    async def main() -> None:
+        link = MemoryFrontendLink(node, slot=0)
+        frontend = Frontend(link, HFPreprocessor(tiny_qwen2_vl_dir), FrontendLimits(request_timeout_s=60))
+        await frontend.start()
+        try:
+            for _ in range(400):
+                if frontend.ready():
+                    break
+                await asyncio.sleep(0.05)
+            limits = IntakeLimits()
+
+            async def run(name: str, body: bytes, *, cancel_after: int = 0) -> None:
+                state = await frontend.submit(parse_chat_request(body, limits))
+                deltas = 0
+                async for event in frontend.events(state):
+                    if isinstance(event, Delta):
+                        deltas += 1
+                        if deltas == 1:
+                            order.append(f"{name} first")
+                        if deltas == cancel_after:
+                            frontend.abandon(state)
+                            order.append(f"{name} cancelled")
+                            return
+                    elif isinstance(event, Finished):
+                        order.append(f"{name} done")
+
+            long = asyncio.create_task(run("long", _chat("Tell me everything.", 200, endless)))
+            while "long first" not in order:
+                await asyncio.sleep(0.01)
+            await run("short", _chat("Short one.", 4, endless))
+            await run("gone", _chat("Leave early.", 200, endless), cancel_after=2)
+            await long
+        finally:
+            await frontend.stop()
+
+    try:
+        asyncio.run(main())
+        # the cancelled row left the engine at a step boundary while the long answer ran on
+        assert order.index("short done") < order.index("long done")
+        assert order.index("gone cancelled") < order.index("long done")
+        assert node.engine["steps"] > 0 and node.engine["step_tokens"] > node.engine["steps"]
+        # The abandoned row's Finished says how far it got: a few tokens, not its 200 (the long one's run on).
+        assert 2 <= MemoryNodeStats(node).frontend_totals()[Counter.CANCELLED_TOKENS] < 50
+    finally:
+        worker.stop()
+        thread.join(30)
+        backend.clear()
+    assert not thread.is_alive()

@@ -116,6 +116,9 @@ NO_DIAGNOSTICS = DiagnosticOptions()  # production: no deliberate delays
 GET_TIMEOUT_S = 0.25
 LOOK_EVERY_S = 0.1
 PREFETCH_JOIN_S = 10.0  # at stop: how long to wait for the prefetch thread's current batch
+# A generation engine's gauges and counters reach the worker's row (and /metrics) at most this often,
+# and when it runs dry.
+ENGINE_REPORT_S = 0.05
 # Tracing: a long stream's Deltas past this many are not recorded (the SDK keeps 128 events per span anyway).
 MAX_DELIVERY_EVENTS = 128
 
@@ -180,6 +183,8 @@ class Worker:
         self._next_key = 0
         self._batch_started_ns = 0  # when the engine last went from idle to busy (0: idle)
         self._batch_requests = 0  # requests added since then
+        self._engine_reported_at = 0.0
+        self._engine_counters: tuple[int, ...] = ()  # the counters' totals at the last report
         self._device_error: BaseException | None = None
         # Claimed under the public id: the gateway's model table maps it to this model's request queue.
         self.slot, self.epoch = link.claim(_public_id(options))
@@ -249,6 +254,7 @@ class Worker:
     def run(self) -> None:
         link = self.link
         self.progress.step()  # before READY: loading the model was not a stall
+        self._report_engine()  # its KV budget, from the start
         link.mark(SlotState.READY)
         # "slot" is the segment's worker slot; the supervisor logs which of its workers holds it (by pid)
         log.info(
@@ -480,13 +486,27 @@ class Worker:
             routed = self._jobs.get(event.index)
             if routed is not None:
                 self._route(routed, event)
-        if not self.backend.has_work() and self._batch_started_ns:
+        idle = not self.backend.has_work()
+        if idle or time.monotonic() - self._engine_reported_at >= ENGINE_REPORT_S:
+            self._report_engine()
+        if idle and self._batch_started_ns:
             # The engine ran dry: count what it served since it last was (busy time, requests).
             ended = now_ns()
             self.link.count_batch(self._batch_requests, ended - self._batch_started_ns)
             self._batch_started_ns = 0
         if self._jobs and time.monotonic() - self._cancels_read_at >= CANCEL_POLL_S:
             self._drain_cancels()
+
+    def _report_engine(self) -> None:
+        """Publish the engine's gauges and what its counters added since the last report."""
+        self._engine_reported_at = time.monotonic()
+        report = self.backend.engine_report()
+        if report is None:
+            return
+        gauges, counters = report
+        last = self._engine_counters or (0,) * len(counters)
+        self.link.report_engine(gauges, [now - before for now, before in zip(counters, last)])
+        self._engine_counters = counters
 
     def _route(self, job: _Job, event: BackendEvent) -> None:
         """Send one event of ``job``'s output on, ending the job on its finish or error."""

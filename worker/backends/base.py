@@ -156,6 +156,11 @@ class ModelBackend(abc.ABC):
         """Forget every item (after ``step`` raised: the worker has failed them all)."""
         self.engine.clear()
 
+    def engine_report(self) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """A generation engine's gauges and counters for /metrics (shared/stats_layout.py ENGINE_FIELDS
+        order: the gauges, then the counters' totals since it started); None: nothing to report."""
+        return None
+
 
 class BatchEngine:
     """The engine contract over a batch backend's ``run``: what was added runs as one batch, started by the

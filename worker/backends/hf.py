@@ -258,6 +258,17 @@ class HFBackend(ModelBackend):
     def has_work(self) -> bool:
         return bool(self._out or self._waiting or self._running)
 
+    def engine_report(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        stats = self.stats
+        return (self.running, self.waiting, self.kv_used, self.kv_budget), (
+            stats.steps,
+            int(stats.step_seconds * 1e9),
+            stats.step_tokens,
+            stats.preemptions,
+            stats.encoder_hits,
+            stats.encoder_runs,
+        )
+
     @property
     def running(self) -> int:
         """Rows decoding together."""
