@@ -185,7 +185,8 @@ def add_batching_flags(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> 
         p,
         "--max-batch-size",
         "requests per batch; 0: the model's choice (one forward pass for the "
-        "classifier on CPU, 2 per torch thread; 8 on CUDA and for other models)",
+        "classifier on CPU, 2 per torch thread; 8 on CUDA and for other models; for hf: chat models the "
+        "rows generating together, 32)",
         default="0",
         type=flag_types.non_negative_int,
     )
