@@ -324,3 +324,25 @@ def test_through_the_worker_loop_a_request_joins_a_running_answer_and_a_cancel_e
         thread.join(30)
         backend.clear()
     assert not thread.is_alive()
+
+
+def test_a_row_whose_prefill_raises_fails_alone_and_the_running_rows_go_on(
+    pre: HFPreprocessor, engine: HFBackend, monkeypatch: pytest.MonkeyPatch, endless: tuple[tuple[int, float], ...]
+) -> None:
+    running = _item(pre, "Keep going.", [], 1, max_tokens=10, logit_bias=endless)
+    alone = _alone(engine, running)
+    real = engine._image_features
+
+    def tower(row: object) -> torch.Tensor:  # a fault in one request's images (injected)
+        if getattr(row, "index", None) == 2:
+            raise RuntimeError("the tower failed on this image")
+        return real(row)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine, "_image_features", tower)
+    engine.add(running)
+    events = engine.step()
+    engine.add(_item(pre, "Broken image.", [SQUARE], 2, max_tokens=10))
+    _drain(engine, events)
+    failed = [e for e in events if e.error is not None]
+    assert [e.index for e in failed] == [2] and "RuntimeError" in str(failed[0].error)
+    assert answer(events, 1)[0] == alone

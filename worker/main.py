@@ -470,6 +470,7 @@ class Worker:
     def _step(self) -> None:
         """One engine step: route its events; fail everything the engine holds if the step raised."""
         self.progress.step()
+        started = now_ns()
         try:
             events = self.backend.step()
         except Exception as exc:
@@ -489,10 +490,14 @@ class Worker:
         idle = not self.backend.has_work()
         if idle or time.monotonic() - self._engine_reported_at >= ENGINE_REPORT_S:
             self._report_engine()
-        if idle and self._batch_started_ns:
-            # The engine ran dry: count what it served since it last was (busy time, requests).
-            ended = now_ns()
-            self.link.count_batch(self._batch_requests, ended - self._batch_started_ns)
+        if self._engine_counters:
+            # A generation engine: a batch is a step, its size the requests that step produced for.
+            if events:
+                self.link.count_batch(len({event.index for event in events}), now_ns() - started)
+            self._batch_started_ns = 0
+        elif idle and self._batch_started_ns:
+            # A batch backend ran dry: count the batch it served (busy time, requests).
+            self.link.count_batch(self._batch_requests, now_ns() - self._batch_started_ns)
             self._batch_started_ns = 0
         if self._jobs and time.monotonic() - self._cancels_read_at >= CANCEL_POLL_S:
             self._drain_cancels()

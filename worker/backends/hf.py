@@ -78,6 +78,7 @@ from shared.hf_families import HF_FAMILIES, InputStyle, chat_family  # each fami
 from shared.models import model_id_for  # rules: shared/models.py
 from shared.wire import MAX_LOGPROB_TOKEN_CHARS, SamplingParams, TokenLogprob
 from worker.backends.base import BackendEvent, ModelBackend, WorkItem
+from worker.health import is_sticky_device_error
 
 __all__ = [
     "DTYPES",
@@ -332,10 +333,16 @@ class HFBackend(ModelBackend):
                 break  # a whole prompt that does not fit this step's budget waits for the next step
             try:
                 used, logits = self._prefill_some(row, max(budget, 1))
-            except InvalidRequest as exc:
+            except Exception as exc:  # this request's prompt or images: it fails alone, the batch goes on
+                if is_sticky_device_error(exc):
+                    raise  # the device is gone for every row: the worker fails them all and restarts
+                log.warning("request %x: its prefill failed: %r", row.item.request_id, exc)
                 self._waiting.popleft()
-                row.finish = "error"
-                events.append(BackendEvent(row.index, error=exc))
+                row.finish, row.cache, row.prefill = "error", None, None
+                error = (
+                    exc if isinstance(exc, InvalidRequest) else ModelError(f"the model failed: {type(exc).__name__}")
+                )
+                events.append(BackendEvent(row.index, error=error))
                 continue
             self.on_step()
             tokens += used
