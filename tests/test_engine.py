@@ -256,7 +256,7 @@ def _chat(text: str, max_tokens: int, bias: tuple[tuple[int, float], ...]) -> by
     return json.dumps(body).encode()
 
 
-def test_through_the_worker_loop_a_request_joins_a_running_answer_and_a_cancel_ends_its_row(
+def test_through_the_worker_loop_requests_join_leave_cancel_and_are_preempted(
     tiny_qwen2_vl_dir: Path, backend: HFBackend, endless: tuple[tuple[int, float], ...]
 ) -> None:
     import asyncio
@@ -287,20 +287,23 @@ def test_through_the_worker_loop_a_request_joins_a_running_answer_and_a_cancel_e
                 await asyncio.sleep(0.05)
             limits = IntakeLimits()
 
-            async def run(name: str, body: bytes, *, cancel_after: int = 0) -> None:
+            async def run(name: str, body: bytes, *, cancel_after: int = 0) -> tuple[str, int, int]:
                 state = await frontend.submit(parse_chat_request(body, limits))
-                deltas = 0
+                deltas, text = 0, ""
                 async for event in frontend.events(state):
                     if isinstance(event, Delta):
                         deltas += 1
+                        text += event.text
                         if deltas == 1:
                             order.append(f"{name} first")
                         if deltas == cancel_after:
                             frontend.abandon(state)
                             order.append(f"{name} cancelled")
-                            return
+                            break
                     elif isinstance(event, Finished):
                         order.append(f"{name} done")
+                        return text + event.text, event.prompt_tokens, event.completion_tokens
+                return text, 0, 0
 
             long = asyncio.create_task(run("long", _chat("Tell me everything.", 200, endless)))
             while "long first" not in order:
@@ -308,6 +311,12 @@ def test_through_the_worker_loop_a_request_joins_a_running_answer_and_a_cancel_e
             await run("short", _chat("Short one.", 4, endless))
             await run("gone", _chat("Leave early.", 200, endless), cancel_after=2)
             await long
+            # Preemption: two requests that fit the KV budget together at first but not for 20 tokens each
+            bodies = [_chat("The first request.", 20, endless), _chat("The second.", 20, endless)]
+            alone = [await run(f"alone {i}", body) for i, body in enumerate(bodies)]
+            backend.kv_budget = 2 * (max(prompt for _, prompt, _ in alone) + 6)
+            together = await asyncio.gather(*(run(f"together {i}", body) for i, body in enumerate(bodies)))
+            assert together == alone  # each answers as alone, its 20 tokens, the preempted one recomputed
         finally:
             await frontend.stop()
 
@@ -317,12 +326,14 @@ def test_through_the_worker_loop_a_request_joins_a_running_answer_and_a_cancel_e
         assert order.index("short done") < order.index("long done")
         assert order.index("gone cancelled") < order.index("long done")
         assert node.engine["steps"] > 0 and node.engine["step_tokens"] > node.engine["steps"]
+        assert node.engine["preemptions"] >= 1  # reported by the worker, as /metrics reads it
         # The abandoned row's Finished says how far it got: a few tokens, not its 200 (the long one's run on).
         assert 2 <= MemoryNodeStats(node).frontend_totals()[Counter.CANCELLED_TOKENS] < 50
     finally:
         worker.stop()
         thread.join(30)
         backend.clear()
+        backend.kv_budget = 0
     assert not thread.is_alive()
 
 
