@@ -211,6 +211,7 @@ class Worker:
         link.set_model(self.backend.name)
         self.backend.on_step = self.progress.step  # generative backends: progress per forward pass
         self._batch_size = batch_size_for(self.backend, options.max_batch_size)
+        self._room = self._batch_size  # the engine's room after the last turn (read by the prefetch thread)
         self.copier = DeviceCopier(self.device, link.mm)
         self._host_only = frozenset((INLINE_TENSOR, *self.backend.host_tensors))
         self._prefetcher: Prefetcher[list[_Job]] = Prefetcher(self._prepare, name=f"prefetch-{self.slot}")
@@ -323,6 +324,7 @@ class Worker:
                 self._admit(jobs)
         if backend.has_work():
             self._step()
+        self._room = backend.room(self._batch_size)  # what the prefetch thread may take next (one int)
 
     # -- one batch --------------------------------------------------------------------
 
@@ -386,7 +388,8 @@ class Worker:
         if not self._prefetch_bound:  # a new thread's current CUDA device is 0, whatever the main thread's
             use_device(self.device)
             self._prefetch_bound = True
-        jobs = self.batcher.collect(idle_timeout_s=0.25, hold_open=self._model_busy)
+        limit = self._room if self.backend.joins_running else None
+        jobs = self.batcher.collect(idle_timeout_s=0.25, hold_open=self._model_busy, limit=limit)
         return jobs or None
 
     def _model_busy(self) -> bool:

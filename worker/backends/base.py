@@ -107,6 +107,10 @@ class ModelBackend(abc.ABC):
     # How many requests a batch should hold when ``--max-batch-size`` is left at 0 (``batch_size_for``);
     # None: DEFAULT_BATCH_SIZE.
     preferred_batch_size: int | None = None
+    # True for an engine that admits requests between its steps while others run (``room`` then says how
+    # many): the worker takes only that many off the shared queue. False: a batch at a time, the next one
+    # gathered while the current one runs.
+    joins_running: bool = False
     # Called by a generative backend after each forward pass; the worker sets it to stamp its
     # progress there, so a long generation that yields no text for a while never reads as a hang.
     on_step: Callable[[], None] = staticmethod(_no_progress)

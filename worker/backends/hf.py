@@ -154,6 +154,7 @@ class HFBackend(ModelBackend):
     # CPU model of bench/vlm_serving.py: 8 rows 21 ms a step, 24 rows 29 ms) while too few make arrivals wait
     # for a row to end (the 24-request mix at 2 req/s: TTFT p99 3.2 s with 8 rows, 0.25 s with 32).
     preferred_batch_size = 32
+    joins_running = True
 
     def __init__(
         self,
