@@ -632,7 +632,7 @@ class HFBackend(ModelBackend):
     def _decode_step(self, rows: Sequence[_Row]) -> torch.Tensor:
         """Feed each row's last sampled token in one forward pass; return logits ``[rows, vocab]``.
 
-        The rows share one cache, left-padded to a common length (``_merge_caches``); the
+        The rows share one cache, left-padded to a common length (``_join_cache``); the
         attention mask hides each row's padding and every row gets its own position.
         """
         cache = rows[0].cache
