@@ -221,6 +221,42 @@ async def measure(args: argparse.Namespace, base_url: str, model: str, bias: dic
     return out
 
 
+def padding(model_dir: Path, seed: int, requests: int) -> dict[str, float]:
+    """The mix's requests replayed through the engine in this process (one arrival every 12 steps, no
+    timing): KV positions the left-padded cache holds against the tokens its rows really have."""
+    import torch
+
+    sys.path.insert(0, str(REPO))
+    from gateway.preprocess.hf import HFPreprocessor
+    from shared.wire import SamplingParams
+    from tests.test_hf import work_item
+    from worker.backends.hf import HFBackend, _cache_length
+
+    pre, engine = HFPreprocessor(model_dir), HFBackend(str(model_dir), torch.device("cpu"))
+    rng = random.Random(seed)
+    items = []
+    for i in range(requests):
+        rng.expovariate(1.0)  # the mix's draws, in its order
+        params = SamplingParams(max_tokens=rng.randint(32, 256), temperature=0.0)
+        items.append(work_item(pre, "Describe the photo.", [PHOTOS[i % len(PHOTOS)]], params, i))
+        items[-1].key = i
+    step = added = padded = real = peak = peak_real = 0
+    while added < len(items) or engine.has_work():
+        if added < len(items) and step % 12 == 0:
+            engine.add(items[added])
+            added += 1
+        engine.step()
+        step += 1
+        rows = engine._running
+        if rows:
+            length = _cache_length(rows[0].cache)
+            held, used = len(rows) * length, sum(length - row.pad for row in rows)
+            padded, real = padded + held, real + used
+            if held > peak:
+                peak, peak_real = held, used
+    return {"steps": step, "padded_over_real_mean": round(padded / real, 3), "peak_held": peak, "peak_real": peak_real}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -240,9 +276,13 @@ def main() -> int:
     p.add_argument("--rate", type=float, default=2.0)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--extra", default="", help="more serve flags, space-separated")
+    p.add_argument("--padding", action="store_true", help="only the padded KV layout's cost, in process")
     args = p.parse_args()
     if args.build:
         build(args.build)
+        return 0
+    if args.padding:
+        print(json.dumps(padding(args.model_dir, args.seed, args.requests)))
         return 0
     assert args.model_dir, "--model-dir (build one with --build)"
     port = free_port()
