@@ -183,6 +183,7 @@ class Worker:
         self._next_key = 0
         self._batch_started_ns = 0  # when the engine last went from idle to busy (0: idle)
         self._batch_requests = 0  # requests added since then
+        self._batch_ended: list[_Job] = []  # tracing a batch backend: its batch's requests, traced when it ends
         self._engine_reported_at = 0.0
         self._engine_counters: tuple[int, ...] = ()  # the counters' totals at the last report
         self._device_error: BaseException | None = None
@@ -499,9 +500,14 @@ class Worker:
                 self.link.count_batch(len({event.index for event in events}), now_ns() - started)
             self._batch_started_ns = 0
         elif idle and self._batch_started_ns:
-            # A batch backend ran dry: count the batch it served (busy time, requests).
-            self.link.count_batch(self._batch_requests, now_ns() - self._batch_started_ns)
+            # A batch backend ran dry: count the batch it served (busy time, requests), and trace it.
+            ended = now_ns()
+            self.link.count_batch(self._batch_requests, ended - self._batch_started_ns)
             self._batch_started_ns = 0
+            if self.spans is not None and self._batch_ended:
+                done = self._batch_ended
+                self._batch_ended = []
+                self.spans.batch(done, ended, [job.item is not None and job.item.cancelled for job in done])
         if self._jobs and time.monotonic() - self._cancels_read_at >= CANCEL_POLL_S:
             self._drain_cancels()
 
@@ -555,7 +561,10 @@ class Worker:
         if failed is not None:
             self._fail(job.submit, job.seq, failed)
         if self.spans is not None:
-            self.spans.batch([job], now_ns(), [job.item.cancelled])
+            if self.backend.joins_running:  # requests come and go between steps: each is traced as it ends
+                self.spans.batch([job], now_ns(), [job.item.cancelled])
+            else:
+                self._batch_ended.append(job)  # one batch span linking them all, when the batch ends
 
     # -- replies ----------------------------------------------------------------------
 
