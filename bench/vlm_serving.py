@@ -227,10 +227,10 @@ def padding(model_dir: Path, seed: int, requests: int) -> dict[str, float]:
     import torch
 
     sys.path.insert(0, str(REPO))
-    from gateway.preprocess.hf import HFPreprocessor
-    from shared.wire import SamplingParams
+    from shmgate.gateway.preprocess.hf import HFPreprocessor
+    from shmgate.shared.wire import SamplingParams
+    from shmgate.worker.backends.hf import HFBackend, _cache_length
     from tests.test_hf import work_item
-    from worker.backends.hf import HFBackend, _cache_length
 
     pre, engine = HFPreprocessor(model_dir), HFBackend(str(model_dir), torch.device("cpu"))
     rng = random.Random(seed)

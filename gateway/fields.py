@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from gateway.intake import ChatRequest
-from gateway.preprocess.base import Preprocessor
-from shared.errors import InvalidRequest
-from shared.wire import SamplingParams
+from shmgate.gateway.intake import ChatRequest
+from shmgate.gateway.preprocess.base import Preprocessor
+from shmgate.shared.errors import InvalidRequest
+from shmgate.shared.wire import SamplingParams
 
 __all__ = ["check_fields_for_model", "with_image_options"]
 

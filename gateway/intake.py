@@ -35,9 +35,9 @@ from typing import Annotated, Any, Literal, Union
 
 import msgspec
 
-from shared.errors import ImageTooLarge, InvalidRequest, TooManyImages, UndecodableImage
-from shared.vocabulary import material_digest
-from shared.wire import MAX_TOP_LOGPROBS, SamplingParams
+from shmgate.shared.errors import ImageTooLarge, InvalidRequest, TooManyImages, UndecodableImage
+from shmgate.shared.vocabulary import material_digest
+from shmgate.shared.wire import MAX_TOP_LOGPROBS, SamplingParams
 
 __all__ = [
     "ChatCompletionRequest",

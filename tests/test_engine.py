@@ -17,12 +17,12 @@ pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from gateway.preprocess.hf import HFPreprocessor  # noqa: E402
-from shared.wire import SamplingParams  # noqa: E402
+from shmgate.gateway.preprocess.hf import HFPreprocessor  # noqa: E402
+from shmgate.shared.wire import SamplingParams  # noqa: E402
+from shmgate.worker.backends.base import BackendEvent, WorkItem  # noqa: E402
+from shmgate.worker.backends.hf import HFBackend  # noqa: E402
 from tests.hf_fixture import no_eos_bias  # noqa: E402
 from tests.test_hf import SQUARE, WIDE, answer, work_item  # noqa: E402
-from worker.backends.base import BackendEvent, WorkItem  # noqa: E402
-from worker.backends.hf import HFBackend  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -226,7 +226,7 @@ def test_a_repeated_image_skips_the_vision_tower(pre: HFPreprocessor, engine: HF
 
 
 def test_the_encoder_cache_forgets_the_least_recently_used_first() -> None:
-    from worker.backends.hf import EncoderCache
+    from shmgate.worker.backends.hf import EncoderCache
 
     cache = EncoderCache(max_bytes=3 * 16)  # three 4-float entries
     for name in (b"a", b"b", b"c"):
@@ -262,12 +262,12 @@ def test_through_the_worker_loop_requests_join_leave_cancel_and_are_preempted(
     import asyncio
     import threading
 
-    from gateway.frontend import Frontend, FrontendLimits
-    from gateway.intake import IntakeLimits, parse_chat_request
-    from shared.stats_layout import Counter
-    from shared.transport.memory import MemoryFrontendLink, MemoryNode, MemoryNodeStats, MemoryWorkerLink
-    from shared.wire import Delta, Finished
-    from worker.main import Worker, WorkerOptions
+    from shmgate.gateway.frontend import Frontend, FrontendLimits
+    from shmgate.gateway.intake import IntakeLimits, parse_chat_request
+    from shmgate.shared.stats_layout import Counter
+    from shmgate.shared.transport.memory import MemoryFrontendLink, MemoryNode, MemoryNodeStats, MemoryWorkerLink
+    from shmgate.shared.wire import Delta, Finished
+    from shmgate.worker.main import Worker, WorkerOptions
 
     backend.clear()
     node = MemoryNode()

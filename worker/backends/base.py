@@ -25,8 +25,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from shared.errors import ModelError, ShmgateError
-from shared.wire import SamplingParams, TokenLogprob
+from shmgate.shared.errors import ModelError, ShmgateError
+from shmgate.shared.wire import SamplingParams, TokenLogprob
 
 __all__ = ["DEFAULT_BATCH_SIZE", "BackendEvent", "BatchEngine", "ModelBackend", "WorkItem", "batch_size_for"]
 

@@ -73,12 +73,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from shared.errors import InvalidRequest, ModelError
-from shared.hf_families import HF_FAMILIES, InputStyle, chat_family  # each family's record
-from shared.models import model_id_for  # rules: shared/models.py
-from shared.wire import MAX_LOGPROB_TOKEN_CHARS, SamplingParams, TokenLogprob
-from worker.backends.base import BackendEvent, ModelBackend, WorkItem
-from worker.health import is_sticky_device_error
+from shmgate.shared.errors import InvalidRequest, ModelError
+from shmgate.shared.hf_families import HF_FAMILIES, InputStyle, chat_family  # each family's record
+from shmgate.shared.models import model_id_for  # rules: shared/models.py
+from shmgate.shared.wire import MAX_LOGPROB_TOKEN_CHARS, SamplingParams, TokenLogprob
+from shmgate.worker.backends.base import BackendEvent, ModelBackend, WorkItem
+from shmgate.worker.health import is_sticky_device_error
 
 __all__ = [
     "DTYPES",
