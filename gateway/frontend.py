@@ -257,6 +257,7 @@ class Frontend:
             else:
                 prompt = await loop.run_in_executor(self.images.pool, pre.build_prompt, chat.messages, specs)
             inline = prompt.inline
+            image_keys = tuple(group.key or b"" for group in groups)  # before the inline group joins them
             if len(inline) > INLINE_MAX_BYTES:
                 groups.append(await loop.run_in_executor(self.images.pool, self.images.inline_group, prompt))
                 inline = b""
@@ -276,6 +277,7 @@ class Frontend:
                 text=prompt.text[:MAX_SUBMIT_TEXT_CHARS],
                 task=chat.task,
                 traceparent="" if trace is None else trace.attempt(request_id, 0),
+                image_keys=image_keys,
             )
             state = RequestState(request_id=request_id, submit=submit, groups=groups, started=started, trace=trace)
             if tracing.spans is not None:

@@ -237,6 +237,7 @@ class NodeCollector:
             sum_value=workers.batched_requests,
         )
         yield batch
+        yield from _engine_metrics(node.engine_totals())
         yield gauge(
             "shmgate_preparing_requests",
             "Admitted requests still being decoded and preprocessed.",
@@ -317,3 +318,51 @@ def render(node: NodeStats, queue_depth: int) -> str:
     """The Prometheus text exposition for the whole node."""
     body, _ = exposition(node, lambda: queue_depth, None)
     return body.decode()
+
+
+def _engine_metrics(words: dict[str, int]) -> Iterator[Metric]:
+    """The generation engines' gauges and counters (worker/backends/hf.py), summed over workers.
+
+    Mean step time is ``rate(step_seconds) / rate(steps)``, tokens per step ``rate(step_tokens) /
+    rate(steps)``.
+    """
+    yield GaugeMetricFamily(
+        "shmgate_engine_running_requests", "Requests decoding in the generation engines.", value=words["running"]
+    )
+    yield GaugeMetricFamily(
+        "shmgate_engine_waiting_requests",
+        "Requests added to a generation engine, not running yet.",
+        value=words["waiting"],
+    )
+    yield GaugeMetricFamily(
+        "shmgate_kv_cache_used_tokens", "KV cache token positions the engines hold.", value=words["kv_used"]
+    )
+    yield GaugeMetricFamily(
+        "shmgate_kv_cache_budget_tokens",
+        "The engines' KV budgets in token positions (0: unbounded).",
+        value=words["kv_budget"],
+    )
+    yield CounterMetricFamily("shmgate_engine_steps_total", "Generation engine steps.", value=words["steps"])
+    yield CounterMetricFamily(
+        "shmgate_engine_step_seconds_total", "Time the engines' steps took.", value=words["step_ns"] / 1e9
+    )
+    yield CounterMetricFamily(
+        "shmgate_engine_step_tokens_total",
+        "Tokens the engines' steps ran (one per decoding row, one per prefilled prompt token).",
+        value=words["step_tokens"],
+    )
+    yield CounterMetricFamily(
+        "shmgate_engine_preemptions_total",
+        "Running requests preempted (their KV cache dropped and recomputed later) to stay within the KV budget.",
+        value=words["preemptions"],
+    )
+    yield CounterMetricFamily(
+        "shmgate_encoder_cache_hits_total",
+        "Images whose vision-tower output came from a worker's encoder cache.",
+        value=words["encoder_hits"],
+    )
+    yield CounterMetricFamily(
+        "shmgate_vision_tower_runs_total",
+        "Vision-tower runs over images not in the encoder cache.",
+        value=words["encoder_runs"],
+    )

@@ -81,7 +81,8 @@ class BatchingOptions:
     GROUP: ClassVar[str] = "workers and batching"
     max_batch_size: int = option(
         "requests per batch; 0: the model's choice (one forward pass for the "
-        "classifier on CPU, 2 per torch thread; 8 on CUDA and for other models)",
+        "classifier on CPU, 2 per torch thread; 8 on CUDA and for other models; for hf: chat models the "
+        "rows generating together, 32)",
         default="0",
         type=flag_types.non_negative_int,
     )
@@ -98,6 +99,24 @@ class BatchingOptions:
         default="held",
         type=flag_types.choice(*BATCH_POLICIES),
         metavar="{" + ",".join(BATCH_POLICIES) + "}",
+    )
+    max_num_batched_tokens: int = option(
+        "hf: models: tokens one engine step runs (each decoding row's one, then waiting prompts' "
+        "tokens; a longer Qwen2-VL prompt is prefilled in chunks of this)",
+        default="2048",
+        type=flag_types.positive_int,
+    )
+    kv_cache_tokens: int = option(
+        "hf: models: the KV cache budget in token positions; requests wait and the newest running one is "
+        "preempted beyond it; 0: unbounded on CPU, 70 percent of the memory free after the weights on CUDA",
+        default="0",
+        type=flag_types.non_negative_int,
+    )
+    encoder_cache_mb: float = option(
+        "hf: models: vision-tower outputs kept by image content key (Qwen2-VL, Qwen2.5-VL), least "
+        "recently used out first; 0: none",
+        default="256",
+        type=flag_types.non_negative_float,
     )
     dtype: str = option(
         "weights of hf: models (auto: bfloat16 on CUDA, float32 on CPU)",

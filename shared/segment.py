@@ -37,11 +37,13 @@ import posix_ipc
 from shmgate.shared.cache_index import ENTRY
 from shmgate.shared.errors import SetupError
 from shmgate.shared.names import IPC_MODE, InstanceNames, check_shm_space
-from shmgate.shared.stats_layout import BATCH_BUCKETS, MODEL_SLOTS, STATS_WORDS
+from shmgate.shared.stats_layout import BATCH_BUCKETS, ENGINE_FIELDS, ENGINE_GAUGES, MODEL_SLOTS, STATS_WORDS
 from shmgate.shared.vocabulary import HEARTBEAT_INTERVAL_S, MODEL_NAME_BYTES, InstanceState, SlotState, now_ns
 from shmgate.shared.wire import WIRE_VERSION
 
 __all__ = [
+    "ENGINE_FIELDS",
+    "ENGINE_GAUGES",
     "Heartbeat",
     "HeaderPeek",
     "MAX_MODELS",
@@ -62,7 +64,7 @@ MAGIC = int.from_bytes(b"SHMGATE1", "little")
 # 3: slot rows carry ``progress_ns`` and ``stalls``; ``model`` widened to MODEL_NAME_BYTES
 # 4: stats rows of 256 words (the per-stage latency histograms, gateway/stages.py)
 # 5: a table of the declared models (several models on one node) replaces the header's one ``model``
-LAYOUT_VERSION = 5
+LAYOUT_VERSION = 6
 ALIGN = 64
 PAGE = 4096
 
@@ -132,6 +134,9 @@ SLOT = np.dtype(
         # process whose beat_ns is fresh but progress_ns old is wedged (supervise/supervisor.py).
         ("progress_ns", "<u8"),
         ("stalls", "<u8"),  # times this slot's process was declared stalled (never reset: a counter)
+        # Worker rows of a generation engine (worker/backends/hf.py), see ENGINE_FIELDS: gauges set per
+        # step (zeroed at claim and release), counters added to (never reset).
+        ("engine", "<u8", (len(ENGINE_FIELDS),)),
     ]
 )
 
@@ -484,6 +489,7 @@ class Segment:
         row["preparing"] = 0  # a dead predecessor's requests died with it
         row["progress_ns"] = now_ns()
         row["model"] = model.encode()[:MODEL_NAME_BYTES]
+        row["engine"][:ENGINE_GAUGES] = 0  # a dead predecessor's rows died with it
         row["state"] = SlotState.STARTING
         return epoch
 

@@ -18,6 +18,8 @@ from shmgate.shared.stages import Stage
 
 __all__ = [
     "BATCH_BUCKETS",
+    "ENGINE_FIELDS",
+    "ENGINE_GAUGES",
     "MODEL_SLOTS",
     "REQUEST_BUCKETS_S",
     "REQUEST_HISTOGRAM_WORDS",
@@ -128,3 +130,19 @@ def spans() -> tuple[Span, ...]:
     ]  # aliases included: each is an entry
     entries += [Span(f"stage {s.name}", stage_base(s), STAGE_WORDS) for s in Stage]
     return tuple(sorted(entries, key=lambda span: span.first))
+
+
+# The words of a worker row's ``engine`` column: the first ENGINE_GAUGES are gauges, the rest counters.
+ENGINE_FIELDS = (
+    "running",  # rows decoding together
+    "waiting",  # requests added, not running yet
+    "kv_used",  # KV cache token positions held
+    "kv_budget",  # the KV budget in token positions (0: unbounded)
+    "steps",
+    "step_ns",
+    "step_tokens",
+    "preemptions",
+    "encoder_hits",
+    "encoder_runs",
+)
+ENGINE_GAUGES = 4

@@ -141,6 +141,9 @@ class Submit(Message, tag="s"):
     # W3C traceparent of this attempt's span (shared/tracing.py), so the worker's spans join the request's
     # trace; "" when tracing is off. 55 characters, never more (the frontend writes it).
     traceparent: str = ""
+    # Each image's content key (shared/vocabulary.py key_of_digest; b"" where there is none), in image order:
+    # a worker keeps an image's vision-tower output under it (worker/backends/hf.py EncoderCache).
+    image_keys: tuple[Annotated[bytes, Meta(max_length=32)], ...] = ()
 
 
 class Cancel(Message, tag="c"):

@@ -119,6 +119,16 @@ def test_queued_requests_join_the_batch_without_waiting_the_window(
     assert took < HANG_S
 
 
+def test_a_limit_takes_no_more_than_the_engine_has_room_for_and_leaves_the_rest_queued(
+    instance: Instance, requests: Queue, wake: tuple[int, int]
+) -> None:
+    _send(instance, 1, 2, 3)
+    batcher = _batcher(requests, wake, more_coming=lambda: False)
+    assert _timed_collect(batcher, limit=2)[0] == [1, 2]
+    assert requests.current_messages() == 1  # for another worker, or this one's next turn
+    assert _timed_collect(batcher, limit=0)[0] == [3]  # a full engine still takes one: it starts next
+
+
 def test_the_window_waits_for_a_request_a_frontend_is_still_decoding(
     instance: Instance, requests: Queue, wake: tuple[int, int]
 ) -> None:

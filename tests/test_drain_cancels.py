@@ -30,6 +30,7 @@ def _worker_reading(link: _FailingControl) -> Worker:
     worker.link = link  # type: ignore[assignment]
     worker._cancel_lock = threading.Lock()
     worker._cancelled = set()
+    worker._jobs = {}
     return worker
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from shmgate.gateway.stages import parse_server_timing
 from tests.hf_fixture import no_eos_bias
-from tests.serving import IMAGES, Server, data_url, start_server, wait_until
+from tests.serving import IMAGES, Server, data_url, noise_png, start_server, wait_until
 from tests.shm_children import leftovers
 
 
@@ -342,3 +342,68 @@ def test_n_choices_whose_client_hangs_up_are_all_cancelled(hf_server: Server, ti
     }
     generated = server.metric("shmgate_cancelled_tokens_total") - tokens
     assert generated < max_tokens, f"{generated:.0f} of {2 * max_tokens} tokens generated for nobody"
+
+
+def test_a_short_request_sent_while_a_long_answer_streams_ends_before_it(
+    hf_server: Server, tiny_qwen2_vl_dir: Path
+) -> None:
+    """Continuous batching over HTTP: the short request joins the running rows at the next step instead of
+    waiting for the long answer (a static batch would answer it only after the long one's 300 tokens)."""
+    bias = no_eos_bias(tiny_qwen2_vl_dir)
+    steps = hf_server.metric("shmgate_engine_steps_total")
+    long = {
+        "model": "tiny-qwen2-vl",
+        "messages": _messages("chelsea_640.jpg", "Tell me everything."),
+        "max_tokens": 300,
+        "temperature": 0,
+        "logit_bias": bias,
+        "stream": True,
+    }
+    short = {**long, "messages": _messages("camera_640.jpg", "Short."), "max_tokens": 4, "stream": False}
+    order: list[str] = []
+
+    async def run() -> None:
+        async with httpx.AsyncClient(base_url=hf_server.base_url, timeout=120) as client:
+
+            async def ask_short() -> None:
+                reply = await client.post("/v1/chat/completions", json=short)
+                assert reply.status_code == 200, reply.text
+                order.append("short done")
+
+            task = None
+            async with client.stream("POST", "/v1/chat/completions", json=long) as response:
+                async for line in response.aiter_lines():
+                    if task is None and line.startswith("data: {") and '"content"' in line:
+                        order.append("long first")
+                        task = asyncio.create_task(ask_short())
+                    if line == "data: [DONE]":
+                        order.append("long done")
+            assert task is not None
+            await task
+
+    asyncio.run(run())
+    assert order == ["long first", "short done", "long done"]
+    assert hf_server.metric("shmgate_engine_steps_total") > steps
+    assert hf_server.metric("shmgate_engine_running_requests") == 0  # idle again: the gauges say so
+
+
+def test_a_repeated_image_is_encoded_once(hf_server: Server) -> None:
+    """The second turn's image has the first's content key: the worker's encoder cache answers for it."""
+    hits, runs = (
+        hf_server.metric("shmgate_encoder_cache_hits_total"),
+        hf_server.metric("shmgate_vision_tower_runs_total"),
+    )
+    image = {
+        "type": "image_url",
+        "image_url": {"url": data_url(noise_png(4040, size=96), mime="image/png")},
+    }  # seen by no other test
+    body = {
+        "model": "tiny-qwen2-vl",
+        "messages": [{"role": "user", "content": [image, {"type": "text", "text": "Once."}]}],
+        "max_tokens": 2,
+        "temperature": 0,
+    }
+    for _ in range(2):
+        assert httpx.post(hf_server.base_url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+    wait_until(lambda: hf_server.metric("shmgate_encoder_cache_hits_total") >= hits + 1, 10, "the hit reported")
+    assert hf_server.metric("shmgate_vision_tower_runs_total") == runs + 1

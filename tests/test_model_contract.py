@@ -40,7 +40,7 @@ PREPROCESSOR_CAPABILITIES = (
     "tokenizes",
     "deterministic_answers",
 )
-BACKEND_CAPABILITIES = ("embeds", "host_tensors", "preferred_batch_size", "on_step")
+BACKEND_CAPABILITIES = ("embeds", "host_tensors", "preferred_batch_size", "joins_running", "on_step")
 
 
 @pytest.mark.parametrize("kind", list(ModelKind))

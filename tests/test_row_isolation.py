@@ -20,7 +20,7 @@ from shmgate.gateway.preprocess.hf import HFPreprocessor  # noqa: E402
 from shmgate.shared.errors import ModelError  # noqa: E402
 from shmgate.shared.wire import SamplingParams  # noqa: E402
 from shmgate.worker.backends.base import BackendEvent, WorkItem  # noqa: E402
-from shmgate.worker.backends.hf import HFBackend, finite_rows, sample_token  # noqa: E402
+from shmgate.worker.backends.hf import HFBackend, guarded_pick, sample_token  # noqa: E402
 from tests.test_hf import SQUARE, WIDE, answer, work_item  # noqa: E402
 
 
@@ -74,9 +74,12 @@ def test_a_tiny_temperature_is_greedy_in_the_worker_too(pre: HFPreprocessor, bac
     assert answer(events, 0)[0] == answer(events, 1)[0]
 
 
-def test_finite_rows_checks_every_row_in_one_pass() -> None:
-    logits = torch.tensor([[0.0, 1.0], [float("nan"), 1.0], [float("inf"), 0.0]])
-    assert finite_rows(logits).tolist() == [True, False, False]
+def test_the_pick_flags_a_distribution_that_is_not_finite_and_never_samples_it() -> None:
+    generator = torch.Generator().manual_seed(0)
+    assert bool(guarded_pick(torch.tensor([0.0, 1.0]), 1.0, 1.0, generator)[1])
+    assert not bool(guarded_pick(torch.tensor([float("nan"), 1.0]), 1.0, 1.0, generator)[1])
+    # finite logits whose division by a (permitted) small temperature overflows float32
+    assert not bool(guarded_pick(torch.tensor([3e38, 0.0]), 1e-4, 1.0, generator)[1])
     assert sample_token(torch.tensor([0.0, 5.0, 1.0]), 1e-300, 1.0, torch.Generator().manual_seed(0)) == 1
 
 
@@ -86,14 +89,16 @@ def test_a_row_whose_sampling_raises_fails_alone(
     # A sampling failure no check foresaw, injected into one row's pick: that row ends, its mate runs on.
     from shmgate.worker.backends import hf
 
-    real = hf.pick_token
+    real = hf.guarded_pick
 
-    def pick(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
+    def pick(
+        logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if temperature == 0.5:
             raise RuntimeError("probability tensor contains either inf, nan or element < 0")
         return real(logits, temperature, top_p, generator)
 
-    monkeypatch.setattr(hf, "pick_token", pick)
+    monkeypatch.setattr(hf, "guarded_pick", pick)
     good = work_item(pre, "Hi", [WIDE], SamplingParams(max_tokens=6, temperature=0.0), 1)
     bad = work_item(pre, "Hi", [SQUARE], SamplingParams(max_tokens=6, temperature=0.5), 2)
     alone = answer(list(backend.run([good])))[0]

@@ -88,14 +88,19 @@ class Batcher(Generic[T]):
             raise ValueError(f"unknown batch policy {policy!r} (fcfs, held)")
         self._policy = policy
 
-    def collect(self, idle_timeout_s: float = 0.5, *, hold_open: Callable[[], bool] = _never) -> list[T]:
+    def collect(
+        self, idle_timeout_s: float = 0.5, *, hold_open: Callable[[], bool] = _never, limit: int | None = None
+    ) -> list[T]:
         """The next batch; empty when nothing arrived within ``idle_timeout_s``.
 
         ``hold_open()`` says the model is busy: the batch keeps gathering (past its window, too),
         since running sooner is impossible anyway. While it is false, the batch is cut when the
-        window ends or when nothing more is on its way.
+        window ends or when nothing more is on its way. ``limit``: at most this many (at least one),
+        below the maximum size: what a generation engine has room for, so a worker takes no more
+        off the shared queue than it can start.
         """
         batch: list[T] = []
+        size = self._max_batch_size if limit is None else max(1, min(limit, self._max_batch_size))
         if self._policy == "fcfs":
             if not self._wait_until_free(idle_timeout_s, hold_open):
                 return batch  # still busy: the caller looks at its stop flag and asks again
@@ -106,7 +111,7 @@ class Batcher(Generic[T]):
         if first is not False:
             batch.append(first)  # type: ignore[arg-type]
         deadline = time.monotonic() + self._max_batch_wait_s
-        while len(batch) < self._max_batch_size:
+        while len(batch) < size:
             holding = hold_open()
             if batch and not holding and not self._waiting_helps():
                 break

@@ -1,24 +1,31 @@
-"""The worker loop: receive -> batch -> copy to the device -> run -> stream replies, pipelined.
+"""The worker loop: receive -> copy to the device -> add to the engine -> step -> stream replies.
 
 One worker is one process with one model on one device. Two threads share the
-work (worker/prefetch.py): while the main thread runs batch k on the model, a
-prefetch thread collects batch k+1, validates its descriptors, copies its
+work (worker/prefetch.py): a prefetch thread takes requests off the shared
+queue (worker/batcher.py), claims each, validates its descriptors, copies its
 tensors to the device (CUDA: on the copy stream, then waits for the copy's
-event), re-checks the generations and sends Released. The main thread makes
-the compute stream wait for the copy's event (no host sync on the compute
-path) and runs the model.
+event), re-checks the generations and sends Released at once, per request;
+the main thread runs the engine loop: admit what the prefetch side has ready
+(as much as the backend has ``room`` for: a generative backend's free rows and
+KV budget, a batch backend's next batch once the last one ended), ``step`` the
+backend, route each event to its request, read cancels between steps (an
+aborted request leaves at the next step boundary). The compute stream waits
+for each copy's event (no host sync on the compute path). The backend contract
+(``add``, ``abort``, ``step``, ``has_work``) is worker/backends/base.py's.
 
 Per request the worker sends, in order: Claimed (as soon as it takes the
 descriptor), Released (after its tensors were copied to the device and the
-generation re-checked; never before the copy finished reading the arena), then
-Delta* and exactly one terminal Finished or Failed. A bad descriptor, an
-expired deadline or a backend event with an ``error`` fails that request alone, a
-backend exception fails that batch, and the worker carries on; only SIGTERM/SIGINT stops it, after the current batch
-and the prepared one (both were claimed: they run, nothing is dropped).
+generation re-checked; never before the copy finished reading the arena, and
+never later than that), then Delta* and exactly one terminal Finished or
+Failed. A bad descriptor, an expired deadline or a request's own failure
+(bad inputs, non-finite logits: an ``error`` event) fails that request alone;
+a step that raises fails what the engine holds; the worker carries on. Only
+SIGTERM/SIGINT stops it, after what the engine holds and the prepared batch
+(both were claimed: they run, nothing is dropped).
 
 Liveness: a heartbeat thread stamps the worker's slot row ("the process
 exists"); ``progress_ns`` is stamped only by the main loop, per turn (at most
-every ``LOOK_EVERY_S``), per batch, per backend event and per decode step
+every ``LOOK_EVERY_S``), per engine step and per forward pass
 (worker/health.py), so the supervisor can tell a turning loop from a stuck one
 and replace the stuck one. A worker that finds its slot marked DEAD or taken
 over exits at once (from the heartbeat thread, whatever the main thread is
@@ -82,7 +89,7 @@ from shmgate.shared.wire import (
     failed_reply,
 )
 from shmgate.worker.backends import load_backend
-from shmgate.worker.backends.base import ModelBackend, WorkItem, batch_size_for
+from shmgate.worker.backends.base import BackendEvent, ModelBackend, WorkItem, batch_size_for
 from shmgate.worker.batcher import Batcher
 from shmgate.worker.device import Copy, DeviceCopier, check_device, pick_device, use_device
 from shmgate.worker.diagnostics import DiagnosticOptions
@@ -109,6 +116,9 @@ NO_DIAGNOSTICS = DiagnosticOptions()  # production: no deliberate delays
 GET_TIMEOUT_S = 0.25
 LOOK_EVERY_S = 0.1
 PREFETCH_JOIN_S = 10.0  # at stop: how long to wait for the prefetch thread's current batch
+# A generation engine's gauges and counters reach the worker's row (and /metrics) at most this often,
+# and when it runs dry.
+ENGINE_REPORT_S = 0.05
 # Tracing: a long stream's Deltas past this many are not recorded (the SDK keeps 128 events per span anyway).
 MAX_DELIVERY_EVENTS = 128
 
@@ -123,6 +133,9 @@ class WorkerOptions:
     threads: int | None = None
     dtype: str = "auto"  # hf: models only (worker/backends/hf.py DTYPES)
     compile_normalise: bool = False  # efficientnet: torch.compile the input normalisation (opt-in; see there)
+    max_num_batched_tokens: int = 2048  # hf: models: tokens per engine step (worker/backends/hf.py)
+    kv_cache_tokens: int = 0  # hf: models: the KV budget in tokens; 0: unbounded on CPU, from free memory on CUDA
+    encoder_cache_mb: float = 256.0  # hf: models: vision-tower outputs kept by image key
     follow_drain_s: float = 0.0  # on SIGTERM keep serving while the gateway drains, this long at most (worker/drain.py)
     served_model_name: str = ""  # the id clients send (--served-model-name); '' the spec's default (shared/models.py)
     otlp_traces_endpoint: str = ""  # OpenTelemetry traces go there (worker/tracing.py); '': tracing off
@@ -166,6 +179,13 @@ class Worker:
         self._cancelled: set[tuple[int, int]] = set()
         self._cancels_read_at = 0.0
         self._cancel_lock = threading.Lock()
+        self._jobs: dict[int, _Job] = {}  # what the engine holds, by WorkItem.key
+        self._next_key = 0
+        self._batch_started_ns = 0  # when the engine last went from idle to busy (0: idle)
+        self._batch_requests = 0  # requests added since then
+        self._batch_ended: list[_Job] = []  # tracing a batch backend: its batch's requests, traced when it ends
+        self._engine_reported_at = 0.0
+        self._engine_counters: tuple[int, ...] = ()  # the counters' totals at the last report
         self._device_error: BaseException | None = None
         # Claimed under the public id: the gateway's model table maps it to this model's request queue.
         self.slot, self.epoch = link.claim(_public_id(options))
@@ -181,6 +201,9 @@ class Worker:
             threads=options.threads,
             dtype=options.dtype,
             compile_normalise=options.compile_normalise,
+            max_num_batched_tokens=options.max_num_batched_tokens,
+            kv_cache_tokens=options.kv_cache_tokens,
+            encoder_cache_mb=options.encoder_cache_mb,
         )
         if options.served_model_name:
             self.backend.name = options.served_model_name
@@ -188,6 +211,8 @@ class Worker:
         check_model_id(self.backend.name)
         link.set_model(self.backend.name)
         self.backend.on_step = self.progress.step  # generative backends: progress per forward pass
+        self._batch_size = batch_size_for(self.backend, options.max_batch_size)
+        self._room = self._batch_size  # the engine's room after the last turn (read by the prefetch thread)
         self.copier = DeviceCopier(self.device, link.mm)
         self._host_only = frozenset((INLINE_TENSOR, *self.backend.host_tensors))
         self._prefetcher: Prefetcher[list[_Job]] = Prefetcher(self._prepare, name=f"prefetch-{self.slot}")
@@ -198,7 +223,7 @@ class Worker:
             self.spans = start_batch_spans(options.otlp_traces_endpoint, slot=self.slot, model=self.backend.name)
         self.batcher: Batcher[_Job] = Batcher(
             link.request_queue(),
-            max_batch_size=batch_size_for(self.backend, options.max_batch_size),
+            max_batch_size=self._batch_size,
             max_batch_wait_s=options.max_batch_wait_ms / 1000,
             on_take=self._take,
             on_invalid=self._invalid_message,
@@ -231,6 +256,7 @@ class Worker:
     def run(self) -> None:
         link = self.link
         self.progress.step()  # before READY: loading the model was not a stall
+        self._report_engine()  # its KV budget, from the start
         link.mark(SlotState.READY)
         # "slot" is the segment's worker slot; the supervisor logs which of its workers holds it (by pid)
         log.info(
@@ -239,7 +265,7 @@ class Worker:
             self.options.model,
             self.backend.name,
             self.device,
-            batch_size_for(self.backend, self.options.max_batch_size),
+            self._batch_size,
         )
         prefetcher = self._prefetcher.start()
         next_look = 0.0  # when the loop next looks at the instance and its slot (monotonic)
@@ -261,18 +287,19 @@ class Worker:
                         self.exit_code = 0 if self._stop.is_set() or self._stop_request.asked else EXIT_FAILURE
                         return
                     self.progress.idle_turn()
-                jobs = prefetcher.get(timeout_s=GET_TIMEOUT_S)
-                if jobs:
-                    self._timed_run(jobs)
+                self._turn()
                 if self._device_error is not None:
                     # Out of the ready set at once; the finally frees the slot, so the frontends
                     # retry what we claimed on another worker, and the supervisor restarts us.
                     log.error("sticky device error (%s); leaving the ready set and exiting", self._device_error)
                     self.exit_code = EXIT_DEVICE_ERROR
                     return
-            # Stopping: the prepared batch was claimed and released; run it rather than drop it.
+            # Stopping: what the engine holds and the prepared batch were claimed and released; finish
+            # them rather than drop them.
             for jobs in prefetcher.drain(PREFETCH_JOIN_S):
-                self._timed_run(jobs)
+                self._admit(jobs)
+            while self.backend.has_work() and self._device_error is None:
+                self._step()
         finally:
             left = prefetcher.drain(PREFETCH_JOIN_S)  # the thread must be done before the copier closes
             if left:  # only when the slot or the instance is gone: the frontends' watchdogs retry these
@@ -283,16 +310,22 @@ class Worker:
             self.copier.close()
             link.close()  # its queue descriptors: an unlinked queue's memory counts until the last close
 
-    def _timed_run(self, jobs: list[_Job]) -> None:
-        """Run a batch; count it in this worker's row (busy time, batch-size histogram for /metrics)."""
-        started = now_ns()
-        self.progress.step()
-        self._run_batch(jobs)
-        self.progress.step()
-        ended = now_ns()
-        self.link.count_batch(len(jobs), ended - started)
-        if self.spans is not None:
-            self.spans.batch(jobs, ended, [job.item is not None and job.item.cancelled for job in jobs])
+    def _turn(self) -> None:
+        """One turn of the engine loop: admit what the prefetch side has ready (if the engine has room), step.
+
+        An idle engine waits for work (``GET_TIMEOUT_S``); a busy one only looks, so a request that arrives
+        while others generate joins them at the next step (a generative backend's ``room``), or waits for
+        the running batch to end (a batch backend's: 0 while one runs).
+        """
+        backend = self.backend
+        busy = backend.has_work()
+        if backend.room(self._batch_size) > 0:
+            jobs = self._prefetcher.get(timeout_s=0.0 if busy else GET_TIMEOUT_S)
+            if jobs:
+                self._admit(jobs)
+        if backend.has_work():
+            self._step()
+        self._room = backend.room(self._batch_size)  # what the prefetch thread may take next (one int)
 
     # -- one batch --------------------------------------------------------------------
 
@@ -319,15 +352,25 @@ class Worker:
             return None
         if self._expired(submit):
             return None
+        job = _Job(submit, claimed_ns=claimed.claimed_ns)
+        job.stamps.mark(Stamp.CUT)
         self.progress.blocked_since_ns = now_ns()
         try:
-            copy = self._start_copy(submit)
+            job.copy = self._start_copy(submit)
+            if job.copy is None:
+                return None
+            # Released as soon as its tensors are copied, not when its batch is cut or its answer ends:
+            # the arena is the frontends' to reuse from here on.
+            job.item = self._finish_copy(submit, job.copy)
         except Exception as exc:  # this request's data (e.g. a view torch refuses): fail it, not the worker
             self._fail_unreadable(submit, exc)
             return None
         finally:
             self.progress.blocked_since_ns = 0
-        return None if copy is None else _Job(submit, copy=copy, claimed_ns=claimed.claimed_ns)
+        if job.item is None:
+            return None
+        job.stamps.mark(Stamp.COPIED)
+        return job
 
     def _expired(self, submit: Submit) -> bool:
         """Fail a request whose deadline passed before it could start; True when it did."""
@@ -339,30 +382,16 @@ class Worker:
     # -- the prefetch thread: the next batch, up to Released ----------------------------------
 
     def _prepare(self) -> list[_Job] | None:
-        """Collect a batch, copy it to the device and release the arena. None when nothing is left to run.
+        """Collect the next batch of taken requests (each copied and released when it was taken, ``_take``).
 
-        Runs in the prefetch thread while the main thread runs the previous batch. Each
-        request's copy started when it was taken (``_take``), so copies overlap the running
-        batch; the batch stays open while the model is busy, then every copy is waited for.
+        Runs in the prefetch thread while the main thread steps the engine. None when nothing arrived.
         """
         if not self._prefetch_bound:  # a new thread's current CUDA device is 0, whatever the main thread's
             use_device(self.device)
             self._prefetch_bound = True
-        jobs = self.batcher.collect(idle_timeout_s=0.25, hold_open=self._model_busy)
-        Stamps.mark_all((job.stamps for job in jobs), Stamp.CUT)
-        for job in jobs:
-            assert job.copy is not None
-            self.progress.blocked_since_ns = now_ns()
-            try:
-                job.item = self._finish_copy(job.submit, job.copy)
-                job.stamps.mark(Stamp.COPIED)
-            except Exception as exc:  # one request's data: fail it alone (the thread must live on)
-                self._fail_unreadable(job.submit, exc)
-                job.item = None
-            finally:
-                self.progress.blocked_since_ns = 0
-        live = [job for job in jobs if job.item is not None]
-        return live or None
+        limit = self._room if self.backend.joins_running else None
+        jobs = self.batcher.collect(idle_timeout_s=0.25, hold_open=self._model_busy, limit=limit)
+        return jobs or None
 
     def _model_busy(self) -> bool:
         return not self._stop.is_set() and self._prefetcher.consumer_busy
@@ -407,76 +436,135 @@ class Worker:
                 inline = b"".join(t.numpy().tobytes() for t in tensors)
             else:
                 by_name.setdefault(name, []).extend(tensors)  # on the host: the backend asked for that
-        return WorkItem(submit.request_id, by_name, submit.params, inline, submit.text, task=submit.task)
+        return WorkItem(
+            submit.request_id,
+            by_name,
+            submit.params,
+            inline,
+            submit.text,
+            task=submit.task,
+            image_keys=submit.image_keys,
+        )
 
     # -- the main thread: run a prepared batch ------------------------------------------------
 
-    def _run_batch(self, prepared: Sequence[_Job]) -> None:
+    def _admit(self, prepared: Sequence[_Job]) -> None:
+        """Add prepared requests to the engine (each under a key of its own); they start at the next step."""
         compute = self.copier.compute_stream()
-        live: list[_Job] = []
+        added = 0
         for job in prepared:
             assert job.copy is not None and job.item is not None
             job.copy.hand_to(compute)  # the compute stream waits for the copy's event; the host does not
-            if not self._expired(job.submit):  # it may have waited one batch since it was claimed
-                live.append(job)
-        if not live:
+            if self._expired(job.submit):  # it may have waited for room since it was claimed
+                continue
+            self._next_key += 1
+            job.item.key = self._next_key
+            self._jobs[job.item.key] = job
+            job.stamps.mark(Stamp.STARTED)
+            self.backend.add(job.item)
+            added += 1
+        if not added:
             return
-        items = [job.item for job in live if job.item is not None]
-        self._drain_cancels(live)  # cancels that arrived while the batch was prepared
+        if self._batch_started_ns == 0:
+            self._batch_started_ns, self._batch_requests = now_ns(), 0
+        self._batch_requests += added
+        self._drain_cancels()  # cancels that arrived while they were prepared
         self.diagnostics.before_batch()
+
+    def _step(self) -> None:
+        """One engine step: route its events; fail everything the engine holds if the step raised."""
         self.progress.step()
-        Stamps.mark_all((job.stamps for job in live), Stamp.STARTED)
+        started = now_ns()
         try:
-            for event in self.backend.run(items):
-                self.progress.step()
-                job = live[event.index]
-                if job.done:
-                    continue
-                job.stamps.output()
-                if event.logprob is not None:  # before the token's text: flush what is held first
-                    self._flush_text(job)
-                    self._reply(job.submit, TokenLogprobs(job.submit.request_id, event.logprob))
-                if event.text:
-                    job.pending.append(event.text)
-                if event.vector is not None:
-                    for message in vector_messages(job.submit.request_id, event.vector):
-                        self._reply(job.submit, message)
-                if event.error is not None:  # this item alone failed: answer it, the batch goes on
-                    job.done = True
-                    self._flush_text(job)
-                    self._fail(job.submit, job.seq, event.error)
-                elif event.finish_reason is not None:
-                    job.done = True
-                    last = self._flush_text(job, keep_last=True)
-                    self._reply(
-                        job.submit,
-                        Finished(
-                            request_id=job.submit.request_id,
-                            seq=job.seq,
-                            finish_reason=event.finish_reason,
-                            prompt_tokens=event.prompt_tokens,
-                            completion_tokens=event.completion_tokens,
-                            text=last,
-                            stamps=job.stamps.done(),
-                        ),
-                    )
-                elif event.flush:
-                    self._flush_text(job)
-                if time.monotonic() - self._cancels_read_at >= CANCEL_POLL_S:
-                    self._drain_cancels(live)
+            events = self.backend.step()
         except Exception as exc:
-            log.exception("backend failed on a batch of %d", len(items))
+            log.exception("the model failed a step of %d requests", len(self._jobs))
             if is_sticky_device_error(exc):
                 self._device_error = exc
                 self.link.mark(SlotState.DRAINING)  # not ready from now on
-            for job in live:
-                if not job.done:
-                    job.done = True
-                    self._fail(job.submit, job.seq, ModelError(f"the model failed: {type(exc).__name__}"))
+            self.backend.clear()
+            for job in list(self._jobs.values()):
+                self._end(job, failed=ModelError(f"the model failed: {type(exc).__name__}"))
+            events = []
+        self.progress.step()
+        for event in events:
+            routed = self._jobs.get(event.index)
+            if routed is not None:
+                self._route(routed, event)
+        idle = not self.backend.has_work()
+        if idle or time.monotonic() - self._engine_reported_at >= ENGINE_REPORT_S:
+            self._report_engine()
+        if self._engine_counters:
+            # A generation engine: a batch is a step, its size the requests that step produced for.
+            if events:
+                self.link.count_batch(len({event.index for event in events}), now_ns() - started)
+            self._batch_started_ns = 0
+        elif idle and self._batch_started_ns:
+            # A batch backend ran dry: count the batch it served (busy time, requests), and trace it.
+            ended = now_ns()
+            self.link.count_batch(self._batch_requests, ended - self._batch_started_ns)
+            self._batch_started_ns = 0
+            if self.spans is not None and self._batch_ended:
+                done = self._batch_ended
+                self._batch_ended = []
+                self.spans.batch(done, ended, [job.item is not None and job.item.cancelled for job in done])
+        if self._jobs and time.monotonic() - self._cancels_read_at >= CANCEL_POLL_S:
+            self._drain_cancels()
+
+    def _report_engine(self) -> None:
+        """Publish the engine's gauges and what its counters added since the last report."""
+        self._engine_reported_at = time.monotonic()
+        report = self.backend.engine_report()
+        if report is None:
             return
-        for job in live:
-            if not job.done:  # a backend that forgot an item: never leave a request hanging
-                self._fail(job.submit, job.seq, ModelError("the model produced no final answer"))
+        gauges, counters = report
+        last = self._engine_counters or (0,) * len(counters)
+        self.link.report_engine(gauges, [now - before for now, before in zip(counters, last)])
+        self._engine_counters = counters
+
+    def _route(self, job: _Job, event: BackendEvent) -> None:
+        """Send one event of ``job``'s output on, ending the job on its finish or error."""
+        job.stamps.output()
+        if event.error is not None:
+            self._end(job, failed=event.error)
+            return
+        if event.logprob is not None:  # before the token's text: flush what is held first
+            self._flush_text(job)
+            self._reply(job.submit, TokenLogprobs(job.submit.request_id, event.logprob))
+        if event.text:
+            job.pending.append(event.text)
+        if event.vector is not None:
+            for message in vector_messages(job.submit.request_id, event.vector):
+                self._reply(job.submit, message)
+        if event.finish_reason is not None:
+            last = self._flush_text(job, keep_last=True)
+            self._reply(
+                job.submit,
+                Finished(
+                    request_id=job.submit.request_id,
+                    seq=job.seq,
+                    finish_reason=event.finish_reason,
+                    prompt_tokens=event.prompt_tokens,
+                    completion_tokens=event.completion_tokens,
+                    text=last,
+                    stamps=job.stamps.done(),
+                ),
+            )
+            self._end(job)
+        elif event.flush:
+            self._flush_text(job)
+
+    def _end(self, job: _Job, failed: ShmgateError | None = None) -> None:
+        """The job left the engine: answer its error if it failed, forget it, trace it."""
+        assert job.item is not None
+        self._jobs.pop(job.item.key, None)
+        if failed is not None:
+            self._fail(job.submit, job.seq, failed)
+        if self.spans is not None:
+            if self.backend.joins_running:  # requests come and go between steps: each is traced as it ends
+                self.spans.batch([job], now_ns(), [job.item.cancelled])
+            else:
+                self._batch_ended.append(job)  # one batch span linking them all, when the batch ends
 
     # -- replies ----------------------------------------------------------------------
 
@@ -549,7 +637,7 @@ class Worker:
                     return  # the frontend is gone; its successor ignores old request ids anyway
         log.warning("dropped a reply: frontend %d is alive but not reading its channel", slot)
 
-    def _drain_cancels(self, jobs: Sequence[_Job] = ()) -> None:
+    def _drain_cancels(self) -> None:
         self._cancels_read_at = time.monotonic()
         while True:
             try:
@@ -565,11 +653,13 @@ class Worker:
                 with self._cancel_lock:
                     self._cancelled.add((message.reply_slot, message.request_id))
         with self._cancel_lock:
-            if jobs and self._cancelled:
-                for job in jobs:
+            if self._cancelled and self._jobs:
+                for job in self._jobs.values():
                     item = job.item
-                    if item is not None and (job.submit.reply_slot, item.request_id) in self._cancelled:
-                        item.cancelled = True
+                    if item is not None and not item.cancelled:
+                        if (job.submit.reply_slot, item.request_id) in self._cancelled:
+                            item.cancelled = True
+                            self.backend.abort(item.key)  # it ends at the next step boundary
             if len(self._cancelled) > 10_000:
                 self._cancelled.clear()  # cancels of requests that finished before they arrived
 

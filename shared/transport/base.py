@@ -13,7 +13,7 @@ in-process and a multiprocess client behind one interface), kept small:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple, Protocol
 
 import numpy as np
@@ -206,6 +206,10 @@ class WorkerLink(Protocol):
     def count_batch(self, n_requests: int, busy_ns: int) -> None:
         """Add one batch to this worker's counters (busy time, batch-size histogram)."""
 
+    def report_engine(self, gauges: Sequence[int], added: Sequence[int]) -> None:
+        """A generation engine's state: set its gauges and add to its counters (shared/segment.py ENGINE_FIELDS
+        order: the first ENGINE_GAUGES words, then the counters' increments since the last report)."""
+
     def close(self) -> None: ...
 
 
@@ -228,6 +232,9 @@ class NodeStats(Protocol):
     def live_workers(self) -> int: ...
 
     def worker_totals(self) -> WorkerTotals: ...
+
+    def engine_totals(self) -> dict[str, int]:
+        """The generation engines' words (shared/segment.py ENGINE_FIELDS) summed over worker rows."""
 
     def batch_histogram(self) -> np.ndarray: ...
 

@@ -22,14 +22,14 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from shmgate.shared.errors import ChannelFull, DescriptorError, SetupError
-from shmgate.shared.stats_layout import BATCH_BUCKETS, STATS_WORDS
+from shmgate.shared.stats_layout import BATCH_BUCKETS, ENGINE_FIELDS, ENGINE_GAUGES, STATS_WORDS
 from shmgate.shared.transport.base import (
     FrontendLink,
     NodeStats,
@@ -135,6 +135,7 @@ class MemoryNode:
         self.state = InstanceState.RUNNING
         self.links: dict[int, MemoryFrontendLink] = {}
         self.batches: list[int] = []
+        self.engine: dict[str, int] = dict.fromkeys(ENGINE_FIELDS, 0)  # what report_engine said (one engine)
         self._lock = threading.Lock()
         self._next_offset = 4096
 
@@ -456,6 +457,13 @@ class MemoryWorkerLink:
     def count_batch(self, n_requests: int, busy_ns: int) -> None:
         self.node.batches.append(n_requests)
 
+    def report_engine(self, gauges: Sequence[int], added: Sequence[int]) -> None:
+        engine = self.node.engine
+        for name, value in zip(ENGINE_FIELDS, gauges):
+            engine[name] = value
+        for name, value in zip(ENGINE_FIELDS[ENGINE_GAUGES:], added):
+            engine[name] += value
+
     def close(self) -> None:
         pass
 
@@ -477,6 +485,9 @@ class MemoryNodeStats:
     def worker_totals(self) -> WorkerTotals:
         starts = sum(w.epoch for w in self.node.workers)
         return WorkerTotals(starts, 0, 0, 0, len(self.node.batches), sum(self.node.batches))
+
+    def engine_totals(self) -> dict[str, int]:
+        return dict(self.node.engine)
 
     def batch_histogram(self) -> np.ndarray:
         return np.zeros(len(BATCH_BUCKETS) + 1, dtype="<u8")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -21,7 +21,7 @@ from shmgate.shared.errors import ChannelFull, Overloaded
 from shmgate.shared.instance import Instance, instance_alive
 from shmgate.shared.locks import HolderKind
 from shmgate.shared.segment import Heartbeat, LockId, own_pidns
-from shmgate.shared.stats_layout import BATCH_BUCKETS, Counter
+from shmgate.shared.stats_layout import BATCH_BUCKETS, ENGINE_FIELDS, ENGINE_GAUGES, Counter
 from shmgate.shared.transport.base import (
     FrontendLink,
     NodeStats,
@@ -217,6 +217,7 @@ class PosixWorkerLink:
 
     def release(self) -> None:
         if self.still_ours():
+            self.segment.workers[self.slot]["engine"][:ENGINE_GAUGES] = 0  # its rows and KV are gone with it
             self.segment.workers[self.slot]["state"] = SlotState.FREE
 
     def still_ours(self) -> bool:
@@ -287,6 +288,11 @@ class PosixWorkerLink:
         workers["batched_requests"][self.slot] += n_requests
         workers["batch_hist"][self.slot, bisect.bisect_left(BATCH_BUCKETS, n_requests)] += 1
 
+    def report_engine(self, gauges: Sequence[int], added: Sequence[int]) -> None:
+        words = self.segment.workers["engine"][self.slot]
+        words[:ENGINE_GAUGES] = gauges
+        words[ENGINE_GAUGES:] += np.asarray(added, dtype=np.uint64)
+
     def close(self) -> None:
         """Close this worker's queue descriptors: an unlinked queue's memory counts until the last close."""
         for q in (self._requests, self._control, *self._replies.values()):
@@ -323,6 +329,10 @@ class PosixNodeStats:
     def batch_histogram(self) -> np.ndarray:
         hist: np.ndarray = self.segment.workers["batch_hist"].sum(axis=0)
         return hist
+
+    def engine_totals(self) -> dict[str, int]:
+        summed = self.segment.workers["engine"].sum(axis=0).tolist()
+        return dict(zip(ENGINE_FIELDS, (int(v) for v in summed)))
 
     def preparing_requests(self) -> int:
         return self.segment.preparing_requests()

@@ -7,15 +7,31 @@ decodes one token at a time with the KV cache, so every token reaches the client
 soon as it exists (no ``generate``, no streamer thread: each step is ours to sample,
 seed, stop or cancel).
 
-Batching (padded decode): each item of a batch is prefilled alone (its prompt length
-and images are its own), then the items' KV caches are merged into one, left-padded
-with zeros to the longest, and every decode step is ONE forward pass over all live
-rows: ``input_ids [rows, 1]``, a per-row position (prompt length + tokens so far +
-that row's RoPE delta) and an attention mask that hides each row's padding. A row that
-ends (EOS, stop string, max_tokens, cancel) is dropped from the cache at once, with the
-padding all remaining rows share; the last row left has no padding and decodes exactly
-as it would alone. A batch is fixed when it starts: requests that arrive meanwhile
-wait for the next one (no continuous batching).
+Continuous batching (worker/backends/base.py's engine contract): ``add`` queues a checked
+request, and each ``step`` first drops rows that ended (EOS, stop string, max_tokens,
+cancel, a failure of their own), then runs ONE decode forward pass over every running row
+(``input_ids [rows, 1]``, a per-row position: prompt length + tokens so far + that row's
+RoPE delta, and an attention mask that hides each row's padding), then prefills waiting
+requests, oldest first, within ``max_num_batched_tokens`` tokens per step. A prefilled
+request samples its first token and joins the running rows: its own KV cache is merged
+into theirs, left-padded with zeros to the longer (``_join_cache``), so a request that
+arrives while others generate starts at the next step instead of waiting for their
+answers. A row that ends is dropped from the shared cache at once, with the padding all
+remaining rows share; the last row left has no padding and decodes exactly as it would
+alone. Why padding and not pages: transformers' attention takes a dense cache; a paged one
+needs its own kernels, and this keeps every family's attention code as transformers has it.
+
+Families whose vision tower runs apart (``ENCODER_APART``: Qwen2-VL, Qwen2.5-VL) build the
+prompt's embeddings here (the tower's output per image, from the encoder cache when the
+image's content key was seen before), so their prompts are prefilled in chunks of the step's
+budget; other families prefill a prompt whole, in a step of its own when it exceeds the budget.
+
+KV memory is a budget in token positions (``kv_budget``: the padded batch counts rows x
+length). A request starts its prefill only if the batch, with it, fits one more step; before
+a decode step that would overflow, the newest row is preempted: its cache is dropped and it
+goes back to the head of the queue, to be prefilled again from its prompt and the tokens it
+had generated (recompute; its sampler, detokenizer and counts are kept, so its answer goes
+on where it stopped).
 
 Invariants:
 1. An item's output depends only on that item: each request samples from its own
@@ -37,25 +53,20 @@ Invariants:
 4. Every item ends with exactly one event carrying ``finish_reason`` and usage.
    ``completion_tokens`` counts every sampled token, the EOS token included.
 
-5. A row fails alone (rows are isolated): one whose logits are not finite (NaN pixels, an
-   overflow) or whose sampling raises ends with an ``error`` event of its own, and its batch
-   mates go on as if it had never been there. Non-finite logits never reach ``multinomial``
-   (on CUDA a NaN there is a device-side assert, fatal to the process's CUDA context): each
-   step checks all rows' logits in one vectorised ``isfinite``, samples the bad rows from
-   zeros instead, and reads the verdict back with the tokens (``NOT_FINITE``), so the check
-   adds no host sync.
-
 Inputs come from our own frontend, but a worker checks them anyway before they touch
 the device (an out-of-range id is a device-side assert on CUDA, which kills the
-process's CUDA context): a mismatch fails that request alone with InvalidRequest.
+process's CUDA context): a mismatch fails that request alone (an ``error`` event), and so do
+logits that are not finite (``guarded_pick``); its step mates go on.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+import time
+from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -67,14 +78,17 @@ from shmgate.shared.hf_families import HF_FAMILIES, InputStyle, chat_family  # e
 from shmgate.shared.models import model_id_for  # rules: shared/models.py
 from shmgate.shared.wire import MAX_LOGPROB_TOKEN_CHARS, MIN_TEMPERATURE, SamplingParams, TokenLogprob
 from shmgate.worker.backends.base import BackendEvent, ModelBackend, WorkItem
+from shmgate.worker.health import is_sticky_device_error
 
 __all__ = [
     "DTYPES",
+    "EncoderCache",
+    "EngineStats",
     "HFBackend",
-    "NOT_FINITE",
     "IncrementalDetokenizer",
     "StopStringFilter",
     "model_id_for",
+    "guarded_pick",
     "pick_token",
     "sample_token",
 ]
@@ -82,6 +96,16 @@ __all__ = [
 log = logging.getLogger("shmgate.worker.hf")
 
 DEFAULT_MAX_TOKENS = 256
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # prompt and decode tokens one step runs (--max-num-batched-tokens)
+DEFAULT_ENCODER_CACHE_MB = 256.0  # vision-tower outputs kept by image (--encoder-cache-mb)
+# On CUDA without --kv-cache-tokens: the KV budget is this share of the memory free after the weights
+# (the rest is left to activations, the vision tower and the allocator's slack).
+KV_SHARE_OF_FREE = 0.7
+# Families whose vision tower runs apart from the prompt here (``get_image_features`` gives one output per
+# image, scattered into the prompt's embeddings as the model does): their images' outputs are cached by
+# content key and their prompts can be prefilled in chunks. Qwen3-VL also feeds deepstack features into
+# its first layers, which this path does not carry, so it stays on the model's own path.
+ENCODER_APART = ("qwen2_vl", "qwen2_5_vl")
 # config.model_type values this backend serves: the families of shared/hf_families.py, each run the
 # way its record's ``inputs`` style says (``_InputLayout.from_config``).
 SUPPORTED_MODEL_TYPES = tuple(HF_FAMILIES)
@@ -116,9 +140,8 @@ class HFBackend(ModelBackend):
     cache layers), PaliGemma (prefix-LM token_type_ids, positions from 1) and InternVL (crops, 1-D positions):
     ``SUPPORTED_MODEL_TYPES``.
 
-    Batching: prefill per item, then padded batched decode (module docstring). Every
-    stream starts after the prefills ahead of it in the batch, then all advance one
-    token per forward pass over the whole batch.
+    Scheduling: continuous batching, decode first, then prefill within a token budget (module
+    docstring); ``run`` drives the same engine over one batch (tests, benchmarks).
 
     Host syncs: one per prefill and one per decode step (the sampled tokens of all rows come
     back in one ``.tolist()``: the text must be decoded on the host anyway); none per image or
@@ -126,6 +149,12 @@ class HFBackend(ModelBackend):
     """
 
     host_tensors = HOST_TENSORS
+    # Rows decoding together when --max-batch-size is 0 (the KV budget bounds them too). A row joins a running
+    # batch at the next step, so more rows cost the running ones a little per token (measured on the 8-layer
+    # CPU model of bench/vlm_serving.py: 8 rows 21 ms a step, 24 rows 29 ms) while too few make arrivals wait
+    # for a row to end (the 24-request mix at 2 req/s: TTFT p99 3.2 s with 8 rows, 0.25 s with 32).
+    preferred_batch_size = 32
+    joins_running = True
 
     def __init__(
         self,
@@ -136,8 +165,15 @@ class HFBackend(ModelBackend):
         name: str | None = None,
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
         threads: int | None = None,
+        kv_cache_tokens: int = 0,
+        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        encoder_cache_mb: float = DEFAULT_ENCODER_CACHE_MB,
     ) -> None:
         """Load the model (fp32 on CPU, bf16 on CUDA unless ``dtype``) and its tokenizer.
+
+        ``kv_cache_tokens``: the KV budget in token positions (0: unbounded on CPU; on CUDA, what
+        ``KV_SHARE_OF_FREE`` of the memory free after the weights holds). ``max_num_batched_tokens``: the
+        tokens one step runs. ``encoder_cache_mb``: the vision-tower outputs kept (0: none).
 
         ``name`` defaults to the directory's base name, the id the frontend serves it
         under (gateway/preprocess/hf.py ``model_id_for``). ``threads`` sets torch's
@@ -160,53 +196,249 @@ class HFBackend(ModelBackend):
         self._layout = _InputLayout.from_config(self.model.config, family.inputs)
         self.eos_token_ids: frozenset[int] = _eos_ids(self.model, self.tokenizer)
         self._cache_field = _cache_field()
+        self.max_num_batched_tokens = max(1, max_num_batched_tokens)
+        self.kv_budget = kv_cache_tokens or _kv_budget_from_free_memory(self.model, device, self.dtype)
+        # The tower apart from the prompt (and chunked prefill) where the family allows it
+        self._chunks = self.model.config.model_type in ENCODER_APART
+        self.encoder_cache = EncoderCache(int(encoder_cache_mb * (1 << 20)) if self._chunks else 0)
+        self.stats = EngineStats()
+        self._out: list[BackendEvent] = []  # events of rows that ended before any step (bad inputs)
+        self._waiting: deque[_Row] = deque()  # oldest first; the head may be part way through its prompt
+        self._running: list[_Row] = []  # rows that decode together, sharing one left-padded cache
+        self._arrivals = 0
 
     def run(self, batch: Sequence[WorkItem]) -> Iterator[BackendEvent]:
-        """Generate every item of ``batch``, yielding text as it is decoded.
+        """Generate every item of ``batch`` through the engine, yielding text as it is decoded.
 
-        All items are checked before any work starts: one whose token ids or tensors are not what
-        the frontend writes ends at once with an InvalidRequest ``error`` event of its own, and the
-        others run without it (invariant 5).
+        Events' ``index`` is the item's position in ``batch``. An item whose token ids or tensors are
+        not what the frontend writes ends alone with an ``error`` event (InvalidRequest).
         """
-        rows: list[_Row] = []
-        for i, item in enumerate(batch):
+        if self.has_work():
+            raise RuntimeError("run() needs an idle engine")
+        keys = {id(item): index for index, item in enumerate(batch)}
+        saved = [item.key for item in batch]
+        try:
+            for item in batch:
+                item.key = keys[id(item)]
+                self.add(item)
+            while self.has_work():
+                yield from self.step()
+        finally:
+            for item, key in zip(batch, saved):
+                item.key = key
+            self.clear()
+
+    # -- the engine contract (worker/backends/base.py) -----------------------------------------------
+
+    def add(self, item: WorkItem) -> None:
+        """Check ``item`` and queue it; it joins the running rows at a later step (prefill first)."""
+        try:
+            inputs = self._layout.check(item, self.device)
+        except InvalidRequest as exc:  # this request's inputs: it fails alone
+            self._out.append(BackendEvent(item.key, error=exc))
+            return
+        row = self._row(item.key, item, inputs)
+        needed = row.prompt_tokens + 1
+        if self.kv_budget and needed > self.kv_budget:
+            self._out.append(
+                BackendEvent(
+                    item.key,
+                    error=InvalidRequest(
+                        f"the prompt needs {needed} tokens of KV cache; this worker holds {self.kv_budget} "
+                        "(--kv-cache-tokens)"
+                    ),
+                )
+            )
+            return
+        if row.limit == 0:  # no room in the context (or max_tokens 0): no forward pass for it
+            self._out += self._finish(row, "length")
+            return
+        self._arrivals += 1
+        row.arrival = self._arrivals
+        self._waiting.append(row)
+
+    def abort(self, key: int) -> None:
+        for row in (*self._waiting, *self._running):
+            if row.index == key:
+                row.item.cancelled = True  # it leaves at the next step, prefilling or decoding
+
+    def has_work(self) -> bool:
+        return bool(self._out or self._waiting or self._running)
+
+    def engine_report(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        stats = self.stats
+        return (self.running, self.waiting, self.kv_used, self.kv_budget), (
+            stats.steps,
+            int(stats.step_seconds * 1e9),
+            stats.step_tokens,
+            stats.preemptions,
+            stats.encoder_hits,
+            stats.encoder_runs,
+        )
+
+    @property
+    def running(self) -> int:
+        """Rows decoding together."""
+        return len(self._running)
+
+    @property
+    def waiting(self) -> int:
+        """Requests added and not yet running (a preempted row among them)."""
+        return len(self._waiting)
+
+    @property
+    def kv_used(self) -> int:
+        """KV cache positions held now (the padded batch's rows x length, and prompts part way in)."""
+        return self._kv_used()
+
+    def room(self, batch_size: int) -> int:
+        """Rows to add now: up to ``batch_size`` running and waiting, none while the KV budget is spent."""
+        if self.kv_budget and self._kv_used() >= self.kv_budget:
+            return 0
+        return max(0, batch_size - len(self._running) - len(self._waiting))
+
+    def clear(self) -> None:
+        self._out, self._running = [], []
+        self._waiting.clear()
+
+    def step(self) -> list[BackendEvent]:
+        """Rows that ended leave; the running rows decode one token (one forward pass); then waiting rows
+        prefill, oldest first, within ``max_num_batched_tokens`` prompt tokens (a long prompt of a family
+        that can be chunked goes in chunks), and each one that completes its prompt joins the running
+        rows for the next step."""
+        started = time.perf_counter()
+        events, self._out = self._out, []
+        for row in list(self._waiting):
+            if row.item.cancelled:
+                self._waiting.remove(row)
+                events += self._finish(row, "stop")
+        for row in self._running:
+            if row.item.cancelled and row.finish is None:
+                events += self._finish(row, "stop")
+        self._compact()
+        tokens = 0
+        if self._running:
+            events += self._make_room()
+        if self._running:
+            logits = self._decode_step(self._running)
+            self.on_step()
+            tokens += len(self._running)
+            events += self._sample(self._running, logits)
+            self._compact()
+        budget = max(0, self.max_num_batched_tokens - tokens)
+        while self._waiting and (budget > 0 or tokens == 0):
+            row = self._waiting[0]
+            if row.done_tokens == 0 and self._running and not self._fits(row):
+                break  # the KV budget is spent: it waits for rows to leave
+            if tokens and not self._chunks and _prompt_length(row) - row.done_tokens > budget:
+                break  # a whole prompt that does not fit this step's budget waits for the next step
             try:
-                inputs = self._layout.check(item, self.device)
-            except InvalidRequest as exc:
-                yield BackendEvent(i, error=exc)
+                used, logits = self._prefill_some(row, max(budget, 1))
+            except Exception as exc:  # this request's prompt or images: it fails alone, the batch goes on
+                if is_sticky_device_error(exc):
+                    raise  # the device is gone for every row: the worker fails them all and restarts
+                log.warning("request %x: its prefill failed: %r", row.item.request_id, exc)
+                self._waiting.popleft()
+                row.finish, row.cache, row.prefill = "error", None, None
+                error = (
+                    exc if isinstance(exc, InvalidRequest) else ModelError(f"the model failed: {type(exc).__name__}")
+                )
+                events.append(BackendEvent(row.index, error=error))
                 continue
-            rows.append(self._row(i, item, inputs))
-        live: list[_Row] = []
-        for row in rows:  # prefill one at a time: every prompt has its own length and images
-            if row.limit == 0 or row.item.cancelled:
-                yield from self._finish(row, "length" if row.limit == 0 else "stop")
-                continue
-            logits, row.cache, row.delta = self._prefill(row.inputs)
             self.on_step()
-            token = self._guarded_pick(row, logits, finite_rows(logits))
-            yield from self._accept(row, _to_host([token])[0] if token is not None else SAMPLING_FAILED)
+            tokens += used
+            budget -= used
+            if logits is None:
+                break  # its prompt goes on in the next step's budget
+            self._waiting.popleft()
+            events += self._sample([row], logits[None])
             if row.finish is None:
-                live.append(row)
-        if len(live) > 1:
-            _merge_caches(live)
-        while live:
-            for row in live:
-                if row.item.cancelled:
-                    yield from self._finish(row, "stop")
-            still = [row for row in live if row.finish is None]
-            if still and len(still) < len(live):  # (two or more rows: they share a merged cache)
-                _select_rows(live, still)
-            live = still
-            if not live:
+                self._join(row)
+        self.stats.steps += 1
+        self.stats.step_tokens += tokens
+        self.stats.step_seconds += time.perf_counter() - started
+        return events
+
+    # -- rows joining and leaving -------------------------------------------------------------------
+
+    def _sample(self, rows: Sequence[_Row], logits: torch.Tensor) -> list[BackendEvent]:
+        """Pick and take each row's next token (one host sync for them all); a row whose logits are not
+        finite ends alone with an error."""
+        picks: list[torch.Tensor] = []
+        faults: dict[int, Exception] = {}
+        for row, row_logits in zip(rows, logits):
+            try:
+                picks.append(self._pick(row, row_logits))
+            except Exception as exc:  # a sampling fault no check foresaw ends that row alone
+                faults[row.index] = exc
+                picks.append(torch.zeros(2, dtype=torch.long, device=logits.device))
+        picked = _to_host(picks)
+        events: list[BackendEvent] = []
+        for row, (token, ok) in zip(rows, picked):
+            if row.index in faults:
+                log.warning("row %s: sampling failed: %r", row.index, faults[row.index])
+                row.finish, row.cache = "error", None
+                events.append(BackendEvent(row.index, error=ModelError(f"sampling failed: {faults[row.index]}")))
+                continue
+            if not ok:
+                row.finish, row.cache = "error", None
+                events.append(
+                    BackendEvent(row.index, error=ModelError("the model's output for this request was not finite"))
+                )
+                continue
+            events += self._accept(row, token)
+        return events
+
+    def _compact(self) -> None:
+        """Drop ended rows from the running batch's cache at once."""
+        still = [row for row in self._running if row.finish is None]
+        if still and len(still) < len(self._running):
+            _select_rows(self._running, still)
+        self._running = still
+
+    def _join(self, row: _Row) -> None:
+        """A prefilled row enters the running batch: its cache is merged into the batch's, left-padded."""
+        if self._running:
+            _join_cache(self._running, row)
+        self._running.append(row)
+
+    def _kv_used(self) -> int:
+        """KV positions held: the running batch's padded cache (rows x length) and prompts being prefilled."""
+        used = sum(row.done_tokens for row in self._waiting)
+        if self._running:
+            used += len(self._running) * _cache_length(self._running[0].cache)
+        return used
+
+    def _fits(self, row: _Row) -> bool:
+        """May ``row`` start its prefill: after joining, would the padded batch grow by one more step within
+        the KV budget?"""
+        if not self.kv_budget:
+            return True
+        length = row.prompt_tokens + len(row.generated)
+        if self._running:
+            length = max(length, _cache_length(self._running[0].cache))
+        return (len(self._running) + 1) * (length + 1) <= self.kv_budget
+
+    def _make_room(self) -> list[BackendEvent]:
+        """Before a decode step: while the batch would outgrow the KV budget, preempt the newest row (its
+        cache is dropped and recomputed from its prompt and its tokens so far when it is admitted again,
+        ahead of new requests). A lone row that cannot grow ends with ``length``."""
+        events: list[BackendEvent] = []
+        while self.kv_budget and self._running:
+            if len(self._running) * (_cache_length(self._running[0].cache) + 1) <= self.kv_budget:
                 break
-            logits = self._decode_step(live)
-            self.on_step()
-            finite = finite_rows(logits)  # one vectorised check for the whole step
-            picks = [self._guarded_pick(row, logits[i], finite[i]) for i, row in enumerate(live)]
-            sampled = [t for t in picks if t is not None]
-            tokens = iter(_to_host(sampled) if sampled else [])
-            for row, pick in zip(live, picks):
-                yield from self._accept(row, next(tokens) if pick is not None else SAMPLING_FAILED)
+            if len(self._running) == 1:
+                events += self._finish(self._running[0], "length")
+                self._compact()
+                break
+            newest = max(self._running, key=lambda row: row.arrival)
+            keep = [row for row in self._running if row is not newest]
+            _select_rows(self._running, keep)
+            self._running = keep
+            newest.cache, newest.pad, newest.done_tokens, newest.prefill = None, 0, 0, None
+            self._waiting.appendleft(newest)
+            self.stats.preemptions += 1
+        return events
 
     def _row(self, index: int, item: WorkItem, inputs: _Inputs) -> _Row:
         prompt_tokens = inputs.input_ids.shape[1]
@@ -228,28 +460,13 @@ class HFBackend(ModelBackend):
             ),
         )
 
-    def _guarded_pick(self, row: _Row, logits: torch.Tensor, finite: torch.Tensor) -> torch.Tensor | None:
-        """The row's next token, ``NOT_FINITE`` where ``finite`` (a 0-d bool on the device) says its
-        logits are not, or None when its sampling raised (invariant 5: that row fails, not the batch).
-
-        Non-finite logits are replaced by zeros before anything samples from them, and the verdict
-        rides back in the token itself: no host sync of its own.
-        """
-        try:
-            token = self._pick(
-                row, torch.where(finite, logits, torch.zeros((), dtype=logits.dtype, device=logits.device))
-            )
-        except Exception as exc:  # this row's parameters or numbers: fail it alone
-            log.warning("request %x: sampling raised %r; it fails alone", row.item.request_id, exc)
-            return None
-        return torch.where(finite, token, torch.full_like(token, NOT_FINITE))
-
     def _pick(self, row: _Row, logits: torch.Tensor) -> torch.Tensor:
-        """The row's next token from its ``logits``, left on the device (no sync).
+        """The row's next token and whether its logits were finite, as ``[token, ok]`` on the device (no sync).
 
         ``logit_bias`` and the penalties act on the logits first, as in OpenAI's definition:
         ``logit[j] += bias[j] - count[j] * frequency_penalty - (count[j] > 0) * presence_penalty``,
-        where ``count`` counts the row's generated tokens (not the prompt's).
+        where ``count`` counts the row's generated tokens (not the prompt's). A per-row constraint
+        (a grammar's mask) belongs here too, beside the bias.
         """
         params = row.item.params
         if row.bias is not None or row.counts is not None:
@@ -262,16 +479,14 @@ class HFBackend(ModelBackend):
                 )
         if params.logprobs >= 0:
             row.logprobs = torch.log_softmax(logits.float(), dim=-1)
-        return pick_token(logits, params.temperature, params.top_p, row.generator)
+        token, ok = guarded_pick(logits, params.temperature, params.top_p, row.generator)
+        return torch.stack([token.reshape(()).long(), ok.long()])
 
     def _accept(self, row: _Row, token: int) -> list[BackendEvent]:
         """Take the row's sampled ``token``; return its text, and the end if it ended."""
-        if token == NOT_FINITE:
-            return self._fail_row(row, "the model's output for this request was not finite (NaN or infinity)")
-        if token == SAMPLING_FAILED:
-            return self._fail_row(row, "sampling failed for this request")
         row.completion_tokens += 1
         row.token = token
+        row.generated.append(token)  # a preempted row's prefill recomputes them
         if row.counts is not None:
             row.counts[token] += 1
         first: list[BackendEvent] = []
@@ -303,17 +518,10 @@ class HFBackend(ModelBackend):
     def _token_text(self, token: int) -> str:
         return str(self.tokenizer.decode([token], skip_special_tokens=False))[:MAX_LOGPROB_TOKEN_CHARS]
 
-    def _fail_row(self, row: _Row, message: str) -> list[BackendEvent]:
-        """End the row alone with an error (invariant 5); its text held back is dropped with it."""
-        row.finish = "error"
-        row.cache = None
-        row.logprobs = None
-        return [BackendEvent(row.index, error=ModelError(message))]
-
     def _finish(self, row: _Row, reason: str) -> list[BackendEvent]:
         """End the row: release held-back text (unless a stop string cut it) and report usage."""
         row.finish = reason
-        row.cache = None
+        row.cache = row.prefill = None
         tail = ""
         if not row.stops.stopped:  # EOS, length or cancel: release what was held back
             tail = row.stops.push(row.detok.flush())
@@ -323,9 +531,82 @@ class HFBackend(ModelBackend):
         events.append(BackendEvent(row.index, finish_reason=reason, **usage))
         return events
 
-    def _prefill(self, inputs: _Inputs) -> tuple[torch.Tensor, Any, int]:
-        """Run the prompt (and images); return the last logits, the KV cache and the RoPE delta."""
-        ids = inputs.input_ids
+    def _prefill_some(self, row: _Row, budget: int) -> tuple[int, torch.Tensor | None]:
+        """Run the next part of ``row``'s prompt: all of it, or at most ``budget`` tokens where the family
+        is prefilled in chunks. Return the tokens run and, once the prompt is complete, its last logits.
+
+        A preempted row's prompt is its prompt and the tokens it had generated (recompute).
+        """
+        length = _prompt_length(row)
+        if not self._chunks:
+            logits, row.cache, row.delta = self._prefill(row)
+            row.done_tokens = length
+            return length, logits
+        if row.prefill is None:
+            row.prefill = self._embed_prompt(row)
+        embeds, positions = row.prefill
+        start, end = row.done_tokens, min(length, row.done_tokens + budget)
+        kwargs: dict[str, Any] = {
+            "inputs_embeds": embeds[:, start:end],
+            "position_ids": positions[..., start:end],
+            "use_cache": True,
+            "logits_to_keep": 1,
+        }
+        if row.cache is not None:
+            kwargs[self._cache_field] = row.cache
+        with torch.inference_mode():
+            out = self.model(**kwargs)
+        row.cache, row.done_tokens = getattr(out, self._cache_field), end
+        if end < length:
+            return end - start, None
+        row.prefill = None  # the embeddings are in the cache now
+        return end - start, out.logits[0, -1]
+
+    def _embed_prompt(self, row: _Row) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt's input embeddings (images' tower outputs scattered into their slots, as the model
+        does) and its 3-D positions; sets the row's RoPE delta. Families of ``ENCODER_APART`` only."""
+        ids = _full_ids(row)
+        with torch.inference_mode():
+            embeds = self.model.get_input_embeddings()(ids)
+            if row.inputs.pixel_values is not None:
+                features = self._image_features(row)
+                mask = (ids == self._layout.image_token_id).unsqueeze(-1).expand_as(embeds)
+                embeds = embeds.masked_scatter(mask, features.to(embeds.device, embeds.dtype))
+            positions, row.delta = self._mrope_positions(ids, row.inputs.image_grid_thw)
+        return embeds, positions
+
+    def _image_features(self, row: _Row) -> torch.Tensor:
+        """Every image's vision-tower output, in prompt order: from the encoder cache by the image's content
+        key, the others from one tower run over them together."""
+        inputs = row.inputs
+        assert inputs.pixel_values is not None and inputs.image_grid_thw is not None
+        grids = [tuple(int(v) for v in g[0].tolist()) for g in row.item.tensors.get("image_grid_thw", [])]
+        keys = row.item.image_keys if len(row.item.image_keys) == len(grids) else ()
+        cache_keys = [(keys[i], grids[i]) if keys and keys[i] else None for i in range(len(grids))]
+        features: list[torch.Tensor | None] = [
+            None if key is None else self.encoder_cache.get(key) for key in cache_keys
+        ]
+        missing = [i for i, f in enumerate(features) if f is None]
+        self.stats.encoder_hits += len(grids) - len(missing)
+        if missing:
+            patches = [t * h * w for t, h, w in grids]
+            starts = np.cumsum([0, *patches]).tolist()
+            pixels = torch.cat([inputs.pixel_values[starts[i] : starts[i + 1]] for i in missing])
+            grid = inputs.image_grid_thw[missing]
+            out = self.model.model.get_image_features(pixels, grid, return_dict=True).pooler_output
+            self.stats.encoder_runs += 1
+            for i, computed in zip(missing, out):
+                features[i] = computed
+                key = cache_keys[i]
+                if key is not None:
+                    self.encoder_cache.put(key, computed.clone())
+        return torch.cat([f for f in features if f is not None])
+
+    def _prefill(self, row: _Row) -> tuple[torch.Tensor, Any, int]:
+        """Run the whole prompt (and images) through the model's own forward; return the last logits, the
+        KV cache and the RoPE delta."""
+        inputs = row.inputs
+        ids = _full_ids(row)
         kwargs: dict[str, Any] = {"input_ids": ids, "use_cache": True, "logits_to_keep": 1}
         if inputs.pixel_values is not None:
             kwargs["pixel_values"] = inputs.pixel_values
@@ -337,8 +618,10 @@ class HFBackend(ModelBackend):
             kwargs["image_sizes"] = inputs.image_sizes
         if self._layout.token_types:  # Gemma 3: image tokens attend to each other both ways
             kwargs["token_type_ids"] = (ids == self._layout.image_token_id).long()
-        if self._layout.prefix_lm:  # PaliGemma: the whole prompt is the prefix
-            kwargs["token_type_ids"] = torch.zeros_like(ids)
+        if self._layout.prefix_lm:  # PaliGemma: the prompt is the prefix (a recomputed row's tokens are not)
+            kwargs["token_type_ids"] = (
+                (torch.arange(ids.shape[1], device=ids.device) >= row.prompt_tokens).view(1, -1).long()
+            )
         with torch.inference_mode():
             if self._layout.mrope:
                 kwargs["position_ids"], delta = self._mrope_positions(ids, inputs.image_grid_thw)
@@ -362,7 +645,7 @@ class HFBackend(ModelBackend):
     def _decode_step(self, rows: Sequence[_Row]) -> torch.Tensor:
         """Feed each row's last sampled token in one forward pass; return logits ``[rows, vocab]``.
 
-        The rows share one cache, left-padded to a common length (``_merge_caches``); the
+        The rows share one cache, left-padded to a common length (``_join_cache``); the
         attention mask hides each row's padding and every row gets its own position.
         """
         cache = rows[0].cache
@@ -405,31 +688,58 @@ class _Row:
     bias: torch.Tensor | None = None  # logit_bias as a dense [vocab] vector on the device
     counts: torch.Tensor | None = None  # [vocab] generated-token counts, kept only when a penalty is set
     logprobs: torch.Tensor | None = None  # the last step's log-probabilities, kept only when asked for
+    arrival: int = 0  # admission order: preemption takes the newest first
+    done_tokens: int = 0  # prompt tokens in its cache so far (prefill in chunks)
+    generated: list[int] = field(default_factory=list)  # sampled tokens: a preempted row recomputes them
+    prefill: tuple[torch.Tensor, torch.Tensor] | None = None  # embeddings and positions of a chunked prompt
 
 
-def _merge_caches(rows: Sequence[_Row]) -> None:
-    """Turn the rows' own caches (batch 1 each) into one, left-padded with zeros to the longest."""
-    caches = [row.cache for row in rows]
-    lengths = [cache.get_seq_length() for cache in caches]
-    longest = max(lengths)
-    merged = caches[0]
-    for i, layer in enumerate(merged.layers):
+def _join_cache(running: Sequence[_Row], row: _Row) -> None:
+    """Merge ``row``'s own cache (batch 1) into the running rows' shared one, both left-padded with zeros to
+    the longer: the running rows' padding grows by what the new row is longer, the new row's is the rest."""
+    merged, own = running[0].cache, row.cache
+    length, row_length = _cache_length(merged), _cache_length(own)
+    longest = max(length, row_length)
+    for layer, mine in zip(merged.layers, own.layers):
         kind = type(layer).__name__
         if kind not in ("DynamicLayer", "DynamicSlidingWindowLayer"):
             raise RuntimeError(f"cannot batch a {kind} cache layer")
         # A sliding layer holds each row's last min(n, window - 1) positions: left-padded to the longest
         # held, they are the last positions of the padded sequence, which is what the layer must hold.
-        held = max(cache.layers[i].keys.shape[-2] for cache in caches)
+        held = max(layer.keys.shape[-2], mine.keys.shape[-2])
         for attr in ("keys", "values"):
-            parts = [
-                F.pad(getattr(cache.layers[i], attr), (0, 0, held - getattr(cache.layers[i], attr).shape[-2], 0))
-                for cache in caches
-            ]
-            setattr(layer, attr, torch.cat(parts))
+            ours, theirs = getattr(layer, attr), getattr(mine, attr)
+            setattr(
+                layer,
+                attr,
+                torch.cat(
+                    [
+                        F.pad(ours, (0, 0, held - ours.shape[-2], 0)),
+                        F.pad(theirs, (0, 0, held - theirs.shape[-2], 0)),
+                    ]
+                ),
+            )
         if kind == "DynamicSlidingWindowLayer":
             layer.cumulative_length = longest
-    for row, n in zip(rows, lengths):
-        row.cache, row.pad = merged, longest - n
+    for other in running:
+        other.pad += longest - length
+    row.cache, row.pad = merged, longest - row_length
+
+
+def _cache_length(cache: Any) -> int:
+    return int(cache.get_seq_length())
+
+
+def _prompt_length(row: _Row) -> int:
+    """What a prefill of ``row`` runs: its prompt, and the tokens it generated before a preemption."""
+    return row.prompt_tokens + len(row.generated)
+
+
+def _full_ids(row: _Row) -> torch.Tensor:
+    ids = row.inputs.input_ids
+    if not row.generated:
+        return ids
+    return torch.cat([ids, torch.tensor([row.generated], dtype=ids.dtype, device=ids.device)], dim=1)
 
 
 def _select_rows(rows: Sequence[_Row], keep: Sequence[_Row]) -> None:
@@ -810,18 +1120,6 @@ def _generator(device: torch.device, seed: int | None) -> torch.Generator:
     return generator
 
 
-# Read back in a row's token slot: its logits were not finite (NOT_FINITE), or its sampling raised
-# (SAMPLING_FAILED). Token ids are never negative.
-NOT_FINITE = -1
-SAMPLING_FAILED = -2
-
-
-def finite_rows(logits: torch.Tensor) -> torch.Tensor:
-    """Whether each row of ``logits`` (``[rows, vocab]``, or one row ``[vocab]``) is all finite: a bool
-    tensor on the device (``[rows]`` or 0-d), computed in one pass and never read here (no host sync)."""
-    return torch.isfinite(logits).all(dim=-1)
-
-
 def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
     """Pick the next token from 1-D ``logits``: greedy at temperature 0, else nucleus sampling.
 
@@ -832,27 +1130,91 @@ def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generat
 
 
 def pick_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
-    """``sample_token`` without reading the result: a 0-d tensor on ``logits``' device (no host sync).
+    """``sample_token`` without reading the result: a 0-d tensor on ``logits``' device (no host sync)."""
+    return guarded_pick(logits, temperature, top_p, generator)[0]
 
-    Below ``MIN_TEMPERATURE`` the pick is greedy: ``logits / temperature`` would overflow to
-    infinity and the softmax to NaN.
+
+def guarded_pick(
+    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pick_token`` and a 0-d bool tensor saying whether the logits and the distribution were finite.
+
+    A distribution that is not (NaN or infinite logits, or a temperature so small that dividing by it
+    overflows) never reaches ``torch.multinomial``, which raises on it on the CPU and asserts on the
+    device on CUDA: a uniform one is drawn from instead, and the caller fails the row by the flag.
     """
-    if not temperature >= MIN_TEMPERATURE:  # NaN included
-        return torch.argmax(logits)
+    ok = torch.isfinite(logits).all()
+    if temperature < MIN_TEMPERATURE:  # 0, or so small that dividing by it overflows: greedy, as OpenAI treats 0
+        return torch.argmax(logits), ok
     probs = torch.softmax(logits.float() / temperature, dim=-1)
+    ok = ok & torch.isfinite(probs).all()
+    probs = torch.where(ok, probs, torch.ones_like(probs))
     if top_p >= 1.0:
-        return torch.multinomial(probs, 1, generator=generator)[0]
+        return torch.multinomial(probs, 1, generator=generator)[0], ok
     sorted_probs, order = torch.sort(probs, descending=True)
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
     keep = mass_before < top_p
     keep[0] = True
     choice = torch.multinomial(sorted_probs * keep, 1, generator=generator)
-    return order[choice][0]
+    return order[choice][0], ok
 
 
-def _to_host(tokens: Sequence[torch.Tensor]) -> list[int]:
-    """Every row's token in one device-to-host copy: the step's only sync."""
-    return [int(t) for t in torch.stack(list(tokens)).tolist()]
+def _to_host(picks: Sequence[torch.Tensor]) -> list[tuple[int, bool]]:
+    """Every row's ``[token, ok]`` in one device-to-host copy: the step's only sync."""
+    return [(int(token), bool(ok)) for token, ok in torch.stack(list(picks)).tolist()]
+
+
+class EncoderCache:
+    """Vision-tower outputs by (image content key, grid), least recently used out first, within ``max_bytes``."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.held_bytes = 0
+        self._entries: OrderedDict[tuple[bytes, tuple[int, ...]], torch.Tensor] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: tuple[bytes, tuple[int, ...]]) -> torch.Tensor | None:
+        found = self._entries.get(key)
+        if found is not None:
+            self._entries.move_to_end(key)
+        return found
+
+    def put(self, key: tuple[bytes, tuple[int, ...]], features: torch.Tensor) -> None:
+        size = features.numel() * features.element_size()
+        if size > self.max_bytes or key in self._entries:
+            return
+        while self.held_bytes + size > self.max_bytes:
+            _, old = self._entries.popitem(last=False)
+            self.held_bytes -= old.numel() * old.element_size()
+        self._entries[key] = features
+        self.held_bytes += size
+
+
+@dataclass
+class EngineStats:
+    """The generation engine's counters since it started (the worker publishes them for /metrics)."""
+
+    steps: int = 0
+    step_tokens: int = 0  # tokens run by all steps (one per decoding row, a prompt's per prefilled token)
+    step_seconds: float = 0.0
+    preemptions: int = 0
+    encoder_hits: int = 0  # images whose tower output came from the encoder cache
+    encoder_runs: int = 0  # vision-tower runs (one per prompt with images not cached)
+
+
+def _kv_budget_from_free_memory(model: Any, device: torch.device, dtype: torch.dtype) -> int:
+    """On CUDA: the token positions ``KV_SHARE_OF_FREE`` of the memory free after the weights holds; 0 (no
+    budget) elsewhere."""
+    if device.type != "cuda":
+        return 0
+    text = model.config.get_text_config()
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    per_token = 2 * text.num_hidden_layers * heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(1, int(free * KV_SHARE_OF_FREE) // per_token)
 
 
 # -- text ------------------------------------------------------------------------
