@@ -17,6 +17,7 @@ from typing import cast
 # scenario -> (module, what it measures). docs/BENCHMARKS.md has the command and figures of each.
 SCENARIOS: dict[str, tuple[str, str]] = {
     "e2e": ("bench.e2e", "shmgate against a naive app and LitServe, end to end: req/s, latency, server CPU"),
+    "vlm-serving": ("bench.vlm_serving", "a VLM's TTFT idle, behind a long answer and in a Poisson mix (who waits)"),
     "gateway-cost": ("bench.gateway_cost", "shmgate's own CPU per request against floor servers and LitServe"),
     "hf-processing": ("bench.hf_processing", "a tiny VLM: shmgate against a naive transformers server"),
     "preprocess-model": ("bench.preprocess_model", "the frontends' decode and the model's CPU per image"),

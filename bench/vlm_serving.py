@@ -1,0 +1,316 @@
+"""Who waits in a VLM server: a short request's TTFT idle and while a long answer streams, and a Poisson mix.
+
+A random-weight Qwen2-VL of 8 layers and width 512 (the test fixture's tokenizer, processor and vision
+tower, a bigger text model; ``--build`` writes it) served by ``shmgate serve --model hf:DIR --device cpu``:
+
+1. idle: a short request (16 tokens, streamed) alone, ``--idle`` times; its TTFT;
+2. behind: the same short request sent as soon as a 300-token answer has streamed its first token, ``--behind``
+   times; its TTFT, and whether it finished before the long answer did;
+3. mix: 24 requests (``--requests``) arriving at 2 req/s (``--rate``, exponential gaps from ``--seed``), each
+   asking for 32-256 tokens (uniform, same seed): TTFT p50/p99 (from each request's scheduled arrival),
+   TPOT (``vllm bench serve``'s: (latency - TTFT) / (tokens - 1)), output tokens/s over the mix.
+
+Every answer runs to its ``max_tokens`` (a logit_bias forbids the end tokens), greedy, so both engines do
+the same work. The server under test is this checkout (``--module gateway``) or another one, e.g. the
+static engine of main checked out in /tmp/static-base: ``--pythonpath /tmp/static-base --module shmgate``.
+Compare A and B alternately (ABBA), one ``flock /tmp/bench.lock`` run each; the figures are a JSON line.
+
+    python bench/vlm_serving.py --build /tmp/vlm8
+    flock /tmp/bench.lock python bench/vlm_serving.py --model-dir /tmp/vlm8 --label continuous
+    flock /tmp/bench.lock python bench/vlm_serving.py --model-dir /tmp/vlm8 --label static \\
+        --pythonpath /tmp/static-base --module shmgate
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+PHOTOS = sorted((REPO / "tests" / "data" / "images").glob("*.jpg"))
+TEXT = {"hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 8, "num_attention_heads": 8}
+
+
+def build(path: Path) -> None:
+    """The fixture's Qwen2-VL (tests/hf_fixture.py) with an 8-layer, 512-wide text model."""
+    import torch
+    import transformers
+
+    from tests import hf_fixture
+
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = hf_fixture._build_processor(path, "qwen2_vl")
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in hf_fixture._SPECIAL_TOKENS}
+    vision = {**hf_fixture._vision_config("qwen2_vl"), "hidden_size": TEXT["hidden_size"]}
+    config = transformers.Qwen2VLConfig(
+        text_config={
+            **TEXT,
+            "vocab_size": len(tokenizer),
+            "num_key_value_heads": 4,
+            "head_dim": 64,
+            "max_position_embeddings": 4096,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12]},
+            "bos_token_id": ids["<|endoftext|>"],
+            "eos_token_id": ids["<|im_end|>"],
+            "pad_token_id": ids["<|endoftext|>"],
+        },
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen2VLForConditionalGeneration(config).eval()
+    # Random weights pick byte-level tokens that are halves of characters as often as whole ones, so an
+    # answer's first text could wait many tokens: silenced like the control tokens, every token is text
+    # and TTFT measures scheduling, not when a random model completes a UTF-8 character.
+    halves = [i for i in range(len(tokenizer)) if "\ufffd" in tokenizer.decode([i])]
+    hf_fixture._finish_model(model, path, [*ids.values(), *halves], ids)
+    print(f"{path}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters")
+
+
+def no_end(model_dir: Path) -> dict[str, float]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    ids = {tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
+    return {str(i): -100.0 for i in ids}
+
+
+def body(model: str, photo: Path, text: str, max_tokens: int, bias: dict[str, float]) -> dict[str, Any]:
+    url = "data:image/jpeg;base64," + base64.b64encode(photo.read_bytes()).decode()
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}]
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "logit_bias": bias,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+async def stream(
+    client: httpx.AsyncClient, payload: dict[str, Any], start: float, on_first: Any = None
+) -> dict[str, float]:
+    """One streamed request: TTFT and latency from ``start`` (monotonic), output tokens, content chunks."""
+    first = 0.0
+    chunks = tokens = 0
+    async with client.stream("POST", "/v1/chat/completions", json=payload) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{response.status_code}: {(await response.aread())[:300]!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+            if event.get("choices") and event["choices"][0]["delta"].get("content"):
+                chunks += 1
+                if not first:
+                    first = time.monotonic()
+                    if on_first is not None:
+                        on_first()
+    end = time.monotonic()
+    return {"ttft": first - start, "latency": end - start, "tokens": tokens, "chunks": chunks, "end": end}
+
+
+async def stages(client: httpx.AsyncClient) -> dict[str, tuple[float, float]]:
+    """Each stage's (sum, count) from /metrics' shmgate_stage_duration_seconds."""
+    found: dict[str, list[float]] = {}
+    for line in (await client.get("/metrics")).text.splitlines():
+        for suffix, index in (("_sum{", 0), ("_count{", 1)):
+            if line.startswith("shmgate_stage_duration_seconds" + suffix):
+                stage = line.split('stage="')[1].split('"')[0]
+                found.setdefault(stage, [0.0, 0.0])[index] = float(line.rsplit(" ", 1)[1])
+        for counter in ("steps", "step_seconds", "step_tokens"):  # the engine's (absent from a static one)
+            if line.startswith(f"shmgate_engine_{counter}_total "):
+                found[f"engine_{counter}"] = [float(line.rsplit(" ", 1)[1]), 0.0]
+    return {stage: (v[0], v[1]) for stage, v in found.items()}
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+async def measure(args: argparse.Namespace, base_url: str, model: str, bias: dict[str, float]) -> dict[str, Any]:
+    short = body(model, PHOTOS[0], "Say something short.", 16, bias)
+    out: dict[str, Any] = {}
+    async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
+        for _ in range(2):  # warm-up
+            await stream(client, short, time.monotonic())
+        idle = [(await stream(client, short, time.monotonic()))["ttft"] for _ in range(args.idle)]
+        out["idle_ttft_ms"] = round(statistics.median(idle) * 1000, 1)
+        behind, first_done = [], 0
+        for i in range(args.behind):
+            started = asyncio.Event()
+            long = asyncio.create_task(
+                stream(
+                    client,
+                    body(model, PHOTOS[1 + i % 3], "Tell me everything.", 300, bias),
+                    time.monotonic(),
+                    started.set,
+                )
+            )
+            await started.wait()
+            result = await stream(client, short, time.monotonic())
+            long_result = await long
+            behind.append(result["ttft"])
+            first_done += result["end"] < long_result["end"]
+        out["behind_ttft_ms"] = round(statistics.median(behind) * 1000, 1)
+        out["behind_over_idle"] = round(out["behind_ttft_ms"] / out["idle_ttft_ms"], 2)
+        out["short_done_before_long"] = f"{first_done}/{args.behind}"
+        rng = random.Random(args.seed)
+        at, plan = 0.0, []
+        for i in range(args.requests):
+            at += rng.expovariate(args.rate)
+            plan.append((at, rng.randint(32, 256), PHOTOS[i % len(PHOTOS)]))
+        zero = time.monotonic() + 0.1
+
+        async def one(at: float, max_tokens: int, photo: Path) -> dict[str, float]:
+            await asyncio.sleep(max(0.0, zero + at - time.monotonic()))
+            return await stream(client, body(model, photo, "Describe the photo.", max_tokens, bias), zero + at)
+
+        before = await stages(client)
+        results = await asyncio.gather(*(one(*p) for p in plan))
+        after = await stages(client)
+        span = max(r["end"] for r in results) - zero
+        ttfts = [r["ttft"] for r in results]
+        tpots = [(r["latency"] - r["ttft"]) / (r["tokens"] - 1) for r in results if r["tokens"] > 1]
+        out["mix"] = {
+            "ttft_p50_ms": round(pct(ttfts, 0.5) * 1000),
+            "ttft_p99_ms": round(pct(ttfts, 0.99) * 1000),
+            "tpot_mean_ms": round(statistics.mean(tpots) * 1000, 1),
+            "output_tokens_per_s": round(sum(r["tokens"] for r in results) / span, 1),
+            "chunks_per_s": round(sum(r["chunks"] for r in results) / span, 1),
+            "span_s": round(span, 2),
+            # where a request's time went, mean per stage over the mix (gateway/stages.py), ms
+            "stages_ms": {
+                stage: round((after[stage][0] - before[stage][0]) / (after[stage][1] - before[stage][1]) * 1000, 1)
+                for stage in after
+                if after[stage][1] > before.get(stage, (0, 0))[1]
+            },
+        }
+        steps = after.get("engine_steps", (0, 0))[0] - before.get("engine_steps", (0, 0))[0]
+        if steps:
+            delta = {k: after[k][0] - before[k][0] for k in ("engine_step_seconds", "engine_step_tokens")}
+            out["mix"]["engine"] = {
+                "steps": int(steps),
+                "step_ms": round(delta["engine_step_seconds"] / steps * 1000, 1),
+                "tokens_per_step": round(delta["engine_step_tokens"] / steps, 1),
+                "busy_share": round(delta["engine_step_seconds"] / span, 2),
+            }
+    return out
+
+
+def padding(model_dir: Path, seed: int, requests: int) -> dict[str, float]:
+    """The mix's requests replayed through the engine in this process (one arrival every 12 steps, no
+    timing): KV positions the left-padded cache holds against the tokens its rows really have."""
+    import torch
+
+    from shmgate.gateway.preprocess.hf import HFPreprocessor
+    from shmgate.shared.wire import SamplingParams
+    from shmgate.worker.backends.hf import HFBackend, _cache_length
+    from tests.test_hf import work_item
+
+    pre, engine = HFPreprocessor(model_dir), HFBackend(str(model_dir), torch.device("cpu"))
+    rng = random.Random(seed)
+    items = []
+    for i in range(requests):
+        rng.expovariate(1.0)  # the mix's draws, in its order
+        params = SamplingParams(max_tokens=rng.randint(32, 256), temperature=0.0)
+        items.append(work_item(pre, "Describe the photo.", [PHOTOS[i % len(PHOTOS)]], params, i))
+        items[-1].key = i
+    step = added = padded = real = peak = peak_real = 0
+    while added < len(items) or engine.has_work():
+        if added < len(items) and step % 12 == 0:
+            engine.add(items[added])
+            added += 1
+        engine.step()
+        step += 1
+        rows = engine._running
+        if rows:
+            length = _cache_length(rows[0].cache)
+            held, used = len(rows) * length, sum(length - row.pad for row in rows)
+            padded, real = padded + held, real + used
+            if held > peak:
+                peak, peak_real = held, used
+    return {"steps": step, "padded_over_real_mean": round(padded / real, 3), "peak_held": peak, "peak_real": peak_real}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--build", type=Path, help="write the 8-layer model into this directory and exit")
+    p.add_argument("--model-dir", type=Path)
+    p.add_argument("--label", default="")
+    p.add_argument("--module", default="shmgate", help="the package whose `serve` runs (gateway on older checkouts)")
+    p.add_argument("--pythonpath", default="", help="a checkout to serve from instead of this one")
+    p.add_argument("--idle", type=int, default=5)
+    p.add_argument("--behind", type=int, default=3)
+    p.add_argument("--requests", type=int, default=24)
+    p.add_argument("--rate", type=float, default=2.0)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--extra", default="", help="more serve flags, space-separated")
+    p.add_argument("--padding", action="store_true", help="only the padded KV layout's cost, in process")
+    args = p.parse_args(argv)
+    if args.build:
+        build(args.build)
+        return 0
+    if args.padding:
+        print(json.dumps(padding(args.model_dir, args.seed, args.requests)))
+        return 0
+    assert args.model_dir, "--model-dir (build one with --build)"
+    port = free_port()
+    env = dict(os.environ)
+    cwd = str(REPO)
+    if args.pythonpath:
+        env["PYTHONPATH"], cwd = args.pythonpath, args.pythonpath
+    command = [sys.executable, "-m", args.module, "serve", "--model", f"hf:{args.model_dir}", "--device", "cpu"]
+    command += ["--port", str(port), *args.extra.split()]
+    log = tempfile.NamedTemporaryFile(prefix="vlm-serving-", suffix=".log", delete=False)
+    server = subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert server.poll() is None and time.monotonic() < deadline, f"the server did not start: {log.name}"
+            try:
+                if httpx.get(base_url + "/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        model = httpx.get(base_url + "/v1/models").json()["data"][0]["id"]
+        figures = asyncio.run(measure(args, base_url, model, no_end(args.model_dir)))
+    finally:
+        server.terminate()
+        server.wait(60)
+    print(json.dumps({"label": args.label, "command": " ".join(command[1:]), **figures}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
