@@ -5,11 +5,11 @@ the rest into ``SamplingParams``. This module refuses, with a 400 naming the fie
 served model cannot honour:
 
 - ``hf:`` chat models sample tokens: penalties, ``logit_bias``, ``stop_token_ids``, ``logprobs`` /
-  ``top_logprobs`` and ``n`` (gateway/choices.py) are honoured
+  ``top_logprobs``, ``response_format`` (a grammar, worker/constraints.py) and ``n`` (gateway/choices.py) are honoured
   (worker/backends/hf.py); token ids must lie inside the model's vocabulary.
 - classifiers (``efficientnet-lite0``, ``checksum``, ``checksum:hf:``) answer with labels or digests,
   a pure function of the pixels: token-level fields (penalties, ``logit_bias``, ``stop_token_ids``,
-  ``logprobs``) have nothing to act on and are refused, as is ``n > 1`` (every choice would be equal). ``temperature``, ``top_p``, ``seed`` and
+  ``logprobs``, ``response_format``) have nothing to act on and are refused, as is ``n > 1`` (every choice would be equal). ``temperature``, ``top_p``, ``seed`` and
   ``stop`` are accepted with no effect (documented in docs/MODELS.md), because generic OpenAI
   clients and load generators send them by default; ``max_tokens`` bounds the classifier's
   label lines (worker/backends/efficientnet.py) and has no effect on the checksum digests.
@@ -36,6 +36,7 @@ def check_fields_for_model(params: SamplingParams, preprocessor: Preprocessor, n
         "logit_bias": bool(params.logit_bias),
         "stop_token_ids": bool(params.stop_token_ids),
         "logprobs": params.logprobs >= 0,
+        "response_format": bool(params.grammar),
         "n": n > 1,
     }
     if vocab is None:

@@ -12,7 +12,7 @@ Unknown fields, the rule:
   ``structural_tag``, ``structured_outputs``; OpenAI's ``audio``, ``prediction``,
   ``web_search_options``; vLLM's ``prompt_logprobs``, ``logits_processors``, a true ``echo``),
   ``modalities`` other than ``["text"]``, and the known-but-unsupported ``tools``,
-  ``functions``, ``tool_choice``, ``function_call`` and ``response_format`` other than text.
+  ``functions``, ``tool_choice`` and ``function_call``; ``response_format`` becomes a grammar (gateway/structured.py).
   ``null`` counts as absent, as vLLM and OpenAI's SDKs treat it.
 - Ignored, and logged once per name per process: any other name. OpenAI's SDKs and the
   frameworks on top of them send fields a server may not know (``store``, ``metadata``,
@@ -35,6 +35,7 @@ from typing import Annotated, Any, Literal, Union
 
 import msgspec
 
+from shmgate.gateway.structured import grammar_for
 from shmgate.shared.errors import ImageTooLarge, InvalidRequest, TooManyImages, UndecodableImage
 from shmgate.shared.vocabulary import material_digest
 from shmgate.shared.wire import MAX_TOP_LOGPROBS, MIN_TEMPERATURE, SamplingParams
@@ -476,11 +477,12 @@ def _sampling(req: ChatCompletionRequest) -> SamplingParams:
         logit_bias=_logit_bias(req.logit_bias),
         stop_token_ids=_stop_token_ids(req.stop_token_ids),
         logprobs=(req.top_logprobs or 0) if req.logprobs else -1,
+        grammar=grammar_for(req.response_format),
     )
 
 
 def check_unsupported(req: ChatCompletionRequest) -> None:
-    """Refuse, with a 400 naming the field, what no model here does: tools, structured output, other modalities.
+    """Refuse, with a 400 naming the field, what no model here does: tools, other modalities.
 
     Why refuse rather than ignore: a client that asks for a JSON object or a tool call and gets
     free text back fails later and further from the cause.
@@ -503,8 +505,6 @@ def check_unsupported(req: ChatCompletionRequest) -> None:
         raise InvalidRequest('only modalities ["text"] is supported', param="modalities")
     if req.echo is not None and req.echo is not False:
         raise InvalidRequest("echo is not supported; only false is accepted", param="echo")
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise InvalidRequest('only response_format {"type": "text"} is supported', param="response_format")
     if req.stream_options is not None and not req.stream:
         raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:

@@ -25,6 +25,7 @@ from shmgate.shared.errors import ShmgateError
 __all__ = [
     "INLINE_MAX_BYTES",
     "INLINE_TENSOR",
+    "MAX_GRAMMAR_BYTES",
     "MAX_MESSAGE_BYTES",
     "WIRE_VERSION",
     "Cancel",
@@ -64,6 +65,9 @@ MAX_SUBMIT_TEXT_CHARS = 512
 INLINE_TENSOR = "__inline__"
 # Payloads up to this size ride inline in a Submit; larger ones go to the arena.
 INLINE_MAX_BYTES = 4096
+# A response_format grammar rides in the Submit beside up to INLINE_MAX_BYTES of inline token ids, all
+# within one MAX_MESSAGE_BYTES message: what is left, less the rest of the descriptor.
+MAX_GRAMMAR_BYTES = 3072
 # Submit.task of an embedding request (""/absent: the model's usual answer, text).
 TASK_EMBED = "embed"
 # Vector.data carries at most this many bytes: a Vector message stays under REPLY_MESSAGE_BYTES with
@@ -119,6 +123,9 @@ class SamplingParams(Struct, array_like=True, frozen=True, gc=False, omit_defaul
     logit_bias: tuple[tuple[int, float], ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int = -1  # -1: none; k >= 0: each sampled token's log-probability and the k likeliest (TokenLogprobs)
+    # Structured outputs: the grammar every sampled token must keep to (llguidance's grammar JSON, built
+    # by gateway/structured.py from response_format; at most MAX_GRAMMAR_BYTES); "" for free text.
+    grammar: str = ""
 
 
 class Message(Struct, tag=True, array_like=True, frozen=True):

@@ -49,8 +49,8 @@ def body(**fields: Any) -> bytes:
         ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"function_call": "auto"}, "function_call"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),  # no name
+        ({"response_format": {"type": "xml"}}, "response_format"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"top_logprobs": 3}, "top_logprobs"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),

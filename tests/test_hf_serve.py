@@ -407,3 +407,48 @@ def test_a_repeated_image_is_encoded_once(hf_server: Server) -> None:
         assert httpx.post(hf_server.base_url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
     wait_until(lambda: hf_server.metric("shmgate_encoder_cache_hits_total") >= hits + 1, 10, "the hit reported")
     assert hf_server.metric("shmgate_vision_tower_runs_total") == runs + 1
+
+
+# -- structured outputs (response_format) through the OpenAI client ---------------------------------------
+
+PET_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 99},
+        "kind": {"enum": ["cat", "dog", "bird"]},
+    },
+    "required": ["name", "age", "kind"],
+    "additionalProperties": False,
+}
+PET_FORMAT = {"type": "json_schema", "json_schema": {"name": "pet", "schema": PET_SCHEMA, "strict": True}}
+
+
+def test_json_schema_answers_parse_and_validate_greedy_sampled_streamed_and_n(hf_server: Server) -> None:
+    import jsonschema
+
+    client = openai.OpenAI(base_url=hf_server.base_url + "/v1", api_key="unused")
+    base = dict(model="tiny-qwen2-vl", messages=_messages("chelsea_640.jpg", "Which pet?"), max_tokens=80)
+    greedy = client.chat.completions.create(response_format=PET_FORMAT, temperature=0, **base)  # type: ignore[arg-type]
+    sampled = client.chat.completions.create(response_format=PET_FORMAT, temperature=1.0, seed=3, n=2, **base)  # type: ignore[arg-type]
+    stream = client.chat.completions.create(response_format=PET_FORMAT, temperature=0, stream=True, **base)  # type: ignore[arg-type]
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    answers = [greedy.choices[0], *sampled.choices]
+    assert all(choice.finish_reason == "stop" for choice in answers)
+    for text in [choice.message.content or "" for choice in answers] + [streamed]:
+        jsonschema.validate(json.loads(text), PET_SCHEMA)
+    assert streamed == greedy.choices[0].message.content
+
+
+def test_json_object_and_an_unusable_schema(hf_server: Server) -> None:
+    client = openai.OpenAI(base_url=hf_server.base_url + "/v1", api_key="unused")
+    base = dict(model="tiny-qwen2-vl", messages=_messages("chelsea_640.jpg", "Answer in JSON."), max_tokens=120)
+    answer = client.chat.completions.create(response_format={"type": "json_object"}, temperature=0, **base)  # type: ignore[arg-type]
+    text = answer.choices[0].message.content or ""
+    assert text.startswith("{")
+    if answer.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    bad = {"type": "json_schema", "json_schema": {"name": "pet", "schema": {"type": "strin"}}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(response_format=bad, **base)  # type: ignore[arg-type]
+    assert refused.value.body["param"] == "response_format"  # type: ignore[index]

@@ -78,6 +78,7 @@ from shmgate.shared.hf_families import HF_FAMILIES, InputStyle, chat_family  # e
 from shmgate.shared.models import model_id_for  # rules: shared/models.py
 from shmgate.shared.wire import MAX_LOGPROB_TOKEN_CHARS, MIN_TEMPERATURE, SamplingParams, TokenLogprob
 from shmgate.worker.backends.base import BackendEvent, ModelBackend, WorkItem
+from shmgate.worker.constraints import GrammarConstraints, RowConstraint
 from shmgate.worker.health import is_sticky_device_error
 
 __all__ = [
@@ -196,6 +197,7 @@ class HFBackend(ModelBackend):
         self._layout = _InputLayout.from_config(self.model.config, family.inputs)
         self.eos_token_ids: frozenset[int] = _eos_ids(self.model, self.tokenizer)
         self._cache_field = _cache_field()
+        self._grammars: GrammarConstraints | None = None  # built on the first response_format row
         self.max_num_batched_tokens = max(1, max_num_batched_tokens)
         self.kv_budget = kv_cache_tokens or _kv_budget_from_free_memory(self.model, device, self.dtype)
         # The tower apart from the prompt (and chunked prefill) where the family allows it
@@ -234,10 +236,10 @@ class HFBackend(ModelBackend):
         """Check ``item`` and queue it; it joins the running rows at a later step (prefill first)."""
         try:
             inputs = self._layout.check(item, self.device)
-        except InvalidRequest as exc:  # this request's inputs: it fails alone
+            row = self._row(item.key, item, inputs)
+        except (InvalidRequest, ModelError) as exc:  # this request's inputs (or its grammar): it fails alone
             self._out.append(BackendEvent(item.key, error=exc))
             return
-        row = self._row(item.key, item, inputs)
         needed = row.prompt_tokens + 1
         if self.kv_budget and needed > self.kv_budget:
             self._out.append(
@@ -386,7 +388,11 @@ class HFBackend(ModelBackend):
                     BackendEvent(row.index, error=ModelError("the model's output for this request was not finite"))
                 )
                 continue
-            events += self._accept(row, token)
+            try:
+                events += self._accept(row, token)
+            except ModelError as exc:  # a row's own fault (its grammar refused the token): it ends alone
+                row.finish, row.cache = "error", None
+                events.append(BackendEvent(row.index, error=exc))
         return events
 
     def _compact(self) -> None:
@@ -458,7 +464,14 @@ class HFBackend(ModelBackend):
                 if params.presence_penalty or params.frequency_penalty
                 else None
             ),
+            constraint=self._constraint(params.grammar) if params.grammar else None,
         )
+
+    def _constraint(self, grammar: str) -> RowConstraint:
+        """A row's grammar matcher; the model's compiler is built on its first constrained row."""
+        if self._grammars is None:
+            self._grammars = GrammarConstraints(self.tokenizer, self._layout.vocab_size)
+        return self._grammars.start(grammar)
 
     def _pick(self, row: _Row, logits: torch.Tensor) -> torch.Tensor:
         """The row's next token and whether its logits were finite, as ``[token, ok]`` on the device (no sync).
@@ -477,6 +490,8 @@ class HFBackend(ModelBackend):
                 logits = (
                     logits - row.counts * params.frequency_penalty - (row.counts > 0).float() * params.presence_penalty
                 )
+        if row.constraint is not None:  # structured outputs: tokens the grammar refuses go to -inf
+            logits = row.constraint.mask(logits)
         if params.logprobs >= 0:
             row.logprobs = torch.log_softmax(logits.float(), dim=-1)
         token, ok = guarded_pick(logits, params.temperature, params.top_p, row.generator)
@@ -493,11 +508,13 @@ class HFBackend(ModelBackend):
         if row.logprobs is not None:
             first.append(BackendEvent(row.index, logprob=self._logprob(row.logprobs, token, row.item.params.logprobs)))
             row.logprobs = None
+        if row.constraint is not None:
+            row.constraint.accept(token)  # raises ModelError if the grammar refused it: _sample fails the row
         if token in self.eos_token_ids or token in row.item.params.stop_token_ids:
             return first + self._finish(row, "stop")
         text = row.stops.push(row.detok.push(token))
         events = first + ([BackendEvent(row.index, text=text)] if text else [])
-        if row.stops.stopped:
+        if row.stops.stopped or (row.constraint is not None and row.constraint.finished):
             return events + self._finish(row, "stop")
         if row.completion_tokens >= row.limit:  # no forward pass for a token nobody will read
             return events + self._finish(row, "length")
@@ -692,6 +709,7 @@ class _Row:
     done_tokens: int = 0  # prompt tokens in its cache so far (prefill in chunks)
     generated: list[int] = field(default_factory=list)  # sampled tokens: a preempted row recomputes them
     prefill: tuple[torch.Tensor, torch.Tensor] | None = None  # embeddings and positions of a chunked prompt
+    constraint: RowConstraint | None = None  # response_format's grammar (worker/constraints.py)
 
 
 def _join_cache(running: Sequence[_Row], row: _Row) -> None:
@@ -1143,7 +1161,9 @@ def guarded_pick(
     overflows) never reaches ``torch.multinomial``, which raises on it on the CPU and asserts on the
     device on CUDA: a uniform one is drawn from instead, and the caller fails the row by the flag.
     """
-    ok = torch.isfinite(logits).all()
+    # -inf is a token ruled out (a grammar's mask, a logit_bias of -100 taken to the limit); NaN, +inf or
+    # nothing left to pick from is a distribution that is not finite
+    ok = ~torch.isnan(logits).any() & ~torch.isposinf(logits).any() & torch.isfinite(logits).any()
     if temperature < MIN_TEMPERATURE:  # 0, or so small that dividing by it overflows: greedy, as OpenAI treats 0
         return torch.argmax(logits), ok
     probs = torch.softmax(logits.float() / temperature, dim=-1)

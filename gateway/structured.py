@@ -1,0 +1,90 @@
+"""Structured outputs: OpenAI's ``response_format`` turned into the grammar a worker enforces.
+
+``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`` and ``{"type": "json_object"}``
+become a grammar (llguidance's JSON form) that rides in ``SamplingParams.grammar``; the worker masks
+every sampled token with it (worker/constraints.py), so the answer parses and validates even when the
+model alone would not produce JSON. The schema is compiled here, once per request, so a schema the
+compiler refuses is a 400 naming ``response_format`` before anything is queued. The JSON is compact
+(no whitespace between tokens: with free whitespace a weak model pads spaces until max_tokens).
+``strict`` is accepted either way: the grammar always enforces the whole schema.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from shmgate.shared.errors import InvalidRequest
+from shmgate.shared.wire import MAX_GRAMMAR_BYTES
+
+__all__ = ["grammar_for"]
+
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+def grammar_for(response_format: dict[str, Any] | None) -> str:
+    """The grammar ``response_format`` asks for; "" for free text (absent, null or ``{"type": "text"}``).
+
+    Raises InvalidRequest (param ``response_format``) for an unknown type, a malformed ``json_schema``,
+    a schema the grammar compiler refuses, a grammar over MAX_GRAMMAR_BYTES, or a server without the
+    compiler (the ``hf`` extra).
+    """
+    if response_format is None:
+        return ""
+    kind = response_format.get("type", "text")
+    if kind == "text":
+        return ""
+    if kind == "json_object":
+        return _compile(_ANY_OBJECT)
+    if kind != "json_schema":
+        raise InvalidRequest(
+            f"response_format type must be text, json_object or json_schema, not {str(kind)[:40]!r}",
+            param="response_format",
+        )
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, dict):
+        raise InvalidRequest(
+            "response_format json_schema must be an object with name and schema", param="response_format"
+        )
+    name = spec.get("name")
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise InvalidRequest(
+            "response_format json_schema.name must be 1-64 letters, digits, underscores or dashes",
+            param="response_format",
+        )
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise InvalidRequest("response_format json_schema.strict must be a boolean", param="response_format")
+    schema = spec.get("schema", {})
+    if not isinstance(schema, dict):
+        raise InvalidRequest("response_format json_schema.schema must be a JSON Schema object", param="response_format")
+    return _compile(schema)
+
+
+def _compile(schema: dict[str, Any]) -> str:
+    try:
+        from llguidance import LLMatcher
+    except ImportError:  # a server installed without the hf extra serves no model that could use it
+        raise InvalidRequest(
+            "structured outputs need the grammar compiler of shmgate's hf extra (llguidance), "
+            "which this server does not have",
+            param="response_format",
+        ) from None
+    try:
+        grammar = LLMatcher.grammar_from_json_schema(
+            json.dumps(schema, separators=(",", ":")), defaults={"whitespace_flexible": False}
+        )
+        problem = LLMatcher.validate_grammar(grammar, None)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        problem = str(exc)
+    if problem:
+        raise InvalidRequest(f"response_format schema is not usable: {problem[:300]}", param="response_format")
+    if len(grammar.encode()) > MAX_GRAMMAR_BYTES:
+        raise InvalidRequest(
+            f"response_format schema is too large: {len(grammar.encode())} bytes as a grammar, "
+            f"at most {MAX_GRAMMAR_BYTES}",
+            param="response_format",
+        )
+    return grammar
