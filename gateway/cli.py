@@ -564,7 +564,9 @@ def _run_frontend(args: argparse.Namespace) -> int:
     from gateway.guards import default_allowed_hosts, parse_allowed_hosts
     from gateway.http_limits import ConnectionLimits, http_protocol
     from gateway.intake import IntakeLimits
+    from gateway.video import VideoLimits, configure
 
+    configure(VideoLimits(max_seconds=args.max_video_seconds, max_frames=args.max_video_frames))
     options = AppOptions(
         instance_id=args.instance,
         slot=args.slot,

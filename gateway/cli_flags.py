@@ -186,6 +186,20 @@ def _limit_flags(limits: argparse._ArgumentGroup) -> None:
         type=flag_types.positive_int,
     )
     add_flag(
+        limits,
+        "--max-video-seconds",
+        "longest video (by its container's duration) decoded; longer gets 413",
+        default="600",
+        type=flag_types.positive_float,
+    )
+    add_flag(
+        limits,
+        "--max-video-frames",
+        "most frames sampled and decoded from one video; more gets 413",
+        default="768",
+        type=flag_types.positive_int,
+    )
+    add_flag(
         limits, "--decode-threads", "image decoding threads per frontend", default="2", type=flag_types.positive_int
     )
     add_flag(

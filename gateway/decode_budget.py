@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from gateway.imaging import predict
+from gateway.video import is_video
 from shared.errors import ImageTooLarge, Overloaded
 from shared.names import format_bytes
 from shared.vocabulary import AllocateFn
@@ -57,6 +58,9 @@ class DecodeBudget:
         """``pre.preprocess_image(data, ...)`` once the memory its decode needs is free: the header says
         how much (``gateway.imaging.predict``), and that much is reserved for the decode's length. The
         one way every decode of a frontend (chat, embeddings, /tokenize) goes through the budget."""
+        if is_video(options):  # a video reserves what its probe predicts (gateway/video.py)
+            pre.preprocess_video(data, allocate, self.reserve)
+            return
         with self.reserve(predict(data, max_pixels=max_pixels).peak_bytes):
             pre.preprocess_image(data, allocate, max_pixels=max_pixels, options=options)
 

@@ -21,6 +21,7 @@ import dataclasses
 
 from gateway.intake import ChatRequest
 from gateway.preprocess.base import Preprocessor
+from gateway.video import VIDEO_DETAIL  # a video part's marker (gateway/video.py)
 from shared.errors import InvalidRequest
 from shared.wire import SamplingParams
 
@@ -62,5 +63,10 @@ def with_image_options(chat: ChatRequest, preprocessor: Preprocessor) -> ChatReq
     """
     if not chat.image_details:  # no image to apply them to, but mm_processor_kwargs are checked all the same
         preprocessor.image_options(chat.processor_kwargs, None)
-    options = [preprocessor.image_options(chat.processor_kwargs, detail) for detail in chat.image_details]
+    options = [
+        preprocessor.video_options()
+        if detail == VIDEO_DETAIL
+        else preprocessor.image_options(chat.processor_kwargs, detail)
+        for detail in chat.image_details
+    ]
     return dataclasses.replace(chat, image_options=options)

@@ -1,0 +1,62 @@
+"""Tiny synthetic videos made with PyAV for the video tests: each frame a flat grey of its own index,
+so which frames were sampled can be read back from the pixels."""
+
+from __future__ import annotations
+
+import io
+from fractions import Fraction
+
+import numpy as np
+
+# container, codec, pixel format of the encoder
+MP4 = ("mp4", "libx264", "yuv420p")
+MP4_MPEG4 = ("mp4", "mpeg4", "yuv420p")
+WEBM = ("webm", "libvpx-vp9", "yuv420p")
+WEBM_VP8 = ("webm", "libvpx", "yuv420p")
+
+
+def frame_level(i: int) -> int:
+    """Frame ``i``'s grey level (distinct for the first 25 frames, then repeating)."""
+    return 16 + (i % 25) * 9
+
+
+def make_video(
+    kind: tuple[str, str, str] = MP4,
+    *,
+    width: int = 64,
+    height: int = 48,
+    frames: int = 20,
+    fps: int = 10,
+    gop: int = 10,
+    pts_step: int = 1,
+    extra_streams: int = 0,
+) -> bytes:
+    """An encoded video of ``frames`` flat frames (``frame_level``) at ``fps``; ``pts_step`` spaces the
+    frames' timestamps (a long duration from few frames); ``extra_streams`` more tiny video streams."""
+    import av
+
+    fmt, codec, pix = kind
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format=fmt) as out:
+        streams = []
+        for n in range(1 + extra_streams):
+            s = out.add_stream(codec, rate=fps)
+            s.width, s.height = (width, height) if n == 0 else (16, 16)
+            s.pix_fmt = pix
+            s.time_base = Fraction(1, fps)
+            s.codec_context.gop_size = gop
+            streams.append(s)
+        for i in range(frames):
+            for n, s in enumerate(streams):
+                if n and i:
+                    continue
+                w, h = s.width, s.height
+                rgb = np.full((h, w, 3), frame_level(i), dtype=np.uint8)
+                frame = av.VideoFrame.from_ndarray(rgb, format="rgb24")
+                frame.pts = i * pts_step
+                for packet in s.encode(frame):
+                    out.mux(packet)
+        for s in streams:
+            for packet in s.encode():
+                out.mux(packet)
+    return buf.getvalue()
