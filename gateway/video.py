@@ -154,6 +154,8 @@ def _probe_open(container: Any, lim: VideoLimits) -> VideoProbe:
     if not videos:
         raise UndecodableImage("the container holds no video stream")
     stream = videos[0]
+    if stream.codec_context is None:  # FFmpeg found no decoder for what the stream claims to be
+        raise UndecodableImage("the video stream's codec is unknown")
     codec = str(stream.codec_context.name)
     if codec not in _CODECS:
         raise UndecodableImage(

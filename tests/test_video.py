@@ -148,6 +148,23 @@ def test_hostile_files_are_refused_quickly_with_bounded_memory() -> None:
     assert grown_mb < 300, f"peak RSS grew by {grown_mb:.0f} MiB refusing hostile videos"
 
 
+@pytest.mark.parametrize("kind", [MP4, WEBM], ids=lambda k: k[1])
+def test_mutated_videos_decode_or_give_request_errors_only(kind: tuple[str, str, str]) -> None:
+    """Flipped bytes and truncations of a real file: a decode or a 4xx, never another exception."""
+    original = make_video(kind, frames=12)
+    rng = np.random.default_rng(7)
+    for _ in range(40):
+        data = bytearray(original)
+        for at in rng.integers(0, len(data), int(rng.integers(1, 20))):
+            data[at] = int(rng.integers(0, 256))
+        if rng.random() < 0.3:
+            data = data[: int(rng.integers(1, len(data)))]
+        try:
+            _decode(bytes(data))
+        except RequestError as exc:
+            assert 400 <= exc.status_hint < 500
+
+
 def test_a_video_too_large_for_the_budget_is_refused_before_decoding() -> None:
     data = make_video(MP4, frames=20)
     found = video.probe(data)

@@ -30,9 +30,11 @@ def make_video(
     gop: int = 10,
     pts_step: int = 1,
     extra_streams: int = 0,
+    shift: int = 0,
 ) -> bytes:
     """An encoded video of ``frames`` flat frames (``frame_level``) at ``fps``; ``pts_step`` spaces the
-    frames' timestamps (a long duration from few frames); ``extra_streams`` more tiny video streams."""
+    frames' timestamps (a long duration from few frames); ``extra_streams`` more tiny video streams;
+    ``shift`` offsets every grey level (distinct files of the same shape)."""
     import av
 
     fmt, codec, pix = kind
@@ -51,7 +53,8 @@ def make_video(
                 if n and i:
                     continue
                 w, h = s.width, s.height
-                rgb = np.full((h, w, 3), frame_level(i), dtype=np.uint8)
+                rgb = np.full((h, w, 3), (frame_level(i) + shift) % 256, dtype=np.uint8)
+                rgb[: h // 4, : w // 4] = 255 - rgb[: h // 4, : w // 4]  # some detail for the encoder
                 frame = av.VideoFrame.from_ndarray(rgb, format="rgb24")
                 frame.pts = i * pts_step
                 for packet in s.encode(frame):
