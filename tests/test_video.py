@@ -268,3 +268,47 @@ def test_serve_refuses_bad_videos_with_openai_errors(video_server: Server) -> No
         wrong_type = client.post("/v1/chat/completions", json=_body(b"abc", "image/png"))
         assert wrong_type.status_code == 400
         assert client.get("/health").status_code == 200
+
+
+# -- the worker half, in process -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_the_worker_answers_a_video_with_its_temporal_positions(family: str, tiny_vlm: Any) -> None:
+    """The worker's M-RoPE positions space a video's temporal patches as transformers' processor and
+    model do: 1 apart for Qwen2-VL, tokens_per_second x second_per_grid_ts for Qwen2.5-VL (here 2.5 s
+    at 10 fps sampled at 2 fps gives 4 frames, 1.6 sampled fps, 1.25 s per temporal patch)."""
+    import contextlib
+
+    import torch
+
+    from gateway.preprocess.hf import HFPreprocessor
+    from shared.wire import SamplingParams
+    from worker.backends.base import WorkItem
+    from worker.backends.hf import HFBackend
+
+    model_dir = tiny_vlm(family)
+    pre = HFPreprocessor(model_dir)
+    backend = HFBackend(str(model_dir), torch.device("cpu"))
+    arrays: dict[str, np.ndarray] = {}
+
+    def allocate(name: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+        arrays[name] = np.full(shape, 7, dtype=dtype)
+        return arrays[name]
+
+    pre.preprocess_video(make_video(MP4, frames=25), allocate, lambda nbytes: contextlib.nullcontext())
+    assert arrays[qwen_video.VIDEO_GRID_THW].tolist()[0][0] == 2
+    assert arrays[qwen_video.SECOND_PER_GRID].tolist() == [1.25]
+    spec = {name: (a.dtype.name, tuple(a.shape)) for name, a in arrays.items()}
+    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What happens?"}]}]
+    prompt = pre.build_prompt(messages, [spec])
+    tensors = {name: [torch.from_numpy(a)] for name, a in arrays.items()}
+    item = WorkItem(1, tensors, SamplingParams(max_tokens=3, temperature=0.0), inline=prompt.inline)
+    inputs = backend._layout.check(item, torch.device("cpu"))
+    positions, _ = backend._mrope_positions(inputs.input_ids, None, inputs.video_grid_thw, inputs.second_per_grid_ts)
+    video_at = (inputs.input_ids[0] == backend._layout.video_token_id).nonzero().view(-1)
+    temporal = sorted(set(positions[0, 0, video_at].tolist()))
+    spacing = 1 if family == "qwen2_vl" else int(backend.model.config.vision_config.tokens_per_second * 1.25)
+    assert len(temporal) == 2 and temporal[1] - temporal[0] == spacing
+    events = list(backend.run([item]))
+    assert events[-1].finish_reason is not None and events[-1].prompt_tokens == prompt.prompt_tokens

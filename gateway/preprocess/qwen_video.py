@@ -44,6 +44,9 @@ __all__ = [
 
 PIXEL_VALUES_VIDEOS = "pixel_values_videos"
 VIDEO_GRID_THW = "video_grid_thw"
+# Seconds per temporal patch (float32 (1,)): Qwen2.5-VL spaces a video's temporal positions by it, as
+# its processor computes it (temporal_patch_size / the sampled frame rate); Qwen2-VL ignores it.
+SECOND_PER_GRID = "second_per_grid_ts"
 # Qwen2VLVideoProcessor's class defaults, used where the checkpoint says nothing.
 DEFAULT_FPS = 2.0
 DEFAULT_MIN_FRAMES = 4
@@ -159,21 +162,23 @@ def plan(found: video.VideoProbe, s: VideoSettings) -> video.VideoPlan:
 
 def preprocess_video(data: bytes, s: VideoSettings, allocate: AllocateFn, reserve: Any) -> None:
     """Probe, reserve the predicted memory (``reserve(nbytes)``, a context manager: the decode budget's),
-    decode the sampled frames, patch them and copy ``pixel_values_videos`` and ``video_grid_thw`` into
-    the arena (asked for once, after everything succeeded)."""
+    decode the sampled frames, patch them and copy ``pixel_values_videos``, ``video_grid_thw`` and
+    ``second_per_grid_ts`` into the arena (asked for once, after everything succeeded)."""
     found = video.probe(data)
     planned = plan(found, s)
     with reserve(planned.peak_bytes(found)):
         frames = video.decode_frames(data, found, planned, _resize)
         rows, grid = patchify(frames, s)
         del frames
-        for name, array in ((PIXEL_VALUES_VIDEOS, rows), (VIDEO_GRID_THW, grid)):
+        sampled_fps = len(planned.indices) / found.frames * found.fps  # transformers' VideoMetadata.sampled_fps
+        seconds = np.asarray([s.temporal_patch_size / sampled_fps], dtype=np.float32)
+        for name, array in ((PIXEL_VALUES_VIDEOS, rows), (VIDEO_GRID_THW, grid), (SECOND_PER_GRID, seconds)):
             np.copyto(allocate(name, array.dtype.name, tuple(array.shape)), array, casting="no")
 
 
-# config.json model_types whose video this module processes. Qwen2.5-VL's positions also need each
-# video's seconds per temporal patch, and Qwen3-VL's prompt a timestamp per frame group: not yet.
-VIDEO_FAMILIES = frozenset({"qwen2_vl"})
+# config.json model_types whose video this module processes (Qwen3-VL's prompt also needs a timestamp
+# per frame group, and its processor other defaults: not yet).
+VIDEO_FAMILIES = frozenset({"qwen2_vl", "qwen2_5_vl"})
 
 
 def video_tokens(spec: ImageTensorSpec, s: VideoSettings) -> int:

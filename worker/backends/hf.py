@@ -86,10 +86,18 @@ IMAGE_TENSORS = (
     "image_token_count",
     "pixel_values_videos",  # video (Qwen2-VL): gateway/preprocess/qwen_video.py
     "video_grid_thw",
+    "second_per_grid_ts",
 )
 # Read on the host (checked and turned into token counts): the worker hands them over there, so
 # checking them costs no device round trip per image.
-HOST_TENSORS = ("image_grid_thw", "tile_grid", "image_sizes", "image_token_count", "video_grid_thw")
+HOST_TENSORS = (
+    "image_grid_thw",
+    "tile_grid",
+    "image_sizes",
+    "image_token_count",
+    "video_grid_thw",
+    "second_per_grid_ts",
+)
 # --dtype values. "auto": bfloat16 on CUDA, float32 on CPU (CPU half precision is slow and
 # poorly supported by the kernels these models use).
 DTYPES: dict[str, torch.dtype | None] = {
@@ -298,7 +306,9 @@ class HFBackend(ModelBackend):
             kwargs["token_type_ids"] = torch.zeros_like(ids)
         with torch.inference_mode():
             if self._layout.mrope:
-                kwargs["position_ids"], delta = self._mrope_positions(ids, inputs.image_grid_thw, inputs.video_grid_thw)
+                kwargs["position_ids"], delta = self._mrope_positions(
+                    ids, inputs.image_grid_thw, inputs.video_grid_thw, inputs.second_per_grid_ts
+                )
             else:  # 1-D positions (LLaVA): the prompt's are 0..L-1, and no offset after it; PaliGemma's count from 1
                 delta = 1 if self._layout.prefix_lm else 0
                 kwargs["position_ids"] = torch.arange(delta, ids.shape[1] + delta, device=ids.device).view(1, -1)
@@ -306,7 +316,11 @@ class HFBackend(ModelBackend):
         return out.logits[0, -1], getattr(out, self._cache_field), delta
 
     def _mrope_positions(
-        self, ids: torch.Tensor, grid: torch.Tensor | None, video_grid: torch.Tensor | None = None
+        self,
+        ids: torch.Tensor,
+        grid: torch.Tensor | None,
+        video_grid: torch.Tensor | None = None,
+        seconds: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, int]:
         """3-D positions of the prompt and the offset of the tokens after it (invariant 2)."""
         if grid is None and video_grid is None:
@@ -315,7 +329,11 @@ class HFBackend(ModelBackend):
         mm_token_type_ids = (ids == self._layout.image_token_id).to(torch.int32)
         mm_token_type_ids += 2 * (ids == self._layout.video_token_id).to(torch.int32)  # video tokens are type 2
         positions, deltas = self.model.model.get_rope_index(
-            ids, mm_token_type_ids=mm_token_type_ids, image_grid_thw=grid, video_grid_thw=video_grid
+            ids,
+            mm_token_type_ids=mm_token_type_ids,
+            image_grid_thw=grid,
+            video_grid_thw=video_grid,
+            **({"second_per_grid_ts": seconds} if seconds is not None and self._layout.video_seconds else {}),
         )
         return positions, int(deltas.reshape(-1)[0])
 
@@ -424,6 +442,7 @@ class _Inputs:
     image_sizes: torch.Tensor | None = None  # LLaVA-NeXT: int64 [n_images, 2], original (height, width)
     pixel_values_videos: torch.Tensor | None = None  # Qwen2-VL video: [sum of t*h*w, patch_dim]
     video_grid_thw: torch.Tensor | None = None  # int64 [n_videos, 3]
+    second_per_grid_ts: torch.Tensor | None = None  # float32 [n_videos]: Qwen2.5-VL's temporal spacing
 
 
 @dataclass(frozen=True)
@@ -449,6 +468,7 @@ class _InputLayout:
         False  # PaliGemma: token_type_ids 0 over the whole prompt (it attends both ways), positions from 1
     )
     video_token_id: int = -1  # Qwen2-VL: the video placeholder (-1: the model takes no video)
+    video_seconds: bool = False  # Qwen2.5-VL: temporal positions spaced by each video's second_per_grid_ts
 
     @classmethod
     def from_config(cls, config: Any, style: InputStyle) -> _InputLayout:
@@ -536,8 +556,9 @@ class _InputLayout:
                     patch_dim=vision.in_channels * vision.temporal_patch_size * patch * patch,
                     # video: Qwen2-VL only (gateway/preprocess/qwen_video.py)
                     video_token_id=int(getattr(config, "video_token_id", -1) or -1)
-                    if config.model_type == "qwen2_vl"
+                    if config.model_type in ("qwen2_vl", "qwen2_5_vl")
                     else -1,
+                    video_seconds=config.model_type == "qwen2_5_vl",
                 )
 
     def check(self, item: WorkItem, device: torch.device) -> _Inputs:
@@ -587,8 +608,14 @@ class _InputLayout:
         if pixels:
             inputs = _Inputs(input_ids, torch.cat(pixels).to(device), torch.cat(grids).to(device))
         if videos:
+            seconds = item.tensors.get("second_per_grid_ts", [])
+            if len(seconds) != len(videos) or any(
+                s.dtype != torch.float32 or tuple(s.shape) != (1,) or not 0 < float(s[0]) < 1e4 for s in seconds
+            ):
+                raise InvalidRequest(f"Request {rid}: each video needs one positive float32 second_per_grid_ts.")
             inputs.pixel_values_videos = torch.cat(videos).to(device)
             inputs.video_grid_thw = torch.cat(video_grids).to(device)
+            inputs.second_per_grid_ts = torch.cat(seconds).to(device)
         return inputs
 
     def _check_crops(
