@@ -24,7 +24,7 @@ from gateway.decode_budget import DecodeBudget  # noqa: E402
 from gateway.preprocess import qwen_video  # noqa: E402
 from shared.errors import ImageTooLarge, RequestError, UndecodableImage  # noqa: E402
 from tests.serving import Server, start_server, stop_and_check  # noqa: E402
-from tests.video_samples import MP4, MP4_MPEG4, WEBM, WEBM_VP8, frame_level, make_video  # noqa: E402
+from tests.video_samples import MP4, MP4_MPEG4, WEBM, WEBM_VP8, frame_level, lying_video, make_video  # noqa: E402
 
 
 class _ImageProcessor:  # the settings a Qwen2-VL image processor carries
@@ -118,6 +118,7 @@ def _hostile() -> dict[str, bytes]:
         "garbage": bytes(np.random.default_rng(1).integers(0, 256, 200_000, dtype=np.uint8)),
         "many streams": make_video(MP4_MPEG4, frames=2, extra_streams=40),
         "not a video (JPEG)": (Path(__file__).parent / "data" / "images" / "camera_640.jpg").read_bytes(),
+        "a stream that lies about its size": lying_video(),
         "empty": b"",
     }
 
@@ -312,3 +313,8 @@ def test_the_worker_answers_a_video_with_its_temporal_positions(family: str, tin
     assert len(temporal) == 2 and temporal[1] - temporal[0] == spacing
     events = list(backend.run([item]))
     assert events[-1].finish_reason is not None and events[-1].prompt_tokens == prompt.prompt_tokens
+
+
+def test_a_stream_that_grows_past_its_header_is_refused_at_the_first_larger_frame() -> None:
+    with pytest.raises(UndecodableImage, match="larger than its stream says"):
+        _decode(lying_video())

@@ -63,3 +63,36 @@ def make_video(
             for packet in s.encode():
                 out.mux(packet)
     return buf.getvalue()
+
+
+def lying_video(claimed: tuple[int, int] = (64, 48), actual: tuple[int, int] = (1280, 720)) -> bytes:
+    """A WebM whose VP8 stream says ``claimed`` (its header, what a probe reads) but switches to
+    ``actual`` after five frames: VP8 keyframes carry their own size, so the decoder follows them."""
+    import av
+
+    def packets(width: int, height: int, n: int, start: int) -> list[av.Packet]:
+        encoder = av.CodecContext.create("libvpx", "w")
+        encoder.width, encoder.height, encoder.pix_fmt = width, height, "yuv420p"
+        encoder.time_base = Fraction(1, 10)
+        out: list[av.Packet] = []
+        for i in range(n):
+            frame = av.VideoFrame.from_ndarray(np.full((height, width, 3), 100, np.uint8), format="rgb24")
+            frame = frame.reformat(format="yuv420p")
+            frame.pts = i
+            out += encoder.encode(frame)
+        out += encoder.encode(None)
+        for packet in out:
+            packet.pts = packet.dts = (packet.pts or 0) + start
+        return out
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="webm") as container:
+        stream = container.add_stream("libvpx", rate=10)
+        stream.width, stream.height = claimed
+        stream.pix_fmt = "yuv420p"
+        stream.time_base = Fraction(1, 10)
+        for packet in packets(*claimed, 5, 0) + packets(*actual, 30, 5):
+            packet.stream = stream
+            packet.time_base = Fraction(1, 10)
+            container.mux(packet)
+    return buf.getvalue()
