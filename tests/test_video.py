@@ -5,6 +5,7 @@ MP4 and WebM videos, a repeated one from the cache."""
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import resource
 import shutil
@@ -109,6 +110,7 @@ def test_patches_equal_an_independent_reference_and_transformers_image_processor
 # -- hostile files -------------------------------------------------------------------------------
 
 
+@functools.cache
 def _hostile() -> dict[str, bytes]:
     mp4 = make_video(MP4, frames=20)
     return {

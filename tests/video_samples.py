@@ -65,7 +65,7 @@ def make_video(
     return buf.getvalue()
 
 
-def lying_video(claimed: tuple[int, int] = (64, 48), actual: tuple[int, int] = (1280, 720)) -> bytes:
+def lying_video(claimed: tuple[int, int] = (64, 48), actual: tuple[int, int] = (640, 360)) -> bytes:
     """A WebM whose VP8 stream says ``claimed`` (its header, what a probe reads) but switches to
     ``actual`` after five frames: VP8 keyframes carry their own size, so the decoder follows them."""
     import av
@@ -91,7 +91,7 @@ def lying_video(claimed: tuple[int, int] = (64, 48), actual: tuple[int, int] = (
         stream.width, stream.height = claimed
         stream.pix_fmt = "yuv420p"
         stream.time_base = Fraction(1, 10)
-        for packet in packets(*claimed, 5, 0) + packets(*actual, 30, 5):
+        for packet in packets(*claimed, 5, 0) + packets(*actual, 5, 5):
             packet.stream = stream
             packet.time_base = Fraction(1, 10)
             container.mux(packet)
