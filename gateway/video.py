@@ -9,7 +9,7 @@ the decode threads), marked by ``VIDEO_OPTION`` in its processing options. What 
    limits (``VideoLimits``: the longest duration, the most frames sampled, the largest frame).
 2. The memory the decode will take is predicted from the probe (``VideoPlan.peak_bytes``: the codec's
    reference frames at the stream's size, one full-size RGB frame, and the sampled frames at their
-   processed size, as uint8 and as the float32 output) and reserved in the frontend's decode budget
+   processed size, as uint8 and as one float32 copy) and reserved in the frontend's decode budget
    before any frame is decoded, as an image's header prediction is (gateway/decode_budget.py).
 3. ``decode_frames`` seeks to each sampled timestamp (the keyframe before it, then decodes forward)
    when the next sample is further than ``SEEK_GAP_S`` ahead, and decodes straight on otherwise. Each
@@ -117,9 +117,10 @@ class VideoPlan:
 
     def peak_bytes(self, found: VideoProbe) -> int:
         pixels = found.width * found.height
-        held = len(self.indices) * self.height * self.width * 3  # uint8 resized frames
-        output = len(self.indices) * self.height * self.width * 3 * 4 * 3  # float32 frames, normalised, patches
-        return FIXED_BYTES + pixels * (CODEC_PIXEL_BYTES + 3 + 4) + held + output
+        # The resized frames as uint8 (one more where the processor pads a temporal patch) and their one
+        # float32 copy; the patches are written into the arena, which bounds them on its own.
+        held = (len(self.indices) + 1) * self.height * self.width * 3
+        return FIXED_BYTES + pixels * (CODEC_PIXEL_BYTES + 3 + 4) + held * (1 + 4)
 
 
 def _open(data: bytes) -> Any:

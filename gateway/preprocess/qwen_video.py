@@ -136,21 +136,34 @@ def _resize(rgb: np.ndarray, height: int, width: int) -> np.ndarray:
     return np.asarray(Image.fromarray(rgb).resize((width, height), Image.Resampling.BICUBIC))
 
 
-def patchify(frames: np.ndarray, s: VideoSettings) -> tuple[np.ndarray, np.ndarray]:
-    """uint8 ``(T, H, W, 3)`` frames -> (float32 ``pixel_values_videos``, int64 ``video_grid_thw`` (1, 3))."""
-    scaled = frames.astype(np.float32) * np.float32(s.rescale_factor)
-    mean, std = np.asarray(s.mean, np.float32), np.asarray(s.std, np.float32)
-    normal = ((scaled - mean) / std).transpose(0, 3, 1, 2)  # T, C, H, W
-    t, channels, height, width = normal.shape
+def patchify(frames: np.ndarray, s: VideoSettings, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """uint8 ``(T, H, W, 3)`` frames -> (float32 ``pixel_values_videos``, int64 ``video_grid_thw`` (1, 3)).
+
+    One float32 copy of the frames, normalised in place, then one strided copy into ``out`` (the
+    arena's buffer, ``patch_shape``'s shape) or a new array: the decode budget reserves exactly that."""
+    t, height, width, channels = frames.shape
     temporal, patch, merge = s.temporal_patch_size, s.patch_size, s.merge_size
-    if pad := -t % temporal:
-        normal = np.concatenate([normal, np.repeat(normal[-1:], pad, axis=0)])
+    if pad := -t % temporal:  # the last frame repeated, as the processor pads
+        frames = np.concatenate([frames, np.repeat(frames[-1:], pad, axis=0)])
         t += pad
+    x = frames.astype(np.float32)
+    x *= np.float32(s.rescale_factor)
+    x -= np.asarray(s.mean, np.float32)
+    x /= np.asarray(s.std, np.float32)
     gt, gh, gw = t // temporal, height // patch, width // patch
-    patches = normal.reshape(gt, temporal, channels, gh // merge, merge, patch, gw // merge, merge, patch)
-    patches = patches.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
-    rows = np.ascontiguousarray(patches.reshape(gt * gh * gw, channels * temporal * patch * patch))
+    # (group, frame in group, block row, row in block, pixel row, block col, col in block, pixel col, channel)
+    view = x.reshape(gt, temporal, gh // merge, merge, patch, gw // merge, merge, patch, channels)
+    view = view.transpose(0, 2, 5, 3, 6, 8, 1, 4, 7)  # row order: merge blocks; within a row: C, T, P, P
+    rows = out if out is not None else np.empty(patch_shape(t, height, width, channels, s), np.float32)
+    np.copyto(rows.reshape(view.shape), view)
     return rows, np.asarray([[gt, gh, gw]], dtype=np.int64)
+
+
+def patch_shape(frames: int, height: int, width: int, channels: int, s: VideoSettings) -> tuple[int, int]:
+    """``pixel_values_videos``'s shape for ``frames`` frames of ``height`` x ``width`` (padded as patchify pads)."""
+    temporal, patch = s.temporal_patch_size, s.patch_size
+    groups = -(-frames // temporal)
+    return groups * (height // patch) * (width // patch), channels * temporal * patch * patch
 
 
 def plan(found: video.VideoProbe, s: VideoSettings) -> video.VideoPlan:
@@ -168,11 +181,12 @@ def preprocess_video(data: bytes, s: VideoSettings, allocate: AllocateFn, reserv
     planned = plan(found, s)
     with reserve(planned.peak_bytes(found)):
         frames = video.decode_frames(data, found, planned, _resize)
-        rows, grid = patchify(frames, s)
+        shape = patch_shape(len(frames), planned.height, planned.width, 3, s)
+        _, grid = patchify(frames, s, out=allocate(PIXEL_VALUES_VIDEOS, "float32", shape))
         del frames
         sampled_fps = len(planned.indices) / found.frames * found.fps  # transformers' VideoMetadata.sampled_fps
         seconds = np.asarray([s.temporal_patch_size / sampled_fps], dtype=np.float32)
-        for name, array in ((PIXEL_VALUES_VIDEOS, rows), (VIDEO_GRID_THW, grid), (SECOND_PER_GRID, seconds)):
+        for name, array in ((VIDEO_GRID_THW, grid), (SECOND_PER_GRID, seconds)):
             np.copyto(allocate(name, array.dtype.name, tuple(array.shape)), array, casting="no")
 
 
