@@ -20,9 +20,9 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from shared.instance import Instance  # noqa: E402
-from shared.transport.posix import PosixFrontendLink  # noqa: E402
-from shared.vocabulary import DEAD_AFTER_S, SlotState  # noqa: E402
+from shmgate.shared.instance import Instance  # noqa: E402
+from shmgate.shared.transport.posix import PosixFrontendLink  # noqa: E402
+from shmgate.shared.vocabulary import DEAD_AFTER_S, SlotState  # noqa: E402
 
 MODEL = "checksum"
 

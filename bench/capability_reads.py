@@ -15,10 +15,10 @@ from __future__ import annotations
 import argparse
 import time
 
-from gateway.fields import check_fields_for_model, with_image_options
-from gateway.intake import ChatRequest
-from gateway.preprocess.vision import ChecksumPreprocessor, EfficientNetPreprocessor, FixedSizePreprocessor
-from shared.wire import SamplingParams
+from shmgate.gateway.fields import check_fields_for_model, with_image_options
+from shmgate.gateway.intake import ChatRequest
+from shmgate.gateway.preprocess.vision import ChecksumPreprocessor, EfficientNetPreprocessor, FixedSizePreprocessor
+from shmgate.shared.wire import SamplingParams
 
 
 def per_request_us(pre: FixedSizePreprocessor, iters: int) -> float:

@@ -48,7 +48,7 @@ if str(REPO) not in sys.path:
 
 import httpx  # noqa: E402
 
-from shared.channels import SENDER_IDLE_S  # noqa: E402
+from shmgate.shared.channels import SENDER_IDLE_S  # noqa: E402
 from tests.serving import data_url, expected_checksum, free_port, noise_png  # noqa: E402
 
 MODEL = "checksum"
@@ -211,7 +211,7 @@ def start_server(args: argparse.Namespace, log_dir: Path) -> Server:
         [
             sys.executable,
             "-m",
-            "gateway",
+            "shmgate.gateway",
             "serve",
             "--port",
             str(port),

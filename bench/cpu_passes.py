@@ -30,7 +30,7 @@ def backend_and_pixels(images: int) -> tuple[Any, list[Any]]:
     """
     import torch
 
-    from worker.backends.efficientnet import EfficientNetBackend
+    from shmgate.worker.backends.efficientnet import EfficientNetBackend
 
     backend = EfficientNetBackend(torch.device("cpu"), threads=1)
     generator = torch.Generator().manual_seed(0)

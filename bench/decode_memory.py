@@ -41,8 +41,8 @@ PHOTO = REPO / "tests" / "data" / "images" / "chelsea_1024.jpg"
 TIMING_CHILD = """
 import statistics, sys, time
 from pathlib import Path
-from gateway.imaging import decode
-from gateway.preprocess.vision import ChecksumPreprocessor
+from shmgate.gateway.imaging import decode
+from shmgate.gateway.preprocess.vision import ChecksumPreprocessor
 data = Path(sys.argv[1]).read_bytes()
 rounds = int(sys.argv[2])
 pre = ChecksumPreprocessor()
@@ -61,7 +61,7 @@ def median_ms(fn):
 full = median_ms(lambda: decode(data, max_pixels=40_000_000))
 drafted = median_ms(lambda: pre.preprocess_image(data, alloc, max_pixels=40_000_000))
 try:
-    from gateway.imaging import predict
+    from shmgate.gateway.imaging import predict
     header = median_ms(lambda: predict(data, max_pixels=40_000_000))
 except ImportError:
     header = float("nan")
@@ -108,7 +108,7 @@ def serve_cases(root: Path, max_pixels: int | None) -> list[tuple[str, float, in
         [
             sys.executable,
             "-m",
-            "gateway",
+            "shmgate.gateway",
             "serve",
             "--port",
             str(port),

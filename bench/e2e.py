@@ -46,7 +46,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.disturb import Disturbance  # noqa: E402
-from bench_client import loadgen  # noqa: E402
+from shmgate.bench_client import loadgen  # noqa: E402
 
 LITSERVE_PYTHON = REPO / "bench" / ".venv-litserve" / "bin" / "python"
 # An earlier checkout to compare with in the same run (scenario shmgate-base), e.g.
@@ -94,7 +94,7 @@ SCENARIOS: dict[str, Scenario] = {
         SHMGATE + ("--model", "efficientnet-lite0", "--max-batch-size", "8"), "efficientnet-lite0", ready_path="/ready"
     ),
     # The same default command on the checkout in SHMGATE_BENCH_BASE (before/after in one run).
-    # (From the base directory: the frontends start with `python -m gateway`, which looks in the cwd first.)
+    # (From the base directory: the frontends start with `python -m shmgate.gateway`, which looks in the cwd first.)
     "shmgate-base": Scenario(
         (
             "sh",

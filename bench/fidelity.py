@@ -100,7 +100,7 @@ def normalise(pixels_hwc: np.ndarray) -> torch.Tensor:
 
 def gateway_pixels(data: bytes, margin: float, reducing_gap: float | None = None) -> np.ndarray:
     """(crop, crop, 3) uint8 from the gateway's classifier preprocessing at this draft margin (and resize)."""
-    from gateway.preprocess.vision import EfficientNetPreprocessor
+    from shmgate.gateway.preprocess.vision import EfficientNetPreprocessor
 
     out: list[np.ndarray] = []
 
@@ -184,7 +184,7 @@ class Lite0:
     """EfficientNet-Lite0 on the CPU (the package's weights): logits and pooled features of a batch."""
 
     def __init__(self) -> None:
-        from worker.backends.efficientnet import EfficientNetBackend
+        from shmgate.worker.backends.efficientnet import EfficientNetBackend
 
         self.model = EfficientNetBackend(torch.device("cpu")).model
         # Paths that do not draft an image (PNGs, small JPEGs) give the reference's pixels or each
@@ -250,7 +250,7 @@ def measure(
 
 
 def _path_name(margin: float) -> str:
-    from gateway.preprocess.vision import DEFAULT_DRAFT_MARGIN, EMBEDDING_DRAFT_MARGIN, FAST_DRAFT_MARGIN
+    from shmgate.gateway.preprocess.vision import DEFAULT_DRAFT_MARGIN, EMBEDDING_DRAFT_MARGIN, FAST_DRAFT_MARGIN
 
     name = "full decode" if margin <= 0 else f"JPEG draft, margin {margin:g}"
     roles = {

@@ -74,12 +74,12 @@ _encoder = msgspec.json.Encoder()
 _preprocessor: Any = None  # per pool process (_init_pool)
 
 
-from gateway.intake import strict_b64decode  # noqa: E402
+from shmgate.gateway.intake import strict_b64decode  # noqa: E402
 
 
 def _init_pool() -> None:
     global _preprocessor
-    from gateway.preprocess.vision import ChecksumPreprocessor
+    from shmgate.gateway.preprocess.vision import ChecksumPreprocessor
 
     if _preprocessor is None:  # once per pool process (main() also calls this through the pool to start it)
         _preprocessor = ChecksumPreprocessor()

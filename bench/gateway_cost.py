@@ -50,7 +50,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.e2e import IMAGES, LITSERVE_PYTHON, ServerProcess, free_port, render_table  # noqa: E402
-from bench_client import loadgen  # noqa: E402
+from shmgate.bench_client import loadgen  # noqa: E402
 
 MISS, HIT = "miss", "hit"
 
@@ -79,7 +79,7 @@ SERVERS: dict[str, Server] = {
         (MISS, HIT),
         needs=LITSERVE_PYTHON,
     ),
-    # From the base checkout's directory: the frontends start with `python -m gateway`, which looks in the cwd first.
+    # From the base checkout's directory: the frontends start with `python -m shmgate.gateway`, which looks in the cwd first.
     "shmgate-base": Server(
         (
             "sh",

@@ -74,14 +74,14 @@ if str(REPO) not in sys.path:
 
 from bench.e2e import IMAGES, LITSERVE_PYTHON, ServerProcess, fmt, free_port, render_table  # noqa: E402
 from bench.gpu_overlap import overlap_rows  # noqa: E402
-from bench_client import loadgen  # noqa: E402
-from shared.arena import Allocation, Partition, validate  # noqa: E402
-from shared.errors import SetupError  # noqa: E402
-from shared.instance import Instance  # noqa: E402
-from shared.segment import SlotState  # noqa: E402
-from shared.wire import TensorRef  # noqa: E402
-from worker.backends.efficientnet import EfficientNetBackend  # noqa: E402
-from worker.device import TORCH_DTYPES, DeviceCopier  # noqa: E402
+from shmgate.bench_client import loadgen  # noqa: E402
+from shmgate.shared.arena import Allocation, Partition, validate  # noqa: E402
+from shmgate.shared.errors import SetupError  # noqa: E402
+from shmgate.shared.instance import Instance  # noqa: E402
+from shmgate.shared.segment import SlotState  # noqa: E402
+from shmgate.shared.wire import TensorRef  # noqa: E402
+from shmgate.worker.backends.efficientnet import EfficientNetBackend  # noqa: E402
+from shmgate.worker.device import TORCH_DTYPES, DeviceCopier  # noqa: E402
 
 SIZES: list[tuple[str, tuple[int, ...]]] = [
     ("uint8", (3, 224, 224)),  # 150,528 B
@@ -592,7 +592,7 @@ def _nvml_index() -> str:
 
 def serve_argv(port: str, frontends: int, workers_per_gpu: int, args: argparse.Namespace) -> list[str]:
     exe = Path(sys.executable).parent / "shmgate"
-    head = [str(exe)] if exe.exists() else [sys.executable, "-m", "gateway"]
+    head = [str(exe)] if exe.exists() else [sys.executable, "-m", "shmgate.gateway"]
     # On CPU (dry run) --workers-per-gpu means nothing: the same count as --workers.
     workers = (
         ["--workers", str(workers_per_gpu)]

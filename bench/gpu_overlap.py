@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from shared.wire import TensorRef
-from worker.backends.efficientnet import EfficientNetBackend
-from worker.device import Copy, DeviceCopier
+from shmgate.shared.wire import TensorRef
+from shmgate.worker.backends.efficientnet import EfficientNetBackend
+from shmgate.worker.device import Copy, DeviceCopier
 
 __all__ = ["overlap_rows"]
 

@@ -35,8 +35,8 @@ def probe(device_name: str, max_batch: int, setting: str) -> list[dict[str, obje
     import numpy as np
     import torch
 
-    from gateway.preprocess.vision import EfficientNetPreprocessor
-    from worker.backends.efficientnet import EfficientNetBackend
+    from shmgate.gateway.preprocess.vision import EfficientNetPreprocessor
+    from shmgate.worker.backends.efficientnet import EfficientNetBackend
 
     if setting == "tf32-off":
         torch.backends.cudnn.allow_tf32 = False

@@ -14,7 +14,7 @@ import time
 
 from starlette.types import Message, Receive, Scope, Send
 
-from gateway.guards import AllowedHosts, CatchAll
+from shmgate.gateway.guards import AllowedHosts, CatchAll
 
 SCOPE: Scope = {
     "type": "http",

@@ -47,12 +47,12 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from shared.arena import Partition, recheck, validate  # noqa: E402
-from shared.cache_index import IndexEntry  # noqa: E402
-from shared.instance import Instance  # noqa: E402
-from shared.locks import HolderKind  # noqa: E402
-from shared.segment import LockId, SlotState  # noqa: E402
-from shared.wire import Cancel, Released, Submit, TensorRef  # noqa: E402
+from shmgate.shared.arena import Partition, recheck, validate  # noqa: E402
+from shmgate.shared.cache_index import IndexEntry  # noqa: E402
+from shmgate.shared.instance import Instance  # noqa: E402
+from shmgate.shared.locks import HolderKind  # noqa: E402
+from shmgate.shared.segment import LockId, SlotState  # noqa: E402
+from shmgate.shared.wire import Cancel, Released, Submit, TensorRef  # noqa: E402
 
 SIZES: list[tuple[int, str, tuple[int, ...]]] = [
     (150_528, "uint8", (3, 224, 224)),

@@ -54,7 +54,7 @@ def start(tree: Path, *extra: str, env: dict[str, str] | None = None) -> Server:
         [
             sys.executable,
             "-m",
-            "gateway",
+            "shmgate.gateway",
             "serve",
             "--port",
             str(port),
@@ -270,7 +270,7 @@ def cpu_run(tree: Path, requests: int, stream: bool) -> float:
         command = [
             sys.executable,
             "-m",
-            "gateway",
+            "shmgate.gateway",
             "bench",
             "--base-url",
             server.base_url,

@@ -51,7 +51,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.e2e import IMAGES, ServerProcess, fmt, free_port, render_table
-from bench_client import loadgen
+from shmgate.bench_client import loadgen
 from tests.hf_fixture import FAMILIES, build_tiny_vlm
 
 
@@ -84,7 +84,7 @@ CONTENDERS = (
         (
             "{python}",
             "-m",
-            "gateway",
+            "shmgate.gateway",
             "serve",
             "--host",
             "127.0.0.1",
@@ -107,7 +107,7 @@ CONTENDERS = (
         (
             "{python}",
             "-m",
-            "gateway",
+            "shmgate.gateway",
             "serve",
             "--host",
             "127.0.0.1",

@@ -30,7 +30,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.e2e import IMAGES, ServerProcess, free_port  # noqa: E402
-from bench_client import loadgen  # noqa: E402
+from shmgate.bench_client import loadgen  # noqa: E402
 
 COUNTERS = ("shmgate_cache_hits_total", "shmgate_cache_remote_hits_total", "shmgate_cache_misses_total")
 
@@ -61,7 +61,7 @@ async def main_async(args: argparse.Namespace) -> None:
             url = f"http://127.0.0.1:{port}"
             await server.wait_ready(url + "/ready", 120.0)
             subprocess.run(
-                [sys.executable, "-m", "bench_client.loadgen", "--base-url", url, "-c", "16", "-n", str(args.distinct),
+                [sys.executable, "-m", "shmgate.bench_client.loadgen", "--base-url", url, "-c", "16", "-n", str(args.distinct),
                  "--images", str(IMAGES[0].parent), "--unique", "--no-stages", "--warmup", "0"],
                 check=True, capture_output=True, cwd=REPO,
             )  # fmt: skip

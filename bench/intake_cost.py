@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from gateway import intake  # noqa: E402
+from shmgate.gateway import intake  # noqa: E402
 
 PHOTO = REPO / "tests" / "data" / "images" / "camera_1024.jpg"
 

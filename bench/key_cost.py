@@ -20,10 +20,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import gateway.images as images
-from gateway.intake import IntakeLimits, key_material, parse_chat_request
-from gateway.preprocess.vision import ChecksumPreprocessor
-from gateway.result_cache import answer_key
+import shmgate.gateway.images as images
+from shmgate.gateway.intake import IntakeLimits, key_material, parse_chat_request
+from shmgate.gateway.preprocess.vision import ChecksumPreprocessor
+from shmgate.gateway.result_cache import answer_key
 
 PHOTOS = sorted((Path.cwd() / "tests" / "data" / "images").glob("*_1024.jpg"))
 
@@ -31,7 +31,7 @@ PHOTOS = sorted((Path.cwd() / "tests" / "data" / "images").glob("*_1024.jpg"))
 def tensor_key_function(params: bytes) -> Callable[[Any], bytes]:
     """The tensor key as this checkout's gateway/images.py forms it."""
     if hasattr(images, "key_of_digest"):
-        from gateway.intake import image_digest  # type: ignore[attr-defined,unused-ignore]
+        from shmgate.gateway.intake import image_digest  # type: ignore[attr-defined,unused-ignore]
 
         return lambda image: images.key_of_digest(image_digest(image), params)
     return lambda image: images.content_key(key_material(image), params)  # type: ignore[attr-defined]

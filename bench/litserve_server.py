@@ -62,10 +62,10 @@ def _image_url(request: Any) -> str:
 def make_backend(mode: str, device: str, threads: int) -> Any:
     """The project's backend for ``mode``: an explicit table, as in bench/naive_server.py."""
     if mode == "efficientnet":
-        from worker.backends.efficientnet import EfficientNetBackend
+        from shmgate.worker.backends.efficientnet import EfficientNetBackend
 
         return EfficientNetBackend(torch.device(device), threads=threads)
-    from worker.backends.checksum import ChecksumBackend
+    from shmgate.worker.backends.checksum import ChecksumBackend
 
     return ChecksumBackend(torch.device(device))
 
@@ -95,7 +95,7 @@ class EfficientNetAPI(ls.LitAPI):
         self.threads = threads
 
     def setup(self, device: str) -> None:
-        from gateway.preprocess.vision import ChecksumPreprocessor, EfficientNetPreprocessor
+        from shmgate.gateway.preprocess.vision import ChecksumPreprocessor, EfficientNetPreprocessor
 
         torch.set_num_threads(self.threads)
         self.preprocessor = ChecksumPreprocessor() if self.mode == "checksum" else EfficientNetPreprocessor()
@@ -109,7 +109,7 @@ class EfficientNetAPI(ls.LitAPI):
         return inputs  # the backend stacks the items itself
 
     def predict(self, inputs: Any) -> Iterator[Any]:
-        from worker.backends.base import WorkItem
+        from shmgate.worker.backends.base import WorkItem
 
         batched = isinstance(inputs, list)
         items = inputs if batched else [inputs]
@@ -141,7 +141,7 @@ class EmbeddingAPI(ls.LitAPI):
         self.threads = threads
 
     def setup(self, device: str) -> None:
-        from gateway.preprocess.vision import EfficientNetPreprocessor
+        from shmgate.gateway.preprocess.vision import EfficientNetPreprocessor
 
         torch.set_num_threads(self.threads)
         self.preprocessor = EfficientNetPreprocessor()
@@ -155,7 +155,7 @@ class EmbeddingAPI(ls.LitAPI):
         return inputs
 
     def predict(self, inputs: Any) -> Any:
-        from worker.backends.base import WorkItem
+        from shmgate.worker.backends.base import WorkItem
 
         batched = isinstance(inputs, list)
         work = [WorkItem(i, tensors, task="embed") for i, tensors in enumerate(inputs if batched else [inputs])]

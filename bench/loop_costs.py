@@ -25,9 +25,9 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from gateway.intake import EncodedImage
-from gateway.preprocess.vision import ChecksumPreprocessor
-from shared.cache import content_key
+from shmgate.gateway.intake import EncodedImage
+from shmgate.gateway.preprocess.vision import ChecksumPreprocessor
+from shmgate.shared.cache import content_key
 
 
 async def _hop_us(pool: ThreadPoolExecutor, iters: int) -> tuple[float, float]:

@@ -102,7 +102,7 @@ class Node:
             [
                 sys.executable,
                 "-m",
-                "gateway",
+                "shmgate.gateway",
                 "gateway",
                 "--port",
                 str(self.port),
@@ -125,7 +125,7 @@ class Node:
                 [
                     sys.executable,
                     "-m",
-                    "worker",
+                    "shmgate.worker",
                     *common,
                     "--served-model-name",
                     "slow",
@@ -139,7 +139,7 @@ class Node:
                 stderr=subprocess.STDOUT,
             ),
             subprocess.Popen(
-                [sys.executable, "-m", "worker", *common, "--served-model-name", "fast"],
+                [sys.executable, "-m", "shmgate.worker", *common, "--served-model-name", "fast"],
                 env=env,
                 stdout=self.log,
                 stderr=subprocess.STDOUT,

@@ -87,7 +87,7 @@ class Serve:
             [
                 sys.executable,
                 "-m",
-                "gateway",
+                "shmgate.gateway",
                 "serve",
                 "--port",
                 str(self.port),

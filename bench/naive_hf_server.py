@@ -48,10 +48,10 @@ from fastapi import Body, FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from bench.naive_server import BadRequest, image_bytes
-from gateway.preprocess.hf import HFPreprocessor
-from shared.wire import SamplingParams
-from worker.backends.base import BackendEvent, WorkItem
-from worker.backends.hf import HFBackend
+from shmgate.gateway.preprocess.hf import HFPreprocessor
+from shmgate.shared.wire import SamplingParams
+from shmgate.worker.backends.base import BackendEvent, WorkItem
+from shmgate.worker.backends.hf import HFBackend
 
 MAX_PIXELS = 8192 * 8192
 T = TypeVar("T")

@@ -45,8 +45,8 @@ import uvicorn  # noqa: E402
 from fastapi import Body, FastAPI  # noqa: E402
 from fastapi.responses import JSONResponse, StreamingResponse  # noqa: E402
 
-from gateway.preprocess.vision import ChecksumPreprocessor, EfficientNetPreprocessor  # noqa: E402
-from worker.backends.base import ModelBackend, WorkItem  # noqa: E402
+from shmgate.gateway.preprocess.vision import ChecksumPreprocessor, EfficientNetPreprocessor  # noqa: E402
+from shmgate.worker.backends.base import ModelBackend, WorkItem  # noqa: E402
 
 PREPROCESSORS = {"checksum": ChecksumPreprocessor, "efficientnet": EfficientNetPreprocessor}
 MAX_PIXELS = 8192 * 8192  # generous: the naive server has no real bound, this only stops decompression bombs
@@ -66,10 +66,10 @@ class BadRequest(Exception):
 def make_backend(mode: str, threads: int) -> ModelBackend:
     """The project's backend for ``mode``, on the CPU. An explicit table, no import-by-string."""
     if mode == "efficientnet":
-        from worker.backends.efficientnet import EfficientNetBackend
+        from shmgate.worker.backends.efficientnet import EfficientNetBackend
 
         return EfficientNetBackend(torch.device("cpu"), threads=threads)
-    from worker.backends.checksum import ChecksumBackend
+    from shmgate.worker.backends.checksum import ChecksumBackend
 
     return ChecksumBackend(torch.device("cpu"))
 

@@ -27,7 +27,7 @@ import uvicorn
 
 from bench.naive_hf_server import ModelThread, _sampling, create_app
 from bench.naive_server import BadRequest
-from worker.backends.base import BackendEvent, WorkItem
+from shmgate.worker.backends.base import BackendEvent, WorkItem
 
 
 class VideoModelThread(ModelThread):

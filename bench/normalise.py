@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from worker.backends.efficientnet import (
+from shmgate.worker.backends.efficientnet import (
     PIXEL_SCALE,
     FusedNormaliser,
     _normalise_out_of_place,

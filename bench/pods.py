@@ -230,7 +230,7 @@ def gateway_argv(
     return [
         sys.executable,
         "-m",
-        "gateway",
+        "shmgate.gateway",
         "gateway",
         "--host",
         "127.0.0.1",
@@ -262,7 +262,7 @@ def worker_argv(
     return [
         sys.executable,
         "-m",
-        "worker",
+        "shmgate.worker",
         "--label",
         label,
         "--model",

@@ -27,8 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gateway.preprocess.vision import EfficientNetPreprocessor  # noqa: E402
-from worker.backends.efficientnet import EfficientNetLite0, fold_batchnorms, load_lite0_state_dict  # noqa: E402
+from shmgate.gateway.preprocess.vision import EfficientNetPreprocessor  # noqa: E402
+from shmgate.worker.backends.efficientnet import EfficientNetLite0, fold_batchnorms, load_lite0_state_dict  # noqa: E402
 
 IMAGES = Path(__file__).resolve().parent.parent / "tests" / "data" / "images"
 

@@ -30,7 +30,7 @@ if str(REPO) not in sys.path:
 
 from bench.e2e import IMAGES, ServerProcess, free_port  # noqa: E402
 from bench.gateway_cost import _role  # noqa: E402
-from bench_client import loadgen  # noqa: E402
+from shmgate.bench_client import loadgen  # noqa: E402
 
 
 def summarize(collapsed: Path, top: int) -> str:

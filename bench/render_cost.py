@@ -20,20 +20,20 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from gateway.frontend import Frontend, FrontendLimits
-from gateway.preprocess.vision import ChecksumPreprocessor
-from gateway.request_state import Phase, RequestState
-from shared.transport.memory import MemoryFrontendLink, MemoryNode
-from shared.wire import Delta, Finished, SamplingParams, Submit
+from shmgate.gateway.frontend import Frontend, FrontendLimits
+from shmgate.gateway.preprocess.vision import ChecksumPreprocessor
+from shmgate.gateway.request_state import Phase, RequestState
+from shmgate.shared.transport.memory import MemoryFrontendLink, MemoryNode
+from shmgate.shared.wire import Delta, Finished, SamplingParams, Submit
 
 Render = Callable[[Frontend, RequestState, bool, Any], Awaitable[Any]]
 
 
 def _renderer() -> tuple[str, Render]:
     try:
-        from gateway.render import answer
+        from shmgate.gateway.render import answer
     except ImportError:  # a tree from before gateway/render.py
-        from gateway import app as old
+        from shmgate.gateway import app as old
 
         async def render_old(f: Frontend, state: RequestState, stream: bool, receive: Any) -> Any:
             if stream:

@@ -42,7 +42,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.pods import Container, Pod, gateway_argv, pods_unavailable, terminate_together, worker_argv  # noqa: E402
-from bench_client import loadgen  # noqa: E402
+from shmgate.bench_client import loadgen  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 IMAGES = ROOT / "tests" / "data" / "images"

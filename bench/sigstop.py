@@ -43,7 +43,7 @@ def main() -> int:
         [
             sys.executable,
             "-m",
-            "gateway",
+            "shmgate.gateway",
             "serve",
             "--port",
             str(port),

@@ -42,8 +42,8 @@ if str(REPO) not in sys.path:
 import httpx
 
 from bench.e2e import ServerProcess, free_port
-from bench_client import loadgen
-from bench_client.rawhttp import NoHttpAnswer, RawClient
+from shmgate.bench_client import loadgen
+from shmgate.bench_client.rawhttp import NoHttpAnswer, RawClient
 
 IMAGES = REPO / "tests" / "data" / "images"
 MAX_WARMUP_ROUNDS = 5
@@ -390,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         [
             sys.executable,
             "-m",
-            "gateway",
+            "shmgate.gateway",
             "serve",
             "--host",
             "127.0.0.1",

@@ -33,7 +33,7 @@ CHILD = """
 import time, sys
 t0 = time.perf_counter()
 import torch
-from worker.backends.efficientnet import EfficientNetBackend
+from shmgate.worker.backends.efficientnet import EfficientNetBackend
 t1 = time.perf_counter()
 backend = EfficientNetBackend(torch.device(sys.argv[1]), compile_normalise=sys.argv[2] == "1")
 if sys.argv[1].startswith("cuda"):

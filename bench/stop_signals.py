@@ -37,7 +37,7 @@ def one_try(signum: int) -> tuple[int, float, str]:
         [
             sys.executable,
             "-m",
-            "gateway",
+            "shmgate.gateway",
             "serve",
             "--port",
             str(port),

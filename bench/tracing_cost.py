@@ -90,7 +90,7 @@ def _run(tree: Path, requests: int, extra: list[str], env: dict[str, str]) -> tu
         bench = [
             sys.executable,
             "-m",
-            "gateway",
+            "shmgate.gateway",
             "bench",
             "--base-url",
             server.base_url,

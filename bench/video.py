@@ -109,7 +109,7 @@ async def run(per_level: int) -> str:
             [
                 sys.executable,
                 "-m",
-                "gateway",
+                "shmgate.gateway",
                 "serve",
                 "--host",
                 "127.0.0.1",

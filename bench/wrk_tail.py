@@ -38,7 +38,7 @@ if str(REPO) not in sys.path:
 from bench.disturb import Disturbance  # noqa: E402
 from bench.e2e import IMAGES, LITSERVE_PYTHON, ServerProcess, free_port  # noqa: E402
 from bench.gateway_cost import parse_variant, role_cpu_ticks  # noqa: E402
-from bench_client import loadgen  # noqa: E402
+from shmgate.bench_client import loadgen  # noqa: E402
 
 # The request: one photo, the nonce spliced in as 8 base64 characters (6 bytes after the padded image).
 LUA = r"""

@@ -68,8 +68,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench_client.rawhttp import NoHttpAnswer, RawClient, Response
-from gateway.stages import parse_server_timing, stage_breakdown
+from shmgate.bench_client.rawhttp import NoHttpAnswer, RawClient, Response
+from shmgate.gateway.stages import parse_server_timing, stage_breakdown
 
 __all__ = [
     "BenchAborted",

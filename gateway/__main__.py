@@ -1,8 +1,8 @@
-"""``python -m gateway ...`` is ``shmgate ...`` (the supervisor starts frontends this way)."""
+"""``python -m shmgate.gateway ...`` is ``shmgate ...`` (the supervisor starts frontends this way)."""
 
 import sys
 
-from gateway.cli import main
+from shmgate.gateway.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

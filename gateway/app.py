@@ -31,25 +31,25 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.chat_route import chat_completions
-from gateway.embeddings import embeddings_route
-from gateway.frontend import Frontend
-from gateway.guards import AllowedHosts, CatchAll
-from gateway.http_errors import error_body, error_response
-from gateway.metrics import FrontendStats, ModelGauges, exposition
-from gateway.node_config import ModelConfig
-from gateway.openapi import docs_page, openapi_document
-from gateway.preprocess import get_preprocessor
-from gateway.result_cache import ResultCache
-from gateway.served import AppOptions, Served, read_body, served
-from gateway.tokenize import detokenize, model_card, tokenize
-from shared.cache import ModelShare
-from shared.errors import EXIT_CONFIG, ShmgateError
-from shared.flags import version
-from shared.instance import Instance
-from shared.segment import ModelState
-from shared.transport import PosixFrontendLink, PosixNodeStats
-from shared.vocabulary import check_model_id
+from shmgate.gateway.chat_route import chat_completions
+from shmgate.gateway.embeddings import embeddings_route
+from shmgate.gateway.frontend import Frontend
+from shmgate.gateway.guards import AllowedHosts, CatchAll
+from shmgate.gateway.http_errors import error_body, error_response
+from shmgate.gateway.metrics import FrontendStats, ModelGauges, exposition
+from shmgate.gateway.node_config import ModelConfig
+from shmgate.gateway.openapi import docs_page, openapi_document
+from shmgate.gateway.preprocess import get_preprocessor
+from shmgate.gateway.result_cache import ResultCache
+from shmgate.gateway.served import AppOptions, Served, read_body, served
+from shmgate.gateway.tokenize import detokenize, model_card, tokenize
+from shmgate.shared.cache import ModelShare
+from shmgate.shared.errors import EXIT_CONFIG, ShmgateError
+from shmgate.shared.flags import version
+from shmgate.shared.instance import Instance
+from shmgate.shared.segment import ModelState
+from shmgate.shared.transport import PosixFrontendLink, PosixNodeStats
+from shmgate.shared.vocabulary import check_model_id
 
 __all__ = ["AppOptions", "create_app"]
 

@@ -14,19 +14,19 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import Response
 
-from gateway import tracing
-from gateway.choices import submit_choices
-from gateway.fetch import fetch_pending
-from gateway.fields import check_fields_for_model, with_image_options
-from gateway.frontend import Frontend
-from gateway.http_errors import count_error, error_response
-from gateway.intake import key_material, parse_chat_request
-from gateway.render import KeepAnswer, answer, cached_answer
-from gateway.result_cache import ResultCache, answer_key, keyed_off_the_loop
-from gateway.served import bypass_cache, read_body, served
-from shared.errors import InvalidRequest, ShmgateError
-from shared.stages import Stage
-from shared.wire import Finished
+from shmgate.gateway import tracing
+from shmgate.gateway.choices import submit_choices
+from shmgate.gateway.fetch import fetch_pending
+from shmgate.gateway.fields import check_fields_for_model, with_image_options
+from shmgate.gateway.frontend import Frontend
+from shmgate.gateway.http_errors import count_error, error_response
+from shmgate.gateway.intake import key_material, parse_chat_request
+from shmgate.gateway.render import KeepAnswer, answer, cached_answer
+from shmgate.gateway.result_cache import ResultCache, answer_key, keyed_off_the_loop
+from shmgate.gateway.served import bypass_cache, read_body, served
+from shmgate.shared.errors import InvalidRequest, ShmgateError
+from shmgate.shared.stages import Stage
+from shmgate.shared.wire import Finished
 
 __all__ = ["chat_completions"]
 

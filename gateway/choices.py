@@ -17,8 +17,8 @@ import dataclasses
 
 import msgspec
 
-from gateway.frontend import Frontend, RequestState
-from gateway.intake import ChatRequest
+from shmgate.gateway.frontend import Frontend, RequestState
+from shmgate.gateway.intake import ChatRequest
 
 __all__ = ["choice_requests", "submit_choices"]
 

@@ -5,7 +5,7 @@ is the only module that calls ``sys.exit`` (through ``main``'s return code).
 
     shmgate serve     gateway + supervised workers, one command (the embedded default model)
     shmgate gateway   frontends only: owns the IPC objects; workers attach from elsewhere
-    shmgate worker    one model worker (exec of ``python -m worker``, the command compose runs)
+    shmgate worker    one model worker (exec of ``python -m shmgate.worker``, the command compose runs)
     shmgate cleanup   remove the IPC objects of dead instances
     shmgate bench     the load generator (bench_client/loadgen.py)
 """
@@ -24,10 +24,10 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from gateway.cli_flags import DEFAULT_STALL_TIMEOUT_S, HF_STALL_TIMEOUT_S, add_gateway_flags, add_worker_flags
-from gateway.config_checks import ConfigError, check_device
-from gateway.listen import bind_frontend, bind_supervisor
-from gateway.node_config import (
+from shmgate.gateway.cli_flags import DEFAULT_STALL_TIMEOUT_S, HF_STALL_TIMEOUT_S, add_gateway_flags, add_worker_flags
+from shmgate.gateway.config_checks import ConfigError, check_device
+from shmgate.gateway.listen import bind_frontend, bind_supervisor
+from shmgate.gateway.node_config import (
     ModelConfig,
     NodeConfigError,
     from_flags,
@@ -35,16 +35,16 @@ from gateway.node_config import (
     models_json,
     parse_models_json,
 )
-from shared.cpus import usable_cpus
-from shared.errors import EXIT_USAGE, SetupError
-from shared.flags import ShmgateParser, add_batching_flags, forward, origin, version
-from shared.models import ModelKind, parse_model_spec
-from shared.tracing import add_tracing_flags
-from supervise.placement import Placement, gpu_count, worker_placements
+from shmgate.shared.cpus import usable_cpus
+from shmgate.shared.errors import EXIT_USAGE, SetupError
+from shmgate.shared.flags import ShmgateParser, add_batching_flags, forward, origin, version
+from shmgate.shared.models import ModelKind, parse_model_spec
+from shmgate.shared.tracing import add_tracing_flags
+from shmgate.supervise.placement import Placement, gpu_count, worker_placements
 
 if TYPE_CHECKING:
-    from gateway.startup_log import Summary
-    from shared.instance import Instance
+    from shmgate.gateway.startup_log import Summary
+    from shmgate.shared.instance import Instance
 
 __all__ = ["main"]
 
@@ -133,9 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     started_at = time.monotonic()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "worker":
-        os.execv(sys.executable, [sys.executable, "-m", "worker", *argv[1:]])
+        os.execv(sys.executable, [sys.executable, "-m", "shmgate.worker", *argv[1:]])
     if argv and argv[0] == "bench":
-        from bench_client.loadgen import main as bench_main
+        from shmgate.bench_client.loadgen import main as bench_main
 
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _cleanup(args: argparse.Namespace) -> int:
     """``shmgate cleanup [--dry-run] [--list]``: remove (or list) dead instances' IPC objects; list live ones."""
-    from shared.instance import cleanup_leftovers, instance_objects, live_instances
+    from shmgate.shared.instance import cleanup_leftovers, instance_objects, live_instances
 
     if args.list:
         live = live_instances()
@@ -253,7 +253,7 @@ def fill_allowed_hosts(args: argparse.Namespace) -> None:
     """Set ``--allowed-hosts``, when not given, to the default for ``--host``: decided once, in the
     supervisor, and forwarded to the frontends with the other flags."""
     if not args.allowed_hosts:
-        from gateway.guards import default_allowed_hosts
+        from shmgate.gateway.guards import default_allowed_hosts
 
         args.allowed_hosts = ",".join(default_allowed_hosts(args.host))
 
@@ -265,7 +265,7 @@ def _frontend_argv(args: argparse.Namespace, instance_id: str, slot: int, fd: in
     return [
         sys.executable,
         "-m",
-        "gateway",
+        "shmgate.gateway",
         "frontend",
         "--instance",
         instance_id,
@@ -327,7 +327,7 @@ def _model_plans(args: argparse.Namespace) -> list[tuple[ModelConfig, list[Place
 def gpu_misfits(args: argparse.Namespace, free: Mapping[str, int] | None = None) -> list[str]:
     """The GPUs whose declared models are estimated not to fit in their free memory (gateway/gpu_fit.py),
     one line each; none without a GPU placement. ``free``: each GPU's free bytes (None: asked of CUDA)."""
-    from gateway.gpu_fit import PlacedModel, cuda_free_bytes, misfits, placed_needs
+    from shmgate.gateway.gpu_fit import PlacedModel, cuda_free_bytes, misfits, placed_needs
 
     try:
         plans = _model_plans(args)
@@ -381,7 +381,7 @@ def _worker_children(args: argparse.Namespace, instance_id: str) -> list[tuple[l
             argv = [
                 sys.executable,
                 "-m",
-                "worker",
+                "shmgate.worker",
                 "--instance",
                 instance_id,
                 "--model",
@@ -414,10 +414,10 @@ def _worker_slots(asked: int, n_workers: int, *, with_workers: bool) -> int:
 
 
 def _run_supervised(args: argparse.Namespace, *, with_workers: bool, started_at: float) -> int:
-    from gateway.startup_log import ServingLog, shm_free_bytes, summary_lines
-    from shared.instance import Instance, ModelQueue, cleanup_leftovers
-    from shared.transport import PosixNodeStats, PosixSupervisorLink
-    from supervise.supervisor import ChildProcess, Supervisor, child_env
+    from shmgate.gateway.startup_log import ServingLog, shm_free_bytes, summary_lines
+    from shmgate.shared.instance import Instance, ModelQueue, cleanup_leftovers
+    from shmgate.shared.transport import PosixNodeStats, PosixSupervisorLink
+    from shmgate.supervise.supervisor import ChildProcess, Supervisor, child_env
 
     models = declared_models(args)
     model_id = models[0].public_id
@@ -498,7 +498,7 @@ def _run_supervised(args: argparse.Namespace, *, with_workers: bool, started_at:
 
 def _mark_failed(instance: Instance, model: str) -> None:
     """The supervisor gave up every worker of ``model``: its row says so to the frontends."""
-    from shared.segment import ModelState
+    from shmgate.shared.segment import ModelState
 
     index = instance.segment.model_index(model)
     if index >= 0:
@@ -514,7 +514,7 @@ def _summary(
     model_id: str | None = None,
 ) -> Summary:
     """The startup summary's facts, from the same plan the workers are started with."""
-    from gateway.startup_log import Summary, plural
+    from shmgate.gateway.startup_log import Summary, plural
 
     models = declared_models(args)
     spec = parse_model_spec(models[0].model)
@@ -550,21 +550,21 @@ def _summary(
 
 
 def _run_frontend(args: argparse.Namespace) -> int:
-    from shared.parent_death import follow_supervisor
+    from shmgate.shared.parent_death import follow_supervisor
 
     # SIGKILL, not SIGTERM: shared/parent_death.py says why. Before the slow imports, so a
     # supervisor gone meanwhile is noticed at once.
     follow_supervisor(signal.SIGKILL)
     import uvicorn
 
-    from gateway.addresses import AllowList
-    from gateway.app import AppOptions, create_app
-    from gateway.fetch import FetchPolicy
-    from gateway.frontend import FrontendLimits
-    from gateway.guards import default_allowed_hosts, parse_allowed_hosts
-    from gateway.http_limits import ConnectionLimits, http_protocol
-    from gateway.intake import IntakeLimits
-    from gateway.video import VideoLimits, configure
+    from shmgate.gateway.addresses import AllowList
+    from shmgate.gateway.app import AppOptions, create_app
+    from shmgate.gateway.fetch import FetchPolicy
+    from shmgate.gateway.frontend import FrontendLimits
+    from shmgate.gateway.guards import default_allowed_hosts, parse_allowed_hosts
+    from shmgate.gateway.http_limits import ConnectionLimits, http_protocol
+    from shmgate.gateway.intake import IntakeLimits
+    from shmgate.gateway.video import VideoLimits, configure
 
     configure(VideoLimits(max_seconds=args.max_video_seconds, max_frames=args.max_video_frames))
     options = AppOptions(
@@ -620,7 +620,7 @@ def _run_frontend(args: argparse.Namespace) -> int:
     if args.access_log:  # uvicorn set its access logger to --log-level, WARNING when "info" (above)
         logging.getLogger("uvicorn.access").setLevel(logging.INFO)
     if args.otlp_traces_endpoint:  # after uvicorn's logging setup: the access log gains the trace id
-        from gateway.tracing import enable_tracing
+        from shmgate.gateway.tracing import enable_tracing
 
         config.app = enable_tracing(config.app, args.otlp_traces_endpoint, slot=args.slot, access_log=args.access_log)
     uvicorn.Server(config).run(sockets=[sock])

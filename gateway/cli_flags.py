@@ -11,11 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 
-from gateway.listen import LISTEN_MODES
-from shared import flag_types
-from shared.flags import add_batching_flags, add_flag
-from shared.models import KNOWN_SPECS
-from shared.tracing import add_tracing_flags
+from shmgate.gateway.listen import LISTEN_MODES
+from shmgate.shared import flag_types
+from shmgate.shared.flags import add_batching_flags, add_flag
+from shmgate.shared.models import KNOWN_SPECS
+from shmgate.shared.tracing import add_tracing_flags
 
 __all__ = ["DEFAULT_STALL_TIMEOUT_S", "HF_STALL_TIMEOUT_S", "Repeatable", "add_gateway_flags", "add_worker_flags"]
 
@@ -329,7 +329,7 @@ def _json_object(text: str) -> str:
 
 def _allowlist(text: str) -> str:
     """Validate the allow-list when the flags are parsed, so a typo stops ``serve`` at once."""
-    from gateway.addresses import AllowList
+    from shmgate.gateway.addresses import AllowList
 
     try:
         AllowList.parse(text)

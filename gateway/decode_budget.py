@@ -23,14 +23,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from gateway.imaging import predict
-from gateway.video import is_video
-from shared.errors import ImageTooLarge, Overloaded
-from shared.names import format_bytes
-from shared.vocabulary import AllocateFn
+from shmgate.gateway.imaging import predict
+from shmgate.gateway.video import is_video
+from shmgate.shared.errors import ImageTooLarge, Overloaded
+from shmgate.shared.names import format_bytes
+from shmgate.shared.vocabulary import AllocateFn
 
 if TYPE_CHECKING:
-    from gateway.preprocess.base import Preprocessor
+    from shmgate.gateway.preprocess.base import Preprocessor
 
 __all__ = ["DecodeBudget"]
 

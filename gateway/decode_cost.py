@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from shared.names import format_bytes
+from shmgate.shared.names import format_bytes
 
 __all__ = ["DecodeCost", "RGB_PIXEL_BYTES", "TILE_PIXELS", "decode_cost", "pixel_bytes_budget"]
 

@@ -38,10 +38,10 @@ from fastapi import Request
 from fastapi.responses import Response
 from starlette.types import Receive
 
-from gateway.fetch import fetch_pending
-from gateway.frontend import Frontend, RequestState
-from gateway.http_errors import count_error, count_ok, error_response, failure_error
-from gateway.intake import (
+from shmgate.gateway.fetch import fetch_pending
+from shmgate.gateway.frontend import Frontend, RequestState
+from shmgate.gateway.http_errors import count_error, count_ok, error_response, failure_error
+from shmgate.gateway.intake import (
     ChatCompletionRequest,
     ChatRequest,
     EncodedImage,
@@ -52,13 +52,13 @@ from gateway.intake import (
     decode_body,
     key_material,
 )
-from gateway.preprocess.base import Preprocessor
-from gateway.render import cancel_on_hang_up
-from gateway.result_cache import ResultCache, keyed_off_the_loop, result_key
-from gateway.served import bypass_cache, read_body, served
-from shared.errors import Cancelled, InvalidRequest, ShmgateError, TooManyImages
-from shared.stages import Stage
-from shared.wire import TASK_EMBED, Failed, Finished, SamplingParams, Vector
+from shmgate.gateway.preprocess.base import Preprocessor
+from shmgate.gateway.render import cancel_on_hang_up
+from shmgate.gateway.result_cache import ResultCache, keyed_off_the_loop, result_key
+from shmgate.gateway.served import bypass_cache, read_body, served
+from shmgate.shared.errors import Cancelled, InvalidRequest, ShmgateError, TooManyImages
+from shmgate.shared.stages import Stage
+from shmgate.shared.wire import TASK_EMBED, Failed, Finished, SamplingParams, Vector
 
 __all__ = ["EmbeddingJob", "embed", "embedding_response", "embeddings_route", "parse_embedding_request"]
 

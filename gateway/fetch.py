@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from gateway.addresses import AddressKind, AllowList, IPAddress, classify
-from gateway.http_limits import read_capped
-from gateway.intake import ChatRequest, PendingImageURL
-from shared.errors import (
+from shmgate.gateway.addresses import AddressKind, AllowList, IPAddress, classify
+from shmgate.gateway.http_limits import read_capped
+from shmgate.gateway.intake import ChatRequest, PendingImageURL
+from shmgate.shared.errors import (
     ImageTooLarge,
     ImageURLForbidden,
     ImageURLTimeout,

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from gateway.intake import ChatRequest
-from gateway.preprocess.base import Preprocessor
-from gateway.video import VIDEO_DETAIL  # a video part's marker (gateway/video.py)
-from shared.errors import InvalidRequest
-from shared.wire import SamplingParams
+from shmgate.gateway.intake import ChatRequest
+from shmgate.gateway.preprocess.base import Preprocessor
+from shmgate.gateway.video import VIDEO_DETAIL  # a video part's marker (gateway/video.py)
+from shmgate.shared.errors import InvalidRequest
+from shmgate.shared.wire import SamplingParams
 
 __all__ = ["check_fields_for_model", "with_image_options"]
 

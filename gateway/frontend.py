@@ -34,19 +34,19 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from gateway import tracing
-from gateway.images import ImageResolver
-from gateway.intake import ChatRequest
-from gateway.metrics import Counter, FrontendStats
-from gateway.preprocess.base import ImageTensorSpec, Preprocessor
-from gateway.replies import ReplyRouter
-from gateway.request_state import Phase, RequestState
-from gateway.stages import StageRecorder
-from shared.errors import ChannelFull, Overloaded, UnknownModel
-from shared.stages import Stage
-from shared.transport.base import FrontendLink, TensorCache
-from shared.vocabulary import SlotState, TensorGroup, now_ns
-from shared.wire import (
+from shmgate.gateway import tracing
+from shmgate.gateway.images import ImageResolver
+from shmgate.gateway.intake import ChatRequest
+from shmgate.gateway.metrics import Counter, FrontendStats
+from shmgate.gateway.preprocess.base import ImageTensorSpec, Preprocessor
+from shmgate.gateway.replies import ReplyRouter
+from shmgate.gateway.request_state import Phase, RequestState
+from shmgate.gateway.stages import StageRecorder
+from shmgate.shared.errors import ChannelFull, Overloaded, UnknownModel
+from shmgate.shared.stages import Stage
+from shmgate.shared.transport.base import FrontendLink, TensorCache
+from shmgate.shared.vocabulary import SlotState, TensorGroup, now_ns
+from shmgate.shared.wire import (
     INLINE_MAX_BYTES,
     MAX_SUBMIT_TEXT_CHARS,
     Delta,

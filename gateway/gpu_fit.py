@@ -262,7 +262,7 @@ def cuda_free_bytes(gpu_ids: Sequence[str], *, timeout_s: float = 120.0) -> dict
 def worker_need(spec: str, *, dtype: str, max_batch_size: int, max_pixels: int | None = None) -> WorkerNeed:
     """One CUDA worker's need for the model ``spec`` (shared/models.py) loaded at ``dtype`` (``auto``:
     bfloat16, what a CUDA worker picks). The checksum models hold no weights: their CUDA context only."""
-    from shared.models import ModelKind, parse_model_spec
+    from shmgate.shared.models import ModelKind, parse_model_spec
 
     parsed = parse_model_spec(spec)
     if parsed.kind is ModelKind.EFFICIENTNET:

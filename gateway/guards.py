@@ -25,9 +25,9 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.http_errors import error_body, error_response
-from gateway.metrics import Counter, FrontendStats
-from shared.errors import HostNotAllowed, ShmgateError, UnsupportedMediaType
+from shmgate.gateway.http_errors import error_body, error_response
+from shmgate.gateway.metrics import Counter, FrontendStats
+from shmgate.shared.errors import HostNotAllowed, ShmgateError, UnsupportedMediaType
 
 __all__ = [
     "ANY_HOST",

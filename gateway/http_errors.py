@@ -6,9 +6,9 @@ import math
 
 from starlette.responses import JSONResponse
 
-from gateway.metrics import Counter, FrontendStats
-from shared.errors import Cancelled, Overloaded, ShmgateError, error_for_code
-from shared.wire import Failed
+from shmgate.gateway.metrics import Counter, FrontendStats
+from shmgate.shared.errors import Cancelled, Overloaded, ShmgateError, error_for_code
+from shmgate.shared.wire import Failed
 
 __all__ = ["MAX_MESSAGE_CHARS", "capped", "count_error", "count_ok", "error_body", "error_response", "failure_error"]
 

@@ -46,8 +46,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.http_errors import error_body
-from shared.errors import RequestError
+from shmgate.gateway.http_errors import error_body
+from shmgate.shared.errors import RequestError
 
 __all__ = ["MAX_HEAD_BYTES", "ConnectionLimits", "http_protocol", "read_capped"]
 

@@ -14,15 +14,15 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from gateway import tracing
-from gateway.decode_budget import DecodeBudget
-from gateway.intake import LOOP_HASH_MAX_BYTES, EncodedImage, image_bytes, image_digest, key_material
-from gateway.metrics import Counter, FrontendStats
-from gateway.preprocess.base import Preprocessor, PromptInputs, options_key
-from shared.errors import ArenaFull, ImageTooLarge, ShmgateError
-from shared.transport.base import TensorCache
-from shared.vocabulary import AllocateFn, TensorGroup, key_of_digest
-from shared.wire import INLINE_TENSOR
+from shmgate.gateway import tracing
+from shmgate.gateway.decode_budget import DecodeBudget
+from shmgate.gateway.intake import LOOP_HASH_MAX_BYTES, EncodedImage, image_bytes, image_digest, key_material
+from shmgate.gateway.metrics import Counter, FrontendStats
+from shmgate.gateway.preprocess.base import Preprocessor, PromptInputs, options_key
+from shmgate.shared.errors import ArenaFull, ImageTooLarge, ShmgateError
+from shmgate.shared.transport.base import TensorCache
+from shmgate.shared.vocabulary import AllocateFn, TensorGroup, key_of_digest
+from shmgate.shared.wire import INLINE_TENSOR
 
 __all__ = ["ImageResolver"]
 

@@ -57,9 +57,9 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageFile, UnidentifiedImageError
 
-from gateway.decode_cost import TILE_PIXELS, DecodeCost, decode_cost, pixel_bytes_budget
-from shared.errors import ImageTooLarge, UndecodableImage
-from shared.names import format_bytes
+from shmgate.gateway.decode_cost import TILE_PIXELS, DecodeCost, decode_cost, pixel_bytes_budget
+from shmgate.shared.errors import ImageTooLarge, UndecodableImage
+from shmgate.shared.names import format_bytes
 
 __all__ = ["ACCEPTED_FORMATS", "DecodedImage", "decode", "decode_image", "predict"]
 

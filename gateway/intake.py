@@ -35,10 +35,10 @@ from typing import Annotated, Any, Literal, Union
 
 import msgspec
 
-from gateway.video import ACCEPTED_VIDEO_TYPES, VIDEO_DETAIL  # video parts (gateway/video.py)
-from shared.errors import ImageTooLarge, InvalidRequest, TooManyImages, UndecodableImage
-from shared.vocabulary import material_digest
-from shared.wire import MAX_TOP_LOGPROBS, SamplingParams
+from shmgate.gateway.video import ACCEPTED_VIDEO_TYPES, VIDEO_DETAIL  # video parts (gateway/video.py)
+from shmgate.shared.errors import ImageTooLarge, InvalidRequest, TooManyImages, UndecodableImage
+from shmgate.shared.vocabulary import material_digest
+from shmgate.shared.wire import MAX_TOP_LOGPROBS, SamplingParams
 
 __all__ = [
     "ChatCompletionRequest",

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import socket
 
-from shared.errors import SetupError
+from shmgate.shared.errors import SetupError
 
 __all__ = ["LISTEN_MODES", "bind_frontend", "bind_supervisor", "reuseport_available"]
 

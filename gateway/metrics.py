@@ -22,11 +22,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import CollectorRegistry
 
-from gateway.result_cache import ResultCacheStats
-from gateway.stages import stage_histogram
-from shared.flags import version
-from shared.stats_layout import BATCH_BUCKETS, MODEL_SLOTS, REQUEST_BUCKETS_S, STATS_WORDS, Counter
-from shared.transport.base import NodeStats
+from shmgate.gateway.result_cache import ResultCacheStats
+from shmgate.gateway.stages import stage_histogram
+from shmgate.shared.flags import version
+from shmgate.shared.stats_layout import BATCH_BUCKETS, MODEL_SLOTS, REQUEST_BUCKETS_S, STATS_WORDS, Counter
+from shmgate.shared.transport.base import NodeStats
 
 # Counter (which word of the row holds what) is defined with the rest of the row's layout in
 # shared/stats_layout.py; the gateway's modules import it from here.

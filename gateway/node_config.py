@@ -30,11 +30,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from shared import flag_types
-from shared.flags import BATCH_POLICIES, DTYPES
-from shared.models import ModelKind, parse_model_spec, resolve_model
-from shared.stats_layout import MODEL_SLOTS as MAX_MODELS  # the model table's rows (shared/segment.py)
-from shared.vocabulary import check_model_id
+from shmgate.shared import flag_types
+from shmgate.shared.flags import BATCH_POLICIES, DTYPES
+from shmgate.shared.models import ModelKind, parse_model_spec, resolve_model
+from shmgate.shared.stats_layout import MODEL_SLOTS as MAX_MODELS  # the model table's rows (shared/segment.py)
+from shmgate.shared.vocabulary import check_model_id
 
 __all__ = [
     "MODEL_KEYS",

@@ -33,10 +33,10 @@ import msgspec
 from fastapi.openapi.docs import get_swagger_ui_html
 from starlette.responses import HTMLResponse
 
-from gateway.embeddings import EmbeddingRequest
-from gateway.http_errors import MAX_MESSAGE_CHARS
-from gateway.intake import ChatCompletionRequest
-from gateway.tokenize import DetokenizeRequest, TokenizeRequest
+from shmgate.gateway.embeddings import EmbeddingRequest
+from shmgate.gateway.http_errors import MAX_MESSAGE_CHARS
+from shmgate.gateway.intake import ChatCompletionRequest
+from shmgate.gateway.tokenize import DetokenizeRequest, TokenizeRequest
 
 __all__ = ["DOCUMENT_URL", "docs_page", "openapi_document"]
 

@@ -20,12 +20,12 @@ from fastapi.responses import JSONResponse, Response
 from starlette.responses import StreamingResponse
 from starlette.types import Receive
 
-from gateway.frontend import Frontend, RequestState
-from gateway.http_errors import count_error, count_ok, error_body, error_response, failure_error
-from gateway.sse import Completion, logprob_entry
-from gateway.stages import server_timing
-from shared.errors import Cancelled
-from shared.wire import Delta, Failed, Finished, TokenLogprobs, Vector, failed_reply
+from shmgate.gateway.frontend import Frontend, RequestState
+from shmgate.gateway.http_errors import count_error, count_ok, error_body, error_response, failure_error
+from shmgate.gateway.sse import Completion, logprob_entry
+from shmgate.gateway.stages import server_timing
+from shmgate.shared.errors import Cancelled
+from shmgate.shared.wire import Delta, Failed, Finished, TokenLogprobs, Vector, failed_reply
 
 __all__ = ["ChoiceEvents", "KeepAnswer", "answer", "cached_answer", "cancel_on_hang_up"]
 

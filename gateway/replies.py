@@ -23,14 +23,14 @@ from collections.abc import Callable
 
 import msgspec
 
-from gateway.images import ImageResolver
-from gateway.metrics import Counter, FrontendStats
-from gateway.request_state import Phase, RequestState
-from gateway.stages import StageRecorder
-from shared.errors import ChannelFull, Overloaded, PeerDied, RequestTimeout, ShmgateError
-from shared.transport.base import FrontendLink
-from shared.vocabulary import DEAD_AFTER_S, now_ns
-from shared.wire import Cancel, Claimed, Delta, Failed, Finished, Released, TokenLogprobs, Vector, failed_reply
+from shmgate.gateway.images import ImageResolver
+from shmgate.gateway.metrics import Counter, FrontendStats
+from shmgate.gateway.request_state import Phase, RequestState
+from shmgate.gateway.stages import StageRecorder
+from shmgate.shared.errors import ChannelFull, Overloaded, PeerDied, RequestTimeout, ShmgateError
+from shmgate.shared.transport.base import FrontendLink
+from shmgate.shared.vocabulary import DEAD_AFTER_S, now_ns
+from shmgate.shared.wire import Cancel, Claimed, Delta, Failed, Finished, Released, TokenLogprobs, Vector, failed_reply
 
 __all__ = ["CANCEL_RESEND_S", "GRACE_S", "MAX_ATTEMPTS", "TAKEN_UNCLAIMED_S", "WATCHDOG_INTERVAL_S", "ReplyRouter"]
 

@@ -37,10 +37,10 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from shared.errors import Cancelled
-from shared.stages import Stage
-from shared.tracing import epoch_ns
-from shared.wire import Claimed, Failed, Finished
+from shmgate.shared.errors import Cancelled
+from shmgate.shared.stages import Stage
+from shmgate.shared.tracing import epoch_ns
+from shmgate.shared.wire import Claimed, Failed, Finished
 
 __all__ = ["RequestSpans", "RequestTrace", "TracingMiddleware", "traceparent_of"]
 

@@ -21,12 +21,12 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from gateway.stages import RequestTiming
-from shared.vocabulary import TensorGroup
-from shared.wire import Delta, Failed, Finished, Submit, TokenLogprobs, Vector
+from shmgate.gateway.stages import RequestTiming
+from shmgate.shared.vocabulary import TensorGroup
+from shmgate.shared.wire import Delta, Failed, Finished, Submit, TokenLogprobs, Vector
 
 if TYPE_CHECKING:
-    from gateway.request_spans import RequestTrace
+    from shmgate.gateway.request_spans import RequestTrace
 
 __all__ = ["IllegalTransition", "Phase", "RequestState"]
 

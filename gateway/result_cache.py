@@ -28,9 +28,9 @@ from typing import TypeVar
 
 import msgspec
 
-from gateway.intake import LOOP_HASH_MAX_BYTES, ChatRequest, image_digest
-from gateway.preprocess.base import Preprocessor
-from shared.vocabulary import content_key
+from shmgate.gateway.intake import LOOP_HASH_MAX_BYTES, ChatRequest, image_digest
+from shmgate.gateway.preprocess.base import Preprocessor
+from shmgate.shared.vocabulary import content_key
 
 __all__ = ["ResultCache", "ResultCacheStats", "answer_key", "keyed_off_the_loop", "result_key"]
 

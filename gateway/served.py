@@ -13,15 +13,15 @@ from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 
-from gateway.fetch import FetchPolicy
-from gateway.frontend import Frontend, FrontendLimits
-from gateway.guards import require_json
-from gateway.http_limits import read_capped
-from gateway.intake import IntakeLimits
-from gateway.node_config import ModelConfig
-from gateway.result_cache import ResultCache
-from shared.errors import Cancelled, InvalidRequest, RequestTooLarge, Unauthorized
-from shared.transport import NodeStats
+from shmgate.gateway.fetch import FetchPolicy
+from shmgate.gateway.frontend import Frontend, FrontendLimits
+from shmgate.gateway.guards import require_json
+from shmgate.gateway.http_limits import read_capped
+from shmgate.gateway.intake import IntakeLimits
+from shmgate.gateway.node_config import ModelConfig
+from shmgate.gateway.result_cache import ResultCache
+from shmgate.shared.errors import Cancelled, InvalidRequest, RequestTooLarge, Unauthorized
+from shmgate.shared.transport import NodeStats
 
 __all__ = ["AppOptions", "Served", "bypass_cache", "read_body", "served"]
 

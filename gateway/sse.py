@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from shared.wire import TokenLogprob
+from shmgate.shared.wire import TokenLogprob
 
 __all__ = ["Completion", "logprob_entry", "usage"]
 

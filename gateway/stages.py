@@ -22,11 +22,11 @@ from typing import Any
 import numpy as np
 from prometheus_client.core import Exemplar, HistogramMetricFamily
 
-from gateway import tracing
-from shared.stages import Stage, worker_stage_seconds
-from shared.stats_layout import STAGE_BUCKETS_S, STAGE_COUNT, STAGE_SUM_US, stage_base
-from shared.vocabulary import now_ns
-from shared.wire import Claimed, Finished
+from shmgate.gateway import tracing
+from shmgate.shared.stages import Stage, worker_stage_seconds
+from shmgate.shared.stats_layout import STAGE_BUCKETS_S, STAGE_COUNT, STAGE_SUM_US, stage_base
+from shmgate.shared.vocabulary import now_ns
+from shmgate.shared.wire import Claimed, Finished
 
 __all__ = [
     "METRIC",

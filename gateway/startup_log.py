@@ -20,9 +20,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gateway.metrics import Counter
-from shared.names import SHM_DIR, format_bytes
-from shared.transport.base import NodeStats
+from shmgate.gateway.metrics import Counter
+from shmgate.shared.names import SHM_DIR, format_bytes
+from shmgate.shared.transport.base import NodeStats
 
 __all__ = ["ServingLog", "Summary", "plural", "summary_lines"]
 

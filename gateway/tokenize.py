@@ -19,10 +19,10 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from gateway.decode_budget import DecodeBudget
-from gateway.fetch import FetchPolicy, fetch_pending
-from gateway.fields import with_image_options
-from gateway.intake import (
+from shmgate.gateway.decode_budget import DecodeBudget
+from shmgate.gateway.fetch import FetchPolicy, fetch_pending
+from shmgate.gateway.fields import with_image_options
+from shmgate.gateway.intake import (
     ChatCompletionRequest,
     ChatRequest,
     IntakeLimits,
@@ -31,8 +31,8 @@ from gateway.intake import (
     decode_body,
     image_bytes,
 )
-from gateway.preprocess.base import Preprocessor
-from shared.errors import InvalidRequest, ShmgateError
+from shmgate.gateway.preprocess.base import Preprocessor
+from shmgate.shared.errors import InvalidRequest, ShmgateError
 
 __all__ = ["detokenize", "model_card", "tokenize"]
 

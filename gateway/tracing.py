@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.types import ASGIApp
 
 if TYPE_CHECKING:
-    from gateway.request_spans import RequestSpans
+    from shmgate.gateway.request_spans import RequestSpans
 
 __all__ = ["enable_tracing", "spans"]
 
@@ -31,8 +31,8 @@ def enable_tracing(app: Any, endpoint: str, *, slot: int, access_log: bool) -> A
     path), so a log line leads to its trace. Call after uvicorn configured its loggers.
     """
     global spans
-    from gateway.request_spans import RequestSpans
-    from shared.tracing import start_provider
+    from shmgate.gateway.request_spans import RequestSpans
+    from shmgate.shared.tracing import start_provider
 
     provider = start_provider(endpoint, "frontend", {"shmgate.frontend_slot": slot})
     # Not made the global provider: FastAPI's own spans (fastapi.endpoint, a second server span) would

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from shared.errors import ImageTooLarge, UndecodableImage
+from shmgate.shared.errors import ImageTooLarge, UndecodableImage
 
 __all__ = [
     "ACCEPTED_VIDEO_TYPES",

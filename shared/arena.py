@@ -33,10 +33,10 @@ from math import prod
 
 import numpy as np
 
-from shared.allocator import ALIGN, Allocator
-from shared.errors import InconsistentTensor, OutOfBounds, StaleGeneration
-from shared.segment import Segment
-from shared.wire import DTYPE_ITEMSIZE, TensorRef
+from shmgate.shared.allocator import ALIGN, Allocator
+from shmgate.shared.errors import InconsistentTensor, OutOfBounds, StaleGeneration
+from shmgate.shared.segment import Segment
+from shmgate.shared.wire import DTYPE_ITEMSIZE, TensorRef
 
 __all__ = ["BLOCK_HEADER_BYTES", "Allocation", "Partition", "read_tensor", "validate"]
 

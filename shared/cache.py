@@ -37,14 +37,14 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from shared.allocator import ALIGN
-from shared.arena import BLOCK_HEADER_BYTES, Allocation, Partition, read_tensor
-from shared.cache_index import CacheIndex, IndexEntry
-from shared.errors import ArenaFull, DescriptorError, ImageTooLarge, Overloaded
-from shared.locks import SharedLock
-from shared.names import format_bytes
-from shared.vocabulary import AllocateFn, CacheStats, TensorGroup, content_key
-from shared.wire import DTYPE_ITEMSIZE, TensorRef
+from shmgate.shared.allocator import ALIGN
+from shmgate.shared.arena import BLOCK_HEADER_BYTES, Allocation, Partition, read_tensor
+from shmgate.shared.cache_index import CacheIndex, IndexEntry
+from shmgate.shared.errors import ArenaFull, DescriptorError, ImageTooLarge, Overloaded
+from shmgate.shared.locks import SharedLock
+from shmgate.shared.names import format_bytes
+from shmgate.shared.vocabulary import AllocateFn, CacheStats, TensorGroup, content_key
+from shmgate.shared.wire import DTYPE_ITEMSIZE, TensorRef
 
 # TensorGroup and content_key are the seam's words (shared/vocabulary.py), importable from here too
 # for the tests and benchmarks that drive a ContentCache directly.

@@ -30,7 +30,7 @@ from typing import Protocol
 
 import numpy as np
 
-from shared.wire import DTYPE_ITEMSIZE, TensorRef
+from shmgate.shared.wire import DTYPE_ITEMSIZE, TensorRef
 
 __all__ = ["ENTRY", "MAX_TENSORS", "CacheIndex", "IndexEntry"]
 

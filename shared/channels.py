@@ -36,9 +36,9 @@ from typing import Any
 import msgspec
 import posix_ipc
 
-from shared.errors import ChannelFull, SetupError
-from shared.names import IPC_MODE
-from shared.wire import MAX_MESSAGE_BYTES, encoder
+from shmgate.shared.errors import ChannelFull, SetupError
+from shmgate.shared.names import IPC_MODE
+from shmgate.shared.wire import MAX_MESSAGE_BYTES, encoder
 
 log = logging.getLogger("shmgate.channels")
 

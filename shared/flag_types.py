@@ -14,8 +14,8 @@ import os
 from collections.abc import Callable
 from typing import TypeVar
 
-from shared.models import parse_model_spec
-from shared.names import parse_size
+from shmgate.shared.models import parse_model_spec
+from shmgate.shared.names import parse_size
 
 __all__ = [
     "AUTO",

@@ -1,6 +1,6 @@
 """Command-line flags: how every flag is declared, and the flags more than one command takes.
 
-``shmgate serve`` and ``python -m worker`` (which ``shmgate worker`` execs) both take the worker's
+``shmgate serve`` and ``python -m shmgate.worker`` (which ``shmgate worker`` execs) both take the worker's
 batching flags, and gateway/ and worker/ never import each other, so the definitions live here.
 
 Rules every flag keeps, because every flag is declared with ``add_flag``:
@@ -25,7 +25,7 @@ import os
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, NoReturn
 
-from shared import flag_types
+from shmgate.shared import flag_types
 
 __all__ = [
     "BATCH_POLICIES",

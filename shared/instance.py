@@ -22,12 +22,12 @@ from dataclasses import dataclass
 
 import posix_ipc
 
-from shared.cache_index import CacheIndex
-from shared.channels import Queue, create_queue, open_queue, system_queue_depth, unlink_queue
-from shared.errors import SetupError
-from shared.locks import HolderKind, Identity, SharedLock
-from shared.mq_budget import QueueSpec, message_queue_budget, plan_queue_depths
-from shared.names import (
+from shmgate.shared.cache_index import CacheIndex
+from shmgate.shared.channels import Queue, create_queue, open_queue, system_queue_depth, unlink_queue
+from shmgate.shared.errors import SetupError
+from shmgate.shared.locks import HolderKind, Identity, SharedLock
+from shmgate.shared.mq_budget import QueueSpec, message_queue_budget, plan_queue_depths
+from shmgate.shared.names import (
     IPC_MODE,
     SHM_DIR,
     InstanceNames,
@@ -35,9 +35,9 @@ from shared.names import (
     list_orphan_semaphore_ids,
     new_instance_id,
 )
-from shared.segment import MAX_MODELS, LockId, Segment, own_pidns, peek_header
-from shared.vocabulary import DEAD_AFTER_S, InstanceState, check_model_id, now_ns
-from shared.wire import (
+from shmgate.shared.segment import MAX_MODELS, LockId, Segment, own_pidns, peek_header
+from shmgate.shared.vocabulary import DEAD_AFTER_S, InstanceState, check_model_id, now_ns
+from shmgate.shared.wire import (
     CONTROL_MESSAGE_BYTES,
     MAX_MESSAGE_BYTES,
     REPLY_MESSAGE_BYTES,

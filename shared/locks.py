@@ -32,8 +32,8 @@ from contextlib import contextmanager
 import numpy as np
 import posix_ipc
 
-from shared.errors import Overloaded
-from shared.vocabulary import now_ns
+from shmgate.shared.errors import Overloaded
+from shmgate.shared.vocabulary import now_ns
 
 __all__ = ["HolderKind", "Identity", "SharedLock"]
 

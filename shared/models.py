@@ -17,7 +17,7 @@ import importlib.util
 import os
 from dataclasses import dataclass
 
-from shared.embedding_models import embedding_model_type
+from shmgate.shared.embedding_models import embedding_model_type
 
 __all__ = [
     "KNOWN_SPECS",

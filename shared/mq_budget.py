@@ -26,7 +26,7 @@ import resource
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shared.errors import SetupError
+from shmgate.shared.errors import SetupError
 
 __all__ = [
     "MessageQueueBudgetError",

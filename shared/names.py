@@ -139,7 +139,7 @@ def check_shm_space(nbytes: int) -> None:
     Docker's default /dev/shm is 64 MB, which is the usual cause; the message
     says what to change.
     """
-    from shared.errors import SetupError
+    from shmgate.shared.errors import SetupError
 
     try:
         stat = os.statvfs(SHM_DIR)

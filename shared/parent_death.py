@@ -27,7 +27,7 @@ import os
 import signal
 import sys
 
-from shared.errors import EXIT_FAILURE
+from shmgate.shared.errors import EXIT_FAILURE
 
 __all__ = ["SUPERVISOR_PID_ENV", "follow_supervisor", "set_parent_death_signal"]
 

@@ -34,12 +34,12 @@ from functools import cached_property
 import numpy as np
 import posix_ipc
 
-from shared.cache_index import ENTRY
-from shared.errors import SetupError
-from shared.names import IPC_MODE, InstanceNames, check_shm_space
-from shared.stats_layout import BATCH_BUCKETS, MODEL_SLOTS, STATS_WORDS
-from shared.vocabulary import HEARTBEAT_INTERVAL_S, MODEL_NAME_BYTES, InstanceState, SlotState, now_ns
-from shared.wire import WIRE_VERSION
+from shmgate.shared.cache_index import ENTRY
+from shmgate.shared.errors import SetupError
+from shmgate.shared.names import IPC_MODE, InstanceNames, check_shm_space
+from shmgate.shared.stats_layout import BATCH_BUCKETS, MODEL_SLOTS, STATS_WORDS
+from shmgate.shared.vocabulary import HEARTBEAT_INTERVAL_S, MODEL_NAME_BYTES, InstanceState, SlotState, now_ns
+from shmgate.shared.wire import WIRE_VERSION
 
 __all__ = [
     "Heartbeat",

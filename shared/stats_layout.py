@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 from typing import NamedTuple
 
-from shared.stages import Stage
+from shmgate.shared.stages import Stage
 
 __all__ = [
     "BATCH_BUCKETS",

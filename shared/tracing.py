@@ -31,7 +31,7 @@ import time
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from shared.flags import add_flag
+from shmgate.shared.flags import add_flag
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider

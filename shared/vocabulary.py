@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 from blake3 import blake3
 
-from shared.wire import TensorRef
+from shmgate.shared.wire import TensorRef
 
 if TYPE_CHECKING:
-    from shared.arena import Allocation  # only the POSIX cache fills ``TensorGroup.allocations``
+    from shmgate.shared.arena import Allocation  # only the POSIX cache fills ``TensorGroup.allocations``
 
 
 __all__ = [

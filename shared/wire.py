@@ -20,7 +20,7 @@ from typing import Annotated, Union
 import msgspec
 from msgspec import Meta, Struct
 
-from shared.errors import ShmgateError
+from shmgate.shared.errors import ShmgateError
 
 __all__ = [
     "INLINE_MAX_BYTES",

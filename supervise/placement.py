@@ -21,7 +21,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from shared.errors import SetupError
+from shmgate.shared.errors import SetupError
 
 __all__ = ["Placement", "gpu_count", "worker_placements"]
 

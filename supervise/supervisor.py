@@ -3,8 +3,8 @@
 Modelled on uvicorn's multiprocess supervisor: signal handlers only record the
 signal; a loop wakes every ``TICK_S``, stamps the instance heartbeat, drains the
 signals and checks the children. Children are fresh interpreters running the
-same commands docker compose runs (``python -m gateway frontend ...``,
-``python -m worker ...``), so the supervisor knows processes, not HTTP or models.
+same commands docker compose runs (``python -m shmgate.gateway frontend ...``,
+``python -m shmgate.worker ...``), so the supervisor knows processes, not HTTP or models.
 
 A child that exits, whose heartbeat goes stale (frontends), or whose *progress*
 stalls for longer than ``stall_timeout_s`` (any child: ``progress_ns`` in its
@@ -59,11 +59,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
-from shared.errors import EXIT_CONFIG, EXIT_USAGE
-from shared.instance import Instance
-from shared.parent_death import SUPERVISOR_PID_ENV
-from shared.transport import PosixSupervisorLink, Role, SupervisorLink
-from shared.vocabulary import DEAD_AFTER_S, InstanceState, SlotState
+from shmgate.shared.errors import EXIT_CONFIG, EXIT_USAGE
+from shmgate.shared.instance import Instance
+from shmgate.shared.parent_death import SUPERVISOR_PID_ENV
+from shmgate.shared.transport import PosixSupervisorLink, Role, SupervisorLink
+from shmgate.shared.vocabulary import DEAD_AFTER_S, InstanceState, SlotState
 
 __all__ = ["ChildProcess", "Supervisor"]
 

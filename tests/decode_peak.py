@@ -22,8 +22,8 @@ from pathlib import Path
 
 from PIL import Image
 
-from gateway import imaging
-from shared.errors import ImageTooLarge
+from shmgate.gateway import imaging
+from shmgate.shared.errors import ImageTooLarge
 
 
 def _status_kib(field: str) -> int:

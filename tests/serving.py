@@ -46,8 +46,8 @@ def shm_entries_created_by(pid: int, before: set[str]) -> set[str]:
     has no arena (any more) count unless they vanish within 2 s: a neighbour tearing its instance down
     removes its semaphores just after its arena, while leftovers of ``pid``'s would stay.
     """
-    from shared.names import InstanceNames
-    from shared.segment import peek_header
+    from shmgate.shared.names import InstanceNames
+    from shmgate.shared.segment import peek_header
 
     mine: set[str] = set()
     for instance_id in {
@@ -101,7 +101,7 @@ def expected_checksum(data: bytes) -> str:
     """The digest the checksum backend must report for ``data``'s preprocessed pixels."""
     import numpy as np
 
-    from gateway.preprocess.vision import ChecksumPreprocessor
+    from shmgate.gateway.preprocess.vision import ChecksumPreprocessor
 
     arrays: list[np.ndarray] = []
 
@@ -159,13 +159,13 @@ class Server:
         return out
 
     def pids(self, role: str) -> list[int]:
-        marker = "-m worker" if role == "worker" else "-m gateway frontend"
+        marker = "-m shmgate.worker" if role == "worker" else "-m shmgate.gateway frontend"
         return [pid for pid, cmd in self.children() if marker in cmd]
 
     def frontend_pid(self, slot: int) -> int | None:
         """The pid of the frontend process in ``slot`` (None while it is being restarted)."""
         for pid, cmd in self.children():
-            if "-m gateway frontend" in cmd and f" --slot {slot} " in cmd:
+            if "-m shmgate.gateway frontend" in cmd and f" --slot {slot} " in cmd:
                 return pid
         return None
 
@@ -220,7 +220,7 @@ def start_server(model: str, tmp_dir: Path, *extra: str) -> Server:
         [
             sys.executable,
             "-m",
-            "gateway",
+            "shmgate.gateway",
             "serve",
             "--port",
             str(port),

@@ -23,15 +23,15 @@ from typing import Any
 import numpy as np
 import posix_ipc
 
-from shared.arena import Partition, read_tensor, recheck, view_tensor
-from shared.cache import ContentCache
-from shared.cache_index import IndexEntry
-from shared.errors import DescriptorError, StaleGeneration
-from shared.instance import Instance
-from shared.locks import HolderKind
-from shared.names import InstanceNames
-from shared.segment import MAX_MODELS, Heartbeat, LockId, SlotState
-from shared.wire import Cancel, Claimed, Released, Submit, TensorRef
+from shmgate.shared.arena import Partition, read_tensor, recheck, view_tensor
+from shmgate.shared.cache import ContentCache
+from shmgate.shared.cache_index import IndexEntry
+from shmgate.shared.errors import DescriptorError, StaleGeneration
+from shmgate.shared.instance import Instance
+from shmgate.shared.locks import HolderKind
+from shmgate.shared.names import InstanceNames
+from shmgate.shared.segment import MAX_MODELS, Heartbeat, LockId, SlotState
+from shmgate.shared.wire import Cancel, Claimed, Released, Submit, TensorRef
 
 STOP_ID = 0  # a Cancel with this request id tells a stress reader to exit
 
@@ -356,7 +356,7 @@ def send_behind_a_full_queue(instance_id: str, first_id: int, n_sends: int, conn
     """A frontend's AsyncSender with ``n_sends`` sends waiting on a full request queue; reports, then waits to die."""
     import asyncio
 
-    from shared.channels import AsyncSender
+    from shmgate.shared.channels import AsyncSender
 
     async def main() -> None:
         inst = Instance.attach(instance_id)

@@ -33,15 +33,15 @@ from hypothesis.stateful import (
     rule,
 )
 
-from shared.allocator import ALIGN, Allocator
-from shared.arena import Partition, read_tensor
-from shared.cache import ContentCache, TensorGroup
-from shared.cache_index import IndexEntry
-from shared.errors import ArenaFull
-from shared.instance import Instance
-from shared.locks import HolderKind
-from shared.segment import LockId, SlotState
-from shared.wire import TensorRef
+from shmgate.shared.allocator import ALIGN, Allocator
+from shmgate.shared.arena import Partition, read_tensor
+from shmgate.shared.cache import ContentCache, TensorGroup
+from shmgate.shared.cache_index import IndexEntry
+from shmgate.shared.errors import ArenaFull
+from shmgate.shared.instance import Instance
+from shmgate.shared.locks import HolderKind
+from shmgate.shared.segment import LockId, SlotState
+from shmgate.shared.wire import TensorRef
 
 # -- the allocator ------------------------------------------------------------------------------
 

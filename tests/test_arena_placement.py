@@ -23,17 +23,17 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from gateway.images import ImageResolver
-from gateway.metrics import FrontendStats
-from gateway.preprocess.base import AllocateFn, ImageTensorSpec, Preprocessor, PromptInputs
-from shared.arena import Partition
-from shared.cache import ContentCache, block_bytes
-from shared.errors import ArenaFull, ImageTooLarge
-from shared.instance import Instance
-from shared.locks import HolderKind, SharedLock
-from shared.segment import LockId, SlotState
-from shared.stats_layout import STATS_WORDS
-from shared.vocabulary import TensorGroup
+from shmgate.gateway.images import ImageResolver
+from shmgate.gateway.metrics import FrontendStats
+from shmgate.gateway.preprocess.base import AllocateFn, ImageTensorSpec, Preprocessor, PromptInputs
+from shmgate.shared.arena import Partition
+from shmgate.shared.cache import ContentCache, block_bytes
+from shmgate.shared.errors import ArenaFull, ImageTooLarge
+from shmgate.shared.instance import Instance
+from shmgate.shared.locks import HolderKind, SharedLock
+from shmgate.shared.segment import LockId, SlotState
+from shmgate.shared.stats_layout import STATS_WORDS
+from shmgate.shared.vocabulary import TensorGroup
 from tests.serving import (
     Server,
     data_url,

@@ -17,16 +17,16 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from gateway.images import ImageResolver
-from gateway.metrics import FrontendStats
-from shared.arena import Partition
-from shared.cache import ContentCache, ModelShare, block_bytes
-from shared.errors import ArenaFull
-from shared.instance import Instance
-from shared.locks import HolderKind
-from shared.segment import LockId, SlotState
-from shared.stats_layout import STATS_WORDS
-from shared.vocabulary import AllocateFn, TensorGroup
+from shmgate.gateway.images import ImageResolver
+from shmgate.gateway.metrics import FrontendStats
+from shmgate.shared.arena import Partition
+from shmgate.shared.cache import ContentCache, ModelShare, block_bytes
+from shmgate.shared.errors import ArenaFull
+from shmgate.shared.instance import Instance
+from shmgate.shared.locks import HolderKind
+from shmgate.shared.segment import LockId, SlotState
+from shmgate.shared.stats_layout import STATS_WORDS
+from shmgate.shared.vocabulary import AllocateFn, TensorGroup
 from tests.test_arena_placement import NaturalSize
 
 PARTITION = 1 << 20

@@ -19,9 +19,11 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
-from shared.channels import Queue
-from shared.instance import Instance
-from shared.wire import Submit
+from shmgate.shared.channels import Queue
+from shmgate.shared.instance import Instance
+from shmgate.shared.wire import Submit
+from shmgate.worker import batcher as batcher_module
+from shmgate.worker.batcher import Batcher
 from tests.serving import (
     Server,
     expected_checksum,
@@ -31,8 +33,6 @@ from tests.serving import (
     stop_and_check,
 )
 from tests.shm_children import scratch_instance
-from worker import batcher as batcher_module
-from worker.batcher import Batcher
 
 LONG_WINDOW_S = 120.0  # a window no test may wait out
 HANG_S = 30.0  # hang guard: the outcome is "cut early" (seconds at most) or "waited the window"

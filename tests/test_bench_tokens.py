@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench_client import loadgen
+from shmgate.bench_client import loadgen
 from tests.serving import IMAGES, Server, start_server, stop_and_check
 
 

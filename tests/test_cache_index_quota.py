@@ -14,11 +14,11 @@ import hashlib
 import numpy as np
 import pytest
 
-from shared.arena import Partition
-from shared.cache import ContentCache, TensorGroup
-from shared.instance import Instance
-from shared.locks import HolderKind
-from shared.segment import (
+from shmgate.shared.arena import Partition
+from shmgate.shared.cache import ContentCache, TensorGroup
+from shmgate.shared.instance import Instance
+from shmgate.shared.locks import HolderKind
+from shmgate.shared.segment import (
     MAX_INDEX_CAPACITY,
     MIN_INDEX_CAPACITY,
     LockId,

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import asyncio
 
-from gateway.frontend import Frontend
-from gateway.replies import CANCEL_RESEND_S
-from shared.errors import Cancelled
-from shared.transport.memory import MemoryFrontendLink, MemoryNode
-from shared.wire import Cancel, Claimed, failed_reply
+from shmgate.gateway.frontend import Frontend
+from shmgate.gateway.replies import CANCEL_RESEND_S
+from shmgate.shared.errors import Cancelled
+from shmgate.shared.transport.memory import MemoryFrontendLink, MemoryNode
+from shmgate.shared.wire import Cancel, Claimed, failed_reply
 from tests.test_reply_routing import _settle, _submit, _take, run
 
 

@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from gateway.preprocess.vision import ChecksumPreprocessor, EfficientNetPreprocessor
-from worker.backends.base import BackendEvent, WorkItem
-from worker.backends.checksum import ChecksumBackend
+from shmgate.gateway.preprocess.vision import ChecksumPreprocessor, EfficientNetPreprocessor
+from shmgate.worker.backends.base import BackendEvent, WorkItem
+from shmgate.worker.backends.checksum import ChecksumBackend
 
 IMAGES = Path(__file__).parent / "data" / "images"
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.wire import SamplingParams
+from shmgate.shared.wire import SamplingParams
+from shmgate.worker.backends.base import WorkItem
+from shmgate.worker.backends.efficientnet import EfficientNetBackend
 from tests.test_efficientnet import answers, backend, preprocess
-from worker.backends.base import WorkItem
-from worker.backends.efficientnet import EfficientNetBackend
 
 __all__ = ["backend"]  # the module-scoped fixture, shared with tests/test_efficientnet.py
 

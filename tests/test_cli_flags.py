@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from gateway import cli
-from gateway.cli import _NOT_FORWARDED, _frontend_argv, _worker_children, build_parser
-from gateway.config_checks import ConfigError, check_device, torch_cuda_build
+from shmgate.gateway import cli
+from shmgate.gateway.cli import _NOT_FORWARDED, _frontend_argv, _worker_children, build_parser
+from shmgate.gateway.config_checks import ConfigError, check_device, torch_cuda_build
+from shmgate.worker.__main__ import build_parser as worker_parser
+from shmgate.worker.__main__ import parse_args as worker_args
 from tests.serving import shm_entries, shm_entries_created_by
-from worker.__main__ import build_parser as worker_parser
-from worker.__main__ import parse_args as worker_args
 
 # (variable without SHMGATE_, bad value, what the one line must say besides the variable)
 BAD_ENVIRONMENT = [
@@ -114,7 +114,7 @@ def test_each_command_ends_at_once_with_status_2_and_one_line(command: list[str]
     """A real process: no traceback, no restart loop, nothing started (a hang guard, not a timing check)."""
     env = {**os.environ, "SHMGATE_LOG_LEVEL": "verbose", "SHMGATE_LABEL": "never-attached-cli-test"}
     done = subprocess.run(
-        [sys.executable, "-m", "gateway", *command], env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "shmgate.gateway", *command], env=env, capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
@@ -319,7 +319,7 @@ def test_the_worker_refuses_cuda_without_a_usable_gpu_naming_where_the_value_cam
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         pytest.skip("this machine has a usable GPU")
-    from worker.__main__ import main as worker_main
+    from shmgate.worker.__main__ import main as worker_main
 
     never = ["--label", "never-attached-cli-test", "--attach-wait-s", "0"]
     assert worker_main(["--device", "cuda:0", *never]) == 2

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from gateway import cli
-from gateway.cli import _default_cpu_workers, visible_gpus
-from shared.errors import SetupError
-from supervise.placement import gpu_count
+from shmgate.gateway import cli
+from shmgate.gateway.cli import _default_cpu_workers, visible_gpus
+from shmgate.shared.errors import SetupError
+from shmgate.supervise.placement import gpu_count
 
 
 def test_without_cuda_visible_devices_every_gpu_of_the_machine() -> None:
@@ -118,7 +118,7 @@ def test_gpus_are_counted_from_the_driver_or_else_from_the_device_nodes(tmp_path
 
 
 def test_only_a_served_hugging_face_checkpoint_gets_the_long_stall_timeout() -> None:
-    from gateway.cli import DEFAULT_STALL_TIMEOUT_S, HF_STALL_TIMEOUT_S, stall_timeout_for
+    from shmgate.gateway.cli import DEFAULT_STALL_TIMEOUT_S, HF_STALL_TIMEOUT_S, stall_timeout_for
 
     assert stall_timeout_for("hf:/models/qwen", None) == HF_STALL_TIMEOUT_S
     assert stall_timeout_for("checksum:hf:/models/qwen", None) == DEFAULT_STALL_TIMEOUT_S  # no weights loaded

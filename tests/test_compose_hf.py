@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shared.names import parse_size
+from shmgate.shared.names import parse_size
 from tests.compose_util import ComposeError, load_compose
 from tests.test_compose import compose_validator  # noqa: F401  (the fixture, shared with the base files' test)
 

@@ -36,7 +36,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from shared.instance import DEAD_AFTER_S
+from shmgate.shared.instance import DEAD_AFTER_S
 from tests.compose_util import compose_commands, dockerfile_instructions, load_compose
 from tests.serving import free_port, shm_entries, shm_entries_created_by, wait_until
 from tests.shm_children import leftovers
@@ -118,7 +118,7 @@ def local_argv(argv: list[str]) -> list[str]:
     head, *rest = argv
     if head == "shmgate":
         script = Path(sys.executable).parent / "shmgate"
-        return [str(script), *rest] if script.exists() else [sys.executable, "-m", "gateway", *rest]
+        return [str(script), *rest] if script.exists() else [sys.executable, "-m", "shmgate.gateway", *rest]
     if head == "python":
         return [sys.executable, *rest]
     return argv
@@ -383,7 +383,7 @@ def test_compose_file_starts_as_local_processes(monkeypatch: pytest.MonkeyPatch)
         ("worker", ["shmgate", "worker"]),
     ]
     assert all(c.environment["SHMGATE_LABEL"] == "x" for c in commands)
-    assert local_argv(["shmgate", "worker"])[1:] in (["worker"], ["-m", "gateway", "worker"])
+    assert local_argv(["shmgate", "worker"])[1:] in (["worker"], ["-m", "shmgate.gateway", "worker"])
     monkeypatch.setenv("SHMGATE_HOST", "0.0.0.0")
     monkeypatch.setenv("SHMGATE_INSTANCE", "0123456789abcdef")
     stack = LocalCompose({"SHMGATE_PORT": "1"}, Path("."))

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gateway.cli import build_parser, declared_models
+from shmgate.gateway.cli import build_parser, declared_models
 from tests.compose_util import load_compose
 from tests.test_compose import compose_validator  # noqa: F401  (the fixture, shared with the base files' test)
 from tests.test_compose_hf import _compose_binaries, _config

@@ -28,9 +28,9 @@ import pytest
 import uvicorn
 from starlette.types import Receive, Scope, Send
 
-from gateway.guards import AllowedHosts, CatchAll, default_allowed_hosts, parse_allowed_hosts
-from gateway.intake import FORM_FIELDS
-from gateway.metrics import Counter, FrontendStats
+from shmgate.gateway.guards import AllowedHosts, CatchAll, default_allowed_hosts, parse_allowed_hosts
+from shmgate.gateway.intake import FORM_FIELDS
+from shmgate.gateway.metrics import Counter, FrontendStats
 from tests.serving import Server, free_port, wait_until
 
 CHAT = "/v1/chat/completions"
@@ -161,7 +161,7 @@ def test_the_default_hosts_are_the_loopback_names_only_when_listening_on_loopbac
 
 
 def test_the_supervisor_hands_its_frontends_the_host_default_for_its_own_listen_address() -> None:
-    from gateway.cli import _frontend_argv, build_parser, fill_allowed_hosts
+    from shmgate.gateway.cli import _frontend_argv, build_parser, fill_allowed_hosts
 
     for flags, want in [
         (["--host", "0.0.0.0"], "*"),
@@ -237,7 +237,7 @@ def test_an_error_quotes_at_most_a_few_hundred_characters_of_the_input(server: S
 
 
 def test_a_capped_message_keeps_its_head_and_tail_within_the_documented_bound() -> None:
-    from gateway.http_errors import MAX_MESSAGE_CHARS, capped
+    from shmgate.gateway.http_errors import MAX_MESSAGE_CHARS, capped
 
     for length in [*range(MAX_MESSAGE_CHARS - 5, MAX_MESSAGE_CHARS + 40), 10**4, 10**7]:
         message = "H" * 50 + "x" * (length - 100) + "T" * 50

@@ -6,7 +6,7 @@ import math
 import os
 from pathlib import Path
 
-from shared.cpus import cgroup_cpu_limit, usable_cpus
+from shmgate.shared.cpus import cgroup_cpu_limit, usable_cpus
 
 
 def _write(path: Path, text: str) -> None:

@@ -26,10 +26,10 @@ import httpx
 import pytest
 from PIL import Image
 
-from gateway.decode_budget import DecodeBudget
-from gateway.decode_cost import FIXED_BYTES
-from gateway.imaging import decode, predict
-from shared.errors import ImageTooLarge, Overloaded
+from shmgate.gateway.decode_budget import DecodeBudget
+from shmgate.gateway.decode_cost import FIXED_BYTES
+from shmgate.gateway.imaging import decode, predict
+from shmgate.shared.errors import ImageTooLarge, Overloaded
 from tests.decode_samples import SAMPLES, attack_png
 from tests.serving import IMAGES, Server, image_request, start_server, stop_and_check
 
@@ -247,7 +247,7 @@ def test_an_image_bigger_than_the_whole_budget_is_a_413(budget_server: Server) -
 
 
 def test_the_budget_flags_read_their_variables_and_reach_the_frontends(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gateway.cli import _frontend_argv, build_parser
+    from shmgate.gateway.cli import _frontend_argv, build_parser
 
     monkeypatch.setenv("SHMGATE_DECODE_MEMORY_MB", "64")
     monkeypatch.setenv("SHMGATE_DECODE_WAIT_S", "0.5")
@@ -261,7 +261,7 @@ def test_the_budget_flags_read_their_variables_and_reach_the_frontends(monkeypat
 def test_a_zero_decode_budget_is_a_usage_error_naming_its_variable(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from gateway.cli import build_parser
+    from shmgate.gateway.cli import build_parser
 
     monkeypatch.setenv("SHMGATE_DECODE_MEMORY_MB", "0")
     with pytest.raises(SystemExit) as exited:

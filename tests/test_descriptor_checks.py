@@ -15,8 +15,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from shared.arena import BLOCK_HEADER_BYTES, Allocation, Partition, read_tensor, recheck, validate, view_tensor
-from shared.errors import (
+from shmgate.shared.arena import BLOCK_HEADER_BYTES, Allocation, Partition, read_tensor, recheck, validate, view_tensor
+from shmgate.shared.errors import (
     ChannelFull,
     DescriptorError,
     InconsistentTensor,
@@ -25,9 +25,9 @@ from shared.errors import (
     ShmgateError,
     StaleGeneration,
 )
-from shared.instance import Instance
-from shared.segment import SlotState
-from shared.wire import Submit, TensorRef, encoder, worker_decoder
+from shmgate.shared.instance import Instance
+from shmgate.shared.segment import SlotState
+from shmgate.shared.wire import Submit, TensorRef, encoder, worker_decoder
 from tests.shm_children import leftovers
 
 PARTITION = 1 << 20

@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.wire import INLINE_TENSOR, TensorRef
-from worker.cudart import SUCCESS, find_libcudart
-from worker.device import DeviceCopier, HostRegistrations, check_device, pick_device
+from shmgate.shared.wire import INLINE_TENSOR, TensorRef
+from shmgate.worker.cudart import SUCCESS, find_libcudart
+from shmgate.worker.device import DeviceCopier, HostRegistrations, check_device, pick_device
 
 REPO = Path(__file__).resolve().parent.parent
 ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered

@@ -6,8 +6,8 @@ import threading
 
 import msgspec
 
-from shared.wire import Cancel
-from worker.main import Worker
+from shmgate.shared.wire import Cancel
+from shmgate.worker.main import Worker
 
 
 class _FailingControl:

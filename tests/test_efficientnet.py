@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import torch
 
-from gateway.preprocess.vision import ChecksumPreprocessor, EfficientNetPreprocessor, FixedSizePreprocessor
-from shared.errors import InvalidRequest, TooManyImages
-from worker.backends.base import BackendEvent, WorkItem
-from worker.backends.efficientnet import EfficientNetBackend, EfficientNetLite0, _groups, load_lite0_state_dict
+from shmgate.gateway.preprocess.vision import ChecksumPreprocessor, EfficientNetPreprocessor, FixedSizePreprocessor
+from shmgate.shared.errors import InvalidRequest, TooManyImages
+from shmgate.worker.backends.base import BackendEvent, WorkItem
+from shmgate.worker.backends.efficientnet import EfficientNetBackend, EfficientNetLite0, _groups, load_lite0_state_dict
 
 IMAGES = Path(__file__).parent / "data" / "images"
 LABELS: dict[str, dict[str, Any]] = json.loads((IMAGES / "labels.json").read_text())["images"]
@@ -189,8 +189,8 @@ def test_cpu_passes_are_two_images_per_torch_thread(backend: EfficientNetBackend
 
 
 def test_a_cpu_worker_batches_one_pass_unless_told_otherwise(backend: EfficientNetBackend) -> None:
-    from worker.backends.base import DEFAULT_BATCH_SIZE, batch_size_for
-    from worker.backends.checksum import ChecksumBackend
+    from shmgate.worker.backends.base import DEFAULT_BATCH_SIZE, batch_size_for
+    from shmgate.worker.backends.checksum import ChecksumBackend
 
     assert batch_size_for(backend, 0) == backend.pass_images  # the default: a batch is one pass
     assert batch_size_for(backend, 8) == 8  # --max-batch-size wins

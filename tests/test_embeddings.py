@@ -20,10 +20,10 @@ import openai
 import pytest
 from PIL import Image
 
-from gateway.result_cache import ResultCache
-from shared.wire import REPLY_MESSAGE_BYTES, Vector, encoder
+from shmgate.gateway.result_cache import ResultCache
+from shmgate.shared.wire import REPLY_MESSAGE_BYTES, Vector, encoder
+from shmgate.worker.vectors import vector_messages
 from tests.serving import IMAGES, Server, data_url, start_server, stop_and_check
-from worker.vectors import vector_messages
 
 KEY = "sk-embed-test"
 PHOTOS = ["chelsea_640.jpg", "coffee_640.jpg", "camera_640.jpg"]
@@ -99,8 +99,8 @@ def _reference_features(names: list[str]) -> np.ndarray:
     """EfficientNet-Lite0's own pooled features on the frontend's preprocessing of each photo."""
     import torch
 
-    from gateway.preprocess.vision import EfficientNetPreprocessor
-    from worker.backends.efficientnet import EfficientNetBackend
+    from shmgate.gateway.preprocess.vision import EfficientNetPreprocessor
+    from shmgate.worker.backends.efficientnet import EfficientNetBackend
 
     pre = EfficientNetPreprocessor()
     pixels = []
@@ -274,7 +274,7 @@ def test_shmgate_bench_embeddings_runs_and_checks_agreement(server: Server, tmp_
     import argparse
     import asyncio
 
-    from bench_client import loadgen
+    from shmgate.bench_client import loadgen
 
     for name in PHOTOS:  # within this server's --max-pixels
         (tmp_path / name).symlink_to(IMAGES / name)
@@ -326,10 +326,10 @@ def test_the_two_halves_give_the_models_features(kind: str, embedder_dirs: dict[
     """Frontend preprocessing -> (arrays standing in for the arena) -> worker backend, one mixed batch."""
     import torch
 
-    from gateway.preprocess import get_preprocessor
+    from shmgate.gateway.preprocess import get_preprocessor
+    from shmgate.worker.backends.base import WorkItem
+    from shmgate.worker.backends.hf_embed import HFEmbeddingBackend
     from tests.embed_fixture import reference_features
-    from worker.backends.base import WorkItem
-    from worker.backends.hf_embed import HFEmbeddingBackend
 
     model_dir = embedder_dirs[kind]
     pre = get_preprocessor(f"hf:{model_dir}")

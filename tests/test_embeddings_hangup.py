@@ -1,6 +1,6 @@
 """A client of ``POST /v1/embeddings`` that hangs up while its vectors are computed cancels the work.
 
-A real ``shmgate gateway`` (efficientnet-lite0, one frontend) and one real ``python -m worker``
+A real ``shmgate gateway`` (efficientnet-lite0, one frontend) and one real ``python -m shmgate.worker``
 attached to it, started with ``--diag-batch-delay-ms``: every batch sleeps that long before it runs,
 so a request stays in flight, its image pinned in the arena, long enough for a hang-up to land
 while the work runs. Clients are raw sockets, so a hang-up is exactly a closed connection at a
@@ -50,7 +50,7 @@ def slow_embedder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
             [
                 sys.executable,
                 "-m",
-                "gateway",
+                "shmgate.gateway",
                 "gateway",
                 "--port",
                 str(port),
@@ -74,7 +74,7 @@ def slow_embedder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
             [
                 sys.executable,
                 "-m",
-                "worker",
+                "shmgate.worker",
                 "--model",
                 MODEL,
                 "--label",

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from gateway.http_errors import error_response, failure_error
-from shared import errors
-from shared.errors import (
+from shmgate.gateway.http_errors import error_response, failure_error
+from shmgate.shared import errors
+from shmgate.shared.errors import (
     Cancelled,
     DescriptorError,
     InvalidRequest,
@@ -21,7 +21,7 @@ from shared.errors import (
     UnknownModel,
     error_for_code,
 )
-from shared.wire import MAX_DELTA_CHARS, Failed, encoder, failed_reply, gateway_decoder
+from shmgate.shared.wire import MAX_DELTA_CHARS, Failed, encoder, failed_reply, gateway_decoder
 
 WORKER_FAILURES = [UnknownModel, InvalidRequest, DescriptorError, RequestTimeout, Cancelled, ModelError]
 

@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from bench.fidelity import Lite0, fidelity_set, gateway_pixels, measure
-from gateway.preprocess import get_preprocessor
-from gateway.preprocess.vision import DEFAULT_DRAFT_MARGIN, EMBEDDING_DRAFT_MARGIN, FAST_DRAFT_MARGIN
+from shmgate.gateway.preprocess import get_preprocessor
+from shmgate.gateway.preprocess.vision import DEFAULT_DRAFT_MARGIN, EMBEDDING_DRAFT_MARGIN, FAST_DRAFT_MARGIN
 from tests.serving import image_request, start_server, stop_and_check
 
 PHOTO = Path(__file__).parent / "data" / "images" / "camera_1024.jpg"  # 1024 x 1024: drafted at margin 1.5

@@ -20,11 +20,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from shared import channels
-from shared.channels import AsyncSender, Queue
-from shared.errors import ChannelFull
-from shared.instance import Instance
-from shared.wire import Submit
+from shmgate.shared import channels
+from shmgate.shared.channels import AsyncSender, Queue
+from shmgate.shared.errors import ChannelFull
+from shmgate.shared.instance import Instance
+from shmgate.shared.wire import Submit
 from tests import shm_children
 from tests.serving import wait_until
 from tests.shm_children import scratch_instance

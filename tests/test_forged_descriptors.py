@@ -27,11 +27,11 @@ import numpy as np
 import posix_ipc
 import pytest
 
-from shared.arena import Allocation, Partition
-from shared.channels import Queue
-from shared.instance import Instance
-from shared.segment import SlotState
-from shared.wire import Claimed, Delta, Failed, Finished, Released, Submit, TensorRef
+from shmgate.shared.arena import Allocation, Partition
+from shmgate.shared.channels import Queue
+from shmgate.shared.instance import Instance
+from shmgate.shared.segment import SlotState
+from shmgate.shared.wire import Claimed, Delta, Failed, Finished, Released, Submit, TensorRef
 from tests.serving import Server, expected_checksum, image_request, noise_png
 from tests.shm_children import claim_frontend
 

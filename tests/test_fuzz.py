@@ -38,10 +38,10 @@ from hypothesis import strategies as st
 from PIL import Image
 from schemathesis import GenerationMode
 
-from gateway.intake import ChatCompletionRequest, IntakeLimits, image_bytes, parse_chat_request
-from gateway.openapi import openapi_document
-from gateway.preprocess.vision import ChecksumPreprocessor
-from shared.errors import ImageTooLarge, RequestError, UndecodableImage
+from shmgate.gateway.intake import ChatCompletionRequest, IntakeLimits, image_bytes, parse_chat_request
+from shmgate.gateway.openapi import openapi_document
+from shmgate.gateway.preprocess.vision import ChecksumPreprocessor
+from shmgate.shared.errors import ImageTooLarge, RequestError, UndecodableImage
 from tests.serving import IMAGES, Server, data_url
 from tests.test_imaging import encode, exif_rotated_jpeg
 

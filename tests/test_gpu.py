@@ -31,16 +31,16 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-from gateway.preprocess.vision import EfficientNetPreprocessor  # noqa: E402
-from shared.arena import Partition  # noqa: E402
-from shared.instance import Instance  # noqa: E402
-from shared.wire import INLINE_TENSOR, Delta, Failed, Finished, Submit, TensorRef  # noqa: E402
+from shmgate.gateway.preprocess.vision import EfficientNetPreprocessor  # noqa: E402
+from shmgate.shared.arena import Partition  # noqa: E402
+from shmgate.shared.instance import Instance  # noqa: E402
+from shmgate.shared.wire import INLINE_TENSOR, Delta, Failed, Finished, Submit, TensorRef  # noqa: E402
+from shmgate.worker.backends.base import ModelBackend, WorkItem  # noqa: E402
+from shmgate.worker.backends.efficientnet import EfficientNetBackend  # noqa: E402
+from shmgate.worker.cudart import load_runtime  # noqa: E402
+from shmgate.worker.device import DeviceCopier, HostRegistrations  # noqa: E402
+from shmgate.worker.main import Worker, WorkerOptions  # noqa: E402
 from tests.shm_children import claim_frontend  # noqa: E402
-from worker.backends.base import ModelBackend, WorkItem  # noqa: E402
-from worker.backends.efficientnet import EfficientNetBackend  # noqa: E402
-from worker.cudart import load_runtime  # noqa: E402
-from worker.device import DeviceCopier, HostRegistrations  # noqa: E402
-from worker.main import Worker, WorkerOptions  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 IMAGES = REPO / "tests" / "data" / "images"
@@ -147,8 +147,8 @@ def test_token_ids_stay_on_the_host_and_images_go_to_the_device(instance: Instan
 def test_a_copier_on_gpu_1_opens_no_context_on_gpu_0() -> None:
     code = textwrap.dedent("""
         import threading, torch
-        from shared.instance import Instance
-        from worker.device import DeviceCopier, use_device
+        from shmgate.shared.instance import Instance
+        from shmgate.worker.device import DeviceCopier, use_device
         inst = Instance.create(arena_size=16 << 20, n_frontends=1, n_workers=1, queue_depth=2)
         try:
             device = torch.device("cuda", 1)
@@ -275,7 +275,7 @@ def test_workitems_reach_the_backend_on_the_device(instance: Instance) -> None:
         name = "checksum"
 
         def run(self, batch: list[WorkItem]) -> Iterator[Any]:
-            from worker.backends.base import BackendEvent
+            from shmgate.worker.backends.base import BackendEvent
 
             seen.extend(batch)
             for i in range(len(batch)):

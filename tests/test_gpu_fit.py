@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from gateway import cli, gpu_fit
-from gateway.gpu_fit import (
+from shmgate.gateway import cli, gpu_fit
+from shmgate.gateway.gpu_fit import (
     CUDA_OVERHEAD_BYTES,
     GpuNeed,
     PlacedModel,

@@ -29,13 +29,13 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from gateway.preprocess.base import ImageTensorSpec  # noqa: E402
-from gateway.preprocess.hf import HFPreprocessor  # noqa: E402
-from shared.errors import InvalidRequest, UndecodableImage  # noqa: E402
-from shared.wire import SamplingParams  # noqa: E402
+from shmgate.gateway.preprocess.base import ImageTensorSpec  # noqa: E402
+from shmgate.gateway.preprocess.hf import HFPreprocessor  # noqa: E402
+from shmgate.shared.errors import InvalidRequest, UndecodableImage  # noqa: E402
+from shmgate.shared.wire import SamplingParams  # noqa: E402
+from shmgate.worker.backends.base import BackendEvent, WorkItem  # noqa: E402
+from shmgate.worker.backends.hf import HFBackend, IncrementalDetokenizer, StopStringFilter, sample_token  # noqa: E402
 from tests.hf_fixture import reference_processor  # noqa: E402
-from worker.backends.base import BackendEvent, WorkItem  # noqa: E402
-from worker.backends.hf import HFBackend, IncrementalDetokenizer, StopStringFilter, sample_token  # noqa: E402
 
 IMAGES = Path(__file__).parent / "data" / "images"
 WIDE = IMAGES / "chelsea_1024.jpg"  # 1024 x 681
@@ -125,7 +125,7 @@ def test_preprocessor_needs_neither_weights_nor_torch(model_dir: Path, tmp_path:
         f"""
         import sys
         sys.modules["torch"] = None  # any "import torch" now raises ImportError
-        from gateway.preprocess.hf import HFPreprocessor
+        from shmgate.gateway.preprocess.hf import HFPreprocessor
         pre = HFPreprocessor({str(light)!r})
         shapes = {{}}
         def allocate(name, dtype, shape):
@@ -448,7 +448,7 @@ def test_greedy_stream_equals_transformers_generate(pre: HFPreprocessor, backend
 
 
 def test_dtype_flag_picks_the_weights_dtype(pre: HFPreprocessor, model_dir: Path) -> None:
-    from worker.backends import load_backend
+    from shmgate.worker.backends import load_backend
 
     half = load_backend(f"hf:{model_dir}", torch.device("cpu"), dtype="bfloat16")
     assert {p.dtype for p in half.model.parameters()} == {torch.bfloat16}
@@ -468,7 +468,7 @@ def test_one_host_sync_per_prefill_and_per_decode_step_whatever_the_rows(
 ) -> None:
     # On CUDA every read of a device value waits for the stream: reading each row's token apart
     # (and each image's grid) cost a sync per row per step. Now a step reads all rows at once.
-    from worker.backends import hf
+    from shmgate.worker.backends import hf
 
     reads: list[int] = []
     real = hf._to_host
@@ -484,7 +484,7 @@ def test_image_grids_are_host_tensors_for_the_worker() -> None:
 
 
 def test_weights_load_straight_onto_a_gpu_when_transformers_can(monkeypatch: pytest.MonkeyPatch) -> None:
-    from worker.backends import hf
+    from shmgate.worker.backends import hf
 
     assert hf._device_map(torch.device("cpu")) is None
     monkeypatch.setattr(hf.importlib.util, "find_spec", lambda name: object() if name == "accelerate" else None)

@@ -28,13 +28,13 @@ pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from gateway.preprocess.hf import HFPreprocessor  # noqa: E402
-from shared.cache_index import MAX_NDIM, MAX_TENSORS  # noqa: E402
-from shared.wire import SamplingParams  # noqa: E402
+from shmgate.gateway.preprocess.hf import HFPreprocessor  # noqa: E402
+from shmgate.shared.cache_index import MAX_NDIM, MAX_TENSORS  # noqa: E402
+from shmgate.shared.wire import SamplingParams  # noqa: E402
+from shmgate.worker.backends.hf import HFBackend  # noqa: E402
 from tests.hf_fixture import FAMILIES, build_tiny_vlm  # noqa: E402
 from tests.serving import Server, data_url, start_server, stop_and_check  # noqa: E402
 from tests.test_hf import SQUARE, WIDE, answer, messages, preprocess, work_item  # noqa: E402
-from worker.backends.hf import HFBackend  # noqa: E402
 
 TOKENS = 8
 TEXT = "Compare them."

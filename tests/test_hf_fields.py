@@ -23,15 +23,15 @@ pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from gateway.fields import check_fields_for_model, with_image_options  # noqa: E402
-from gateway.intake import IntakeLimits, parse_chat_request  # noqa: E402
-from gateway.preprocess.hf import HFPreprocessor  # noqa: E402
-from gateway.preprocess.vision import ChecksumPreprocessor  # noqa: E402
-from shared.errors import InvalidRequest  # noqa: E402
-from shared.wire import SamplingParams  # noqa: E402
+from shmgate.gateway.fields import check_fields_for_model, with_image_options  # noqa: E402
+from shmgate.gateway.intake import IntakeLimits, parse_chat_request  # noqa: E402
+from shmgate.gateway.preprocess.hf import HFPreprocessor  # noqa: E402
+from shmgate.gateway.preprocess.vision import ChecksumPreprocessor  # noqa: E402
+from shmgate.shared.errors import InvalidRequest  # noqa: E402
+from shmgate.shared.wire import SamplingParams  # noqa: E402
+from shmgate.worker.backends.base import WorkItem  # noqa: E402
+from shmgate.worker.backends.hf import HFBackend  # noqa: E402
 from tests.test_hf import SQUARE, WIDE, answer, work_item  # noqa: E402
-from worker.backends.base import WorkItem  # noqa: E402
-from worker.backends.hf import HFBackend  # noqa: E402
 
 LIMITS = IntakeLimits()
 TOKENS = 12
@@ -332,10 +332,10 @@ def test_tokenize_decodes_its_images_within_the_decode_memory_budget(pre: HFPrep
     import asyncio
     import base64
 
-    from gateway.decode_budget import DecodeBudget
-    from gateway.fetch import FetchPolicy
-    from gateway.tokenize import tokenize
-    from shared.errors import ImageTooLarge
+    from shmgate.gateway.decode_budget import DecodeBudget
+    from shmgate.gateway.fetch import FetchPolicy
+    from shmgate.gateway.tokenize import tokenize
+    from shmgate.shared.errors import ImageTooLarge
 
     photo = (Path(__file__).parent / "data" / "images" / "chelsea_1024.jpg").read_bytes()
     url = "data:image/jpeg;base64," + base64.b64encode(photo).decode()

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.stages import parse_server_timing
+from shmgate.gateway.stages import parse_server_timing
 from tests.hf_fixture import no_eos_bias
 from tests.serving import IMAGES, Server, data_url, start_server, wait_until
 from tests.shm_children import leftovers

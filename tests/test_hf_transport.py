@@ -32,7 +32,7 @@ pytest.importorskip("transformers")
 import httpx
 from PIL import Image
 
-from shared.wire import INLINE_MAX_BYTES
+from shmgate.shared.wire import INLINE_MAX_BYTES
 from tests.conftest import _serve
 from tests.hf_fixture import reference_processor
 from tests.serving import IMAGES, Server, data_url

@@ -19,7 +19,7 @@ import pytest
 import uvicorn
 from starlette.types import Receive, Scope, Send
 
-from gateway.http_limits import ConnectionLimits, http_protocol
+from shmgate.gateway.http_limits import ConnectionLimits, http_protocol
 from tests.serving import free_port, wait_until
 
 LIMITS = ConnectionLimits(header_timeout_s=0.5, body_timeout_s=0.5, body_min_rate=100, max_connections=5)
@@ -172,6 +172,6 @@ def test_connections_past_the_cap_get_a_503(served: tuple[int, App]) -> None:
 @pytest.mark.parametrize("flag", ["--header-timeout-s", "--body-timeout-s", "--body-min-rate"])
 def test_a_limit_of_zero_is_refused_when_the_flags_are_parsed(flag: str) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "gateway", "serve", flag, "0"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "shmgate.gateway", "serve", flag, "0"], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 2 and flag in result.stderr and "must be more than 0" in result.stderr

@@ -18,9 +18,9 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.addresses import AddressKind, AllowList, IPAddress, classify
-from gateway.fetch import USER_AGENT, FetchPolicy, fetch_image
-from shared.errors import (
+from shmgate.gateway.addresses import AddressKind, AllowList, IPAddress, classify
+from shmgate.gateway.fetch import USER_AGENT, FetchPolicy, fetch_image
+from shmgate.shared.errors import (
     ImageTooLarge,
     ImageURLForbidden,
     ImageURLTimeout,
@@ -288,7 +288,7 @@ def test_https_is_pinned_yet_verified_against_the_name(tmp_path: Path) -> None:
 
 
 def test_env_settings_reach_the_frontend_command_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gateway.cli import _frontend_argv, build_parser
+    from shmgate.gateway.cli import _frontend_argv, build_parser
 
     monkeypatch.setenv("SHMGATE_ALLOW_IMAGE_URLS", "1")
     monkeypatch.setenv("SHMGATE_IMAGE_URL_ALLOWLIST", "10.0.0.0/8,images.internal")
@@ -311,7 +311,7 @@ def test_env_settings_reach_the_frontend_command_line(monkeypatch: pytest.Monkey
 
 
 def test_a_malformed_allow_list_stops_the_command_at_parse_time() -> None:
-    from gateway.cli import build_parser
+    from shmgate.gateway.cli import build_parser
 
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--image-url-allowlist", "10.0.0.0/33"])

@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image, ImageFile
 
-from gateway.imaging import decode, decode_image
-from gateway.preprocess.vision import EfficientNetPreprocessor
-from shared.errors import ImageTooLarge, UndecodableImage
+from shmgate.gateway.imaging import decode, decode_image
+from shmgate.gateway.preprocess.vision import EfficientNetPreprocessor
+from shmgate.shared.errors import ImageTooLarge, UndecodableImage
 
 IMAGES = Path(__file__).parent / "data" / "images"
 MAX_PIXELS = 40_000_000
@@ -367,7 +367,7 @@ def _png_with_exif_after_pixels(size: tuple[int, int], orientation: int) -> byte
 
 
 def test_a_rotation_seen_only_after_the_pixels_is_counted_before_converting() -> None:
-    from gateway.imaging import predict
+    from shmgate.gateway.imaging import predict
 
     data = _png_with_exif_after_pixels((300, 200), 6)
     # The header shows an RGB image that needs no conversion: 4 bytes a pixel, within 60,000 pixels.

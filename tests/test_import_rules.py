@@ -20,21 +20,21 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import shared.transport.posix
+import shmgate.shared.transport.posix
 
 REPO = Path(__file__).resolve().parent.parent
 
 POSIX_LAYER = frozenset(
     {
-        "shared.segment",
-        "shared.cache",
-        "shared.cache_index",
-        "shared.instance",
-        "shared.channels",
-        "shared.locks",
-        "shared.allocator",
-        "shared.arena",
-        "shared.transport.posix",
+        "shmgate.shared.segment",
+        "shmgate.shared.cache",
+        "shmgate.shared.cache_index",
+        "shmgate.shared.instance",
+        "shmgate.shared.channels",
+        "shmgate.shared.locks",
+        "shmgate.shared.allocator",
+        "shmgate.shared.arena",
+        "shmgate.shared.transport.posix",
     }
 )
 COMPOSITION_ROOTS = frozenset({"gateway/app.py", "gateway/cli.py", "supervise/supervisor.py", "worker/main.py"})
@@ -42,11 +42,11 @@ NEUTRAL = ("shared/vocabulary.py", "shared/stats_layout.py", "shared/transport/b
 
 # shared/transport/__init__.py re-exports the POSIX links: importing them from the package is
 # importing the POSIX layer all the same.
-_FROM_POSIX_VIA_PACKAGE = frozenset(shared.transport.posix.__all__)
+_FROM_POSIX_VIA_PACKAGE = frozenset(shmgate.shared.transport.posix.__all__)
 
 
 def _module_name(path: Path) -> str:
-    parts = path.relative_to(REPO).with_suffix("").parts
+    parts = ("shmgate", *path.relative_to(REPO).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -72,8 +72,8 @@ def _imports(path: Path, *, type_only: bool) -> Iterator[str]:
                 base = ".".join([*anchor, base] if base else anchor)
             yield base
             for alias in node.names:
-                if base == "shared.transport" and alias.name in _FROM_POSIX_VIA_PACKAGE:
-                    yield "shared.transport.posix"
+                if base == "shmgate.shared.transport" and alias.name in _FROM_POSIX_VIA_PACKAGE:
+                    yield "shmgate.shared.transport.posix"
                 yield f"{base}.{alias.name}"
         for child in ast.iter_child_nodes(node):
             yield from visit(child)
@@ -110,10 +110,10 @@ def test_every_allowed_root_still_builds_the_posix_transport() -> None:
 def test_the_detector_sees_function_local_and_package_re_exported_imports(tmp_path: Path) -> None:
     probe = tmp_path / "probe.py"
     probe.write_text(
-        "from shared.transport import FrontendLink\n"
-        "def f():\n    from shared.transport import PosixNodeStats\n    import shared.locks\n"
+        "from shmgate.shared.transport import FrontendLink\n"
+        "def f():\n    from shmgate.shared.transport import PosixNodeStats\n    import shmgate.shared.locks\n"
     )
-    assert _posix_imports(probe) == {"shared.transport.posix", "shared.locks"}
+    assert _posix_imports(probe) == {"shmgate.shared.transport.posix", "shmgate.shared.locks"}
 
 
 def test_no_module_but_the_roots_loads_the_posix_layer_when_imported() -> None:
@@ -135,7 +135,7 @@ def test_no_module_but_the_roots_loads_the_posix_layer_when_imported() -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=REPO, timeout=120, check=True
     )
     loaded = set(json.loads(done.stdout.splitlines()[-1]))
-    assert "gateway.frontend" in loaded and "worker.batcher" in loaded
+    assert "shmgate.gateway.frontend" in loaded and "shmgate.worker.batcher" in loaded
     assert sorted(loaded & (POSIX_LAYER | {"posix_ipc"})) == []
 
 

@@ -13,14 +13,14 @@ import base64
 import json
 import threading
 
-from gateway.frontend import Frontend, FrontendLimits
-from gateway.intake import IntakeLimits, parse_chat_request
-from gateway.preprocess.vision import ChecksumPreprocessor
-from gateway.request_state import Phase
-from shared.transport.memory import MemoryFrontendLink, MemoryNode, MemoryWorkerLink
-from shared.wire import Delta, Failed, Finished
+from shmgate.gateway.frontend import Frontend, FrontendLimits
+from shmgate.gateway.intake import IntakeLimits, parse_chat_request
+from shmgate.gateway.preprocess.vision import ChecksumPreprocessor
+from shmgate.gateway.request_state import Phase
+from shmgate.shared.transport.memory import MemoryFrontendLink, MemoryNode, MemoryWorkerLink
+from shmgate.shared.wire import Delta, Failed, Finished
+from shmgate.worker.main import Worker, WorkerOptions
 from tests.serving import expected_checksum, noise_png
-from worker.main import Worker, WorkerOptions
 
 
 def _chat(image: bytes) -> bytes:

@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from gateway import intake
-from gateway.intake import IntakeLimits, parse_chat_request, strict_b64decode
-from shared.errors import InvalidRequest
+from shmgate.gateway import intake
+from shmgate.gateway.intake import IntakeLimits, parse_chat_request, strict_b64decode
+from shmgate.shared.errors import InvalidRequest
 
 LIMITS = IntakeLimits()
 IMAGES = Path(__file__).parent / "data" / "images"
@@ -103,9 +103,9 @@ def test_an_image_keyed_for_its_answer_and_then_its_tensors_is_hashed_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """With a result cache a miss keys each image twice (the answer, then the tensors): one hash of its text."""
-    from gateway.preprocess.vision import ChecksumPreprocessor
-    from gateway.result_cache import answer_key
-    from shared.vocabulary import content_key, key_of_digest, material_digest
+    from shmgate.gateway.preprocess.vision import ChecksumPreprocessor
+    from shmgate.gateway.result_cache import answer_key
+    from shmgate.shared.vocabulary import content_key, key_of_digest, material_digest
 
     hashed: list[int] = []
 
@@ -128,7 +128,7 @@ def test_an_image_keyed_for_its_answer_and_then_its_tensors_is_hashed_once(
 
 
 def test_content_keys_keep_kinds_and_parameters_apart() -> None:
-    from shared.vocabulary import content_key
+    from shmgate.shared.vocabulary import content_key
 
     data = (IMAGES / "camera_640.jpg").read_bytes()
     text = base64.b64encode(data).decode()

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
-from shared.names import parse_size
+from shmgate.shared.names import parse_size
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "k8s"
@@ -237,7 +237,7 @@ def test_models_overlay_has_a_worker_container_for_every_declared_model(tmp_path
     """The gateway declares the models in node.toml (read here by shmgate's own parser, so a key it no
     longer takes fails here); each declared model has a worker container naming it, and no worker names
     a model the gateway does not serve (it would refuse to attach)."""
-    from gateway.node_config import load_node_config
+    from shmgate.gateway.node_config import load_node_config
 
     docs = render("overlays/models")
     [models] = [d for d in docs if d["kind"] == "ConfigMap" and "node.toml" in d["data"]]

@@ -37,7 +37,7 @@ def _start_in_own_group(tmp_path: Path, *extra: str) -> Server:
             [
                 sys.executable,
                 "-m",
-                "gateway",
+                "shmgate.gateway",
                 "serve",
                 "--port",
                 str(port),
@@ -148,7 +148,9 @@ def test_children_exit_when_their_supervisor_is_sigkilled_under_load(tmp_path: P
             t.join(30)
         _kill_all(server, children)  # never leave them behind, even when the test failed
     print(f"\nsupervisor SIGKILLed under load: all {len(children)} children gone {took_s:.1f} s later")
-    done = subprocess.run([sys.executable, "-m", "gateway", "cleanup"], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "shmgate.gateway", "cleanup"], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr
     assert instance_id in done.stdout, done.stdout
     assert not leftovers(instance_id, slots=64)  # /dev/shm entries and queues (probed by name)

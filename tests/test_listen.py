@@ -25,10 +25,10 @@ from pathlib import Path
 
 import pytest
 
-from gateway import listen
-from gateway.cli import _frontend_argv, build_parser
-from gateway.listen import bind_frontend, bind_supervisor
-from shared.errors import SetupError
+from shmgate.gateway import listen
+from shmgate.gateway.cli import _frontend_argv, build_parser
+from shmgate.gateway.listen import bind_frontend, bind_supervisor
+from shmgate.shared.errors import SetupError
 from tests.serving import Server, expected_checksum, image_request, noise_png, start_server, stop_and_check, wait_until
 
 GUARD_S = 60.0

@@ -23,8 +23,8 @@ from typing import Any
 import httpx
 import pytest
 
-from bench_client import loadgen
-from bench_client.rawhttp import RawClient
+from shmgate.bench_client import loadgen
+from shmgate.bench_client.rawhttp import RawClient
 
 REPO = Path(__file__).resolve().parent.parent
 IMAGES = REPO / "tests" / "data" / "images"
@@ -490,13 +490,13 @@ def test_an_error_event_mid_stream_is_a_failure_named_by_its_code() -> None:
 
 
 def test_shmgate_bench_runs_the_load_generator_from_the_command_line(naive_server: tuple[str, int]) -> None:
-    """``shmgate bench`` (here ``python -m gateway bench``) is gateway/cli.py handing over to bench_client."""
+    """``shmgate bench`` (here ``python -m shmgate.gateway bench``) is gateway/cli.py handing over to bench_client."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run(
         [
             sys.executable,
             "-m",
-            "gateway",
+            "shmgate.gateway",
             "bench",
             "--base-url",
             naive_server[0],

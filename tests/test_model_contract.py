@@ -18,13 +18,13 @@ from typing import Any, get_type_hints
 
 import pytest
 
-from gateway.preprocess import preprocessor_class
-from gateway.preprocess.base import AllocateFn, ImageTensorSpec, Preprocessor, PromptInputs
-from shared.errors import InvalidRequest
-from shared.hf_families import HF_FAMILIES, InputStyle, PromptStyle
-from shared.models import ModelKind
-from worker.backends import backend_class
-from worker.backends.base import DEFAULT_BATCH_SIZE, BackendEvent, ModelBackend, WorkItem, batch_size_for
+from shmgate.gateway.preprocess import preprocessor_class
+from shmgate.gateway.preprocess.base import AllocateFn, ImageTensorSpec, Preprocessor, PromptInputs
+from shmgate.shared.errors import InvalidRequest
+from shmgate.shared.hf_families import HF_FAMILIES, InputStyle, PromptStyle
+from shmgate.shared.models import ModelKind
+from shmgate.worker.backends import backend_class
+from shmgate.worker.backends.base import DEFAULT_BATCH_SIZE, BackendEvent, ModelBackend, WorkItem, batch_size_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -147,7 +147,7 @@ def test_a_backend_gets_every_capability_from_the_defaults() -> None:
 
 
 def test_every_family_names_styles_both_halves_implement() -> None:
-    from gateway.preprocess.hf import _ARCHITECTURES
+    from shmgate.gateway.preprocess.hf import _ARCHITECTURES
 
     assert all(key == family.model_type for key, family in HF_FAMILIES.items())
     assert set(_ARCHITECTURES) == set(PromptStyle)  # every prompt style has its code in the frontend

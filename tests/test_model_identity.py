@@ -1,7 +1,7 @@
 """Which model a gateway serves, said once and held to by every part: ``--served-model-name``, the model
 card, the refusal of a worker started for another model, and the instances ``shmgate cleanup`` lists.
 
-Real processes throughout: one ``shmgate serve`` for the module, a real ``python -m worker`` that tries
+Real processes throughout: one ``shmgate serve`` for the module, a real ``python -m shmgate.worker`` that tries
 to attach to it, and a real instance left behind by a SIGKILLed creator for ``cleanup --dry-run``.
 """
 
@@ -20,9 +20,9 @@ import httpx
 import openai
 import pytest
 
-from shared.errors import EXIT_CONFIG
-from shared.instance import Instance
-from shared.segment import SlotState, now_ns
+from shmgate.shared.errors import EXIT_CONFIG
+from shmgate.shared.instance import Instance
+from shmgate.shared.segment import SlotState, now_ns
 from tests.serving import (
     Server,
     expected_checksum,
@@ -84,7 +84,7 @@ def test_a_worker_for_another_model_refuses_to_attach_naming_both(named_server: 
         [
             sys.executable,
             "-m",
-            "worker",
+            "shmgate.worker",
             "--instance",
             named_server.instance_id,
             "--model",
@@ -134,7 +134,7 @@ def test_the_gateway_warns_of_a_ready_worker_that_serves_another_model(named_ser
 @pytest.mark.serial
 def test_cleanup_lists_live_instances_and_a_dry_run_removes_nothing(named_server: Server, tmp_path: Path) -> None:
     listed = subprocess.run(
-        [sys.executable, "-m", "gateway", "cleanup", "--list"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "shmgate.gateway", "cleanup", "--list"], capture_output=True, text=True, timeout=60
     )
     assert listed.returncode == 0, listed.stderr
     line = next(line for line in listed.stdout.splitlines() if named_server.instance_id in line)
@@ -163,13 +163,15 @@ def test_cleanup_lists_live_instances_and_a_dry_run_removes_nothing(named_server
     objects = {name for name in os.listdir("/dev/shm") if dead_id in name}
     assert objects
     dry = subprocess.run(
-        [sys.executable, "-m", "gateway", "cleanup", "--dry-run"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "shmgate.gateway", "cleanup", "--dry-run"], capture_output=True, text=True, timeout=60
     )
     assert dry.returncode == 0, dry.stderr
     assert dead_id in dry.stdout and named_server.instance_id not in dry.stdout
     assert "would remove" in dry.stdout
     assert {name for name in os.listdir("/dev/shm") if dead_id in name} == objects  # nothing removed
-    real = subprocess.run([sys.executable, "-m", "gateway", "cleanup"], capture_output=True, text=True, timeout=60)
+    real = subprocess.run(
+        [sys.executable, "-m", "shmgate.gateway", "cleanup"], capture_output=True, text=True, timeout=60
+    )
     assert dead_id in real.stdout
     wait_until(lambda: not any(dead_id in name for name in os.listdir("/dev/shm")), 5, "cleanup removed it")
     assert httpx.get(named_server.base_url + "/ready", timeout=10).status_code == 200  # the live one is untouched
@@ -192,7 +194,7 @@ def test_a_missing_transformers_is_one_line_before_anything_starts(tmp_path: Pat
             sys.executable,
             "-S",
             "-m",
-            "gateway",
+            "shmgate.gateway",
             "serve",
             "--port",
             str(free_port()),

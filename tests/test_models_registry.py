@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.models import ModelKind, model_id_for, parse_model_spec, resolve_model
+from shmgate.shared.models import ModelKind, model_id_for, parse_model_spec, resolve_model
 
 
 def test_each_spec_form_names_its_kind_public_id_and_directory(tmp_path: Path) -> None:

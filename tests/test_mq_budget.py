@@ -10,8 +10,8 @@ import textwrap
 
 import pytest
 
-from shared.errors import SetupError
-from shared.mq_budget import MessageQueueBudgetError, QueueSpec, plan_queue_depths, queue_bytes
+from shmgate.shared.errors import SetupError
+from shmgate.shared.mq_budget import MessageQueueBudgetError, QueueSpec, plan_queue_depths, queue_bytes
 
 SPECS = [
     QueueSpec("request", 1, 8192, 64, min_depth=4),
@@ -68,7 +68,7 @@ def test_below_the_minimum_the_error_names_the_fixes() -> None:
 _CHILD = textwrap.dedent(
     """
     import logging, resource, sys
-    from shared.instance import Instance
+    from shmgate.shared.instance import Instance
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
     import os
     limit = int(sys.argv[1])

@@ -13,7 +13,7 @@ import logging
 import pytest
 import torch
 
-from worker.backends.efficientnet import FusedNormaliser, make_normaliser, normalise
+from shmgate.worker.backends.efficientnet import FusedNormaliser, make_normaliser, normalise
 
 TOLERANCE = 1e-6  # values lie in [-1, 1]; a float32 ulp there is at most 1.2e-7
 

@@ -29,7 +29,7 @@ PARENT = textwrap.dedent("""
 CHILD = textwrap.dedent("""
     import sys, time
     time.sleep({delay})
-    from shared.parent_death import follow_supervisor
+    from shmgate.shared.parent_death import follow_supervisor
     follow_supervisor()
     open({marker!r}, "w").write("followed")
     time.sleep(30)

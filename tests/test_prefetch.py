@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from worker.prefetch import Prefetcher
+from shmgate.worker.prefetch import Prefetcher
 
 HANG_S = 30.0  # hang guard for every wait: never a pass/fail timing
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.channels import Queue
-from shared.wire import Cancel, worker_decoder
+from shmgate.shared.channels import Queue
+from shmgate.shared.wire import Cancel, worker_decoder
 from tests.shm_children import scratch_instance
 
 

@@ -20,16 +20,16 @@ import pytest
 from PIL import Image
 from starlette.responses import StreamingResponse
 
-from gateway.choices import submit_choices
-from gateway.frontend import Frontend, FrontendLimits, RequestState
-from gateway.intake import IntakeLimits, parse_chat_request
-from gateway.metrics import Counter
-from gateway.preprocess.vision import ChecksumPreprocessor
-from gateway.render import answer
-from gateway.request_state import Phase
-from shared.errors import Cancelled, InvalidRequest
-from shared.transport.memory import MemoryFrontendLink, MemoryNode
-from shared.wire import Claimed, Delta, Submit, failed_reply
+from shmgate.gateway.choices import submit_choices
+from shmgate.gateway.frontend import Frontend, FrontendLimits, RequestState
+from shmgate.gateway.intake import IntakeLimits, parse_chat_request
+from shmgate.gateway.metrics import Counter
+from shmgate.gateway.preprocess.vision import ChecksumPreprocessor
+from shmgate.gateway.render import answer
+from shmgate.gateway.request_state import Phase
+from shmgate.shared.errors import Cancelled, InvalidRequest
+from shmgate.shared.transport.memory import MemoryFrontendLink, MemoryNode
+from shmgate.shared.wire import Claimed, Delta, Submit, failed_reply
 
 
 def _png() -> str:

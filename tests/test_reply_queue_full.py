@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
-from shared.channels import Queue
-from shared.errors import ChannelFull
-from shared.instance import Instance
-from shared.transport.posix import PosixWorkerLink
-from shared.wire import Released
+from shmgate.shared.channels import Queue
+from shmgate.shared.errors import ChannelFull
+from shmgate.shared.instance import Instance
+from shmgate.shared.transport.posix import PosixWorkerLink
+from shmgate.shared.wire import Released
 
 
 @pytest.fixture

@@ -17,15 +17,15 @@ from collections.abc import Awaitable, Callable
 import pytest
 from PIL import Image
 
-from gateway.frontend import Frontend, FrontendLimits
-from gateway.intake import IntakeLimits, parse_chat_request
-from gateway.metrics import Counter, exposition, render
-from gateway.preprocess.vision import ChecksumPreprocessor
-from gateway.request_state import IllegalTransition, Phase, RequestState
-from shared.errors import Overloaded
-from shared.segment import InstanceState, now_ns
-from shared.transport.memory import MemoryFrontendLink, MemoryNode, MemoryNodeStats
-from shared.wire import Claimed, Delta, Failed, Finished, Released, Submit
+from shmgate.gateway.frontend import Frontend, FrontendLimits
+from shmgate.gateway.intake import IntakeLimits, parse_chat_request
+from shmgate.gateway.metrics import Counter, exposition, render
+from shmgate.gateway.preprocess.vision import ChecksumPreprocessor
+from shmgate.gateway.request_state import IllegalTransition, Phase, RequestState
+from shmgate.shared.errors import Overloaded
+from shmgate.shared.segment import InstanceState, now_ns
+from shmgate.shared.transport.memory import MemoryFrontendLink, MemoryNode, MemoryNodeStats
+from shmgate.shared.wire import Claimed, Delta, Failed, Finished, Released, Submit
 
 
 def _png() -> str:

@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from shared.errors import EXIT_CONFIG, EXIT_DECLARED_DEAD
+from shmgate.shared.errors import EXIT_CONFIG, EXIT_DECLARED_DEAD
 from tests.serving import (
     Server,
     expected_checksum,
@@ -349,7 +349,7 @@ def test_a_stalled_worker_attached_by_label_exits_by_itself(tmp_path: Path) -> N
         [
             sys.executable,
             "-m",
-            "gateway",
+            "shmgate.gateway",
             "gateway",
             "--port",
             str(port),
@@ -377,7 +377,7 @@ def test_a_stalled_worker_attached_by_label_exits_by_itself(tmp_path: Path) -> N
             [
                 sys.executable,
                 "-m",
-                "worker",
+                "shmgate.worker",
                 "--model",
                 "checksum",
                 "--label",
@@ -443,7 +443,7 @@ def test_a_configuration_error_stops_serve_with_the_reason_instead_of_restarting
         [
             sys.executable,
             "-m",
-            "gateway",
+            "shmgate.gateway",
             "serve",
             "--port",
             str(free_port()),
@@ -472,7 +472,7 @@ def test_a_device_typo_stops_serve_before_anything_starts(tmp_path: Path) -> Non
         [
             sys.executable,
             "-m",
-            "gateway",
+            "shmgate.gateway",
             "serve",
             "--port",
             str(free_port()),
@@ -507,7 +507,7 @@ def test_a_worker_refuses_a_device_it_cannot_use_in_one_line(device: str) -> Non
         [
             sys.executable,
             "-m",
-            "worker",
+            "shmgate.worker",
             "--model",
             "checksum",
             "--device",
@@ -538,7 +538,7 @@ def test_cuda_where_it_cannot_run_stops_serve_with_the_workers_reason_instead_of
         [
             sys.executable,
             "-m",
-            "gateway",
+            "shmgate.gateway",
             "serve",
             "--port",
             str(free_port()),
@@ -573,7 +573,7 @@ def test_an_unknown_model_stops_serve_before_anything_starts(tmp_path: Path) -> 
         [
             sys.executable,
             "-m",
-            "gateway",
+            "shmgate.gateway",
             "serve",
             "--port",
             str(free_port()),
@@ -605,7 +605,7 @@ def test_a_worker_that_dies_before_it_is_ever_ready_stops_serve_after_three_trie
             [
                 sys.executable,
                 "-m",
-                "gateway",
+                "shmgate.gateway",
                 "serve",
                 "--port",
                 str(port),

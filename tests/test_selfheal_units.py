@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 
-from shared.arena import Partition
-from shared.cache import ContentCache
-from shared.errors import ImageTooLarge
-from shared.instance import cleanup_leftovers
-from shared.locks import HolderKind
-from shared.segment import LAYOUT_VERSION, InstanceState, LockId, SlotState, peek_header
+from shmgate.shared.arena import Partition
+from shmgate.shared.cache import ContentCache
+from shmgate.shared.errors import ImageTooLarge
+from shmgate.shared.instance import cleanup_leftovers
+from shmgate.shared.locks import HolderKind
+from shmgate.shared.segment import LAYOUT_VERSION, InstanceState, LockId, SlotState, peek_header
 from tests.shm_children import leftovers, scratch_instance
 
 PARTITION = 1 << 20

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from shared.errors import EXIT_CONFIG
+from shmgate.shared.errors import EXIT_CONFIG
 from tests.serving import (
     IMAGES,
     Server,
@@ -147,7 +147,7 @@ def test_an_unknown_model_is_a_404_naming_the_served_ones(two_models: Server, pa
 
 
 def test_each_model_has_its_own_workers(two_models: Server) -> None:
-    workers = [cmd for _, cmd in two_models.children() if "-m worker" in cmd]
+    workers = [cmd for _, cmd in two_models.children() if "-m shmgate.worker" in cmd]
     assert sorted(cmd.split("--model ", 1)[1].split()[0] for cmd in workers) == ["checksum", "efficientnet-lite0"]
     assert two_models.metric("shmgate_workers_ready") == 2
     for model in ("efficientnet-lite0", "checksum"):
@@ -228,7 +228,7 @@ def gateway_with_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S
             [
                 sys.executable,
                 "-m",
-                "gateway",
+                "shmgate.gateway",
                 "gateway",
                 "--port",
                 str(port),
@@ -255,7 +255,7 @@ def gateway_with_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S
             [
                 sys.executable,
                 "-m",
-                "worker",
+                "shmgate.worker",
                 "--model",
                 "efficientnet-lite0",
                 "--served-model-name",
@@ -269,7 +269,7 @@ def gateway_with_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S
             [
                 sys.executable,
                 "-m",
-                "worker",
+                "shmgate.worker",
                 "--model",
                 "checksum",
                 "--max-batch-size",
@@ -371,7 +371,7 @@ def test_a_worker_for_an_undeclared_model_refuses_to_attach(gateway_with_workers
         [
             sys.executable,
             "-m",
-            "worker",
+            "shmgate.worker",
             "--instance",
             gateway_with_workers.instance_id,
             "--model",
@@ -416,8 +416,8 @@ def test_a_worker_for_an_undeclared_model_refuses_to_attach(gateway_with_workers
     ],
 )
 def test_a_bad_config_file_is_refused_naming_the_model_and_the_key(tmp_path: Path, toml: str, says: str) -> None:
-    from gateway.cli import build_parser, declared_models
-    from gateway.node_config import NodeConfigError
+    from shmgate.gateway.cli import build_parser, declared_models
+    from shmgate.gateway.node_config import NodeConfigError
 
     config = tmp_path / "node.toml"
     config.write_text(toml)
@@ -432,7 +432,7 @@ def test_serve_with_a_bad_config_file_ends_at_once_with_status_2_and_one_line(tm
     config = tmp_path / "node.toml"
     config.write_text('[[models]]\nmodel = "checksum"\nworkers = 0\n')
     done = subprocess.run(
-        [sys.executable, "-m", "gateway", "serve", "--config", str(config)],
+        [sys.executable, "-m", "shmgate.gateway", "serve", "--config", str(config)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -449,7 +449,7 @@ def test_serve_with_a_bad_config_file_ends_at_once_with_status_2_and_one_line(tm
 def test_the_config_file_also_comes_from_shmgate_config_and_fills_in_the_global_flags(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from gateway.cli import _worker_children, build_parser, declared_models
+    from shmgate.gateway.cli import _worker_children, build_parser, declared_models
 
     config = tmp_path / "node.toml"
     config.write_text(
@@ -467,8 +467,8 @@ def test_the_config_file_also_comes_from_shmgate_config_and_fills_in_the_global_
 
 
 def test_model_flags_and_a_config_file_do_not_mix_and_served_names_pair_with_models(tmp_path: Path) -> None:
-    from gateway.cli import build_parser, declared_models
-    from gateway.node_config import NodeConfigError
+    from shmgate.gateway.cli import build_parser, declared_models
+    from shmgate.gateway.node_config import NodeConfigError
 
     config = tmp_path / "node.toml"
     config.write_text('[[models]]\nmodel = "checksum"\n')
@@ -503,8 +503,8 @@ def test_model_flags_and_a_config_file_do_not_mix_and_served_names_pair_with_mod
 
 def test_a_model_whose_workers_die_beyond_the_budget_is_failed_and_the_other_keeps_running() -> None:
     """The supervisor's decision over an in-memory link with real (sleeping) child processes."""
-    from shared.transport.memory import MemorySupervisorLink
-    from supervise.supervisor import ChildProcess, Supervisor, child_env
+    from shmgate.shared.transport.memory import MemorySupervisorLink
+    from shmgate.supervise.supervisor import ChildProcess, Supervisor, child_env
 
     link = MemorySupervisorLink()
     sleeper = ["sh", "-c", "exec sleep 30"]
@@ -539,7 +539,7 @@ def test_a_model_whose_workers_die_beyond_the_budget_is_failed_and_the_other_kee
 def test_a_global_processor_option_reaches_only_the_models_with_an_hf_processor(tmp_path: Path) -> None:
     import argparse
 
-    from gateway.node_config import ModelConfig
+    from shmgate.gateway.node_config import ModelConfig
 
     flags = argparse.Namespace(mm_processor_kwargs='{"max_pixels": 200704}')
     classifier, vlm = ModelConfig("efficientnet-lite0"), ModelConfig(f"hf:{tmp_path}/qwen")
@@ -567,7 +567,7 @@ def test_a_model_that_keeps_dying_is_failed_while_the_other_keeps_serving(tmp_pa
         url = server.base_url
 
         def checksum_worker() -> int | None:
-            pids = [pid for pid, cmd in server.children() if "-m worker" in cmd and "--model checksum" in cmd]
+            pids = [pid for pid, cmd in server.children() if "-m shmgate.worker" in cmd and "--model checksum" in cmd]
             return pids[0] if pids else None
 
         first = checksum_worker()
@@ -606,8 +606,8 @@ def test_a_model_that_keeps_dying_is_failed_while_the_other_keeps_serving(tmp_pa
 
 
 def test_the_queue_budget_is_split_between_the_models_and_fails_naming_each_when_it_cannot_fit() -> None:
-    from shared.instance import queue_specs
-    from shared.mq_budget import MessageQueueBudgetError, plan_queue_depths
+    from shmgate.shared.instance import queue_specs
+    from shmgate.shared.mq_budget import MessageQueueBudgetError, plan_queue_depths
 
     specs = queue_specs(2, 4, [64, 16], ["classifier", "vlm"])
     assert [s.role for s in specs] == ["request classifier", "request vlm", "reply", "control"]

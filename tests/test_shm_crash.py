@@ -19,13 +19,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from shared.arena import Partition, read_tensor
-from shared.cache_index import CacheIndex, EntryState
-from shared.errors import StaleGeneration
-from shared.instance import DEAD_AFTER_S, Instance, cleanup_leftovers
-from shared.locks import HolderKind
-from shared.segment import LockId
-from shared.wire import Claimed, Released, Submit, TensorRef
+from shmgate.shared.arena import Partition, read_tensor
+from shmgate.shared.cache_index import CacheIndex, EntryState
+from shmgate.shared.errors import StaleGeneration
+from shmgate.shared.instance import DEAD_AFTER_S, Instance, cleanup_leftovers
+from shmgate.shared.locks import HolderKind
+from shmgate.shared.segment import LockId
+from shmgate.shared.wire import Claimed, Released, Submit, TensorRef
 from tests import shm_children
 from tests.shm_children import (
     claim_frontend,
@@ -366,7 +366,7 @@ def test_cleanup_removes_the_instance_of_a_killed_creator() -> None:
 @pytest.mark.skipif(os.geteuid() != 0, reason="making an object owned by another user needs root")
 def test_cleanup_leaves_another_users_instance_alone() -> None:
     """Another user's instance is 0600: we can neither attach to it nor unlink it. It must not stop us."""
-    from shared.names import list_arena_instances, new_instance_id
+    from shmgate.shared.names import list_arena_instances, new_instance_id
 
     other = new_instance_id()
     path = f"/dev/shm/shmgate.{other}.arena"

@@ -18,8 +18,8 @@ import time
 
 import pytest
 
-from shared.instance import Instance
-from shared.wire import Cancel
+from shmgate.shared.instance import Instance
+from shmgate.shared.wire import Cancel
 from tests import shm_children
 from tests.shm_children import STOP_ID, scratch_instance
 

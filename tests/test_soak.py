@@ -16,10 +16,10 @@ import threading
 import pytest
 
 from bench import soak
-from gateway.images import _started_pool
-from shared.instance import Instance
-from shared.transport import PosixWorkerLink
-from shared.wire import Released
+from shmgate.gateway.images import _started_pool
+from shmgate.shared.instance import Instance
+from shmgate.shared.transport import PosixWorkerLink
+from shmgate.shared.wire import Released
 from tests.serving import Server
 from tests.shm_children import scratch_instance
 

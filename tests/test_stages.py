@@ -17,7 +17,7 @@ import httpx
 import numpy as np
 import pytest
 
-from gateway.stages import (
+from shmgate.gateway.stages import (
     METRIC,
     RequestTiming,
     StageRecorder,
@@ -27,9 +27,9 @@ from gateway.stages import (
     stage_breakdown,
     stage_histogram,
 )
-from shared.segment import STATS_WORDS
-from shared.stages import STAMPS, Stage, Stamp, Stamps, worker_stage_seconds
-from shared.wire import Claimed, Finished, encoder, gateway_decoder
+from shmgate.shared.segment import STATS_WORDS
+from shmgate.shared.stages import STAMPS, Stage, Stamp, Stamps, worker_stage_seconds
+from shmgate.shared.wire import Claimed, Finished, encoder, gateway_decoder
 from tests.serving import Server, expected_checksum, image_request, noise_png, start_server, stop_and_check
 
 STAGE_NAMES = [stage.name.lower() for stage in Stage]
@@ -134,7 +134,7 @@ def test_a_request_keeps_its_own_stage_figures_for_server_timing() -> None:
 
 
 def test_bench_explains_the_slowest_requests_from_server_timing() -> None:
-    from bench_client.loadgen import Outcome, tail_breakdown
+    from shmgate.bench_client.loadgen import Outcome, tail_breakdown
 
     def outcome(latency_ms: float, queue_ms: float) -> Outcome:
         return Outcome(
@@ -224,7 +224,7 @@ def test_bench_prints_the_stage_breakdown_of_its_run(server: Server, tmp_path: P
     import argparse
     import asyncio
 
-    from bench_client import loadgen
+    from shmgate.bench_client import loadgen
 
     (tmp_path / "a.png").write_bytes(noise_png(400))
     parser = argparse.ArgumentParser()

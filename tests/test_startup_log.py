@@ -124,7 +124,10 @@ def test_serve_prints_no_summary_for_a_configuration_it_refuses(tmp_path: Path) 
     import sys
 
     done = subprocess.run(
-        [sys.executable, "-m", "gateway", "serve", "--arena-size", "lots"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "shmgate.gateway", "serve", "--arena-size", "lots"],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert done.returncode == 2
     assert "starting" not in done.stderr and "listening on" not in done.stderr

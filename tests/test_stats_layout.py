@@ -12,10 +12,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gateway.metrics import FrontendStats
-from gateway.stages import StageRecorder
-from shared.stages import Stage
-from shared.stats_layout import (
+from shmgate.gateway.metrics import FrontendStats
+from shmgate.gateway.stages import StageRecorder
+from shmgate.shared.stages import Stage
+from shmgate.shared.stats_layout import (
     REQUEST_HISTOGRAM_WORDS,
     STAGE_WORDS,
     STATS_WORDS,
@@ -24,7 +24,7 @@ from shared.stats_layout import (
     spans,
     stage_base,
 )
-from shared.transport import PosixNodeStats, PosixSupervisorLink
+from shmgate.shared.transport import PosixNodeStats, PosixSupervisorLink
 from tests.shm_children import scratch_instance
 
 

@@ -16,11 +16,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from shared.errors import EXIT_CONFIG
-from shared.transport.base import Role
-from shared.transport.memory import MemorySupervisorLink
-from shared.vocabulary import InstanceState, SlotState
-from supervise.supervisor import ChildProcess, Supervisor, child_env
+from shmgate.shared.errors import EXIT_CONFIG
+from shmgate.shared.transport.base import Role
+from shmgate.shared.transport.memory import MemorySupervisorLink
+from shmgate.shared.vocabulary import InstanceState, SlotState
+from shmgate.supervise.supervisor import ChildProcess, Supervisor, child_env
 
 SLEEPER = ["sh", "-c", "exec sleep 30"]
 

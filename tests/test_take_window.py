@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from shared.instance import DEAD_AFTER_S
+from shmgate.shared.instance import DEAD_AFTER_S
 from tests.serving import expected_checksum, free_port, image_request, noise_png, wait_until
 from tests.shm_children import leftovers
 
@@ -68,7 +68,7 @@ def test_a_worker_killed_in_another_pid_namespace_before_claiming_loses_no_reque
     worker = [
         sys.executable,
         "-m",
-        "worker",
+        "shmgate.worker",
         "--model",
         "checksum",
         "--label",
@@ -90,7 +90,7 @@ def test_a_worker_killed_in_another_pid_namespace_before_claiming_loses_no_reque
             [
                 sys.executable,
                 "-m",
-                "gateway",
+                "shmgate.gateway",
                 "gateway",
                 "--port",
                 str(port),

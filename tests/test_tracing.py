@@ -432,7 +432,7 @@ def test_tracing_off_loads_no_sdk_and_no_span_module() -> None:
     code = (
         "import sys, gateway.cli, gateway.app, worker.main; "
         "print(sorted(m for m in sys.modules if m.startswith('opentelemetry.sdk') or m.startswith('opentelemetry.exporter')"
-        " or m in ('gateway.request_spans', 'worker.tracing')))"
+        " or m in ('shmgate.gateway.request_spans', 'shmgate.worker.tracing')))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code],
@@ -448,7 +448,7 @@ def test_tracing_off_loads_no_sdk_and_no_span_module() -> None:
 def test_tracing_without_the_extra_is_a_one_line_config_error(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from gateway.cli import build_parser
+    from shmgate.gateway.cli import build_parser
 
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(
@@ -466,7 +466,7 @@ def test_tracing_without_the_extra_is_a_one_line_config_error(
 def test_the_endpoint_gets_the_traces_path_and_must_be_a_url() -> None:
     import argparse
 
-    from shared.tracing import otlp_endpoint
+    from shmgate.shared.tracing import otlp_endpoint
 
     assert otlp_endpoint("http://collector:4318") == "http://collector:4318/v1/traces"
     assert otlp_endpoint("https://c.example/otlp/v1/traces") == "https://c.example/otlp/v1/traces"

@@ -20,10 +20,10 @@ import pytest
 
 pytest.importorskip("av")
 
-from gateway import video  # noqa: E402
-from gateway.decode_budget import DecodeBudget  # noqa: E402
-from gateway.preprocess import qwen_video  # noqa: E402
-from shared.errors import ImageTooLarge, RequestError, UndecodableImage  # noqa: E402
+from shmgate.gateway import video  # noqa: E402
+from shmgate.gateway.decode_budget import DecodeBudget  # noqa: E402
+from shmgate.gateway.preprocess import qwen_video  # noqa: E402
+from shmgate.shared.errors import ImageTooLarge, RequestError, UndecodableImage  # noqa: E402
 from tests.serving import Server, start_server, stop_and_check  # noqa: E402
 from tests.video_samples import MP4, MP4_MPEG4, WEBM, WEBM_VP8, frame_level, lying_video, make_video  # noqa: E402
 
@@ -285,10 +285,10 @@ def test_the_worker_answers_a_video_with_its_temporal_positions(family: str, tin
 
     import torch
 
-    from gateway.preprocess.hf import HFPreprocessor
-    from shared.wire import SamplingParams
-    from worker.backends.base import WorkItem
-    from worker.backends.hf import HFBackend
+    from shmgate.gateway.preprocess.hf import HFPreprocessor
+    from shmgate.shared.wire import SamplingParams
+    from shmgate.worker.backends.base import WorkItem
+    from shmgate.worker.backends.hf import HFBackend
 
     model_dir = tiny_vlm(family)
     pre = HFPreprocessor(model_dir)

@@ -6,8 +6,8 @@ positional construction, and the array layout (tag first, fields in declaration 
 
 import msgspec
 
-from shared.errors import InvalidRequest
-from shared.wire import (
+from shmgate.shared.errors import InvalidRequest
+from shmgate.shared.wire import (
     Claimed,
     Failed,
     Finished,

@@ -7,9 +7,9 @@ tests/test_take_window.py (``--diag-claim-delay-ms``) and tests/test_embeddings_
 
 from dataclasses import fields
 
-from worker.__main__ import diagnostics_from, parse_args
-from worker.diagnostics import DiagnosticOptions
-from worker.main import WorkerOptions
+from shmgate.worker.__main__ import diagnostics_from, parse_args
+from shmgate.worker.diagnostics import DiagnosticOptions
+from shmgate.worker.main import WorkerOptions
 
 
 def test_diag_flags_become_diagnostic_options() -> None:

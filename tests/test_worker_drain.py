@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import time
 
-from shared.segment import InstanceState
-from worker.drain import StopRequest
+from shmgate.shared.segment import InstanceState
+from shmgate.worker.drain import StopRequest
 
 
 def test_without_a_follow_time_a_sigterm_stops_at_once() -> None:

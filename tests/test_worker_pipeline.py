@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from shared.arena import Allocation, Partition
-from shared.channels import Queue
-from shared.instance import Instance
-from shared.wire import (
+from shmgate.shared.arena import Allocation, Partition
+from shmgate.shared.channels import Queue
+from shmgate.shared.instance import Instance
+from shmgate.shared.wire import (
     INLINE_TENSOR,
     Cancel,
     Claimed,
@@ -39,11 +39,11 @@ from shared.wire import (
     Submit,
     TensorRef,
 )
+from shmgate.worker.backends.base import BackendEvent, ModelBackend, WorkItem
+from shmgate.worker.backends.checksum import ChecksumBackend
+from shmgate.worker.main import Worker, WorkerOptions
 from tests.serving import Server, expected_checksum, image_request, noise_png
 from tests.shm_children import claim_frontend, leftovers, pattern
-from worker.backends.base import BackendEvent, ModelBackend, WorkItem
-from worker.backends.checksum import ChecksumBackend
-from worker.main import Worker, WorkerOptions
 
 HANG_S = 30.0  # hang guard for every wait: never a pass/fail timing
 SHAPE = (3, 32, 32)

@@ -1,4 +1,4 @@
-"""What ``python -m worker`` sets up before torch loads: huge pages for the model's large tensors.
+"""What ``python -m shmgate.worker`` sets up before torch loads: huge pages for the model's large tensors.
 
 worker/__main__.py sets ``THP_MEM_ALLOC_ENABLE=1`` (unless the environment says otherwise) before
 torch is imported, so torch's CPU allocator aligns tensors of 2 MiB and more to 2 MiB and asks the
@@ -24,7 +24,7 @@ THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 # Import the worker's entry point (which must come before torch), fill 64 MiB, report the process's
 # anonymous huge pages in KiB.
 CHILD = """
-import worker.__main__
+import shmgate.worker.__main__
 import torch
 from bench.huge_pages import memory_kib
 tensor = torch.empty(16 * 1024 * 1024, dtype=torch.float32)

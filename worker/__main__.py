@@ -1,4 +1,4 @@
-"""``python -m worker``: the command the supervisor runs for each worker, and docker compose too.
+"""``python -m shmgate.worker``: the command the supervisor runs for each worker, and docker compose too.
 
 Every flag also reads a ``SHMGATE_*`` environment variable; flags win.
 """
@@ -22,13 +22,13 @@ import argparse  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402
 
-from shared import flag_types  # noqa: E402
-from shared.errors import EXIT_USAGE  # noqa: E402
-from shared.flags import ShmgateParser, add_batching_flags, add_flag, origin, version  # noqa: E402
-from shared.models import KNOWN_SPECS  # noqa: E402
-from shared.tracing import add_tracing_flags  # noqa: E402
-from worker.diagnostics import DiagnosticOptions  # noqa: E402
-from worker.main import WorkerOptions, run_worker  # noqa: E402
+from shmgate.shared import flag_types  # noqa: E402
+from shmgate.shared.errors import EXIT_USAGE  # noqa: E402
+from shmgate.shared.flags import ShmgateParser, add_batching_flags, add_flag, origin, version  # noqa: E402
+from shmgate.shared.models import KNOWN_SPECS  # noqa: E402
+from shmgate.shared.tracing import add_tracing_flags  # noqa: E402
+from shmgate.worker.diagnostics import DiagnosticOptions  # noqa: E402
+from shmgate.worker.main import WorkerOptions, run_worker  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     threads = args.threads
     if not threads and device.startswith("cpu"):
-        from shared.cpus import usable_cpus
+        from shmgate.shared.cpus import usable_cpus
 
         threads = usable_cpus()  # torch's own default is the node's cores, not the container's limit
     options = WorkerOptions(

@@ -44,8 +44,8 @@ import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from shared.transport.base import MessageQueue
-from shared.wire import Submit
+from shmgate.shared.transport.base import MessageQueue
+from shmgate.shared.wire import Submit
 
 __all__ = ["Batcher"]
 

@@ -57,8 +57,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.wire import TensorRef
-from worker.cudart import HOST_REGISTER_PORTABLE, SUCCESS, Runtime, load_runtime
+from shmgate.shared.wire import TensorRef
+from shmgate.worker.cudart import HOST_REGISTER_PORTABLE, SUCCESS, Runtime, load_runtime
 
 log = logging.getLogger("shmgate.worker.device")
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 
-from shared.vocabulary import InstanceState
+from shmgate.shared.vocabulary import InstanceState
 
 __all__ = ["StopRequest"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from shared.vocabulary import now_ns
+from shmgate.shared.vocabulary import now_ns
 
 __all__ = ["Progress", "is_sticky_device_error"]
 

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import torch
 
-from shared.errors import (
+from shmgate.shared.errors import (
     EXIT_CONFIG,
     EXIT_DECLARED_DEAD,
     EXIT_DEVICE_ERROR,
@@ -62,13 +62,13 @@ from shared.errors import (
     ShmgateError,
     UnknownModel,
 )
-from shared.instance import Instance
-from shared.models import parse_model_spec, resolve_model
-from shared.parent_death import follow_supervisor
-from shared.stages import Stamp, Stamps
-from shared.transport import PosixWorkerLink, WorkerLink
-from shared.vocabulary import InstanceState, SlotState, check_model_id, now_ns
-from shared.wire import (
+from shmgate.shared.instance import Instance
+from shmgate.shared.models import parse_model_spec, resolve_model
+from shmgate.shared.parent_death import follow_supervisor
+from shmgate.shared.stages import Stamp, Stamps
+from shmgate.shared.transport import PosixWorkerLink, WorkerLink
+from shmgate.shared.vocabulary import InstanceState, SlotState, check_model_id, now_ns
+from shmgate.shared.wire import (
     INLINE_TENSOR,
     MAX_DELTA_CHARS,
     TASK_EMBED,
@@ -81,18 +81,18 @@ from shared.wire import (
     TokenLogprobs,
     failed_reply,
 )
-from worker.backends import load_backend
-from worker.backends.base import ModelBackend, WorkItem, batch_size_for
-from worker.batcher import Batcher
-from worker.device import Copy, DeviceCopier, check_device, pick_device, use_device
-from worker.diagnostics import DiagnosticOptions
-from worker.drain import StopRequest
-from worker.health import Progress, is_sticky_device_error
-from worker.prefetch import Prefetcher
-from worker.vectors import vector_messages
+from shmgate.worker.backends import load_backend
+from shmgate.worker.backends.base import ModelBackend, WorkItem, batch_size_for
+from shmgate.worker.batcher import Batcher
+from shmgate.worker.device import Copy, DeviceCopier, check_device, pick_device, use_device
+from shmgate.worker.diagnostics import DiagnosticOptions
+from shmgate.worker.drain import StopRequest
+from shmgate.worker.health import Progress, is_sticky_device_error
+from shmgate.worker.prefetch import Prefetcher
+from shmgate.worker.vectors import vector_messages
 
 if TYPE_CHECKING:
-    from worker.tracing import BatchSpans
+    from shmgate.worker.tracing import BatchSpans
 
 __all__ = ["Worker", "WorkerOptions"]
 
@@ -193,7 +193,7 @@ class Worker:
         self._prefetcher: Prefetcher[list[_Job]] = Prefetcher(self._prepare, name=f"prefetch-{self.slot}")
         self.spans: BatchSpans | None = None  # tracing off: never imported
         if options.otlp_traces_endpoint:
-            from worker.tracing import start_batch_spans
+            from shmgate.worker.tracing import start_batch_spans
 
             self.spans = start_batch_spans(options.otlp_traces_endpoint, slot=self.slot, model=self.backend.name)
         self.batcher: Batcher[_Job] = Batcher(
@@ -591,13 +591,13 @@ def run_worker(
     attach_wait_s: float = 60.0,
     diagnostics: DiagnosticOptions = NO_DIAGNOSTICS,
 ) -> int:
-    """Entry point of ``python -m worker`` / ``shmgate worker``. Returns an exit code.
+    """Entry point of ``python -m shmgate.worker`` / ``shmgate worker``. Returns an exit code.
 
     The configuration (device, model spec, the model's extra, the gateway's model) is checked before
     a slot is claimed or weights are loaded: each mistake is one line and ``EXIT_CONFIG``, which
     ``shmgate serve`` turns into a stop with that line instead of a restart loop.
     """
-    from shared.instance import find_instance
+    from shmgate.shared.instance import find_instance
 
     follow_supervisor()
     try:

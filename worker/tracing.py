@@ -31,9 +31,9 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Link, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from shared.stages import Stamp, Stamps
-from shared.tracing import epoch_ns, start_provider
-from shared.wire import Submit
+from shmgate.shared.stages import Stamp, Stamps
+from shmgate.shared.tracing import epoch_ns, start_provider
+from shmgate.shared.wire import Submit
 
 __all__ = ["BatchSpans", "TracedJob", "start_batch_spans"]
 

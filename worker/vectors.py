@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from shared.wire import VECTOR_CHUNK_BYTES, Vector
+from shmgate.shared.wire import VECTOR_CHUNK_BYTES, Vector
 
 __all__ = ["unit_vectors", "vector_messages"]
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.preprocess.base import Preprocessor
-from shared.models import ModelKind, ModelSpec, parse_model_spec
+from shmgate.gateway.preprocess.base import Preprocessor
+from shmgate.shared.models import ModelKind, ModelSpec, parse_model_spec
 
 __all__ = ["get_preprocessor", "preprocessor_class"]
 
@@ -30,7 +30,7 @@ def get_preprocessor(
         raise ValueError(f"--mm-processor-kwargs applies to hf: chat and classifier models only, not {model}")
     match spec.kind:
         case ModelKind.EFFICIENTNET:
-            from gateway.preprocess.vision import EfficientNetPreprocessor, classifier_draft_margins
+            from shmgate.gateway.preprocess.vision import EfficientNetPreprocessor, classifier_draft_margins
 
             margins = classifier_draft_margins(processor_kwargs)
             return EfficientNetPreprocessor(
@@ -39,7 +39,7 @@ def get_preprocessor(
                 embedding_draft_margin=margins["embedding_draft_margin"],
             )
         case ModelKind.CHECKSUM:
-            from gateway.preprocess.vision import ChecksumPreprocessor, classifier_draft_margins
+            from shmgate.gateway.preprocess.vision import ChecksumPreprocessor, classifier_draft_margins
 
             margins = classifier_draft_margins(processor_kwargs)
             return ChecksumPreprocessor(
@@ -48,13 +48,13 @@ def get_preprocessor(
                 embedding_draft_margin=margins["embedding_draft_margin"],
             )
         case ModelKind.HF_EMBED:
-            from gateway.preprocess.embed_hf import HFEmbeddingPreprocessor
+            from shmgate.gateway.preprocess.embed_hf import HFEmbeddingPreprocessor
 
             return HFEmbeddingPreprocessor(_directory(spec), max_images=max_images)
         case ModelKind.HF_CHAT | ModelKind.CHECKSUM_HF:
             # checksum:hf: is the transport's witness for a real processor: the HF preprocessing
             # feeds a worker that answers with digests (worker/backends/checksum.py).
-            from gateway.preprocess.hf import HFPreprocessor
+            from shmgate.gateway.preprocess.hf import HFPreprocessor
 
             return HFPreprocessor(
                 _directory(spec),
@@ -70,19 +70,19 @@ def preprocessor_class(kind: ModelKind) -> type[Preprocessor]:
     what a test lists to check every registered preprocessor against the contract."""
     match kind:
         case ModelKind.EFFICIENTNET:
-            from gateway.preprocess.vision import EfficientNetPreprocessor
+            from shmgate.gateway.preprocess.vision import EfficientNetPreprocessor
 
             return EfficientNetPreprocessor
         case ModelKind.CHECKSUM:
-            from gateway.preprocess.vision import ChecksumPreprocessor
+            from shmgate.gateway.preprocess.vision import ChecksumPreprocessor
 
             return ChecksumPreprocessor
         case ModelKind.HF_EMBED:
-            from gateway.preprocess.embed_hf import HFEmbeddingPreprocessor
+            from shmgate.gateway.preprocess.embed_hf import HFEmbeddingPreprocessor
 
             return HFEmbeddingPreprocessor
         case ModelKind.HF_CHAT | ModelKind.CHECKSUM_HF:
-            from gateway.preprocess.hf import HFPreprocessor
+            from shmgate.gateway.preprocess.hf import HFPreprocessor
 
             return HFPreprocessor
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from shared.errors import InvalidRequest
+from shmgate.shared.errors import InvalidRequest
 
 __all__ = ["AllocateFn", "ImageTensorSpec", "Preprocessor", "PromptInputs", "options_key"]
 

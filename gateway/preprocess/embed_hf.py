@@ -24,10 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from gateway.imaging import decode_image
-from gateway.preprocess.base import AllocateFn, ImageTensorSpec, Preprocessor, PromptInputs
-from gateway.preprocess.hf import model_id_for
-from shared.errors import InvalidRequest, UndecodableImage
+from shmgate.gateway.imaging import decode_image
+from shmgate.gateway.preprocess.base import AllocateFn, ImageTensorSpec, Preprocessor, PromptInputs
+from shmgate.gateway.preprocess.hf import model_id_for
+from shmgate.shared.errors import InvalidRequest, UndecodableImage
 
 __all__ = ["HFEmbeddingPreprocessor", "text_inline"]
 

@@ -53,19 +53,19 @@ from typing import Any
 
 import numpy as np
 
-from gateway.imaging import decode_image
-from gateway.preprocess.base import AllocateFn, ImageTensorSpec, Preprocessor, PromptInputs
-from gateway.preprocess.qwen_video import (
+from shmgate.gateway.imaging import decode_image
+from shmgate.gateway.preprocess.base import AllocateFn, ImageTensorSpec, Preprocessor, PromptInputs
+from shmgate.gateway.preprocess.qwen_video import (
     PIXEL_VALUES_VIDEOS,
     VIDEO_FAMILIES,
     VideoSettings,
     preprocess_video,
     video_tokens,
 )
-from gateway.video import VIDEO_OPTION
-from shared.errors import InvalidRequest, UndecodableImage
-from shared.hf_families import PromptStyle, chat_family  # each family's record
-from shared.models import model_id_for  # the rules, said in shared/models.py
+from shmgate.gateway.video import VIDEO_OPTION
+from shmgate.shared.errors import InvalidRequest, UndecodableImage
+from shmgate.shared.hf_families import PromptStyle, chat_family  # each family's record
+from shmgate.shared.models import model_id_for  # the rules, said in shared/models.py
 
 __all__ = ["HFPreprocessor", "model_id_for"]
 

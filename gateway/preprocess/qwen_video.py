@@ -29,9 +29,9 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from gateway import video
-from gateway.preprocess.base import AllocateFn, ImageTensorSpec
-from shared.errors import ImageTooLarge, InvalidRequest, UndecodableImage
+from shmgate.gateway import video
+from shmgate.gateway.preprocess.base import AllocateFn, ImageTensorSpec
+from shmgate.shared.errors import ImageTooLarge, InvalidRequest, UndecodableImage
 
 __all__ = [
     "PIXEL_VALUES_VIDEOS",

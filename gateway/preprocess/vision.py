@@ -37,9 +37,9 @@ import numpy as np
 import PIL
 from PIL import Image
 
-from gateway.imaging import DecodedImage, decode
-from gateway.preprocess.base import AllocateFn, ImageTensorSpec, Preprocessor, PromptInputs
-from shared.errors import InvalidRequest, TooManyImages
+from shmgate.gateway.imaging import DecodedImage, decode
+from shmgate.gateway.preprocess.base import AllocateFn, ImageTensorSpec, Preprocessor, PromptInputs
+from shmgate.shared.errors import InvalidRequest, TooManyImages
 
 __all__ = [
     "ChecksumPreprocessor",

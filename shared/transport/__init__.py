@@ -10,7 +10,7 @@ index or heartbeat: it asks its link.
 
 from typing import TYPE_CHECKING
 
-from shared.transport.base import (
+from shmgate.shared.transport.base import (
     FrontendLink,
     MessageQueue,
     NodeStats,
@@ -22,7 +22,7 @@ from shared.transport.base import (
 )
 
 if TYPE_CHECKING:
-    from shared.transport.posix import (
+    from shmgate.shared.transport.posix import (
         PosixFrontendLink,
         PosixNodeStats,
         PosixSupervisorLink,
@@ -51,7 +51,7 @@ def __getattr__(name: str) -> object:
     """The POSIX links load on first use, so a module that imports only the Protocols (from
     ``shared.transport.base``, which runs this package first) never loads the shared-memory layer."""
     if name in _POSIX_LINKS:
-        from shared.transport import posix
+        from shmgate.shared.transport import posix
 
         return getattr(posix, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

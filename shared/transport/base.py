@@ -18,8 +18,8 @@ from typing import Any, Literal, NamedTuple, Protocol
 
 import numpy as np
 
-from shared.vocabulary import AllocateFn, CacheStats, InstanceState, SlotState, TensorGroup
-from shared.wire import Cancel, Submit, TensorRef
+from shmgate.shared.vocabulary import AllocateFn, CacheStats, InstanceState, SlotState, TensorGroup
+from shmgate.shared.wire import Cancel, Submit, TensorRef
 
 __all__ = [
     "FrontendLink",

@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from shared.errors import ChannelFull, DescriptorError, SetupError
-from shared.stats_layout import BATCH_BUCKETS, STATS_WORDS
-from shared.transport.base import (
+from shmgate.shared.errors import ChannelFull, DescriptorError, SetupError
+from shmgate.shared.stats_layout import BATCH_BUCKETS, STATS_WORDS
+from shmgate.shared.transport.base import (
     FrontendLink,
     NodeStats,
     ReplyHandler,
@@ -39,8 +39,8 @@ from shared.transport.base import (
     WorkerLink,
     WorkerTotals,
 )
-from shared.vocabulary import AllocateFn, CacheStats, InstanceState, SlotState, TensorGroup
-from shared.wire import DTYPE_ITEMSIZE, Cancel, Submit, TensorRef
+from shmgate.shared.vocabulary import AllocateFn, CacheStats, InstanceState, SlotState, TensorGroup
+from shmgate.shared.wire import DTYPE_ITEMSIZE, Cancel, Submit, TensorRef
 
 __all__ = [
     "MemoryCache",

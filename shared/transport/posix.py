@@ -14,15 +14,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from shared.arena import Partition, recheck, validate
-from shared.cache import ContentCache
-from shared.channels import AsyncQueueReader, AsyncSender, Queue
-from shared.errors import ChannelFull, Overloaded
-from shared.instance import Instance, instance_alive
-from shared.locks import HolderKind
-from shared.segment import Heartbeat, LockId, own_pidns
-from shared.stats_layout import BATCH_BUCKETS, Counter
-from shared.transport.base import (
+from shmgate.shared.arena import Partition, recheck, validate
+from shmgate.shared.cache import ContentCache
+from shmgate.shared.channels import AsyncQueueReader, AsyncSender, Queue
+from shmgate.shared.errors import ChannelFull, Overloaded
+from shmgate.shared.instance import Instance, instance_alive
+from shmgate.shared.locks import HolderKind
+from shmgate.shared.segment import Heartbeat, LockId, own_pidns
+from shmgate.shared.stats_layout import BATCH_BUCKETS, Counter
+from shmgate.shared.transport.base import (
     FrontendLink,
     NodeStats,
     ReplyHandler,
@@ -31,8 +31,8 @@ from shared.transport.base import (
     WorkerLink,
     WorkerTotals,
 )
-from shared.vocabulary import DEAD_AFTER_S, InstanceState, SlotState, now_ns
-from shared.wire import Cancel, Submit, TensorRef
+from shmgate.shared.vocabulary import DEAD_AFTER_S, InstanceState, SlotState, now_ns
+from shmgate.shared.wire import Cancel, Submit, TensorRef
 
 __all__ = ["PosixFrontendLink", "PosixNodeStats", "PosixSupervisorLink", "PosixWorkerLink"]
 

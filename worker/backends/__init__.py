@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from shared.models import ModelKind, parse_model_spec
-from worker.backends.base import ModelBackend
+from shmgate.shared.models import ModelKind, parse_model_spec
+from shmgate.worker.backends.base import ModelBackend
 
 __all__ = ["backend_class", "load_backend"]
 
@@ -27,21 +27,21 @@ def load_backend(
     spec = parse_model_spec(model)
     match spec.kind:
         case ModelKind.EFFICIENTNET:
-            from worker.backends.efficientnet import EfficientNetBackend
+            from shmgate.worker.backends.efficientnet import EfficientNetBackend
 
             return EfficientNetBackend(device, threads=threads, compile_normalise=compile_normalise)
         case ModelKind.CHECKSUM | ModelKind.CHECKSUM_HF:
             # checksum:hf: digests what the HF preprocessor sent, instead of running the model.
-            from worker.backends.checksum import ChecksumBackend
+            from shmgate.worker.backends.checksum import ChecksumBackend
 
             return ChecksumBackend(name=spec.public_id)
-    from worker.backends.hf import DTYPES, HFBackend
+    from shmgate.worker.backends.hf import DTYPES, HFBackend
 
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
     assert spec.directory is not None, "hf kinds always carry their directory"
     if spec.kind is ModelKind.HF_EMBED:  # CLIP / SigLIP / SigLIP2: /v1/embeddings only
-        from worker.backends.hf_embed import HFEmbeddingBackend
+        from shmgate.worker.backends.hf_embed import HFEmbeddingBackend
 
         return HFEmbeddingBackend(spec.directory, device, name=spec.public_id, threads=threads, dtype=DTYPES[dtype])
     return HFBackend(spec.directory, device, name=spec.public_id, threads=threads, dtype=DTYPES[dtype])
@@ -52,18 +52,18 @@ def backend_class(kind: ModelKind) -> type[ModelBackend]:
     test lists to check every registered backend against the contract."""
     match kind:
         case ModelKind.EFFICIENTNET:
-            from worker.backends.efficientnet import EfficientNetBackend
+            from shmgate.worker.backends.efficientnet import EfficientNetBackend
 
             return EfficientNetBackend
         case ModelKind.CHECKSUM | ModelKind.CHECKSUM_HF:
-            from worker.backends.checksum import ChecksumBackend
+            from shmgate.worker.backends.checksum import ChecksumBackend
 
             return ChecksumBackend
         case ModelKind.HF_EMBED:
-            from worker.backends.hf_embed import HFEmbeddingBackend
+            from shmgate.worker.backends.hf_embed import HFEmbeddingBackend
 
             return HFEmbeddingBackend
         case ModelKind.HF_CHAT:
-            from worker.backends.hf import HFBackend
+            from shmgate.worker.backends.hf import HFBackend
 
             return HFBackend

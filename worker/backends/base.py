@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.wire import SamplingParams, TokenLogprob
+from shmgate.shared.wire import SamplingParams, TokenLogprob
 
 __all__ = ["DEFAULT_BATCH_SIZE", "BackendEvent", "ModelBackend", "WorkItem", "batch_size_for"]
 

@@ -65,7 +65,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from worker.backends.base import BackendEvent, ModelBackend, WorkItem
+from shmgate.worker.backends.base import BackendEvent, ModelBackend, WorkItem
 
 __all__ = ["ChecksumBackend", "tensor_digest"]
 

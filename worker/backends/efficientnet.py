@@ -40,10 +40,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.errors import InvalidRequest
-from shared.wire import TASK_EMBED
-from worker.backends.base import BackendEvent, ModelBackend, WorkItem
-from worker.vectors import unit_vectors
+from shmgate.shared.errors import InvalidRequest
+from shmgate.shared.wire import TASK_EMBED
+from shmgate.worker.backends.base import BackendEvent, ModelBackend, WorkItem
+from shmgate.worker.vectors import unit_vectors
 
 __all__ = [
     "EfficientNetBackend",

@@ -54,11 +54,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from shared.errors import InvalidRequest
-from shared.hf_families import HF_FAMILIES, InputStyle, chat_family  # each family's record
-from shared.models import model_id_for  # rules: shared/models.py
-from shared.wire import MAX_LOGPROB_TOKEN_CHARS, SamplingParams, TokenLogprob
-from worker.backends.base import BackendEvent, ModelBackend, WorkItem
+from shmgate.shared.errors import InvalidRequest
+from shmgate.shared.hf_families import HF_FAMILIES, InputStyle, chat_family  # each family's record
+from shmgate.shared.models import model_id_for  # rules: shared/models.py
+from shmgate.shared.wire import MAX_LOGPROB_TOKEN_CHARS, SamplingParams, TokenLogprob
+from shmgate.worker.backends.base import BackendEvent, ModelBackend, WorkItem
 
 __all__ = [
     "DTYPES",

@@ -20,10 +20,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from shared.embedding_models import EMBEDDING_MODEL_TYPES
-from shared.errors import InvalidRequest
-from worker.backends.base import BackendEvent, ModelBackend, WorkItem
-from worker.vectors import unit_vectors
+from shmgate.shared.embedding_models import EMBEDDING_MODEL_TYPES
+from shmgate.shared.errors import InvalidRequest
+from shmgate.worker.backends.base import BackendEvent, ModelBackend, WorkItem
+from shmgate.worker.vectors import unit_vectors
 
 __all__ = ["HFEmbeddingBackend"]
 

@@ -1,0 +1,1 @@
+"""shmgate: one installed import name; shmgate/ links to each top-level folder."""
