@@ -90,6 +90,14 @@ class LimitOptions:
         default="40000000",
         type=flag_types.positive_int,
     )
+    max_video_seconds: float = option(
+        "longest video (by its container's duration) decoded; longer gets 413",
+        default="600",
+        type=flag_types.positive_float,
+    )
+    max_video_frames: int = option(
+        "most frames sampled and decoded from one video; more gets 413", default="768", type=flag_types.positive_int
+    )
     decode_threads: int = option("image decoding threads per frontend", default="2", type=flag_types.positive_int)
     decode_memory_mb: float = option(
         "memory (MiB) one frontend's concurrent image decodes may use "

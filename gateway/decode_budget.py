@@ -31,6 +31,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, cast
 
 from shmgate.gateway.imaging import predict
+from shmgate.gateway.video import is_video
 from shmgate.shared.errors import ImageTooLarge, Overloaded
 from shmgate.shared.names import format_bytes
 from shmgate.shared.vocabulary import AllocateFn
@@ -77,8 +78,12 @@ class DecodeBudget:
         """``pre.preprocess_image(data, ...)`` once the memory its decode needs is free: the header says
         how much (``gateway.imaging.predict``), and that much, plus what the processor's work on the
         image will take (``Preprocessor.plan_image``, which also refuses an image too large for the
-        model's context from the header alone), is reserved for the decode's length. The one way every
-        decode of a frontend (chat, embeddings, /tokenize) goes through the budget."""
+        model's context from the header alone), is reserved for the decode's length; a video reserves
+        what its container's probe predicts (gateway/video.py). The one way every decode of a frontend
+        (chat, embeddings, /tokenize) goes through the budget."""
+        if is_video(options):
+            pre.preprocess_video(data, allocate, self.reserve)
+            return
         cost = predict(data, max_pixels=max_pixels)
         work_bytes = pre.plan_image(cost.width, cost.height, options)  # may refuse: before any decode
         with self.reserve(cost.peak_bytes + work_bytes):

@@ -21,6 +21,7 @@ import dataclasses
 
 from shmgate.gateway.intake import ChatRequest
 from shmgate.gateway.preprocess.base import Preprocessor
+from shmgate.gateway.video import VIDEO_DETAIL  # a video part's marker (gateway/video.py)
 from shmgate.shared.errors import InvalidRequest
 from shmgate.shared.wire import SamplingParams
 
@@ -63,5 +64,10 @@ def with_image_options(chat: ChatRequest, preprocessor: Preprocessor) -> ChatReq
     """
     if not chat.image_details:  # no image to apply them to, but mm_processor_kwargs are checked all the same
         preprocessor.image_options(chat.processor_kwargs, None)
-    options = [preprocessor.image_options(chat.processor_kwargs, detail) for detail in chat.image_details]
+    options = [
+        preprocessor.video_options()
+        if detail == VIDEO_DETAIL
+        else preprocessor.image_options(chat.processor_kwargs, detail)
+        for detail in chat.image_details
+    ]
     return dataclasses.replace(chat, image_options=options)

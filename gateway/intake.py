@@ -36,6 +36,7 @@ from typing import Annotated, Any, Literal, Union
 import msgspec
 
 from shmgate.gateway.structured import grammar_for
+from shmgate.gateway.video import ACCEPTED_VIDEO_TYPES, VIDEO_DETAIL  # video parts (gateway/video.py)
 from shmgate.shared.errors import ImageTooLarge, InvalidRequest, TooManyImages, UndecodableImage
 from shmgate.shared.vocabulary import material_digest
 from shmgate.shared.wire import MAX_TOP_LOGPROBS, MIN_TEMPERATURE, SamplingParams
@@ -77,7 +78,15 @@ class ImagePart(msgspec.Struct, tag="image_url", tag_field="type"):
     image_url: ImageURL
 
 
-Part = Union[TextPart, ImagePart]
+class VideoURL(msgspec.Struct):
+    url: str
+
+
+class VideoPart(msgspec.Struct, tag="video_url", tag_field="type"):  # vLLM's form; gateway/video.py
+    video_url: VideoURL
+
+
+Part = Union[TextPart, ImagePart, VideoPart]
 
 
 class Message(msgspec.Struct):
@@ -408,6 +417,14 @@ def chat_request_from(req: ChatCompletionRequest, limits: IntakeLimits) -> ChatR
                         raise TooManyImages(
                             f"at most {limits.max_images} images per request", param=f"messages[{i}].content"
                         )
+                    if isinstance(part, VideoPart):  # a video rides as an image marked VIDEO_DETAIL
+                        param = f"messages[{i}].content[{j}].video_url"
+                        add_image(
+                            part.video_url.url, param, limits, images, image_params, pending, ACCEPTED_VIDEO_TYPES
+                        )
+                        details.append(VIDEO_DETAIL)
+                        parts.append({"type": "video"})
+                        continue
                     add_image(
                         part.image_url.url,
                         f"messages[{i}].content[{j}].image_url",
@@ -555,6 +572,7 @@ def add_image(
     images: list[bytes | EncodedImage],
     params: list[str],
     pending: list[PendingImageURL],
+    types: tuple[str, ...] = ACCEPTED_IMAGE_TYPES,
 ) -> None:
     """Append an image given by URL: a data URL's (checked) text, or, when fetching is allowed, a
     placeholder and its PendingImageURL. Raises RequestError subclasses naming ``param``."""
@@ -562,11 +580,13 @@ def add_image(
         pending.append(PendingImageURL(len(images), url, param))
         images.append(b"")
     else:
-        images.append(data_url_image(url, limits, param))
+        images.append(data_url_image(url, limits, param, types))
     params.append(param)
 
 
-def data_url_image(url: str, limits: IntakeLimits, param: str) -> EncodedImage:
+def data_url_image(
+    url: str, limits: IntakeLimits, param: str, types: tuple[str, ...] = ACCEPTED_IMAGE_TYPES
+) -> EncodedImage:
     """A data URL's image, checked (prefix, type, size bound). Raises RequestError subclasses naming ``param``."""
     if url.startswith(("http://", "https://")):
         raise InvalidRequest(
@@ -578,10 +598,8 @@ def data_url_image(url: str, limits: IntakeLimits, param: str) -> EncodedImage:
     if not match:
         raise InvalidRequest("image_url must be a data URL (data:image/jpeg;base64,...)", param=param)
     mime = (match.group(1) or "").lower()
-    if mime not in ACCEPTED_IMAGE_TYPES:
-        raise UndecodableImage(
-            f"unsupported image type {mime[:40]!r}; send image/jpeg, image/png or image/webp", param=param
-        )
+    if mime not in types:
+        raise UndecodableImage(f"unsupported type {mime[:40]!r}; send one of {', '.join(types)}", param=param)
     if not match.group(3):
         raise InvalidRequest("image data URLs must be base64-encoded", param=param)
     payload = url[match.end() :]

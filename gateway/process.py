@@ -69,6 +69,9 @@ def run_frontend(config: FrontendConfig) -> int:
     import uvicorn
 
     from shmgate.gateway.app import create_app
+    from shmgate.gateway.video import VideoLimits, configure
+
+    configure(VideoLimits(max_seconds=config.max_video_seconds, max_frames=config.max_video_frames))
     from shmgate.gateway.http_limits import ConnectionLimits, http_protocol
     from shmgate.gateway.sockets import bind_frontend
 

@@ -52,6 +52,7 @@ _CHAT_TEMPLATE = (
     "{% set image_count.value = image_count.value + 1 %}"
     "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
     "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif 'text' in content %}{{ content['text'] }}"
     "{% endif %}{% endfor %}<|im_end|>\n"
     "{% endif %}{% endfor %}"

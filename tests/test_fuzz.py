@@ -235,6 +235,9 @@ PART = st.one_of(
             "image_url": st.one_of(st.fixed_dictionaries({"url": URL}, optional={"detail": ANY, "extra": ANY}), ANY),
         }
     ),
+    st.fixed_dictionaries(
+        {"type": st.just("video_url"), "video_url": st.one_of(st.fixed_dictionaries({"url": URL}), ANY)}
+    ),
     st.fixed_dictionaries({"type": st.one_of(st.sampled_from(["input_audio", "file", "refusal"]), ANY)}),
 )
 MESSAGE = st.fixed_dictionaries(

@@ -112,6 +112,16 @@ class Preprocessor(abc.ABC):
             raise InvalidRequest(f"{self.model} takes no mm_processor_kwargs", param="mm_processor_kwargs")
         return {}
 
+    def video_options(self) -> dict[str, Any]:
+        """A ``video_url`` part's processing options (part of its content-cache key); a model that takes
+        no video refuses it (gateway/video.py, gateway/preprocess/qwen_video.py)."""
+        raise InvalidRequest(f"{self.model} does not take video input", param="messages")
+
+    def preprocess_video(self, data: bytes, allocate: AllocateFn, reserve: Any) -> None:
+        """Probe, sample and decode a video, writing its tensors through ``allocate`` (only a model whose
+        ``video_options`` accepts video is asked); ``reserve(nbytes)`` holds decode memory."""
+        raise InvalidRequest(f"{self.model} does not take video input", param="messages")
+
     def embedding_image_options(self) -> dict[str, Any]:
         """The processor arguments of an image sent to ``/v1/embeddings`` (none by default).
 

@@ -56,6 +56,14 @@ import numpy as np
 from shmgate.gateway.imaging import decode_image
 from shmgate.gateway.preprocess.base import AllocateFn, ImageTensorSpec, Preprocessor, PromptInputs
 from shmgate.gateway.preprocess.options import bounded_options
+from shmgate.gateway.preprocess.qwen_video import (
+    PIXEL_VALUES_VIDEOS,
+    VIDEO_FAMILIES,
+    VideoSettings,
+    preprocess_video,
+    video_tokens,
+)
+from shmgate.gateway.video import VIDEO_OPTION
 from shmgate.shared.errors import InvalidRequest, UndecodableImage
 from shmgate.shared.hf_families import PromptStyle, chat_family  # each family's record
 from shmgate.shared.models import model_id_for  # the rules, said in shared/models.py
@@ -449,6 +457,12 @@ class HFPreprocessor(Preprocessor):
         self._arch = _ARCHITECTURES[family.prompt]
         self.processor_settings = _processor_settings(path)
         self._image_token_id = self.named_token_id(self._arch.token_attribute, self._arch.image_token)
+        # Video (gateway/preprocess/qwen_video.py): Qwen2-VL only; -1 matches no token id.
+        self._video: VideoSettings | None = None
+        self._video_token_id = -1
+        if family.model_type in VIDEO_FAMILIES:
+            self._video = VideoSettings.from_checkpoint(path, self.image_processor)
+            self._video_token_id = self.named_token_id("video_token", "<|video_pad|>")
         # Some checkpoints keep the (multimodal) template beside the processor only.
         self.tokenizer.chat_template = _processor_chat_template(path) or self.tokenizer.chat_template
         self._prefix_lm_prompt = family.prefix_lm_prompt
@@ -492,6 +506,19 @@ class HFPreprocessor(Preprocessor):
             "pillow": PIL.__version__,
         }
         return json.dumps(params, sort_keys=True, default=str).encode()
+
+    def video_options(self) -> dict[str, Any]:
+        """A video's processing options: its settings, in its content-cache key (gateway/video.py)."""
+        if self._video is None:
+            return super().video_options()
+        return {VIDEO_OPTION: self._video.describe()}
+
+    def preprocess_video(self, data: bytes, allocate: AllocateFn, reserve: Any) -> None:
+        """Probe, sample, decode and patch a video (gateway/preprocess/qwen_video.py)."""
+        if self._video is None:
+            super().preprocess_video(data, allocate, reserve)
+            return
+        preprocess_video(data, self._video, allocate, reserve)
 
     def image_options(self, request_kwargs: dict[str, Any] | None, detail: str | None) -> dict[str, Any]:
         """One image's processor arguments: ``image_url.detail`` ("low": the architecture's low setting;
@@ -718,9 +745,12 @@ class HFPreprocessor(Preprocessor):
             raise InvalidRequest(f"The conversation does not fit this model's chat template: {exc}") from None
         ids = np.asarray(encoded["input_ids"], dtype=np.int32)
         ids = self._paligemma_layout(ids) if self._prefix_lm_prompt else self._with_special_tokens(ids)
-        slots = np.flatnonzero(ids == self._image_token_id)
+        is_video = ids == self._video_token_id  # video parts: gateway/preprocess/qwen_video.py
+        slots = np.flatnonzero((ids == self._image_token_id) | is_video)
         if len(slots) != len(images):
             raise InvalidRequest(f"The messages hold {len(slots)} image parts but {len(images)} images were sent.")
+        if [bool(v) for v in is_video[slots]] != [PIXEL_VALUES_VIDEOS in spec for spec in images]:
+            raise InvalidRequest("The messages' image and video parts do not match the images and videos sent.")
         if self._arch.wrapped is not None:
             for spec in images:
                 if PIXEL_VALUES not in spec or len(spec) != 1:
@@ -734,5 +764,10 @@ class HFPreprocessor(Preprocessor):
             ]
             return ids, np.concatenate(pieces).astype(np.int32)
         repeats = np.ones(len(ids), dtype=np.int64)
-        repeats[slots] = [self._arch.tokens_per_image(self, spec) for spec in images]
+        repeats[slots] = [
+            video_tokens(spec, self._video)
+            if self._video and PIXEL_VALUES_VIDEOS in spec
+            else self._arch.tokens_per_image(self, spec)
+            for spec in images
+        ]
         return ids, np.repeat(ids, repeats)

@@ -118,10 +118,20 @@ IMAGE_TENSORS = (
     "tile_grid",
     "image_sizes",
     "image_token_count",
+    "pixel_values_videos",  # video (Qwen2-VL): gateway/preprocess/qwen_video.py
+    "video_grid_thw",
+    "second_per_grid_ts",
 )
 # Read on the host (checked and turned into token counts): the worker hands them over there, so
 # checking them costs no device round trip per image.
-HOST_TENSORS = ("image_grid_thw", "tile_grid", "image_sizes", "image_token_count")
+HOST_TENSORS = (
+    "image_grid_thw",
+    "tile_grid",
+    "image_sizes",
+    "image_token_count",
+    "video_grid_thw",
+    "second_per_grid_ts",
+)
 # --dtype values. "auto": bfloat16 on CUDA, float32 on CPU (CPU half precision is slow and
 # poorly supported by the kernels these models use).
 DTYPES: dict[str, torch.dtype | None] = {
@@ -629,6 +639,8 @@ class HFBackend(ModelBackend):
             kwargs["pixel_values"] = inputs.pixel_values
         if inputs.image_grid_thw is not None:
             kwargs["image_grid_thw"] = inputs.image_grid_thw
+        if inputs.video_grid_thw is not None:  # video
+            kwargs["pixel_values_videos"], kwargs["video_grid_thw"] = inputs.pixel_values_videos, inputs.video_grid_thw
         if inputs.pixel_attention_mask is not None:
             kwargs["pixel_attention_mask"] = inputs.pixel_attention_mask
         if inputs.image_sizes is not None:
@@ -641,21 +653,34 @@ class HFBackend(ModelBackend):
             )
         with torch.inference_mode():
             if self._layout.mrope:
-                kwargs["position_ids"], delta = self._mrope_positions(ids, inputs.image_grid_thw)
+                kwargs["position_ids"], delta = self._mrope_positions(
+                    ids, inputs.image_grid_thw, inputs.video_grid_thw, inputs.second_per_grid_ts
+                )
             else:  # 1-D positions (LLaVA): the prompt's are 0..L-1, and no offset after it; PaliGemma's count from 1
                 delta = 1 if self._layout.prefix_lm else 0
                 kwargs["position_ids"] = torch.arange(delta, ids.shape[1] + delta, device=ids.device).view(1, -1)
             out = self.model(**kwargs)
         return out.logits[0, -1], getattr(out, self._cache_field), delta
 
-    def _mrope_positions(self, ids: torch.Tensor, grid: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    def _mrope_positions(
+        self,
+        ids: torch.Tensor,
+        grid: torch.Tensor | None,
+        video_grid: torch.Tensor | None = None,
+        seconds: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, int]:
         """3-D positions of the prompt and the offset of the tokens after it (invariant 2)."""
-        if grid is None:
+        if grid is None and video_grid is None:
             positions = torch.arange(ids.shape[1], device=ids.device).view(1, 1, -1).expand(3, 1, -1)
             return positions, 0
         mm_token_type_ids = (ids == self._layout.image_token_id).to(torch.int32)
+        mm_token_type_ids += 2 * (ids == self._layout.video_token_id).to(torch.int32)  # video tokens are type 2
         positions, deltas = self.model.model.get_rope_index(
-            ids, mm_token_type_ids=mm_token_type_ids, image_grid_thw=grid
+            ids,
+            mm_token_type_ids=mm_token_type_ids,
+            image_grid_thw=grid,
+            video_grid_thw=video_grid,
+            **({"second_per_grid_ts": seconds} if seconds is not None and self._layout.video_seconds else {}),
         )
         return positions, int(deltas.reshape(-1)[0])
 
@@ -790,6 +815,9 @@ class _Inputs:
     image_grid_thw: torch.Tensor | None  # int64 [n_images, 3]
     pixel_attention_mask: torch.Tensor | None = None  # Idefics3: bool [1, tiles, S, S]
     image_sizes: torch.Tensor | None = None  # LLaVA-NeXT: int64 [n_images, 2], original (height, width)
+    pixel_values_videos: torch.Tensor | None = None  # Qwen2-VL video: [sum of t*h*w, patch_dim]
+    video_grid_thw: torch.Tensor | None = None  # int64 [n_videos, 3]
+    second_per_grid_ts: torch.Tensor | None = None  # float32 [n_videos]: Qwen2.5-VL's temporal spacing
 
 
 @dataclass(frozen=True)
@@ -814,6 +842,8 @@ class _InputLayout:
     prefix_lm: bool = (
         False  # PaliGemma: token_type_ids 0 over the whole prompt (it attends both ways), positions from 1
     )
+    video_token_id: int = -1  # Qwen2-VL: the video placeholder (-1: the model takes no video)
+    video_seconds: bool = False  # Qwen2.5-VL: temporal positions spaced by each video's second_per_grid_ts
 
     @classmethod
     def from_config(cls, config: Any, style: InputStyle) -> _InputLayout:
@@ -899,6 +929,11 @@ class _InputLayout:
                     **common,
                     merge=vision.spatial_merge_size**2,
                     patch_dim=vision.in_channels * vision.temporal_patch_size * patch * patch,
+                    # video: Qwen2-VL only (gateway/preprocess/qwen_video.py)
+                    video_token_id=int(getattr(config, "video_token_id", -1) or -1)
+                    if config.model_type in ("qwen2_vl", "qwen2_5_vl")
+                    else -1,
+                    video_seconds=config.model_type == "qwen2_5_vl",
                 )
 
     def check(self, item: WorkItem, device: torch.device) -> _Inputs:
@@ -918,6 +953,9 @@ class _InputLayout:
         if unknown:
             raise InvalidRequest(f"Request {rid}: unexpected tensors {sorted(unknown)}.")
         pixels, grids = item.tensors.get("pixel_values", []), item.tensors.get("image_grid_thw", [])
+        videos, video_grids = item.tensors.get("pixel_values_videos", []), item.tensors.get("video_grid_thw", [])
+        if (videos or video_grids) and self.video_token_id < 0:
+            raise InvalidRequest(f"Request {rid}: this model takes no video.")
         if self.tiled:
             return self._check_tiled(item, ids, pixels, device)
         if self.any_resolution:
@@ -933,10 +971,27 @@ class _InputLayout:
             image_tokens += self._check_image(rid, p, g)
         if int((ids == self.image_token_id).sum()) != image_tokens:
             raise InvalidRequest(f"Request {rid}: the prompt's image slots do not match its images' patches.")
+        if len(videos) != len(video_grids):
+            raise InvalidRequest(
+                f"Request {rid}: {len(videos)} pixel_values_videos, {len(video_grids)} video_grid_thw."
+            )
+        video_tokens = sum(self._check_image(rid, p, g) for p, g in zip(videos, video_grids))
+        if int((ids == self.video_token_id).sum()) != video_tokens:
+            raise InvalidRequest(f"Request {rid}: the prompt's video slots do not match its videos' patches.")
         input_ids = torch.from_numpy(ids.astype(np.int64)).view(1, -1).to(device)
-        if not pixels:
-            return _Inputs(input_ids, None, None)
-        return _Inputs(input_ids, torch.cat(pixels).to(device), torch.cat(grids).to(device))
+        inputs = _Inputs(input_ids, None, None)
+        if pixels:
+            inputs = _Inputs(input_ids, torch.cat(pixels).to(device), torch.cat(grids).to(device))
+        if videos:
+            seconds = item.tensors.get("second_per_grid_ts", [])
+            if len(seconds) != len(videos) or any(
+                s.dtype != torch.float32 or tuple(s.shape) != (1,) or not 0 < float(s[0]) < 1e4 for s in seconds
+            ):
+                raise InvalidRequest(f"Request {rid}: each video needs one positive float32 second_per_grid_ts.")
+            inputs.pixel_values_videos = torch.cat(videos).to(device)
+            inputs.video_grid_thw = torch.cat(video_grids).to(device)
+            inputs.second_per_grid_ts = torch.cat(seconds).to(device)
+        return inputs
 
     def _check_crops(
         self,
