@@ -111,7 +111,10 @@ def test_unsupported_fields_are_a_400_naming_them_over_http(hf_server: Server) -
     for extra, param in [
         ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
+            "response_format",
+        ),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"logit_bias": {"999999": 1}}, "logit_bias"),
     ]:
