@@ -315,6 +315,19 @@ def test_the_worker_answers_a_video_with_its_temporal_positions(family: str, tin
     assert len(temporal) == 2 and temporal[1] - temporal[0] == spacing
     events = list(backend.run([item]))
     assert events[-1].finish_reason is not None and events[-1].prompt_tokens == prompt.prompt_tokens
+    # the video's pixels reach the model: other pixels, another first-token distribution
+    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=0)
+    first = [
+        next(
+            e.logprob.logprob
+            for e in backend.run(
+                [WorkItem(2, {**tensors, "pixel_values_videos": [pixels]}, params, inline=prompt.inline)]
+            )
+            if e.logprob
+        )
+        for pixels in (tensors["pixel_values_videos"][0], torch.full_like(tensors["pixel_values_videos"][0], -1.5))
+    ]
+    assert first[0] != first[1]
 
 
 def test_a_stream_that_grows_past_its_header_is_refused_at_the_first_larger_frame() -> None:

@@ -565,7 +565,9 @@ class HFBackend(ModelBackend):
         A preempted row's prompt is its prompt and the tokens it had generated (recompute).
         """
         length = _prompt_length(row)
-        if not self._chunks:
+        # a video's tower output is not scattered by _embed_prompt: a prompt with video runs whole, through
+        # the model's own forward (which places the video's features and its positions)
+        if not self._chunks or row.inputs.video_grid_thw is not None:
             logits, row.cache, row.delta = self._prefill(row)
             row.done_tokens = length
             return length, logits
