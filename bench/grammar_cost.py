@@ -43,22 +43,29 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = args.model_dir or build_tiny_vlm(Path(tempfile.mkdtemp()) / "tiny")
     torch.set_num_threads(1)
     pre, backend = HFPreprocessor(model_dir), HFBackend(str(model_dir), torch.device("cpu"))
-    schema = {"type": "object", "properties": {"text": {"type": "string", "maxLength": 4 * args.tokens}}}
+    # one required string at least as long as the answer may be: the constrained rows, like the free ones,
+    # run to max_tokens (an optional field would let the grammar close with "{}" at once)
+    schema = {
+        "type": "object",
+        "properties": {"text": {"type": "string", "minLength": 4 * args.tokens, "maxLength": 8 * args.tokens}},
+        "required": ["text"],
+    }
     grammar = grammar_for({"type": "json_schema", "json_schema": {"name": "long", "schema": schema}})
-    # no EOS for the free rows either: both kinds run to max_tokens
-    stop_never = SamplingParams(max_tokens=args.tokens, temperature=0.0)
+    free_params = SamplingParams(max_tokens=args.tokens, temperature=0.0)
 
     def items(constrained: bool) -> list:  # type: ignore[type-arg]
         params = (
-            stop_never if not constrained else SamplingParams(max_tokens=args.tokens, temperature=0.0, grammar=grammar)
+            free_params if not constrained else SamplingParams(max_tokens=args.tokens, temperature=0.0, grammar=grammar)
         )
         return [work_item(pre, f"Row {i}", [SQUARE], params, i) for i in range(args.rows)]
 
     _run(backend, items(True))  # warm-up: compiles the grammar, loads the kernels
     per_token: dict[str, list[float]] = {"free": [], "constrained": []}
+    tokens_seen: dict[str, int] = {}
     for kind in ["free", "constrained", "constrained", "free"] * args.rounds:
         seconds, tokens = _run(backend, items(kind == "constrained"))
         per_token[kind].append(1000 * seconds / max(tokens, 1))
+        tokens_seen[kind] = tokens
     free, constrained = (min(per_token[k]) for k in ("free", "constrained"))
     print(
         json.dumps(
@@ -66,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
                 "model": str(model_dir),
                 "rows": args.rows,
                 "tokens": args.tokens,
+                "tokens_generated": tokens_seen,
                 "ms_per_token_free": round(free, 3),
                 "ms_per_token_constrained": round(constrained, 3),
                 "grammar_ms_per_token": round(constrained - free, 3),
