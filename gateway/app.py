@@ -37,6 +37,7 @@ from shmgate.gateway.embeddings import embeddings_route
 from shmgate.gateway.frontend import Frontend
 from shmgate.gateway.guards import AllowedHosts, CatchAll
 from shmgate.gateway.http_errors import error_body, error_response
+from shmgate.gateway.lane import BulkLane
 from shmgate.gateway.metrics import FrontendStats, ModelGauges, exposition
 from shmgate.gateway.openapi import docs_page, openapi_document
 from shmgate.gateway.preprocess import get_preprocessor
@@ -71,6 +72,7 @@ def create_app(options: AppOptions) -> FastAPI:
     app.state.served = None
     # Outermost last: the frontend header goes on every response, the catch-all's 500 and the Host refusal included.
     stats = functools.partial(_frontend_stats, app)
+    app.add_middleware(BulkLane)  # innermost: a loopback batch line's descriptors go in the bulk lane
     app.add_middleware(AllowedHosts, hosts=options.allowed_hosts, stats=stats)
     app.add_middleware(CatchAll, stats=stats)
     app.add_middleware(FrontendHeader, slot=options.slot)
