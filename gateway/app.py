@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sqlite3
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -32,6 +33,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from shmgate.gateway.batch_routes import add_batch_routes
+from shmgate.gateway.batch_runner import BatchRunner
+from shmgate.gateway.batch_store import BatchStore
 from shmgate.gateway.chat_route import chat_completions
 from shmgate.gateway.embeddings import embeddings_route
 from shmgate.gateway.frontend import Frontend
@@ -70,6 +74,7 @@ def create_app(options: AppOptions) -> FastAPI:
     )
     app.state.options = options
     app.state.served = None
+    app.state.batches = None
     # Outermost last: the frontend header goes on every response, the catch-all's 500 and the Host refusal included.
     stats = functools.partial(_frontend_stats, app)
     app.add_middleware(BulkLane)  # innermost: a loopback batch line's descriptors go in the bulk lane
@@ -92,6 +97,7 @@ def create_app(options: AppOptions) -> FastAPI:
     app.add_api_route("/metrics", _metrics, methods=["GET"])
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_api_route("/v1/embeddings", embeddings_route, methods=["POST"])
+    add_batch_routes(app)
     return app
 
 
@@ -134,9 +140,20 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     await frontend.start()
     results = ResultCache(options.result_cache_bytes) if options.result_cache_bytes > 0 else None
     app.state.served = Served(options, frontend, node, results)
+    runner = None
+    if options.batch_dir:
+        try:
+            app.state.batches = BatchStore(options.batch_dir)
+        except (OSError, sqlite3.Error) as exc:
+            print(f"shmgate frontend: --batch-dir {options.batch_dir}: {exc}", file=sys.stderr, flush=True)
+            os._exit(EXIT_CONFIG)
+        runner = BatchRunner(app.state.batches, options.loopback_url, options.api_key, options.batch_max_in_flight)
+        runner.start()
     try:
         yield
     finally:
+        if runner is not None:
+            await runner.stop()
         await frontend.stop()
         instance.close()
 
