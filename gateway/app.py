@@ -145,10 +145,14 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         try:
             app.state.batches = BatchStore(options.batch_dir)
         except (OSError, sqlite3.Error) as exc:
-            print(f"shmgate frontend: --batch-dir {options.batch_dir}: {exc}", file=sys.stderr, flush=True)
-            os._exit(EXIT_CONFIG)
-        runner = BatchRunner(app.state.batches, options.loopback_url, options.api_key, options.batch_max_in_flight)
-        runner.start()
+            if options.batch_dir_given:
+                print(f"shmgate frontend: --batch-dir {options.batch_dir}: {exc}", file=sys.stderr, flush=True)
+                os._exit(EXIT_CONFIG)
+            # the default directory (a read-only home, say): serve without the Batch API rather than not at all
+            log.warning("the Batch API is off: cannot open %s (%s); set --batch-dir", options.batch_dir, exc)
+        if app.state.batches is not None:
+            runner = BatchRunner(app.state.batches, options.loopback_url, options.api_key, options.batch_max_in_flight)
+            runner.start()
     try:
         yield
     finally:

@@ -1,0 +1,42 @@
+"""The batch directory's storage and runner lock, without a server (tests/test_batch_api.py runs them in one)."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+from shmgate.gateway.batch_runner import BatchRunner, loopback_url
+from shmgate.gateway.batch_store import BatchStore, LineResult
+
+
+def test_a_line_result_is_committed_once_and_every_opener_sees_it(tmp_path: Path) -> None:
+    one = BatchStore(tmp_path / "b")
+    assert stat.S_IMODE(os.stat(tmp_path / "b").st_mode) == 0o700
+    file = one.add_file(b"{}\n", "in.jsonl", "batch")
+    batch = one.add_batch("/v1/chat/completions", file["id"], 3600, None, 2)
+    one.commit_line(batch["id"], LineResult(0, True, {"custom_id": "a", "first": True}))
+    other = BatchStore(tmp_path / "b")  # another frontend process opens the same directory
+    other.commit_line(batch["id"], LineResult(0, False, {"custom_id": "a", "first": False}))
+    assert [json.loads(r) for r in other.results(batch["id"], ok=True)] == [{"custom_id": "a", "first": True}]
+    assert other.results(batch["id"], ok=False) == []
+    assert one.done_lines(batch["id"]) == {0}
+    assert other.batch(batch["id"])["request_counts"] == {"total": 2, "completed": 1, "failed": 0}  # type: ignore[index]
+
+
+def test_one_runner_holds_the_lock_until_it_lets_go(tmp_path: Path) -> None:
+    store = BatchStore(tmp_path)
+    first = BatchRunner(store, "http://127.0.0.1:1", None, 1)
+    second = BatchRunner(store, "http://127.0.0.1:1", None, 1)
+    assert first._try_lock()
+    assert not second._try_lock()
+    assert first._lock_fd is not None
+    os.close(first._lock_fd)  # what the kernel does when the holder dies
+    assert second._try_lock()
+
+
+def test_the_runner_reaches_a_wildcard_address_over_loopback() -> None:
+    assert loopback_url("0.0.0.0", 8000) == "http://127.0.0.1:8000"
+    assert loopback_url("::", 8000) == "http://[::1]:8000"
+    assert loopback_url("10.0.0.5", 8000) == "http://10.0.0.5:8000"
