@@ -42,7 +42,7 @@ from shmgate.gateway.frontend import Frontend
 from shmgate.gateway.guards import AllowedHosts, CatchAll
 from shmgate.gateway.http_errors import error_body, error_response
 from shmgate.gateway.lane import BulkLane
-from shmgate.gateway.metrics import FrontendStats, ModelGauges, exposition
+from shmgate.gateway.metrics import BatchCollector, FrontendStats, ModelGauges, exposition
 from shmgate.gateway.openapi import docs_page, openapi_document
 from shmgate.gateway.preprocess import get_preprocessor
 from shmgate.gateway.result_cache import ResultCache
@@ -348,8 +348,13 @@ async def _metrics(request: Request) -> Response:
     s = served(request)
     if s.options.metrics_need_key:
         s.check_key(request)
+    store: BatchStore | None = request.app.state.batches
     body, content_type = exposition(
-        s.node, s.frontend.queue_depth, request.headers.get("accept"), functools.partial(_model_gauges, s.frontend)
+        s.node,
+        s.frontend.queue_depth,
+        request.headers.get("accept"),
+        functools.partial(_model_gauges, s.frontend),
+        None if store is None else BatchCollector(store.line_counts, s.frontend.preprocessors),
     )
     return Response(body, headers={"Content-Type": content_type})
 

@@ -133,18 +133,20 @@ async def file_content(file_id: str, request: Request) -> Response:
     return Response(data, media_type="application/octet-stream")
 
 
-def validate_input(data: bytes, endpoint: str, max_line_bytes: int) -> int:
-    """Check a batch input file whole; its number of lines. Raises InvalidRequest naming the lines at fault."""
+def validate_input(data: bytes, endpoint: str, max_line_bytes: int) -> dict[str, int]:
+    """Check a batch input file whole; its lines counted by the model they name. Raises InvalidRequest
+    naming the lines at fault."""
     if not data.strip():
         raise InvalidRequest("the input file is empty", param="input_file_id")
     problems: list[str] = []
     seen: set[str] = set()
+    models: dict[str, int] = {}
     count = 0
     for number, raw in enumerate(data.split(b"\n"), start=1):
         if not raw.strip():
             continue
         count += 1
-        problem = _line_problem(raw, endpoint, max_line_bytes, seen)
+        problem = _line_problem(raw, endpoint, max_line_bytes, seen, models)
         if problem is not None:
             problems.append(f"line {number}: {problem}")
             if len(problems) >= 10:
@@ -153,10 +155,10 @@ def validate_input(data: bytes, endpoint: str, max_line_bytes: int) -> int:
         problems.insert(0, f"the file has {count} requests; a batch takes at most {MAX_LINES}")
     if problems:
         raise InvalidRequest("invalid batch input file: " + "; ".join(problems), param="input_file_id")
-    return count
+    return models
 
 
-def _line_problem(raw: bytes, endpoint: str, max_line_bytes: int, seen: set[str]) -> str | None:
+def _line_problem(raw: bytes, endpoint: str, max_line_bytes: int, seen: set[str], models: dict[str, int]) -> str | None:
     if len(raw) > max_line_bytes:
         return f"{len(raw)} bytes; a line holds at most {max_line_bytes}"
     try:
@@ -175,8 +177,12 @@ def _line_problem(raw: bytes, endpoint: str, max_line_bytes: int, seen: set[str]
         return "method must be 'POST'"
     if line.get("url") != endpoint:
         return f"url must be the batch's endpoint {endpoint!r}"
-    if not isinstance(line.get("body"), dict):
+    body = line.get("body")
+    if not isinstance(body, dict):
         return "body must be a JSON object"
+    model = body.get("model")
+    model = model[:200] if isinstance(model, str) else ""  # a line without one fails alone, when it runs
+    models[model] = models.get(model, 0) + 1
     return None
 
 
@@ -214,8 +220,8 @@ async def create_batch(request: Request) -> Response:
             data = await asyncio.to_thread(store.file_path(file_id).read_bytes)
         except FileNotFoundError:
             raise InvalidRequest(f"the file {file_id!r} was deleted", param="input_file_id") from None
-        total = await asyncio.to_thread(validate_input, data, endpoint, served(request).options.max_body_bytes)
-        batch = await asyncio.to_thread(store.add_batch, endpoint, file_id, WINDOWS[window], metadata, total)
+        models = await asyncio.to_thread(validate_input, data, endpoint, served(request).options.max_body_bytes)
+        batch = await asyncio.to_thread(store.add_batch, endpoint, file_id, WINDOWS[window], metadata, models)
         return JSONResponse(batch)
     except ShmgateError as exc:
         return error_response(exc)

@@ -188,7 +188,9 @@ class BatchRunner:
             }
             ok = reply.status_code < 400
             break
-        await asyncio.to_thread(self.store.commit_line, batch_id, LineResult(index, ok, record))
+        model = line["body"].get("model")
+        model = model[:200] if isinstance(model, str) else ""
+        await asyncio.to_thread(self.store.commit_line, batch_id, LineResult(index, ok, record, model))
 
     def _finish(self, batch_id: str, status: str) -> None:
         """Write the output and error files of the lines done, then move the batch to ``status``.

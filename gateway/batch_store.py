@@ -53,9 +53,16 @@ CREATE TABLE IF NOT EXISTS batches (
     error_file_id TEXT,
     total INTEGER NOT NULL DEFAULT 0
 );
+CREATE TABLE IF NOT EXISTS batch_models (
+    batch_id TEXT NOT NULL,
+    model TEXT NOT NULL,
+    total INTEGER NOT NULL,
+    PRIMARY KEY (batch_id, model)
+);
 CREATE TABLE IF NOT EXISTS lines (
     batch_id TEXT NOT NULL,
     idx INTEGER NOT NULL,
+    model TEXT NOT NULL DEFAULT '',
     ok INTEGER NOT NULL,
     result TEXT NOT NULL,
     PRIMARY KEY (batch_id, idx)
@@ -80,6 +87,7 @@ class LineResult:
     index: int
     ok: bool
     record: dict[str, Any]  # the output or error file's line: id, custom_id, response, error
+    model: str = ""  # the model its body named (for /metrics)
 
 
 class BatchStore:
@@ -165,8 +173,15 @@ class BatchStore:
     # batches
 
     def add_batch(
-        self, endpoint: str, input_file_id: str, window_s: int, metadata: dict[str, str] | None, total: int
+        self,
+        endpoint: str,
+        input_file_id: str,
+        window_s: int,
+        metadata: dict[str, str] | None,
+        models: dict[str, int],
     ) -> dict[str, Any]:
+        """A new batch of ``sum(models.values())`` lines, ``models`` counting them by the model they name."""
+        total = sum(models.values())
         batch_id = new_id("batch")
         now = int(time.time())
         with self._db() as db:
@@ -185,6 +200,10 @@ class BatchStore:
                     None if metadata is None else json.dumps(metadata),
                     total,
                 ),
+            )
+            db.executemany(
+                "INSERT INTO batch_models (batch_id, model, total) VALUES (?, ?, ?)",
+                [(batch_id, model, n) for model, n in models.items()],
             )
         batch = self.batch(batch_id)
         assert batch is not None
@@ -241,13 +260,37 @@ class BatchStore:
         """Store a line's result; a second result for the same line is ignored (the first one stands)."""
         with self._db() as db:
             db.execute(
-                "INSERT OR IGNORE INTO lines (batch_id, idx, ok, result) VALUES (?, ?, ?, ?)",
-                (batch_id, result.index, int(result.ok), json.dumps(result.record, separators=(",", ":"))),
+                "INSERT OR IGNORE INTO lines (batch_id, idx, model, ok, result) VALUES (?, ?, ?, ?, ?)",
+                (
+                    batch_id,
+                    result.index,
+                    result.model,
+                    int(result.ok),
+                    json.dumps(result.record, separators=(",", ":")),
+                ),
             )
 
     def done_lines(self, batch_id: str) -> set[int]:
         with self._db() as db:
             return {r[0] for r in db.execute("SELECT idx FROM lines WHERE batch_id = ?", (batch_id,))}
+
+    def line_counts(self) -> dict[str, tuple[int, int, int]]:
+        """Per model: (lines waiting in unfinished batches, lines done, lines failed), every batch's."""
+        counts: dict[str, list[int]] = {}
+        with self._db() as db:
+            for model, total in db.execute(
+                "SELECT m.model, SUM(m.total) FROM batch_models m JOIN batches b ON b.id = m.batch_id"
+                " WHERE b.status IN ('in_progress', 'cancelling', 'finalizing', 'validating') GROUP BY m.model"
+            ):
+                counts.setdefault(model, [0, 0, 0])[0] += total
+            for model, n in db.execute(
+                "SELECT l.model, COUNT(*) FROM lines l JOIN batches b ON b.id = l.batch_id"
+                " WHERE b.status IN ('in_progress', 'cancelling', 'finalizing', 'validating') GROUP BY l.model"
+            ):
+                counts.setdefault(model, [0, 0, 0])[0] -= n
+            for model, ok, n in db.execute("SELECT model, ok, COUNT(*) FROM lines GROUP BY model, ok"):
+                counts.setdefault(model, [0, 0, 0])[1 if ok else 2] += n
+        return {model: (max(0, c[0]), c[1], c[2]) for model, c in counts.items()}
 
     def results(self, batch_id: str, ok: bool) -> list[str]:
         """The stored lines of one kind, in input order, as JSON text."""

@@ -114,6 +114,8 @@ def test_the_openai_client_runs_a_batch_end_to_end(batch_server: Server) -> None
     assert errors[0]["response"]["status_code"] == 404
     assert errors[0]["response"]["body"]["error"]["code"] == "model_not_found"
 
+    assert batch_server.metric('shmgate_batch_lines_done_total{model="checksum"}') >= 5
+    assert batch_server.metric('shmgate_batch_lines_failed_total{model="other"}') >= 1  # the unknown model's line
     listed = client.batches.list(limit=100)
     assert batch.id in [b.id for b in listed.data]
     assert uploaded.id in [f.id for f in client.files.list().data]

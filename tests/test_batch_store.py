@@ -15,13 +15,15 @@ def test_a_line_result_is_committed_once_and_every_opener_sees_it(tmp_path: Path
     one = BatchStore(tmp_path / "b")
     assert stat.S_IMODE(os.stat(tmp_path / "b").st_mode) == 0o700
     file = one.add_file(b"{}\n", "in.jsonl", "batch")
-    batch = one.add_batch("/v1/chat/completions", file["id"], 3600, None, 2)
-    one.commit_line(batch["id"], LineResult(0, True, {"custom_id": "a", "first": True}))
+    batch = one.add_batch("/v1/chat/completions", file["id"], 3600, None, {"m": 2})
+    assert one.line_counts() == {"m": (2, 0, 0)}
+    one.commit_line(batch["id"], LineResult(0, True, {"custom_id": "a", "first": True}, "m"))
     other = BatchStore(tmp_path / "b")  # another frontend process opens the same directory
     other.commit_line(batch["id"], LineResult(0, False, {"custom_id": "a", "first": False}))
     assert [json.loads(r) for r in other.results(batch["id"], ok=True)] == [{"custom_id": "a", "first": True}]
     assert other.results(batch["id"], ok=False) == []
     assert one.done_lines(batch["id"]) == {0}
+    assert one.line_counts() == {"m": (1, 1, 0)}
     assert other.batch(batch["id"])["request_counts"] == {"total": 2, "completed": 1, "failed": 0}  # type: ignore[index]
 
 
