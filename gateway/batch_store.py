@@ -107,7 +107,6 @@ class BatchStore:
             db.executescript(_SCHEMA)
         finally:
             db.close()
-        os.chmod(self.dir, 0o700)
 
     @contextlib.contextmanager
     def _db(self) -> Iterator[sqlite3.Connection]:
