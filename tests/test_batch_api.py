@@ -28,6 +28,8 @@ from tests.serving import (
 )
 
 HANG_S = 120.0
+KEY = "batch-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 def _start(tmp: Path, batch_dir: Path, *extra: str) -> Server:
@@ -53,7 +55,7 @@ def _start(tmp: Path, batch_dir: Path, *extra: str) -> Server:
 @pytest.fixture(scope="module")
 def batch_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("batch")
-    server = _start(tmp, tmp / "batches", "--workers", "1")
+    server = _start(tmp, tmp / "batches", "--workers", "1", "--api-key", KEY)
     try:
         yield server
     finally:
@@ -73,8 +75,8 @@ def _jsonl(lines: list[dict[str, object]]) -> bytes:
     return b"".join(json.dumps(line).encode() + b"\n" for line in lines)
 
 
-def _client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+def _client(server: Server, key: str = KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=key, max_retries=0)
 
 
 def _wait_done(client: openai.OpenAI, batch_id: str) -> openai.types.Batch:
@@ -166,19 +168,34 @@ def test_an_invalid_input_file_is_refused_at_create_with_its_line(
     assert needle in str(refused.value)
 
 
+def test_the_api_key_guards_every_batch_route(batch_server: Server) -> None:
+    wrong = _client(batch_server, key="wrong")
+    with pytest.raises(openai.AuthenticationError):
+        wrong.files.list()
+    with pytest.raises(openai.AuthenticationError):
+        wrong.batches.list()
+    with pytest.raises(openai.AuthenticationError):
+        wrong.files.create(file=("x.jsonl", io.BytesIO(b"{}\n")), purpose="batch")
+    with pytest.raises(openai.AuthenticationError):
+        wrong.batches.create(input_file_id="file-x", endpoint="/v1/chat/completions", completion_window="24h")
+
+
 def test_bad_calls_get_openai_errors(batch_server: Server) -> None:
     base = batch_server.base_url
-    assert httpx.get(base + "/v1/batches/batch-nope", timeout=10).status_code == 404
-    assert httpx.get(base + "/v1/files/file-nope/content", timeout=10).status_code == 404
-    reply = httpx.post(base + "/v1/files", files={"file": ("x", b"{}")}, data={"purpose": "fine-tune"}, timeout=10)
+    assert httpx.get(base + "/v1/batches/batch-nope", headers=AUTH, timeout=10).status_code == 404
+    assert httpx.get(base + "/v1/files/file-nope/content", headers=AUTH, timeout=10).status_code == 404
+    reply = httpx.post(
+        base + "/v1/files", files={"file": ("x", b"{}")}, data={"purpose": "fine-tune"}, headers=AUTH, timeout=10
+    )
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "purpose"
     reply = httpx.post(
         base + "/v1/batches",
         json={"input_file_id": "file-nope", "endpoint": "/v1/chat/completions", "completion_window": "24h"},
+        headers=AUTH,
         timeout=10,
     )
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "input_file_id"
-    assert httpx.get(base + "/v1/batches?limit=0", timeout=10).status_code == 400
+    assert httpx.get(base + "/v1/batches?limit=0", headers=AUTH, timeout=10).status_code == 400
 
 
 def test_a_sigkill_mid_batch_and_a_restart_lose_and_duplicate_nothing(tmp_path: Path) -> None:
