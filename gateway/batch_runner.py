@@ -46,6 +46,12 @@ def loopback_url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+def _log_failure(task: asyncio.Task[None]) -> None:
+    """A line that raised (the database unreachable, say) is logged; it has no result, so it runs again."""
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.error("a batch line failed before its result was stored: %r", exc)
+
+
 class BatchRunner:
     def __init__(self, store: BatchStore, base_url: str, api_key: str | None, in_flight: int) -> None:
         self.store = store
@@ -121,6 +127,10 @@ class BatchRunner:
             if outcome == "expired":
                 await asyncio.to_thread(self._finish, batch_id, "expired")
                 return
+            left = len(lines) - len(await asyncio.to_thread(self.store.done_lines, batch_id))
+            if left:  # lines whose run failed before a result was stored: the next round runs them again
+                log.warning("batch %s: %d lines have no result yet; running them again", batch_id, left)
+                return
             await asyncio.to_thread(self.store.set_status, batch_id, "finalizing", only_from=("in_progress",))
             now = await asyncio.to_thread(self.store.batch, batch_id)
             if now is None:
@@ -136,11 +146,28 @@ class BatchRunner:
     ) -> str:
         """Run the lines ``todo``, ``in_flight`` at a time; ``done``, ``cancelled`` or ``expired``."""
         pending: set[asyncio.Task[None]] = set()
+        try:
+            return await self._launch(client, batch_id, expires_at, lines, todo, pending)
+        except asyncio.CancelledError:  # the frontend stops: its lines in flight end uncommitted, to run again
+            for task in pending:
+                task.cancel()
+            raise
+
+    async def _launch(
+        self,
+        client: httpx.AsyncClient,
+        batch_id: str,
+        expires_at: int,
+        lines: list[bytes],
+        todo: list[int],
+        pending: set[asyncio.Task[None]],
+    ) -> str:
         outcome = "done"
         checked = time.monotonic()
         for index in todo:
             while len(pending) >= self.in_flight:
-                _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                finished, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                pending -= finished
             if time.monotonic() - checked >= POLL_S:
                 checked = time.monotonic()
                 if await self._status(batch_id) != "in_progress":
@@ -149,7 +176,9 @@ class BatchRunner:
             if time.time() >= expires_at:
                 outcome = "expired"
                 break
-            pending.add(asyncio.create_task(self._run_line(client, batch_id, index, lines[index])))
+            task = asyncio.create_task(self._run_line(client, batch_id, index, lines[index]))
+            task.add_done_callback(_log_failure)
+            pending.add(task)
         if pending:
             await asyncio.wait(pending)
         if outcome == "done" and await self._status(batch_id) == "cancelling":
