@@ -89,6 +89,7 @@ class BatchRunner:
         while not self._try_lock():
             await asyncio.sleep(LOCK_RETRY_S)
         log.info("this frontend runs the batches of %s", self.store.dir)
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # not a log line per batch line
         async with httpx.AsyncClient(base_url=self.base_url, headers=self.headers, timeout=None) as client:
             while True:
                 try:
