@@ -105,6 +105,10 @@ class BatchStore:
             db.execute("PRAGMA busy_timeout=30000")
             db.execute("PRAGMA journal_mode=WAL")
             db.executescript(_SCHEMA)
+            columns = {row[1] for row in db.execute("PRAGMA table_info(lines)")}
+            if "model" not in columns:  # a directory of the first version, before lines named their model
+                with contextlib.suppress(sqlite3.OperationalError):  # another frontend added it meanwhile
+                    db.execute("ALTER TABLE lines ADD COLUMN model TEXT NOT NULL DEFAULT ''")
         finally:
             db.close()
 

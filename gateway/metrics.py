@@ -13,6 +13,7 @@ Metric names and label sets are a contract (tests, deploy/k8s prometheus-adapter
 from __future__ import annotations
 
 import bisect
+import logging
 from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
 from typing import NamedTuple
@@ -30,6 +31,8 @@ from shmgate.shared.transport.base import NodeStats
 
 # Counter (which word of the row holds what) is defined with the rest of the row's layout in
 # shared/stats_layout.py; the gateway's modules import it from here.
+log = logging.getLogger("shmgate.metrics")
+
 __all__ = ["BatchCollector", "Counter", "FrontendStats", "ModelGauges", "NodeCollector", "exposition", "render"]
 
 
@@ -303,7 +306,12 @@ class BatchCollector:
 
     def collect(self) -> Iterator[Metric]:
         by_model: dict[str, list[int]] = {}
-        for model, numbers in self.counts().items():
+        try:
+            counts = self.counts()
+        except Exception as exc:  # the batch database (a disk, a lock): never the whole scrape's failure
+            log.warning("batch line metrics left out: %r", exc)
+            return
+        for model, numbers in counts.items():
             kept = by_model.setdefault(model if model in self.served else "other", [0, 0, 0])
             for i, n in enumerate(numbers):
                 kept[i] += n

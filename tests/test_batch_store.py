@@ -42,3 +42,19 @@ def test_the_runner_reaches_a_wildcard_address_over_loopback() -> None:
     assert loopback_url("0.0.0.0", 8000) == "http://127.0.0.1:8000"
     assert loopback_url("::", 8000) == "http://[::1]:8000"
     assert loopback_url("10.0.0.5", 8000) == "http://10.0.0.5:8000"
+
+
+def test_a_directory_of_the_first_schema_gains_the_model_column(tmp_path: Path) -> None:
+    import sqlite3
+
+    db = sqlite3.connect(tmp_path / "batches.sqlite3")
+    db.execute(
+        "CREATE TABLE lines (batch_id TEXT NOT NULL, idx INTEGER NOT NULL, ok INTEGER NOT NULL,"
+        " result TEXT NOT NULL, PRIMARY KEY (batch_id, idx))"
+    )
+    db.commit()
+    db.close()
+    store = BatchStore(tmp_path)
+    assert store.line_counts() == {}
+    store.commit_line("batch-x", LineResult(0, True, {}, "m"))
+    assert store.line_counts() == {"m": (0, 1, 0)}
