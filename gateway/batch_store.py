@@ -113,14 +113,15 @@ class BatchStore:
             db.close()
 
     @contextlib.contextmanager
-    def _db(self) -> Iterator[sqlite3.Connection]:
-        """A short connection: committed when the block ends without an error, closed in every case."""
+    def _db(self, write: bool = True) -> Iterator[sqlite3.Connection]:
+        """A short connection: committed when the block ends without an error, closed in every case. A
+        reader (``write`` False) takes no write lock: WAL lets it read beside the writer."""
         db = sqlite3.connect(self.db_path, timeout=30.0, isolation_level=None)
         db.row_factory = sqlite3.Row
         try:
             db.execute("PRAGMA busy_timeout=30000")
             db.execute("PRAGMA synchronous=NORMAL")
-            db.execute("BEGIN IMMEDIATE")
+            db.execute("BEGIN IMMEDIATE" if write else "BEGIN")
             try:
                 yield db
             except BaseException:
@@ -153,12 +154,12 @@ class BatchStore:
         return self.file(file_id) or {}
 
     def file(self, file_id: str) -> dict[str, Any] | None:
-        with self._db() as db:
+        with self._db(write=False) as db:
             row = db.execute("SELECT * FROM files WHERE id = ?", (file_id,)).fetchone()
         return None if row is None else _file_object(row)
 
     def files(self, purpose: str | None = None) -> list[dict[str, Any]]:
-        with self._db() as db:
+        with self._db(write=False) as db:
             if purpose:
                 rows = db.execute("SELECT * FROM files WHERE purpose = ? ORDER BY created_at DESC", (purpose,))
             else:
@@ -213,13 +214,13 @@ class BatchStore:
         return batch
 
     def batch(self, batch_id: str) -> dict[str, Any] | None:
-        with self._db() as db:
+        with self._db(write=False) as db:
             row = db.execute("SELECT * FROM batches WHERE id = ?", (batch_id,)).fetchone()
             return None if row is None else _batch_object(db, row)
 
     def batches(self, after: str | None, limit: int) -> tuple[list[dict[str, Any]], bool]:
         """Newest first, from just after batch ``after``; and whether more follow."""
-        with self._db() as db:
+        with self._db(write=False) as db:
             start = None
             if after is not None:
                 found = db.execute("SELECT seq FROM batches WHERE id = ?", (after,)).fetchone()
@@ -234,7 +235,7 @@ class BatchStore:
 
     def unfinished(self) -> list[dict[str, Any]]:
         """The batches a runner has work for, oldest first."""
-        with self._db() as db:
+        with self._db(write=False) as db:
             rows = db.execute(
                 "SELECT * FROM batches WHERE status IN ('in_progress', 'cancelling', 'finalizing') ORDER BY seq"
             ).fetchall()
@@ -274,13 +275,13 @@ class BatchStore:
             )
 
     def done_lines(self, batch_id: str) -> set[int]:
-        with self._db() as db:
+        with self._db(write=False) as db:
             return {r[0] for r in db.execute("SELECT idx FROM lines WHERE batch_id = ?", (batch_id,))}
 
     def line_counts(self) -> dict[str, tuple[int, int, int]]:
         """Per model: (lines waiting in unfinished batches, lines done, lines failed), every batch's."""
         counts: dict[str, list[int]] = {}
-        with self._db() as db:
+        with self._db(write=False) as db:
             for model, total in db.execute(
                 "SELECT m.model, SUM(m.total) FROM batch_models m JOIN batches b ON b.id = m.batch_id"
                 " WHERE b.status IN ('in_progress', 'cancelling', 'finalizing', 'validating') GROUP BY m.model"
@@ -297,7 +298,7 @@ class BatchStore:
 
     def results(self, batch_id: str, ok: bool) -> list[str]:
         """The stored lines of one kind, in input order, as JSON text."""
-        with self._db() as db:
+        with self._db(write=False) as db:
             rows = db.execute(
                 "SELECT result FROM lines WHERE batch_id = ? AND ok = ? ORDER BY idx", (batch_id, int(ok))
             ).fetchall()
