@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sqlite3
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -32,12 +33,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from shmgate.gateway.batch_routes import add_batch_routes
+from shmgate.gateway.batch_runner import BatchRunner
+from shmgate.gateway.batch_store import BatchStore
 from shmgate.gateway.chat_route import chat_completions
 from shmgate.gateway.embeddings import embeddings_route
 from shmgate.gateway.frontend import Frontend
 from shmgate.gateway.guards import AllowedHosts, CatchAll
 from shmgate.gateway.http_errors import error_body, error_response
-from shmgate.gateway.metrics import FrontendStats, ModelGauges, exposition
+from shmgate.gateway.lane import BulkLane
+from shmgate.gateway.metrics import BatchCollector, FrontendStats, ModelGauges, exposition
 from shmgate.gateway.openapi import docs_page, openapi_document
 from shmgate.gateway.preprocess import get_preprocessor
 from shmgate.gateway.result_cache import ResultCache
@@ -69,8 +74,10 @@ def create_app(options: AppOptions) -> FastAPI:
     )
     app.state.options = options
     app.state.served = None
+    app.state.batches = None
     # Outermost last: the frontend header goes on every response, the catch-all's 500 and the Host refusal included.
     stats = functools.partial(_frontend_stats, app)
+    app.add_middleware(BulkLane)  # innermost: a loopback batch line's descriptors go in the bulk lane
     app.add_middleware(AllowedHosts, hosts=options.allowed_hosts, stats=stats)
     app.add_middleware(CatchAll, stats=stats)
     app.add_middleware(FrontendHeader, slot=options.slot)
@@ -90,6 +97,7 @@ def create_app(options: AppOptions) -> FastAPI:
     app.add_api_route("/metrics", _metrics, methods=["GET"])
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_api_route("/v1/embeddings", embeddings_route, methods=["POST"])
+    add_batch_routes(app)
     return app
 
 
@@ -132,9 +140,24 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     await frontend.start()
     results = ResultCache(options.result_cache_bytes) if options.result_cache_bytes > 0 else None
     app.state.served = Served(options, frontend, node, results)
+    runner = None
+    if options.batch_dir:
+        try:
+            app.state.batches = BatchStore(options.batch_dir)
+        except (OSError, sqlite3.Error) as exc:
+            if options.batch_dir_given:
+                print(f"shmgate frontend: --batch-dir {options.batch_dir}: {exc}", file=sys.stderr, flush=True)
+                os._exit(EXIT_CONFIG)
+            # the default directory (a read-only home, say): serve without the Batch API rather than not at all
+            log.warning("the Batch API is off: cannot open %s (%s); set --batch-dir", options.batch_dir, exc)
+        if app.state.batches is not None:
+            runner = BatchRunner(app.state.batches, options.loopback_url, options.api_key, options.batch_max_in_flight)
+            runner.start()
     try:
         yield
     finally:
+        if runner is not None:
+            await runner.stop()
         await frontend.stop()
         instance.close()
 
@@ -325,8 +348,13 @@ async def _metrics(request: Request) -> Response:
     s = served(request)
     if s.options.metrics_need_key:
         s.check_key(request)
+    store: BatchStore | None = request.app.state.batches
     body, content_type = exposition(
-        s.node, s.frontend.queue_depth, request.headers.get("accept"), functools.partial(_model_gauges, s.frontend)
+        s.node,
+        s.frontend.queue_depth,
+        request.headers.get("accept"),
+        functools.partial(_model_gauges, s.frontend),
+        None if store is None else BatchCollector(store.line_counts, s.frontend.preprocessors),
     )
     return Response(body, headers={"Content-Type": content_type})
 

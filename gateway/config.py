@@ -20,6 +20,7 @@ from shmgate.shared.options import option
 from shmgate.shared.tracing import TracingOptions
 
 __all__ = [
+    "BatchOptions",
     "FrontendConfig",
     "FrontendOptions",
     "ImageUrlOptions",
@@ -170,7 +171,25 @@ class ObservabilityOptions:
 
 
 @dataclass(frozen=True, kw_only=True)
-class FrontendOptions(TracingOptions, LogOptions, ObservabilityOptions, ImageUrlOptions, LimitOptions, ServerOptions):
+class BatchOptions:
+    GROUP: ClassVar[str] = "batch API"
+    batch_dir: str = option(
+        "directory of the Batch API's files and batches (SQLite; every frontend opens it, one runs the "
+        "batches); created 0700 (docs/BATCH.md)",
+        default="",
+        shown_default="$XDG_STATE_HOME/shmgate/batches, else ~/.local/state/shmgate/batches",
+    )
+    batch_max_in_flight: int = option(
+        "batch lines in flight on the node at once (they wait behind interactive requests in the bulk lane)",
+        default="4",
+        type=flag_types.positive_int,
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class FrontendOptions(
+    BatchOptions, TracingOptions, LogOptions, ObservabilityOptions, ImageUrlOptions, LimitOptions, ServerOptions
+):
     """Every flag a frontend reads (the bases are listed last group first: a dataclass puts the fields of
     its last base first)."""
 

@@ -34,7 +34,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from shmgate.gateway import tracing
+from shmgate.gateway import lane, tracing
 from shmgate.gateway.images import ImageResolver
 from shmgate.gateway.intake import ChatRequest
 from shmgate.gateway.metrics import Counter, FrontendStats
@@ -298,7 +298,7 @@ class Frontend:
             self._set_resolving(-1, model)  # from here on it is on the request queue (or failed)
         self.replies.sending(state)
         try:
-            await self.link.send_request(submit, min(10.0, self.limits.request_timeout_s))
+            await self.link.send_request(submit, min(10.0, self.limits.request_timeout_s), lane.priority())
         except ChannelFull:
             self.replies.finish(state)
             raise Overloaded("every worker is busy and the request queue is full", retry_after_s=1.0) from None

@@ -13,7 +13,8 @@ Metric names and label sets are a contract (tests, deploy/k8s prometheus-adapter
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Iterator
+import logging
+from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
 from typing import NamedTuple
 
@@ -30,7 +31,9 @@ from shmgate.shared.transport.base import NodeStats
 
 # Counter (which word of the row holds what) is defined with the rest of the row's layout in
 # shared/stats_layout.py; the gateway's modules import it from here.
-__all__ = ["Counter", "FrontendStats", "ModelGauges", "NodeCollector", "exposition", "render"]
+log = logging.getLogger("shmgate.metrics")
+
+__all__ = ["BatchCollector", "Counter", "FrontendStats", "ModelGauges", "NodeCollector", "exposition", "render"]
 
 
 # The model-table row of the request this asyncio task serves (-1: none named yet). A request's outcome is
@@ -293,11 +296,46 @@ def _model_metrics(total: np.ndarray, models: list[ModelGauges]) -> Iterator[Met
     yield from (requests, queue, ready)
 
 
+class BatchCollector:
+    """The Batch API's lines per model (gateway/batch_store.py ``line_counts``), read from its database at
+    each scrape. Models the node does not serve (a line may name any) count under ``other``, so the
+    series stay bounded by the declared models."""
+
+    def __init__(self, counts: Callable[[], dict[str, tuple[int, int, int]]], served: Iterable[str]) -> None:
+        self.counts = counts
+        self.served = set(served)
+
+    def collect(self) -> Iterator[Metric]:
+        by_model: dict[str, list[int]] = {}
+        try:
+            counts = self.counts()
+        except Exception as exc:  # the batch database (a disk, a lock): never the whole scrape's failure
+            log.warning("batch line metrics left out: %r", exc)
+            return
+        for model, numbers in counts.items():
+            kept = by_model.setdefault(model if model in self.served else "other", [0, 0, 0])
+            for i, n in enumerate(numbers):
+                kept[i] += n
+        queued = GaugeMetricFamily(
+            "shmgate_batch_lines_queued", "Batch lines of unfinished batches not run yet.", labels=["model"]
+        )
+        done = CounterMetricFamily("shmgate_batch_lines_done", "Batch lines answered with a success.", labels=["model"])
+        failed = CounterMetricFamily(
+            "shmgate_batch_lines_failed", "Batch lines that ended in an error (the error file's).", labels=["model"]
+        )
+        for model, (q, d, f) in sorted(by_model.items()):
+            queued.add_metric([model], q)
+            done.add_metric([model], d)
+            failed.add_metric([model], f)
+        yield from (queued, done, failed)
+
+
 def exposition(
     node: NodeStats,
     queue_depth: Callable[[], int],
     accept: str | None,
     models: Callable[[], list[ModelGauges]] | None = None,
+    batches: BatchCollector | None = None,
 ) -> tuple[bytes, str]:
     """(body, content type) for a scrape: OpenMetrics when ``accept`` asks for it, else the text format.
 
@@ -306,6 +344,8 @@ def exposition(
     """
     registry = CollectorRegistry(auto_describe=False)
     registry.register(NodeCollector(node, queue_depth, models))
+    if batches is not None:
+        registry.register(batches)
     try:
         encoder, content_type = choose_encoder(accept or "")
         return encoder(registry), content_type

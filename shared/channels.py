@@ -104,18 +104,18 @@ class Queue:
     def current_messages(self) -> int:
         return int(self._mq.current_messages)
 
-    def try_send(self, message: Any) -> bool:
-        """Send without waiting. False when the queue is full."""
+    def try_send(self, message: Any, priority: int = 0) -> bool:
+        """Send without waiting. False when the queue is full. The receiver takes the highest ``priority`` first."""
         try:
-            self._mq.send(encoder.encode(message), 0)
+            self._mq.send(encoder.encode(message), 0, priority)
         except posix_ipc.BusyError:
             return False
         return True
 
-    def send(self, message: Any, timeout_s: float) -> None:
+    def send(self, message: Any, timeout_s: float, priority: int = 0) -> None:
         """Blocking send (worker threads only). Raises ChannelFull after ``timeout_s``."""
         try:
-            self._mq.send(encoder.encode(message), timeout_s)
+            self._mq.send(encoder.encode(message), timeout_s, priority)
         except posix_ipc.BusyError as exc:
             raise ChannelFull("a message channel stayed full; the receiver is not keeping up") from exc
 
@@ -247,6 +247,7 @@ class _Send:
     deadline: float
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[None]
+    priority: int = 0  # the queue's receiver takes higher priorities first (Queue.try_send)
     cancelled: bool = False  # its caller stopped waiting before a thread took it: it never goes
 
 
@@ -291,12 +292,12 @@ class AsyncSender:
         self._closed = False
         self._last_blocking: _Blocking | None = None  # the thread that went to block most recently
 
-    async def send(self, message: Any, timeout_s: float) -> None:
+    async def send(self, message: Any, timeout_s: float, priority: int = 0) -> None:
         """Raises ChannelFull after ``timeout_s``."""
-        if not self._waiting and self._queue.try_send(message):
+        if not self._waiting and self._queue.try_send(message, priority):
             return
         loop = asyncio.get_running_loop()
-        job = _Send(message, time.monotonic() + timeout_s, loop, loop.create_future())
+        job = _Send(message, time.monotonic() + timeout_s, loop, loop.create_future(), priority)
         self._waiting += 1
         try:
             with self._turn:
@@ -335,7 +336,7 @@ class AsyncSender:
                 ahead = self._last_blocking
                 # Under the lock: our sends keep their order. Not while an earlier one is still on its
                 # way into the kernel: a place freed meanwhile is its place.
-                if (ahead is None or ahead.left) and self._queue.try_send(job.message):
+                if (ahead is None or ahead.left) and self._queue.try_send(job.message, job.priority):
                     self._finish(job, None)
                     continue
                 me = self._last_blocking = _Blocking(threading.get_native_id())
@@ -371,11 +372,11 @@ class AsyncSender:
             try:
                 # In slices, so that close() is noticed. A slice that ends puts this send behind the
                 # senders that blocked after it: only sends that waited SEND_SLICE_S already lose places.
-                self._queue.send(job.message, min(remaining, SEND_SLICE_S))
+                self._queue.send(job.message, min(remaining, SEND_SLICE_S), job.priority)
                 return None
             except (ChannelFull, posix_ipc.SignalError):  # still full, or a signal woke us: wait on
                 continue
-        if self._closed or not self._queue.try_send(job.message):
+        if self._closed or not self._queue.try_send(job.message, job.priority):
             return ChannelFull("the channel stayed full; its receivers are saturated")
         return None
 

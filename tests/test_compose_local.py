@@ -162,8 +162,10 @@ class LocalCompose:
         # settings. The image sets SHMGATE_HOST=0.0.0.0 (in a container the gateway must listen on all
         # interfaces, and compose publishes the port on 127.0.0.1 only); here there is no container around
         # the process, so it is overridden with 127.0.0.1: the test never listens on every interface.
+        # Likewise the image's batch directory is a volume mounted in the container: here, a directory of the test's.
         host = {k: v for k, v in os.environ.items() if not k.startswith("SHMGATE_")}
-        return {**host, **image_env(), **service_env, "SHMGATE_HOST": "127.0.0.1"}
+        batches = {"SHMGATE_BATCH_DIR": str(self.log_dir / "batches")}
+        return {**host, **image_env(), **service_env, "SHMGATE_HOST": "127.0.0.1", **batches}
 
     def up(self) -> None:
         self.shm_before = shm_entries()

@@ -21,7 +21,14 @@ import numpy as np
 from shmgate.shared.vocabulary import AllocateFn, CacheStats, InstanceState, SlotState, TensorGroup
 from shmgate.shared.wire import Cancel, Submit, TensorRef
 
+# Request queue priorities (POSIX message queues deliver the highest first): batch lines (the bulk
+# lane) wait behind every interactive request of their model.
+INTERACTIVE = 1
+BULK = 0
+
 __all__ = [
+    "BULK",
+    "INTERACTIVE",
     "FrontendLink",
     "MessageQueue",
     "NodeStats",
@@ -130,8 +137,9 @@ class FrontendLink(Protocol):
     def worker_alive(self, slot: int, epoch: int) -> bool:
         """Is worker ``slot`` still the process of ``epoch``, and alive?"""
 
-    async def send_request(self, submit: Submit, timeout_s: float) -> None:
-        """Put a descriptor on the shared request queue; raises ChannelFull after ``timeout_s``."""
+    async def send_request(self, submit: Submit, timeout_s: float, priority: int = INTERACTIVE) -> None:
+        """Put a descriptor on the shared request queue; raises ChannelFull after ``timeout_s``. Workers take
+        the highest ``priority`` waiting first: ``BULK`` descriptors wait behind every ``INTERACTIVE`` one."""
 
     def queue_depth(self) -> int:
         """Descriptors waiting on the request queue."""

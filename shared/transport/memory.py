@@ -31,6 +31,7 @@ import numpy as np
 from shmgate.shared.errors import ChannelFull, DescriptorError, SetupError
 from shmgate.shared.stats_layout import BATCH_BUCKETS, ENGINE_FIELDS, ENGINE_GAUGES, STATS_WORDS
 from shmgate.shared.transport.base import (
+    INTERACTIVE,
     FrontendLink,
     NodeStats,
     ReplyHandler,
@@ -321,7 +322,8 @@ class MemoryFrontendLink:
         row = self.node.workers[slot]
         return row.alive and row.epoch == epoch and row.state not in (SlotState.FREE, SlotState.DEAD)
 
-    async def send_request(self, submit: Submit, timeout_s: float) -> None:
+    async def send_request(self, submit: Submit, timeout_s: float, priority: int = INTERACTIVE) -> None:
+        # the in-memory twin keeps one FIFO: the lanes' order is the POSIX queues' (tests/test_bulk_lane.py)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:

@@ -23,6 +23,7 @@ from shmgate.shared.locks import HolderKind
 from shmgate.shared.segment import Heartbeat, LockId, own_pidns
 from shmgate.shared.stats_layout import BATCH_BUCKETS, ENGINE_FIELDS, ENGINE_GAUGES, Counter
 from shmgate.shared.transport.base import (
+    INTERACTIVE,
     FrontendLink,
     NodeStats,
     ReplyHandler,
@@ -130,8 +131,8 @@ class PosixFrontendLink:
         seg = self.segment
         return seg.slot_alive(seg.workers, slot, DEAD_AFTER_S, epoch)
 
-    async def send_request(self, submit: Submit, timeout_s: float) -> None:
-        await self._senders[self._model_index.get(submit.model, 0)].send(submit, timeout_s)
+    async def send_request(self, submit: Submit, timeout_s: float, priority: int = INTERACTIVE) -> None:
+        await self._senders[self._model_index.get(submit.model, 0)].send(submit, timeout_s, priority)
 
     def queue_depth(self) -> int:
         return sum(q.current_messages() for q in self._queues)

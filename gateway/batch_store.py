@@ -1,0 +1,354 @@
+"""The Batch API's storage: uploaded files on disk, files' and batches' state and each line's result in SQLite.
+
+Every frontend process opens the same directory (``--batch-dir``): the database is the standard
+library's SQLite in WAL mode with a busy timeout, so the processes read and write it side by side,
+and each operation opens its own short connection (a frontend's threads and the runner never share
+one). A line's result is committed once: its primary key is (batch id, line index) and a second
+commit of the same line is ignored, so a runner that restarts after a crash skips the lines whose
+result is already stored and never writes one twice.
+
+Layout of the directory (created 0700): ``batches.sqlite3`` (+ its WAL), ``files/<file id>`` the
+files' bytes, ``runner.lock`` the lock whose holder runs the batches (gateway/batch_runner.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import sqlite3
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["TERMINAL", "BatchStore", "LineResult", "default_batch_dir", "new_id"]
+
+# statuses after which nothing changes any more
+TERMINAL = frozenset({"completed", "failed", "expired", "cancelled"})
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS files (
+    id TEXT PRIMARY KEY,
+    filename TEXT NOT NULL,
+    purpose TEXT NOT NULL,
+    bytes INTEGER NOT NULL,
+    created_at INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS batches (
+    id TEXT PRIMARY KEY,
+    seq INTEGER NOT NULL,
+    endpoint TEXT NOT NULL,
+    input_file_id TEXT NOT NULL,
+    completion_window TEXT NOT NULL,
+    status TEXT NOT NULL,
+    created_at INTEGER NOT NULL,
+    expires_at INTEGER NOT NULL,
+    times TEXT NOT NULL DEFAULT '{}',
+    metadata TEXT,
+    errors TEXT,
+    output_file_id TEXT,
+    error_file_id TEXT,
+    total INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS batch_models (
+    batch_id TEXT NOT NULL,
+    model TEXT NOT NULL,
+    total INTEGER NOT NULL,
+    PRIMARY KEY (batch_id, model)
+);
+CREATE TABLE IF NOT EXISTS lines (
+    batch_id TEXT NOT NULL,
+    idx INTEGER NOT NULL,
+    model TEXT NOT NULL DEFAULT '',
+    ok INTEGER NOT NULL,
+    result TEXT NOT NULL,
+    PRIMARY KEY (batch_id, idx)
+);
+"""
+
+
+def default_batch_dir() -> str:
+    """A per-user directory: ``$XDG_STATE_HOME/shmgate/batches``, else ``~/.local/state/shmgate/batches``."""
+    state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(state, "shmgate", "batches")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+@dataclass(frozen=True)
+class LineResult:
+    """One line's outcome: ``ok`` lines go to the output file, the others to the error file."""
+
+    index: int
+    ok: bool
+    record: dict[str, Any]  # the output or error file's line: id, custom_id, response, error
+    model: str = ""  # the model its body named (for /metrics)
+
+
+class BatchStore:
+    """One batch directory, opened by every frontend of the node."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.dir = Path(directory)
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.files_dir = self.dir / "files"
+        self.files_dir.mkdir(mode=0o700, exist_ok=True)
+        self.db_path = self.dir / "batches.sqlite3"
+        self.lock_path = self.dir / "runner.lock"
+        db = sqlite3.connect(self.db_path, timeout=30.0, isolation_level=None)
+        try:  # every frontend runs this at start: WAL mode is kept in the file, the tables are made once
+            db.execute("PRAGMA busy_timeout=30000")
+            db.execute("PRAGMA journal_mode=WAL")
+            db.executescript(_SCHEMA)
+            columns = {row[1] for row in db.execute("PRAGMA table_info(lines)")}
+            if "model" not in columns:  # a directory of the first version, before lines named their model
+                with contextlib.suppress(sqlite3.OperationalError):  # another frontend added it meanwhile
+                    db.execute("ALTER TABLE lines ADD COLUMN model TEXT NOT NULL DEFAULT ''")
+        finally:
+            db.close()
+
+    @contextlib.contextmanager
+    def _db(self, write: bool = True) -> Iterator[sqlite3.Connection]:
+        """A short connection: committed when the block ends without an error, closed in every case. A
+        reader (``write`` False) takes no write lock: WAL lets it read beside the writer."""
+        db = sqlite3.connect(self.db_path, timeout=30.0, isolation_level=None)
+        db.row_factory = sqlite3.Row
+        try:
+            db.execute("PRAGMA busy_timeout=30000")
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+            try:
+                yield db
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+        finally:
+            db.close()
+
+    # files
+
+    def file_path(self, file_id: str) -> Path:
+        return self.files_dir / file_id
+
+    def add_file(self, data: bytes, filename: str, purpose: str, file_id: str | None = None) -> dict[str, Any]:
+        """Store ``data`` (written and synced before its row exists); ``file_id`` given: replace that file."""
+        file_id = file_id or new_id("file")
+        path = self.file_path(file_id)
+        tmp = path.with_suffix(".part")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        with self._db() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO files (id, filename, purpose, bytes, created_at) VALUES (?, ?, ?, ?, ?)",
+                (file_id, filename, purpose, len(data), int(time.time())),
+            )
+        return self.file(file_id) or {}
+
+    def file(self, file_id: str) -> dict[str, Any] | None:
+        with self._db(write=False) as db:
+            row = db.execute("SELECT * FROM files WHERE id = ?", (file_id,)).fetchone()
+        return None if row is None else _file_object(row)
+
+    def files(self, purpose: str | None = None) -> list[dict[str, Any]]:
+        with self._db(write=False) as db:
+            if purpose:
+                rows = db.execute("SELECT * FROM files WHERE purpose = ? ORDER BY created_at DESC", (purpose,))
+            else:
+                rows = db.execute("SELECT * FROM files ORDER BY created_at DESC")
+            return [_file_object(r) for r in rows.fetchall()]
+
+    def delete_file(self, file_id: str) -> bool:
+        with self._db() as db:
+            gone = db.execute("DELETE FROM files WHERE id = ?", (file_id,)).rowcount > 0
+        if gone:
+            with contextlib.suppress(FileNotFoundError):
+                self.file_path(file_id).unlink()
+        return gone
+
+    # batches
+
+    def add_batch(
+        self,
+        endpoint: str,
+        input_file_id: str,
+        window_s: int,
+        metadata: dict[str, str] | None,
+        models: dict[str, int],
+    ) -> dict[str, Any]:
+        """A new batch of ``sum(models.values())`` lines, ``models`` counting them by the model they name."""
+        total = sum(models.values())
+        batch_id = new_id("batch")
+        now = int(time.time())
+        with self._db() as db:
+            seq = db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM batches").fetchone()[0]
+            db.execute(
+                "INSERT INTO batches (id, seq, endpoint, input_file_id, completion_window, status, created_at,"
+                " expires_at, times, metadata, total) VALUES (?, ?, ?, ?, '24h', 'in_progress', ?, ?, ?, ?, ?)",
+                (
+                    batch_id,
+                    seq,
+                    endpoint,
+                    input_file_id,
+                    now,
+                    now + window_s,
+                    json.dumps({"in_progress_at": now}),
+                    None if metadata is None else json.dumps(metadata),
+                    total,
+                ),
+            )
+            db.executemany(
+                "INSERT INTO batch_models (batch_id, model, total) VALUES (?, ?, ?)",
+                [(batch_id, model, n) for model, n in models.items()],
+            )
+        batch = self.batch(batch_id)
+        assert batch is not None
+        return batch
+
+    def batch(self, batch_id: str) -> dict[str, Any] | None:
+        with self._db(write=False) as db:
+            row = db.execute("SELECT * FROM batches WHERE id = ?", (batch_id,)).fetchone()
+            return None if row is None else _batch_object(db, row)
+
+    def batches(self, after: str | None, limit: int) -> tuple[list[dict[str, Any]], bool]:
+        """Newest first, from just after batch ``after``; and whether more follow."""
+        with self._db(write=False) as db:
+            start = None
+            if after is not None:
+                found = db.execute("SELECT seq FROM batches WHERE id = ?", (after,)).fetchone()
+                start = found[0] if found is not None else None
+            if start is None:
+                rows = db.execute("SELECT * FROM batches ORDER BY seq DESC LIMIT ?", (limit + 1,)).fetchall()
+            else:
+                rows = db.execute(
+                    "SELECT * FROM batches WHERE seq < ? ORDER BY seq DESC LIMIT ?", (start, limit + 1)
+                ).fetchall()
+            return [_batch_object(db, r) for r in rows[:limit]], len(rows) > limit
+
+    def unfinished(self) -> list[dict[str, Any]]:
+        """The batches a runner has work for, oldest first."""
+        with self._db(write=False) as db:
+            rows = db.execute(
+                "SELECT * FROM batches WHERE status IN ('in_progress', 'cancelling', 'finalizing') ORDER BY seq"
+            ).fetchall()
+            return [_batch_object(db, r) for r in rows]
+
+    def set_status(self, batch_id: str, status: str, *, only_from: tuple[str, ...] = (), **fields: Any) -> bool:
+        """Move a batch to ``status`` (stamping ``<status>_at``), only from ``only_from`` when given."""
+        now = int(time.time())
+        with self._db() as db:
+            row = db.execute("SELECT status, times FROM batches WHERE id = ?", (batch_id,)).fetchone()
+            if row is None or (only_from and row["status"] not in only_from):
+                return False
+            times = json.loads(row["times"])
+            times[f"{status}_at"] = now
+            sets = ["status = ?", "times = ?"]
+            values: list[Any] = [status, json.dumps(times)]
+            for name, value in fields.items():
+                sets.append(f"{name} = ?")
+                values.append(json.dumps(value) if name == "errors" else value)
+            db.execute(f"UPDATE batches SET {', '.join(sets)} WHERE id = ?", (*values, batch_id))
+        return True
+
+    # lines
+
+    def commit_line(self, batch_id: str, result: LineResult) -> None:
+        """Store a line's result; a second result for the same line is ignored (the first one stands)."""
+        with self._db() as db:
+            db.execute(
+                "INSERT OR IGNORE INTO lines (batch_id, idx, model, ok, result) VALUES (?, ?, ?, ?, ?)",
+                (
+                    batch_id,
+                    result.index,
+                    result.model,
+                    int(result.ok),
+                    json.dumps(result.record, separators=(",", ":")),
+                ),
+            )
+
+    def done_lines(self, batch_id: str) -> set[int]:
+        with self._db(write=False) as db:
+            return {r[0] for r in db.execute("SELECT idx FROM lines WHERE batch_id = ?", (batch_id,))}
+
+    def line_counts(self) -> dict[str, tuple[int, int, int]]:
+        """Per model: (lines waiting in unfinished batches, lines done, lines failed), every batch's."""
+        counts: dict[str, list[int]] = {}
+        with self._db(write=False) as db:
+            for model, total in db.execute(
+                "SELECT m.model, SUM(m.total) FROM batch_models m JOIN batches b ON b.id = m.batch_id"
+                " WHERE b.status IN ('in_progress', 'cancelling', 'finalizing', 'validating') GROUP BY m.model"
+            ):
+                counts.setdefault(model, [0, 0, 0])[0] += total
+            for model, n in db.execute(
+                "SELECT l.model, COUNT(*) FROM lines l JOIN batches b ON b.id = l.batch_id"
+                " WHERE b.status IN ('in_progress', 'cancelling', 'finalizing', 'validating') GROUP BY l.model"
+            ):
+                counts.setdefault(model, [0, 0, 0])[0] -= n
+            for model, ok, n in db.execute("SELECT model, ok, COUNT(*) FROM lines GROUP BY model, ok"):
+                counts.setdefault(model, [0, 0, 0])[1 if ok else 2] += n
+        return {model: (max(0, c[0]), c[1], c[2]) for model, c in counts.items()}
+
+    def results(self, batch_id: str, ok: bool) -> list[str]:
+        """The stored lines of one kind, in input order, as JSON text."""
+        with self._db(write=False) as db:
+            rows = db.execute(
+                "SELECT result FROM lines WHERE batch_id = ? AND ok = ? ORDER BY idx", (batch_id, int(ok))
+            ).fetchall()
+        return [r[0] for r in rows]
+
+
+def _file_object(row: sqlite3.Row) -> dict[str, Any]:
+    return {
+        "id": row["id"],
+        "object": "file",
+        "bytes": row["bytes"],
+        "created_at": row["created_at"],
+        "filename": row["filename"],
+        "purpose": row["purpose"],
+        "status": "processed",
+        "expires_at": None,
+        "status_details": None,
+    }
+
+
+def _batch_object(db: sqlite3.Connection, row: sqlite3.Row) -> dict[str, Any]:
+    counts = dict(db.execute("SELECT ok, COUNT(*) FROM lines WHERE batch_id = ? GROUP BY ok", (row["id"],)).fetchall())
+    times = json.loads(row["times"])
+    batch: dict[str, Any] = {
+        "id": row["id"],
+        "object": "batch",
+        "endpoint": row["endpoint"],
+        "errors": None if row["errors"] is None else json.loads(row["errors"]),
+        "input_file_id": row["input_file_id"],
+        "completion_window": row["completion_window"],
+        "status": row["status"],
+        "output_file_id": row["output_file_id"],
+        "error_file_id": row["error_file_id"],
+        "created_at": row["created_at"],
+        "expires_at": row["expires_at"],
+        "metadata": None if row["metadata"] is None else json.loads(row["metadata"]),
+        "request_counts": {
+            "total": row["total"],
+            "completed": counts.get(1, 0),
+            "failed": counts.get(0, 0),
+        },
+    }
+    for name in (
+        "in_progress_at",
+        "finalizing_at",
+        "completed_at",
+        "failed_at",
+        "expired_at",
+        "cancelling_at",
+        "cancelled_at",
+    ):
+        batch[name] = times.get(name)
+    return batch
