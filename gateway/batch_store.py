@@ -70,10 +70,13 @@ CREATE TABLE IF NOT EXISTS lines (
 """
 
 
-def default_batch_dir() -> str:
-    """A per-user directory: ``$XDG_STATE_HOME/shmgate/batches``, else ``~/.local/state/shmgate/batches``."""
+def default_batch_dir(port: int) -> str:
+    """A per-user, per-port directory: ``$XDG_STATE_HOME/shmgate/batches/port-PORT``, else
+    ``~/.local/state/shmgate/batches/port-PORT``. Per port because the runner sends a batch's lines to
+    the node's own port: two servers of one user on two ports must not run each other's batches, and a
+    server restarted on its port finds its own again."""
     state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
-    return os.path.join(state, "shmgate", "batches")
+    return os.path.join(state, "shmgate", "batches", f"port-{port}")
 
 
 def new_id(prefix: str) -> str:

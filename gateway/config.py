@@ -177,7 +177,7 @@ class BatchOptions:
         "directory of the Batch API's files and batches (SQLite; every frontend opens it, one runs the "
         "batches); created 0700 (docs/BATCH.md)",
         default="",
-        shown_default="$XDG_STATE_HOME/shmgate/batches, else ~/.local/state/shmgate/batches",
+        shown_default="$XDG_STATE_HOME/shmgate/batches/port-PORT, else ~/.local/state/shmgate/batches/port-PORT",
     )
     batch_max_in_flight: int = option(
         "batch lines in flight on the node at once (they wait behind interactive requests in the bulk lane)",

@@ -54,7 +54,7 @@ def app_options(config: FrontendConfig) -> AppOptions:
         processor_kwargs=dict(first.mm_processor_kwargs) or None,
         models=config.models,
         created=config.started_at,
-        batch_dir=config.batch_dir or default_batch_dir(),
+        batch_dir=config.batch_dir or default_batch_dir(config.port),
         batch_dir_given=bool(config.batch_dir),
         batch_max_in_flight=config.batch_max_in_flight,
         loopback_url=loopback_url(config.host, config.port),

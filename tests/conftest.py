@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -16,6 +19,12 @@ from tests.serving import Server, start_server, stop_and_check
 # makes a frontend wait for room, up to 10 s, so no test's outcome depends on the depth); a test that
 # is about depth or budget passes --queue-depth or sets its own limit.
 os.environ.setdefault("SHMGATE_QUEUE_DEPTH", "4")
+# Every server keeps its Batch API state under $XDG_STATE_HOME (gateway/batch_store.py
+# default_batch_dir): the test run's servers keep theirs in a directory of the run, removed when the
+# run ends, not in the home of the user who runs the suite. Set before any test starts a server.
+if "XDG_STATE_HOME" not in os.environ:
+    os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="shmgate-tests-state-")
+    atexit.register(shutil.rmtree, os.environ["XDG_STATE_HOME"], True)
 
 # The files that take longest (--durations=0 of a whole run, setup and teardown included), longest first.
 # scripts/test.sh hands files to its processes in collection order (--no-loadscope-reorder; pytest-xdist
