@@ -25,6 +25,7 @@ SCENARIOS: dict[str, tuple[str, str]] = {
     "startup": ("bench.startup", "a worker's start-up time, from a fresh interpreter to a ready backend"),
     "fidelity": ("bench.fidelity", "the classifier's fast preprocessing paths against a reference"),
     "queue-model": ("shmgate.bench_client.queue_model", "the ideal M/D/c queue's latency beside open-loop results"),
+    "video": ("bench.video", "videos/s and TTFT: shmgate's frontends against the processor in one request path"),
     "batch-lane": ("bench.batch_lane", "interactive p50/p99 idle and with a Batch API batch running (the bulk lane)"),
     "chaos": ("bench.chaos", "mixed traffic while workers and frontends are killed and stopped"),
     "soak": ("bench.soak", "many hits, misses and bad inputs, then proof that nothing accumulated"),

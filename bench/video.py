@@ -8,7 +8,7 @@ the checkpoint's default 2 fps (20 frames, 1,400 video tokens each). Every reque
 sends a video not sent before (a miss); then, on each server, a new video twice in a row (the second
 is a cache hit on shmgate). Streams with max_tokens 4; TTFT is the first content chunk.
 
-Usage: ``flock /tmp/bench.lock python bench/video.py [--requests-per-level N]`` (about 3 minutes on
+Usage: ``flock /tmp/bench.lock python -m bench video [--requests-per-level N]`` (about 3 minutes on
 2 cores). Prints a Markdown table.
 """
 
@@ -24,12 +24,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 import httpx
 
-from bench.e2e import ServerProcess, free_port
+from bench.servers import ServerProcess, free_port
 from tests.hf_fixture import build_tiny_vlm
 from tests.video_samples import MP4, make_video
 
@@ -127,7 +125,8 @@ async def run(per_level: int) -> str:
         "naive": (
             [
                 sys.executable,
-                str(REPO / "bench" / "naive_video_server.py"),
+                "-m",
+                "bench.naive_video_server",
                 "--port",
                 "{port}",
                 "--model-dir",
