@@ -40,7 +40,7 @@ from starlette.types import Receive
 
 from shmgate.gateway.fetch import fetch_pending
 from shmgate.gateway.frontend import Frontend, RequestState
-from shmgate.gateway.http_errors import count_error, count_ok, error_response, failure_error
+from shmgate.gateway.http_errors import count_ok, failure_error
 from shmgate.gateway.intake import (
     ChatCompletionRequest,
     ChatRequest,
@@ -52,12 +52,12 @@ from shmgate.gateway.intake import (
     decode_body,
     key_material,
 )
+from shmgate.gateway.pipeline import Arrival, handle
 from shmgate.gateway.preprocess.base import Preprocessor
 from shmgate.gateway.render import cancel_on_hang_up
 from shmgate.gateway.result_cache import ResultCache, keyed_off_the_loop, result_key
-from shmgate.gateway.served import bypass_cache, read_body, served
+from shmgate.gateway.served import bypass_cache
 from shmgate.shared.errors import Cancelled, InvalidRequest, ShmgateError, TooManyImages
-from shmgate.shared.stages import Stage
 from shmgate.shared.wire import TASK_EMBED, Failed, Finished, SamplingParams, Vector
 
 __all__ = ["EmbeddingJob", "embed", "embedding_response", "embeddings_route", "parse_embedding_request"]
@@ -304,25 +304,23 @@ async def embeddings_route(request: Request) -> Response:
 
     A hang-up while the inputs run ends it with a 499 that nobody reads (see ``embed``).
     """
-    s = served(request)
+    return await handle(request, _embed_steps)
+
+
+async def _embed_steps(arrival: Arrival) -> Response:
+    s = arrival.served
     f, options, results = s.frontend, s.options, s.results
-    started = time.monotonic()
+    job = parse_embedding_request(arrival.body, options.intake, f.preprocessor_for)
+    if job.chat.pending_urls:
+        job = dataclasses.replace(job, chat=await fetch_pending(job.chat, options.image_urls))
     try:
-        s.check_key(request)
-        body = await read_body(request, options.max_body_bytes)
-        f.stages.observe(Stage.BODY_READ, time.monotonic() - started)
-        job = parse_embedding_request(body, options.intake, f.preprocessor_for)
-        if job.chat.pending_urls:
-            job = dataclasses.replace(job, chat=await fetch_pending(job.chat, options.image_urls))
-        try:
-            vectors, tokens = await embed(f, job, results, bypass_cache=bypass_cache(request), receive=request.receive)
-        except Cancelled:  # the client hung up while its inputs ran: counted by abandon, answered to nobody
-            return Response(status_code=Cancelled.status_hint)
-        finally:
-            if results is not None:
-                f.stats.set_result_cache(results.stats, results.used_bytes)
-    except ShmgateError as exc:
-        count_error(f.stats, exc)
-        return error_response(exc)
-    count_ok(f.stats, time.monotonic() - started)
+        vectors, tokens = await embed(
+            f, job, results, bypass_cache=bypass_cache(arrival.request), receive=arrival.request.receive
+        )
+    except Cancelled:  # the client hung up while its inputs ran: counted by abandon, answered to nobody
+        return Response(status_code=Cancelled.status_hint)
+    finally:
+        if results is not None:
+            f.stats.set_result_cache(results.stats, results.used_bytes)
+    count_ok(f.stats, time.monotonic() - arrival.started)
     return Response(embedding_response(job, vectors, tokens), media_type="application/json")

@@ -1,11 +1,13 @@
-"""The chat answer, whole or streamed, of one choice or n: one loop over the wire events.
+"""A generated answer, whole or streamed, of one choice or n: one collector over the wire events.
 
-Every chat answer goes through ``answer``: it waits for the first event (so a failure before
-any output is a proper HTTP error, not a 200 stream carrying an error event), watches the
-connection while nothing is written to it (a hang-up cancels the work), then walks the events
-once with a ``match`` on the wire union. The walk yields SSE chunks when streaming and only
-collects when not, so TTFT, the ``delivered`` stage, Server-Timing and the success count are
-kept in one place for n = 1 and n > 1 alike.
+Every generation endpoint (chat completions, responses) answers through ``answer``: it waits for
+the first event (so a failure before any output is a proper HTTP error, not a 200 stream carrying
+an error event), watches the connection while nothing is written to it (a hang-up cancels the
+work), then walks the events once with a ``match`` on the wire union, collecting each choice's
+text into an ``Outcome``. What the client sees is the endpoint's ``AnswerFormat``: the walk asks
+it for the bytes of each stream event, or for the whole body at the end. TTFT, the ``delivered``
+stage, Server-Timing, the result cache and the success count are kept here once, for every API and
+for n = 1 and n > 1 alike.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import msgspec
 from fastapi.responses import JSONResponse, Response
@@ -21,17 +24,61 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive
 
 from shmgate.gateway.frontend import Frontend, RequestState
-from shmgate.gateway.http_errors import count_error, count_ok, error_body, error_response, failure_error
-from shmgate.gateway.sse import Completion, logprob_entry
+from shmgate.gateway.http_errors import count_error, count_ok, error_response, failure_error
+from shmgate.gateway.sse import logprob_entry
 from shmgate.gateway.stages import server_timing
-from shmgate.shared.errors import Cancelled
+from shmgate.shared.errors import Cancelled, ShmgateError
 from shmgate.shared.wire import Delta, Failed, Finished, TokenLogprobs, Vector, failed_reply
 
-__all__ = ["ChoiceEvents", "KeepAnswer", "answer", "cached_answer", "cancel_on_hang_up"]
+__all__ = [
+    "AnswerFormat",
+    "ChoiceEvents",
+    "KeepAnswer",
+    "Outcome",
+    "answer",
+    "cached_answer",
+    "cancel_on_hang_up",
+]
 
 ChatEvent = Delta | Vector | TokenLogprobs | Finished | Failed
 KeepAnswer = Callable[[Finished, str], None]  # stores a finished deterministic answer (the result cache)
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass
+class Outcome:
+    """What a request's events came to: each choice's text and finish reason, and the tokens counted.
+
+    ``logprobs`` holds each choice's entries not yet sent (a stream sends them with their text), or
+    None when the request did not ask for them.
+    """
+
+    texts: list[str]
+    finish_reasons: list[str]
+    prompt_tokens: int
+    completion_tokens: int  # every choice's, added up
+    logprobs: list[list[dict[str, Any]]] | None = None
+
+
+class AnswerFormat(Protocol):
+    """One API's wire format of a generated answer (gateway/sse.py ``ChatFormat``, gateway/responses_format.py).
+
+    The stream methods return the bytes of zero or more server-sent events; ``opening`` is sent once
+    the first event is known to be output, ``closing`` after every choice finished, ``failed`` when a
+    choice failed mid-stream (the stream ends after it). ``whole`` is the non-streamed body.
+    """
+
+    def opening(self, n: int) -> bytes: ...
+
+    def delta(self, index: int, text: str, logprobs: list[dict[str, Any]] | None) -> bytes: ...
+
+    def finished(self, index: int, reason: str, logprobs: list[dict[str, Any]] | None) -> bytes: ...
+
+    def failed(self, error: ShmgateError) -> bytes: ...
+
+    def closing(self, outcome: Outcome) -> bytes: ...
+
+    def whole(self, outcome: Outcome) -> dict[str, Any]: ...
 
 
 class ChoiceEvents:
@@ -102,17 +149,16 @@ def cancel_on_hang_up(f: Frontend, states: list[RequestState], receive: Receive 
 async def answer(
     f: Frontend,
     states: list[RequestState],
-    model: str,
+    fmt: AnswerFormat,
     started: float,
     *,
     stream: bool,
-    include_usage: bool = False,
     logprobs: bool = False,
     keep: KeepAnswer | None = None,
     timing_header: bool = False,
     receive: Receive | None = None,
 ) -> Response:
-    """Answer a chat request whose ``states`` (one per choice) are submitted.
+    """Answer a generation request whose ``states`` (one per choice) are submitted, in format ``fmt``.
 
     ``keep`` stores a one-choice answer in the result cache; ``timing_header`` adds Server-Timing to
     a whole answer (a stream's headers leave before its timing is known); ``receive`` (the request's
@@ -120,9 +166,7 @@ async def answer(
     written (from then on Starlette's StreamingResponse listens for the disconnect itself).
     """
     events = ChoiceEvents(f, states)
-    render = _Render(
-        f, states, events, model, started, stream=stream, include_usage=include_usage, logprobs=logprobs, keep=keep
-    )
+    collect = _Collect(f, states, events, fmt, started, stream=stream, logprobs=logprobs, keep=keep)
     watcher = cancel_on_hang_up(f, states, receive)
     try:
         try:
@@ -134,13 +178,13 @@ async def answer(
             events.close()
             return failure_response(f, first[1])
         if not stream:
-            async for _ in render.walk(first):
+            async for _ in collect.walk(first):
                 pass
-            return render.whole(timing_header)
+            return collect.whole(timing_header)
     finally:
         if watcher is not None:
             watcher.cancel()
-    return StreamingResponse(render.walk(first), media_type="text/event-stream", headers=_SSE_HEADERS)
+    return StreamingResponse(collect.walk(first), media_type="text/event-stream", headers=_SSE_HEADERS)
 
 
 def failure_response(f: Frontend, event: Failed) -> Response:
@@ -152,32 +196,29 @@ def failure_response(f: Frontend, event: Failed) -> Response:
     return error_response(error)
 
 
-class _Render:
-    """One answer's walk over its choices' events, and what it collected."""
+class _Collect:
+    """One answer's walk over its choices' events, and the outcome it collected."""
 
     def __init__(
         self,
         f: Frontend,
         states: list[RequestState],
         events: ChoiceEvents,
-        model: str,
+        fmt: AnswerFormat,
         started: float,
         *,
         stream: bool,
-        include_usage: bool,
         logprobs: bool,
         keep: KeepAnswer | None,
     ) -> None:
         self.f = f
         self.states = states
         self.events = events
+        self.fmt = fmt
         self.started = started
         self.stream = stream
-        self.include_usage = include_usage
         self.logprobs = logprobs
         self.keep = keep if len(states) == 1 else None
-        self.completion = Completion(model)
-        self.collect = not stream or self.keep is not None  # whole texts are needed
         self.texts: list[list[str]] = [[] for _ in states]
         # logprobs entries not sent yet (streamed: of tokens whose text has not gone out; whole: all)
         self.entries: list[list[dict[str, Any]]] = [[] for _ in states]
@@ -188,12 +229,11 @@ class _Render:
         self.elapsed_s = 0.0
 
     async def walk(self, first: tuple[int, ChatEvent]) -> AsyncIterator[bytes]:
-        """SSE chunks when streaming (nothing otherwise) until every choice finished or one failed."""
-        completion = self.completion
+        """Stream events when streaming (nothing otherwise) until every choice finished or one failed."""
+        fmt = self.fmt
         try:
             if self.stream:
-                for i in range(len(self.states)):
-                    yield completion.role_chunk(index=i)
+                yield fmt.opening(len(self.states))
             index, event = first
             while True:
                 match event:
@@ -201,22 +241,18 @@ class _Render:
                         if self.logprobs:
                             self.entries[index].append(logprob_entry(entry))
                     case Delta(text=text):
-                        if self.collect:
-                            self.texts[index].append(text)
+                        self.texts[index].append(text)
                         if self.stream:
                             if self.ttft_s is None:
                                 self.ttft_s = time.monotonic() - self.started
-                            yield completion.content_chunk(
-                                text, self.entries[index] if self.logprobs else None, index=index
-                            )
+                            yield fmt.delta(index, text, self.entries[index] if self.logprobs else None)
                             self.entries[index] = []
                     case Finished(finish_reason=reason):
                         self.finished[index] = event
                         self.last = index
-                        if self.stream:
-                            if self.entries[index]:  # tokens with no text of their own (EOS, a held-back stop)
-                                yield completion.content_chunk("", self.entries[index], index=index)
-                            yield completion.finish_chunk(reason, index=index)
+                        if self.stream:  # entries left: tokens with no text of their own (EOS, a held-back stop)
+                            yield fmt.finished(index, reason, self.entries[index] if self.logprobs else None)
+                            self.entries[index] = []
                         if len(self.finished) == len(self.states):
                             break
                     case Failed():
@@ -224,15 +260,13 @@ class _Render:
                         if self.stream and event.code != Cancelled.code:  # a hang-up is counted by abandon
                             error = failure_error(event)
                             count_error(self.f.stats, error)
-                            yield completion.error_event(error_body(error.message, error.error_type, error.code))
+                            yield fmt.failed(error)
                         return
                 index, event = await self.events.next()
             if self.keep is not None:
                 self.keep(self.finished[0], "".join(self.texts[0]))
             if self.stream:
-                if self.include_usage:
-                    yield completion.usage_chunk(*self._usage())
-                yield completion.done()
+                yield fmt.closing(self.outcome())
             for state in self.states:
                 if state.trace is not None:
                     state.trace.delivered(state.timing.done_ns, self.ttft_s)
@@ -242,38 +276,45 @@ class _Render:
         finally:
             self.events.close()  # a choice not done (a failure, a hang-up mid-stream) is abandoned
 
-    def _usage(self) -> tuple[int, int]:
-        """(prompt tokens, completion tokens): every choice reads the same prompt; their outputs add up."""
-        return self.finished[0].prompt_tokens, sum(e.completion_tokens for e in self.finished.values())
+    def outcome(self) -> Outcome:
+        """Every choice reads the same prompt; their outputs add up."""
+        n = len(self.states)
+        return Outcome(
+            texts=["".join(self.texts[i]) for i in range(n)],
+            finish_reasons=[self.finished[i].finish_reason for i in range(n)],
+            prompt_tokens=self.finished[0].prompt_tokens,
+            completion_tokens=sum(e.completion_tokens for e in self.finished.values()),
+            logprobs=self.entries if self.logprobs else None,
+        )
 
     def whole(self, timing_header: bool) -> Response:
         """The whole answer once ``walk`` ended (or the error it ended with)."""
         if self.failed is not None:
             return failure_response(self.f, self.failed)
-        choices = [
-            self.completion.choice(
-                i, "".join(self.texts[i]), self.finished[i].finish_reason, self.entries[i] if self.logprobs else None
-            )
-            for i in range(len(self.states))
-        ]
         headers = None
         if timing_header:
             headers = {"Server-Timing": server_timing(self.states[self.last].timing, self.elapsed_s)}
-        return JSONResponse(self.completion.completion_of(choices, *self._usage()), headers=headers)
+        return JSONResponse(self.fmt.whole(self.outcome()), headers=headers)
 
 
 def cached_answer(
-    f: Frontend, model: str, stream: bool, include_usage: bool, cached: bytes, started: float
+    f: Frontend, fmt: AnswerFormat, stream: bool, cached: bytes, started: float, *, read_s: float | None = None
 ) -> Response:
-    """A result-cache hit, answered as the model would have (one content chunk when streaming)."""
+    """A result-cache hit, answered as the model would have (one content event when streaming).
+
+    With ``read_s`` (the body's read, given when Server-Timing is on) the answer's Server-Timing names
+    that, the hit, and the total: the hit skipped every other stage.
+    """
     text, finish_reason, prompt_tokens, completion_tokens = msgspec.msgpack.decode(cached)
-    completion = Completion(model)
+    outcome = Outcome([text], [finish_reason], prompt_tokens, completion_tokens)
     elapsed = time.monotonic() - started
     count_ok(f.stats, elapsed, elapsed)
+    headers = {}
+    if read_s is not None:
+        headers["Server-Timing"] = (
+            f"body_read;dur={read_s * 1000:.2f}, result_cache;desc=hit, total;dur={elapsed * 1000:.2f}"
+        )
     if not stream:
-        return JSONResponse(completion.completion(text, finish_reason, prompt_tokens, completion_tokens))
-    chunks = [completion.role_chunk(), completion.content_chunk(text), completion.finish_chunk(finish_reason)]
-    if include_usage:
-        chunks.append(completion.usage_chunk(prompt_tokens, completion_tokens))
-    chunks.append(completion.done())
-    return Response(b"".join(chunks), media_type="text/event-stream", headers=_SSE_HEADERS)
+        return JSONResponse(fmt.whole(outcome), headers=headers)
+    body = fmt.opening(1) + fmt.delta(0, text, None) + fmt.finished(0, finish_reason, None) + fmt.closing(outcome)
+    return Response(body, media_type="text/event-stream", headers=_SSE_HEADERS | headers)

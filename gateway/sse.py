@@ -1,4 +1,4 @@
-"""OpenAI response shapes: chat.completion, chat.completion.chunk, and their SSE framing.
+"""OpenAI chat response shapes: chat.completion, chat.completion.chunk, their SSE framing, and ``ChatFormat``.
 
 Streaming follows what the OpenAI client expects: the first chunk's delta
 carries the role, ``finish_reason`` rides on the last content chunk's
@@ -11,13 +11,18 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from shmgate.gateway.http_errors import error_body
+from shmgate.shared.errors import ShmgateError
 from shmgate.shared.wire import TokenLogprob
 
-__all__ = ["Completion", "logprob_entry", "usage"]
+if TYPE_CHECKING:
+    from shmgate.gateway.render import Outcome
+
+__all__ = ["ChatFormat", "Completion", "logprob_entry", "usage"]
 
 _json = msgspec.json.Encoder()
 
@@ -119,3 +124,43 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+
+
+class ChatFormat:
+    """The Chat Completions wire format of a generated answer (gateway/render.py ``AnswerFormat``).
+
+    ``include_usage``: a stream ends with the usage chunk (``stream_options.include_usage``). A whole
+    answer carries each choice's logprobs when the outcome has them (the request asked for them).
+    """
+
+    def __init__(self, model: str, *, include_usage: bool = False) -> None:
+        self.completion = Completion(model)
+        self.include_usage = include_usage
+
+    def opening(self, n: int) -> bytes:
+        return b"".join(self.completion.role_chunk(index=i) for i in range(n))
+
+    def delta(self, index: int, text: str, logprobs: list[dict[str, Any]] | None) -> bytes:
+        return self.completion.content_chunk(text, logprobs, index=index)
+
+    def finished(self, index: int, reason: str, logprobs: list[dict[str, Any]] | None) -> bytes:
+        # entries left are of tokens with no text of their own (EOS, a held-back stop): their own chunk
+        head = self.completion.content_chunk("", logprobs, index=index) if logprobs else b""
+        return head + self.completion.finish_chunk(reason, index=index)
+
+    def failed(self, error: ShmgateError) -> bytes:
+        return self.completion.error_event(error_body(error.message, error.error_type, error.code))
+
+    def closing(self, outcome: Outcome) -> bytes:
+        usage_chunk = b""
+        if self.include_usage:
+            usage_chunk = self.completion.usage_chunk(outcome.prompt_tokens, outcome.completion_tokens)
+        return usage_chunk + self.completion.done()
+
+    def whole(self, outcome: Outcome) -> dict[str, Any]:
+        entries = outcome.logprobs
+        choices = [
+            self.completion.choice(i, text, outcome.finish_reasons[i], None if entries is None else entries[i])
+            for i, text in enumerate(outcome.texts)
+        ]
+        return self.completion.completion_of(choices, outcome.prompt_tokens, outcome.completion_tokens)

@@ -27,6 +27,7 @@ from shmgate.gateway.metrics import Counter
 from shmgate.gateway.preprocess.vision import ChecksumPreprocessor
 from shmgate.gateway.render import answer
 from shmgate.gateway.request_state import Phase
+from shmgate.gateway.sse import ChatFormat
 from shmgate.shared.errors import Cancelled, InvalidRequest
 from shmgate.shared.transport.memory import MemoryFrontendLink, MemoryNode
 from shmgate.shared.wire import Claimed, Delta, Submit, failed_reply
@@ -86,7 +87,9 @@ async def _two_choices(frontend: Frontend, node: MemoryNode) -> tuple[list[Reque
 def test_a_choice_failing_before_any_output_is_an_http_error_not_a_200_stream(stream: bool) -> None:
     async def scenario(frontend: Frontend, node: MemoryNode, link: MemoryFrontendLink) -> None:
         states, submits = await _two_choices(frontend, node)
-        answering = asyncio.create_task(answer(frontend, states, "checksum", time.monotonic(), stream=stream))
+        answering = asyncio.create_task(
+            answer(frontend, states, ChatFormat("checksum"), time.monotonic(), stream=stream)
+        )
         node.reply(failed_reply(submits[1].request_id, 0, InvalidRequest("the worker refused this choice")))
         response = await asyncio.wait_for(answering, 10)
         assert not isinstance(response, StreamingResponse)
@@ -104,10 +107,13 @@ def test_a_choice_failing_after_output_began_is_an_error_event_ending_the_stream
     async def scenario(frontend: Frontend, node: MemoryNode, link: MemoryFrontendLink) -> None:
         states, submits = await _two_choices(frontend, node)
         node.reply(Delta(submits[0].request_id, 0, "a cat"))
-        response = await asyncio.wait_for(answer(frontend, states, "checksum", time.monotonic(), stream=True), 10)
+        response = await asyncio.wait_for(
+            answer(frontend, states, ChatFormat("checksum"), time.monotonic(), stream=True), 10
+        )
         assert isinstance(response, StreamingResponse) and response.status_code == 200
         node.reply(failed_reply(submits[1].request_id, 0, InvalidRequest("the worker refused this choice")))
-        chunks = [json.loads(bytes(c).removeprefix(b"data: ")) async for c in response.body_iterator]
+        body = b"".join([bytes(c) async for c in response.body_iterator])
+        chunks = [json.loads(event.removeprefix(b"data: ")) for event in body.split(b"\n\n") if event]
         assert [c["choices"][0]["index"] for c in chunks[:2]] == [0, 1]  # each choice's role chunk
         assert chunks[2]["choices"][0]["delta"] == {"content": "a cat"}
         assert chunks[3]["error"]["message"] == "the worker refused this choice" and len(chunks) == 4
@@ -128,7 +134,7 @@ def test_a_hang_up_before_any_output_cancels_every_choice(stream: bool) -> None:
             return {"type": "http.disconnect"}
 
         answering = asyncio.create_task(
-            answer(frontend, states, "checksum", time.monotonic(), stream=stream, receive=receive)
+            answer(frontend, states, ChatFormat("checksum"), time.monotonic(), stream=stream, receive=receive)
         )
         await asyncio.sleep(0.05)
         assert not answering.done()  # waiting for the first output
