@@ -3,6 +3,7 @@
 Routes:
     POST /v1/chat/completions   OpenAI chat, streaming (SSE) or not
     POST /v1/embeddings         OpenAI embeddings of images (and text, for CLIP-class models): gateway/embeddings.py
+    POST /v1/responses          OpenAI Responses API, streaming or not (no response store): gateway/responses.py
     GET  /v1/models             the served models, each with its state and capabilities
     GET  /health                this process is up and attached (always open)
     GET  /ready                 every model has a worker that heartbeats, and we are not draining
@@ -45,6 +46,7 @@ from shmgate.gateway.lane import BulkLane
 from shmgate.gateway.metrics import BatchCollector, FrontendStats, ModelGauges, exposition
 from shmgate.gateway.openapi import docs_page, openapi_document
 from shmgate.gateway.preprocess import get_preprocessor
+from shmgate.gateway.responses import responses_route
 from shmgate.gateway.result_cache import ResultCache
 from shmgate.gateway.served import AppOptions, Served, read_body, served
 from shmgate.gateway.tokenize import detokenize, model_card, tokenize
@@ -97,6 +99,7 @@ def create_app(options: AppOptions) -> FastAPI:
     app.add_api_route("/metrics", _metrics, methods=["GET"])
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_api_route("/v1/embeddings", embeddings_route, methods=["POST"])
+    app.add_api_route("/v1/responses", responses_route, methods=["POST"])
     add_batch_routes(app)
     return app
 

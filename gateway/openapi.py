@@ -37,6 +37,7 @@ from starlette.responses import HTMLResponse
 from shmgate.gateway.embeddings import EmbeddingRequest
 from shmgate.gateway.http_errors import MAX_MESSAGE_CHARS
 from shmgate.gateway.intake import ChatCompletionRequest
+from shmgate.gateway.responses import ResponsesRequest
 from shmgate.gateway.tokenize import DetokenizeRequest, TokenizeRequest
 
 __all__ = ["DOCUMENT_URL", "docs_page", "openapi_document"]
@@ -127,6 +128,54 @@ _EMBEDDINGS = {
         "usage": {"type": "object"},
     },
 }
+_OUTPUT_TEXT = {
+    "type": "object",
+    "required": ["type", "text", "annotations"],
+    "properties": {
+        "type": {"const": "output_text"},
+        "text": {"type": "string"},
+        "annotations": {"type": "array", "maxItems": 0},
+        "logprobs": {"type": "array"},
+    },
+}
+_RESPONSE = {
+    "type": "object",
+    "required": ["id", "object", "created_at", "status", "model", "output", "usage", "error", "incomplete_details"],
+    "properties": {
+        "id": {"type": "string"},
+        "object": {"const": "response"},
+        "created_at": {"type": "integer"},
+        "status": {"enum": ["completed", "incomplete"]},
+        "error": {"type": "null"},
+        "incomplete_details": {
+            "type": ["object", "null"],
+            "properties": {"reason": {"const": "max_output_tokens"}},
+        },
+        "model": {"type": "string"},
+        "output": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["id", "type", "status", "role", "content"],
+                "properties": {
+                    "id": {"type": "string"},
+                    "type": {"const": "message"},
+                    "status": {"enum": ["completed", "incomplete"]},
+                    "role": {"const": "assistant"},
+                    "content": {"type": "array", "items": _OUTPUT_TEXT},
+                },
+            },
+        },
+        "store": {"const": False},
+        "usage": {
+            "type": "object",
+            "required": ["input_tokens", "output_tokens", "total_tokens"],
+            "properties": {
+                name: {"type": "integer", "minimum": 0} for name in ("input_tokens", "output_tokens", "total_tokens")
+            },
+        },
+    },
+}
 _MODEL_STATES = ["loading", "ready", "failed", "draining"]  # gateway/app.py model_state
 _MODEL_CARD = {
     "type": "object",
@@ -180,6 +229,7 @@ _TOKENS = {
     "properties": {"count": {"type": "integer"}, "tokens": {"type": "array", "items": {"type": "integer"}}},
 }
 _STATUS = {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}}
+_VERSION = {"type": "object", "required": ["version"], "properties": {"version": {"type": "string"}}}
 _NOT_READY = {
     "type": "object",
     "required": ["status", "message", "waiting_for", "models"],
@@ -264,14 +314,23 @@ def _model() -> dict[str, Any]:
 
 def openapi_document() -> dict[str, Any]:
     """The whole document (OpenAPI 3.1: its schemas are JSON Schema, as msgspec writes them)."""
-    (chat, embeddings, tokenize, detokenize), components = msgspec.json.schema_components(
-        [ChatCompletionRequest, EmbeddingRequest, TokenizeRequest, DetokenizeRequest], ref_template=_REF
+    (chat, embeddings, responses, tokenize, detokenize), components = msgspec.json.schema_components(
+        [ChatCompletionRequest, EmbeddingRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest],
+        ref_template=_REF,
     )
-    components |= {"Error": _ERROR, "Usage": _USAGE, "ChatCompletion": _CHAT_COMPLETION}
+    components |= {"Error": _ERROR, "Usage": _USAGE, "ChatCompletion": _CHAT_COMPLETION, "Response": _RESPONSE}
     completion = {
         "description": "the answer: one JSON object, or server-sent events when stream is true",
         "content": {
             "application/json": {"schema": {"$ref": _REF.format(name="ChatCompletion")}},
+            "text/event-stream": {"schema": {"type": "string"}},
+        },
+    }
+    response = {
+        "description": "the response: one JSON object, or server-sent events (response.created ... "
+        "response.completed or response.incomplete) when stream is true",
+        "content": {
+            "application/json": {"schema": {"$ref": _REF.format(name="Response")}},
             "text/event-stream": {"schema": {"type": "string"}},
         },
     }
@@ -291,6 +350,12 @@ def openapi_document() -> dict[str, Any]:
                 _json(_EMBEDDINGS, "the vectors"),
                 "OpenAI embeddings of images (and text, for CLIP-class models)",
             ),
+            "/v1/responses": _post(
+                "responses",
+                responses["$ref"],
+                response,
+                "OpenAI Responses API with input_image (no response store: store and previous_response_id are refused)",
+            ),
             "/tokenize": _post(
                 "tokenize",
                 tokenize["$ref"],
@@ -303,6 +368,7 @@ def openapi_document() -> dict[str, Any]:
             "/v1/models": _get("models", _json(_MODELS, "the served models"), "the served models", 401),
             "/v1/models/{model}": _model(),
             "/health": _get("health", _json(_STATUS, "this process is up"), "liveness"),
+            "/version": _get("version", _json(_VERSION, "the shmgate version serving"), "the version"),
             "/ready": _ready(),
             "/ready/{model}": _model_ready(),
             "/metrics": _get(

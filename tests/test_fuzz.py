@@ -46,6 +46,7 @@ from shmgate.gateway.intake import ChatCompletionRequest, IntakeLimits, image_by
 from shmgate.gateway.openapi import openapi_document
 from shmgate.gateway.preprocess.hf import HFPreprocessor
 from shmgate.gateway.preprocess.vision import ChecksumPreprocessor
+from shmgate.gateway.responses import ResponsesRequest, parse_responses_request
 from shmgate.shared.errors import ImageTooLarge, RequestError, UndecodableImage
 from shmgate.shared.wire import MIN_TEMPERATURE
 from tests.serving import IMAGES, Server, data_url
@@ -374,11 +375,13 @@ def test_the_document_lists_every_route_and_the_whole_request_body(spare_slot_se
     assert set(document["paths"]) == {
         "/v1/chat/completions",
         "/v1/embeddings",
+        "/v1/responses",
         "/tokenize",
         "/detokenize",
         "/v1/models",
         "/v1/models/{model}",
         "/health",
+        "/version",
         "/ready",
         "/ready/{model}",
         "/metrics",
@@ -459,6 +462,36 @@ def test_any_json_value_inside_a_message_parses_or_is_a_request_error(
     _parses_or_refuses({**GOOD, "messages": [{"role": "user", **message}]})
     nested = {**part, "image_url": image_url} if part.get("type") == "image_url" else part
     _parses_or_refuses({**GOOD, "messages": [{"role": "user", "content": [nested]}]})
+
+
+RESPONSES_GOOD = {"model": "checksum", "input": "hi"}
+# text.format's members, and input parts' members, where a grammar or an image hides behind a type check
+RESPONSES_NESTED = st.fixed_dictionaries(
+    {"format": st.dictionaries(st.sampled_from(["type", "name", "schema", "strict"]), ANY_JSON, max_size=4)}
+) | st.builds(
+    lambda part: [{"role": "user", "content": [part]}],
+    st.dictionaries(
+        st.sampled_from(["type", "text", "image_url", "detail", "file_id"]),
+        ANY_JSON
+        | st.sampled_from(["input_text", "input_image", "output_text", "json_schema", "data:image/png;base64,"]),
+        max_size=4,
+    ),
+)
+
+
+@pytest.mark.parametrize("field", sorted(ResponsesRequest.__struct_fields__))
+def test_any_json_value_in_any_responses_field_parses_or_is_a_request_error(field: str) -> None:
+    @fuzz_settings(20)
+    @given(value=FIELD_VALUE | RESPONSES_NESTED)
+    def run(value: object) -> None:
+        text = json.dumps({**RESPONSES_GOOD, field: value}).replace("Infinity", "1e999")
+        try:
+            params = parse_responses_request(text.encode(), IntakeLimits())[0].params
+        except RequestError:
+            return
+        assert math.isfinite(params.temperature) and math.isfinite(params.top_p), params
+
+    run()
 
 
 # -- (e) image processor options of any shape ------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The chat answer for n choices, rendered by the one loop of gateway/render.py, when a choice fails.
+"""Generated answers, chat and Responses, rendered by the one collector of gateway/render.py when a choice fails.
 
 A real ``Frontend`` runs on the in-memory transport (shared/transport/memory.py) and the test plays
 the worker, so a choice can fail at an exact moment: before any output (the answer is an HTTP
@@ -27,6 +27,8 @@ from shmgate.gateway.metrics import Counter
 from shmgate.gateway.preprocess.vision import ChecksumPreprocessor
 from shmgate.gateway.render import answer
 from shmgate.gateway.request_state import Phase
+from shmgate.gateway.responses import parse_responses_request
+from shmgate.gateway.responses_format import ResponsesFormat
 from shmgate.gateway.sse import ChatFormat
 from shmgate.shared.errors import Cancelled, InvalidRequest
 from shmgate.shared.transport.memory import MemoryFrontendLink, MemoryNode
@@ -144,5 +146,38 @@ def test_a_hang_up_before_any_output_cancels_every_choice(stream: bool) -> None:
         assert [state.phase for state in states] == [Phase.ABANDONED, Phase.ABANDONED]
         assert int(link.row[Counter.CANCELLED]) == 2  # one per choice, as each is a request in flight
         assert int(link.row[Counter.REQUESTS_OK]) == 0 and int(link.row[Counter.REQUESTS_CLIENT_ERROR]) == 0
+
+    _run(scenario)
+
+
+def test_a_response_failing_after_output_began_ends_its_stream_with_response_failed() -> None:
+    """The same walk in the Responses format: its events in order, then response.failed carrying the error."""
+
+    async def scenario(frontend: Frontend, node: MemoryNode, link: MemoryFrontendLink) -> None:
+        body = json.dumps({"model": "checksum", "input": "what is it?", "stream": True}).encode()
+        chat, req = parse_responses_request(body, IntakeLimits())
+        states = await submit_choices(frontend, chat)
+        submit = node.take()
+        assert submit is not None
+        node.reply(Claimed(submit.request_id, 0, 1))
+        node.reply(Delta(submit.request_id, 0, "a cat"))
+        response = await asyncio.wait_for(
+            answer(frontend, states, ResponsesFormat(req), time.monotonic(), stream=True), 10
+        )
+        assert isinstance(response, StreamingResponse) and response.status_code == 200
+        node.reply(failed_reply(submit.request_id, 0, InvalidRequest("the worker refused it")))
+        body = b"".join([bytes(c) async for c in response.body_iterator])
+        events = [json.loads(e.split(b"\ndata: ", 1)[1]) for e in body.split(b"\n\n") if e]
+        assert [e["type"] for e in events] == [
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added",
+            "response.content_part.added",
+            "response.output_text.delta",
+            "response.failed",
+        ]
+        assert [e["sequence_number"] for e in events] == list(range(6))
+        assert events[-1]["response"]["error"] == {"code": "invalid_prompt", "message": "the worker refused it"}
+        assert int(link.row[Counter.REQUESTS_CLIENT_ERROR]) == 1 and int(link.row[Counter.REQUESTS_OK]) == 0
 
     _run(scenario)

@@ -1,0 +1,309 @@
+"""``POST /v1/responses``: OpenAI's Responses API as a codec over the request pipeline (gateway/pipeline.py).
+
+The request becomes the engine's request through the chat path's own validation: ``input`` (a string,
+or messages whose content is ``input_text`` and ``input_image`` parts; ``output_text`` parts of an
+earlier answer sent back as an assistant message) turns into chat messages, ``instructions`` into a
+system message in front of them, ``max_output_tokens``, ``temperature`` and ``top_p`` into sampling,
+``text.format`` (json_schema, json_object) into the grammar of structured outputs
+(gateway/structured.py). Images are data URLs, or http(s) URLs under ``--allow-image-urls``, as in chat.
+The answer is written by gateway/responses_format.py.
+
+Every field is honoured or refused with a 400 naming it, never ignored:
+- kept with no response store: ``store`` (only false; the default here is false, not OpenAI's true)
+  and ``previous_response_id`` (refused: nothing is kept to continue from);
+- echoed in the response, as OpenAI does: ``metadata``, ``user``, ``safety_identifier``,
+  ``parallel_tool_calls`` (no tools are called), ``tool_choice`` ``none`` or ``auto``, ``truncation``
+  ``disabled``, ``service_tier`` ``auto`` or ``default``, ``text.verbosity`` ``medium``;
+- refused when present: tools, reasoning, ``include``, ``background``, ``conversation``, ``prompt``,
+  ``top_logprobs``, ``stream_options``, the prompt-cache options and the rest of ``REFUSED``; and
+  any name this server does not know (unlike chat, whose older clients send extra fields, every
+  client of this API knows what it sends).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal, Union
+
+import msgspec
+from fastapi import Request
+from fastapi.responses import Response
+
+from shmgate.gateway.intake import (
+    ChatCompletionRequest,
+    ChatRequest,
+    ImagePart,
+    ImageURL,
+    IntakeLimits,
+    Message,
+    Part,
+    TextPart,
+    chat_request_from,
+    decode_body,
+)
+from shmgate.gateway.pipeline import generate, handle
+from shmgate.gateway.render import AnswerFormat
+from shmgate.gateway.responses_format import ResponsesFormat
+from shmgate.shared.errors import InvalidRequest, RequestError
+
+__all__ = [
+    "RESPONSES",
+    "REFUSED",
+    "ResponsesCodec",
+    "ResponsesRequest",
+    "parse_responses_request",
+    "responses_route",
+]
+
+Refused = Annotated[Any, msgspec.Meta(description="not supported: a 400 naming the field when present (not null)")]
+
+
+class InputText(msgspec.Struct, tag="input_text", tag_field="type", forbid_unknown_fields=True):
+    text: str
+
+
+class InputImage(msgspec.Struct, tag="input_image", tag_field="type", forbid_unknown_fields=True):
+    image_url: str | None = None  # a data URL (http(s) under --allow-image-urls)
+    detail: Literal["auto", "low", "high"] | None = None
+    file_id: Refused = None  # no file store for inputs
+
+
+class OutputText(msgspec.Struct, tag="output_text", tag_field="type", forbid_unknown_fields=True):
+    """An earlier answer's text, sent back in an assistant message for a multi-turn conversation."""
+
+    text: str
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
+
+
+InputPart = Union[InputText, InputImage, OutputText]
+
+
+class InputMessage(msgspec.Struct, forbid_unknown_fields=True):
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[InputPart]
+    type: Literal["message"] | None = None
+    id: str | None = None  # an earlier output message sent back carries its id and status
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+class TextConfig(msgspec.Struct, forbid_unknown_fields=True):
+    format: dict[str, Any] | None = None  # {"type": "text" | "json_object" | "json_schema", ...}
+    verbosity: Literal["medium"] | None = None  # the only verbosity of a model that is not a reasoning model
+
+
+class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True):
+    model: str
+    input: str | list[InputMessage]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    text: TextConfig | None = None
+    stream: bool | None = None
+    store: Annotated[bool | None, msgspec.Meta(description="only false: no response is stored")] = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    parallel_tool_calls: bool | None = None
+    tool_choice: Annotated[Any, msgspec.Meta(description='only "none" or "auto": no tools')] = None
+    truncation: Literal["disabled"] | None = None
+    service_tier: Literal["auto", "default"] | None = None
+    # REFUSED: decoded with the rest, so refusing them costs no second pass
+    previous_response_id: Refused = None
+    conversation: Refused = None
+    tools: Refused = None
+    reasoning: Refused = None
+    include: Refused = None
+    background: Refused = None
+    prompt: Refused = None
+    top_logprobs: Refused = None
+    stream_options: Refused = None
+    max_tool_calls: Refused = None
+    prompt_cache_key: Refused = None
+    prompt_cache_retention: Refused = None
+    prompt_cache_options: Refused = None
+    context_management: Refused = None
+
+
+# What each refused field would ask of a server: the 400's reason.
+REFUSED: dict[str, str] = {
+    "previous_response_id": "this server keeps no responses to continue from; send the conversation in input",
+    "conversation": "this server keeps no conversations; send the conversation in input",
+    "tools": "tools (function calling, built-in tools) are not supported by this server",
+    "reasoning": "reasoning options are not supported: these models do not reason before answering",
+    "include": "no extra output data is available to include",
+    "background": "background responses need a response store, which this server does not have",
+    "prompt": "stored prompt templates are not supported; send instructions and input",
+    "top_logprobs": "log probabilities are not supported on this endpoint; use /v1/chat/completions",
+    "stream_options": "stream options are not supported",
+    "max_tool_calls": "tools are not supported by this server",
+    "prompt_cache_key": "prompt cache options are not supported",
+    "prompt_cache_retention": "prompt cache options are not supported",
+    "prompt_cache_options": "prompt cache options are not supported",
+    "context_management": "context management is not supported",
+}
+
+MAX_METADATA_PAIRS = 16  # OpenAI's bounds on metadata
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+
+_decoder = msgspec.json.Decoder(ResponsesRequest)
+_UNKNOWN = re.compile(r"unknown field `([^`]*)`(?: - at `\$\.?([^`]*)`)?")
+
+
+def parse_responses_request(body: bytes, limits: IntakeLimits) -> tuple[ChatRequest, ResponsesRequest]:
+    """The engine's request and the parsed body (its echoed fields). Raises RequestError subclasses
+    naming the Responses API's own fields."""
+    req = _decode(body)
+    _check_refused(req)
+    if isinstance(req.input, list):
+        messages = [_message(i, m) for i, m in enumerate(req.input)]
+    else:
+        messages = [Message("user", req.input)]
+    if not messages:
+        raise InvalidRequest("input must not be empty", param="input")
+    if req.max_output_tokens is not None and not 1 <= req.max_output_tokens <= 1 << 20:
+        raise InvalidRequest(f"max_output_tokens must be between 1 and {1 << 20}", param="max_output_tokens")
+    if req.instructions is not None and len(req.instructions) > limits.max_text_chars:
+        raise InvalidRequest(f"instructions are longer than {limits.max_text_chars} characters", param="instructions")
+    chat_form = ChatCompletionRequest(
+        req.model,
+        messages,
+        stream=req.stream,
+        max_completion_tokens=req.max_output_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        user=req.user,
+        response_format=_response_format(req.text),
+    )
+    try:
+        chat = chat_request_from(chat_form, limits)
+    except RequestError as exc:
+        exc.param = _renamed(exc.param, isinstance(req.input, str))
+        raise
+    if req.instructions:  # in front of the conversation, as OpenAI places them
+        system = {"role": "system", "content": [{"type": "text", "text": req.instructions}]}
+        chat = dataclasses.replace(chat, messages=[system, *chat.messages])
+    return chat, req
+
+
+def _decode(body: bytes) -> ResponsesRequest:
+    """Decode, naming an unknown field as the param (``$.foo`` / ``$.input[0].bar``) of its 400."""
+    try:
+        req: ResponsesRequest = _decoder.decode(body)
+        return req
+    except msgspec.ValidationError as exc:
+        match = _UNKNOWN.search(str(exc))
+        if match is None:
+            return decode_body(_decoder, body)  # raises the InvalidRequest naming the field msgspec names
+        where = match.group(2)
+        name = f"{where}.{match.group(1)}" if where else match.group(1)
+        raise InvalidRequest(
+            f"Unrecognized request argument supplied: {match.group(1)} (not supported by this server)", param=name
+        ) from None
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+        return decode_body(_decoder, body)  # raises the InvalidRequest saying why
+
+
+def _check_refused(req: ResponsesRequest) -> None:
+    for name, reason in REFUSED.items():
+        if getattr(req, name) is not None:
+            raise InvalidRequest(f"{name} is not supported: {reason}", param=name)
+    if req.store:
+        raise InvalidRequest(
+            "store: true is not supported: this server keeps no responses; leave store out or send false",
+            param="store",
+        )
+    if req.tool_choice is not None and req.tool_choice not in ("none", "auto"):
+        raise InvalidRequest('tool_choice is not supported; only "none" or "auto" (no tools)', param="tool_choice")
+    if req.metadata is not None and (
+        len(req.metadata) > MAX_METADATA_PAIRS
+        or any(len(k) > MAX_METADATA_KEY_CHARS or len(v) > MAX_METADATA_VALUE_CHARS for k, v in req.metadata.items())
+    ):
+        raise InvalidRequest(
+            f"metadata takes at most {MAX_METADATA_PAIRS} pairs, keys of at most {MAX_METADATA_KEY_CHARS} "
+            f"and values of at most {MAX_METADATA_VALUE_CHARS} characters",
+            param="metadata",
+        )
+
+
+def _message(i: int, message: InputMessage) -> Message:
+    """One input message as a chat message (its parts at the same indices, so errors name the same place)."""
+    if isinstance(message.content, str):
+        return Message(message.role, message.content)
+    parts: list[Part] = []
+    for part in message.content:
+        if isinstance(part, InputText):
+            parts.append(TextPart(part.text))
+        elif isinstance(part, OutputText):
+            parts.append(TextPart(part.text))
+        else:
+            parts.append(ImagePart(ImageURL(part.image_url or "", part.detail)))
+    for j, part in enumerate(message.content):  # checked here, where the input's own names are known
+        if isinstance(part, OutputText) and message.role != "assistant":
+            raise InvalidRequest("output_text parts belong to assistant messages", param=f"input[{i}].content[{j}]")
+        if isinstance(part, InputImage):
+            if part.file_id is not None:
+                raise InvalidRequest(
+                    "file_id is not supported: send image_url as a data URL (data:image/jpeg;base64,...)",
+                    param=f"input[{i}].content[{j}].file_id",
+                )
+            if not part.image_url:
+                raise InvalidRequest(
+                    "input_image needs image_url (a data URL: data:image/jpeg;base64,...)",
+                    param=f"input[{i}].content[{j}].image_url",
+                )
+    return Message(message.role, parts)
+
+
+def _response_format(text: TextConfig | None) -> dict[str, Any] | None:
+    """``text.format`` in the chat form gateway/structured.py reads (json_schema's fields one level down)."""
+    if text is None or text.format is None:
+        return None
+    fmt = text.format
+    if fmt.get("type") != "json_schema":
+        return fmt
+    return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
+
+
+_FIELDS: Mapping[str, str] = {
+    "response_format": "text.format",
+    "max_tokens": "max_output_tokens",
+    "messages": "input",
+    "n": "n",
+}
+
+
+def _renamed(param: str | None, string_input: bool) -> str | None:
+    """A chat field's name as this API calls it: ``messages[i].content[j].image_url.detail`` is
+    ``input[i].content[j].detail``; a string input is ``input`` itself."""
+    if param is None:
+        return None
+    if param.startswith("messages"):
+        if string_input:
+            return "input"
+        return "input" + param.removeprefix("messages").replace(".image_url.detail", ".detail")
+    return _FIELDS.get(param, param)
+
+
+class ResponsesCodec:
+    """The Responses API: ``parse`` and its answer's format (gateway/responses_format.py)."""
+
+    fields = _FIELDS
+
+    def parse(self, body: bytes, limits: IntakeLimits) -> tuple[ChatRequest, AnswerFormat]:
+        chat, req = parse_responses_request(body, limits)
+        return chat, ResponsesFormat(req)
+
+
+RESPONSES = ResponsesCodec()
+_steps = functools.partial(generate, codec=RESPONSES)
+
+
+async def responses_route(request: Request) -> Response:
+    """``POST /v1/responses``: the pipeline's steps with this codec."""
+    return await handle(request, _steps)

@@ -1,0 +1,162 @@
+"""The Responses API's answer: the ``response`` object, whole or as the event stream OpenAI's SDKs read.
+
+A stream is, in order (each event with its ``sequence_number``, framed ``event: <type>`` /
+``data: <json>`` as OpenAI frames it):
+
+    response.created, response.in_progress          the response, status in_progress, no output yet
+    response.output_item.added                      the assistant message, empty
+    response.content_part.added                     its output_text part, empty
+    response.output_text.delta ...                  the text as it is generated
+    response.output_text.done                       the whole text
+    response.content_part.done, response.output_item.done
+    response.completed | response.incomplete        the whole response, with usage
+
+``incomplete`` (``incomplete_details.reason`` ``max_output_tokens``) is an answer cut by
+``max_output_tokens``; a failure after the stream began ends it with ``response.failed``, whose
+response carries the error. The answer has one output message (the API has no ``n``).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from shmgate.shared.errors import ShmgateError
+
+if TYPE_CHECKING:
+    from shmgate.gateway.render import Outcome
+    from shmgate.gateway.responses import ResponsesRequest
+
+__all__ = ["ResponsesFormat"]
+
+_json = msgspec.json.Encoder()
+
+
+class ResponsesFormat:
+    """Builds one response's objects and events (gateway/render.py ``AnswerFormat``)."""
+
+    def __init__(self, req: ResponsesRequest) -> None:
+        self.req = req
+        self.id = f"resp_{uuid.uuid4().hex}"
+        self.item_id = f"msg_{uuid.uuid4().hex}"
+        self.created_at = int(time.time())
+        self.sequence = 0
+
+    # -- objects -------------------------------------------------------------------
+
+    def response(
+        self,
+        status: str,
+        output: list[dict[str, Any]],
+        usage: dict[str, Any] | None = None,
+        error: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """The ``response`` object; the request's settings echoed as OpenAI echoes them."""
+        req = self.req
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "error": error,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens,
+            "model": req.model,
+            "output": output,
+            "parallel_tool_calls": True if req.parallel_tool_calls is None else req.parallel_tool_calls,
+            "previous_response_id": None,
+            "store": False,
+            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "text": {
+                "format": {"type": "text"} if req.text is None or req.text.format is None else req.text.format,
+                "verbosity": "medium",
+            },
+            "tool_choice": req.tool_choice or "auto",
+            "tools": [],
+            "top_p": 1.0 if req.top_p is None else req.top_p,
+            "truncation": "disabled",
+            "service_tier": req.service_tier or "default",
+            "usage": usage,
+            "user": req.user,
+            "safety_identifier": req.safety_identifier,
+            "metadata": req.metadata or {},
+        }
+
+    def message(self, text: str | None, status: str) -> dict[str, Any]:
+        """The output message item; ``text`` None: no content part yet."""
+        content = [] if text is None else [self.part(text)]
+        return {"id": self.item_id, "type": "message", "status": status, "role": "assistant", "content": content}
+
+    @staticmethod
+    def part(text: str) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+    @staticmethod
+    def usage(outcome: Outcome) -> dict[str, Any]:
+        return {
+            "input_tokens": outcome.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": outcome.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
+        }
+
+    def final(self, outcome: Outcome) -> dict[str, Any]:
+        """The finished response: ``incomplete`` when max_output_tokens cut its text."""
+        status = "incomplete" if outcome.finish_reasons[0] == "length" else "completed"
+        return self.response(status, [self.message(outcome.texts[0], status)], self.usage(outcome))
+
+    # -- the stream ----------------------------------------------------------------
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        body = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return b"event: " + kind.encode() + b"\ndata: " + _json.encode(body) + b"\n\n"
+
+    def _at(self) -> dict[str, Any]:
+        return {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+
+    def opening(self, n: int) -> bytes:
+        started = self.response("in_progress", [])
+        return b"".join(
+            (
+                self.event("response.created", response=started),
+                self.event("response.in_progress", response=started),
+                self.event("response.output_item.added", output_index=0, item=self.message(None, "in_progress")),
+                self.event("response.content_part.added", **self._at(), part=self.part("")),
+            )
+        )
+
+    def delta(self, index: int, text: str, logprobs: list[dict[str, Any]] | None) -> bytes:
+        return self.event("response.output_text.delta", **self._at(), delta=text, logprobs=[])
+
+    def finished(self, index: int, reason: str, logprobs: list[dict[str, Any]] | None) -> bytes:
+        return b""  # the done events carry the whole text: written by ``closing``
+
+    def closing(self, outcome: Outcome) -> bytes:
+        final = self.final(outcome)
+        text = outcome.texts[0]
+        return b"".join(
+            (
+                self.event("response.output_text.done", **self._at(), text=text, logprobs=[]),
+                self.event("response.content_part.done", **self._at(), part=self.part(text)),
+                self.event("response.output_item.done", output_index=0, item=final["output"][0]),
+                self.event(f"response.{final['status']}", response=final),
+            )
+        )
+
+    def failed(self, error: ShmgateError) -> bytes:
+        code = "server_error"
+        if error.status_hint == 429:
+            code = "rate_limit_exceeded"
+        elif error.status_hint < 500:
+            code = "invalid_prompt"
+        failed = self.response("failed", [], error={"code": code, "message": error.message})
+        return self.event("response.failed", response=failed)
+
+    def whole(self, outcome: Outcome) -> dict[str, Any]:
+        return self.final(outcome)

@@ -1,0 +1,216 @@
+"""``POST /v1/responses`` through the OpenAI client, against a real ``shmgate serve`` of the tiny random
+Qwen2-VL and the default classifier (gateway/responses.py over the pipeline of gateway/pipeline.py).
+
+The tiny model's weights are random: its text is noise, so what is checked is the shape the client
+parses, the event order, the counts, and JSON that only the grammar can make.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from shmgate.gateway.openapi import openapi_document
+from shmgate.gateway.stages import parse_server_timing
+from tests.serving import IMAGES, Server, data_url, start_server, stop_and_check
+
+pytest.importorskip("llguidance")
+
+VLM = "tiny-qwen2-vl"
+CLASSIFIER = "efficientnet-lite0"
+PHOTO = data_url((IMAGES / "chelsea_640.jpg").read_bytes())
+PET_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 99},
+        "kind": {"enum": ["cat", "dog", "bird"]},
+    },
+    "required": ["name", "age", "kind"],
+    "additionalProperties": False,
+}
+PET_FORMAT = {"type": "json_schema", "name": "pet", "schema": PET_SCHEMA, "strict": True}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen2_vl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    # shallow queues: the per-uid message-queue budget is shared with the other servers of the suite
+    server = start_server(
+        f"hf:{tiny_qwen2_vl_dir}",
+        tmp_path_factory.mktemp("serve"),
+        "--model",
+        CLASSIFIER,
+        "--workers",
+        "1",
+        "--threads",
+        "1",
+        "--queue-depth",
+        "8",
+        "--result-cache-mb",
+        "8",
+        "--server-timing",
+    )
+    try:
+        yield server
+    finally:
+        stop_and_check(server)
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+def _input(text: str = "What is in the picture?") -> list[dict[str, Any]]:
+    return [
+        {
+            "role": "user",
+            "content": [
+                {"type": "input_image", "image_url": PHOTO, "detail": "low"},
+                {"type": "input_text", "text": text},
+            ],
+        }
+    ]
+
+
+def test_a_whole_response_has_the_shape_and_counts_the_client_reads(client: openai.OpenAI) -> None:
+    # the grammar ends the answer (random weights alone rarely sample the end of text)
+    done = client.responses.create(
+        model=VLM,
+        input=_input(),
+        instructions="Be brief.",
+        text={"format": PET_FORMAT},  # type: ignore[typeddict-item]
+        max_output_tokens=80,
+        temperature=0,
+        metadata={"k": "v"},
+    )
+    assert done.object == "response" and done.id.startswith("resp_") and done.model == VLM
+    assert done.status == "completed" and done.incomplete_details is None and done.error is None
+    assert done.instructions == "Be brief." and done.metadata == {"k": "v"} and done.store is False
+    assert [item.type for item in done.output] == ["message"]
+    assert done.output_text == done.output[0].content[0].text  # type: ignore[union-attr]
+    assert done.usage is not None and done.usage.input_tokens > 24  # the image's tokens and the text
+    assert done.usage.total_tokens == done.usage.input_tokens + done.usage.output_tokens
+    cut = client.responses.create(model=VLM, input="Tell me a long story.", max_output_tokens=3, temperature=0)
+    assert cut.status == "incomplete" and cut.incomplete_details is not None
+    assert cut.incomplete_details.reason == "max_output_tokens"
+    assert cut.usage is not None and cut.usage.output_tokens == 3 and cut.output[0].status == "incomplete"  # type: ignore[union-attr]
+
+
+def test_a_stream_is_the_event_sequence_the_sdk_accumulates(client: openai.OpenAI) -> None:
+    base: dict[str, Any] = dict(
+        model=VLM, input=_input(), text={"format": PET_FORMAT}, max_output_tokens=80, temperature=0
+    )
+    whole = client.responses.create(**base)
+    kinds = []
+    with client.responses.stream(**base) as stream:
+        for event in stream:
+            kinds.append((event.type, event.sequence_number))
+        streamed = stream.get_final_response()
+    types = [kind for kind, _ in kinds]
+    assert [n for _, n in kinds] == list(range(len(kinds)))
+    head = ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"]
+    tail = ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    assert types[:4] == head and types[-4:-1] == tail and types[-1] == "response.completed"
+    assert set(types[4:-4]) == {"response.output_text.delta"}
+    assert streamed.output_text == whole.output_text and streamed.usage == whole.usage
+    jsonschema.validate(json.loads(streamed.output_text), PET_SCHEMA)
+
+
+def test_text_format_json_schema_and_json_object_parse_whole_and_streamed(client: openai.OpenAI) -> None:
+    sampled = client.responses.create(
+        model=VLM,
+        input=_input("Which pet?"),
+        text={"format": PET_FORMAT},
+        max_output_tokens=80,
+        temperature=1.0,  # type: ignore[typeddict-item]
+    )
+    assert sampled.status == "completed"
+    jsonschema.validate(json.loads(sampled.output_text), PET_SCHEMA)
+    deltas = []
+    events = client.responses.create(
+        model=VLM,
+        input=_input("Answer in JSON."),
+        text={"format": {"type": "json_object"}},
+        max_output_tokens=120,
+        temperature=0,
+        stream=True,
+    )
+    for event in events:
+        if event.type == "response.output_text.delta":
+            deltas.append(event.delta)
+        last = event
+    assert "".join(deltas).startswith("{")
+    if last.type == "response.completed":
+        assert isinstance(json.loads("".join(deltas)), dict)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(
+            model=VLM, input="x", text={"format": {"type": "json_schema", "name": "p", "schema": {"type": "strin"}}}
+        )  # type: ignore[typeddict-item]
+    assert refused.value.body["param"] == "text.format"  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"store": True}, "store"),
+        ({"tools": [{"type": "web_search"}]}, "tools"),
+        ({"reasoning": {"effort": "low"}}, "reasoning"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"temperature": 3}, "temperature"),
+        ({"frequency_penalty": 1}, "frequency_penalty"),  # a chat field: unknown here, not ignored
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+            "input[0].content[0].type",
+        ),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]},
+            "input[0].content[0].file_id",
+        ),
+        (
+            {
+                "input": [
+                    {"role": "user", "content": [{"type": "input_image", "image_url": "https://example.com/a.jpg"}]}
+                ]
+            },
+            "input[0].content[0].image_url",
+        ),
+        ({"input": [{"role": "user", "content": "hi", "surprise": 1}]}, "input[0].surprise"),
+    ],
+)
+def test_what_is_not_kept_or_not_supported_is_a_400_naming_it(
+    server: Server, extra: dict[str, Any], param: str
+) -> None:
+    body = {"model": VLM, "input": "hi", **extra}
+    answer = httpx.post(server.base_url + "/v1/responses", json=body, timeout=30)
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == param
+
+
+def test_the_classifier_answers_from_its_result_cache_and_refuses_a_format(
+    client: openai.OpenAI, server: Server
+) -> None:
+    labels = client.responses.create(model=CLASSIFIER, input=_input())
+    assert labels.status == "completed" and ":" in labels.output_text  # "label: probability" lines
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model=CLASSIFIER, input=_input(), text={"format": {"type": "json_object"}})
+    assert refused.value.body["param"] == "text.format"  # type: ignore[index]
+    # a deterministic answer comes from the result cache the second time (each frontend keeps its own:
+    # one connection, one frontend), and says so in Server-Timing
+    body = {"model": CLASSIFIER, "input": _input()}
+    with httpx.Client(base_url=server.base_url, timeout=30) as one_connection:
+        one_connection.post("/v1/responses", json=body)
+        again = one_connection.post("/v1/responses", json=body)
+    assert again.json()["output"][0]["content"][0]["text"] == labels.output_text
+    jsonschema.validate(again.json(), openapi_document()["components"]["schemas"]["Response"])  # as documented
+    timing = again.headers["server-timing"]
+    assert "result_cache;desc=hit" in timing and "total" in parse_server_timing(timing)
+
