@@ -45,7 +45,7 @@ async def submit_choices(f: Frontend, chat: ChatRequest) -> list[RequestState]:
     states: list[RequestState] = []
     try:
         for one in choice_requests(chat):
-            states.append(await f.submit(one))
+            states.append(await f.submit(one, first=not states))
     except BaseException:
         for state in states:
             f.abandon(state)

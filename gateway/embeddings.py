@@ -173,10 +173,11 @@ async def embed(
     """
     params = f.preprocessor_for(job.model).cache_params()
     submitted: list[RequestState] = []
+    admitted: list[bool] = []  # the request's first submission is counted admitted, once
     try:
         started = await asyncio.gather(
             *(
-                _start(f, job, index, text, param, cache, bypass_cache, params, submitted)
+                _start(f, job, index, text, param, cache, bypass_cache, params, submitted, admitted)
                 for index, text, param in job.inputs
             ),
             return_exceptions=True,
@@ -217,6 +218,7 @@ async def _start(
     bypass_cache: bool,
     params: bytes,
     submitted: list[RequestState],
+    admitted: list[bool],
 ) -> _Started:
     image: bytes | EncodedImage | None = None if index is None else job.chat.images[index]
     key = None
@@ -242,7 +244,9 @@ async def _start(
         task=TASK_EMBED,
         image_options=[] if image is None else [f.preprocessor.embedding_image_options()],
     )
-    state = await f.submit(chat)
+    first = not admitted
+    admitted.append(True)  # no await since the check: a concurrent input sees it
+    state = await f.submit(chat, first=first)
     submitted.append(state)
     return _Started(state=state, key=key)
 

@@ -210,12 +210,18 @@ class Frontend:
 
     # -- the request path ---------------------------------------------------------------
 
-    async def submit(self, chat: ChatRequest) -> RequestState:
-        """Admit, resolve images, build and send the descriptor. Raises ShmgateError."""
+    async def submit(self, chat: ChatRequest, *, first: bool = True) -> RequestState:
+        """Admit, resolve images, build and send the descriptor. Raises ShmgateError.
+
+        ``first``: this is the client request's first submission, which the per-model ``admitted``
+        count counts; the others of one request (a choice of n, an embedding input) are not counted
+        again, as the request's outcome is counted once.
+        """
         pre = self.preprocessor_for(chat.model)
         model = pre.model
         self._admit(model)  # a refusal is counted by model with the request's outcome (FrontendStats.add)
-        self.stats.add_model(Counter.MODEL_ADMITTED, self._model_index[model])
+        if first:
+            self.stats.add_model(Counter.MODEL_ADMITTED, self._model_index[model])
         return await self._dispatch(chat, pre)
 
     def _admit(self, model: str) -> None:

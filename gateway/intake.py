@@ -588,10 +588,10 @@ def data_url_image(
     url: str, limits: IntakeLimits, param: str, types: tuple[str, ...] = ACCEPTED_IMAGE_TYPES
 ) -> EncodedImage:
     """A data URL's image, checked (prefix, type, size bound). Raises RequestError subclasses naming ``param``."""
-    if url.startswith(("http://", "https://")):
+    if url[:8].lower().startswith(("http://", "https://")):
         raise InvalidRequest(
-            "image URLs are not fetched by this server; send the image inline as a data URL "
-            "(data:image/jpeg;base64,...)",
+            "image URLs are not fetched by this server unless its operator starts it with --allow-image-urls; "
+            "send the image inline as a data URL (data:image/jpeg;base64,...)",
             param=param,
         )
     match = _DATA_URL.match(url[:256])

@@ -394,3 +394,12 @@ def test_a_siglip2_server_embeds_images_and_text_in_one_space(embedder_dirs: dic
         assert dims.status_code == 200, dims.text
     finally:
         stop_and_check(s)
+
+
+def test_a_request_of_several_inputs_is_admitted_once_as_it_is_counted_once(server: Server) -> None:
+    admitted = 'shmgate_model_requests_total{model="efficientnet-lite0",outcome="admitted"}'
+    before = server.metric(admitted)
+    inputs = [_url(n) for n in PHOTOS[:3]]
+    answer = _post(server, {"model": "efficientnet-lite0", "input": inputs}, **{"Cache-Control": "no-cache"})
+    assert answer.status_code == 200 and len(answer.json()["data"]) == 3
+    assert server.metric(admitted) - before == 1

@@ -214,3 +214,10 @@ def test_the_classifier_answers_from_its_result_cache_and_refuses_a_format(
     timing = again.headers["server-timing"]
     assert "result_cache;desc=hit" in timing and "total" in parse_server_timing(timing)
 
+
+def test_a_request_of_n_choices_is_admitted_once(server: Server) -> None:
+    admitted = f'shmgate_model_requests_total{{model="{VLM}",outcome="admitted"}}'
+    before = server.metric(admitted)
+    body = {"model": VLM, "messages": [{"role": "user", "content": "hi"}], "n": 3, "max_tokens": 2}
+    assert httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=30).status_code == 200
+    assert server.metric(admitted) - before == 1
