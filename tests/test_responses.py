@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import httpx
 import jsonschema
 import openai
+import pydantic
 import pytest
 
 from shmgate.gateway.openapi import openapi_document
@@ -36,6 +37,13 @@ PET_SCHEMA = {
     "required": ["name", "age", "kind"],
     "additionalProperties": False,
 }
+
+
+class Pet(pydantic.BaseModel):
+    name: Annotated[str, pydantic.Field(max_length=12)]
+    kind: Literal["cat", "dog", "bird"]
+
+
 PET_FORMAT = {"type": "json_schema", "name": "pet", "schema": PET_SCHEMA, "strict": True}
 
 
@@ -150,6 +158,8 @@ def test_text_format_json_schema_and_json_object_parse_whole_and_streamed(client
     assert "".join(deltas).startswith("{")
     if last.type == "response.completed":
         assert isinstance(json.loads("".join(deltas)), dict)
+    parsed = client.responses.parse(model=VLM, input=_input("Which pet?"), text_format=Pet, max_output_tokens=80)
+    assert isinstance(parsed.output_parsed, Pet)  # the client's own schema from pydantic, and its parse
     with pytest.raises(openai.BadRequestError) as refused:
         client.responses.create(
             model=VLM, input="x", text={"format": {"type": "json_schema", "name": "p", "schema": {"type": "strin"}}}
