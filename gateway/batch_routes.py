@@ -32,7 +32,7 @@ from shmgate.shared.errors import InvalidRequest, RequestTooLarge, ShmgateError
 
 __all__ = ["ENDPOINTS", "add_batch_routes", "validate_input"]
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/embeddings")
+ENDPOINTS = ("/v1/chat/completions", "/v1/embeddings", "/v1/responses")
 WINDOWS = {"24h": 24 * 3600}
 MAX_FILE_BYTES = 200 << 20  # OpenAI's limit on a batch input file
 MAX_LINES = 50_000  # OpenAI's limit on requests per batch

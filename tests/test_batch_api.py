@@ -19,6 +19,7 @@ import pytest
 
 from tests.serving import (
     Server,
+    data_url,
     expected_checksum,
     free_port,
     image_request,
@@ -124,6 +125,35 @@ def test_the_openai_client_runs_a_batch_end_to_end(batch_server: Server) -> None
     assert client.files.delete(uploaded.id).deleted
     with pytest.raises(openai.NotFoundError):
         client.files.retrieve(uploaded.id)
+
+
+def test_a_batch_of_responses_runs_through_the_responses_api(batch_server: Server) -> None:
+    client = _client(batch_server)
+    images = [noise_png(40 + i, 24) for i in range(2)]
+    lines = [
+        {
+            "custom_id": f"resp-{i}",
+            "method": "POST",
+            "url": "/v1/responses",
+            "body": {
+                "model": "checksum",
+                "input": [
+                    {"role": "user", "content": [{"type": "input_image", "image_url": data_url(image, "image/png")}]}
+                ],
+            },
+        }
+        for i, image in enumerate(images)
+    ]
+    uploaded = client.files.create(file=("in.jsonl", io.BytesIO(_jsonl(lines))), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/responses", completion_window="24h")
+    batch = _wait_done(client, batch.id)
+    assert batch.status == "completed" and batch.output_file_id, batch
+    output = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
+    assert [o["custom_id"] for o in output] == ["resp-0", "resp-1"]
+    for o, image in zip(output, images):
+        body = o["response"]["body"]
+        assert body["object"] == "response" and body["status"] == "completed"
+        assert expected_checksum(image) in body["output"][0]["content"][0]["text"]
 
 
 def test_a_cancelled_batch_ends_cancelled_and_list_pages(batch_server: Server) -> None:
