@@ -265,7 +265,12 @@ def _response_format(text: TextConfig | None) -> dict[str, Any] | None:
     if text is None or text.format is None:
         return None
     fmt = text.format
-    if fmt.get("type") != "json_schema":
+    kind = fmt.get("type")
+    known = _FORMAT_KEYS.get(kind if isinstance(kind, str) else "", {"type"})
+    unknown = sorted(set(fmt) - known)
+    if unknown:
+        raise InvalidRequest(f"text.format has no field {unknown[0][:40]!r}", param="text.format")
+    if kind != "json_schema":
         return fmt
     return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
 
@@ -274,8 +279,9 @@ _FIELDS: Mapping[str, str] = {
     "response_format": "text.format",
     "max_tokens": "max_output_tokens",
     "messages": "input",
-    "n": "n",
 }
+# the members of each text.format type (OpenAI's); another is a 400, not ignored
+_FORMAT_KEYS = {"json_schema": {"type", "name", "schema", "strict", "description"}}
 
 
 def _renamed(param: str | None, string_input: bool) -> str | None:

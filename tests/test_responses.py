@@ -176,7 +176,11 @@ def test_text_format_json_schema_and_json_object_parse_whole_and_streamed(client
         ({"reasoning": {"effort": "low"}}, "reasoning"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"temperature": 3}, "temperature"),
-        ({"frequency_penalty": 1}, "frequency_penalty"),  # a chat field: unknown here, not ignored
+        ({"frequency_penalty": 1}, "frequency_penalty"),
+        (
+            {"text": {"format": {"type": "json_object", "schema": {}}}},
+            "text.format",
+        ),  # a chat field: unknown here, not ignored
         (
             {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
             "input[0].content[0].type",
