@@ -152,6 +152,7 @@ class _Job:
     stamps: Stamps = field(default_factory=Stamps)  # per-stage latency, back in Finished (shared/stages.py)
     claimed_ns: int = 0  # when it was claimed (Claimed.claimed_ns): where its batch wait begins
     deliveries: list[int] | None = None  # tracing on: when each streamed Delta went out (worker/tracing.py)
+    steps: int = 0  # tracing on, a step engine: the engine steps it was in (worker/tracing.py)
 
 
 class Worker:
@@ -475,6 +476,9 @@ class Worker:
         """One engine step: route its events; fail everything the engine holds if the step raised."""
         self.progress.step()
         started = now_ns()
+        # Tracing on, a step engine: the engine's counters around the step make its span (worker/tracing.py).
+        traced_step = self.spans is not None and self.backend.joins_running
+        before = self.backend.engine_report() if traced_step else None
         try:
             events = self.backend.step()
         except Exception as exc:
@@ -487,6 +491,8 @@ class Worker:
                 self._end(job, failed=ModelError(f"the model failed: {type(exc).__name__}"))
             events = []
         self.progress.step()
+        if traced_step and before is not None:
+            self._trace_step(started, before, events)
         for event in events:
             routed = self._jobs.get(event.index)
             if routed is not None:
@@ -510,6 +516,22 @@ class Worker:
                 self.spans.batch(done, ended, [job.item is not None and job.item.cancelled for job in done])
         if self._jobs and time.monotonic() - self._cancels_read_at >= CANCEL_POLL_S:
             self._drain_cancels()
+
+    def _trace_step(
+        self, started: int, before: tuple[tuple[int, ...], tuple[int, ...]], events: Sequence[BackendEvent]
+    ) -> None:
+        """Write one engine step's span: what it ran (the engine's counters across it) and whom it answered."""
+        assert self.spans is not None
+        after = self.backend.engine_report()
+        if after is None:
+            return
+        for job in self._jobs.values():
+            job.steps += 1
+        answered = {event.index for event in events}
+        jobs = [self._jobs[key] for key in answered if key in self._jobs]
+        gauges, counters = after
+        added = tuple(now - then for now, then in zip(counters, before[1], strict=True))
+        self.spans.step(started, now_ns(), jobs, gauges, added)
 
     def _report_engine(self) -> None:
         """Publish the engine's gauges and what its counters added since the last report."""

@@ -16,6 +16,15 @@ Each request's spans are children of the attempt span whose W3C traceparent came
 and one ``batch`` span per batch, in a trace of its own, links to the attempt of every request it
 served: a batch of 8 is one span that eight traces point at.
 
+A step engine (continuous batching, worker/backends/hf.py) has no batches: requests join and leave
+between steps. There, each request's ``compute`` span has two children, ``prefill`` (added to the
+engine -> its first output: waiting for a place, the vision tower, the prompt's chunks) and ``decode``
+(first output -> final answer), and counts the steps it was in (``shmgate.steps``). Each engine step
+that answered a traced request is a ``step`` span, in a trace of its own like a batch, linking to
+the attempts it produced output for, with what the step ran: rows running and waiting, KV positions
+held, tokens run, preemptions, encoder-cache hits and tower runs (shared/stats_layout.py
+``ENGINE_FIELDS``). A step whose rows are all untraced writes nothing.
+
 All of it is written once per batch, after the batch ran, from the stamps the worker already takes
 for the stage histograms (shared/stages.py ``Stamps``, ``CLOCK_MONOTONIC``): the batch itself
 gains no clock reads and no calls into the SDK.
@@ -32,13 +41,15 @@ from opentelemetry.trace import Link, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from shmgate.shared.stages import Stamp, Stamps
+from shmgate.shared.stats_layout import ENGINE_FIELDS, ENGINE_GAUGES
 from shmgate.shared.tracing import epoch_ns, start_provider
 from shmgate.shared.wire import Submit
 
 __all__ = ["BatchSpans", "TracedJob", "start_batch_spans"]
 
 PROPAGATOR = TraceContextTextMapPropagator()
-MAX_TRACEPARENT_CHARS = 128  # a descriptor is not trusted: longer is not a traceparent, so no parent
+MAX_TRACEPARENT_CHARS = 128
+MAX_STEP_LINKS = 64  # a step span links to at most this many of the requests it answered  # a descriptor is not trusted: longer is not a traceparent, so no parent
 
 
 class TracedJob(Protocol):
@@ -49,6 +60,7 @@ class TracedJob(Protocol):
     stamps: Stamps
     done: bool
     deliveries: list[int] | None
+    steps: int
 
 
 def start_batch_spans(endpoint: str, *, slot: int, model: str) -> BatchSpans:
@@ -90,6 +102,43 @@ class BatchSpans:
             )
             span.end(end_time=epoch_ns(ended_ns))
 
+    def step(
+        self,
+        started_ns: int,
+        ended_ns: int,
+        jobs: Sequence[TracedJob],
+        gauges: Sequence[int],
+        added: Sequence[int],
+    ) -> None:
+        """Write one engine step's span (``now_ns`` stamps), linking to the sampled attempts it answered.
+
+        ``gauges``: the engine's gauges after the step; ``added``: what its counters added during it.
+        """
+        links: list[Link] = []
+        for job in jobs[:MAX_STEP_LINKS]:
+            parent = _parent(job.submit.traceparent)
+            if parent is None:
+                continue
+            ctx = trace.get_current_span(parent).get_span_context()
+            if ctx.trace_flags.sampled:
+                links.append(Link(ctx, {"shmgate.request_id": f"{job.submit.request_id:x}"}))
+        if not links:
+            return
+        attributes: dict[str, int | str] = {
+            "shmgate.worker_slot": self.slot,
+            "gen_ai.request.model": self.model,
+            "shmgate.step.answered": len(jobs),
+        }
+        for name, value in zip(ENGINE_FIELDS[:ENGINE_GAUGES], gauges, strict=True):
+            attributes[f"shmgate.step.{name}"] = int(value)
+        for name, value in zip(ENGINE_FIELDS[ENGINE_GAUGES:], added, strict=True):
+            if name not in ("steps", "step_ns"):  # one step, and the span's own length
+                attributes[f"shmgate.step.{name}"] = int(value)
+        span = self.tracer.start_span(
+            "step", context=Context(), start_time=epoch_ns(started_ns), links=links, attributes=attributes
+        )
+        span.end(end_time=epoch_ns(ended_ns))
+
     def _request_spans(
         self, job: TracedJob, parent: Context, ended_ns: int, cancelled: bool, batch: dict[str, int | str]
     ) -> None:
@@ -100,6 +149,11 @@ class BatchSpans:
         if not started:
             return
         compute = self.tracer.start_span("compute", context=parent, start_time=epoch_ns(started), attributes=common)
+        if job.steps:  # a step engine: where the request's time in it went
+            compute.set_attribute("shmgate.steps", job.steps)
+            inside = trace.set_span_in_context(compute, parent)
+            self._span("prefill", inside, started, first, common)
+            self._span("decode", inside, first, done, common)
         if first:
             compute.add_event("first_output", timestamp=epoch_ns(first))
         for seq, sent_ns in enumerate(job.deliveries or ()):
