@@ -406,3 +406,13 @@ def _engine_metrics(words: dict[str, int]) -> Iterator[Metric]:
         "Vision-tower runs over images not in the encoder cache.",
         value=words["encoder_runs"],
     )
+    yield CounterMetricFamily(
+        "shmgate_prefix_cache_hits_total",
+        "Prompts that started from a stored prefix's KV (a chat's earlier turn, a shared system prompt and image).",
+        value=words["prefix_hits"],
+    )
+    yield CounterMetricFamily(
+        "shmgate_prefix_cache_reused_tokens_total",
+        "Prompt tokens whose KV came from the prefix cache instead of a prefill.",
+        value=words["prefix_tokens"],
+    )

@@ -118,6 +118,12 @@ class BatchingOptions:
         default="256",
         type=flag_types.non_negative_float,
     )
+    prefix_cache_mb: float = option(
+        "hf: models: prompts' KV kept by prefix (a chat's next turn, a shared system prompt and image "
+        "prefill only what is new; Qwen2-VL, Qwen2.5-VL), least recently used out first; 0: none",
+        default="256",
+        type=flag_types.non_negative_float,
+    )
     dtype: str = option(
         "weights of hf: models (auto: bfloat16 on CUDA, float32 on CPU)",
         default="auto",

@@ -144,5 +144,7 @@ ENGINE_FIELDS = (
     "preemptions",
     "encoder_hits",
     "encoder_runs",
+    "prefix_hits",
+    "prefix_tokens",
 )
 ENGINE_GAUGES = 4

@@ -42,10 +42,14 @@ def backend(tiny_qwen2_vl_dir: Path) -> Iterator[HFBackend]:
 def engine(backend: HFBackend) -> Iterator[HFBackend]:
     """The shared backend, idle, with its settings restored after the test."""
     saved = (backend.kv_budget, backend.max_num_batched_tokens, backend.encoder_cache.max_bytes)
+    prefix_bytes = backend.prefix_cache.max_bytes
     backend.clear()
+    backend.prefix_cache.clear()
     yield backend
     backend.clear()
+    backend.prefix_cache.clear()
     backend.kv_budget, backend.max_num_batched_tokens, backend.encoder_cache.max_bytes = saved
+    backend.prefix_cache.max_bytes = prefix_bytes
 
 
 @pytest.fixture(scope="module")
@@ -186,6 +190,7 @@ def test_a_prompt_over_the_kv_budget_fails_alone(pre: HFPreprocessor, engine: HF
 def test_a_prompt_longer_than_the_step_budget_is_prefilled_in_chunks(
     pre: HFPreprocessor, engine: HFBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    engine.prefix_cache.max_bytes = 0  # the same prompt twice: the second would start from the first's KV
     item = _item(pre, "Two pictures, in chunks.", [SQUARE, WIDE], 1, max_tokens=12)
     whole = _alone(engine, item)
     forwards: list[int] = []

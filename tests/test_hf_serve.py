@@ -390,11 +390,14 @@ def test_a_short_request_sent_while_a_long_answer_streams_ends_before_it(
     assert hf_server.metric("shmgate_engine_running_requests") == 0  # idle again: the gauges say so
 
 
-def test_a_repeated_image_is_encoded_once(hf_server: Server) -> None:
-    """The second turn's image has the first's content key: the worker's encoder cache answers for it."""
-    hits, runs = (
+def test_a_repeated_image_is_encoded_once_and_its_prompts_kv_reused(hf_server: Server) -> None:
+    """The second turn's image has the first's content key: the worker's encoder cache answers for it, and
+    the prompt, the same up to its last token, starts from the first's KV (the prefix cache)."""
+    hits, runs, prefixes, reused = (
         hf_server.metric("shmgate_encoder_cache_hits_total"),
         hf_server.metric("shmgate_vision_tower_runs_total"),
+        hf_server.metric("shmgate_prefix_cache_hits_total"),
+        hf_server.metric("shmgate_prefix_cache_reused_tokens_total"),
     )
     image = {
         "type": "image_url",
@@ -410,6 +413,8 @@ def test_a_repeated_image_is_encoded_once(hf_server: Server) -> None:
         assert httpx.post(hf_server.base_url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
     wait_until(lambda: hf_server.metric("shmgate_encoder_cache_hits_total") >= hits + 1, 10, "the hit reported")
     assert hf_server.metric("shmgate_vision_tower_runs_total") == runs + 1
+    assert hf_server.metric("shmgate_prefix_cache_hits_total") >= prefixes + 1
+    assert hf_server.metric("shmgate_prefix_cache_reused_tokens_total") >= reused + 16  # whole 16-token blocks
 
 
 # -- structured outputs (response_format) through the OpenAI client ---------------------------------------

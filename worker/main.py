@@ -136,6 +136,7 @@ class WorkerOptions:
     max_num_batched_tokens: int = 2048  # hf: models: tokens per engine step (worker/backends/hf.py)
     kv_cache_tokens: int = 0  # hf: models: the KV budget in tokens; 0: unbounded on CPU, from free memory on CUDA
     encoder_cache_mb: float = 256.0  # hf: models: vision-tower outputs kept by image key
+    prefix_cache_mb: float = 256.0  # hf: models: prompts' KV kept by prefix (worker/prefix_cache.py)
     follow_drain_s: float = 0.0  # on SIGTERM keep serving while the gateway drains, this long at most (worker/drain.py)
     served_model_name: str = ""  # the id clients send (--served-model-name); '' the spec's default (shared/models.py)
     otlp_traces_endpoint: str = ""  # OpenTelemetry traces go there (worker/tracing.py); '': tracing off
@@ -205,6 +206,7 @@ class Worker:
             max_num_batched_tokens=options.max_num_batched_tokens,
             kv_cache_tokens=options.kv_cache_tokens,
             encoder_cache_mb=options.encoder_cache_mb,
+            prefix_cache_mb=options.prefix_cache_mb,
         )
         if options.served_model_name:
             self.backend.name = options.served_model_name

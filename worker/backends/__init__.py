@@ -20,13 +20,14 @@ def load_backend(
     max_num_batched_tokens: int = 2048,
     kv_cache_tokens: int = 0,
     encoder_cache_mb: float = 256.0,
+    prefix_cache_mb: float = 256.0,
 ) -> ModelBackend:
     """Build the backend serving ``model``. Raises ValueError for an unknown model or dtype.
 
     ``dtype`` (``auto``, ``float32``, ``bfloat16``, ``float16``) applies to ``hf:`` models;
     the classifier runs float32 and the checksum backend has no weights. ``compile_normalise``
     applies to the classifier (worker/backends/efficientnet.py: why it is opt-in). The engine's
-    ``max_num_batched_tokens``, ``kv_cache_tokens`` and ``encoder_cache_mb`` apply to ``hf:`` chat models.
+    ``max_num_batched_tokens``, ``kv_cache_tokens``, ``encoder_cache_mb`` and ``prefix_cache_mb`` apply to ``hf:`` chat models.
     """
     spec = parse_model_spec(model)
     match spec.kind:
@@ -57,6 +58,7 @@ def load_backend(
         max_num_batched_tokens=max_num_batched_tokens,
         kv_cache_tokens=kv_cache_tokens,
         encoder_cache_mb=encoder_cache_mb,
+        prefix_cache_mb=prefix_cache_mb,
     )
 
 

@@ -80,6 +80,7 @@ from shmgate.shared.wire import MAX_LOGPROB_TOKEN_CHARS, MIN_TEMPERATURE, Sampli
 from shmgate.worker.backends.base import BackendEvent, ModelBackend, WorkItem
 from shmgate.worker.constraints import GrammarConstraints, RowConstraint
 from shmgate.worker.health import is_sticky_device_error
+from shmgate.worker.prefix_cache import PrefixCache, cache_layers, prefix_hashes
 
 __all__ = [
     "DTYPES",
@@ -99,6 +100,7 @@ log = logging.getLogger("shmgate.worker.hf")
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # prompt and decode tokens one step runs (--max-num-batched-tokens)
 DEFAULT_ENCODER_CACHE_MB = 256.0  # vision-tower outputs kept by image (--encoder-cache-mb)
+DEFAULT_PREFIX_CACHE_MB = 256.0  # prompts' KV kept by prefix (--prefix-cache-mb, worker/prefix_cache.py)
 # On CUDA without --kv-cache-tokens: the KV budget is this share of the memory free after the weights
 # (the rest is left to activations, the vision tower and the allocator's slack).
 KV_SHARE_OF_FREE = 0.7
@@ -179,12 +181,14 @@ class HFBackend(ModelBackend):
         kv_cache_tokens: int = 0,
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         encoder_cache_mb: float = DEFAULT_ENCODER_CACHE_MB,
+        prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
     ) -> None:
         """Load the model (fp32 on CPU, bf16 on CUDA unless ``dtype``) and its tokenizer.
 
         ``kv_cache_tokens``: the KV budget in token positions (0: unbounded on CPU; on CUDA, what
         ``KV_SHARE_OF_FREE`` of the memory free after the weights holds). ``max_num_batched_tokens``: the
         tokens one step runs. ``encoder_cache_mb``: the vision-tower outputs kept (0: none).
+        ``prefix_cache_mb``: prompts' KV kept for prompts that start the same (0: none).
 
         ``name`` defaults to the directory's base name, the id the frontend serves it
         under (gateway/preprocess/hf.py ``model_id_for``). ``threads`` sets torch's
@@ -213,6 +217,8 @@ class HFBackend(ModelBackend):
         # The tower apart from the prompt (and chunked prefill) where the family allows it
         self._chunks = self.model.config.model_type in ENCODER_APART
         self.encoder_cache = EncoderCache(int(encoder_cache_mb * (1 << 20)) if self._chunks else 0)
+        # A prefix's KV is reused where a prompt is prefilled in parts (the rest is one more chunk)
+        self.prefix_cache = PrefixCache(int(prefix_cache_mb * (1 << 20)) if self._chunks else 0)
         self.stats = EngineStats()
         self._out: list[BackendEvent] = []  # events of rows that ended before any step (bad inputs)
         self._waiting: deque[_Row] = deque()  # oldest first; the head may be part way through its prompt
@@ -286,6 +292,8 @@ class HFBackend(ModelBackend):
             stats.preemptions,
             stats.encoder_hits,
             stats.encoder_runs,
+            stats.prefix_hits,
+            stats.prefix_tokens,
         )
 
     @property
@@ -571,6 +579,8 @@ class HFBackend(ModelBackend):
             logits, row.cache, row.delta = self._prefill(row)
             row.done_tokens = length
             return length, logits
+        if row.done_tokens == 0 and self.prefix_cache.max_bytes:
+            self._reuse_prefix(row, length)
         if row.prefill is None:
             row.prefill = self._embed_prompt(row)
         embeds, positions = row.prefill
@@ -589,7 +599,34 @@ class HFBackend(ModelBackend):
         if end < length:
             return end - start, None
         row.prefill = None  # the embeddings are in the cache now
+        if row.prefix:
+            layers = cache_layers(row.cache)
+            if layers is not None:
+                self.prefix_cache.put(row.prefix, layers)
         return end - start, out.logits[0, -1]
+
+    def _reuse_prefix(self, row: _Row, length: int) -> None:
+        """Start ``row``'s cache from the longest stored prefix of its prompt (all but its last token at
+        most: the prefill must yield the last token's logits), and name its prompt's prefixes for storing."""
+        # the prompt's ids from the host (the descriptor's int32s, checked by ``add``), and a preempted row's
+        # tokens so far: no device sync
+        ids = np.concatenate([np.frombuffer(row.item.inline, dtype=np.int32), np.asarray(row.generated, np.int32)])
+        row.prefix = prefix_hashes(ids, self._layout.image_token_id, self._image_cache_keys(row))
+        layers, reused = self.prefix_cache.match(row.prefix, length - 1)
+        if reused:
+            from transformers import DynamicCache
+
+            row.cache = DynamicCache(ddp_cache_data=layers, config=self.model.config.get_text_config())
+            row.done_tokens = reused
+            self.stats.prefix_hits += 1
+            self.stats.prefix_tokens += reused
+
+    def _image_cache_keys(self, row: _Row) -> list[tuple[bytes, tuple[int, ...]] | None]:
+        """Each image's (content key, grid), what its tower output and the prefixes holding it are stored by;
+        None for an image the frontend sent no key for."""
+        grids = [tuple(int(v) for v in g[0].tolist()) for g in row.item.tensors.get("image_grid_thw", [])]
+        keys = row.item.image_keys if len(row.item.image_keys) == len(grids) else ()
+        return [(keys[i], grids[i]) if keys and keys[i] else None for i in range(len(grids))]
 
     def _embed_prompt(self, row: _Row) -> tuple[torch.Tensor, torch.Tensor]:
         """The prompt's input embeddings (images' tower outputs scattered into their slots, as the model
@@ -610,8 +647,7 @@ class HFBackend(ModelBackend):
         inputs = row.inputs
         assert inputs.pixel_values is not None and inputs.image_grid_thw is not None
         grids = [tuple(int(v) for v in g[0].tolist()) for g in row.item.tensors.get("image_grid_thw", [])]
-        keys = row.item.image_keys if len(row.item.image_keys) == len(grids) else ()
-        cache_keys = [(keys[i], grids[i]) if keys and keys[i] else None for i in range(len(grids))]
+        cache_keys = self._image_cache_keys(row)
         features: list[torch.Tensor | None] = [
             None if key is None else self.encoder_cache.get(key) for key in cache_keys
         ]
@@ -736,6 +772,7 @@ class _Row:
     done_tokens: int = 0  # prompt tokens in its cache so far (prefill in chunks)
     generated: list[int] = field(default_factory=list)  # sampled tokens: a preempted row recomputes them
     prefill: tuple[torch.Tensor, torch.Tensor] | None = None  # embeddings and positions of a chunked prompt
+    prefix: list[bytes] | None = None  # its prompt's block hashes (worker/prefix_cache.py), once computed
     constraint: RowConstraint | None = None  # response_format's grammar (worker/constraints.py)
 
 
@@ -1279,6 +1316,8 @@ class EngineStats:
     preemptions: int = 0
     encoder_hits: int = 0  # images whose tower output came from the encoder cache
     encoder_runs: int = 0  # vision-tower runs (one per prompt with images not cached)
+    prefix_hits: int = 0  # prompts that started from a stored prefix's KV
+    prefix_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 def _kv_budget_from_free_memory(model: Any, device: torch.device, dtype: torch.dtype) -> int:
