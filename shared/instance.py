@@ -317,11 +317,19 @@ def _unlink_queues(names: InstanceNames, n_frontends: int, n_workers: int) -> No
 
 def _unlink_all(names: InstanceNames, n_frontends: int, n_workers: int) -> None:
     _unlink_queues(names, n_frontends, n_workers)
-    for name in names.semaphores():
+    _unlink_semaphores(names)
+    for i in range(MAX_MODELS):  # every model's shared encoder outputs that may exist (shared/encoder_store.py)
         with contextlib.suppress(posix_ipc.ExistentialError):
-            posix_ipc.unlink_semaphore(name)
+            posix_ipc.unlink_shared_memory(names.encoder_arena(i))
     with contextlib.suppress(posix_ipc.ExistentialError):
         posix_ipc.unlink_shared_memory(names.arena)
+
+
+def _unlink_semaphores(names: InstanceNames) -> None:
+    """The instance's semaphores and its models' encoder-sharing ones (unlinking a missing one is a no-op)."""
+    for name in [*names.semaphores(), *(n for i in range(MAX_MODELS) for n in names.encoder_semaphores(i))]:
+        with contextlib.suppress(posix_ipc.ExistentialError):
+            posix_ipc.unlink_semaphore(name)
 
 
 def instance_alive(segment: Segment, dead_after_s: float = DEAD_AFTER_S) -> bool:
@@ -445,10 +453,7 @@ def cleanup_leftovers(dead_after_s: float = DEAD_AFTER_S, *, dry_run: bool = Fal
         _unlink_all(names, peek.n_frontends, peek.n_workers)
         removed.append(instance_id)
     for instance_id in list_orphan_semaphore_ids():
-        names = InstanceNames(instance_id)
-        for name in names.semaphores():
-            with contextlib.suppress(posix_ipc.ExistentialError):
-                posix_ipc.unlink_semaphore(name)
+        _unlink_semaphores(InstanceNames(instance_id))
         removed.append(instance_id)
     return removed
 

@@ -79,6 +79,15 @@ class InstanceNames:
     def semaphores(self) -> list[str]:
         return [self.index_lock, self.repair_lock, self.table_lock]
 
+    # A model's shared vision-tower outputs (shared/encoder_store.py): a segment and two locks per
+    # model index, made by the model's first worker that shares, unlinked with the instance.
+    def encoder_arena(self, model_index: int) -> str:
+        return f"/{PREFIX}.{self.instance_id}.enc{model_index}"
+
+    def encoder_semaphores(self, model_index: int) -> list[str]:
+        """(index lock, repair lock) of model ``model_index``'s shared encoder outputs."""
+        return [f"/{PREFIX}.{self.instance_id}.enc{model_index}i", f"/{PREFIX}.{self.instance_id}.enc{model_index}r"]
+
 
 def _shm_names() -> list[list[str]]:
     """Our entries of /dev/shm, split on dots (semaphores appear there as ``sem.<name>``).
