@@ -64,7 +64,8 @@ MAGIC = int.from_bytes(b"SHMGATE1", "little")
 # 3: slot rows carry ``progress_ns`` and ``stalls``; ``model`` widened to MODEL_NAME_BYTES
 # 4: stats rows of 256 words (the per-stage latency histograms, gateway/stages.py)
 # 5: a table of the declared models (several models on one node) replaces the header's one ``model``
-LAYOUT_VERSION = 6
+# 7: worker rows' ``engine`` words carry the shared encoder outputs' counters
+LAYOUT_VERSION = 7
 ALIGN = 64
 PAGE = 4096
 
