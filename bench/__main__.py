@@ -18,6 +18,10 @@ from typing import cast
 SCENARIOS: dict[str, tuple[str, str]] = {
     "e2e": ("bench.e2e", "shmgate against a naive app and LitServe, end to end: req/s, latency, server CPU"),
     "vlm-serving": ("bench.vlm_serving", "a VLM's TTFT idle, behind a long answer and in a Poisson mix (who waits)"),
+    "encoder-share": (
+        "bench.encoder_share",
+        "a vision tower's time per image against sharing its output between workers",
+    ),
     "grammar-cost": ("bench.grammar_cost", "a response_format grammar's cost per generated token, in process"),
     "gateway-cost": ("bench.gateway_cost", "shmgate's own CPU per request against floor servers and LitServe"),
     "hf-processing": ("bench.hf_processing", "a tiny VLM: shmgate against a naive transformers server"),
