@@ -125,6 +125,20 @@ def list_orphan_semaphore_ids() -> list[str]:
     )
 
 
+def list_orphan_encoder_ids() -> list[str]:
+    """Instance ids that have a shared encoder segment (``encoder_arena``) in /dev/shm but no arena any more:
+    a worker that created one while its instance was being unlinked."""
+    arenas = set(list_arena_instances())
+    return sorted(
+        {
+            p[1]
+            for p in _shm_names()
+            if len(p) == 3 and p[0] == PREFIX and _ID_RE.match(p[1]) and re.fullmatch(r"enc\d+", p[2])
+        }
+        - arenas
+    )
+
+
 def format_bytes(nbytes: int) -> str:
     for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if nbytes >= size:

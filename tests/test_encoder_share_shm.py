@@ -20,7 +20,10 @@ import numpy as np
 import pytest
 
 from shmgate.shared.cache_index import EntryState
-from shmgate.shared.instance import Instance
+from shmgate.shared.encoder_store import EncoderStore
+from shmgate.shared.instance import Instance, cleanup_leftovers
+from shmgate.shared.locks import HolderKind
+from shmgate.shared.names import InstanceNames, new_instance_id
 from tests import encoder_share_children as children
 from tests.shm_children import scratch_instance
 
@@ -56,7 +59,8 @@ def kill(process: Any) -> None:
 
 def test_concurrent_workers_read_exactly_what_was_published_or_miss(instance: Instance) -> None:
     workers = [
-        start(children.stress_worker, instance.names.instance_id, slot, 24, 2.5, seed)
+        # 64 outputs of 16-208 KiB (7 MiB) in four 1 MiB partitions: blocks are evicted and reused while read
+        start(children.stress_worker, instance.names.instance_id, slot, 64, 2.5, seed)
         for seed, slot in enumerate(range(children.N_SLOTS))
     ]
     for _, conn in workers:
@@ -91,8 +95,8 @@ def test_a_publisher_killed_mid_write_leaves_no_torn_entry_and_its_successor_tak
         table = store._index._table
         live = (table["state"] == EntryState.VALID) & (table["partition"] == 1)
         assert int(np.count_nonzero(live)) == 0
-        assert children.publish(store, 3)
-        assert children.read_and_check(store, 3) == "hit"
+        assert children.publish(store, 100)  # a key the reader never published
+        assert children.read_and_check(store, 100) == "hit"
     finally:
         store.close()
 
@@ -126,3 +130,21 @@ def test_a_busy_index_is_a_miss_not_a_wait(instance: Instance) -> None:
         assert children.read_and_check(store, 1) == "hit"
     finally:
         store.close()
+
+
+def test_an_encoder_segment_whose_instance_is_gone_is_removed_by_cleanup() -> None:
+    """A worker that made its model's segment while its instance was being unlinked leaves no trace."""
+    names = InstanceNames(new_instance_id())
+    store = EncoderStore.open(
+        names,
+        0,
+        slot=0,
+        n_slots=1,
+        partition_bytes=children.PARTITION_BYTES,
+        identity=(HolderKind.WORKER, 0, 1),
+        is_dead=lambda *_: False,
+    )
+    store.close()
+    assert [e for e in os.listdir("/dev/shm") if names.instance_id in e]  # the segment and its two semaphores
+    assert names.instance_id in cleanup_leftovers()
+    assert [e for e in os.listdir("/dev/shm") if names.instance_id in e] == []
