@@ -148,3 +148,24 @@ def test_an_encoder_segment_whose_instance_is_gone_is_removed_by_cleanup() -> No
     assert [e for e in os.listdir("/dev/shm") if names.instance_id in e]  # the segment and its two semaphores
     assert names.instance_id in cleanup_leftovers()
     assert [e for e in os.listdir("/dev/shm") if names.instance_id in e] == []
+
+
+def test_a_found_output_is_used_only_with_the_dtype_and_shape_this_images_tower_gives(instance: Instance) -> None:
+    import torch
+
+    from shmgate.worker.encoder_share import SharedEncoderOutputs
+
+    store = children.open_store(instance, 0)
+    try:
+        door = SharedEncoderOutputs(store, model="m", device=torch.device("cpu"), merge_size=2)
+        features = torch.randn(16, 32)  # grid (1, 8, 8) merged 2x2: 16 tokens
+        door.publish(b"k" * 16, (1, 8, 8), features)
+        found = door.get(b"k" * 16, (1, 8, 8), torch.float32, 32)
+        assert found is not None and torch.equal(found, features)
+        assert door.get(b"k" * 16, (1, 8, 8), torch.float32, 64) is None  # another width: never used
+        assert door.get(b"k" * 16, (1, 8, 8), torch.bfloat16, 32) is None  # another dtype: another key
+        assert door.get(b"k" * 16, (1, 8, 16), torch.float32, 32) is None  # another grid: another key
+        assert door.get(b"j" * 16, (1, 8, 8), torch.float32, 32) is None  # another image
+        assert door.counters() == (1, 4, 1)
+    finally:
+        store.close()
