@@ -10,7 +10,8 @@ the same blocks, generations and epochs (shared/arena.py). So the same rules hol
 
 - One writer per partition: worker slot w alone allocates, writes and frees in partition w. A worker
   that takes slot w over (its predecessor died) claims row w first (a new epoch: every block and index
-  entry of the old epoch reads stale at once), resets the partition and purges its index entries.
+  entry of the old epoch reads stale at once), resets the partition and purges its index entries; a
+  predecessor still running (declared dead, not yet exited) sees the new epoch and publishes nothing more.
 - Publish order: the bytes are written into a fresh block, then the entry is inserted in the index
   under the index semaphore (fields first, state last). A reader looks up under the same semaphore, so
   the semaphore's post/wait orders the data before the entry; a writer killed before the insert left
@@ -182,6 +183,8 @@ class EncoderStore:
         nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
         if nbytes <= 0 or nbytes > self._partition.size // 2:
             return False  # one output must not empty the partition of everything else
+        if not self._owner():
+            return False
         with self._mutex:
             if key in self._own:
                 return False
@@ -189,6 +192,8 @@ class EncoderStore:
         if allocation is None:
             return False
         write(self._partition.array(allocation, "uint8", (nbytes,)))
+        if not self._owner():
+            return False  # taken over while we wrote: the partition is the successor's, publish nothing
         ref = TensorRef(allocation.offset, nbytes, allocation.generation, dtype, tuple(shape), "encoder")
         try:
             with self._lock.hold(self._lock_timeout_s):
@@ -202,6 +207,13 @@ class EncoderStore:
             self._own[key] = allocation
         self.stats.publishes += 1
         return True
+
+    def _owner(self) -> bool:
+        """Is partition ``slot`` still ours? A worker declared dead (stalled, or in another container) runs on
+        until its heartbeat thread notices, while a successor may already have claimed the slot: it must
+        stop writing at once. Its successor loads a model before it publishes, seconds in which the old
+        process exits (worker/main.py ``_declared_dead``)."""
+        return int(self.segment.frontends[self.slot]["epoch"]) == self._epoch
 
     def _allocate(self, nbytes: int) -> Allocation | None:
         """A block for ``nbytes``, evicting our oldest entries for room or for our index quota (mutex held)."""

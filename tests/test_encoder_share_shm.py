@@ -169,3 +169,18 @@ def test_a_found_output_is_used_only_with_the_dtype_and_shape_this_images_tower_
         assert door.counters() == (1, 4, 1)
     finally:
         store.close()
+
+
+def test_a_worker_whose_slot_was_taken_over_publishes_nothing_more(instance: Instance) -> None:
+    old = children.open_store(instance, 1)
+    new = None
+    try:
+        assert children.publish(old, 1)
+        new = children.open_store(instance, 1)  # a successor claims the slot while the old one still runs
+        assert not children.publish(old, 2)
+        assert children.read_and_check(new, 1) == "miss"  # the old epoch's entry was purged
+        assert children.publish(new, 2) and children.read_and_check(old, 2) == "hit"
+    finally:
+        old.close()
+        if new is not None:
+            new.close()
