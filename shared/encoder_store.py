@@ -133,15 +133,18 @@ class EncoderStore:
             for sem in sems:
                 sem.close()
             raise
-        if slot >= segment.layout.n_frontends:
+        try:
+            if slot >= segment.layout.n_frontends:
+                raise SetupError(f"worker slot {slot} has no shared encoder partition ({segment.layout.n_frontends})")
+            lock = SharedLock(
+                sems[0], segment.locks[int(LockId.INDEX)], sems[1], segment.locks[int(LockId.REPAIR)], identity, is_dead
+            )
+            return cls(segment, slot, lock, sems, lock_timeout_s=lock_timeout_s)
+        except BaseException:  # nothing stays mapped or open for a worker that goes on without sharing
             segment.close()
             for sem in sems:
                 sem.close()
-            raise SetupError(f"worker slot {slot} has no shared encoder partition ({segment.layout.n_frontends})")
-        lock = SharedLock(
-            sems[0], segment.locks[int(LockId.INDEX)], sems[1], segment.locks[int(LockId.REPAIR)], identity, is_dead
-        )
-        return cls(segment, slot, lock, sems, lock_timeout_s=lock_timeout_s)
+            raise
 
     # -- reading --------------------------------------------------------------------
 
