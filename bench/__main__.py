@@ -20,7 +20,11 @@ SCENARIOS: dict[str, tuple[str, str]] = {
     "vlm-serving": ("bench.vlm_serving", "a VLM's TTFT idle, behind a long answer and in a Poisson mix (who waits)"),
     "prefix-reuse": (
         "bench.prefix_reuse",
-        "what reusing a multi-turn chat's prefix KV would save its TTFT, in process",
+        "a multi-turn chat's TTFT with and without its earlier turn's prompt KV, in process",
+    ),
+    "encoder-share": (
+        "bench.encoder_share",
+        "a vision tower's time per image against sharing its output between workers",
     ),
     "grammar-cost": ("bench.grammar_cost", "a response_format grammar's cost per generated token, in process"),
     "gateway-cost": ("bench.gateway_cost", "shmgate's own CPU per request against floor servers and LitServe"),

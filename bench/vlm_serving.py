@@ -45,8 +45,9 @@ PHOTOS = sorted((REPO / "tests" / "data" / "images").glob("*.jpg"))
 TEXT = {"hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 8, "num_attention_heads": 8}
 
 
-def build(path: Path) -> None:
-    """The fixture's Qwen2-VL (tests/hf_fixture.py) with an 8-layer, 512-wide text model."""
+def build(path: Path, vision: dict[str, Any] | None = None) -> None:
+    """The fixture's Qwen2-VL (tests/hf_fixture.py) with an 8-layer, 512-wide text model (``vision``: other
+    vision-tower settings, e.g. a real tower's depth and width; its output is merged to the text width)."""
     import torch
     import transformers
 
@@ -55,7 +56,7 @@ def build(path: Path) -> None:
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = hf_fixture._build_processor(path, "qwen2_vl")
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in hf_fixture._SPECIAL_TOKENS}
-    vision = {**hf_fixture._vision_config("qwen2_vl"), "hidden_size": TEXT["hidden_size"]}
+    vision = {**hf_fixture._vision_config("qwen2_vl"), **(vision or {}), "hidden_size": TEXT["hidden_size"]}
     config = transformers.Qwen2VLConfig(
         text_config={
             **TEXT,

@@ -241,6 +241,7 @@ class NodeCollector:
         )
         yield batch
         yield from _engine_metrics(node.engine_totals())
+        yield from _shared_encoder_metrics(node.engine_by_worker())
         yield gauge(
             "shmgate_preparing_requests",
             "Admitted requests still being decoded and preprocessed.",
@@ -358,6 +359,20 @@ def render(node: NodeStats, queue_depth: int) -> str:
     """The Prometheus text exposition for the whole node."""
     body, _ = exposition(node, lambda: queue_depth, None)
     return body.decode()
+
+
+def _shared_encoder_metrics(rows: list[tuple[int, str, dict[str, int]]]) -> Iterator[Metric]:
+    """Per worker: its model's shared vision-tower outputs (worker/encoder_share.py, --encoder-share-mb)."""
+    families = [
+        ("hits", "Images whose vision-tower output a worker read from its model's shared outputs."),
+        ("misses", "Images a worker looked up in its model's shared outputs and did not find (its tower ran)."),
+        ("publishes", "Vision-tower outputs a worker published for the other workers of its model."),
+    ]
+    for word, text in families:
+        family = CounterMetricFamily(f"shmgate_encoder_shared_{word}", text, labels=["model", "worker"])
+        for slot, model, words in rows:
+            family.add_metric([model, str(slot)], words[f"encoder_shared_{word}"])
+        yield family
 
 
 def _engine_metrics(words: dict[str, int]) -> Iterator[Metric]:

@@ -124,6 +124,13 @@ class BatchingOptions:
         default="256",
         type=flag_types.non_negative_float,
     )
+    encoder_share_mb: float = option(
+        "hf: models: each worker's shared-memory partition for vision-tower outputs that every worker of "
+        "its model reads before running its own tower (Qwen2-VL, Qwen2.5-VL); pays where the tower costs "
+        "more than a copy of its output (docs/BENCHMARKS.md); 0: off, each worker encodes for itself",
+        default="0",
+        type=flag_types.non_negative_float,
+    )
     dtype: str = option(
         "weights of hf: models (auto: bfloat16 on CUDA, float32 on CPU)",
         default="auto",

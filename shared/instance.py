@@ -32,6 +32,7 @@ from shmgate.shared.names import (
     SHM_DIR,
     InstanceNames,
     list_arena_instances,
+    list_orphan_encoder_ids,
     list_orphan_semaphore_ids,
     new_instance_id,
 )
@@ -317,11 +318,24 @@ def _unlink_queues(names: InstanceNames, n_frontends: int, n_workers: int) -> No
 
 def _unlink_all(names: InstanceNames, n_frontends: int, n_workers: int) -> None:
     _unlink_queues(names, n_frontends, n_workers)
-    for name in names.semaphores():
-        with contextlib.suppress(posix_ipc.ExistentialError):
-            posix_ipc.unlink_semaphore(name)
+    _unlink_semaphores(names)
+    _unlink_encoder_segments(names)
     with contextlib.suppress(posix_ipc.ExistentialError):
         posix_ipc.unlink_shared_memory(names.arena)
+
+
+def _unlink_semaphores(names: InstanceNames) -> None:
+    """The instance's semaphores and its models' encoder-sharing ones (unlinking a missing one is a no-op)."""
+    for name in [*names.semaphores(), *(n for i in range(MAX_MODELS) for n in names.encoder_semaphores(i))]:
+        with contextlib.suppress(posix_ipc.ExistentialError):
+            posix_ipc.unlink_semaphore(name)
+
+
+def _unlink_encoder_segments(names: InstanceNames) -> None:
+    """Every model's shared encoder outputs that may exist (shared/encoder_store.py)."""
+    for i in range(MAX_MODELS):
+        with contextlib.suppress(posix_ipc.ExistentialError):
+            posix_ipc.unlink_shared_memory(names.encoder_arena(i))
 
 
 def instance_alive(segment: Segment, dead_after_s: float = DEAD_AFTER_S) -> bool:
@@ -445,11 +459,12 @@ def cleanup_leftovers(dead_after_s: float = DEAD_AFTER_S, *, dry_run: bool = Fal
         _unlink_all(names, peek.n_frontends, peek.n_workers)
         removed.append(instance_id)
     for instance_id in list_orphan_semaphore_ids():
-        names = InstanceNames(instance_id)
-        for name in names.semaphores():
-            with contextlib.suppress(posix_ipc.ExistentialError):
-                posix_ipc.unlink_semaphore(name)
+        _unlink_semaphores(InstanceNames(instance_id))
         removed.append(instance_id)
+    for instance_id in list_orphan_encoder_ids():
+        _unlink_encoder_segments(InstanceNames(instance_id))
+        if instance_id not in removed:
+            removed.append(instance_id)
     return removed
 
 
@@ -468,6 +483,7 @@ def _dead_instance_ids(dead_after_s: float) -> list[str]:
         if not _alive(peek.state, peek.supervisor_pid, peek.supervisor_pidns, peek.supervisor_beat_ns, dead_after_s):
             dead.append(instance_id)
     dead.extend(list_orphan_semaphore_ids())
+    dead.extend(i for i in list_orphan_encoder_ids() if i not in dead)
     return dead
 
 

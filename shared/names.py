@@ -79,6 +79,15 @@ class InstanceNames:
     def semaphores(self) -> list[str]:
         return [self.index_lock, self.repair_lock, self.table_lock]
 
+    # A model's shared vision-tower outputs (shared/encoder_store.py): a segment and two locks per
+    # model index, made by the model's first worker that shares, unlinked with the instance.
+    def encoder_arena(self, model_index: int) -> str:
+        return f"/{PREFIX}.{self.instance_id}.enc{model_index}"
+
+    def encoder_semaphores(self, model_index: int) -> list[str]:
+        """(index lock, repair lock) of model ``model_index``'s shared encoder outputs."""
+        return [f"/{PREFIX}.{self.instance_id}.enc{model_index}i", f"/{PREFIX}.{self.instance_id}.enc{model_index}r"]
+
 
 def _shm_names() -> list[list[str]]:
     """Our entries of /dev/shm, split on dots (semaphores appear there as ``sem.<name>``).
@@ -113,6 +122,20 @@ def list_orphan_semaphore_ids() -> list[str]:
     arenas = set(list_arena_instances())
     return sorted(
         {p[2] for p in _shm_names() if len(p) == 4 and p[:2] == ["sem", PREFIX] and _ID_RE.match(p[2])} - arenas
+    )
+
+
+def list_orphan_encoder_ids() -> list[str]:
+    """Instance ids that have a shared encoder segment (``encoder_arena``) in /dev/shm but no arena any more:
+    a worker that created one while its instance was being unlinked."""
+    arenas = set(list_arena_instances())
+    return sorted(
+        {
+            p[1]
+            for p in _shm_names()
+            if len(p) == 3 and p[0] == PREFIX and _ID_RE.match(p[1]) and re.fullmatch(r"enc\d+", p[2])
+        }
+        - arenas
     )
 
 

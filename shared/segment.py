@@ -64,7 +64,8 @@ MAGIC = int.from_bytes(b"SHMGATE1", "little")
 # 3: slot rows carry ``progress_ns`` and ``stalls``; ``model`` widened to MODEL_NAME_BYTES
 # 4: stats rows of 256 words (the per-stage latency histograms, gateway/stages.py)
 # 5: a table of the declared models (several models on one node) replaces the header's one ``model``
-LAYOUT_VERSION = 6
+# 7: worker rows' ``engine`` words carry the shared encoder outputs' counters
+LAYOUT_VERSION = 7
 ALIGN = 64
 PAGE = 4096
 
@@ -250,8 +251,13 @@ class Segment:
     for everyone else. ``close`` unmaps; ``unlink`` removes the name (owner).
     """
 
-    def __init__(self, names: InstanceNames, shm: posix_ipc.SharedMemory, mm: mmap.mmap) -> None:
+    def __init__(
+        self, names: InstanceNames, shm: posix_ipc.SharedMemory, mm: mmap.mmap, shm_name: str | None = None
+    ) -> None:
         self.names = names
+        # the object's name: the instance's arena, or another segment of the same layout (a model's shared
+        # encoder outputs, shared/encoder_store.py)
+        self.shm_name = shm_name or names.arena
         self._shm = shm
         self.mm = mm
         self.buf = memoryview(mm)
@@ -294,11 +300,13 @@ class Segment:
         index_capacity: int = 0,
         label: str = "default",
         stall_timeout_s: float = 0.0,
+        shm_name: str | None = None,
     ) -> Segment:
         """Create and initialise the segment (owner only). Raises SetupError.
 
         ``index_capacity``: the content index's slots, a power of two; 0 sizes it from the arena
-        (``index_capacity_for``)."""
+        (``index_capacity_for``). ``shm_name``: another name than the instance's arena (a segment
+        of the same layout for another use; its partitions' owners are its "frontend" rows)."""
         index_capacity = index_capacity or index_capacity_for(arena_size)
         if n_frontends < 1 or n_workers < 1:
             raise SetupError("an instance needs at least one frontend slot and one worker slot")
@@ -309,7 +317,9 @@ class Segment:
             raise SetupError(f"arena of {arena_size} bytes is too small for {n_frontends} frontends")
         check_shm_space(layout.total_size)
         try:
-            shm = posix_ipc.SharedMemory(names.arena, posix_ipc.O_CREX, mode=IPC_MODE, size=layout.total_size)
+            shm = posix_ipc.SharedMemory(
+                shm_name or names.arena, posix_ipc.O_CREX, mode=IPC_MODE, size=layout.total_size
+            )
         except posix_ipc.ExistentialError as exc:
             raise SetupError("an arena with this instance id exists already") from exc
         mm = mmap.mmap(shm.fd, layout.total_size)
@@ -335,18 +345,21 @@ class Segment:
         h["stall_timeout_ns"] = int(stall_timeout_s * 1e9)
         h["magic"] = MAGIC  # last: a half-initialised segment never looks valid
         del h, header
-        return cls(names, shm, mm)
+        return cls(names, shm, mm, shm_name)
 
     @classmethod
-    def attach(cls, names: InstanceNames) -> Segment:
+    def attach(cls, names: InstanceNames, shm_name: str | None = None) -> Segment:
         """Map an existing segment. Raises SetupError when it is missing or incompatible."""
         try:
-            shm = posix_ipc.SharedMemory(names.arena)
+            shm = posix_ipc.SharedMemory(shm_name or names.arena)
         except posix_ipc.ExistentialError as exc:
             raise SetupError("no running shmgate instance with that id") from exc
+        if shm.size < HEADER.itemsize:  # its creator has not sized it yet
+            shm.close_fd()
+            raise SetupError("the shared-memory segment is not a shmgate arena (bad magic)")
         mm = mmap.mmap(shm.fd, shm.size)
         shm.close_fd()
-        return cls(names, shm, mm)
+        return cls(names, shm, mm, shm_name)
 
     def close(self) -> None:
         """Unmap. Views handed out earlier must not be used afterwards."""
@@ -359,7 +372,7 @@ class Segment:
 
     def unlink(self) -> None:
         try:
-            posix_ipc.unlink_shared_memory(self.names.arena)
+            posix_ipc.unlink_shared_memory(self.shm_name)
         except posix_ipc.ExistentialError:
             pass
 

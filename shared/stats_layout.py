@@ -146,5 +146,8 @@ ENGINE_FIELDS = (
     "encoder_runs",
     "prefix_hits",
     "prefix_tokens",
+    "encoder_shared_hits",  # images whose tower output came from the model's shared outputs (worker/encoder_share.py)
+    "encoder_shared_misses",  # images looked up there and not found (or found stale): the tower ran
+    "encoder_shared_publishes",  # tower outputs this worker published there
 )
 ENGINE_GAUGES = 4

@@ -34,6 +34,7 @@ POSIX_LAYER = frozenset(
         "shmgate.shared.locks",
         "shmgate.shared.allocator",
         "shmgate.shared.arena",
+        "shmgate.shared.encoder_store",
         "shmgate.shared.transport.posix",
     }
 )

@@ -107,6 +107,7 @@ def run(config: WorkerConfig) -> int:
         kv_cache_tokens=config.kv_cache_tokens,
         encoder_cache_mb=config.encoder_cache_mb,
         prefix_cache_mb=config.prefix_cache_mb,
+        encoder_share_mb=config.encoder_share_mb,
         follow_drain_s=config.follow_drain_s,
         served_model_name=config.served_model_name[0] if config.served_model_name else "",
         otlp_traces_endpoint=config.otlp_traces_endpoint or "",

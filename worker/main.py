@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import torch
 
+from shmgate.shared.encoder_store import EncoderStore
 from shmgate.shared.errors import (
     EXIT_CONFIG,
     EXIT_DECLARED_DEAD,
@@ -64,12 +65,14 @@ from shmgate.shared.errors import (
     DescriptorError,
     InvalidRequest,
     ModelError,
+    Overloaded,
     RequestTimeout,
     SetupError,
     ShmgateError,
     UnknownModel,
 )
 from shmgate.shared.instance import Instance
+from shmgate.shared.locks import HolderKind
 from shmgate.shared.models import parse_model_spec, resolve_model
 from shmgate.shared.parent_death import follow_supervisor
 from shmgate.shared.stages import Stamp, Stamps
@@ -94,6 +97,7 @@ from shmgate.worker.batcher import Batcher
 from shmgate.worker.device import Copy, DeviceCopier, check_device, pick_device, use_device
 from shmgate.worker.diagnostics import DiagnosticOptions
 from shmgate.worker.drain import StopRequest
+from shmgate.worker.encoder_share import SharedEncoderOutputs
 from shmgate.worker.health import Progress, is_sticky_device_error
 from shmgate.worker.prefetch import Prefetcher
 from shmgate.worker.vectors import vector_messages
@@ -137,6 +141,7 @@ class WorkerOptions:
     kv_cache_tokens: int = 0  # hf: models: the KV budget in tokens; 0: unbounded on CPU, from free memory on CUDA
     encoder_cache_mb: float = 256.0  # hf: models: vision-tower outputs kept by image key
     prefix_cache_mb: float = 256.0  # hf: models: prompts' KV kept by prefix (worker/prefix_cache.py)
+    encoder_share_mb: float = 0.0  # hf: models: this worker's partition of its model's shared tower outputs; 0: off
     follow_drain_s: float = 0.0  # on SIGTERM keep serving while the gateway drains, this long at most (worker/drain.py)
     served_model_name: str = ""  # the id clients send (--served-model-name); '' the spec's default (shared/models.py)
     otlp_traces_endpoint: str = ""  # OpenTelemetry traces go there (worker/tracing.py); '': tracing off
@@ -214,6 +219,10 @@ class Worker:
         check_model_id(self.backend.name)
         link.set_model(self.backend.name)
         self.backend.on_step = self.progress.step  # generative backends: progress per forward pass
+        self.encoder_store: EncoderStore | None = None
+        self.encoder_share: SharedEncoderOutputs | None = None
+        if options.encoder_share_mb > 0 and isinstance(instance, Instance):
+            self._share_encoder(instance, options.encoder_share_mb)
         self._batch_size = batch_size_for(self.backend, options.max_batch_size)
         self._room = self._batch_size  # the engine's room after the last turn (read by the prefetch thread)
         self.copier = DeviceCopier(self.device, link.mm)
@@ -234,6 +243,43 @@ class Worker:
             wake_fd=self._prefetcher.wake_fd,
             policy=options.batch_policy,
         )
+
+    def _share_encoder(self, instance: Instance, partition_mb: float) -> None:
+        """Give a Qwen2-VL-style engine its model's shared vision-tower outputs (worker/encoder_share.py), in
+        a partition of ``partition_mb`` of its own; another backend, or no room, leaves it to itself."""
+        from shmgate.worker.backends.hf import ENCODER_APART, HFBackend
+
+        backend = self.backend
+        if not isinstance(backend, HFBackend) or backend.model.config.model_type not in ENCODER_APART:
+            log.warning("--encoder-share-mb applies to Qwen2-VL and Qwen2.5-VL models only; ignored")
+            return
+        segment = instance.segment
+        try:
+            self.encoder_store = EncoderStore.open(
+                instance.names,
+                max(0, segment.model_index(backend.name)),
+                slot=self.slot,
+                n_slots=segment.layout.n_workers,
+                partition_bytes=int(partition_mb * (1 << 20)),
+                identity=(HolderKind.WORKER, self.slot, self.epoch),
+                is_dead=instance.holder_is_dead,
+            )
+        except (SetupError, Overloaded) as exc:
+            log.warning("shared encoder outputs are off for this worker: %s", exc)
+            return
+        self.encoder_share = SharedEncoderOutputs(
+            self.encoder_store,
+            model=backend.name,
+            device=self.device,
+            merge_size=int(backend.model.config.vision_config.spatial_merge_size),
+        )
+        backend.encoder_share = self.encoder_share
+
+    def close(self) -> None:
+        """Unmap what the worker opened besides the instance (the shared encoder outputs)."""
+        if self.encoder_store is not None:
+            self.encoder_store.close()
+            self.encoder_store = None
 
     # -- life cycle -----------------------------------------------------------------
 
@@ -542,6 +588,8 @@ class Worker:
         if report is None:
             return
         gauges, counters = report
+        shared = self.encoder_share.counters() if self.encoder_share is not None else (0, 0, 0)
+        counters = (*counters, *shared)  # ENGINE_FIELDS' last words: the shared encoder outputs'
         last = self._engine_counters or (0,) * len(counters)
         self.link.report_engine(gauges, [now - before for now, before in zip(counters, last)])
         self._engine_counters = counters
@@ -756,6 +804,7 @@ def run_worker(
     try:
         worker.run()
     finally:
+        worker.close()
         instance.close()
     return worker.exit_code
 

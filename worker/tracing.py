@@ -131,7 +131,8 @@ class BatchSpans:
         }
         for name, value in zip(ENGINE_FIELDS[:ENGINE_GAUGES], gauges, strict=True):
             attributes[f"shmgate.step.{name}"] = int(value)
-        for name, value in zip(ENGINE_FIELDS[ENGINE_GAUGES:], added, strict=True):
+        # the engine's own counters come first; the worker's shared-encoder words after them are not a step's
+        for name, value in zip(ENGINE_FIELDS[ENGINE_GAUGES:], added, strict=False):
             if name not in ("steps", "step_ns"):  # one step, and the span's own length
                 attributes[f"shmgate.step.{name}"] = int(value)
         span = self.tracer.start_span(

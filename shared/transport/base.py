@@ -248,6 +248,9 @@ class NodeStats(Protocol):
 
     def preparing_requests(self) -> int: ...
 
+    def engine_by_worker(self) -> list[tuple[int, str, dict[str, int]]]:
+        """(slot, model, ENGINE_FIELDS words) of every worker slot that was ever claimed."""
+
 
 class SupervisorLink(Protocol):
     """The supervisor's side: the instance's heartbeat and state, and its children's slots."""

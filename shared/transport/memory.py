@@ -491,6 +491,9 @@ class MemoryNodeStats:
     def engine_totals(self) -> dict[str, int]:
         return dict(self.node.engine)
 
+    def engine_by_worker(self) -> list[tuple[int, str, dict[str, int]]]:
+        return []  # one engine's words, summed in engine_totals: no per-worker rows here
+
     def batch_histogram(self) -> np.ndarray:
         return np.zeros(len(BATCH_BUCKETS) + 1, dtype="<u8")
 

@@ -335,6 +335,18 @@ class PosixNodeStats:
         summed = self.segment.workers["engine"].sum(axis=0).tolist()
         return dict(zip(ENGINE_FIELDS, (int(v) for v in summed)))
 
+    def engine_by_worker(self) -> list[tuple[int, str, dict[str, int]]]:
+        workers = self.segment.workers
+        return [
+            (
+                slot,
+                bytes(workers[slot]["model"]).decode(errors="replace"),
+                dict(zip(ENGINE_FIELDS, (int(v) for v in workers[slot]["engine"].tolist()))),
+            )
+            for slot in range(len(workers))
+            if int(workers[slot]["epoch"])
+        ]
+
     def preparing_requests(self) -> int:
         return self.segment.preparing_requests()
 

@@ -79,6 +79,7 @@ from shmgate.shared.models import model_id_for  # rules: shared/models.py
 from shmgate.shared.wire import MAX_LOGPROB_TOKEN_CHARS, MIN_TEMPERATURE, SamplingParams, TokenLogprob
 from shmgate.worker.backends.base import BackendEvent, ModelBackend, WorkItem
 from shmgate.worker.constraints import GrammarConstraints, RowConstraint
+from shmgate.worker.encoder_share import SharedEncoderOutputs  # [shared encoder outputs]
 from shmgate.worker.health import is_sticky_device_error
 from shmgate.worker.prefix_cache import PrefixCache, cache_layers, prefix_hashes
 
@@ -219,6 +220,8 @@ class HFBackend(ModelBackend):
         self.encoder_cache = EncoderCache(int(encoder_cache_mb * (1 << 20)) if self._chunks else 0)
         # A prefix's KV is reused where a prompt is prefilled in parts (the rest is one more chunk)
         self.prefix_cache = PrefixCache(int(prefix_cache_mb * (1 << 20)) if self._chunks else 0)
+        # [shared encoder outputs] set by worker/main.py (--encoder-share-mb): other workers' tower runs
+        self.encoder_share: SharedEncoderOutputs | None = None
         self.stats = EngineStats()
         self._out: list[BackendEvent] = []  # events of rows that ended before any step (bad inputs)
         self._waiting: deque[_Row] = deque()  # oldest first; the head may be part way through its prompt
@@ -651,6 +654,15 @@ class HFBackend(ModelBackend):
         features: list[torch.Tensor | None] = [
             None if key is None else self.encoder_cache.get(key) for key in cache_keys
         ]
+        # [shared encoder outputs] before running the tower: another worker's output (worker/encoder_share.py)
+        if self.encoder_share is not None:
+            width = self.model.config.get_text_config().hidden_size
+            for i, ck in enumerate(cache_keys):
+                if features[i] is None and ck is not None:
+                    found = self.encoder_share.get(ck[0], ck[1], self.dtype, width)
+                    if found is not None:
+                        features[i] = found
+                        self.encoder_cache.put(ck, found)
         missing = [i for i, f in enumerate(features) if f is None]
         self.stats.encoder_hits += len(grids) - len(missing)
         if missing:
@@ -665,6 +677,8 @@ class HFBackend(ModelBackend):
                 key = cache_keys[i]
                 if key is not None:
                     self.encoder_cache.put(key, computed.clone())
+                    if self.encoder_share is not None:  # [shared encoder outputs] for the other workers
+                        self.encoder_share.publish(key[0], key[1], computed)
         return torch.cat([f for f in features if f is not None])
 
     def _prefill(self, row: _Row) -> tuple[torch.Tensor, Any, int]:
