@@ -17,7 +17,7 @@ What runs here, and what never does:
 What differs between families (the placeholder, each image's tokens, the processor outputs kept,
 the prompt's special tokens) is the frontend half of the family's input style (shared/families/,
 named by its record in shared/hf_families.py); this module runs it. What it still knows of one family:
-the Qwen2-VL family's pixel budget (``plan_image``) and its video (gateway/preprocess/qwen_video.py).
+the Qwen2-VL family's video (gateway/preprocess/qwen_video.py).
 
 Invariants:
 1. ``preprocess_image`` asks ``allocate`` for each output array once, after decoding and
@@ -296,28 +296,11 @@ class HFPreprocessor(Preprocessor):
         return options
 
     def plan_image(self, width: int, height: int, options: dict[str, Any] | None) -> int:
-        """The Qwen2-VL family (a pixel budget in ``size``): the resized image's tokens, computed as its
-        processor will resize it (``smart_resize``), refused when they alone fill the context; and the
-        processor's float32 copies of it (about five: the resize, rescale, normalise and the patches).
-        Other processors resize to a fixed size: nothing to plan."""
+        """The bytes the processor's own work on this image will take, and a refusal when its tokens alone
+        fill the context: the style's ``plan_image`` (the Qwen2-VL family's pixel budget), given the
+        processor's ``size`` with this image's options on top. Raises InvalidRequest, UndecodableImage."""
         size = {**_size_of(self.image_processor), **((options or {}).get("size") or {})}
-        merge = getattr(self.image_processor, "merge_size", None)
-        if not merge or "longest_edge" not in size or "shortest_edge" not in size:
-            return 0
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
-
-        patch = int(self.image_processor.patch_size)
-        try:
-            h, w = smart_resize(height, width, patch * merge, size["shortest_edge"], size["longest_edge"])
-        except ValueError as exc:  # e.g. an aspect ratio above 200:1
-            raise UndecodableImage(f"The image cannot be processed for this model: {exc}") from None
-        tokens = h * w // (patch * patch * merge * merge)
-        if self.max_prompt_tokens is not None and tokens >= self.max_prompt_tokens:
-            raise InvalidRequest(
-                f"This image alone would take {tokens} tokens; this model reads at most "
-                f"{self.max_prompt_tokens - 1}. Send a smaller image or a lower max_pixels."
-            )
-        return 5 * h * w * 3 * 4
+        return self._style.plan_image(self, width, height, size)
 
     def preprocess_image(
         self, data: bytes, allocate: AllocateFn, *, max_pixels: int, options: dict[str, Any] | None = None

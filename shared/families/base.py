@@ -62,6 +62,7 @@ class PromptContext(Protocol):
     model_config: Any  # the checkpoint's AutoConfig, read where the processor has no setting of its own
     style_state: Any  # what ``prepare`` made for this checkpoint
     image_token_id: int  # the placeholder's id
+    max_prompt_tokens: int | None  # the model's context
     added_ids: np.ndarray  # the tokenizer's added tokens' ids, int32
     tokenizer_lock: threading.Lock  # held around tokenizer calls that flip its settings
 
@@ -168,6 +169,13 @@ class FamilyStyle(abc.ABC):
     def chat_template(self) -> str | None:
         """The template used when the checkpoint carries none (None: it must carry one)."""
         return None
+
+    def plan_image(self, pre: PromptContext, width: int, height: int, size: dict[str, Any]) -> int:
+        """Before any decode, from the header's ``width`` x ``height`` and the processor's ``size`` (this
+        image's options on top): the bytes the processor's own work will take beyond the decode (0 when
+        negligible, as for a processor that resizes to a fixed size). Raises InvalidRequest when the image
+        alone cannot fit the model's context."""
+        return 0
 
     def low_detail(self, image_processor: Any) -> dict[str, Any]:
         """The processor arguments ``image_url.detail: "low"`` stands for ({}: no lower setting)."""

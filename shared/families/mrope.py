@@ -3,7 +3,8 @@
 Frontend half: each image is its processor's patches (``pixel_values`` float32 ``[t*h*w,
 3*2*14*14]``, ``image_grid_thw`` int64 ``[1, 3]``), one ``<|image_pad|>`` token per ``merge_size x
 merge_size`` block of them, counted from the tensor's rows (a shape). ``image_url.detail: "low"`` is a
-pixel budget of LOW_DETAIL_TOKENS tokens. Video (Qwen2-VL, Qwen2.5-VL) is laid out by the frontend's
+pixel budget of LOW_DETAIL_TOKENS tokens; an image whose tokens alone fill the context is refused
+before it is decoded (``plan_image``). Video (Qwen2-VL, Qwen2.5-VL) is laid out by the frontend's
 video module (gateway/preprocess/qwen_video.py) and counted through ``PromptContext.video_tokens``.
 
 Worker half: patches and grids checked against the prompt's slots; multimodal RoPE needs 3-D
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from shmgate.shared.errors import InvalidRequest
+from shmgate.shared.errors import InvalidRequest, UndecodableImage
 from shmgate.shared.families.base import (
     PIXEL_VALUES,
     FamilyStyle,
@@ -122,6 +123,28 @@ class MRope(FamilyStyle):
 
     def low_detail(self, image_processor: Any) -> dict[str, Any]:
         return _qwen_low_detail(image_processor)
+
+    def plan_image(self, pre: PromptContext, width: int, height: int, size: dict[str, Any]) -> int:
+        """A pixel budget in ``size``: the resized image's tokens, computed as its processor will resize
+        it (``smart_resize``), refused when they alone fill the context; and the processor's float32
+        copies of it (about five: the resize, rescale, normalise and the patches)."""
+        merge = getattr(pre.image_processor, "merge_size", None)
+        if not merge or "longest_edge" not in size or "shortest_edge" not in size:
+            return 0
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        patch = int(pre.image_processor.patch_size)
+        try:
+            h, w = smart_resize(height, width, patch * merge, size["shortest_edge"], size["longest_edge"])
+        except ValueError as exc:  # e.g. an aspect ratio above 200:1
+            raise UndecodableImage(f"The image cannot be processed for this model: {exc}") from None
+        tokens = h * w // (patch * patch * merge * merge)
+        if pre.max_prompt_tokens is not None and tokens >= pre.max_prompt_tokens:
+            raise InvalidRequest(
+                f"This image alone would take {tokens} tokens; this model reads at most "
+                f"{pre.max_prompt_tokens - 1}. Send a smaller image or a lower max_pixels."
+            )
+        return int(5 * h * w * 3 * 4)
 
     def expand(self, pre: PromptContext, ids: np.ndarray, slots: np.ndarray, images: Sequence[ImageSpec]) -> np.ndarray:
         counts = []
