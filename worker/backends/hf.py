@@ -210,7 +210,8 @@ class HFBackend(GenerationEngine):
 
     def _embed_prompt(self, row: Row) -> tuple[torch.Tensor, torch.Tensor]:
         """The prompt's input embeddings (images' tower outputs scattered into their slots, as the model
-        does) and its 3-D positions; sets the row's RoPE delta. Families whose tower runs apart (``HFFamily.encoder_apart``) only."""
+        does) and its positions (the style's: 3-D for the Qwen family); sets the row's RoPE delta. Families
+        whose tower runs apart (``HFFamily.encoder_apart``) only."""
         ids = full_ids(row)
         with torch.inference_mode():
             embeds = self.model.get_input_embeddings()(ids)

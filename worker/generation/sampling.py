@@ -18,7 +18,8 @@ __all__ = ["bias_vector", "guarded_pick", "make_generator", "pick_token", "sampl
 
 
 def bias_vector(params: SamplingParams, vocab: int, device: torch.device) -> torch.Tensor | None:
-    """``logit_bias`` as a dense vector over the vocabulary (None without one). Ids are checked with the item's inputs."""
+    """``logit_bias`` as a dense vector over the vocabulary (None without one). Ids are checked with the
+    item's inputs (shared/families/base.py ``InputLayout.check``)."""
     if not params.logit_bias:
         return None
     bias = torch.zeros(vocab)
