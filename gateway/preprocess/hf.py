@@ -206,7 +206,7 @@ class HFPreprocessor(Preprocessor):
                     f"{type(self.image_processor).__name__}; known: {sorted(processor_keys(self.image_processor))}"
                 )
             self.image_processor = AutoImageProcessor.from_pretrained(path, backend="pil", **processor_kwargs)
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(path)
         kind = type(self.image_processor).__name__.removesuffix("Pil").removesuffix("Fast")
         if kind not in family.image_processors:
             raise ValueError(

@@ -149,7 +149,9 @@ class HFBackend(GenerationEngine):
             torch.set_num_threads(threads)
         self.name = name or model_id_for(model_dir)
         self.dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-        model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=self.dtype, device_map=_device_map(device))
+        model: Any = AutoModelForImageTextToText.from_pretrained(
+            model_dir, dtype=self.dtype, device_map=_device_map(device)
+        )
         self.model: Any = model.to(device).eval()  # a no-op when it was loaded there
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self._style = family.style  # its input style's worker half (shared/families/)
