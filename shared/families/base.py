@@ -212,6 +212,21 @@ class FamilyStyle(abc.ABC):
     ) -> ModelInputs:
         """The item's images checked against the prompt's slots, as model inputs. Raises InvalidRequest."""
 
+    def model_inputs(self, inputs: ModelInputs) -> dict[str, Any]:
+        """The item's image tensors as the model's forward takes them (those it has)."""
+        kwargs: dict[str, Any] = {}
+        if inputs.pixel_values is not None:
+            kwargs["pixel_values"] = inputs.pixel_values
+        if inputs.image_grid_thw is not None:
+            kwargs["image_grid_thw"] = inputs.image_grid_thw
+        if inputs.video_grid_thw is not None:  # video
+            kwargs["pixel_values_videos"], kwargs["video_grid_thw"] = inputs.pixel_values_videos, inputs.video_grid_thw
+        if inputs.pixel_attention_mask is not None:
+            kwargs["pixel_attention_mask"] = inputs.pixel_attention_mask
+        if inputs.image_sizes is not None:
+            kwargs["image_sizes"] = inputs.image_sizes
+        return kwargs
+
     def extra_inputs(self, layout: InputLayout, ids: torch.Tensor, prompt_tokens: int) -> dict[str, Any]:
         """Model arguments beside the ids, images and positions for a prefill of ``ids`` (token types)."""
         return {}

@@ -257,16 +257,7 @@ class HFBackend(GenerationEngine):
         inputs = row.inputs
         ids = full_ids(row)
         kwargs: dict[str, Any] = {"input_ids": ids, "use_cache": True, "logits_to_keep": 1}
-        if inputs.pixel_values is not None:
-            kwargs["pixel_values"] = inputs.pixel_values
-        if inputs.image_grid_thw is not None:
-            kwargs["image_grid_thw"] = inputs.image_grid_thw
-        if inputs.video_grid_thw is not None:  # video
-            kwargs["pixel_values_videos"], kwargs["video_grid_thw"] = inputs.pixel_values_videos, inputs.video_grid_thw
-        if inputs.pixel_attention_mask is not None:
-            kwargs["pixel_attention_mask"] = inputs.pixel_attention_mask
-        if inputs.image_sizes is not None:
-            kwargs["image_sizes"] = inputs.image_sizes
+        kwargs.update(self._style.model_inputs(inputs))  # the images' tensors
         kwargs.update(self._style.extra_inputs(self._layout, ids, row.prompt_tokens))  # token types
         with torch.inference_mode():
             kwargs["position_ids"], delta = self._style.positions(self.model, self._layout, ids, inputs)
