@@ -1,7 +1,7 @@
 """What reusing a shared prefix's KV saves a multi-turn chat with an image, in process (CPU figures).
 
 Every turn of a chat resends the image and the whole history. The encoder cache (worker/backends/hf.py)
-skips the vision tower for the repeated image; the prefix cache (worker/prefix_cache.py) keeps the
+skips the vision tower for the repeated image; the prefix cache (worker/generation/prefix_cache.py) keeps the
 previous turn's prompt KV, so the language model prefills only what is new. This scenario measures, on
 the engine itself (no HTTP), the time to the first token of turn N's prompt:
 

@@ -228,7 +228,8 @@ def padding(model_dir: Path, seed: int, requests: int) -> dict[str, float]:
 
     from shmgate.gateway.preprocess.hf import HFPreprocessor
     from shmgate.shared.wire import SamplingParams
-    from shmgate.worker.backends.hf import HFBackend, _cache_length
+    from shmgate.worker.backends.hf import HFBackend
+    from shmgate.worker.generation.kv import cache_length as _cache_length
     from tests.test_hf import work_item
 
     pre, engine = HFPreprocessor(model_dir), HFBackend(str(model_dir), torch.device("cpu"))

@@ -6,7 +6,7 @@ served model cannot honour:
 
 - ``hf:`` chat models sample tokens: penalties, ``logit_bias``, ``stop_token_ids``, ``logprobs`` /
   ``top_logprobs``, ``response_format`` (a grammar, worker/constraints.py) and ``n`` (gateway/choices.py) are honoured
-  (worker/backends/hf.py); token ids must lie inside the model's vocabulary.
+  (worker/generation/); token ids must lie inside the model's vocabulary.
 - classifiers (``efficientnet-lite0``, ``checksum``, ``checksum:hf:``) answer with labels or digests,
   a pure function of the pixels: token-level fields (penalties, ``logit_bias``, ``stop_token_ids``,
   ``logprobs``, ``response_format``) have nothing to act on and are refused, as is ``n > 1`` (every choice would be equal). ``temperature``, ``top_p``, ``seed`` and

@@ -376,7 +376,7 @@ def _shared_encoder_metrics(rows: list[tuple[int, str, dict[str, int]]]) -> Iter
 
 
 def _engine_metrics(words: dict[str, int]) -> Iterator[Metric]:
-    """The generation engines' gauges and counters (worker/backends/hf.py), summed over workers.
+    """The generation engines' gauges and counters (worker/generation/), summed over workers.
 
     Mean step time is ``rate(step_seconds) / rate(steps)``, tokens per step ``rate(step_tokens) /
     rate(steps)``.

@@ -1,47 +1,24 @@
 """The Hugging Face chat families ``hf:<directory>`` serves: one record per config.json ``model_type``.
 
-Both halves read the same record, so they cannot disagree about a family: the frontend
-(gateway/preprocess/hf.py) how a prompt counts and lays out each image's tokens (``prompt``) and which
-image processor classes its checkpoints load (``image_processors``); the worker (worker/backends/hf.py)
-how the model takes its image inputs and positions (``inputs``). A style names code that lives in one
-half (gateway/ and worker/ never import each other, so the code cannot live here): a family that prompts
-and runs like a known one is one record; a new style is also one entry in that half's table, and
-tests/test_model_contract.py checks that every style has one. The record is data only (no transformers
-import): a frontend or a worker reads it before loading anything.
+Both halves read the same record, so they cannot disagree about a family: which image processor
+classes its checkpoints load (``image_processors``) and its input style (``style``), the module of
+shared/families/ that holds both halves' knowledge of it: how the frontend (gateway/preprocess/hf.py)
+counts and lays out each image's tokens, and how the worker (worker/backends/hf.py) checks an item's
+tensors, feeds them to the model and computes its positions. A family that prompts and runs like a
+known one is one record here; a family with a new style is also one module in shared/families/
+(tests/test_model_contract.py checks that every style implements the whole contract). The records
+import no transformers and no torch: a frontend or a worker reads them before loading anything.
 """
 
 from __future__ import annotations
 
-import enum
 import json
 import os
 from dataclasses import dataclass
 
-__all__ = ["HF_FAMILIES", "HFFamily", "InputStyle", "PromptStyle", "chat_family", "unsupported_model_type"]
+from shmgate.shared.families import FamilyStyle, any_resolution, crops, fixed_size, mrope, prefix_lm, tiled, token_types
 
-
-class PromptStyle(enum.Enum):
-    """How the frontend turns each image placeholder into the model's image tokens."""
-
-    MERGED_PATCHES = "merged-patches"  # Qwen2-VL: one token per merge x merge block of the image's patches
-    CLIP_PATCHES = "clip-patches"  # LLaVA-1.5: one per patch of the fixed-size CLIP view (+ CLS, per config)
-    TILES = "tiles"  # Idefics3: tile and global-view markers around each view's tokens
-    COUNTED = "counted"  # LLaVA-NeXT: a count from the original image size, carried as a tensor's shape
-    SIGLIP_PATCHES = "siglip-patches"  # PaliGemma: image_seq_length tokens of a fixed-size SigLIP view
-    WRAPPED = "wrapped"  # Gemma 3: "\n\n" <boi> N x <image> <eoi> "\n\n", the newlines tokenized as text
-    CROPS = "crops"  # InternVL: <img> image_seq_length <IMG_CONTEXT> per crop </img>
-
-
-class InputStyle(enum.Enum):
-    """How the worker checks an item's tensors and feeds them and the positions to the model."""
-
-    MROPE = "mrope"  # Qwen2-VL: patches with image_grid_thw, 3-D multimodal RoPE positions
-    FIXED_SIZE = "fixed-size"  # LLaVA-1.5: one (1, 3, S, S) view per image, 1-D positions
-    TILED = "tiled"  # Idefics3: tiles, a pixel mask and a tile_grid per image, 1-D positions
-    ANY_RESOLUTION = "any-resolution"  # LLaVA-NeXT: tiles fitted to grid_pinpoints, image_sizes beside
-    TOKEN_TYPES = "token-types"  # Gemma 3: token_type_ids mark image tokens (bidirectional attention)
-    PREFIX_LM = "prefix-lm"  # PaliGemma: the whole prompt is the prefix, positions from 1
-    CROPS = "crops"  # InternVL: (n, 3, S, S) crops per image, 1-D positions
+__all__ = ["HF_FAMILIES", "HFFamily", "chat_family", "unsupported_model_type"]
 
 
 @dataclass(frozen=True)
@@ -51,13 +28,14 @@ class HFFamily:
     model_type: str  # config.json's, the key
     name: str  # what docs/MODELS.md calls it
     # The image processor classes (without the Pil/Fast backend suffix) its checkpoints load; another
-    # is refused at start-up, since the prompt style assumes this processor's output.
+    # is refused at start-up, since the style assumes this processor's output.
     image_processors: tuple[str, ...]
-    prompt: PromptStyle
-    inputs: InputStyle
-    # PaliGemma's prefix-LM prompt: BOS right after the images, "\n" at the end, and a plain template
-    # (one user turn: the images' placeholders, then its text) when the checkpoint carries none.
-    prefix_lm_prompt: bool = False
+    style: FamilyStyle  # both halves' code for its inputs (shared/families/)
+    # Its vision tower runs apart from the prompt in the worker (``get_image_features`` gives one output per
+    # image, scattered into the prompt's embeddings as the model does): its images' outputs are cached by
+    # content key and its prompts can be prefilled in chunks. Qwen3-VL also feeds deepstack features into
+    # its first layers, which that path does not carry, so it stays on the model's own path.
+    encoder_apart: bool = False
 
 
 _QWEN = ("Qwen2VLImageProcessor",)  # the three Qwen generations share Qwen2-VL's image processor
@@ -67,25 +45,16 @@ _TILES = ("Idefics3ImageProcessor", "SmolVLMImageProcessor")  # SmolVLM's is Ide
 HF_FAMILIES: dict[str, HFFamily] = {
     family.model_type: family
     for family in (
-        HFFamily("qwen2_vl", "Qwen2-VL", _QWEN, PromptStyle.MERGED_PATCHES, InputStyle.MROPE),
-        HFFamily("qwen2_5_vl", "Qwen2.5-VL", _QWEN, PromptStyle.MERGED_PATCHES, InputStyle.MROPE),
-        HFFamily("qwen3_vl", "Qwen3-VL", _QWEN, PromptStyle.MERGED_PATCHES, InputStyle.MROPE),
-        HFFamily("llava", "LLaVA-1.5", ("CLIPImageProcessor",), PromptStyle.CLIP_PATCHES, InputStyle.FIXED_SIZE),
-        HFFamily("idefics3", "Idefics3, SmolVLM", _TILES, PromptStyle.TILES, InputStyle.TILED),
-        HFFamily(
-            "llava_next", "LLaVA-NeXT", ("LlavaNextImageProcessor",), PromptStyle.COUNTED, InputStyle.ANY_RESOLUTION
-        ),
-        HFFamily("gemma3", "Gemma 3", ("Gemma3ImageProcessor",), PromptStyle.WRAPPED, InputStyle.TOKEN_TYPES),
-        HFFamily(
-            "paligemma",
-            "PaliGemma",
-            ("SiglipImageProcessor",),
-            PromptStyle.SIGLIP_PATCHES,
-            InputStyle.PREFIX_LM,
-            prefix_lm_prompt=True,
-        ),
-        HFFamily("internvl", "InternVL", ("GotOcr2ImageProcessor",), PromptStyle.CROPS, InputStyle.CROPS),
-        HFFamily("smolvlm", "SmolVLM2", _TILES, PromptStyle.TILES, InputStyle.TILED),
+        HFFamily("qwen2_vl", "Qwen2-VL", _QWEN, mrope.STYLE, encoder_apart=True),
+        HFFamily("qwen2_5_vl", "Qwen2.5-VL", _QWEN, mrope.STYLE, encoder_apart=True),
+        HFFamily("qwen3_vl", "Qwen3-VL", _QWEN, mrope.STYLE),
+        HFFamily("llava", "LLaVA-1.5", ("CLIPImageProcessor",), fixed_size.STYLE),
+        HFFamily("idefics3", "Idefics3, SmolVLM", _TILES, tiled.STYLE),
+        HFFamily("llava_next", "LLaVA-NeXT", ("LlavaNextImageProcessor",), any_resolution.STYLE),
+        HFFamily("gemma3", "Gemma 3", ("Gemma3ImageProcessor",), token_types.STYLE),
+        HFFamily("paligemma", "PaliGemma", ("SiglipImageProcessor",), prefix_lm.STYLE),
+        HFFamily("internvl", "InternVL", ("GotOcr2ImageProcessor",), crops.STYLE),
+        HFFamily("smolvlm", "SmolVLM2", _TILES, tiled.STYLE),
     )
 }
 

@@ -135,7 +135,7 @@ SLOT = np.dtype(
         # process whose beat_ns is fresh but progress_ns old is wedged (supervise/supervisor.py).
         ("progress_ns", "<u8"),
         ("stalls", "<u8"),  # times this slot's process was declared stalled (never reset: a counter)
-        # Worker rows of a generation engine (worker/backends/hf.py), see ENGINE_FIELDS: gauges set per
+        # Worker rows of a generation engine (worker/generation/engine.py), see ENGINE_FIELDS: gauges set per
         # step (zeroed at claim and release), counters added to (never reset).
         ("engine", "<u8", (len(ENGINE_FIELDS),)),
     ]

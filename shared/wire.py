@@ -149,7 +149,7 @@ class Submit(Message, tag="s"):
     # trace; "" when tracing is off. 55 characters, never more (the frontend writes it).
     traceparent: str = ""
     # Each image's content key (shared/vocabulary.py key_of_digest; b"" where there is none), in image order:
-    # a worker keeps an image's vision-tower output under it (worker/backends/hf.py EncoderCache).
+    # a worker keeps an image's vision-tower output under it (worker/generation/encoder_cache.py).
     image_keys: tuple[Annotated[bytes, Meta(max_length=32)], ...] = ()
 
 

@@ -1,5 +1,5 @@
 """The declared model contract: every registered preprocessor and backend satisfies it, every HF family's
-record names styles both halves implement, and no capability is probed with getattr/hasattr.
+record names a style that implements both halves (shared/families/), and no capability is probed with getattr/hasattr.
 
 gateway/preprocess/base.py ``Preprocessor`` and worker/backends/base.py ``ModelBackend`` declare every
 capability the gateway and the worker read, each with a typed default, and the methods a model must have
@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import inspect
 import re
+import subprocess
+import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -21,7 +23,8 @@ import pytest
 from shmgate.gateway.preprocess import preprocessor_class
 from shmgate.gateway.preprocess.base import AllocateFn, ImageTensorSpec, Preprocessor, PromptInputs
 from shmgate.shared.errors import InvalidRequest
-from shmgate.shared.hf_families import HF_FAMILIES, InputStyle, PromptStyle
+from shmgate.shared.families import HOST_TENSORS, IMAGE_TENSORS, STYLES, FamilyStyle
+from shmgate.shared.hf_families import HF_FAMILIES
 from shmgate.shared.models import ModelKind
 from shmgate.worker.backends import backend_class
 from shmgate.worker.backends.base import DEFAULT_BATCH_SIZE, BackendEvent, ModelBackend, WorkItem, batch_size_for
@@ -146,19 +149,47 @@ def test_a_backend_gets_every_capability_from_the_defaults() -> None:
     assert steps == [1]
 
 
-def test_every_family_names_styles_both_halves_implement() -> None:
-    from shmgate.gateway.preprocess.hf import _ARCHITECTURES
-
+def test_every_family_names_a_style_that_implements_the_whole_contract() -> None:
+    """Each input style (shared/families/) holds both halves of a family's knowledge; a style lacking a
+    method cannot be built, and every style is named by some family (none is dead code)."""
     assert all(key == family.model_type for key, family in HF_FAMILIES.items())
-    assert set(_ARCHITECTURES) == set(PromptStyle)  # every prompt style has its code in the frontend
-    # Every style a record can name is named by one (none is dead code in the halves' tables), and every
-    # family names the image processors its prompt style was written for.
-    assert {f.prompt for f in HF_FAMILIES.values()} == set(PromptStyle)
-    assert {f.inputs for f in HF_FAMILIES.values()} == set(InputStyle)
+    for name, style in STYLES.items():
+        assert isinstance(style, FamilyStyle) and not inspect.isabstract(type(style)), name
+        assert style.name == name and style.image_token and style.image_tensors
+        assert set(style.host_tensors) <= set(style.image_tensors), name
+    assert {id(f.style) for f in HF_FAMILIES.values()} == {id(s) for s in STYLES.values()}
+    # every family names the image processors its style was written for
     assert all(
         f.image_processors and all(p.endswith("ImageProcessor") for p in f.image_processors)
         for f in HF_FAMILIES.values()
     )
+    # the worker reads on the host, and accepts, what every style declares
+    assert set(backend_class(ModelKind.HF_CHAT).host_tensors) == set(HOST_TENSORS) <= set(IMAGE_TENSORS)
+
+
+def test_a_style_missing_a_half_cannot_be_built() -> None:
+    class PromptOnly(FamilyStyle):
+        name = "prompt-only"
+        image_token = "<image>"
+        image_tensors = ("pixel_values",)
+
+        def expand(self, pre: Any, ids: Any, slots: Any, images: Any) -> Any:
+            return ids
+
+    with pytest.raises(TypeError, match="check"):
+        PromptOnly()  # type: ignore[abstract]
+
+
+def test_the_frontend_loads_no_torch() -> None:
+    """The frontend's app and every style module import without torch (their worker halves import it
+    inside functions), so a frontend process never pays for it."""
+    probe = (
+        "import sys\n"
+        "import shmgate.gateway.app, shmgate.gateway.preprocess.hf, shmgate.shared.hf_families\n"
+        "print('torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip().splitlines()[-1] == "False"
 
 
 # A capability probe: getattr/hasattr on a preprocessor or a backend (the contract declares them all).

@@ -1,4 +1,4 @@
-"""Prefix KV reuse (worker/prefix_cache.py): a chat's next turn prefills only what is new, answers as it
+"""Prefix KV reuse (worker/generation/prefix_cache.py): a chat's next turn prefills only what is new, answers as it
 would from scratch, and a prompt that differs (another image behind the same placeholder tokens) never
 borrows a KV it does not share.
 """
@@ -20,7 +20,7 @@ from shmgate.gateway.preprocess.hf import HFPreprocessor  # noqa: E402
 from shmgate.shared.wire import SamplingParams  # noqa: E402
 from shmgate.worker.backends.base import BackendEvent, WorkItem  # noqa: E402
 from shmgate.worker.backends.hf import HFBackend  # noqa: E402
-from shmgate.worker.prefix_cache import BLOCK_TOKENS, PrefixCache, prefix_hashes  # noqa: E402
+from shmgate.worker.generation.prefix_cache import BLOCK_TOKENS, PrefixCache, prefix_hashes  # noqa: E402
 from tests.test_hf import SQUARE, WIDE, answer, preprocess, spec  # noqa: E402
 
 IMAGE_TOKEN = 7

@@ -286,6 +286,7 @@ def test_the_worker_answers_a_video_with_its_temporal_positions(family: str, tin
     import torch
 
     from shmgate.gateway.preprocess.hf import HFPreprocessor
+    from shmgate.shared.families.mrope import mrope_positions
     from shmgate.shared.wire import SamplingParams
     from shmgate.worker.backends.base import WorkItem
     from shmgate.worker.backends.hf import HFBackend
@@ -308,7 +309,9 @@ def test_the_worker_answers_a_video_with_its_temporal_positions(family: str, tin
     tensors = {name: [torch.from_numpy(a)] for name, a in arrays.items()}
     item = WorkItem(1, tensors, SamplingParams(max_tokens=3, temperature=0.0), inline=prompt.inline)
     inputs = backend._layout.check(item, torch.device("cpu"))
-    positions, _ = backend._mrope_positions(inputs.input_ids, None, inputs.video_grid_thw, inputs.second_per_grid_ts)
+    positions, _ = mrope_positions(
+        backend.model, backend._layout, inputs.input_ids, None, inputs.video_grid_thw, inputs.second_per_grid_ts
+    )
     video_at = (inputs.input_ids[0] == backend._layout.video_token_id).nonzero().view(-1)
     temporal = sorted(set(positions[0, 0, video_at].tolist()))
     spacing = 1 if family == "qwen2_vl" else int(backend.model.config.vision_config.tokens_per_second * 1.25)

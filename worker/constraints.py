@@ -3,7 +3,7 @@
 The frontend turns ``response_format`` into a grammar (gateway/structured.py) and sends it in the
 request's ``SamplingParams.grammar``. Here each constrained row gets its own matcher, which says, before
 every sampling, which tokens keep the output inside the grammar: the others' logits become -inf, in the
-row's own sampling pass (worker/backends/hf.py ``_pick``), so constrained and free rows share a batch
+row's own sampling pass (worker/generation/engine.py ``_pick``), so constrained and free rows share a batch
 and the engine's steps. A row ends with "stop" the token its grammar completes on; the model's EOS is
 allowed only where the grammar may end. llguidance (an ``hf`` extra) computes the masks: it runs on the
 CPU and needs neither triton nor a CUDA build of torch; it is imported on a model's first constrained

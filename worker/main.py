@@ -140,7 +140,7 @@ class WorkerOptions:
     max_num_batched_tokens: int = 2048  # hf: models: tokens per engine step (worker/backends/hf.py)
     kv_cache_tokens: int = 0  # hf: models: the KV budget in tokens; 0: unbounded on CPU, from free memory on CUDA
     encoder_cache_mb: float = 256.0  # hf: models: vision-tower outputs kept by image key
-    prefix_cache_mb: float = 256.0  # hf: models: prompts' KV kept by prefix (worker/prefix_cache.py)
+    prefix_cache_mb: float = 256.0  # hf: models: prompts' KV kept by prefix (worker/generation/prefix_cache.py)
     encoder_share_mb: float = 0.0  # hf: models: this worker's partition of its model's shared tower outputs; 0: off
     follow_drain_s: float = 0.0  # on SIGTERM keep serving while the gateway drains, this long at most (worker/drain.py)
     served_model_name: str = ""  # the id clients send (--served-model-name); '' the spec's default (shared/models.py)
@@ -247,10 +247,10 @@ class Worker:
     def _share_encoder(self, instance: Instance, partition_mb: float) -> None:
         """Give a Qwen2-VL-style engine its model's shared vision-tower outputs (worker/encoder_share.py), in
         a partition of ``partition_mb`` of its own; another backend, or no room, leaves it to itself."""
-        from shmgate.worker.backends.hf import ENCODER_APART, HFBackend
+        from shmgate.worker.backends.hf import HFBackend
 
         backend = self.backend
-        if not isinstance(backend, HFBackend) or backend.model.config.model_type not in ENCODER_APART:
+        if not isinstance(backend, HFBackend) or not backend.encoder_apart:
             log.warning("--encoder-share-mb applies to Qwen2-VL and Qwen2.5-VL models only; ignored")
             return
         segment = instance.segment

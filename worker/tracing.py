@@ -16,7 +16,7 @@ Each request's spans are children of the attempt span whose W3C traceparent came
 and one ``batch`` span per batch, in a trace of its own, links to the attempt of every request it
 served: a batch of 8 is one span that eight traces point at.
 
-A step engine (continuous batching, worker/backends/hf.py) has no batches: requests join and leave
+A step engine (continuous batching, worker/generation/engine.py) has no batches: requests join and leave
 between steps. There, each request's ``compute`` span has two children, ``prefill`` (added to the
 engine -> its first output: waiting for a place, the vision tower, the prompt's chunks) and ``decode``
 (first output -> final answer), and counts the steps it was in (``shmgate.steps``). Each engine step

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +31,7 @@ import numpy as np
 from PIL import Image
 
 from shmgate.gateway import video
-from shmgate.gateway.preprocess.base import AllocateFn, ImageTensorSpec
+from shmgate.gateway.preprocess.base import AllocateFn
 from shmgate.shared.errors import ImageTooLarge, InvalidRequest, UndecodableImage
 
 __all__ = [
@@ -195,7 +196,7 @@ def preprocess_video(data: bytes, s: VideoSettings, allocate: AllocateFn, reserv
 VIDEO_FAMILIES = frozenset({"qwen2_vl", "qwen2_5_vl"})
 
 
-def video_tokens(spec: ImageTensorSpec, s: VideoSettings) -> int:
+def video_tokens(spec: Mapping[str, tuple[str, tuple[int, ...]]], s: VideoSettings) -> int:
     """A video's prompt tokens from its tensors' shapes: one per merge x merge block of patches."""
     shape = spec[PIXEL_VALUES_VIDEOS][1]
     merge = s.merge_size**2

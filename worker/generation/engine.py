@@ -1,0 +1,455 @@
+"""The generation engine: continuous batching of streamed generations, for any model family.
+
+``GenerationEngine`` implements the engine contract (worker/backends/base.py: ``add``, ``abort``,
+``step``, ``has_work``, ``room``) once. A request is checked and queued by ``add``; each ``step``
+first drops rows that ended (EOS, stop string, max_tokens, cancel, a failure of their own), then runs
+ONE decode forward pass over every running row, then prefills waiting requests, oldest first, within
+``max_num_batched_tokens`` tokens per step. A prefilled request samples its first token and joins the
+running rows: its own KV cache is merged into theirs, left-padded (kv.py), so a request that arrives
+while others generate starts at the next step instead of waiting for their answers.
+
+KV memory is a budget in token positions (``kv_budget``: the padded batch counts rows x length). A
+request starts its prefill only if the batch, with it, fits one more step; before a decode step that
+would overflow, the newest row is preempted (``_make_room``): its cache is dropped and it goes back to
+the head of the queue, to be prefilled again from its prompt and the tokens it had generated
+(recompute; its sampler, detokenizer and counts are kept, so its answer goes on where it stopped).
+
+What a subclass supplies (worker/backends/hf.py ``HFBackend``, which wires a family's input style to
+this engine): ``_check`` (an item's model inputs, or InvalidRequest), ``_prefill_some`` (the next part
+of a row's prompt through the model) and ``_decode_step`` (one token for every running row). Nothing
+here names a model family, and a new family changes nothing here.
+
+Invariants: every item ends with exactly one event carrying ``finish_reason`` and usage
+(``completion_tokens`` counts every sampled token, the EOS token included); a row whose inputs,
+logits or grammar fail ends alone (an ``error`` event) and its step mates go on.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from shmgate.shared.errors import InvalidRequest, ModelError
+from shmgate.shared.wire import MAX_LOGPROB_TOKEN_CHARS, TokenLogprob
+from shmgate.worker.backends.base import BackendEvent, ModelBackend, WorkItem
+from shmgate.worker.constraints import GrammarConstraints, RowConstraint
+from shmgate.worker.generation.kv import cache_length, join_cache, select_rows
+from shmgate.worker.generation.rows import Row, prompt_length
+from shmgate.worker.generation.sampling import bias_vector, guarded_pick, make_generator, to_host, token_budget
+from shmgate.worker.generation.stats import EngineStats
+from shmgate.worker.generation.text import IncrementalDetokenizer, StopStringFilter
+from shmgate.worker.health import is_sticky_device_error
+
+__all__ = ["DEFAULT_MAX_NUM_BATCHED_TOKENS", "DEFAULT_MAX_TOKENS", "GenerationEngine"]
+
+log = logging.getLogger("shmgate.worker.hf")
+
+DEFAULT_MAX_TOKENS = 256
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # prompt and decode tokens one step runs (--max-num-batched-tokens)
+
+
+class GenerationEngine(ModelBackend):
+    """Continuous batching over a model a subclass runs: rows, their sampling, text and KV budget."""
+
+    joins_running = True
+
+    def __init__(
+        self,
+        *,
+        tokenizer: Any,
+        device: torch.device,
+        vocab_size: int,
+        max_positions: int,
+        eos_token_ids: frozenset[int],
+        default_max_tokens: int = DEFAULT_MAX_TOKENS,
+        kv_budget: int = 0,
+        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        chunked_prefill: bool = False,
+    ) -> None:
+        """``kv_budget``: KV positions the batch may hold (0: unbounded). ``chunked_prefill``: a long prompt
+        may run over several steps' budgets (``_prefill_some`` takes part of it); else it runs whole, in a
+        step of its own when it exceeds the budget."""
+        self.tokenizer: Any = tokenizer
+        self.device = device
+        self.vocab_size = vocab_size
+        self.max_positions = max_positions
+        self.eos_token_ids: frozenset[int] = eos_token_ids
+        self.default_max_tokens = default_max_tokens
+        self.kv_budget = kv_budget
+        self.max_num_batched_tokens = max(1, max_num_batched_tokens)
+        self._chunks = chunked_prefill
+        self._grammars: GrammarConstraints | None = None  # built on the first response_format row
+        self.stats = EngineStats()
+        self._out: list[BackendEvent] = []  # events of rows that ended before any step (bad inputs)
+        self._waiting: deque[Row] = deque()  # oldest first; the head may be part way through its prompt
+        self._running: list[Row] = []  # rows that decode together, sharing one left-padded cache
+        self._arrivals = 0
+
+    # -- what a subclass runs ---------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def _check(self, item: WorkItem) -> Any:
+        """``item``'s model inputs on the device (``input_ids`` [1, L] first). Raises InvalidRequest."""
+
+    @abc.abstractmethod
+    def _prefill_some(self, row: Row, budget: int) -> tuple[int, torch.Tensor | None]:
+        """Run the next part of ``row``'s prompt (all of it unless prefilled in chunks, then at most
+        ``budget`` tokens) into ``row.cache``; return the tokens run and, once the prompt is complete,
+        its last logits. A preempted row's prompt is its prompt and the tokens it had generated."""
+
+    @abc.abstractmethod
+    def _decode_step(self, rows: Sequence[Row]) -> torch.Tensor:
+        """Feed each row's last sampled token in one forward pass; return logits ``[rows, vocab]``."""
+
+    def run(self, batch: Sequence[WorkItem]) -> Iterator[BackendEvent]:
+        """Generate every item of ``batch`` through the engine, yielding text as it is decoded.
+
+        Events' ``index`` is the item's position in ``batch``. An item whose token ids or tensors are
+        not what the frontend writes ends alone with an ``error`` event (InvalidRequest).
+        """
+        if self.has_work():
+            raise RuntimeError("run() needs an idle engine")
+        keys = {id(item): index for index, item in enumerate(batch)}
+        saved = [item.key for item in batch]
+        try:
+            for item in batch:
+                item.key = keys[id(item)]
+                self.add(item)
+            while self.has_work():
+                yield from self.step()
+        finally:
+            for item, key in zip(batch, saved):
+                item.key = key
+            self.clear()
+
+    # -- the engine contract (worker/backends/base.py) -------------------------------------------------
+
+    def add(self, item: WorkItem) -> None:
+        """Check ``item`` and queue it; it joins the running rows at a later step (prefill first)."""
+        try:
+            inputs = self._check(item)
+            row = self._row(item.key, item, inputs)
+        except (InvalidRequest, ModelError) as exc:  # this request's inputs (or its grammar): it fails alone
+            self._out.append(BackendEvent(item.key, error=exc))
+            return
+        needed = row.prompt_tokens + 1
+        if self.kv_budget and needed > self.kv_budget:
+            self._out.append(
+                BackendEvent(
+                    item.key,
+                    error=InvalidRequest(
+                        f"the prompt needs {needed} tokens of KV cache; this worker holds {self.kv_budget} "
+                        "(--kv-cache-tokens)"
+                    ),
+                )
+            )
+            return
+        if row.limit == 0:  # no room in the context (or max_tokens 0): no forward pass for it
+            self._out += self._finish(row, "length")
+            return
+        self._arrivals += 1
+        row.arrival = self._arrivals
+        self._waiting.append(row)
+
+    def abort(self, key: int) -> None:
+        for row in (*self._waiting, *self._running):
+            if row.index == key:
+                row.item.cancelled = True  # it leaves at the next step, prefilling or decoding
+
+    def has_work(self) -> bool:
+        return bool(self._out or self._waiting or self._running)
+
+    def engine_report(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        stats = self.stats
+        return (self.running, self.waiting, self.kv_used, self.kv_budget), (
+            stats.steps,
+            int(stats.step_seconds * 1e9),
+            stats.step_tokens,
+            stats.preemptions,
+            stats.encoder_hits,
+            stats.encoder_runs,
+            stats.prefix_hits,
+            stats.prefix_tokens,
+        )
+
+    @property
+    def running(self) -> int:
+        """Rows decoding together."""
+        return len(self._running)
+
+    @property
+    def waiting(self) -> int:
+        """Requests added and not yet running (a preempted row among them)."""
+        return len(self._waiting)
+
+    @property
+    def kv_used(self) -> int:
+        """KV cache positions held now (the padded batch's rows x length, and prompts part way in)."""
+        return self._kv_used()
+
+    def room(self, batch_size: int) -> int:
+        """Rows to add now: up to ``batch_size`` running and waiting, none while the KV budget is spent."""
+        if self.kv_budget and self._kv_used() >= self.kv_budget:
+            return 0
+        return max(0, batch_size - len(self._running) - len(self._waiting))
+
+    def clear(self) -> None:
+        self._out, self._running = [], []
+        self._waiting.clear()
+
+    def step(self) -> list[BackendEvent]:
+        """Rows that ended leave; the running rows decode one token (one forward pass); then waiting rows
+        prefill, oldest first, within ``max_num_batched_tokens`` prompt tokens (a long prompt of a family
+        that can be chunked goes in chunks), and each one that completes its prompt joins the running
+        rows for the next step."""
+        started = time.perf_counter()
+        events, self._out = self._out, []
+        for row in list(self._waiting):
+            if row.item.cancelled:
+                self._waiting.remove(row)
+                events += self._finish(row, "stop")
+        for row in self._running:
+            if row.item.cancelled and row.finish is None:
+                events += self._finish(row, "stop")
+        self._compact()
+        tokens = 0
+        if self._running:
+            events += self._make_room()
+        if self._running:
+            decoded = self._decode_step(self._running)
+            self.on_step()
+            tokens += len(self._running)
+            events += self._sample(self._running, decoded)
+            self._compact()
+        budget = max(0, self.max_num_batched_tokens - tokens)
+        while self._waiting and (budget > 0 or tokens == 0):
+            row = self._waiting[0]
+            if row.done_tokens == 0 and self._running and not self._fits(row):
+                break  # the KV budget is spent: it waits for rows to leave
+            if tokens and not self._chunks and prompt_length(row) - row.done_tokens > budget:
+                break  # a whole prompt that does not fit this step's budget waits for the next step
+            try:
+                used, logits = self._prefill_some(row, max(budget, 1))
+            except Exception as exc:  # this request's prompt or images: it fails alone, the batch goes on
+                if is_sticky_device_error(exc):
+                    raise  # the device is gone for every row: the worker fails them all and restarts
+                log.warning("request %x: its prefill failed: %r", row.item.request_id, exc)
+                self._waiting.popleft()
+                row.finish, row.cache, row.prefill = "error", None, None
+                error = (
+                    exc if isinstance(exc, InvalidRequest) else ModelError(f"the model failed: {type(exc).__name__}")
+                )
+                events.append(BackendEvent(row.index, error=error))
+                continue
+            self.on_step()
+            tokens += used
+            budget -= used
+            if logits is None:
+                break  # its prompt goes on in the next step's budget
+            self._waiting.popleft()
+            events += self._sample([row], logits[None])
+            if row.finish is None:
+                self._join(row)
+        self.stats.steps += 1
+        self.stats.step_tokens += tokens
+        self.stats.step_seconds += time.perf_counter() - started
+        return events
+
+    # -- rows joining and leaving -------------------------------------------------------------------
+
+    def _sample(self, rows: Sequence[Row], logits: torch.Tensor) -> list[BackendEvent]:
+        """Pick and take each row's next token (one host sync for them all); a row whose logits are not
+        finite ends alone with an error."""
+        picks: list[torch.Tensor] = []
+        faults: dict[int, Exception] = {}
+        for row, row_logits in zip(rows, logits):
+            try:
+                picks.append(self._pick(row, row_logits))
+            except Exception as exc:  # a sampling fault no check foresaw ends that row alone
+                faults[row.index] = exc
+                picks.append(torch.zeros(2, dtype=torch.long, device=logits.device))
+        picked = to_host(picks)
+        events: list[BackendEvent] = []
+        for row, (token, ok) in zip(rows, picked):
+            if row.index in faults:
+                log.warning("row %s: sampling failed: %r", row.index, faults[row.index])
+                row.finish, row.cache = "error", None
+                events.append(BackendEvent(row.index, error=ModelError(f"sampling failed: {faults[row.index]}")))
+                continue
+            if not ok:
+                row.finish, row.cache = "error", None
+                events.append(
+                    BackendEvent(row.index, error=ModelError("the model's output for this request was not finite"))
+                )
+                continue
+            try:
+                events += self._accept(row, token)
+            except ModelError as exc:  # a row's own fault (its grammar refused the token): it ends alone
+                row.finish, row.cache = "error", None
+                events.append(BackendEvent(row.index, error=exc))
+        return events
+
+    def _compact(self) -> None:
+        """Drop ended rows from the running batch's cache at once."""
+        still = [row for row in self._running if row.finish is None]
+        if still and len(still) < len(self._running):
+            select_rows(self._running, still)
+        self._running = still
+
+    def _join(self, row: Row) -> None:
+        """A prefilled row enters the running batch: its cache is merged into the batch's, left-padded."""
+        if self._running:
+            join_cache(self._running, row)
+        self._running.append(row)
+
+    def _kv_used(self) -> int:
+        """KV positions held: the running batch's padded cache (rows x length) and prompts being prefilled."""
+        used = sum(row.done_tokens for row in self._waiting)
+        if self._running:
+            used += len(self._running) * cache_length(self._running[0].cache)
+        return used
+
+    def _fits(self, row: Row) -> bool:
+        """May ``row`` start its prefill: after joining, would the padded batch grow by one more step within
+        the KV budget?"""
+        if not self.kv_budget:
+            return True
+        length = row.prompt_tokens + len(row.generated)
+        if self._running:
+            length = max(length, cache_length(self._running[0].cache))
+        return (len(self._running) + 1) * (length + 1) <= self.kv_budget
+
+    def _make_room(self) -> list[BackendEvent]:
+        """Before a decode step: while the batch would outgrow the KV budget, preempt the newest row (its
+        cache is dropped and recomputed from its prompt and its tokens so far when it is admitted again,
+        ahead of new requests). A lone row that cannot grow ends with ``length``."""
+        events: list[BackendEvent] = []
+        while self.kv_budget and self._running:
+            if len(self._running) * (cache_length(self._running[0].cache) + 1) <= self.kv_budget:
+                break
+            if len(self._running) == 1:
+                events += self._finish(self._running[0], "length")
+                self._compact()
+                break
+            newest = max(self._running, key=lambda row: row.arrival)
+            keep = [row for row in self._running if row is not newest]
+            select_rows(self._running, keep)
+            self._running = keep
+            newest.cache, newest.pad, newest.done_tokens, newest.prefill = None, 0, 0, None
+            self._waiting.appendleft(newest)
+            self.stats.preemptions += 1
+        return events
+
+    def _row(self, index: int, item: WorkItem, inputs: Any) -> Row:
+        prompt_tokens = inputs.input_ids.shape[1]
+        params = item.params
+        return Row(
+            index=index,
+            item=item,
+            inputs=inputs,
+            prompt_tokens=prompt_tokens,
+            limit=token_budget(params, self.default_max_tokens, self.max_positions - prompt_tokens),
+            detok=IncrementalDetokenizer(self.tokenizer),
+            stops=StopStringFilter(params.stop),
+            generator=make_generator(self.device, params.seed),
+            bias=bias_vector(params, self.vocab_size, self.device),
+            counts=(
+                torch.zeros(self.vocab_size, device=self.device)
+                if params.presence_penalty or params.frequency_penalty
+                else None
+            ),
+            constraint=self._constraint(params.grammar) if params.grammar else None,
+        )
+
+    def _constraint(self, grammar: str) -> RowConstraint:
+        """A row's grammar matcher; the model's compiler is built on its first constrained row."""
+        if self._grammars is None:
+            self._grammars = GrammarConstraints(self.tokenizer, self.vocab_size)
+        return self._grammars.start(grammar)
+
+    def _pick(self, row: Row, logits: torch.Tensor) -> torch.Tensor:
+        """The row's next token and whether its logits were finite, as ``[token, ok]`` on the device (no sync).
+
+        ``logit_bias`` and the penalties act on the logits first, as in OpenAI's definition:
+        ``logit[j] += bias[j] - count[j] * frequency_penalty - (count[j] > 0) * presence_penalty``,
+        where ``count`` counts the row's generated tokens (not the prompt's). A per-row constraint
+        (a grammar's mask) belongs here too, beside the bias.
+        """
+        params = row.item.params
+        if row.bias is not None or row.counts is not None:
+            logits = logits.float()
+            if row.bias is not None:
+                logits = logits + row.bias
+            if row.counts is not None:
+                logits = (
+                    logits - row.counts * params.frequency_penalty - (row.counts > 0).float() * params.presence_penalty
+                )
+        if row.constraint is not None:  # structured outputs: tokens the grammar refuses go to -inf
+            logits = row.constraint.mask(logits)
+        if params.logprobs >= 0:
+            row.logprobs = torch.log_softmax(logits.float(), dim=-1)
+        token, ok = guarded_pick(logits, params.temperature, params.top_p, row.generator)
+        return torch.stack([token.reshape(()).long(), ok.long()])
+
+    def _accept(self, row: Row, token: int) -> list[BackendEvent]:
+        """Take the row's sampled ``token``; return its text, and the end if it ended."""
+        row.completion_tokens += 1
+        row.token = token
+        row.generated.append(token)  # a preempted row's prefill recomputes them
+        if row.counts is not None:
+            row.counts[token] += 1
+        first: list[BackendEvent] = []
+        if row.logprobs is not None:
+            first.append(BackendEvent(row.index, logprob=self._logprob(row.logprobs, token, row.item.params.logprobs)))
+            row.logprobs = None
+        if row.constraint is not None:
+            row.constraint.accept(token)  # raises ModelError if the grammar refused it: _sample fails the row
+        if token in self.eos_token_ids or token in row.item.params.stop_token_ids:
+            return first + self._finish(row, "stop")
+        text = row.stops.push(row.detok.push(token))
+        events = first + ([BackendEvent(row.index, text=text)] if text else [])
+        if row.stops.stopped or (row.constraint is not None and row.constraint.finished):
+            return events + self._finish(row, "stop")
+        if row.completion_tokens >= row.limit:  # no forward pass for a token nobody will read
+            return events + self._finish(row, "length")
+        return events
+
+    def _logprob(self, logprobs: torch.Tensor, token: int, top: int) -> TokenLogprob:
+        """The sampled token's log-probability and the ``top`` likeliest (one host sync, rows asking only).
+
+        The distribution is the model's after ``logit_bias`` and the penalties, before temperature and
+        top_p (vLLM's default, "raw" log-probabilities of the processed logits).
+        """
+        values, ids = torch.topk(logprobs, top) if top else (logprobs[:0], logprobs[:0].long())
+        chosen, top_values, top_ids = float(logprobs[token]), values.tolist(), ids.tolist()
+        return TokenLogprob(
+            self._token_text(token), chosen, tuple((self._token_text(i), v) for i, v in zip(top_ids, top_values))
+        )
+
+    def _token_text(self, token: int) -> str:
+        return str(self.tokenizer.decode([token], skip_special_tokens=False))[:MAX_LOGPROB_TOKEN_CHARS]
+
+    def _finish(self, row: Row, reason: str) -> list[BackendEvent]:
+        """End the row: release held-back text (unless a stop string cut it) and report usage."""
+        row.finish = reason
+        row.cache = row.prefill = None
+        tail = ""
+        if not row.stops.stopped:  # EOS, length or cancel: release what was held back
+            tail = row.stops.push(row.detok.flush())
+            tail += row.stops.flush()
+        events = [BackendEvent(row.index, text=tail)] if tail else []
+        events.append(
+            BackendEvent(
+                row.index,
+                finish_reason=reason,
+                prompt_tokens=row.prompt_tokens,
+                completion_tokens=row.completion_tokens,
+            )
+        )
+        return events
