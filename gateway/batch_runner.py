@@ -28,10 +28,11 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
+from shmgate.gateway import tracing
 from shmgate.gateway.batch_store import BatchStore, LineResult, new_id
 from shmgate.gateway.lane import LANE_HEADER
 from shmgate.shared.rawhttp import NoHttpAnswer, RawClient
@@ -71,6 +72,20 @@ class _Model(msgspec.Struct):
 
 _line_decoder = msgspec.json.Decoder(_Line)
 _model_decoder = msgspec.json.Decoder(_Model)
+
+
+class _Sent(NamedTuple):
+    ok: bool  # answered 2xx
+    status: int | None  # the answer's HTTP status; None: no answer
+
+
+def _model_of(body: bytes) -> str:
+    """The model a line's body names (for /metrics), "" when it names none."""
+    try:
+        model = _model_decoder.decode(body).model
+    except msgspec.DecodeError:
+        return ""
+    return model[:200] if isinstance(model, str) else ""
 
 
 @dataclass(eq=False)
@@ -332,12 +347,30 @@ class BatchRunner:
             "response": None,
             "error": None,
         }
+        trace = None if tracing.spans is None else tracing.spans.batch_line(batch_id, line.custom_id, index)
+        headers = None if trace is None else {"traceparent": trace.traceparent}
+        try:
+            result = await self._send_line(client, line, record, headers)
+        except BaseException as exc:
+            if trace is not None:
+                trace.ended(None, type(exc).__name__)
+            raise
+        if trace is not None:
+            trace.ended(result.status, record["error"] and record["error"]["message"])
+        return LineResult(index, result.ok, record, _model_of(line.body))
+
+    @staticmethod
+    async def _send_line(
+        client: RawClient, line: _Line, record: dict[str, Any], headers: dict[str, str] | None
+    ) -> _Sent:
+        """Send a line until the node answers (not 429/503) or cannot be reached; fills ``record``."""
         ok = False
+        status: int | None = None
         delay = 0.2
         give_up = time.monotonic() + CONNECT_TRIES_S
         while True:
             try:
-                reply, lease = await client.post(line.url, line.body)
+                reply, lease = await client.post(line.url, line.body, headers)
                 try:
                     data = await reply.read()
                 finally:
@@ -364,13 +397,9 @@ class BatchRunner:
                 "body": body,
             }
             ok = reply.status < 400
+            status = reply.status
             break
-        try:
-            model = _model_decoder.decode(line.body).model
-        except msgspec.DecodeError:
-            model = None
-        model = model[:200] if isinstance(model, str) else ""
-        return LineResult(index, ok, record, model)
+        return _Sent(ok, status)
 
     def _finish(self, batch_id: str, status: str) -> None:
         """Write the output and error files of the lines done, then move the batch to ``status``.

@@ -124,19 +124,23 @@ class RawClient:
         """``host:port``, as error messages name the server."""
         return f"{self._host}:{self._port}"
 
-    async def post(self, path: str, body: bytes) -> tuple[Response, Lease]:
-        """Send a POST and read the status line and headers. Release the lease when done with the body."""
-        return await self._request("POST", path, body)
+    async def post(self, path: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[Response, Lease]:
+        """Send a POST (``headers``: this request's own, beside the client's) and read the status line and
+        headers. Release the lease when done with the body."""
+        return await self._request("POST", path, body, headers)
 
     async def get(self, path: str) -> tuple[Response, Lease]:
         """Send a GET (``/v1/models`` before a run) and read the status line and headers."""
         return await self._request("GET", path, b"")
 
-    async def _request(self, method: str, path: str, body: bytes) -> tuple[Response, Lease]:
+    async def _request(
+        self, method: str, path: str, body: bytes, headers: dict[str, str] | None = None
+    ) -> tuple[Response, Lease]:
         conn = self._take_idle() or await self._connect()
         reader, writer = conn
+        extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items()) if headers else ""
         head = (
-            f"{method} {self._prefix}{path} HTTP/1.1\r\n{self._fixed_headers}Content-Length: {len(body)}\r\n\r\n"
+            f"{method} {self._prefix}{path} HTTP/1.1\r\n{self._fixed_headers}{extra}Content-Length: {len(body)}\r\n\r\n"
         ).encode()
         try:
             writer.write(head)
