@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from bench.servers import ServerProcess, free_port, shmgate_serve
+from bench.servers import REPO, ServerProcess, free_port, shmgate_serve
 from shmgate.gateway.stages import parse_server_timing
 from shmgate.shared.rawhttp import RawClient
 from tests.serving import image_request, noise_png
@@ -241,7 +241,7 @@ async def run(args: argparse.Namespace) -> None:
     flags = ["--model", "checksum", "--workers", "1", "--frontends", "2", "--batch-dir", str(tmp / "batches")]
     flags += ["--diag-batch-delay-ms", str(args.delay_ms), "--batch-max-in-flight", str(args.batch_in_flight)]
     flags += ["--server-timing"]
-    server = ServerProcess(shmgate_serve(port, *flags, *args.serve_flag), tmp / "serve.log")
+    server = ServerProcess(shmgate_serve(port, *flags, *args.serve_flag), tmp / "serve.log", tree=args.tree)
     server.start()
     base = f"http://127.0.0.1:{port}"
     try:
@@ -269,5 +269,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--batch-in-flight", type=int, default=4, help="--batch-max-in-flight of the node")
     parser.add_argument("--serve-flag", action="append", default=[], help="one more shmgate serve argument")
     parser.add_argument("--json", action="store_true", help="also print the figures as one JSON object")
+    parser.add_argument(
+        "--tree", type=Path, default=REPO, help="run the server from this checkout (e.g. an earlier commit's)"
+    )
     asyncio.run(run(parser.parse_args(argv)))
     return 0
