@@ -10,10 +10,11 @@ content and result caches, the errors), its descriptor at the bulk lane's lower 
 result is committed once (gateway/batch_store.py), so after a crash the lines with a stored result
 are skipped and the others run again.
 
-Fairness (docs/BATCH.md): at most ``in_flight`` lines are in flight, and only a quarter of that (at
-least one) while the node's frontends have interactive requests in hand (the stats word that
-gateway/lane.py keeps): a line's HTTP, decode and reply work shares the frontends' cores with
-interactive requests. The runner looks at that demand whenever a line ends and every ``RECHECK_S``,
+Fairness (docs/BATCH.md): at most ``in_flight`` lines are in flight; while the node's frontends have
+interactive requests in hand (the stats word that gateway/lane.py keeps), interactive and batch
+requests together stay within ``in_flight``, with at most a quarter of it for lines, and one line
+every ``TRICKLE_S`` when interactive ones take it all: a line's HTTP, decode and reply work shares the
+frontends' cores with interactive requests. The runner looks at that demand whenever a line ends and every ``RECHECK_S``,
 so it ramps back up as soon as the node is quiet. Several batches run side by side, one line of
 each in turn (round-robin), and a cancelled one stops launching without holding up the others.
 """
@@ -47,6 +48,7 @@ CONNECT_TRIES_S = 120.0  # how long a line retries a node it cannot reach before
 RETRY_STATUSES = frozenset({429, 503})  # the node is busy: the line waits and is sent again
 RECHECK_S = 0.005  # with lines in flight, the runner looks at the interactive demand at least this often
 QUIET_S = 0.05  # the node counts as busy this long after its last interactive request in hand
+TRICKLE_S = 0.1  # while interactive requests fill the cap, one line at a time this often: a batch never stops
 
 
 def loopback_url(host: str, port: int) -> str:
@@ -190,6 +192,8 @@ class BatchRunner:
         self.busy_in_flight = max(1, self.in_flight // 4)
         self._commits = _Committer(store)
         self._interactive_seen = -QUIET_S  # when the node last had interactive requests in hand (time.monotonic)
+        self._interactive_last = 0  # how many it had then
+        self._launched_at = 0.0  # when the last line was launched (time.monotonic)
         self._task: asyncio.Task[None] | None = None
         self._lock_fd: int | None = None
 
@@ -238,13 +242,22 @@ class BatchRunner:
         finally:
             await client.aclose()
 
-    def _cap(self) -> int:
-        """Lines in flight allowed now: ``in_flight``, or ``busy_in_flight`` while interactive requests are in
-        hand and for ``QUIET_S`` after (a closed-loop client's next request comes a moment after its answer)."""
+    def _cap(self, in_flight_now: int) -> int:
+        """Lines in flight allowed now (``in_flight_now`` are): ``in_flight`` while the node is quiet; while it
+        has interactive requests in hand (and for ``QUIET_S`` after: a closed-loop client's next request comes
+        a moment after its answer) what they leave of ``in_flight``, at most ``busy_in_flight``, and one line
+        every ``TRICKLE_S`` when they leave nothing, so that a batch never stops."""
         now = time.monotonic()
-        if self.interactive() > 0:
+        interactive = self.interactive()
+        if interactive > 0:
             self._interactive_seen = now
-        return self.busy_in_flight if now - self._interactive_seen < QUIET_S else self.in_flight
+            self._interactive_last = interactive
+        elif now - self._interactive_seen >= QUIET_S:
+            return self.in_flight
+        cap = min(self.busy_in_flight, self.in_flight - self._interactive_last)
+        if cap <= 0 and in_flight_now == 0 and now - self._launched_at >= TRICKLE_S:
+            return 1
+        return cap
 
     async def _serve(self, client: RawClient, jobs: dict[str, _Job]) -> None:
         """Run the unfinished batches' lines, a line from each batch in turn, until none is left."""
@@ -257,8 +270,11 @@ class BatchRunner:
                 if not jobs:
                     return
             running = [job for job in jobs.values() if job.launching]
-            cap = self._cap()
-            while running and sum(len(job.pending) for job in jobs.values()) < cap:
+            in_flight = sum(len(job.pending) for job in jobs.values())
+            cap = self._cap(in_flight)
+            while running and in_flight < cap:
+                in_flight += 1
+                self._launched_at = time.monotonic()
                 turn %= len(running)
                 job = running[turn]
                 index = job.todo.pop()
