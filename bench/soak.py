@@ -38,7 +38,7 @@ import httpx
 from bench.servers import REPO, ServerProcess, free_port, shmgate_serve
 from shmgate.bench_client import loadgen
 from shmgate.bench_client.processes import ProcessSample, sample_tree
-from shmgate.bench_client.rawhttp import NoHttpAnswer, RawClient
+from shmgate.shared.rawhttp import NoHttpAnswer, RawClient
 
 IMAGES = REPO / "tests" / "data" / "images"
 MAX_WARMUP_ROUNDS = 5

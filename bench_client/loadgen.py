@@ -68,8 +68,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shmgate.bench_client.rawhttp import NoHttpAnswer, RawClient, Response
 from shmgate.gateway.stages import parse_server_timing, stage_breakdown
+from shmgate.shared.rawhttp import NoHttpAnswer, RawClient, Response
 
 __all__ = [
     "BenchAborted",

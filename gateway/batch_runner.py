@@ -6,9 +6,17 @@ lock when its holder dies, so another frontend (or the same slot restarted) take
 
 Each line is POSTed to this node's own HTTP port on loopback with ``x-shmgate-lane: bulk``
 (gateway/lane.py): it goes through exactly the pipeline of any request (the key, admission, the
-content and result caches, the errors), its descriptor at the bulk lane's lower priority. At most
-``in_flight`` lines are in flight. A line's result is committed once (gateway/batch_store.py), so
-after a crash the lines with a stored result are skipped and the others run again.
+content and result caches, the errors), its descriptor at the bulk lane's lower priority. A line's
+result is committed once (gateway/batch_store.py), so after a crash the lines with a stored result
+are skipped and the others run again.
+
+Fairness (docs/BATCH.md): at most ``in_flight`` lines are in flight; while the node's frontends have
+interactive requests in hand (the stats word that gateway/lane.py keeps), interactive and batch
+requests together stay within ``in_flight``, with at most a quarter of it for lines, and one line
+every ``TRICKLE_S`` when interactive ones take it all: a line's HTTP, decode and reply work shares the
+frontends' cores with interactive requests. The runner looks at that demand whenever a line ends and every ``RECHECK_S``,
+so it ramps back up as soon as the node is quiet. Several batches run side by side, one line of
+each in turn (round-robin), and a cancelled one stops launching without holding up the others.
 """
 
 from __future__ import annotations
@@ -16,16 +24,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
-import json
 import logging
 import os
 import time
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
-import httpx
+import msgspec
 
+from shmgate.gateway import tracing
 from shmgate.gateway.batch_store import BatchStore, LineResult, new_id
 from shmgate.gateway.lane import LANE_HEADER
+from shmgate.shared.rawhttp import NoHttpAnswer, RawClient
 
 __all__ = ["BatchRunner", "loopback_url"]
 
@@ -35,6 +46,9 @@ POLL_S = 0.5  # how often the runner looks for new batches and cancels
 LOCK_RETRY_S = 2.0  # how often a frontend without the lock tries to take it
 CONNECT_TRIES_S = 120.0  # how long a line retries a node it cannot reach before it fails
 RETRY_STATUSES = frozenset({429, 503})  # the node is busy: the line waits and is sent again
+RECHECK_S = 0.005  # with lines in flight, the runner looks at the interactive demand at least this often
+QUIET_S = 0.05  # the node counts as busy this long after its last interactive request in hand
+TRICKLE_S = 0.1  # while interactive requests fill the cap, one line at a time this often: a batch never stops
 
 
 def loopback_url(host: str, port: int) -> str:
@@ -46,20 +60,140 @@ def loopback_url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def _log_failure(task: asyncio.Task[None]) -> None:
+class _Line(msgspec.Struct):
+    """What the runner reads of an input line (checked whole at create): its body stays the bytes it was."""
+
+    custom_id: str
+    url: str
+    body: msgspec.Raw
+
+
+class _Model(msgspec.Struct):
+    model: Any = None
+
+
+_line_decoder = msgspec.json.Decoder(_Line)
+_model_decoder = msgspec.json.Decoder(_Model)
+
+
+class _Sent(NamedTuple):
+    ok: bool  # answered 2xx
+    status: int | None  # the answer's HTTP status; None: no answer
+
+
+def _model_of(body: bytes) -> str:
+    """The model a line's body names (for /metrics), "" when it names none."""
+    try:
+        model = _model_decoder.decode(body).model
+    except msgspec.DecodeError:
+        return ""
+    return model[:200] if isinstance(model, str) else ""
+
+
+@dataclass(eq=False)
+class _Job:
+    """One batch the runner is running: its lines, those left to launch, those in flight."""
+
+    id: str
+    expires_at: int
+    lines: list[bytes]
+    todo: list[int]  # line indexes not launched yet, the next one last
+    pending: set[asyncio.Task[LineResult]] = field(default_factory=set)
+    committing: int = 0  # lines done whose result is not committed yet (``_Committer``)
+    outcome: str = "done"  # or "cancelled", "expired": no more lines are launched
+
+    @property
+    def launching(self) -> bool:
+        return bool(self.todo) and self.outcome == "done"
+
+    @property
+    def ended(self) -> bool:
+        """Every line launched has ended and its result is committed."""
+        return not self.launching and not self.pending and not self.committing
+
+    def stop(self, outcome: str) -> None:
+        if self.outcome == "done":
+            self.outcome = outcome
+            self.todo.clear()
+
+
+class _Committer:
+    """Commits finished lines' results in groups, apart from launching: one transaction for all the
+    lines that ended while the previous one was written (``BatchStore.commit_lines``). A line's place
+    in flight is free once its answer came; its batch ends only when its result is committed. A crash
+    before the commit loses only that: the line has no result, so it runs again."""
+
+    def __init__(self, store: BatchStore) -> None:
+        self.store = store
+        self._waiting: list[tuple[_Job, LineResult]] = []
+        self._more = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def add(self, job: _Job, result: LineResult) -> None:
+        job.committing += 1
+        self._waiting.append((job, result))
+        self._more.set()
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name="batch-commits")
+
+    async def _run(self) -> None:
+        while self._waiting:
+            group, self._waiting = self._waiting, []
+            self._more.clear()
+            try:
+                await asyncio.to_thread(self.store.commit_lines, [(job.id, result) for job, result in group])
+            except Exception as exc:  # the database unreachable: these lines have no result and run again
+                log.error("%d batch lines' results could not be stored: %r", len(group), exc)
+            finally:
+                for job, _ in group:
+                    job.committing -= 1
+
+    async def stop(self) -> None:
+        """Wait for the commits under way (a cancelled runner keeps what it already has)."""
+        if self._task is not None:
+            with contextlib.suppress(Exception):
+                await self._task
+
+
+async def _abandon(jobs: dict[str, _Job]) -> None:
+    """Cancel every line in flight (they have no result: they run again) and forget the batches."""
+    tasks = [task for job in jobs.values() for task in job.pending]
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks)
+    jobs.clear()
+
+
+def _log_failure(task: asyncio.Task[LineResult]) -> None:
     """A line that raised (the database unreachable, say) is logged; it has no result, so it runs again."""
     if not task.cancelled() and (exc := task.exception()) is not None:
         log.error("a batch line failed before its result was stored: %r", exc)
 
 
 class BatchRunner:
-    def __init__(self, store: BatchStore, base_url: str, api_key: str | None, in_flight: int) -> None:
+    def __init__(
+        self,
+        store: BatchStore,
+        base_url: str,
+        api_key: str | None,
+        in_flight: int,
+        interactive: Callable[[], int] = lambda: 0,
+    ) -> None:
+        """``in_flight``: lines in flight at most; ``interactive()``: the node's interactive requests in hand
+        (``NodeStats.interactive_in_flight``), while which only a quarter of that many run (at least one)."""
         self.store = store
+        self.interactive = interactive
         self.base_url = base_url
         self.headers = {LANE_HEADER: "bulk"}
         if api_key is not None:
             self.headers["Authorization"] = f"Bearer {api_key}"
         self.in_flight = max(1, in_flight)
+        self.busy_in_flight = max(1, self.in_flight // 4)
+        self._commits = _Committer(store)
+        self._interactive_seen = -QUIET_S  # when the node last had interactive requests in hand (time.monotonic)
+        self._interactive_last = 0  # how many it had then
+        self._launched_at = 0.0  # when the last line was launched (time.monotonic)
         self._task: asyncio.Task[None] | None = None
         self._lock_fd: int | None = None
 
@@ -89,138 +223,199 @@ class BatchRunner:
         while not self._try_lock():
             await asyncio.sleep(LOCK_RETRY_S)
         log.info("this frontend runs the batches of %s", self.store.dir)
-        logging.getLogger("httpx").setLevel(logging.WARNING)  # not a log line per batch line
-        async with httpx.AsyncClient(base_url=self.base_url, headers=self.headers, timeout=None) as client:
+        client = RawClient(self.base_url, headers=self.headers)
+        jobs: dict[str, _Job] = {}
+        try:
             while True:
                 try:
-                    for batch in await asyncio.to_thread(self.store.unfinished):
-                        await self._run_batch(client, batch)
+                    await self._serve(client, jobs)
                 except asyncio.CancelledError:
                     raise
                 except Exception:
                     log.exception("the batch runner failed; it starts again")
+                    await _abandon(jobs)
                 await asyncio.sleep(POLL_S)
+        except asyncio.CancelledError:  # the frontend stops: its lines in flight end uncommitted, to run again
+            await _abandon(jobs)
+            await self._commits.stop()
+            raise
+        finally:
+            await client.aclose()
 
-    async def _status(self, batch_id: str) -> str:
-        batch = await asyncio.to_thread(self.store.batch, batch_id)
-        return "cancelled" if batch is None else str(batch["status"])
+    def _cap(self, in_flight_now: int) -> int:
+        """Lines in flight allowed now (``in_flight_now`` are): ``in_flight`` while the node is quiet; while it
+        has interactive requests in hand (and for ``QUIET_S`` after: a closed-loop client's next request comes
+        a moment after its answer) what they leave of ``in_flight``, at most ``busy_in_flight``, and one line
+        every ``TRICKLE_S`` when they leave nothing, so that a batch never stops."""
+        now = time.monotonic()
+        interactive = self.interactive()
+        if interactive > 0:
+            self._interactive_seen = now
+            self._interactive_last = interactive
+        elif now - self._interactive_seen >= QUIET_S:
+            return self.in_flight
+        cap = min(self.busy_in_flight, self.in_flight - self._interactive_last)
+        if cap <= 0 and in_flight_now == 0 and now - self._launched_at >= TRICKLE_S:
+            return 1
+        return cap
 
-    async def _run_batch(self, client: httpx.AsyncClient, batch: dict[str, Any]) -> None:
-        batch_id = batch["id"]
-        if batch["status"] == "in_progress":
-            try:
-                data = await asyncio.to_thread(self.store.file_path(batch["input_file_id"]).read_bytes)
-            except FileNotFoundError:
-                await asyncio.to_thread(
-                    self.store.set_status,
-                    batch_id,
-                    "failed",
-                    errors={"object": "list", "data": [{"code": "file_not_found", "message": "input file deleted"}]},
-                )
-                return
-            lines = [raw for raw in data.split(b"\n") if raw.strip()]
-            done = await asyncio.to_thread(self.store.done_lines, batch_id)
-            todo = [i for i in range(len(lines)) if i not in done]
-            outcome = await self._run_lines(client, batch_id, batch["expires_at"], lines, todo)
-            if outcome == "cancelled":
+    async def _serve(self, client: RawClient, jobs: dict[str, _Job]) -> None:
+        """Run the unfinished batches' lines, a line from each batch in turn, until none is left."""
+        looked = 0.0
+        turn = 0  # where the round-robin goes on
+        while True:
+            if time.monotonic() - looked >= POLL_S:
+                looked = time.monotonic()
+                await self._look(jobs)
+                if not jobs:
+                    return
+            running = [job for job in jobs.values() if job.launching]
+            in_flight = sum(len(job.pending) for job in jobs.values())
+            cap = self._cap(in_flight)
+            while running and in_flight < cap:
+                in_flight += 1
+                self._launched_at = time.monotonic()
+                turn %= len(running)
+                job = running[turn]
+                index = job.todo.pop()
+                task = asyncio.create_task(self._run_line(client, job.id, index, job.lines[index]))
+                task.add_done_callback(_log_failure)
+                job.pending.add(task)
+                if not job.todo:
+                    running.remove(job)  # the next batch is now at ``turn``
+                else:
+                    turn += 1
+            for job in list(jobs.values()):
+                if job.ended:
+                    del jobs[job.id]
+                    await self._end(job)
+            pending = [task for job in jobs.values() for task in job.pending]
+            if pending:  # a line ends, or the interactive demand may have changed: look again soon
+                await asyncio.wait(pending, timeout=RECHECK_S, return_when=asyncio.FIRST_COMPLETED)
+            elif jobs:
+                await asyncio.sleep(RECHECK_S)
+            for job in jobs.values():
+                for task in [task for task in job.pending if task.done()]:
+                    job.pending.discard(task)
+                    if not task.cancelled() and task.exception() is None:
+                        self._commits.add(job, task.result())
+
+    async def _look(self, jobs: dict[str, _Job]) -> None:
+        """Take up new batches; stop launching the lines of a batch cancelled or expired meanwhile."""
+        unfinished = {batch["id"]: batch for batch in await asyncio.to_thread(self.store.unfinished)}
+        now = time.time()
+        for batch_id, job in jobs.items():
+            batch = unfinished.get(batch_id)
+            if batch is None or batch["status"] != "in_progress":
+                job.stop("cancelled")
+            elif now >= job.expires_at:
+                job.stop("expired")
+        for batch_id, batch in unfinished.items():
+            if batch_id in jobs:
+                continue
+            if batch["status"] == "cancelling":
                 await asyncio.to_thread(self._finish, batch_id, "cancelled")
-                return
-            if outcome == "expired":
-                await asyncio.to_thread(self._finish, batch_id, "expired")
-                return
-            left = len(lines) - len(await asyncio.to_thread(self.store.done_lines, batch_id))
-            if left:  # lines whose run failed before a result was stored: the next round runs them again
-                log.warning("batch %s: %d lines have no result yet; running them again", batch_id, left)
-                return
-            await asyncio.to_thread(self.store.set_status, batch_id, "finalizing", only_from=("in_progress",))
-            now = await asyncio.to_thread(self.store.batch, batch_id)
+            elif batch["status"] == "finalizing":
+                await asyncio.to_thread(self._finish, batch_id, "completed")
+            elif (started := await self._start(batch)) is not None:
+                jobs[batch_id] = started
+
+    async def _start(self, batch: dict[str, Any]) -> _Job | None:
+        """A batch's lines without a result yet; None when its input file is gone (the batch failed)."""
+        batch_id = batch["id"]
+        try:
+            data = await asyncio.to_thread(self.store.file_path(batch["input_file_id"]).read_bytes)
+        except FileNotFoundError:
+            await asyncio.to_thread(
+                self.store.set_status,
+                batch_id,
+                "failed",
+                errors={"object": "list", "data": [{"code": "file_not_found", "message": "input file deleted"}]},
+            )
+            return None
+        lines = [raw for raw in data.split(b"\n") if raw.strip()]
+        done = await asyncio.to_thread(self.store.done_lines, batch_id)
+        todo = [i for i in reversed(range(len(lines))) if i not in done]  # popped from the end: in order
+        return _Job(batch_id, int(batch["expires_at"]), lines, todo)
+
+    async def _end(self, job: _Job) -> None:
+        """Every line launched has ended: finish the batch (its files, its final status)."""
+        if job.outcome in ("cancelled", "expired"):
+            now = await asyncio.to_thread(self.store.batch, job.id)
             if now is None:
                 return
-            batch = now
-        if batch["status"] == "cancelling":
-            await asyncio.to_thread(self._finish, batch_id, "cancelled")
-        elif batch["status"] == "finalizing":
-            await asyncio.to_thread(self._finish, batch_id, "completed")
+            await asyncio.to_thread(self._finish, job.id, job.outcome)
+            return
+        left = len(job.lines) - len(await asyncio.to_thread(self.store.done_lines, job.id))
+        if left:  # lines whose run failed before a result was stored: the next round runs them again
+            log.warning("batch %s: %d lines have no result yet; running them again", job.id, left)
+            return
+        if await asyncio.to_thread(self.store.set_status, job.id, "finalizing", only_from=("in_progress",)):
+            await asyncio.to_thread(self._finish, job.id, "completed")
+        # else: cancelled meanwhile (``cancelling``): the next look finishes it as cancelled
 
-    async def _run_lines(
-        self, client: httpx.AsyncClient, batch_id: str, expires_at: int, lines: list[bytes], todo: list[int]
-    ) -> str:
-        """Run the lines ``todo``, ``in_flight`` at a time; ``done``, ``cancelled`` or ``expired``."""
-        pending: set[asyncio.Task[None]] = set()
+    async def _run_line(self, client: RawClient, batch_id: str, index: int, raw: bytes) -> LineResult:
+        """Send one line until the node answers it (a 429 or 503 waits and goes again): its result."""
+        line = _line_decoder.decode(raw)  # validated when the batch was created; the body stays bytes
+        record: dict[str, Any] = {
+            "id": new_id("batch_req"),
+            "custom_id": line.custom_id,
+            "response": None,
+            "error": None,
+        }
+        trace = None if tracing.spans is None else tracing.spans.batch_line(batch_id, line.custom_id, index)
+        headers = None if trace is None else {"traceparent": trace.traceparent}
         try:
-            return await self._launch(client, batch_id, expires_at, lines, todo, pending)
-        except asyncio.CancelledError:  # the frontend stops: its lines in flight end uncommitted, to run again
-            for task in pending:
-                task.cancel()
+            result = await self._send_line(client, line, record, headers)
+        except BaseException as exc:
+            if trace is not None:
+                trace.ended(None, type(exc).__name__)
             raise
+        if trace is not None:
+            trace.ended(result.status, record["error"] and record["error"]["message"])
+        return LineResult(index, result.ok, record, _model_of(line.body))
 
-    async def _launch(
-        self,
-        client: httpx.AsyncClient,
-        batch_id: str,
-        expires_at: int,
-        lines: list[bytes],
-        todo: list[int],
-        pending: set[asyncio.Task[None]],
-    ) -> str:
-        outcome = "done"
-        checked = time.monotonic()
-        for index in todo:
-            while len(pending) >= self.in_flight:
-                finished, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                pending -= finished
-            if time.monotonic() - checked >= POLL_S:
-                checked = time.monotonic()
-                if await self._status(batch_id) != "in_progress":
-                    outcome = "cancelled"
-                    break
-            if time.time() >= expires_at:
-                outcome = "expired"
-                break
-            task = asyncio.create_task(self._run_line(client, batch_id, index, lines[index]))
-            task.add_done_callback(_log_failure)
-            pending.add(task)
-        if pending:
-            await asyncio.wait(pending)
-        if outcome == "done" and await self._status(batch_id) == "cancelling":
-            outcome = "cancelled"
-        return outcome
-
-    async def _run_line(self, client: httpx.AsyncClient, batch_id: str, index: int, raw: bytes) -> None:
-        line = json.loads(raw)  # validated when the batch was created
-        custom_id = line["custom_id"]
-        record: dict[str, Any] = {"id": new_id("batch_req"), "custom_id": custom_id, "response": None, "error": None}
+    @staticmethod
+    async def _send_line(
+        client: RawClient, line: _Line, record: dict[str, Any], headers: dict[str, str] | None
+    ) -> _Sent:
+        """Send a line until the node answers (not 429/503) or cannot be reached; fills ``record``."""
         ok = False
+        status: int | None = None
         delay = 0.2
         give_up = time.monotonic() + CONNECT_TRIES_S
         while True:
             try:
-                reply = await client.post(line["url"], json=line["body"])
-            except httpx.TransportError as exc:
+                reply, lease = await client.post(line.url, line.body, headers)
+                try:
+                    data = await reply.read()
+                finally:
+                    lease.release()
+            except NoHttpAnswer as exc:
                 if time.monotonic() < give_up:  # the frontends are starting or restarting: wait, then again
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 5.0)
                     continue
                 record["error"] = {"code": "request_failed", "message": f"the request failed: {exc}"}
                 break
-            if reply.status_code in RETRY_STATUSES:
+            if reply.status in RETRY_STATUSES:
                 await asyncio.sleep(delay)  # the node is full or a worker is restarting: wait, then again
                 delay = min(delay * 2, 5.0)
                 continue
             try:
-                body: Any = reply.json()
-            except ValueError:
-                body = {"error": {"message": reply.text[:1000], "type": "server_error", "param": None, "code": None}}
+                body: Any = msgspec.json.decode(data)
+            except msgspec.DecodeError:
+                text = data[:1000].decode(errors="replace")
+                body = {"error": {"message": text, "type": "server_error", "param": None, "code": None}}
             record["response"] = {
-                "status_code": reply.status_code,
+                "status_code": reply.status,
                 "request_id": reply.headers.get("x-request-id") or record["id"],
                 "body": body,
             }
-            ok = reply.status_code < 400
+            ok = reply.status < 400
+            status = reply.status
             break
-        model = line["body"].get("model")
-        model = model[:200] if isinstance(model, str) else ""
-        await asyncio.to_thread(self.store.commit_line, batch_id, LineResult(index, ok, record, model))
+        return _Sent(ok, status)
 
     def _finish(self, batch_id: str, status: str) -> None:
         """Write the output and error files of the lines done, then move the batch to ``status``.

@@ -180,7 +180,8 @@ class BatchOptions:
         shown_default="$XDG_STATE_HOME/shmgate/batches/port-PORT, else ~/.local/state/shmgate/batches/port-PORT",
     )
     batch_max_in_flight: int = option(
-        "batch lines in flight on the node at once (they wait behind interactive requests in the bulk lane)",
+        "batch lines in flight on the node at once when it is quiet; beside interactive requests, both "
+        "together within it, a quarter of it at most for lines (docs/BATCH.md, 'Fairness')",
         default="4",
         type=flag_types.positive_int,
     )

@@ -44,7 +44,7 @@ from shmgate.gateway.request_state import Phase, RequestState
 from shmgate.gateway.stages import StageRecorder
 from shmgate.shared.errors import ChannelFull, Overloaded, UnknownModel
 from shmgate.shared.stages import Stage
-from shmgate.shared.transport.base import FrontendLink, TensorCache
+from shmgate.shared.transport.base import BULK, INTERACTIVE, FrontendLink, TensorCache
 from shmgate.shared.vocabulary import SlotState, TensorGroup, now_ns
 from shmgate.shared.wire import (
     INLINE_MAX_BYTES,
@@ -148,6 +148,7 @@ class Frontend:
         self.stats.set(Counter.ARENA_USED_BYTES, 0)
         self.stats.set(Counter.ARENA_HELD_BYTES, 0)  # a dead predecessor's holds died with it
         self.stats.set(Counter.IN_FLIGHT, 0)
+        self.stats.set(Counter.INTERACTIVE_IN_FLIGHT, 0)  # a dead predecessor's requests died with it
         self.replies.start()
         self._stamp_progress()
         self.link.mark(SlotState.READY)
@@ -261,11 +262,15 @@ class Frontend:
             if pre.prompt_is_cheap:
                 prompt = pre.build_prompt(chat.messages, specs)
             else:
-                prompt = await loop.run_in_executor(self.images.pool, pre.build_prompt, chat.messages, specs)
+                prompt = await loop.run_in_executor(
+                    self.images.pool_for_request(), pre.build_prompt, chat.messages, specs
+                )
             inline = prompt.inline
             image_keys = tuple(group.key or b"" for group in groups)  # before the inline group joins them
             if len(inline) > INLINE_MAX_BYTES:
-                groups.append(await loop.run_in_executor(self.images.pool, self.images.inline_group, prompt))
+                groups.append(
+                    await loop.run_in_executor(self.images.pool_for_request(), self.images.inline_group, prompt)
+                )
                 inline = b""
             request_id = self._next_request_id()
             deadline_ns = now_ns() + int(self.limits.request_timeout_s * 1e9)
@@ -284,6 +289,7 @@ class Frontend:
                 task=chat.task,
                 traceparent="" if trace is None else trace.attempt(request_id, 0),
                 image_keys=image_keys,
+                bulk=lane.is_bulk(),
             )
             state = RequestState(request_id=request_id, submit=submit, groups=groups, started=started, trace=trace)
             if tracing.spans is not None:
@@ -304,7 +310,9 @@ class Frontend:
             self._set_resolving(-1, model)  # from here on it is on the request queue (or failed)
         self.replies.sending(state)
         try:
-            await self.link.send_request(submit, min(10.0, self.limits.request_timeout_s), lane.priority())
+            await self.link.send_request(
+                submit, min(10.0, self.limits.request_timeout_s), BULK if submit.bulk else INTERACTIVE
+            )
         except ChannelFull:
             self.replies.finish(state)
             raise Overloaded("every worker is busy and the request queue is full", retry_after_s=1.0) from None

@@ -10,11 +10,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from shmgate.gateway import tracing
+from shmgate.gateway import lane, tracing
 from shmgate.gateway.decode_budget import DecodeBudget
 from shmgate.gateway.intake import LOOP_HASH_MAX_BYTES, EncodedImage, image_bytes, image_digest, key_material
 from shmgate.gateway.metrics import Counter, FrontendStats
@@ -48,9 +49,18 @@ class ImageResolver:
         self.max_pixels = max_pixels
         self.decode_budget = DecodeBudget(decode_memory_bytes, wait_s=decode_wait_s)
         self.pool = _started_pool(threads, "decode")
+        # Batch lines' decodes (the bulk lane, gateway/lane.py) run in a pool of their own, one thread at a
+        # lower CPU priority: an interactive decode never queues behind one, and on busy cores the kernel
+        # runs the interactive decode threads first.
+        self.bulk_pool = _started_pool(1, "decode-bulk", nice=BULK_NICE)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.bulk_pool.shutdown(wait=False, cancel_futures=True)
+
+    def pool_for_request(self) -> ThreadPoolExecutor:
+        """The pool of the request being served (its task's context): the bulk lane's or the interactive one."""
+        return self.bulk_pool if lane.is_bulk() else self.pool
 
     def for_preprocessor(self, preprocessor: Preprocessor) -> ImageResolver:
         """This resolver for another model: the same cache, pool and decode budget, its own preprocessing
@@ -124,7 +134,7 @@ class ImageResolver:
                 slots.append(group)
                 continue
             resolve = self._resolve_image if tracing.spans is None else tracing.spans.image_task(self._resolve_image, i)
-            future = loop.run_in_executor(self.pool, resolve, image, param, key, opts)
+            future = loop.run_in_executor(self.pool_for_request(), resolve, image, param, key, opts)
             slots.append(future)
             if not at_once:
                 await asyncio.gather(future, return_exceptions=True)
@@ -229,14 +239,31 @@ class ImageResolver:
         self.stats.set(Counter.ARENA_HELD_BYTES, self.cache.held_bytes)
 
 
-def _started_pool(threads: int, name: str) -> ThreadPoolExecutor:
-    """A thread pool whose threads all run from the start.
+# How much nicer the bulk lane's decode thread is. Modest on purpose: it may hold the cache index's
+# semaphore for its few microseconds of metadata work, and a thread starved of CPU there would hold up
+# every frontend (nice 5 leaves it about a quarter of a contended core's time against a nice-0 thread).
+BULK_NICE = 5
+
+
+def _lower_priority(nice: int) -> None:
+    """Make the calling thread ``nice`` steps nicer (Linux: a thread's nice value is its own)."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + nice)
+
+
+def _started_pool(threads: int, name: str, nice: int = 0) -> ThreadPoolExecutor:
+    """A thread pool whose threads all run from the start (``nice``: that many steps nicer than the process).
 
     ThreadPoolExecutor starts a thread only when a task finds none idle, so a frontend's thread count
     would depend on the most decodes it ever ran at once; bench/soak.py could not tell that growth
     from a leak. Starting them now also keeps thread start off the first concurrent requests.
     """
-    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name)
+    if nice:
+        pool = ThreadPoolExecutor(
+            max_workers=threads, thread_name_prefix=name, initializer=_lower_priority, initargs=(nice,)
+        )
+    else:
+        pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name)
     all_running = threading.Barrier(threads + 1)
     for _ in range(threads):  # each task holds its thread until all are running, so each gets a new one
         pool.submit(all_running.wait, 5.0)

@@ -6,18 +6,30 @@ request queue's lower priority (shared/transport/base.py ``BULK``), so a worker 
 interactive descriptor of its model first. The header is honoured only from a loopback peer: a
 remote client can neither demote nor otherwise mark requests (behind a reverse proxy on the same
 host, a client can at most demote its own requests).
+
+The middleware also keeps the node's interactive demand: every other POST to a model endpoint
+counts in this frontend's stats word ``INTERACTIVE_IN_FLIGHT`` from its first byte to its last, and
+the node's sum of those words (``NodeStats.interactive_in_flight``) is what the bulk lane yields to:
+the batch runner keeps fewer lines in flight while it is above zero, and a worker holds bulk-only
+batches back to ride with the next interactive one (docs/BATCH.md, "Fairness").
 """
 
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Callable
 from contextvars import ContextVar
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from shmgate.gateway.metrics import FrontendStats
+from shmgate.shared.stats_layout import Counter
 from shmgate.shared.transport.base import BULK, INTERACTIVE
 
-__all__ = ["LANE_HEADER", "BulkLane", "priority"]
+__all__ = ["LANE_HEADER", "MODEL_PATHS", "BulkLane", "is_bulk", "priority"]
+
+# The endpoints whose requests reach a worker: an interactive one of these is demand the bulk lane yields to.
+MODEL_PATHS = frozenset({"/v1/chat/completions", "/v1/embeddings", "/v1/responses"})
 
 LANE_HEADER = "x-shmgate-lane"
 _HEADER = LANE_HEADER.encode()
@@ -30,6 +42,11 @@ def priority() -> int:
     return BULK if _bulk.get() else INTERACTIVE
 
 
+def is_bulk() -> bool:
+    """Is the request being served (its task's context) a batch line?"""
+    return _bulk.get()
+
+
 def _loopback(client: tuple[str, int] | None) -> bool:
     if client is None:
         return False
@@ -40,10 +57,16 @@ def _loopback(client: tuple[str, int] | None) -> bool:
 
 
 class BulkLane:
-    """Pure ASGI middleware: a loopback request with ``x-shmgate-lane: bulk`` is served in the bulk lane."""
+    """Pure ASGI middleware: a loopback request with ``x-shmgate-lane: bulk`` is served in the bulk lane;
+    every other model request counts as interactive demand while it is served.
 
-    def __init__(self, app: ASGIApp) -> None:
+    ``stats`` returns the frontend's counters, or None before the lifespan attached them.
+    """
+
+    def __init__(self, app: ASGIApp, stats: Callable[[], FrontendStats | None] = lambda: None) -> None:
         self.app = app
+        self.stats = stats
+        self.interactive = 0  # this frontend's interactive model requests in hand (published in the stats row)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -57,4 +80,20 @@ class BulkLane:
                             _bulk.reset(token)
                         return
                     break
+            if scope.get("method") == "POST" and scope.get("path") in MODEL_PATHS:
+                await self._interactive(scope, receive, send)
+                return
         await self.app(scope, receive, send)
+
+    async def _interactive(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self._publish(+1)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self._publish(-1)
+
+    def _publish(self, change: int) -> None:
+        self.interactive += change
+        stats = self.stats()
+        if stats is not None:  # set, not added: the row's words are unsigned, and a restart starts from 0
+            stats.set(Counter.INTERACTIVE_IN_FLIGHT, self.interactive)

@@ -211,6 +211,11 @@ class NodeCollector:
         )
         yield gauge("shmgate_arena_free_bytes", "Arena bytes free.", size - used)
         yield gauge("shmgate_in_flight_requests", "Requests being served.", int(total[Counter.IN_FLIGHT]))
+        yield gauge(
+            "shmgate_interactive_in_flight_requests",
+            "Interactive model requests being served (the bulk lane yields to them; docs/BATCH.md).",
+            int(total[Counter.INTERACTIVE_IN_FLIGHT]),
+        )
         yield gauge("shmgate_request_queue_depth", "Descriptors waiting for a worker.", self.queue_depth())
         workers = node.worker_totals()
         # READY, heartbeating and progressing: a worker killed in another container (no one marks its row

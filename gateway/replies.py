@@ -77,8 +77,11 @@ class ReplyRouter:
         # the queue before its send began (``ahead_seq``), and an empty queue proves every completed one
         # was (``_check_taken``). Sends that wait side by side (several sender threads blocked on a full
         # queue) may enter it in another order than they complete, so one claim proves nothing about them.
-        self._send_seq = 0
-        self._taken_seq = 0
+        # Numbered per lane: the queue is FIFO within a priority only. An interactive claim proves taken
+        # the interactive sends ahead of it; a bulk claim those of both lanes (the kernel delivers every
+        # interactive descriptor before a bulk one).
+        self._send_seq = [0, 0]  # [interactive, bulk]
+        self._taken_seq = [0, 0]
         self._watchdog: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -96,12 +99,14 @@ class ReplyRouter:
 
     def sending(self, state: RequestState) -> None:
         """A send begins: what we have on the queue now is ahead of it, whatever happens to the sends beside it."""
-        state.ahead_seq = self._send_seq
+        state.ahead_seq = self._send_seq[0]
+        state.ahead_bulk_seq = self._send_seq[1]
 
     def sent(self, state: RequestState) -> None:
         """Number a send that just succeeded (no await since): its descriptor is on the queue."""
-        self._send_seq += 1
-        state.send_seq = self._send_seq
+        lane = int(state.submit.bulk)
+        self._send_seq[lane] += 1
+        state.send_seq = self._send_seq[lane]
         state.taken_at = None
 
     def abandon(self, state: RequestState) -> None:
@@ -127,7 +132,9 @@ class ReplyRouter:
             self.stages.claimed(state.timing, message)
             if state.trace is not None:
                 state.trace.claimed(message)
-            self._taken_seq = max(self._taken_seq, state.ahead_seq)
+            self._taken_seq[0] = max(self._taken_seq[0], state.ahead_seq)
+            if state.submit.bulk:
+                self._taken_seq[1] = max(self._taken_seq[1], state.ahead_bulk_seq)
             if state.abandoned:
                 self._send_cancel(state)
             else:
@@ -244,12 +251,11 @@ class ReplyRouter:
         unclaimed = [s for s in self.states.values() if s.worker is None and s.send_seq and not s.done]
         if not unclaimed:
             return
-        sent_so_far = self._send_seq
         if self.link.queue_depth() == 0:
-            self._taken_seq = max(self._taken_seq, sent_so_far)
+            self._taken_seq = [max(t, s) for t, s in zip(self._taken_seq, self._send_seq)]
         now = time.monotonic()
         for state in unclaimed:
-            if state.send_seq > self._taken_seq:
+            if state.send_seq > self._taken_seq[int(state.submit.bulk)]:
                 continue  # may still be on the queue
             if state.taken_at is None:
                 state.taken_at = now
@@ -281,7 +287,11 @@ class ReplyRouter:
             state.trace.retrying(why)
             traceparent = state.trace.attempt(state.request_id, state.submit.attempt + 1)
         state.submit = msgspec.structs.replace(
-            state.submit, request_id=state.request_id, attempt=state.submit.attempt + 1, traceparent=traceparent
+            state.submit,
+            request_id=state.request_id,
+            attempt=state.submit.attempt + 1,
+            traceparent=traceparent,
+            bulk=False,  # a retry goes back as interactive: its line already waited its turn once
         )
         state.worker = None
         state.to(Phase.QUEUED)

@@ -15,6 +15,10 @@ attempt, worker/tracing.py):
     │   └── queue                      sent -> a worker claimed it
     └── delivery                       the worker's final answer -> the response built
 
+A batch line (gateway/batch_runner.py) is one trace of its own: a ``batch line`` span (CLIENT;
+``shmgate.batch.id``, ``shmgate.batch.custom_id``, ``shmgate.batch.line``) is the parent of the
+line's request, whose tree is the one above.
+
 Stage times come from the stamps the stage histograms already take (gateway/stages.py,
 shared/stages.py): ``body_read``, ``preprocess``, ``queue`` and ``delivery`` are made after the fact
 with explicit start and end times, so the data path gains no clock reads for them. The spans that
@@ -42,7 +46,7 @@ from shmgate.shared.stages import Stage
 from shmgate.shared.tracing import epoch_ns
 from shmgate.shared.wire import Claimed, Failed, Finished
 
-__all__ = ["RequestSpans", "RequestTrace", "TracingMiddleware", "traceparent_of"]
+__all__ = ["BatchLineTrace", "RequestSpans", "RequestTrace", "TracingMiddleware", "traceparent_of"]
 
 T = TypeVar("T")
 PROPAGATOR = TraceContextTextMapPropagator()
@@ -117,6 +121,23 @@ class RequestSpans:
     def request(self, model: str) -> RequestTrace:
         """One choice's trace: its attempts become children of the current (server) span."""
         return RequestTrace(self, model, otel_context.get_current())
+
+    def batch_line(self, batch_id: str, custom_id: str, index: int) -> BatchLineTrace:
+        """A batch line's own span (the runner's, gateway/batch_runner.py), the root of its trace: the line's
+        request (its server span, then the worker's spans) is its child through the traceparent it is sent with."""
+        span = self.tracer.start_span(
+            "batch line",
+            context=Context(),  # a new trace per line, whatever the runner's task context holds
+            kind=SpanKind.CLIENT,
+            attributes={
+                "shmgate.batch.id": batch_id,
+                "shmgate.batch.custom_id": custom_id,
+                "shmgate.batch.line": index,
+                "shmgate.lane": "bulk",
+                "shmgate.frontend_slot": self.slot,
+            },
+        )
+        return BatchLineTrace(span)
 
     @staticmethod
     def trace_id() -> str:
@@ -227,6 +248,22 @@ class RequestTrace:
             return
         span = self._spans.tracer.start_span("delivery", context=self._parent, start_time=epoch_ns(done_ns))
         span.end()
+
+
+class BatchLineTrace:
+    """One batch line's span, from its first send to its result (tries on 429/503 included)."""
+
+    def __init__(self, span: Span) -> None:
+        self.span = span
+        self.traceparent = traceparent_of(span)  # the header each try of the line is sent with
+
+    def ended(self, status: int | None, error: str | None = None) -> None:
+        """The line's outcome: the HTTP status of its answer, or None and why when it got none."""
+        if status is not None:
+            self.span.set_attribute("http.response.status_code", status)
+        if status is None or status >= 500:
+            self.span.set_status(Status(StatusCode.ERROR, error))
+        self.span.end()
 
 
 class TracingMiddleware:

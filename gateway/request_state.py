@@ -67,7 +67,8 @@ class RequestState:
     worker: tuple[int, int] | None = None  # (slot, epoch) of the claiming worker; kept when ABANDONED
     phase: Phase = Phase.QUEUED
     send_seq: int = 0  # this frontend's count of sends when its descriptor went onto the queue (0: not yet)
-    ahead_seq: int = 0  # our sends already on the queue when this one's send began: FIFO put them ahead of it
+    ahead_seq: int = 0  # our interactive sends already on the queue when this one's send began: FIFO put them ahead
+    ahead_bulk_seq: int = 0  # the same for our bulk sends (a bulk descriptor is behind both lanes')
     taken_at: float | None = None  # when we learned it left the queue while still unclaimed (monotonic)
     cancel_sent_at: float = 0.0  # when a Cancel last went to its worker (monotonic; 0: never)
     trace: RequestTrace | None = None  # its attempts' spans (gateway/request_spans.py); None: tracing off

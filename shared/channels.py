@@ -49,6 +49,7 @@ __all__ = [
     "create_queue",
     "open_queue",
     "AsyncSender",
+    "YieldingSender",
     "system_queue_depth",
     "unlink_queue",
 ]
@@ -400,6 +401,37 @@ class AsyncSender:
         with self._turn:
             self._closed = True
             self._turn.notify_all()
+
+
+BULK_RETRY_S = 0.002  # YieldingSender: how often a send that found the queue full tries again
+
+
+class YieldingSender:
+    """Sends from the event loop that never wait in the kernel's line: the bulk lane's (gateway/lane.py).
+
+    A send that finds the queue full tries again every ``BULK_RETRY_S`` on the event loop. Linux hands
+    a freed place to the first sender blocked in the kernel, so an interactive send blocked there
+    (``AsyncSender``) always gets it before a yielding send, which only takes places nobody waits for.
+    Its own sends are not ordered against each other (batch lines need no order).
+    """
+
+    def __init__(self, queue: Queue) -> None:
+        self._queue = queue
+        self._closed = False
+
+    async def send(self, message: Any, timeout_s: float, priority: int = 0) -> None:
+        """Raises ChannelFull after ``timeout_s``, or when the sender is closed."""
+        deadline = time.monotonic() + timeout_s
+        while not self._closed:
+            if self._queue.try_send(message, priority):
+                return
+            if time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(BULK_RETRY_S)
+        raise ChannelFull("the channel stayed full; its receivers are saturated")
+
+    def close(self) -> None:
+        self._closed = True
 
 
 class AsyncQueueReader:

@@ -37,7 +37,14 @@ import posix_ipc
 from shmgate.shared.cache_index import ENTRY
 from shmgate.shared.errors import SetupError
 from shmgate.shared.names import IPC_MODE, InstanceNames, check_shm_space
-from shmgate.shared.stats_layout import BATCH_BUCKETS, ENGINE_FIELDS, ENGINE_GAUGES, MODEL_SLOTS, STATS_WORDS
+from shmgate.shared.stats_layout import (
+    BATCH_BUCKETS,
+    ENGINE_FIELDS,
+    ENGINE_GAUGES,
+    MODEL_SLOTS,
+    STATS_WORDS,
+    Counter,
+)
 from shmgate.shared.vocabulary import HEARTBEAT_INTERVAL_S, MODEL_NAME_BYTES, InstanceState, SlotState, now_ns
 from shmgate.shared.wire import WIRE_VERSION
 
@@ -505,6 +512,16 @@ class Segment:
         row["engine"][:ENGINE_GAUGES] = 0  # a dead predecessor's rows died with it
         row["state"] = SlotState.STARTING
         return epoch
+
+    def interactive_in_flight(self) -> int:
+        """Interactive requests the serving frontends have in hand (stats word INTERACTIVE_IN_FLIGHT, gateway/lane.py)."""
+        rows = self.frontends
+        words = self.stats[:, Counter.INTERACTIVE_IN_FLIGHT].tolist()
+        total = 0
+        for state, count in zip(rows["state"].tolist(), words):
+            if state == SlotState.READY or state == SlotState.DRAINING:
+                total += count
+        return total
 
     def preparing_requests(self) -> int:
         """Requests the serving frontends admitted and are still decoding: they reach the queue soon."""

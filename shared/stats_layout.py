@@ -75,6 +75,10 @@ class Counter(enum.IntEnum):
     MODEL_OK = 81  # MODEL_SLOTS words: 81 .. 88, answered
     MODEL_ERROR = 89  # MODEL_SLOTS words: 89 .. 96, ended in a 4xx (but 429) or a 5xx (but 503)
     MODEL_CANCELLED = 45  # MODEL_SLOTS words: 45 .. 52, the client went away
+    # Gauge: interactive (not bulk-lane) model requests this frontend is serving, from the first byte to the
+    # last (gateway/lane.py). Summed over the node it is the interactive demand the bulk lane yields to:
+    # the batch runner and the workers read it (docs/BATCH.md, "Fairness").
+    INTERACTIVE_IN_FLIGHT = 97
     # The result cache (gateway/result_cache.py)
     RESULT_CACHE_HITS = 100
     RESULT_CACHE_MISSES = 101

@@ -151,6 +151,9 @@ class Submit(Message, tag="s"):
     # Each image's content key (shared/vocabulary.py key_of_digest; b"" where there is none), in image order:
     # a worker keeps an image's vision-tower output under it (worker/generation/encoder_cache.py).
     image_keys: tuple[Annotated[bytes, Meta(max_length=32)], ...] = ()
+    # A batch line (the bulk lane, gateway/lane.py): a worker runs it beside interactive requests, not
+    # ahead of them (worker/batcher.py). Its queue priority says the same to the kernel.
+    bulk: bool = False
 
 
 class Cancel(Message, tag="c"):

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -53,14 +54,55 @@ def _start(tmp: Path, batch_dir: Path, *extra: str) -> Server:
     return server
 
 
+# Every line takes its own 60 ms model pass, two in flight: slow enough to kill the server mid-batch and to
+# watch several batches share the runner, fast enough for the module's other batches (a few lines each).
+SLOW = ("--workers", "1", "--max-batch-size", "1", "--diag-batch-delay-ms", "60", "--batch-max-in-flight", "2")
+KILLED_IDS = [f"k-{i}" for i in range(40)]
+
+
+@dataclass
+class Restarted:
+    """The module's server: started on a batch directory where a server was SIGKILLed mid-batch."""
+
+    server: Server
+    killed_batch: str  # the batch that was running when the first server died
+
+
 @pytest.fixture(scope="module")
-def batch_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def restarted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Restarted]:
+    """A server SIGKILLed (supervisor, frontends and workers at once) a few lines into a batch, then a new one on
+    the same directory: it finishes that batch, and serves every other test of the module."""
     tmp = tmp_path_factory.mktemp("batch")
-    server = _start(tmp, tmp / "batches", "--workers", "1", "--api-key", KEY)
+    batch_dir = tmp / "batches"
+    server = _start(tmp, batch_dir, *SLOW, "--api-key", KEY)
     try:
-        yield server
+        client = _client(server)
+        uploaded = client.files.create(
+            file=("k.jsonl", io.BytesIO(_jsonl([_line(c, 300 + i) for i, c in enumerate(KILLED_IDS)]))),
+            purpose="batch",
+        )
+        batch = client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+
+        def some_done() -> bool:
+            counts = client.batches.retrieve(batch.id).request_counts
+            return counts is not None and counts.completed >= 5
+
+        wait_until(some_done, HANG_S, "a few lines done")
+    finally:
+        os.killpg(server.process.pid, signal.SIGKILL)
+        server.process.wait()
+    server = _start(tmp, batch_dir, *SLOW, "--api-key", KEY)
+    try:
+        yield Restarted(server, batch.id)
     finally:
         stop_and_check(server)
+
+
+@pytest.fixture(scope="module")
+def batch_server(restarted: Restarted) -> Server:
+    return restarted.server
 
 
 def _line(custom_id: str, seed: int) -> dict[str, object]:
@@ -228,35 +270,49 @@ def test_bad_calls_get_openai_errors(batch_server: Server) -> None:
     assert httpx.get(base + "/v1/batches?limit=0", headers=AUTH, timeout=10).status_code == 400
 
 
-def test_a_sigkill_mid_batch_and_a_restart_lose_and_duplicate_nothing(tmp_path: Path) -> None:
-    batch_dir = tmp_path / "batches"
-    slow = ("--workers", "1", "--max-batch-size", "1", "--diag-batch-delay-ms", "60", "--batch-max-in-flight", "2")
-    server = _start(tmp_path, batch_dir, *slow)
-    ids = [f"k-{i}" for i in range(40)]
-    try:
-        client = _client(server)
-        uploaded = client.files.create(
-            file=("k.jsonl", io.BytesIO(_jsonl([_line(c, 300 + i) for i, c in enumerate(ids)]))), purpose="batch"
-        )
-        batch = client.batches.create(
-            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
-        )
+def test_a_sigkill_mid_batch_and_a_restart_lose_and_duplicate_nothing(restarted: Restarted) -> None:
+    client = _client(restarted.server)
+    done = _wait_done(client, restarted.killed_batch)
+    assert done.status == "completed" and done.output_file_id
+    assert done.request_counts is not None and done.request_counts.completed == len(KILLED_IDS)
+    output = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
+    assert sorted(o["custom_id"] for o in output) == sorted(KILLED_IDS)  # each once: none lost, none twice
 
-        def some_done() -> bool:
-            counts = client.batches.retrieve(batch.id).request_counts
-            return counts is not None and counts.completed >= 5
 
-        wait_until(some_done, HANG_S, "a few lines done")
-    finally:
-        os.killpg(server.process.pid, signal.SIGKILL)  # the supervisor, its frontends and workers at once
-        server.process.wait()
-    server = _start(tmp_path, batch_dir, *slow)
-    try:
-        client = _client(server)
-        done = _wait_done(client, batch.id)
-        assert done.status == "completed" and done.output_file_id
-        assert done.request_counts is not None and done.request_counts.completed == len(ids)
-        output = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
-        assert sorted(o["custom_id"] for o in output) == sorted(ids)  # each once: none lost, none twice
-    finally:
-        stop_and_check(server)
+def test_batches_run_side_by_side_and_cancelling_one_leaves_the_others_running(restarted: Restarted) -> None:
+    """The runner takes a line of each unfinished batch in turn: a batch created just after another is not
+    queued behind all of its lines; a cancelled one stops without holding the others up."""
+    client = _client(restarted.server)
+    _wait_done(client, restarted.killed_batch)  # the restart's own batch first: it would share the runner too
+    n = 30
+    files = [
+        client.files.create(
+            file=(f"{name}.jsonl", io.BytesIO(_jsonl([_line(f"{name}-{i}", seed + i) for i in range(n)]))),
+            purpose="batch",
+        )
+        for name, seed in (("a", 2000), ("b", 3000), ("c", 4000))
+    ]
+    a, b, c = (
+        client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+        for f in files
+    )
+
+    def done(batch_id: str) -> int:
+        counts = client.batches.retrieve(batch_id).request_counts
+        return 0 if counts is None else counts.completed + counts.failed
+
+    wait_until(lambda: done(b.id) > 0, HANG_S, "batch b under way")
+    client.batches.cancel(b.id)
+    seen: list[tuple[int, int]] = []
+
+    def one_finished() -> bool:
+        seen.append((done(a.id), done(c.id)))
+        return max(seen[-1]) >= n
+
+    wait_until(one_finished, HANG_S, "batch a or c done")
+    assert min(seen[-1]) >= 5, seen  # one after another, the other would not have started
+    assert _wait_done(client, b.id).status == "cancelled"
+    for batch in (a, c):
+        finished = _wait_done(client, batch.id)
+        assert finished.status == "completed" and finished.request_counts is not None
+        assert finished.request_counts.completed == n

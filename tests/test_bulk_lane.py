@@ -9,15 +9,21 @@ by gateway/lane.py, from a loopback peer's ``x-shmgate-lane: bulk`` header only.
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 
 from shmgate.gateway import lane
-from shmgate.shared.channels import AsyncSender, Queue
+from shmgate.gateway.metrics import FrontendStats
+from shmgate.shared.channels import AsyncSender, Queue, YieldingSender
 from shmgate.shared.instance import Instance
+from shmgate.shared.stats_layout import STATS_WORDS, Counter
 from shmgate.shared.transport.base import BULK, INTERACTIVE
 from shmgate.shared.wire import Submit
+from shmgate.worker.batcher import Batcher
 from tests.shm_children import scratch_instance
 
 
@@ -80,3 +86,98 @@ def test_the_lane_header_is_honoured_from_loopback_only() -> None:
     asyncio.run(call(("127.0.0.1", 5000), b"interactive"))
     assert seen == [BULK, BULK, INTERACTIVE, INTERACTIVE]
     assert lane.priority() == INTERACTIVE
+
+
+def test_a_bulk_send_never_takes_the_place_an_interactive_send_waits_for(instance: Instance) -> None:
+    """A full queue: the bulk send (which began first) yields the freed place to the interactive one."""
+
+    async def scenario() -> tuple[list[int], list[int]]:
+        producer, consumer = instance.request_queue(), instance.request_queue()
+        interactive, bulk = AsyncSender(producer), YieldingSender(producer)
+        try:
+            for i in range(producer.depth):
+                assert producer.try_send(Submit(10 + i, 0, "m"), BULK)
+            late_bulk = asyncio.create_task(bulk.send(Submit(1, 0, "m"), 5.0, BULK))
+            await asyncio.sleep(0.02)
+            waiting = asyncio.create_task(interactive.send(Submit(2, 0, "m"), 5.0, INTERACTIVE))
+            await asyncio.sleep(0.05)  # its sender thread is blocked in the kernel now
+            assert consumer.try_receive() is not None  # frees one place
+            await waiting
+            first = _drain(consumer)
+            await late_bulk
+            return first, _drain(consumer)
+        finally:
+            interactive.close()
+            bulk.close()
+            producer.close()
+            consumer.close()
+
+    first, then = asyncio.run(scenario())
+    assert first[0] == 2
+    assert 1 not in first or first.index(1) > 0
+    assert 1 in first + then
+
+
+def test_interactive_model_requests_count_as_demand_while_they_are_served() -> None:
+    row = np.zeros(STATS_WORDS, dtype="<u8")
+    stats = FrontendStats(row)
+    seen: list[int] = []
+
+    async def app(scope: object, receive: object, send: object) -> None:
+        seen.append(int(row[Counter.INTERACTIVE_IN_FLIGHT]))
+
+    async def call(path: str, headers: list[tuple[bytes, bytes]], method: str = "POST") -> None:
+        scope = {"type": "http", "method": method, "path": path, "headers": headers, "client": ("127.0.0.1", 1)}
+        await lane.BulkLane(app, stats=lambda: stats)(scope, None, None)  # type: ignore[arg-type]
+
+    asyncio.run(call("/v1/chat/completions", []))
+    asyncio.run(call("/v1/embeddings", []))
+    asyncio.run(call("/v1/chat/completions", [(b"x-shmgate-lane", b"bulk")]))  # a batch line: not demand
+    asyncio.run(call("/v1/batches", []))  # not a model request
+    asyncio.run(call("/v1/models", [], method="GET"))
+    assert seen == [1, 1, 0, 0, 0]
+    assert int(row[Counter.INTERACTIVE_IN_FLIGHT]) == 0  # each ended
+
+
+def _batcher(queue: Queue) -> Batcher[int]:
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+
+    def take(submit: Submit) -> int:
+        return submit.request_id
+
+    return Batcher(
+        queue,
+        max_batch_size=8,
+        max_batch_wait_s=0.0,
+        on_take=take,
+        on_invalid=lambda _: None,
+        more_coming=lambda: False,
+        wake_fd=r,
+    )
+
+
+def test_a_worker_holds_batch_lines_back_for_an_interactive_request_to_ride_with(instance: Instance) -> None:
+    producer, consumer = instance.request_queue(), instance.request_queue()
+    try:
+        batcher = _batcher(consumer)
+        # No interactive demand: a batch line runs at once, alone.
+        assert producer.try_send(Submit(1, 0, "m", bulk=True), BULK)
+        assert batcher.collect(1.0, yield_bulk=lambda: False) == [1]
+        # Demand: the line waits for the interactive request sent 20 ms later, and runs beside it.
+        assert producer.try_send(Submit(2, 0, "m", bulk=True), BULK)
+        timer = threading.Timer(0.02, lambda: producer.try_send(Submit(3, 0, "m"), INTERACTIVE))
+        timer.start()
+        assert batcher.collect(1.0, yield_bulk=lambda: True) == [2, 3]
+        timer.join()
+        # Demand that never reaches this worker: the line runs after BULK_HOLD_S at most.
+        assert producer.try_send(Submit(4, 0, "m", bulk=True), BULK)
+        assert batcher.collect(1.0, yield_bulk=lambda: True) == [4]
+        # A batch with an interactive request is never held (here the window is 0: it runs alone).
+        assert producer.try_send(Submit(5, 0, "m", bulk=True), BULK)
+        assert producer.try_send(Submit(6, 0, "m"), INTERACTIVE)
+        assert batcher.collect(1.0, yield_bulk=lambda: True) == [6]
+        assert batcher.collect(1.0, yield_bulk=lambda: False) == [5]
+    finally:
+        producer.close()
+        consumer.close()

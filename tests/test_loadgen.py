@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from shmgate.bench_client import loadgen
-from shmgate.bench_client.rawhttp import RawClient
+from shmgate.shared.rawhttp import RawClient
 
 REPO = Path(__file__).resolve().parent.parent
 IMAGES = REPO / "tests" / "data" / "images"

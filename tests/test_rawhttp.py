@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from shmgate.bench_client.rawhttp import NoHttpAnswer, RawClient
+from shmgate.shared.rawhttp import NoHttpAnswer, RawClient
 
 Reply = Callable[[bytes], bytes | None]  # request head+body -> raw response bytes (None: close the connection)
 

@@ -14,6 +14,7 @@ import io
 import json
 from collections.abc import Awaitable, Callable
 
+import msgspec
 import pytest
 from PIL import Image
 
@@ -323,6 +324,49 @@ def test_a_claim_proves_taken_only_what_was_on_the_queue_before_its_send_began()
             await asyncio.sleep(0.01)
         retried = [m for m in (node.take(), node.take()) if m is not None and m.reply_slot == 0]
         assert len(retried) == 1 and retried[0].attempt == 1 and a.submit.attempt == 1
+
+    run(scenario)
+
+
+def test_a_claimed_interactive_request_does_not_prove_a_queued_batch_line_taken() -> None:
+    """The queue is FIFO within a priority only: an interactive request sent after a batch line overtakes it.
+
+    Its claim must not count the batch line as taken (it would be resubmitted while its first copy still
+    waits); a batch line claimed later does prove it taken.
+    """
+
+    async def scenario(frontend: Frontend, node: MemoryNode, link: MemoryFrontendLink) -> None:
+        replies = frontend.replies
+        replies.taken_unclaimed_s = 0.0
+        slot, epoch = 0, node.workers[0].epoch
+        line = _queued(201)
+        line.submit = msgspec.structs.replace(line.submit, bulk=True)
+        replies.add(line)
+        replies.sending(line)
+        replies.sent(line)  # on the queue, behind every interactive descriptor (not put in the twin's FIFO)
+        interactive = _queued(202)
+        replies.add(interactive)
+        replies.sending(interactive)  # begins after the line's send ended
+        assert node.requests.try_send(interactive.submit)
+        replies.sent(interactive)
+        assert node.requests.try_send(Submit(999, 1, "checksum"))  # another frontend's: the queue never empties
+        assert _take(node).request_id == interactive.request_id
+        replies.on_reply(Claimed(interactive.request_id, slot, epoch))
+        for _ in range(2):
+            await replies.check()
+            await asyncio.sleep(0.01)
+        assert line.phase is Phase.QUEUED and line.submit.attempt == 0  # still queued: not resent
+
+        later = _queued(203)
+        later.submit = msgspec.structs.replace(later.submit, bulk=True)
+        replies.add(later)
+        replies.sending(later)
+        replies.sent(later)
+        replies.on_reply(Claimed(later.request_id, slot, epoch))  # a later batch line claimed: the first left
+        for _ in range(2):
+            await replies.check()
+            await asyncio.sleep(0.01)
+        assert line.submit.attempt == 1 and not line.submit.bulk  # resubmitted, as an interactive request
 
     run(scenario)
 

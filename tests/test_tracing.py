@@ -8,6 +8,7 @@ so what is asserted is what a collector would get.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import socket
@@ -558,3 +559,47 @@ def test_an_unsampled_caller_is_not_traced_and_a_malformed_traceparent_starts_a_
     wait_until(lambda: bool(new_roots()), 30, "the malformed request's own trace")
     assert _wait_for(collector, new_roots()[0].trace_id, {"compute"})
     assert collector.trace(trace_id) == []  # by now its spans, had there been any, would have arrived
+
+
+def test_each_batch_line_is_a_trace_naming_its_batch_and_custom_id(traced_server: Server, collector: Collector) -> None:
+    lines = [
+        {
+            "custom_id": f"traced-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": image_request("checksum", noise_png(700 + i)),
+        }
+        for i in range(2)
+    ]
+    base = traced_server.base_url
+    uploaded = httpx.post(
+        base + "/v1/files",
+        files={"file": ("in.jsonl", b"".join(json.dumps(line).encode() + b"\n" for line in lines))},
+        data={"purpose": "batch"},
+    ).json()
+    batch = httpx.post(
+        base + "/v1/batches",
+        json={"input_file_id": uploaded["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"},
+    ).json()
+    wait_until(
+        lambda: httpx.get(f"{base}/v1/batches/{batch['id']}").json()["status"] == "completed", 60, "the batch done"
+    )
+
+    def line_spans() -> list[Span]:
+        with collector.lock:
+            return [
+                s
+                for s in collector.spans
+                if s.name == "batch line" and s.attributes.get("shmgate.batch.id") == batch["id"]
+            ]
+
+    wait_until(lambda: len(line_spans()) == 2, 30, "both lines' spans")
+    assert sorted(s.attributes["shmgate.batch.custom_id"] for s in line_spans()) == ["traced-0", "traced-1"]
+    for line in line_spans():
+        assert line.parent_id == ""  # each line is a trace of its own
+        assert line.attributes["http.response.status_code"] == 200
+        spans = _wait_for(collector, line.trace_id, {"POST /v1/chat/completions"} | WORKER_SPANS)
+        server = _one(spans, "POST /v1/chat/completions")
+        assert server.parent_id == line.span_id  # the line's request, and the worker's spans under it
+        assert server.resource["shmgate.role"] == "frontend"
+        assert {s.resource["shmgate.role"] for s in spans if s.name in WORKER_SPANS} == {"worker"}

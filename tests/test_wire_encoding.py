@@ -28,7 +28,7 @@ def test_submit_by_keyword_encodes_as_by_position() -> None:
     ref = TensorRef(*REF_ARGS)
     parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
     key = bytes(range(16))
-    positional = Submit(9, 2, "checksum", (ref,), b"\x01", PARAMS, 123, 0, "a cat", "", parent, (key,))
+    positional = Submit(9, 2, "checksum", (ref,), b"\x01", PARAMS, 123, 0, "a cat", "", parent, (key,), True)
     named = Submit(
         request_id=9,
         reply_slot=2,
@@ -42,10 +42,11 @@ def test_submit_by_keyword_encodes_as_by_position() -> None:
         task="",
         traceparent=parent,
         image_keys=(key,),
+        bulk=True,
     )
     assert encoder.encode(named) == encoder.encode(positional)
     layout = msgspec.msgpack.decode(encoder.encode(named))
-    assert layout[:4] == ["s", 9, 2, "checksum"] and layout[7:] == [123, 0, "a cat", "", parent, [key]]
+    assert layout[:4] == ["s", 9, 2, "checksum"] and layout[7:] == [123, 0, "a cat", "", parent, [key], True]
     assert worker_decoder.decode(encoder.encode(named)) == positional
 
 

@@ -24,6 +24,13 @@ What a worker takes while its model is busy is the batch policy
   item's copy has started on arrival. Copies overlap the running batch, but
   the held requests are this worker's, however long its batch runs.
 
+Batch lines (``Submit.bulk``, the bulk lane) ride with interactive requests: the kernel hands a
+worker every waiting interactive descriptor before a bulk one, and a batch of bulk lines only is
+held back while the node has interactive requests in hand (``yield_bulk``), for at most
+``BULK_HOLD_S``: it runs beside the next interactive request that arrives, or when that demand
+ends. So a worker is never busy with batch lines alone when an interactive request comes (for a
+backend that runs a batch as a whole; worker/main.py passes ``yield_bulk`` for those only).
+
 The window is only waited for what is known to be coming: while the model is
 idle, a batch is cut as soon as the request queue is empty and no frontend is
 still decoding a request (``more_coming``). A lone request (concurrency 1, a
@@ -52,6 +59,10 @@ __all__ = ["Batcher"]
 T = TypeVar("T")
 
 WAKE_SLICE_S = 0.1  # while held open: the wake-up says when the model is free; this only bounds a missed one
+# A batch of bulk lines only waits this long at most for an interactive request to ride with, looking at the
+# node's interactive demand every BULK_POLL_S (it may end sooner: the lines then run at once).
+BULK_HOLD_S = 0.05
+BULK_POLL_S = 0.002
 
 
 def _never() -> bool:
@@ -87,9 +98,15 @@ class Batcher(Generic[T]):
         if policy not in ("fcfs", "held"):
             raise ValueError(f"unknown batch policy {policy!r} (fcfs, held)")
         self._policy = policy
+        self._took_bulk = False  # the last message ``_take`` kept was a batch line
 
     def collect(
-        self, idle_timeout_s: float = 0.5, *, hold_open: Callable[[], bool] = _never, limit: int | None = None
+        self,
+        idle_timeout_s: float = 0.5,
+        *,
+        hold_open: Callable[[], bool] = _never,
+        limit: int | None = None,
+        yield_bulk: Callable[[], bool] = _never,
     ) -> list[T]:
         """The next batch; empty when nothing arrived within ``idle_timeout_s``.
 
@@ -97,7 +114,8 @@ class Batcher(Generic[T]):
         since running sooner is impossible anyway. While it is false, the batch is cut when the
         window ends or when nothing more is on its way. ``limit``: at most this many (at least one),
         below the maximum size: what a generation engine has room for, so a worker takes no more
-        off the shared queue than it can start.
+        off the shared queue than it can start. ``yield_bulk()``: interactive requests are in hand on
+        the node, so a batch of batch lines only waits for one of them (``_hold_bulk``).
         """
         batch: list[T] = []
         size = self._max_batch_size if limit is None else max(1, min(limit, self._max_batch_size))
@@ -108,8 +126,10 @@ class Batcher(Generic[T]):
         first = self._take(idle_timeout_s)
         if first is None:
             return batch
+        bulk = 0  # batch lines in ``batch``
         if first is not False:
             batch.append(first)  # type: ignore[arg-type]
+            bulk += self._took_bulk
         deadline = time.monotonic() + self._max_batch_wait_s
         while len(batch) < size:
             holding = hold_open()
@@ -130,7 +150,26 @@ class Batcher(Generic[T]):
             item = self._take(remaining, wakeable=holding)
             if item is not None and item is not False:
                 batch.append(item)  # type: ignore[arg-type]
+                bulk += self._took_bulk
+        if batch and bulk == len(batch) < size and yield_bulk():
+            self._hold_bulk(batch, size, yield_bulk)
         return batch
+
+    def _hold_bulk(self, batch: list[T], size: int, yield_bulk: Callable[[], bool]) -> None:
+        """Keep a batch of batch lines open until an interactive request joins it (it then runs at
+        once, the lines beside it), the node's interactive demand ends, or ``BULK_HOLD_S`` passed."""
+        deadline = time.monotonic() + BULK_HOLD_S
+        while len(batch) < size and (remaining := deadline - time.monotonic()) > 0:
+            item = self._take(min(remaining, BULK_POLL_S))
+            if item is None:
+                if not yield_bulk():
+                    return
+                continue
+            if item is False:
+                continue
+            batch.append(item)  # type: ignore[arg-type]
+            if not self._took_bulk:
+                return
 
     def _wait_until_free(self, timeout_s: float, busy: Callable[[], bool]) -> bool:
         """fcfs: wait (on ``wake_fd``) until ``busy()`` is false; False when ``timeout_s`` passed first."""
@@ -166,6 +205,7 @@ class Batcher(Generic[T]):
         if not isinstance(message, Submit):
             self._on_invalid(message)
             return False
+        self._took_bulk = message.bulk
         kept = self._on_take(message)
         return False if kept is None else kept
 

@@ -125,6 +125,12 @@ PREFETCH_JOIN_S = 10.0  # at stop: how long to wait for the prefetch thread's cu
 ENGINE_REPORT_S = 0.05
 # Tracing: a long stream's Deltas past this many are not recorded (the SDK keeps 128 events per span anyway).
 MAX_DELIVERY_EVENTS = 128
+# Interactive demand (the bulk lane, worker/batcher.py) counts as present this long after it was last seen.
+DEMAND_GRACE_S = 0.02
+
+
+def _no_demand() -> bool:
+    return False
 
 
 @dataclass
@@ -225,6 +231,7 @@ class Worker:
             self._share_encoder(instance, options.encoder_share_mb)
         self._batch_size = batch_size_for(self.backend, options.max_batch_size)
         self._room = self._batch_size  # the engine's room after the last turn (read by the prefetch thread)
+        self._interactive_seen = 0.0  # when the prefetch thread last saw interactive demand (time.monotonic)
         self.copier = DeviceCopier(self.device, link.mm)
         self._host_only = frozenset((INLINE_TENSOR, *self.backend.host_tensors))
         self._prefetcher: Prefetcher[list[_Job]] = Prefetcher(self._prepare, name=f"prefetch-{self.slot}")
@@ -439,8 +446,20 @@ class Worker:
             use_device(self.device)
             self._prefetch_bound = True
         limit = self._room if self.backend.joins_running else None
-        jobs = self.batcher.collect(idle_timeout_s=0.25, hold_open=self._model_busy, limit=limit)
+        # A backend that runs a batch as a whole holds batch lines back for an interactive request to ride
+        # with (worker/batcher.py); a stepping engine's batch lines join its running rows at once.
+        yield_bulk = _no_demand if self.backend.joins_running else self._interactive_waits
+        jobs = self.batcher.collect(idle_timeout_s=0.25, hold_open=self._model_busy, limit=limit, yield_bulk=yield_bulk)
         return jobs or None
+
+    def _interactive_waits(self) -> bool:
+        """Interactive requests in hand on the node now, or a moment ago (closed-loop clients leave gaps of a
+        fraction of a millisecond between one answer and their next request)."""
+        now = time.monotonic()
+        if self.link.interactive_in_flight() > 0:
+            self._interactive_seen = now
+            return True
+        return now - self._interactive_seen < DEMAND_GRACE_S
 
     def _model_busy(self) -> bool:
         return not self._stop.is_set() and self._prefetcher.consumer_busy
@@ -501,7 +520,7 @@ class Worker:
         """Add prepared requests to the engine (each under a key of its own); they start at the next step."""
         compute = self.copier.compute_stream()
         added = 0
-        for job in prepared:
+        for job in sorted(prepared, key=lambda job: job.submit.bulk):  # interactive requests first, then batch lines
             assert job.copy is not None and job.item is not None
             job.copy.hand_to(compute)  # the compute stream waits for the copy's event; the host does not
             if self._expired(job.submit):  # it may have waited for room since it was claimed

@@ -192,6 +192,9 @@ class WorkerLink(Protocol):
 
     def preparing_requests(self) -> int: ...
 
+    def interactive_in_flight(self) -> int:
+        """Interactive requests the node's frontends have in hand: while any, bulk-lane work waits for them."""
+
     def request_queue(self) -> MessageQueue:
         """The shared request queue, for the worker's batcher."""
 
@@ -250,6 +253,9 @@ class NodeStats(Protocol):
 
     def engine_by_worker(self) -> list[tuple[int, str, dict[str, int]]]:
         """(slot, model, ENGINE_FIELDS words) of every worker slot that was ever claimed."""
+
+    def interactive_in_flight(self) -> int:
+        """Interactive requests the node's frontends have in hand (the batch runner yields to them)."""
 
 
 class SupervisorLink(Protocol):

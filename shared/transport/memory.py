@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from shmgate.shared.errors import ChannelFull, DescriptorError, SetupError
-from shmgate.shared.stats_layout import BATCH_BUCKETS, ENGINE_FIELDS, ENGINE_GAUGES, STATS_WORDS
+from shmgate.shared.stats_layout import BATCH_BUCKETS, ENGINE_FIELDS, ENGINE_GAUGES, STATS_WORDS, Counter
 from shmgate.shared.transport.base import (
     INTERACTIVE,
     FrontendLink,
@@ -424,6 +424,9 @@ class MemoryWorkerLink:
     def preparing_requests(self) -> int:
         return sum(link.preparing for link in self.node.links.values())
 
+    def interactive_in_flight(self) -> int:
+        return sum(int(link.row[Counter.INTERACTIVE_IN_FLIGHT]) for link in self.node.links.values())
+
     def request_queue(self) -> MemoryQueue:
         return self.node.requests
 
@@ -499,6 +502,9 @@ class MemoryNodeStats:
 
     def preparing_requests(self) -> int:
         return sum(link.preparing for link in self.node.links.values())
+
+    def interactive_in_flight(self) -> int:
+        return sum(int(link.row[Counter.INTERACTIVE_IN_FLIGHT]) for link in self.node.links.values())
 
 
 @dataclass

@@ -16,13 +16,14 @@ import numpy as np
 
 from shmgate.shared.arena import Partition, recheck, validate
 from shmgate.shared.cache import ContentCache
-from shmgate.shared.channels import AsyncQueueReader, AsyncSender, Queue
+from shmgate.shared.channels import AsyncQueueReader, AsyncSender, Queue, YieldingSender
 from shmgate.shared.errors import ChannelFull, Overloaded
 from shmgate.shared.instance import Instance, instance_alive
 from shmgate.shared.locks import HolderKind
 from shmgate.shared.segment import Heartbeat, LockId, own_pidns
 from shmgate.shared.stats_layout import BATCH_BUCKETS, ENGINE_FIELDS, ENGINE_GAUGES, Counter
 from shmgate.shared.transport.base import (
+    BULK,
     INTERACTIVE,
     FrontendLink,
     NodeStats,
@@ -59,6 +60,10 @@ class PosixFrontendLink:
         self._requests = self._queues[0]
         self._senders = [AsyncSender(q) for q in self._queues]
         self._sender = self._senders[0]
+        # The bulk lane's own senders: an AsyncSender is first come, first served, so an interactive send
+        # sharing one with batch lines would wait behind a bulk send blocked on a full queue; a bulk send
+        # never waits in the kernel's line, so a freed place goes to a blocked interactive send first.
+        self._bulk_senders = [YieldingSender(q) for q in self._queues]
         self._replies = instance.reply_queue(slot)
         self._reader: AsyncQueueReader | None = None
         self._control: dict[int, Queue] = {}
@@ -132,7 +137,8 @@ class PosixFrontendLink:
         return seg.slot_alive(seg.workers, slot, DEAD_AFTER_S, epoch)
 
     async def send_request(self, submit: Submit, timeout_s: float, priority: int = INTERACTIVE) -> None:
-        await self._senders[self._model_index.get(submit.model, 0)].send(submit, timeout_s, priority)
+        senders = self._bulk_senders if priority == BULK else self._senders
+        await senders[self._model_index.get(submit.model, 0)].send(submit, timeout_s, priority)
 
     def queue_depth(self) -> int:
         return sum(q.current_messages() for q in self._queues)
@@ -156,6 +162,8 @@ class PosixFrontendLink:
             self._reader.stop()
         for sender in self._senders:
             sender.close()  # ends sends still waiting for room (shared/channels.py AsyncSender)
+        for bulk in self._bulk_senders:
+            bulk.close()
 
     def send_cancel(self, worker_slot: int, cancel: Cancel) -> None:
         if worker_slot >= self.segment.layout.n_workers:
@@ -236,6 +244,9 @@ class PosixWorkerLink:
 
     def preparing_requests(self) -> int:
         return self.segment.preparing_requests()
+
+    def interactive_in_flight(self) -> int:
+        return self.segment.interactive_in_flight()
 
     def request_queue(self) -> Queue:
         assert self._requests is not None, "claim() first"
@@ -349,6 +360,9 @@ class PosixNodeStats:
 
     def preparing_requests(self) -> int:
         return self.segment.preparing_requests()
+
+    def interactive_in_flight(self) -> int:
+        return self.segment.interactive_in_flight()
 
 
 class PosixSupervisorLink:
