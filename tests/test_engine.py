@@ -158,6 +158,40 @@ def test_the_newest_row_is_preempted_when_the_kv_budget_would_overflow_and_recom
         assert (text, end.completion_tokens) == (alone[key], 20)
 
 
+def test_an_interactive_request_starts_before_waiting_batch_lines_and_a_batch_line_is_preempted_first(
+    pre: HFPreprocessor, engine: HFBackend, endless: tuple[tuple[int, float], ...]
+) -> None:
+    lines = [_item(pre, f"Batch line {i}.", [SQUARE], 10 + i, max_tokens=3) for i in range(2)]
+    for line in lines:
+        line.bulk = True
+    user = _item(pre, "Interactive.", [SQUARE], 20, max_tokens=3)
+    engine.max_num_batched_tokens = 1  # one prompt a step: the order of the prefills shows
+    for line in lines:
+        engine.add(line)
+    engine.add(user)
+    events: list[BackendEvent] = []
+    _drain(engine, events)
+    firsts = [next(i for i, e in enumerate(events) if e.index == key) for key in (20, 10, 11)]
+    assert firsts == sorted(firsts)  # the interactive request first, then the lines in their order
+
+    # The KV budget: a batch line gives way, though the interactive request is the newest row
+    line = _item(pre, "A batch line.", [SQUARE], 30, max_tokens=20, logit_bias=endless)
+    line.bulk = True
+    user = _item(pre, "A user.", [SQUARE], 31, max_tokens=20, logit_bias=endless)
+    engine.max_num_batched_tokens = 2048
+    engine.kv_budget = 2 * (max(len(line.inline), len(user.inline)) // 4 + 6)
+    before = engine.stats.preemptions
+    engine.add(line)
+    engine.step()  # the line prefills first and runs
+    engine.add(user)
+    events = []
+    _drain(engine, events)
+    assert engine.stats.preemptions - before >= 1
+    user_end = next(i for i, e in enumerate(events) if e.index == 31 and e.finish_reason)
+    line_end = next(i for i, e in enumerate(events) if e.index == 30 and e.finish_reason)
+    assert user_end < line_end and answer(events, 31)[1].completion_tokens == 20
+
+
 def test_admission_stops_while_the_kv_budget_is_spent_and_a_lone_row_ends_at_it(
     pre: HFPreprocessor, engine: HFBackend, endless: tuple[tuple[int, float], ...]
 ) -> None:

@@ -512,6 +512,7 @@ class Worker:
             submit.text,
             task=submit.task,
             image_keys=submit.image_keys,
+            bulk=submit.bulk,
         )
 
     # -- the main thread: run a prepared batch ------------------------------------------------

@@ -49,6 +49,9 @@ class WorkItem:
     # The content key of each image (Submit.image_keys, in image order; b"" where the frontend has none):
     # what the encoder cache is keyed by.
     image_keys: tuple[bytes, ...] = ()
+    # A batch line (Submit.bulk, the bulk lane): a generation engine starts interactive requests before the
+    # batch lines still waiting, and preempts batch lines first.
+    bulk: bool = False
 
 
 @dataclass

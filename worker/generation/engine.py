@@ -155,6 +155,11 @@ class GenerationEngine(ModelBackend):
             return
         self._arrivals += 1
         row.arrival = self._arrivals
+        if not item.bulk:  # the bulk lane: an interactive request starts before the batch lines not started yet
+            for place, waiting in enumerate(self._waiting):
+                if waiting.item.bulk and waiting.done_tokens == 0 and not waiting.generated:
+                    self._waiting.insert(place, row)
+                    return
         self._waiting.append(row)
 
     def abort(self, key: int) -> None:
@@ -326,9 +331,9 @@ class GenerationEngine(ModelBackend):
         return (len(self._running) + 1) * (length + 1) <= self.kv_budget
 
     def _make_room(self) -> list[BackendEvent]:
-        """Before a decode step: while the batch would outgrow the KV budget, preempt the newest row (its
-        cache is dropped and recomputed from its prompt and its tokens so far when it is admitted again,
-        ahead of new requests). A lone row that cannot grow ends with ``length``."""
+        """Before a decode step: while the batch would outgrow the KV budget, preempt the newest row, the
+        newest batch line first (its cache is dropped and recomputed from its prompt and its tokens so far
+        when it is admitted again, ahead of new requests). A lone row that cannot grow ends with ``length``."""
         events: list[BackendEvent] = []
         while self.kv_budget and self._running:
             if len(self._running) * (cache_length(self._running[0].cache) + 1) <= self.kv_budget:
@@ -337,7 +342,7 @@ class GenerationEngine(ModelBackend):
                 events += self._finish(self._running[0], "length")
                 self._compact()
                 break
-            newest = max(self._running, key=lambda row: row.arrival)
+            newest = max(self._running, key=lambda row: (row.item.bulk, row.arrival))
             keep = [row for row in self._running if row is not newest]
             select_rows(self._running, keep)
             self._running = keep
