@@ -19,7 +19,9 @@ from tests.serving import IMAGES, Server, start_server, stop_and_check
 
 @pytest.fixture(scope="module")
 def hf_server(tiny_qwen2_vl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    server = start_server(f"hf:{tiny_qwen2_vl_dir}", tmp_path_factory.mktemp("serve"), "--threads", "1")
+    server = start_server(
+        f"hf:{tiny_qwen2_vl_dir}", tmp_path_factory.mktemp("serve"), "--threads", "1", "--frontends", "1"
+    )
     try:
         yield server
     finally:

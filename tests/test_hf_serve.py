@@ -23,7 +23,9 @@ from tests.shm_children import leftovers
 @pytest.fixture(scope="module")
 def hf_server(tiny_qwen2_vl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     model_dir = tiny_qwen2_vl_dir
-    server = start_server(f"hf:{model_dir}", tmp_path_factory.mktemp("serve"), "--threads", "1", "--server-timing")
+    server = start_server(
+        f"hf:{model_dir}", tmp_path_factory.mktemp("serve"), "--threads", "1", "--frontends", "1", "--server-timing"
+    )
     try:
         yield server
     finally:

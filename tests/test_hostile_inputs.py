@@ -28,7 +28,18 @@ PHOTO = data_url((IMAGES / "chelsea_640.jpg").read_bytes())
 @pytest.fixture(scope="module")
 def server(tiny_qwen2_vl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     # One worker that waits for its batch to fill: concurrent requests share a batch.
-    extra = ("--threads", "1", "--workers", "1", "--max-batch-size", "8", "--max-batch-wait-ms", "200")
+    extra = (
+        "--threads",
+        "1",
+        "--frontends",
+        "1",
+        "--workers",
+        "1",
+        "--max-batch-size",
+        "8",
+        "--max-batch-wait-ms",
+        "200",
+    )
     server = start_server(f"hf:{tiny_qwen2_vl_dir}", tmp_path_factory.mktemp("serve"), *extra)
     try:
         yield server

@@ -57,6 +57,8 @@ def server(tiny_qwen2_vl_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
         CLASSIFIER,
         "--workers",
         "1",
+        "--frontends",
+        "1",
         "--threads",
         "1",
         "--queue-depth",

@@ -204,7 +204,7 @@ def video_server(tiny_qwen2_vl_dir: Path, tmp_path_factory: pytest.TempPathFacto
         "size": {"shortest_edge": 4 * side * side, "longest_edge": 8 * side * side},
     }
     (model_dir / "video_preprocessor_config.json").write_text(json.dumps(config))
-    server = start_server(f"hf:{model_dir}", tmp_path_factory.mktemp("serve"), "--threads", "1")
+    server = start_server(f"hf:{model_dir}", tmp_path_factory.mktemp("serve"), "--threads", "1", "--frontends", "1")
     try:
         yield server
     finally:
