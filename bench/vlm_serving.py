@@ -15,10 +15,26 @@ the same work. The server under test is this checkout (``--module gateway``) or 
 static engine of main checked out in /tmp/static-base: ``--pythonpath /tmp/static-base --module shmgate``.
 Compare A and B alternately (ABBA), one ``flock /tmp/bench.lock`` run each; the figures are a JSON line.
 
+``--server transformers`` runs the same measurements, with the same client, prompts, photos and
+``logit_bias``, against ``transformers serve DIR --device cpu`` (its /v1/chat/completions, streamed; it
+has no /metrics, so no stages). It needs nothing beyond the ``hf`` and ``test`` extras (fastapi,
+uvicorn, openai), but its Qwen2-VL processor needs torchvision, so compare on a LLaVA with the same
+text model: ``--build DIR --family llava`` (the fixture's tokenizer, CLIP processor and vision tower).
+It runs one ``generate`` at a time on one inference thread; ``--extra=--continuous-batching`` falls
+back to that for a VLM (transformers 5.24 batches continuously only models it classes as text-only).
+It gets the OpenMP environment shmgate's worker sets itself (``OMP_WAIT_POLICY=PASSIVE``,
+``THP_MEM_ALLOC_ENABLE=1``); both run torch with its default intra-op threads (the usable CPUs). The
+mix's ``busy_threads`` shows each server's threads that computed, ``full_answers`` that every answer
+ran to its ``max_tokens`` on either server.
+
     python bench/vlm_serving.py --build /tmp/vlm8
     flock /tmp/bench.lock python bench/vlm_serving.py --model-dir /tmp/vlm8 --label continuous
     flock /tmp/bench.lock python bench/vlm_serving.py --model-dir /tmp/vlm8 --label static \\
         --pythonpath /tmp/static-base --module shmgate
+    python -m bench vlm-serving --build /tmp/llava8 --family llava
+    flock /tmp/bench.lock python -m bench vlm-serving --model-dir /tmp/llava8 --label shmgate
+    flock /tmp/bench.lock python -m bench vlm-serving --model-dir /tmp/llava8 --server transformers \\
+        --label transformers
 """
 
 from __future__ import annotations
@@ -85,6 +101,40 @@ def build(path: Path, vision: dict[str, Any] | None = None) -> None:
     print(f"{path}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters")
 
 
+def build_llava(path: Path) -> None:
+    """The fixture's LLaVA (tests/hf_fixture.py: its tokenizer, CLIP processor and vision tower) with the
+    same 8-layer, 512-wide text model: a checkpoint ``transformers serve`` loads without torchvision."""
+    import torch
+    import transformers
+
+    from tests import hf_fixture
+
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = hf_fixture._build_processor(path, "llava")
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in hf_fixture._SPECIAL_TOKENS}
+    torch.manual_seed(0)
+    model = hf_fixture._build_llava(tokenizer, ids, "llava")
+    text = {**model.config.text_config.to_dict(), **TEXT, "num_key_value_heads": 4, "head_dim": 64}
+    config = transformers.LlavaConfig(
+        vision_config=model.config.vision_config.to_dict(),
+        text_config=text,
+        image_token_index=model.config.image_token_index,
+        vision_feature_layer=model.config.vision_feature_layer,
+        vision_feature_select_strategy=model.config.vision_feature_select_strategy,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlavaForConditionalGeneration(config).eval()
+    halves = [i for i in range(len(tokenizer)) if "\ufffd" in tokenizer.decode([i])]  # as in build()
+    control = [*ids.values(), tokenizer.convert_tokens_to_ids("<image>"), *halves]
+    hf_fixture._finish_model(model, path, control, ids)
+    # As real LLaVA-1.5 checkpoints ship it: transformers' LlavaProcessor counts image tokens from it.
+    processor = {"processor_class": "LlavaProcessor", "patch_size": 14, "num_additional_image_tokens": 1}
+    (path / "processor_config.json").write_text(
+        json.dumps({**processor, "vision_feature_select_strategy": "default"}) + "\n"
+    )
+    print(f"{path}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters")
+
+
 def no_end(model_dir: Path) -> dict[str, float]:
     from transformers import AutoTokenizer
 
@@ -146,12 +196,45 @@ async def stages(client: httpx.AsyncClient) -> dict[str, tuple[float, float]]:
     return {stage: (v[0], v[1]) for stage, v in found.items()}
 
 
+def thread_cpu(pid: int) -> dict[tuple[str, int], float]:
+    """CPU seconds of every thread of ``pid`` and its descendants (Linux /proc), keyed by (process, tid):
+    the process is its ``python -m`` module (``shmgate.worker``, ``transformers.cli.transformers``)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    found: dict[tuple[str, int], float] = {}
+    pending = [pid]
+    while pending:
+        proc = Path(f"/proc/{pending.pop()}")
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            name = argv[2].decode() if len(argv) > 2 and argv[1] == b"-m" else argv[0].decode()
+            for task in (proc / "task").iterdir():
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                found[(name, int(task.name))] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+                pending += [int(child) for child in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # a process or thread that ended meanwhile
+    return found
+
+
+def busy_threads(before: dict[tuple[str, int], float], after: dict[tuple[str, int], float], span: float) -> Any:
+    """Per process, the CPU share (of one core, over ``span``) of each thread busier than 1 %: how many
+    threads really computed (torch's intra-op pool shows as the model's thread plus its OpenMP workers)."""
+    shares: dict[str, list[float]] = {}
+    for key, seconds in after.items():
+        share = (seconds - before.get(key, 0.0)) / span
+        if share > 0.01:
+            shares.setdefault(key[0], []).append(round(share, 2))
+    return {name: sorted(found, reverse=True) for name, found in shares.items()}
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-async def measure(args: argparse.Namespace, base_url: str, model: str, bias: dict[str, float]) -> dict[str, Any]:
+async def measure(
+    args: argparse.Namespace, base_url: str, model: str, bias: dict[str, float], server_pid: int
+) -> dict[str, Any]:
     short = body(model, PHOTOS[0], "Say something short.", 16, bias)
     out: dict[str, Any] = {}
     async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
@@ -189,9 +272,9 @@ async def measure(args: argparse.Namespace, base_url: str, model: str, bias: dic
             await asyncio.sleep(max(0.0, zero + at - time.monotonic()))
             return await stream(client, body(model, photo, "Describe the photo.", max_tokens, bias), zero + at)
 
-        before = await stages(client)
+        before, cpu_before = await stages(client), thread_cpu(server_pid)
         results = await asyncio.gather(*(one(*p) for p in plan))
-        after = await stages(client)
+        after, cpu_after = await stages(client), thread_cpu(server_pid)
         span = max(r["end"] for r in results) - zero
         ttfts = [r["ttft"] for r in results]
         tpots = [(r["latency"] - r["ttft"]) / (r["tokens"] - 1) for r in results if r["tokens"] > 1]
@@ -202,6 +285,11 @@ async def measure(args: argparse.Namespace, base_url: str, model: str, bias: dic
             "output_tokens_per_s": round(sum(r["tokens"] for r in results) / span, 1),
             "chunks_per_s": round(sum(r["chunks"] for r in results) / span, 1),
             "span_s": round(span, 2),
+            # the server's CPU over the mix, in cores (2 at most here), and its busy threads' shares
+            "server_cores": round((sum(cpu_after.values()) - sum(cpu_before.values())) / span, 2),
+            "busy_threads": busy_threads(cpu_before, cpu_after, span),
+            # every answer should run to its max_tokens (no end token), on either server
+            "full_answers": f"{sum(r['tokens'] == p[1] for r, p in zip(results, plan, strict=True))}/{len(plan)}",
             # where a request's time went, mean per stage over the mix (gateway/stages.py), ms
             "stages_ms": {
                 stage: round((after[stage][0] - before[stage][0]) / (after[stage][1] - before[stage][1]) * 1000, 1)
@@ -221,9 +309,13 @@ async def measure(args: argparse.Namespace, base_url: str, model: str, bias: dic
     return out
 
 
-def padding(model_dir: Path, seed: int, requests: int) -> dict[str, float]:
-    """The mix's requests replayed through the engine in this process (one arrival every 12 steps, no
-    timing): KV positions the left-padded cache holds against the tokens its rows really have."""
+def padding(model_dir: Path, seed: int, requests: int, every: int) -> dict[str, Any]:
+    """The mix's requests replayed through the engine in this process (one arrival every 12 steps, each
+    answer to its max_tokens): KV positions the left-padded cache holds against the tokens its rows
+    really have, at every step; and every ``every`` steps, one decode step timed on a copy of the
+    running rows' padded cache (with the mask that hides the padding) against the same rows with
+    equal, unpadded lengths holding as many positions as the rows really have in all (what a paged
+    layout's attention reads), alternated, best of 3 each."""
     import torch
 
     from shmgate.gateway.preprocess.hf import HFPreprocessor
@@ -233,14 +325,16 @@ def padding(model_dir: Path, seed: int, requests: int) -> dict[str, float]:
     from tests.test_hf import work_item
 
     pre, engine = HFPreprocessor(model_dir), HFBackend(str(model_dir), torch.device("cpu"))
+    bias = tuple(sorted((int(token), value) for token, value in no_end(model_dir).items()))
     rng = random.Random(seed)
     items = []
     for i in range(requests):
         rng.expovariate(1.0)  # the mix's draws, in its order
-        params = SamplingParams(max_tokens=rng.randint(32, 256), temperature=0.0)
+        params = SamplingParams(max_tokens=rng.randint(32, 256), temperature=0.0, logit_bias=bias)
         items.append(work_item(pre, "Describe the photo.", [PHOTOS[i % len(PHOTOS)]], params, i))
         items[-1].key = i
     step = added = padded = real = peak = peak_real = 0
+    timed: list[tuple[int, float, float, float]] = []  # rows, padded ms, equal ms, held / real
     while added < len(items) or engine.has_work():
         if added < len(items) and step % 12 == 0:
             engine.add(items[added])
@@ -254,7 +348,55 @@ def padding(model_dir: Path, seed: int, requests: int) -> dict[str, float]:
             padded, real = padded + held, real + used
             if held > peak:
                 peak, peak_real = held, used
-    return {"steps": step, "padded_over_real_mean": round(padded / real, 3), "peak_held": peak, "peak_real": peak_real}
+            if every and step % every == 0 and len(rows) > 1 and held > used:
+                timed.append((len(rows), *step_cost(engine, rows, -(-used // len(rows))), held / used))
+    out: dict[str, Any] = {
+        "steps": step,
+        "padded_over_real_mean": round(padded / real, 3),
+        "peak_held": peak,
+        "peak_real": peak_real,
+    }
+    if timed:
+        out["decode_step_ms"] = {
+            "padded": round(statistics.mean(t[1] for t in timed), 2),
+            "equal_lengths": round(statistics.mean(t[2] for t in timed), 2),
+            "padded_over_equal": round(statistics.mean(t[1] / t[2] for t in timed), 3),
+            "samples": len(timed),
+        }
+        by_rows: dict[int, list[tuple[int, float, float, float]]] = {}
+        for sample in timed:
+            by_rows.setdefault(sample[0], []).append(sample)
+        # rows -> [samples, padded ms, equal-length ms, positions held / real]
+        out["by_rows"] = {
+            n: [len(g), *(round(statistics.mean(t[k] for t in g), 2) for k in (1, 2, 3))]
+            for n, g in sorted(by_rows.items())
+        }
+    return out
+
+
+def step_cost(engine: Any, rows: list[Any], length: int) -> tuple[float, float]:
+    """ms of one decode step of ``rows`` on a copy of their padded cache, and on a copy cut to ``length``
+    positions per row with no padding (the same rows, as many positions as they really hold in all)."""
+    import copy
+
+    cache, pads = rows[0].cache, [row.pad for row in rows]
+    equal = copy.deepcopy(cache)
+    for layer in equal.layers:
+        layer.keys, layer.values = layer.keys[..., -length:, :].clone(), layer.values[..., -length:, :].clone()
+    best = {"padded": float("inf"), "equal": float("inf")}
+    try:
+        for kind in ("padded", "equal", "equal", "padded", "padded", "equal"):
+            rows[0].cache = copy.deepcopy(cache if kind == "padded" else equal)  # a step appends to it
+            for row, pad in zip(rows, pads, strict=True):
+                row.pad = pad if kind == "padded" else 0
+            started = time.perf_counter()
+            engine._decode_step(rows)
+            best[kind] = min(best[kind], (time.perf_counter() - started) * 1000)
+    finally:
+        rows[0].cache = cache
+        for row, pad in zip(rows, pads, strict=True):
+            row.pad = pad
+    return best["padded"], best["equal"]
 
 
 def free_port() -> int:
@@ -266,6 +408,13 @@ def free_port() -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--build", type=Path, help="write the 8-layer model into this directory and exit")
+    p.add_argument("--family", choices=("qwen2_vl", "llava"), default="qwen2_vl", help="the model --build writes")
+    p.add_argument(
+        "--server",
+        choices=("shmgate", "transformers"),
+        default="shmgate",
+        help="transformers: `transformers serve DIR` (one request at a time unless --extra=--continuous-batching)",
+    )
     p.add_argument("--model-dir", type=Path)
     p.add_argument("--label", default="")
     p.add_argument("--module", default="shmgate", help="the package whose `serve` runs (gateway on older checkouts)")
@@ -277,12 +426,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--extra", default="", help="more serve flags, space-separated")
     p.add_argument("--padding", action="store_true", help="only the padded KV layout's cost, in process")
+    p.add_argument("--time-every", type=int, default=16, help="--padding: time a decode step every N steps (0: none)")
     args = p.parse_args(argv)
     if args.build:
-        build(args.build)
+        (build_llava if args.family == "llava" else build)(args.build)
         return 0
     if args.padding:
-        print(json.dumps(padding(args.model_dir, args.seed, args.requests)))
+        print(json.dumps(padding(args.model_dir, args.seed, args.requests, args.time_every)))
         return 0
     assert args.model_dir, "--model-dir (build one with --build)"
     port = free_port()
@@ -290,8 +440,17 @@ def main(argv: list[str] | None = None) -> int:
     cwd = str(REPO)
     if args.pythonpath:
         env["PYTHONPATH"], cwd = args.pythonpath, args.pythonpath
-    command = [sys.executable, "-m", args.module, "serve", "--model", f"hf:{args.model_dir}", "--device", "cpu"]
-    command += ["--port", str(port), *args.extra.split()]
+    if args.server == "transformers":
+        # The environment shmgate's worker gives torch (worker/__main__.py), so that only the engines differ
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        env.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+        command = [sys.executable, "-m", "transformers.cli.transformers", "serve", str(args.model_dir)]
+        command += ["--device", "cpu", "--host", "127.0.0.1", "--port", str(port), *args.extra.split()]
+        ready = "/health"
+    else:
+        command = [sys.executable, "-m", args.module, "serve", "--model", f"hf:{args.model_dir}", "--device", "cpu"]
+        command += ["--port", str(port), *args.extra.split()]
+        ready = "/ready"
     log = tempfile.NamedTemporaryFile(prefix="vlm-serving-", suffix=".log", delete=False)
     server = subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
     base_url = f"http://127.0.0.1:{port}"
@@ -300,13 +459,13 @@ def main(argv: list[str] | None = None) -> int:
         while True:
             assert server.poll() is None and time.monotonic() < deadline, f"the server did not start: {log.name}"
             try:
-                if httpx.get(base_url + "/ready", timeout=2).status_code == 200:
+                if httpx.get(base_url + ready, timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
         model = httpx.get(base_url + "/v1/models").json()["data"][0]["id"]
-        figures = asyncio.run(measure(args, base_url, model, no_end(args.model_dir)))
+        figures = asyncio.run(measure(args, base_url, model, no_end(args.model_dir), server.pid))
     finally:
         server.terminate()
         server.wait(60)
