@@ -34,6 +34,7 @@ LONGEST_FIRST = (
     "test_selfheal.py",
     "test_chaos.py",
     "test_video.py",
+    "test_encoder_share_serve.py",
     "test_batch_api.py",
     "test_embeddings.py",
     "test_efficientnet.py",
