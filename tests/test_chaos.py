@@ -23,7 +23,7 @@ def test_a_short_chaos_soak_ends_every_request_cleanly(tmp_path: Path) -> None:
             "bench",
             "chaos",
             "--duration-s",
-            "20",
+            "15",
             "--json",
             "--seed",
             "1",
@@ -38,7 +38,7 @@ def test_a_short_chaos_soak_ends_every_request_cleanly(tmp_path: Path) -> None:
     assert done.stdout.strip(), done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     print(
-        f"\nchaos (20 s): {summary['requests']} requests, {summary['faults']} faults {summary['faults_by_kind']}, "
+        f"\nchaos (15 s): {summary['requests']} requests, {summary['faults']} faults {summary['faults_by_kind']}, "
         f"back to full capacity median {summary['back_to_full_capacity_s']['median']} s; {summary['outcomes']}"
     )
     assert done.returncode == 0 and not summary["failures"], summary["failures"]
