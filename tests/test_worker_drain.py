@@ -42,3 +42,24 @@ def test_a_second_signal_stops_at_once() -> None:
 
 def test_drained_means_nothing_without_a_signal() -> None:
     assert not StopRequest(60).due(InstanceState.DRAINED)
+
+
+def test_the_sigterm_handler_takes_no_lock_and_the_loop_stops_on_it() -> None:
+    """A signal handler runs on the main thread between two bytecodes, maybe while that thread holds the
+    stop event's lock (or inside the handler itself, on a second SIGTERM): a handler that waited for a lock
+    would wait forever. Here another thread holds the lock while the handler runs."""
+    import threading
+
+    from shmgate.shared.transport.memory import MemoryNode, MemoryWorkerLink
+    from shmgate.worker.main import Worker, WorkerOptions
+
+    worker = Worker(MemoryWorkerLink(MemoryNode()), WorkerOptions(model="checksum"))
+    loop = threading.Thread(target=worker.run, daemon=True)
+    loop.start()
+    with worker._stop._cond:  # what the interrupted main thread may be holding
+        handler = threading.Thread(target=worker.request_stop, daemon=True)
+        handler.start()
+        handler.join(5)
+        assert not handler.is_alive()
+    loop.join(10)
+    assert not loop.is_alive() and worker.exit_code == 0

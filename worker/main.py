@@ -77,7 +77,7 @@ from shmgate.shared.models import parse_model_spec, resolve_model
 from shmgate.shared.parent_death import follow_supervisor
 from shmgate.shared.stages import Stamp, Stamps
 from shmgate.shared.transport import PosixWorkerLink, WorkerLink
-from shmgate.shared.vocabulary import InstanceState, SlotState, check_model_id, now_ns
+from shmgate.shared.vocabulary import SlotState, check_model_id, now_ns
 from shmgate.shared.wire import (
     INLINE_TENSOR,
     MAX_DELTA_CHARS,
@@ -304,10 +304,15 @@ class Worker:
         os._exit(EXIT_DECLARED_DEAD)
 
     def request_stop(self) -> None:
-        """SIGTERM/SIGINT: stop now, or once the gateway's drain is over (``follow_drain_s``)."""
+        """SIGTERM/SIGINT: stop now, or once the gateway's drain is over (``follow_drain_s``).
+
+        The signal handler: it only notes the request (plain attribute writes, no lock, no logging);
+        the loop acts on it within ``LOOK_EVERY_S``. A handler runs on the main thread between any two
+        bytecodes, so one that took a lock (``Event.set``) could interrupt the main thread, or itself on
+        a second signal, while that lock was held, and wait for it forever: a worker sent two SIGTERMs
+        in a row hung that way, orphaned, holding its segments.
+        """
         self._stop_request.signal()
-        if self._stop_request.due(InstanceState.RUNNING):
-            self._stop.set()  # no drain to follow: stop taking work at once, as a plain SIGTERM always did
 
     def run(self) -> None:
         link = self.link
