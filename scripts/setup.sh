@@ -13,7 +13,7 @@
 # is the CUDA build a GPU user wants.
 #   TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 scripts/setup.sh   # pick a build
 #
-# pip runs only when needed: each extra installed records the hash of pyproject.toml it was installed from
+# pip runs only when needed: each extra installed records the hash of pyproject.toml and setup.py it was installed from
 # (.venv/.shmgate-setup/<extra>); when every extra asked for is recorded with the current hash, pip is
 # skipped. The install is editable, so a change to the code needs no reinstall; a change to pyproject.toml
 # (new dependencies) does. SHMGATE_SETUP_FORCE=1 reinstalls anyway.
@@ -56,7 +56,7 @@ if ! .venv/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.fi
     fi
 fi
 
-hash=$(.venv/bin/python -c 'import hashlib, sys; print(hashlib.sha256(open("pyproject.toml", "rb").read()).hexdigest())')
+hash=$(.venv/bin/python -c 'import hashlib; print(hashlib.sha256(b"".join(open(f, "rb").read() for f in ("pyproject.toml", "setup.py"))).hexdigest())')
 installed() { # installed EXTRA: recorded with the current pyproject.toml, and shmgate still importable
     [ "$(cat "$MARKERS/$1" 2> /dev/null)" = "$hash" ]
 }

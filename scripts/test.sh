@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up (first run), run the static checks (ruff check, ruff format --check, mypy; configured in
+# Set up (first run), run the static checks (ruff check, ruff format --check, scripts/typecheck.sh; configured in
 # pyproject.toml), then the test suite in two phases, each printing its 25 slowest tests:
 #   1. every test not marked `serial`, three processes side by side (pytest-xdist, `--dist loadfile`: a
 #      file's tests stay in one process, so its module-scoped servers start once; files are handed out
@@ -21,7 +21,7 @@ scripts/setup.sh test,hf
 if [ "${SHMGATE_SKIP_LINT:-0}" != 1 ]; then
   .venv/bin/ruff check .
   .venv/bin/ruff format --check .
-  .venv/bin/mypy
+  scripts/typecheck.sh
 fi
 
 if [ "${SHMGATE_SKIP_MQ_CHECK:-0}" != 1 ]; then

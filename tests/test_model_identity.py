@@ -181,23 +181,25 @@ def test_cleanup_lists_live_instances_and_a_dry_run_removes_nothing(named_server
 
 
 def test_a_missing_transformers_is_one_line_before_anything_starts(tmp_path: Path) -> None:
-    """A site-packages without transformers (every other entry linked in), so the import really fails."""
+    """A site-packages without transformers (every other entry linked in, the editable install's .pth
+    mapping of shmgate included), so the import really fails."""
     site = Path(httpx.__file__).parent.parent
     without = tmp_path / "site"
     without.mkdir()
     for entry in site.iterdir():
-        if not entry.name.startswith("transformers") and not entry.name.endswith(".pth"):
+        if not entry.name.startswith("transformers"):
             (without / entry.name).symlink_to(entry)
     model = tmp_path / "tiny-vlm"
     model.mkdir()
     (model / "config.json").write_text('{"model_type": "qwen2_vl"}')
-    repo = Path(__file__).parent.parent
+    # -S: no site-packages of the environment; addsitedir reads the copy's .pth files (shmgate's mapping)
+    start = f"import runpy, site, sys; site.addsitedir({str(without)!r}); sys.argv[0] = 'shmgate'; "
     done = subprocess.run(
         [
             sys.executable,
             "-S",
-            "-m",
-            "shmgate.gateway",
+            "-c",
+            start + "runpy.run_module('shmgate.node', run_name='__main__', alter_sys=True)",
             "serve",
             "--port",
             str(free_port()),
@@ -213,7 +215,6 @@ def test_a_missing_transformers_is_one_line_before_anything_starts(tmp_path: Pat
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "PYTHONPATH": f"{repo}:{without}"},
     )
     assert done.returncode == 2, done.stderr[-2000:]
     lines = [line for line in done.stderr.splitlines() if "need transformers" in line]

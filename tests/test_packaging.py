@@ -1,16 +1,17 @@
 """Packaging: the wheel's packages, the extras' pins, and scripts/setup.sh's checks.
 
-The wheel holds every package of the source tree.
-
-The editable install the tests run from finds any package, so a subpackage missing from
-pyproject's list only shows in a real install: the container image once failed to import
-shared.transport that way. This compares the list with the directories that are packages, each
-folder linked from shmgate/ (the one installed name).
+The wheel holds every package of the source tree: setup.py maps each top-level part (gateway/,
+worker/, ...) into the one installed name, ``shmgate``, and finds its subpackages itself. The container
+image once failed to import shared.transport because a hand-kept list missed it; here the parts setup.py
+maps are the folders that are packages, the image copies each, and no file reaches a package through a
+link.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -22,16 +23,37 @@ import pytest
 from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parent.parent
+# folders at the root that are not parts of the installed package
+NOT_PARTS = {"tests", "bench", "shmgate", "build"}
 
 
-def test_every_package_directory_is_in_the_wheel() -> None:
-    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
-    found = {"shmgate"} | {
-        ".".join(("shmgate", *init.parent.relative_to(REPO).parts))
-        for top in (link.name for link in (REPO / "shmgate").iterdir() if link.is_symlink())
-        for init in (REPO / top).rglob("__init__.py")
-    }
-    assert found == listed
+def _parts() -> set[str]:
+    """The top-level folders setup.py maps into ``shmgate`` (its PARTS, read without running it)."""
+    tree = ast.parse((REPO / "setup.py").read_text())
+    (value,) = (n.value for n in tree.body if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "PARTS")
+    return set(ast.literal_eval(value))
+
+
+def test_every_top_level_package_folder_is_mapped_into_shmgate() -> None:
+    folders = {p.parent.name for p in REPO.glob("*/__init__.py")} - NOT_PARTS
+    assert _parts() == folders
+
+
+def test_each_part_has_one_import_name_and_one_path() -> None:
+    """``shmgate.gateway`` loads from gateway/ itself, and the root is no import path that would also
+    make it ``gateway`` (tests/conftest.py)."""
+    import shmgate.gateway
+
+    assert Path(shmgate.gateway.__file__) == REPO / "gateway" / "__init__.py"
+    assert all(importlib.util.find_spec(part) is None for part in _parts())
+
+
+def test_no_symlink_is_tracked() -> None:
+    """One path per file: a link would give a module two paths (and, on sys.path, two import names)."""
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.skip("not a git checkout")
+    staged = subprocess.run(["git", "ls-files", "-s"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert [line.split("\t")[1] for line in staged.splitlines() if line.startswith("120000")] == []
 
 
 def _hf_extra() -> dict[str, Requirement]:
@@ -60,10 +82,11 @@ def test_installed_transformers_is_in_the_hf_range() -> None:
 
 
 def _setup_copy(tmp_path: Path) -> Path:
-    """scripts/setup.sh and pyproject.toml in a directory of their own (setup.sh works in its parent)."""
+    """scripts/setup.sh, pyproject.toml and setup.py in a directory of their own (setup.sh works in its parent)."""
     (tmp_path / "scripts").mkdir()
     shutil.copy(REPO / "scripts" / "setup.sh", tmp_path / "scripts" / "setup.sh")
     shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    shutil.copy(REPO / "setup.py", tmp_path / "setup.py")
     return tmp_path
 
 
@@ -134,9 +157,8 @@ def test_scripts_pass_shellcheck() -> None:
 def test_the_image_copies_every_top_level_package() -> None:
     """docker/Dockerfile installs from a copy of the sources (what .dockerignore lets into the context): a
     package left out of either imports in the editable checkout and fails only in the image."""
-    listed = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
-    # shmgate/ itself and the folder each of its links points to
-    packages = {"shmgate"} | {p.split(".")[1] for p in listed if p.count(".") >= 1}
+    # shmgate/ itself and each part setup.py maps into it
+    packages = {"shmgate"} | _parts()
     lines = (REPO / "docker" / "Dockerfile").read_text().splitlines()
     copied = {line.split()[1] for line in lines if line.startswith("COPY ") and len(line.split()) == 3}
     let_in = {
