@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -33,6 +34,41 @@ LITSERVE_PYTHON = REPO / "bench" / ".venv-litserve" / "bin" / "python"  # bench/
 # An earlier checkout to compare with in the same run, e.g. `git worktree add --detach /tmp/base <commit>`,
 # then SHMGATE_BENCH_BASE=/tmp/base: its code runs on this environment's packages.
 BASE_TREE = Path(os.environ.get("SHMGATE_BENCH_BASE", "/nonexistent-base-tree"))
+
+
+# A process started with tree_env's PYTHONPATH imports this first (site.py runs any sitecustomize on the
+# path): it maps shmgate.<part> to the tree's own folder ahead of this environment's editable install,
+# which maps it to this checkout. Children inherit the environment, so they map the same way.
+_TREE_SITECUSTOMIZE = """\
+import importlib.machinery, sys
+
+class _TreeParts:
+    tree, parts = {tree!r}, {parts!r}
+
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        top, _, rest = name.removeprefix("shmgate.").partition(".")
+        if not name.startswith("shmgate.") or top not in cls.parts:
+            return None
+        return importlib.machinery.PathFinder.find_spec(name, [cls.tree + "/" + top] if rest else [cls.tree])
+
+sys.meta_path.insert(0, _TreeParts)
+"""
+
+
+def tree_env(tree: Path) -> dict[str, str]:
+    """The environment that runs ``tree``'s shmgate instead of this checkout's (for before/after runs).
+
+    A tree whose shmgate/ holds links to its parts needs only to come first on PYTHONPATH; a tree whose
+    setup.py maps the parts into shmgate also gets a sitecustomize that maps them to its own folders.
+    """
+    path = [str(tree)]
+    if tree != REPO and (tree / "setup.py").exists() and not (tree / "shmgate" / "gateway").exists():
+        parts = tuple(p.parent.name for p in tree.glob("*/__init__.py") if p.parent.name not in ("tests", "bench"))
+        site = Path(tempfile.mkdtemp(prefix="shmgate-tree-"))
+        (site / "sitecustomize.py").write_text(_TREE_SITECUSTOMIZE.format(tree=str(tree), parts=parts))
+        path.insert(0, str(site))
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [*path, os.environ.get("PYTHONPATH")]))}
 
 
 def free_port() -> int:
@@ -86,13 +122,12 @@ class ServerProcess:
     process: subprocess.Popen[bytes] | None = field(default=None, init=False)
 
     def start(self) -> None:
-        path = os.pathsep.join(filter(None, [str(self.tree), os.environ.get("PYTHONPATH")]))
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
                 self.argv,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONPATH": path},
+                env=tree_env(self.tree),
                 cwd=self.tree,
                 start_new_session=True,
             )

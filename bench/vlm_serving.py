@@ -56,6 +56,8 @@ from typing import Any
 
 import httpx
 
+from bench.servers import tree_env
+
 REPO = Path(__file__).resolve().parent.parent
 PHOTOS = sorted((REPO / "tests" / "data" / "images").glob("*.jpg"))
 TEXT = {"hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 8, "num_attention_heads": 8}
@@ -439,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ)
     cwd = str(REPO)
     if args.pythonpath:
-        env["PYTHONPATH"], cwd = args.pythonpath, args.pythonpath
+        env, cwd = tree_env(Path(args.pythonpath)), args.pythonpath
     if args.server == "transformers":
         # The environment shmgate's worker gives torch (worker/__main__.py), so that only the engines differ
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
