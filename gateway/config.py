@@ -1,9 +1,9 @@
 """A frontend's configuration: the flags it reads (declared here, once) and what the supervisor adds.
 
-``shmgate serve`` and ``shmgate gateway`` take these flags (node/config.py's configurations inherit the
-options classes below), build the whole configuration once, and hand each frontend its
-``FrontendConfig`` as one encoded value (shared/options.py ``encode``, in the child's environment:
-the API key is part of it, and argv is visible in ps). A frontend never parses a flag.
+``shmgate serve`` and ``shmgate gateway`` take these flags (node/config.py's configurations hold a
+``FrontendOptions``), build the whole configuration once, and hand each frontend its ``FrontendConfig``
+(those options and what the supervisor decided) as one encoded value (shared/options.py ``encode``, in the
+child's environment: the API key is part of it, and argv is visible in ps). A frontend never parses a flag.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from shmgate.gateway.sockets import LISTEN_MODES
 from shmgate.shared import flag_types
 from shmgate.shared.common_options import LogOptions
 from shmgate.shared.model_config import ModelConfig
-from shmgate.shared.options import option
+from shmgate.shared.options import option, part
 from shmgate.shared.tracing import TracingOptions
 
 __all__ = [
@@ -188,17 +188,23 @@ class BatchOptions:
 
 
 @dataclass(frozen=True, kw_only=True)
-class FrontendOptions(
-    BatchOptions, TracingOptions, LogOptions, ObservabilityOptions, ImageUrlOptions, LimitOptions, ServerOptions
-):
-    """Every flag a frontend reads (the bases are listed last group first: a dataclass puts the fields of
-    its last base first)."""
+class FrontendOptions:
+    """Every flag a frontend reads, by the part of it that reads them (the order is ``--help``'s)."""
+
+    server: ServerOptions = part(ServerOptions)
+    limits: LimitOptions = part(LimitOptions)
+    image_urls: ImageUrlOptions = part(ImageUrlOptions)
+    observability: ObservabilityOptions = part(ObservabilityOptions)
+    log: LogOptions = part(LogOptions)
+    tracing: TracingOptions = part(TracingOptions)
+    batch: BatchOptions = part(BatchOptions)
 
 
 @dataclass(frozen=True, kw_only=True)
-class FrontendConfig(FrontendOptions):
+class FrontendConfig:
     """One frontend's whole configuration, built by the supervisor (node/plan.py ``frontend_config``)."""
 
+    options: FrontendOptions = part(FrontendOptions)  # as parsed (--allowed-hosts decided once)
     instance_id: str = ""
     slot: int = 0
     fd: int | None = None  # the shared listening socket (--listen shared); None: bind one's own

@@ -31,37 +31,43 @@ def app_options(config: FrontendConfig) -> AppOptions:
     from shmgate.gateway.served import AppOptions
 
     first = config.models[0]
+    server, limits, image_urls, batch = (
+        config.options.server,
+        config.options.limits,
+        config.options.image_urls,
+        config.options.batch,
+    )
     return AppOptions(
         instance_id=config.instance_id,
         slot=config.slot,
         model=first.model,
         served_model_name=first.served_model_name,
-        api_key=config.api_key,
-        metrics_need_key=config.metrics_need_key,
-        max_body_bytes=int(config.max_body_mb * (1 << 20)),
-        intake=IntakeLimits(max_images=config.max_images, allow_image_urls=config.allow_image_urls),
+        api_key=server.api_key,
+        metrics_need_key=config.options.observability.metrics_need_key,
+        max_body_bytes=int(limits.max_body_mb * (1 << 20)),
+        intake=IntakeLimits(max_images=limits.max_images, allow_image_urls=image_urls.allow_image_urls),
         limits=FrontendLimits(
-            max_in_flight=config.max_in_flight,
-            request_timeout_s=config.request_timeout_s,
-            max_pixels=config.max_pixels,
-            decode_threads=config.decode_threads,
-            decode_memory_bytes=int(config.decode_memory_mb * (1 << 20)),
-            decode_wait_s=config.decode_wait_s,
+            max_in_flight=limits.max_in_flight,
+            request_timeout_s=limits.request_timeout_s,
+            max_pixels=limits.max_pixels,
+            decode_threads=limits.decode_threads,
+            decode_memory_bytes=int(limits.decode_memory_mb * (1 << 20)),
+            decode_wait_s=limits.decode_wait_s,
         ),
-        result_cache_bytes=int(config.result_cache_mb * (1 << 20)),
-        server_timing=config.server_timing,
-        allowed_hosts=parse_allowed_hosts(config.allowed_hosts) or default_allowed_hosts(config.host),
+        result_cache_bytes=int(limits.result_cache_mb * (1 << 20)),
+        server_timing=config.options.observability.server_timing,
+        allowed_hosts=parse_allowed_hosts(server.allowed_hosts) or default_allowed_hosts(server.host),
         processor_kwargs=dict(first.mm_processor_kwargs) or None,
         models=config.models,
         created=config.started_at,
-        batch_dir=config.batch_dir or default_batch_dir(config.port),
-        batch_dir_given=bool(config.batch_dir),
-        batch_max_in_flight=config.batch_max_in_flight,
-        loopback_url=loopback_url(config.host, config.port),
+        batch_dir=batch.batch_dir or default_batch_dir(server.port),
+        batch_dir_given=bool(batch.batch_dir),
+        batch_max_in_flight=batch.batch_max_in_flight,
+        loopback_url=loopback_url(server.host, server.port),
         image_urls=FetchPolicy(
-            allowlist=AllowList.parse(config.image_url_allowlist),
-            max_bytes=config.image_url_max_bytes,
-            timeout_s=config.image_url_timeout_s,
+            allowlist=AllowList.parse(image_urls.image_url_allowlist),
+            max_bytes=image_urls.image_url_max_bytes,
+            timeout_s=image_urls.image_url_timeout_s,
         ),
     )
 
@@ -77,42 +83,50 @@ def run_frontend(config: FrontendConfig) -> int:
     from shmgate.gateway.app import create_app
     from shmgate.gateway.video import VideoLimits, configure
 
-    configure(VideoLimits(max_seconds=config.max_video_seconds, max_frames=config.max_video_frames))
+    options = config.options
+    configure(VideoLimits(max_seconds=options.limits.max_video_seconds, max_frames=options.limits.max_video_frames))
     from shmgate.gateway.http_limits import ConnectionLimits, http_protocol
     from shmgate.gateway.sockets import bind_frontend
 
     logging.basicConfig(
-        level=config.log_level.upper(), format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s"
+        level=options.log.log_level.upper(), format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s"
     )
     # uvicorn's own fd= support wraps the descriptor as AF_UNIX, so accepted connections
     # would miss asyncio's TCP_NODELAY and keep-alive clients would hit Nagle + delayed-ACK
     # stalls of 40 ms. Wrapping it with its real family avoids that. Without an fd the frontend
     # binds a socket of its own (--listen reuseport), which uvicorn listens on after the
     # lifespan's start-up: a frontend still starting takes no connection.
-    sock = socket.socket(fileno=config.fd) if config.fd is not None else bind_frontend(config.host, config.port)
+    sock = (
+        socket.socket(fileno=config.fd)
+        if config.fd is not None
+        else bind_frontend(options.server.host, options.server.port)
+    )
     uv_config = uvicorn.Config(
         create_app(app_options(config)),
         # a bounded request head, slow clients cut, a cap on connections (gateway/http_limits.py)
         http=http_protocol(
             ConnectionLimits(
-                header_timeout_s=config.header_timeout_s,
-                body_timeout_s=config.body_timeout_s,
-                body_min_rate=config.body_min_rate,
-                max_connections=config.max_connections,
+                header_timeout_s=options.limits.header_timeout_s,
+                body_timeout_s=options.limits.body_timeout_s,
+                body_min_rate=options.limits.body_min_rate,
+                max_connections=options.limits.max_connections,
             )
         ),
-        log_level=config.log_level.lower() if config.log_level.lower() != "info" else "warning",
-        timeout_graceful_shutdown=int(config.drain_timeout_s),
-        access_log=config.access_log,
+        log_level=options.log.log_level.lower() if options.log.log_level.lower() != "info" else "warning",
+        timeout_graceful_shutdown=int(options.server.drain_timeout_s),
+        access_log=options.observability.access_log,
         lifespan="on",
     )
-    if config.access_log:  # uvicorn set its access logger to --log-level, WARNING when "info" (above)
+    if options.observability.access_log:  # uvicorn set its access logger to --log-level, WARNING when "info" (above)
         logging.getLogger("uvicorn.access").setLevel(logging.INFO)
-    if config.otlp_traces_endpoint:  # after uvicorn's logging setup: the access log gains the trace id
+    if options.tracing.otlp_traces_endpoint:  # after uvicorn's logging setup: the access log gains the trace id
         from shmgate.gateway.tracing import enable_tracing
 
         uv_config.app = enable_tracing(
-            uv_config.app, config.otlp_traces_endpoint, slot=config.slot, access_log=config.access_log
+            uv_config.app,
+            options.tracing.otlp_traces_endpoint,
+            slot=config.slot,
+            access_log=options.observability.access_log,
         )
     uvicorn.Server(uv_config).run(sockets=[sock])
     return 0

@@ -22,7 +22,7 @@ import time
 from collections.abc import Sequence
 
 from shmgate.node.checks import ConfigError, check_device
-from shmgate.node.config import GatewayConfig, ServeConfig
+from shmgate.node.config import AnyNodeConfig, GatewayConfig, ServeConfig
 from shmgate.node.models import NodeConfigError
 from shmgate.node.plan import _gpu_count, declared_models, gpu_misfits, visible_gpus
 from shmgate.shared.errors import EXIT_USAGE, SetupError
@@ -39,7 +39,7 @@ _SERVE_DESCRIPTION = (
     "also reads the SHMGATE_* variable shown with it; the flag wins."
 )
 # The commands whose flags this parser reads, and their configuration class.
-CONFIGS: dict[str, type[GatewayConfig]] = {"serve": ServeConfig, "gateway": GatewayConfig}
+CONFIGS: dict[str, type[GatewayConfig] | type[ServeConfig]] = {"serve": ServeConfig, "gateway": GatewayConfig}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_config(argv: Sequence[str]) -> GatewayConfig:
+def parse_config(argv: Sequence[str]) -> AnyNodeConfig:
     """``shmgate serve ...`` or ``shmgate gateway ...`` as its typed configuration (tests, tools)."""
     args = build_parser().parse_args(list(argv))
     return from_args(CONFIGS[args.command], args)
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         except SetupError as exc:
             log.error("%s", exc)
             return EXIT_USAGE
-    config = from_args(CONFIGS[args.command], args)
+    config: AnyNodeConfig = from_args(CONFIGS[args.command], args)
     if any(a == "--api-key" or a.startswith("--api-key=") for a in argv):
         log.warning(
             "--api-key on the command line is visible to every user of this machine (ps, /proc); "
@@ -119,18 +119,19 @@ def _machine_refusal(config: ServeConfig, models: list[ModelConfig], argv: Seque
     """Why this machine cannot run ``config`` (a GPU it lacks, models that do not fit), or None."""
     gpus = visible_gpus(os.environ, _gpu_count())
     try:
-        check_device(config.device, gpus, given=origin(argv, "--device", config.device))
+        device, config_file = config.placement.device, config.gateway.node.config
+        check_device(device, gpus, given=origin(argv, "--device", device))
         for m in models:
-            if m.device != config.device:  # its own, from the config file: the file's key is what to change
+            if m.device != device:  # its own, from the config file: the file's key is what to change
                 check_device(
                     m.device,
                     gpus,
-                    given=f"{config.config}: model {m.public_id!r}: device {m.device}",
-                    remedy=f'set device = "cpu" for this model in {config.config}',
+                    given=f"{config_file}: model {m.public_id!r}: device {m.device}",
+                    remedy=f'set device = "cpu" for this model in {config_file}',
                 )
     except ConfigError as exc:
         return str(exc)
-    misfit = [] if config.skip_gpu_fit_check else gpu_misfits(config, models)
+    misfit = [] if config.plan.skip_gpu_fit_check else gpu_misfits(config, models)
     if misfit:
         return f"{misfit[0]} (--skip-gpu-fit-check starts anyway)"
     return None

@@ -1,14 +1,15 @@
 """The configuration of ``shmgate serve`` and ``shmgate gateway``: typed options that generate their flags.
 
-Each field of an options class below is one flag, its ``SHMGATE_*`` variable and its help
-(shared/options.py ``option``); a command's configuration is the dataclass inheriting the options it
-takes, parsed once (node/cli.py) and validated when parsed (each field's ``type``, shared/flag_types.py).
-The frontends' flags are declared in gateway/config.py, the flags a worker shares with ``serve`` in
-shared/common_options.py, tracing's in shared/tracing.py; this module declares those only the
-supervisor reads (how many frontends, the arena, the queues, the workers' placement).
+Each field of an options record below is one flag, its ``SHMGATE_*`` variable, its help and its default
+(shared/options.py ``option``); a command's configuration holds the records of the components it runs
+(composition: ``GatewayConfig.frontend`` is the frontends' ``FrontendOptions``, ``ServeConfig.batching``
+the workers' ``BatchingOptions``), parsed once (node/cli.py) and validated when parsed (each field's
+``type``, shared/flag_types.py). The frontends' flags are declared in gateway/config.py, the flags a
+worker shares with ``serve`` in shared/common_options.py, tracing's in shared/tracing.py; this module
+declares those only the supervisor reads (how many frontends, the arena, the queues, the workers' placement).
 
-The supervisor hands each child its part whole (node/plan.py ``frontend_config``, ``worker_configs``),
-so adding a flag is adding a field to the options class of the process that reads it.
+The supervisor hands each child its records whole (node/plan.py ``frontend_config``, ``worker_children``),
+so adding a flag is adding a field to the options record of the component that reads it.
 """
 
 from __future__ import annotations
@@ -16,21 +17,31 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, TypeAlias
 
 from shmgate.gateway.config import FrontendOptions
 from shmgate.shared import flag_types
-from shmgate.shared.common_options import BatchingOptions, LabelOption, ModelOptions, PlacementOptions
-from shmgate.shared.options import option
-from shmgate.worker.config import DiagnosticFlags
+from shmgate.shared.common_options import (
+    BatchingOptions,
+    EngineOptions,
+    LabelOption,
+    LoadOptions,
+    ModelOptions,
+    PlacementOptions,
+)
+from shmgate.shared.options import option, part
+from shmgate.worker.diagnostics import DiagnosticOptions
 
 __all__ = [
     "DEFAULT_STALL_TIMEOUT_S",
     "HF_STALL_TIMEOUT_S",
+    "AnyNodeConfig",
     "GatewayConfig",
     "NodeOptions",
     "ServeConfig",
+    "ServeOptions",
     "WorkerPlanOptions",
+    "gateway_of",
 ]
 
 # The longest a work loop may go without progress. The embedded classifier's longest step (a
@@ -144,17 +155,21 @@ class WorkerPlanOptions:
 
 
 @dataclass(frozen=True, kw_only=True)
-class GatewayConfig(NodeOptions, LabelOption, ModelOptions, FrontendOptions):
-    """``shmgate gateway``: frontends only; workers attach from elsewhere by ``--label``. (A dataclass lists
-    its last base's fields first: the bases are in the reverse of the order --help shows them.)"""
+class GatewayConfig:
+    """``shmgate gateway``: frontends only; workers attach from elsewhere by ``--label``."""
 
+    frontend: FrontendOptions = part(FrontendOptions)
+    model: ModelOptions = part(ModelOptions)
+    label: LabelOption = part(LabelOption)
+    node: NodeOptions = part(NodeOptions)
     given: frozenset[str] = frozenset()  # the repeatable flags typed on the command line (--model, ...)
 
 
 @dataclass(frozen=True, kw_only=True)
-class ServeConfig(BatchingOptions, PlacementOptions, WorkerPlanOptions, GatewayConfig, DiagnosticFlags):
-    """``shmgate serve``: the gateway and its supervised workers."""
+class ServeOptions:
+    """What ``serve`` alone takes besides its gateway's and its workers' options."""
 
+    GROUP: ClassVar[str] = "server"
     # Slots with a partition and a reply channel but no HTTP process: a diagnostic tool (or a test
     # forging descriptors) attaches as a frontend there without stealing a real frontend's replies.
     # They take a share of the arena, so the default is none.
@@ -162,6 +177,27 @@ class ServeConfig(BatchingOptions, PlacementOptions, WorkerPlanOptions, GatewayC
         "frontend slots without a process, for tools and tests",
         default="0",
         type=flag_types.non_negative_int,
-        group="server",
         hidden=True,
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeConfig:
+    """``shmgate serve``: the gateway and its supervised workers, each worker handed the records below."""
+
+    diagnostics: DiagnosticOptions = part(DiagnosticOptions)
+    gateway: GatewayConfig = part(GatewayConfig)
+    plan: WorkerPlanOptions = part(WorkerPlanOptions)
+    placement: PlacementOptions = part(PlacementOptions)
+    batching: BatchingOptions = part(BatchingOptions)
+    engine: EngineOptions = part(EngineOptions)
+    load: LoadOptions = part(LoadOptions)
+    serve: ServeOptions = part(ServeOptions)
+
+
+AnyNodeConfig: TypeAlias = GatewayConfig | ServeConfig
+
+
+def gateway_of(config: AnyNodeConfig) -> GatewayConfig:
+    """The gateway's part of either command's configuration (``serve`` runs a gateway too)."""
+    return config.gateway if isinstance(config, ServeConfig) else config

@@ -11,18 +11,24 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 from shmgate.gateway.config import FrontendConfig
-from shmgate.node.config import DEFAULT_STALL_TIMEOUT_S, HF_STALL_TIMEOUT_S, GatewayConfig, ServeConfig
+from shmgate.node.config import (
+    DEFAULT_STALL_TIMEOUT_S,
+    HF_STALL_TIMEOUT_S,
+    AnyNodeConfig,
+    ServeConfig,
+    gateway_of,
+)
 from shmgate.node.models import NodeConfigError, from_flags, load_node_config
 from shmgate.node.placement import Placement, gpu_count, worker_placements
 from shmgate.shared.cpus import usable_cpus
 from shmgate.shared.errors import SetupError
 from shmgate.shared.model_config import GLOBAL_KEYS, ModelConfig
 from shmgate.shared.models import ModelKind, parse_model_spec
-from shmgate.shared.options import project
-from shmgate.worker.config import WorkerConfig
+from shmgate.shared.options import knob_values, with_knobs
+from shmgate.worker.config import AttachOptions, WorkerConfig
 
 __all__ = [
     "WorkerChild",
@@ -75,24 +81,27 @@ def visible_gpus(environ: Mapping[str, str], machine_gpus: int) -> list[str]:
     return [part.strip() for part in visible.split(",") if part.strip()]
 
 
-def declared_models(config: GatewayConfig) -> list[ModelConfig]:
+def declared_models(config: AnyNodeConfig) -> list[ModelConfig]:
     """The models ``serve`` / ``gateway`` serve, each with the global options filled in where it sets
     nothing: from ``--config`` (a TOML file, node/models.py) or the ``--model`` flags.
 
     Raises NodeConfigError (one line naming the model and the key) for what can be checked before
     anything starts: the spec, the checkpoint directory, the extra the model needs, repeated ids.
     """
-    if config.config:
-        if "model" in config.given:
-            raise NodeConfigError(f"--config {config.config} and --model both declare models; use one of them")
-        if "served_model_name" in config.given:
+    gateway = gateway_of(config)
+    config_file, given = gateway.node.config, gateway.given
+    if config_file:
+        if "model" in given:
+            raise NodeConfigError(f"--config {config_file} and --model both declare models; use one of them")
+        if "served_model_name" in given:
             raise NodeConfigError(
-                f"--served-model-name with --config {config.config}: give each model's served_model_name in the file"
+                f"--served-model-name with --config {config_file}: give each model's served_model_name in the file"
             )
-        configs = load_node_config(config.config)
+        configs = load_node_config(config_file)
     else:
-        configs = from_flags(config.model, config.served_model_name)
-    return [model.with_globals(config, alone=len(configs) == 1) for model in configs]
+        configs = from_flags(gateway.model.model, gateway.model.served_model_name)
+    flags = knob_values(config)
+    return [model.with_globals(flags, alone=len(configs) == 1) for model in configs]
 
 
 def _default_cpu_workers(model: str, cores: int) -> int:
@@ -137,7 +146,7 @@ def model_plans(models: list[ModelConfig]) -> list[tuple[ModelConfig, list[Place
 
 def worker_threads(config: ServeConfig, n_workers: int) -> int:
     """Torch threads per worker: the flag, else the usable CPUs shared among the workers."""
-    return int(config.threads or max(1, usable_cpus() // max(1, n_workers)))
+    return int(config.placement.threads or max(1, usable_cpus() // max(1, n_workers)))
 
 
 def gpu_misfits(
@@ -178,7 +187,7 @@ def _max_pixels(kwargs: Mapping[str, object]) -> int | None:
 
 
 def frontend_config(
-    config: GatewayConfig,
+    config: AnyNodeConfig,
     models: list[ModelConfig],
     instance_id: str,
     slot: int,
@@ -186,16 +195,16 @@ def frontend_config(
     *,
     started_at: int = 0,
 ) -> FrontendConfig:
-    """Frontend ``slot``'s whole configuration: every frontend option of ``config`` (the fields
-    gateway/config.py declares, nothing else), the resolved models, and ``--allowed-hosts`` decided
-    once for ``--host``. ``fd``: the shared listening socket; None, the frontend binds its own."""
+    """Frontend ``slot``'s whole configuration: the frontend options of ``config`` (gateway/config.py
+    ``FrontendOptions``, nothing else), the resolved models, and ``--allowed-hosts`` decided once for
+    ``--host``. ``fd``: the shared listening socket; None, the frontend binds its own."""
     from shmgate.gateway.guards import default_allowed_hosts
 
-    allowed = config.allowed_hosts or ",".join(default_allowed_hosts(config.host))
-    return project(
-        FrontendConfig,
-        config,
-        allowed_hosts=allowed,
+    frontend = gateway_of(config).frontend
+    server = frontend.server
+    allowed = server.allowed_hosts or ",".join(default_allowed_hosts(server.host))
+    return FrontendConfig(
+        options=replace(frontend, server=replace(server, allowed_hosts=allowed)),
         instance_id=instance_id,
         slot=slot,
         fd=fd,
@@ -206,9 +215,7 @@ def frontend_config(
 
 # A model's own settings (a --config file's keys, else the flags') that a worker reads: the device is
 # set per placement below.
-_PER_MODEL_WORKER_KEYS = tuple(
-    key for key in GLOBAL_KEYS if key in {f.name for f in fields(WorkerConfig)} and key != "device"
-)
+_PER_MODEL_WORKER_KEYS = tuple(key for key in GLOBAL_KEYS if key in knob_values(WorkerConfig()) and key != "device")
 
 
 @dataclass(frozen=True)
@@ -223,19 +230,36 @@ class WorkerChild:
 def worker_children(
     config: ServeConfig, plans: list[tuple[ModelConfig, list[Placement]]], instance_id: str
 ) -> list[WorkerChild]:
-    """Every worker of every model: the serve options a worker reads, with each model's own batching and
-    each placement's device, and one GPU visible to each CUDA worker."""
+    """Every worker of every model: the records of serve's options a worker reads, with each model's own
+    batching and each placement's device, and one GPU visible to each CUDA worker."""
     threads = worker_threads(config, sum(len(placements) for _, placements in plans))
-    base = project(WorkerConfig, config, instance=instance_id, threads=threads)
+    gateway = config.gateway
+    base = WorkerConfig(
+        model=gateway.model,
+        placement=replace(config.placement, threads=threads),
+        batching=config.batching,
+        engine=config.engine,
+        load=config.load,
+        label=gateway.label,
+        attach=AttachOptions(instance=instance_id),
+        log=gateway.frontend.log,
+        diagnostics=config.diagnostics,
+        tracing=gateway.frontend.tracing,
+    )
     children = []
     for model, placements in plans:
         own = replace(
-            base,
-            model=(model.model,),
-            served_model_name=(model.served_model_name,) if model.served_model_name else (),
-            **{key: value for key in _PER_MODEL_WORKER_KEYS if (value := getattr(model, key)) is not None},
+            with_knobs(
+                base, {key: value for key in _PER_MODEL_WORKER_KEYS if (value := getattr(model, key)) is not None}
+            ),
+            model=replace(
+                base.model,
+                model=(model.model,),
+                served_model_name=(model.served_model_name,) if model.served_model_name else (),
+            ),
         )
         for placement in placements:
             env = {} if placement.visible is None else {"CUDA_VISIBLE_DEVICES": placement.visible}
-            children.append(WorkerChild(replace(own, device=placement.device), env, model.public_id))
+            config_here = replace(own, placement=replace(own.placement, device=placement.device))
+            children.append(WorkerChild(config_here, env, model.public_id))
     return children

@@ -16,7 +16,7 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from shmgate.node.config import GatewayConfig, ServeConfig
+from shmgate.node.config import AnyNodeConfig, ServeConfig, gateway_of
 from shmgate.node.listen import bind_supervisor
 from shmgate.node.plan import frontend_config, model_plans, stall_timeout_for, worker_children, worker_threads
 from shmgate.shared.cpus import usable_cpus
@@ -46,7 +46,7 @@ def _worker_slots(asked: int, n_workers: int, *, with_workers: bool) -> int:
     return asked or 16
 
 
-def run_supervised(config: GatewayConfig, models: list[ModelConfig], *, started_at: float) -> int:
+def run_supervised(config: AnyNodeConfig, models: list[ModelConfig], *, started_at: float) -> int:
     """Serve until stopped: frontends for ``models``, and their workers when ``config`` is a ServeConfig."""
     from shmgate.node.startup_log import ServingLog, shm_free_bytes, summary_lines
     from shmgate.shared.instance import Instance, ModelQueue, cleanup_leftovers
@@ -58,27 +58,29 @@ def run_supervised(config: GatewayConfig, models: list[ModelConfig], *, started_
     removed = cleanup_leftovers()
     if removed:
         log.warning("removed leftovers of %d dead instance(s)", len(removed))
-    n_frontends = config.frontends or usable_cpus()
+    gateway = gateway_of(config)
+    node, server = gateway.node, gateway.frontend.server
+    n_frontends = node.frontends or usable_cpus()
     n_workers = sum(len(placements) for _, placements in plans)
-    n_worker_slots = _worker_slots(config.max_workers, n_workers, with_workers=with_workers)
+    n_worker_slots = _worker_slots(node.max_workers, n_workers, with_workers=with_workers)
     # reuseport: bound, not listening; the frontends listen on sockets of their own (node/listen.py)
-    sock, listen = bind_supervisor(config.host, config.port, config.listen)
+    sock, listen = bind_supervisor(server.host, server.port, server.listen)
     port = sock.getsockname()[1]  # the kernel's choice for --port 0
     shared_fd = sock.fileno() if listen == "shared" else None
     instance = Instance.create(
-        arena_size=config.arena_size,
-        n_frontends=n_frontends + (config.spare_frontend_slots if isinstance(config, ServeConfig) else 0),
+        arena_size=node.arena_size,
+        n_frontends=n_frontends + (config.serve.spare_frontend_slots if isinstance(config, ServeConfig) else 0),
         n_workers=n_worker_slots,
-        label=config.label,
-        queue_depth=config.queue_depth,
-        stall_timeout_s=stall_timeout_for(models[0].model, config.stall_timeout_s),
+        label=gateway.label.label,
+        queue_depth=node.queue_depth,
+        stall_timeout_s=stall_timeout_for(models[0].model, node.stall_timeout_s),
         models=[
-            ModelQueue(m.public_id, m.queue_depth or config.queue_depth, stall_timeout_for(m.model, m.stall_timeout_s))
+            ModelQueue(m.public_id, m.queue_depth or node.queue_depth, stall_timeout_for(m.model, m.stall_timeout_s))
             for m in models
         ],
     )
     instance_id = instance.names.instance_id
-    bound = replace(config, port=port, listen=listen)
+    bound = replace(gateway, frontend=replace(gateway.frontend, server=replace(server, port=port, listen=listen)))
     started = int(time.time())  # /v1/models's "created" for every model, from every frontend
     frontends = [
         ChildProcess(
@@ -100,7 +102,7 @@ def run_supervised(config: GatewayConfig, models: list[ModelConfig], *, started_
         ChildProcess(
             "worker",
             i,
-            [sys.executable, "-m", "shmgate.worker", *_title("--model", child.config.model[0])],
+            [sys.executable, "-m", "shmgate.worker", *_title("--model", child.config.model.model[0])],
             child_env({**child.env, CHILD_CONFIG_ENV: encode(child.config)}),
             model=child.model,
         )
@@ -108,7 +110,7 @@ def run_supervised(config: GatewayConfig, models: list[ModelConfig], *, started_
             worker_children(config, plans, instance_id) if isinstance(config, ServeConfig) else []
         )
     ]
-    url = f"http://{f'[{config.host}]' if ':' in config.host else config.host}:{port}"
+    url = f"http://{f'[{server.host}]' if ':' in server.host else server.host}:{port}"
     for line in summary_lines(summary(config, models, instance_id, url, n_frontends), shm_free_bytes()):
         log.info("%s", line)
     request_queues = [instance.request_queue(i) for i in range(len(models))]
@@ -122,14 +124,14 @@ def run_supervised(config: GatewayConfig, models: list[ModelConfig], *, started_
         instance_id=instance_id,
         url=url,
         started_at=started_at,
-        stats_interval_s=config.log_stats_interval_s,
+        stats_interval_s=node.log_stats_interval_s,
     )
     try:
         supervisor = Supervisor.for_instance(
-            instance, frontends, workers, drain_timeout_s=config.drain_timeout_s, on_tick=serving_log.tick
+            instance, frontends, workers, drain_timeout_s=server.drain_timeout_s, on_tick=serving_log.tick
         )
         if len(models) > 1 and isinstance(config, ServeConfig):  # a model that keeps dying is failed
-            supervisor.restart_budget = config.restart_budget
+            supervisor.restart_budget = config.plan.restart_budget
             supervisor.on_model_failed = functools.partial(_mark_failed, instance)
         return supervisor.run()
     finally:
@@ -153,10 +155,11 @@ def _mark_failed(instance: Instance, model: str) -> None:
         instance.segment.mark_model(index, ModelState.FAILED)
 
 
-def summary(config: GatewayConfig, models: list[ModelConfig], instance_id: str, url: str, n_frontends: int) -> Summary:
+def summary(config: AnyNodeConfig, models: list[ModelConfig], instance_id: str, url: str, n_frontends: int) -> Summary:
     """The startup summary's facts, from the same plan the workers are started with."""
     from shmgate.node.startup_log import Summary, plural
 
+    gateway = gateway_of(config)
     spec = parse_model_spec(models[0].model)
     hf = spec.kind in (ModelKind.HF_CHAT, ModelKind.HF_EMBED)
     model_id = models[0].public_id
@@ -173,21 +176,23 @@ def summary(config: GatewayConfig, models: list[ModelConfig], instance_id: str, 
         workers = f"{plural(len(placements), 'worker')} on {where}"
         workers += f", {plural(threads, 'torch thread')} each" if cpu else ""
         dtype = (
-            (("float32" if cpu else "bfloat16") if config.dtype == "auto" else config.dtype) if hf else "the model's"
+            (("float32" if cpu else "bfloat16") if config.load.dtype == "auto" else config.load.dtype)
+            if hf
+            else "the model's"
         )
     else:
-        workers, dtype = f"workers attach by label {config.label!r} (shmgate worker)", "chosen by each worker"
+        workers, dtype = f"workers attach by label {gateway.label.label!r} (shmgate worker)", "chosen by each worker"
     return Summary(
         version=version(),
         instance_id=instance_id,
-        label=config.label,
+        label=gateway.label.label,
         model_id=model_id,
         model_spec=model_spec,
         url=url,
         n_frontends=n_frontends,
         workers=workers,
         dtype=dtype,
-        arena_bytes=config.arena_size,
-        auth=bool(config.api_key),
-        traces=config.otlp_traces_endpoint or "",
+        arena_bytes=gateway.node.arena_size,
+        auth=bool(gateway.frontend.server.api_key),
+        traces=gateway.frontend.tracing.otlp_traces_endpoint or "",
     )

@@ -1,7 +1,11 @@
-"""The options more than one command takes: ``shmgate serve``/``gateway`` and ``shmgate worker`` (``python -m
-worker``) both read them, and gateway/, worker/ and node/ all import shared/, so they are declared here, once.
+"""The options records more than one command takes: ``shmgate serve``/``gateway`` and ``shmgate worker``
+(``python -m shmgate.worker``) both hold them, and gateway/, worker/ and node/ all import shared/, so they are
+declared here, once.
 
-Each field is a flag, its ``SHMGATE_*`` variable and its help (shared/options.py ``option``).
+Each field is a flag, its ``SHMGATE_*`` variable, its help and its one default (shared/options.py
+``option``); each record is what one part of a worker reads, handed to it whole: ``BatchingOptions`` the
+batcher's, ``LoadOptions`` the backend loader's (worker/backends/__init__.py ``load_backend``),
+``EngineOptions`` the generation engine's (worker/backends/hf.py).
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ __all__ = [
     "BATCH_POLICIES",
     "DTYPES",
     "BatchingOptions",
+    "EngineOptions",
     "LabelOption",
+    "LoadOptions",
     "LogOptions",
     "ModelOptions",
     "PlacementOptions",
@@ -76,7 +82,7 @@ class PlacementOptions:
 
 @dataclass(frozen=True, kw_only=True)
 class BatchingOptions:
-    """The worker's batching and model flags, the same in ``serve`` and in ``worker``."""
+    """How a worker takes requests into batches (worker/batcher.py), the same in ``serve`` and in ``worker``."""
 
     GROUP: ClassVar[str] = "workers and batching"
     max_batch_size: int = option(
@@ -100,6 +106,13 @@ class BatchingOptions:
         type=flag_types.choice(*BATCH_POLICIES),
         metavar="{" + ",".join(BATCH_POLICIES) + "}",
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineOptions:
+    """The generation engine's budgets and caches (``hf:`` chat models: worker/backends/hf.py)."""
+
+    GROUP: ClassVar[str] = "workers and batching"
     max_num_batched_tokens: int = option(
         "hf: models: tokens one engine step runs (each decoding row's one, then waiting prompts' "
         "tokens; a longer Qwen2-VL prompt is prefilled in chunks of this)",
@@ -131,6 +144,13 @@ class BatchingOptions:
         default="0",
         type=flag_types.non_negative_float,
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadOptions:
+    """How a worker loads its model (worker/backends/__init__.py ``load_backend``)."""
+
+    GROUP: ClassVar[str] = "workers and batching"
     dtype: str = option(
         "weights of hf: models (auto: bfloat16 on CUDA, float32 on CPU)",
         default="auto",

@@ -24,6 +24,7 @@ import posix_ipc
 
 from shmgate.shared.cache_index import CacheIndex
 from shmgate.shared.channels import Queue, create_queue, open_queue, system_queue_depth, unlink_queue
+from shmgate.shared.common_options import LabelOption
 from shmgate.shared.errors import SetupError
 from shmgate.shared.locks import HolderKind, Identity, SharedLock
 from shmgate.shared.mq_budget import QueueSpec, message_queue_budget, plan_queue_depths
@@ -62,6 +63,7 @@ __all__ = [
 log = logging.getLogger("shmgate.instance")
 
 CONTROL_QUEUE_DEPTH = 8  # cancels for one worker: best effort, a full queue means a busy worker
+DEFAULT_LABEL = LabelOption().label  # the label a gateway publishes under when not given one (--label)
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,7 @@ class Instance:
         arena_size: int,
         n_frontends: int,
         n_workers: int,
-        label: str = "default",
+        label: str = DEFAULT_LABEL,
         queue_depth: int = 64,
         index_capacity: int = 0,  # 0: sized from the arena (shared/segment.py index_capacity_for)
         instance_id: str | None = None,
@@ -362,7 +364,7 @@ def _alive(state: int, pid: int, pidns: int, beat_ns: int, dead_after_s: float) 
     return now_ns() - beat_ns <= int(dead_after_s * 1e9)
 
 
-def find_instance(label: str = "default", *, wait_s: float = 0.0) -> str:
+def find_instance(label: str = DEFAULT_LABEL, *, wait_s: float = 0.0) -> str:
     """The id of the newest live instance published under ``label``. Raises SetupError.
 
     Waits up to ``wait_s`` for one to appear (a worker container starting before the gateway).

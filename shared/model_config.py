@@ -8,6 +8,7 @@ their configuration (gateway/config.py ``FrontendConfig.models``) and never read
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -49,17 +50,18 @@ class ModelConfig:
     arena_share: float | None = None  # the part of each frontend's arena partition this model keeps (0..1]
     mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)
 
-    def with_globals(self, args: object, *, alone: bool = True) -> ModelConfig:
-        """This model with every unset key taken from the global options in ``args`` (node/config.py
-        ``GatewayConfig`` or ``ServeConfig``). ``alone``: the only
-        model (a global --mm-processor-kwargs then applies to it, and is refused where it cannot)."""
+    def with_globals(self, flags: Mapping[str, Any], *, alone: bool = True) -> ModelConfig:
+        """This model with every unset key taken from the global options ``flags`` (by knob name:
+        shared/options.py ``knob_values`` of node/config.py's ``GatewayConfig`` or ``ServeConfig``; a knob
+        the command has not is None). ``alone``: the only model (a global --mm-processor-kwargs then
+        applies to it, and is refused where it cannot)."""
 
         def pick(key: str) -> Any:
             own = getattr(self, key)
-            return own if own is not None else getattr(args, key, None)
+            return own if own is not None else flags.get(key)
 
         kwargs = self.mm_processor_kwargs
         if not kwargs and (alone or parse_model_spec(self.model).kind in (ModelKind.HF_CHAT, ModelKind.CHECKSUM_HF)):
             # with several models, the global --mm-processor-kwargs reaches those with an HF image processor
-            kwargs = json.loads(getattr(args, "mm_processor_kwargs", "{}") or "{}")
+            kwargs = json.loads(flags.get("mm_processor_kwargs") or "{}")
         return replace(self, **{key: pick(key) for key in GLOBAL_KEYS}, mm_processor_kwargs=kwargs)

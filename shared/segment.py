@@ -305,7 +305,7 @@ class Segment:
         n_frontends: int,
         n_workers: int,
         index_capacity: int = 0,
-        label: str = "default",
+        label: str,
         stall_timeout_s: float = 0.0,
         shm_name: str | None = None,
     ) -> Segment:

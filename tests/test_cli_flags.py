@@ -6,13 +6,13 @@ child gets its configuration whole, as the supervisor parsed it."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib.metadata
 import os
 import re
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -22,7 +22,7 @@ from shmgate.node import plan
 from shmgate.node.checks import ConfigError, check_device, torch_cuda_build
 from shmgate.node.cli import build_parser, main, parse_config
 from shmgate.node.config import ServeConfig
-from shmgate.shared.options import decode, encode
+from shmgate.shared.options import decode, encode, knob_values
 from shmgate.worker.__main__ import build_parser as worker_parser
 from shmgate.worker.__main__ import parse_args as worker_args
 from shmgate.worker.config import WorkerConfig
@@ -299,15 +299,15 @@ def test_a_frontend_child_gets_the_supervisor_s_values_whole(monkeypatch: pytest
     )
     models = plan.declared_models(parent)
     child = decode(FrontendConfig, encode(plan.frontend_config(parent, models, "abc", 2, 7)))
-    assert (child.instance_id, child.slot, child.fd, child.api_key) == ("abc", 2, 7, "secret-key")
+    assert (child.instance_id, child.slot, child.fd, child.options.server.api_key) == ("abc", 2, 7, "secret-key")
     assert [m.public_id for m in child.models] == ["efficientnet-lite0"]
-    shared = {f.name for f in dataclasses.fields(FrontendConfig)} & {f.name for f in dataclasses.fields(ServeConfig)}
-    assert {"max_images", "allow_image_urls", "metrics_need_key", "image_url_max_bytes", "access_log"} <= shared
-    assert "allowed_hosts" in shared  # decided once by the supervisor for --host
-    assert {d: getattr(child, d) for d in shared - {"allowed_hosts"}} == {
-        d: getattr(parent, d) for d in shared - {"allowed_hosts"}
-    }
-    assert not hasattr(child, "arena_size") and not hasattr(child, "frontends"), "the supervisor's own options"
+    assert isinstance(parent, ServeConfig)
+    frontend = knob_values(child.options)
+    assert {"max_images", "allow_image_urls", "metrics_need_key", "image_url_max_bytes", "access_log"} <= set(frontend)
+    assert child.options.limits.max_images == 3 and child.options.limits.result_cache_mb == 1.5
+    assert child.options.server.allowed_hosts, "decided once by the supervisor for --host"
+    assert replace(child.options, server=parent.gateway.frontend.server) == parent.gateway.frontend
+    assert not {"arena_size", "frontends", "label", "max_batch_size"} & set(frontend), "other components' options"
 
 
 def test_serve_s_worker_children_get_its_batching_flags() -> None:
@@ -331,8 +331,14 @@ def test_serve_s_worker_children_get_its_batching_flags() -> None:
     assert isinstance(parent, ServeConfig)
     [worker] = plan.worker_children(parent, plan.model_plans(plan.declared_models(parent)), "abc")
     child = decode(WorkerConfig, encode(worker.config))
-    assert child.instance == "abc" and child.model == ("efficientnet-lite0",) and child.device == "cpu"
-    assert (child.max_batch_size, child.max_batch_wait_ms, child.dtype, child.compile_normalise) == (
+    assert child.attach.instance == "abc" and child.model.model == ("efficientnet-lite0",)
+    assert child.placement.device == "cpu"
+    assert (
+        child.batching.max_batch_size,
+        child.batching.max_batch_wait_ms,
+        child.load.dtype,
+        child.load.compile_normalise,
+    ) == (
         3,
         2.5,
         "float32",

@@ -57,7 +57,7 @@ def _serve_workers(
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     config = _serve(["--model", "efficientnet-lite0", *flags])
     children = plan.worker_children(config, plan.model_plans(plan.declared_models(config)), "0123456789abcdef")
-    return [(child.config.device or "", child.env.get("CUDA_VISIBLE_DEVICES")) for child in children]
+    return [(child.config.placement.device or "", child.env.get("CUDA_VISIBLE_DEVICES")) for child in children]
 
 
 def test_each_cuda_worker_sees_exactly_its_own_gpu_and_each_gpu_gets_workers_per_gpu(

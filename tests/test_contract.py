@@ -173,7 +173,7 @@ def test_the_supervisor_hands_its_frontends_the_host_default_for_its_own_listen_
     ]:
         parent = parse_config(["serve", *flags])
         child = frontend_config(parent, declared_models(parent), "abc", 0, 3)
-        assert child.allowed_hosts == want, flags
+        assert child.options.server.allowed_hosts == want, flags
 
 
 # -- the real server ----------------------------------------------------------------------------------------

@@ -248,13 +248,15 @@ def test_an_image_bigger_than_the_whole_budget_is_a_413(budget_server: Server) -
 
 def test_the_budget_flags_read_their_variables_and_reach_the_frontends(monkeypatch: pytest.MonkeyPatch) -> None:
     from shmgate.node.cli import parse_config
+    from shmgate.node.config import gateway_of
     from shmgate.node.plan import declared_models, frontend_config
 
     monkeypatch.setenv("SHMGATE_DECODE_MEMORY_MB", "64")
     monkeypatch.setenv("SHMGATE_DECODE_WAIT_S", "0.5")
     config = parse_config(["serve"])
-    assert config.decode_memory_mb == 64 and config.decode_wait_s == 0.5
-    child = frontend_config(config, declared_models(config), "0" * 16, 0, 3)
+    limits = gateway_of(config).frontend.limits
+    assert limits.decode_memory_mb == 64 and limits.decode_wait_s == 0.5
+    child = frontend_config(config, declared_models(config), "0" * 16, 0, 3).options.limits
     assert (child.decode_memory_mb, child.decode_wait_s) == (64, 0.5)
 
 

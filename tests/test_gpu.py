@@ -33,6 +33,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 from shmgate.gateway.preprocess.vision import EfficientNetPreprocessor  # noqa: E402
 from shmgate.shared.arena import Partition  # noqa: E402
+from shmgate.shared.common_options import BatchingOptions  # noqa: E402
 from shmgate.shared.instance import Instance  # noqa: E402
 from shmgate.shared.wire import INLINE_TENSOR, Delta, Failed, Finished, Submit, TensorRef  # noqa: E402
 from shmgate.worker.backends.base import ModelBackend, WorkItem  # noqa: E402
@@ -225,7 +226,12 @@ def test_an_answer_does_not_depend_on_the_batch_it_lands_in() -> None:
 def test_a_cuda_worker_classifies_the_photos_through_its_pipeline(instance: Instance) -> None:
     """Copy stream -> event -> compute stream, with the prefetch thread: the stream-race check's subject."""
     worker = Worker(
-        instance, WorkerOptions(model="efficientnet-lite0", device="cuda", max_batch_size=4, max_batch_wait_ms=2)
+        instance,
+        WorkerOptions(
+            model="efficientnet-lite0",
+            device="cuda",
+            batching=BatchingOptions(max_batch_size=4, max_batch_wait_ms=2),
+        ),
     )
     assert worker.device == torch.device("cuda", 0) and worker.copier.pinned
     thread = threading.Thread(target=worker.run, daemon=True)

@@ -462,16 +462,17 @@ def test_greedy_stream_equals_transformers_generate(pre: HFPreprocessor, backend
 
 
 def test_dtype_flag_picks_the_weights_dtype(pre: HFPreprocessor, model_dir: Path) -> None:
+    from shmgate.shared.common_options import LoadOptions
     from shmgate.worker.backends import load_backend
 
-    half = load_backend(f"hf:{model_dir}", torch.device("cpu"), dtype="bfloat16")
+    half = load_backend(f"hf:{model_dir}", torch.device("cpu"), load=LoadOptions(dtype="bfloat16"))
     assert {p.dtype for p in half.model.parameters()} == {torch.bfloat16}
     item = work_item(pre, "Hi", [SQUARE], SamplingParams(max_tokens=3, temperature=0.0))
     _, finish = answer(list(half.run([item])))
     assert (finish.finish_reason, finish.completion_tokens) == ("length", 3)
     assert load_backend(f"hf:{model_dir}", torch.device("cpu")).model.dtype == torch.float32  # auto on CPU
     with pytest.raises(ValueError, match="unknown dtype"):
-        load_backend(f"hf:{model_dir}", torch.device("cpu"), dtype="int8")
+        load_backend(f"hf:{model_dir}", torch.device("cpu"), load=LoadOptions(dtype="int8"))
 
 
 # -- host syncs and loading (the GPU path's costs, counted on CPU) --------------------------------------

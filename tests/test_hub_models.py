@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from shmgate.node.cli import build_parser, parse_config
+from shmgate.node.config import gateway_of
 from shmgate.node.plan import declared_models
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -33,7 +34,7 @@ def test_a_cached_hub_id_is_served_from_its_snapshot_under_its_own_id(
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the cache alone: no download is tried
     config = parse_config(["serve", "--model", "team/tiny-vlm"])
-    assert config.model == (f"hf:{snapshot}",)
+    assert gateway_of(config).model.model == (f"hf:{snapshot}",)
     [model] = declared_models(config)
     assert model.public_id == "team/tiny-vlm"  # what clients send: the id, not the commit directory
 

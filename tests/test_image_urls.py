@@ -306,7 +306,7 @@ def test_env_settings_reach_the_frontend_configuration(monkeypatch: pytest.Monke
         "SHMGATE_IMAGE_URL_TIMEOUT_S",
     ):
         monkeypatch.delenv(name)  # the frontend must get them from its configuration alone
-    frontend = decode(FrontendConfig, text)
+    frontend = decode(FrontendConfig, text).options.image_urls
     assert frontend.allow_image_urls is True
     assert AllowList.parse(frontend.image_url_allowlist) == AllowList.parse("images.internal,10.0.0.0/8")
     assert (frontend.image_url_max_bytes, frontend.image_url_timeout_s) == (3 << 20, 2.5)

@@ -17,6 +17,7 @@ from shmgate.gateway.frontend import Frontend, FrontendLimits
 from shmgate.gateway.intake import IntakeLimits, parse_chat_request
 from shmgate.gateway.preprocess.vision import ChecksumPreprocessor
 from shmgate.gateway.request_state import Phase
+from shmgate.shared.common_options import BatchingOptions
 from shmgate.shared.transport.memory import MemoryFrontendLink, MemoryNode, MemoryWorkerLink
 from shmgate.shared.wire import Delta, Failed, Finished
 from shmgate.worker.main import Worker, WorkerOptions
@@ -45,7 +46,10 @@ async def _answer(frontend: Frontend, image: bytes) -> str:
 
 def test_a_frontend_and_a_worker_in_one_process_serve_requests_through_the_in_memory_arena() -> None:
     node = MemoryNode()
-    worker = Worker(MemoryWorkerLink(node), WorkerOptions(model="checksum", max_batch_size=4, max_batch_wait_ms=1))
+    worker = Worker(
+        MemoryWorkerLink(node),
+        WorkerOptions(model="checksum", batching=BatchingOptions(max_batch_size=4, max_batch_wait_ms=1)),
+    )
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
     images = [noise_png(300 + i) for i in range(6)] + [noise_png(300)]  # the last one: a cache hit

@@ -145,10 +145,11 @@ def test_without_so_reuseport_the_frontends_share_one_socket(
 def test_a_frontend_of_reuseport_gets_the_port_and_no_descriptor() -> None:
     parent = parse_config(["serve", "--listen", "reuseport", "--host", "::1", "--port", "9010"])
     child = frontend_config(parent, declared_models(parent), "abc", 1, None)
-    assert (child.fd, child.host, child.port, child.listen) == (None, "::1", 9010, "reuseport")
+    server = child.options.server
+    assert (child.fd, server.host, server.port, server.listen) == (None, "::1", 9010, "reuseport")
     default = parse_config(["serve"])
     shared = frontend_config(default, declared_models(default), "abc", 1, 3)
-    assert (shared.fd, shared.listen) == (3, "shared")
+    assert (shared.fd, shared.options.server.listen) == (3, "shared")
 
 
 def test_the_listen_mode_reads_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -465,9 +465,9 @@ def test_the_config_file_also_comes_from_shmgate_config_and_fills_in_the_global_
     models = declared_models(args)
     assert [(m.public_id, m.workers, m.max_batch_size) for m in models] == [("checksum", 2, 3), ("classifier", 0, 5)]
     children = [child.config for child in worker_children(args, model_plans(models), "0123456789abcdef")]
-    assert [c.model for c in children] == [("checksum",), ("checksum",), ("efficientnet-lite0",)]
-    assert [c.max_batch_size for c in children] == [3, 3, 5]
-    assert children[2].served_model_name == ("classifier",)
+    assert [c.model.model for c in children] == [("checksum",), ("checksum",), ("efficientnet-lite0",)]
+    assert [c.batching.max_batch_size for c in children] == [3, 3, 5]
+    assert children[2].model.served_model_name == ("classifier",)
 
 
 def test_model_flags_and_a_config_file_do_not_mix_and_served_names_pair_with_models(tmp_path: Path) -> None:
@@ -540,11 +540,9 @@ def test_a_model_whose_workers_die_beyond_the_budget_is_failed_and_the_other_kee
 
 
 def test_a_global_processor_option_reaches_only_the_models_with_an_hf_processor(tmp_path: Path) -> None:
-    import argparse
-
     from shmgate.shared.model_config import ModelConfig
 
-    flags = argparse.Namespace(mm_processor_kwargs='{"max_pixels": 200704}')
+    flags = {"mm_processor_kwargs": '{"max_pixels": 200704}'}
     classifier, vlm = ModelConfig("efficientnet-lite0"), ModelConfig(f"hf:{tmp_path}/qwen")
     assert classifier.with_globals(flags, alone=False).mm_processor_kwargs == {}
     assert vlm.with_globals(flags, alone=False).mm_processor_kwargs == {"max_pixels": 200704}

@@ -27,6 +27,7 @@ import pytest
 
 from shmgate.shared.arena import Allocation, Partition
 from shmgate.shared.channels import Queue
+from shmgate.shared.common_options import BatchingOptions
 from shmgate.shared.instance import Instance
 from shmgate.shared.wire import (
     INLINE_TENSOR,
@@ -142,7 +143,9 @@ def rig(request: pytest.FixtureRequest) -> Iterator[Rig]:
     _, heartbeat = claim_frontend(inst, 0)
     backend = GatedChecksum()
     size, policy = getattr(request, "param", (1, "held"))
-    options = WorkerOptions(model="checksum", max_batch_size=size, max_batch_wait_ms=0, batch_policy=policy)
+    options = WorkerOptions(
+        model="checksum", batching=BatchingOptions(max_batch_size=size, max_batch_wait_ms=0, batch_policy=policy)
+    )
     worker = Worker(inst, options, backend=backend)
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()

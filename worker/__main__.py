@@ -27,9 +27,8 @@ import sys  # noqa: E402
 from shmgate.shared.errors import EXIT_USAGE  # noqa: E402
 from shmgate.shared.flags import ShmgateParser, origin, version  # noqa: E402
 from shmgate.shared.options import add_options, child_config, from_args  # noqa: E402
-from shmgate.worker.config import WorkerConfig  # noqa: E402
-from shmgate.worker.diagnostics import DiagnosticOptions  # noqa: E402
-from shmgate.worker.main import WorkerOptions, run_worker  # noqa: E402
+from shmgate.worker.config import WorkerConfig, worker_options  # noqa: E402
+from shmgate.worker.main import run_worker  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,8 +71,9 @@ def main(argv: list[str] | None = None) -> int:
             print("shmgate worker: error: --model given more than once; a worker serves one model", file=sys.stderr)
             return EXIT_USAGE
         config = from_args(WorkerConfig, args)
-    if config.device and config.device.startswith("cuda"):
-        problem = cuda_problem(config.device, origin(argv, "--device", config.device))
+    device = config.placement.device
+    if device and device.startswith("cuda"):
+        problem = cuda_problem(device, origin(argv, "--device", device))
         if problem:
             print(f"shmgate worker: error: {problem}", file=sys.stderr)
             return EXIT_USAGE
@@ -82,48 +82,25 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(config: WorkerConfig) -> int:
     logging.basicConfig(
-        level=config.log_level.upper(), format="%(asctime)s worker[%(process)d] %(levelname)s %(message)s"
+        level=config.log.log_level.upper(), format="%(asctime)s worker[%(process)d] %(levelname)s %(message)s"
     )
-    device = config.device
+    device = config.placement.device
     if not device:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    threads = config.threads
+    threads = config.placement.threads
     if not threads and device.startswith("cpu"):
         from shmgate.shared.cpus import usable_cpus
 
         threads = usable_cpus()  # torch's own default is the node's cores, not the container's limit
-    options = WorkerOptions(
-        model=config.model[0],
-        device=device,
-        max_batch_size=config.max_batch_size,
-        max_batch_wait_ms=config.max_batch_wait_ms,
-        batch_policy=config.batch_policy,
-        threads=threads or None,
-        dtype=config.dtype,
-        compile_normalise=config.compile_normalise,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        kv_cache_tokens=config.kv_cache_tokens,
-        encoder_cache_mb=config.encoder_cache_mb,
-        prefix_cache_mb=config.prefix_cache_mb,
-        encoder_share_mb=config.encoder_share_mb,
-        follow_drain_s=config.follow_drain_s,
-        served_model_name=config.served_model_name[0] if config.served_model_name else "",
-        otlp_traces_endpoint=config.otlp_traces_endpoint or "",
-    )
     return run_worker(
-        options=options,
-        instance_id=config.instance,
-        label=config.label,
-        attach_wait_s=config.attach_wait_s,
-        diagnostics=diagnostics_from(config),
+        options=worker_options(config, device=device, threads=threads or None),
+        instance_id=config.attach.instance,
+        label=config.label.label,
+        attach_wait_s=config.attach.attach_wait_s,
+        diagnostics=config.diagnostics,
     )
-
-
-def diagnostics_from(config: WorkerConfig | argparse.Namespace) -> DiagnosticOptions:
-    """The ``--diag-*`` flags: kept off ``WorkerOptions``, which says only what production uses."""
-    return DiagnosticOptions(batch_delay_ms=config.diag_batch_delay_ms, claim_delay_ms=config.diag_claim_delay_ms)
 
 
 if __name__ == "__main__":

@@ -94,6 +94,7 @@ from shmgate.shared.wire import (
 from shmgate.worker.backends import load_backend
 from shmgate.worker.backends.base import BackendEvent, ModelBackend, WorkItem, batch_size_for
 from shmgate.worker.batcher import Batcher
+from shmgate.worker.config import WorkerOptions  # the worker's options are declared there (once)
 from shmgate.worker.device import Copy, DeviceCopier, check_device, pick_device, use_device
 from shmgate.worker.diagnostics import DiagnosticOptions
 from shmgate.worker.drain import StopRequest
@@ -134,26 +135,6 @@ def _no_demand() -> bool:
 
 
 @dataclass
-class WorkerOptions:
-    model: str
-    device: str = "cpu"
-    max_batch_size: int = 0  # requests per batch; 0: the backend's choice (worker/backends/base.py batch_size_for)
-    max_batch_wait_ms: float = 5.0
-    batch_policy: str = "held"  # worker/batcher.py: "held" or "fcfs" (shared/flags.py BATCH_POLICIES)
-    threads: int | None = None
-    dtype: str = "auto"  # hf: models only (worker/backends/hf.py DTYPES)
-    compile_normalise: bool = False  # efficientnet: torch.compile the input normalisation (opt-in; see there)
-    max_num_batched_tokens: int = 2048  # hf: models: tokens per engine step (worker/backends/hf.py)
-    kv_cache_tokens: int = 0  # hf: models: the KV budget in tokens; 0: unbounded on CPU, from free memory on CUDA
-    encoder_cache_mb: float = 256.0  # hf: models: vision-tower outputs kept by image key
-    prefix_cache_mb: float = 256.0  # hf: models: prompts' KV kept by prefix (worker/generation/prefix_cache.py)
-    encoder_share_mb: float = 0.0  # hf: models: this worker's partition of its model's shared tower outputs; 0: off
-    follow_drain_s: float = 0.0  # on SIGTERM keep serving while the gateway drains, this long at most (worker/drain.py)
-    served_model_name: str = ""  # the id clients send (--served-model-name); '' the spec's default (shared/models.py)
-    otlp_traces_endpoint: str = ""  # OpenTelemetry traces go there (worker/tracing.py); '': tracing off
-
-
-@dataclass
 class _Job:
     submit: Submit
     item: WorkItem | None = None
@@ -186,7 +167,7 @@ class Worker:
         self.diagnostics = diagnostics
         torch.device(options.device)  # a bad device name raises (RuntimeError) before a slot is claimed
         self._stop = threading.Event()
-        self._stop_request = StopRequest(options.follow_drain_s)
+        self._stop_request = StopRequest(options.attach.follow_drain_s)
         self.exit_code = 0
         # (reply slot, request id): ids are unique per frontend only (each frontend numbers its own)
         self._cancelled: set[tuple[int, int]] = set()
@@ -212,12 +193,8 @@ class Worker:
             options.model,
             self.device,
             threads=options.threads,
-            dtype=options.dtype,
-            compile_normalise=options.compile_normalise,
-            max_num_batched_tokens=options.max_num_batched_tokens,
-            kv_cache_tokens=options.kv_cache_tokens,
-            encoder_cache_mb=options.encoder_cache_mb,
-            prefix_cache_mb=options.prefix_cache_mb,
+            load=options.load,
+            engine=options.engine,
         )
         if options.served_model_name:
             self.backend.name = options.served_model_name
@@ -227,28 +204,30 @@ class Worker:
         self.backend.on_step = self.progress.step  # generative backends: progress per forward pass
         self.encoder_store: EncoderStore | None = None
         self.encoder_share: SharedEncoderOutputs | None = None
-        if options.encoder_share_mb > 0 and isinstance(instance, Instance):
-            self._share_encoder(instance, options.encoder_share_mb)
-        self._batch_size = batch_size_for(self.backend, options.max_batch_size)
+        if options.engine.encoder_share_mb > 0 and isinstance(instance, Instance):
+            self._share_encoder(instance, options.engine.encoder_share_mb)
+        self._batch_size = batch_size_for(self.backend, options.batching.max_batch_size)
         self._room = self._batch_size  # the engine's room after the last turn (read by the prefetch thread)
         self._interactive_seen = 0.0  # when the prefetch thread last saw interactive demand (time.monotonic)
         self.copier = DeviceCopier(self.device, link.mm)
         self._host_only = frozenset((INLINE_TENSOR, *self.backend.host_tensors))
         self._prefetcher: Prefetcher[list[_Job]] = Prefetcher(self._prepare, name=f"prefetch-{self.slot}")
         self.spans: BatchSpans | None = None  # tracing off: never imported
-        if options.otlp_traces_endpoint:
+        if options.tracing.otlp_traces_endpoint:
             from shmgate.worker.tracing import start_batch_spans
 
-            self.spans = start_batch_spans(options.otlp_traces_endpoint, slot=self.slot, model=self.backend.name)
+            self.spans = start_batch_spans(
+                options.tracing.otlp_traces_endpoint, slot=self.slot, model=self.backend.name
+            )
         self.batcher: Batcher[_Job] = Batcher(
             link.request_queue(),
             max_batch_size=self._batch_size,
-            max_batch_wait_s=options.max_batch_wait_ms / 1000,
+            max_batch_wait_s=options.batching.max_batch_wait_ms / 1000,
             on_take=self._take,
             on_invalid=self._invalid_message,
             more_coming=lambda: link.preparing_requests() > 0,
             wake_fd=self._prefetcher.wake_fd,
-            policy=options.batch_policy,
+            policy=options.batching.batch_policy,
         )
 
     def _share_encoder(self, instance: Instance, partition_mb: float) -> None:
@@ -779,7 +758,7 @@ def run_worker(
     options: WorkerOptions,
     instance_id: str | None,
     label: str,
-    attach_wait_s: float = 60.0,
+    attach_wait_s: float,
     diagnostics: DiagnosticOptions = NO_DIAGNOSTICS,
 ) -> int:
     """Entry point of ``python -m shmgate.worker`` / ``shmgate worker``. Returns an exit code.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from shmgate.shared.common_options import EngineOptions, LoadOptions
 from shmgate.shared.models import ModelKind, parse_model_spec
 from shmgate.worker.backends.base import ModelBackend
 
@@ -15,26 +16,25 @@ def load_backend(
     device: torch.device,
     *,
     threads: int | None = None,
-    dtype: str = "auto",
-    compile_normalise: bool = False,
-    max_num_batched_tokens: int = 2048,
-    kv_cache_tokens: int = 0,
-    encoder_cache_mb: float = 256.0,
-    prefix_cache_mb: float = 256.0,
+    load: LoadOptions | None = None,
+    engine: EngineOptions | None = None,
 ) -> ModelBackend:
     """Build the backend serving ``model``. Raises ValueError for an unknown model or dtype.
 
-    ``dtype`` (``auto``, ``float32``, ``bfloat16``, ``float16``) applies to ``hf:`` models;
-    the classifier runs float32 and the checksum backend has no weights. ``compile_normalise``
-    applies to the classifier (worker/backends/efficientnet.py: why it is opt-in). The engine's
-    ``max_num_batched_tokens``, ``kv_cache_tokens``, ``encoder_cache_mb`` and ``prefix_cache_mb`` apply to ``hf:`` chat models.
+    ``load`` (None: the declared defaults): ``dtype`` (``auto``, ``float32``, ``bfloat16``, ``float16``)
+    applies to ``hf:`` models; the classifier runs float32 and the checksum backend has no weights.
+    ``compile_normalise`` applies to the classifier (worker/backends/efficientnet.py: why it is opt-in).
+    ``engine`` (None: the declared defaults), the generation engine's budgets and caches, applies to
+    ``hf:`` chat models.
     """
+    load = load or LoadOptions()
+    engine = engine or EngineOptions()
     spec = parse_model_spec(model)
     match spec.kind:
         case ModelKind.EFFICIENTNET:
             from shmgate.worker.backends.efficientnet import EfficientNetBackend
 
-            return EfficientNetBackend(device, threads=threads, compile_normalise=compile_normalise)
+            return EfficientNetBackend(device, threads=threads, compile_normalise=load.compile_normalise)
         case ModelKind.CHECKSUM | ModelKind.CHECKSUM_HF:
             # checksum:hf: digests what the HF preprocessor sent, instead of running the model.
             from shmgate.worker.backends.checksum import ChecksumBackend
@@ -42,6 +42,7 @@ def load_backend(
             return ChecksumBackend(name=spec.public_id)
     from shmgate.worker.backends.hf import DTYPES, HFBackend
 
+    dtype = load.dtype
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
     assert spec.directory is not None, "hf kinds always carry their directory"
@@ -55,10 +56,10 @@ def load_backend(
         name=spec.public_id,
         threads=threads,
         dtype=DTYPES[dtype],
-        max_num_batched_tokens=max_num_batched_tokens,
-        kv_cache_tokens=kv_cache_tokens,
-        encoder_cache_mb=encoder_cache_mb,
-        prefix_cache_mb=prefix_cache_mb,
+        max_num_batched_tokens=engine.max_num_batched_tokens,
+        kv_cache_tokens=engine.kv_cache_tokens,
+        encoder_cache_mb=engine.encoder_cache_mb,
+        prefix_cache_mb=engine.prefix_cache_mb,
     )
 
 

@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from shmgate.shared.common_options import EngineOptions
 from shmgate.shared.families import HOST_TENSORS, ModelInputs, input_layout
 from shmgate.shared.hf_families import HF_FAMILIES, chat_family  # each family's record, naming its style
 from shmgate.shared.models import model_id_for  # rules: shared/models.py
@@ -83,8 +84,8 @@ __all__ = [
 
 log = logging.getLogger("shmgate.worker.hf")
 
-DEFAULT_ENCODER_CACHE_MB = 256.0  # vision-tower outputs kept by image (--encoder-cache-mb)
-DEFAULT_PREFIX_CACHE_MB = 256.0  # prompts' KV kept by prefix (--prefix-cache-mb, worker/generation/prefix_cache.py)
+# The engine knobs' defaults are their declarations' (shared/common_options.py EngineOptions), written there once
+_ENGINE_DEFAULTS = EngineOptions()
 # config.model_type values this backend serves: the families of shared/hf_families.py, each run the
 # way its record's input style says (shared/families/).
 SUPPORTED_MODEL_TYPES = tuple(HF_FAMILIES)
@@ -129,10 +130,10 @@ class HFBackend(GenerationEngine):
         name: str | None = None,
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
         threads: int | None = None,
-        kv_cache_tokens: int = 0,
+        kv_cache_tokens: int = _ENGINE_DEFAULTS.kv_cache_tokens,
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-        encoder_cache_mb: float = DEFAULT_ENCODER_CACHE_MB,
-        prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
+        encoder_cache_mb: float = _ENGINE_DEFAULTS.encoder_cache_mb,
+        prefix_cache_mb: float = _ENGINE_DEFAULTS.prefix_cache_mb,
     ) -> None:
         """Load the model (fp32 on CPU, bf16 on CUDA unless ``dtype``) and its tokenizer.
 

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from shmgate.shared.common_options import EngineOptions
 from shmgate.shared.errors import InvalidRequest, ModelError
 from shmgate.shared.wire import MAX_LOGPROB_TOKEN_CHARS, TokenLogprob
 from shmgate.worker.backends.base import BackendEvent, ModelBackend, WorkItem
@@ -51,7 +52,8 @@ __all__ = ["DEFAULT_MAX_NUM_BATCHED_TOKENS", "DEFAULT_MAX_TOKENS", "GenerationEn
 log = logging.getLogger("shmgate.worker.hf")
 
 DEFAULT_MAX_TOKENS = 256
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # prompt and decode tokens one step runs (--max-num-batched-tokens)
+# prompt and decode tokens one step runs: --max-num-batched-tokens's declared default (shared/common_options.py)
+DEFAULT_MAX_NUM_BATCHED_TOKENS = EngineOptions().max_num_batched_tokens
 
 
 class GenerationEngine(ModelBackend):
