@@ -24,7 +24,6 @@ PACKAGES = ("gateway", "worker", "shared", "node", "supervise")
 # (their records are not yet handed to the code that reads them). The list only shrinks: an entry that is
 # gone fails too, so that it is taken off. A worker knob is never listed here.
 STILL_WRITTEN_TWICE = {
-    ("gateway/batch_runner.py", "host"),
     ("gateway/frontend.py", "decode_threads"),
     ("gateway/frontend.py", "decode_wait_s"),
     ("gateway/frontend.py", "max_in_flight"),
@@ -64,18 +63,24 @@ KNOBS = {name: value for _, config in COMMANDS for name, value in _declared_defa
 WORKER_KNOBS = set(_declared_defaults(WorkerConfig))
 
 
-def _named_values(tree: ast.AST) -> Iterator[tuple[str, ast.expr]]:
-    """(name, the expression given to it) for every parameter default, annotated field and assignment."""
+def _named_values(tree: ast.Module) -> Iterator[tuple[str, ast.expr]]:
+    """(name, the expression given to it) for every parameter default, and every field or variable of a
+    class or module body (an assignment inside a function is a computation, not a default)."""
+    bodies: list[list[ast.stmt]] = [tree.body]
     for node in ast.walk(tree):
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
             args = node.args
             positional = args.posonlyargs + args.args
             yield from ((a.arg, d) for a, d in zip(positional[len(positional) - len(args.defaults) :], args.defaults))
             yield from ((a.arg, d) for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None)
-        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None:
-            yield node.target.id, node.value
-        elif isinstance(node, ast.Assign):
-            yield from ((t.id, node.value) for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.ClassDef):
+            bodies.append(node.body)
+    for body in bodies:
+        for stmt in body:
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and stmt.value is not None:
+                yield stmt.target.id, stmt.value
+            elif isinstance(stmt, ast.Assign):
+                yield from ((t.id, stmt.value) for t in stmt.targets if isinstance(t, ast.Name))
 
 
 def _same(written: Any, declared: Any) -> bool:
