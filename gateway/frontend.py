@@ -35,6 +35,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from shmgate.gateway import lane, tracing
+from shmgate.gateway.config import LimitOptions
 from shmgate.gateway.images import ImageResolver
 from shmgate.gateway.intake import ChatRequest
 from shmgate.gateway.metrics import Counter, FrontendStats
@@ -63,14 +64,18 @@ __all__ = ["Frontend", "FrontendLimits", "Phase", "RequestState"]
 PROGRESS_INTERVAL_S = 0.2  # how often the event loop stamps progress_ns (a loop that cannot, is stalled)
 
 
+_DECLARED = LimitOptions()  # the defaults are the flags' (gateway/config.py), written there once
+
+
 @dataclass(frozen=True)
 class FrontendLimits:
-    max_in_flight: int = 256
-    request_timeout_s: float = 60.0
-    max_pixels: int = 40_000_000
-    decode_threads: int = 2
-    decode_memory_bytes: int = 512 << 20  # all of this frontend's decodes at once (gateway/decode_budget.py)
-    decode_wait_s: float = 5.0  # how long a decode waits for room in that budget before a 503
+    max_in_flight: int = _DECLARED.max_in_flight
+    request_timeout_s: float = _DECLARED.request_timeout_s
+    max_pixels: int = _DECLARED.max_pixels
+    decode_threads: int = _DECLARED.decode_threads
+    # all of this frontend's decodes at once (gateway/decode_budget.py)
+    decode_memory_bytes: int = int(_DECLARED.decode_memory_mb * (1 << 20))
+    decode_wait_s: float = _DECLARED.decode_wait_s  # how long a decode waits for room in that budget before a 503
 
 
 class Frontend:

@@ -51,6 +51,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from shmgate.gateway.config import LimitOptions
 from shmgate.gateway.http_errors import error_body
 from shmgate.shared.errors import RequestError
 
@@ -59,14 +60,18 @@ __all__ = ["MAX_HEAD_BYTES", "ConnectionLimits", "http_protocol", "read_capped"]
 MAX_HEAD_BYTES = 1 << 20
 
 
+_DECLARED = LimitOptions()
+
+
 @dataclass(frozen=True)
 class ConnectionLimits:
     """How slow a client may be, and how many may be connected to one frontend at once."""
 
-    header_timeout_s: float = 10.0  # a request head must be whole this long after it may start
-    body_timeout_s: float = 30.0  # a body gets this long, plus a second per body_min_rate bytes received
-    body_min_rate: float = 500.0  # bytes per second
-    max_connections: int = 1000  # open connections per frontend; beyond, a 503 and close
+    # the defaults are the flags' (gateway/config.py LimitOptions), written there once
+    header_timeout_s: float = _DECLARED.header_timeout_s  # a request head must be whole this long after it may start
+    body_timeout_s: float = _DECLARED.body_timeout_s  # a body gets this long, plus a second per body_min_rate bytes
+    body_min_rate: float = _DECLARED.body_min_rate  # bytes per second
+    max_connections: int = _DECLARED.max_connections  # open connections per frontend; beyond, a 503 and close
 
 
 class _Phase(enum.Enum):

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from shmgate.gateway import lane, tracing
+from shmgate.gateway.config import LimitOptions
 from shmgate.gateway.decode_budget import DecodeBudget
 from shmgate.gateway.intake import LOOP_HASH_MAX_BYTES, EncodedImage, image_bytes, image_digest, key_material
 from shmgate.gateway.metrics import Counter, FrontendStats
@@ -26,6 +27,8 @@ from shmgate.shared.vocabulary import AllocateFn, TensorGroup, key_of_digest
 from shmgate.shared.wire import INLINE_TENSOR
 
 __all__ = ["ImageResolver"]
+
+_DECLARED = LimitOptions()  # the defaults are the flags' (gateway/config.py), written there once
 
 
 class ImageResolver:
@@ -40,8 +43,8 @@ class ImageResolver:
         *,
         max_pixels: int,
         threads: int,
-        decode_memory_bytes: int = 512 << 20,
-        decode_wait_s: float = 5.0,
+        decode_memory_bytes: int = int(_DECLARED.decode_memory_mb * (1 << 20)),
+        decode_wait_s: float = _DECLARED.decode_wait_s,
     ) -> None:
         self.cache = cache
         self.preprocessor = preprocessor

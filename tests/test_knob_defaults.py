@@ -24,16 +24,6 @@ PACKAGES = ("gateway", "worker", "shared", "node", "supervise")
 # (their records are not yet handed to the code that reads them). The list only shrinks: an entry that is
 # gone fails too, so that it is taken off. A worker knob is never listed here.
 STILL_WRITTEN_TWICE = {
-    ("gateway/frontend.py", "decode_threads"),
-    ("gateway/frontend.py", "decode_wait_s"),
-    ("gateway/frontend.py", "max_in_flight"),
-    ("gateway/frontend.py", "max_pixels"),
-    ("gateway/frontend.py", "request_timeout_s"),
-    ("gateway/http_limits.py", "body_min_rate"),
-    ("gateway/http_limits.py", "body_timeout_s"),
-    ("gateway/http_limits.py", "header_timeout_s"),
-    ("gateway/http_limits.py", "max_connections"),
-    ("gateway/images.py", "decode_wait_s"),
     ("gateway/intake.py", "max_images"),
     ("gateway/preprocess/__init__.py", "max_images"),
     ("gateway/preprocess/embed_hf.py", "max_images"),
