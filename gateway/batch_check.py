@@ -33,6 +33,7 @@ FILES_DIR = "files"
 PART_SUFFIX = ".part"  # a file being written: <file id>.<writer pid>.part (gateway/batch_store.py)
 _HEADER = b"SQLite format 3\x00"
 _NAMED = 3  # ids named per kind of problem; the rest are counted
+_SQLITE_CORRUPT, _SQLITE_NOTADB = 11, 26  # SQLite's result codes for a file it cannot read as a database
 
 
 @dataclass
@@ -80,7 +81,8 @@ def _disk_files(files_dir: Path) -> dict[str, int]:
 
 def check_store(directory: str | os.PathLike[str], *, full: bool = False) -> CheckReport:
     """Check a batch directory (see the module's docstring); ``full``: SQLite's ``integrity_check`` (every
-    index against its table too, slower) instead of ``quick_check``. Reads only."""
+    index against its table too, slower) instead of ``quick_check``. Reads only. Raises OSError or
+    sqlite3.Error when the check cannot run (a full or failing disk): that says nothing of the store."""
     report = CheckReport(Path(directory))
     db_path = report.directory / DB_NAME
     files_dir = report.directory / FILES_DIR
@@ -106,6 +108,7 @@ def check_store(directory: str | os.PathLike[str], *, full: bool = False) -> Che
     try:  # read-write, though nothing is written: a read-only connection cannot recover a crashed writer's WAL
         db = sqlite3.connect(db_path, timeout=30.0)
     except sqlite3.Error as exc:
+        _damage_or_raise(exc)
         report.problems.append(f"{db_path} cannot be opened: {exc}")
         return report
     try:
@@ -113,6 +116,7 @@ def check_store(directory: str | os.PathLike[str], *, full: bool = False) -> Che
         try:
             rows = [r[0] for r in db.execute("PRAGMA integrity_check" if full else "PRAGMA quick_check").fetchall()]
         except sqlite3.DatabaseError as exc:  # a page so broken that the check stops at it
+            _damage_or_raise(exc)
             rows = [str(exc)]
         if rows != ["ok"]:
             more = f" (and {len(rows) - 1} more)" if len(rows) > 1 else ""
@@ -130,12 +134,20 @@ def check_store(directory: str | os.PathLike[str], *, full: bool = False) -> Che
         report.files = len(rows_files)
         report.batches = db.execute("SELECT COUNT(*) FROM batches").fetchone()[0]
     except sqlite3.Error as exc:
+        _damage_or_raise(exc)
         report.problems.append(f"{db_path} cannot be read: {exc}")
         return report
     finally:
         db.close()
     _compare(report, rows_files, on_disk, files_dir)
     return report
+
+
+def _damage_or_raise(exc: sqlite3.Error) -> None:
+    """Return when SQLite says the file is damaged (SQLITE_CORRUPT, SQLITE_NOTADB); raise ``exc`` when the
+    check could not run (a full or failing disk, a lock held too long): that is no finding about the store."""
+    if (getattr(exc, "sqlite_errorcode", None) or 0) & 0xFF not in (_SQLITE_CORRUPT, _SQLITE_NOTADB):
+        raise exc
 
 
 def _compare(report: CheckReport, rows: dict[str, int], on_disk: dict[str, int], files_dir: Path) -> None:

@@ -162,16 +162,10 @@ class BatchStore:
         self._health: tuple[float, dict[str, str]] = (0.0, {})
         self._unavailable: str | None = None  # the last I/O failure's message, until a write succeeds
         self._failing: ShmgateError | None = None  # the fault writes met since the last one that worked
-        report = check_store(self.dir)
-        if not report.sound:
-            self._damaged("; ".join(report.problems))
-            return
-        for note in report.notes:
-            log.warning("batch store %s: %s", self.dir, note)
-        self._remove_stale_parts()
+        self._checked = False
         try:
             self._open()
-        except ShmgateError as exc:  # a full or failing disk: the store opens when it can (``_db``)
+        except (StoreFull, StoreUnavailable) as exc:  # a full or failing disk: opened when it can be (``_db``)
             log.warning("batch store %s: not opened yet: %s", self.dir, exc.message)
 
     def _damaged(self, what: str) -> None:
@@ -187,10 +181,25 @@ class BatchStore:
             )
 
     def _open(self) -> None:
-        """Make the tables (once per directory), keep the idle connection, put the reserve in place."""
+        """Check the store (once), make the tables (once per directory), keep the idle connection, put the
+        reserve in place. A damaged store stays closed (``damage``); a full or failing disk raises."""
         with self._open_lock:
-            if self._opened:
+            if self._opened or self.damage is not None:
                 return
+            if not self._checked:
+                try:
+                    report = check_store(self.dir)
+                except (OSError, sqlite3.Error) as exc:
+                    if isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EPERM, errno.ENOTDIR):
+                        raise  # the directory itself: a configuration error (an explicit --batch-dir stops)
+                    raise self._fault(exc) from exc
+                self._checked = True
+                if not report.sound:
+                    self._damaged("; ".join(report.problems))
+                    return
+                for note in report.notes:
+                    log.warning("batch store %s: %s", self.dir, note)
+                self._remove_stale_parts()
             try:
                 db = sqlite3.connect(self.db_path, timeout=30.0, isolation_level=None)
                 try:  # every frontend runs this at start: WAL mode is kept in the file, the tables are made once
@@ -245,10 +254,10 @@ class BatchStore:
         return fault
 
     def _check_open(self) -> None:
-        if self.damage is not None:
-            raise StoreDamaged()
         if not self._opened:
             self._open()
+        if self.damage is not None:
+            raise StoreDamaged()
 
     def health(self) -> dict[str, str]:
         """Can the store write now: ``{"status": "ok"}``, or ``full``, ``unavailable``, ``damaged`` with the

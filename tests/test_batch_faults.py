@@ -29,6 +29,7 @@ import httpx
 import openai
 import pytest
 
+from shmgate.gateway.batch_faults import StoreFull
 from shmgate.gateway.batch_store import BatchStore, LineResult
 from tests.serving import Server, image_request, noise_png, start_server, stop_and_check, wait_until
 
@@ -247,3 +248,24 @@ def test_a_damaged_store_is_reported_refused_and_restored_while_the_node_serves(
         assert client.files.content(file_id).content == (tmp_path / "backup" / "files" / file_id).read_bytes()
     finally:
         stop_and_check(server)
+
+
+def test_a_store_opened_on_a_full_disk_is_not_taken_for_damaged_and_opens_once_space_returns(tmpfs: Path) -> None:
+    """The check at open needs SQLite's WAL index (32 KiB), which a full disk cannot give: that is a full
+    disk (507), not a finding about the store, and the store opens by itself at the next call with room."""
+    directory = tmpfs / "batches"
+    first = BatchStore(directory)
+    kept = first.add_file(b"{}\n", "kept.jsonl", "batch")
+    first.close()  # the last connection: the WAL and its index are gone
+    assert not (directory / "batches.sqlite3-shm").exists()
+    filler = tmpfs / "filler"
+    _fill(filler)
+    store = BatchStore(directory)
+    assert store.damage is None
+    assert store.health()["status"] == "full"
+    with pytest.raises(StoreFull):
+        store.files()
+    filler.unlink()
+    assert [f["id"] for f in store.files()] == [kept["id"]]
+    assert store.health()["status"] == "ok" and store.damage is None
+    store.close()
