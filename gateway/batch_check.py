@@ -180,7 +180,7 @@ def backup_store(directory: str | os.PathLike[str], destination: str | os.PathLi
         raise FileExistsError(f"{target / DB_NAME} exists: back up into a new directory")
     (target / FILES_DIR).mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(target, 0o700)
-    src = sqlite3.connect(f"file:{source / DB_NAME}?mode=ro", uri=True, timeout=30.0)
+    src = sqlite3.connect(source / DB_NAME, timeout=30.0)  # read-write as in ``check_store``; only read
     dst = sqlite3.connect(target / DB_NAME, isolation_level=None)
     try:
         src.backup(dst)

@@ -91,7 +91,7 @@ def _overwrite_middle_page(db_path: Path) -> None:
         f.write(random.Random(7).randbytes(page))
 
 
-@pytest.mark.parametrize("damage", ["corrupted", "truncated", "bytes_missing", "resized"])
+@pytest.mark.parametrize("damage", ["corrupted", "truncated", "cut_in_half", "bytes_missing", "resized"])
 def test_a_damaged_store_refuses_every_call_and_is_never_served_as_an_empty_one(
     tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -102,6 +102,7 @@ def test_a_damaged_store_refuses_every_call_and_is_never_served_as_an_empty_one(
     expected = {
         "corrupted": "batches.sqlite3",
         "truncated": "is empty (0 bytes) but",
+        "cut_in_half": "fails its integrity check",
         "bytes_missing": "files' bytes are missing",
         "resized": "differ in size from their rows",
     }[damage]
@@ -109,6 +110,8 @@ def test_a_damaged_store_refuses_every_call_and_is_never_served_as_an_empty_one(
         _overwrite_middle_page(db_path)
     elif damage == "truncated":
         db_path.write_bytes(b"")
+    elif damage == "cut_in_half":
+        os.truncate(db_path, db_path.stat().st_size // 2)
     elif damage == "bytes_missing":
         (directory / "files" / ids[3]).unlink()
     else:
