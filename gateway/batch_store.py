@@ -271,7 +271,7 @@ class BatchStore:
             free = self.free_bytes()
             if free is not None and free < FULL_BELOW_BYTES:
                 fault = StoreFull()
-            elif self._unavailable is not None:
+            elif self._unavailable is not None and not self._probe():
                 fault = StoreUnavailable(self._unavailable)
             else:
                 fault = None
@@ -283,6 +283,26 @@ class BatchStore:
             health = {"status": status, "code": fault.code, "message": fault.message}
         self._health = (time.monotonic(), health)
         return health
+
+    def _probe(self) -> bool:
+        """After an I/O failure: does the disk take a write again (a small file written, synced, removed) and
+        does the store open? Nobody else may write meanwhile (the runner waits), so health looks itself."""
+        probe = self._part_path("probe")  # where files are written; a crash leaves a .part the next open removes
+        try:
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.write(fd, b"\0" * 4096)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    probe.unlink()
+            self._check_open()
+        except (OSError, ShmgateError):
+            return False
+        log.warning("batch store %s: writes work again", self.dir)
+        self._failing = self._unavailable = None
+        return True
 
     def writable(self) -> bool:
         return self.health()["status"] == "ok"

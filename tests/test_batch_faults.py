@@ -29,7 +29,7 @@ import httpx
 import openai
 import pytest
 
-from shmgate.gateway.batch_faults import StoreFull
+from shmgate.gateway.batch_faults import StoreFull, StoreUnavailable
 from shmgate.gateway.batch_store import BatchStore, LineResult
 from tests.serving import Server, image_request, noise_png, start_server, stop_and_check, wait_until
 
@@ -268,4 +268,27 @@ def test_a_store_opened_on_a_full_disk_is_not_taken_for_damaged_and_opens_once_s
     filler.unlink()
     assert [f["id"] for f in store.files()] == [kept["id"]]
     assert store.health()["status"] == "ok" and store.damage is None
+    store.close()
+
+
+def test_a_disk_that_refuses_writes_is_a_503_and_the_store_writes_again_by_itself(tmpfs: Path) -> None:
+    """``files/`` made read-only under the store (a read-only bind mount: what a filesystem remounted
+    read-only after I/O errors answers): 503 with the store's code, nothing half-written; health says
+    unavailable and finds by itself that writes work again once the mount is gone."""
+    store = BatchStore(tmpfs / "batches")
+    kept = store.add_file(b"{}\n", "kept.jsonl", "batch")
+    files = tmpfs / "batches" / "files"
+    subprocess.run(["mount", "--bind", str(files), str(files)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(files)], check=True)
+        with pytest.raises(StoreUnavailable) as refused:
+            store.add_file(b"[]\n", "new.jsonl", "batch")
+        assert refused.value.status_hint == 503 and refused.value.code == "batch_store_unavailable"
+        assert store.health()["status"] == "unavailable"
+        assert [f["id"] for f in store.files()] == [kept["id"]]  # reads work; the refused upload left nothing
+    finally:
+        subprocess.run(["umount", str(files)], check=True)
+    wait_until(lambda: store.health()["status"] == "ok", HANG_S, "the store writable again")
+    assert _parts(tmpfs / "batches") == []
+    assert store.add_file(b"[]\n", "new.jsonl", "batch")["bytes"] == 3
     store.close()
