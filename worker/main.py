@@ -9,7 +9,8 @@ the main thread runs the engine loop: admit what the prefetch side has ready
 (as much as the backend has ``room`` for: a generative backend's free rows and
 KV budget, a batch backend's next batch once the last one ended), ``step`` the
 backend, route each event to its request, read cancels between steps (an
-aborted request leaves at the next step boundary). The compute stream waits
+aborted request leaves at the next step boundary; one that still waits in a
+held or prepared batch is answered by the prefetch thread at once and never runs). The compute stream waits
 for each copy's event (no host sync on the compute path). The backend contract
 (``add``, ``abort``, ``step``, ``has_work``) is worker/backends/base.py's.
 
