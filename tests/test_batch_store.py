@@ -216,3 +216,27 @@ def test_a_backup_of_a_live_store_is_consistent_and_restores(tmp_path: Path) -> 
     restored = BatchStore(tmp_path / "copy")
     assert sorted(f["id"] for f in restored.files()) == sorted(ids)
     assert restored.read_file(ids[2]) == (directory / "files" / ids[2]).read_bytes()
+
+
+def test_a_page_found_damaged_while_serving_makes_the_store_refuse_from_then_on(tmp_path: Path) -> None:
+    """The check at open passed; then a leaf page of the lines' table is overwritten (a disk failing under a
+    running node): the first call that reads it refuses, and so does every call after it."""
+    import random
+
+    directory = tmp_path / "b"
+    _filled_store(directory)
+    store = BatchStore(directory)
+    assert store.damage is None
+    batch_id = store.batches(None, 1)[0][0]["id"]
+    db = sqlite3.connect(directory / "batches.sqlite3")
+    page = db.execute("SELECT pageno FROM dbstat WHERE name = 'lines' AND pagetype = 'leaf' LIMIT 1").fetchone()[0]
+    db.close()
+    with open(directory / "batches.sqlite3", "r+b") as f:
+        f.seek((page - 1) * 4096)
+        f.write(random.Random(3).randbytes(4096))
+    with pytest.raises(StoreDamaged):
+        store.results(batch_id, ok=True)
+    assert store.damage is not None and "batches.sqlite3" in store.damage
+    with pytest.raises(StoreDamaged):
+        store.files()
+    assert store.health()["status"] == "damaged"
