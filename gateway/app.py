@@ -6,7 +6,8 @@ Routes:
     POST /v1/responses          OpenAI Responses API, streaming or not (no response store): gateway/responses.py
     GET  /v1/models             the served models, each with its state and capabilities
     GET  /health                this process is up and attached (always open)
-    GET  /ready                 every model has a worker that heartbeats, and we are not draining
+    GET  /ready                 every model has a worker that heartbeats, and we are not draining (its body
+                                also says whether the Batch API's store can write: ``batches``)
     GET  /ready/{model}         the same for one model (also ``/ready?model=ID``), for per-model probes
     GET  /version               the shmgate version serving (always open)
     GET  /metrics               Prometheus text for the whole node (optionally behind the key)
@@ -167,6 +168,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     finally:
         if runner is not None:
             await runner.stop()
+        if app.state.batches is not None:  # batch store: its idle connection (gateway/batch_store.py)
+            app.state.batches.close()
         await frontend.stop()
         instance.close()
 
@@ -248,8 +251,11 @@ async def _ready(request: Request) -> Response:
     if model is not None:
         return await _model_ready(model, request)
     f = served(request).frontend
+    # batch store: whether it can write; it never makes the node unready (interactive requests are served)
+    store: BatchStore | None = request.app.state.batches
+    batches = {} if store is None else {"batches": store.health()}
     if f.ready():
-        return JSONResponse({"status": "ready"})
+        return JSONResponse({"status": "ready", **batches})
     states = {model: model_state(f, model) for model in f.preprocessors}
     waiting = [model for model, state in states.items() if state != "ready"]
     return JSONResponse(
@@ -258,6 +264,7 @@ async def _ready(request: Request) -> Response:
             "message": _waiting_for(states),
             "waiting_for": [] if f.draining() else waiting,
             "models": states,
+            **batches,
         },
         status_code=503,
         headers={"Retry-After": "1"},
@@ -363,7 +370,7 @@ async def _metrics(request: Request) -> Response:
         s.frontend.queue_depth,
         request.headers.get("accept"),
         functools.partial(_model_gauges, s.frontend),
-        None if store is None else BatchCollector(store.line_counts, s.frontend.preprocessors),
+        None if store is None or store.damage else BatchCollector(store.line_counts, s.frontend.preprocessors),
     )
     return Response(body, headers={"Content-Type": content_type})
 

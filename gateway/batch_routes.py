@@ -13,7 +13,9 @@ Routes:
 
 The API key guards every one of them like the other routes. The storage is gateway/batch_store.py;
 one frontend of the node runs the batches (gateway/batch_runner.py). Every call here is a few small
-SQLite transactions or a file read or write, run off the event loop.
+SQLite transactions or a file read or write, run off the event loop. A storage failure is the store's
+error (gateway/batch_faults.py: 507 on a full disk, 503 on an I/O error or a damaged store), raised to
+the app's ShmgateError handler like any other.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from shmgate.gateway.batch_faults import StoreDamaged
 from shmgate.gateway.batch_store import TERMINAL, BatchStore
 from shmgate.gateway.http_errors import error_body, error_response
 from shmgate.gateway.served import read_body, served
@@ -57,6 +60,8 @@ def _store(request: Request) -> BatchStore:
     store: BatchStore | None = getattr(request.app.state, "batches", None)
     if store is None:
         raise InvalidRequest("the Batch API is not enabled on this node")
+    if store.damage is not None:
+        raise StoreDamaged()
     return store
 
 
@@ -124,11 +129,8 @@ async def file_content(file_id: str, request: Request) -> Response:
         store = _store(request)
     except ShmgateError as exc:
         return error_response(exc)
-    if await asyncio.to_thread(store.file, file_id) is None:
-        return _not_found("file", file_id)
-    try:
-        data = await asyncio.to_thread(store.file_path(file_id).read_bytes)
-    except FileNotFoundError:
+    data = await asyncio.to_thread(store.read_file, file_id)
+    if data is None:
         return _not_found("file", file_id)
     return Response(data, media_type="application/octet-stream")
 
@@ -216,10 +218,9 @@ async def create_batch(request: Request) -> Response:
         file_id = body.get("input_file_id")
         if not isinstance(file_id, str) or await asyncio.to_thread(store.file, file_id) is None:
             raise InvalidRequest(f"no uploaded file with id {str(file_id)[:100]!r}", param="input_file_id")
-        try:
-            data = await asyncio.to_thread(store.file_path(file_id).read_bytes)
-        except FileNotFoundError:
-            raise InvalidRequest(f"the file {file_id!r} was deleted", param="input_file_id") from None
+        data = await asyncio.to_thread(store.read_file, file_id)
+        if data is None:
+            raise InvalidRequest(f"the file {file_id!r} was deleted", param="input_file_id")
         models = await asyncio.to_thread(validate_input, data, endpoint, served(request).options.max_body_bytes)
         batch = await asyncio.to_thread(store.add_batch, endpoint, file_id, WINDOWS[window], metadata, models)
         return JSONResponse(batch)

@@ -17,6 +17,10 @@ every ``TRICKLE_S`` when interactive ones take it all: a line's HTTP, decode and
 frontends' cores with interactive requests. The runner looks at that demand whenever a line ends and every ``RECHECK_S``,
 so it ramps back up as soon as the node is quiet. Several batches run side by side, one line of
 each in turn (round-robin), and a cancelled one stops launching without holding up the others.
+
+The store's faults (gateway/batch_faults.py): while it cannot write (a full disk, an I/O error) the
+runner launches no line, keeps the results it has in memory and stores them when the disk takes writes
+again, so a batch resumes by itself and each line is run and stored once; a damaged store runs nothing.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from typing import Any, NamedTuple
 import msgspec
 
 from shmgate.gateway import tracing
+from shmgate.gateway.batch_faults import StoreDamaged, StoreFull, StoreUnavailable
 from shmgate.gateway.batch_store import BatchStore, LineResult, new_id
 from shmgate.gateway.lane import LANE_HEADER
 from shmgate.shared.rawhttp import NoHttpAnswer, RawClient
@@ -49,6 +54,7 @@ RETRY_STATUSES = frozenset({429, 503})  # the node is busy: the line waits and i
 RECHECK_S = 0.005  # with lines in flight, the runner looks at the interactive demand at least this often
 QUIET_S = 0.05  # the node counts as busy this long after its last interactive request in hand
 TRICKLE_S = 0.1  # while interactive requests fill the cap, one line at a time this often: a batch never stops
+STORE_RETRY_S = 1.0  # while the store cannot write: how often results waiting in memory are tried again
 
 
 def loopback_url(host: str, port: int) -> str:
@@ -128,6 +134,7 @@ class _Committer:
         self._waiting: list[tuple[_Job, LineResult]] = []
         self._more = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._closing = False  # stopping: a group the store refuses is dropped (its lines run again after)
 
     def add(self, job: _Job, result: LineResult) -> None:
         job.committing += 1
@@ -141,7 +148,16 @@ class _Committer:
             group, self._waiting = self._waiting, []
             self._more.clear()
             try:
-                await asyncio.to_thread(self.store.commit_lines, [(job.id, result) for job, result in group])
+                while True:
+                    try:
+                        await asyncio.to_thread(self.store.commit_lines, [(job.id, result) for job, result in group])
+                        _warned.clear()
+                        break
+                    except (StoreFull, StoreUnavailable) as exc:  # kept, and stored once the disk takes writes
+                        if self._closing:
+                            raise
+                        _warn_once(f"{len(group)} batch lines' results wait to be stored: {exc.message}")
+                        await asyncio.sleep(STORE_RETRY_S)
             except Exception as exc:  # the database unreachable: these lines have no result and run again
                 log.error("%d batch lines' results could not be stored: %r", len(group), exc)
             finally:
@@ -150,6 +166,7 @@ class _Committer:
 
     async def stop(self) -> None:
         """Wait for the commits under way (a cancelled runner keeps what it already has)."""
+        self._closing = True
         if self._task is not None:
             with contextlib.suppress(Exception):
                 await self._task
@@ -163,6 +180,15 @@ async def _abandon(jobs: dict[str, _Job]) -> None:
     if tasks:
         await asyncio.wait(tasks)
     jobs.clear()
+
+
+_warned: list[str] = []  # the last store warning logged: one line per outage, not per try
+
+
+def _warn_once(message: str) -> None:
+    if not _warned or _warned[-1] != message:
+        _warned[:] = [message]
+        log.warning("%s", message)
 
 
 def _log_failure(task: asyncio.Task[LineResult]) -> None:
@@ -220,6 +246,8 @@ class BatchRunner:
         return True
 
     async def _run(self) -> None:
+        if self.store.damage is not None:
+            return  # every call refuses until the store is restored (logged when it was opened)
         while not self._try_lock():
             await asyncio.sleep(LOCK_RETRY_S)
         log.info("this frontend runs the batches of %s", self.store.dir)
@@ -231,6 +259,13 @@ class BatchRunner:
                     await self._serve(client, jobs)
                 except asyncio.CancelledError:
                     raise
+                except StoreDamaged:
+                    await _abandon(jobs)
+                    return  # logged by the store, once: nothing runs until it is restored
+                except (StoreFull, StoreUnavailable) as exc:  # a batch's files or status: tried again
+                    _warn_once(f"the batch runner waits for the store: {exc.message}")
+                    await _abandon(jobs)
+                    await asyncio.sleep(STORE_RETRY_S)
                 except Exception:
                     log.exception("the batch runner failed; it starts again")
                     await _abandon(jobs)
@@ -271,7 +306,8 @@ class BatchRunner:
                     return
             running = [job for job in jobs.values() if job.launching]
             in_flight = sum(len(job.pending) for job in jobs.values())
-            cap = self._cap(in_flight)
+            # a store that cannot write takes no new line: those in flight end and their results wait
+            cap = self._cap(in_flight) if self.store.writable() else 0
             while running and in_flight < cap:
                 in_flight += 1
                 self._launched_at = time.monotonic()

@@ -4,6 +4,7 @@
     shmgate gateway   frontends only: owns the IPC objects; workers attach from elsewhere
     shmgate worker    one model worker (exec of ``python -m shmgate.worker``, the command compose runs)
     shmgate cleanup   remove the IPC objects of dead instances
+    shmgate batches   check a Batch API store (``check``), copy it consistently (``backup``): docs/BATCH.md
     shmgate bench     the load generator (bench_client/loadgen.py)
 
 Each command's flags come from its configuration class (node/config.py ``ServeConfig``,
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sqlite3
 import sys
 import time
 from collections.abc import Sequence
@@ -61,7 +63,35 @@ def build_parser() -> argparse.ArgumentParser:
     cleanup.add_argument("--dry-run", action="store_true", help="list what would be removed; remove nothing")
     cleanup.add_argument("--list", action="store_true", help="list the live instances (id, label, pid, model)")
     sub.add_parser("bench", help="load generator (see shmgate bench --help)", add_help=False)
+    _add_batches(sub)
     return parser
+
+
+def _add_batches(sub: argparse._SubParsersAction[ShmgateParser]) -> None:
+    """``shmgate batches check|backup``: the Batch API store's check and consistent copy (docs/BATCH.md)."""
+    batches = sub.add_parser("batches", help="check or back up a Batch API store (--batch-dir)")
+    actions = batches.add_subparsers(dest="action", required=True, metavar="ACTION", parser_class=ShmgateParser)
+    check = actions.add_parser(
+        "check",
+        help="is the store sound: one line saying so (exit 0) or what is wrong (exit 1)",
+        description="Check a batch store as a frontend does when it opens it (its database against SQLite's "
+        "check, its rows against its files); reads only, safe beside a running node.",
+    )
+    check.add_argument("--full", action="store_true", help="SQLite's integrity_check (slower) instead of quick_check")
+    backup = actions.add_parser(
+        "backup",
+        help="copy the store consistently into a new directory (safe beside a running node)",
+        description="Copy the database with SQLite's online backup API, then the files its rows name; the copy is "
+        "checked. Restore: stop the node and put the copy in place of --batch-dir (docs/BATCH.md).",
+    )
+    backup.add_argument("destination", help="a new directory for the copy")
+    for action in (check, backup):
+        action.add_argument(
+            "--batch-dir",
+            default=os.environ.get("SHMGATE_BATCH_DIR", ""),
+            help="the store's directory (default: $SHMGATE_BATCH_DIR, else the default of shmgate serve's --port)",
+        )
+        action.add_argument("--port", type=int, default=8000, help="the node's port, for the default directory")
 
 
 def parse_config(argv: Sequence[str]) -> AnyNodeConfig:
@@ -90,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         except SetupError as exc:
             log.error("%s", exc)
             return EXIT_USAGE
+    if args.command == "batches":
+        return _batches(args)
     config: AnyNodeConfig = from_args(CONFIGS[args.command], args)
     if any(a == "--api-key" or a.startswith("--api-key=") for a in argv):
         log.warning(
@@ -155,3 +187,27 @@ def _cleanup(args: argparse.Namespace) -> int:
         removed = cleanup_leftovers()
         print(f"removed {len(removed)} dead instance(s)" + (f": {', '.join(removed)}" if removed else ""))
     return 0
+
+
+def _batches(args: argparse.Namespace) -> int:
+    """``shmgate batches check|backup``: 0 sound (the copy too), 1 damaged, 2 no store there."""
+    from shmgate.gateway.batch_check import DB_NAME, backup_store, check_store
+    from shmgate.gateway.batch_store import default_batch_dir
+
+    directory = args.batch_dir or default_batch_dir(args.port)
+    if not os.path.isdir(directory):
+        print(f"shmgate batches: error: {directory} is not a directory (set --batch-dir)", file=sys.stderr)
+        return EXIT_USAGE
+    if args.action == "check":
+        report = check_store(directory, full=args.full)
+    else:
+        if not os.path.exists(os.path.join(directory, DB_NAME)):
+            print(f"shmgate batches: error: {directory} holds no {DB_NAME}", file=sys.stderr)
+            return EXIT_USAGE
+        try:
+            report = backup_store(directory, args.destination)
+        except (OSError, sqlite3.Error) as exc:
+            print(f"shmgate batches backup: error: {exc}", file=sys.stderr)
+            return 1
+    print(report.line())
+    return 0 if report.sound else 1

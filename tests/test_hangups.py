@@ -13,8 +13,19 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from pathlib import Path
 
-from tests.serving import Server, image_request, noise_png, raw_post, request_outcomes, server_idle, wait_until
+from tests.serving import (
+    Server,
+    image_request,
+    noise_png,
+    raw_post,
+    request_outcomes,
+    server_idle,
+    start_server,
+    stop_and_check,
+    wait_until,
+)
 
 HANG_GUARD_S = 30.0  # well under the 60 s request deadline, which would also free the holds
 
@@ -35,11 +46,18 @@ def _send_and_hang_up(port: int, payload: bytes, until: threading.Event | float)
 
 def _hang_up_while_in_flight(server: Server, body: dict[str, object]) -> None:
     """Send ``body``, wait until the frontend has it in flight, then close the connection."""
+    _hang_up_while_in_flight_with(server, _raw_request(body), 1)
+
+
+def _hang_up_while_in_flight_with(server: Server, payload: bytes, in_flight: int) -> None:
+    """Send ``payload``, wait until the node has ``in_flight`` requests in flight, then close the connection."""
     go = threading.Event()
-    client = threading.Thread(target=_send_and_hang_up, args=(server.port, _raw_request(body), go))
+    client = threading.Thread(target=_send_and_hang_up, args=(server.port, payload, go))
     client.start()
     try:
-        wait_until(lambda: server.metric("shmgate_in_flight_requests") >= 1, HANG_GUARD_S, "the request in flight")
+        wait_until(
+            lambda: server.metric("shmgate_in_flight_requests") >= in_flight, HANG_GUARD_S, "the request in flight"
+        )
         time.sleep(0.3)  # a few trickle steps / well inside the hold
     finally:
         go.set()
@@ -125,3 +143,48 @@ def test_a_client_that_closes_mid_body_is_cancelled_without_a_traceback(checksum
     assert {o: after[o] - before[o] for o in after} == {"ok": 0, "cancelled": 3, "client_error": 0, "server_error": 0}
     new_lines = server.log_path.read_text()[len(logged) :]
     assert "Traceback" not in new_lines and "ClientDisconnect" not in new_lines, new_lines[-3000:]
+
+
+def test_a_stream_that_hangs_up_while_held_behind_a_running_batch_is_cancelled_before_that_batch_ends(
+    tmp_path: Path,
+) -> None:
+    """One worker whose model runs a batch whole: a long batch runs, a stream's request waits in the next
+    batch (held open while the model is busy) and its client hangs up before any event. The worker answers
+    the Cancel while the long batch still runs, rather than when that batch ends and the held one is admitted.
+
+    Nothing here is timed: the witness is the order. The stream's request has ended (in flight 1) while the
+    long batch's client has not had a byte of its answer yet.
+    """
+    server = start_server("checksum", tmp_path, "--workers", "1", "--frontends", "1")
+    try:
+        before = request_outcomes(server)
+        long_batch = _raw_request(
+            image_request("checksum", noise_png(7, size=64), mime="image/png", text="checksum:hold 400")
+        )  # 8 s before any output
+        held = _raw_request(image_request("checksum", noise_png(8, size=64), mime="image/png", stream=True))
+        with socket.create_connection(("127.0.0.1", server.port)) as running:
+            running.sendall(long_batch)
+            wait_until(lambda: server.metric("shmgate_in_flight_requests") >= 1, HANG_GUARD_S, "the long batch")
+            time.sleep(0.3)  # the worker runs it: the next request it takes waits in a held batch
+            _hang_up_while_in_flight_with(server, held, 2)
+            wait_until(lambda: server.metric("shmgate_in_flight_requests") <= 1, HANG_GUARD_S, "the held stream ended")
+            running.setblocking(False)
+            try:
+                answered = running.recv(1)
+            except BlockingIOError:
+                answered = b""
+            assert answered == b"", "the held request ended only when the running batch did"
+            assert request_outcomes(server)["cancelled"] == before["cancelled"] + 1
+            running.setblocking(True)
+            running.settimeout(HANG_GUARD_S)
+            assert running.recv(12).startswith(b"HTTP/1.1 200")
+        wait_until(lambda: server_idle(server), HANG_GUARD_S, "idle")
+        after = request_outcomes(server)
+        assert {o: after[o] - before[o] for o in after} == {
+            "ok": 1,
+            "cancelled": 1,
+            "client_error": 0,
+            "server_error": 0,
+        }
+    finally:
+        stop_and_check(server)

@@ -69,6 +69,10 @@ def _never() -> bool:
     return False
 
 
+def _nothing() -> None:
+    pass
+
+
 class Batcher(Generic[T]):
     def __init__(
         self,
@@ -107,6 +111,7 @@ class Batcher(Generic[T]):
         hold_open: Callable[[], bool] = _never,
         limit: int | None = None,
         yield_bulk: Callable[[], bool] = _never,
+        on_held: Callable[[], None] = _nothing,
     ) -> list[T]:
         """The next batch; empty when nothing arrived within ``idle_timeout_s``.
 
@@ -115,7 +120,9 @@ class Batcher(Generic[T]):
         window ends or when nothing more is on its way. ``limit``: at most this many (at least one),
         below the maximum size: what a generation engine has room for, so a worker takes no more
         off the shared queue than it can start. ``yield_bulk()``: interactive requests are in hand on
-        the node, so a batch of batch lines only waits for one of them (``_hold_bulk``).
+        the node, so a batch of batch lines only waits for one of them (``_hold_bulk``). ``on_held()``:
+        called at each turn of a held batch's wait (at least every ``WAKE_SLICE_S``), where the worker
+        answers the cancels of what the batch holds (an item it answered is left in the batch).
         """
         batch: list[T] = []
         size = self._max_batch_size if limit is None else max(1, min(limit, self._max_batch_size))
@@ -148,6 +155,8 @@ class Batcher(Generic[T]):
             # select on the queue's descriptor wakes every waiting worker for it and all but one
             # find it gone (measured: most of an idle-ish worker's CPU per request).
             item = self._take(remaining, wakeable=holding)
+            if holding:
+                on_held()
             if item is not None and item is not False:
                 batch.append(item)  # type: ignore[arg-type]
                 bulk += self._took_bulk

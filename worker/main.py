@@ -9,7 +9,8 @@ the main thread runs the engine loop: admit what the prefetch side has ready
 (as much as the backend has ``room`` for: a generative backend's free rows and
 KV budget, a batch backend's next batch once the last one ended), ``step`` the
 backend, route each event to its request, read cancels between steps (an
-aborted request leaves at the next step boundary). The compute stream waits
+aborted request leaves at the next step boundary; one that still waits in a
+held or prepared batch is answered by the prefetch thread at once and never runs). The compute stream waits
 for each copy's event (no host sync on the compute path). The backend contract
 (``add``, ``abort``, ``step``, ``has_work``) is worker/backends/base.py's.
 
@@ -173,6 +174,9 @@ class Worker:
         self._cancelled: set[tuple[int, int]] = set()
         self._cancels_read_at = 0.0
         self._cancel_lock = threading.Lock()
+        # Taken and copied by the prefetch thread, not admitted yet (a held or prepared batch), by the same key:
+        # a Cancel for one of them is answered at once and the request never runs (``_drop_held``).
+        self._held: dict[tuple[int, int], _Job] = {}
         self._jobs: dict[int, _Job] = {}  # what the engine holds, by WorkItem.key
         self._next_key = 0
         self._batch_started_ns = 0  # when the engine last went from idle to busy (0: idle)
@@ -211,7 +215,9 @@ class Worker:
         self._interactive_seen = 0.0  # when the prefetch thread last saw interactive demand (time.monotonic)
         self.copier = DeviceCopier(self.device, link.mm)
         self._host_only = frozenset((INLINE_TENSOR, *self.backend.host_tensors))
-        self._prefetcher: Prefetcher[list[_Job]] = Prefetcher(self._prepare, name=f"prefetch-{self.slot}")
+        self._prefetcher: Prefetcher[list[_Job]] = Prefetcher(
+            self._prepare, name=f"prefetch-{self.slot}", waiting=self._watch_held
+        )
         self.spans: BatchSpans | None = None  # tracing off: never imported
         if options.tracing.otlp_traces_endpoint:
             from shmgate.worker.tracing import start_batch_spans
@@ -410,7 +416,7 @@ class Worker:
         if job.item is None:
             return None
         job.stamps.mark(Stamp.COPIED)
-        return job
+        return job if self._hold(job) else None
 
     def _expired(self, submit: Submit) -> bool:
         """Fail a request whose deadline passed before it could start; True when it did."""
@@ -433,7 +439,13 @@ class Worker:
         # A backend that runs a batch as a whole holds batch lines back for an interactive request to ride
         # with (worker/batcher.py); a stepping engine's batch lines join its running rows at once.
         yield_bulk = _no_demand if self.backend.joins_running else self._interactive_waits
-        jobs = self.batcher.collect(idle_timeout_s=0.25, hold_open=self._model_busy, limit=limit, yield_bulk=yield_bulk)
+        jobs = self.batcher.collect(
+            idle_timeout_s=0.25,
+            hold_open=self._model_busy,
+            limit=limit,
+            yield_bulk=yield_bulk,
+            on_held=self._watch_held,
+        )
         return jobs or None
 
     def _interactive_waits(self) -> bool:
@@ -507,6 +519,9 @@ class Worker:
         added = 0
         for job in sorted(prepared, key=lambda job: job.submit.bulk):  # interactive requests first, then batch lines
             assert job.copy is not None and job.item is not None
+            with self._cancel_lock:
+                if self._held.pop((job.submit.reply_slot, job.submit.request_id), None) is None:
+                    continue  # its client hung up while it waited, and it was answered then (``_drop_held``)
             job.copy.hand_to(compute)  # the compute stream waits for the copy's event; the host does not
             if self._expired(job.submit):  # it may have waited for room since it was claimed
                 continue
@@ -715,6 +730,21 @@ class Worker:
 
     def _drain_cancels(self) -> None:
         self._cancels_read_at = time.monotonic()
+        self._read_cancels()
+        self._drop_held()
+        with self._cancel_lock:
+            if self._cancelled and self._jobs:
+                for job in self._jobs.values():
+                    item = job.item
+                    if item is not None and not item.cancelled:
+                        if (job.submit.reply_slot, item.request_id) in self._cancelled:
+                            item.cancelled = True
+                            self.backend.abort(item.key)  # it ends at the next step boundary
+            if len(self._cancelled) > 10_000:
+                self._cancelled.clear()  # cancels of requests that finished before they arrived
+
+    def _read_cancels(self) -> None:
+        """Take every Cancel off the control queue into ``_cancelled`` (either thread: the set is locked)."""
         while True:
             try:
                 message = self.link.try_receive_control()
@@ -728,16 +758,37 @@ class Worker:
             if isinstance(message, Cancel):
                 with self._cancel_lock:
                     self._cancelled.add((message.reply_slot, message.request_id))
+
+    def _hold(self, job: _Job) -> bool:
+        """Note a job the prefetch thread took as waiting for admission; False (answered) when its Cancel came
+        already, between the claim's look (``_start_copy``) and now."""
+        key = (job.submit.reply_slot, job.submit.request_id)
         with self._cancel_lock:
-            if self._cancelled and self._jobs:
-                for job in self._jobs.values():
-                    item = job.item
-                    if item is not None and not item.cancelled:
-                        if (job.submit.reply_slot, item.request_id) in self._cancelled:
-                            item.cancelled = True
-                            self.backend.abort(item.key)  # it ends at the next step boundary
-            if len(self._cancelled) > 10_000:
-                self._cancelled.clear()  # cancels of requests that finished before they arrived
+            if key not in self._cancelled:
+                self._held[key] = job
+                return True
+            self._cancelled.discard(key)
+        self._fail(job.submit, 0, Cancelled("the client cancelled the request"))
+        return False
+
+    def _drop_held(self) -> None:
+        """Answer at once the waiting jobs (taken, not admitted) whose client hung up; they are never admitted."""
+        with self._cancel_lock:
+            if not (self._cancelled and self._held):
+                return
+            keys = self._cancelled & self._held.keys()
+            dropped = [self._held.pop(key) for key in keys]
+            self._cancelled -= keys
+        for job in dropped:
+            self._fail(job.submit, 0, Cancelled("the client cancelled the request"))
+
+    def _watch_held(self) -> None:
+        """The prefetch thread, while its batch waits for the model (held open in the batcher, or prepared in
+        the hand-off): read cancels and drop the waiting jobs they name. The main thread reads cancels only
+        between steps, and a backend that runs a batch whole makes one step of it: a request whose client
+        hung up while it waited behind a long batch was answered only when that batch ended."""
+        self._read_cancels()
+        self._drop_held()
 
 
 def _public_id(options: WorkerOptions) -> str:

@@ -37,9 +37,14 @@ _CREDIT_POLL_S = 0.1  # how often a producer waiting for the consumer looks at t
 
 
 class Prefetcher(Generic[T]):
-    def __init__(self, produce: Callable[[], T | None], *, name: str = "prefetch") -> None:
-        """``produce()`` returns the next item, or None when there was nothing to do (it is called again)."""
+    def __init__(
+        self, produce: Callable[[], T | None], *, name: str = "prefetch", waiting: Callable[[], None] | None = None
+    ) -> None:
+        """``produce()`` returns the next item, or None when there was nothing to do (it is called again).
+        ``waiting()``: called every ``_CREDIT_POLL_S`` while a prepared item waits for the consumer (the
+        worker answers its requests' cancels there)."""
         self._produce = produce
+        self._waiting_turn = waiting
         # Two plain locks, each waited on in C: one acquire or release per side and item, where a
         # queue.Queue, a Semaphore and an Event each run a Condition's Python code per call.
         self._item: T | None = None  # the prepared item, while ``_filled`` is released
@@ -134,6 +139,8 @@ class Prefetcher(Generic[T]):
                     # The consumer is running an item: collect the next only once it took the last
                     # one (the credit), or this worker would hold a third batch.
                     if not self._taken.acquire(timeout=_CREDIT_POLL_S):
+                        if self._waiting_turn is not None:
+                            self._waiting_turn()
                         continue
                     slot_ours = True
                     if self._stop:  # given back by drain: stopping, so nothing new is collected
