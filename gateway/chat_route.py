@@ -12,8 +12,9 @@ from collections.abc import Mapping
 from fastapi import Request
 from fastapi.responses import Response
 
-from shmgate.gateway.intake import ChatRequest, IntakeLimits, parse_chat_request
-from shmgate.gateway.pipeline import generate, handle
+from shmgate.gateway.edge import respond
+from shmgate.gateway.intake import GenerationRequest, IntakeLimits, parse_chat_body
+from shmgate.gateway.pipeline import generate
 from shmgate.gateway.render import AnswerFormat
 from shmgate.gateway.sse import ChatFormat
 
@@ -25,9 +26,10 @@ class ChatCodec:
 
     fields: Mapping[str, str] = {}
 
-    def parse(self, body: bytes, limits: IntakeLimits) -> tuple[ChatRequest, AnswerFormat]:
-        chat = parse_chat_request(body, limits)
-        return chat, ChatFormat(chat.model, include_usage=chat.include_usage)
+    def parse(self, body: bytes, limits: IntakeLimits) -> tuple[GenerationRequest, AnswerFormat]:
+        chat, req = parse_chat_body(body, limits)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return chat, ChatFormat(chat.model, include_usage=include_usage)
 
 
 CHAT = ChatCodec()
@@ -35,4 +37,4 @@ _steps = functools.partial(generate, codec=CHAT)
 
 
 async def chat_completions(request: Request) -> Response:
-    return await handle(request, _steps)
+    return await respond(request, _steps)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from shmgate.gateway import lane, tracing
 from shmgate.gateway.images import ImageResolver
-from shmgate.gateway.intake import ChatRequest
+from shmgate.gateway.intake import GenerationRequest
 from shmgate.gateway.metrics import Counter, FrontendStats
 from shmgate.gateway.preprocess.base import ImageTensorSpec, Preprocessor
 from shmgate.gateway.replies import ReplyRouter
@@ -211,7 +211,7 @@ class Frontend:
 
     # -- the request path ---------------------------------------------------------------
 
-    async def submit(self, chat: ChatRequest, *, first: bool = True) -> RequestState:
+    async def submit(self, chat: GenerationRequest, *, first: bool = True) -> RequestState:
         """Admit, resolve images, build and send the descriptor. Raises ShmgateError.
 
         ``first``: this is the client request's first submission, which the per-model ``admitted``
@@ -248,7 +248,7 @@ class Frontend:
                 retry_after_s=2.0,
             )
 
-    async def _dispatch(self, chat: ChatRequest, pre: Preprocessor) -> RequestState:
+    async def _dispatch(self, chat: GenerationRequest, pre: Preprocessor) -> RequestState:
         """Resolve the admitted request's images, build its prompt and send its descriptor to its model's queue."""
         model = pre.model
         images = self._images_by_model[model]
