@@ -79,7 +79,7 @@ def create_app(options: AppOptions) -> FastAPI:
     app.state.batches = None
     # Outermost last: the frontend header goes on every response, the catch-all's 500 and the Host refusal included.
     stats = functools.partial(_frontend_stats, app)
-    app.add_middleware(BulkLane, stats=stats)  # innermost: a loopback batch line's descriptors go in the bulk lane
+    app.add_middleware(BulkLane, stats=stats)  # innermost: interactive model requests are the demand batches yield to
     app.add_middleware(AllowedHosts, hosts=options.allowed_hosts, stats=stats)
     app.add_middleware(CatchAll, stats=stats)
     app.add_middleware(FrontendHeader, slot=options.slot)
@@ -155,11 +155,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             log.warning("the Batch API is off: cannot open %s (%s); set --batch-dir", options.batch_dir, exc)
         if app.state.batches is not None:
             runner = BatchRunner(
-                app.state.batches,
-                options.loopback_url,
-                options.api_key,
-                options.batch_max_in_flight,
-                interactive=node.interactive_in_flight,
+                app.state.batches, app.state.served, options.batch_max_in_flight, interactive=node.interactive_in_flight
             )
             runner.start()
     try:

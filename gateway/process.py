@@ -22,7 +22,6 @@ __all__ = ["app_options", "run_frontend"]
 def app_options(config: FrontendConfig) -> AppOptions:
     """The app's options (gateway/served.py ``AppOptions``) from the frontend's configuration."""
     from shmgate.gateway.addresses import AllowList
-    from shmgate.gateway.batch_runner import loopback_url
     from shmgate.gateway.batch_store import default_batch_dir
     from shmgate.gateway.fetch import FetchPolicy
     from shmgate.gateway.frontend import FrontendLimits
@@ -57,7 +56,6 @@ def app_options(config: FrontendConfig) -> AppOptions:
         batch_dir=config.batch_dir or default_batch_dir(config.port),
         batch_dir_given=bool(config.batch_dir),
         batch_max_in_flight=config.batch_max_in_flight,
-        loopback_url=loopback_url(config.host, config.port),
         image_urls=FetchPolicy(
             allowlist=AllowList.parse(config.image_url_allowlist),
             max_bytes=config.image_url_max_bytes,

@@ -49,7 +49,6 @@ class AppOptions:
     batch_dir: str = ""  # --batch-dir (gateway/batch_store.py); empty: the Batch API is off (an app built alone)
     batch_dir_given: bool = False  # --batch-dir was set: a directory that cannot be opened stops the frontend
     batch_max_in_flight: int = 4  # --batch-max-in-flight (gateway/batch_runner.py)
-    loopback_url: str = ""  # this node's own HTTP address, where the batch runner sends the lines
 
 
 @dataclass(frozen=True)

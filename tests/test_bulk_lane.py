@@ -3,7 +3,7 @@
 Batch lines (gateway/batch_runner.py) are sent at the request queue's lower priority
 (shared/transport/base.py ``BULK``); the kernel delivers the highest priority first, so an
 interactive request never waits behind bulk ones already queued. The lane is chosen per request
-by gateway/lane.py, from a loopback peer's ``x-shmgate-lane: bulk`` header only.
+by gateway/lane.py: only the batch runner's lines, run in process, are bulk; nothing sent over HTTP is.
 """
 
 from __future__ import annotations
@@ -70,21 +70,26 @@ def test_the_async_sender_carries_the_lane(instance: Instance) -> None:
     assert asyncio.run(scenario()) == [3, 1, 2]
 
 
-def test_the_lane_header_is_honoured_from_loopback_only() -> None:
+def test_only_a_batch_line_run_in_process_is_bulk_never_an_http_request() -> None:
     seen: list[int] = []
 
     async def app(scope: object, receive: object, send: object) -> None:
         seen.append(lane.priority())
 
     async def call(client: tuple[str, int], value: bytes) -> None:
-        scope = {"type": "http", "headers": [(b"x-shmgate-lane", value)], "client": client}
+        scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "client": client}
+        scope["headers"] = [(b"x-shmgate-lane", value)]  # the header the runner once sent: no longer a lane
         await lane.BulkLane(app)(scope, None, None)  # type: ignore[arg-type]
 
+    async def batch_line() -> None:
+        with lane.bulk():
+            seen.append(lane.priority())
+        seen.append(lane.priority())
+
     asyncio.run(call(("127.0.0.1", 5000), b"bulk"))
-    asyncio.run(call(("::1", 5000), b"bulk"))
     asyncio.run(call(("10.1.2.3", 5000), b"bulk"))
-    asyncio.run(call(("127.0.0.1", 5000), b"interactive"))
-    assert seen == [BULK, BULK, INTERACTIVE, INTERACTIVE]
+    asyncio.run(batch_line())
+    assert seen == [INTERACTIVE, INTERACTIVE, BULK, INTERACTIVE]
     assert lane.priority() == INTERACTIVE
 
 
@@ -132,10 +137,10 @@ def test_interactive_model_requests_count_as_demand_while_they_are_served() -> N
 
     asyncio.run(call("/v1/chat/completions", []))
     asyncio.run(call("/v1/embeddings", []))
-    asyncio.run(call("/v1/chat/completions", [(b"x-shmgate-lane", b"bulk")]))  # a batch line: not demand
+    asyncio.run(call("/v1/chat/completions", [(b"x-shmgate-lane", b"bulk")]))  # no header makes it a batch line
     asyncio.run(call("/v1/batches", []))  # not a model request
     asyncio.run(call("/v1/models", [], method="GET"))
-    assert seen == [1, 1, 0, 0, 0]
+    assert seen == [1, 1, 1, 0, 0]
     assert int(row[Counter.INTERACTIVE_IN_FLIGHT]) == 0  # each ended
 
 
