@@ -13,7 +13,8 @@ Routes:
     GET  /openapi.json          every route's request and answers, errors included (gateway/openapi.py)
     GET  /docs                  that document as an interactive page (Swagger UI; always open)
 
-Every error is an OpenAI error object with the right status (gateway/http_errors.py).
+Every error is an OpenAI error object with the right status (gateway/http_errors.py), counted by its
+outcome (gateway/edge.py). The model endpoints' routes come from their table (gateway/endpoints.py).
 Every response carries ``x-shmgate-frontend: <slot>``, the frontend process that
 answered it: all frontends share one port, so this is how an operator (or a fault
 test) tells which process served a connection.
@@ -37,8 +38,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from shmgate.gateway.batch_routes import add_batch_routes
 from shmgate.gateway.batch_runner import BatchRunner
 from shmgate.gateway.batch_store import BatchStore
-from shmgate.gateway.chat_route import chat_completions
-from shmgate.gateway.embeddings import embeddings_route
+from shmgate.gateway.edge import error_answer
+from shmgate.gateway.endpoints import ENDPOINTS, MODEL_PATHS
 from shmgate.gateway.frontend import Frontend
 from shmgate.gateway.guards import AllowedHosts, CatchAll
 from shmgate.gateway.http_errors import error_body, error_response
@@ -46,7 +47,6 @@ from shmgate.gateway.lane import BulkLane
 from shmgate.gateway.metrics import BatchCollector, FrontendStats, ModelGauges, exposition
 from shmgate.gateway.openapi import docs_page, openapi_document
 from shmgate.gateway.preprocess import get_preprocessor
-from shmgate.gateway.responses import responses_route
 from shmgate.gateway.result_cache import ResultCache
 from shmgate.gateway.served import AppOptions, Served, read_body, served
 from shmgate.gateway.tokenize import detokenize, model_card, tokenize
@@ -79,7 +79,9 @@ def create_app(options: AppOptions) -> FastAPI:
     app.state.batches = None
     # Outermost last: the frontend header goes on every response, the catch-all's 500 and the Host refusal included.
     stats = functools.partial(_frontend_stats, app)
-    app.add_middleware(BulkLane, stats=stats)  # innermost: interactive model requests are the demand batches yield to
+    app.add_middleware(
+        BulkLane, paths=MODEL_PATHS, stats=stats
+    )  # innermost: interactive model requests are the demand batches yield to
     app.add_middleware(AllowedHosts, hosts=options.allowed_hosts, stats=stats)
     app.add_middleware(CatchAll, stats=stats)
     app.add_middleware(FrontendHeader, slot=options.slot)
@@ -97,9 +99,8 @@ def create_app(options: AppOptions) -> FastAPI:
     app.add_api_route("/tokenize", _tokenize, methods=["POST"])
     app.add_api_route("/detokenize", _detokenize, methods=["POST"])
     app.add_api_route("/metrics", _metrics, methods=["GET"])
-    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
-    app.add_api_route("/v1/embeddings", embeddings_route, methods=["POST"])
-    app.add_api_route("/v1/responses", responses_route, methods=["POST"])
+    for endpoint in ENDPOINTS:
+        app.add_api_route(endpoint.path, endpoint.route, methods=["POST"])
     add_batch_routes(app)
     return app
 
@@ -198,7 +199,9 @@ def _frontend_stats(app: FastAPI) -> FrontendStats | None:
 
 async def _shmgate_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ShmgateError)  # registered for ShmgateError only
-    return error_response(exc)
+    if request.app.state.served is None:  # before the lifespan attached the frontend: nothing to count in
+        return error_response(exc)
+    return error_answer(request, exc)
 
 
 async def _not_found(request: Request, exc: Exception) -> Response:
@@ -306,6 +309,9 @@ def _card(f: Frontend, model: str, created: int) -> dict[str, object]:
         "tokenize": bool(pre.tokenizes and pre.serves_chat),
         "max_model_len": pre.max_prompt_tokens,
     }
+    card["endpoints"] = [
+        endpoint.path for endpoint in ENDPOINTS if endpoint.serves(pre)
+    ]  # the model endpoints it serves
     return card
 
 
@@ -335,7 +341,7 @@ async def _tokenize(request: Request) -> Response:
             )
         )
     except ShmgateError as exc:
-        return error_response(exc)
+        return error_answer(request, exc)
 
 
 async def _detokenize(request: Request) -> Response:
@@ -346,7 +352,7 @@ async def _detokenize(request: Request) -> Response:
             await detokenize(s.frontend.preprocessor_for, await read_body(request, s.options.max_body_bytes))
         )
     except ShmgateError as exc:
-        return error_response(exc)
+        return error_answer(request, exc)
 
 
 async def _metrics(request: Request) -> Response:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
-import functools
 import logging
 import os
 import time
@@ -38,12 +37,10 @@ import msgspec
 
 from shmgate.gateway import lane, tracing
 from shmgate.gateway.batch_store import BatchStore, LineResult, new_id
-from shmgate.gateway.chat_route import CHAT
-from shmgate.gateway.embeddings import embed_steps
+from shmgate.gateway.endpoints import BY_PATH
 from shmgate.gateway.http_errors import count_error, error_body
-from shmgate.gateway.pipeline import Arrival, Steps, generate
+from shmgate.gateway.pipeline import Arrival
 from shmgate.gateway.render import HungUp, Whole
-from shmgate.gateway.responses import RESPONSES
 from shmgate.gateway.served import Served
 from shmgate.shared.errors import Cancelled, ShmgateError
 
@@ -73,13 +70,6 @@ class _Model(msgspec.Struct):
 
 _line_decoder = msgspec.json.Decoder(_Line)
 _model_decoder = msgspec.json.Decoder(_Model)
-
-
-_STEPS: dict[str, Steps] = {
-    "/v1/chat/completions": functools.partial(generate, codec=CHAT),
-    "/v1/embeddings": embed_steps,
-    "/v1/responses": functools.partial(generate, codec=RESPONSES),
-}
 
 
 def _model_of(body: bytes) -> str:
@@ -374,7 +364,7 @@ class BatchRunner:
     async def _answer(self, line: _Line, request_id: str) -> tuple[int, dict[str, Any]]:
         """The line's answer through its endpoint's steps, in process: its HTTP status and JSON body, as an
         HTTP client of the node would have had them. Busy (429, 503): waits, then again."""
-        steps = _STEPS[line.url]  # the batch's endpoint: checked when the batch was created
+        steps = BY_PATH[line.url].steps  # the batch's endpoint (gateway/endpoints.py): checked at create
         s = self.served
         delay = 0.2
         while True:

@@ -4,14 +4,14 @@ The pipeline (gateway/pipeline.py) takes and returns data; what is HTTP lives he
 model endpoint: the API key, the bounded body, its stage and span, the answer framed (a JSON body,
 or server-sent events), a hang-up's 499 (to nobody), and every ShmgateError raised on the way
 answered as an OpenAI error object and counted by its outcome (gateway/http_errors.py). The other
-routes (models, tokenize, files and batches) answer their errors through ``guarded``, the same
+routes (models, tokenize, files and batches) answer their errors through ``error_answer``, the same
 answer and the same count.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 
 import msgspec
 from fastapi import Request
@@ -27,7 +27,7 @@ from shmgate.gateway.served import Served, bypass_cache, read_body, served
 from shmgate.shared.errors import Cancelled, ShmgateError
 from shmgate.shared.stages import Stage
 
-__all__ = ["SSE_HEADERS", "framed", "guarded", "http_response", "respond"]
+__all__ = ["SSE_HEADERS", "error_answer", "framed", "http_response", "respond"]
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -73,10 +73,7 @@ def http_response(answer: Answer) -> Response:
     return StreamingResponse(answer.events, media_type="text/event-stream", headers=SSE_HEADERS | answer.headers)
 
 
-async def guarded(request: Request, route: Callable[[], Awaitable[Response]]) -> Response:
-    """Run a route that answers for itself; a ShmgateError it raises is answered and counted as any other."""
-    try:
-        return await route()
-    except ShmgateError as exc:
-        count_error(served(request).frontend.stats, exc)
-        return error_response(exc)
+def error_answer(request: Request, exc: ShmgateError) -> Response:
+    """A route's error as every route answers one: the OpenAI error object, counted by its outcome."""
+    count_error(served(request).frontend.stats, exc)
+    return error_response(exc)

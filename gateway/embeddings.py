@@ -34,11 +34,8 @@ from typing import Literal
 
 import msgspec
 import numpy as np
-from fastapi import Request
-from fastapi.responses import Response
 from starlette.types import Receive
 
-from shmgate.gateway.edge import respond
 from shmgate.gateway.fetch import fetch_pending
 from shmgate.gateway.frontend import Frontend, RequestState
 from shmgate.gateway.http_errors import count_ok, failure_error
@@ -61,7 +58,7 @@ from shmgate.gateway.served import Served
 from shmgate.shared.errors import Cancelled, InvalidRequest, ShmgateError, TooManyImages
 from shmgate.shared.wire import TASK_EMBED, Failed, Finished, Vector
 
-__all__ = ["EmbeddingJob", "embed", "embedding_body", "embed_steps", "embeddings_route", "parse_embedding_request"]
+__all__ = ["EmbeddingJob", "EmbeddingRequest", "embed", "embed_steps", "embedding_body", "parse_embedding_request"]
 
 
 class EmbeddingRequest(msgspec.Struct):
@@ -302,16 +299,10 @@ def embedding_body(job: EmbeddingJob, vectors: list[bytes], tokens: int) -> dict
     }
 
 
-async def embeddings_route(request: Request) -> Response:
-    """``POST /v1/embeddings``: parse, fetch image URLs, embed every input, answer (or an OpenAI error).
-
-    A hang-up while the inputs run ends it with a 499 that nobody reads (see ``embed``).
-    """
-    return await respond(request, embed_steps)
-
-
 async def embed_steps(s: Served, arrival: Arrival) -> Whole:
-    """An embeddings request's steps after its body: its vectors, or the client's error raised."""
+    """``POST /v1/embeddings``'s steps after its body (its row in gateway/endpoints.py): parse, fetch image
+    URLs, embed every input; its vectors, or the client's error raised. A hang-up while the inputs run
+    raises ``HungUp`` (see ``embed``)."""
     f, options, results = s.frontend, s.options, s.results
     job = parse_embedding_request(arrival.body, options.intake, f.preprocessor_for)
     if job.chat.pending_urls:

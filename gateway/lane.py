@@ -6,7 +6,8 @@ the frontend sends that request's descriptor at the request queue's lower priori
 model first, and decodes its images in the bulk pool. Nothing a client sends over HTTP can put a
 request in the bulk lane.
 
-The middleware keeps the node's interactive demand: every POST to a model endpoint counts in this frontend's stats word ``INTERACTIVE_IN_FLIGHT`` from its first byte to its last, and
+The middleware keeps the node's interactive demand: every POST to a model endpoint (the table of
+gateway/endpoints.py) counts in this frontend's stats word ``INTERACTIVE_IN_FLIGHT`` from its first byte to its last, and
 the node's sum of those words (``NodeStats.interactive_in_flight``) is what the bulk lane yields to:
 the batch runner keeps fewer lines in flight while it is above zero, and a worker holds bulk-only
 batches back to ride with the next interactive one (docs/BATCH.md, "Fairness").
@@ -24,10 +25,7 @@ from shmgate.gateway.metrics import FrontendStats
 from shmgate.shared.stats_layout import Counter
 from shmgate.shared.transport.base import BULK, INTERACTIVE
 
-__all__ = ["MODEL_PATHS", "BulkLane", "bulk", "is_bulk", "priority"]
-
-# The endpoints whose requests reach a worker: an interactive one of these is demand the bulk lane yields to.
-MODEL_PATHS = frozenset({"/v1/chat/completions", "/v1/embeddings", "/v1/responses"})
+__all__ = ["BulkLane", "bulk", "is_bulk", "priority"]
 
 _bulk: ContextVar[bool] = ContextVar("shmgate_bulk_lane", default=False)
 
@@ -53,18 +51,22 @@ def bulk() -> Iterator[None]:
 
 
 class BulkLane:
-    """Pure ASGI middleware: every model request counts as interactive demand while it is served.
+    """Pure ASGI middleware: every POST to a model endpoint (``paths``: gateway/endpoints.py ``MODEL_PATHS``)
+    counts as interactive demand while it is served.
 
     ``stats`` returns the frontend's counters, or None before the lifespan attached them.
     """
 
-    def __init__(self, app: ASGIApp, stats: Callable[[], FrontendStats | None] = lambda: None) -> None:
+    def __init__(
+        self, app: ASGIApp, paths: frozenset[str], stats: Callable[[], FrontendStats | None] = lambda: None
+    ) -> None:
         self.app = app
+        self.paths = paths
         self.stats = stats
         self.interactive = 0  # this frontend's interactive model requests in hand (published in the stats row)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope.get("method") == "POST" and scope.get("path") in MODEL_PATHS:
+        if scope["type"] == "http" and scope.get("method") == "POST" and scope.get("path") in self.paths:
             await self._interactive(scope, receive, send)
             return
         await self.app(scope, receive, send)

@@ -1,4 +1,5 @@
-"""``POST /v1/responses``: OpenAI's Responses API as a codec over the request pipeline (gateway/pipeline.py).
+"""``POST /v1/responses``: OpenAI's Responses API as a codec over the request pipeline (gateway/pipeline.py);
+its row in gateway/endpoints.py makes the route.
 
 The request becomes the engine's request through the chat path's own validation: ``input`` (a string,
 or messages whose content is ``input_text`` and ``input_image`` parts; ``output_text`` parts of an
@@ -23,16 +24,12 @@ Every field is honoured or refused with a 400 naming it, never ignored:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal, Union
 
 import msgspec
-from fastapi import Request
-from fastapi.responses import Response
 
-from shmgate.gateway.edge import respond
 from shmgate.gateway.intake import (
     ChatCompletionRequest,
     FieldNames,
@@ -46,7 +43,6 @@ from shmgate.gateway.intake import (
     chat_request_from,
     decode_body,
 )
-from shmgate.gateway.pipeline import generate
 from shmgate.gateway.render import AnswerFormat
 from shmgate.gateway.responses_format import ResponsesFormat
 from shmgate.shared.errors import InvalidRequest
@@ -57,7 +53,6 @@ __all__ = [
     "ResponsesCodec",
     "ResponsesRequest",
     "parse_responses_request",
-    "responses_route",
 ]
 
 Refused = Annotated[Any, msgspec.Meta(description="not supported: a 400 naming the field when present (not null)")]
@@ -297,9 +292,3 @@ class ResponsesCodec:
 
 
 RESPONSES = ResponsesCodec()
-_steps = functools.partial(generate, codec=RESPONSES)
-
-
-async def responses_route(request: Request) -> Response:
-    """``POST /v1/responses``: the pipeline's steps with this codec."""
-    return await respond(request, _steps)

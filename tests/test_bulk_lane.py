@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from shmgate.gateway import lane
+from shmgate.gateway.endpoints import MODEL_PATHS
 from shmgate.gateway.metrics import FrontendStats
 from shmgate.shared.channels import AsyncSender, Queue, YieldingSender
 from shmgate.shared.instance import Instance
@@ -79,7 +80,7 @@ def test_only_a_batch_line_run_in_process_is_bulk_never_an_http_request() -> Non
     async def call(client: tuple[str, int], value: bytes) -> None:
         scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "client": client}
         scope["headers"] = [(b"x-shmgate-lane", value)]  # the header the runner once sent: no longer a lane
-        await lane.BulkLane(app)(scope, None, None)  # type: ignore[arg-type]
+        await lane.BulkLane(app, MODEL_PATHS)(scope, None, None)  # type: ignore[arg-type]
 
     async def batch_line() -> None:
         with lane.bulk():
@@ -133,7 +134,7 @@ def test_interactive_model_requests_count_as_demand_while_they_are_served() -> N
 
     async def call(path: str, headers: list[tuple[bytes, bytes]], method: str = "POST") -> None:
         scope = {"type": "http", "method": method, "path": path, "headers": headers, "client": ("127.0.0.1", 1)}
-        await lane.BulkLane(app, stats=lambda: stats)(scope, None, None)  # type: ignore[arg-type]
+        await lane.BulkLane(app, MODEL_PATHS, stats=lambda: stats)(scope, None, None)  # type: ignore[arg-type]
 
     asyncio.run(call("/v1/chat/completions", []))
     asyncio.run(call("/v1/embeddings", []))
