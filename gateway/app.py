@@ -30,6 +30,7 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -59,6 +60,9 @@ from shmgate.shared.segment import ModelState
 from shmgate.shared.transport import PosixFrontendLink, PosixNodeStats
 from shmgate.shared.vocabulary import check_model_id
 
+if TYPE_CHECKING:
+    from shmgate.gateway.request_spans import RequestSpans
+
 __all__ = ["AppOptions", "create_app"]
 
 # /v1/models's ``created`` when the supervisor did not say when the node started (an app built alone)
@@ -67,14 +71,18 @@ _STARTED = int(time.time())
 log = logging.getLogger("shmgate.app")
 
 
-def create_app(options: AppOptions) -> FastAPI:
-    """The frontend's ASGI app: middleware, error handlers and routes; state arrives with the lifespan."""
+def create_app(options: AppOptions, spans: RequestSpans | None = None) -> FastAPI:
+    """The frontend's ASGI app: middleware, error handlers and routes; state arrives with the lifespan.
+
+    ``spans``: this frontend's tracing hooks (gateway/tracing.py ``start_tracing``), None when it is off.
+    """
     # redirect_slashes off: a trailing slash is a 404, never a 307 whose Location is built from the Host header.
     # openapi_url off: FastAPI's generated document knows nothing of bodies the routes decode themselves.
     app = FastAPI(
         title="shmgate", lifespan=_lifespan, docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False
     )
     app.state.options = options
+    app.state.spans = spans
     app.state.served = None
     app.state.batches = None
     # Outermost last: the frontend header goes on every response, the catch-all's 500 and the Host refusal included.
@@ -143,7 +151,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     node = PosixNodeStats(instance)
     await frontend.start()
     results = ResultCache(options.result_cache_bytes) if options.result_cache_bytes > 0 else None
-    app.state.served = Served(options, frontend, node, results)
+    app.state.served = Served(options, frontend, node, results, app.state.spans)
     runner = None
     if options.batch_dir:
         try:
@@ -366,6 +374,7 @@ async def _metrics(request: Request) -> Response:
         request.headers.get("accept"),
         functools.partial(_model_gauges, s.frontend),
         None if store is None else BatchCollector(store.line_counts, s.frontend.preprocessors),
+        s.frontend.stages.exemplars,
     )
     return Response(body, headers={"Content-Type": content_type})
 

@@ -6,7 +6,7 @@ lock when its holder dies, so another frontend (or the same slot restarted) take
 
 Each line runs in process, through its endpoint's codec and the request pipeline of any request
 (gateway/pipeline.py: admission, the content and result caches, the errors); no HTTP request is
-made. It runs in the bulk lane (gateway/lane.py): its descriptor at the request queue's lower
+made. It runs in the bulk lane (gateway/lane.py; ``RequestContext.bulk``): its descriptor at the request queue's lower
 priority, its decodes in the bulk pool. Its answer is the data the pipeline returns, or the OpenAI
 error object of the ShmgateError it raised, counted as an HTTP request's would be. A line's result
 is committed once (gateway/batch_store.py), so after a crash the lines with a stored result are
@@ -35,12 +35,12 @@ from typing import Any
 
 import msgspec
 
-from shmgate.gateway import lane, tracing
 from shmgate.gateway.batch_store import BatchStore, LineResult, new_id
 from shmgate.gateway.endpoints import BY_PATH
 from shmgate.gateway.http_errors import count_error, error_body
 from shmgate.gateway.pipeline import Arrival
 from shmgate.gateway.render import HungUp, Whole
+from shmgate.gateway.request_context import RequestContext
 from shmgate.gateway.served import Served
 from shmgate.shared.errors import Cancelled, ShmgateError
 
@@ -348,9 +348,10 @@ class BatchRunner:
             "response": None,
             "error": None,
         }
-        trace = None if tracing.spans is None else tracing.spans.batch_line(batch_id, line.custom_id, index)
+        spans = self.served.spans
+        trace = None if spans is None else spans.batch_line(batch_id, line.custom_id, index)
         try:
-            with lane.bulk(), contextlib.nullcontext() if trace is None else trace.current():
+            with contextlib.nullcontext() if trace is None else trace.current():
                 status, body = await self._answer(line, record["id"])
         except BaseException as exc:
             if trace is not None:
@@ -366,11 +367,12 @@ class BatchRunner:
         HTTP client of the node would have had them. Busy (429, 503): waits, then again."""
         steps = BY_PATH[line.url].steps  # the batch's endpoint (gateway/endpoints.py): checked at create
         s = self.served
+        context = RequestContext(bulk=True, spans=s.spans)  # the bulk lane
         delay = 0.2
         while True:
             error: ShmgateError
             try:
-                answer = await steps(s, Arrival(bytes(line.body), time.monotonic(), whole=True))
+                answer = await steps(s, Arrival(bytes(line.body), time.monotonic(), whole=True, context=context))
             except HungUp:  # no connection to hang up: only a cancel from elsewhere
                 error = Cancelled("the line's request was cancelled")
             except ShmgateError as exc:

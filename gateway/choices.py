@@ -19,6 +19,7 @@ import msgspec
 
 from shmgate.gateway.frontend import Frontend, RequestState
 from shmgate.gateway.intake import GenerationRequest
+from shmgate.gateway.request_context import INTERACTIVE_REQUEST, RequestContext
 
 __all__ = ["choice_requests", "submit_choices"]
 
@@ -40,12 +41,14 @@ def choice_requests(chat: GenerationRequest) -> list[GenerationRequest]:
     ]
 
 
-async def submit_choices(f: Frontend, chat: GenerationRequest) -> list[RequestState]:
+async def submit_choices(
+    f: Frontend, chat: GenerationRequest, context: RequestContext = INTERACTIVE_REQUEST
+) -> list[RequestState]:
     """Submit every choice; raises ShmgateError on submit, having abandoned the choices already submitted."""
     states: list[RequestState] = []
     try:
         for one in choice_requests(chat):
-            states.append(await f.submit(one, first=not states))
+            states.append(await f.submit(one, first=not states, context=context))
     except BaseException:
         for state in states:
             f.abandon(state)

@@ -18,11 +18,11 @@ from fastapi import Request
 from fastapi.responses import Response
 from starlette.responses import StreamingResponse
 
-from shmgate.gateway import tracing
 from shmgate.gateway.http_errors import count_error, error_response
 from shmgate.gateway.metrics import FrontendStats
 from shmgate.gateway.pipeline import Arrival, Steps
 from shmgate.gateway.render import Answer, HungUp, Whole
+from shmgate.gateway.request_context import RequestContext
 from shmgate.gateway.served import Served, bypass_cache, read_body, served
 from shmgate.shared.errors import Cancelled, ShmgateError
 from shmgate.shared.stages import Stage
@@ -44,9 +44,10 @@ async def _arrive(s: Served, request: Request, steps: Steps) -> Answer:
     body = await read_body(request, s.options.max_body_bytes)
     read_s = time.monotonic() - started
     s.frontend.stages.observe(Stage.BODY_READ, read_s)
-    if tracing.spans is not None:
-        tracing.spans.stage("body_read", started, read_s, **{"http.request.body.size": len(body)})
-    return await steps(s, Arrival(body, started, read_s, bypass_cache(request), request.receive))
+    if s.spans is not None:
+        s.spans.stage("body_read", started, read_s, **{"http.request.body.size": len(body)})
+    context = RequestContext(spans=s.spans)  # an HTTP request is interactive
+    return await steps(s, Arrival(body, started, read_s, bypass_cache(request), request.receive, context=context))
 
 
 async def framed(stats: FrontendStats, answering: Awaitable[Answer]) -> Response:

@@ -53,6 +53,7 @@ from shmgate.gateway.intake import (
 from shmgate.gateway.pipeline import Arrival
 from shmgate.gateway.preprocess.base import Preprocessor
 from shmgate.gateway.render import HungUp, Whole, cancel_on_hang_up
+from shmgate.gateway.request_context import INTERACTIVE_REQUEST, RequestContext
 from shmgate.gateway.result_cache import ResultCache, keyed_off_the_loop, result_key
 from shmgate.gateway.served import Served
 from shmgate.shared.errors import Cancelled, InvalidRequest, ShmgateError, TooManyImages
@@ -158,6 +159,7 @@ async def embed(
     *,
     bypass_cache: bool = False,
     receive: Receive | None = None,
+    context: RequestContext = INTERACTIVE_REQUEST,
 ) -> tuple[list[bytes], int]:
     """Every input's vector (float32 bytes, in input order) and the prompt tokens used. Raises ShmgateError.
 
@@ -177,7 +179,7 @@ async def embed(
     try:
         started = await asyncio.gather(
             *(
-                _start(f, job, index, text, param, cache, bypass_cache, params, submitted, admitted)
+                _start(f, job, index, text, param, cache, bypass_cache, params, submitted, admitted, context)
                 for index, text, param in job.inputs
             ),
             return_exceptions=True,
@@ -219,6 +221,7 @@ async def _start(
     params: bytes,
     submitted: list[RequestState],
     admitted: list[bool],
+    context: RequestContext,
 ) -> _Started:
     image: bytes | EncodedImage | None = None if index is None else job.chat.images[index]
     key = None
@@ -243,7 +246,7 @@ async def _start(
     )
     first = not admitted
     admitted.append(True)  # no await since the check: a concurrent input sees it
-    state = await f.submit(chat, first=first)
+    state = await f.submit(chat, first=first, context=context)
     submitted.append(state)
     return _Started(state=state, key=key)
 
@@ -308,7 +311,9 @@ async def embed_steps(s: Served, arrival: Arrival) -> Whole:
     if job.chat.pending_urls:
         job = dataclasses.replace(job, chat=await fetch_pending(job.chat, options.image_urls))
     try:
-        vectors, tokens = await embed(f, job, results, bypass_cache=arrival.bypass_cache, receive=arrival.receive)
+        vectors, tokens = await embed(
+            f, job, results, bypass_cache=arrival.bypass_cache, receive=arrival.receive, context=arrival.context
+        )
     except Cancelled:  # the client hung up while its inputs ran: counted by abandon, answered to nobody
         raise HungUp() from None
     finally:

@@ -1,53 +1,29 @@
 """The bulk lane: batch lines (gateway/batch_runner.py) wait behind every interactive request.
 
-The batch runner runs each line in process inside ``bulk()``, which notes it in a context variable;
-the frontend sends that request's descriptor at the request queue's lower priority
-(shared/transport/base.py ``BULK``), so a worker takes every waiting interactive descriptor of its
-model first, and decodes its images in the bulk pool. Nothing a client sends over HTTP can put a
-request in the bulk lane.
+A request's lane is on the request itself: the batch runner hands each line to the pipeline with
+``RequestContext(bulk=True)`` (gateway/request_context.py), the edge every HTTP request as
+interactive, and the pipeline hands it down to the frontend, which sends a bulk request's descriptor
+at the request queue's lower priority (shared/transport/base.py ``BULK``; ``Submit.bulk``), so a
+worker takes every waiting interactive descriptor of its model first, and decodes its images in the
+bulk pool (gateway/images.py). Nothing a client sends over HTTP can put a request in the bulk lane.
 
-The middleware keeps the node's interactive demand: every POST to a model endpoint (the table of
-gateway/endpoints.py) counts in this frontend's stats word ``INTERACTIVE_IN_FLIGHT`` from its first byte to its last, and
-the node's sum of those words (``NodeStats.interactive_in_flight``) is what the bulk lane yields to:
-the batch runner keeps fewer lines in flight while it is above zero, and a worker holds bulk-only
-batches back to ride with the next interactive one (docs/BATCH.md, "Fairness").
+This middleware keeps the node's interactive demand: every POST to a model endpoint (the table of
+gateway/endpoints.py) counts in this frontend's stats word ``INTERACTIVE_IN_FLIGHT`` from its first
+byte to its last, and the node's sum of those words (``NodeStats.interactive_in_flight``) is what the
+bulk lane yields to: the batch runner keeps fewer lines in flight while it is above zero, and a
+worker holds bulk-only batches back to ride with the next interactive one (docs/BATCH.md, "Fairness").
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from shmgate.gateway.metrics import FrontendStats
 from shmgate.shared.stats_layout import Counter
-from shmgate.shared.transport.base import BULK, INTERACTIVE
 
-__all__ = ["BulkLane", "bulk", "is_bulk", "priority"]
-
-_bulk: ContextVar[bool] = ContextVar("shmgate_bulk_lane", default=False)
-
-
-def priority() -> int:
-    """The request queue priority of the request being served (its task's context)."""
-    return BULK if _bulk.get() else INTERACTIVE
-
-
-def is_bulk() -> bool:
-    """Is the request being served (its task's context) a batch line?"""
-    return _bulk.get()
-
-
-@contextmanager
-def bulk() -> Iterator[None]:
-    """Serve the requests started inside (in this task's context) in the bulk lane: a batch line's."""
-    token = _bulk.set(True)
-    try:
-        yield
-    finally:
-        _bulk.reset(token)
+__all__ = ["BulkLane"]
 
 
 class BulkLane:

@@ -28,13 +28,13 @@ from typing import Protocol
 import msgspec
 from starlette.types import Receive
 
-from shmgate.gateway import tracing
 from shmgate.gateway.choices import submit_choices
 from shmgate.gateway.fetch import fetch_pending
 from shmgate.gateway.fields import check_fields_for_model, with_image_options
 from shmgate.gateway.frontend import Frontend
 from shmgate.gateway.intake import GenerationRequest, IntakeLimits, key_material
 from shmgate.gateway.render import Answer, AnswerFormat, KeepAnswer, answer, cached_answer
+from shmgate.gateway.request_context import INTERACTIVE_REQUEST, RequestContext
 from shmgate.gateway.result_cache import ResultCache, answer_key, keyed_off_the_loop
 from shmgate.gateway.served import Served
 from shmgate.shared.errors import InvalidRequest, RequestError
@@ -54,6 +54,7 @@ class Arrival:
     bypass_cache: bool = False  # ``Cache-Control: no-cache``: computed afresh (still stored)
     receive: Receive | None = None  # the connection, watched for a hang-up while nothing is written; None: none
     whole: bool = False  # the answer is wanted whole (a batch line): ``stream`` is refused
+    context: RequestContext = INTERACTIVE_REQUEST  # its lane and tracing, handed down to the frontend
 
 
 # An endpoint's steps after its body: the answer, or a ShmgateError raised (gateway/edge.py answers it).
@@ -86,11 +87,12 @@ async def generate(s: Served, arrival: Arrival, codec: Codec) -> Answer:
         raise
     if not pre.serves_chat:
         raise InvalidRequest(f"{pre.model} is an embedding model; use POST /v1/embeddings", param="model")
+    spans = arrival.context.spans
     if chat.pending_urls:
-        if tracing.spans is None:
+        if spans is None:
             chat = await fetch_pending(chat, options.image_urls)
         else:
-            with tracing.spans.live("image_url_fetch", **{"shmgate.image_urls": len(chat.pending_urls)}):
+            with spans.live("image_url_fetch", **{"shmgate.image_urls": len(chat.pending_urls)}):
                 chat = await fetch_pending(chat, options.image_urls)
     keep: KeepAnswer | None = None
     if results is not None:
@@ -104,7 +106,7 @@ async def generate(s: Served, arrival: Arrival, codec: Codec) -> Answer:
                 read_s = arrival.read_s if options.server_timing else None
                 return cached_answer(f, fmt, chat.stream, cached, arrival.started, read_s=read_s)
             keep = functools.partial(_keep_answer, f, results, key)
-    states = await submit_choices(f, chat)
+    states = await submit_choices(f, chat, arrival.context)
     for state in states:
         state.timing.spent[Stage.BODY_READ] = arrival.read_s
     return await answer(

@@ -28,6 +28,7 @@ def app_options(config: FrontendConfig) -> AppOptions:
     from shmgate.gateway.guards import default_allowed_hosts, parse_allowed_hosts
     from shmgate.gateway.intake import IntakeLimits
     from shmgate.gateway.served import AppOptions
+    from shmgate.gateway.video import VideoLimits
 
     first = config.models[0]
     return AppOptions(
@@ -46,6 +47,7 @@ def app_options(config: FrontendConfig) -> AppOptions:
             decode_threads=config.decode_threads,
             decode_memory_bytes=int(config.decode_memory_mb * (1 << 20)),
             decode_wait_s=config.decode_wait_s,
+            video=VideoLimits(max_seconds=config.max_video_seconds, max_frames=config.max_video_frames),
         ),
         result_cache_bytes=int(config.result_cache_mb * (1 << 20)),
         server_timing=config.server_timing,
@@ -73,9 +75,6 @@ def run_frontend(config: FrontendConfig) -> int:
     import uvicorn
 
     from shmgate.gateway.app import create_app
-    from shmgate.gateway.video import VideoLimits, configure
-
-    configure(VideoLimits(max_seconds=config.max_video_seconds, max_frames=config.max_video_frames))
     from shmgate.gateway.http_limits import ConnectionLimits, http_protocol
     from shmgate.gateway.sockets import bind_frontend
 
@@ -88,8 +87,13 @@ def run_frontend(config: FrontendConfig) -> int:
     # binds a socket of its own (--listen reuseport), which uvicorn listens on after the
     # lifespan's start-up: a frontend still starting takes no connection.
     sock = socket.socket(fileno=config.fd) if config.fd is not None else bind_frontend(config.host, config.port)
+    spans = None
+    if config.otlp_traces_endpoint:  # this frontend's span hooks, handed to the app (no global)
+        from shmgate.gateway.tracing import start_tracing
+
+        spans = start_tracing(config.otlp_traces_endpoint, slot=config.slot)
     uv_config = uvicorn.Config(
-        create_app(app_options(config)),
+        create_app(app_options(config), spans=spans),
         # a bounded request head, slow clients cut, a cap on connections (gateway/http_limits.py)
         http=http_protocol(
             ConnectionLimits(
@@ -106,11 +110,9 @@ def run_frontend(config: FrontendConfig) -> int:
     )
     if config.access_log:  # uvicorn set its access logger to --log-level, WARNING when "info" (above)
         logging.getLogger("uvicorn.access").setLevel(logging.INFO)
-    if config.otlp_traces_endpoint:  # after uvicorn's logging setup: the access log gains the trace id
-        from shmgate.gateway.tracing import enable_tracing
+    if spans is not None:  # after uvicorn's logging setup: the access log gains the trace id
+        from shmgate.gateway.tracing import traced_app
 
-        uv_config.app = enable_tracing(
-            uv_config.app, config.otlp_traces_endpoint, slot=config.slot, access_log=config.access_log
-        )
+        uv_config.app = traced_app(uv_config.app, spans, access_log=config.access_log)
     uvicorn.Server(uv_config).run(sockets=[sock])
     return 0

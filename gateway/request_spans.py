@@ -1,7 +1,8 @@
 """A frontend's spans: the HTTP server span, its stages, and one span per attempt of each choice.
 
-Imported only when tracing is on (gateway/tracing.py ``enable_tracing``): this module imports
-OpenTelemetry at the top; the rest of gateway/ reaches it only through ``gateway.tracing.spans``.
+Imported only when tracing is on (gateway/tracing.py ``start_tracing``): this module imports
+OpenTelemetry at the top; the rest of gateway/ reaches it only through the ``RequestSpans`` it is
+handed (``Served.spans``, a request's ``RequestContext.spans``).
 
 The tree of one chat request, as this frontend writes it (the worker adds its part under each
 attempt, worker/tracing.py):
@@ -42,7 +43,6 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shmgate.shared.errors import Cancelled
-from shmgate.shared.stages import Stage
 from shmgate.shared.tracing import epoch_ns
 from shmgate.shared.wire import Claimed, Failed, Finished
 
@@ -64,14 +64,11 @@ def _wall_ns(monotonic_s: float) -> int:
 
 
 class RequestSpans:
-    """This frontend's tracer and the span hooks the data path calls (through gateway/tracing.py)."""
+    """This frontend's tracer and the span hooks the data path calls (handed to it with each request)."""
 
     def __init__(self, tracer: trace.Tracer, slot: int) -> None:
         self.tracer = tracer
         self.slot = slot
-        # (stage, bucket index) -> (trace id, seconds, when): the last traced request counted in each
-        # stage histogram bucket, for /metrics' exemplars (gateway/stages.py)
-        self.exemplars: dict[tuple[Stage, int], tuple[str, float, float]] = {}
 
     def middleware(self, app: ASGIApp) -> ASGIApp:
         return TracingMiddleware(app, self)
