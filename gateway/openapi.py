@@ -34,10 +34,8 @@ import msgspec
 from fastapi.openapi.docs import get_swagger_ui_html
 from starlette.responses import HTMLResponse
 
-from shmgate.gateway.embeddings import EmbeddingRequest
+from shmgate.gateway.endpoints import ENDPOINTS, Endpoint
 from shmgate.gateway.http_errors import MAX_MESSAGE_CHARS
-from shmgate.gateway.intake import ChatCompletionRequest
-from shmgate.gateway.responses import ResponsesRequest
 from shmgate.gateway.tokenize import DetokenizeRequest, TokenizeRequest
 
 __all__ = ["DOCUMENT_URL", "docs_page", "openapi_document"]
@@ -176,16 +174,23 @@ _RESPONSE = {
         },
     },
 }
+# The model endpoints' answers, by the name their row in gateway/endpoints.py gives (``Endpoint.answer``).
+_ANSWERS = {"ChatCompletion": _CHAT_COMPLETION, "Embeddings": _EMBEDDINGS, "Response": _RESPONSE}
 _MODEL_STATES = ["loading", "ready", "failed", "draining"]  # gateway/app.py model_state
 _MODEL_CARD = {
     "type": "object",
-    "required": ["id", "object", "created", "owned_by", "state", "capabilities"],
+    "required": ["id", "object", "created", "owned_by", "state", "endpoints", "capabilities"],
     "properties": {
         "id": {"type": "string"},
         "object": {"const": "model"},
         "created": {"type": "integer", "description": "when the node started serving it (Unix seconds)"},
         "owned_by": {"type": "string"},
         "state": {"enum": _MODEL_STATES},
+        "endpoints": {
+            "type": "array",
+            "items": {"type": "string"},
+            "description": "the model endpoints that serve it (POST)",
+        },
         "capabilities": {
             "type": "object",
             "required": ["chat", "embeddings", "tokenize", "max_model_len"],
@@ -312,27 +317,28 @@ def _model() -> dict[str, Any]:
     return path
 
 
+def _answer(endpoint: Endpoint) -> dict[str, Any]:
+    """A model endpoint's 200: its answer's schema, and server-sent events when it streams."""
+    content: dict[str, Any] = {"application/json": {"schema": {"$ref": _REF.format(name=endpoint.answer)}}}
+    if endpoint.streams:
+        content["text/event-stream"] = {"schema": {"type": "string"}}
+    return {"description": endpoint.answer_description, "content": content}
+
+
 def openapi_document() -> dict[str, Any]:
-    """The whole document (OpenAPI 3.1: its schemas are JSON Schema, as msgspec writes them)."""
-    (chat, embeddings, responses, tokenize, detokenize), components = msgspec.json.schema_components(
-        [ChatCompletionRequest, EmbeddingRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest],
+    """The whole document (OpenAPI 3.1: its schemas are JSON Schema, as msgspec writes them).
+
+    The model endpoints' paths come from their table (gateway/endpoints.py); each one's answer schema
+    is one of ``_ANSWERS``."""
+    schemas, components = msgspec.json.schema_components(
+        [*(endpoint.request_type for endpoint in ENDPOINTS), TokenizeRequest, DetokenizeRequest],
         ref_template=_REF,
     )
-    components |= {"Error": _ERROR, "Usage": _USAGE, "ChatCompletion": _CHAT_COMPLETION, "Response": _RESPONSE}
-    completion = {
-        "description": "the answer: one JSON object, or server-sent events when stream is true",
-        "content": {
-            "application/json": {"schema": {"$ref": _REF.format(name="ChatCompletion")}},
-            "text/event-stream": {"schema": {"type": "string"}},
-        },
-    }
-    response = {
-        "description": "the response: one JSON object, or server-sent events (response.created ... "
-        "response.completed or response.incomplete) when stream is true",
-        "content": {
-            "application/json": {"schema": {"$ref": _REF.format(name="Response")}},
-            "text/event-stream": {"schema": {"type": "string"}},
-        },
+    *requests, tokenize, detokenize = schemas
+    components |= {"Error": _ERROR, "Usage": _USAGE, **_ANSWERS}
+    models = {
+        endpoint.path: _post(endpoint.operation_id, schema["$ref"], _answer(endpoint), endpoint.summary)
+        for endpoint, schema in zip(ENDPOINTS, requests, strict=True)
     }
     text = {"type": "string"}
     return {
@@ -343,19 +349,7 @@ def openapi_document() -> dict[str, Any]:
             "description": "An OpenAI-compatible gateway for vision models. Every error is an OpenAI error object.",
         },
         "paths": {
-            "/v1/chat/completions": _post("chat", chat["$ref"], completion, "OpenAI chat completions with images"),
-            "/v1/embeddings": _post(
-                "embeddings",
-                embeddings["$ref"],
-                _json(_EMBEDDINGS, "the vectors"),
-                "OpenAI embeddings of images (and text, for CLIP-class models)",
-            ),
-            "/v1/responses": _post(
-                "responses",
-                responses["$ref"],
-                response,
-                "OpenAI Responses API with input_image (no response store: store and previous_response_id are refused)",
-            ),
+            **models,
             "/tokenize": _post(
                 "tokenize",
                 tokenize["$ref"],

@@ -6,7 +6,8 @@ the decode threads), marked by ``VIDEO_OPTION`` in its processing options. What 
 
 1. ``probe`` reads the container's metadata (format, streams, codec, size, duration, frame count)
    without decoding a frame, and refuses what is not a video this server decodes or exceeds the
-   limits (``VideoLimits``: the longest duration, the most frames sampled, the largest frame).
+   limits (``VideoLimits``: the longest duration, the most frames sampled, the largest frame; the
+   frontend's, handed down with each decode by its decode budget, gateway/decode_budget.py).
 2. The memory the decode will take is predicted from the probe (``VideoPlan.peak_bytes``: the codec's
    reference frames at the stream's size, one full-size RGB frame, and the sampled frames at their
    processed size, as uint8 and as one float32 copy) and reserved in the frontend's decode budget
@@ -36,15 +37,14 @@ from shmgate.shared.errors import ImageTooLarge, UndecodableImage
 
 __all__ = [
     "ACCEPTED_VIDEO_TYPES",
+    "DEFAULT_LIMITS",
     "VIDEO_DETAIL",
     "VIDEO_OPTION",
     "VideoLimits",
     "VideoPlan",
     "VideoProbe",
-    "configure",
     "decode_frames",
     "is_video",
-    "limits",
     "probe",
 ]
 
@@ -76,17 +76,7 @@ class VideoLimits:
     decode_timeout_s: float = 20.0  # a decode still running after this is stopped between frames
 
 
-_limits = VideoLimits()
-
-
-def configure(new: VideoLimits) -> None:
-    """Set this process's video limits (a frontend's flags, once at start-up)."""
-    global _limits
-    _limits = new
-
-
-def limits() -> VideoLimits:
-    return _limits
+DEFAULT_LIMITS = VideoLimits()  # a frontend's without --max-video-seconds and --max-video-frames
 
 
 def is_video(options: dict[str, Any] | None) -> bool:
@@ -132,13 +122,13 @@ def _open(data: bytes) -> Any:
         raise UndecodableImage(f"the video cannot be read: {str(exc)[:120]}") from None
 
 
-def probe(data: bytes) -> VideoProbe:
+def probe(data: bytes, limits: VideoLimits) -> VideoProbe:
     """The container's video stream facts. Raises UndecodableImage (not a video container this server
-    reads, no video stream, a codec it does not decode) or ImageTooLarge (past ``limits()``)."""
+    reads, no video stream, a codec it does not decode) or ImageTooLarge (past ``limits``)."""
     if not data:
         raise UndecodableImage("the video is empty")
     with _open(data) as container:
-        return _probe_open(container, _limits)
+        return _probe_open(container, limits)
 
 
 def _probe_open(container: Any, lim: VideoLimits) -> VideoProbe:
@@ -195,14 +185,15 @@ def decode_frames(
     found: VideoProbe,
     plan: VideoPlan,
     resize: Callable[[np.ndarray, int, int], np.ndarray],
+    limits: VideoLimits,
 ) -> np.ndarray:
     """The planned frames, each resized by ``resize(rgb, height, width)`` as soon as it is decoded:
     uint8 ``(frames, height, width, 3)``. Raises UndecodableImage for a corrupt stream, a frame larger
-    than the probe said, or a decode past ``decode_timeout_s``; InvalidRequest when a sampled frame is
+    than the probe said, or a decode past ``limits.decode_timeout_s``; InvalidRequest when a sampled frame is
     missing (a stream shorter than its container says)."""
     import av
 
-    lim = _limits
+    lim = limits
     deadline = time.monotonic() + lim.decode_timeout_s
     out = np.empty((len(plan.indices), plan.height, plan.width, 3), dtype=np.uint8)
     with _open(data) as container:

@@ -19,6 +19,8 @@ response happens in one place, ``gateway/http_errors.py``.
     ├── RequestError              the client sent something we will not serve
     │   ├── InvalidRequest
     │   ├── UnknownModel
+    │   ├── NotFound              no file or batch with that id (404)
+    │   ├── Conflict              a call its object's state does not allow (409)
     │   ├── TooManyImages
     │   ├── ImageTooLarge
     │   ├── UndecodableImage
@@ -48,6 +50,7 @@ __all__ = [
     "ArenaFull",
     "Cancelled",
     "ChannelFull",
+    "Conflict",
     "DescriptorError",
     "HostNotAllowed",
     "ImageTooLarge",
@@ -57,6 +60,7 @@ __all__ = [
     "InvalidImageURL",
     "InvalidRequest",
     "ModelError",
+    "NotFound",
     "OutOfBounds",
     "Overloaded",
     "PeerDied",
@@ -181,6 +185,20 @@ class UnknownModel(RequestError):
     code = "model_not_found"
 
 
+class NotFound(RequestError):
+    """No file or batch with the id the client named (gateway/batch_routes.py)."""
+
+    status_hint = 404
+    code = "not_found"
+
+
+class Conflict(RequestError):
+    """The thing named is in a state that does not allow the call (a finished batch cancelled)."""
+
+    status_hint = 409
+    code = "invalid_state"
+
+
 class TooManyImages(RequestError):
     code = "too_many_images"
 
@@ -303,6 +321,8 @@ _BY_CODE: dict[str, type[ShmgateError]] = {
         DescriptorError,
         InvalidRequest,
         UnknownModel,
+        NotFound,
+        Conflict,
         TooManyImages,
         ImageTooLarge,
         RequestTooLarge,

@@ -68,7 +68,7 @@ from shmgate.gateway.preprocess.qwen_video import (
     preprocess_video,
     video_tokens,
 )
-from shmgate.gateway.video import VIDEO_OPTION
+from shmgate.gateway.video import VIDEO_OPTION, VideoLimits
 from shmgate.shared.errors import InvalidRequest, UndecodableImage
 from shmgate.shared.families.base import PIXEL_VALUES, ImageSpec
 from shmgate.shared.hf_families import chat_family  # each family's record, naming its style
@@ -270,12 +270,12 @@ class HFPreprocessor(Preprocessor):
             return super().video_options()
         return {VIDEO_OPTION: self._video.describe()}
 
-    def preprocess_video(self, data: bytes, allocate: AllocateFn, reserve: Any) -> None:
+    def preprocess_video(self, data: bytes, allocate: AllocateFn, reserve: Any, limits: VideoLimits) -> None:
         """Probe, sample, decode and patch a video (gateway/preprocess/qwen_video.py)."""
         if self._video is None:
-            super().preprocess_video(data, allocate, reserve)
+            super().preprocess_video(data, allocate, reserve, limits)
             return
-        preprocess_video(data, self._video, allocate, reserve)
+        preprocess_video(data, self._video, allocate, reserve, limits)
 
     def image_options(self, request_kwargs: dict[str, Any] | None, detail: str | None) -> dict[str, Any]:
         """One image's processor arguments: ``image_url.detail`` ("low": the architecture's low setting;
