@@ -23,7 +23,6 @@ Every field is honoured or refused with a 400 naming it, never ignored:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal, Union
@@ -44,7 +43,7 @@ from shmgate.gateway.intake import (
     chat_request_from,
     decode_body,
 )
-from shmgate.gateway.pipeline import generate, handle
+from shmgate.gateway.pipeline import Arrival, generate, handle
 from shmgate.gateway.render import AnswerFormat
 from shmgate.gateway.responses_format import ResponsesFormat
 from shmgate.shared.errors import InvalidRequest, RequestError
@@ -183,7 +182,7 @@ def parse_responses_request(body: bytes, limits: IntakeLimits) -> tuple[ChatRequ
     try:
         chat = chat_request_from(chat_form, limits)
     except RequestError as exc:
-        exc.param = _renamed(exc.param, isinstance(req.input, str))
+        _name_as_sent(exc, isinstance(req.input, str))
         raise
     if req.instructions:  # in front of the conversation, as OpenAI places them
         system = {"role": "system", "content": [{"type": "text", "text": req.instructions}]}
@@ -296,6 +295,20 @@ def _renamed(param: str | None, string_input: bool) -> str | None:
     return _FIELDS.get(param, param)
 
 
+# the chat form's words in an error's message, as this API spells them (text.format holds json_schema's
+# members itself); longest first, so "response_format json_schema." is replaced before "response_format"
+_MESSAGE_WORDS = (("response_format json_schema.", "text.format."), ("response_format", "text.format"))
+
+
+def _name_as_sent(exc: RequestError, string_input: bool) -> None:
+    """Rename the chat field an error names (its ``param`` and the words of its message) as this API
+    names it. Idempotent: a name already in this API's words is left as it is."""
+    exc.param = _renamed(exc.param, string_input)
+    for chat_word, own_word in _MESSAGE_WORDS:
+        exc.message = exc.message.replace(chat_word, own_word)
+    exc.args = (exc.message,)
+
+
 class ResponsesCodec:
     """The Responses API: ``parse`` and its answer's format (gateway/responses_format.py)."""
 
@@ -307,7 +320,16 @@ class ResponsesCodec:
 
 
 RESPONSES = ResponsesCodec()
-_steps = functools.partial(generate, codec=RESPONSES)
+
+
+async def _steps(arrival: Arrival) -> Response:
+    """The pipeline's steps with this codec. An error raised after parsing (a model's field check, an
+    image that does not decode, a classifier given no image) names the chat form's field: renamed here."""
+    try:
+        return await generate(arrival, RESPONSES)
+    except RequestError as exc:
+        _name_as_sent(exc, string_input=False)  # a string input holds no image: its errors name "messages" alone
+        raise
 
 
 async def responses_route(request: Request) -> Response:
