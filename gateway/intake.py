@@ -157,21 +157,30 @@ class ChatCompletionRequest(msgspec.Struct):
     logits_processors: Refused = None
 
 
-# Request fields that would change the form of the answer, which no model here does: refused when present.
+# Request fields that would change the form of the answer in a way no model here does: refused when
+# present, each with what the server does instead (the message reads "<field> (<this>)").
+_USE_RESPONSE_FORMAT = (
+    "vLLM's guided decoding is not supported by this server; for JSON answers send response_format "
+    '{"type": "json_schema", ...} or {"type": "json_object"}'
+)
+_NO_OTHER_FORMATS = (
+    "regular-expression, choice and grammar formats are not supported by this server; "
+    "for JSON answers send response_format"
+)
 FORM_FIELDS: dict[str, str] = {
-    "guided_json": "structured output",
-    "guided_regex": "structured output",
-    "guided_choice": "structured output",
-    "guided_grammar": "structured output",
-    "guided_decoding_backend": "structured output",
-    "guided_whitespace_pattern": "structured output",
-    "structural_tag": "structured output",
-    "structured_outputs": "structured output",
-    "audio": "audio output",
-    "prediction": "predicted outputs",
-    "web_search_options": "web search",
-    "prompt_logprobs": "prompt log probabilities",
-    "logits_processors": "custom logits processors",
+    "guided_json": _USE_RESPONSE_FORMAT,
+    "guided_regex": _NO_OTHER_FORMATS,
+    "guided_choice": _NO_OTHER_FORMATS,
+    "guided_grammar": _NO_OTHER_FORMATS,
+    "guided_decoding_backend": _USE_RESPONSE_FORMAT,
+    "guided_whitespace_pattern": _USE_RESPONSE_FORMAT,
+    "structural_tag": _NO_OTHER_FORMATS,
+    "structured_outputs": _USE_RESPONSE_FORMAT,
+    "audio": "audio output is not supported by this server",
+    "prediction": "predicted outputs are not supported by this server",
+    "web_search_options": "web search is not supported by this server",
+    "prompt_logprobs": "prompt log probabilities are not supported by this server",
+    "logits_processors": "custom logits processors are not supported by this server",
 }
 
 
@@ -575,7 +584,7 @@ def check_unsupported(req: ChatCompletionRequest) -> None:
     for name, feature in FORM_FIELDS.items():
         if getattr(req, name) is not None:
             raise InvalidRequest(
-                f"Unrecognized request argument supplied: {name} ({feature} is not supported by this server)",
+                f"Unrecognized request argument supplied: {name} ({feature})",
                 param=name,
             )
     if req.modalities is not None and req.modalities != ["text"]:

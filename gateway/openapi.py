@@ -325,6 +325,123 @@ def _answer(endpoint: Endpoint) -> dict[str, Any]:
     return {"description": endpoint.answer_description, "content": content}
 
 
+# The Batch API (gateway/batch_routes.py, docs/BATCH.md): OpenAI's file and batch objects, the fields a
+# client reads named and the rest left open (gateway/batch_store.py writes them).
+_FILE = {
+    "type": "object",
+    "required": ["id", "object", "bytes", "filename", "purpose"],
+    "properties": {
+        "id": {"type": "string"},
+        "object": {"const": "file"},
+        "bytes": {"type": "integer"},
+        "filename": {"type": "string"},
+        "purpose": {"type": "string"},
+    },
+}
+_BATCH = {
+    "type": "object",
+    "required": ["id", "object", "endpoint", "status", "input_file_id"],
+    "properties": {
+        "id": {"type": "string"},
+        "object": {"const": "batch"},
+        "endpoint": {"type": "string"},
+        "status": {"type": "string"},
+        "input_file_id": {"type": "string"},
+        "request_counts": {"type": "object"},
+    },
+}
+_BATCH_ERRORS = (400, 401, 404, 413, 415, 503)  # the Batch API off on this node: a 400 saying so
+
+
+def _listed(item: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "required": ["object", "data"],
+        "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": item}},
+    }
+
+
+def _batch_operation(
+    operation_id: str,
+    ok: dict[str, Any],
+    summary: str,
+    *,
+    path_id: str = "",
+    body: Any = None,
+    errors: tuple[int, ...] = (),
+) -> dict[str, Any]:
+    operation: dict[str, Any] = {
+        "operationId": operation_id,
+        "summary": summary,
+        "security": _KEY_WHEN_SET,
+        "responses": {"200": ok, **_errors(_BATCH_ERRORS + errors + _ANY_ROUTE)},
+    }
+    if path_id:
+        operation["parameters"] = [{"name": path_id, "in": "path", "required": True, "schema": {"type": "string"}}]
+    if body is not None:
+        operation["requestBody"] = {"required": True, "content": body}
+    return operation
+
+
+def _batch_api() -> dict[str, Any]:
+    """``/v1/files`` and ``/v1/batches``: the Batch API's routes, as OpenAI's client calls them."""
+    upload = {
+        "multipart/form-data": {
+            "schema": {
+                "type": "object",
+                "required": ["purpose", "file"],
+                "properties": {"purpose": {"const": "batch"}, "file": {"type": "string", "format": "binary"}},
+            }
+        }
+    }
+    create = {
+        "application/json": {
+            "schema": {
+                "type": "object",
+                "required": ["input_file_id", "endpoint", "completion_window"],
+                "properties": {
+                    "input_file_id": {"type": "string"},
+                    "endpoint": {"enum": ["/v1/chat/completions", "/v1/embeddings", "/v1/responses"]},
+                    "completion_window": {"const": "24h"},
+                    "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
+                },
+            }
+        }
+    }
+    file, batch = _json(_FILE, "the file object"), _json(_BATCH, "the batch object")
+    content = {
+        "description": "the file's bytes (JSONL)",
+        "content": {"application/octet-stream": {"schema": {"type": "string"}}},
+    }
+    return {
+        "/v1/files": {
+            "post": _batch_operation(
+                "upload_file", file, "upload a JSONL file of requests (purpose batch)", body=upload
+            ),
+            "get": _batch_operation("list_files", _json(_listed(_FILE), "the files"), "the uploaded and result files"),
+        },
+        "/v1/files/{file_id}": {
+            "get": _batch_operation("file", file, "one file", path_id="file_id"),
+            "delete": _batch_operation(
+                "delete_file", _json({"type": "object"}, "deleted"), "delete a file", path_id="file_id"
+            ),
+        },
+        "/v1/files/{file_id}/content": {
+            "get": _batch_operation("file_content", content, "a file's content", path_id="file_id"),
+        },
+        "/v1/batches": {
+            "post": _batch_operation("create_batch", batch, "run a batch of an uploaded file's requests", body=create),
+            "get": _batch_operation("list_batches", _json(_listed(_BATCH), "the batches, newest first"), "the batches"),
+        },
+        "/v1/batches/{batch_id}": {"get": _batch_operation("batch", batch, "one batch", path_id="batch_id")},
+        "/v1/batches/{batch_id}/cancel": {
+            "post": _batch_operation(
+                "cancel_batch", batch, "cancel a batch (a finished one: 409)", path_id="batch_id", errors=(409,)
+            ),
+        },
+    }
+
+
 def openapi_document() -> dict[str, Any]:
     """The whole document (OpenAPI 3.1: its schemas are JSON Schema, as msgspec writes them).
 
@@ -379,6 +496,7 @@ def openapi_document() -> dict[str, Any]:
                 {"description": "an HTML page", "content": {"text/html": {"schema": text}}},
                 f"this document as an interactive page (Swagger UI reading {DOCUMENT_URL})",
             ),
+            **_batch_api(),
         },
         "components": {"schemas": components, "securitySchemes": {"apiKey": _BEARER}},
     }

@@ -24,6 +24,7 @@ response happens in one place, ``gateway/http_errors.py``.
     │   ├── TooManyImages
     │   ├── ImageTooLarge
     │   ├── UndecodableImage
+    │   │   └── UndecodableVideo  a video_url part that is not a video this server decodes
     │   ├── InvalidImageURL       an image URL that cannot be fetched (bad URL, HTTP error)
     │   │   ├── ImageURLForbidden a URL whose address may not be fetched (SSRF rules)
     │   │   └── ImageURLTimeout   the fetch did not finish within its time cap
@@ -74,6 +75,7 @@ __all__ = [
     "Unauthorized",
     "UnsupportedTransferCoding",
     "UndecodableImage",
+    "UndecodableVideo",
     "UnknownModel",
     "UnsupportedMediaType",
     "error_for_code",
@@ -221,6 +223,15 @@ class UndecodableImage(RequestError):
     """Not an image, a truncated one, or a format we do not accept."""
 
     code = "invalid_image"
+
+
+class UndecodableVideo(UndecodableImage):
+    """A video part's bytes are not a container this server reads, hold no stream it decodes, or are corrupt.
+
+    A subclass of UndecodableImage: whatever refuses an undecodable input refuses this one too; only the
+    code (and the message) say which kind of input it was."""
+
+    code = "invalid_video"
 
 
 class InvalidImageURL(RequestError):

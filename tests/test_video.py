@@ -262,13 +262,20 @@ def test_serve_answers_mp4_and_webm_and_a_repeat_is_a_cache_hit(video_server: Se
 
 def test_serve_refuses_bad_videos_with_openai_errors(video_server: Server) -> None:
     with httpx.Client(base_url=video_server.base_url, timeout=60) as client:
-        for name, data in _hostile().items():
+        files = _hostile()
+        for name, data in files.items():
             if not data:
                 continue
             reply = client.post("/v1/chat/completions", json=_body(data, "video/mp4"))
             assert 400 <= reply.status_code < 500, (name, reply.text)
             error = reply.json()["error"]
             assert error["param"] == "messages[0].content[0].video_url", name
+            assert "Errno" not in error["message"] and "<none>" not in error["message"], (name, error)
+            if reply.status_code == 400:  # the others are 413s: a video past a limit
+                assert error["code"] == "invalid_video", (name, error)
+        garbage = client.post("/v1/chat/completions", json=_body(files["garbage"], "video/mp4")).json()["error"]
+        assert garbage["message"].startswith("the data is not a video this server reads (Invalid data found"), garbage
+        assert "MP4/MOV or WebM/Matroska" in garbage["message"]
         wrong_type = client.post("/v1/chat/completions", json=_body(b"abc", "image/png"))
         assert wrong_type.status_code == 400
         assert client.get("/health").status_code == 200

@@ -32,7 +32,7 @@ from PIL import Image
 
 from shmgate.gateway import video
 from shmgate.gateway.preprocess.base import AllocateFn
-from shmgate.shared.errors import ImageTooLarge, InvalidRequest, UndecodableImage
+from shmgate.shared.errors import ImageTooLarge, InvalidRequest, UndecodableVideo
 
 __all__ = [
     "PIXEL_VALUES_VIDEOS",
@@ -104,7 +104,7 @@ class VideoSettings:
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """transformers' ``smart_resize`` (Qwen2-VL's), the aspect-ratio bound a 400 here."""
     if max(height, width) / min(height, width) > 200:
-        raise UndecodableImage("the video's aspect ratio is above 200:1")
+        raise UndecodableVideo("the video's aspect ratio is above 200:1")
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
     if h_bar * w_bar > max_pixels:
