@@ -303,8 +303,8 @@ class _Rewriter:
                 if disjoint[i][j]:
                     continue
                 exclusion = self._exclusion(raw[i], raw[j])
-                if exclusion is None:
-                    break
+                if exclusion is None or self.disjoint(raw[i], exclusion, 0):
+                    break  # this branch cannot be told from the other's instances: dropped (narrowing)
                 narrowed.append(exclusion)
             else:
                 kept.append({"allOf": [branches[i], *narrowed]} if narrowed else branches[i])
@@ -490,7 +490,9 @@ class _Rewriter:
         if not (fa.types is not None and fa.types <= objects or fb.types is not None and fb.types <= objects):
             return False
         for key in fa.required & fb.required:
-            if any(self.disjoint(x, y, depth + 1) for x in fa.properties.get(key, []) for y in fb.properties.get(key, [])):
+            if any(
+                self.disjoint(x, y, depth + 1) for x in fa.properties.get(key, []) for y in fb.properties.get(key, [])
+            ):
                 return True
         for mine, theirs in ((fa, fb), (fb, fa)):
             for key in mine.required:
@@ -747,7 +749,7 @@ def _pointer(root: Any, ref: str) -> Schema:
 @functools.lru_cache(maxsize=256)
 def _validator(root: str, schema: str) -> Callable[[Any], bool]:
     """Whether a value is valid against ``schema`` (JSON), with ``root``'s definitions for its $refs."""
-    import jsonschema
+    import jsonschema  # type: ignore[import-untyped]
 
     root_doc = json.loads(root)
     cls = jsonschema.validators.validator_for(root_doc, default=jsonschema.Draft202012Validator)

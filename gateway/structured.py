@@ -73,7 +73,7 @@ def grammar_for(response_format: dict[str, Any] | None) -> str:
 
 
 # The compiler's options, whatever the schema's "x-guidance" says: compact JSON, and nothing approximated.
-_OPTIONS = {"whitespace_flexible": False, "coerce_one_of": False, "lenient": False}
+_OPTIONS: Any = {"whitespace_flexible": False, "coerce_one_of": False, "lenient": False}
 _UNIMPLEMENTED = re.compile(r'Unimplemented keys: \["([^"]+)"')
 
 
@@ -95,8 +95,14 @@ def _compile(schema: dict[str, Any]) -> str:
         ) from None
     except RecursionError:
         raise InvalidRequest("response_format schema is nested too deeply", param="response_format") from None
+    text = json.dumps(enforceable, separators=(",", ":"))
+    if len(text.encode()) > MAX_GRAMMAR_BYTES:  # the grammar holds the schema: refused before compiling it
+        raise InvalidRequest(
+            f"response_format schema is too large: {len(text.encode())} bytes, at most {MAX_GRAMMAR_BYTES}",
+            param="response_format",
+        )
     try:
-        grammar = LLMatcher.grammar_from_json_schema(json.dumps(enforceable, separators=(",", ":")), overrides=_OPTIONS)
+        grammar = LLMatcher.grammar_from_json_schema(text, overrides=_OPTIONS)
         problem = LLMatcher.validate_grammar(grammar, None)
     except (ValueError, TypeError, RuntimeError) as exc:
         problem = str(exc)
@@ -127,7 +133,7 @@ def _known_format(name: str) -> bool:
 
 
 def _where(problem: str, schema: Any) -> str:
-    """" (at <pointer>)" of the first place holding the keyword the compiler named, if it named one."""
+    """ " (at <pointer>)" of the first place holding the keyword the compiler named, if it named one."""
     match = _UNIMPLEMENTED.search(problem)
     if match is None:
         return ""
