@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -688,10 +687,19 @@ def _not_these(strings: list[str]) -> str:
             alternatives.append("[^" + "".join(_class_char(c) for c in chars) + "]" + _ANY + "*")
         else:
             alternatives.append(_ANY + "+")
-        alternatives.extend(re.escape(c) + "(?:" + walk(node[c]) + ")" for c in chars)
+        alternatives.extend(_literal(c) + "(?:" + walk(node[c]) + ")" for c in chars)
         return "|".join(alternatives)
 
     return "(?:" + walk(trie) + ")"
+
+
+def _literal(text: str) -> str:
+    """``text`` as a regex matching itself (only the metacharacters escaped: llguidance's regex syntax is
+    Rust's, which refuses some escapes Python's re.escape writes)."""
+    return "".join("\\" + ch if ch in _META else ch for ch in text)
+
+
+_META = frozenset("\\.^$|?*+()[]{}")
 
 
 def _class_char(ch: str) -> str:
@@ -721,7 +729,7 @@ def _name_pattern(names: Schema) -> str | None:
         return "^" + _ANY + "{" + f"{names.get('minLength', 0)},{names.get('maxLength', '')}" + "}$"
     if keys in ({"enum"}, {"const"}):
         values = names["enum"] if "enum" in names else [names["const"]]
-        return "^(?:" + "|".join(re.escape(v) for v in values if isinstance(v, str)) + ")$"
+        return "^(?:" + "|".join(_literal(v) for v in values if isinstance(v, str)) + ")$"
     return None
 
 

@@ -134,6 +134,14 @@ def test_not_and_if_then_else_and_dependencies_hold(tokenizer: Any) -> None:
         assert ("x" in a) == (a["kind"] == "a") and ("y" not in a or "x" in a)
 
 
+def test_a_negated_constant_leaves_every_other_string(tokenizer: Any) -> None:
+    odd = ["a b-c.d/é~#&", "x[y]", "q"]
+    schema = {"type": "array", "maxItems": 3, "items": {"type": "string", "maxLength": 14, "not": {"enum": odd}}}
+    answers = _answers(schema, tokenizer, 60)
+    assert answers and not any(s in odd for a in answers for s in a)
+    assert any(a for a in answers)  # some strings were written, not only empty arrays
+
+
 def test_unknown_formats_are_annotations_and_known_ones_are_kept() -> None:
     from shmgate.gateway.schema_rewrite import rewrite
 
