@@ -34,7 +34,6 @@ The rewrites:
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -126,8 +125,8 @@ def _escape(token: str) -> str:
 class _Rewriter:
     def __init__(self, root: dict[str, Any], known_format: Callable[[str], bool]) -> None:
         self.root = root
-        self.root_json = json.dumps(root, sort_keys=True)  # the validators' key (their $refs resolve in it)
         self.known_format = known_format
+        self._validators: dict[str, Callable[[Any], bool]] = {}  # by the sub-schema's JSON
 
     # -- the walk: children first, then this node's own keywords ---------------------------------
 
@@ -437,7 +436,11 @@ class _Rewriter:
 
     def _valid(self, value: Any, schema: Schema) -> bool:
         """Whether ``value`` is valid against ``schema`` (a part of the original), by JSON Schema itself."""
-        return _validator(self.root_json, json.dumps(schema, sort_keys=True))(value)
+        key = json.dumps(schema, sort_keys=True)
+        check = self._validators.get(key)
+        if check is None:
+            check = self._validators[key] = _validator(self.root, schema)
+        return check(value)
 
     # -- analysis: what a schema surely requires, and negation ------------------------------------
 
@@ -754,13 +757,11 @@ def _pointer(root: Any, ref: str) -> Schema:
     return node
 
 
-@functools.lru_cache(maxsize=256)
-def _validator(root: str, schema: str) -> Callable[[Any], bool]:
-    """Whether a value is valid against ``schema`` (JSON), with ``root``'s definitions for its $refs."""
+def _validator(root: dict[str, Any], schema: Schema) -> Callable[[Any], bool]:
+    """Whether a value is valid against ``schema`` (a part of ``root``, whose definitions its $refs name),
+    by the draft ``root``'s ``$schema`` names (2020-12 by default)."""
     import jsonschema  # type: ignore[import-untyped]
 
-    root_doc = json.loads(root)
-    cls = jsonschema.validators.validator_for(root_doc, default=jsonschema.Draft202012Validator)
-    sub = json.loads(schema)
-    validator = cls(root_doc).evolve(schema=sub)
+    cls = jsonschema.validators.validator_for(root, default=jsonschema.Draft202012Validator)
+    validator = cls(root).evolve(schema=schema)
     return lambda value: bool(validator.is_valid(value))

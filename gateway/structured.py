@@ -18,9 +18,11 @@ the shared-memory arena beside the request's tensors (gateway/frontend.py), up t
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import re
+import threading
 from typing import Any
 
 from shmgate.gateway.schema_rewrite import Unsupported, rewrite
@@ -77,7 +79,37 @@ _OPTIONS: Any = {"whitespace_flexible": False, "coerce_one_of": False, "lenient"
 _UNIMPLEMENTED = re.compile(r'Unimplemented keys: \["([^"]+)"')
 
 
+# Grammars compiled lately, by their schema's JSON: clients send the same few schemas again and again, and
+# a large one takes the event loop tens of milliseconds to rewrite and compile (docs/BENCHMARKS.md).
+# Bounded in characters (schema and grammar) per frontend process, least recently used out first.
+COMPILED_CHARS = 8 << 20
+_compiled: collections.OrderedDict[str, str] = collections.OrderedDict()
+_compiled_chars = 0
+_compiled_lock = threading.Lock()
+
+
 def _compile(schema: dict[str, Any]) -> str:
+    global _compiled_chars
+    key = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+    with _compiled_lock:
+        grammar = _compiled.get(key)
+        if grammar is not None:
+            _compiled.move_to_end(key)
+            return grammar
+    grammar = _compile_now(schema)
+    size = len(key) + len(grammar)
+    if size <= COMPILED_CHARS // 4:
+        with _compiled_lock:
+            if key not in _compiled:
+                _compiled[key] = grammar
+                _compiled_chars += size
+            while _compiled_chars > COMPILED_CHARS:
+                old_key, old = _compiled.popitem(last=False)
+                _compiled_chars -= len(old_key) + len(old)
+    return grammar
+
+
+def _compile_now(schema: dict[str, Any]) -> str:
     try:
         from llguidance import LLMatcher
     except ImportError:  # a server installed without the hf extra serves no model that could use it

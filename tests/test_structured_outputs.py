@@ -134,3 +134,12 @@ def test_a_model_that_samples_no_tokens_refuses_response_format() -> None:
     with pytest.raises(InvalidRequest) as refused:
         check_fields_for_model(SamplingParams(grammar=grammar_for({"type": "json_object"})), ChecksumPreprocessor())
     assert refused.value.param == "response_format"
+
+
+def test_a_schema_sent_again_reuses_its_compiled_grammar() -> None:
+    from shmgate.gateway import structured
+
+    first = grammar_for(json_schema_format())
+    assert grammar_for(json_schema_format()) is first  # not compiled twice: the same string object
+    key = json.dumps(PET, sort_keys=True, separators=(",", ":"))
+    assert structured._compiled[key] is first and structured._compiled_chars <= structured.COMPILED_CHARS
