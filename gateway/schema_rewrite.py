@@ -652,7 +652,7 @@ def _complement_of_values(values: list[Any]) -> list[Schema] | None:
         if rest:
             out.append({"const": rest[0]})
     if "number" in by_kind:
-        points = sorted({float(v) for v in by_kind["number"]})
+        points = sorted(set(by_kind["number"]))  # ints stay ints: a float of a huge int could pass it
         out.append({"type": "number", "exclusiveMaximum": _num(points[0])})
         out.extend(
             {"type": "number", "exclusiveMinimum": _num(lo), "exclusiveMaximum": _num(hi)}
@@ -667,8 +667,8 @@ def _complement_of_values(values: list[Any]) -> list[Schema] | None:
     return out if len(out) <= MAX_BRANCHES else None
 
 
-def _num(value: float) -> int | float:
-    return int(value) if value.is_integer() else value
+def _num(value: int | float) -> int | float:
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 _ANY = r"[\s\S]"

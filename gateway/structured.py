@@ -127,6 +127,11 @@ def _compile_now(schema: dict[str, Any]) -> str:
         ) from None
     except RecursionError:
         raise InvalidRequest("response_format schema is nested too deeply", param="response_format") from None
+    except Exception as exc:  # a malformed schema (a bound that is not a number, required that is not a list...)
+        raise InvalidRequest(
+            f"response_format schema is not a valid JSON Schema ({type(exc).__name__}: {str(exc)[:200]})",
+            param="response_format",
+        ) from None
     text = json.dumps(enforceable, separators=(",", ":"))
     if len(text.encode()) > MAX_GRAMMAR_BYTES:  # the grammar holds the schema: refused before compiling it
         raise InvalidRequest(

@@ -175,3 +175,31 @@ def test_what_cannot_be_enforced_is_refused_with_keyword_and_pointer(schema: Any
     with pytest.raises(InvalidRequest) as refused:
         grammar_for(_format(schema))
     assert needle in refused.value.message and refused.value.param == "response_format"
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "array", "uniqueItems": True, "maxItems": "3"},
+        {"type": "object", "properties": {"a": {}}, "minProperties": 1, "required": True},
+        {"not": {"minLength": "x"}},
+        {"oneOf": [{"type": "strin"}, {"enum": [1]}]},
+        {"if": {"$ref": "#/nowhere"}, "then": {"required": ["a"]}},
+        {"type": "string", "not": {"const": 12345678901234567891}, "enum": "abc"},
+    ],
+)
+def test_a_malformed_schema_is_a_400_not_a_crash(schema: Any) -> None:
+    with pytest.raises(InvalidRequest) as refused:
+        grammar_for(_format(schema))
+    assert refused.value.param == "response_format"
+
+
+def test_a_negated_number_constant_is_cut_out_of_its_range(tokenizer: Any) -> None:
+    schema = {
+        "type": "array",
+        "maxItems": 4,
+        "items": {"type": "integer", "minimum": 0, "maximum": 3, "not": {"const": 2}},
+    }
+    answers = _answers(schema, tokenizer, 60)
+    values = [v for a in answers for v in a]
+    assert values and 2 not in values and set(values) <= {0, 1, 3}
