@@ -80,6 +80,7 @@ from shmgate.shared.stages import Stamp, Stamps
 from shmgate.shared.transport import PosixWorkerLink, WorkerLink
 from shmgate.shared.vocabulary import SlotState, check_model_id, now_ns
 from shmgate.shared.wire import (
+    GRAMMAR_TENSOR,
     INLINE_TENSOR,
     MAX_DELTA_CHARS,
     TASK_EMBED,
@@ -214,7 +215,7 @@ class Worker:
         self._room = self._batch_size  # the engine's room after the last turn (read by the prefetch thread)
         self._interactive_seen = 0.0  # when the prefetch thread last saw interactive demand (time.monotonic)
         self.copier = DeviceCopier(self.device, link.mm)
-        self._host_only = frozenset((INLINE_TENSOR, *self.backend.host_tensors))
+        self._host_only = frozenset((INLINE_TENSOR, GRAMMAR_TENSOR, *self.backend.host_tensors))
         self._prefetcher: Prefetcher[list[_Job]] = Prefetcher(
             self._prepare, name=f"prefetch-{self.slot}", waiting=self._watch_held
         )
@@ -495,15 +496,23 @@ class Worker:
         for name, tensor in zip(copy.names, copy.tensors):
             by_name.setdefault(name, []).append(tensor)
         inline = submit.inline
+        params = submit.params
         for name, tensors in copy.host.items():
             if name == INLINE_TENSOR:
                 inline = b"".join(t.numpy().tobytes() for t in tensors)
+            elif name == GRAMMAR_TENSOR:  # a grammar too large for the descriptor (shared/wire.py)
+                try:
+                    grammar = b"".join(t.numpy().tobytes() for t in tensors).decode()
+                except UnicodeDecodeError:
+                    self._fail(submit, 0, DescriptorError("the request's grammar is not UTF-8"))
+                    return None
+                params = msgspec.structs.replace(params, grammar=grammar)
             else:
                 by_name.setdefault(name, []).extend(tensors)  # on the host: the backend asked for that
         return WorkItem(
             submit.request_id,
             by_name,
-            submit.params,
+            params,
             inline,
             submit.text,
             task=submit.task,
