@@ -289,7 +289,7 @@ class Frontend:
             grammar = params.grammar.encode()
             if len(grammar) > INLINE_GRAMMAR_BYTES:  # too large for the descriptor: in the arena (wire.py)
                 groups.append(
-                    await loop.run_in_executor(self.images.pool_for_request(), self.images.grammar_group, grammar)
+                    await loop.run_in_executor(self.images.pool_for(context.bulk), self.images.grammar_group, grammar)
                 )
                 params = msgspec.structs.replace(params, grammar="")
             request_id = self._next_request_id()
