@@ -6,15 +6,22 @@ Who uses this: worker/main.py. Two signals live in the worker's slot row:
 somewhere"). The supervisor compares ``progress_ns`` with ``--stall-timeout-s``
 (supervise/supervisor.py); a heartbeat alone would keep a deadlocked model loop
 looking alive forever.
+
+A stepping engine (a generation engine: many short steps) also publishes ``step_bound_ns`` while it
+has work (``StepClock``): a bound on the time without a progress stamp, derived from its recent step
+times, so a wedged worker (SIGSTOP, a hung forward pass) is replaced seconds after its last step
+instead of after the stall timeout, which has to cover the slowest batch of any model.
 """
 
 from __future__ import annotations
 
+import bisect
+from collections import deque
 from collections.abc import Callable
 
 from shmgate.shared.vocabulary import now_ns
 
-__all__ = ["Progress", "is_sticky_device_error"]
+__all__ = ["Progress", "StepClock", "is_sticky_device_error"]
 
 # Messages of errors after which a CUDA context is unusable: every later kernel fails too.
 # torch raises them as RuntimeError (or torch.AcceleratorError, a RuntimeError subclass).
@@ -57,3 +64,63 @@ class Progress:
         now = now_ns()
         blocked = self.blocked_since_ns
         self._stamp(min(now, blocked) if blocked else now)
+
+
+class StepClock:
+    """A stepping engine's recent step times, and the stall bound they give while it has work.
+
+    The bound is ``max(floor_s, factor x p99, slowest_factor x the slowest recent step)`` over the last
+    ``window`` steps, published (``publish``: ns into the slot row's ``step_bound_ns``) only once
+    ``min_steps`` steps were seen and only while the engine has work; 0 otherwise (the stall timeout alone
+    applies: idle, loading, or work that is not a step, like compiling a grammar). The slowest-step term
+    keeps a worker whose steps are usually short but sometimes long (a large image's prefill among
+    decode steps) from being judged by its short ones.
+    """
+
+    def __init__(
+        self,
+        publish: Callable[[int], None],
+        *,
+        floor_s: float = 2.0,
+        factor: float = 20.0,
+        slowest_factor: float = 4.0,
+        window: int = 256,
+        min_steps: int = 16,
+    ) -> None:
+        self._publish = publish
+        self._floor_s = floor_s
+        self._factor = factor
+        self._slowest_factor = slowest_factor
+        self._min_steps = min_steps
+        self._recent: deque[float] = deque(maxlen=window)
+        self._sorted: list[float] = []  # the same values, sorted (p99 and max without a sort per step)
+        self._published = -1
+
+    def note_step(self, seconds: float) -> None:
+        """One step of the engine took ``seconds`` (what the engine, or the loop around it, calls per step)."""
+        if len(self._recent) == self._recent.maxlen:
+            old = self._recent[0]
+            del self._sorted[bisect.bisect_left(self._sorted, old)]
+        self._recent.append(seconds)
+        bisect.insort(self._sorted, seconds)
+
+    def bound_s(self) -> float:
+        """The stall bound now, in seconds; 0.0 until ``min_steps`` steps were seen."""
+        ordered = self._sorted
+        if len(ordered) < self._min_steps:
+            return 0.0
+        p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+        return max(self._floor_s, self._factor * p99, self._slowest_factor * ordered[-1])
+
+    def busy(self) -> None:
+        """The engine has work: a step is due, so no step within the bound means it is wedged."""
+        self._set(int(self.bound_s() * 1e9))
+
+    def idle(self) -> None:
+        """No step is due (idle, or doing other work that takes its own time): the stall timeout applies."""
+        self._set(0)
+
+    def _set(self, ns: int) -> None:
+        if ns != self._published:  # one store when it changes, not per step
+            self._published = ns
+            self._publish(ns)

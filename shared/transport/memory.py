@@ -122,6 +122,8 @@ class _WorkerRow:
     alive: bool = True
     state: SlotState = SlotState.READY
     progress_ns: int = 0
+    step_bound_ns: int = 0  # worker/health.py StepClock
+    caches: tuple[int, ...] = ()  # WORKER_CACHES gauges (shared/stats_layout.py)
 
 
 class MemoryNode:
@@ -391,6 +393,20 @@ class MemoryWorkerLink:
     def stop_heartbeat(self) -> None:
         pass
 
+    def heartbeat_lapse_ns(self) -> int:
+        return 0  # nothing beats, so nothing lapses
+
+    def step_bound_stamper(self) -> Callable[[int], None]:
+        row = self.row
+
+        def stamp(ns: int) -> None:
+            row.step_bound_ns = ns
+
+        return stamp
+
+    def report_caches(self, words: Sequence[int]) -> None:
+        self.row.caches = tuple(words)
+
     def progress_stamper(self) -> Callable[[int], None]:
         row = self.row
 
@@ -570,6 +586,9 @@ class MemorySupervisorLink:
         """As the segment judges it: only a READY row stalls (a DEAD one is already dealt with)."""
         row = self.rows[role][slot]
         return self._stall_timeout_s > 0 and row.state == SlotState.READY and row.stalled
+
+    def stall_bound_s(self, role: Role, slot: int) -> tuple[float, bool]:
+        return self._stall_timeout_s, False  # a row's stall is a flag the test sets
 
     def count_stall(self, role: Role, slot: int) -> None:
         self.rows[role][slot].stalls += 1

@@ -20,7 +20,7 @@ from shmgate.shared.channels import AsyncQueueReader, AsyncSender, Queue, Yieldi
 from shmgate.shared.errors import ChannelFull, Overloaded
 from shmgate.shared.instance import Instance, instance_alive
 from shmgate.shared.locks import HolderKind
-from shmgate.shared.segment import Heartbeat, LockId, own_pidns
+from shmgate.shared.segment import HEARTBEAT_LAPSE_S, Heartbeat, LockId, own_pidns
 from shmgate.shared.stats_layout import BATCH_BUCKETS, ENGINE_FIELDS, ENGINE_GAUGES, Counter
 from shmgate.shared.transport.base import (
     BULK,
@@ -209,6 +209,25 @@ class PosixWorkerLink:
     def stop_heartbeat(self) -> None:
         if self._heartbeat is not None:
             self._heartbeat.stop()
+
+    def heartbeat_lapse_ns(self) -> int:
+        if self._heartbeat is None:
+            return 0
+        beat = int(self.segment.workers[self.slot]["beat_ns"])
+        if now_ns() - beat > HEARTBEAT_LAPSE_S * 1e9:
+            return beat  # resumed, and the heartbeat thread has not beaten yet: this lapse began at its last beat
+        return self._heartbeat.lapse_started_ns
+
+    def step_bound_stamper(self) -> Callable[[int], None]:
+        row = self.segment.workers[self.slot]
+
+        def stamp(ns: int) -> None:
+            row["step_bound_ns"] = ns
+
+        return stamp
+
+    def report_caches(self, words: Sequence[int]) -> None:
+        self.segment.workers["caches"][self.slot] = words
 
     def progress_stamper(self) -> Callable[[int], None]:
         row = self.segment.workers[self.slot]
@@ -409,6 +428,11 @@ class PosixSupervisorLink:
 
     def stalled(self, role: Role, slot: int) -> bool:
         return self.segment.stalled(self._table(role), slot)
+
+    def stall_bound_s(self, role: Role, slot: int) -> tuple[float, bool]:
+        table = self._table(role)
+        bound_ns = self.segment.stall_bound_ns(table, slot)
+        return bound_ns / 1e9, role == "worker" and bound_ns == int(table[slot]["step_bound_ns"]) > 0
 
     def count_stall(self, role: Role, slot: int) -> None:
         self._table(role)["stalls"][slot] += 1
