@@ -537,7 +537,8 @@ class Segment:
         row["model"] = model.encode()[:MODEL_NAME_BYTES]
         row["engine"][:ENGINE_GAUGES] = 0  # a dead predecessor's rows died with it
         row["step_bound_ns"] = 0
-        row["caches"] = 0  # gauges of a predecessor's caches (its evictions start again with the new process)
+        for cache in range(len(WORKER_CACHES)):  # a predecessor's caches died with it (evictions: a counter)
+            row["caches"][cache * WORKER_CACHE_WORDS : (cache + 1) * WORKER_CACHE_WORDS - 1] = 0
         row["state"] = SlotState.STARTING
         return epoch
 

@@ -82,6 +82,8 @@ class Counter(enum.IntEnum):
     # last (gateway/lane.py). Summed over the node it is the interactive demand the bulk lane yields to:
     # the batch runner and the workers read it (docs/BATCH.md, "Fairness").
     INTERACTIVE_IN_FLIGHT = 97
+    RESULT_CACHE_BOUND_BYTES = 98  # gauges of the result cache (gateway/result_cache.py), with the words below
+    RESULT_CACHE_ENTRIES = 99
     # The result cache (gateway/result_cache.py)
     RESULT_CACHE_HITS = 100
     RESULT_CACHE_MISSES = 101

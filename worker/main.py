@@ -95,6 +95,7 @@ from shmgate.shared.wire import (
 from shmgate.worker.backends import load_backend
 from shmgate.worker.backends.base import BackendEvent, ModelBackend, WorkItem, batch_size_for
 from shmgate.worker.batcher import Batcher
+from shmgate.worker.cache_gauges import CacheGauges
 from shmgate.worker.device import Copy, DeviceCopier, check_device, pick_device, use_device
 from shmgate.worker.diagnostics import DiagnosticOptions
 from shmgate.worker.drain import StopRequest
@@ -229,6 +230,7 @@ class Worker:
         # A stepping engine's stall bound from its recent step times (worker/health.py): a wedged one is
         # replaced seconds after its last step. A batch backend's one long call per batch has no such rhythm.
         self.step_clock: StepClock | None = StepClock(link.step_bound_stamper()) if self.backend.joins_running else None
+        self._cache_gauges = CacheGauges()  # the backend's caches in /metrics (worker/cache_gauges.py)
         self._loop_thread = 0  # the engine loop's thread (run): only its blocking sends pause the step clock
         self.encoder_store: EncoderStore | None = None
         self.encoder_share: SharedEncoderOutputs | None = None
@@ -658,8 +660,11 @@ class Worker:
         self.spans.step(started, now_ns(), jobs, gauges, added)
 
     def _report_engine(self) -> None:
-        """Publish the engine's gauges and what its counters added since the last report."""
+        """Publish the engine's gauges and what its counters added since the last report, and its caches'."""
         self._engine_reported_at = time.monotonic()
+        caches = self.backend.caches()
+        if caches:
+            self.link.report_caches(self._cache_gauges.words(caches))
         report = self.backend.engine_report()
         if report is None:
             return

@@ -257,6 +257,10 @@ class NodeStats(Protocol):
     def engine_totals(self) -> dict[str, int]:
         """The generation engines' words (shared/segment.py ENGINE_FIELDS) summed over worker rows."""
 
+    def worker_caches(self) -> dict[str, dict[str, int]]:
+        """The workers' caches (shared/stats_layout.py WORKER_CACHES: their WORKER_CACHE_FIELDS) summed over
+        worker rows."""
+
     def batch_histogram(self) -> np.ndarray: ...
 
     def preparing_requests(self) -> int: ...

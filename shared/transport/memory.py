@@ -29,7 +29,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from shmgate.shared.errors import ChannelFull, DescriptorError, SetupError
-from shmgate.shared.stats_layout import BATCH_BUCKETS, ENGINE_FIELDS, ENGINE_GAUGES, STATS_WORDS, Counter
+from shmgate.shared.stats_layout import (
+    BATCH_BUCKETS,
+    ENGINE_FIELDS,
+    ENGINE_GAUGES,
+    STATS_WORDS,
+    WORKER_CACHE_FIELDS,
+    WORKER_CACHE_WORDS,
+    WORKER_CACHES,
+    Counter,
+)
 from shmgate.shared.transport.base import (
     INTERACTIVE,
     FrontendLink,
@@ -405,7 +414,9 @@ class MemoryWorkerLink:
         return stamp
 
     def report_caches(self, words: Sequence[int]) -> None:
-        self.row.caches = tuple(words)
+        old = self.row.caches or (0,) * len(words)
+        step = WORKER_CACHE_WORDS  # gauges set, evictions (each cache's last word) added
+        self.row.caches = tuple(w + o if i % step == step - 1 else w for i, (w, o) in enumerate(zip(words, old)))
 
     def progress_stamper(self) -> Callable[[int], None]:
         row = self.row
@@ -509,6 +520,16 @@ class MemoryNodeStats:
 
     def engine_totals(self) -> dict[str, int]:
         return dict(self.node.engine)
+
+    def worker_caches(self) -> dict[str, dict[str, int]]:
+        summed = [0] * (len(WORKER_CACHES) * WORKER_CACHE_WORDS)
+        for row in self.node.workers:
+            for i, value in enumerate(row.caches):
+                summed[i] += value
+        return {
+            name: dict(zip(WORKER_CACHE_FIELDS, summed[index * WORKER_CACHE_WORDS : (index + 1) * WORKER_CACHE_WORDS]))
+            for index, name in enumerate(WORKER_CACHES)
+        }
 
     def engine_by_worker(self) -> list[tuple[int, str, dict[str, int]]]:
         return []  # one engine's words, summed in engine_totals: no per-worker rows here

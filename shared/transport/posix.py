@@ -21,7 +21,15 @@ from shmgate.shared.errors import ChannelFull, Overloaded
 from shmgate.shared.instance import Instance, instance_alive
 from shmgate.shared.locks import HolderKind
 from shmgate.shared.segment import HEARTBEAT_LAPSE_S, Heartbeat, LockId, own_pidns
-from shmgate.shared.stats_layout import BATCH_BUCKETS, ENGINE_FIELDS, ENGINE_GAUGES, Counter
+from shmgate.shared.stats_layout import (
+    BATCH_BUCKETS,
+    ENGINE_FIELDS,
+    ENGINE_GAUGES,
+    WORKER_CACHE_FIELDS,
+    WORKER_CACHE_WORDS,
+    WORKER_CACHES,
+    Counter,
+)
 from shmgate.shared.transport.base import (
     BULK,
     INTERACTIVE,
@@ -227,7 +235,10 @@ class PosixWorkerLink:
         return stamp
 
     def report_caches(self, words: Sequence[int]) -> None:
-        self.segment.workers["caches"][self.slot] = words
+        row = self.segment.workers["caches"][self.slot].reshape(len(WORKER_CACHES), WORKER_CACHE_WORDS)
+        new = np.asarray(words, dtype=np.uint64).reshape(row.shape)
+        row[:, :-1] = new[:, :-1]  # gauges
+        row[:, -1] += new[:, -1]  # evictions: increments since the last report
 
     def progress_stamper(self) -> Callable[[int], None]:
         row = self.segment.workers[self.slot]
@@ -360,6 +371,14 @@ class PosixNodeStats:
     def batch_histogram(self) -> np.ndarray:
         hist: np.ndarray = self.segment.workers["batch_hist"].sum(axis=0)
         return hist
+
+    def worker_caches(self) -> dict[str, dict[str, int]]:
+        """Summed over worker rows: each WORKER_CACHES entry's WORKER_CACHE_FIELDS."""
+        summed = self.segment.workers["caches"].sum(axis=0).reshape(len(WORKER_CACHES), WORKER_CACHE_WORDS)
+        return {
+            name: dict(zip(WORKER_CACHE_FIELDS, (int(v) for v in summed[index].tolist())))
+            for index, name in enumerate(WORKER_CACHES)
+        }
 
     def engine_totals(self) -> dict[str, int]:
         summed = self.segment.workers["engine"].sum(axis=0).tolist()
