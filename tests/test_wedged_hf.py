@@ -143,14 +143,17 @@ def test_a_sigstopped_stepping_worker_is_replaced_by_its_step_bound_and_the_wait
     streams = _streaming(server, tiny_qwen2_vl_dir, 2)
     (victim,) = server.pids("worker")
     os.kill(victim, signal.SIGSTOP)
+    stopped = time.monotonic()
     try:
         answers: list[httpx.Response] = []
         waiting = [_post(server, _body(tiny_qwen2_vl_dir, max_tokens=8, stream=False), answers) for _ in range(2)]
         wait_until(lambda: victim not in server.pids("worker"), GUARD_S, "the wedged worker replaced")
+        killed = time.monotonic() - stopped
     finally:
         os.kill(victim, signal.SIGCONT)  # a no-op once it is gone; never leave a stopped process behind
     for thread in (*waiting, *streams):
         thread.join(GUARD_S)
+    answered = time.monotonic() - stopped
     log = server.log_path.read_text()
     assert f"(pid {victim}) is wedged: it has work and made no step for" in log, log[-3000:]
     assert "made no progress for" not in log
@@ -160,6 +163,9 @@ def test_a_sigstopped_stepping_worker_is_replaced_by_its_step_bound_and_the_wait
     assert [r.status_code for r in answers] == [200, 200], [r.text[:200] for r in answers]
     assert [r.json()["choices"][0]["finish_reason"] for r in answers] == ["length", "length"]
     assert server.metric("shmgate_worker_stalls_total") == 1
+    print(
+        f"\nSIGSTOP of a stepping hf worker: killed {killed:.1f} s after the stop, waiting requests answered {answered:.1f} s after it"
+    )
 
 
 def test_a_resumed_worker_drops_the_rows_its_frontends_gave_up_on_before_stepping_again(
