@@ -9,7 +9,8 @@ supervisor knows processes, not HTTP or models.
 A child that exits, whose heartbeat goes stale (frontends), or whose *progress*
 stalls for longer than ``stall_timeout_s`` (any child: ``progress_ns`` in its
 slot row is stamped only by the loop that does the work, see worker/health.py
-and gateway/frontend.py Frontend._stamp_progress) is killed (SIGKILL: a wedged process may not
+and gateway/frontend.py Frontend._stamp_progress; a stepping worker with work
+publishes a tighter bound from its recent step times, ``step_bound_ns``) is killed (SIGKILL: a wedged process may not
 honour SIGTERM), joined, marked DEAD in its slot row (so frontends retry its
 claimed requests at once instead of waiting for the heartbeat to age) and the
 locks it may have held are repaired; then it is restarted in its slot with an

@@ -27,7 +27,10 @@ Liveness: a heartbeat thread stamps the worker's slot row ("the process
 exists"); ``progress_ns`` is stamped only by the main loop, per turn (at most
 every ``LOOK_EVERY_S``), per engine step and per forward pass
 (worker/health.py), so the supervisor can tell a turning loop from a stuck one
-and replace the stuck one. A worker that finds its slot marked DEAD or taken
+and replace the stuck one; a generation engine with work also publishes a bound
+from its recent step times (``StepClock``), so a wedged one goes in seconds. A
+worker whose heartbeat lapsed long enough for the frontends to give up on it
+(SIGSTOP) drops what it had claimed before the lapse, unstepped, when it resumes. A worker that finds its slot marked DEAD or taken
 over exits at once (from the heartbeat thread, whatever the main thread is
 stuck in): in another container, where the supervisor cannot signal it, that is
 how a wedged worker is replaced.
@@ -46,7 +49,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -564,7 +567,7 @@ class Worker:
         Before it: requests that ended while the worker could not look (cancels, and everything its frontends
         gave up on while it was paused) are aborted, so the step drops their rows instead of running them.
         """
-        self._drop_given_up(list(self._jobs.values()))
+        self._drop_given_up(self._jobs.values())
         if self._jobs and time.monotonic() - self._cancels_read_at >= CANCEL_POLL_S:
             self._drain_cancels()
         self.progress.step()
@@ -615,7 +618,7 @@ class Worker:
                 self._batch_ended = []
                 self.spans.batch(done, ended, [job.item is not None and job.item.cancelled for job in done])
 
-    def _drop_given_up(self, jobs: Sequence[_Job]) -> None:
+    def _drop_given_up(self, jobs: Iterable[_Job]) -> None:
         """After a heartbeat lapse (a SIGSTOP, a starved process), end what was claimed before it, unstepped.
 
         The frontends judged this worker dead during the lapse and retried those requests under new ids, or
