@@ -302,7 +302,7 @@ class _Rewriter:
                     continue
                 exclusion = self._exclusion(raw[i], raw[j])
                 if exclusion is None or self.disjoint(raw[i], exclusion, 0):
-                    break  # this branch cannot be told from the other's instances: dropped (narrowing)
+                    break  # a oneOf member that cannot be told from the other's instances: dropped (narrowing)
                 narrowed.append(exclusion)
             else:
                 kept.append({"allOf": [branches[i], *narrowed]} if narrowed else branches[i])
