@@ -38,6 +38,7 @@ from shmgate.gateway.intake import ChatRequest, IntakeLimits, key_material
 from shmgate.gateway.render import AnswerFormat, KeepAnswer, answer, cached_answer
 from shmgate.gateway.result_cache import ResultCache, answer_key, keyed_off_the_loop
 from shmgate.gateway.served import Served, bypass_cache, read_body, served
+from shmgate.gateway.tool_answer import with_tools  # tools
 from shmgate.shared.errors import InvalidRequest, RequestError, ShmgateError
 from shmgate.shared.stages import Stage
 from shmgate.shared.wire import Finished
@@ -102,6 +103,7 @@ async def generate(arrival: Arrival, codec: Codec) -> Response:
         raise
     if not pre.serves_chat:
         raise InvalidRequest(f"{pre.model} is an embedding model; use POST /v1/embeddings", param="model")
+    chat, fmt = with_tools(chat, fmt, pre)  # tools: the prompt's tool format, the calls' grammar and reader
     if chat.pending_urls:
         if tracing.spans is None:
             chat = await fetch_pending(chat, options.image_urls)

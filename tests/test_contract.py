@@ -321,7 +321,7 @@ def test_a_trailing_slash_is_a_404_not_a_redirect_built_from_the_host(server: Se
         ("audio", {"voice": "alloy", "format": "wav"}),
         ("prediction", {"type": "content", "content": "x"}),
         ("echo", True),
-        ("tools", [{"type": "function"}]),
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),  # the classifier calls no tools
         ("tool_choice", "auto"),
         ("response_format", {"type": "json_object"}),
     ],

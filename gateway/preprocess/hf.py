@@ -332,15 +332,21 @@ class HFPreprocessor(Preprocessor):
             destination = allocate(name, array.dtype.name, tuple(array.shape))
             np.copyto(destination, array, casting="no")
 
-    def build_prompt(self, messages: Sequence[dict[str, Any]], images: Sequence[ImageTensorSpec]) -> PromptInputs:
+    def build_prompt(
+        self,
+        messages: Sequence[dict[str, Any]],
+        images: Sequence[ImageTensorSpec],
+        **template_args: Any,
+    ) -> PromptInputs:
         """Render the chat template, tokenize, and expand each image placeholder.
 
         Returns int32 token ids as ``inline`` and the rendered prompt (one placeholder per
         image) as ``text``. Raises InvalidRequest when the template rejects the
         conversation, when the image parts and ``images`` differ in number, or when the
-        prompt leaves the model no room to answer.
+        prompt leaves the model no room to answer. ``template_args``: the template's
+        ``tools`` and an operator's ``chat_template`` (gateway/tool_prompt.py).
         """
-        ids, expanded = self._prompt_ids(messages, images)
+        ids, expanded = self._prompt_ids(messages, images, **template_args)
         if self.max_prompt_tokens is not None and len(expanded) >= self.max_prompt_tokens:
             raise InvalidRequest(
                 f"The prompt is {len(expanded)} tokens (images included); this model reads at most "
@@ -391,7 +397,7 @@ class HFPreprocessor(Preprocessor):
         return np.concatenate([np.asarray(prefix, np.int32), ids, np.asarray(suffix, np.int32)])
 
     def _prompt_ids(
-        self, messages: Sequence[dict[str, Any]], images: Sequence[ImageTensorSpec]
+        self, messages: Sequence[dict[str, Any]], images: Sequence[ImageTensorSpec], **template_args: Any
     ) -> tuple[np.ndarray, np.ndarray]:
         """(the template's ids with one placeholder per image, the ids with every placeholder expanded)."""
         import jinja2
@@ -404,6 +410,7 @@ class HFPreprocessor(Preprocessor):
                     add_generation_prompt=True,
                     sanitize_control_tokens=True,
                     return_dict=True,
+                    **template_args,
                 )
         except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError) as exc:
             raise InvalidRequest(f"The conversation does not fit this model's chat template: {exc}") from None
