@@ -161,6 +161,9 @@ class ChatFormat:
         head = self.completion.content_chunk("", logprobs, index=index) if logprobs else b""
         return head + self.completion.finish_chunk(reason, index=index)
 
+    def expect_calls(self) -> None:
+        """The answer may hold calls: nothing changes in the chat format's events."""
+
     def call_opened(self, index: int, call: ToolCall) -> bytes:
         opened = {
             "index": call.index,

@@ -31,6 +31,10 @@ __all__ = ["ToolAnswer", "ToolCallFormat", "with_tools"]
 class ToolCallFormat(AnswerFormat, Protocol):
     """An API format that can write tool calls (gateway/sse.py ``ChatFormat``, gateway/responses_format.py)."""
 
+    def expect_calls(self) -> None:
+        """The answer may hold calls (before ``opening``)."""
+        ...
+
     def call_opened(self, index: int, call: ToolCall) -> bytes: ...
 
     def call_arguments(self, index: int, call: ToolCall, fragment: str) -> bytes: ...
@@ -66,6 +70,7 @@ class ToolAnswer:
     """An API's answer format with each choice's text read into text and calls (gateway/render.py ``AnswerFormat``)."""
 
     def __init__(self, inner: ToolCallFormat, fmt: ToolFormat) -> None:
+        inner.expect_calls()
         self.inner = inner
         self.fmt = fmt
         self.readers: dict[int, OutputReader] = {}  # a streamed choice's reader (its calls keep their ids)

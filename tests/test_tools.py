@@ -11,8 +11,10 @@ tools are written in the family's hermes format (gateway/tool_prompt.py). One se
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -105,6 +107,8 @@ def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         "1",
         "--queue-depth",
         "8",
+        "--batch-dir",
+        str(tmp_path_factory.mktemp("batches")),
     )
     try:
         yield server
@@ -426,3 +430,132 @@ def test_bad_tool_requests_are_400s_naming_the_field(server: Server, change: dic
     assert error["param"] == param, error
     if change.get("model") == CLASSIFIER:
         assert CLASSIFIER in error["message"]
+
+
+# -- the Responses API -----------------------------------------------------------------------------
+
+FLAT_TOOLS: list[Any] = [{"type": "function", **tool["function"]} for tool in TOOLS]
+
+
+def _input(text: str = "What is the weather in Paris?") -> list[Any]:
+    return [
+        {
+            "role": "user",
+            "content": [
+                {"type": "input_image", "image_url": PHOTO, "detail": "low"},
+                {"type": "input_text", "text": text},
+            ],
+        }
+    ]
+
+
+def test_responses_answer_with_function_call_items(client: openai.OpenAI) -> None:
+    done = client.responses.create(
+        model=VLM,
+        input=_input(),
+        tools=FLAT_TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=80,
+        temperature=0,
+    )
+    assert done.status == "completed" and [item.type for item in done.output] == ["function_call"]
+    call = done.output[0]
+    assert call.type == "function_call" and call.call_id.startswith("call_") and call.status == "completed"
+    check_call(call.name, call.arguments)
+    assert [t.name for t in done.tools] == ["get_weather", "click"]  # type: ignore[union-attr]
+    named = client.responses.create(
+        model=VLM,
+        input=_input(),
+        tools=FLAT_TOOLS,
+        tool_choice={"type": "function", "name": "click"},
+        max_output_tokens=60,
+    )
+    assert [(i.type, i.name) for i in named.output] == [("function_call", "click")]  # type: ignore[union-attr]
+    # the call and its output sent back: the next answer reads them
+    follow = client.responses.create(
+        model=VLM,
+        input=[
+            *_input(),
+            call.model_dump(exclude_none=True),
+            {"type": "function_call_output", "call_id": call.call_id, "output": "12 degrees"},
+        ],
+        tools=FLAT_TOOLS,
+        max_output_tokens=6,
+        temperature=0,
+    )
+    assert follow.output[0].type == "message" and follow.usage is not None
+    assert follow.usage.input_tokens > done.usage.input_tokens + 10  # type: ignore[union-attr]
+
+
+def test_a_responses_stream_carries_the_call_events(client: openai.OpenAI) -> None:
+    with client.responses.stream(
+        model=VLM,
+        input=_input(),
+        tools=FLAT_TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=80,
+        temperature=0,
+    ) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [e.type for e in events]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds[-4:] == [
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert "response.content_part.added" not in kinds  # no text: no message
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")  # type: ignore[union-attr]
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    call = final.output[0]
+    assert call.type == "function_call" and call.arguments == deltas == done.arguments  # type: ignore[union-attr]
+    check_call(call.name, call.arguments)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_a_responses_built_in_tool_or_a_bad_item_is_a_400_naming_it(server: Server) -> None:
+    url = server.base_url + "/v1/responses"
+    for extra, param in [
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "string"}}]}, "tools[0].parameters"),
+        ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0]"),
+        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x", "extra": 1}]}, "input[0].extra"),
+        ({"input": [{"type": "reasoning"}]}, "input[0].type"),
+    ]:
+        reply = httpx.post(url, json={"model": VLM, "input": "hi", "max_output_tokens": 2, **extra}, timeout=30)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == param, (extra, reply.text)
+
+
+# -- the Batch API ---------------------------------------------------------------------------------
+
+
+def test_a_batch_line_with_tools_answers_with_calls(client: openai.OpenAI) -> None:
+    line = {
+        "custom_id": "tools-1",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {
+            "model": VLM,
+            "messages": _messages(),
+            "tools": TOOLS,
+            "tool_choice": "required",
+            "parallel_tool_calls": False,
+            "max_tokens": 80,
+        },
+    }
+    uploaded = client.files.create(file=("in.jsonl", io.BytesIO(json.dumps(line).encode() + b"\n")), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    deadline = time.monotonic() + 60
+    while batch.status not in ("completed", "failed", "expired", "cancelled") and time.monotonic() < deadline:
+        time.sleep(0.2)
+        batch = client.batches.retrieve(batch.id)
+    assert batch.status == "completed" and batch.output_file_id, batch
+    output = json.loads(client.files.content(batch.output_file_id).text)
+    message = output["response"]["body"]["choices"][0]["message"]
+    assert output["response"]["body"]["choices"][0]["finish_reason"] == "tool_calls"
+    for call in message["tool_calls"]:
+        check_call(call["function"]["name"], call["function"]["arguments"])
