@@ -85,6 +85,9 @@ def run_frontend(config: FrontendConfig) -> int:
 
     options = config.options
     configure(VideoLimits(max_seconds=options.limits.max_video_seconds, max_frames=options.limits.max_video_frames))
+    from shmgate.gateway import tool_prompt  # tools: --tool-chat-template
+
+    tool_prompt.configure(options.server.tool_chat_template)
     from shmgate.gateway.http_limits import ConnectionLimits, http_protocol
     from shmgate.gateway.sockets import bind_frontend
 

@@ -132,5 +132,10 @@ def _rewritten(
     if results:
         out.append(_text_message("user", fmt.results_text(results)))
     if calling is not None and (not messages or messages[0]["role"] != "system"):
-        out.insert(0, _text_message("system", fmt.system_text(calling.definitions(), None)))
+        tools = fmt.system_text(calling.definitions(), None)
+        user = next((m for m in out if m["role"] == "user"), None)
+        if fmt.in_system or user is None:
+            out.insert(0, _text_message("system", tools))
+        else:  # a prompt without roles: in front of the user's text
+            user["content"] = [{"type": "text", "text": tools + "\n\n"}, *user["content"]]
     return out

@@ -248,6 +248,94 @@ def test_the_reader_splits_text_and_calls_whatever_the_pieces() -> None:
     assert split_output("no <tool_call but text", HERMES) == ("no <tool_call but text", [])
 
 
+# A template with a tool section, as Qwen2.5's text models ship: the definitions in a system turn, the
+# calls in hermes blocks (what an operator's --tool-chat-template file holds).
+NATIVE_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n"
+    "</tools><|im_end|>\n{% endif %}"
+    "{% for message in messages %}<|im_start|>{{ message.role }}\n"
+    "{% if message.content is string %}{{ message.content }}{% else %}{% for c in message.content %}"
+    "{% if c.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% elif c.type == 'text' %}{{ c.text }}"
+    "{% endif %}{% endfor %}{% endif %}"
+    "{% for tc in message.tool_calls or [] %}\n<tool_call>\n"
+    '{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}\n</tool_call>{% endfor %}'
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_an_operator_template_renders_the_tools_itself(model_dir: Path, tmp_path: Path) -> None:
+    from shmgate.gateway import tool_prompt
+    from shmgate.gateway.preprocess.hf import HFPreprocessor
+
+    pre = HFPreprocessor(model_dir)
+    default = tool_prompt.tool_prompt_for(pre)
+    assert default is not None and not default.native and default.tags_are_tokens
+    template = tmp_path / "tools.jinja"
+    template.write_text(NATIVE_TEMPLATE)
+    tool_prompt.configure(str(template))
+    try:
+        prompt = tool_prompt.tool_prompt_for(pre)
+        assert prompt is not None and prompt.native and prompt.template == NATIVE_TEMPLATE
+        history = [
+            {"role": "user", "content": [{"type": "text", "text": "Weather?"}]},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {"id": "c", "type": "function", "function": {"name": "click", "arguments": {"x": 1, "y": 2}}}
+                ],
+            },
+        ]
+        messages, args = write_tools(history, parse_tools(TOOLS, "auto", None), prompt)
+        text = pre.build_prompt(messages, [], **args).text
+        assert text.startswith("<|im_start|>system\n# Tools\n<tools>") and '"name": "get_weather"' in text
+        assert '<tool_call>\n{"name": "click", "arguments": {"x": 1, "y": 2}}\n</tool_call>' in text
+    finally:
+        tool_prompt.configure(None)
+    assert tool_prompt.tool_prompt_for(pre) == default
+
+
+@pytest.mark.parametrize(
+    "family", ["qwen2_vl", "qwen3_vl", "llava", "idefics3", "llava_next", "gemma3", "paligemma", "internvl", "smolvlm"]
+)
+def test_every_family_renders_tools_and_its_grammar_writes_calls_that_parse(
+    tiny_vlm: Callable[[str], Path], family: str
+) -> None:
+    """The family's prompt takes the hermes format, and its tokenizer under the grammar (llguidance's
+    matcher walking random allowed tokens, as a random model would) writes calls the reader parses."""
+    import random
+
+    import llguidance
+    import llguidance.hf
+    import numpy as np
+    from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
+
+    from shmgate.gateway.preprocess.hf import HFPreprocessor
+    from shmgate.gateway.tool_prompt import tool_prompt_for
+
+    pre = HFPreprocessor(tiny_vlm(family))
+    prompt = tool_prompt_for(pre)
+    assert prompt is not None and not prompt.native
+    calling = parse_tools(TOOLS, "required", None)
+    assert calling is not None
+    messages, args = write_tools([{"role": "user", "content": [{"type": "text", "text": "Weather?"}]}], calling, prompt)
+    assert '"get_weather"' in pre.build_prompt(messages, [], **args).text
+    tokenizer = llguidance.hf.from_tokenizer(pre.tokenizer)
+    matcher = llguidance.LLMatcher(
+        tokenizer, tool_grammar(calling, prompt.format, tags_are_tokens=prompt.tags_are_tokens)
+    )
+    mask, rng, ids = allocate_token_bitmask(1, tokenizer.vocab_size), random.Random(family), []
+    while not matcher.is_stopped() and len(ids) < 400:
+        fill_next_token_bitmask(matcher, mask)
+        allowed = np.flatnonzero(np.unpackbits(mask.numpy().view(np.uint8), bitorder="little")[: tokenizer.vocab_size])
+        ids.append(int(rng.choice(list(allowed))))
+        assert matcher.consume_token(ids[-1]), matcher.get_error()
+    content, calls = split_output(pre.tokenizer.decode(ids, skip_special_tokens=True), prompt.format)
+    assert calls and not content.strip(), (content, calls)
+    for call in calls:
+        check_call(call.name, call.arguments)
+
+
 # -- through the server ---------------------------------------------------------------------------
 
 

@@ -18,6 +18,7 @@ reads them back out of the text (gateway/tool_output.py). Plain Python: both hal
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ class ToolFormat:
     call_close: str
     separator: str  # between two calls
     default_system: str  # the system text a conversation without one gets (the template's own default)
+    in_system: bool = True  # the tools go in a system message; False: in front of the first user message
 
     def call_text(self, name: str, arguments: str) -> str:
         """One call as the model writes it; ``arguments`` is the JSON text of the arguments object."""
@@ -82,9 +84,18 @@ _QWEN = ToolFormat(
     default_system="You are a helpful assistant.",
 )
 
+# PaliGemma's prompt is one user message (no roles): the tools go in front of its text.
+_PREFIX = dataclasses.replace(HERMES, in_system=False)
+
 # By config.json model_type; a family not listed writes HERMES (a prompt it was not trained on, kept
 # to its shape by the grammar).
-_FORMATS: dict[str, ToolFormat] = {"qwen2_vl": _QWEN, "qwen2_5_vl": _QWEN, "qwen3_vl": _QWEN, "internvl": _QWEN}
+_FORMATS: dict[str, ToolFormat] = {
+    "qwen2_vl": _QWEN,
+    "qwen2_5_vl": _QWEN,
+    "qwen3_vl": _QWEN,
+    "internvl": _QWEN,
+    "paligemma": _PREFIX,
+}
 
 
 def tool_format(model_type: str) -> ToolFormat:
