@@ -51,7 +51,10 @@ def with_tools(chat: ChatRequest, fmt: AnswerFormat, pre: Preprocessor) -> tuple
         return chat, fmt
     prompt = tool_prompt_for(pre)
     if prompt is None:
-        raise InvalidRequest(f"tools are not supported by {pre.model}: it does not generate text", param="tools")
+        raise InvalidRequest(
+            f"tools are not supported by {pre.model}: it does not generate text",
+            param="tools" if chat.tools is not None else "messages",  # calls or results in the conversation
+        )
     messages, template_args = write_tools(chat.messages, chat.tools, prompt)
     chat = dataclasses.replace(chat, messages=messages, template_args=template_args)
     if chat.tools is None:
