@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from shmgate.gateway.preprocess.hf import HFPreprocessor
     from shmgate.gateway.tool_output import split_output
-    from shmgate.gateway.tool_prompt import tool_prompt_for, write_tools
+    from shmgate.gateway.tool_prompt import write_tools
     from shmgate.gateway.tools import parse_tools, tool_grammar
     from shmgate.shared.wire import SamplingParams
     from shmgate.worker.backends.base import WorkItem
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     for family in args.families or FAMILIES:
         model_dir = build_tiny_vlm(root / family, family)
         pre = HFPreprocessor(model_dir)
-        prompt = tool_prompt_for(pre)
+        prompt = pre.tool_prompt()
         assert prompt is not None
         backend = HFBackend(str(model_dir), torch.device("cpu"))
         reasons, called, text_left = [], [], False

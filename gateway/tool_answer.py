@@ -20,7 +20,7 @@ from shmgate.gateway.intake import ChatRequest
 from shmgate.gateway.preprocess.base import Preprocessor
 from shmgate.gateway.render import AnswerFormat, Outcome
 from shmgate.gateway.tool_output import CallArguments, CallOpened, Event, OutputReader, TextOut, ToolCall
-from shmgate.gateway.tool_prompt import tool_prompt_for, write_tools
+from shmgate.gateway.tool_prompt import write_tools
 from shmgate.gateway.tools import history_has_tools, tool_grammar
 from shmgate.shared.errors import InvalidRequest, ShmgateError
 from shmgate.shared.families.tool_formats import ToolFormat
@@ -49,7 +49,7 @@ def with_tools(chat: ChatRequest, fmt: AnswerFormat, pre: Preprocessor) -> tuple
     """
     if chat.tools is None and not history_has_tools(chat.messages):
         return chat, fmt
-    prompt = tool_prompt_for(pre)
+    prompt = pre.tool_prompt()
     if prompt is None:
         raise InvalidRequest(
             f"tools are not supported by {pre.model}: it does not generate text",

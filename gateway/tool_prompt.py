@@ -19,11 +19,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from shmgate.gateway.preprocess.base import Preprocessor
 from shmgate.gateway.tools import ToolCalling
 from shmgate.shared.families.tool_formats import ToolFormat, tool_format
 
-__all__ = ["ToolPrompt", "configure", "reads_tools", "tool_prompt_for", "write_tools"]
+__all__ = ["ToolPrompt", "configure", "reads_tools", "tool_prompt_of", "write_tools"]
 
 _override: str | None = None  # --tool-chat-template's text
 
@@ -35,7 +34,7 @@ def configure(template_path: str | None) -> None:
     if template_path:
         with open(template_path, encoding="utf-8") as f:
             _override = f.read()
-    tool_prompt_for.cache_clear()
+    tool_prompt_of.cache_clear()
 
 
 @dataclass(frozen=True)
@@ -62,14 +61,10 @@ def reads_tools(template: Any) -> bool:
 
 
 @functools.cache
-def tool_prompt_for(pre: Preprocessor) -> ToolPrompt | None:
-    """``pre``'s model's ToolPrompt; None for a model that samples no tokens (classifiers, embedders,
-    checksum:hf:), which cannot call tools."""
-    tokenizer = getattr(pre, "tokenizer", None)
-    config = getattr(pre, "model_config", None)
-    if not pre.samples_tokens or tokenizer is None or config is None:
-        return None
-    fmt = tool_format(str(getattr(config, "model_type", "")))
+def tool_prompt_of(tokenizer: Any, model_type: str) -> ToolPrompt:
+    """The ToolPrompt of a checkpoint with this tokenizer (its chat template, its added tokens) of the
+    family ``model_type`` (kept: the template is parsed once; ``configure`` forgets them)."""
+    fmt = tool_format(model_type)
     added = tokenizer.get_added_vocab()
     tokens = fmt.call_open in added and fmt.call_close in added
     if _override is not None:

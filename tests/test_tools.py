@@ -268,13 +268,13 @@ def test_an_operator_template_renders_the_tools_itself(model_dir: Path, tmp_path
     from shmgate.gateway.preprocess.hf import HFPreprocessor
 
     pre = HFPreprocessor(model_dir)
-    default = tool_prompt.tool_prompt_for(pre)
+    default = pre.tool_prompt()
     assert default is not None and not default.native and default.tags_are_tokens
     template = tmp_path / "tools.jinja"
     template.write_text(NATIVE_TEMPLATE)
     tool_prompt.configure(str(template))
     try:
-        prompt = tool_prompt.tool_prompt_for(pre)
+        prompt = pre.tool_prompt()
         assert prompt is not None and prompt.native and prompt.template == NATIVE_TEMPLATE
         history = [
             {"role": "user", "content": [{"type": "text", "text": "Weather?"}]},
@@ -292,7 +292,7 @@ def test_an_operator_template_renders_the_tools_itself(model_dir: Path, tmp_path
         assert '<tool_call>\n{"name": "click", "arguments": {"x": 1, "y": 2}}\n</tool_call>' in text
     finally:
         tool_prompt.configure(None)
-    assert tool_prompt.tool_prompt_for(pre) == default
+    assert pre.tool_prompt() == default
 
 
 # One family per kind of chat template (the others share one of these: Qwen3-VL and InternVL Qwen2-VL's,
@@ -314,10 +314,9 @@ def test_every_family_renders_tools_and_its_grammar_writes_calls_that_parse(
     from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
 
     from shmgate.gateway.preprocess.hf import HFPreprocessor
-    from shmgate.gateway.tool_prompt import tool_prompt_for
 
     pre = HFPreprocessor(tiny_vlm(family))
-    prompt = tool_prompt_for(pre)
+    prompt = pre.tool_prompt()
     assert prompt is not None and not prompt.native
     calling = parse_tools(TOOLS, "required", None)
     assert calling is not None

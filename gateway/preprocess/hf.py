@@ -68,6 +68,7 @@ from shmgate.gateway.preprocess.qwen_video import (
     preprocess_video,
     video_tokens,
 )
+from shmgate.gateway.tool_prompt import ToolPrompt, tool_prompt_of
 from shmgate.gateway.video import VIDEO_OPTION
 from shmgate.shared.errors import InvalidRequest, UndecodableImage
 from shmgate.shared.families.base import PIXEL_VALUES, ImageSpec
@@ -242,6 +243,13 @@ class HFPreprocessor(Preprocessor):
         self.tokenizer_lock = threading.Lock()
         self.style_state: Any = self._style.prepare(self)  # what the style keeps for this checkpoint
         self._cache_params = self._describe_processing()
+
+    def tool_prompt(self) -> ToolPrompt | None:
+        """The tool format of this checkpoint's family and template (gateway/tool_prompt.py); none for
+        ``checksum:hf:``, whose worker samples no tokens."""
+        if not self.samples_tokens:
+            return None
+        return tool_prompt_of(self.tokenizer, str(self.model_config.model_type))
 
     def cache_params(self) -> bytes:
         """The image processor's full configuration, its class and the library versions.
