@@ -16,6 +16,10 @@ from typing import cast
 
 # scenario -> (module, what it measures). docs/BENCHMARKS.md has the command and figures of each.
 SCENARIOS: dict[str, tuple[str, str]] = {
+    "handoff": (
+        "bench.handoff",
+        "one tensor between two processes: the descriptor path against a pickled queue and memcpy",
+    ),
     "e2e": ("bench.e2e", "shmgate against a naive app and LitServe, end to end: req/s, latency, server CPU"),
     "vlm-serving": ("bench.vlm_serving", "a VLM's TTFT idle, behind a long answer and in a Poisson mix (who waits)"),
     "prefix-reuse": (

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prepare, on a machine with pip and network, the wheels bench/gpu_run.sh installs on the GPU machine.
 #
-# The GPU machine (docs: /work/.library/device) has Python 3.12, torch with CUDA, transformers,
+# The GPU machine the GPU figures ran on has Python 3.12, torch with CUDA, transformers,
 # accelerate, httpx, uvloop, pillow, numpy, pytest and pyyaml, but no network and none of shmgate's
 # serving packages. This downloads those (and LitServe, for the comparison) as cp312 manylinux wheels
 # into .whl/ at the repository root (ignored by git), without dependencies: the list below covers what that

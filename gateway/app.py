@@ -14,7 +14,8 @@ Routes:
     GET  /openapi.json          every route's request and answers, errors included (gateway/openapi.py)
     GET  /docs                  that document as an interactive page (Swagger UI; always open)
 
-Every error is an OpenAI error object with the right status (gateway/http_errors.py).
+Every error is an OpenAI error object with the right status (gateway/http_errors.py), counted by its
+outcome (gateway/edge.py). The model endpoints' routes come from their table (gateway/endpoints.py).
 Every response carries ``x-shmgate-frontend: <slot>``, the frontend process that
 answered it: all frontends share one port, so this is how an operator (or a fault
 test) tells which process served a connection.
@@ -30,6 +31,7 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -38,8 +40,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from shmgate.gateway.batch_routes import add_batch_routes
 from shmgate.gateway.batch_runner import BatchRunner
 from shmgate.gateway.batch_store import BatchStore
-from shmgate.gateway.chat_route import chat_completions
-from shmgate.gateway.embeddings import embeddings_route
+from shmgate.gateway.edge import error_answer
+from shmgate.gateway.endpoints import ENDPOINTS, MODEL_PATHS
 from shmgate.gateway.frontend import Frontend
 from shmgate.gateway.guards import AllowedHosts, CatchAll
 from shmgate.gateway.http_errors import error_body, error_response
@@ -47,7 +49,6 @@ from shmgate.gateway.lane import BulkLane
 from shmgate.gateway.metrics import BatchCollector, FrontendStats, ModelGauges, exposition
 from shmgate.gateway.openapi import docs_page, openapi_document
 from shmgate.gateway.preprocess import get_preprocessor
-from shmgate.gateway.responses import responses_route
 from shmgate.gateway.result_cache import ResultCache
 from shmgate.gateway.served import AppOptions, Served, read_body, served
 from shmgate.gateway.tokenize import detokenize, model_card, tokenize
@@ -60,6 +61,9 @@ from shmgate.shared.segment import ModelState
 from shmgate.shared.transport import PosixFrontendLink, PosixNodeStats
 from shmgate.shared.vocabulary import check_model_id
 
+if TYPE_CHECKING:
+    from shmgate.gateway.request_spans import RequestSpans
+
 __all__ = ["AppOptions", "create_app"]
 
 # /v1/models's ``created`` when the supervisor did not say when the node started (an app built alone)
@@ -68,19 +72,25 @@ _STARTED = int(time.time())
 log = logging.getLogger("shmgate.app")
 
 
-def create_app(options: AppOptions) -> FastAPI:
-    """The frontend's ASGI app: middleware, error handlers and routes; state arrives with the lifespan."""
+def create_app(options: AppOptions, spans: RequestSpans | None = None) -> FastAPI:
+    """The frontend's ASGI app: middleware, error handlers and routes; state arrives with the lifespan.
+
+    ``spans``: this frontend's tracing hooks (gateway/tracing.py ``start_tracing``), None when it is off.
+    """
     # redirect_slashes off: a trailing slash is a 404, never a 307 whose Location is built from the Host header.
     # openapi_url off: FastAPI's generated document knows nothing of bodies the routes decode themselves.
     app = FastAPI(
         title="shmgate", lifespan=_lifespan, docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False
     )
     app.state.options = options
+    app.state.spans = spans
     app.state.served = None
     app.state.batches = None
     # Outermost last: the frontend header goes on every response, the catch-all's 500 and the Host refusal included.
     stats = functools.partial(_frontend_stats, app)
-    app.add_middleware(BulkLane, stats=stats)  # innermost: a loopback batch line's descriptors go in the bulk lane
+    app.add_middleware(
+        BulkLane, paths=MODEL_PATHS, stats=stats
+    )  # innermost: interactive model requests are the demand batches yield to
     app.add_middleware(AllowedHosts, hosts=options.allowed_hosts, stats=stats)
     app.add_middleware(CatchAll, stats=stats)
     app.add_middleware(FrontendHeader, slot=options.slot)
@@ -98,9 +108,8 @@ def create_app(options: AppOptions) -> FastAPI:
     app.add_api_route("/tokenize", _tokenize, methods=["POST"])
     app.add_api_route("/detokenize", _detokenize, methods=["POST"])
     app.add_api_route("/metrics", _metrics, methods=["GET"])
-    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
-    app.add_api_route("/v1/embeddings", embeddings_route, methods=["POST"])
-    app.add_api_route("/v1/responses", responses_route, methods=["POST"])
+    for endpoint in ENDPOINTS:
+        app.add_api_route(endpoint.path, endpoint.route, methods=["POST"])
     add_batch_routes(app)
     return app
 
@@ -115,7 +124,10 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         preprocessors = []
         for model in models:
             preprocessor = get_preprocessor(
-                model.model, max_images=options.intake.max_images, processor_kwargs=model.mm_processor_kwargs or None
+                model.model,
+                max_images=options.intake.max_images,
+                processor_kwargs=model.mm_processor_kwargs or None,
+                tool_chat_template=options.tool_chat_template,  # tools
             )
             if model.served_model_name:
                 preprocessor.model = model.served_model_name
@@ -143,7 +155,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     node = PosixNodeStats(instance)
     await frontend.start()
     results = ResultCache(options.result_cache_bytes) if options.result_cache_bytes > 0 else None
-    app.state.served = Served(options, frontend, node, results)
+    app.state.served = Served(options, frontend, node, results, app.state.spans)
     runner = None
     if options.batch_dir:
         try:
@@ -156,11 +168,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             log.warning("the Batch API is off: cannot open %s (%s); set --batch-dir", options.batch_dir, exc)
         if app.state.batches is not None:
             runner = BatchRunner(
-                app.state.batches,
-                options.loopback_url,
-                options.api_key,
-                options.batch_max_in_flight,
-                interactive=node.interactive_in_flight,
+                app.state.batches, app.state.served, options.batch_max_in_flight, interactive=node.interactive_in_flight
             )
             runner.start()
     try:
@@ -205,7 +213,9 @@ def _frontend_stats(app: FastAPI) -> FrontendStats | None:
 
 async def _shmgate_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ShmgateError)  # registered for ShmgateError only
-    return error_response(exc)
+    if request.app.state.served is None:  # before the lifespan attached the frontend: nothing to count in
+        return error_response(exc)
+    return error_answer(request, exc)
 
 
 async def _not_found(request: Request, exc: Exception) -> Response:
@@ -317,6 +327,9 @@ def _card(f: Frontend, model: str, created: int) -> dict[str, object]:
         "tokenize": bool(pre.tokenizes and pre.serves_chat),
         "max_model_len": pre.max_prompt_tokens,
     }
+    card["endpoints"] = [
+        endpoint.path for endpoint in ENDPOINTS if endpoint.serves(pre)
+    ]  # the model endpoints it serves
     return card
 
 
@@ -346,7 +359,7 @@ async def _tokenize(request: Request) -> Response:
             )
         )
     except ShmgateError as exc:
-        return error_response(exc)
+        return error_answer(request, exc)
 
 
 async def _detokenize(request: Request) -> Response:
@@ -357,7 +370,7 @@ async def _detokenize(request: Request) -> Response:
             await detokenize(s.frontend.preprocessor_for, await read_body(request, s.options.max_body_bytes))
         )
     except ShmgateError as exc:
-        return error_response(exc)
+        return error_answer(request, exc)
 
 
 async def _metrics(request: Request) -> Response:
@@ -371,6 +384,7 @@ async def _metrics(request: Request) -> Response:
         request.headers.get("accept"),
         functools.partial(_model_gauges, s.frontend),
         None if store is None or store.damage else BatchCollector(store.line_counts, s.frontend.preprocessors),
+        s.frontend.stages.exemplars,
     )
     return Response(body, headers={"Content-Type": content_type})
 

@@ -11,7 +11,8 @@ Routes:
     GET    /v1/batches/{id}           one batch: status, request_counts, output and error file ids
     POST   /v1/batches/{id}/cancel    stop it: lines not started are not run
 
-The API key guards every one of them like the other routes. The storage is gateway/batch_store.py;
+The API key guards every one of them like the other routes; every error is answered and counted as
+any route's (gateway/edge.py ``error_answer``). The storage is gateway/batch_store.py;
 one frontend of the node runs the batches (gateway/batch_runner.py). Every call here is a few small
 SQLite transactions or a file read or write, run off the event loop. A storage failure is the store's
 error (gateway/batch_faults.py: 507 on a full disk, 503 on an I/O error or a damaged store), raised to
@@ -29,13 +30,14 @@ from fastapi.responses import JSONResponse, Response
 
 from shmgate.gateway.batch_faults import StoreDamaged
 from shmgate.gateway.batch_store import TERMINAL, BatchStore
-from shmgate.gateway.http_errors import error_body, error_response
+from shmgate.gateway.edge import error_answer
+from shmgate.gateway.endpoints import BY_PATH
 from shmgate.gateway.served import read_body, served
-from shmgate.shared.errors import InvalidRequest, RequestTooLarge, ShmgateError
+from shmgate.shared.errors import Conflict, InvalidRequest, NotFound, RequestTooLarge, ShmgateError
 
 __all__ = ["ENDPOINTS", "add_batch_routes", "validate_input"]
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/embeddings", "/v1/responses")
+ENDPOINTS = tuple(BY_PATH)  # a batch runs the lines of one model endpoint (gateway/endpoints.py)
 WINDOWS = {"24h": 24 * 3600}
 MAX_FILE_BYTES = 200 << 20  # OpenAI's limit on a batch input file
 MAX_LINES = 50_000  # OpenAI's limit on requests per batch
@@ -65,10 +67,8 @@ def _store(request: Request) -> BatchStore:
     return store
 
 
-def _not_found(what: str, ident: str) -> Response:
-    return JSONResponse(
-        error_body(f"no {what} with id {ident[:100]!r}", "invalid_request_error", "not_found", "id"), status_code=404
-    )
+def _not_found(request: Request, what: str, ident: str) -> Response:
+    return error_answer(request, NotFound(f"no {what} with id {ident[:100]!r}", param="id"))
 
 
 async def upload_file(request: Request) -> Response:
@@ -93,14 +93,14 @@ async def upload_file(request: Request) -> Response:
             await form.close()
         return JSONResponse(await asyncio.to_thread(store.add_file, data, filename, "batch"))
     except ShmgateError as exc:
-        return error_response(exc)
+        return error_answer(request, exc)
 
 
 async def list_files(request: Request) -> Response:
     try:
         store = _store(request)
     except ShmgateError as exc:
-        return error_response(exc)
+        return error_answer(request, exc)
     data = await asyncio.to_thread(store.files, request.query_params.get("purpose"))
     return JSONResponse({"object": "list", "data": data, "has_more": False})
 
@@ -109,18 +109,18 @@ async def get_file(file_id: str, request: Request) -> Response:
     try:
         store = _store(request)
     except ShmgateError as exc:
-        return error_response(exc)
+        return error_answer(request, exc)
     found = await asyncio.to_thread(store.file, file_id)
-    return _not_found("file", file_id) if found is None else JSONResponse(found)
+    return _not_found(request, "file", file_id) if found is None else JSONResponse(found)
 
 
 async def delete_file(file_id: str, request: Request) -> Response:
     try:
         store = _store(request)
     except ShmgateError as exc:
-        return error_response(exc)
+        return error_answer(request, exc)
     if not await asyncio.to_thread(store.delete_file, file_id):
-        return _not_found("file", file_id)
+        return _not_found(request, "file", file_id)
     return JSONResponse({"id": file_id, "object": "file", "deleted": True})
 
 
@@ -128,10 +128,10 @@ async def file_content(file_id: str, request: Request) -> Response:
     try:
         store = _store(request)
     except ShmgateError as exc:
-        return error_response(exc)
+        return error_answer(request, exc)
     data = await asyncio.to_thread(store.read_file, file_id)
     if data is None:
-        return _not_found("file", file_id)
+        return _not_found(request, "file", file_id)
     return Response(data, media_type="application/octet-stream")
 
 
@@ -225,7 +225,7 @@ async def create_batch(request: Request) -> Response:
         batch = await asyncio.to_thread(store.add_batch, endpoint, file_id, WINDOWS[window], metadata, models)
         return JSONResponse(batch)
     except ShmgateError as exc:
-        return error_response(exc)
+        return error_answer(request, exc)
 
 
 async def list_batches(request: Request) -> Response:
@@ -238,7 +238,7 @@ async def list_batches(request: Request) -> Response:
         if not 1 <= limit <= 100:
             raise InvalidRequest("limit must be between 1 and 100", param="limit")
     except ShmgateError as exc:
-        return error_response(exc)
+        return error_answer(request, exc)
     data, more = await asyncio.to_thread(store.batches, request.query_params.get("after"), limit)
     return JSONResponse(
         {
@@ -255,27 +255,20 @@ async def get_batch(batch_id: str, request: Request) -> Response:
     try:
         store = _store(request)
     except ShmgateError as exc:
-        return error_response(exc)
+        return error_answer(request, exc)
     found = await asyncio.to_thread(store.batch, batch_id)
-    return _not_found("batch", batch_id) if found is None else JSONResponse(found)
+    return _not_found(request, "batch", batch_id) if found is None else JSONResponse(found)
 
 
 async def cancel_batch(batch_id: str, request: Request) -> Response:
     try:
         store = _store(request)
     except ShmgateError as exc:
-        return error_response(exc)
+        return error_answer(request, exc)
     found = await asyncio.to_thread(store.batch, batch_id)
     if found is None:
-        return _not_found("batch", batch_id)
+        return _not_found(request, "batch", batch_id)
     if found["status"] in TERMINAL and found["status"] != "cancelled":
-        return JSONResponse(
-            error_body(
-                f"batch {batch_id!r} is {found['status']}; it cannot be cancelled",
-                "invalid_request_error",
-                "invalid_state",
-            ),
-            status_code=409,
-        )
+        return error_answer(request, Conflict(f"batch {batch_id!r} is {found['status']}; it cannot be cancelled"))
     await asyncio.to_thread(store.set_status, batch_id, "cancelling", only_from=("in_progress", "validating"))
     return JSONResponse(await asyncio.to_thread(store.batch, batch_id))

@@ -4,16 +4,18 @@ Every frontend tries to take an exclusive ``fcntl.flock`` on ``runner.lock`` in 
 every few seconds; the one that holds it runs the batches as an asyncio task. The kernel drops the
 lock when its holder dies, so another frontend (or the same slot restarted) takes over and resumes.
 
-Each line is POSTed to this node's own HTTP port on loopback with ``x-shmgate-lane: bulk``
-(gateway/lane.py): it goes through exactly the pipeline of any request (the key, admission, the
-content and result caches, the errors), its descriptor at the bulk lane's lower priority. A line's
-result is committed once (gateway/batch_store.py), so after a crash the lines with a stored result
-are skipped and the others run again.
+Each line runs in process, through its endpoint's codec and the request pipeline of any request
+(gateway/pipeline.py: admission, the content and result caches, the errors); no HTTP request is
+made. It runs in the bulk lane (gateway/lane.py; ``RequestContext.bulk``): its descriptor at the request queue's lower
+priority, its decodes in the bulk pool. Its answer is the data the pipeline returns, or the OpenAI
+error object of the ShmgateError it raised, counted as an HTTP request's would be. A line's result
+is committed once (gateway/batch_store.py), so after a crash the lines with a stored result are
+skipped and the others run again.
 
 Fairness (docs/BATCH.md): at most ``in_flight`` lines are in flight; while the node's frontends have
 interactive requests in hand (the stats word that gateway/lane.py keeps), interactive and batch
 requests together stay within ``in_flight``, with at most a quarter of it for lines, and one line
-every ``TRICKLE_S`` when interactive ones take it all: a line's HTTP, decode and reply work shares the
+every ``TRICKLE_S`` when interactive ones take it all: a line's decode and reply work shares the
 frontends' cores with interactive requests. The runner looks at that demand whenever a line ends and every ``RECHECK_S``,
 so it ramps back up as soon as the node is quiet. Several batches run side by side, one line of
 each in turn (round-robin), and a cancelled one stops launching without holding up the others.
@@ -33,37 +35,31 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import msgspec
 
-from shmgate.gateway import tracing
 from shmgate.gateway.batch_faults import StoreDamaged, StoreFull, StoreUnavailable
 from shmgate.gateway.batch_store import BatchStore, LineResult, new_id
-from shmgate.gateway.lane import LANE_HEADER
-from shmgate.shared.rawhttp import NoHttpAnswer, RawClient
+from shmgate.gateway.endpoints import BY_PATH
+from shmgate.gateway.http_errors import count_error, error_body
+from shmgate.gateway.pipeline import Arrival
+from shmgate.gateway.render import HungUp, Whole
+from shmgate.gateway.request_context import RequestContext
+from shmgate.gateway.served import Served
+from shmgate.shared.errors import Cancelled, ShmgateError
 
-__all__ = ["BatchRunner", "loopback_url"]
+__all__ = ["BatchRunner"]
 
 log = logging.getLogger("shmgate.batch")
 
 POLL_S = 0.5  # how often the runner looks for new batches and cancels
 LOCK_RETRY_S = 2.0  # how often a frontend without the lock tries to take it
-CONNECT_TRIES_S = 120.0  # how long a line retries a node it cannot reach before it fails
 RETRY_STATUSES = frozenset({429, 503})  # the node is busy: the line waits and is sent again
 RECHECK_S = 0.005  # with lines in flight, the runner looks at the interactive demand at least this often
 QUIET_S = 0.05  # the node counts as busy this long after its last interactive request in hand
 TRICKLE_S = 0.1  # while interactive requests fill the cap, one line at a time this often: a batch never stops
 STORE_RETRY_S = 1.0  # while the store cannot write: how often results waiting in memory are tried again
-
-
-def loopback_url(host: str, port: int) -> str:
-    """This node's own address as seen from the frontend: the listening address, a wildcard's loopback."""
-    if host in ("", "0.0.0.0"):
-        host = "127.0.0.1"
-    elif host == "::":
-        host = "::1"
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 class _Line(msgspec.Struct):
@@ -80,11 +76,6 @@ class _Model(msgspec.Struct):
 
 _line_decoder = msgspec.json.Decoder(_Line)
 _model_decoder = msgspec.json.Decoder(_Model)
-
-
-class _Sent(NamedTuple):
-    ok: bool  # answered 2xx
-    status: int | None  # the answer's HTTP status; None: no answer
 
 
 def _model_of(body: bytes) -> str:
@@ -201,19 +192,16 @@ class BatchRunner:
     def __init__(
         self,
         store: BatchStore,
-        base_url: str,
-        api_key: str | None,
+        served: Served,
         in_flight: int,
         interactive: Callable[[], int] = lambda: 0,
     ) -> None:
-        """``in_flight``: lines in flight at most; ``interactive()``: the node's interactive requests in hand
+        """``served``: this frontend's serving state, whose pipeline runs the lines; ``in_flight``: lines in
+        flight at most; ``interactive()``: the node's interactive requests in hand
         (``NodeStats.interactive_in_flight``), while which only a quarter of that many run (at least one)."""
         self.store = store
+        self.served = served
         self.interactive = interactive
-        self.base_url = base_url
-        self.headers = {LANE_HEADER: "bulk"}
-        if api_key is not None:
-            self.headers["Authorization"] = f"Bearer {api_key}"
         self.in_flight = max(1, in_flight)
         self.busy_in_flight = max(1, self.in_flight // 4)
         self._commits = _Committer(store)
@@ -251,12 +239,11 @@ class BatchRunner:
         while not self._try_lock():
             await asyncio.sleep(LOCK_RETRY_S)
         log.info("this frontend runs the batches of %s", self.store.dir)
-        client = RawClient(self.base_url, headers=self.headers)
         jobs: dict[str, _Job] = {}
         try:
             while True:
                 try:
-                    await self._serve(client, jobs)
+                    await self._serve(jobs)
                 except asyncio.CancelledError:
                     raise
                 except StoreDamaged:
@@ -274,8 +261,6 @@ class BatchRunner:
             await _abandon(jobs)
             await self._commits.stop()
             raise
-        finally:
-            await client.aclose()
 
     def _cap(self, in_flight_now: int) -> int:
         """Lines in flight allowed now (``in_flight_now`` are): ``in_flight`` while the node is quiet; while it
@@ -294,7 +279,7 @@ class BatchRunner:
             return 1
         return cap
 
-    async def _serve(self, client: RawClient, jobs: dict[str, _Job]) -> None:
+    async def _serve(self, jobs: dict[str, _Job]) -> None:
         """Run the unfinished batches' lines, a line from each batch in turn, until none is left."""
         looked = 0.0
         turn = 0  # where the round-robin goes on
@@ -314,7 +299,7 @@ class BatchRunner:
                 turn %= len(running)
                 job = running[turn]
                 index = job.todo.pop()
-                task = asyncio.create_task(self._run_line(client, job.id, index, job.lines[index]))
+                task = asyncio.create_task(self._run_line(job.id, index, job.lines[index]))
                 task.add_done_callback(_log_failure)
                 job.pending.add(task)
                 if not job.todo:
@@ -390,8 +375,8 @@ class BatchRunner:
             await asyncio.to_thread(self._finish, job.id, "completed")
         # else: cancelled meanwhile (``cancelling``): the next look finishes it as cancelled
 
-    async def _run_line(self, client: RawClient, batch_id: str, index: int, raw: bytes) -> LineResult:
-        """Send one line until the node answers it (a 429 or 503 waits and goes again): its result."""
+    async def _run_line(self, batch_id: str, index: int, raw: bytes) -> LineResult:
+        """Run one line until the pipeline answers it (a 429 or 503 waits and goes again): its result."""
         line = _line_decoder.decode(raw)  # validated when the batch was created; the body stays bytes
         record: dict[str, Any] = {
             "id": new_id("batch_req"),
@@ -399,59 +384,48 @@ class BatchRunner:
             "response": None,
             "error": None,
         }
-        trace = None if tracing.spans is None else tracing.spans.batch_line(batch_id, line.custom_id, index)
-        headers = None if trace is None else {"traceparent": trace.traceparent}
+        spans = self.served.spans
+        trace = None if spans is None else spans.batch_line(batch_id, line.custom_id, index)
         try:
-            result = await self._send_line(client, line, record, headers)
+            with contextlib.nullcontext() if trace is None else trace.current():
+                status, body = await self._answer(line, record["id"])
         except BaseException as exc:
             if trace is not None:
                 trace.ended(None, type(exc).__name__)
             raise
+        record["response"] = {"status_code": status, "request_id": record["id"], "body": body}
         if trace is not None:
-            trace.ended(result.status, record["error"] and record["error"]["message"])
-        return LineResult(index, result.ok, record, _model_of(line.body))
+            trace.ended(status, body["error"]["message"] if status >= 400 else None)
+        return LineResult(index, status < 400, record, _model_of(line.body))
 
-    @staticmethod
-    async def _send_line(
-        client: RawClient, line: _Line, record: dict[str, Any], headers: dict[str, str] | None
-    ) -> _Sent:
-        """Send a line until the node answers (not 429/503) or cannot be reached; fills ``record``."""
-        ok = False
-        status: int | None = None
+    async def _answer(self, line: _Line, request_id: str) -> tuple[int, dict[str, Any]]:
+        """The line's answer through its endpoint's steps, in process: its HTTP status and JSON body, as an
+        HTTP client of the node would have had them. Busy (429, 503): waits, then again."""
+        steps = BY_PATH[line.url].steps  # the batch's endpoint (gateway/endpoints.py): checked at create
+        s = self.served
+        context = RequestContext(bulk=True, spans=s.spans)  # the bulk lane
         delay = 0.2
-        give_up = time.monotonic() + CONNECT_TRIES_S
         while True:
+            error: ShmgateError
             try:
-                reply, lease = await client.post(line.url, line.body, headers)
-                try:
-                    data = await reply.read()
-                finally:
-                    lease.release()
-            except NoHttpAnswer as exc:
-                if time.monotonic() < give_up:  # the frontends are starting or restarting: wait, then again
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 5.0)
-                    continue
-                record["error"] = {"code": "request_failed", "message": f"the request failed: {exc}"}
-                break
-            if reply.status in RETRY_STATUSES:
+                answer = await steps(s, Arrival(bytes(line.body), time.monotonic(), whole=True, context=context))
+            except HungUp:  # no connection to hang up: only a cancel from elsewhere
+                error = Cancelled("the line's request was cancelled")
+            except ShmgateError as exc:
+                error = exc
+            except Exception:  # a bug: answered as the catch-all answers one over HTTP (gateway/guards.py)
+                log.exception("batch line %r failed with an unexpected exception", line.custom_id)
+                error = ShmgateError(f"internal error; quote batch request id {request_id} when reporting it")
+            else:
+                if isinstance(answer, Whole):
+                    return 200, answer.body
+                error = ShmgateError("a batch line's answer cannot be a stream")
+            count_error(s.frontend.stats, error)
+            if error.status_hint in RETRY_STATUSES:
                 await asyncio.sleep(delay)  # the node is full or a worker is restarting: wait, then again
                 delay = min(delay * 2, 5.0)
                 continue
-            try:
-                body: Any = msgspec.json.decode(data)
-            except msgspec.DecodeError:
-                text = data[:1000].decode(errors="replace")
-                body = {"error": {"message": text, "type": "server_error", "param": None, "code": None}}
-            record["response"] = {
-                "status_code": reply.status,
-                "request_id": reply.headers.get("x-request-id") or record["id"],
-                "body": body,
-            }
-            ok = reply.status < 400
-            status = reply.status
-            break
-        return _Sent(ok, status)
+            return error.status_hint, error_body(error.message, error.error_type, error.code, error.param)
 
     def _finish(self, batch_id: str, status: str) -> None:
         """Write the output and error files of the lines done, then move the batch to ``status``.

@@ -1,4 +1,5 @@
-"""``POST /v1/chat/completions``: the Chat Completions codec over the request pipeline (gateway/pipeline.py).
+"""``POST /v1/chat/completions``: the Chat Completions codec over the request pipeline (gateway/pipeline.py);
+its row in gateway/endpoints.py makes the route.
 
 The body parses into the engine's request (gateway/intake.py) and the answer is written in the chat
 format (gateway/sse.py ``ChatFormat``): a ``chat.completion``, or ``chat.completion.chunk`` events.
@@ -6,18 +7,13 @@ format (gateway/sse.py ``ChatFormat``): a ``chat.completion``, or ``chat.complet
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 
-from fastapi import Request
-from fastapi.responses import Response
-
-from shmgate.gateway.intake import ChatRequest, IntakeLimits, parse_chat_request
-from shmgate.gateway.pipeline import generate, handle
+from shmgate.gateway.intake import GenerationRequest, IntakeLimits, parse_chat_body
 from shmgate.gateway.render import AnswerFormat
 from shmgate.gateway.sse import ChatFormat
 
-__all__ = ["CHAT", "ChatCodec", "chat_completions"]
+__all__ = ["CHAT", "ChatCodec"]
 
 
 class ChatCodec:
@@ -25,14 +21,10 @@ class ChatCodec:
 
     fields: Mapping[str, str] = {}
 
-    def parse(self, body: bytes, limits: IntakeLimits) -> tuple[ChatRequest, AnswerFormat]:
-        chat = parse_chat_request(body, limits)
-        return chat, ChatFormat(chat.model, include_usage=chat.include_usage)
+    def parse(self, body: bytes, limits: IntakeLimits) -> tuple[GenerationRequest, AnswerFormat]:
+        chat, req = parse_chat_body(body, limits)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return chat, ChatFormat(chat.model, include_usage=include_usage)
 
 
 CHAT = ChatCodec()
-_steps = functools.partial(generate, codec=CHAT)
-
-
-async def chat_completions(request: Request) -> Response:
-    return await handle(request, _steps)

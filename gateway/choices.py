@@ -18,12 +18,13 @@ import dataclasses
 import msgspec
 
 from shmgate.gateway.frontend import Frontend, RequestState
-from shmgate.gateway.intake import ChatRequest
+from shmgate.gateway.intake import GenerationRequest
+from shmgate.gateway.request_context import INTERACTIVE_REQUEST, RequestContext
 
 __all__ = ["choice_requests", "submit_choices"]
 
 
-def choice_requests(chat: ChatRequest) -> list[ChatRequest]:
+def choice_requests(chat: GenerationRequest) -> list[GenerationRequest]:
     """The n single-choice requests of ``chat``: choice i samples with ``seed + i`` when a seed is given."""
     if chat.n == 1:
         return [chat]
@@ -40,12 +41,14 @@ def choice_requests(chat: ChatRequest) -> list[ChatRequest]:
     ]
 
 
-async def submit_choices(f: Frontend, chat: ChatRequest) -> list[RequestState]:
+async def submit_choices(
+    f: Frontend, chat: GenerationRequest, context: RequestContext = INTERACTIVE_REQUEST
+) -> list[RequestState]:
     """Submit every choice; raises ShmgateError on submit, having abandoned the choices already submitted."""
     states: list[RequestState] = []
     try:
         for one in choice_requests(chat):
-            states.append(await f.submit(one, first=not states))
+            states.append(await f.submit(one, first=not states, context=context))
     except BaseException:
         for state in states:
             f.abandon(state)

@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, cast
 
 from shmgate.gateway.imaging import predict
-from shmgate.gateway.video import is_video
+from shmgate.gateway.video import DEFAULT_LIMITS, VideoLimits, is_video
 from shmgate.shared.errors import ImageTooLarge, Overloaded
 from shmgate.shared.names import format_bytes
 from shmgate.shared.vocabulary import AllocateFn
@@ -55,10 +55,12 @@ def _malloc_trim() -> Callable[[int], int] | None:
 class DecodeBudget:
     """Bytes reserved by the decodes running in one frontend, bounded by ``capacity_bytes``."""
 
-    def __init__(self, capacity_bytes: int, *, wait_s: float) -> None:
+    def __init__(self, capacity_bytes: int, *, wait_s: float, video: VideoLimits = DEFAULT_LIMITS) -> None:
+        """``video``: what one video part may hold (``--max-video-seconds``, ``--max-video-frames``)."""
         assert capacity_bytes > 0, "a zero budget would refuse every image"
         self.capacity_bytes = capacity_bytes
         self.wait_s = wait_s
+        self.video = video
         self.reserved_bytes = 0
         self.refused = 0  # decodes that waited wait_s in vain (for tests and metrics)
         self.trims = 0  # times freed memory was handed back to the OS (invariant 3)
@@ -82,7 +84,7 @@ class DecodeBudget:
         what its container's probe predicts (gateway/video.py). The one way every decode of a frontend
         (chat, embeddings, /tokenize) goes through the budget."""
         if is_video(options):
-            pre.preprocess_video(data, allocate, self.reserve)
+            pre.preprocess_video(data, allocate, self.reserve, self.video)
             return
         cost = predict(data, max_pixels=max_pixels)
         work_bytes = pre.plan_image(cost.width, cost.height, options)  # may refuse: before any decode

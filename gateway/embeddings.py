@@ -34,8 +34,6 @@ from typing import Literal
 
 import msgspec
 import numpy as np
-from fastapi import Request
-from fastapi.responses import Response
 from starlette.types import Receive
 
 from shmgate.gateway.fetch import fetch_pending
@@ -43,8 +41,8 @@ from shmgate.gateway.frontend import Frontend, RequestState
 from shmgate.gateway.http_errors import count_ok, failure_error
 from shmgate.gateway.intake import (
     ChatCompletionRequest,
-    ChatRequest,
     EncodedImage,
+    GenerationRequest,
     IntakeLimits,
     Message,
     add_image,
@@ -52,15 +50,16 @@ from shmgate.gateway.intake import (
     decode_body,
     key_material,
 )
-from shmgate.gateway.pipeline import Arrival, handle
+from shmgate.gateway.pipeline import Arrival
 from shmgate.gateway.preprocess.base import Preprocessor
-from shmgate.gateway.render import cancel_on_hang_up
+from shmgate.gateway.render import HungUp, Whole, cancel_on_hang_up
+from shmgate.gateway.request_context import INTERACTIVE_REQUEST, RequestContext
 from shmgate.gateway.result_cache import ResultCache, keyed_off_the_loop, result_key
-from shmgate.gateway.served import bypass_cache
+from shmgate.gateway.served import Served
 from shmgate.shared.errors import Cancelled, InvalidRequest, ShmgateError, TooManyImages
-from shmgate.shared.wire import TASK_EMBED, Failed, Finished, SamplingParams, Vector
+from shmgate.shared.wire import TASK_EMBED, Failed, Finished, Vector
 
-__all__ = ["EmbeddingJob", "embed", "embedding_response", "embeddings_route", "parse_embedding_request"]
+__all__ = ["EmbeddingJob", "EmbeddingRequest", "embed", "embed_steps", "embedding_body", "parse_embedding_request"]
 
 
 class EmbeddingRequest(msgspec.Struct):
@@ -81,7 +80,7 @@ class EmbeddingJob:
     is ``(image index, "")`` or ``(None, text)``, with the request field it came from."""
 
     model: str
-    chat: ChatRequest
+    chat: GenerationRequest
     inputs: list[tuple[int | None, str, str]]  # (image index or None, text, param)
     encoding_format: str
 
@@ -116,7 +115,7 @@ def parse_embedding_request(
             [(0, "", chat.image_params[0])] if chat.images else [(None, chat.text, "messages")]
         )
     else:
-        chat = ChatRequest(req.model, [], [], [], SamplingParams(), False, False)
+        chat = GenerationRequest(req.model)  # the images of input's data URLs (and URLs to fetch) only
         inputs = _inputs(req.input, limits, chat)
     for index, text, param in inputs:
         if index is None and not text.strip():
@@ -129,7 +128,9 @@ def parse_embedding_request(
     return EmbeddingJob(req.model, chat, inputs, req.encoding_format or "float")
 
 
-def _inputs(raw: str | list[str] | None, limits: IntakeLimits, chat: ChatRequest) -> list[tuple[int | None, str, str]]:
+def _inputs(
+    raw: str | list[str] | None, limits: IntakeLimits, chat: GenerationRequest
+) -> list[tuple[int | None, str, str]]:
     strings = [raw] if isinstance(raw, str) else list(raw or [])
     if not strings:
         raise InvalidRequest("input must not be empty", param="input")
@@ -158,6 +159,7 @@ async def embed(
     *,
     bypass_cache: bool = False,
     receive: Receive | None = None,
+    context: RequestContext = INTERACTIVE_REQUEST,
 ) -> tuple[list[bytes], int]:
     """Every input's vector (float32 bytes, in input order) and the prompt tokens used. Raises ShmgateError.
 
@@ -177,7 +179,7 @@ async def embed(
     try:
         started = await asyncio.gather(
             *(
-                _start(f, job, index, text, param, cache, bypass_cache, params, submitted, admitted)
+                _start(f, job, index, text, param, cache, bypass_cache, params, submitted, admitted, context)
                 for index, text, param in job.inputs
             ),
             return_exceptions=True,
@@ -219,6 +221,7 @@ async def _start(
     params: bytes,
     submitted: list[RequestState],
     admitted: list[bool],
+    context: RequestContext,
 ) -> _Started:
     image: bytes | EncodedImage | None = None if index is None else job.chat.images[index]
     key = None
@@ -232,21 +235,18 @@ async def _start(
     messages = [
         {"role": "user", "content": [{"type": "image"} if image is not None else {"type": "text", "text": text}]}
     ]
-    chat = ChatRequest(
+    chat = GenerationRequest(
         job.model,
         messages,
-        [] if image is None else [image],
-        [] if image is None else [param],
-        SamplingParams(),
-        False,
-        False,
+        images=[] if image is None else [image],
+        image_params=[] if image is None else [param],
         text=text,
         task=TASK_EMBED,
         image_options=[] if image is None else [f.preprocessor.embedding_image_options()],
     )
     first = not admitted
     admitted.append(True)  # no await since the check: a concurrent input sees it
-    state = await f.submit(chat, first=first)
+    state = await f.submit(chat, first=first, context=context)
     submitted.append(state)
     return _Started(state=state, key=key)
 
@@ -282,8 +282,8 @@ async def _finish(f: Frontend, started: _Started | BaseException, cache: ResultC
     return bytes(vector), tokens
 
 
-def embedding_response(job: EmbeddingJob, vectors: list[bytes], tokens: int) -> bytes:
-    """The OpenAI response body, JSON-encoded."""
+def embedding_body(job: EmbeddingJob, vectors: list[bytes], tokens: int) -> dict[str, object]:
+    """The OpenAI response body."""
     data = [
         {
             "object": "embedding",
@@ -294,37 +294,30 @@ def embedding_response(job: EmbeddingJob, vectors: list[bytes], tokens: int) -> 
         }
         for i, v in enumerate(vectors)
     ]
-    body = {
+    return {
         "object": "list",
         "data": data,
         "model": job.model,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     }
-    return msgspec.json.encode(body)
 
 
-async def embeddings_route(request: Request) -> Response:
-    """``POST /v1/embeddings``: parse, fetch image URLs, embed every input, answer (or an OpenAI error).
-
-    A hang-up while the inputs run ends it with a 499 that nobody reads (see ``embed``).
-    """
-    return await handle(request, _embed_steps)
-
-
-async def _embed_steps(arrival: Arrival) -> Response:
-    s = arrival.served
+async def embed_steps(s: Served, arrival: Arrival) -> Whole:
+    """``POST /v1/embeddings``'s steps after its body (its row in gateway/endpoints.py): parse, fetch image
+    URLs, embed every input; its vectors, or the client's error raised. A hang-up while the inputs run
+    raises ``HungUp`` (see ``embed``)."""
     f, options, results = s.frontend, s.options, s.results
     job = parse_embedding_request(arrival.body, options.intake, f.preprocessor_for)
     if job.chat.pending_urls:
         job = dataclasses.replace(job, chat=await fetch_pending(job.chat, options.image_urls))
     try:
         vectors, tokens = await embed(
-            f, job, results, bypass_cache=bypass_cache(arrival.request), receive=arrival.request.receive
+            f, job, results, bypass_cache=arrival.bypass_cache, receive=arrival.receive, context=arrival.context
         )
     except Cancelled:  # the client hung up while its inputs ran: counted by abandon, answered to nobody
-        return Response(status_code=Cancelled.status_hint)
+        raise HungUp() from None
     finally:
         if results is not None:
             f.stats.set_result_cache(results.stats, results.used_bytes)
     count_ok(f.stats, time.monotonic() - arrival.started)
-    return Response(embedding_response(job, vectors, tokens), media_type="application/json")
+    return Whole(embedding_body(job, vectors, tokens))

@@ -34,7 +34,7 @@ import httpx
 
 from shmgate.gateway.addresses import AddressKind, AllowList, IPAddress, classify
 from shmgate.gateway.http_limits import read_capped
-from shmgate.gateway.intake import ChatRequest, PendingImageURL
+from shmgate.gateway.intake import GenerationRequest, PendingImageURL
 from shmgate.shared.errors import (
     ImageTooLarge,
     ImageURLForbidden,
@@ -105,12 +105,12 @@ async def fetch_image(
 
 
 async def fetch_pending(
-    chat: ChatRequest,
+    chat: GenerationRequest,
     policy: FetchPolicy,
     *,
     resolve: Resolver = resolve_host,
     ssl_context: ssl.SSLContext | None = None,
-) -> ChatRequest:
+) -> GenerationRequest:
     """``chat`` with its image URLs fetched, concurrently, into its images; the first error wins.
 
     Called by the app between intake and submission, so fetched bytes take exactly the data

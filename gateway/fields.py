@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from shmgate.gateway.intake import ChatRequest
+from shmgate.gateway.intake import GenerationRequest
 from shmgate.gateway.preprocess.base import Preprocessor
 from shmgate.gateway.video import VIDEO_DETAIL  # a video part's marker (gateway/video.py)
 from shmgate.shared.errors import InvalidRequest
@@ -55,7 +55,7 @@ def check_fields_for_model(params: SamplingParams, preprocessor: Preprocessor, n
         )
 
 
-def with_image_options(chat: ChatRequest, preprocessor: Preprocessor) -> ChatRequest:
+def with_image_options(chat: GenerationRequest, preprocessor: Preprocessor) -> GenerationRequest:
     """``chat`` with ``image_options`` from each image's ``detail`` and the request's ``mm_processor_kwargs``.
 
     ``hf:`` models map them to image processor arguments (gateway/preprocess/hf.py ``image_options``);

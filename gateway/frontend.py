@@ -35,15 +35,16 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from shmgate.gateway import lane, tracing
 from shmgate.gateway.config import LimitOptions
 from shmgate.gateway.images import ImageResolver
-from shmgate.gateway.intake import ChatRequest
+from shmgate.gateway.intake import GenerationRequest
 from shmgate.gateway.metrics import Counter, FrontendStats
 from shmgate.gateway.preprocess.base import ImageTensorSpec, Preprocessor, PromptInputs
 from shmgate.gateway.replies import ReplyRouter
+from shmgate.gateway.request_context import INTERACTIVE_REQUEST, RequestContext
 from shmgate.gateway.request_state import Phase, RequestState
 from shmgate.gateway.stages import StageRecorder
+from shmgate.gateway.video import VideoLimits
 from shmgate.shared.errors import ChannelFull, Overloaded, UnknownModel
 from shmgate.shared.stages import Stage
 from shmgate.shared.transport.base import BULK, INTERACTIVE, FrontendLink, TensorCache
@@ -77,6 +78,7 @@ class FrontendLimits:
     # all of this frontend's decodes at once (gateway/decode_budget.py)
     decode_memory_bytes: int = int(_DECLARED.decode_memory_mb * (1 << 20))
     decode_wait_s: float = _DECLARED.decode_wait_s  # how long a decode waits for room in that budget before a 503
+    video: VideoLimits = VideoLimits()  # what one video part may hold (gateway/video.py)
 
 
 class Frontend:
@@ -136,6 +138,7 @@ class Frontend:
             threads=self.limits.decode_threads,
             decode_memory_bytes=self.limits.decode_memory_bytes,
             decode_wait_s=self.limits.decode_wait_s,
+            video=self.limits.video,
         )
         # one resolver per model over the same cache, pool and decode budget: two models whose
         # preprocessing agrees (equal cache_params) share each decoded image
@@ -217,19 +220,21 @@ class Frontend:
 
     # -- the request path ---------------------------------------------------------------
 
-    async def submit(self, chat: ChatRequest, *, first: bool = True) -> RequestState:
+    async def submit(
+        self, chat: GenerationRequest, *, first: bool = True, context: RequestContext = INTERACTIVE_REQUEST
+    ) -> RequestState:
         """Admit, resolve images, build and send the descriptor. Raises ShmgateError.
 
         ``first``: this is the client request's first submission, which the per-model ``admitted``
         count counts; the others of one request (a choice of n, an embedding input) are not counted
-        again, as the request's outcome is counted once.
+        again, as the request's outcome is counted once. ``context``: its lane and tracing.
         """
         pre = self.preprocessor_for(chat.model)
         model = pre.model
         self._admit(model)  # a refusal is counted by model with the request's outcome (FrontendStats.add)
         if first:
             self.stats.add_model(Counter.MODEL_ADMITTED, self._model_index[model])
-        return await self._dispatch(chat, pre)
+        return await self._dispatch(chat, pre, context)
 
     def _admit(self, model: str) -> None:
         """Raise Overloaded (429/503, Retry-After) unless ``model`` may take one more request now."""
@@ -254,7 +259,7 @@ class Frontend:
                 retry_after_s=2.0,
             )
 
-    async def _dispatch(self, chat: ChatRequest, pre: Preprocessor) -> RequestState:
+    async def _dispatch(self, chat: GenerationRequest, pre: Preprocessor, context: RequestContext) -> RequestState:
         """Resolve the admitted request's images, build its prompt and send its descriptor to its model's queue."""
         model = pre.model
         images = self._images_by_model[model]
@@ -263,7 +268,7 @@ class Frontend:
         groups: list[TensorGroup] = []
         self._set_resolving(+1, model)  # admitted: counts against the bound while its images decode
         try:
-            await images.resolve(chat.images, chat.image_params, groups, chat.image_options)
+            await images.resolve(chat.images, chat.image_params, groups, chat.image_options, context)
             specs: list[ImageTensorSpec] = [{r.name: (r.dtype, r.shape) for r in g.refs} for g in groups]
             build: Callable[..., PromptInputs] = pre.build_prompt
             if chat.template_args:  # tools: the template's tools, an operator's tool template
@@ -271,17 +276,18 @@ class Frontend:
             if pre.prompt_is_cheap:
                 prompt = build(chat.messages, specs)
             else:
-                prompt = await loop.run_in_executor(self.images.pool_for_request(), build, chat.messages, specs)
+                prompt = await loop.run_in_executor(self.images.pool_for(context.bulk), build, chat.messages, specs)
             inline = prompt.inline
             image_keys = tuple(group.key or b"" for group in groups)  # before the inline group joins them
             if len(inline) > INLINE_MAX_BYTES:
                 groups.append(
-                    await loop.run_in_executor(self.images.pool_for_request(), self.images.inline_group, prompt)
+                    await loop.run_in_executor(self.images.pool_for(context.bulk), self.images.inline_group, prompt)
                 )
                 inline = b""
             request_id = self._next_request_id()
             deadline_ns = now_ns() + int(self.limits.request_timeout_s * 1e9)
-            trace = None if tracing.spans is None else tracing.spans.request(self.preprocessor.model)
+            spans = context.spans
+            trace = None if spans is None else spans.request(self.preprocessor.model)
             refs: list[TensorRef] = [ref for g in groups for ref in g.refs]
             submit = Submit(
                 request_id=request_id,
@@ -296,14 +302,14 @@ class Frontend:
                 task=chat.task,
                 traceparent="" if trace is None else trace.attempt(request_id, 0),
                 image_keys=image_keys,
-                bulk=lane.is_bulk(),
+                bulk=context.bulk,
             )
             state = RequestState(request_id=request_id, submit=submit, groups=groups, started=started, trace=trace)
-            if tracing.spans is not None:
-                state.timing.trace_id = tracing.spans.trace_id()
+            if spans is not None:
+                state.timing.trace_id = spans.trace_id()
             self.stages.submitted(state.timing, started)
-            if tracing.spans is not None:
-                tracing.spans.stage(
+            if spans is not None:
+                spans.stage(
                     "preprocess",
                     started,
                     state.timing.spent.get(Stage.PREPROCESS, 0.0),

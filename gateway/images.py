@@ -13,18 +13,22 @@ import copy
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from shmgate.gateway import lane, tracing
 from shmgate.gateway.config import LimitOptions
 from shmgate.gateway.decode_budget import DecodeBudget
 from shmgate.gateway.intake import LOOP_HASH_MAX_BYTES, EncodedImage, image_bytes, image_digest, key_material
 from shmgate.gateway.metrics import Counter, FrontendStats
 from shmgate.gateway.preprocess.base import Preprocessor, PromptInputs, options_key
+from shmgate.gateway.request_context import INTERACTIVE_REQUEST, RequestContext
+from shmgate.gateway.video import DEFAULT_LIMITS, VideoLimits
 from shmgate.shared.errors import ArenaFull, ImageTooLarge, ShmgateError
 from shmgate.shared.transport.base import TensorCache
 from shmgate.shared.vocabulary import AllocateFn, TensorGroup, key_of_digest
 from shmgate.shared.wire import INLINE_TENSOR
+
+if TYPE_CHECKING:
+    from shmgate.gateway.request_spans import RequestSpans
 
 __all__ = ["ImageResolver"]
 
@@ -33,7 +37,8 @@ _DECLARED = LimitOptions()  # the defaults are the flags' (gateway/config.py), w
 
 class ImageResolver:
     """Resolves a request's images in its decode pool; ``decode_memory_bytes`` bounds the memory of the
-    decodes running at once (gateway/decode_budget.py), ``decode_wait_s`` how long one waits for room."""
+    decodes running at once (gateway/decode_budget.py), ``decode_wait_s`` how long one waits for room,
+    ``video`` what a video part may hold (gateway/video.py)."""
 
     def __init__(
         self,
@@ -45,14 +50,15 @@ class ImageResolver:
         threads: int,
         decode_memory_bytes: int = int(_DECLARED.decode_memory_mb * (1 << 20)),
         decode_wait_s: float = _DECLARED.decode_wait_s,
+        video: VideoLimits = DEFAULT_LIMITS,
     ) -> None:
         self.cache = cache
         self.preprocessor = preprocessor
         self.stats = stats
         self.max_pixels = max_pixels
-        self.decode_budget = DecodeBudget(decode_memory_bytes, wait_s=decode_wait_s)
+        self.decode_budget = DecodeBudget(decode_memory_bytes, wait_s=decode_wait_s, video=video)
         self.pool = _started_pool(threads, "decode")
-        # Batch lines' decodes (the bulk lane, gateway/lane.py) run in a pool of their own, one thread at a
+        # Batch lines' decodes (the bulk lane, ``RequestContext.bulk``) run in a pool of their own, one thread at a
         # lower CPU priority: an interactive decode never queues behind one, and on busy cores the kernel
         # runs the interactive decode threads first.
         self.bulk_pool = _started_pool(1, "decode-bulk", nice=BULK_NICE)
@@ -61,9 +67,9 @@ class ImageResolver:
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.bulk_pool.shutdown(wait=False, cancel_futures=True)
 
-    def pool_for_request(self) -> ThreadPoolExecutor:
-        """The pool of the request being served (its task's context): the bulk lane's or the interactive one."""
-        return self.bulk_pool if lane.is_bulk() else self.pool
+    def pool_for(self, bulk: bool) -> ThreadPoolExecutor:
+        """The pool of a request: the bulk lane's (a batch line's) or the interactive one."""
+        return self.bulk_pool if bulk else self.pool
 
     def for_preprocessor(self, preprocessor: Preprocessor) -> ImageResolver:
         """This resolver for another model: the same cache, pool and decode budget, its own preprocessing
@@ -78,6 +84,7 @@ class ImageResolver:
         params: list[str],
         groups: list[TensorGroup],
         options: list[dict[str, Any]] | None = None,
+        context: RequestContext = INTERACTIVE_REQUEST,
     ) -> None:
         """Append each image's held tensor group to ``groups``, in order. Raises the first failure (a 413
         instead of arena_full when the images cannot fit the partition together: ``_never_fits``).
@@ -97,17 +104,18 @@ class ImageResolver:
         cache is a model's view (shared/cache.py ``ModelShare``), whose emptying spares what another model
         keeps within its share: a request that fits only without those images gets the 503 too.
         Groups acquired before a failure are still appended, so the caller releases them.
-        ``options``: each image's processor arguments (gateway/fields.py), part of its cache key.
+        ``options``: each image's processor arguments (gateway/fields.py), part of its cache key;
+        ``context``: the request's lane (its decode pool) and tracing.
         """
         try:
-            await self._resolve_all(images, params, groups, options, at_once=True)
+            await self._resolve_all(images, params, groups, options, context, at_once=True)
         except ArenaFull:
             self.release(groups)
             groups.clear()
             if self.cache.held_bytes:
                 raise  # other requests hold space: transient, retry later
             await asyncio.get_running_loop().run_in_executor(self.pool, self.cache.clear)
-            await self._resolve_all(images, params, groups, options, at_once=False)
+            await self._resolve_all(images, params, groups, options, context, at_once=False)
 
     async def _resolve_all(
         self,
@@ -115,12 +123,14 @@ class ImageResolver:
         params: list[str],
         groups: list[TensorGroup],
         options: list[dict[str, Any]] | None,
+        context: RequestContext,
         *,
         at_once: bool,
     ) -> None:
         """``resolve``'s one pass: misses decoded concurrently (``at_once``) or one after another,
         each allocated when the one before is placed (the order that packs)."""
         loop = asyncio.get_running_loop()
+        spans, pool = context.spans, self.pool_for(context.bulk)
         slots: list[TensorGroup | asyncio.Future[TensorGroup]] = []
         for i, (image, param) in enumerate(zip(images, params, strict=True)):
             group = None
@@ -132,12 +142,12 @@ class ImageResolver:
                 key = key_of_digest(image_digest(image), cache_params)
                 group = self.cache.try_hit(key)
             if group is not None:
-                if tracing.spans is not None:
-                    tracing.spans.image_hit(i)
+                if spans is not None:
+                    spans.image_hit(i)
                 slots.append(group)
                 continue
-            resolve = self._resolve_image if tracing.spans is None else tracing.spans.image_task(self._resolve_image, i)
-            future = loop.run_in_executor(self.pool_for_request(), resolve, image, param, key, opts)
+            resolve = self._resolve_image if spans is None else spans.image_task(self._resolve_image, i)
+            future = loop.run_in_executor(pool, resolve, image, param, key, opts, spans)
             slots.append(future)
             if not at_once:
                 await asyncio.gather(future, return_exceptions=True)
@@ -191,12 +201,19 @@ class ImageResolver:
         return self.preprocessor.cache_params() + b"|" + options_key(options)
 
     def _resolve_image(
-        self, image: bytes | EncodedImage, param: str, key: bytes | None, options: dict[str, Any] | None = None
+        self,
+        image: bytes | EncodedImage,
+        param: str,
+        key: bytes | None,
+        options: dict[str, Any] | None = None,
+        spans: RequestSpans | None = None,
     ) -> TensorGroup:
         """Thread pool: the cached tensors of one image, decoding (base64, then pixels) only on a miss.
 
         A decode error names ``param``, the request field the image came from (data URL or fetched).
         Raises Overloaded when the decode memory budget has no room for the image within its wait.
+        ``spans``: tracing is on; the image's span (``RequestSpans.image_task``) is current, and is told the
+        cache's answer.
         """
         if key is None:
             key = key_of_digest(image_digest(image), self._cache_params(options or {}))
@@ -209,8 +226,8 @@ class ImageResolver:
 
         try:
             group, kind = self.cache.acquire(key, make)
-            if tracing.spans is not None:
-                tracing.spans.cache_result(kind)
+            if spans is not None:
+                spans.cache_result(kind)
         except ShmgateError as exc:
             if exc.param is None:
                 exc.param = param  # which image of the request could not be decoded

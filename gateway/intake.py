@@ -1,4 +1,8 @@
-"""OpenAI chat request -> ChatRequest: parsing and validation of what clients send.
+"""OpenAI chat request -> GenerationRequest: parsing and validation of what clients send.
+
+``GenerationRequest`` is the engine's request, the same for every endpoint (DESIGN §4c): the chat
+body parses into it here, a Responses body (gateway/responses.py) through the same validation with
+its own field names (``FieldNames``), an embedding input (gateway/embeddings.py) directly.
 
 Client-facing types are plain JSON msgspec Structs (not array_like). Every
 field a request may carry is either honoured or refused with a 400 naming it
@@ -31,7 +35,7 @@ import importlib
 import json
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Union
 
@@ -40,18 +44,22 @@ import msgspec
 from shmgate.gateway.structured import grammar_for
 from shmgate.gateway.tools import ToolCalling, parse_tools
 from shmgate.gateway.video import ACCEPTED_VIDEO_TYPES, VIDEO_DETAIL  # video parts (gateway/video.py)
-from shmgate.shared.errors import ImageTooLarge, InvalidRequest, TooManyImages, UndecodableImage
+from shmgate.shared.errors import ImageTooLarge, InvalidRequest, RequestError, TooManyImages, UndecodableImage
 from shmgate.shared.vocabulary import material_digest
 from shmgate.shared.wire import MAX_TOP_LOGPROBS, MIN_TEMPERATURE, SamplingParams
 
 __all__ = [
     "ChatCompletionRequest",
-    "ChatRequest",
+    "CHAT_NAMES",
+    "FieldNames",
+    "GenerationRequest",
     "Message",
     "add_image",
     "chat_request_from",
     "data_url_image",
     "decode_body",
+    "decode_chat_request",
+    "parse_chat_body",
     "EncodedImage",
     "FORM_FIELDS",
     "IntakeLimits",
@@ -167,21 +175,30 @@ class ChatCompletionRequest(msgspec.Struct):
     logits_processors: Refused = None
 
 
-# Request fields that would change the form of the answer, which no model here does: refused when present.
+# Request fields that would change the form of the answer in a way no model here does: refused when
+# present, each with what the server does instead (the message reads "<field> (<this>)").
+_USE_RESPONSE_FORMAT = (
+    "vLLM's guided decoding is not supported by this server; for JSON answers send response_format "
+    '{"type": "json_schema", ...} or {"type": "json_object"}'
+)
+_NO_OTHER_FORMATS = (
+    "regular-expression, choice and grammar formats are not supported by this server; "
+    "for JSON answers send response_format"
+)
 FORM_FIELDS: dict[str, str] = {
-    "guided_json": "structured output",
-    "guided_regex": "structured output",
-    "guided_choice": "structured output",
-    "guided_grammar": "structured output",
-    "guided_decoding_backend": "structured output",
-    "guided_whitespace_pattern": "structured output",
-    "structural_tag": "structured output",
-    "structured_outputs": "structured output",
-    "audio": "audio output",
-    "prediction": "predicted outputs",
-    "web_search_options": "web search",
-    "prompt_logprobs": "prompt log probabilities",
-    "logits_processors": "custom logits processors",
+    "guided_json": _USE_RESPONSE_FORMAT,
+    "guided_regex": _NO_OTHER_FORMATS,
+    "guided_choice": _NO_OTHER_FORMATS,
+    "guided_grammar": _NO_OTHER_FORMATS,
+    "guided_decoding_backend": _USE_RESPONSE_FORMAT,
+    "guided_whitespace_pattern": _USE_RESPONSE_FORMAT,
+    "structural_tag": _NO_OTHER_FORMATS,
+    "structured_outputs": _USE_RESPONSE_FORMAT,
+    "audio": "audio output is not supported by this server",
+    "prediction": "predicted outputs are not supported by this server",
+    "web_search_options": "web search is not supported by this server",
+    "prompt_logprobs": "prompt log probabilities are not supported by this server",
+    "logits_processors": "custom logits processors are not supported by this server",
 }
 
 
@@ -200,7 +217,7 @@ class IntakeLimits:
 
 @dataclass(frozen=True)
 class PendingImageURL:
-    """An http(s) image still to be fetched; ``ChatRequest.images[index]`` is b"" until then."""
+    """An http(s) image still to be fetched; ``GenerationRequest.images[index]`` is b"" until then."""
 
     index: int
     url: str
@@ -224,7 +241,7 @@ class EncodedImage:
     def decode(self) -> bytes:
         """The image bytes. Raises InvalidRequest, UndecodableImage or ImageTooLarge.
 
-        The errors carry no ``param``: the frontend names the image (``ChatRequest.image_params``).
+        The errors carry no ``param``: the frontend names the image (``GenerationRequest.image_params``).
         """
         try:
             data = strict_b64decode(self.text)
@@ -314,14 +331,17 @@ def image_bytes(image: bytes | EncodedImage) -> bytes:
 
 
 @dataclass(frozen=True)
-class ChatRequest:
+class GenerationRequest:
+    """The engine's request, whichever endpoint it came from: what the pipeline (gateway/pipeline.py)
+    checks, fetches, keys and submits. Every field but ``model`` has the empty default, so an endpoint
+    sets what it has (an embedding input: its one image or text and ``task``)."""
+
     model: str
-    messages: list[dict[str, Any]]  # Hugging Face chat-template form; images as {"type": "image"}
-    images: list[bytes | EncodedImage]  # bytes: fetched from an http(s) URL
-    image_params: list[str]  # the request field each image came from: what its errors name as param
-    params: SamplingParams
-    stream: bool
-    include_usage: bool
+    messages: list[dict[str, Any]] = field(default_factory=list)  # chat-template form; images as {"type": "image"}
+    images: list[bytes | EncodedImage] = field(default_factory=list)  # bytes: fetched from an http(s) URL
+    image_params: list[str] = field(default_factory=list)  # the field each image came from, as the client named it
+    params: SamplingParams = field(default_factory=SamplingParams)
+    stream: bool = False  # the answer as events while it is generated, or whole at the end
     text: str = ""  # all user text, joined
     pending_urls: list[PendingImageURL] = field(default_factory=list)  # filled by gateway.fetch.fetch_pending
     task: str = ""  # Submit.task: "" for a chat answer, shared.wire.TASK_EMBED (gateway/embeddings.py)
@@ -335,6 +355,38 @@ class ChatRequest:
     template_args: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class FieldNames:
+    """What an endpoint calls the places of a chat request, so a 400 names the field as its client sent it.
+
+    Chat's are ``CHAT_NAMES``; the Responses API's (gateway/responses.py) call the messages ``input``,
+    an image's detail ``input[i].content[j].detail``, and a string input is ``input`` itself.
+    ``fields``: the top-level sampling fields renamed (``max_tokens`` is ``max_output_tokens``).
+    """
+
+    messages: str = "messages"
+    image: str = ".image_url"  # after ``messages[i].content[j]``
+    detail: str = ".image_url.detail"
+    video: str = ".video_url"
+    one_string: bool = False  # the conversation was one string: every place in it is ``messages`` itself
+    fields: Mapping[str, str] = field(default_factory=dict)
+
+    def top(self, name: str) -> str:
+        """A top-level field's name here."""
+        return self.fields.get(name, name)
+
+    def part(self, i: int, j: int | None = None, leaf: str = "") -> str:
+        """``messages[i].content[j]<leaf>`` in this endpoint's names (``j`` None: the message's content)."""
+        if self.one_string:
+            return self.messages
+        if j is None:
+            return f"{self.messages}[{i}].content"
+        return f"{self.messages}[{i}].content[{j}]{leaf}"
+
+
+CHAT_NAMES = FieldNames()
+
+
 class _ChatWithoutExtras(ChatCompletionRequest, forbid_unknown_fields=True):
     """The request type that refuses unknown top-level fields: the one-pass decode of the usual body."""
 
@@ -342,8 +394,24 @@ class _ChatWithoutExtras(ChatCompletionRequest, forbid_unknown_fields=True):
 _exact_decoder = msgspec.json.Decoder(_ChatWithoutExtras)
 
 
-def parse_chat_request(body: bytes, limits: IntakeLimits) -> ChatRequest:
-    """Parse and validate a request body. Raises RequestError subclasses.
+def parse_chat_request(body: bytes, limits: IntakeLimits) -> GenerationRequest:
+    """Parse and validate a request body. Raises RequestError subclasses."""
+    return parse_chat_body(body, limits)[0]
+
+
+def parse_chat_body(body: bytes, limits: IntakeLimits) -> tuple[GenerationRequest, ChatCompletionRequest]:
+    """Parse and validate a request body: the engine's request and the decoded body (its chat-only fields,
+    ``stream_options``, are the chat codec's). Raises RequestError subclasses."""
+    req, has_unknown = decode_chat_request(body)
+    chat = chat_request_from(req, limits)
+    if has_unknown:
+        warn_unknown_fields(body)
+    return chat, req
+
+
+def decode_chat_request(body: bytes) -> tuple[ChatCompletionRequest, bool]:
+    """Decode a chat request body (not yet validated), and whether it holds fields this server does not
+    know (``warn_unknown_fields``). Raises InvalidRequest.
 
     Why two decoders: finding the ignored (unknown) fields to log them takes a second pass over the
     body, ~90 us for a 1024 px photo's data URL, a tenth of a cache hit's frontend time. A body
@@ -355,10 +423,7 @@ def parse_chat_request(body: bytes, limits: IntakeLimits) -> ChatRequest:
         req, has_unknown = _exact_decoder.decode(body), False
     except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):  # ValidationError is a DecodeError
         req, has_unknown = decode_body(_decoder, body), True
-    chat = chat_request_from(req, limits)
-    if has_unknown:
-        warn_unknown_fields(body)
-    return chat
+    return req, has_unknown
 
 
 _KNOWN_FIELDS = frozenset(ChatCompletionRequest.__struct_fields__)
@@ -400,17 +465,24 @@ def decode_body(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
         raise InvalidRequest("the request body nests arrays or objects too deeply") from None
 
 
-def chat_request_from(req: ChatCompletionRequest, limits: IntakeLimits) -> ChatRequest:
-    """Validate a decoded chat request (messages, images, sampling). Raises RequestError subclasses."""
+def chat_request_from(
+    req: ChatCompletionRequest, limits: IntakeLimits, names: FieldNames = CHAT_NAMES
+) -> GenerationRequest:
+    """Validate a decoded chat request (messages, images, sampling). Raises RequestError subclasses
+    naming the field as ``names`` say the endpoint calls it."""
     if not req.messages:
-        raise InvalidRequest("messages must not be empty", param="messages")
+        raise InvalidRequest(f"{names.messages} must not be empty", param=names.messages)
     if len(req.messages) > limits.max_messages:
-        raise InvalidRequest(f"at most {limits.max_messages} messages are accepted", param="messages")
+        raise InvalidRequest(f"at most {limits.max_messages} messages are accepted", param=names.messages)
     if req.n is not None and not 1 <= req.n <= MAX_N:
         raise InvalidRequest(f"n must be between 1 and {MAX_N}", param="n")
-    check_unsupported(req)
-    tools = parse_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
-    params = _sampling(req)
+    try:
+        check_unsupported(req)
+        params = _sampling(req)
+    except RequestError as exc:
+        exc.param = None if exc.param is None else names.top(exc.param)
+        raise
+    tools = parse_tools(req.tools, req.tool_choice, req.parallel_tool_calls)  # its errors name tools[i]...
     messages: list[dict[str, Any]] = []
     images: list[bytes | EncodedImage] = []
     image_params: list[str] = []
@@ -436,11 +508,9 @@ def chat_request_from(req: ChatCompletionRequest, limits: IntakeLimits) -> ChatR
                         texts.append(part.text)
                 else:
                     if len(images) >= limits.max_images:
-                        raise TooManyImages(
-                            f"at most {limits.max_images} images per request", param=f"messages[{i}].content"
-                        )
+                        raise TooManyImages(f"at most {limits.max_images} images per request", param=names.part(i))
                     if isinstance(part, VideoPart):  # a video rides as an image marked VIDEO_DETAIL
-                        param = f"messages[{i}].content[{j}].video_url"
+                        param = names.part(i, j, names.video)
                         add_image(
                             part.video_url.url, param, limits, images, image_params, pending, ACCEPTED_VIDEO_TYPES
                         )
@@ -449,7 +519,7 @@ def chat_request_from(req: ChatCompletionRequest, limits: IntakeLimits) -> ChatR
                         continue
                     add_image(
                         part.image_url.url,
-                        f"messages[{i}].content[{j}].image_url",
+                        names.part(i, j, names.image),
                         limits,
                         images,
                         image_params,
@@ -458,26 +528,25 @@ def chat_request_from(req: ChatCompletionRequest, limits: IntakeLimits) -> ChatR
                     if part.image_url.detail not in (None, "auto", "low", "high"):
                         raise InvalidRequest(
                             'detail must be "auto", "low" or "high"',
-                            param=f"messages[{i}].content[{j}].image_url.detail",
+                            param=names.part(i, j, names.detail),
                         )
                     details.append(part.image_url.detail)
                     parts.append({"type": "image"})
         if n_parts > limits.max_parts:
-            raise InvalidRequest(f"at most {limits.max_parts} content parts are accepted", param="messages")
+            raise InvalidRequest(f"at most {limits.max_parts} content parts are accepted", param=names.messages)
         if n_chars > limits.max_text_chars:
-            raise InvalidRequest(f"the text is longer than {limits.max_text_chars} characters", param="messages")
+            raise InvalidRequest(f"the text is longer than {limits.max_text_chars} characters", param=names.messages)
         if message.tool_calls or message.role == "tool":
-            messages.append(_tool_message(i, message, parts))
+            messages.append(_tool_message(f"{names.messages}[{i}]", message, parts))
             continue
         messages.append({"role": message.role, "content": parts})
-    return ChatRequest(
+    return GenerationRequest(
         model=req.model,
         messages=messages,
         images=images,
         image_params=image_params,
         params=params,
         stream=bool(req.stream),
-        include_usage=bool(req.stream_options and req.stream_options.include_usage),
         text="\n".join(texts),
         pending_urls=pending,
         n=req.n or 1,
@@ -487,20 +556,18 @@ def chat_request_from(req: ChatCompletionRequest, limits: IntakeLimits) -> ChatR
     )
 
 
-def _tool_message(i: int, message: Message, parts: list[dict[str, Any]]) -> dict[str, Any]:
+def _tool_message(where: str, message: Message, parts: list[dict[str, Any]]) -> dict[str, Any]:
     """An assistant message with calls, or a tool result, in the chat templates' form (text content;
     each call's arguments an object, as templates write them with ``tojson``). Raises InvalidRequest."""
     if any(part["type"] != "text" for part in parts):
-        raise InvalidRequest("tool calls and tool results carry text only", param=f"messages[{i}].content")
+        raise InvalidRequest("tool calls and tool results carry text only", param=f"{where}.content")
     text = "".join(part["text"] for part in parts)
     if message.role == "tool":
         if not message.tool_call_id:
-            raise InvalidRequest(
-                "a tool message needs the tool_call_id it answers", param=f"messages[{i}].tool_call_id"
-            )
+            raise InvalidRequest("a tool message needs the tool_call_id it answers", param=f"{where}.tool_call_id")
         return {"role": "tool", "content": text, "tool_call_id": message.tool_call_id}
     if message.role != "assistant":
-        raise InvalidRequest("only assistant messages carry tool_calls", param=f"messages[{i}].tool_calls")
+        raise InvalidRequest("only assistant messages carry tool_calls", param=f"{where}.tool_calls")
     calls = []
     for j, call in enumerate(message.tool_calls or []):
         try:
@@ -510,7 +577,7 @@ def _tool_message(i: int, message: Message, parts: list[dict[str, Any]]) -> dict
         if not isinstance(arguments, dict):
             raise InvalidRequest(
                 "a call's arguments are a JSON object, as text",
-                param=f"messages[{i}].tool_calls[{j}].function.arguments",
+                param=f"{where}.tool_calls[{j}].function.arguments",
             )
         calls.append(
             {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
@@ -572,7 +639,7 @@ def check_unsupported(req: ChatCompletionRequest) -> None:
     for name, feature in FORM_FIELDS.items():
         if getattr(req, name) is not None:
             raise InvalidRequest(
-                f"Unrecognized request argument supplied: {name} ({feature} is not supported by this server)",
+                f"Unrecognized request argument supplied: {name} ({feature})",
                 param=name,
             )
     if req.modalities is not None and req.modalities != ["text"]:

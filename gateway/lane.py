@@ -1,88 +1,50 @@
 """The bulk lane: batch lines (gateway/batch_runner.py) wait behind every interactive request.
 
-The batch runner sends each line to its own node over loopback with ``x-shmgate-lane: bulk``; this
-middleware notes it in a context variable, and the frontend sends that request's descriptor at the
-request queue's lower priority (shared/transport/base.py ``BULK``), so a worker takes every waiting
-interactive descriptor of its model first. The header is honoured only from a loopback peer: a
-remote client can neither demote nor otherwise mark requests (behind a reverse proxy on the same
-host, a client can at most demote its own requests).
+A request's lane is on the request itself: the batch runner hands each line to the pipeline with
+``RequestContext(bulk=True)`` (gateway/request_context.py), the edge every HTTP request as
+interactive, and the pipeline hands it down to the frontend, which sends a bulk request's descriptor
+at the request queue's lower priority (shared/transport/base.py ``BULK``; ``Submit.bulk``), so a
+worker takes every waiting interactive descriptor of its model first, and decodes its images in the
+bulk pool (gateway/images.py). Nothing a client sends over HTTP can put a request in the bulk lane.
 
-The middleware also keeps the node's interactive demand: every other POST to a model endpoint
-counts in this frontend's stats word ``INTERACTIVE_IN_FLIGHT`` from its first byte to its last, and
-the node's sum of those words (``NodeStats.interactive_in_flight``) is what the bulk lane yields to:
-the batch runner keeps fewer lines in flight while it is above zero, and a worker holds bulk-only
-batches back to ride with the next interactive one (docs/BATCH.md, "Fairness").
+This middleware keeps the node's interactive demand: every POST to a model endpoint (the table of
+gateway/endpoints.py) counts in this frontend's stats word ``INTERACTIVE_IN_FLIGHT`` from its first
+byte to its last, and the node's sum of those words (``NodeStats.interactive_in_flight``) is what the
+bulk lane yields to: the batch runner keeps fewer lines in flight while it is above zero, and a
+worker holds bulk-only batches back to ride with the next interactive one (docs/BATCH.md, "Fairness").
 """
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Callable
-from contextvars import ContextVar
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from shmgate.gateway.metrics import FrontendStats
 from shmgate.shared.stats_layout import Counter
-from shmgate.shared.transport.base import BULK, INTERACTIVE
 
-__all__ = ["LANE_HEADER", "MODEL_PATHS", "BulkLane", "is_bulk", "priority"]
-
-# The endpoints whose requests reach a worker: an interactive one of these is demand the bulk lane yields to.
-MODEL_PATHS = frozenset({"/v1/chat/completions", "/v1/embeddings", "/v1/responses"})
-
-LANE_HEADER = "x-shmgate-lane"
-_HEADER = LANE_HEADER.encode()
-
-_bulk: ContextVar[bool] = ContextVar("shmgate_bulk_lane", default=False)
-
-
-def priority() -> int:
-    """The request queue priority of the request being served (its task's context)."""
-    return BULK if _bulk.get() else INTERACTIVE
-
-
-def is_bulk() -> bool:
-    """Is the request being served (its task's context) a batch line?"""
-    return _bulk.get()
-
-
-def _loopback(client: tuple[str, int] | None) -> bool:
-    if client is None:
-        return False
-    try:
-        return ipaddress.ip_address(client[0]).is_loopback
-    except ValueError:
-        return False
+__all__ = ["BulkLane"]
 
 
 class BulkLane:
-    """Pure ASGI middleware: a loopback request with ``x-shmgate-lane: bulk`` is served in the bulk lane;
-    every other model request counts as interactive demand while it is served.
+    """Pure ASGI middleware: every POST to a model endpoint (``paths``: gateway/endpoints.py ``MODEL_PATHS``)
+    counts as interactive demand while it is served.
 
     ``stats`` returns the frontend's counters, or None before the lifespan attached them.
     """
 
-    def __init__(self, app: ASGIApp, stats: Callable[[], FrontendStats | None] = lambda: None) -> None:
+    def __init__(
+        self, app: ASGIApp, paths: frozenset[str], stats: Callable[[], FrontendStats | None] = lambda: None
+    ) -> None:
         self.app = app
+        self.paths = paths
         self.stats = stats
         self.interactive = 0  # this frontend's interactive model requests in hand (published in the stats row)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            for name, value in scope["headers"]:
-                if name == _HEADER:
-                    if value.strip().lower() == b"bulk" and _loopback(scope.get("client")):
-                        token = _bulk.set(True)
-                        try:
-                            await self.app(scope, receive, send)
-                        finally:
-                            _bulk.reset(token)
-                        return
-                    break
-            if scope.get("method") == "POST" and scope.get("path") in MODEL_PATHS:
-                await self._interactive(scope, receive, send)
-                return
+        if scope["type"] == "http" and scope.get("method") == "POST" and scope.get("path") in self.paths:
+            await self._interactive(scope, receive, send)
+            return
         await self.app(scope, receive, send)
 
     async def _interactive(self, scope: Scope, receive: Receive, send: Send) -> None:

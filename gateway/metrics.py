@@ -24,7 +24,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import CollectorRegistry
 
 from shmgate.gateway.result_cache import ResultCacheStats
-from shmgate.gateway.stages import stage_histogram
+from shmgate.gateway.stages import Exemplars, stage_histogram
 from shmgate.shared.flags import version
 from shmgate.shared.stats_layout import BATCH_BUCKETS, MODEL_SLOTS, REQUEST_BUCKETS_S, STATS_WORDS, Counter
 from shmgate.shared.transport.base import NodeStats
@@ -119,13 +119,19 @@ class NodeCollector:
     """A prometheus_client collector over the node's statistics (read at each scrape)."""
 
     def __init__(
-        self, node: NodeStats, queue_depth: Callable[[], int], models: Callable[[], list[ModelGauges]] | None = None
+        self,
+        node: NodeStats,
+        queue_depth: Callable[[], int],
+        models: Callable[[], list[ModelGauges]] | None = None,
+        exemplars: Exemplars | None = None,
     ) -> None:
         """``models``: the declared models' gauges; their labels are the model table's ids, so the
-        per-model series are bounded by the declared models (at most MODEL_SLOTS)."""
+        per-model series are bounded by the declared models (at most MODEL_SLOTS). ``exemplars``: the
+        answering frontend's traced requests per stage bucket (``StageRecorder.exemplars``)."""
         self.node = node
         self.queue_depth = queue_depth
         self.models = models
+        self.exemplars = exemplars
 
     def collect(self) -> Iterator[Metric]:
         node = self.node
@@ -252,7 +258,7 @@ class NodeCollector:
             "Admitted requests still being decoded and preprocessed.",
             node.preparing_requests(),
         )
-        yield stage_histogram(total)
+        yield stage_histogram(total, self.exemplars)
         if self.models is not None:
             yield from _model_metrics(total, self.models())
         build = GaugeMetricFamily("shmgate_build_info", "The shmgate version serving (always 1).", labels=["version"])
@@ -342,6 +348,7 @@ def exposition(
     accept: str | None,
     models: Callable[[], list[ModelGauges]] | None = None,
     batches: BatchCollector | None = None,
+    exemplars: Exemplars | None = None,
 ) -> tuple[bytes, str]:
     """(body, content type) for a scrape: OpenMetrics when ``accept`` asks for it, else the text format.
 
@@ -349,7 +356,7 @@ def exposition(
     makes ``choose_encoder`` raise) gets the text format, which every scraper understands.
     """
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(NodeCollector(node, queue_depth, models))
+    registry.register(NodeCollector(node, queue_depth, models, exemplars))
     if batches is not None:
         registry.register(batches)
     try:

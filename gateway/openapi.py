@@ -34,10 +34,8 @@ import msgspec
 from fastapi.openapi.docs import get_swagger_ui_html
 from starlette.responses import HTMLResponse
 
-from shmgate.gateway.embeddings import EmbeddingRequest
+from shmgate.gateway.endpoints import ENDPOINTS, Endpoint
 from shmgate.gateway.http_errors import MAX_MESSAGE_CHARS
-from shmgate.gateway.intake import ChatCompletionRequest
-from shmgate.gateway.responses import ResponsesRequest
 from shmgate.gateway.tokenize import DetokenizeRequest, TokenizeRequest
 
 __all__ = ["DOCUMENT_URL", "docs_page", "openapi_document"]
@@ -176,16 +174,23 @@ _RESPONSE = {
         },
     },
 }
+# The model endpoints' answers, by the name their row in gateway/endpoints.py gives (``Endpoint.answer``).
+_ANSWERS = {"ChatCompletion": _CHAT_COMPLETION, "Embeddings": _EMBEDDINGS, "Response": _RESPONSE}
 _MODEL_STATES = ["loading", "ready", "failed", "draining"]  # gateway/app.py model_state
 _MODEL_CARD = {
     "type": "object",
-    "required": ["id", "object", "created", "owned_by", "state", "capabilities"],
+    "required": ["id", "object", "created", "owned_by", "state", "endpoints", "capabilities"],
     "properties": {
         "id": {"type": "string"},
         "object": {"const": "model"},
         "created": {"type": "integer", "description": "when the node started serving it (Unix seconds)"},
         "owned_by": {"type": "string"},
         "state": {"enum": _MODEL_STATES},
+        "endpoints": {
+            "type": "array",
+            "items": {"type": "string"},
+            "description": "the model endpoints that serve it (POST)",
+        },
         "capabilities": {
             "type": "object",
             "required": ["chat", "embeddings", "tokenize", "max_model_len"],
@@ -312,27 +317,145 @@ def _model() -> dict[str, Any]:
     return path
 
 
-def openapi_document() -> dict[str, Any]:
-    """The whole document (OpenAPI 3.1: its schemas are JSON Schema, as msgspec writes them)."""
-    (chat, embeddings, responses, tokenize, detokenize), components = msgspec.json.schema_components(
-        [ChatCompletionRequest, EmbeddingRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest],
-        ref_template=_REF,
-    )
-    components |= {"Error": _ERROR, "Usage": _USAGE, "ChatCompletion": _CHAT_COMPLETION, "Response": _RESPONSE}
-    completion = {
-        "description": "the answer: one JSON object, or server-sent events when stream is true",
-        "content": {
-            "application/json": {"schema": {"$ref": _REF.format(name="ChatCompletion")}},
-            "text/event-stream": {"schema": {"type": "string"}},
+def _answer(endpoint: Endpoint) -> dict[str, Any]:
+    """A model endpoint's 200: its answer's schema, and server-sent events when it streams."""
+    content: dict[str, Any] = {"application/json": {"schema": {"$ref": _REF.format(name=endpoint.answer)}}}
+    if endpoint.streams:
+        content["text/event-stream"] = {"schema": {"type": "string"}}
+    return {"description": endpoint.answer_description, "content": content}
+
+
+# The Batch API (gateway/batch_routes.py, docs/BATCH.md): OpenAI's file and batch objects, the fields a
+# client reads named and the rest left open (gateway/batch_store.py writes them).
+_FILE = {
+    "type": "object",
+    "required": ["id", "object", "bytes", "filename", "purpose"],
+    "properties": {
+        "id": {"type": "string"},
+        "object": {"const": "file"},
+        "bytes": {"type": "integer"},
+        "filename": {"type": "string"},
+        "purpose": {"type": "string"},
+    },
+}
+_BATCH = {
+    "type": "object",
+    "required": ["id", "object", "endpoint", "status", "input_file_id"],
+    "properties": {
+        "id": {"type": "string"},
+        "object": {"const": "batch"},
+        "endpoint": {"type": "string"},
+        "status": {"type": "string"},
+        "input_file_id": {"type": "string"},
+        "request_counts": {"type": "object"},
+    },
+}
+_BATCH_ERRORS = (400, 401, 404, 413, 415, 503)  # the Batch API off on this node: a 400 saying so
+
+
+def _listed(item: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "required": ["object", "data"],
+        "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": item}},
+    }
+
+
+def _batch_operation(
+    operation_id: str,
+    ok: dict[str, Any],
+    summary: str,
+    *,
+    path_id: str = "",
+    body: Any = None,
+    errors: tuple[int, ...] = (),
+) -> dict[str, Any]:
+    operation: dict[str, Any] = {
+        "operationId": operation_id,
+        "summary": summary,
+        "security": _KEY_WHEN_SET,
+        "responses": {"200": ok, **_errors(_BATCH_ERRORS + errors + _ANY_ROUTE)},
+    }
+    if path_id:
+        operation["parameters"] = [{"name": path_id, "in": "path", "required": True, "schema": {"type": "string"}}]
+    if body is not None:
+        operation["requestBody"] = {"required": True, "content": body}
+    return operation
+
+
+def _batch_api() -> dict[str, Any]:
+    """``/v1/files`` and ``/v1/batches``: the Batch API's routes, as OpenAI's client calls them."""
+    upload = {
+        "multipart/form-data": {
+            "schema": {
+                "type": "object",
+                "required": ["purpose", "file"],
+                "properties": {"purpose": {"const": "batch"}, "file": {"type": "string", "format": "binary"}},
+            }
+        }
+    }
+    create = {
+        "application/json": {
+            "schema": {
+                "type": "object",
+                "required": ["input_file_id", "endpoint", "completion_window"],
+                "properties": {
+                    "input_file_id": {"type": "string"},
+                    "endpoint": {"enum": ["/v1/chat/completions", "/v1/embeddings", "/v1/responses"]},
+                    "completion_window": {"const": "24h"},
+                    "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
+                },
+            }
+        }
+    }
+    file, batch = _json(_FILE, "the file object"), _json(_BATCH, "the batch object")
+    content = {
+        "description": "the file's bytes (JSONL)",
+        "content": {"application/octet-stream": {"schema": {"type": "string"}}},
+    }
+    return {
+        "/v1/files": {
+            "post": _batch_operation(
+                "upload_file", file, "upload a JSONL file of requests (purpose batch)", body=upload
+            ),
+            "get": _batch_operation("list_files", _json(_listed(_FILE), "the files"), "the uploaded and result files"),
+        },
+        "/v1/files/{file_id}": {
+            "get": _batch_operation("file", file, "one file", path_id="file_id"),
+            "delete": _batch_operation(
+                "delete_file", _json({"type": "object"}, "deleted"), "delete a file", path_id="file_id"
+            ),
+        },
+        "/v1/files/{file_id}/content": {
+            "get": _batch_operation("file_content", content, "a file's content", path_id="file_id"),
+        },
+        "/v1/batches": {
+            "post": _batch_operation("create_batch", batch, "run a batch of an uploaded file's requests", body=create),
+            "get": _batch_operation("list_batches", _json(_listed(_BATCH), "the batches, newest first"), "the batches"),
+        },
+        "/v1/batches/{batch_id}": {"get": _batch_operation("batch", batch, "one batch", path_id="batch_id")},
+        "/v1/batches/{batch_id}/cancel": {
+            "post": _batch_operation(
+                "cancel_batch", batch, "cancel a batch (a finished one: 409)", path_id="batch_id", errors=(409,)
+            ),
         },
     }
-    response = {
-        "description": "the response: one JSON object, or server-sent events (response.created ... "
-        "response.completed or response.incomplete) when stream is true",
-        "content": {
-            "application/json": {"schema": {"$ref": _REF.format(name="Response")}},
-            "text/event-stream": {"schema": {"type": "string"}},
-        },
+
+
+def openapi_document() -> dict[str, Any]:
+    """The whole document (OpenAPI 3.1: its schemas are JSON Schema, as msgspec writes them).
+
+    The model endpoints' paths come from their table (gateway/endpoints.py); each one's answer schema
+    is one of ``_ANSWERS``."""
+    schemas, components = msgspec.json.schema_components(
+        [*(endpoint.request_type for endpoint in ENDPOINTS), TokenizeRequest, DetokenizeRequest],
+        ref_template=_REF,
+    )
+    *requests, tokenize, detokenize = schemas
+    components |= {"Error": _ERROR, "Usage": _USAGE, **_ANSWERS}
+    models = {
+        endpoint.path: _post(endpoint.operation_id, schema["$ref"], _answer(endpoint), endpoint.summary)
+        for endpoint, schema in zip(ENDPOINTS, requests, strict=True)
     }
     text = {"type": "string"}
     return {
@@ -343,19 +466,7 @@ def openapi_document() -> dict[str, Any]:
             "description": "An OpenAI-compatible gateway for vision models. Every error is an OpenAI error object.",
         },
         "paths": {
-            "/v1/chat/completions": _post("chat", chat["$ref"], completion, "OpenAI chat completions with images"),
-            "/v1/embeddings": _post(
-                "embeddings",
-                embeddings["$ref"],
-                _json(_EMBEDDINGS, "the vectors"),
-                "OpenAI embeddings of images (and text, for CLIP-class models)",
-            ),
-            "/v1/responses": _post(
-                "responses",
-                responses["$ref"],
-                response,
-                "OpenAI Responses API with input_image (no response store: store and previous_response_id are refused)",
-            ),
+            **models,
             "/tokenize": _post(
                 "tokenize",
                 tokenize["$ref"],
@@ -385,6 +496,7 @@ def openapi_document() -> dict[str, Any]:
                 {"description": "an HTML page", "content": {"text/html": {"schema": text}}},
                 f"this document as an interactive page (Swagger UI reading {DOCUMENT_URL})",
             ),
+            **_batch_api(),
         },
         "components": {"schemas": components, "securitySchemes": {"apiKey": _BEARER}},
     }

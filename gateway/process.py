@@ -22,13 +22,13 @@ __all__ = ["app_options", "run_frontend"]
 def app_options(config: FrontendConfig) -> AppOptions:
     """The app's options (gateway/served.py ``AppOptions``) from the frontend's configuration."""
     from shmgate.gateway.addresses import AllowList
-    from shmgate.gateway.batch_runner import loopback_url
     from shmgate.gateway.batch_store import default_batch_dir
     from shmgate.gateway.fetch import FetchPolicy
     from shmgate.gateway.frontend import FrontendLimits
     from shmgate.gateway.guards import default_allowed_hosts, parse_allowed_hosts
     from shmgate.gateway.intake import IntakeLimits
     from shmgate.gateway.served import AppOptions
+    from shmgate.gateway.video import VideoLimits
 
     first = config.models[0]
     server, limits, image_urls, batch = (
@@ -53,23 +53,32 @@ def app_options(config: FrontendConfig) -> AppOptions:
             decode_threads=limits.decode_threads,
             decode_memory_bytes=int(limits.decode_memory_mb * (1 << 20)),
             decode_wait_s=limits.decode_wait_s,
+            video=VideoLimits(max_seconds=limits.max_video_seconds, max_frames=limits.max_video_frames),
         ),
         result_cache_bytes=int(limits.result_cache_mb * (1 << 20)),
         server_timing=config.options.observability.server_timing,
         allowed_hosts=parse_allowed_hosts(server.allowed_hosts) or default_allowed_hosts(server.host),
         processor_kwargs=dict(first.mm_processor_kwargs) or None,
+        tool_chat_template=_text_of(server.tool_chat_template),  # tools
         models=config.models,
         created=config.started_at,
         batch_dir=batch.batch_dir or default_batch_dir(server.port),
         batch_dir_given=bool(batch.batch_dir),
         batch_max_in_flight=batch.batch_max_in_flight,
-        loopback_url=loopback_url(server.host, server.port),
         image_urls=FetchPolicy(
             allowlist=AllowList.parse(image_urls.image_url_allowlist),
             max_bytes=image_urls.image_url_max_bytes,
             timeout_s=image_urls.image_url_timeout_s,
         ),
     )
+
+
+def _text_of(path: str | None) -> str | None:
+    """A file flag's text (checked readable when the flags were parsed), None without one."""
+    if not path:
+        return None
+    with open(path, encoding="utf-8") as f:
+        return f.read()
 
 
 def run_frontend(config: FrontendConfig) -> int:
@@ -81,13 +90,8 @@ def run_frontend(config: FrontendConfig) -> int:
     import uvicorn
 
     from shmgate.gateway.app import create_app
-    from shmgate.gateway.video import VideoLimits, configure
 
     options = config.options
-    configure(VideoLimits(max_seconds=options.limits.max_video_seconds, max_frames=options.limits.max_video_frames))
-    from shmgate.gateway import tool_prompt  # tools: --tool-chat-template
-
-    tool_prompt.configure(options.server.tool_chat_template)
     from shmgate.gateway.http_limits import ConnectionLimits, http_protocol
     from shmgate.gateway.sockets import bind_frontend
 
@@ -104,8 +108,13 @@ def run_frontend(config: FrontendConfig) -> int:
         if config.fd is not None
         else bind_frontend(options.server.host, options.server.port)
     )
+    spans = None
+    if options.tracing.otlp_traces_endpoint:  # this frontend's span hooks, handed to the app (no global)
+        from shmgate.gateway.tracing import start_tracing
+
+        spans = start_tracing(options.tracing.otlp_traces_endpoint, slot=config.slot)
     uv_config = uvicorn.Config(
-        create_app(app_options(config)),
+        create_app(app_options(config), spans=spans),
         # a bounded request head, slow clients cut, a cap on connections (gateway/http_limits.py)
         http=http_protocol(
             ConnectionLimits(
@@ -122,14 +131,9 @@ def run_frontend(config: FrontendConfig) -> int:
     )
     if options.observability.access_log:  # uvicorn set its access logger to --log-level, WARNING when "info" (above)
         logging.getLogger("uvicorn.access").setLevel(logging.INFO)
-    if options.tracing.otlp_traces_endpoint:  # after uvicorn's logging setup: the access log gains the trace id
-        from shmgate.gateway.tracing import enable_tracing
+    if spans is not None:  # after uvicorn's logging setup: the access log gains the trace id
+        from shmgate.gateway.tracing import traced_app
 
-        uv_config.app = enable_tracing(
-            uv_config.app,
-            options.tracing.otlp_traces_endpoint,
-            slot=config.slot,
-            access_log=options.observability.access_log,
-        )
+        uv_config.app = traced_app(uv_config.app, spans, access_log=options.observability.access_log)
     uvicorn.Server(uv_config).run(sockets=[sock])
     return 0

@@ -8,6 +8,10 @@ text into an ``Outcome``. What the client sees is the endpoint's ``AnswerFormat`
 it for the bytes of each stream event, or for the whole body at the end. TTFT, the ``delivered``
 stage, Server-Timing, the result cache and the success count are kept here once, for every API and
 for n = 1 and n > 1 alike.
+
+What comes out is data, an ``Answer``: a ``Whole`` body or a ``Streamed`` answer's events; a failure
+before any output is raised as the client's ShmgateError, a hang-up as ``HungUp``. The HTTP response
+is made at the edge (gateway/edge.py); a batch line (gateway/batch_runner.py) takes the body as is.
 """
 
 from __future__ import annotations
@@ -15,26 +19,28 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import msgspec
-from fastapi.responses import JSONResponse, Response
-from starlette.responses import StreamingResponse
 from starlette.types import Receive
 
 from shmgate.gateway.frontend import Frontend, RequestState
-from shmgate.gateway.http_errors import count_error, count_ok, error_response, failure_error
+from shmgate.gateway.http_errors import count_error, count_ok, failure_error
 from shmgate.gateway.sse import logprob_entry
 from shmgate.gateway.stages import server_timing
 from shmgate.shared.errors import Cancelled, ShmgateError
 from shmgate.shared.wire import Delta, Failed, Finished, TokenLogprobs, Vector, failed_reply
 
 __all__ = [
+    "Answer",
     "AnswerFormat",
     "ChoiceEvents",
+    "HungUp",
     "KeepAnswer",
     "Outcome",
+    "Streamed",
+    "Whole",
     "answer",
     "cached_answer",
     "cancel_on_hang_up",
@@ -42,7 +48,30 @@ __all__ = [
 
 ChatEvent = Delta | Vector | TokenLogprobs | Finished | Failed
 KeepAnswer = Callable[[Finished, str], None]  # stores a finished deterministic answer (the result cache)
-_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass(frozen=True)
+class Whole:
+    """A whole answer: its JSON body as data, and the headers it asks for (Server-Timing)."""
+
+    body: dict[str, Any]
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Streamed:
+    """A streamed answer: its server-sent events' bytes as they come (or all of them, known at once)."""
+
+    events: AsyncIterator[bytes] | bytes
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+Answer = Whole | Streamed
+
+
+class HungUp(Exception):
+    """The client hung up before its answer began: the work is cancelled and counted ``cancelled``
+    (by ``Frontend.abandon``), and nobody is left to read an answer."""
 
 
 @dataclass
@@ -158,13 +187,15 @@ async def answer(
     keep: KeepAnswer | None = None,
     timing_header: bool = False,
     receive: Receive | None = None,
-) -> Response:
+) -> Answer:
     """Answer a generation request whose ``states`` (one per choice) are submitted, in format ``fmt``.
 
     ``keep`` stores a one-choice answer in the result cache; ``timing_header`` adds Server-Timing to
     a whole answer (a stream's headers leave before its timing is known); ``receive`` (the request's
     ASGI receive, its body already read) lets a hang-up cancel the work until the first output is
-    written (from then on Starlette's StreamingResponse listens for the disconnect itself).
+    written (from then on the edge's streaming response listens for the disconnect itself). A failure
+    before any output raises the client's error (not a stream carrying an error event), a hang-up
+    ``HungUp``.
     """
     events = ChoiceEvents(f, states)
     collect = _Collect(f, states, events, fmt, started, stream=stream, logprobs=logprobs, keep=keep)
@@ -177,7 +208,7 @@ async def answer(
             raise
         if isinstance(first[1], Failed):
             events.close()
-            return failure_response(f, first[1])
+            raise failure_raised(first[1])
         if not stream:
             async for _ in collect.walk(first):
                 pass
@@ -185,16 +216,15 @@ async def answer(
     finally:
         if watcher is not None:
             watcher.cancel()
-    return StreamingResponse(collect.walk(first), media_type="text/event-stream", headers=_SSE_HEADERS)
+    return Streamed(collect.walk(first))
 
 
-def failure_response(f: Frontend, event: Failed) -> Response:
-    """The HTTP error for a request that failed before its answer began; counted here."""
-    if event.code == Cancelled.code:  # the client hung up (counted by abandon)
-        return Response(status_code=Cancelled.status_hint)  # nobody reads it
-    error = failure_error(event)
-    count_error(f.stats, error)
-    return error_response(error)
+def failure_raised(event: Failed) -> Exception:
+    """What a request that failed before its answer began raises: ``HungUp`` when the client hung up
+    (counted by abandon), else the client's error (counted where it is answered)."""
+    if event.code == Cancelled.code:
+        return HungUp()
+    return failure_error(event)
 
 
 class _Collect:
@@ -288,19 +318,19 @@ class _Collect:
             logprobs=self.entries if self.logprobs else None,
         )
 
-    def whole(self, timing_header: bool) -> Response:
-        """The whole answer once ``walk`` ended (or the error it ended with)."""
+    def whole(self, timing_header: bool) -> Whole:
+        """The whole answer once ``walk`` ended; raises the error it ended with."""
         if self.failed is not None:
-            return failure_response(self.f, self.failed)
-        headers = None
+            raise failure_raised(self.failed)
+        headers = {}
         if timing_header:
-            headers = {"Server-Timing": server_timing(self.states[self.last].timing, self.elapsed_s)}
-        return JSONResponse(self.fmt.whole(self.outcome()), headers=headers)
+            headers["Server-Timing"] = server_timing(self.states[self.last].timing, self.elapsed_s)
+        return Whole(self.fmt.whole(self.outcome()), headers)
 
 
 def cached_answer(
     f: Frontend, fmt: AnswerFormat, stream: bool, cached: bytes, started: float, *, read_s: float | None = None
-) -> Response:
+) -> Answer:
     """A result-cache hit, answered as the model would have (one content event when streaming).
 
     With ``read_s`` (the body's read, given when Server-Timing is on) the answer's Server-Timing names
@@ -316,6 +346,6 @@ def cached_answer(
             f"body_read;dur={read_s * 1000:.2f}, result_cache;desc=hit, total;dur={elapsed * 1000:.2f}"
         )
     if not stream:
-        return JSONResponse(fmt.whole(outcome), headers=headers)
+        return Whole(fmt.whole(outcome), headers)
     body = fmt.opening(1) + fmt.delta(0, text, None) + fmt.finished(0, finish_reason, None) + fmt.closing(outcome)
-    return Response(body, media_type="text/event-stream", headers=_SSE_HEADERS | headers)
+    return Streamed(body, headers)

@@ -39,6 +39,9 @@ log = logging.getLogger("shmgate.frontend")
 # A request whose worker died twice is not tried a third time: a request that kills every
 # worker it reaches would otherwise take the node's workers down one after another.
 MAX_ATTEMPTS = 2
+# How long a retried request's send waits for room on a full queue before it looks again at whether the
+# model's workers are alive (then they are busy: it fails) or all restarting (it waits on, to its deadline).
+RETRY_SEND_S = 5.0
 WATCHDOG_INTERVAL_S = 0.1
 GRACE_S = 5.0  # how long past its deadline an unanswered request may hold arena space
 # How long a request known to be off the queue may stay unclaimed before its taker counts as dead: a live
@@ -273,7 +276,9 @@ class ReplyRouter:
         or this was its last attempt. The new id matters: the worker we gave up on may only be paused
         (SIGSTOP) or slow, and answer later; its replies carry the old id, which no longer matches, so
         it can never add a duplicate answer to the retried request's stream (the arena generation
-        checks keep its reads safe).
+        checks keep its reads safe). A queue that stays full fails it as overloaded while the model has a
+        live worker; while it has none (every worker killed, replacements starting) the send waits for them,
+        up to the request's deadline, and this watchdog pass with it.
         """
         if not state.retryable or state.submit.attempt + 1 >= MAX_ATTEMPTS:
             self.fail(state, PeerDied(failure))
@@ -298,10 +303,16 @@ class ReplyRouter:
         state.send_seq = 0
         self.stats.add(Counter.RETRIES)
         log.warning("request %x %s; retrying as %x (attempt %d)", old_id, why, state.request_id, state.submit.attempt)
-        self.sending(state)
-        try:
-            await self.link.send_request(state.submit, 5.0)
-        except ChannelFull:
-            self.fail(state, Overloaded("the request could not be retried: every worker is busy"))
-            return
+        while True:
+            self.sending(state)
+            try:
+                await self.link.send_request(state.submit, RETRY_SEND_S)
+                break
+            except ChannelFull:
+                # A full queue while the model's workers serve: they are busy, and the client hears so. A
+                # full queue with none of them alive: they are being restarted (the kill that sent us here
+                # may have taken them all) and will drain it; the request waits for them, up to its deadline.
+                if self.link.has_live_worker(state.submit.model) or now_ns() >= state.submit.deadline_ns:
+                    self.fail(state, Overloaded("the request could not be retried: every worker is busy"))
+                    return
         self.sent(state)

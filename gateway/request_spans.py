@@ -1,7 +1,8 @@
 """A frontend's spans: the HTTP server span, its stages, and one span per attempt of each choice.
 
-Imported only when tracing is on (gateway/tracing.py ``enable_tracing``): this module imports
-OpenTelemetry at the top; the rest of gateway/ reaches it only through ``gateway.tracing.spans``.
+Imported only when tracing is on (gateway/tracing.py ``start_tracing``): this module imports
+OpenTelemetry at the top; the rest of gateway/ reaches it only through the ``RequestSpans`` it is
+handed (``Served.spans``, a request's ``RequestContext.spans``).
 
 The tree of one chat request, as this frontend writes it (the worker adds its part under each
 attempt, worker/tracing.py):
@@ -15,9 +16,9 @@ attempt, worker/tracing.py):
     │   └── queue                      sent -> a worker claimed it
     └── delivery                       the worker's final answer -> the response built
 
-A batch line (gateway/batch_runner.py) is one trace of its own: a ``batch line`` span (CLIENT;
-``shmgate.batch.id``, ``shmgate.batch.custom_id``, ``shmgate.batch.line``) is the parent of the
-line's request, whose tree is the one above.
+A batch line (gateway/batch_runner.py) is one trace of its own: a ``batch line`` span (INTERNAL;
+``shmgate.batch.id``, ``shmgate.batch.custom_id``, ``shmgate.batch.line``) stands where the server
+span stands above (the line runs in process, no HTTP request): its stages and attempts are its children.
 
 Stage times come from the stamps the stage histograms already take (gateway/stages.py,
 shared/stages.py): ``body_read``, ``preprocess``, ``queue`` and ``delivery`` are made after the fact
@@ -42,7 +43,6 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shmgate.shared.errors import Cancelled
-from shmgate.shared.stages import Stage
 from shmgate.shared.tracing import epoch_ns
 from shmgate.shared.wire import Claimed, Failed, Finished
 
@@ -64,14 +64,11 @@ def _wall_ns(monotonic_s: float) -> int:
 
 
 class RequestSpans:
-    """This frontend's tracer and the span hooks the data path calls (through gateway/tracing.py)."""
+    """This frontend's tracer and the span hooks the data path calls (handed to it with each request)."""
 
     def __init__(self, tracer: trace.Tracer, slot: int) -> None:
         self.tracer = tracer
         self.slot = slot
-        # (stage, bucket index) -> (trace id, seconds, when): the last traced request counted in each
-        # stage histogram bucket, for /metrics' exemplars (gateway/stages.py)
-        self.exemplars: dict[tuple[Stage, int], tuple[str, float, float]] = {}
 
     def middleware(self, app: ASGIApp) -> ASGIApp:
         return TracingMiddleware(app, self)
@@ -123,12 +120,11 @@ class RequestSpans:
         return RequestTrace(self, model, otel_context.get_current())
 
     def batch_line(self, batch_id: str, custom_id: str, index: int) -> BatchLineTrace:
-        """A batch line's own span (the runner's, gateway/batch_runner.py), the root of its trace: the line's
-        request (its server span, then the worker's spans) is its child through the traceparent it is sent with."""
+        """A batch line's own span (the runner's, gateway/batch_runner.py), the root of its trace: current
+        while the line runs (``BatchLineTrace.current``), it is the parent of the line's request spans."""
         span = self.tracer.start_span(
             "batch line",
             context=Context(),  # a new trace per line, whatever the runner's task context holds
-            kind=SpanKind.CLIENT,
             attributes={
                 "shmgate.batch.id": batch_id,
                 "shmgate.batch.custom_id": custom_id,
@@ -251,14 +247,23 @@ class RequestTrace:
 
 
 class BatchLineTrace:
-    """One batch line's span, from its first send to its result (tries on 429/503 included)."""
+    """One batch line's span, from its first try to its result (tries on 429/503 included)."""
 
     def __init__(self, span: Span) -> None:
         self.span = span
-        self.traceparent = traceparent_of(span)  # the header each try of the line is sent with
+
+    @contextmanager
+    def current(self) -> Iterator[None]:
+        """The line's span as the current span while its request runs (its stages' and attempts' parent)."""
+        token = otel_context.attach(trace.set_span_in_context(self.span))
+        try:
+            yield
+        finally:
+            otel_context.detach(token)
 
     def ended(self, status: int | None, error: str | None = None) -> None:
-        """The line's outcome: the HTTP status of its answer, or None and why when it got none."""
+        """The line's outcome: the HTTP status of its answer (as its output line records it), or None and why
+        when it got none."""
         if status is not None:
             self.span.set_attribute("http.response.status_code", status)
         if status is None or status >= 500:

@@ -1,4 +1,5 @@
-"""``POST /v1/responses``: OpenAI's Responses API as a codec over the request pipeline (gateway/pipeline.py).
+"""``POST /v1/responses``: OpenAI's Responses API as a codec over the request pipeline (gateway/pipeline.py);
+its row in gateway/endpoints.py makes the route.
 
 The request becomes the engine's request through the chat path's own validation: ``input`` (a string,
 or messages whose content is ``input_text`` and ``input_image`` parts; ``output_text`` parts of an
@@ -26,19 +27,17 @@ Every field is honoured or refused with a 400 naming it, never ignored:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal, Union
 
 import msgspec
-from fastapi import Request
-from fastapi.responses import Response
 
 from shmgate.gateway.intake import (
     ChatCompletionRequest,
-    ChatRequest,
+    FieldNames,
     FunctionCall,
+    GenerationRequest,
     ImagePart,
     ImageURL,
     IntakeLimits,
@@ -49,11 +48,10 @@ from shmgate.gateway.intake import (
     chat_request_from,
     decode_body,
 )
-from shmgate.gateway.pipeline import generate, handle
 from shmgate.gateway.render import AnswerFormat
 from shmgate.gateway.responses_format import ResponsesFormat
 from shmgate.gateway.tools import parse_tools
-from shmgate.shared.errors import InvalidRequest, RequestError
+from shmgate.shared.errors import InvalidRequest
 
 __all__ = [
     "RESPONSES",
@@ -61,7 +59,6 @@ __all__ = [
     "ResponsesCodec",
     "ResponsesRequest",
     "parse_responses_request",
-    "responses_route",
 ]
 
 Refused = Annotated[Any, msgspec.Meta(description="not supported: a 400 naming the field when present (not null)")]
@@ -195,7 +192,7 @@ _decoder = msgspec.json.Decoder(ResponsesRequest)
 _UNKNOWN = re.compile(r"unknown field `([^`]*)`(?: - at `\$\.?([^`]*)`)?")
 
 
-def parse_responses_request(body: bytes, limits: IntakeLimits) -> tuple[ChatRequest, ResponsesRequest]:
+def parse_responses_request(body: bytes, limits: IntakeLimits) -> tuple[GenerationRequest, ResponsesRequest]:
     """The engine's request and the parsed body (its echoed fields). Raises RequestError subclasses
     naming the Responses API's own fields."""
     req = _decode(body)
@@ -220,11 +217,7 @@ def parse_responses_request(body: bytes, limits: IntakeLimits) -> tuple[ChatRequ
         user=req.user,
         response_format=_response_format(req.text),
     )
-    try:
-        chat = chat_request_from(chat_form, limits)
-    except RequestError as exc:
-        exc.param = _renamed(exc.param, isinstance(req.input, str))
-        raise
+    chat = chat_request_from(chat_form, limits, _STRING_NAMES if isinstance(req.input, str) else _NAMES)
     chat = dataclasses.replace(chat, tools=parse_tools(req.tools, req.tool_choice, req.parallel_tool_calls, flat=True))
     if req.instructions:  # in front of the conversation, as OpenAI places them
         system = {"role": "system", "content": [{"type": "text", "text": req.instructions}]}
@@ -368,20 +361,12 @@ _FIELDS: Mapping[str, str] = {
     "max_tokens": "max_output_tokens",
     "messages": "input",
 }
+# This API's names of the chat request's places: ``input[i].content[j].image_url`` (an input_image's own
+# field), ``input[i].content[j].detail``; a string input is ``input`` itself.
+_NAMES = FieldNames(messages="input", detail=".detail", fields=_FIELDS)
+_STRING_NAMES = FieldNames(messages="input", detail=".detail", one_string=True, fields=_FIELDS)
 # the members of each text.format type (OpenAI's); another is a 400, not ignored
 _FORMAT_KEYS = {"json_schema": {"type", "name", "schema", "strict", "description"}}
-
-
-def _renamed(param: str | None, string_input: bool) -> str | None:
-    """A chat field's name as this API calls it: ``messages[i].content[j].image_url.detail`` is
-    ``input[i].content[j].detail``; a string input is ``input`` itself."""
-    if param is None:
-        return None
-    if param.startswith("messages"):
-        if string_input:
-            return "input"
-        return "input" + param.removeprefix("messages").replace(".image_url.detail", ".detail")
-    return _FIELDS.get(param, param)
 
 
 class ResponsesCodec:
@@ -389,15 +374,9 @@ class ResponsesCodec:
 
     fields = _FIELDS
 
-    def parse(self, body: bytes, limits: IntakeLimits) -> tuple[ChatRequest, AnswerFormat]:
+    def parse(self, body: bytes, limits: IntakeLimits) -> tuple[GenerationRequest, AnswerFormat]:
         chat, req = parse_responses_request(body, limits)
         return chat, ResponsesFormat(req)
 
 
 RESPONSES = ResponsesCodec()
-_steps = functools.partial(generate, codec=RESPONSES)
-
-
-async def responses_route(request: Request) -> Response:
-    """``POST /v1/responses``: the pipeline's steps with this codec."""
-    return await handle(request, _steps)

@@ -28,7 +28,7 @@ from typing import TypeVar
 
 import msgspec
 
-from shmgate.gateway.intake import LOOP_HASH_MAX_BYTES, ChatRequest, image_digest
+from shmgate.gateway.intake import LOOP_HASH_MAX_BYTES, GenerationRequest, image_digest
 from shmgate.gateway.preprocess.base import Preprocessor
 from shmgate.shared.vocabulary import content_key
 
@@ -44,7 +44,7 @@ def result_key(material: bytes | str, model: str, params: bytes, kind: str) -> b
     return content_key(material, b"%s|%s|" % (kind.encode(), model.encode()) + params)
 
 
-def answer_key(chat: ChatRequest, preprocessor: Preprocessor) -> bytes | None:
+def answer_key(chat: GenerationRequest, preprocessor: Preprocessor) -> bytes | None:
     """The key of a chat answer that is a pure function of the request, or None when the model's is not.
 
     Covers every image's content, the user's text and the sampling parameters.

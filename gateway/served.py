@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hmac
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import ClientDisconnect, Request
 
@@ -22,6 +22,9 @@ from shmgate.gateway.result_cache import ResultCache
 from shmgate.shared.errors import Cancelled, InvalidRequest, RequestTooLarge, Unauthorized
 from shmgate.shared.model_config import ModelConfig
 from shmgate.shared.transport import NodeStats
+
+if TYPE_CHECKING:
+    from shmgate.gateway.request_spans import RequestSpans
 
 __all__ = ["AppOptions", "Served", "bypass_cache", "read_body", "served"]
 
@@ -40,6 +43,7 @@ class AppOptions:
     image_urls: FetchPolicy = field(default_factory=FetchPolicy)  # used only when intake.allow_image_urls is set
     result_cache_bytes: int = 0  # deterministic answers kept per frontend (gateway/result_cache.py); 0: off
     processor_kwargs: dict[str, Any] | None = None  # --mm-processor-kwargs (hf: models)
+    tool_chat_template: str | None = None  # tools: --tool-chat-template's text (gateway/tool_prompt.py)
     server_timing: bool = False  # --server-timing: per-stage durations in a Server-Timing header
     allowed_hosts: tuple[str, ...] = ("*",)  # --allowed-hosts: Host header names answered (gateway/guards.py)
     # every model the node serves, as the supervisor resolved them (node/models.py); empty: ``model``
@@ -49,7 +53,6 @@ class AppOptions:
     batch_dir: str = ""  # --batch-dir (gateway/batch_store.py); empty: the Batch API is off (an app built alone)
     batch_dir_given: bool = False  # --batch-dir was set: a directory that cannot be opened stops the frontend
     batch_max_in_flight: int = 4  # --batch-max-in-flight (gateway/batch_runner.py)
-    loopback_url: str = ""  # this node's own HTTP address, where the batch runner sends the lines
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,7 @@ class Served:
     frontend: Frontend
     node: NodeStats  # the whole node's counters, for /metrics
     results: ResultCache | None  # deterministic answers (--result-cache-mb); None: off
+    spans: RequestSpans | None = None  # this frontend's tracing hooks (gateway/tracing.py); None: off
 
     def check_key(self, request: Request) -> None:
         """Raise Unauthorized unless the request carries the API key (when one is set)."""

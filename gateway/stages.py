@@ -22,7 +22,6 @@ from typing import Any
 import numpy as np
 from prometheus_client.core import Exemplar, HistogramMetricFamily
 
-from shmgate.gateway import tracing
 from shmgate.shared.stages import Stage, worker_stage_seconds
 from shmgate.shared.stats_layout import STAGE_BUCKETS_S, STAGE_COUNT, STAGE_SUM_US, stage_base
 from shmgate.shared.vocabulary import now_ns
@@ -41,6 +40,7 @@ __all__ = [
 ]
 
 METRIC = "shmgate_stage_duration_seconds"
+Exemplars = dict[tuple[Stage, int], tuple[str, float, float]]  # (stage, bucket) -> (trace id, seconds, when)
 
 
 @dataclass
@@ -64,6 +64,9 @@ class StageRecorder:
 
     def __init__(self, row: np.ndarray) -> None:
         self._row = row  # this frontend's stats row (FrontendLink.stats_row)
+        # (stage, bucket index) -> (trace id, seconds, when): the last traced request counted in each
+        # bucket, for /metrics' exemplars (``stage_histogram``); empty when tracing is off
+        self.exemplars: Exemplars = {}
 
     def observe(self, stage: Stage, seconds: float, timing: RequestTiming | None = None) -> None:
         """Count ``seconds`` in ``stage``'s histogram (and in ``timing``, the request's own record)."""
@@ -72,8 +75,8 @@ class StageRecorder:
         base = stage_base(stage)
         bucket = bisect.bisect_left(STAGE_BUCKETS_S, seconds)
         self._row[base + bucket] += 1
-        if tracing.spans is not None and timing is not None and timing.trace_id:
-            tracing.spans.exemplars[(stage, bucket)] = (timing.trace_id, seconds, time.time())
+        if timing is not None and timing.trace_id:  # a traced request (its trace id is set only then)
+            self.exemplars[(stage, bucket)] = (timing.trace_id, seconds, time.time())
         self._row[base + STAGE_SUM_US] += int(seconds * 1e6)
         self._row[base + STAGE_COUNT] += 1
 
@@ -128,8 +131,9 @@ def parse_server_timing(value: str) -> dict[str, float]:
     return out
 
 
-def stage_histogram(total: np.ndarray) -> HistogramMetricFamily:
-    """The stage histograms for /metrics' collector (``total``: the summed stats rows)."""
+def stage_histogram(total: np.ndarray, exemplars: Exemplars | None = None) -> HistogramMetricFamily:
+    """The stage histograms for /metrics' collector (``total``: the summed stats rows; ``exemplars``: the
+    answering frontend's, ``StageRecorder.exemplars``)."""
     family = HistogramMetricFamily(
         METRIC, "Time requests spent in each stage of serving (see shared/stages.py).", labels=["stage"]
     )
@@ -140,15 +144,13 @@ def stage_histogram(total: np.ndarray) -> HistogramMetricFamily:
         for i, bound in enumerate((*STAGE_BUCKETS_S, None)):
             cumulative += int(total[base + i])
             points.append(("+Inf" if bound is None else f"{bound:g}", cumulative))
-        if tracing.spans is not None:
-            points = _with_exemplars(stage, points, tracing.spans.exemplars)
+        if exemplars:
+            points = _with_exemplars(stage, points, exemplars)
         family.add_metric([stage.name.lower()], points, sum_value=int(total[base + STAGE_SUM_US]) / 1e6)
     return family
 
 
-def _with_exemplars(
-    stage: Stage, points: list[tuple[str, float]], exemplars: dict[tuple[Stage, int], tuple[str, float, float]]
-) -> list[Any]:
+def _with_exemplars(stage: Stage, points: list[tuple[str, float]], exemplars: Exemplars) -> list[Any]:
     """Each bucket with the last traced request this frontend counted in it (OpenMetrics shows them).
 
     The counts are the whole node's, the exemplars only this frontend's: an exemplar is a sample that

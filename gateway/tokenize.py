@@ -24,7 +24,7 @@ from shmgate.gateway.fetch import FetchPolicy, fetch_pending
 from shmgate.gateway.fields import with_image_options
 from shmgate.gateway.intake import (
     ChatCompletionRequest,
-    ChatRequest,
+    GenerationRequest,
     IntakeLimits,
     Message,
     chat_request_from,
@@ -107,7 +107,7 @@ async def tokenize(
     return {"count": len(tokens), "max_model_len": pre.max_prompt_tokens, "tokens": tokens}
 
 
-def _chat_tokens(pre: Preprocessor, chat: ChatRequest, max_pixels: int, decode_budget: DecodeBudget) -> list[int]:
+def _chat_tokens(pre: Preprocessor, chat: GenerationRequest, max_pixels: int, decode_budget: DecodeBudget) -> list[int]:
     specs = []
     for i, (image, param) in enumerate(zip(chat.images, chat.image_params)):
         spec: dict[str, tuple[str, tuple[int, ...]]] = {}

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from shmgate.gateway.intake import ChatRequest
+from shmgate.gateway.intake import GenerationRequest
 from shmgate.gateway.preprocess.base import Preprocessor
 from shmgate.gateway.render import AnswerFormat, Outcome
 from shmgate.gateway.tool_output import CallArguments, CallOpened, Event, OutputReader, TextOut, ToolCall
@@ -40,7 +40,7 @@ class ToolCallFormat(AnswerFormat, Protocol):
     def call_arguments(self, index: int, call: ToolCall, fragment: str) -> bytes: ...
 
 
-def with_tools(chat: ChatRequest, fmt: AnswerFormat, pre: Preprocessor) -> tuple[ChatRequest, AnswerFormat]:
+def with_tools(chat: GenerationRequest, fmt: AnswerFormat, pre: Preprocessor) -> tuple[GenerationRequest, AnswerFormat]:
     """``chat`` with its tools written into the prompt and its grammar set, and ``fmt`` reading calls.
 
     A request with neither tools nor calls or results in its conversation is returned as it is.

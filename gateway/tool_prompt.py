@@ -22,19 +22,7 @@ from typing import Any
 from shmgate.gateway.tools import ToolCalling
 from shmgate.shared.families.tool_formats import ToolFormat, tool_format
 
-__all__ = ["ToolPrompt", "configure", "reads_tools", "tool_prompt_of", "write_tools"]
-
-_override: str | None = None  # --tool-chat-template's text
-
-
-def configure(template_path: str | None) -> None:
-    """Read the operator's tool template (a frontend's start-up). Raises OSError for an unreadable file."""
-    global _override
-    _override = None
-    if template_path:
-        with open(template_path, encoding="utf-8") as f:
-            _override = f.read()
-    tool_prompt_of.cache_clear()
+__all__ = ["ToolPrompt", "reads_tools", "tool_prompt_of", "write_tools"]
 
 
 @dataclass(frozen=True)
@@ -61,14 +49,14 @@ def reads_tools(template: Any) -> bool:
 
 
 @functools.cache
-def tool_prompt_of(tokenizer: Any, model_type: str) -> ToolPrompt:
+def tool_prompt_of(tokenizer: Any, model_type: str, template: str | None = None) -> ToolPrompt:
     """The ToolPrompt of a checkpoint with this tokenizer (its chat template, its added tokens) of the
-    family ``model_type`` (kept: the template is parsed once; ``configure`` forgets them)."""
+    family ``model_type``; ``template``: the operator's (kept: a template is parsed once per model)."""
     fmt = tool_format(model_type)
     added = tokenizer.get_added_vocab()
     tokens = fmt.call_open in added and fmt.call_close in added
-    if _override is not None:
-        return ToolPrompt(fmt, native=True, template=_override, tags_are_tokens=tokens)
+    if template is not None:
+        return ToolPrompt(fmt, native=True, template=template, tags_are_tokens=tokens)
     return ToolPrompt(fmt, native=reads_tools(tokenizer.chat_template), tags_are_tokens=tokens)
 
 

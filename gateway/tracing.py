@@ -1,10 +1,11 @@
-"""The frontend's tracing switch: the data path's hooks test ``spans`` and do nothing more when it is None.
+"""The frontend's tracing switch: ``start_tracing`` makes this process's span hooks, which the request
+path is handed (gateway/served.py ``Served.spans``, then each request's ``RequestContext.spans``).
 
-Who sets it: ``enable_tracing``, once, in the frontend process before it serves (gateway/process.py,
-with ``--otlp-traces-endpoint``). Like a logger it is process-wide and set before any request, so
-a hook is ``if tracing.spans is not None: tracing.spans.<stage>(...)``: off, that test is the whole
-cost, and neither this module nor any hook imports OpenTelemetry (gateway/request_spans.py, which
-does, is imported here only when tracing is turned on).
+Who calls it: gateway/process.py, once, with ``--otlp-traces-endpoint``, before the app is built; the
+app is then wrapped in the server-span middleware (``traced_app``). Off, nothing is made: a hook is
+``if spans is not None: spans.<stage>(...)`` on the request's own field, that test is the whole cost,
+and neither this module nor any hook imports OpenTelemetry (gateway/request_spans.py, which does, is
+imported here only when tracing is turned on).
 """
 
 from __future__ import annotations
@@ -17,27 +18,28 @@ from starlette.types import ASGIApp
 if TYPE_CHECKING:
     from shmgate.gateway.request_spans import RequestSpans
 
-__all__ = ["enable_tracing", "spans"]
+__all__ = ["start_tracing", "traced_app"]
 
-spans: RequestSpans | None = None  # None: tracing is off (the default)
 ACCESS_LOGGER = "uvicorn.access"
 
 
-def enable_tracing(app: Any, endpoint: str, *, slot: int, access_log: bool) -> ASGIApp:
-    """Start exporting to ``endpoint`` and return ``app`` (an ASGI app: uvicorn's ``config.app``) wrapped in
-    the server-span middleware.
-
-    With ``access_log`` each access log line ends with ``trace_id=<32 hex>`` (``-`` for an untraced
-    path), so a log line leads to its trace. Call after uvicorn configured its loggers.
-    """
-    global spans
+def start_tracing(endpoint: str, *, slot: int) -> RequestSpans:
+    """Start exporting to ``endpoint``: this frontend's span hooks."""
     from shmgate.gateway.request_spans import RequestSpans
     from shmgate.shared.tracing import start_provider
 
     provider = start_provider(endpoint, "frontend", {"shmgate.frontend_slot": slot})
     # Not made the global provider: FastAPI's own spans (fastapi.endpoint, a second server span) would
     # double every request's tree and its export cost; the spans above already cover the route.
-    spans = RequestSpans(provider.get_tracer("shmgate.gateway"), slot)
+    return RequestSpans(provider.get_tracer("shmgate.gateway"), slot)
+
+
+def traced_app(app: Any, spans: RequestSpans, *, access_log: bool) -> ASGIApp:
+    """``app`` (an ASGI app: uvicorn's ``config.app``) wrapped in the server-span middleware.
+
+    With ``access_log`` each access log line ends with ``trace_id=<32 hex>`` (``-`` for an untraced
+    path), so a log line leads to its trace. Call after uvicorn configured its loggers.
+    """
     if access_log:
         _tag_access_log()
     return spans.middleware(app)

@@ -6,7 +6,8 @@ the decode threads), marked by ``VIDEO_OPTION`` in its processing options. What 
 
 1. ``probe`` reads the container's metadata (format, streams, codec, size, duration, frame count)
    without decoding a frame, and refuses what is not a video this server decodes or exceeds the
-   limits (``VideoLimits``: the longest duration, the most frames sampled, the largest frame).
+   limits (``VideoLimits``: the longest duration, the most frames sampled, the largest frame; the
+   frontend's, handed down with each decode by its decode budget, gateway/decode_budget.py).
 2. The memory the decode will take is predicted from the probe (``VideoPlan.peak_bytes``: the codec's
    reference frames at the stream's size, one full-size RGB frame, and the sampled frames at their
    processed size, as uint8 and as one float32 copy) and reserved in the frontend's decode budget
@@ -32,19 +33,18 @@ from typing import Any
 
 import numpy as np
 
-from shmgate.shared.errors import ImageTooLarge, UndecodableImage
+from shmgate.shared.errors import ImageTooLarge, UndecodableVideo
 
 __all__ = [
     "ACCEPTED_VIDEO_TYPES",
+    "DEFAULT_LIMITS",
     "VIDEO_DETAIL",
     "VIDEO_OPTION",
     "VideoLimits",
     "VideoPlan",
     "VideoProbe",
-    "configure",
     "decode_frames",
     "is_video",
-    "limits",
     "probe",
 ]
 
@@ -76,17 +76,7 @@ class VideoLimits:
     decode_timeout_s: float = 20.0  # a decode still running after this is stopped between frames
 
 
-_limits = VideoLimits()
-
-
-def configure(new: VideoLimits) -> None:
-    """Set this process's video limits (a frontend's flags, once at start-up)."""
-    global _limits
-    _limits = new
-
-
-def limits() -> VideoLimits:
-    return _limits
+DEFAULT_LIMITS = VideoLimits()  # a frontend's without --max-video-seconds and --max-video-frames
 
 
 def is_video(options: dict[str, Any] | None) -> bool:
@@ -123,48 +113,60 @@ class VideoPlan:
         return FIXED_BYTES + pixels * (CODEC_PIXEL_BYTES + 3 + 4) + held * (1 + 4)
 
 
+_READABLE = "send MP4/MOV or WebM/Matroska with H.264, H.265, MPEG-4, VP8, VP9 or AV1 video"
+
+
+def _reason(exc: Exception) -> str:
+    """FFmpeg's own words for a failure, without its errno and the '<none>' file name of an in-memory input."""
+    import av
+
+    if isinstance(exc, av.error.FFmpegError) and exc.strerror:
+        return str(exc.strerror)[:120]
+    return f"{type(exc).__name__}: {str(exc)[:120]}"
+
+
 def _open(data: bytes) -> Any:
     import av
 
     try:
         return av.open(io.BytesIO(data), mode="r", metadata_errors="ignore")
     except (av.error.FFmpegError, ValueError, OSError, UnicodeDecodeError) as exc:
-        raise UndecodableImage(f"the video cannot be read: {str(exc)[:120]}") from None
+        raise UndecodableVideo(f"the data is not a video this server reads ({_reason(exc)}); {_READABLE}") from None
 
 
-def probe(data: bytes) -> VideoProbe:
-    """The container's video stream facts. Raises UndecodableImage (not a video container this server
-    reads, no video stream, a codec it does not decode) or ImageTooLarge (past ``limits()``)."""
+def probe(data: bytes, limits: VideoLimits) -> VideoProbe:
+    """The container's video stream facts. Raises UndecodableVideo (not a video container this server
+    reads, no video stream, a codec it does not decode) or ImageTooLarge (past ``limits``)."""
     if not data:
-        raise UndecodableImage("the video is empty")
+        raise UndecodableVideo("the video is empty")
     with _open(data) as container:
-        return _probe_open(container, _limits)
+        return _probe_open(container, limits)
 
 
 def _probe_open(container: Any, lim: VideoLimits) -> VideoProbe:
     names = set(str(container.format.name).split(","))
     if not names & _FORMATS:
-        raise UndecodableImage(
+        raise UndecodableVideo(
             f"not a video container this server reads ({str(container.format.name)[:40]}); send MP4 or WebM"
         )
     if len(container.streams) > lim.max_streams:
-        raise UndecodableImage(
+        raise UndecodableVideo(
             f"the container holds {len(container.streams)} streams; at most {lim.max_streams} are read"
         )
     videos = container.streams.video
     if not videos:
-        raise UndecodableImage("the container holds no video stream")
+        raise UndecodableVideo("the container holds no video stream")
     stream = videos[0]
     if stream.codec_context is None:  # FFmpeg found no decoder for what the stream claims to be
-        raise UndecodableImage("the video stream's codec is unknown")
+        raise UndecodableVideo("the video stream's codec is unknown")
     codec = str(stream.codec_context.name)
     if codec not in _CODECS:
-        raise UndecodableImage(
+        raise UndecodableVideo(
             f"the video codec {codec[:20]!r} is not decoded here; send H.264, H.265, VP8, VP9 or AV1"
         )
     width, height = int(stream.codec_context.width), int(stream.codec_context.height)
     if width <= 0 or height <= 0:
-        raise UndecodableImage("the video stream has no frame size")
+        raise UndecodableVideo("the video stream has no frame size")
     if width * height > lim.max_frame_pixels:
         raise ImageTooLarge(
             f"the video's frames are {width} x {height} pixels; at most {lim.max_frame_pixels:,} pixels per frame are decoded"
@@ -177,14 +179,14 @@ def _probe_open(container: Any, lim: VideoLimits) -> VideoProbe:
     elif container.duration is not None:
         duration_s = container.duration / 1_000_000
     if not (fps > 0 and math.isfinite(fps)) or fps > 1000:
-        raise UndecodableImage("the video stream has no usable frame rate")
+        raise UndecodableVideo("the video stream has no usable frame rate")
     if not math.isfinite(duration_s) or duration_s < 0:
-        raise UndecodableImage("the video has no usable duration")
+        raise UndecodableVideo("the video has no usable duration")
     if duration_s > lim.max_seconds:
         raise ImageTooLarge(f"the video is {duration_s:.0f} s long; at most {lim.max_seconds:g} s are decoded")
     frames = int(stream.frames) or int(duration_s * fps)
     if frames <= 0:
-        raise UndecodableImage("the video has no frames")
+        raise UndecodableVideo("the video has no frames")
     if frames > duration_s * fps * 1.5 + 2:  # a frame count the duration and rate cannot hold
         frames = max(1, int(duration_s * fps))
     return VideoProbe(",".join(sorted(names & _FORMATS)), codec, width, height, duration_s, frames, fps)
@@ -195,14 +197,15 @@ def decode_frames(
     found: VideoProbe,
     plan: VideoPlan,
     resize: Callable[[np.ndarray, int, int], np.ndarray],
+    limits: VideoLimits,
 ) -> np.ndarray:
     """The planned frames, each resized by ``resize(rgb, height, width)`` as soon as it is decoded:
-    uint8 ``(frames, height, width, 3)``. Raises UndecodableImage for a corrupt stream, a frame larger
-    than the probe said, or a decode past ``decode_timeout_s``; InvalidRequest when a sampled frame is
+    uint8 ``(frames, height, width, 3)``. Raises UndecodableVideo for a corrupt stream, a frame larger
+    than the probe said, or a decode past ``limits.decode_timeout_s``; InvalidRequest when a sampled frame is
     missing (a stream shorter than its container says)."""
     import av
 
-    lim = _limits
+    lim = limits
     deadline = time.monotonic() + lim.decode_timeout_s
     out = np.empty((len(plan.indices), plan.height, plan.width, 3), dtype=np.uint8)
     with _open(data) as container:
@@ -221,9 +224,9 @@ def decode_frames(
                     sought = taken
                 for frame in container.decode(stream):
                     if time.monotonic() > deadline:
-                        raise UndecodableImage(f"decoding the video took longer than {lim.decode_timeout_s:g} s")
+                        raise UndecodableVideo(f"decoding the video took longer than {lim.decode_timeout_s:g} s")
                     if frame.width * frame.height > found.width * found.height:
-                        raise UndecodableImage("a frame of the video is larger than its stream says")
+                        raise UndecodableVideo("a frame of the video is larger than its stream says")
                     current_s = float(((frame.pts if frame.pts is not None else 0) - base) * tb)
                     # The frame shown at a sample's time: the first one starting at or (by half a frame) before it.
                     while taken < len(plan.indices) and current_s + 0.5 / found.fps >= plan.indices[taken] / found.fps:
@@ -236,9 +239,9 @@ def decode_frames(
                 else:
                     break  # the stream ended
         except av.error.FFmpegError as exc:
-            raise UndecodableImage(f"the video cannot be decoded: {str(exc)[:120]}") from None
+            raise UndecodableVideo(f"the video stream is corrupt ({_reason(exc)})") from None
     if taken == 0:
-        raise UndecodableImage("no frame of the video could be decoded")
+        raise UndecodableVideo("no frame of the video could be decoded")
     if taken < len(plan.indices):  # the stream ended early: the last frame stands for the rest
         out[taken:] = out[taken - 1]
     return out

@@ -7,9 +7,12 @@
 #
 #   scripts/try_hf.sh                      # serves model `tiny-qwen2-vl` on 127.0.0.1:8000
 #   scripts/try_hf.sh --port 8080          # extra arguments go to `shmgate serve`
-#   TRY_HF_FAMILY=idefics3 scripts/try_hf.sh   # another family of tests/hf_fixture.py's FAMILIES
+#   TRY_HF_FAMILY=idefics3 scripts/try_hf.sh   # another chat family of tests/hf_fixture.py's FAMILIES
+#   TRY_HF_FAMILY=clip scripts/try_hf.sh       # an embedder (clip, siglip, siglip2): /v1/embeddings
 #
-# The checkpoint is removed when the server stops (Ctrl-C).
+# A wrong name stops it with the valid ones (tests/tiny_models.py, which also writes a checkpoint to a
+# directory of your own: .venv/bin/python -m tests.tiny_models FAMILY DIR). The checkpoint is removed
+# when the server stops (Ctrl-C).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh hf
@@ -18,8 +21,8 @@ DIR=$(mktemp -d "${TMPDIR:-/tmp}/shmgate-try-hf.XXXXXX")
 trap 'rm -rf -- "$DIR"' EXIT
 MODEL_DIR=$DIR/tiny-${FAMILY//_/-}
 echo "try_hf: building a tiny random $FAMILY checkpoint in $MODEL_DIR" >&2
-.venv/bin/python -c 'import sys; from pathlib import Path; from tests.hf_fixture import build_tiny_vlm
-build_tiny_vlm(Path(sys.argv[1]), sys.argv[2])' "$MODEL_DIR" "$FAMILY"
-echo "try_hf: serving it as model '$(basename "$MODEL_DIR")' (random weights: the text it writes is gibberish)" >&2
+# stops here (status 2) with the valid names when FAMILY is not one of them
+.venv/bin/python -m tests.tiny_models "$FAMILY" "$MODEL_DIR" > /dev/null
+echo "try_hf: serving it as model '$(basename "$MODEL_DIR")' (random weights: what it answers is gibberish)" >&2
 # Not exec: the trap removes the checkpoint once the server has stopped.
 .venv/bin/shmgate serve --model "hf:$MODEL_DIR" --device cpu "$@"

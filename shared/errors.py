@@ -19,9 +19,12 @@ response happens in one place, ``gateway/http_errors.py``.
     ├── RequestError              the client sent something we will not serve
     │   ├── InvalidRequest
     │   ├── UnknownModel
+    │   ├── NotFound              no file or batch with that id (404)
+    │   ├── Conflict              a call its object's state does not allow (409)
     │   ├── TooManyImages
     │   ├── ImageTooLarge
     │   ├── UndecodableImage
+    │   │   └── UndecodableVideo  a video_url part that is not a video this server decodes
     │   ├── InvalidImageURL       an image URL that cannot be fetched (bad URL, HTTP error)
     │   │   ├── ImageURLForbidden a URL whose address may not be fetched (SSRF rules)
     │   │   └── ImageURLTimeout   the fetch did not finish within its time cap
@@ -48,6 +51,7 @@ __all__ = [
     "ArenaFull",
     "Cancelled",
     "ChannelFull",
+    "Conflict",
     "DescriptorError",
     "HostNotAllowed",
     "ImageTooLarge",
@@ -57,6 +61,7 @@ __all__ = [
     "InvalidImageURL",
     "InvalidRequest",
     "ModelError",
+    "NotFound",
     "OutOfBounds",
     "Overloaded",
     "PeerDied",
@@ -70,6 +75,7 @@ __all__ = [
     "Unauthorized",
     "UnsupportedTransferCoding",
     "UndecodableImage",
+    "UndecodableVideo",
     "UnknownModel",
     "UnsupportedMediaType",
     "error_for_code",
@@ -181,6 +187,20 @@ class UnknownModel(RequestError):
     code = "model_not_found"
 
 
+class NotFound(RequestError):
+    """No file or batch with the id the client named (gateway/batch_routes.py)."""
+
+    status_hint = 404
+    code = "not_found"
+
+
+class Conflict(RequestError):
+    """The thing named is in a state that does not allow the call (a finished batch cancelled)."""
+
+    status_hint = 409
+    code = "invalid_state"
+
+
 class TooManyImages(RequestError):
     code = "too_many_images"
 
@@ -203,6 +223,15 @@ class UndecodableImage(RequestError):
     """Not an image, a truncated one, or a format we do not accept."""
 
     code = "invalid_image"
+
+
+class UndecodableVideo(UndecodableImage):
+    """A video part's bytes are not a container this server reads, hold no stream it decodes, or are corrupt.
+
+    A subclass of UndecodableImage: whatever refuses an undecodable input refuses this one too; only the
+    code (and the message) say which kind of input it was."""
+
+    code = "invalid_video"
 
 
 class InvalidImageURL(RequestError):
@@ -303,6 +332,8 @@ _BY_CODE: dict[str, type[ShmgateError]] = {
         DescriptorError,
         InvalidRequest,
         UnknownModel,
+        NotFound,
+        Conflict,
         TooManyImages,
         ImageTooLarge,
         RequestTooLarge,

@@ -56,6 +56,7 @@ LONGEST_FIRST = (
     "test_hf_serve.py",
     "test_hangups_hf.py",
     "test_responses.py",
+    "test_docs_examples.py",
     "test_hostile_inputs.py",
     "test_installed_namespace.py",
     "test_engine.py",

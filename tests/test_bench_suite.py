@@ -8,6 +8,7 @@ bench/ may reach into ``sys.path`` (the package is found from the repository roo
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -60,3 +61,28 @@ def test_a_scenario_gets_its_own_options() -> None:
 def test_no_file_of_bench_touches_sys_path() -> None:
     offenders = [str(p.relative_to(REPO)) for p in (REPO / "bench").rglob("*.py") if "sys.path" in p.read_text()]
     assert offenders == []
+
+
+def test_the_handoff_scenario_runs_each_transport_at_each_size() -> None:
+    done = _bench(
+        "handoff",
+        "--rounds",
+        "1",
+        "--samples",
+        "10",
+        "--json",
+        "--transport",
+        "shmgate",
+        "--transport",
+        "shmgate_descriptor",
+        "--transport",
+        "mp_queue_pickle",
+    )
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in done.stdout.splitlines()]
+    assert {(r["transport"], r["rounds"]) for r in rows} == {
+        ("shmgate", 2),
+        ("shmgate_descriptor", 2),
+        ("mp_queue_pickle", 2),
+    }  # A B B A: each transport twice in a round
+    assert len(rows) == 3 * 4 and all(r["p50_us"] > 0 and r["gb_s"] > 0 for r in rows)

@@ -3,25 +3,36 @@
 Batch lines (gateway/batch_runner.py) are sent at the request queue's lower priority
 (shared/transport/base.py ``BULK``); the kernel delivers the highest priority first, so an
 interactive request never waits behind bulk ones already queued. The lane is chosen per request
-by gateway/lane.py, from a loopback peer's ``x-shmgate-lane: bulk`` header only.
+on the request itself (gateway/request_context.py): only the batch runner's lines, run in process, are
+bulk; nothing sent over HTTP is.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
+import json
 import os
 import threading
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from shmgate.gateway import lane
+from shmgate.gateway.endpoints import MODEL_PATHS
+from shmgate.gateway.frontend import Frontend, FrontendLimits
+from shmgate.gateway.intake import IntakeLimits, parse_chat_request
 from shmgate.gateway.metrics import FrontendStats
+from shmgate.gateway.preprocess.vision import ChecksumPreprocessor
+from shmgate.gateway.request_context import RequestContext
 from shmgate.shared.channels import AsyncSender, Queue, YieldingSender
 from shmgate.shared.instance import Instance
 from shmgate.shared.stats_layout import STATS_WORDS, Counter
 from shmgate.shared.transport.base import BULK, INTERACTIVE
+from shmgate.shared.transport.memory import MemoryFrontendLink, MemoryNode
 from shmgate.shared.wire import Submit
 from shmgate.worker.batcher import Batcher
 from tests.shm_children import scratch_instance
@@ -70,22 +81,36 @@ def test_the_async_sender_carries_the_lane(instance: Instance) -> None:
     assert asyncio.run(scenario()) == [3, 1, 2]
 
 
-def test_the_lane_header_is_honoured_from_loopback_only() -> None:
-    seen: list[int] = []
+def test_the_lane_is_the_requests_own_and_a_bulk_one_is_sent_at_the_lower_priority() -> None:
+    """No ambient lane: the frontend sends what the request's context says, whatever task sends it."""
+    png = io.BytesIO()
+    Image.new("RGB", (32, 24), (20, 140, 90)).save(png, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    content = [{"type": "text", "text": "what is it?"}, {"type": "image_url", "image_url": {"url": url}}]
+    body = json.dumps({"model": "checksum", "messages": [{"role": "user", "content": content}]}).encode()
 
-    async def app(scope: object, receive: object, send: object) -> None:
-        seen.append(lane.priority())
+    async def main() -> list[tuple[bool, int]]:
+        node = MemoryNode()
+        node.add_worker("checksum")
+        link = MemoryFrontendLink(node, slot=0)
+        sent: list[tuple[bool, int]] = []
+        send = link.send_request
 
-    async def call(client: tuple[str, int], value: bytes) -> None:
-        scope = {"type": "http", "headers": [(b"x-shmgate-lane", value)], "client": client}
-        await lane.BulkLane(app)(scope, None, None)  # type: ignore[arg-type]
+        async def recorded(submit: Submit, timeout_s: float, priority: int = INTERACTIVE) -> None:
+            sent.append((submit.bulk, priority))
+            await send(submit, timeout_s, priority)
 
-    asyncio.run(call(("127.0.0.1", 5000), b"bulk"))
-    asyncio.run(call(("::1", 5000), b"bulk"))
-    asyncio.run(call(("10.1.2.3", 5000), b"bulk"))
-    asyncio.run(call(("127.0.0.1", 5000), b"interactive"))
-    assert seen == [BULK, BULK, INTERACTIVE, INTERACTIVE]
-    assert lane.priority() == INTERACTIVE
+        link.send_request = recorded  # type: ignore[method-assign]
+        frontend = Frontend(link, ChecksumPreprocessor(), FrontendLimits())
+        await frontend.start()
+        try:
+            for context in (RequestContext(), RequestContext(bulk=True), RequestContext()):
+                frontend.abandon(await frontend.submit(parse_chat_request(body, IntakeLimits()), context=context))
+        finally:
+            await frontend.stop()
+        return sent
+
+    assert asyncio.run(main()) == [(False, INTERACTIVE), (True, BULK), (False, INTERACTIVE)]
 
 
 def test_a_bulk_send_never_takes_the_place_an_interactive_send_waits_for(instance: Instance) -> None:
@@ -128,14 +153,14 @@ def test_interactive_model_requests_count_as_demand_while_they_are_served() -> N
 
     async def call(path: str, headers: list[tuple[bytes, bytes]], method: str = "POST") -> None:
         scope = {"type": "http", "method": method, "path": path, "headers": headers, "client": ("127.0.0.1", 1)}
-        await lane.BulkLane(app, stats=lambda: stats)(scope, None, None)  # type: ignore[arg-type]
+        await lane.BulkLane(app, MODEL_PATHS, stats=lambda: stats)(scope, None, None)  # type: ignore[arg-type]
 
     asyncio.run(call("/v1/chat/completions", []))
     asyncio.run(call("/v1/embeddings", []))
-    asyncio.run(call("/v1/chat/completions", [(b"x-shmgate-lane", b"bulk")]))  # a batch line: not demand
+    asyncio.run(call("/v1/chat/completions", [(b"x-shmgate-lane", b"bulk")]))  # no header makes it a batch line
     asyncio.run(call("/v1/batches", []))  # not a model request
     asyncio.run(call("/v1/models", [], method="GET"))
-    assert seen == [1, 1, 0, 0, 0]
+    assert seen == [1, 1, 1, 0, 0]
     assert int(row[Counter.INTERACTIVE_IN_FLIGHT]) == 0  # each ended
 
 

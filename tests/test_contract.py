@@ -310,6 +310,18 @@ def test_a_trailing_slash_is_a_404_not_a_redirect_built_from_the_host(server: Se
     assert _openai_error(response.content)["code"] == "not_found"
 
 
+def test_vllms_guided_json_is_refused_with_what_to_send_instead(server: Server) -> None:
+    response = httpx.post(
+        server.base_url + CHAT,
+        content=_body(guided_json={"type": "object"}),
+        timeout=30,
+        headers={"Content-Type": "application/json"},
+    )
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "guided_json"
+    assert 'send response_format {"type": "json_schema"' in error["message"], error
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [

@@ -276,7 +276,9 @@ def test_requests_claimed_by_killed_workers_before_any_output_are_retried_on_the
             return await asyncio.wait_for(task, HANG_GUARD_S)
 
     responses = asyncio.run(run())
-    assert all(answer_is_right(r, d) for r, d in zip(responses, images)), [r.status_code for r in responses]
+    assert all(answer_is_right(r, d) for r, d in zip(responses, images)), [
+        r.status_code if r.status_code == 200 else r.text for r in responses
+    ]
     retried = server.metric("shmgate_retries_total") - retries
     assert retried >= 1
     took = wait_idle(server)

@@ -386,6 +386,12 @@ def test_the_document_lists_every_route_and_the_whole_request_body(spare_slot_se
         "/ready/{model}",
         "/metrics",
         "/docs",
+        "/v1/files",
+        "/v1/files/{file_id}",
+        "/v1/files/{file_id}/content",
+        "/v1/batches",
+        "/v1/batches/{batch_id}",
+        "/v1/batches/{batch_id}/cancel",
     }
     chat = document["paths"]["/v1/chat/completions"]["post"]
     assert {"400", "413", "415", "421", "429", "500", "503"} <= set(chat["responses"])

@@ -318,7 +318,7 @@ def test_processor_options_the_processor_does_not_take_are_refused(
 
 
 def test_a_parsed_request_is_a_value_the_later_steps_copy() -> None:
-    """Image options (and fetched URLs, gateway/fetch.py) give a new ChatRequest; the parsed one is unchanged."""
+    """Image options (and fetched URLs, gateway/fetch.py) give a new GenerationRequest; the parsed one is unchanged."""
     chat = parse_chat_request(body(mm_processor_kwargs=None), LIMITS)
     with pytest.raises(dataclasses.FrozenInstanceError):
         chat.n = 2  # type: ignore[misc]

@@ -90,23 +90,62 @@ def _setup_copy(tmp_path: Path) -> Path:
     return tmp_path
 
 
+OLD_VERSIONS = ("3.10", "3.9", "3.8")
+
+
+def _old_python_candidates() -> list[str]:
+    """Interpreters that may be older than 3.11, wherever this machine keeps them: on PATH, under
+    pyenv's root (``pyenv root``, $PYENV_ROOT, ~/.pyenv) and among uv's managed Pythons."""
+    found = [path for v in OLD_VERSIONS if (path := shutil.which(f"python{v}"))]
+    roots = [os.environ.get("PYENV_ROOT", ""), str(Path.home() / ".pyenv")]
+    if pyenv := shutil.which("pyenv"):
+        try:
+            roots.insert(0, subprocess.run([pyenv, "root"], capture_output=True, text=True, timeout=10).stdout.strip())
+        except (OSError, subprocess.SubprocessError):
+            pass
+    uv_dirs = [Path(os.environ.get("UV_PYTHON_INSTALL_DIR", Path.home() / ".local/share/uv/python"))]
+    for v in OLD_VERSIONS:
+        for root in filter(None, roots):
+            found += sorted(map(str, Path(root).glob(f"versions/{v}*/bin/python{v}")), reverse=True)
+        for uv_dir in uv_dirs:
+            found += sorted(map(str, uv_dir.glob(f"cpython-{v}*/bin/python{v}")), reverse=True)
+    return list(dict.fromkeys(found))
+
+
+def _usable_old_python() -> tuple[str, str] | None:
+    """The first candidate that runs here (as this user) and is older than 3.11: (path, "3.x")."""
+    for path in _old_python_candidates():
+        try:
+            result = subprocess.run(
+                [path, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+        except (OSError, subprocess.SubprocessError):  # another user's pyenv (PermissionError), a broken link
+            continue
+        version = result.stdout.strip()
+        if result.returncode == 0 and version in OLD_VERSIONS:
+            return path, version
+    return None
+
+
 def test_setup_refuses_python_older_than_311_before_downloading(tmp_path: Path) -> None:
-    candidates = ["/root/.pyenv/versions/3.10.13/bin/python3.10", shutil.which("python3.10") or ""]
-    working = [p for p in candidates if p and subprocess.run([p, "-V"], capture_output=True).returncode == 0]
-    if not working:
-        pytest.skip("no Python 3.10 on this machine")
-    old = working[0]
+    old = _usable_old_python()
+    if old is None:
+        pytest.skip(f"no usable Python {', '.join(OLD_VERSIONS)} here (PATH, pyenv, uv)")
+    python, version = old
     root = _setup_copy(tmp_path)
     result = subprocess.run(
         ["bash", "scripts/setup.sh"],
         cwd=root,
-        env={**os.environ, "PYTHON": old},
+        env={**os.environ, "PYTHON": python},
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert result.returncode == 2, result.stderr
-    assert "Python 3.10" in result.stderr and "needs 3.11 or newer" in result.stderr
+    assert f"Python {version}" in result.stderr and "needs 3.11 or newer" in result.stderr
     assert not (root / ".venv").exists()  # nothing created, nothing downloaded
 
 

@@ -2,7 +2,7 @@
 
 A real ``Frontend`` runs on the in-memory transport (shared/transport/memory.py) and the test plays
 the worker, so a choice can fail at an exact moment: before any output (the answer is an HTTP
-error, never a 200 stream) or after some (an error event ends the stream). What n > 1 records
+error, never a 200 stream) or after some (an error event ends the stream). The HTTP response is framed as the edge frames it (gateway/edge.py ``framed``). What n > 1 records
 over real HTTP (TTFT, the delivery stage, Server-Timing, a hang-up) is in tests/test_hf_serve.py,
 on the tiny Qwen2-VL: the models that sample tokens are those that take ``n``.
 """
@@ -21,6 +21,7 @@ from PIL import Image
 from starlette.responses import StreamingResponse
 
 from shmgate.gateway.choices import submit_choices
+from shmgate.gateway.edge import framed
 from shmgate.gateway.frontend import Frontend, FrontendLimits, RequestState
 from shmgate.gateway.intake import IntakeLimits, parse_chat_request
 from shmgate.gateway.metrics import Counter
@@ -90,7 +91,7 @@ def test_a_choice_failing_before_any_output_is_an_http_error_not_a_200_stream(st
     async def scenario(frontend: Frontend, node: MemoryNode, link: MemoryFrontendLink) -> None:
         states, submits = await _two_choices(frontend, node)
         answering = asyncio.create_task(
-            answer(frontend, states, ChatFormat("checksum"), time.monotonic(), stream=stream)
+            framed(frontend.stats, answer(frontend, states, ChatFormat("checksum"), time.monotonic(), stream=stream))
         )
         node.reply(failed_reply(submits[1].request_id, 0, InvalidRequest("the worker refused this choice")))
         response = await asyncio.wait_for(answering, 10)
@@ -110,7 +111,7 @@ def test_a_choice_failing_after_output_began_is_an_error_event_ending_the_stream
         states, submits = await _two_choices(frontend, node)
         node.reply(Delta(submits[0].request_id, 0, "a cat"))
         response = await asyncio.wait_for(
-            answer(frontend, states, ChatFormat("checksum"), time.monotonic(), stream=True), 10
+            framed(frontend.stats, answer(frontend, states, ChatFormat("checksum"), time.monotonic(), stream=True)), 10
         )
         assert isinstance(response, StreamingResponse) and response.status_code == 200
         node.reply(failed_reply(submits[1].request_id, 0, InvalidRequest("the worker refused this choice")))
@@ -136,7 +137,10 @@ def test_a_hang_up_before_any_output_cancels_every_choice(stream: bool) -> None:
             return {"type": "http.disconnect"}
 
         answering = asyncio.create_task(
-            answer(frontend, states, ChatFormat("checksum"), time.monotonic(), stream=stream, receive=receive)
+            framed(
+                frontend.stats,
+                answer(frontend, states, ChatFormat("checksum"), time.monotonic(), stream=stream, receive=receive),
+            )
         )
         await asyncio.sleep(0.05)
         assert not answering.done()  # waiting for the first output
@@ -162,7 +166,7 @@ def test_a_response_failing_after_output_began_ends_its_stream_with_response_fai
         node.reply(Claimed(submit.request_id, 0, 1))
         node.reply(Delta(submit.request_id, 0, "a cat"))
         response = await asyncio.wait_for(
-            answer(frontend, states, ResponsesFormat(req), time.monotonic(), stream=True), 10
+            framed(frontend.stats, answer(frontend, states, ResponsesFormat(req), time.monotonic(), stream=True)), 10
         )
         assert isinstance(response, StreamingResponse) and response.status_code == 200
         node.reply(failed_reply(submit.request_id, 0, InvalidRequest("the worker refused it")))

@@ -211,6 +211,43 @@ def test_what_is_not_kept_or_not_supported_is_a_400_naming_it(
     assert answer.json()["error"]["param"] == param
 
 
+@pytest.mark.parametrize(
+    ("model", "extra", "param", "words"),
+    [
+        # the classifier given no image: the check runs after parsing, on the engine's request
+        (CLASSIFIER, {"input": "hi"}, "input", "contains none"),
+        (CLASSIFIER, {"input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}]}, "input", ""),
+        (CLASSIFIER, {"input": "hi", "text": {"format": {"type": "json_object"}}}, "text.format", "text.format is"),
+        (
+            VLM,
+            {
+                "input": [
+                    {"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}
+                ]
+            },
+            "input[0].content[0].image_url",
+            "",
+        ),
+        (
+            VLM,
+            {"input": "hi", "text": {"format": {"type": "json_schema", "schema": {}}}},
+            "text.format",
+            "text.format.name",
+        ),
+        (VLM, {"input": "hi", "text": {"format": {"type": "yaml"}}}, "text.format", "text.format type"),
+    ],
+)
+def test_an_error_names_the_field_as_this_api_calls_it(
+    server: Server, model: str, extra: dict[str, Any], param: str, words: str
+) -> None:
+    """Errors raised after parsing (a model's checks, an image's decode) name the Responses API's
+    fields, in ``param`` and in the message, never the chat form's (messages, response_format)."""
+    answer = httpx.post(server.base_url + "/v1/responses", json={"model": model, **extra}, timeout=30)
+    error = answer.json()["error"]
+    assert answer.status_code == 400 and error["param"] == param, error
+    assert words in error["message"] and "response_format" not in error["message"], error
+
+
 def test_the_classifier_answers_from_its_result_cache_and_refuses_a_format(
     client: openai.OpenAI, server: Server
 ) -> None:

@@ -263,36 +263,29 @@ NATIVE_TEMPLATE = (
 )
 
 
-def test_an_operator_template_renders_the_tools_itself(model_dir: Path, tmp_path: Path) -> None:
-    from shmgate.gateway import tool_prompt
-    from shmgate.gateway.preprocess.hf import HFPreprocessor
+def test_an_operator_template_renders_the_tools_itself(model_dir: Path) -> None:
+    """--tool-chat-template's text (AppOptions -> get_preprocessor) replaces the checkpoint's template."""
+    from shmgate.gateway.preprocess import get_preprocessor
 
-    pre = HFPreprocessor(model_dir)
-    default = pre.tool_prompt()
+    default = get_preprocessor(f"hf:{model_dir}").tool_prompt()
     assert default is not None and not default.native and default.tags_are_tokens
-    template = tmp_path / "tools.jinja"
-    template.write_text(NATIVE_TEMPLATE)
-    tool_prompt.configure(str(template))
-    try:
-        prompt = pre.tool_prompt()
-        assert prompt is not None and prompt.native and prompt.template == NATIVE_TEMPLATE
-        history = [
-            {"role": "user", "content": [{"type": "text", "text": "Weather?"}]},
-            {
-                "role": "assistant",
-                "content": "",
-                "tool_calls": [
-                    {"id": "c", "type": "function", "function": {"name": "click", "arguments": {"x": 1, "y": 2}}}
-                ],
-            },
-        ]
-        messages, args = write_tools(history, parse_tools(TOOLS, "auto", None), prompt)
-        text = pre.build_prompt(messages, [], **args).text
-        assert text.startswith("<|im_start|>system\n# Tools\n<tools>") and '"name": "get_weather"' in text
-        assert '<tool_call>\n{"name": "click", "arguments": {"x": 1, "y": 2}}\n</tool_call>' in text
-    finally:
-        tool_prompt.configure(None)
-    assert pre.tool_prompt() == default
+    pre = get_preprocessor(f"hf:{model_dir}", tool_chat_template=NATIVE_TEMPLATE)
+    prompt = pre.tool_prompt()
+    assert prompt is not None and prompt.native and prompt.template == NATIVE_TEMPLATE
+    history = [
+        {"role": "user", "content": [{"type": "text", "text": "Weather?"}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "click", "arguments": {"x": 1, "y": 2}}}
+            ],
+        },
+    ]
+    messages, args = write_tools(history, parse_tools(TOOLS, "auto", None), prompt)
+    text = pre.build_prompt(messages, [], **args).text
+    assert text.startswith("<|im_start|>system\n# Tools\n<tools>") and '"name": "get_weather"' in text
+    assert '<tool_call>\n{"name": "click", "arguments": {"x": 1, "y": 2}}\n</tool_call>' in text
 
 
 # One family per kind of chat template (the others share one of these: Qwen3-VL and InternVL Qwen2-VL's,

@@ -598,8 +598,9 @@ def test_each_batch_line_is_a_trace_naming_its_batch_and_custom_id(traced_server
     for line in line_spans():
         assert line.parent_id == ""  # each line is a trace of its own
         assert line.attributes["http.response.status_code"] == 200
-        spans = _wait_for(collector, line.trace_id, {"POST /v1/chat/completions"} | WORKER_SPANS)
-        server = _one(spans, "POST /v1/chat/completions")
-        assert server.parent_id == line.span_id  # the line's request, and the worker's spans under it
-        assert server.resource["shmgate.role"] == "frontend"
+        spans = _wait_for(collector, line.trace_id, {"preprocess", "attempt"} | WORKER_SPANS)
+        assert not [s for s in spans if s.name.startswith("POST ")]  # run in process: no HTTP request
+        for name in ("preprocess", "attempt"):  # the line's request, and the worker's spans under it
+            assert _one(spans, name).parent_id == line.span_id
+            assert _one(spans, name).resource["shmgate.role"] == "frontend"
         assert {s.resource["shmgate.role"] for s in spans if s.name in WORKER_SPANS} == {"worker"}

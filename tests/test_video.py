@@ -37,10 +37,15 @@ class _ImageProcessor:  # the settings a Qwen2-VL image processor carries
 SETTINGS = qwen_video.VideoSettings.from_checkpoint("/nonexistent", _ImageProcessor)
 
 
-def _decode(data: bytes, settings: qwen_video.VideoSettings = SETTINGS) -> tuple[Any, Any, np.ndarray]:
-    found = video.probe(data)
-    plan = qwen_video.plan(found, settings)
-    return found, plan, video.decode_frames(data, found, plan, qwen_video._resize)
+LIMITS = video.VideoLimits()  # the defaults, as a frontend without --max-video-* has them
+
+
+def _decode(
+    data: bytes, settings: qwen_video.VideoSettings = SETTINGS, limits: video.VideoLimits = LIMITS
+) -> tuple[Any, Any, np.ndarray]:
+    found = video.probe(data, limits)
+    plan = qwen_video.plan(found, settings, limits.max_frames)
+    return found, plan, video.decode_frames(data, found, plan, qwen_video._resize, limits)
 
 
 @pytest.mark.parametrize("kind", [MP4, MP4_MPEG4, WEBM, WEBM_VP8], ids=lambda k: k[1])
@@ -131,8 +136,8 @@ def test_hostile_files_are_refused_quickly_with_bounded_memory() -> None:
     class _Pre:
         model = "m"
 
-        def preprocess_video(self, data: bytes, allocate: Any, reserve: Any) -> None:
-            qwen_video.preprocess_video(data, SETTINGS, allocate, reserve)
+        def preprocess_video(self, data: bytes, allocate: Any, reserve: Any, limits: video.VideoLimits) -> None:
+            qwen_video.preprocess_video(data, SETTINGS, allocate, reserve, limits)
 
     def allocate(name: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
         return np.empty(shape, dtype=dtype)
@@ -170,8 +175,8 @@ def test_mutated_videos_decode_or_give_request_errors_only(kind: tuple[str, str,
 
 def test_a_video_too_large_for_the_budget_is_refused_before_decoding() -> None:
     data = make_video(MP4, frames=20)
-    found = video.probe(data)
-    need = qwen_video.plan(found, SETTINGS).peak_bytes(found)
+    found = video.probe(data, LIMITS)
+    need = qwen_video.plan(found, SETTINGS, LIMITS.max_frames).peak_bytes(found)
     budget = DecodeBudget(need - 1, wait_s=0.1)
     with pytest.raises(ImageTooLarge):
         with budget.reserve(need):
@@ -180,12 +185,8 @@ def test_a_video_too_large_for_the_budget_is_refused_before_decoding() -> None:
 
 def test_a_stalled_decode_is_stopped() -> None:
     data = make_video(MP4, frames=100)
-    video.configure(video.VideoLimits(decode_timeout_s=0.0))
-    try:
-        with pytest.raises(UndecodableImage, match="longer than"):
-            _decode(data)
-    finally:
-        video.configure(video.VideoLimits())
+    with pytest.raises(UndecodableImage, match="longer than"):
+        _decode(data, limits=video.VideoLimits(decode_timeout_s=0.0))
 
 
 # -- a real server ---------------------------------------------------------------------------------
@@ -261,13 +262,20 @@ def test_serve_answers_mp4_and_webm_and_a_repeat_is_a_cache_hit(video_server: Se
 
 def test_serve_refuses_bad_videos_with_openai_errors(video_server: Server) -> None:
     with httpx.Client(base_url=video_server.base_url, timeout=60) as client:
-        for name, data in _hostile().items():
+        files = _hostile()
+        for name, data in files.items():
             if not data:
                 continue
             reply = client.post("/v1/chat/completions", json=_body(data, "video/mp4"))
             assert 400 <= reply.status_code < 500, (name, reply.text)
             error = reply.json()["error"]
             assert error["param"] == "messages[0].content[0].video_url", name
+            assert "Errno" not in error["message"] and "<none>" not in error["message"], (name, error)
+            if reply.status_code == 400:  # the others are 413s: a video past a limit
+                assert error["code"] == "invalid_video", (name, error)
+        garbage = client.post("/v1/chat/completions", json=_body(files["garbage"], "video/mp4")).json()["error"]
+        assert garbage["message"].startswith("the data is not a video this server reads (Invalid data found"), garbage
+        assert "MP4/MOV or WebM/Matroska" in garbage["message"]
         wrong_type = client.post("/v1/chat/completions", json=_body(b"abc", "image/png"))
         assert wrong_type.status_code == 400
         assert client.get("/health").status_code == 200
@@ -300,7 +308,7 @@ def test_the_worker_answers_a_video_with_its_temporal_positions(family: str, tin
         arrays[name] = np.full(shape, 7, dtype=dtype)
         return arrays[name]
 
-    pre.preprocess_video(make_video(MP4, frames=25), allocate, lambda nbytes: contextlib.nullcontext())
+    pre.preprocess_video(make_video(MP4, frames=25), allocate, lambda nbytes: contextlib.nullcontext(), LIMITS)
     assert arrays[qwen_video.VIDEO_GRID_THW].tolist()[0][0] == 2
     assert arrays[qwen_video.SECOND_PER_GRID].tolist() == [1.25]
     spec = {name: (a.dtype.name, tuple(a.shape)) for name, a in arrays.items()}

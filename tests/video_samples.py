@@ -1,9 +1,16 @@
 """Tiny synthetic videos made with PyAV for the video tests: each frame a flat grey of its own index,
-so which frames were sampled can be read back from the pixels."""
+so which frames were sampled can be read back from the pixels.
+
+``python -m tests.video_samples clip.mp4`` (or ``clip.webm``) writes one for trying the ``video_url``
+examples of docs/MODELS.md: 2 seconds at 10 frames/s, 64 x 48 pixels, H.264 in MP4 or VP9 in WebM
+(PyAV comes with the ``hf`` extra); ``--seconds`` and ``--size WxH`` change it.
+"""
 
 from __future__ import annotations
 
+import argparse
 import io
+import sys
 from fractions import Fraction
 
 import numpy as np
@@ -96,3 +103,28 @@ def lying_video(claimed: tuple[int, int] = (64, 48), actual: tuple[int, int] = (
             packet.time_base = Fraction(1, 10)
             container.mux(packet)
     return buf.getvalue()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.video_samples", description="write a small test video")
+    parser.add_argument("path", help="where to write it: a name ending in .mp4 (H.264) or .webm (VP9)")
+    parser.add_argument("--seconds", type=float, default=2.0, help="its length at 10 frames a second (default 2)")
+    parser.add_argument("--size", default="64x48", help="WIDTHxHEIGHT in pixels, even numbers (default 64x48)")
+    args = parser.parse_args(argv)
+    kinds = {".mp4": MP4, ".webm": WEBM}
+    kind = kinds.get(args.path[args.path.rfind(".") :].lower())
+    if kind is None:
+        parser.error(f"{args.path}: the name must end in .mp4 or .webm")
+    width, _, height = args.size.partition("x")
+    if not (width.isdigit() and height.isdigit()) or int(width) % 2 or int(height) % 2:
+        parser.error(f"--size {args.size!r}: WIDTHxHEIGHT in even pixels, e.g. 64x48")
+    frames = max(1, round(args.seconds * 10))
+    data = make_video(kind, width=int(width), height=int(height), frames=frames)
+    with open(args.path, "wb") as out:
+        out.write(data)
+    print(f"{args.path}: {frames} frames at 10 frames/s, {width} x {height}, {len(data):,} bytes")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

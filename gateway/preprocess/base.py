@@ -24,6 +24,7 @@ from shmgate.shared.errors import InvalidRequest
 
 if TYPE_CHECKING:
     from shmgate.gateway.tool_prompt import ToolPrompt
+    from shmgate.gateway.video import VideoLimits
 
 __all__ = ["AllocateFn", "ImageTensorSpec", "Preprocessor", "PromptInputs", "options_key"]
 
@@ -125,9 +126,10 @@ class Preprocessor(abc.ABC):
         no video refuses it (gateway/video.py, gateway/preprocess/qwen_video.py)."""
         raise InvalidRequest(f"{self.model} does not take video input", param="messages")
 
-    def preprocess_video(self, data: bytes, allocate: AllocateFn, reserve: Any) -> None:
+    def preprocess_video(self, data: bytes, allocate: AllocateFn, reserve: Any, limits: VideoLimits) -> None:
         """Probe, sample and decode a video, writing its tensors through ``allocate`` (only a model whose
-        ``video_options`` accepts video is asked); ``reserve(nbytes)`` holds decode memory."""
+        ``video_options`` accepts video is asked); ``reserve(nbytes)`` holds decode memory; ``limits``:
+        what one video may hold (the frontend's, gateway/video.py)."""
         raise InvalidRequest(f"{self.model} does not take video input", param="messages")
 
     def embedding_image_options(self) -> dict[str, Any]:

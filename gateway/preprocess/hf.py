@@ -69,7 +69,7 @@ from shmgate.gateway.preprocess.qwen_video import (
     video_tokens,
 )
 from shmgate.gateway.tool_prompt import ToolPrompt, tool_prompt_of
-from shmgate.gateway.video import VIDEO_OPTION
+from shmgate.gateway.video import VIDEO_OPTION, VideoLimits
 from shmgate.shared.errors import InvalidRequest, UndecodableImage
 from shmgate.shared.families.base import PIXEL_VALUES, ImageSpec
 from shmgate.shared.hf_families import chat_family  # each family's record, naming its style
@@ -182,6 +182,7 @@ class HFPreprocessor(Preprocessor):
         model_id: str | None = None,
         samples_tokens: bool = True,
         processor_kwargs: dict[str, Any] | None = None,
+        tool_chat_template: str | None = None,
     ) -> None:
         """Load the processor parts from ``model_dir``.
 
@@ -241,6 +242,7 @@ class HFPreprocessor(Preprocessor):
         self.samples_tokens = samples_tokens
         self.vocab_size = int(text_config.vocab_size)
         self.tokenizer_lock = threading.Lock()
+        self.tool_chat_template = tool_chat_template  # --tool-chat-template's text (gateway/tool_prompt.py)
         self.style_state: Any = self._style.prepare(self)  # what the style keeps for this checkpoint
         self._cache_params = self._describe_processing()
 
@@ -249,7 +251,7 @@ class HFPreprocessor(Preprocessor):
         ``checksum:hf:``, whose worker samples no tokens."""
         if not self.samples_tokens:
             return None
-        return tool_prompt_of(self.tokenizer, str(self.model_config.model_type))
+        return tool_prompt_of(self.tokenizer, str(self.model_config.model_type), self.tool_chat_template)
 
     def cache_params(self) -> bytes:
         """The image processor's full configuration, its class and the library versions.
@@ -278,12 +280,12 @@ class HFPreprocessor(Preprocessor):
             return super().video_options()
         return {VIDEO_OPTION: self._video.describe()}
 
-    def preprocess_video(self, data: bytes, allocate: AllocateFn, reserve: Any) -> None:
+    def preprocess_video(self, data: bytes, allocate: AllocateFn, reserve: Any, limits: VideoLimits) -> None:
         """Probe, sample, decode and patch a video (gateway/preprocess/qwen_video.py)."""
         if self._video is None:
-            super().preprocess_video(data, allocate, reserve)
+            super().preprocess_video(data, allocate, reserve, limits)
             return
-        preprocess_video(data, self._video, allocate, reserve)
+        preprocess_video(data, self._video, allocate, reserve, limits)
 
     def image_options(self, request_kwargs: dict[str, Any] | None, detail: str | None) -> dict[str, Any]:
         """One image's processor arguments: ``image_url.detail`` ("low": the architecture's low setting;

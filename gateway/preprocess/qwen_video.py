@@ -32,7 +32,7 @@ from PIL import Image
 
 from shmgate.gateway import video
 from shmgate.gateway.preprocess.base import AllocateFn
-from shmgate.shared.errors import ImageTooLarge, InvalidRequest, UndecodableImage
+from shmgate.shared.errors import ImageTooLarge, InvalidRequest, UndecodableVideo
 
 __all__ = [
     "PIXEL_VALUES_VIDEOS",
@@ -104,7 +104,7 @@ class VideoSettings:
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """transformers' ``smart_resize`` (Qwen2-VL's), the aspect-ratio bound a 400 here."""
     if max(height, width) / min(height, width) > 200:
-        raise UndecodableImage("the video's aspect ratio is above 200:1")
+        raise UndecodableVideo("the video's aspect ratio is above 200:1")
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
     if h_bar * w_bar > max_pixels:
@@ -167,21 +167,24 @@ def patch_shape(frames: int, height: int, width: int, channels: int, s: VideoSet
     return groups * (height // patch) * (width // patch), channels * temporal * patch * patch
 
 
-def plan(found: video.VideoProbe, s: VideoSettings) -> video.VideoPlan:
-    """The sampled frames of ``found`` and their processed size."""
-    indices = sample_indices(found.frames, found.fps, s, video.limits().max_frames)
+def plan(found: video.VideoProbe, s: VideoSettings, max_frames: int) -> video.VideoPlan:
+    """The sampled frames of ``found`` (at most ``max_frames``) and their processed size."""
+    indices = sample_indices(found.frames, found.fps, s, max_frames)
     height, width = smart_resize(found.height, found.width, s.patch_size * s.merge_size, s.min_pixels, s.max_pixels)
     return video.VideoPlan(indices, height, width)
 
 
-def preprocess_video(data: bytes, s: VideoSettings, allocate: AllocateFn, reserve: Any) -> None:
+def preprocess_video(
+    data: bytes, s: VideoSettings, allocate: AllocateFn, reserve: Any, limits: video.VideoLimits
+) -> None:
     """Probe, reserve the predicted memory (``reserve(nbytes)``, a context manager: the decode budget's),
     decode the sampled frames, patch them and copy ``pixel_values_videos``, ``video_grid_thw`` and
-    ``second_per_grid_ts`` into the arena (asked for once, after everything succeeded)."""
-    found = video.probe(data)
-    planned = plan(found, s)
+    ``second_per_grid_ts`` into the arena (asked for once, after everything succeeded). ``limits``: the
+    frontend's bounds on one video."""
+    found = video.probe(data, limits)
+    planned = plan(found, s, limits.max_frames)
     with reserve(planned.peak_bytes(found)):
-        frames = video.decode_frames(data, found, planned, _resize)
+        frames = video.decode_frames(data, found, planned, _resize, limits)
         shape = patch_shape(len(frames), planned.height, planned.width, 3, s)
         _, grid = patchify(frames, s, out=allocate(PIXEL_VALUES_VIDEOS, "float32", shape))
         del frames
