@@ -32,6 +32,10 @@ SCENARIOS: dict[str, tuple[str, str]] = {
     ),
     "grammar-cost": ("bench.grammar_cost", "a response_format or tool grammar's cost per generated token, in process"),
     "tool-families": ("bench.tool_families", "every chat family's tiny model writing tool calls under the grammar"),
+    "schema-corpus": (
+        "bench.schema_corpus",
+        "real-world JSON Schemas as response_format: accepted, refused, valid, cut; the largest's compile time",
+    ),
     "gateway-cost": ("bench.gateway_cost", "shmgate's own CPU per request against floor servers and LitServe"),
     "hf-processing": ("bench.hf_processing", "a tiny VLM: shmgate against a naive transformers server"),
     "preprocess-model": ("bench.preprocess_model", "the frontends' decode and the model's CPU per image"),

@@ -13,6 +13,15 @@ same bytes every time), a miss (unique bytes, same pixels: bench_client/loadgen.
 (a rotation of malformed bodies, each must get its 4xx OpenAI error), by ``i % 20`` in the proportion
 of ``--mix``. The run is sent in two halves; the server is measured at rest after each ("mid", "after").
 
+With ``--minutes M`` the soak is timed instead (``run_timed``): the same mix, sent without pause for M
+minutes, while every ``--sample-s`` seconds each server process's resident and private memory and the
+server's /dev/shm use (the files its processes map, by their blocks) are recorded; the report gives them
+over time and each one's slope over the last half of the run (least squares, MiB per minute), which is
+what "levels off" means. ``--tiny-vlm`` serves the tests' tiny Qwen2-VL (tests/hf_fixture.py, random
+weights), so the worker's encoder, prefix and processor caches fill as they would under VLM traffic:
+
+    python -m bench soak --minutes 30 --tiny-vlm --json      # figures in docs/BENCHMARKS.md
+
 Exit status 1 when: any hit/miss failed or two answers for one image disagreed, any bad input got
 anything but its expected 4xx, the arena holds are not back to their baseline (0), any process's fds
 or threads grew in the second half, a process was replaced (a crash), or resident memory grew by more than
@@ -25,7 +34,9 @@ import argparse
 import asyncio
 import itertools
 import json
+import os
 import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -113,13 +124,18 @@ async def drive(
     concurrency: int,
     mix: tuple[int, int, int],
     timeout_s: float,
+    *,
+    until: float = float("inf"),
+    max_tokens: int | None = None,
 ) -> Tally:
-    """Send ``count`` requests of the mix; request numbers start at ``first`` (nonces stay unique)."""
+    """Send ``count`` requests of the mix (or as many as fit before ``until``, monotonic); request numbers
+    start at ``first`` (nonces stay unique)."""
     hits, misses, _ = mix
     bad = bad_bodies(model)
     tally = Tally(Counter(), [], [])
     counter = itertools.count()
-    template = loadgen.BodyTemplate(model, stream=False, max_tokens=None)
+    temperature = 0.0 if max_tokens is not None else None
+    template = loadgen.BodyTemplate(model, stream=False, max_tokens=max_tokens, temperature=temperature)
 
     async def one(client: RawClient, i: int) -> None:
         slot = i % 20
@@ -137,7 +153,7 @@ async def drive(
         tally.outcomes[f"bad:{'ok' if await _send_bad(client, raw, expected) else 'unexpected'}"] += 1
 
     async def task(client: RawClient) -> None:
-        while (index := next(counter)) < count:
+        while (index := next(counter)) < count and time.monotonic() < until:
             await one(client, first + index)
 
     client = RawClient(base_url, timeout_s=timeout_s)
@@ -304,6 +320,166 @@ def run(args: argparse.Namespace, base_url: str, server_pid: int) -> dict[str, A
     }
 
 
+# -- the timed soak: memory over time ------------------------------------------------------------------------
+
+
+def shm_bytes(pids: list[int]) -> int:
+    """Bytes of /dev/shm files mapped by ``pids`` (each file once, by its allocated blocks)."""
+    paths: set[str] = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                for line in maps:
+                    parts = line.split(maxsplit=5)
+                    if len(parts) == 6 and parts[5].startswith("/dev/shm/"):
+                        paths.add(parts[5].strip().removesuffix(" (deleted)"))
+        except OSError:
+            continue
+    total = 0
+    for path in paths:
+        try:
+            total += os.stat(path).st_blocks * 512
+        except OSError:
+            continue
+    return total
+
+
+def slope_mib_per_min(points: list[tuple[float, float]]) -> float:
+    """Least-squares slope of (seconds, KiB) points, in MiB per minute (0.0 for fewer than two)."""
+    if len(points) < 2:
+        return 0.0
+    n = len(points)
+    mean_t = sum(t for t, _ in points) / n
+    mean_v = sum(v for _, v in points) / n
+    var = sum((t - mean_t) ** 2 for t, _ in points)
+    if not var:
+        return 0.0
+    cov = sum((t - mean_t) * (v - mean_v) for t, v in points)
+    return cov / var * 60 / 1024
+
+
+@dataclass
+class Series:
+    """One measured quantity over the run: (seconds since the start, KiB)."""
+
+    name: str
+    points: list[tuple[float, float]]
+
+    def summary(self) -> dict[str, Any]:
+        half = [p for p in self.points if p[0] >= self.points[-1][0] / 2] if self.points else []
+        return {
+            "name": self.name,
+            "first_mib": round(self.points[0][1] / 1024, 1) if self.points else None,
+            "last_mib": round(self.points[-1][1] / 1024, 1) if self.points else None,
+            "max_mib": round(max(v for _, v in self.points) / 1024, 1) if self.points else None,
+            "slope_last_half_mib_per_min": round(slope_mib_per_min(half), 3),
+        }
+
+
+def sample_memory(server_pid: int, started: float, series: dict[str, Series]) -> None:
+    """Add one sample of every server process's RSS and private RSS, and of the server's /dev/shm use."""
+    t = time.monotonic() - started
+    processes = sample_tree(server_pid)
+    for p in processes.values():
+        for what, kib in (("rss", p.rss_kib), ("private", p.anon_kib)):
+            key = f"{p.role} {what}"
+            if p.role in ("worker", "pool"):
+                key = f"{p.role} pid {p.pid} {what}"  # workers are alike: one series per process
+            series.setdefault(key, Series(key, [])).points.append((t, kib))
+    shm = series.setdefault("/dev/shm mapped", Series("/dev/shm mapped", []))
+    shm.points.append((t, shm_bytes(list(processes)) / 1024))
+
+
+def run_timed(args: argparse.Namespace, base_url: str, server_pid: int) -> dict[str, Any]:
+    """The mix for ``args.minutes`` minutes, memory sampled every ``args.sample_s`` s (module docstring)."""
+    images = loadgen.load_images(Path(args.images))
+    mix = parse_mix(args.mix)
+    max_tokens = args.max_tokens
+    series: dict[str, Series] = {}
+    started = time.monotonic()
+    sample_memory(server_pid, started, series)
+    stop = threading.Event()
+
+    def sampler() -> None:
+        while not stop.wait(args.sample_s):
+            sample_memory(server_pid, started, series)
+
+    thread = threading.Thread(target=sampler, daemon=True)
+    thread.start()
+    until = started + args.minutes * 60
+    try:
+        tally = asyncio.run(
+            drive(
+                base_url,
+                args.model,
+                images,
+                1 << 62,
+                0,
+                args.concurrency,
+                mix,
+                args.timeout,
+                until=until,
+                max_tokens=max_tokens,
+            )
+        )
+    finally:
+        stop.set()
+        thread.join()
+    sample_memory(server_pid, started, series)
+    wall_s = time.monotonic() - started
+    failed = {k: v for k, v in tally.outcomes.items() if not k.endswith(":ok")}
+    summaries = [s.summary() for s in sorted(series.values(), key=lambda s: s.name)]
+    found = [f"requests that did not get their expected answer: {failed}"] if failed else []
+    return {
+        "minutes": args.minutes,
+        "requests": sum(tally.outcomes.values()),
+        "concurrency": args.concurrency,
+        "mix": args.mix,
+        "model": args.model,
+        "duration_s": round(wall_s, 1),
+        "requests_per_s": round(sum(tally.outcomes.values()) / wall_s, 2),
+        "p50_ms": round(1000 * (loadgen.percentile(tally.latencies_s, 50) or 0), 1),
+        "p99_ms": round(1000 * (loadgen.percentile(tally.latencies_s, 99) or 0), 1),
+        "outcomes": dict(sorted(tally.outcomes.items())),
+        "series": summaries,
+        "samples": {s.name: [(round(t, 1), round(v / 1024, 1)) for t, v in s.points] for s in series.values()},
+        "cache_metrics": cache_metrics(base_url),
+        "problems": found,
+        "ok": not found,
+    }
+
+
+def cache_metrics(base_url: str) -> dict[str, float]:
+    """The caches' gauges at the end (shmgate_cache_*, shmgate_result_cache_*, shmgate_worker_cache_*)."""
+    text = httpx.get(base_url + "/metrics", timeout=10).text
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(("shmgate_worker_cache_", "shmgate_result_cache_", "shmgate_cache_", "shmgate_arena_used"))
+    }
+
+
+def _human_timed(result: dict[str, Any]) -> str:
+    lines = [
+        (
+            f"timed soak: {result['minutes']} min of {result['model']}, {result['requests']} requests, "
+            f"concurrency {result['concurrency']}, mix {result['mix']}: {result['requests_per_s']} req/s, "
+            f"p50 {result['p50_ms']} ms, p99 {result['p99_ms']} ms"
+        ),
+        f"outcomes {result['outcomes']}",
+        "",
+        "| series | first MiB | last MiB | max MiB | slope of the last half, MiB/min |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for s in result["series"]:
+        lines.append(
+            f"| {s['name']} | {s['first_mib']} | {s['last_mib']} | {s['max_mib']} | "
+            f"{s['slope_last_half_mib_per_min']} |"
+        )
+    lines += ["", "OK" if result["ok"] else "PROBLEMS:\n  " + "\n  ".join(result["problems"])]
+    return "\n".join(lines)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", "-n", type=int, default=20_000)
@@ -323,6 +499,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--server-pid", type=int, help="the server's root pid (its descendants are measured too)")
     p.add_argument("--serve-arg", action="append", default=[], help="extra `shmgate serve` flag (repeat)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--minutes", type=float, help="a timed soak of this many minutes, memory sampled over time")
+    p.add_argument("--sample-s", type=float, default=15.0, help="timed soak: seconds between memory samples")
+    p.add_argument("--max-tokens", type=int, help="per request (a generative model; greedy when given)")
+    p.add_argument("--tiny-vlm", action="store_true", help="serve the tests' tiny Qwen2-VL (random weights) as --model")
     args = p.parse_args(argv)
     if bool(args.base_url) != bool(args.server_pid):
         p.error("--base-url and --server-pid go together")
@@ -331,19 +511,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    report: Callable[[dict[str, Any]], str] = json.dumps if args.json else _human
+    human = _human_timed if args.minutes else _human
+    report: Callable[[dict[str, Any]], str] = json.dumps if args.json else human
+    soak = run_timed if args.minutes else run
     if args.base_url:
-        result = run(args, args.base_url.rstrip("/"), args.server_pid)
+        result = soak(args, args.base_url.rstrip("/"), args.server_pid)
         print(report(result))
         return 0 if result["ok"] else 1
+    scratch = Path(tempfile.mkdtemp(prefix="shmgate-soak-"))
+    model = args.model
+    if args.tiny_vlm:
+        from tests.hf_fixture import build_tiny_vlm
+
+        args.model = "tiny-qwen2-vl"  # what requests name: the served directory's name
+        model = f"hf:{build_tiny_vlm(scratch / args.model)}"
+        if args.max_tokens is None:
+            args.max_tokens = 16
     port = free_port()
-    log_path = Path(tempfile.mkdtemp(prefix="shmgate-soak-")) / "serve.log"
-    server = ServerProcess(shmgate_serve(port, "--model", args.model, *args.serve_arg), log_path)
+    log_path = scratch / "serve.log"
+    server = ServerProcess(shmgate_serve(port, "--model", model, *args.serve_arg), log_path)
     base_url = f"http://127.0.0.1:{port}"
     server.start()
     try:
-        asyncio.run(server.wait_ready(base_url + "/ready", 180))
-        result = run(args, base_url, server.pid)
+        asyncio.run(server.wait_ready(base_url + "/ready", 300))
+        result = soak(args, base_url, server.pid)
     finally:
         server.stop()
     result["server_log"] = str(log_path)

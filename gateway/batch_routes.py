@@ -2,7 +2,8 @@
 
 Routes:
     POST   /v1/files                  upload a file (multipart: ``file``, ``purpose=batch``)
-    GET    /v1/files                  the files, newest first (``?purpose=``)
+    GET    /v1/files                  the files, newest first (``purpose``, ``order``, ``after``, ``limit``;
+                                      ``first_id``, ``last_id``, ``has_more``)
     GET    /v1/files/{id}             one file's object
     GET    /v1/files/{id}/content     its bytes (an input, output or error file)
     DELETE /v1/files/{id}             remove it
@@ -96,13 +97,45 @@ async def upload_file(request: Request) -> Response:
         return error_answer(request, exc)
 
 
+MAX_FILES_PAGE = 10_000  # OpenAI's largest (and default) files.list page
+
+
 async def list_files(request: Request) -> Response:
+    """OpenAI's files.list: a page of files in ``order`` (``desc``, newest first, by default), starting
+    after the file ``after`` names, with the page's ``first_id``/``last_id`` and whether more follow."""
+    query = request.query_params
     try:
         store = _store(request)
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise InvalidRequest("order must be asc or desc", param="order")
+        try:
+            limit = int(query.get("limit", str(MAX_FILES_PAGE)))
+        except ValueError:
+            raise InvalidRequest("limit must be an integer", param="limit") from None
+        if not 1 <= limit <= MAX_FILES_PAGE:
+            raise InvalidRequest(f"limit must be between 1 and {MAX_FILES_PAGE}", param="limit")
+        files = await asyncio.to_thread(store.files, query.get("purpose"))
+        if order == "asc":
+            files.reverse()
+        after = query.get("after")
+        if after is not None:
+            ids = [f["id"] for f in files]
+            if after not in ids:
+                raise InvalidRequest(f"after names no file: {after[:64]!r}", param="after")
+            files = files[ids.index(after) + 1 :]
     except ShmgateError as exc:
         return error_answer(request, exc)
-    data = await asyncio.to_thread(store.files, request.query_params.get("purpose"))
-    return JSONResponse({"object": "list", "data": data, "has_more": False})
+    data = files[:limit]
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": len(files) > limit,
+        }
+    )
 
 
 async def get_file(file_id: str, request: Request) -> Response:

@@ -35,6 +35,8 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+import msgspec
+
 from shmgate.gateway.config import LimitOptions
 from shmgate.gateway.images import ImageResolver
 from shmgate.gateway.intake import GenerationRequest
@@ -50,6 +52,7 @@ from shmgate.shared.stages import Stage
 from shmgate.shared.transport.base import BULK, INTERACTIVE, FrontendLink, TensorCache
 from shmgate.shared.vocabulary import SlotState, TensorGroup, now_ns
 from shmgate.shared.wire import (
+    INLINE_GRAMMAR_BYTES,
     INLINE_MAX_BYTES,
     MAX_SUBMIT_TEXT_CHARS,
     Delta,
@@ -284,6 +287,13 @@ class Frontend:
                     await loop.run_in_executor(self.images.pool_for(context.bulk), self.images.inline_group, prompt)
                 )
                 inline = b""
+            params = chat.params
+            grammar = params.grammar.encode()
+            if len(grammar) > INLINE_GRAMMAR_BYTES:  # too large for the descriptor: in the arena (wire.py)
+                groups.append(
+                    await loop.run_in_executor(self.images.pool_for(context.bulk), self.images.grammar_group, grammar)
+                )
+                params = msgspec.structs.replace(params, grammar="")
             request_id = self._next_request_id()
             deadline_ns = now_ns() + int(self.limits.request_timeout_s * 1e9)
             spans = context.spans
@@ -295,7 +305,7 @@ class Frontend:
                 model=model,
                 tensors=tuple(refs),
                 inline=inline,
-                params=chat.params,
+                params=params,
                 deadline_ns=deadline_ns,
                 attempt=0,
                 text=prompt.text[:MAX_SUBMIT_TEXT_CHARS],

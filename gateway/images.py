@@ -25,7 +25,7 @@ from shmgate.gateway.video import DEFAULT_LIMITS, VideoLimits
 from shmgate.shared.errors import ArenaFull, ImageTooLarge, ShmgateError
 from shmgate.shared.transport.base import TensorCache
 from shmgate.shared.vocabulary import AllocateFn, TensorGroup, key_of_digest
-from shmgate.shared.wire import INLINE_TENSOR
+from shmgate.shared.wire import GRAMMAR_TENSOR, INLINE_TENSOR
 
 if TYPE_CHECKING:
     from shmgate.gateway.request_spans import RequestSpans
@@ -241,6 +241,15 @@ class ImageResolver:
         def make(allocate: Any) -> None:
             out = allocate(INLINE_TENSOR, "uint8", (len(payload),))
             out[:] = memoryview(payload)
+
+        return self.cache.acquire_private(make)
+
+    def grammar_group(self, grammar: bytes) -> TensorGroup:
+        """Thread pool: a grammar too large for the descriptor, as a private arena group (wire.GRAMMAR_TENSOR)."""
+
+        def make(allocate: Any) -> None:
+            out = allocate(GRAMMAR_TENSOR, "uint8", (len(grammar),))
+            out[:] = memoryview(grammar)
 
         return self.cache.acquire_private(make)
 

@@ -94,6 +94,8 @@ class FrontendStats:
         self._row[Counter.RESULT_CACHE_MISSES] += stats.misses - last[1]
         self._row[Counter.RESULT_CACHE_EVICTIONS] += stats.evictions - last[2]
         self._row[Counter.RESULT_CACHE_BYTES] = used_bytes
+        self._row[Counter.RESULT_CACHE_BOUND_BYTES] = stats.bound_bytes
+        self._row[Counter.RESULT_CACHE_ENTRIES] = stats.entries
         self._result_cache_seen = (stats.hits, stats.misses, stats.evictions)
 
     def observe(self, base: Counter, seconds: float) -> None:
@@ -201,6 +203,16 @@ class NodeCollector:
             "Bytes held by the frontends' result caches.",
             int(total[Counter.RESULT_CACHE_BYTES]),
         )
+        yield gauge(
+            "shmgate_result_cache_bound_bytes",
+            "The most the frontends' result caches may hold (--result-cache-mb each; 0 until one was used).",
+            int(total[Counter.RESULT_CACHE_BOUND_BYTES]),
+        )
+        yield gauge(
+            "shmgate_result_cache_entries",
+            "Answers held by the frontends' result caches.",
+            int(total[Counter.RESULT_CACHE_ENTRIES]),
+        )
         yield counter("shmgate_retries_total", "Requests resubmitted after their worker died.", Counter.RETRIES)
         yield counter(
             "shmgate_cancelled_tokens_total",
@@ -252,6 +264,7 @@ class NodeCollector:
         )
         yield batch
         yield from _engine_metrics(node.engine_totals())
+        yield from _worker_cache_metrics(node.worker_caches())
         yield from _shared_encoder_metrics(node.engine_by_worker())
         yield gauge(
             "shmgate_preparing_requests",
@@ -385,6 +398,33 @@ def _shared_encoder_metrics(rows: list[tuple[int, str, dict[str, int]]]) -> Iter
         for slot, model, words in rows:
             family.add_metric([model, str(slot)], words[f"encoder_shared_{word}"])
         yield family
+
+
+def _worker_cache_metrics(caches: dict[str, dict[str, int]]) -> Iterator[Metric]:
+    """The workers' own caches (worker/cache_gauges.py), summed over workers, by cache: a cache whose bytes
+    sit at its bound with evictions rising is full, not leaking."""
+    families: tuple[GaugeMetricFamily | CounterMetricFamily, ...] = (
+        GaugeMetricFamily(
+            "shmgate_worker_cache_bytes", "Bytes a worker cache holds, summed over workers.", labels=["cache"]
+        ),
+        GaugeMetricFamily(
+            "shmgate_worker_cache_bound_bytes",
+            "The most a worker cache may hold (its flag, e.g. --encoder-cache-mb), summed over workers.",
+            labels=["cache"],
+        ),
+        GaugeMetricFamily(
+            "shmgate_worker_cache_entries", "Entries a worker cache holds, summed over workers.", labels=["cache"]
+        ),
+        CounterMetricFamily(
+            "shmgate_worker_cache_evictions",
+            "Entries dropped from a worker cache to stay within its bound.",
+            labels=["cache"],
+        ),
+    )
+    for name, words in caches.items():
+        for family, field in zip(families, ("bytes", "bound_bytes", "entries", "evictions")):
+            family.add_metric([name], words[field])
+    yield from families
 
 
 def _engine_metrics(words: dict[str, int]) -> Iterator[Metric]:

@@ -74,18 +74,41 @@ class Codec(Protocol):
 
 
 async def generate(s: Served, arrival: Arrival, codec: Codec) -> Answer:
-    """A generation request's steps after its body: parse, check, fetch, the result cache, submit, answer."""
+    """A generation request's steps after its body: parse, check, fetch, the result cache, submit, answer.
+
+    An error raised on the engine's request (a model's field check, a classifier given no image) names
+    the chat form's field: it is renamed here as this API calls it.
+    """
+    try:
+        return await _generate(s, arrival, codec)
+    except RequestError as exc:
+        _in_own_words(exc, codec.fields)
+        raise
+
+
+def _in_own_words(exc: RequestError, fields: Mapping[str, str]) -> None:
+    """Name the field an error names as this API does, in ``param`` and in the message's field words
+    (``response_format json_schema.name`` is ``text.format.name``). Idempotent."""
+    if not fields:
+        return
+    head = (exc.param or "").partition("[")[0]
+    if head in fields:
+        exc.param = fields[head] + (exc.param or "")[len(head) :]
+    for chat_word, own_word in fields.items():
+        if "_" in chat_word:  # a field's name, not a word of prose ("messages")
+            exc.message = exc.message.replace(f"{chat_word} json_schema.", f"{own_word}.")
+            exc.message = exc.message.replace(chat_word, own_word)
+    exc.args = (exc.message,)
+
+
+async def _generate(s: Served, arrival: Arrival, codec: Codec) -> Answer:
     f, options, results = s.frontend, s.options, s.results
     chat, fmt = codec.parse(arrival.body, options.intake)
     if arrival.whole and chat.stream:
         raise InvalidRequest("a batch line is answered whole: leave stream out (or false)", param="stream")
     pre = f.preprocessor_for(chat.model)  # the model the request names (404 for one not served)
-    try:
-        check_fields_for_model(chat.params, pre, chat.n)
-        chat = with_image_options(chat, pre)
-    except RequestError as exc:
-        exc.param = codec.fields.get(exc.param or "", exc.param)
-        raise
+    check_fields_for_model(chat.params, pre, chat.n)
+    chat = with_image_options(chat, pre)
     if not pre.serves_chat:
         raise InvalidRequest(f"{pre.model} is an embedding model; use POST /v1/embeddings", param="model")
     chat, fmt = with_tools(chat, fmt, pre)  # tools: the prompt's tool format, the calls' grammar and reader

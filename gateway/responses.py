@@ -5,11 +5,12 @@ The request becomes the engine's request through the chat path's own validation:
 or messages whose content is ``input_text`` and ``input_image`` parts; ``output_text`` parts of an
 earlier answer sent back as an assistant message) turns into chat messages, ``instructions`` into a
 system message in front of them, ``max_output_tokens``, ``temperature`` and ``top_p`` into sampling,
-``text.format`` (json_schema, json_object) into the grammar of structured outputs
-(gateway/structured.py), function ``tools`` and ``tool_choice`` into the calls a grammar forces
-(gateway/tools.py); ``function_call`` and ``function_call_output`` input items (an earlier answer's calls
-and their results) into the conversation's calls and tool messages. Images are data URLs, or http(s)
-URLs under ``--allow-image-urls``, as in chat. The answer is written by gateway/responses_format.py.
+``presence_penalty``, ``frequency_penalty`` and ``top_logprobs`` (or ``include``
+``message.output_text.logprobs``) as chat takes them, ``text.format`` (json_schema, json_object) into the
+grammar of structured outputs (gateway/structured.py), function ``tools`` and ``tool_choice`` into the calls
+a grammar forces (gateway/tools.py); ``function_call`` and ``function_call_output`` input items (an earlier
+answer's calls and their results) into the conversation's calls and tool messages. Images are data URLs,
+or http(s) URLs under ``--allow-image-urls``, as in chat. The answer is written by gateway/responses_format.py.
 
 Every field is honoured or refused with a 400 naming it, never ignored:
 - kept with no response store: ``store`` (only false; the default here is false, not OpenAI's true)
@@ -18,8 +19,8 @@ Every field is honoured or refused with a 400 naming it, never ignored:
   ``parallel_tool_calls``, ``tool_choice``, ``tools`` (function tools; built-in tools are refused naming
   ``tools[i].type``), ``truncation`` ``disabled``, ``service_tier`` ``auto`` or ``default``,
   ``text.verbosity`` ``medium``;
-- refused when present: reasoning, ``include``, ``background``, ``conversation``, ``prompt``,
-  ``top_logprobs``, ``stream_options``, the prompt-cache options and the rest of ``REFUSED``; and
+- refused when present: reasoning, ``include`` other than ``message.output_text.logprobs``,
+  ``background``, ``conversation``, ``prompt``, ``stream_options``, the prompt-cache options and the rest of ``REFUSED``; and
   any name this server does not know (unlike chat, whose older clients send extra fields, every
   client of this API knows what it sends).
 """
@@ -151,14 +152,16 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True):
     tools: Annotated[list[Any] | None, msgspec.Meta(description="function tools; built-in tools are refused")] = None
     truncation: Literal["disabled"] | None = None
     service_tier: Literal["auto", "default"] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    top_logprobs: int | None = None  # > 0, or include's logprobs: each token's log-probability and its likeliest
+    include: list[str] | None = None  # only LOGPROBS_INCLUDE
     # REFUSED: decoded with the rest, so refusing them costs no second pass
     previous_response_id: Refused = None
     conversation: Refused = None
     reasoning: Refused = None
-    include: Refused = None
     background: Refused = None
     prompt: Refused = None
-    top_logprobs: Refused = None
     stream_options: Refused = None
     max_tool_calls: Refused = None
     prompt_cache_key: Refused = None
@@ -172,10 +175,8 @@ REFUSED: dict[str, str] = {
     "previous_response_id": "this server keeps no responses to continue from; send the conversation in input",
     "conversation": "this server keeps no conversations; send the conversation in input",
     "reasoning": "reasoning options are not supported: these models do not reason before answering",
-    "include": "no extra output data is available to include",
     "background": "background responses need a response store, which this server does not have",
     "prompt": "stored prompt templates are not supported; send instructions and input",
-    "top_logprobs": "log probabilities are not supported on this endpoint; use /v1/chat/completions",
     "stream_options": "stream options are not supported",
     "max_tool_calls": "a bound on the calls is not supported; parallel_tool_calls: false allows one",
     "prompt_cache_key": "prompt cache options are not supported",
@@ -184,6 +185,7 @@ REFUSED: dict[str, str] = {
     "context_management": "context management is not supported",
 }
 
+LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the one extra output this server can include
 MAX_METADATA_PAIRS = 16  # OpenAI's bounds on metadata
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
@@ -216,6 +218,10 @@ def parse_responses_request(body: bytes, limits: IntakeLimits) -> tuple[Generati
         top_p=req.top_p,
         user=req.user,
         response_format=_response_format(req.text),
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        logprobs=True if _wants_logprobs(req) else None,
+        top_logprobs=req.top_logprobs if _wants_logprobs(req) else None,
     )
     chat = chat_request_from(chat_form, limits, _STRING_NAMES if isinstance(req.input, str) else _NAMES)
     chat = dataclasses.replace(chat, tools=parse_tools(req.tools, req.tool_choice, req.parallel_tool_calls, flat=True))
@@ -223,6 +229,11 @@ def parse_responses_request(body: bytes, limits: IntakeLimits) -> tuple[Generati
         system = {"role": "system", "content": [{"type": "text", "text": req.instructions}]}
         chat = dataclasses.replace(chat, messages=[system, *chat.messages])
     return chat, req
+
+
+def _wants_logprobs(req: ResponsesRequest) -> bool:
+    """Log-probabilities are returned for ``include``'s logprobs, or for a ``top_logprobs`` above 0."""
+    return bool(req.top_logprobs) or LOGPROBS_INCLUDE in (req.include or ())
 
 
 def _decode(body: bytes) -> ResponsesRequest:
@@ -252,6 +263,11 @@ def _check_refused(req: ResponsesRequest) -> None:
             "store: true is not supported: this server keeps no responses; leave store out or send false",
             param="store",
         )
+    for item in req.include or ():
+        if item != LOGPROBS_INCLUDE:
+            raise InvalidRequest(
+                f"include {item[:60]!r} is not supported: only {LOGPROBS_INCLUDE!r} is available", param="include"
+            )
     if req.metadata is not None and (
         len(req.metadata) > MAX_METADATA_PAIRS
         or any(len(k) > MAX_METADATA_KEY_CHARS or len(v) > MAX_METADATA_VALUE_CHARS for k, v in req.metadata.items())
@@ -360,6 +376,7 @@ _FIELDS: Mapping[str, str] = {
     "response_format": "text.format",
     "max_tokens": "max_output_tokens",
     "messages": "input",
+    "logprobs": "top_logprobs",
 }
 # This API's names of the chat request's places: ``input[i].content[j].image_url`` (an input_image's own
 # field), ``input[i].content[j].detail``; a string input is ``input`` itself.

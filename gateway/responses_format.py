@@ -10,9 +10,17 @@ A stream is, in order (each event with its ``sequence_number``, framed ``event: 
     response.output_text.done                       the whole text
     response.content_part.done, response.output_item.done
     response.completed | response.incomplete        the whole response, with usage
+    data: [DONE]                                    the Open Responses terminal event (OpenAI's SDK stops there)
 
 ``incomplete`` (``incomplete_details.reason`` ``max_output_tokens``) is an answer cut by
 ``max_output_tokens``; a failure after the stream began ends it with ``response.failed``, whose
+response carries the error (and ``data: [DONE]`` follows it too). The answer has one output message
+(the API has no ``n``). Every field the Open Responses specification requires of a response object is
+present: settings this server does not have are their neutral values (``reasoning`` null, ``background``
+false, ``max_tool_calls`` and ``prompt_cache_key`` null), and ``completed_at`` is set once it completed.
+With ``top_logprobs`` or ``include: ["message.output_text.logprobs"]`` each ``output_text`` carries its
+tokens' log-probabilities, on the delta events too.
+
 response carries the error. The answer has one output message (the API has no ``n``).
 
 With function tools (gateway/tool_answer.py ``ToolAnswer`` reads the calls out of the text) the output is
@@ -40,6 +48,7 @@ if TYPE_CHECKING:
 __all__ = ["ResponsesFormat"]
 
 _json = msgspec.json.Encoder()
+DONE = b"data: [DONE]\n\n"
 
 
 class ResponsesFormat:
@@ -55,6 +64,7 @@ class ResponsesFormat:
         self._items: list[dict[str, Any]] = []  # streamed with tools: the output items opened, in order
         self._text: list[str] = []  # the open message's text so far
         self._call_items: dict[str, str] = {}  # a call's id -> its item's id
+        self.logprobs: list[dict[str, Any]] = []  # the entries sent so far on delta events (a stream)
 
     # -- objects -------------------------------------------------------------------
 
@@ -71,17 +81,24 @@ class ResponsesFormat:
             "id": self.id,
             "object": "response",
             "created_at": self.created_at,
+            "completed_at": int(time.time()) if status == "completed" else None,
             "status": status,
             "error": error,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens,
+            "max_tool_calls": None,
             "model": req.model,
             "output": output,
             "parallel_tool_calls": True if req.parallel_tool_calls is None else req.parallel_tool_calls,
             "previous_response_id": None,
+            "reasoning": None,
             "store": False,
+            "background": False,
             "temperature": 1.0 if req.temperature is None else req.temperature,
+            "presence_penalty": req.presence_penalty or 0.0,
+            "frequency_penalty": req.frequency_penalty or 0.0,
+            "top_logprobs": req.top_logprobs or 0,
             "text": {
                 "format": {"type": "text"} if req.text is None or req.text.format is None else req.text.format,
                 "verbosity": "medium",
@@ -98,17 +115,18 @@ class ResponsesFormat:
             "usage": usage,
             "user": req.user,
             "safety_identifier": req.safety_identifier,
+            "prompt_cache_key": None,
             "metadata": req.metadata or {},
         }
 
-    def message(self, text: str | None, status: str) -> dict[str, Any]:
+    def message(self, text: str | None, status: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """The output message item; ``text`` None: no content part yet."""
-        content = [] if text is None else [self.part(text)]
+        content = [] if text is None else [self.part(text, logprobs)]
         return {"id": self.item_id, "type": "message", "status": status, "role": "assistant", "content": content}
 
     @staticmethod
-    def part(text: str) -> dict[str, Any]:
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    def part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
     @staticmethod
     def usage(outcome: Outcome) -> dict[str, Any]:
@@ -124,9 +142,15 @@ class ResponsesFormat:
         """The finished response: ``incomplete`` when max_output_tokens cut its text."""
         status = "incomplete" if outcome.finish_reasons[0] == "length" else "completed"
         calls = outcome.tool_calls[0] if outcome.tool_calls else []
-        output = [self.message(outcome.texts[0], status)] if outcome.texts[0] or not calls else []
+        output = (
+            [self.message(outcome.texts[0], status, self._logprobs(outcome))] if outcome.texts[0] or not calls else []
+        )
         output += [self.function_call(call, status) for call in calls]
         return self.response(status, output, self.usage(outcome))
+
+    def _logprobs(self, outcome: Outcome) -> list[dict[str, Any]]:
+        """Every token's entry: those sent on delta events, then those not sent (all of them, unstreamed)."""
+        return self.logprobs + (outcome.logprobs[0] if outcome.logprobs else [])
 
     def function_call(self, call: ToolCall, status: str) -> dict[str, Any]:
         """A call's output item."""
@@ -170,6 +194,7 @@ class ResponsesFormat:
         )
 
     def delta(self, index: int, text: str, logprobs: list[dict[str, Any]] | None) -> bytes:
+        self.logprobs.extend(logprobs or ())
         if self.calls_possible:
             head = b""
             if not text:
@@ -178,8 +203,8 @@ class ResponsesFormat:
                 head = self._close_item() + self._open_message()
             self._text.append(text)
             at = {"item_id": self.item_id, "output_index": len(self._items) - 1, "content_index": 0}
-            return head + self.event("response.output_text.delta", **at, delta=text, logprobs=[])
-        return self.event("response.output_text.delta", **self._at(), delta=text, logprobs=[])
+            return head + self.event("response.output_text.delta", **at, delta=text, logprobs=logprobs or [])
+        return self.event("response.output_text.delta", **self._at(), delta=text, logprobs=logprobs or [])
 
     def _open_message(self) -> bytes:
         item = self.message(None, "in_progress")
@@ -231,6 +256,7 @@ class ResponsesFormat:
         )
 
     def finished(self, index: int, reason: str, logprobs: list[dict[str, Any]] | None) -> bytes:
+        self.logprobs.extend(logprobs or ())  # tokens with no text of their own (EOS): in the done events only
         return b""  # the done events carry the whole text: written by ``closing``
 
     def closing(self, outcome: Outcome) -> bytes:
@@ -239,12 +265,14 @@ class ResponsesFormat:
             status = final["status"]
             return self._close_item(status) + self.event(f"response.{status}", response=final)
         text = outcome.texts[0]
+        part = final["output"][0]["content"][0]
         return b"".join(
             (
-                self.event("response.output_text.done", **self._at(), text=text, logprobs=[]),
-                self.event("response.content_part.done", **self._at(), part=self.part(text)),
+                self.event("response.output_text.done", **self._at(), text=text, logprobs=part["logprobs"]),
+                self.event("response.content_part.done", **self._at(), part=part),
                 self.event("response.output_item.done", output_index=0, item=final["output"][0]),
                 self.event(f"response.{final['status']}", response=final),
+                DONE,
             )
         )
 
@@ -255,7 +283,7 @@ class ResponsesFormat:
         elif error.status_hint < 500:
             code = "invalid_prompt"
         failed = self.response("failed", [], error={"code": code, "message": error.message})
-        return self.event("response.failed", response=failed)
+        return self.event("response.failed", response=failed) + DONE
 
     def whole(self, outcome: Outcome) -> dict[str, Any]:
         return self.final(outcome)

@@ -75,6 +75,8 @@ class ResultCacheStats:
     hits: int = 0
     misses: int = 0
     evictions: int = 0
+    entries: int = 0  # gauges, for /metrics (gateway/metrics.py FrontendStats.set_result_cache)
+    bound_bytes: int = 0
 
 
 class ResultCache:
@@ -84,7 +86,7 @@ class ResultCache:
         assert max_bytes > 0, "a result cache needs room; leave it out (None) to disable it"
         self.max_bytes = max_bytes
         self.used_bytes = 0
-        self.stats = ResultCacheStats()
+        self.stats = ResultCacheStats(bound_bytes=max_bytes)
         self._entries: OrderedDict[bytes, bytes] = OrderedDict()
 
     def get(self, key: bytes) -> bytes | None:
@@ -109,6 +111,7 @@ class ResultCache:
             _, evicted = self._entries.popitem(last=False)
             self.used_bytes -= len(evicted) + ENTRY_OVERHEAD_BYTES
             self.stats.evictions += 1
+        self.stats.entries = len(self._entries)
 
     def __len__(self) -> int:
         return len(self._entries)

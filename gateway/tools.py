@@ -46,8 +46,11 @@ class Function:
 
     name: str
     description: str | None
-    parameters: dict[str, Any]
+    parameters: dict[str, Any]  # as sent: what the prompt shows the model
     strict: bool | None = None
+    # the parameters rewritten into what the grammar compiler enforces (gateway/schema_rewrite.py, as for
+    # response_format): the grammar's; None: as sent
+    enforced: dict[str, Any] | None = None
 
     def definition(self) -> dict[str, Any]:
         """OpenAI's chat form, which chat templates read (``{"type": "function", "function": {...}}``)."""
@@ -172,7 +175,29 @@ def _function(spec: dict[str, Any], where: str) -> Function:
             f"parameters must describe an object (type: object), not {str(kind)[:40]!r}",
             param=f"{where}.parameters",
         )
-    return Function(name, description, parameters, strict)
+    return Function(name, description, parameters, strict, _enforceable(parameters, f"{where}.parameters"))
+
+
+def _enforceable(parameters: dict[str, Any], param: str) -> dict[str, Any]:
+    """``parameters`` rewritten soundly into what the compiler enforces (``oneOf``, ``not``, unknown
+    formats, ...), as response_format's schemas are; a 400 naming the keyword and its pointer if not."""
+    try:
+        from shmgate.gateway.schema_rewrite import Unsupported, rewrite
+        from shmgate.gateway.structured import _known_format
+    except ImportError:  # no compiler (the hf extra): tool_grammar says so
+        return parameters
+    try:
+        return rewrite(parameters, _known_format)
+    except Unsupported as exc:
+        raise InvalidRequest(
+            f"the parameters cannot be enforced: {exc.keyword} at {exc.pointer}: {exc.why}"[:500], param=param
+        ) from None
+    except RecursionError:
+        raise InvalidRequest("the parameters are nested too deeply", param=param) from None
+    except Exception as exc:  # a malformed schema (a bound that is not a number, required that is not a list...)
+        raise InvalidRequest(
+            f"the parameters are not a valid JSON Schema ({type(exc).__name__}: {str(exc)[:200]})", param=param
+        ) from None
 
 
 def tool_grammar(calling: ToolCalling, fmt: ToolFormat, *, tags_are_tokens: bool = False, param: str = "tools") -> str:
@@ -232,7 +257,8 @@ def tool_lark(calling: ToolCalling, fmt: ToolFormat, *, tags_are_tokens: bool = 
     lines.append("body: " + " | ".join(f"f{i} {close}" for i in range(len(functions))))
     for i, function in enumerate(functions):
         head = fmt.call_prefix(function.name).removeprefix(fmt.call_open)
-        lines.append(f"f{i}: {_lark_string(head)} %json {_argument_schema(function.parameters)}")
+        schema = function.parameters if function.enforced is None else function.enforced
+        lines.append(f"f{i}: {_lark_string(head)} %json {_argument_schema(schema)}")
     return "\n".join(lines) + "\n"
 
 
@@ -260,7 +286,8 @@ def _which_function(calling: ToolCalling, problem: str, param: str) -> str:
 def _refused_function(calling: ToolCalling) -> int | None:
     """The index of the first function whose parameters the compiler refuses alone (the error path only)."""
     for i, function in enumerate(calling.functions):
-        if _compiled(f"start: %json {_argument_schema(function.parameters)}\n")[1]:
+        schema = function.parameters if function.enforced is None else function.enforced
+        if _compiled(f"start: %json {_argument_schema(schema)}\n")[1]:
             return i
     return None
 

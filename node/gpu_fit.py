@@ -18,6 +18,9 @@ What a worker needs is an estimate, stated here and in docs/MODELS.md "GPU memor
   ``patches x (4 x hidden + intermediate)`` values plus the attention scores ``heads x patches^2``.
 - the embedded classifier: its largest feature maps (the stem's 32 x 112 x 112 and the first expansion's
   96 x 112 x 112, float32) twice per image.
+- chat models whose family encodes images apart from the prompt (Qwen2-VL, Qwen2.5-VL): the bounds of
+  the worker's encoder and prefix caches (--encoder-cache-mb, --prefix-cache-mb), which hold device
+  tensors and fill up under varied traffic (worker/cache_gauges.py: their gauges in /metrics).
 - a fixed ``CUDA_OVERHEAD_BYTES`` per worker for the CUDA context and the allocator's slack.
 
 Each worker on a GPU holds its own copy of everything, so a model's need is per worker times its
@@ -37,6 +40,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from shmgate.shared.hf_families import HF_FAMILIES
 
 __all__ = [
     "CUDA_OVERHEAD_BYTES",
@@ -86,10 +91,11 @@ class WorkerNeed:
     weights: int
     activations: int
     overhead: int = CUDA_OVERHEAD_BYTES
+    caches: int = 0  # the bounds of the worker's device caches (encoder outputs, prefix KV)
 
     @property
     def total(self) -> int:
-        return self.weights + self.activations + self.overhead
+        return self.weights + self.activations + self.overhead + self.caches
 
 
 @dataclass(frozen=True)
@@ -148,10 +154,17 @@ def _safetensors_header(path: Path) -> dict[str, Any]:
 
 
 def hf_need(
-    model_dir: str | Path, *, dtype_bytes: int, max_batch_size: int, chat: bool, max_pixels: int | None = None
+    model_dir: str | Path,
+    *,
+    dtype_bytes: int,
+    max_batch_size: int,
+    chat: bool,
+    max_pixels: int | None = None,
+    cache_bytes: int = 0,
 ) -> WorkerNeed:
     """One worker's need for an ``hf:`` checkpoint loaded at ``dtype_bytes`` per value, batching up to
-    ``max_batch_size`` requests (0: the CUDA default, 8). ``chat``: a generating model, which keeps a KV cache."""
+    ``max_batch_size`` requests (0: the CUDA default, 8). ``chat``: a generating model, which keeps a KV cache
+    and, where its family encodes images apart (Qwen2-VL style), its caches' bounds ``cache_bytes``."""
     floats, other = checkpoint_parameters(model_dir)
     config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
     batch = max_batch_size or CUDA_DEFAULT_BATCH
@@ -159,7 +172,9 @@ def hf_need(
     if chat:
         text = config.get("text_config") or config
         activations += batch * int(text.get("max_position_embeddings") or 0) * kv_values_per_token(text) * dtype_bytes
-    return WorkerNeed(weights=floats * dtype_bytes + other, activations=activations)
+    family = HF_FAMILIES.get(str(config.get("model_type")))
+    caches = cache_bytes if chat and family is not None and family.encoder_apart else 0
+    return WorkerNeed(weights=floats * dtype_bytes + other, activations=activations, caches=caches)
 
 
 def kv_values_per_token(text_config: Mapping[str, Any]) -> int:
@@ -225,7 +240,9 @@ def misfits(needs: Sequence[GpuNeed], free: Mapping[str, int]) -> list[str]:
             continue
         parts = ", ".join(
             f"{n.model!r} {_gib(n.total)} ({n.workers} x [weights {_gib(n.per_worker.weights)} + "
-            f"activations {_gib(n.per_worker.activations)} + CUDA {_gib(n.per_worker.overhead)}])"
+            f"activations {_gib(n.per_worker.activations)} + CUDA {_gib(n.per_worker.overhead)}"
+            + (f" + caches {_gib(n.per_worker.caches)}" if n.per_worker.caches else "")
+            + "])"
             for n in on_gpu
         )
         lines.append(f"GPU {gpu}: the models placed on it need {_gib(needed)}, {_gib(free[gpu])} is free: {parts}")
@@ -259,9 +276,12 @@ def cuda_free_bytes(gpu_ids: Sequence[str], *, timeout_s: float = 120.0) -> dict
     return {gpu: int(value) for gpu, value in zip(gpu_ids, frees)}
 
 
-def worker_need(spec: str, *, dtype: str, max_batch_size: int, max_pixels: int | None = None) -> WorkerNeed:
+def worker_need(
+    spec: str, *, dtype: str, max_batch_size: int, max_pixels: int | None = None, cache_bytes: int = 0
+) -> WorkerNeed:
     """One CUDA worker's need for the model ``spec`` (shared/models.py) loaded at ``dtype`` (``auto``:
-    bfloat16, what a CUDA worker picks). The checksum models hold no weights: their CUDA context only."""
+    bfloat16, what a CUDA worker picks). The checksum models hold no weights: their CUDA context only.
+    ``cache_bytes``: a chat model's encoder and prefix cache bounds (``hf_need``)."""
     from shmgate.shared.models import ModelKind, parse_model_spec
 
     parsed = parse_model_spec(spec)
@@ -276,6 +296,7 @@ def worker_need(spec: str, *, dtype: str, max_batch_size: int, max_pixels: int |
             max_batch_size=max_batch_size,
             chat=parsed.kind is ModelKind.HF_CHAT,
             max_pixels=max_pixels,
+            cache_bytes=cache_bytes,
         )
     return WorkerNeed(weights=0, activations=0)
 
@@ -290,6 +311,7 @@ class PlacedModel:
     max_batch_size: int  # 0: the CUDA default
     gpus: tuple[str | None, ...]  # each worker's GPU (None: not known here)
     max_pixels: int | None = None  # from its mm_processor_kwargs
+    cache_bytes: int = 0  # --encoder-cache-mb + --prefix-cache-mb, in bytes
 
 
 def placed_needs(models: Sequence[PlacedModel]) -> list[GpuNeed]:
@@ -302,7 +324,13 @@ def placed_needs(models: Sequence[PlacedModel]) -> list[GpuNeed]:
         if not placed:
             continue
         try:
-            per_worker = worker_need(m.spec, dtype=m.dtype, max_batch_size=m.max_batch_size, max_pixels=m.max_pixels)
+            per_worker = worker_need(
+                m.spec,
+                dtype=m.dtype,
+                max_batch_size=m.max_batch_size,
+                max_pixels=m.max_pixels,
+                cache_bytes=m.cache_bytes,
+            )
         except (OSError, ValueError, ImportError) as exc:  # the worker's own load says what is wrong, in full
             log.warning("GPU memory check: cannot size model %r (%s); its GPU is checked without it", m.public_id, exc)
             continue

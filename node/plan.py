@@ -168,6 +168,7 @@ def gpu_misfits(
             m.max_batch_size or 0,
             tuple(p.visible for p in placements),
             _max_pixels(m.mm_processor_kwargs),
+            int((config.encoder_cache_mb + config.prefix_cache_mb) * (1 << 20)),
         )
         for m, placements in plans
         if any(p.visible is not None for p in placements)

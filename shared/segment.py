@@ -43,9 +43,18 @@ from shmgate.shared.stats_layout import (
     ENGINE_GAUGES,
     MODEL_SLOTS,
     STATS_WORDS,
+    WORKER_CACHE_WORDS,
+    WORKER_CACHES,
     Counter,
 )
-from shmgate.shared.vocabulary import HEARTBEAT_INTERVAL_S, MODEL_NAME_BYTES, InstanceState, SlotState, now_ns
+from shmgate.shared.vocabulary import (
+    DEAD_AFTER_S,
+    HEARTBEAT_INTERVAL_S,
+    MODEL_NAME_BYTES,
+    InstanceState,
+    SlotState,
+    now_ns,
+)
 from shmgate.shared.wire import WIRE_VERSION
 
 __all__ = [
@@ -72,7 +81,8 @@ MAGIC = int.from_bytes(b"SHMGATE1", "little")
 # 4: stats rows of 256 words (the per-stage latency histograms, gateway/stages.py)
 # 5: a table of the declared models (several models on one node) replaces the header's one ``model``
 # 7: worker rows' ``engine`` words carry the shared encoder outputs' counters
-LAYOUT_VERSION = 7
+# 8: worker rows carry ``step_bound_ns`` (a stepping engine's stall bound) and ``caches`` (its caches' gauges)
+LAYOUT_VERSION = 8
 ALIGN = 64
 PAGE = 4096
 
@@ -145,6 +155,12 @@ SLOT = np.dtype(
         # Worker rows of a generation engine (worker/generation/engine.py), see ENGINE_FIELDS: gauges set per
         # step (zeroed at claim and release), counters added to (never reset).
         ("engine", "<u8", (len(ENGINE_FIELDS),)),
+        # Worker rows of a stepping engine, while it has work: how long without a progress stamp reads as
+        # wedged, derived from its recent step times (worker/health.py StepClock); 0: only the stall timeout.
+        ("step_bound_ns", "<u8"),
+        # Worker rows: its caches' gauges and eviction counters, WORKER_CACHE_WORDS words per entry of
+        # WORKER_CACHES (shared/stats_layout.py); set by the worker, summed by /metrics.
+        ("caches", "<u8", (len(WORKER_CACHES) * WORKER_CACHE_WORDS,)),
     ]
 )
 
@@ -461,15 +477,25 @@ class Segment:
 
     def stalled(self, table: np.ndarray, slot: int) -> bool:
         """Is the process in ``table[slot]`` serving but its work loop not turning?"""
+        bound_ns = self.stall_bound_ns(table, slot)
+        if not bound_ns or int(table[slot]["state"]) != SlotState.READY:
+            return False
+        return now_ns() - int(table[slot]["progress_ns"]) > bound_ns
+
+    def stall_bound_ns(self, table: np.ndarray, slot: int) -> int:
+        """How long ``table[slot]`` may go without progress (0: stall detection off): its model's stall timeout
+        (or the header's), or less for a stepping worker with work whose recent steps set a tighter bound
+        (``step_bound_ns``: worker/health.py StepClock)."""
         timeout_ns = int(self.header[0]["stall_timeout_ns"])
         row = table[slot]
-        if table is self.workers and int(self.header[0]["n_models"]):
+        if table is not self.workers:
+            return timeout_ns
+        if int(self.header[0]["n_models"]):
             index = self.model_index(bytes(row["model"]).decode(errors="replace"))
             if index >= 0 and int(self.models[index]["stall_timeout_ns"]):
                 timeout_ns = int(self.models[index]["stall_timeout_ns"])  # this model's own
-        if not timeout_ns or int(row["state"]) != SlotState.READY:
-            return False
-        return now_ns() - int(row["progress_ns"]) > timeout_ns
+        step_bound = int(row["step_bound_ns"])
+        return min(timeout_ns, step_bound) if timeout_ns and step_bound else timeout_ns
 
     @property
     def label(self) -> str:
@@ -510,6 +536,9 @@ class Segment:
         row["progress_ns"] = now_ns()
         row["model"] = model.encode()[:MODEL_NAME_BYTES]
         row["engine"][:ENGINE_GAUGES] = 0  # a dead predecessor's rows died with it
+        row["step_bound_ns"] = 0
+        for cache in range(len(WORKER_CACHES)):  # a predecessor's caches died with it (evictions: a counter)
+            row["caches"][cache * WORKER_CACHE_WORDS : (cache + 1) * WORKER_CACHE_WORDS - 1] = 0
         row["state"] = SlotState.STARTING
         return epoch
 
@@ -608,6 +637,11 @@ def peek_header(names: InstanceNames) -> HeaderPeek | None:
     )
 
 
+# A heartbeat gap this long means the frontends judged the process dead and retried or failed what it had
+# claimed (gateway/replies.py): a second past DEAD_AFTER_S, as their watchdogs look every 0.1 s.
+HEARTBEAT_LAPSE_S = DEAD_AFTER_S + 1.0
+
+
 class Heartbeat:
     """A daemon thread that stamps ``beat_ns`` of one slot row every ``interval_s``.
 
@@ -634,6 +668,8 @@ class Heartbeat:
         self._interval_s = interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"heartbeat-{slot}", daemon=True)
+        # The last beat before the latest gap of HEARTBEAT_LAPSE_S (a SIGSTOP, a starved thread); 0: none yet.
+        self.lapse_started_ns = 0
 
     def start(self) -> Heartbeat:
         self._thread.start()
@@ -641,13 +677,18 @@ class Heartbeat:
 
     def _run(self) -> None:
         row = self._table[self._slot]
+        lapse_ns = int(HEARTBEAT_LAPSE_S * 1e9)
+        last = now_ns()
         while not self._stop.wait(self._interval_s):
             if int(row["epoch"]) != self._epoch or int(row["state"]) == SlotState.DEAD:
                 # someone else owns the slot now, or the supervisor declared us dead
                 if self._on_declared_dead is not None and not self._stop.is_set():
                     self._on_declared_dead()
                 return
-            row["beat_ns"] = now_ns()
+            now = now_ns()
+            if now - last > lapse_ns:
+                self.lapse_started_ns = last
+            row["beat_ns"] = last = now
 
     def stop(self) -> None:
         self._stop.set()

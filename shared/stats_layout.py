@@ -29,6 +29,9 @@ __all__ = [
     "STAGE_SUM_US",
     "STAGE_WORDS",
     "STATS_WORDS",
+    "WORKER_CACHES",
+    "WORKER_CACHE_FIELDS",
+    "WORKER_CACHE_WORDS",
     "Counter",
     "Span",
     "spans",
@@ -79,6 +82,8 @@ class Counter(enum.IntEnum):
     # last (gateway/lane.py). Summed over the node it is the interactive demand the bulk lane yields to:
     # the batch runner and the workers read it (docs/BATCH.md, "Fairness").
     INTERACTIVE_IN_FLIGHT = 97
+    RESULT_CACHE_BOUND_BYTES = 98  # gauges of the result cache (gateway/result_cache.py), with the words below
+    RESULT_CACHE_ENTRIES = 99
     # The result cache (gateway/result_cache.py)
     RESULT_CACHE_HITS = 100
     RESULT_CACHE_MISSES = 101
@@ -155,3 +160,20 @@ ENGINE_FIELDS = (
     "encoder_shared_publishes",  # tower outputs this worker published there
 )
 ENGINE_GAUGES = 4
+
+
+# The worker row's ``caches`` column: for each cache a worker keeps in its own memory (bounded in bytes,
+# counted against its device's memory budget: node/gpu_fit.py), WORKER_CACHE_WORDS words in
+# WORKER_CACHE_FIELDS order, set by the worker (worker/cache_gauges.py) and summed by /metrics.
+WORKER_CACHES = (
+    "encoder",  # vision-tower outputs by image (worker/generation/encoder_cache.py)
+    "prefix",  # prompts' KV by prefix (worker/generation/prefix_cache.py)
+    "grammar",  # compiled response_format grammars (worker/constraints.py)
+)
+WORKER_CACHE_FIELDS = (
+    "bytes",  # gauge: bytes held now
+    "bound_bytes",  # gauge: the most it may hold (its flag)
+    "entries",  # gauge: entries held now
+    "evictions",  # counter: entries dropped to make room, since the worker started
+)
+WORKER_CACHE_WORDS = len(WORKER_CACHE_FIELDS)

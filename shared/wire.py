@@ -24,6 +24,8 @@ from shmgate.shared.errors import ShmgateError
 
 __all__ = [
     "INLINE_MAX_BYTES",
+    "GRAMMAR_TENSOR",
+    "INLINE_GRAMMAR_BYTES",
     "INLINE_TENSOR",
     "MAX_GRAMMAR_BYTES",
     "MAX_MESSAGE_BYTES",
@@ -67,7 +69,12 @@ INLINE_TENSOR = "__inline__"
 INLINE_MAX_BYTES = 4096
 # A response_format grammar rides in the Submit beside up to INLINE_MAX_BYTES of inline token ids, all
 # within one MAX_MESSAGE_BYTES message: what is left, less the rest of the descriptor.
-MAX_GRAMMAR_BYTES = 3072
+INLINE_GRAMMAR_BYTES = 3072
+# A larger grammar (a Kubernetes-sized schema) is data like an image: it travels in the arena, as a
+# uint8 tensor of this name, and the worker reads it back into SamplingParams.grammar (worker/main.py).
+GRAMMAR_TENSOR = "__grammar__"
+# The largest grammar a request may carry (through the arena); what bounds it in practice is its compile.
+MAX_GRAMMAR_BYTES = 1 << 20
 # Submit.task of an embedding request (""/absent: the model's usual answer, text).
 TASK_EMBED = "embed"
 # Vector.data carries at most this many bytes: a Vector message stays under REPLY_MESSAGE_BYTES with
@@ -124,7 +131,8 @@ class SamplingParams(Struct, array_like=True, frozen=True, gc=False, omit_defaul
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int = -1  # -1: none; k >= 0: each sampled token's log-probability and the k likeliest (TokenLogprobs)
     # Structured outputs: the grammar every sampled token must keep to (llguidance's grammar JSON, built
-    # by gateway/structured.py from response_format; at most MAX_GRAMMAR_BYTES); "" for free text.
+    # by gateway/structured.py from response_format; at most INLINE_GRAMMAR_BYTES here, a larger one in the
+    # arena as the GRAMMAR_TENSOR tensor); "" for free text.
     grammar: str = ""
 
 

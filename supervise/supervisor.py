@@ -9,7 +9,8 @@ supervisor knows processes, not HTTP or models.
 A child that exits, whose heartbeat goes stale (frontends), or whose *progress*
 stalls for longer than ``stall_timeout_s`` (any child: ``progress_ns`` in its
 slot row is stamped only by the loop that does the work, see worker/health.py
-and gateway/frontend.py Frontend._stamp_progress) is killed (SIGKILL: a wedged process may not
+and gateway/frontend.py Frontend._stamp_progress; a stepping worker with work
+publishes a tighter bound from its recent step times, ``step_bound_ns``) is killed (SIGKILL: a wedged process may not
 honour SIGTERM), joined, marked DEAD in its slot row (so frontends retry its
 claimed requests at once instead of waiting for the heartbeat to age) and the
 locks it may have held are repaired; then it is restarted in its slot with an
@@ -307,12 +308,18 @@ class Supervisor:
                         continue
                 found = link.slot_of(child.role, child.pid, child.slot)
                 if found is not None and link.stalled(child.role, found):
-                    log.error(
-                        "%s (pid %d) made no progress for %.1f s; killing it",
-                        child.name,
-                        child.pid,
-                        self.stall_timeout_s,
-                    )
+                    bound_s, by_steps = link.stall_bound_s(child.role, found)
+                    if by_steps:  # a stepping engine with work, judged by its own recent step times
+                        log.error(
+                            "%s (pid %d) is wedged: it has work and made no step for %.1f s (its bound from "
+                            "its recent step times; stall timeout %.1f s); killing it",
+                            child.name,
+                            child.pid,
+                            bound_s,
+                            self.stall_timeout_s,
+                        )
+                    else:
+                        log.error("%s (pid %d) made no progress for %.1f s; killing it", child.name, child.pid, bound_s)
                     link.count_stall(child.role, found)
                     child.kill()
                     child.join(5)
@@ -342,7 +349,7 @@ class Supervisor:
                 "marking it dead (it exits when it sees that)",
                 slot,
                 pid,
-                self.stall_timeout_s,
+                self.link.stall_bound_s("worker", slot)[0],
             )
             self.link.count_stall("worker", slot)
             self.link.mark_dead("worker", slot)

@@ -217,6 +217,25 @@ def test_a_cancelled_batch_ends_cancelled_and_list_pages(batch_server: Server) -
     assert [b.id for b in after.data] == [first.id]
 
 
+def test_files_list_pages_with_first_and_last_ids(batch_server: Server) -> None:
+    client = _client(batch_server)
+    made = {client.files.create(file=(f"p{i}.jsonl", io.BytesIO(b"{}\n")), purpose="batch").id for i in range(3)}
+    every = client.files.list().data
+    assert made <= {f.id for f in every}
+    raw = httpx.get(batch_server.base_url + "/v1/files?limit=2", headers=AUTH, timeout=10).json()
+    assert [f["id"] for f in raw["data"]] == [f.id for f in every[:2]]
+    assert (raw["first_id"], raw["last_id"], raw["has_more"]) == (every[0].id, every[1].id, len(every) > 2)
+    rest = client.files.list(limit=100, after=raw["last_id"])
+    assert [f.id for f in rest.data] == [f.id for f in every[2:]] and not rest.has_more
+    oldest = client.files.list(order="asc", limit=1)
+    assert [f.id for f in oldest.data] == [every[-1].id]
+    paged = [f.id for f in client.files.list(limit=1)]  # the SDK follows after=last_id while has_more
+    assert paged == [f.id for f in every]
+    for bad in ("limit=0", "order=sideways", "after=file-nope"):
+        reply = httpx.get(batch_server.base_url + "/v1/files?" + bad, headers=AUTH, timeout=10)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == bad.split("=")[0]
+
+
 @pytest.mark.parametrize(
     ("content", "needle"),
     [

@@ -161,10 +161,12 @@ def test_serve_refuses_naming_the_model_the_gpu_and_the_bytes(
     prints the first line and exits 2; only the free bytes are stated instead of asked of CUDA."""
     model_dir = tiny_vlm("qwen2_vl")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    chat = gpu_fit.worker_need(f"hf:{model_dir}", dtype="auto", max_batch_size=0)
+    # the flags' default bounds of the worker's encoder and prefix caches (256 MiB each) count too
+    chat = gpu_fit.worker_need(f"hf:{model_dir}", dtype="auto", max_batch_size=0, cache_bytes=512 << 20)
     classifier = gpu_fit.worker_need("efficientnet-lite0", dtype="auto", max_batch_size=0)
     assert classifier.weights > 10 << 20 and classifier.overhead == CUDA_OVERHEAD_BYTES  # the real weights file
-    assert chat.total < 1 << 30  # a tiny checkpoint needs little
+    assert chat.caches == 512 << 20 and classifier.caches == 0
+    assert chat.total - chat.caches < 1 << 30  # a tiny checkpoint needs little
     stated = classifier.total + chat.total // 2
 
     both = ["serve", "--model", "efficientnet-lite0", "--model", f"hf:{model_dir}", "--device", "cuda:0"]
@@ -180,6 +182,9 @@ def test_serve_refuses_naming_the_model_the_gpu_and_the_bytes(
     assert float(wider.split(" need ")[1].split()[0]) > float(line.split(" need ")[1].split()[0])
 
     assert _misfits([*both[:3], *both[5:]], free={"0": stated}) == []
+    # smaller caches, a smaller need: they are what the bounds say, not a guess
+    (lean,) = _misfits([*both, "--encoder-cache-mb", "8", "--prefix-cache-mb", "8"], free={"0": classifier.total})
+    assert float(lean.split(" need ")[1].split()[0]) < float(line.split(" need ")[1].split()[0])
     assert _misfits([*both[:5], "--device", "cpu"], free={"0": 0}) == []  # nothing on a GPU: nothing to check
 
 

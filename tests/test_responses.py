@@ -114,6 +114,93 @@ def test_a_whole_response_has_the_shape_and_counts_the_client_reads(client: open
     assert cut.usage is not None and cut.usage.output_tokens == 3 and cut.output[0].status == "incomplete"  # type: ignore[union-attr]
 
 
+# Every field the Open Responses specification requires of a response object (its ResponseResource)
+OPEN_RESPONSES_REQUIRED = (
+    "id object created_at completed_at status incomplete_details model previous_response_id instructions output "
+    "error tools tool_choice truncation parallel_tool_calls text top_p presence_penalty frequency_penalty "
+    "top_logprobs temperature reasoning user usage max_output_tokens max_tool_calls store background "
+    "service_tier metadata safety_identifier prompt_cache_key"
+).split()
+# and the types of those it requires as numbers, integers and booleans (never null)
+OPEN_RESPONSES_TYPES = {
+    "type": "object",
+    "required": OPEN_RESPONSES_REQUIRED,
+    "properties": {
+        **{name: {"type": "number"} for name in ("top_p", "temperature", "presence_penalty", "frequency_penalty")},
+        **{name: {"type": "boolean"} for name in ("parallel_tool_calls", "store", "background")},
+        "created_at": {"type": "integer"},
+        "completed_at": {"type": ["integer", "null"]},
+        "top_logprobs": {"type": "integer"},
+        "tools": {"type": "array"},
+        "truncation": {"enum": ["auto", "disabled"]},
+        "output": {
+            "type": "array",
+            "items": {
+                "properties": {
+                    "content": {
+                        "type": "array",
+                        "items": {"required": ["type", "text", "annotations", "logprobs"]},
+                    }
+                }
+            },
+        },
+    },
+}
+
+
+def test_a_response_carries_every_field_open_responses_requires(server: Server) -> None:
+    body = {
+        "model": VLM,
+        "input": "Tell me a long story.",
+        "max_output_tokens": 3,
+        "temperature": 0,  # greedy: this prompt's first tokens are not the end of the text (a sampled one could be)
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.25,
+    }
+    whole = httpx.post(server.base_url + "/v1/responses", json=body, timeout=60).json()
+    jsonschema.validate(whole, OPEN_RESPONSES_TYPES)
+    assert (whole["presence_penalty"], whole["frequency_penalty"], whole["top_logprobs"]) == (0.5, 0.25, 0)
+    assert whole["status"] == "incomplete" and whole["completed_at"] is None  # cut by max_output_tokens
+    done = httpx.post(
+        server.base_url + "/v1/responses",
+        json={"model": VLM, "input": "hi", "text": {"format": PET_FORMAT}, "max_output_tokens": 80, "temperature": 0},
+        timeout=60,
+    ).json()
+    assert done["status"] == "completed" and done["completed_at"] >= done["created_at"]
+    with httpx.stream("POST", server.base_url + "/v1/responses", json={**body, "stream": True}, timeout=60) as events:
+        frames = [frame for frame in events.read().decode().split("\n\n") if frame]
+    assert frames[-1] == "data: [DONE]"  # the terminal event of an Open Responses stream
+    for frame in frames[:-1]:  # each event names its type twice, as the specification asks
+        kind, data = frame.split("\n")
+        assert json.loads(data.removeprefix("data: "))["type"] == kind.removeprefix("event: ")
+    final = json.loads(frames[-2].split("\n")[1].removeprefix("data: "))["response"]
+    jsonschema.validate(final, OPEN_RESPONSES_TYPES)
+    assert final["presence_penalty"] == 0.5
+
+
+def test_top_logprobs_return_each_tokens_log_probability_whole_and_streamed(client: openai.OpenAI) -> None:
+    base: dict[str, Any] = dict(model=VLM, input="hi", max_output_tokens=5, temperature=0, top_logprobs=2)
+    whole = client.responses.create(**base)
+    part = whole.output[0].content[0]  # type: ignore[union-attr]
+    assert whole.top_logprobs == 2 and whole.usage is not None
+    assert part.logprobs is not None and len(part.logprobs) == whole.usage.output_tokens == 5
+    assert all(len(entry.top_logprobs) == 2 and entry.logprob <= 0 for entry in part.logprobs)
+    streamed = []
+    for event in client.responses.create(**base, stream=True):
+        if event.type == "response.output_text.delta":
+            streamed.extend(event.logprobs)
+        last = event
+    assert last.type == "response.incomplete"  # cut by max_output_tokens, as the whole one was
+    final_part = last.response.output[0].content[0]  # type: ignore[union-attr]
+    assert (
+        [e.token for e in streamed] == [e.token for e in final_part.logprobs or []] == [e.token for e in part.logprobs]
+    )
+    included = client.responses.create(
+        model=VLM, input="hi", max_output_tokens=3, temperature=0, include=["message.output_text.logprobs"]
+    )
+    assert len(included.output[0].content[0].logprobs or []) == 3  # type: ignore[union-attr]
+
+
 def test_a_stream_is_the_event_sequence_the_sdk_accumulates(client: openai.OpenAI) -> None:
     base: dict[str, Any] = dict(
         model=VLM, input=_input(), text={"format": PET_FORMAT}, max_output_tokens=80, temperature=0
@@ -178,7 +265,9 @@ def test_text_format_json_schema_and_json_object_parse_whole_and_streamed(client
         ({"reasoning": {"effort": "low"}}, "reasoning"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"temperature": 3}, "temperature"),
-        ({"frequency_penalty": 1}, "frequency_penalty"),
+        ({"frequency_penalty": 3}, "frequency_penalty"),
+        ({"top_logprobs": 21}, "top_logprobs"),
+        ({"include": ["reasoning.encrypted_content"]}, "include"),
         (
             {"text": {"format": {"type": "json_object", "schema": {}}}},
             "text.format",

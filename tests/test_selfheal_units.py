@@ -6,6 +6,8 @@ tests/test_selfheal.py and tests/test_chaos.py.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from shmgate.shared.arena import Partition
@@ -79,3 +81,55 @@ def test_a_ready_worker_without_progress_is_stalled_and_not_live() -> None:
         assert seg.live_workers(3.0, "m") == [0] and not seg.stalled(seg.workers, 0)
         seg.workers[0]["progress_ns"] -= int(6e9)  # the heartbeat is fresh; the model loop is not
         assert seg.stalled(seg.workers, 0) and seg.live_workers(3.0, "m") == []
+
+
+def test_a_stepping_workers_own_bound_is_tighter_than_the_stall_timeout_only_while_it_has_work() -> None:
+    """``step_bound_ns`` (worker/health.py StepClock) replaces the stall timeout when smaller; 0 means none."""
+    with scratch_instance(
+        arena_size=2 * PARTITION, n_frontends=2, n_workers=1, queue_depth=2, stall_timeout_s=60.0
+    ) as inst:
+        seg = inst.segment
+        seg.claim_slot(seg.workers, 0, model="m")
+        row = seg.workers[0]
+        row["state"] = SlotState.READY
+        row["progress_ns"] -= int(5e9)  # no step for 5 s
+        assert not seg.stalled(seg.workers, 0)  # idle (no bound published): the 60 s timeout applies
+        row["step_bound_ns"] = int(2e9)  # busy, its steps bound it at 2 s
+        assert seg.stalled(seg.workers, 0) and seg.live_workers(3.0, "m") == []
+        assert seg.stall_bound_ns(seg.workers, 0) == int(2e9)
+        row["step_bound_ns"] = int(120e9)  # a bound beyond the timeout: the timeout still applies
+        assert seg.stall_bound_ns(seg.workers, 0) == int(60e9) and not seg.stalled(seg.workers, 0)
+        seg.header[0]["stall_timeout_ns"] = 0  # detection off: no bound applies
+        row["step_bound_ns"] = int(2e9)
+        assert not seg.stalled(seg.workers, 0)
+        row["state"] = SlotState.DEAD
+        seg.claim_slot(seg.workers, 0, model="m")  # a successor starts with no bound of its own
+        assert int(seg.workers[0]["step_bound_ns"]) == 0
+
+
+def test_the_step_clock_bound_follows_recent_steps_and_is_published_only_when_it_changes() -> None:
+    from shmgate.worker.health import StepClock
+
+    published: list[int] = []
+    clock = StepClock(published.append, floor_s=2.0, window=32, min_steps=16, slowest_half_life_s=1e9)
+    clock.busy()
+    assert published == [0]  # too few steps to judge: the stall timeout alone
+    for _ in range(16):
+        clock.note_step(0.01)
+    assert clock.bound_s() == 2.0  # the floor: 20 x 10 ms is less
+    clock.busy()
+    clock.busy()
+    assert published == [0, int(2e9)]  # once per change, not per step
+    clock.note_step(1.0)  # one slow step (a large prefill) among them
+    assert clock.bound_s() == 20.0  # 20 x the p99, which is that step
+    for _ in range(32):
+        clock.note_step(0.01)  # it leaves the p99's window ...
+    assert clock.bound_s() == pytest.approx(4.0)  # ... not the slowest step's memory (4 x 1 s)
+    clock.idle()
+    assert published[-1] == 0
+
+    fading = StepClock(published.append, floor_s=0.0, window=1, min_steps=1, slowest_half_life_s=0.05)
+    fading.note_step(1.0)
+    fading.note_step(0.001)
+    time.sleep(0.5)  # ten half-lives: the slow step's weight is spent (a sleep, not a timing assertion)
+    assert fading.bound_s() < 0.1

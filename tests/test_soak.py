@@ -57,6 +57,51 @@ def test_a_short_soak_of_hits_misses_and_bad_inputs_leaves_nothing_behind(checks
     assert {p["role"] for p in result["after"]["processes"]} >= {"supervisor", "frontend 0", "frontend 1", "worker"}
 
 
+def test_a_timed_soak_reports_every_process_and_the_shared_memory_over_time(checksum_server: Server) -> None:
+    """``--minutes``: memory sampled while the mix runs, with each series' slope over the last half."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench",
+            "soak",
+            "--base-url",
+            checksum_server.base_url,
+            "--server-pid",
+            str(checksum_server.process.pid),
+            "--minutes",
+            "0.1",
+            "--sample-s",
+            "1",
+            "--concurrency",
+            "4",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert done.stdout.strip(), done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["problems"] == [] and done.returncode == 0
+    assert result["requests"] > 0 and set(result["outcomes"]) <= {"hit:ok", "miss:ok", "bad:ok"}
+    series = {s["name"]: s for s in result["series"]}
+    assert {"supervisor rss", "frontend 0 private", "frontend 1 rss", "/dev/shm mapped"} <= set(series)
+    assert any(name.startswith("worker pid ") for name in series)
+    assert series["/dev/shm mapped"]["last_mib"] > 0  # the arena and segment the processes map
+    assert all(len(points) >= 3 for points in result["samples"].values())  # sampled along the way
+    assert all(isinstance(s["slope_last_half_mib_per_min"], float) for s in series.values())
+
+
+def test_the_slope_is_a_least_squares_fit() -> None:
+    from bench.soak import slope_mib_per_min
+
+    assert slope_mib_per_min([(0.0, 0.0), (60.0, 1024.0), (120.0, 2048.0)]) == 1.0  # 1 MiB a minute
+    assert slope_mib_per_min([(0.0, 5.0), (30.0, 5.0)]) == 0.0
+    assert slope_mib_per_min([(0.0, 5.0)]) == 0.0
+
+
 def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 

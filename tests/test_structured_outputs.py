@@ -19,7 +19,7 @@ import torch  # noqa: E402
 from shmgate.gateway.preprocess.hf import HFPreprocessor  # noqa: E402
 from shmgate.gateway.structured import grammar_for  # noqa: E402
 from shmgate.shared.errors import InvalidRequest  # noqa: E402
-from shmgate.shared.wire import MAX_GRAMMAR_BYTES, SamplingParams  # noqa: E402
+from shmgate.shared.wire import INLINE_GRAMMAR_BYTES, MAX_GRAMMAR_BYTES, SamplingParams  # noqa: E402
 from shmgate.worker.backends.hf import HFBackend  # noqa: E402
 from tests.test_hf import SQUARE, WIDE, answer, work_item  # noqa: E402
 
@@ -77,10 +77,12 @@ def test_a_format_the_compiler_cannot_use_is_a_400_naming_response_format(respon
     assert refused.value.param == "response_format"
 
 
-def test_a_schema_too_large_for_the_descriptor_is_refused() -> None:
+def test_a_schema_past_the_grammar_bound_is_refused_and_one_past_the_descriptor_is_not() -> None:
     wide = {"type": "object", "properties": {f"field_{i}": {"type": "string"} for i in range(400)}}
+    assert len(grammar_for(json_schema_format(wide)).encode()) > INLINE_GRAMMAR_BYTES  # rides in the arena
+    huge = {"type": "string", "description": "x" * MAX_GRAMMAR_BYTES}
     with pytest.raises(InvalidRequest, match=f"at most {MAX_GRAMMAR_BYTES}"):
-        grammar_for(json_schema_format(wide))
+        grammar_for(json_schema_format(huge))
 
 
 def test_constrained_rows_write_valid_json_beside_a_free_row_that_answers_as_alone(
@@ -132,3 +134,12 @@ def test_a_model_that_samples_no_tokens_refuses_response_format() -> None:
     with pytest.raises(InvalidRequest) as refused:
         check_fields_for_model(SamplingParams(grammar=grammar_for({"type": "json_object"})), ChecksumPreprocessor())
     assert refused.value.param == "response_format"
+
+
+def test_a_schema_sent_again_reuses_its_compiled_grammar() -> None:
+    from shmgate.gateway import structured
+
+    first = grammar_for(json_schema_format())
+    assert grammar_for(json_schema_format()) is first  # not compiled twice: the same string object
+    key = json.dumps(PET, sort_keys=True, separators=(",", ":"))
+    assert structured._compiled[key] is first and structured._compiled_chars <= structured.COMPILED_CHARS

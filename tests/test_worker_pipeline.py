@@ -30,6 +30,7 @@ from shmgate.shared.channels import Queue
 from shmgate.shared.common_options import BatchingOptions
 from shmgate.shared.instance import Instance
 from shmgate.shared.wire import (
+    GRAMMAR_TENSOR,
     INLINE_TENSOR,
     Cancel,
     Claimed,
@@ -60,8 +61,10 @@ class GatedChecksum(ModelBackend):
         self.inner = ChecksumBackend()
         self.gate = threading.Event()
         self.started: queue.Queue[list[int]] = queue.Queue()
+        self.items: dict[int, WorkItem] = {}  # what each request reached the backend as
 
     def run(self, batch: Sequence[WorkItem]) -> Iterator[BackendEvent]:
+        self.items.update((item.request_id, item) for item in batch)
         self.started.put([item.request_id for item in batch])
         if not self.gate.wait(HANG_S):
             raise RuntimeError("the test never opened the gate")
@@ -253,6 +256,33 @@ def test_prompt_token_ids_in_the_arena_reach_the_backend_as_host_bytes(rig: Rig)
     answer = _answer(rig, 51)
     assert hashlib.blake2b(bytes(range(1, 9)), digest_size=16).hexdigest() in answer
     assert _digest(51) in answer and INLINE_TENSOR not in answer
+
+
+def _arena_bytes(rig: Rig, data: bytes, name: str) -> TensorRef:
+    allocation = rig.partition.allocate(len(data))
+    assert allocation is not None
+    rig.partition.array(allocation, "uint8", (len(data),))[:] = list(data)
+    return TensorRef(allocation.offset, len(data), allocation.generation, "uint8", (len(data),), name)
+
+
+def test_a_grammar_in_the_arena_reaches_the_backend_in_its_sampling_params(rig: Rig) -> None:
+    # A grammar over the descriptor's limit rides in the arena as __grammar__ (shared/wire.py); the worker
+    # puts it back into SamplingParams.grammar, and a grammar that is not UTF-8 fails its request alone.
+    grammar = '{"grammars":[{"json_schema":{"type":"object","description":"' + "é" * 4000 + '"}}]}'
+    _, pixels = rig.place(53)
+    carried = _arena_bytes(rig, grammar.encode(), GRAMMAR_TENSOR)
+    rig.backend.gate.set()
+    rig.queue("requests").send(Submit(request_id=53, reply_slot=0, model="checksum", tensors=(pixels, carried)), HANG_S)
+    rig.read_until(_has(Finished, 53))
+    item = rig.backend.items[53]
+    assert item.params.grammar == grammar and GRAMMAR_TENSOR not in item.tensors
+    _, pixels = rig.place(54)
+    broken = _arena_bytes(rig, b"\xff\xfe" * 8, GRAMMAR_TENSOR)
+    rig.queue("requests").send(Submit(request_id=54, reply_slot=0, model="checksum", tensors=(pixels, broken)), HANG_S)
+    rig.read_until(_has(Failed, 54))
+    assert 54 not in rig.backend.items
+    failed = [m for m in rig.log[54] if isinstance(m, Failed)][0]
+    assert "grammar" in failed.message
 
 
 def test_the_prepared_batch_still_runs_when_the_worker_stops(rig: Rig) -> None:

@@ -30,6 +30,7 @@ __all__ = ["GrammarConstraints", "RowConstraint"]
 
 # Distinct grammars kept compiled per model (a schema is one grammar; clients reuse a few).
 COMPILED_GRAMMARS = 64
+COMPILED_GRAMMAR_BYTES = 8 << 20  # [memory gauges] and their texts' bytes (a generated schema can be large)
 
 
 class RowConstraint:
@@ -80,6 +81,14 @@ class GrammarConstraints:
         self._tokenizer = llguidance.hf.from_tokenizer(tokenizer)
         self._vocab = max(vocab, self._tokenizer.vocab_size)
         self._compiled: OrderedDict[str, Any] = OrderedDict()
+        # [memory gauges] worker/cache_gauges.py: what a compiled grammar costs inside llguidance is not
+        # visible, so the bytes counted (and bounded) are the grammar texts the cache is keyed by.
+        self.held_bytes = 0
+        self.max_bytes = COMPILED_GRAMMAR_BYTES
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._compiled)
 
     def start(self, grammar: str) -> RowConstraint:
         """A fresh matcher for one row. Raises ModelError for a grammar llguidance refuses (the frontend
@@ -92,7 +101,12 @@ class GrammarConstraints:
             if compiled.is_error():
                 raise ModelError(f"response_format grammar refused: {compiled.get_error()}")
             self._compiled[grammar] = compiled
-            while len(self._compiled) > COMPILED_GRAMMARS:
-                self._compiled.popitem(last=False)
+            self.held_bytes += len(grammar)  # [memory gauges]
+            while len(self._compiled) > COMPILED_GRAMMARS or (
+                self.held_bytes > self.max_bytes and len(self._compiled) > 1
+            ):
+                old, _ = self._compiled.popitem(last=False)
+                self.held_bytes -= len(old)  # [memory gauges]
+                self.evictions += 1
         self._compiled.move_to_end(grammar)
         return RowConstraint(compiled.deep_copy(), self._vocab)

@@ -28,7 +28,10 @@ Liveness: a heartbeat thread stamps the worker's slot row ("the process
 exists"); ``progress_ns`` is stamped only by the main loop, per turn (at most
 every ``LOOK_EVERY_S``), per engine step and per forward pass
 (worker/health.py), so the supervisor can tell a turning loop from a stuck one
-and replace the stuck one. A worker that finds its slot marked DEAD or taken
+and replace the stuck one; a generation engine with work also publishes a bound
+from its recent step times (``StepClock``), so a wedged one goes in seconds. A
+worker whose heartbeat lapsed long enough for the frontends to give up on it
+(SIGSTOP) drops what it had claimed before the lapse, unstepped, when it resumes. A worker that finds its slot marked DEAD or taken
 over exits at once (from the heartbeat thread, whatever the main thread is
 stuck in): in another container, where the supervisor cannot signal it, that is
 how a wedged worker is replaced.
@@ -47,7 +50,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -67,6 +70,7 @@ from shmgate.shared.errors import (
     InvalidRequest,
     ModelError,
     Overloaded,
+    PeerDied,
     RequestTimeout,
     SetupError,
     ShmgateError,
@@ -80,6 +84,7 @@ from shmgate.shared.stages import Stamp, Stamps
 from shmgate.shared.transport import PosixWorkerLink, WorkerLink
 from shmgate.shared.vocabulary import SlotState, check_model_id, now_ns
 from shmgate.shared.wire import (
+    GRAMMAR_TENSOR,
     INLINE_TENSOR,
     MAX_DELTA_CHARS,
     TASK_EMBED,
@@ -95,12 +100,13 @@ from shmgate.shared.wire import (
 from shmgate.worker.backends import load_backend
 from shmgate.worker.backends.base import BackendEvent, ModelBackend, WorkItem, batch_size_for
 from shmgate.worker.batcher import Batcher
+from shmgate.worker.cache_gauges import CacheGauges
 from shmgate.worker.config import WorkerOptions  # the worker's options are declared there (once)
 from shmgate.worker.device import Copy, DeviceCopier, check_device, pick_device, use_device
 from shmgate.worker.diagnostics import DiagnosticOptions
 from shmgate.worker.drain import StopRequest
 from shmgate.worker.encoder_share import SharedEncoderOutputs
-from shmgate.worker.health import Progress, is_sticky_device_error
+from shmgate.worker.health import Progress, StepClock, is_sticky_device_error
 from shmgate.worker.prefetch import Prefetcher
 from shmgate.worker.vectors import vector_messages
 
@@ -206,6 +212,11 @@ class Worker:
         check_model_id(self.backend.name)
         link.set_model(self.backend.name)
         self.backend.on_step = self.progress.step  # generative backends: progress per forward pass
+        # A stepping engine's stall bound from its recent step times (worker/health.py): a wedged one is
+        # replaced seconds after its last step. A batch backend's one long call per batch has no such rhythm.
+        self.step_clock: StepClock | None = StepClock(link.step_bound_stamper()) if self.backend.joins_running else None
+        self._cache_gauges = CacheGauges()  # the backend's caches in /metrics (worker/cache_gauges.py)
+        self._loop_thread = 0  # the engine loop's thread (run): only its blocking sends pause the step clock
         self.encoder_store: EncoderStore | None = None
         self.encoder_share: SharedEncoderOutputs | None = None
         if options.engine.encoder_share_mb > 0 and isinstance(instance, Instance):
@@ -214,7 +225,7 @@ class Worker:
         self._room = self._batch_size  # the engine's room after the last turn (read by the prefetch thread)
         self._interactive_seen = 0.0  # when the prefetch thread last saw interactive demand (time.monotonic)
         self.copier = DeviceCopier(self.device, link.mm)
-        self._host_only = frozenset((INLINE_TENSOR, *self.backend.host_tensors))
+        self._host_only = frozenset((INLINE_TENSOR, GRAMMAR_TENSOR, *self.backend.host_tensors))
         self._prefetcher: Prefetcher[list[_Job]] = Prefetcher(
             self._prepare, name=f"prefetch-{self.slot}", waiting=self._watch_held
         )
@@ -301,6 +312,7 @@ class Worker:
 
     def run(self) -> None:
         link = self.link
+        self._loop_thread = threading.get_ident()
         self.progress.step()  # before READY: loading the model was not a stall
         self._report_engine()  # its KV budget, from the start
         link.mark(SlotState.READY)
@@ -495,15 +507,23 @@ class Worker:
         for name, tensor in zip(copy.names, copy.tensors):
             by_name.setdefault(name, []).append(tensor)
         inline = submit.inline
+        params = submit.params
         for name, tensors in copy.host.items():
             if name == INLINE_TENSOR:
                 inline = b"".join(t.numpy().tobytes() for t in tensors)
+            elif name == GRAMMAR_TENSOR:  # a grammar too large for the descriptor (shared/wire.py)
+                try:
+                    grammar = b"".join(t.numpy().tobytes() for t in tensors).decode()
+                except UnicodeDecodeError:
+                    self._fail(submit, 0, DescriptorError("the request's grammar is not UTF-8"))
+                    return None
+                params = msgspec.structs.replace(params, grammar=grammar)
             else:
                 by_name.setdefault(name, []).extend(tensors)  # on the host: the backend asked for that
         return WorkItem(
             submit.request_id,
             by_name,
-            submit.params,
+            params,
             inline,
             submit.text,
             task=submit.task,
@@ -515,6 +535,9 @@ class Worker:
 
     def _admit(self, prepared: Sequence[_Job]) -> None:
         """Add prepared requests to the engine (each under a key of its own); they start at the next step."""
+        if self.step_clock is not None:
+            self.step_clock.idle()  # ``add`` is not a step (a new grammar compiles here): the stall timeout applies
+        self._drop_given_up([*prepared, *self._jobs.values()])
         compute = self.copier.compute_stream()
         added = 0
         for job in sorted(prepared, key=lambda job: job.submit.bulk):  # interactive requests first, then batch lines
@@ -522,6 +545,8 @@ class Worker:
             with self._cancel_lock:
                 if self._held.pop((job.submit.reply_slot, job.submit.request_id), None) is None:
                     continue  # its client hung up while it waited, and it was answered then (``_drop_held``)
+            if job.item.cancelled:  # given up while this worker was paused (_drop_given_up)
+                continue
             job.copy.hand_to(compute)  # the compute stream waits for the copy's event; the host does not
             if self._expired(job.submit):  # it may have waited for room since it was claimed
                 continue
@@ -540,8 +565,18 @@ class Worker:
         self.diagnostics.before_batch()
 
     def _step(self) -> None:
-        """One engine step: route its events; fail everything the engine holds if the step raised."""
+        """One engine step: route its events; fail everything the engine holds if the step raised.
+
+        Before it: requests that ended while the worker could not look (cancels, and everything its frontends
+        gave up on while it was paused) are aborted, so the step drops their rows instead of running them.
+        """
+        self._drop_given_up(self._jobs.values())
+        if self._jobs and time.monotonic() - self._cancels_read_at >= CANCEL_POLL_S:
+            self._drain_cancels()
         self.progress.step()
+        clock = self.step_clock
+        if clock is not None:
+            clock.busy()
         started = now_ns()
         # Tracing on, a step engine: the engine's counters around the step make its span (worker/tracing.py).
         traced_step = self.spans is not None and self.backend.joins_running
@@ -558,6 +593,8 @@ class Worker:
                 self._end(job, failed=ModelError(f"the model failed: {type(exc).__name__}"))
             events = []
         self.progress.step()
+        if clock is not None:
+            clock.note_step((now_ns() - started) / 1e9)
         if traced_step and before is not None:
             self._trace_step(started, before, events)
         for event in events:
@@ -565,6 +602,8 @@ class Worker:
             if routed is not None:
                 self._route(routed, event)
         idle = not self.backend.has_work()
+        if idle and clock is not None:
+            clock.idle()
         if idle or time.monotonic() - self._engine_reported_at >= ENGINE_REPORT_S:
             self._report_engine()
         if self._engine_counters:
@@ -581,8 +620,34 @@ class Worker:
                 done = self._batch_ended
                 self._batch_ended = []
                 self.spans.batch(done, ended, [job.item is not None and job.item.cancelled for job in done])
-        if self._jobs and time.monotonic() - self._cancels_read_at >= CANCEL_POLL_S:
-            self._drain_cancels()
+
+    def _drop_given_up(self, jobs: Iterable[_Job]) -> None:
+        """After a heartbeat lapse (a SIGSTOP, a starved process), end what was claimed before it, unstepped.
+
+        The frontends judged this worker dead during the lapse and retried those requests under new ids, or
+        failed them to their clients (gateway/replies.py): stepping them now would only delay the requests
+        that still wait, for output nobody reads. Each is aborted (its row leaves before the next step) and
+        answered with an error, in case a frontend did not give up after all.
+        """
+        lapse = self.link.heartbeat_lapse_ns()
+        if not lapse:
+            return
+        ended = 0
+        for job in list(jobs):
+            item = job.item
+            if item is None or item.cancelled or job.claimed_ns >= lapse:
+                continue
+            item.cancelled = True
+            if self._jobs.pop(item.key, None) is not None:
+                self.backend.abort(item.key)  # its row leaves at the next step, before any forward pass
+            self._fail(job.submit, job.seq, PeerDied("this worker was paused long enough to be judged dead"))
+            ended += 1
+        if ended:
+            log.warning(
+                "this worker was paused long enough for its frontends to give up on it: dropped %d requests it "
+                "had claimed before, without another step",
+                ended,
+            )
 
     def _trace_step(
         self, started: int, before: tuple[tuple[int, ...], tuple[int, ...]], events: Sequence[BackendEvent]
@@ -601,8 +666,11 @@ class Worker:
         self.spans.step(started, now_ns(), jobs, gauges, added)
 
     def _report_engine(self) -> None:
-        """Publish the engine's gauges and what its counters added since the last report."""
+        """Publish the engine's gauges and what its counters added since the last report, and its caches'."""
         self._engine_reported_at = time.monotonic()
+        caches = self.backend.caches()
+        if caches:
+            self.link.report_caches(self._cache_gauges.words(caches))
         report = self.backend.engine_report()
         if report is None:
             return
@@ -719,6 +787,12 @@ class Worker:
         link = self.link
         if slot >= link.n_frontends():
             return  # a forged or corrupt descriptor: nobody to answer
+        if self.step_clock is not None and threading.get_ident() == self._loop_thread:
+            try:
+                link.send_reply(slot, message, 0.0)
+                return
+            except ChannelFull:  # a wait for a slow reader is not a step: the stall timeout applies
+                self.step_clock.idle()
         for _ in range(3):
             try:
                 link.send_reply(slot, message, REPLY_TIMEOUT_S)

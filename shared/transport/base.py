@@ -170,8 +170,18 @@ class WorkerLink(Protocol):
 
     def stop_heartbeat(self) -> None: ...
 
+    def heartbeat_lapse_ns(self) -> int:
+        """When the latest gap of our heartbeat began, one long enough for frontends to judge us dead (0: none):
+        what we had claimed before it was retried or failed by them (shared/segment.py Heartbeat)."""
+
     def progress_stamper(self) -> Callable[[int], None]:
         """A cheap callable storing a progress stamp (ns) in our slot row."""
+
+    def step_bound_stamper(self) -> Callable[[int], None]:
+        """A cheap callable storing our stall bound (ns, 0: none) in our slot row (worker/health.py StepClock)."""
+
+    def report_caches(self, words: Sequence[int]) -> None:
+        """Our caches' gauges and eviction counts, WORKER_CACHE_WORDS per WORKER_CACHES entry (shared/stats_layout.py)."""
 
     def set_model(self, model_id: str) -> None: ...
 
@@ -247,6 +257,10 @@ class NodeStats(Protocol):
     def engine_totals(self) -> dict[str, int]:
         """The generation engines' words (shared/segment.py ENGINE_FIELDS) summed over worker rows."""
 
+    def worker_caches(self) -> dict[str, dict[str, int]]:
+        """The workers' caches (shared/stats_layout.py WORKER_CACHES: their WORKER_CACHE_FIELDS) summed over
+        worker rows."""
+
     def batch_histogram(self) -> np.ndarray: ...
 
     def preparing_requests(self) -> int: ...
@@ -280,6 +294,10 @@ class SupervisorLink(Protocol):
         """The ``SlotState`` in that row (READY once the child has started serving)."""
 
     def stalled(self, role: Role, slot: int) -> bool: ...
+
+    def stall_bound_s(self, role: Role, slot: int) -> tuple[float, bool]:
+        """How long that row may go without progress now, and whether that is a stepping worker's own bound
+        from its recent step times (else the stall timeout)."""
 
     def count_stall(self, role: Role, slot: int) -> None: ...
 

@@ -29,7 +29,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from shmgate.shared.errors import ChannelFull, DescriptorError, SetupError
-from shmgate.shared.stats_layout import BATCH_BUCKETS, ENGINE_FIELDS, ENGINE_GAUGES, STATS_WORDS, Counter
+from shmgate.shared.stats_layout import (
+    BATCH_BUCKETS,
+    ENGINE_FIELDS,
+    ENGINE_GAUGES,
+    STATS_WORDS,
+    WORKER_CACHE_FIELDS,
+    WORKER_CACHE_WORDS,
+    WORKER_CACHES,
+    Counter,
+)
 from shmgate.shared.transport.base import (
     INTERACTIVE,
     FrontendLink,
@@ -122,6 +131,8 @@ class _WorkerRow:
     alive: bool = True
     state: SlotState = SlotState.READY
     progress_ns: int = 0
+    step_bound_ns: int = 0  # worker/health.py StepClock
+    caches: tuple[int, ...] = ()  # WORKER_CACHES gauges (shared/stats_layout.py)
 
 
 class MemoryNode:
@@ -391,6 +402,22 @@ class MemoryWorkerLink:
     def stop_heartbeat(self) -> None:
         pass
 
+    def heartbeat_lapse_ns(self) -> int:
+        return 0  # nothing beats, so nothing lapses
+
+    def step_bound_stamper(self) -> Callable[[int], None]:
+        row = self.row
+
+        def stamp(ns: int) -> None:
+            row.step_bound_ns = ns
+
+        return stamp
+
+    def report_caches(self, words: Sequence[int]) -> None:
+        old = self.row.caches or (0,) * len(words)
+        step = WORKER_CACHE_WORDS  # gauges set, evictions (each cache's last word) added
+        self.row.caches = tuple(w + o if i % step == step - 1 else w for i, (w, o) in enumerate(zip(words, old)))
+
     def progress_stamper(self) -> Callable[[int], None]:
         row = self.row
 
@@ -494,6 +521,16 @@ class MemoryNodeStats:
     def engine_totals(self) -> dict[str, int]:
         return dict(self.node.engine)
 
+    def worker_caches(self) -> dict[str, dict[str, int]]:
+        summed = [0] * (len(WORKER_CACHES) * WORKER_CACHE_WORDS)
+        for row in self.node.workers:
+            for i, value in enumerate(row.caches):
+                summed[i] += value
+        return {
+            name: dict(zip(WORKER_CACHE_FIELDS, summed[index * WORKER_CACHE_WORDS : (index + 1) * WORKER_CACHE_WORDS]))
+            for index, name in enumerate(WORKER_CACHES)
+        }
+
     def engine_by_worker(self) -> list[tuple[int, str, dict[str, int]]]:
         return []  # one engine's words, summed in engine_totals: no per-worker rows here
 
@@ -570,6 +607,9 @@ class MemorySupervisorLink:
         """As the segment judges it: only a READY row stalls (a DEAD one is already dealt with)."""
         row = self.rows[role][slot]
         return self._stall_timeout_s > 0 and row.state == SlotState.READY and row.stalled
+
+    def stall_bound_s(self, role: Role, slot: int) -> tuple[float, bool]:
+        return self._stall_timeout_s, False  # a row's stall is a flag the test sets
 
     def count_stall(self, role: Role, slot: int) -> None:
         self.rows[role][slot].stalls += 1

@@ -20,8 +20,16 @@ from shmgate.shared.channels import AsyncQueueReader, AsyncSender, Queue, Yieldi
 from shmgate.shared.errors import ChannelFull, Overloaded
 from shmgate.shared.instance import Instance, instance_alive
 from shmgate.shared.locks import HolderKind
-from shmgate.shared.segment import Heartbeat, LockId, own_pidns
-from shmgate.shared.stats_layout import BATCH_BUCKETS, ENGINE_FIELDS, ENGINE_GAUGES, Counter
+from shmgate.shared.segment import HEARTBEAT_LAPSE_S, Heartbeat, LockId, own_pidns
+from shmgate.shared.stats_layout import (
+    BATCH_BUCKETS,
+    ENGINE_FIELDS,
+    ENGINE_GAUGES,
+    WORKER_CACHE_FIELDS,
+    WORKER_CACHE_WORDS,
+    WORKER_CACHES,
+    Counter,
+)
 from shmgate.shared.transport.base import (
     BULK,
     INTERACTIVE,
@@ -210,6 +218,28 @@ class PosixWorkerLink:
         if self._heartbeat is not None:
             self._heartbeat.stop()
 
+    def heartbeat_lapse_ns(self) -> int:
+        if self._heartbeat is None:
+            return 0
+        beat = int(self.segment.workers[self.slot]["beat_ns"])
+        if now_ns() - beat > HEARTBEAT_LAPSE_S * 1e9:
+            return beat  # resumed, and the heartbeat thread has not beaten yet: this lapse began at its last beat
+        return self._heartbeat.lapse_started_ns
+
+    def step_bound_stamper(self) -> Callable[[int], None]:
+        row = self.segment.workers[self.slot]
+
+        def stamp(ns: int) -> None:
+            row["step_bound_ns"] = ns
+
+        return stamp
+
+    def report_caches(self, words: Sequence[int]) -> None:
+        row = self.segment.workers["caches"][self.slot].reshape(len(WORKER_CACHES), WORKER_CACHE_WORDS)
+        new = np.asarray(words, dtype=np.uint64).reshape(row.shape)
+        row[:, :-1] = new[:, :-1]  # gauges
+        row[:, -1] += new[:, -1]  # evictions: increments since the last report
+
     def progress_stamper(self) -> Callable[[int], None]:
         row = self.segment.workers[self.slot]
 
@@ -342,6 +372,14 @@ class PosixNodeStats:
         hist: np.ndarray = self.segment.workers["batch_hist"].sum(axis=0)
         return hist
 
+    def worker_caches(self) -> dict[str, dict[str, int]]:
+        """Summed over worker rows: each WORKER_CACHES entry's WORKER_CACHE_FIELDS."""
+        summed = self.segment.workers["caches"].sum(axis=0).reshape(len(WORKER_CACHES), WORKER_CACHE_WORDS)
+        return {
+            name: dict(zip(WORKER_CACHE_FIELDS, (int(v) for v in summed[index].tolist())))
+            for index, name in enumerate(WORKER_CACHES)
+        }
+
     def engine_totals(self) -> dict[str, int]:
         summed = self.segment.workers["engine"].sum(axis=0).tolist()
         return dict(zip(ENGINE_FIELDS, (int(v) for v in summed)))
@@ -409,6 +447,11 @@ class PosixSupervisorLink:
 
     def stalled(self, role: Role, slot: int) -> bool:
         return self.segment.stalled(self._table(role), slot)
+
+    def stall_bound_s(self, role: Role, slot: int) -> tuple[float, bool]:
+        table = self._table(role)
+        bound_ns = self.segment.stall_bound_ns(table, slot)
+        return bound_ns / 1e9, role == "worker" and bound_ns == int(table[slot]["step_bound_ns"]) > 0
 
     def count_stall(self, role: Role, slot: int) -> None:
         self._table(role)["stalls"][slot] += 1

@@ -20,13 +20,14 @@ and the worker only ever sees tensors. A backend never touches shared memory.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from shmgate.shared.errors import ModelError, ShmgateError
 from shmgate.shared.wire import SamplingParams, TokenLogprob
+from shmgate.worker.cache_gauges import SizedCache
 
 __all__ = ["DEFAULT_BATCH_SIZE", "BackendEvent", "BatchEngine", "ModelBackend", "WorkItem", "batch_size_for"]
 
@@ -167,6 +168,11 @@ class ModelBackend(abc.ABC):
         """A generation engine's gauges and counters for /metrics (shared/stats_layout.py ENGINE_FIELDS
         order: the gauges, then the counters' totals since it started); None: nothing to report."""
         return None
+
+    def caches(self) -> Mapping[str, SizedCache | None]:
+        """The caches this backend keeps in its own memory, by their name in shared/stats_layout.py
+        WORKER_CACHES (None: not built yet); the worker publishes their gauges (worker/cache_gauges.py)."""
+        return {}
 
 
 class BatchEngine:

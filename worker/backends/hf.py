@@ -53,6 +53,7 @@ from shmgate.shared.families import HOST_TENSORS, ModelInputs, input_layout
 from shmgate.shared.hf_families import HF_FAMILIES, chat_family  # each family's record, naming its style
 from shmgate.shared.models import model_id_for  # rules: shared/models.py
 from shmgate.worker.backends.base import WorkItem
+from shmgate.worker.cache_gauges import SizedCache  # [memory gauges]
 from shmgate.worker.encoder_share import SharedEncoderOutputs  # [shared encoder outputs]
 from shmgate.worker.generation import (
     EncoderCache,
@@ -173,7 +174,11 @@ class HFBackend(GenerationEngine):
             max_positions=self._layout.max_positions,
             eos_token_ids=_eos_ids(self.model, tokenizer),
             default_max_tokens=default_max_tokens,
-            kv_budget=kv_cache_tokens or kv_budget_from_free_memory(self.model, device, self.dtype),
+            kv_budget=kv_cache_tokens
+            # [memory gauges] the encoder and prefix caches' bounds are not free for KV: they fill later
+            or kv_budget_from_free_memory(
+                self.model, device, self.dtype, int((encoder_cache_mb + prefix_cache_mb) * (1 << 20)) if chunks else 0
+            ),
             max_num_batched_tokens=max_num_batched_tokens,
             chunked_prefill=chunks,
         )
@@ -182,6 +187,9 @@ class HFBackend(GenerationEngine):
         self.prefix_cache = PrefixCache(int(prefix_cache_mb * (1 << 20)) if self._chunks else 0)
         # [shared encoder outputs] set by worker/main.py (--encoder-share-mb): other workers' tower runs
         self.encoder_share: SharedEncoderOutputs | None = None
+
+    def caches(self) -> dict[str, SizedCache | None]:  # [memory gauges] worker/cache_gauges.py
+        return {"encoder": self.encoder_cache, "prefix": self.prefix_cache, "grammar": self._grammars}
 
     # -- the model's part of a step (generation/engine.py calls these) ----------------------------------
 

@@ -21,6 +21,7 @@ class EncoderCache:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.held_bytes = 0
+        self.evictions = 0  # [memory gauges] entries dropped for room (worker/cache_gauges.py)
         self._entries: OrderedDict[tuple[bytes, tuple[int, ...]], torch.Tensor] = OrderedDict()
 
     def __len__(self) -> int:
@@ -39,5 +40,6 @@ class EncoderCache:
         while self.held_bytes + size > self.max_bytes:
             _, old = self._entries.popitem(last=False)
             self.held_bytes -= old.numel() * old.element_size()
+            self.evictions += 1  # [memory gauges]
         self._entries[key] = features
         self.held_bytes += size

@@ -99,9 +99,9 @@ def cache_field() -> str:
     return "cache" if "cache" in getattr(CausalLMOutputWithPast, "__dataclass_fields__", {}) else "past_key_values"
 
 
-def kv_budget_from_free_memory(model: Any, device: torch.device, dtype: torch.dtype) -> int:
+def kv_budget_from_free_memory(model: Any, device: torch.device, dtype: torch.dtype, reserved: int = 0) -> int:
     """On CUDA: the token positions ``KV_SHARE_OF_FREE`` of the memory free after the weights holds; 0 (no
-    budget) elsewhere."""
+    budget) elsewhere. ``reserved``: bytes the worker's caches may fill later (their bounds), not free for KV."""
     if device.type != "cuda":
         return 0
     text = model.config.get_text_config()
@@ -109,4 +109,5 @@ def kv_budget_from_free_memory(model: Any, device: torch.device, dtype: torch.dt
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     per_token = 2 * text.num_hidden_layers * heads * head_dim * torch.tensor([], dtype=dtype).element_size()
     free, _ = torch.cuda.mem_get_info(device)
+    free = max(0, free - reserved)  # [memory gauges] the caches' bounds
     return max(1, int(free * KV_SHARE_OF_FREE) // per_token)

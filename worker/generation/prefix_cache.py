@@ -77,6 +77,7 @@ class PrefixCache:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.held_bytes = 0
+        self.evictions = 0  # [memory gauges] entries dropped for room (worker/cache_gauges.py)
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
         self._index: dict[bytes, tuple[int, int]] = {}  # boundary hash -> (entry, tokens up to it)
         self._next = 0
@@ -126,6 +127,7 @@ class PrefixCache:
     def _evict(self) -> None:
         entry_id, entry = self._entries.popitem(last=False)
         self.held_bytes -= entry.nbytes
+        self.evictions += 1  # [memory gauges]
         for digest in entry.hashes:
             if self._index.get(digest, (0, 0))[0] == entry_id:
                 del self._index[digest]
