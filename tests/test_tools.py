@@ -642,3 +642,33 @@ def test_a_batch_line_with_tools_answers_with_calls(client: openai.OpenAI) -> No
     assert output["response"]["body"]["choices"][0]["finish_reason"] == "tool_calls"
     for call in message["tool_calls"]:
         check_call(call["function"]["name"], call["function"]["arguments"])
+
+
+def test_a_large_toolset_rides_in_the_arena(client: openai.OpenAI) -> None:
+    """Ten functions: a grammar of ~4 KiB, over what a request descriptor carries inline (more would not
+    fit the tiny model's 4,096-token context, its byte-level vocabulary spelling the definitions out)."""
+    many = [
+        {
+            "type": "function",
+            "function": {
+                "name": f"action_{i}",
+                "parameters": {
+                    "type": "object",
+                    "properties": {
+                        "x": {"type": "integer", "minimum": 0, "maximum": 4096},
+                        "mode": {"enum": ["left", "right", "double"]},
+                        "note": {"type": "string", "maxLength": 8},
+                    },
+                    "required": ["x", "mode"],
+                    "additionalProperties": False,
+                },
+            },
+        }
+        for i in range(10)
+    ]
+    done = client.chat.completions.create(
+        model=VLM, messages=[{"role": "user", "content": "Act."}], tools=many, tool_choice="required", parallel_tool_calls=False, max_tokens=80
+    )
+    (call,) = done.choices[0].message.tool_calls or []
+    schema = many[int(call.function.name.removeprefix("action_"))]["function"]["parameters"]
+    jsonschema.validate(json.loads(call.function.arguments), schema)
