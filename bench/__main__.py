@@ -30,7 +30,8 @@ SCENARIOS: dict[str, tuple[str, str]] = {
         "bench.encoder_share",
         "a vision tower's time per image against sharing its output between workers",
     ),
-    "grammar-cost": ("bench.grammar_cost", "a response_format grammar's cost per generated token, in process"),
+    "grammar-cost": ("bench.grammar_cost", "a response_format or tool grammar's cost per generated token, in process"),
+    "tool-families": ("bench.tool_families", "every chat family's tiny model writing tool calls under the grammar"),
     "schema-corpus": (
         "bench.schema_corpus",
         "real-world JSON Schemas as response_format: accepted, refused, valid, cut; the largest's compile time",

@@ -124,7 +124,10 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         preprocessors = []
         for model in models:
             preprocessor = get_preprocessor(
-                model.model, max_images=options.intake.max_images, processor_kwargs=model.mm_processor_kwargs or None
+                model.model,
+                max_images=options.intake.max_images,
+                processor_kwargs=model.mm_processor_kwargs or None,
+                tool_chat_template=options.tool_chat_template,  # tools
             )
             if model.served_model_name:
                 preprocessor.model = model.served_model_name

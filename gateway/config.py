@@ -41,6 +41,16 @@ def _allowlist(text: str) -> str:
     return text
 
 
+def _readable_file(text: str) -> str:
+    """Check a file flag names a readable file when the flags are parsed."""
+    try:
+        with open(text, encoding="utf-8") as f:
+            f.read(1)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r}: {exc}") from None
+    return text
+
+
 @dataclass(frozen=True, kw_only=True)
 class ServerOptions:
     GROUP: ClassVar[str] = "server"
@@ -69,6 +79,12 @@ class ServerOptions:
         "on SIGTERM, how long requests in flight may take to finish",
         default="30",
         type=flag_types.non_negative_float,
+    )
+    tool_chat_template: str | None = option(  # tools: read by gateway/tool_prompt.py
+        "hf: chat models: a Jinja chat template file for requests with tools, calls or tool results, used "
+        "instead of the checkpoint's template (it reads tools; docs/MODELS.md 'Tool calling')",
+        shown_default="none: the checkpoint's template if it reads tools, else the family's tool format",
+        type=_readable_file,
     )
 
 

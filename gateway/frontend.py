@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ from shmgate.gateway.config import LimitOptions
 from shmgate.gateway.images import ImageResolver
 from shmgate.gateway.intake import GenerationRequest
 from shmgate.gateway.metrics import Counter, FrontendStats
-from shmgate.gateway.preprocess.base import ImageTensorSpec, Preprocessor
+from shmgate.gateway.preprocess.base import ImageTensorSpec, Preprocessor, PromptInputs
 from shmgate.gateway.replies import ReplyRouter
 from shmgate.gateway.request_context import INTERACTIVE_REQUEST, RequestContext
 from shmgate.gateway.request_state import Phase, RequestState
@@ -272,12 +273,13 @@ class Frontend:
         try:
             await images.resolve(chat.images, chat.image_params, groups, chat.image_options, context)
             specs: list[ImageTensorSpec] = [{r.name: (r.dtype, r.shape) for r in g.refs} for g in groups]
+            build: Callable[..., PromptInputs] = pre.build_prompt
+            if chat.template_args:  # tools: the template's tools, an operator's tool template
+                build = functools.partial(pre.build_prompt, **chat.template_args)
             if pre.prompt_is_cheap:
-                prompt = pre.build_prompt(chat.messages, specs)
+                prompt = build(chat.messages, specs)
             else:
-                prompt = await loop.run_in_executor(
-                    self.images.pool_for(context.bulk), pre.build_prompt, chat.messages, specs
-                )
+                prompt = await loop.run_in_executor(self.images.pool_for(context.bulk), build, chat.messages, specs)
             inline = prompt.inline
             image_keys = tuple(group.key or b"" for group in groups)  # before the inline group joins them
             if len(inline) > INLINE_MAX_BYTES:

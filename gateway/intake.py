@@ -15,8 +15,9 @@ Unknown fields, the rule:
   thing it asked for: ``FORM_FIELDS`` (vLLM's structured-output names ``guided_*``,
   ``structural_tag``, ``structured_outputs``; OpenAI's ``audio``, ``prediction``,
   ``web_search_options``; vLLM's ``prompt_logprobs``, ``logits_processors``, a true ``echo``),
-  ``modalities`` other than ``["text"]``, and the known-but-unsupported ``tools``,
-  ``functions``, ``tool_choice`` and ``function_call``; ``response_format`` becomes a grammar (gateway/structured.py).
+  ``modalities`` other than ``["text"]``, and the legacy ``functions`` and ``function_call`` (send
+  ``tools``); ``response_format`` becomes a grammar (gateway/structured.py), ``tools`` and ``tool_choice``
+  the calls a grammar forces (gateway/tools.py).
   ``null`` counts as absent, as vLLM and OpenAI's SDKs treat it.
 - Ignored, and logged once per name per process: any other name. OpenAI's SDKs and the
   frameworks on top of them send fields a server may not know (``store``, ``metadata``,
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import binascii
 import importlib
+import json
 import logging
 import re
 from collections.abc import Callable, Mapping
@@ -40,6 +42,7 @@ from typing import Annotated, Any, Literal, Union
 import msgspec
 
 from shmgate.gateway.structured import grammar_for
+from shmgate.gateway.tools import ToolCalling, parse_tools
 from shmgate.gateway.video import ACCEPTED_VIDEO_TYPES, VIDEO_DETAIL  # video parts (gateway/video.py)
 from shmgate.shared.errors import ImageTooLarge, InvalidRequest, RequestError, TooManyImages, UndecodableImage
 from shmgate.shared.vocabulary import material_digest
@@ -97,10 +100,25 @@ class VideoPart(msgspec.Struct, tag="video_url", tag_field="type"):  # vLLM's fo
 Part = Union[TextPart, ImagePart, VideoPart]
 
 
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str  # a JSON object, as text (OpenAI's form)
+
+
+class ToolCallPart(msgspec.Struct):
+    """An earlier answer's call, sent back in an assistant message's ``tool_calls``."""
+
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
 class Message(msgspec.Struct):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[Part] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallPart] | None = None  # assistant messages: the calls it made
+    tool_call_id: str | None = None  # tool messages: the call this is the result of
 
 
 class StreamOptions(msgspec.Struct):
@@ -332,6 +350,9 @@ class GenerationRequest:
     processor_kwargs: dict[str, Any] | None = None  # the request's mm_processor_kwargs
     # Each image's processor arguments (detail and mm_processor_kwargs, gateway/fields.py); empty: none.
     image_options: list[dict[str, Any]] = field(default_factory=list)
+    tools: ToolCalling | None = None  # the functions the answer may call (gateway/tools.py); None: none
+    # The chat template's extra arguments (``tools``, an operator's ``chat_template``: gateway/tool_prompt.py)
+    template_args: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -461,6 +482,7 @@ def chat_request_from(
     except RequestError as exc:
         exc.param = None if exc.param is None else names.top(exc.param)
         raise
+    tools = parse_tools(req.tools, req.tool_choice, req.parallel_tool_calls)  # its errors name tools[i]...
     messages: list[dict[str, Any]] = []
     images: list[bytes | EncodedImage] = []
     image_params: list[str] = []
@@ -514,6 +536,9 @@ def chat_request_from(
             raise InvalidRequest(f"at most {limits.max_parts} content parts are accepted", param=names.messages)
         if n_chars > limits.max_text_chars:
             raise InvalidRequest(f"the text is longer than {limits.max_text_chars} characters", param=names.messages)
+        if message.tool_calls or message.role == "tool":
+            messages.append(_tool_message(f"{names.messages}[{i}]", message, parts))
+            continue
         messages.append({"role": message.role, "content": parts})
     return GenerationRequest(
         model=req.model,
@@ -527,7 +552,37 @@ def chat_request_from(
         n=req.n or 1,
         image_details=details,
         processor_kwargs=req.mm_processor_kwargs,
+        tools=tools,
     )
+
+
+def _tool_message(where: str, message: Message, parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """An assistant message with calls, or a tool result, in the chat templates' form (text content;
+    each call's arguments an object, as templates write them with ``tojson``). Raises InvalidRequest."""
+    if any(part["type"] != "text" for part in parts):
+        raise InvalidRequest("tool calls and tool results carry text only", param=f"{where}.content")
+    text = "".join(part["text"] for part in parts)
+    if message.role == "tool":
+        if not message.tool_call_id:
+            raise InvalidRequest("a tool message needs the tool_call_id it answers", param=f"{where}.tool_call_id")
+        return {"role": "tool", "content": text, "tool_call_id": message.tool_call_id}
+    if message.role != "assistant":
+        raise InvalidRequest("only assistant messages carry tool_calls", param=f"{where}.tool_calls")
+    calls = []
+    for j, call in enumerate(message.tool_calls or []):
+        try:
+            arguments = json.loads(call.function.arguments)
+        except ValueError:
+            arguments = None
+        if not isinstance(arguments, dict):
+            raise InvalidRequest(
+                "a call's arguments are a JSON object, as text",
+                param=f"{where}.tool_calls[{j}].function.arguments",
+            )
+        calls.append(
+            {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
+        )
+    return {"role": "assistant", "content": text, "tool_calls": calls}
 
 
 def _sampling(req: ChatCompletionRequest) -> SamplingParams:
@@ -568,19 +623,19 @@ def _sampling(req: ChatCompletionRequest) -> SamplingParams:
 
 
 def check_unsupported(req: ChatCompletionRequest) -> None:
-    """Refuse, with a 400 naming the field, what no model here does: tools, other modalities.
+    """Refuse, with a 400 naming the field, what no model here does: legacy functions, other modalities.
 
     Why refuse rather than ignore: a client that asks for a JSON object or a tool call and gets
     free text back fails later and further from the cause.
     """
-    if req.tools:
-        raise InvalidRequest("tools (function calling) are not supported by this server", param="tools")
     if req.functions:
-        raise InvalidRequest("functions (function calling) are not supported by this server", param="functions")
-    if req.tool_choice is not None and req.tool_choice != "none":
-        raise InvalidRequest('tool_choice is not supported; only "none" is accepted', param="tool_choice")
+        raise InvalidRequest(
+            "functions (the legacy form of function calling) are not supported; send tools", param="functions"
+        )
     if req.function_call is not None and req.function_call != "none":
-        raise InvalidRequest('function_call is not supported; only "none" is accepted', param="function_call")
+        raise InvalidRequest(
+            "function_call (the legacy form of tool_choice) is not supported; send tool_choice", param="function_call"
+        )
     for name, feature in FORM_FIELDS.items():
         if getattr(req, name) is not None:
             raise InvalidRequest(

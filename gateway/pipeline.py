@@ -37,6 +37,7 @@ from shmgate.gateway.render import Answer, AnswerFormat, KeepAnswer, answer, cac
 from shmgate.gateway.request_context import INTERACTIVE_REQUEST, RequestContext
 from shmgate.gateway.result_cache import ResultCache, answer_key, keyed_off_the_loop
 from shmgate.gateway.served import Served
+from shmgate.gateway.tool_answer import with_tools  # tools
 from shmgate.shared.errors import InvalidRequest, RequestError
 from shmgate.shared.stages import Stage
 from shmgate.shared.wire import Finished
@@ -110,6 +111,7 @@ async def _generate(s: Served, arrival: Arrival, codec: Codec) -> Answer:
     chat = with_image_options(chat, pre)
     if not pre.serves_chat:
         raise InvalidRequest(f"{pre.model} is an embedding model; use POST /v1/embeddings", param="model")
+    chat, fmt = with_tools(chat, fmt, pre)  # tools: the prompt's tool format, the calls' grammar and reader
     spans = arrival.context.spans
     if chat.pending_urls:
         if spans is None:

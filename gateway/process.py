@@ -59,6 +59,7 @@ def app_options(config: FrontendConfig) -> AppOptions:
         server_timing=config.options.observability.server_timing,
         allowed_hosts=parse_allowed_hosts(server.allowed_hosts) or default_allowed_hosts(server.host),
         processor_kwargs=dict(first.mm_processor_kwargs) or None,
+        tool_chat_template=_text_of(server.tool_chat_template),  # tools
         models=config.models,
         created=config.started_at,
         batch_dir=batch.batch_dir or default_batch_dir(server.port),
@@ -72,6 +73,14 @@ def app_options(config: FrontendConfig) -> AppOptions:
     )
 
 
+def _text_of(path: str | None) -> str | None:
+    """A file flag's text (checked readable when the flags were parsed), None without one."""
+    if not path:
+        return None
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
 def run_frontend(config: FrontendConfig) -> int:
     from shmgate.shared.parent_death import follow_supervisor
 
@@ -81,6 +90,7 @@ def run_frontend(config: FrontendConfig) -> int:
     import uvicorn
 
     from shmgate.gateway.app import create_app
+
     options = config.options
     from shmgate.gateway.http_limits import ConnectionLimits, http_protocol
     from shmgate.gateway.sockets import bind_frontend

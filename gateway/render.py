@@ -87,6 +87,7 @@ class Outcome:
     prompt_tokens: int
     completion_tokens: int  # every choice's, added up
     logprobs: list[list[dict[str, Any]]] | None = None
+    tool_calls: list[list[Any]] | None = None  # tools: each choice's calls (gateway/tool_answer.py), texts without them
 
 
 class AnswerFormat(Protocol):

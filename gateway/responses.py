@@ -6,17 +6,20 @@ or messages whose content is ``input_text`` and ``input_image`` parts; ``output_
 earlier answer sent back as an assistant message) turns into chat messages, ``instructions`` into a
 system message in front of them, ``max_output_tokens``, ``temperature`` and ``top_p`` into sampling,
 ``presence_penalty``, ``frequency_penalty`` and ``top_logprobs`` (or ``include``
-``message.output_text.logprobs``) as chat takes them, ``text.format`` (json_schema, json_object) into the grammar of structured outputs
-(gateway/structured.py). Images are data URLs, or http(s) URLs under ``--allow-image-urls``, as in chat.
-The answer is written by gateway/responses_format.py.
+``message.output_text.logprobs``) as chat takes them, ``text.format`` (json_schema, json_object) into the
+grammar of structured outputs (gateway/structured.py), function ``tools`` and ``tool_choice`` into the calls
+a grammar forces (gateway/tools.py); ``function_call`` and ``function_call_output`` input items (an earlier
+answer's calls and their results) into the conversation's calls and tool messages. Images are data URLs,
+or http(s) URLs under ``--allow-image-urls``, as in chat. The answer is written by gateway/responses_format.py.
 
 Every field is honoured or refused with a 400 naming it, never ignored:
 - kept with no response store: ``store`` (only false; the default here is false, not OpenAI's true)
   and ``previous_response_id`` (refused: nothing is kept to continue from);
 - echoed in the response, as OpenAI does: ``metadata``, ``user``, ``safety_identifier``,
-  ``parallel_tool_calls`` (no tools are called), ``tool_choice`` ``none`` or ``auto``, ``truncation``
-  ``disabled``, ``service_tier`` ``auto`` or ``default``, ``text.verbosity`` ``medium``;
-- refused when present: tools, reasoning, ``include`` other than ``message.output_text.logprobs``,
+  ``parallel_tool_calls``, ``tool_choice``, ``tools`` (function tools; built-in tools are refused naming
+  ``tools[i].type``), ``truncation`` ``disabled``, ``service_tier`` ``auto`` or ``default``,
+  ``text.verbosity`` ``medium``;
+- refused when present: reasoning, ``include`` other than ``message.output_text.logprobs``,
   ``background``, ``conversation``, ``prompt``, ``stream_options``, the prompt-cache options and the rest of ``REFUSED``; and
   any name this server does not know (unlike chat, whose older clients send extra fields, every
   client of this API knows what it sends).
@@ -34,6 +37,7 @@ import msgspec
 from shmgate.gateway.intake import (
     ChatCompletionRequest,
     FieldNames,
+    FunctionCall,
     GenerationRequest,
     ImagePart,
     ImageURL,
@@ -41,11 +45,13 @@ from shmgate.gateway.intake import (
     Message,
     Part,
     TextPart,
+    ToolCallPart,
     chat_request_from,
     decode_body,
 )
 from shmgate.gateway.render import AnswerFormat
 from shmgate.gateway.responses_format import ResponsesFormat
+from shmgate.gateway.tools import parse_tools
 from shmgate.shared.errors import InvalidRequest
 
 __all__ = [
@@ -88,6 +94,39 @@ class InputMessage(msgspec.Struct, forbid_unknown_fields=True):
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
+class FunctionCallItem(msgspec.Struct, forbid_unknown_fields=True):
+    """An earlier answer's call, sent back in ``input``."""
+
+    call_id: str
+    name: str
+    arguments: str  # a JSON object, as text
+    type: Literal["function_call"] = "function_call"
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+class FunctionCallOutputItem(msgspec.Struct, forbid_unknown_fields=True):
+    """A call's result, sent back in ``input``."""
+
+    call_id: str
+    output: str
+    type: Literal["function_call_output"] = "function_call_output"
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+InputItem = Annotated[
+    dict[str, Any],
+    msgspec.Meta(description="a message (role, content), a function_call or a function_call_output item"),
+]
+_ITEMS: dict[Any, type[InputMessage | FunctionCallItem | FunctionCallOutputItem]] = {
+    None: InputMessage,
+    "message": InputMessage,
+    "function_call": FunctionCallItem,
+    "function_call_output": FunctionCallOutputItem,
+}
+
+
 class TextConfig(msgspec.Struct, forbid_unknown_fields=True):
     format: dict[str, Any] | None = None  # {"type": "text" | "json_object" | "json_schema", ...}
     verbosity: Literal["medium"] | None = None  # the only verbosity of a model that is not a reasoning model
@@ -95,7 +134,7 @@ class TextConfig(msgspec.Struct, forbid_unknown_fields=True):
 
 class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True):
     model: str
-    input: str | list[InputMessage]
+    input: str | list[InputItem]
     instructions: str | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
@@ -107,7 +146,10 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True):
     user: str | None = None
     safety_identifier: str | None = None
     parallel_tool_calls: bool | None = None
-    tool_choice: Annotated[Any, msgspec.Meta(description='only "none" or "auto": no tools')] = None
+    tool_choice: Annotated[
+        Any, msgspec.Meta(description='"none", "auto", "required" or {"type": "function", "name"}')
+    ] = None
+    tools: Annotated[list[Any] | None, msgspec.Meta(description="function tools; built-in tools are refused")] = None
     truncation: Literal["disabled"] | None = None
     service_tier: Literal["auto", "default"] | None = None
     presence_penalty: float | None = None
@@ -117,7 +159,6 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True):
     # REFUSED: decoded with the rest, so refusing them costs no second pass
     previous_response_id: Refused = None
     conversation: Refused = None
-    tools: Refused = None
     reasoning: Refused = None
     background: Refused = None
     prompt: Refused = None
@@ -133,12 +174,11 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True):
 REFUSED: dict[str, str] = {
     "previous_response_id": "this server keeps no responses to continue from; send the conversation in input",
     "conversation": "this server keeps no conversations; send the conversation in input",
-    "tools": "tools (function calling, built-in tools) are not supported by this server",
     "reasoning": "reasoning options are not supported: these models do not reason before answering",
     "background": "background responses need a response store, which this server does not have",
     "prompt": "stored prompt templates are not supported; send instructions and input",
     "stream_options": "stream options are not supported",
-    "max_tool_calls": "tools are not supported by this server",
+    "max_tool_calls": "a bound on the calls is not supported; parallel_tool_calls: false allows one",
     "prompt_cache_key": "prompt cache options are not supported",
     "prompt_cache_retention": "prompt cache options are not supported",
     "prompt_cache_options": "prompt cache options are not supported",
@@ -160,7 +200,7 @@ def parse_responses_request(body: bytes, limits: IntakeLimits) -> tuple[Generati
     req = _decode(body)
     _check_refused(req)
     if isinstance(req.input, list):
-        messages = [_message(i, m) for i, m in enumerate(req.input)]
+        messages = _messages([_item(i, item) for i, item in enumerate(req.input)])
     else:
         messages = [Message("user", req.input)]
     if not messages:
@@ -184,6 +224,7 @@ def parse_responses_request(body: bytes, limits: IntakeLimits) -> tuple[Generati
         top_logprobs=req.top_logprobs if _wants_logprobs(req) else None,
     )
     chat = chat_request_from(chat_form, limits, _STRING_NAMES if isinstance(req.input, str) else _NAMES)
+    chat = dataclasses.replace(chat, tools=parse_tools(req.tools, req.tool_choice, req.parallel_tool_calls, flat=True))
     if req.instructions:  # in front of the conversation, as OpenAI places them
         system = {"role": "system", "content": [{"type": "text", "text": req.instructions}]}
         chat = dataclasses.replace(chat, messages=[system, *chat.messages])
@@ -227,8 +268,6 @@ def _check_refused(req: ResponsesRequest) -> None:
             raise InvalidRequest(
                 f"include {item[:60]!r} is not supported: only {LOGPROBS_INCLUDE!r} is available", param="include"
             )
-    if req.tool_choice is not None and req.tool_choice not in ("none", "auto"):
-        raise InvalidRequest('tool_choice is not supported; only "none" or "auto" (no tools)', param="tool_choice")
     if req.metadata is not None and (
         len(req.metadata) > MAX_METADATA_PAIRS
         or any(len(k) > MAX_METADATA_KEY_CHARS or len(v) > MAX_METADATA_VALUE_CHARS for k, v in req.metadata.items())
@@ -238,6 +277,55 @@ def _check_refused(req: ResponsesRequest) -> None:
             f"and values of at most {MAX_METADATA_VALUE_CHARS} characters",
             param="metadata",
         )
+
+
+def _item(i: int, item: dict[str, Any]) -> InputMessage | FunctionCallItem | FunctionCallOutputItem:
+    """One ``input`` item as its type; a failure names the item's field (``input[2].call_id``)."""
+    kind = item.get("type")
+    cls = _ITEMS.get(kind)
+    if cls is None:
+        raise InvalidRequest(
+            f"input items are messages, function_call or function_call_output, not {str(kind)[:40]!r}",
+            param=f"input[{i}].type",
+        )
+    try:
+        return msgspec.convert(item, cls)
+    except msgspec.ValidationError as exc:
+        match = _UNKNOWN.search(str(exc))
+        if match is not None:
+            where = f"input[{i}]" + (f".{match.group(2)}" if match.group(2) else "")
+            raise InvalidRequest(
+                f"Unrecognized request argument supplied: {match.group(1)} (not supported by this server)",
+                param=f"{where}.{match.group(1)}",
+            ) from None
+        at = re.search(r"at `\$\.?([^`]*)`", str(exc))
+        raise InvalidRequest(
+            f"invalid request: {exc}", param=f"input[{i}]" + (f".{at.group(1)}" if at and at.group(1) else "")
+        ) from None
+
+
+def _messages(items: list[InputMessage | FunctionCallItem | FunctionCallOutputItem]) -> list[Message]:
+    """The input items as chat messages: calls join the assistant message before them (or make one), a
+    call's output is a tool message. Each message keeps its item's index, so errors name the same place."""
+    messages: list[Message] = []
+    for i, item in enumerate(items):
+        if isinstance(item, InputMessage):
+            messages.append(_message(i, item))
+            continue
+        if isinstance(item, FunctionCallOutputItem):
+            messages.append(Message("tool", item.output, tool_call_id=item.call_id))
+            continue
+        call = ToolCallPart(item.call_id, FunctionCall(item.name, item.arguments))
+        last = messages[-1] if messages else None
+        if (
+            last is not None
+            and last.role == "assistant"
+            and (last.tool_calls or isinstance(items[i - 1], InputMessage))
+        ):
+            last.tool_calls = [*(last.tool_calls or []), call]
+        else:
+            messages.append(Message("assistant", "", tool_calls=[call]))
+    return messages
 
 
 def _message(i: int, message: InputMessage) -> Message:

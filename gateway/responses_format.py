@@ -20,6 +20,14 @@ present: settings this server does not have are their neutral values (``reasonin
 false, ``max_tool_calls`` and ``prompt_cache_key`` null), and ``completed_at`` is set once it completed.
 With ``top_logprobs`` or ``include: ["message.output_text.logprobs"]`` each ``output_text`` carries its
 tokens' log-probabilities, on the delta events too.
+
+response carries the error. The answer has one output message (the API has no ``n``).
+
+With function tools (gateway/tool_answer.py ``ToolAnswer`` reads the calls out of the text) the output is
+the message, only when there is text, then one ``function_call`` item per call (``call_id``, ``name``,
+``arguments``). Streamed, the message's events come when its first text does, and each call is
+``response.output_item.added`` (arguments ""), ``response.function_call_arguments.delta`` ...,
+``response.function_call_arguments.done``, ``response.output_item.done``.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from shmgate.shared.errors import ShmgateError
 if TYPE_CHECKING:
     from shmgate.gateway.render import Outcome
     from shmgate.gateway.responses import ResponsesRequest
+    from shmgate.gateway.tool_output import ToolCall
 
 __all__ = ["ResponsesFormat"]
 
@@ -51,6 +60,10 @@ class ResponsesFormat:
         self.item_id = f"msg_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
         self.sequence = 0
+        self.calls_possible = False  # tools: the message opens with its first text (``expect_calls``)
+        self._items: list[dict[str, Any]] = []  # streamed with tools: the output items opened, in order
+        self._text: list[str] = []  # the open message's text so far
+        self._call_items: dict[str, str] = {}  # a call's id -> its item's id
         self.logprobs: list[dict[str, Any]] = []  # the entries sent so far on delta events (a stream)
 
     # -- objects -------------------------------------------------------------------
@@ -91,7 +104,11 @@ class ResponsesFormat:
                 "verbosity": "medium",
             },
             "tool_choice": req.tool_choice or "auto",
-            "tools": [],
+            "tools": [
+                {"strict": None, "description": None, "parameters": None, **t}
+                for t in req.tools or []
+                if isinstance(t, dict)
+            ],
             "top_p": 1.0 if req.top_p is None else req.top_p,
             "truncation": "disabled",
             "service_tier": req.service_tier or "default",
@@ -124,13 +141,28 @@ class ResponsesFormat:
     def final(self, outcome: Outcome) -> dict[str, Any]:
         """The finished response: ``incomplete`` when max_output_tokens cut its text."""
         status = "incomplete" if outcome.finish_reasons[0] == "length" else "completed"
-        return self.response(
-            status, [self.message(outcome.texts[0], status, self._logprobs(outcome))], self.usage(outcome)
+        calls = outcome.tool_calls[0] if outcome.tool_calls else []
+        output = (
+            [self.message(outcome.texts[0], status, self._logprobs(outcome))] if outcome.texts[0] or not calls else []
         )
+        output += [self.function_call(call, status) for call in calls]
+        return self.response(status, output, self.usage(outcome))
 
     def _logprobs(self, outcome: Outcome) -> list[dict[str, Any]]:
         """Every token's entry: those sent on delta events, then those not sent (all of them, unstreamed)."""
         return self.logprobs + (outcome.logprobs[0] if outcome.logprobs else [])
+
+    def function_call(self, call: ToolCall, status: str) -> dict[str, Any]:
+        """A call's output item."""
+        item_id = self._call_items.setdefault(call.id, f"fc_{uuid.uuid4().hex}")
+        return {
+            "id": item_id,
+            "type": "function_call",
+            "status": status,
+            "call_id": call.id,
+            "name": call.name,
+            "arguments": call.arguments,
+        }
 
     # -- the stream ----------------------------------------------------------------
 
@@ -142,8 +174,16 @@ class ResponsesFormat:
     def _at(self) -> dict[str, Any]:
         return {"item_id": self.item_id, "output_index": 0, "content_index": 0}
 
+    def expect_calls(self) -> None:
+        """The answer may hold calls: the message is opened by its first text, not at the start."""
+        self.calls_possible = True
+
     def opening(self, n: int) -> bytes:
         started = self.response("in_progress", [])
+        if self.calls_possible:
+            return self.event("response.created", response=started) + self.event(
+                "response.in_progress", response=started
+            )
         return b"".join(
             (
                 self.event("response.created", response=started),
@@ -155,7 +195,65 @@ class ResponsesFormat:
 
     def delta(self, index: int, text: str, logprobs: list[dict[str, Any]] | None) -> bytes:
         self.logprobs.extend(logprobs or ())
+        if self.calls_possible:
+            head = b""
+            if not text:
+                return b""
+            if not self._items or self._items[-1]["type"] != "message":
+                head = self._close_item() + self._open_message()
+            self._text.append(text)
+            at = {"item_id": self.item_id, "output_index": len(self._items) - 1, "content_index": 0}
+            return head + self.event("response.output_text.delta", **at, delta=text, logprobs=logprobs or [])
         return self.event("response.output_text.delta", **self._at(), delta=text, logprobs=logprobs or [])
+
+    def _open_message(self) -> bytes:
+        item = self.message(None, "in_progress")
+        self._items.append(item)
+        at = len(self._items) - 1
+        return self.event("response.output_item.added", output_index=at, item=item) + self.event(
+            "response.content_part.added", item_id=self.item_id, output_index=at, content_index=0, part=self.part("")
+        )
+
+    def _close_item(self, status: str = "completed") -> bytes:
+        """The done events of the open item (the message, or a call), if one is open."""
+        if not self._items or self._items[-1]["status"] != "in_progress":
+            return b""
+        item, at = self._items[-1], len(self._items) - 1
+        item["status"] = status
+        if item["type"] == "message":
+            text = "".join(self._text)
+            where = {"item_id": self.item_id, "output_index": at, "content_index": 0}
+            item["content"] = [self.part(text)]
+            return b"".join(
+                (
+                    self.event("response.output_text.done", **where, text=text, logprobs=[]),
+                    self.event("response.content_part.done", **where, part=self.part(text)),
+                    self.event("response.output_item.done", output_index=at, item=item),
+                )
+            )
+        return self.event(
+            "response.function_call_arguments.done",
+            item_id=item["id"],
+            output_index=at,
+            name=item["name"],
+            arguments=item["arguments"],
+        ) + self.event("response.output_item.done", output_index=at, item=item)
+
+    def call_opened(self, index: int, call: ToolCall) -> bytes:
+        head = self._close_item()
+        item = {**self.function_call(call, "in_progress"), "arguments": ""}  # its fragments follow
+        self._items.append(item)
+        return head + self.event("response.output_item.added", output_index=len(self._items) - 1, item=item)
+
+    def call_arguments(self, index: int, call: ToolCall, fragment: str) -> bytes:
+        item = self._items[-1]
+        item["arguments"] += fragment
+        return self.event(
+            "response.function_call_arguments.delta",
+            item_id=item["id"],
+            output_index=len(self._items) - 1,
+            delta=fragment,
+        )
 
     def finished(self, index: int, reason: str, logprobs: list[dict[str, Any]] | None) -> bytes:
         self.logprobs.extend(logprobs or ())  # tokens with no text of their own (EOS): in the done events only
@@ -163,6 +261,9 @@ class ResponsesFormat:
 
     def closing(self, outcome: Outcome) -> bytes:
         final = self.final(outcome)
+        if self.calls_possible:
+            status = final["status"]
+            return self._close_item(status) + self.event(f"response.{status}", response=final)
         text = outcome.texts[0]
         part = final["output"][0]["content"][0]
         return b"".join(

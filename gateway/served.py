@@ -43,6 +43,7 @@ class AppOptions:
     image_urls: FetchPolicy = field(default_factory=FetchPolicy)  # used only when intake.allow_image_urls is set
     result_cache_bytes: int = 0  # deterministic answers kept per frontend (gateway/result_cache.py); 0: off
     processor_kwargs: dict[str, Any] | None = None  # --mm-processor-kwargs (hf: models)
+    tool_chat_template: str | None = None  # tools: --tool-chat-template's text (gateway/tool_prompt.py)
     server_timing: bool = False  # --server-timing: per-stage durations in a Server-Timing header
     allowed_hosts: tuple[str, ...] = ("*",)  # --allowed-hosts: Host header names answered (gateway/guards.py)
     # every model the node serves, as the supervisor resolved them (node/models.py); empty: ``model``

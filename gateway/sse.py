@@ -21,6 +21,7 @@ from shmgate.shared.wire import TokenLogprob
 
 if TYPE_CHECKING:
     from shmgate.gateway.render import Outcome
+    from shmgate.gateway.tool_output import ToolCall
 
 __all__ = ["ChatFormat", "Completion", "logprob_entry", "usage"]
 
@@ -55,6 +56,10 @@ class Completion:
         if logprobs is not None:
             choice["logprobs"] = {"content": logprobs}
         return self._chunk([choice])
+
+    def tool_call_chunk(self, call: dict[str, Any], *, index: int = 0) -> bytes:
+        """A delta of one tool call: its opening (index, id, type, name, empty arguments) or arguments."""
+        return self._chunk([{"index": index, "delta": {"tool_calls": [call]}, "finish_reason": None}])
 
     def finish_chunk(self, finish_reason: str, *, index: int = 0) -> bytes:
         return self._chunk([{"index": index, "delta": {}, "finish_reason": finish_reason}])
@@ -95,14 +100,22 @@ class Completion:
 
     @staticmethod
     def choice(
-        index: int, text: str, finish_reason: str, logprobs: list[dict[str, Any]] | None = None
+        index: int,
+        text: str,
+        finish_reason: str,
+        logprobs: list[dict[str, Any]] | None = None,
+        tool_calls: list[ToolCall] | None = None,
     ) -> dict[str, Any]:
-        """One whole answer of a ``chat.completion``; ``logprobs`` only when the request asked for them."""
-        choice: dict[str, Any] = {
-            "index": index,
-            "message": {"role": "assistant", "content": text},
-            "finish_reason": finish_reason,
-        }
+        """One whole answer of a ``chat.completion``; ``logprobs`` only when the request asked for them;
+        ``tool_calls`` when it made calls (its content is then null unless it wrote text too)."""
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if tool_calls:
+            message["content"] = text or None
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in tool_calls
+            ]
+        choice: dict[str, Any] = {"index": index, "message": message, "finish_reason": finish_reason}
         if logprobs is not None:
             choice["logprobs"] = {"content": logprobs}
         return choice
@@ -148,6 +161,21 @@ class ChatFormat:
         head = self.completion.content_chunk("", logprobs, index=index) if logprobs else b""
         return head + self.completion.finish_chunk(reason, index=index)
 
+    def expect_calls(self) -> None:
+        """The answer may hold calls: nothing changes in the chat format's events."""
+
+    def call_opened(self, index: int, call: ToolCall) -> bytes:
+        opened = {
+            "index": call.index,
+            "id": call.id,
+            "type": "function",
+            "function": {"name": call.name, "arguments": ""},
+        }
+        return self.completion.tool_call_chunk(opened, index=index)
+
+    def call_arguments(self, index: int, call: ToolCall, fragment: str) -> bytes:
+        return self.completion.tool_call_chunk({"index": call.index, "function": {"arguments": fragment}}, index=index)
+
     def failed(self, error: ShmgateError) -> bytes:
         return self.completion.error_event(error_body(error.message, error.error_type, error.code))
 
@@ -158,9 +186,15 @@ class ChatFormat:
         return usage_chunk + self.completion.done()
 
     def whole(self, outcome: Outcome) -> dict[str, Any]:
-        entries = outcome.logprobs
+        entries, calls = outcome.logprobs, outcome.tool_calls
         choices = [
-            self.completion.choice(i, text, outcome.finish_reasons[i], None if entries is None else entries[i])
+            self.completion.choice(
+                i,
+                text,
+                outcome.finish_reasons[i],
+                None if entries is None else entries[i],
+                None if calls is None else calls[i],
+            )
             for i, text in enumerate(outcome.texts)
         ]
         return self.completion.completion_of(choices, outcome.prompt_tokens, outcome.completion_tokens)

@@ -333,7 +333,7 @@ def test_vllms_guided_json_is_refused_with_what_to_send_instead(server: Server) 
         ("audio", {"voice": "alloy", "format": "wav"}),
         ("prediction", {"type": "content", "content": "x"}),
         ("echo", True),
-        ("tools", [{"type": "function"}]),
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),  # the classifier calls no tools
         ("tool_choice", "auto"),
         ("response_format", {"type": "json_object"}),
     ],

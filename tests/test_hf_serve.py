@@ -112,7 +112,10 @@ def test_unsupported_fields_are_a_400_naming_them_over_http(hf_server: Server) -
     base = {"model": "tiny-qwen2-vl", "messages": _messages("coffee_640.jpg", "Hi"), "max_tokens": 2}
     for extra, param in [
         ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
+            "tools[0].function.parameters",
+        ),
         (
             {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
             "response_format",

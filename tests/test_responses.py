@@ -261,7 +261,7 @@ def test_text_format_json_schema_and_json_object_parse_whole_and_streamed(client
     [
         ({"previous_response_id": "resp_1"}, "previous_response_id"),
         ({"store": True}, "store"),
-        ({"tools": [{"type": "web_search"}]}, "tools"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"reasoning": {"effort": "low"}}, "reasoning"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"temperature": 3}, "temperature"),

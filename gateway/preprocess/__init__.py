@@ -16,7 +16,11 @@ __all__ = ["get_preprocessor", "preprocessor_class"]
 
 
 def get_preprocessor(
-    model: str, *, max_images: int = 8, processor_kwargs: dict[str, Any] | None = None
+    model: str,
+    *,
+    max_images: int = 8,
+    processor_kwargs: dict[str, Any] | None = None,
+    tool_chat_template: str | None = None,
 ) -> Preprocessor:
     """The preprocessor for ``model`` (a spec, shared/models.py). Raises ValueError for an unknown model,
     and for ``processor_kwargs`` (--mm-processor-kwargs) given to a model without an HF image processor."""
@@ -62,6 +66,7 @@ def get_preprocessor(
                 model_id=spec.public_id,
                 samples_tokens=spec.kind is ModelKind.HF_CHAT,
                 processor_kwargs=processor_kwargs,
+                tool_chat_template=tool_chat_template,
             )
 
 

@@ -23,6 +23,7 @@ import numpy as np
 from shmgate.shared.errors import InvalidRequest
 
 if TYPE_CHECKING:
+    from shmgate.gateway.tool_prompt import ToolPrompt
     from shmgate.gateway.video import VideoLimits
 
 __all__ = ["AllocateFn", "ImageTensorSpec", "Preprocessor", "PromptInputs", "options_key"]
@@ -76,6 +77,11 @@ class Preprocessor(abc.ABC):
     # True when the answer is a pure function of the request (the classifier's labels): the result
     # cache (gateway/result_cache.py) may keep it.
     deterministic_answers: bool = False
+
+    def tool_prompt(self) -> ToolPrompt | None:
+        """How this model's prompts carry tools and its answers calls (gateway/tool_prompt.py); None (the
+        default): it calls no tools, and a request that offers some is a 400 naming the model."""
+        return None
 
     @abc.abstractmethod
     def cache_params(self) -> bytes:

@@ -68,6 +68,7 @@ from shmgate.gateway.preprocess.qwen_video import (
     preprocess_video,
     video_tokens,
 )
+from shmgate.gateway.tool_prompt import ToolPrompt, tool_prompt_of
 from shmgate.gateway.video import VIDEO_OPTION, VideoLimits
 from shmgate.shared.errors import InvalidRequest, UndecodableImage
 from shmgate.shared.families.base import PIXEL_VALUES, ImageSpec
@@ -181,6 +182,7 @@ class HFPreprocessor(Preprocessor):
         model_id: str | None = None,
         samples_tokens: bool = True,
         processor_kwargs: dict[str, Any] | None = None,
+        tool_chat_template: str | None = None,
     ) -> None:
         """Load the processor parts from ``model_dir``.
 
@@ -240,8 +242,16 @@ class HFPreprocessor(Preprocessor):
         self.samples_tokens = samples_tokens
         self.vocab_size = int(text_config.vocab_size)
         self.tokenizer_lock = threading.Lock()
+        self.tool_chat_template = tool_chat_template  # --tool-chat-template's text (gateway/tool_prompt.py)
         self.style_state: Any = self._style.prepare(self)  # what the style keeps for this checkpoint
         self._cache_params = self._describe_processing()
+
+    def tool_prompt(self) -> ToolPrompt | None:
+        """The tool format of this checkpoint's family and template (gateway/tool_prompt.py); none for
+        ``checksum:hf:``, whose worker samples no tokens."""
+        if not self.samples_tokens:
+            return None
+        return tool_prompt_of(self.tokenizer, str(self.model_config.model_type), self.tool_chat_template)
 
     def cache_params(self) -> bytes:
         """The image processor's full configuration, its class and the library versions.
@@ -332,15 +342,21 @@ class HFPreprocessor(Preprocessor):
             destination = allocate(name, array.dtype.name, tuple(array.shape))
             np.copyto(destination, array, casting="no")
 
-    def build_prompt(self, messages: Sequence[dict[str, Any]], images: Sequence[ImageTensorSpec]) -> PromptInputs:
+    def build_prompt(
+        self,
+        messages: Sequence[dict[str, Any]],
+        images: Sequence[ImageTensorSpec],
+        **template_args: Any,
+    ) -> PromptInputs:
         """Render the chat template, tokenize, and expand each image placeholder.
 
         Returns int32 token ids as ``inline`` and the rendered prompt (one placeholder per
         image) as ``text``. Raises InvalidRequest when the template rejects the
         conversation, when the image parts and ``images`` differ in number, or when the
-        prompt leaves the model no room to answer.
+        prompt leaves the model no room to answer. ``template_args``: the template's
+        ``tools`` and an operator's ``chat_template`` (gateway/tool_prompt.py).
         """
-        ids, expanded = self._prompt_ids(messages, images)
+        ids, expanded = self._prompt_ids(messages, images, **template_args)
         if self.max_prompt_tokens is not None and len(expanded) >= self.max_prompt_tokens:
             raise InvalidRequest(
                 f"The prompt is {len(expanded)} tokens (images included); this model reads at most "
@@ -391,7 +407,7 @@ class HFPreprocessor(Preprocessor):
         return np.concatenate([np.asarray(prefix, np.int32), ids, np.asarray(suffix, np.int32)])
 
     def _prompt_ids(
-        self, messages: Sequence[dict[str, Any]], images: Sequence[ImageTensorSpec]
+        self, messages: Sequence[dict[str, Any]], images: Sequence[ImageTensorSpec], **template_args: Any
     ) -> tuple[np.ndarray, np.ndarray]:
         """(the template's ids with one placeholder per image, the ids with every placeholder expanded)."""
         import jinja2
@@ -404,6 +420,7 @@ class HFPreprocessor(Preprocessor):
                     add_generation_prompt=True,
                     sanitize_control_tokens=True,
                     return_dict=True,
+                    **template_args,
                 )
         except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError) as exc:
             raise InvalidRequest(f"The conversation does not fit this model's chat template: {exc}") from None
