@@ -171,7 +171,9 @@ def test_a_response_failing_after_output_began_ends_its_stream_with_response_fai
         assert isinstance(response, StreamingResponse) and response.status_code == 200
         node.reply(failed_reply(submit.request_id, 0, InvalidRequest("the worker refused it")))
         body = b"".join([bytes(c) async for c in response.body_iterator])
-        events = [json.loads(e.split(b"\ndata: ", 1)[1]) for e in body.split(b"\n\n") if e]
+        frames = [e for e in body.split(b"\n\n") if e]
+        assert frames[-1] == b"data: [DONE]"  # the stream's end, after response.failed too
+        events = [json.loads(e.split(b"\ndata: ", 1)[1]) for e in frames[:-1]]
         assert [e["type"] for e in events] == [
             "response.created",
             "response.in_progress",

@@ -667,7 +667,12 @@ def test_a_large_toolset_rides_in_the_arena(client: openai.OpenAI) -> None:
         for i in range(10)
     ]
     done = client.chat.completions.create(
-        model=VLM, messages=[{"role": "user", "content": "Act."}], tools=many, tool_choice="required", parallel_tool_calls=False, max_tokens=80
+        model=VLM,
+        messages=[{"role": "user", "content": "Act."}],
+        tools=many,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=80,
     )
     (call,) = done.choices[0].message.tool_calls or []
     schema = many[int(call.function.name.removeprefix("action_"))]["function"]["parameters"]
