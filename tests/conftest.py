@@ -3,7 +3,6 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
-import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -12,13 +11,6 @@ import pytest
 
 from tests.hf_fixture import build_tiny_vlm
 from tests.serving import Server, start_server, stop_and_check
-
-# The checkout's root is no import path while the tests run (pytest's importlib mode imports the test
-# files without it; `python -m pytest` would put it first): each module has one import name, the
-# installed mapping's (shmgate.gateway.app from gateway/app.py), never a bare `gateway` as well.
-# The test modules keep importing each other as `tests.x`: importlib mode registered the package.
-_ROOT = Path(__file__).resolve().parent.parent
-sys.path[:] = [entry for entry in sys.path if Path(entry or os.curdir).resolve() != _ROOT]
 
 # The servers the tests start share one uid's POSIX message-queue memory (RLIMIT_MSGQUEUE, 800 KB by
 # default, and raising it needs CAP_SYS_RESOURCE, which CI's container lacks). At the default depth of

@@ -58,7 +58,7 @@ def test_unknown_fields_are_still_ignored_and_logged(caplog: pytest.LogCaptureFi
         (b"{not json", "not valid JSON", None),
         (body(temperature="hot"), "Expected `float", "temperature"),
         (body(cost_test_unknown_w=1, temperature="hot"), "Expected `float", "temperature"),
-        (body(guided_json={"type": "object"}), "structured output", "guided_json"),
+        (body(guided_json={"type": "object"}), "send response_format", "guided_json"),
         (b'{"model": "m", "messages": [], "extra": ' + b"[" * 2000 + b"]" * 2000 + b"}", "nests", None),
     ],
 )

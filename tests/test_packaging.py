@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata
-import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -40,12 +40,18 @@ def test_every_top_level_package_folder_is_mapped_into_shmgate() -> None:
 
 
 def test_each_part_has_one_import_name_and_one_path() -> None:
-    """``shmgate.gateway`` loads from gateway/ itself, and the root is no import path that would also
-    make it ``gateway`` (tests/conftest.py)."""
-    import shmgate.gateway
-
-    assert Path(shmgate.gateway.__file__) == REPO / "gateway" / "__init__.py"
-    assert all(importlib.util.find_spec(part) is None for part in _parts())
+    """``shmgate.gateway`` loads from gateway/ itself (the install's mapping, no link on its path), and
+    nothing the install adds makes it importable as a bare ``gateway`` too: checked from the checkout's
+    root with ``-P``, so the root is no import path (the tests' own helpers need it: tests/, bench/;
+    tests/test_import_rules.py holds every module to ``shmgate.*`` imports)."""
+    probe = (
+        "import importlib.util, json, shmgate.gateway\n"
+        f"print(json.dumps([shmgate.gateway.__file__, [importlib.util.find_spec(p) is None for p in {sorted(_parts())!r}]]))"
+    )
+    done = subprocess.run([sys.executable, "-P", "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    path, bare_missing = json.loads(done.stdout)
+    assert Path(path) == REPO / "gateway" / "__init__.py" and all(bare_missing)
 
 
 def test_no_symlink_is_tracked() -> None:
