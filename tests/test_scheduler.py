@@ -64,3 +64,9 @@ def test_a_preempted_row_is_recomputed_from_its_prompt_and_tokens_when_it_return
     back = Seq(7, 1, known=13)  # 10 prompt tokens and 3 generated, nothing in KV
     plan = Scheduler(4, 64).plan([], [back], free_blocks=4)
     assert plan.prefill == [Prefill(7, 0, 13, True)]
+
+
+def test_a_prompt_one_token_short_of_its_end_is_prefilled_not_decoded() -> None:
+    partial = Seq(3, 3, known=9, computed=8, blocks=2, sampled=False)
+    plan = Scheduler(4, 64).plan([partial], [], None)
+    assert plan.decode == [] and plan.prefill == [Prefill(3, 8, 9, True)]

@@ -40,8 +40,10 @@ from shmgate.shared.wire import MAX_LOGPROB_TOKEN_CHARS, TokenLogprob
 from shmgate.worker.backends.base import BackendEvent, ModelBackend, WorkItem
 from shmgate.worker.constraints import GrammarConstraints, RowConstraint
 from shmgate.worker.generation.kv import cache_length, join_cache, select_rows
+from shmgate.worker.generation.paged import BlockPool
 from shmgate.worker.generation.rows import Row, prompt_length
 from shmgate.worker.generation.sampling import bias_vector, guarded_pick, make_generator, to_host, token_budget
+from shmgate.worker.generation.scheduler import Scheduler, Seq
 from shmgate.worker.generation.stats import EngineStats
 from shmgate.worker.generation.text import IncrementalDetokenizer, StopStringFilter
 from shmgate.worker.health import is_sticky_device_error
@@ -90,6 +92,10 @@ class GenerationEngine(ModelBackend):
         self._waiting: deque[Row] = deque()  # oldest first; the head may be part way through its prompt
         self._running: list[Row] = []  # rows that decode together, sharing one left-padded cache
         self._arrivals = 0
+        # the paged KV layout (``_use_paged``): the block pool, the planner, each row's block table
+        self._pool: BlockPool | None = None
+        self._scheduler: Scheduler | None = None
+        self._tables: dict[int, list[int]] = {}
 
     # -- what a subclass runs ---------------------------------------------------------------------------
 
@@ -106,6 +112,23 @@ class GenerationEngine(ModelBackend):
     @abc.abstractmethod
     def _decode_step(self, rows: Sequence[Row]) -> torch.Tensor:
         """Feed each row's last sampled token in one forward pass; return logits ``[rows, vocab]``."""
+
+    def _use_paged(self, pool: BlockPool) -> None:
+        """Step through the scheduler and one packed forward per step over ``pool`` (``_execute``) instead of
+        the padded cache; the KV budget becomes the pool's blocks."""
+        self._pool = pool
+        self._scheduler = Scheduler(pool.block_size, self.max_num_batched_tokens)
+
+    def _execute(self, decode: Sequence[Row], chunks: Sequence[tuple[Row, int, int, bool]]) -> torch.Tensor:
+        """The paged layout's step: feed each decoding row's last token and run each prompt chunk (row, start,
+        end, whether it ends the prompt) in ONE forward pass over the rows' blocks (``self._tables``); return
+        the logits of the decoding rows, then of the chunks that end their prompt."""
+        raise NotImplementedError
+
+    def _reuse(self, row: Row) -> int:
+        """Paged layout: before a row's first chunk, the positions of its prompt whose KV is already known
+        (a stored prefix), written into its blocks by ``_adopt``; 0 when none."""
+        return 0
 
     def run(self, batch: Sequence[WorkItem]) -> Iterator[BackendEvent]:
         """Generate every item of ``batch`` through the engine, yielding text as it is decoded.
@@ -186,12 +209,18 @@ class GenerationEngine(ModelBackend):
     @property
     def running(self) -> int:
         """Rows decoding together."""
-        return len(self._running)
+        return len(self._running) - self._partial()
 
     @property
     def waiting(self) -> int:
         """Requests added and not yet running (a preempted row among them)."""
-        return len(self._waiting)
+        return len(self._waiting) + self._partial()
+
+    def _partial(self) -> int:
+        """Paged layout: rows part way through their prompt (they hold blocks, among ``_running``)."""
+        if self._pool is None:
+            return 0
+        return sum(1 for row in self._running if row.token < 0 or row.done_tokens < prompt_length(row) - 1)
 
     @property
     def kv_used(self) -> int:
@@ -205,6 +234,10 @@ class GenerationEngine(ModelBackend):
         return max(0, batch_size - len(self._running) - len(self._waiting))
 
     def clear(self) -> None:
+        if self._pool is not None:
+            for table in self._tables.values():
+                self._pool.release(table)
+            self._tables.clear()
         self._out, self._running = [], []
         self._waiting.clear()
 
@@ -213,6 +246,8 @@ class GenerationEngine(ModelBackend):
         prefill, oldest first, within ``max_num_batched_tokens`` prompt tokens (a long prompt of a family
         that can be chunked goes in chunks), and each one that completes its prompt joins the running
         rows for the next step."""
+        if self._pool is not None:
+            return self._paged_step()
         started = time.perf_counter()
         events, self._out = self._out, []
         for row in list(self._waiting):
@@ -266,6 +301,109 @@ class GenerationEngine(ModelBackend):
         self.stats.step_seconds += time.perf_counter() - started
         return events
 
+    def _paged_step(self) -> list[BackendEvent]:
+        """One step of the paged layout: the scheduler plans (decode first, then prompt chunks within the token
+        budget and the free blocks, preempting by lane and age), one forward pass runs the plan, each row that
+        got logits samples. ``_running``: rows holding blocks; ``_waiting``: rows holding none, in queue order."""
+        assert self._pool is not None and self._scheduler is not None
+        started = time.perf_counter()
+        events, self._out = self._out, []
+        for row in list(self._waiting):
+            if row.item.cancelled:
+                self._waiting.remove(row)
+                events += self._finish(row, "stop")
+        for row in self._running:
+            if row.item.cancelled and row.finish is None:
+                events += self._finish(row, "stop")
+        self._leave()
+        pool = self._pool
+        seqs = {id(row): row for row in (*self._running, *self._waiting)}
+        running = [self._seq(row) for row in self._running]
+        waiting = [self._seq(row) for row in self._waiting]
+        self._scheduler.max_num_batched_tokens = max(1, self.max_num_batched_tokens)
+        # the budget in blocks, rounded up: a prompt within the budget in positions fits in blocks
+        self._pool.limit = -(-self.kv_budget // self._pool.block_size)
+        plan = self._scheduler.plan(running, waiting, pool.free if pool.bounded else None)
+        for key in plan.out_of_room:
+            events += self._finish(seqs[key], "length")
+        if not (plan.tokens or plan.preempted or plan.out_of_room) and (self._running or self._waiting):
+            stuck = (self._running or list(self._waiting))[0]  # no block for it and none to free: it cannot grow
+            events += self._finish(stuck, "length")
+            if stuck in self._waiting:
+                self._waiting.remove(stuck)
+        back = [seqs[key] for key in plan.preempted]
+        for row in sorted(back, key=lambda row: row.arrival, reverse=True):
+            pool.release(self._tables.pop(id(row), []))
+            self._running.remove(row)
+            row.done_tokens, row.prefill, row.prefix, row.reused = 0, None, None, -1
+            self._waiting.appendleft(row)
+            self.stats.preemptions += 1
+        decode = [seqs[key] for key in plan.decode]
+        chunks: list[tuple[Row, int, int, bool]] = []
+        for part in plan.prefill:
+            row = seqs[part.key]
+            table = self._tables.setdefault(id(row), [])
+            pool.grow(table, part.end)
+            if row in self._waiting:
+                self._waiting.remove(row)
+                self._running.append(row)
+            chunks.append((row, part.start, part.end, part.last))
+        for row in decode:
+            pool.grow(self._tables[id(row)], row.done_tokens + 1)
+        tokens = plan.tokens
+        if decode or chunks:
+            try:
+                logits = self._execute(decode, chunks)
+            except Exception as exc:
+                if is_sticky_device_error(exc) or not chunks:
+                    raise
+                return events + self._fail_prefills(chunks, exc)
+            self.on_step()
+            for row in decode:
+                row.done_tokens += 1
+            for row, _, end, _ in chunks:
+                row.done_tokens = end
+            sampled = [*decode, *(row for row, _, _, last in chunks if last)]
+            if sampled:
+                events += self._sample(sampled, logits)
+            self._leave()
+        self.stats.steps += 1
+        self.stats.step_tokens += tokens
+        self.stats.step_seconds += time.perf_counter() - started
+        return events
+
+    def _seq(self, row: Row) -> Seq:
+        """The scheduler's record of ``row`` (a waiting row's stored prefix counts as computed)."""
+        held = len(self._tables.get(id(row), ()))
+        if not held and row.reused < 0:
+            row.reused = self._reuse(row)
+        computed = row.done_tokens if held else max(row.reused, 0)
+        chunkable = self._chunks and not self._whole(row)
+        return Seq(id(row), row.arrival, prompt_length(row), computed, held, row.item.bulk, chunkable, row.token >= 0)
+
+    def _whole(self, row: Row) -> bool:
+        """Its prompt cannot be chunked (the paged layout runs it through the model's own forward)."""
+        return False
+
+    def _fail_prefills(self, chunks: Sequence[tuple[Row, int, int, bool]], exc: Exception) -> list[BackendEvent]:
+        """A step with prompt chunks failed: the chunks' rows fail alone, the running rows retry next step."""
+        events: list[BackendEvent] = []
+        for row, _, _, _ in chunks:
+            log.warning("request %x: its prefill failed: %r", row.item.request_id, exc)
+            row.finish, row.prefill = "error", None
+            error = exc if isinstance(exc, InvalidRequest) else ModelError(f"the model failed: {type(exc).__name__}")
+            events.append(BackendEvent(row.index, error=error))
+        self._leave()
+        return events
+
+    def _leave(self) -> None:
+        """Paged layout: rows that ended free their blocks and leave."""
+        assert self._pool is not None
+        for row in [*self._running, *self._waiting]:
+            if row.finish is not None:
+                self._pool.release(self._tables.pop(id(row), []))
+        self._running = [row for row in self._running if row.finish is None]
+
     # -- rows joining and leaving -------------------------------------------------------------------
 
     def _sample(self, rows: Sequence[Row], logits: torch.Tensor) -> list[BackendEvent]:
@@ -315,6 +453,8 @@ class GenerationEngine(ModelBackend):
 
     def _kv_used(self) -> int:
         """KV positions held: the running batch's padded cache (rows x length) and prompts being prefilled."""
+        if self._pool is not None:
+            return self._pool.used * self._pool.block_size
         used = sum(row.done_tokens for row in self._waiting)
         if self._running:
             used += len(self._running) * cache_length(self._running[0].cache)

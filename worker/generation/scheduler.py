@@ -41,11 +41,12 @@ class Seq:
     blocks: int = 0  # KV blocks it holds
     bulk: bool = False  # the batch lane: after interactive rows, preempted first
     chunkable: bool = True  # its prompt may run over several steps
+    sampled: bool = True  # its last known token was sampled (a prompt's last token is prefilled, never decoded)
 
     @property
     def decoding(self) -> bool:
-        """Its prompt is in its KV: it runs one token a step."""
-        return self.known - self.computed == 1 and self.computed > 0
+        """All but its last sampled token is in its KV: it runs one token a step."""
+        return self.sampled and self.known - self.computed == 1 and self.computed > 0
 
 
 @dataclass(frozen=True)
