@@ -218,6 +218,12 @@ class HFBackend(GenerationEngine):
         install(self.model)
         self._runner = PagedRunner(self.model, pool, self.device, probe.shape[0] if probe.ndim == 3 else 1)
         self._use_paged(pool)
+        log.info(
+            "KV layout: paged, blocks of %d positions (%d held now, budget %d positions)",
+            BLOCK_TOKENS,
+            pool.blocks,
+            budget,
+        )
 
     # -- the paged layout's step (generation/engine.py ``_paged_step``) ---------------------------------
 

@@ -36,13 +36,12 @@ from typing import Any
 import torch
 
 from shmgate.shared.errors import InvalidRequest, ModelError
-from shmgate.shared.wire import MAX_LOGPROB_TOKEN_CHARS, TokenLogprob
 from shmgate.worker.backends.base import BackendEvent, ModelBackend, WorkItem
-from shmgate.worker.constraints import GrammarConstraints, RowConstraint
 from shmgate.worker.generation.kv import cache_length, join_cache, select_rows
+from shmgate.worker.generation.output import OutputProcessor
 from shmgate.worker.generation.paged import BlockPool
 from shmgate.worker.generation.rows import Row, prompt_length
-from shmgate.worker.generation.sampling import bias_vector, guarded_pick, make_generator, to_host, token_budget
+from shmgate.worker.generation.sampling import bias_vector, make_generator, token_budget
 from shmgate.worker.generation.scheduler import Scheduler, Seq
 from shmgate.worker.generation.stats import EngineStats
 from shmgate.worker.generation.text import IncrementalDetokenizer, StopStringFilter
@@ -81,12 +80,11 @@ class GenerationEngine(ModelBackend):
         self.device = device
         self.vocab_size = vocab_size
         self.max_positions = max_positions
-        self.eos_token_ids: frozenset[int] = eos_token_ids
         self.default_max_tokens = default_max_tokens
         self.kv_budget = kv_budget
         self.max_num_batched_tokens = max(1, max_num_batched_tokens)
         self._chunks = chunked_prefill
-        self._grammars: GrammarConstraints | None = None  # built on the first response_format row
+        self.output = OutputProcessor(tokenizer, vocab_size, eos_token_ids)  # sampling, text, stop strings, usage
         self.stats = EngineStats()
         self._out: list[BackendEvent] = []  # events of rows that ended before any step (bad inputs)
         self._waiting: deque[Row] = deque()  # oldest first; the head may be part way through its prompt
@@ -96,6 +94,15 @@ class GenerationEngine(ModelBackend):
         self._pool: BlockPool | None = None
         self._scheduler: Scheduler | None = None
         self._tables: dict[int, list[int]] = {}
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The tokens that end an answer (the output processor's)."""
+        return self.output.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids: frozenset[int]) -> None:
+        self.output.eos_token_ids = ids
 
     # -- what a subclass runs ---------------------------------------------------------------------------
 
@@ -174,7 +181,7 @@ class GenerationEngine(ModelBackend):
             )
             return
         if row.limit == 0:  # no room in the context (or max_tokens 0): no forward pass for it
-            self._out += self._finish(row, "length")
+            self._out += self.output.finish(row, "length")
             return
         self._arrivals += 1
         row.arrival = self._arrivals
@@ -253,10 +260,10 @@ class GenerationEngine(ModelBackend):
         for row in list(self._waiting):
             if row.item.cancelled:
                 self._waiting.remove(row)
-                events += self._finish(row, "stop")
+                events += self.output.finish(row, "stop")
         for row in self._running:
             if row.item.cancelled and row.finish is None:
-                events += self._finish(row, "stop")
+                events += self.output.finish(row, "stop")
         self._compact()
         tokens = 0
         if self._running:
@@ -265,7 +272,7 @@ class GenerationEngine(ModelBackend):
             decoded = self._decode_step(self._running)
             self.on_step()
             tokens += len(self._running)
-            events += self._sample(self._running, decoded)
+            events += self.output.sample(self._running, decoded)
             self._compact()
         budget = max(0, self.max_num_batched_tokens - tokens)
         while self._waiting and (budget > 0 or tokens == 0):
@@ -293,7 +300,7 @@ class GenerationEngine(ModelBackend):
             if logits is None:
                 break  # its prompt goes on in the next step's budget
             self._waiting.popleft()
-            events += self._sample([row], logits[None])
+            events += self.output.sample([row], logits[None])
             if row.finish is None:
                 self._join(row)
         self.stats.steps += 1
@@ -311,10 +318,10 @@ class GenerationEngine(ModelBackend):
         for row in list(self._waiting):
             if row.item.cancelled:
                 self._waiting.remove(row)
-                events += self._finish(row, "stop")
+                events += self.output.finish(row, "stop")
         for row in self._running:
             if row.item.cancelled and row.finish is None:
-                events += self._finish(row, "stop")
+                events += self.output.finish(row, "stop")
         self._leave()
         pool = self._pool
         seqs = {id(row): row for row in (*self._running, *self._waiting)}
@@ -325,10 +332,10 @@ class GenerationEngine(ModelBackend):
         self._pool.limit = -(-self.kv_budget // self._pool.block_size)
         plan = self._scheduler.plan(running, waiting, pool.free if pool.bounded else None)
         for key in plan.out_of_room:
-            events += self._finish(seqs[key], "length")
+            events += self.output.finish(seqs[key], "length")
         if not (plan.tokens or plan.preempted or plan.out_of_room) and (self._running or self._waiting):
             stuck = (self._running or list(self._waiting))[0]  # no block for it and none to free: it cannot grow
-            events += self._finish(stuck, "length")
+            events += self.output.finish(stuck, "length")
             if stuck in self._waiting:
                 self._waiting.remove(stuck)
         back = [seqs[key] for key in plan.preempted]
@@ -365,7 +372,7 @@ class GenerationEngine(ModelBackend):
                 row.done_tokens = end
             sampled = [*decode, *(row for row, _, _, last in chunks if last)]
             if sampled:
-                events += self._sample(sampled, logits)
+                events += self.output.sample(sampled, logits)
             self._leave()
         self.stats.steps += 1
         self.stats.step_tokens += tokens
@@ -405,38 +412,6 @@ class GenerationEngine(ModelBackend):
         self._running = [row for row in self._running if row.finish is None]
 
     # -- rows joining and leaving -------------------------------------------------------------------
-
-    def _sample(self, rows: Sequence[Row], logits: torch.Tensor) -> list[BackendEvent]:
-        """Pick and take each row's next token (one host sync for them all); a row whose logits are not
-        finite ends alone with an error."""
-        picks: list[torch.Tensor] = []
-        faults: dict[int, Exception] = {}
-        for row, row_logits in zip(rows, logits):
-            try:
-                picks.append(self._pick(row, row_logits))
-            except Exception as exc:  # a sampling fault no check foresaw ends that row alone
-                faults[row.index] = exc
-                picks.append(torch.zeros(2, dtype=torch.long, device=logits.device))
-        picked = to_host(picks)
-        events: list[BackendEvent] = []
-        for row, (token, ok) in zip(rows, picked):
-            if row.index in faults:
-                log.warning("row %s: sampling failed: %r", row.index, faults[row.index])
-                row.finish, row.cache = "error", None
-                events.append(BackendEvent(row.index, error=ModelError(f"sampling failed: {faults[row.index]}")))
-                continue
-            if not ok:
-                row.finish, row.cache = "error", None
-                events.append(
-                    BackendEvent(row.index, error=ModelError("the model's output for this request was not finite"))
-                )
-                continue
-            try:
-                events += self._accept(row, token)
-            except ModelError as exc:  # a row's own fault (its grammar refused the token): it ends alone
-                row.finish, row.cache = "error", None
-                events.append(BackendEvent(row.index, error=exc))
-        return events
 
     def _compact(self) -> None:
         """Drop ended rows from the running batch's cache at once."""
@@ -479,7 +454,7 @@ class GenerationEngine(ModelBackend):
             if len(self._running) * (cache_length(self._running[0].cache) + 1) <= self.kv_budget:
                 break
             if len(self._running) == 1:
-                events += self._finish(self._running[0], "length")
+                events += self.output.finish(self._running[0], "length")
                 self._compact()
                 break
             newest = max(self._running, key=lambda row: (row.item.bulk, row.arrival))
@@ -509,92 +484,5 @@ class GenerationEngine(ModelBackend):
                 if params.presence_penalty or params.frequency_penalty
                 else None
             ),
-            constraint=self._constraint(params.grammar) if params.grammar else None,
+            constraint=self.output.constraint(params.grammar) if params.grammar else None,
         )
-
-    def _constraint(self, grammar: str) -> RowConstraint:
-        """A row's grammar matcher; the model's compiler is built on its first constrained row."""
-        if self._grammars is None:
-            self._grammars = GrammarConstraints(self.tokenizer, self.vocab_size)
-        return self._grammars.start(grammar)
-
-    def _pick(self, row: Row, logits: torch.Tensor) -> torch.Tensor:
-        """The row's next token and whether its logits were finite, as ``[token, ok]`` on the device (no sync).
-
-        ``logit_bias`` and the penalties act on the logits first, as in OpenAI's definition:
-        ``logit[j] += bias[j] - count[j] * frequency_penalty - (count[j] > 0) * presence_penalty``,
-        where ``count`` counts the row's generated tokens (not the prompt's). A per-row constraint
-        (a grammar's mask) belongs here too, beside the bias.
-        """
-        params = row.item.params
-        if row.bias is not None or row.counts is not None:
-            logits = logits.float()
-            if row.bias is not None:
-                logits = logits + row.bias
-            if row.counts is not None:
-                logits = (
-                    logits - row.counts * params.frequency_penalty - (row.counts > 0).float() * params.presence_penalty
-                )
-        if row.constraint is not None:  # structured outputs: tokens the grammar refuses go to -inf
-            logits = row.constraint.mask(logits)
-        if params.logprobs >= 0:
-            row.logprobs = torch.log_softmax(logits.float(), dim=-1)
-        token, ok = guarded_pick(logits, params.temperature, params.top_p, row.generator)
-        return torch.stack([token.reshape(()).long(), ok.long()])
-
-    def _accept(self, row: Row, token: int) -> list[BackendEvent]:
-        """Take the row's sampled ``token``; return its text, and the end if it ended."""
-        row.completion_tokens += 1
-        row.token = token
-        row.generated.append(token)  # a preempted row's prefill recomputes them
-        if row.counts is not None:
-            row.counts[token] += 1
-        first: list[BackendEvent] = []
-        if row.logprobs is not None:
-            first.append(BackendEvent(row.index, logprob=self._logprob(row.logprobs, token, row.item.params.logprobs)))
-            row.logprobs = None
-        if row.constraint is not None:
-            row.constraint.accept(token)  # raises ModelError if the grammar refused it: _sample fails the row
-        if token in self.eos_token_ids or token in row.item.params.stop_token_ids:
-            return first + self._finish(row, "stop")
-        text = row.stops.push(row.detok.push(token))
-        events = first + ([BackendEvent(row.index, text=text)] if text else [])
-        if row.stops.stopped or (row.constraint is not None and row.constraint.finished):
-            return events + self._finish(row, "stop")
-        if row.completion_tokens >= row.limit:  # no forward pass for a token nobody will read
-            return events + self._finish(row, "length")
-        return events
-
-    def _logprob(self, logprobs: torch.Tensor, token: int, top: int) -> TokenLogprob:
-        """The sampled token's log-probability and the ``top`` likeliest (one host sync, rows asking only).
-
-        The distribution is the model's after ``logit_bias`` and the penalties, before temperature and
-        top_p (vLLM's default, "raw" log-probabilities of the processed logits).
-        """
-        values, ids = torch.topk(logprobs, top) if top else (logprobs[:0], logprobs[:0].long())
-        chosen, top_values, top_ids = float(logprobs[token]), values.tolist(), ids.tolist()
-        return TokenLogprob(
-            self._token_text(token), chosen, tuple((self._token_text(i), v) for i, v in zip(top_ids, top_values))
-        )
-
-    def _token_text(self, token: int) -> str:
-        return str(self.tokenizer.decode([token], skip_special_tokens=False))[:MAX_LOGPROB_TOKEN_CHARS]
-
-    def _finish(self, row: Row, reason: str) -> list[BackendEvent]:
-        """End the row: release held-back text (unless a stop string cut it) and report usage."""
-        row.finish = reason
-        row.cache = row.prefill = None
-        tail = ""
-        if not row.stops.stopped:  # EOS, length or cancel: release what was held back
-            tail = row.stops.push(row.detok.flush())
-            tail += row.stops.flush()
-        events = [BackendEvent(row.index, text=tail)] if tail else []
-        events.append(
-            BackendEvent(
-                row.index,
-                finish_reason=reason,
-                prompt_tokens=row.prompt_tokens,
-                completion_tokens=row.completion_tokens,
-            )
-        )
-        return events
