@@ -428,6 +428,7 @@ def layouts(model_dir: Path, counts: list[int], decode_steps: int) -> dict[str, 
     ``decode_steps`` steps timed: the whole step, the model's forward pass within it (the rest is host work:
     scheduling, bookkeeping, sampling, detokenising), and the KV positions held per real position. Padded
     and paged alternate A B B A per row count; each figure is the mean of the two runs."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the worker runs (worker/__main__.py); before torch
     import torch
 
     from shmgate.gateway.preprocess.hf import HFPreprocessor
@@ -486,6 +487,8 @@ def layouts(model_dir: Path, counts: list[int], decode_steps: int) -> dict[str, 
         return step_s / decode_steps * 1000, (step_s - forward_s) / decode_steps * 1000, held / real
 
     out: dict[str, Any] = {"threads": torch.get_num_threads()}
+    for kind in engines:  # warm-up: the first forward passes of a process are slower (kernels, allocator)
+        run(kind, 2)
     for rows in counts:
         figures: dict[str, list[tuple[float, float, float]]] = {"padded": [], "paged": []}
         for kind in ("padded", "paged", "paged", "padded"):

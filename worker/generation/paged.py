@@ -148,23 +148,25 @@ class PagedStep:
     def __init__(self, pool: BlockPool, device: torch.device) -> None:
         self.pool = pool
         self.device = device
-        self._slots: list[torch.Tensor] = []
-        self._decode_tokens: list[int] = []
+        self._slots: list[torch.Tensor] = []  # prompt chunks' slots
+        self._decode_slots: list[int] = []  # decoding rows' slots: their tokens come first in the step
         self._decode_tables: list[Sequence[int]] = []
         self._decode_lengths: list[int] = []
         self.chunks: list[_Chunk] = []
         self.tokens = 0
 
     def add_decode(self, table: Sequence[int], length: int) -> None:
-        """A decoding row: its one token at position ``length - 1`` (``length``: its positions after the step)."""
-        self._slots.append(slot_indices(table, length - 1, length, self.pool.block_size, torch.device("cpu")))
-        self._decode_tokens.append(self.tokens)
-        self._decode_tables.append(table)
+        """A decoding row: its one token at position ``length - 1`` (``length``: its positions after the step).
+        Host integers only: the step's tensors are built once, in ``seal``."""
+        size = self.pool.block_size
+        where = length - 1
+        self._decode_slots.append(table[where // size] * size + where % size)
+        self._decode_tables.append(table[: -(-length // size)])
         self._decode_lengths.append(length)
         self.tokens += 1
 
     def add_chunk(self, table: Sequence[int], start: int, end: int) -> None:
-        """A prompt chunk: positions ``start:end`` of a row."""
+        """A prompt chunk: positions ``start:end`` of a row (chunks follow every decoding row)."""
         self._slots.append(slot_indices(table, start, end, self.pool.block_size, torch.device("cpu")))
         blocks = torch.tensor(list(table[: -(-end // self.pool.block_size)]), dtype=torch.long, device=self.device)
         self.chunks.append(_Chunk(self.tokens, end - start, blocks, end))
@@ -172,21 +174,17 @@ class PagedStep:
 
     def seal(self) -> None:
         """Build the device tensors every layer reads (one host-to-device copy of each)."""
-        self.slots = torch.cat(self._slots).to(self.device)
-        rows = len(self._decode_tokens)
-        self.decode_index: torch.Tensor | None = None
+        rows = len(self._decode_slots)
+        slots = [torch.tensor(self._decode_slots, dtype=torch.long)] if rows else []
+        self.slots = torch.cat([*slots, *self._slots]).to(self.device)
+        self.decode_rows = rows
         if rows:
-            width = max(-(-n // self.pool.block_size) for n in self._decode_lengths)
-            tables = torch.zeros(rows, width, dtype=torch.long)
-            for i, table in enumerate(self._decode_tables):
-                used = -(-self._decode_lengths[i] // self.pool.block_size)
-                tables[i, :used] = torch.tensor(list(table[:used]), dtype=torch.long)
+            width = max(len(table) for table in self._decode_tables)
+            tables = [list(table) + [0] * (width - len(table)) for table in self._decode_tables]
             span = width * self.pool.block_size
             lengths = torch.tensor(self._decode_lengths)
-            self.decode_tables = tables.to(self.device)
+            self.decode_tables = torch.tensor(tables, dtype=torch.long, device=self.device)
             self.decode_mask = (torch.arange(span)[None, :] < lengths[:, None]).view(rows, 1, 1, span).to(self.device)
-            self.decode_index = torch.tensor(self._decode_tokens, dtype=torch.long, device=self.device)
-            self.decode_contiguous = self._decode_tokens == list(range(rows))
 
 
 def paged_attention(
@@ -215,18 +213,13 @@ def paged_attention(
     q = query[0]  # [q_heads, tokens, dim]
     gqa = q.shape[0] != heads
     out = torch.empty(q.shape[1], q.shape[0], dim, dtype=q.dtype, device=q.device)  # [tokens, q_heads, dim]
-    if step.decode_index is not None:
-        rows = step.decode_tables.shape[0]
+    rows = step.decode_rows
+    if rows:  # decoding rows' tokens are the step's first ``rows``
         kk = pool_k[step.decode_tables].view(rows, -1, heads, dim).transpose(1, 2)
         vv = pool_v[step.decode_tables].view(rows, -1, heads, dim).transpose(1, 2)
-        qq = (q[:, :rows] if step.decode_contiguous else q.index_select(1, step.decode_index)).transpose(0, 1)
-        o = F.scaled_dot_product_attention(
-            qq.unsqueeze(2), kk, vv, attn_mask=step.decode_mask, scale=scaling, enable_gqa=gqa
-        )  # [rows, q_heads, 1, dim]
-        if step.decode_contiguous:
-            out[:rows] = o[:, :, 0]
-        else:
-            out.index_copy_(0, step.decode_index, o[:, :, 0])
+        qq = q[:, :rows].transpose(0, 1).unsqueeze(2)  # [rows, q_heads, 1, dim]
+        o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=step.decode_mask, scale=scaling, enable_gqa=gqa)
+        out[:rows] = o[:, :, 0]
     for chunk in step.chunks:
         kk = pool_k[chunk.blocks].view(-1, heads, dim)[: chunk.length].transpose(0, 1)
         vv = pool_v[chunk.blocks].view(-1, heads, dim)[: chunk.length].transpose(0, 1)
