@@ -14,6 +14,12 @@ would overflow, the newest row is preempted (``_make_room``): its cache is dropp
 the head of the queue, to be prefilled again from its prompt and the tokens it had generated
 (recompute; its sampler, detokenizer and counts are kept, so its answer goes on where it stopped).
 
+The paged layout (``_use_paged``; worker/backends/hf.py turns it on for families whose tower runs apart when
+asked): ``_paged_step`` asks the scheduler (scheduler.py) for a plan from small per-row records and the free
+KV blocks, applies it (preempted rows free their blocks and go back to the queue's head), and the subclass's
+``_execute`` runs every decoding row and prompt chunk of the plan in ONE forward pass over the rows' blocks
+(paged.py, runner.py). Sampling, text and usage are the output processor's (output.py) in both layouts.
+
 What a subclass supplies (worker/backends/hf.py ``HFBackend``, which wires a family's input style to
 this engine): ``_check`` (an item's model inputs, or InvalidRequest), ``_prefill_some`` (the next part
 of a row's prompt through the model) and ``_decode_step`` (one token for every running row). Nothing
