@@ -15,6 +15,12 @@ the same work. The server under test is this checkout (``--module gateway``) or 
 static engine of main checked out in /tmp/static-base: ``--pythonpath /tmp/static-base --module shmgate``.
 Compare A and B alternately (ABBA), one ``flock /tmp/bench.lock`` run each; the figures are a JSON line.
 
+``--server vllm`` runs them against vLLM's CPU engine (the peer recipe in ../shared/peers/vllm: its venv in
+``VLLM_VENV``, its ``serve.sh`` at NICE=0 unless ``NICE`` says otherwise). ``--images repeated,distinct`` runs
+the mix once with one photo for every request and once with a photo of its own per request (no image,
+encoder or prefix cache can help), in one server start. ``--layouts`` times the padded and paged KV layouts
+in this process (``layouts``).
+
 ``--server transformers`` runs the same measurements, with the same client, prompts, photos and
 ``logit_bias``, against ``transformers serve DIR --device cpu`` (its /v1/chat/completions, streamed; it
 has no /metrics, so no stages). It needs nothing beyond the ``hf`` and ``test`` extras (fastapi,
@@ -31,6 +37,11 @@ ran to its ``max_tokens`` on either server.
     flock /tmp/bench.lock python bench/vlm_serving.py --model-dir /tmp/vlm8 --label continuous
     flock /tmp/bench.lock python bench/vlm_serving.py --model-dir /tmp/vlm8 --label static \\
         --pythonpath /tmp/static-base --module shmgate
+    VLLM_VENV=/work/vllm-venv flock /tmp/bench.lock python -m bench vlm-serving --model-dir /tmp/vlm8 --server vllm \\
+        --images repeated,distinct --label vllm
+    SHMGATE_KV_LAYOUT=paged flock /tmp/bench.lock python -m bench vlm-serving --model-dir /tmp/vlm8 \\
+        --images repeated,distinct --label paged
+    python -m bench vlm-serving --model-dir /tmp/vlm8 --layouts 1,8,32     # padded against paged, in process
     python -m bench vlm-serving --build /tmp/llava8 --family llava
     flock /tmp/bench.lock python -m bench vlm-serving --model-dir /tmp/llava8 --label shmgate
     flock /tmp/bench.lock python -m bench vlm-serving --model-dir /tmp/llava8 --server transformers \\
@@ -145,8 +156,24 @@ def no_end(model_dir: Path) -> dict[str, float]:
     return {str(i): -100.0 for i in ids}
 
 
-def body(model: str, photo: Path, text: str, max_tokens: int, bias: dict[str, float]) -> dict[str, Any]:
-    url = "data:image/jpeg;base64," + base64.b64encode(photo.read_bytes()).decode()
+def variant(photo: Path, n: int) -> bytes:
+    """``photo`` with its top-left pixel set from ``n``, re-encoded: other bytes and other pixels, so no
+    server's image, encoder or prefix cache can serve it from an earlier request's (``--images distinct``)."""
+    import io
+
+    from PIL import Image
+
+    with Image.open(photo) as image:
+        image = image.convert("RGB")
+        image.putpixel((0, 0), (n % 256, (n // 256) % 256, 7))
+        out = io.BytesIO()
+        image.save(out, format="JPEG", quality=95)
+    return out.getvalue()
+
+
+def body(model: str, photo: Path | bytes, text: str, max_tokens: int, bias: dict[str, float]) -> dict[str, Any]:
+    data = photo if isinstance(photo, bytes) else photo.read_bytes()
+    url = "data:image/jpeg;base64," + base64.b64encode(data).decode()
     content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}]
     return {
         "model": model,
@@ -263,51 +290,72 @@ async def measure(
         out["behind_ttft_ms"] = round(statistics.median(behind) * 1000, 1)
         out["behind_over_idle"] = round(out["behind_ttft_ms"] / out["idle_ttft_ms"], 2)
         out["short_done_before_long"] = f"{first_done}/{args.behind}"
-        rng = random.Random(args.seed)
-        at, plan = 0.0, []
-        for i in range(args.requests):
-            at += rng.expovariate(args.rate)
-            plan.append((at, rng.randint(32, 256), PHOTOS[i % len(PHOTOS)]))
-        zero = time.monotonic() + 0.1
+        for images in args.images.split(","):
+            key = "mix" if images == "cycle" else f"mix_{images}"
+            out[key] = await mix(args, client, model, bias, server_pid, images)
+    return out
 
-        async def one(at: float, max_tokens: int, photo: Path) -> dict[str, float]:
-            await asyncio.sleep(max(0.0, zero + at - time.monotonic()))
-            return await stream(client, body(model, photo, "Describe the photo.", max_tokens, bias), zero + at)
 
-        before, cpu_before = await stages(client), thread_cpu(server_pid)
-        results = await asyncio.gather(*(one(*p) for p in plan))
-        after, cpu_after = await stages(client), thread_cpu(server_pid)
-        span = max(r["end"] for r in results) - zero
-        ttfts = [r["ttft"] for r in results]
-        tpots = [(r["latency"] - r["ttft"]) / (r["tokens"] - 1) for r in results if r["tokens"] > 1]
-        out["mix"] = {
-            "ttft_p50_ms": round(pct(ttfts, 0.5) * 1000),
-            "ttft_p99_ms": round(pct(ttfts, 0.99) * 1000),
-            "tpot_mean_ms": round(statistics.mean(tpots) * 1000, 1),
-            "output_tokens_per_s": round(sum(r["tokens"] for r in results) / span, 1),
-            "chunks_per_s": round(sum(r["chunks"] for r in results) / span, 1),
-            "span_s": round(span, 2),
-            # the server's CPU over the mix, in cores (2 at most here), and its busy threads' shares
-            "server_cores": round((sum(cpu_after.values()) - sum(cpu_before.values())) / span, 2),
-            "busy_threads": busy_threads(cpu_before, cpu_after, span),
-            # every answer should run to its max_tokens (no end token), on either server
-            "full_answers": f"{sum(r['tokens'] == p[1] for r, p in zip(results, plan, strict=True))}/{len(plan)}",
-            # where a request's time went, mean per stage over the mix (gateway/stages.py), ms
-            "stages_ms": {
-                stage: round((after[stage][0] - before[stage][0]) / (after[stage][1] - before[stage][1]) * 1000, 1)
-                for stage in after
-                if after[stage][1] > before.get(stage, (0, 0))[1]
-            },
+async def mix(
+    args: argparse.Namespace,
+    client: httpx.AsyncClient,
+    model: str,
+    bias: dict[str, float],
+    server_pid: int,
+    images: str,
+) -> dict[str, Any]:
+    """The Poisson mix; ``images``: cycle (the six test photos in turn), repeated (one photo for all) or
+    distinct (a photo of its own per request, ``variant``)."""
+    rng = random.Random(args.seed)
+    at, plan = 0.0, []
+    for i in range(args.requests):
+        at += rng.expovariate(args.rate)
+        photo: Path | bytes = PHOTOS[i % len(PHOTOS)]
+        if images == "repeated":
+            photo = PHOTOS[2]
+        elif images == "distinct":
+            photo = variant(PHOTOS[i % len(PHOTOS)], 1 + i)
+        plan.append((at, rng.randint(32, 256), photo))
+    zero = time.monotonic() + 0.1
+
+    async def one(at: float, max_tokens: int, photo: Path | bytes) -> dict[str, float]:
+        await asyncio.sleep(max(0.0, zero + at - time.monotonic()))
+        return await stream(client, body(model, photo, "Describe the photo.", max_tokens, bias), zero + at)
+
+    before, cpu_before = await stages(client), thread_cpu(server_pid)
+    results = await asyncio.gather(*(one(*p) for p in plan))
+    after, cpu_after = await stages(client), thread_cpu(server_pid)
+    span = max(r["end"] for r in results) - zero
+    ttfts = [r["ttft"] for r in results]
+    tpots = [(r["latency"] - r["ttft"]) / (r["tokens"] - 1) for r in results if r["tokens"] > 1]
+    out: dict[str, Any] = {
+        "ttft_p50_ms": round(pct(ttfts, 0.5) * 1000),
+        "ttft_p99_ms": round(pct(ttfts, 0.99) * 1000),
+        "tpot_mean_ms": round(statistics.mean(tpots) * 1000, 1),
+        "output_tokens_per_s": round(sum(r["tokens"] for r in results) / span, 1),
+        "chunks_per_s": round(sum(r["chunks"] for r in results) / span, 1),
+        "span_s": round(span, 2),
+        # the server's CPU over the mix, in cores (2 at most here), and its busy threads' shares
+        "server_cores": round((sum(cpu_after.values()) - sum(cpu_before.values())) / span, 2),
+        "busy_threads": busy_threads(cpu_before, cpu_after, span),
+        # every answer should run to its max_tokens (no end token), on either server
+        "full_answers": f"{sum(r['tokens'] == p[1] for r, p in zip(results, plan, strict=True))}/{len(plan)}",
+        # where a request's time went, mean per stage over the mix (gateway/stages.py), ms
+        "stages_ms": {
+            stage: round((after[stage][0] - before[stage][0]) / (after[stage][1] - before[stage][1]) * 1000, 1)
+            for stage in after
+            if after[stage][1] > before.get(stage, (0, 0))[1]
+        },
+    }
+    steps = after.get("engine_steps", (0, 0))[0] - before.get("engine_steps", (0, 0))[0]
+    if steps:
+        delta = {k: after[k][0] - before[k][0] for k in ("engine_step_seconds", "engine_step_tokens")}
+        out["engine"] = {
+            "steps": int(steps),
+            "step_ms": round(delta["engine_step_seconds"] / steps * 1000, 1),
+            "tokens_per_step": round(delta["engine_step_tokens"] / steps, 1),
+            "busy_share": round(delta["engine_step_seconds"] / span, 2),
         }
-        steps = after.get("engine_steps", (0, 0))[0] - before.get("engine_steps", (0, 0))[0]
-        if steps:
-            delta = {k: after[k][0] - before[k][0] for k in ("engine_step_seconds", "engine_step_tokens")}
-            out["mix"]["engine"] = {
-                "steps": int(steps),
-                "step_ms": round(delta["engine_step_seconds"] / steps * 1000, 1),
-                "tokens_per_step": round(delta["engine_step_tokens"] / steps, 1),
-                "busy_share": round(delta["engine_step_seconds"] / span, 2),
-            }
     return out
 
 
@@ -376,6 +424,88 @@ def padding(model_dir: Path, seed: int, requests: int, every: int) -> dict[str, 
     return out
 
 
+def layouts(model_dir: Path, counts: list[int], decode_steps: int) -> dict[str, Any]:
+    """The KV layouts side by side in this process (``--layouts``): for each row count, that many requests
+    (the mix's prompt and photos, one arrival every 3 steps so lengths differ) until all decode, then
+    ``decode_steps`` steps timed: the whole step, the model's forward pass within it (the rest is host work:
+    scheduling, bookkeeping, sampling, detokenising), and the KV positions held per real position. Padded
+    and paged alternate A B B A per row count; each figure is the mean of the two runs."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the worker runs (worker/__main__.py); before torch
+    import torch
+
+    from shmgate.gateway.preprocess.hf import HFPreprocessor
+    from shmgate.shared.wire import SamplingParams
+    from shmgate.worker.backends.hf import HFBackend
+    from tests.test_hf import work_item
+
+    pre = HFPreprocessor(model_dir)
+    engines = {kind: HFBackend(str(model_dir), torch.device("cpu"), kv_layout=kind) for kind in ("padded", "paged")}
+    bias = tuple(sorted((int(token), value) for token, value in no_end(model_dir).items()))
+    spent = [0.0]
+    started = [0.0]
+
+    def before(*_: Any) -> None:
+        started[0] = time.perf_counter()
+
+    def after(*_: Any) -> None:
+        spent[0] += time.perf_counter() - started[0]
+
+    for engine in engines.values():
+        engine.model.register_forward_pre_hook(before)
+        engine.model.register_forward_hook(after)
+
+    def run(kind: str, rows: int) -> tuple[float, float, float]:
+        engine = engines[kind]
+        engine.prefix_cache.max_bytes = 0  # every prompt prefilled in full, as in the padded layout's test
+        items = []
+        for i in range(rows):
+            params = SamplingParams(max_tokens=3 * rows + decode_steps + 8, temperature=0.0, logit_bias=bias)
+            items.append(work_item(pre, "Describe the photo.", [PHOTOS[i % len(PHOTOS)]], params, i))
+            items[-1].key = i
+        added = 0
+        while added < rows or engine.waiting:
+            if added < rows and engine.waiting == 0:
+                engine.add(items[added])
+                added += 1
+            for _ in range(3):
+                engine.step()
+        step_s = forward_s = held = real = 0.0
+        for _ in range(decode_steps):
+            spent[0] = 0.0
+            t0 = time.perf_counter()
+            engine.step()
+            step_s += time.perf_counter() - t0
+            forward_s += spent[0]
+            running = engine._running
+            real += sum(row.done_tokens if engine._pool is not None else 0 for row in running)
+            if engine._pool is None:
+                from shmgate.worker.generation.kv import cache_length
+
+                length = cache_length(running[0].cache)
+                real += sum(length - row.pad for row in running)
+            held += engine.kv_used
+        assert engine.running == rows, (kind, engine.running)
+        engine.clear()
+        return step_s / decode_steps * 1000, (step_s - forward_s) / decode_steps * 1000, held / real
+
+    out: dict[str, Any] = {"threads": torch.get_num_threads()}
+    for kind in engines:  # warm-up: the first forward passes of a process are slower (kernels, allocator)
+        run(kind, 2)
+    for rows in counts:
+        figures: dict[str, list[tuple[float, float, float]]] = {"padded": [], "paged": []}
+        for kind in ("padded", "paged", "paged", "padded"):
+            figures[kind].append(run(kind, rows))
+        out[str(rows)] = {
+            kind: {
+                "step_ms": round(statistics.mean(f[0] for f in got), 2),
+                "host_ms": round(statistics.mean(f[1] for f in got), 2),
+                "held_over_real": round(statistics.mean(f[2] for f in got), 3),
+            }
+            for kind, got in figures.items()
+        }
+    return out
+
+
 def step_cost(engine: Any, rows: list[Any], length: int) -> tuple[float, float]:
     """ms of one decode step of ``rows`` on a copy of their padded cache, and on a copy cut to ``length``
     positions per row with no padding (the same rows, as many positions as they really hold in all)."""
@@ -401,6 +531,36 @@ def step_cost(engine: Any, rows: list[Any], length: int) -> tuple[float, float]:
     return best["padded"], best["equal"]
 
 
+def serve_vllm(args: argparse.Namespace, port: int) -> int:
+    """The measurements against vLLM's CPU engine: the recipe's serve.sh starts it on the same directory and
+    prints its process group once /v1/models answers (60-95 s, torch.compile at every start)."""
+    env = {**os.environ, "NICE": os.environ.get("NICE", "0")}
+    script = args.vllm_dir / "serve.sh"
+    started = subprocess.run(
+        [str(script), str(args.model_dir), str(port), *args.extra.split()],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+        check=True,
+    )
+    group = int(started.stdout.strip().splitlines()[-1])
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        model = httpx.get(base_url + "/v1/models").json()["data"][0]["id"]
+        figures = asyncio.run(measure(args, base_url, model, no_end(args.model_dir), group))
+    finally:
+        os.killpg(group, 15)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(group, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.5)
+    print(json.dumps({"label": args.label, "command": f"{script} {args.model_dir} {port}", **figures}))
+    return 0
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -413,9 +573,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--family", choices=("qwen2_vl", "llava"), default="qwen2_vl", help="the model --build writes")
     p.add_argument(
         "--server",
-        choices=("shmgate", "transformers"),
+        choices=("shmgate", "transformers", "vllm"),
         default="shmgate",
-        help="transformers: `transformers serve DIR` (one request at a time unless --extra=--continuous-batching)",
+        help="transformers: `transformers serve DIR` (one request at a time unless --extra=--continuous-batching); "
+        "vllm: vLLM's CPU engine through the peer recipe's serve.sh (--vllm-dir, VLLM_VENV), at NICE=0 unless set",
+    )
+    p.add_argument(
+        "--vllm-dir",
+        type=Path,
+        default=next((d for d in (REPO.parent / "shared", REPO.parent.parent / "shared") if d.is_dir()), Path("shared"))
+        / "peers"
+        / "vllm",
+        help="the peer recipe (default: shared/peers/vllm beside the checkout or its parent)",
+    )
+    p.add_argument(
+        "--images",
+        default="cycle",
+        help="the mix's photos, one mix each, comma-separated: cycle (six in turn), repeated (one), distinct (one each)",
     )
     p.add_argument("--model-dir", type=Path)
     p.add_argument("--label", default="")
@@ -429,12 +603,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--extra", default="", help="more serve flags, space-separated")
     p.add_argument("--padding", action="store_true", help="only the padded KV layout's cost, in process")
     p.add_argument("--time-every", type=int, default=16, help="--padding: time a decode step every N steps (0: none)")
+    p.add_argument("--layouts", default="", help="only the padded and paged KV layouts' step costs at these row counts")
+    p.add_argument("--decode-steps", type=int, default=16, help="--layouts: decode steps timed per run")
     args = p.parse_args(argv)
     if args.build:
         (build_llava if args.family == "llava" else build)(args.build)
         return 0
     if args.padding:
         print(json.dumps(padding(args.model_dir, args.seed, args.requests, args.time_every)))
+        return 0
+    if args.layouts:
+        counts = [int(n) for n in args.layouts.split(",")]
+        print(json.dumps(layouts(args.model_dir, counts, args.decode_steps)))
         return 0
     assert args.model_dir, "--model-dir (build one with --build)"
     port = free_port()
@@ -453,6 +633,8 @@ def main(argv: list[str] | None = None) -> int:
         command = [sys.executable, "-m", args.module, "serve", "--model", f"hf:{args.model_dir}", "--device", "cpu"]
         command += ["--port", str(port), *args.extra.split()]
         ready = "/ready"
+    if args.server == "vllm":
+        return serve_vllm(args, port)
     log = tempfile.NamedTemporaryFile(prefix="vlm-serving-", suffix=".log", delete=False)
     server = subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
     base_url = f"http://127.0.0.1:{port}"

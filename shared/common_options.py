@@ -137,6 +137,13 @@ class EngineOptions:
         default="256",
         type=flag_types.non_negative_float,
     )
+    kv_layout: str = option(
+        "hf: models: how the engine holds KV: padded (the running rows share one left-padded cache) or "
+        "paged (fixed-size blocks with a block table per row, one packed forward pass per step; Qwen2-VL "
+        "and Qwen2.5-VL, the other families stay padded; docs/BENCHMARKS.md)",
+        default="padded",
+        type=flag_types.choice("padded", "paged"),
+    )
     encoder_share_mb: float = option(
         "hf: models: each worker's shared-memory partition for vision-tower outputs that every worker of "
         "its model reads before running its own tower (Qwen2-VL, Qwen2.5-VL); pays where the tower costs "

@@ -483,11 +483,11 @@ def test_one_host_sync_per_prefill_and_per_decode_step_whatever_the_rows(
 ) -> None:
     # On CUDA every read of a device value waits for the stream: reading each row's token apart
     # (and each image's grid) cost a sync per row per step. Now a step reads all rows at once.
-    from shmgate.worker.generation import engine
+    from shmgate.worker.generation import output
 
     reads: list[int] = []
-    real = engine.to_host
-    monkeypatch.setattr(engine, "to_host", lambda tokens: reads.append(len(tokens)) or real(tokens))
+    real = output.to_host
+    monkeypatch.setattr(output, "to_host", lambda tokens: reads.append(len(tokens)) or real(tokens))
     items = [work_item(pre, f"Row {i}.", [SQUARE], SamplingParams(max_tokens=5, temperature=0.0), i) for i in range(3)]
     events = list(backend.run(items))
     assert all(answer(events, i)[1].completion_tokens == 5 for i in range(3))

@@ -60,6 +60,7 @@ def load_backend(
         kv_cache_tokens=engine.kv_cache_tokens,
         encoder_cache_mb=engine.encoder_cache_mb,
         prefix_cache_mb=engine.prefix_cache_mb,
+        kv_layout=engine.kv_layout,
     )
 
 

@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from shmgate.shared.common_options import EngineOptions
+from shmgate.shared.errors import ModelError
 from shmgate.shared.families import HOST_TENSORS, ModelInputs, input_layout
 from shmgate.shared.hf_families import HF_FAMILIES, chat_family  # each family's record, naming its style
 from shmgate.shared.models import model_id_for  # rules: shared/models.py
@@ -67,8 +68,10 @@ from shmgate.worker.generation import (
 )
 from shmgate.worker.generation.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_TOKENS
 from shmgate.worker.generation.kv import cache_field, kv_budget_from_free_memory
-from shmgate.worker.generation.prefix_cache import PrefixCache, cache_layers, prefix_hashes
+from shmgate.worker.generation.paged import BlockPool, install
+from shmgate.worker.generation.prefix_cache import BLOCK_TOKENS, PrefixCache, cache_layers, prefix_hashes
 from shmgate.worker.generation.rows import Row, full_ids, prompt_length
+from shmgate.worker.generation.runner import ChunkInput, DecodeInput, PagedRunner
 
 __all__ = [
     "DTYPES",
@@ -135,13 +138,15 @@ class HFBackend(GenerationEngine):
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         encoder_cache_mb: float = _ENGINE_DEFAULTS.encoder_cache_mb,
         prefix_cache_mb: float = _ENGINE_DEFAULTS.prefix_cache_mb,
+        kv_layout: str = _ENGINE_DEFAULTS.kv_layout,
     ) -> None:
         """Load the model (fp32 on CPU, bf16 on CUDA unless ``dtype``) and its tokenizer.
 
         ``kv_cache_tokens``: the KV budget in token positions (0: unbounded on CPU; on CUDA, what
         ``KV_SHARE_OF_FREE`` of the memory free after the weights holds). ``max_num_batched_tokens``: the
         tokens one step runs. ``encoder_cache_mb``: the vision-tower outputs kept (0: none).
-        ``prefix_cache_mb``: prompts' KV kept for prompts that start the same (0: none).
+        ``prefix_cache_mb``: prompts' KV kept for prompts that start the same (0: none). ``kv_layout``:
+        "padded" or "paged" (--kv-layout); paged serves families whose tower runs apart, the others stay padded.
 
         ``name`` defaults to the directory's base name, the id the frontend serves it
         under (gateway/preprocess/hf.py ``model_id_for``). ``threads`` sets torch's
@@ -187,6 +192,107 @@ class HFBackend(GenerationEngine):
         self.prefix_cache = PrefixCache(int(prefix_cache_mb * (1 << 20)) if self._chunks else 0)
         # [shared encoder outputs] set by worker/main.py (--encoder-share-mb): other workers' tower runs
         self.encoder_share: SharedEncoderOutputs | None = None
+        self._runner: PagedRunner | None = None
+        self._stored: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # row -> its stored prefix's KV
+        if kv_layout == "paged" and chunks:
+            self._start_paged(kv_cache_tokens)
+
+    def _start_paged(self, kv_cache_tokens: int) -> None:
+        """The paged layout: a block pool of the KV budget (or growing, without one), the paged attention, the
+        runner. The positions' shape (multimodal RoPE: 3 rows) is the style's, read from a one-token prompt."""
+        text = self.model.config.get_text_config()
+        heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        budget = self.kv_budget
+        pool = BlockPool(
+            text.num_hidden_layers,
+            heads,
+            head_dim,
+            BLOCK_TOKENS,
+            -(-budget // BLOCK_TOKENS) if budget else 0,
+            self.dtype,
+            self.device,
+        )
+        one = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            probe, _ = self._style.positions(self.model, self._layout, one, ModelInputs(one, None, None))
+        install(self.model)
+        self._runner = PagedRunner(self.model, pool, self.device, probe.shape[0] if probe.ndim == 3 else 1)
+        self._use_paged(pool)
+        log.info(
+            "KV layout: paged, blocks of %d positions (%d held now, budget %d positions)",
+            BLOCK_TOKENS,
+            pool.blocks,
+            budget,
+        )
+
+    # -- the paged layout's step (generation/engine.py ``_paged_step``) ---------------------------------
+
+    def _whole(self, row: Row) -> bool:
+        return row.inputs.video_grid_thw is not None  # a video's prompt runs through the model's own forward
+
+    def _reuse(self, row: Row) -> int:
+        """Look up ``row``'s longest stored prefix (all but its last token at most); keep its KV for ``_execute``
+        to write into the row's blocks."""
+        if not self.prefix_cache.max_bytes or self._whole(row):
+            return 0
+        ids = np.concatenate([np.frombuffer(row.item.inline, dtype=np.int32), np.asarray(row.generated, np.int32)])
+        row.prefix = prefix_hashes(ids, self._layout.image_token_id, self._image_cache_keys(row))
+        layers, reused = self.prefix_cache.match(row.prefix, prompt_length(row) - 1)
+        if reused:
+            self._stored[id(row)] = layers
+            self.stats.prefix_hits += 1
+            self.stats.prefix_tokens += reused
+        return reused
+
+    def _execute(self, decode: Sequence[Row], chunks: Sequence[tuple[Row, int, int, bool]]) -> torch.Tensor:
+        runner, tables = self._runner, self._tables
+        assert runner is not None
+        pool = runner.pool
+        whole: dict[int, torch.Tensor] = {}
+        packed: list[ChunkInput] = []
+        for row, start, end, last in chunks:
+            table = tables[id(row)]
+            stored = self._stored.pop(id(row), None)
+            if stored is not None and start > 0:
+                pool.write(table, 0, stored)
+            if self._whole(row):
+                logits, cache, row.delta = self._prefill(row)
+                layers = cache_layers(cache)
+                if layers is None:
+                    raise ModelError("this model's cache cannot be paged")
+                pool.write(table, 0, layers)
+                whole[id(row)] = logits
+                continue
+            if row.prefill is None:
+                row.prefill = self._embed_prompt(row)
+            embeds, positions = row.prefill
+            packed.append(ChunkInput(table, start, end, embeds[:, start:end], positions[..., start:end], last))
+        inputs = [
+            DecodeInput(
+                tables[id(row)],
+                row.done_tokens + 1,
+                row.token,
+                row.prompt_tokens + row.completion_tokens - 1 + row.delta,
+            )
+            for row in decode
+        ]
+        out = runner.execute(inputs, packed) if inputs or packed else None
+        picked: list[torch.Tensor] = [] if out is None else [out[: len(inputs)]]
+        at = len(inputs)
+        for row, _, _, last in chunks:
+            if not last:
+                continue
+            if id(row) in whole:
+                picked.append(whole[id(row)][None])
+                continue
+            assert out is not None
+            picked.append(out[at : at + 1])
+            at += 1
+            row.prefill = None
+            if row.prefix and not self.prefix_cache.holds(row.prefix):
+                self.prefix_cache.put(row.prefix, pool.read(tables[id(row)], len(row.prefix) * BLOCK_TOKENS))
+        return picked[0] if len(picked) == 1 else torch.cat(picked)
 
     def caches(self) -> dict[str, SizedCache | None]:  # [memory gauges] worker/cache_gauges.py
         return {"encoder": self.encoder_cache, "prefix": self.prefix_cache, "grammar": self._grammars}

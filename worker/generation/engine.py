@@ -14,6 +14,12 @@ would overflow, the newest row is preempted (``_make_room``): its cache is dropp
 the head of the queue, to be prefilled again from its prompt and the tokens it had generated
 (recompute; its sampler, detokenizer and counts are kept, so its answer goes on where it stopped).
 
+The paged layout (``_use_paged``; worker/backends/hf.py turns it on for families whose tower runs apart when
+asked): ``_paged_step`` asks the scheduler (scheduler.py) for a plan from small per-row records and the free
+KV blocks, applies it (preempted rows free their blocks and go back to the queue's head), and the subclass's
+``_execute`` runs every decoding row and prompt chunk of the plan in ONE forward pass over the rows' blocks
+(paged.py, runner.py). Sampling, text and usage are the output processor's (output.py) in both layouts.
+
 What a subclass supplies (worker/backends/hf.py ``HFBackend``, which wires a family's input style to
 this engine): ``_check`` (an item's model inputs, or InvalidRequest), ``_prefill_some`` (the next part
 of a row's prompt through the model) and ``_decode_step`` (one token for every running row). Nothing
@@ -37,12 +43,13 @@ import torch
 
 from shmgate.shared.common_options import EngineOptions
 from shmgate.shared.errors import InvalidRequest, ModelError
-from shmgate.shared.wire import MAX_LOGPROB_TOKEN_CHARS, TokenLogprob
 from shmgate.worker.backends.base import BackendEvent, ModelBackend, WorkItem
-from shmgate.worker.constraints import GrammarConstraints, RowConstraint
 from shmgate.worker.generation.kv import cache_length, join_cache, select_rows
+from shmgate.worker.generation.output import OutputProcessor
+from shmgate.worker.generation.paged import BlockPool
 from shmgate.worker.generation.rows import Row, prompt_length
-from shmgate.worker.generation.sampling import bias_vector, guarded_pick, make_generator, to_host, token_budget
+from shmgate.worker.generation.sampling import bias_vector, make_generator, token_budget
+from shmgate.worker.generation.scheduler import Scheduler, Seq
 from shmgate.worker.generation.stats import EngineStats
 from shmgate.worker.generation.text import IncrementalDetokenizer, StopStringFilter
 from shmgate.worker.health import is_sticky_device_error
@@ -81,17 +88,29 @@ class GenerationEngine(ModelBackend):
         self.device = device
         self.vocab_size = vocab_size
         self.max_positions = max_positions
-        self.eos_token_ids: frozenset[int] = eos_token_ids
         self.default_max_tokens = default_max_tokens
         self.kv_budget = kv_budget
         self.max_num_batched_tokens = max(1, max_num_batched_tokens)
         self._chunks = chunked_prefill
-        self._grammars: GrammarConstraints | None = None  # built on the first response_format row
+        self.output = OutputProcessor(tokenizer, vocab_size, eos_token_ids)  # sampling, text, stop strings, usage
         self.stats = EngineStats()
         self._out: list[BackendEvent] = []  # events of rows that ended before any step (bad inputs)
         self._waiting: deque[Row] = deque()  # oldest first; the head may be part way through its prompt
         self._running: list[Row] = []  # rows that decode together, sharing one left-padded cache
         self._arrivals = 0
+        # the paged KV layout (``_use_paged``): the block pool, the planner, each row's block table
+        self._pool: BlockPool | None = None
+        self._scheduler: Scheduler | None = None
+        self._tables: dict[int, list[int]] = {}
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The tokens that end an answer (the output processor's)."""
+        return self.output.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids: frozenset[int]) -> None:
+        self.output.eos_token_ids = ids
 
     # -- what a subclass runs ---------------------------------------------------------------------------
 
@@ -108,6 +127,23 @@ class GenerationEngine(ModelBackend):
     @abc.abstractmethod
     def _decode_step(self, rows: Sequence[Row]) -> torch.Tensor:
         """Feed each row's last sampled token in one forward pass; return logits ``[rows, vocab]``."""
+
+    def _use_paged(self, pool: BlockPool) -> None:
+        """Step through the scheduler and one packed forward per step over ``pool`` (``_execute``) instead of
+        the padded cache; the KV budget becomes the pool's blocks."""
+        self._pool = pool
+        self._scheduler = Scheduler(pool.block_size, self.max_num_batched_tokens)
+
+    def _execute(self, decode: Sequence[Row], chunks: Sequence[tuple[Row, int, int, bool]]) -> torch.Tensor:
+        """The paged layout's step: feed each decoding row's last token and run each prompt chunk (row, start,
+        end, whether it ends the prompt) in ONE forward pass over the rows' blocks (``self._tables``); return
+        the logits of the decoding rows, then of the chunks that end their prompt."""
+        raise NotImplementedError
+
+    def _reuse(self, row: Row) -> int:
+        """Paged layout: before a row's first chunk, the positions of its prompt whose KV is already known
+        (a stored prefix), written into its blocks by ``_adopt``; 0 when none."""
+        return 0
 
     def run(self, batch: Sequence[WorkItem]) -> Iterator[BackendEvent]:
         """Generate every item of ``batch`` through the engine, yielding text as it is decoded.
@@ -153,7 +189,7 @@ class GenerationEngine(ModelBackend):
             )
             return
         if row.limit == 0:  # no room in the context (or max_tokens 0): no forward pass for it
-            self._out += self._finish(row, "length")
+            self._out += self.output.finish(row, "length")
             return
         self._arrivals += 1
         row.arrival = self._arrivals
@@ -188,12 +224,18 @@ class GenerationEngine(ModelBackend):
     @property
     def running(self) -> int:
         """Rows decoding together."""
-        return len(self._running)
+        return len(self._running) - self._partial()
 
     @property
     def waiting(self) -> int:
         """Requests added and not yet running (a preempted row among them)."""
-        return len(self._waiting)
+        return len(self._waiting) + self._partial()
+
+    def _partial(self) -> int:
+        """Paged layout: rows part way through their prompt (they hold blocks, among ``_running``)."""
+        if self._pool is None:
+            return 0
+        return sum(1 for row in self._running if row.token < 0 or row.done_tokens < prompt_length(row) - 1)
 
     @property
     def kv_used(self) -> int:
@@ -207,6 +249,10 @@ class GenerationEngine(ModelBackend):
         return max(0, batch_size - len(self._running) - len(self._waiting))
 
     def clear(self) -> None:
+        if self._pool is not None:
+            for table in self._tables.values():
+                self._pool.release(table)
+            self._tables.clear()
         self._out, self._running = [], []
         self._waiting.clear()
 
@@ -215,15 +261,17 @@ class GenerationEngine(ModelBackend):
         prefill, oldest first, within ``max_num_batched_tokens`` prompt tokens (a long prompt of a family
         that can be chunked goes in chunks), and each one that completes its prompt joins the running
         rows for the next step."""
+        if self._pool is not None:
+            return self._paged_step()
         started = time.perf_counter()
         events, self._out = self._out, []
         for row in list(self._waiting):
             if row.item.cancelled:
                 self._waiting.remove(row)
-                events += self._finish(row, "stop")
+                events += self.output.finish(row, "stop")
         for row in self._running:
             if row.item.cancelled and row.finish is None:
-                events += self._finish(row, "stop")
+                events += self.output.finish(row, "stop")
         self._compact()
         tokens = 0
         if self._running:
@@ -232,7 +280,7 @@ class GenerationEngine(ModelBackend):
             decoded = self._decode_step(self._running)
             self.on_step()
             tokens += len(self._running)
-            events += self._sample(self._running, decoded)
+            events += self.output.sample(self._running, decoded)
             self._compact()
         budget = max(0, self.max_num_batched_tokens - tokens)
         while self._waiting and (budget > 0 or tokens == 0):
@@ -260,7 +308,7 @@ class GenerationEngine(ModelBackend):
             if logits is None:
                 break  # its prompt goes on in the next step's budget
             self._waiting.popleft()
-            events += self._sample([row], logits[None])
+            events += self.output.sample([row], logits[None])
             if row.finish is None:
                 self._join(row)
         self.stats.steps += 1
@@ -268,39 +316,110 @@ class GenerationEngine(ModelBackend):
         self.stats.step_seconds += time.perf_counter() - started
         return events
 
-    # -- rows joining and leaving -------------------------------------------------------------------
-
-    def _sample(self, rows: Sequence[Row], logits: torch.Tensor) -> list[BackendEvent]:
-        """Pick and take each row's next token (one host sync for them all); a row whose logits are not
-        finite ends alone with an error."""
-        picks: list[torch.Tensor] = []
-        faults: dict[int, Exception] = {}
-        for row, row_logits in zip(rows, logits):
+    def _paged_step(self) -> list[BackendEvent]:
+        """One step of the paged layout: the scheduler plans (decode first, then prompt chunks within the token
+        budget and the free blocks, preempting by lane and age), one forward pass runs the plan, each row that
+        got logits samples. ``_running``: rows holding blocks; ``_waiting``: rows holding none, in queue order."""
+        assert self._pool is not None and self._scheduler is not None
+        started = time.perf_counter()
+        events, self._out = self._out, []
+        for row in list(self._waiting):
+            if row.item.cancelled:
+                self._waiting.remove(row)
+                events += self.output.finish(row, "stop")
+        for row in self._running:
+            if row.item.cancelled and row.finish is None:
+                events += self.output.finish(row, "stop")
+        self._leave()
+        pool = self._pool
+        seqs = {id(row): row for row in (*self._running, *self._waiting)}
+        running = [self._seq(row) for row in self._running]
+        waiting = [self._seq(row) for row in self._waiting]
+        self._scheduler.max_num_batched_tokens = max(1, self.max_num_batched_tokens)
+        # the budget in blocks, rounded up: a prompt within the budget in positions fits in blocks
+        self._pool.limit = -(-self.kv_budget // self._pool.block_size)
+        plan = self._scheduler.plan(running, waiting, pool.free if pool.bounded else None)
+        for key in plan.out_of_room:
+            events += self.output.finish(seqs[key], "length")
+        if not (plan.tokens or plan.preempted or plan.out_of_room) and (self._running or self._waiting):
+            stuck = (self._running or list(self._waiting))[0]  # no block for it and none to free: it cannot grow
+            events += self.output.finish(stuck, "length")
+            if stuck in self._waiting:
+                self._waiting.remove(stuck)
+        back = [seqs[key] for key in plan.preempted]
+        for row in sorted(back, key=lambda row: row.arrival, reverse=True):
+            pool.release(self._tables.pop(id(row), []))
+            self._running.remove(row)
+            row.done_tokens, row.prefill, row.prefix, row.reused = 0, None, None, -1
+            self._waiting.appendleft(row)
+            self.stats.preemptions += 1
+        decode = [seqs[key] for key in plan.decode]
+        chunks: list[tuple[Row, int, int, bool]] = []
+        for part in plan.prefill:
+            row = seqs[part.key]
+            table = self._tables.setdefault(id(row), [])
+            pool.grow(table, part.end)
+            if row in self._waiting:
+                self._waiting.remove(row)
+                self._running.append(row)
+            chunks.append((row, part.start, part.end, part.last))
+        for row in decode:
+            pool.grow(self._tables[id(row)], row.done_tokens + 1)
+        tokens = plan.tokens
+        if decode or chunks:
             try:
-                picks.append(self._pick(row, row_logits))
-            except Exception as exc:  # a sampling fault no check foresaw ends that row alone
-                faults[row.index] = exc
-                picks.append(torch.zeros(2, dtype=torch.long, device=logits.device))
-        picked = to_host(picks)
-        events: list[BackendEvent] = []
-        for row, (token, ok) in zip(rows, picked):
-            if row.index in faults:
-                log.warning("row %s: sampling failed: %r", row.index, faults[row.index])
-                row.finish, row.cache = "error", None
-                events.append(BackendEvent(row.index, error=ModelError(f"sampling failed: {faults[row.index]}")))
-                continue
-            if not ok:
-                row.finish, row.cache = "error", None
-                events.append(
-                    BackendEvent(row.index, error=ModelError("the model's output for this request was not finite"))
-                )
-                continue
-            try:
-                events += self._accept(row, token)
-            except ModelError as exc:  # a row's own fault (its grammar refused the token): it ends alone
-                row.finish, row.cache = "error", None
-                events.append(BackendEvent(row.index, error=exc))
+                logits = self._execute(decode, chunks)
+            except Exception as exc:
+                if is_sticky_device_error(exc) or not chunks:
+                    raise
+                return events + self._fail_prefills(chunks, exc)
+            self.on_step()
+            for row in decode:
+                row.done_tokens += 1
+            for row, _, end, _ in chunks:
+                row.done_tokens = end
+            sampled = [*decode, *(row for row, _, _, last in chunks if last)]
+            if sampled:
+                events += self.output.sample(sampled, logits)
+            self._leave()
+        self.stats.steps += 1
+        self.stats.step_tokens += tokens
+        self.stats.step_seconds += time.perf_counter() - started
         return events
+
+    def _seq(self, row: Row) -> Seq:
+        """The scheduler's record of ``row`` (a waiting row's stored prefix counts as computed)."""
+        held = len(self._tables.get(id(row), ()))
+        if not held and row.reused < 0:
+            row.reused = self._reuse(row)
+        computed = row.done_tokens if held else max(row.reused, 0)
+        chunkable = self._chunks and not self._whole(row)
+        return Seq(id(row), row.arrival, prompt_length(row), computed, held, row.item.bulk, chunkable, row.token >= 0)
+
+    def _whole(self, row: Row) -> bool:
+        """Its prompt cannot be chunked (the paged layout runs it through the model's own forward)."""
+        return False
+
+    def _fail_prefills(self, chunks: Sequence[tuple[Row, int, int, bool]], exc: Exception) -> list[BackendEvent]:
+        """A step with prompt chunks failed: the chunks' rows fail alone, the running rows retry next step."""
+        events: list[BackendEvent] = []
+        for row, _, _, _ in chunks:
+            log.warning("request %x: its prefill failed: %r", row.item.request_id, exc)
+            row.finish, row.prefill = "error", None
+            error = exc if isinstance(exc, InvalidRequest) else ModelError(f"the model failed: {type(exc).__name__}")
+            events.append(BackendEvent(row.index, error=error))
+        self._leave()
+        return events
+
+    def _leave(self) -> None:
+        """Paged layout: rows that ended free their blocks and leave."""
+        assert self._pool is not None
+        for row in [*self._running, *self._waiting]:
+            if row.finish is not None:
+                self._pool.release(self._tables.pop(id(row), []))
+        self._running = [row for row in self._running if row.finish is None]
+
+    # -- rows joining and leaving -------------------------------------------------------------------
 
     def _compact(self) -> None:
         """Drop ended rows from the running batch's cache at once."""
@@ -317,6 +436,8 @@ class GenerationEngine(ModelBackend):
 
     def _kv_used(self) -> int:
         """KV positions held: the running batch's padded cache (rows x length) and prompts being prefilled."""
+        if self._pool is not None:
+            return self._pool.used * self._pool.block_size
         used = sum(row.done_tokens for row in self._waiting)
         if self._running:
             used += len(self._running) * cache_length(self._running[0].cache)
@@ -341,7 +462,7 @@ class GenerationEngine(ModelBackend):
             if len(self._running) * (cache_length(self._running[0].cache) + 1) <= self.kv_budget:
                 break
             if len(self._running) == 1:
-                events += self._finish(self._running[0], "length")
+                events += self.output.finish(self._running[0], "length")
                 self._compact()
                 break
             newest = max(self._running, key=lambda row: (row.item.bulk, row.arrival))
@@ -371,92 +492,5 @@ class GenerationEngine(ModelBackend):
                 if params.presence_penalty or params.frequency_penalty
                 else None
             ),
-            constraint=self._constraint(params.grammar) if params.grammar else None,
+            constraint=self.output.constraint(params.grammar) if params.grammar else None,
         )
-
-    def _constraint(self, grammar: str) -> RowConstraint:
-        """A row's grammar matcher; the model's compiler is built on its first constrained row."""
-        if self._grammars is None:
-            self._grammars = GrammarConstraints(self.tokenizer, self.vocab_size)
-        return self._grammars.start(grammar)
-
-    def _pick(self, row: Row, logits: torch.Tensor) -> torch.Tensor:
-        """The row's next token and whether its logits were finite, as ``[token, ok]`` on the device (no sync).
-
-        ``logit_bias`` and the penalties act on the logits first, as in OpenAI's definition:
-        ``logit[j] += bias[j] - count[j] * frequency_penalty - (count[j] > 0) * presence_penalty``,
-        where ``count`` counts the row's generated tokens (not the prompt's). A per-row constraint
-        (a grammar's mask) belongs here too, beside the bias.
-        """
-        params = row.item.params
-        if row.bias is not None or row.counts is not None:
-            logits = logits.float()
-            if row.bias is not None:
-                logits = logits + row.bias
-            if row.counts is not None:
-                logits = (
-                    logits - row.counts * params.frequency_penalty - (row.counts > 0).float() * params.presence_penalty
-                )
-        if row.constraint is not None:  # structured outputs: tokens the grammar refuses go to -inf
-            logits = row.constraint.mask(logits)
-        if params.logprobs >= 0:
-            row.logprobs = torch.log_softmax(logits.float(), dim=-1)
-        token, ok = guarded_pick(logits, params.temperature, params.top_p, row.generator)
-        return torch.stack([token.reshape(()).long(), ok.long()])
-
-    def _accept(self, row: Row, token: int) -> list[BackendEvent]:
-        """Take the row's sampled ``token``; return its text, and the end if it ended."""
-        row.completion_tokens += 1
-        row.token = token
-        row.generated.append(token)  # a preempted row's prefill recomputes them
-        if row.counts is not None:
-            row.counts[token] += 1
-        first: list[BackendEvent] = []
-        if row.logprobs is not None:
-            first.append(BackendEvent(row.index, logprob=self._logprob(row.logprobs, token, row.item.params.logprobs)))
-            row.logprobs = None
-        if row.constraint is not None:
-            row.constraint.accept(token)  # raises ModelError if the grammar refused it: _sample fails the row
-        if token in self.eos_token_ids or token in row.item.params.stop_token_ids:
-            return first + self._finish(row, "stop")
-        text = row.stops.push(row.detok.push(token))
-        events = first + ([BackendEvent(row.index, text=text)] if text else [])
-        if row.stops.stopped or (row.constraint is not None and row.constraint.finished):
-            return events + self._finish(row, "stop")
-        if row.completion_tokens >= row.limit:  # no forward pass for a token nobody will read
-            return events + self._finish(row, "length")
-        return events
-
-    def _logprob(self, logprobs: torch.Tensor, token: int, top: int) -> TokenLogprob:
-        """The sampled token's log-probability and the ``top`` likeliest (one host sync, rows asking only).
-
-        The distribution is the model's after ``logit_bias`` and the penalties, before temperature and
-        top_p (vLLM's default, "raw" log-probabilities of the processed logits).
-        """
-        values, ids = torch.topk(logprobs, top) if top else (logprobs[:0], logprobs[:0].long())
-        chosen, top_values, top_ids = float(logprobs[token]), values.tolist(), ids.tolist()
-        return TokenLogprob(
-            self._token_text(token), chosen, tuple((self._token_text(i), v) for i, v in zip(top_ids, top_values))
-        )
-
-    def _token_text(self, token: int) -> str:
-        return str(self.tokenizer.decode([token], skip_special_tokens=False))[:MAX_LOGPROB_TOKEN_CHARS]
-
-    def _finish(self, row: Row, reason: str) -> list[BackendEvent]:
-        """End the row: release held-back text (unless a stop string cut it) and report usage."""
-        row.finish = reason
-        row.cache = row.prefill = None
-        tail = ""
-        if not row.stops.stopped:  # EOS, length or cancel: release what was held back
-            tail = row.stops.push(row.detok.flush())
-            tail += row.stops.flush()
-        events = [BackendEvent(row.index, text=tail)] if tail else []
-        events.append(
-            BackendEvent(
-                row.index,
-                finish_reason=reason,
-                prompt_tokens=row.prompt_tokens,
-                completion_tokens=row.completion_tokens,
-            )
-        )
-        return events

@@ -98,6 +98,10 @@ class PrefixCache:
             return [(k[..., :length, :], v[..., :length, :]) for k, v in entry.layers], length
         return [], 0
 
+    def holds(self, hashes: Sequence[bytes]) -> bool:
+        """Is the prefix ``hashes`` names stored (whole or as the start of a longer one)?"""
+        return bool(hashes) and hashes[-1] in self._index
+
     def put(self, hashes: Sequence[bytes], layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Keep the KV of the prefix ``hashes`` names (``layers``: the row's own cache, at least that long)."""
         if not hashes or not self.max_bytes:

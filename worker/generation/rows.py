@@ -41,6 +41,7 @@ class Row:
     prefill: tuple[torch.Tensor, torch.Tensor] | None = None  # embeddings and positions of a chunked prompt
     prefix: list[bytes] | None = None  # its prompt's block hashes (prefix_cache.py), once computed
     constraint: RowConstraint | None = None  # response_format's grammar (worker/constraints.py)
+    reused: int = -1  # paged layout: prompt positions a stored prefix supplies (-1: not looked up yet)
 
 
 def prompt_length(row: Row) -> int:
