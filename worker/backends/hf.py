@@ -295,7 +295,7 @@ class HFBackend(GenerationEngine):
         return picked[0] if len(picked) == 1 else torch.cat(picked)
 
     def caches(self) -> dict[str, SizedCache | None]:  # [memory gauges] worker/cache_gauges.py
-        return {"encoder": self.encoder_cache, "prefix": self.prefix_cache, "grammar": self._grammars}
+        return {"encoder": self.encoder_cache, "prefix": self.prefix_cache, "grammar": self.output.grammars}
 
     # -- the model's part of a step (generation/engine.py calls these) ----------------------------------
 

@@ -69,6 +69,11 @@ class OutputProcessor:
                 events.append(BackendEvent(row.index, error=exc))
         return events
 
+    @property
+    def grammars(self) -> GrammarConstraints | None:
+        """The compiled grammars' cache (None until the first response_format row); /metrics gauges it."""
+        return self._grammars
+
     def constraint(self, grammar: str) -> RowConstraint:
         """A row's grammar matcher; the model's compiler is built on its first constrained row."""
         if self._grammars is None:
