@@ -31,6 +31,7 @@ def _worker_reading(link: _FailingControl) -> Worker:
     worker._cancel_lock = threading.Lock()
     worker._cancelled = set()
     worker._jobs = {}
+    worker._held = {}  # requests waiting in a held batch (none here)
     return worker
 
 

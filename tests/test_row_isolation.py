@@ -87,7 +87,7 @@ def test_a_row_whose_sampling_raises_fails_alone(
     pre: HFPreprocessor, backend: HFBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A sampling failure no check foresaw, injected into one row's pick: that row ends, its mate runs on.
-    from shmgate.worker.generation import engine as hf
+    from shmgate.worker.generation import output as hf  # the output processor samples each row
 
     real = hf.guarded_pick
 
