@@ -159,8 +159,8 @@ def test_a_stream_that_hangs_up_while_held_behind_a_running_batch_is_cancelled_b
     try:
         before = request_outcomes(server)
         long_batch = _raw_request(
-            image_request("checksum", noise_png(7, size=64), mime="image/png", text="checksum:hold 400")
-        )  # 8 s before any output
+            image_request("checksum", noise_png(7, size=64), mime="image/png", text="checksum:hold 250")
+        )  # 5 s before any output
         held = _raw_request(image_request("checksum", noise_png(8, size=64), mime="image/png", stream=True))
         with socket.create_connection(("127.0.0.1", server.port)) as running:
             running.sendall(long_batch)
