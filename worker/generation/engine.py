@@ -265,13 +265,7 @@ class GenerationEngine(ModelBackend):
             return self._paged_step()
         started = time.perf_counter()
         events, self._out = self._out, []
-        for row in list(self._waiting):
-            if row.item.cancelled:
-                self._waiting.remove(row)
-                events += self.output.finish(row, "stop")
-        for row in self._running:
-            if row.item.cancelled and row.finish is None:
-                events += self.output.finish(row, "stop")
+        events += self._end_cancelled()
         self._compact()
         tokens = 0
         if self._running:
@@ -316,13 +310,10 @@ class GenerationEngine(ModelBackend):
         self.stats.step_seconds += time.perf_counter() - started
         return events
 
-    def _paged_step(self) -> list[BackendEvent]:
-        """One step of the paged layout: the scheduler plans (decode first, then prompt chunks within the token
-        budget and the free blocks, preempting by lane and age), one forward pass runs the plan, each row that
-        got logits samples. ``_running``: rows holding blocks; ``_waiting``: rows holding none, in queue order."""
-        assert self._pool is not None and self._scheduler is not None
-        started = time.perf_counter()
-        events, self._out = self._out, []
+    def _end_cancelled(self) -> list[BackendEvent]:
+        """Rows whose requests were cancelled or aborted end before the step runs: a waiting row leaves the
+        queue, a running one is finished (the step's compaction or ``_leave`` drops it)."""
+        events: list[BackendEvent] = []
         for row in list(self._waiting):
             if row.item.cancelled:
                 self._waiting.remove(row)
@@ -330,6 +321,16 @@ class GenerationEngine(ModelBackend):
         for row in self._running:
             if row.item.cancelled and row.finish is None:
                 events += self.output.finish(row, "stop")
+        return events
+
+    def _paged_step(self) -> list[BackendEvent]:
+        """One step of the paged layout: the scheduler plans (decode first, then prompt chunks within the token
+        budget and the free blocks, preempting by lane and age), one forward pass runs the plan, each row that
+        got logits samples. ``_running``: rows holding blocks; ``_waiting``: rows holding none, in queue order."""
+        assert self._pool is not None and self._scheduler is not None
+        started = time.perf_counter()
+        events, self._out = self._out, []
+        events += self._end_cancelled()
         self._leave()
         pool = self._pool
         seqs = {id(row): row for row in (*self._running, *self._waiting)}
