@@ -401,7 +401,7 @@ def _batch_api() -> dict[str, Any]:
                 "required": ["input_file_id", "endpoint", "completion_window"],
                 "properties": {
                     "input_file_id": {"type": "string"},
-                    "endpoint": {"enum": ["/v1/chat/completions", "/v1/embeddings", "/v1/responses"]},
+                    "endpoint": {"enum": [endpoint.path for endpoint in ENDPOINTS]},  # gateway/endpoints.py
                     "completion_window": {"const": "24h"},
                     "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
                 },
