@@ -56,7 +56,6 @@ import base64
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -67,7 +66,7 @@ from typing import Any
 
 import httpx
 
-from bench.servers import tree_env
+from bench.servers import free_port, tree_env
 
 REPO = Path(__file__).resolve().parent.parent
 PHOTOS = sorted((REPO / "tests" / "data" / "images").glob("*.jpg"))
@@ -559,12 +558,6 @@ def serve_vllm(args: argparse.Namespace, port: int) -> int:
             time.sleep(0.5)
     print(json.dumps({"label": args.label, "command": f"{script} {args.model_dir} {port}", **figures}))
     return 0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def main(argv: list[str] | None = None) -> int:
