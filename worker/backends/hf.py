@@ -66,6 +66,7 @@ from shmgate.worker.generation import (
     pick_token,
     sample_token,
 )
+from shmgate.worker.generation.cpu_linear import PackedLinear, can_pack, pack_linears
 from shmgate.worker.generation.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_TOKENS
 from shmgate.worker.generation.kv import cache_field, kv_budget_from_free_memory
 from shmgate.worker.generation.paged import BlockPool, install
@@ -165,6 +166,11 @@ class HFBackend(GenerationEngine):
             model_dir, dtype=self.dtype, device_map=_device_map(device)
         )
         self.model: Any = model.to(device).eval()  # a no-op when it was loaded there
+        if can_pack(device, self.dtype):  # the language model's few-row products through oneDNN (cpu_linear.py)
+            pack_linears(self.model.get_decoder())
+            head = self.model.get_output_embeddings()
+            if type(head) is torch.nn.Linear:
+                self.model.set_output_embeddings(PackedLinear(head))
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self._style = family.style  # its input style's worker half (shared/families/)
         self._layout = input_layout(self._style, self.model.config)
