@@ -144,3 +144,66 @@ def test_a_block_budget_preempts_the_newest_and_it_answers_as_alone(
     for key in (1, 2):
         text, end = answer(events, key)
         assert (text, end.completion_tokens) == (alone[key], 40)
+
+
+def test_the_pool_keeps_each_growing_rows_blocks_consecutive_and_names_a_scattered_rows_blocks() -> None:
+    from shmgate.worker.generation.paged import BlockPool
+
+    pool = BlockPool(1, 1, 4, block_size=4, capacity=0, dtype=torch.float32, device=torch.device("cpu"))
+    tables: list[list[int]] = [[], [], []]
+    for length in range(1, 60):  # three rows growing a position at a time, interleaved
+        for table in tables:
+            pool.grow(table, length)
+    for table in tables:
+        assert table == list(range(table[0], table[0] + len(table)))
+        assert pool.span(table, 59) == (table[0], len(table))
+    pool.release(tables[1])
+    assert pool.used == len(tables[0]) + len(tables[2])
+    # a pool with every other block taken: a new row's blocks cannot be consecutive, and it is told so
+    full = BlockPool(1, 1, 4, block_size=4, capacity=0, dtype=torch.float32, device=torch.device("cpu"))
+    taken = [[] for _ in range(full.blocks)]
+    for table in taken:
+        full.grow(table, 4)
+    for table in taken:
+        if table[0] % 2 == 0:
+            full.release(table)
+    scattered: list[int] = []
+    full.grow(scattered, 12)
+    span = full.span(scattered, 12)
+    assert isinstance(span, torch.Tensor) and span.tolist() == scattered
+
+
+def test_rows_whose_blocks_are_scattered_answer_as_alone(
+    pre: HFPreprocessor, engine: HFBackend, endless: tuple[tuple[int, float], ...]
+) -> None:
+    pool = engine._pool
+    assert pool is not None
+    items = [
+        _item(pre, f"Scattered {i}.", [SQUARE] if i else [], i, max_tokens=24, logit_bias=endless) for i in range(2)
+    ]
+    alone = {item.key: _alone(engine, item) for item in items}
+    # every block of the pool taken, then every other one freed: new rows get no two consecutive blocks
+    holders = [[] for _ in range(pool.blocks)]
+    for table in holders:
+        pool.grow(table, pool.block_size)
+    for table in holders:
+        if table[0] % 2 == 0:
+            pool.release(table)
+    try:
+        for item in items:
+            engine.add(item)
+        events: list[BackendEvent] = []
+        scattered = False
+        while engine.has_work():
+            events += engine.step()
+            scattered |= any(
+                isinstance(pool.span(engine._tables[id(row)], row.done_tokens), torch.Tensor)
+                for row in engine._running
+                if row.done_tokens > pool.block_size
+            )
+        assert scattered
+        for key, text in alone.items():
+            assert answer(events, key)[0] == text
+    finally:
+        for table in holders:
+            pool.release(table)

@@ -10,10 +10,16 @@ How the model reads them: one forward pass per step runs every row's new tokens 
 (batch 1). ``install`` registers ``paged_attention`` through transformers' AttentionInterface and sets the
 language model's attention implementation to it; the step's ``PagedStep`` travels as the attention mask (a
 dict by layer type, which transformers' models pass through unchanged). For each layer the function writes
-the step's keys and values at their slots, then computes attention: decoding rows (one query each) in one
-SDPA over a gathered, padded view of their blocks with a length mask, and each prompt chunk in its own SDPA
-(causal within the chunk, over the row's earlier positions). Any other call (the vision tower, a prompt run
-through the model's own forward with a dynamic cache) goes to SDPA as before.
+the step's keys and values at their slots, then each row (a decoding row's one query, a prompt chunk's
+queries, causal within the chunk) attends in its own SDPA over a VIEW of its blocks: the pool hands a row
+consecutive blocks wherever it can (a new row starts in the middle of the longest free run, a growing row
+takes the block after its last), so a row's positions are one strided slice of the pool and nothing is
+copied. A row whose blocks are not consecutive (the pool fragmented) reads a gathered copy of its own blocks.
+Why not one batched SDPA over every row: it needs the rows' blocks gathered into one padded tensor, a copy of
+the whole KV per layer per step (300 positions a row, the 8-layer checkpoint's heads, one CPU thread: at 8 rows
+0.57-0.67 ms a layer against 0.32-0.34 ms for the per-row views, at 32 rows 3.5-3.8 against 2.1-2.2 ms;
+``python -m bench kernel-costs``). Any other call (the vision tower,
+a prompt run through the model's own forward with a dynamic cache) goes to SDPA as before.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -51,7 +58,8 @@ class BlockPool:
         shape = (blocks, block_size, kv_heads, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self._free = list(range(blocks - 1, -1, -1))
+        self._is_free = np.ones(blocks, dtype=bool)
+        self._free_count = blocks
 
     @property
     def blocks(self) -> int:
@@ -64,11 +72,11 @@ class BlockPool:
     @property
     def free(self) -> int:
         """Blocks rows may still take: within ``limit`` when bounded."""
-        return max(0, self.limit - self.used) if self.limit else len(self._free)
+        return max(0, self.limit - self.used) if self.limit else self._free_count
 
     @property
     def used(self) -> int:
-        return self.blocks - len(self._free)
+        return self.blocks - self._free_count
 
     def bytes_per_block(self) -> int:
         one = self.keys[0][0]
@@ -76,20 +84,34 @@ class BlockPool:
 
     def grow(self, table: list[int], positions: int) -> None:
         """Give ``table`` the blocks ``positions`` positions need (the caller checked they are free when the
-        pool is bounded)."""
+        pool is bounded): the block after its last one when free, so that a row's blocks stay consecutive."""
         need = -(-positions // self.block_size) - len(table)
         if need <= 0:
             return
         if self.limit and need > self.free:
             raise RuntimeError(f"the KV pool has {self.free} free blocks, {need} needed")
-        if need > len(self._free):
+        if need > self._free_count:
             self._double(need)
         for _ in range(need):
-            table.append(self._free.pop())
+            after = table[-1] + 1 if table else -1
+            block = after if 0 <= after < len(self._is_free) and self._is_free[after] else self._roomiest()
+            self._is_free[block] = False
+            self._free_count -= 1
+            table.append(block)
 
     def release(self, table: list[int]) -> None:
-        self._free.extend(reversed(table))
+        self._is_free[table] = True
+        self._free_count += len(table)
         table.clear()
+
+    def _roomiest(self) -> int:
+        """The middle of the longest run of free blocks: a row that starts there can grow into the run's second
+        half, and the row before the run into its first half."""
+        edges = np.diff(np.concatenate(([0], self._is_free.view(np.int8), [0])))
+        starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+        longest = int(np.argmax(ends - starts))
+        start, end = int(starts[longest]), int(ends[longest])
+        return start if start == 0 else (start + end) // 2
 
     def _double(self, need: int) -> None:
         old = self.blocks
@@ -99,7 +121,17 @@ class BlockPool:
                 grown = torch.zeros((new, *pool.shape[1:]), dtype=pool.dtype, device=pool.device)
                 grown[:old] = pool
                 tensors[i] = grown
-        self._free = list(range(new - 1, old - 1, -1)) + self._free
+        self._is_free = np.concatenate((self._is_free, np.ones(new - old, dtype=bool)))
+        self._free_count += new - old
+
+    def span(self, table: Sequence[int], length: int) -> tuple[int, int] | torch.Tensor:
+        """Where a row's first ``length`` positions are: ``(first block, blocks)`` when its blocks are
+        consecutive (attention reads a view of the pool), else the blocks' indices (it reads a copy)."""
+        blocks = -(-length // self.block_size)
+        first = table[0]
+        if table[blocks - 1] - first == blocks - 1 and list(table[:blocks]) == list(range(first, first + blocks)):
+            return first, blocks
+        return torch.tensor(list(table[:blocks]), dtype=torch.long, device=self.keys[0].device)
 
     def write(self, table: Sequence[int], start: int, layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Write a row's keys and values (per layer ``[1, kv_heads, n, head_dim]``, a dynamic cache's) at its
@@ -131,60 +163,56 @@ def slot_indices(table: Sequence[int], start: int, end: int, block_size: int, de
 
 
 @dataclass
-class _Chunk:
-    """A prompt chunk in the packed step: tokens ``offset:offset + n`` of the sequence, the row's blocks, and
-    the row's positions in KV after this step (``length``)."""
+class _Reader:
+    """What one row attends to in a step: its queries ``offset:offset + n`` of the packed sequence, its KV
+    (``span``: a view's first block and block count, or its blocks' indices) and its positions after this step
+    (``length``). ``causal``: a prompt chunk's queries see only the positions up to their own."""
 
     offset: int
     n: int
-    blocks: torch.Tensor
+    span: tuple[int, int] | torch.Tensor
     length: int
+    causal: bool
 
 
 class PagedStep:
-    """One step's layout, built once on the host and read by every layer: where each token's K/V goes, which
-    packed tokens are decoding rows' and the blocks they read, and each prompt chunk."""
+    """One step's layout, built once on the host and read by every layer: where each token's K/V goes, and
+    each row's queries and KV (decoding rows first, one token each, then the prompt chunks)."""
 
     def __init__(self, pool: BlockPool, device: torch.device) -> None:
         self.pool = pool
         self.device = device
-        self._slots: list[torch.Tensor] = []  # prompt chunks' slots
         self._decode_slots: list[int] = []  # decoding rows' slots: their tokens come first in the step
-        self._decode_tables: list[Sequence[int]] = []
-        self._decode_lengths: list[int] = []
-        self.chunks: list[_Chunk] = []
+        self._slots: list[torch.Tensor] = []  # prompt chunks' slots
+        self.readers: list[_Reader] = []
         self.tokens = 0
 
     def add_decode(self, table: Sequence[int], length: int) -> None:
-        """A decoding row: its one token at position ``length - 1`` (``length``: its positions after the step).
-        Host integers only: the step's tensors are built once, in ``seal``."""
+        """A decoding row: its one token at position ``length - 1`` (``length``: its positions after the step)."""
         size = self.pool.block_size
         where = length - 1
         self._decode_slots.append(table[where // size] * size + where % size)
-        self._decode_tables.append(table[: -(-length // size)])
-        self._decode_lengths.append(length)
+        self.readers.append(_Reader(self.tokens, 1, self.pool.span(table, length), length, False))
         self.tokens += 1
 
     def add_chunk(self, table: Sequence[int], start: int, end: int) -> None:
         """A prompt chunk: positions ``start:end`` of a row (chunks follow every decoding row)."""
         self._slots.append(slot_indices(table, start, end, self.pool.block_size, torch.device("cpu")))
-        blocks = torch.tensor(list(table[: -(-end // self.pool.block_size)]), dtype=torch.long, device=self.device)
-        self.chunks.append(_Chunk(self.tokens, end - start, blocks, end))
+        self.readers.append(_Reader(self.tokens, end - start, self.pool.span(table, end), end, True))
         self.tokens += end - start
 
     def seal(self) -> None:
-        """Build the device tensors every layer reads (one host-to-device copy of each)."""
-        rows = len(self._decode_slots)
-        slots = [torch.tensor(self._decode_slots, dtype=torch.long)] if rows else []
+        """Build the slots' device tensor every layer reads (one host-to-device copy)."""
+        slots = [torch.tensor(self._decode_slots, dtype=torch.long)] if self._decode_slots else []
         self.slots = torch.cat([*slots, *self._slots]).to(self.device)
-        self.decode_rows = rows
-        if rows:
-            width = max(len(table) for table in self._decode_tables)
-            tables = [list(table) + [0] * (width - len(table)) for table in self._decode_tables]
-            span = width * self.pool.block_size
-            lengths = torch.tensor(self._decode_lengths)
-            self.decode_tables = torch.tensor(tables, dtype=torch.long, device=self.device)
-            self.decode_mask = (torch.arange(span)[None, :] < lengths[:, None]).view(rows, 1, 1, span).to(self.device)
+
+
+def _row_kv(pool: torch.Tensor, reader: _Reader, heads: int, dim: int) -> torch.Tensor:
+    """A row's keys or values ``[1, kv_heads, length, dim]``: a view of the pool when its blocks are
+    consecutive, else a copy of its blocks."""
+    span = reader.span
+    blocks = pool[span[0] : span[0] + span[1]] if isinstance(span, tuple) else pool.index_select(0, span)
+    return blocks.view(-1, heads, dim)[: reader.length].transpose(0, 1).unsqueeze(0)
 
 
 def paged_attention(
@@ -198,8 +226,8 @@ def paged_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention function contract (``query [1, heads, tokens, dim]``, keys and values with
-    their own heads): write the step's keys and values into the pool, attend over each row's blocks, return
-    ``[1, tokens, heads, dim]``. A call that is not a paged step goes to SDPA."""
+    their own heads): write the step's keys and values into the pool, let each row attend over its blocks,
+    return ``[1, tokens, heads, dim]``. A call that is not a paged step goes to SDPA."""
     if not isinstance(attention_mask, PagedStep):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -213,27 +241,21 @@ def paged_attention(
     q = query[0]  # [q_heads, tokens, dim]
     gqa = q.shape[0] != heads
     out = torch.empty(q.shape[1], q.shape[0], dim, dtype=q.dtype, device=q.device)  # [tokens, q_heads, dim]
-    rows = step.decode_rows
-    if rows:  # decoding rows' tokens are the step's first ``rows``
-        kk = pool_k[step.decode_tables].view(rows, -1, heads, dim).transpose(1, 2)
-        vv = pool_v[step.decode_tables].view(rows, -1, heads, dim).transpose(1, 2)
-        qq = q[:, :rows].transpose(0, 1).unsqueeze(2)  # [rows, q_heads, 1, dim]
-        o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=step.decode_mask, scale=scaling, enable_gqa=gqa)
-        out[:rows] = o[:, :, 0]
-    for chunk in step.chunks:
-        kk = pool_k[chunk.blocks].view(-1, heads, dim)[: chunk.length].transpose(0, 1)
-        vv = pool_v[chunk.blocks].view(-1, heads, dim)[: chunk.length].transpose(0, 1)
-        qq = q[:, chunk.offset : chunk.offset + chunk.n]
-        if chunk.length == chunk.n:
+    for reader in step.readers:
+        kk, vv = _row_kv(pool_k, reader, heads, dim), _row_kv(pool_v, reader, heads, dim)
+        qq = q[None, :, reader.offset : reader.offset + reader.n]  # [1, q_heads, n, dim]
+        if not reader.causal or reader.n == 1:
+            o = F.scaled_dot_product_attention(qq, kk, vv, scale=scaling, enable_gqa=gqa)
+        elif reader.length == reader.n:
             o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=scaling, enable_gqa=gqa)
         else:
-            first = chunk.length - chunk.n
+            first = reader.length - reader.n
             mask = (
-                torch.arange(chunk.length, device=q.device)[None, :]
-                <= (first + torch.arange(chunk.n, device=q.device))[:, None]
+                torch.arange(reader.length, device=q.device)[None, :]
+                <= (first + torch.arange(reader.n, device=q.device))[:, None]
             )
             o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scaling, enable_gqa=gqa)
-        out[chunk.offset : chunk.offset + chunk.n] = o.transpose(0, 1)
+        out[reader.offset : reader.offset + reader.n] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
 
 
