@@ -22,6 +22,10 @@ SCENARIOS: dict[str, tuple[str, str]] = {
     ),
     "e2e": ("bench.e2e", "shmgate against a naive app and LitServe, end to end: req/s, latency, server CPU"),
     "vlm-serving": ("bench.vlm_serving", "a VLM's TTFT idle, behind a long answer and in a Poisson mix (who waits)"),
+    "kernel-costs": (
+        "bench.kernel_costs",
+        "a CPU decode step's two kernels: packed oneDNN linears and per-row paged attention against the plain ones",
+    ),
     "prefix-reuse": (
         "bench.prefix_reuse",
         "a multi-turn chat's TTFT with and without its earlier turn's prompt KV, in process",

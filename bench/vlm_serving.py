@@ -423,14 +423,20 @@ def padding(model_dir: Path, seed: int, requests: int, every: int) -> dict[str, 
     return out
 
 
-def layouts(model_dir: Path, counts: list[int], decode_steps: int) -> dict[str, Any]:
+def layouts(model_dir: Path, counts: list[int], decode_steps: int, threads: int, clock_name: str) -> dict[str, Any]:
     """The KV layouts side by side in this process (``--layouts``): for each row count, that many requests
     (the mix's prompt and photos, one arrival every 3 steps so lengths differ) until all decode, then
     ``decode_steps`` steps timed: the whole step, the model's forward pass within it (the rest is host work:
     scheduling, bookkeeping, sampling, detokenising), and the KV positions held per real position. Padded
-    and paged alternate A B B A per row count; each figure is the mean of the two runs."""
+    and paged alternate A B B A per row count; each figure is the mean of the two runs. ``threads``: torch's
+    threads (0: its default); ``clock_name`` "cpu" times with this process's CPU time (with one thread, the
+    work done, whatever else runs on the cores), "wall" with the wall clock."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the worker runs (worker/__main__.py); before torch
     import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    clock = time.process_time if clock_name == "cpu" else time.perf_counter
 
     from shmgate.gateway.preprocess.hf import HFPreprocessor
     from shmgate.shared.wire import SamplingParams
@@ -444,10 +450,10 @@ def layouts(model_dir: Path, counts: list[int], decode_steps: int) -> dict[str, 
     started = [0.0]
 
     def before(*_: Any) -> None:
-        started[0] = time.perf_counter()
+        started[0] = clock()
 
     def after(*_: Any) -> None:
-        spent[0] += time.perf_counter() - started[0]
+        spent[0] += clock() - started[0]
 
     for engine in engines.values():
         engine.model.register_forward_pre_hook(before)
@@ -471,9 +477,9 @@ def layouts(model_dir: Path, counts: list[int], decode_steps: int) -> dict[str, 
         step_s = forward_s = held = real = 0.0
         for _ in range(decode_steps):
             spent[0] = 0.0
-            t0 = time.perf_counter()
+            t0 = clock()
             engine.step()
-            step_s += time.perf_counter() - t0
+            step_s += clock() - t0
             forward_s += spent[0]
             running = engine._running
             real += sum(row.done_tokens if engine._pool is not None else 0 for row in running)
@@ -487,7 +493,7 @@ def layouts(model_dir: Path, counts: list[int], decode_steps: int) -> dict[str, 
         engine.clear()
         return step_s / decode_steps * 1000, (step_s - forward_s) / decode_steps * 1000, held / real
 
-    out: dict[str, Any] = {"threads": torch.get_num_threads()}
+    out: dict[str, Any] = {"threads": torch.get_num_threads(), "clock": clock_name}
     for kind in engines:  # warm-up: the first forward passes of a process are slower (kernels, allocator)
         run(kind, 2)
     for rows in counts:
@@ -598,6 +604,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-every", type=int, default=16, help="--padding: time a decode step every N steps (0: none)")
     p.add_argument("--layouts", default="", help="only the padded and paged KV layouts' step costs at these row counts")
     p.add_argument("--decode-steps", type=int, default=16, help="--layouts: decode steps timed per run")
+    p.add_argument("--threads", type=int, default=0, help="--layouts: torch threads (0: torch's default)")
+    p.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="--layouts: time with the wall clock, or this process's CPU time (one thread: the work itself)",
+    )
     args = p.parse_args(argv)
     if args.build:
         (build_llava if args.family == "llava" else build)(args.build)
@@ -607,7 +620,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.layouts:
         counts = [int(n) for n in args.layouts.split(",")]
-        print(json.dumps(layouts(args.model_dir, counts, args.decode_steps)))
+        print(json.dumps(layouts(args.model_dir, counts, args.decode_steps, args.threads, args.clock)))
         return 0
     assert args.model_dir, "--model-dir (build one with --build)"
     port = free_port()
