@@ -458,6 +458,18 @@ def layouts(model_dir: Path, counts: list[int], decode_steps: int, threads: int,
     for engine in engines.values():
         engine.model.register_forward_pre_hook(before)
         engine.model.register_forward_hook(after)
+        runner = engine._runner
+        if runner is not None:  # the paged step's forward pass (its plain loop calls no model forward)
+            run_forward = runner.forward
+
+            def timed(*args: Any, _run: Any = run_forward) -> Any:
+                before()
+                try:
+                    return _run(*args)
+                finally:
+                    after()
+
+            runner.forward = timed  # type: ignore[method-assign]
 
     def run(kind: str, rows: int) -> tuple[float, float, float]:
         engine = engines[kind]

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from shmgate.worker.generation.decoder_stack import DecoderStack
 from shmgate.worker.generation.paged import BlockPool, PagedStep
 
 __all__ = ["ChunkInput", "DecodeInput", "PagedRunner"]
@@ -53,6 +54,9 @@ class PagedRunner:
         self.device = device
         self.rope_rows = rope_rows  # 3: multimodal RoPE (positions [3, 1, tokens]); 1: [1, tokens]
         self._embed = model.get_input_embeddings()
+        # the decoder layers in a plain loop where their shape allows (decoder_stack.py), else the model's forward
+        self.stack = DecoderStack.of(model)
+        self.passes = 0  # forward passes run: one per step
 
     def execute(self, decode: Sequence[DecodeInput], chunks: Sequence[ChunkInput]) -> torch.Tensor:
         """Run one step; return the logits ``[len(decode) + chunks sampling, vocab]``, decoding rows first
@@ -81,12 +85,21 @@ class PagedRunner:
             where_all = positions[0] if len(positions) == 1 else torch.cat(positions, dim=-1)
             if self.rope_rows == 1:
                 where_all = where_all[0]
-            out = self.model(
-                inputs_embeds=packed,
-                position_ids=where_all,
-                attention_mask={"full_attention": step},
-                use_cache=False,
-                logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
-            )
+            return self.forward(packed, where_all, step, torch.tensor(keep, dtype=torch.long, device=self.device))
+
+    def forward(
+        self, embeds: torch.Tensor, positions: torch.Tensor, step: PagedStep, keep: torch.Tensor
+    ) -> torch.Tensor:
+        """The step's one forward pass: the logits of the packed tokens ``keep`` names."""
+        self.passes += 1
+        if self.stack is not None:
+            return self.stack(embeds, positions, step, keep)
+        out = self.model(
+            inputs_embeds=embeds,
+            position_ids=positions,
+            attention_mask={"full_attention": step},
+            use_cache=False,
+            logits_to_keep=keep,
+        )
         logits: torch.Tensor = out.logits[0]
         return logits
