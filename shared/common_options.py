@@ -138,11 +138,12 @@ class EngineOptions:
         type=flag_types.non_negative_float,
     )
     kv_layout: str = option(
-        "hf: models: how the engine holds KV: padded (the running rows share one left-padded cache) or "
-        "paged (fixed-size blocks with a block table per row, one packed forward pass per step; Qwen2-VL "
-        "and Qwen2.5-VL, the other families stay padded; docs/BENCHMARKS.md)",
-        default="padded",
-        type=flag_types.choice("padded", "paged"),
+        "hf: models: how the engine holds KV: paged (fixed-size blocks with a block table per row, one packed "
+        "forward pass per step), padded (the running rows share one left-padded cache), or auto: paged on "
+        "CPU for the families it serves (Qwen2-VL, Qwen2.5-VL, LLaVA, LLaVA-NeXT, Idefics3, SmolVLM, "
+        "InternVL), padded for the others and on GPUs (docs/BENCHMARKS.md)",
+        default="auto",
+        type=flag_types.choice("auto", "paged", "padded"),
     )
     encoder_share_mb: float = option(
         "hf: models: each worker's shared-memory partition for vision-tower outputs that every worker of "

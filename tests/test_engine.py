@@ -34,7 +34,7 @@ def pre(tiny_qwen2_vl_dir: Path) -> HFPreprocessor:
 def backend(tiny_qwen2_vl_dir: Path) -> Iterator[HFBackend]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield HFBackend(str(tiny_qwen2_vl_dir), torch.device("cpu"))
+    yield HFBackend(str(tiny_qwen2_vl_dir), torch.device("cpu"), kv_layout="padded")
     torch.set_num_threads(threads)
 
 

@@ -67,6 +67,7 @@ from shmgate.worker.generation import (
     sample_token,
 )
 from shmgate.worker.generation.cpu_linear import PackedLinear, can_pack, pack_linears
+from shmgate.worker.generation.decoder_stack import DecoderStack
 from shmgate.worker.generation.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_TOKENS
 from shmgate.worker.generation.kv import cache_field, kv_budget_from_free_memory
 from shmgate.worker.generation.paged import BlockPool, install
@@ -147,7 +148,8 @@ class HFBackend(GenerationEngine):
         ``KV_SHARE_OF_FREE`` of the memory free after the weights holds). ``max_num_batched_tokens``: the
         tokens one step runs. ``encoder_cache_mb``: the vision-tower outputs kept (0: none).
         ``prefix_cache_mb``: prompts' KV kept for prompts that start the same (0: none). ``kv_layout``:
-        "padded" or "paged" (--kv-layout); paged serves families whose tower runs apart, the others stay padded.
+        "auto", "paged" or "padded" (--kv-layout); paged serves families whose tower runs apart or whose
+        decoder layers decoder_stack.py runs, the others stay padded; auto is paged on CPU only.
 
         ``name`` defaults to the directory's base name, the id the frontend serves it
         under (gateway/preprocess/hf.py ``model_id_for``). ``threads`` sets torch's
@@ -200,8 +202,11 @@ class HFBackend(GenerationEngine):
         self.encoder_share: SharedEncoderOutputs | None = None
         self._runner: PagedRunner | None = None
         self._stored: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # row -> its stored prefix's KV
-        if kv_layout == "paged" and chunks:
-            self._start_paged(kv_cache_tokens)
+        if kv_layout == "paged" or (kv_layout == "auto" and device.type == "cpu"):
+            # paged where its plain decoder loop serves the layers (decoder_stack.py) or the prompt is chunked
+            # (the model's own forward reads the blocks); the padded layout serves every family
+            if chunks or DecoderStack.of(self.model) is not None:
+                self._start_paged(kv_cache_tokens)
 
     def _start_paged(self, kv_cache_tokens: int) -> None:
         """The paged layout: a block pool of the KV budget (or growing, without one), the paged attention, the
@@ -235,7 +240,8 @@ class HFBackend(GenerationEngine):
     # -- the paged layout's step (generation/engine.py ``_paged_step``) ---------------------------------
 
     def _whole(self, row: Row) -> bool:
-        return row.inputs.video_grid_thw is not None  # a video's prompt runs through the model's own forward
+        # a family whose tower does not run apart, and a video's prompt, run through the model's own forward
+        return not self._chunks or row.inputs.video_grid_thw is not None
 
     def _reuse(self, row: Row) -> int:
         """Look up ``row``'s longest stored prefix (all but its last token at most); keep its KV for ``_execute``
