@@ -49,14 +49,20 @@ def _with_nan_pixels(item: WorkItem) -> WorkItem:
     return WorkItem(item.request_id, {**item.tensors, "pixel_values": pixels}, item.params, inline=item.inline)
 
 
+@pytest.mark.parametrize(
+    ("mate_temperature", "bad_temperature"),
+    [(0.8, 1.0), (0.0, 0.0)],
+    ids=["sampled", "greedy rows picked together"],
+)
 def test_a_row_with_nan_logits_fails_alone_and_its_mates_answer_as_when_alone(
-    pre: HFPreprocessor, backend: HFBackend
+    pre: HFPreprocessor, backend: HFBackend, mate_temperature: float, bad_temperature: float
 ) -> None:
     mates = [
-        work_item(pre, "Describe it.", [WIDE], SamplingParams(max_tokens=10, temperature=0.8, seed=3), 1),
+        work_item(pre, "Describe it.", [WIDE], SamplingParams(max_tokens=10, temperature=mate_temperature, seed=3), 1),
         work_item(pre, "Square.", [SQUARE], SamplingParams(max_tokens=12, temperature=0.0), 3),
     ]
-    bad = _with_nan_pixels(work_item(pre, "NaN me.", [SQUARE], SamplingParams(max_tokens=12, temperature=1.0), 2))
+    bad_params = SamplingParams(max_tokens=12, temperature=bad_temperature)
+    bad = _with_nan_pixels(work_item(pre, "NaN me.", [SQUARE], bad_params, 2))
     alone = [answer(list(backend.run([item]))) for item in mates]
     events = list(backend.run([mates[0], bad, mates[1]]))
     assert "not finite" in str(_failure(events, 1).error)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from shmgate.shared.errors import ModelError
-from shmgate.shared.wire import MAX_LOGPROB_TOKEN_CHARS, TokenLogprob
+from shmgate.shared.wire import MAX_LOGPROB_TOKEN_CHARS, MIN_TEMPERATURE, TokenLogprob
 from shmgate.worker.backends.base import BackendEvent
 from shmgate.worker.constraints import GrammarConstraints, RowConstraint
 from shmgate.worker.generation.rows import Row
@@ -39,15 +39,28 @@ class OutputProcessor:
 
     def sample(self, rows: Sequence[Row], logits: torch.Tensor) -> list[BackendEvent]:
         """Pick and take each row's next token (one host sync for them all); a row whose logits are not
-        finite ends alone with an error."""
-        picks: list[torch.Tensor] = []
+        finite ends alone with an error. Greedy rows without penalties, grammar or logprobs (most rows)
+        are picked together, a few tensor operations for all of them; the others one by one."""
+        picks: list[torch.Tensor] = [torch.zeros(2, dtype=torch.long, device=logits.device)] * len(rows)
         faults: dict[int, Exception] = {}
-        for row, row_logits in zip(rows, logits):
+        greedy = [i for i, row in enumerate(rows) if self._plain_greedy(row)]
+        done: set[int] = set()
+        if len(greedy) > 1:
             try:
-                picks.append(self.pick(row, row_logits))
+                together = _greedy_picks([rows[i] for i in greedy], logits, greedy)
+            except Exception:  # noqa: BLE001  (each row again on its own: a fault ends only its row)
+                together = None
+            if together is not None:
+                for i, pick in zip(greedy, together):
+                    picks[i] = pick
+                done.update(greedy)
+        for i, (row, row_logits) in enumerate(zip(rows, logits)):
+            if i in done:
+                continue
+            try:
+                picks[i] = self.pick(row, row_logits)
             except Exception as exc:  # a sampling fault no check foresaw ends that row alone
                 faults[row.index] = exc
-                picks.append(torch.zeros(2, dtype=torch.long, device=logits.device))
         picked = to_host(picks)
         events: list[BackendEvent] = []
         for row, (token, ok) in zip(rows, picked):
@@ -68,6 +81,17 @@ class OutputProcessor:
                 row.finish, row.cache = "error", None
                 events.append(BackendEvent(row.index, error=exc))
         return events
+
+    @staticmethod
+    def _plain_greedy(row: Row) -> bool:
+        """``pick`` of this row is argmax over its logits plus its bias (no penalties, grammar or logprobs)."""
+        params = row.item.params
+        return (
+            params.temperature < MIN_TEMPERATURE
+            and row.counts is None
+            and row.constraint is None
+            and params.logprobs < 0
+        )
 
     @property
     def grammars(self) -> GrammarConstraints | None:
@@ -160,3 +184,15 @@ class OutputProcessor:
             )
         )
         return events
+
+
+def _greedy_picks(rows: Sequence[Row], logits: torch.Tensor, where: Sequence[int]) -> torch.Tensor:
+    """``[token, ok]`` of greedy rows (their logits ``logits[where]``) as ``pick`` gives them one by one:
+    argmax over the logits plus the row's bias, ok when no logit is NaN or +inf and one is finite."""
+    index = torch.tensor(list(where), dtype=torch.long, device=logits.device)
+    block = logits.index_select(0, index).float()
+    for k, row in enumerate(rows):
+        if row.bias is not None:
+            block[k] += row.bias
+    ok = ~torch.isnan(block).any(-1) & ~torch.isposinf(block).any(-1) & torch.isfinite(block).any(-1)
+    return torch.stack([torch.argmax(block, dim=-1), ok.long()], dim=1)
