@@ -15,6 +15,8 @@ summation order: ~1e-6 relative in float32).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 __all__ = ["PackedLinear", "can_pack", "pack_linears"]
@@ -51,14 +53,36 @@ class PackedLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def pack_linears(module: torch.nn.Module) -> int:
-    """Swap every ``nn.Linear`` under ``module`` (and ``module`` itself's children) for a ``PackedLinear``;
-    return how many were swapped."""
+def pack_linears(module: torch.nn.Module, _checked: dict[tuple[Any, ...], bool] | None = None) -> int:
+    """Swap every ``nn.Linear`` under ``module`` for a ``PackedLinear``; return how many were swapped. The first
+    layer of each shape is checked against its plain self on a probe: a build or CPU whose oneDNN lacks the
+    kernel, or computes otherwise, keeps the plain layers."""
+    checked = {} if _checked is None else _checked
     swapped = 0
     for name, child in list(module.named_children()):
         if type(child) is torch.nn.Linear:
-            setattr(module, name, PackedLinear(child))
-            swapped += 1
+            kind = (child.in_features, child.out_features, child.weight.dtype, child.bias is not None)
+            try:
+                packed = PackedLinear(child)
+            except RuntimeError:
+                continue
+            if kind not in checked:
+                checked[kind] = _agrees(child, packed)
+            if checked[kind]:
+                setattr(module, name, packed)
+                swapped += 1
         else:
-            swapped += pack_linears(child)
+            swapped += pack_linears(child, checked)
     return swapped
+
+
+def _agrees(linear: torch.nn.Linear, packed: PackedLinear) -> bool:
+    """``packed`` computes what ``linear`` does, to rounding, on a probe."""
+    try:
+        with torch.inference_mode():
+            probe = torch.randn(3, linear.in_features, generator=torch.Generator().manual_seed(0)).to(packed.dtype)
+            want, got = linear(probe).float(), packed(probe).float()
+    except RuntimeError:
+        return False
+    tolerance = 1e-4 if packed.dtype == torch.float32 else 3e-2
+    return bool((got - want).abs().max().item() <= tolerance * (want.abs().max().item() + 1e-6))
