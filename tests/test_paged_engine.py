@@ -180,7 +180,7 @@ def test_the_pool_keeps_each_growing_rows_blocks_consecutive_and_names_a_scatter
     assert isinstance(span, torch.Tensor) and span.tolist() == scattered
 
 
-def test_rows_whose_blocks_are_scattered_answer_as_alone(
+def test_rows_whose_blocks_are_scattered_answer_as_alone_and_read_only_what_was_written(
     pre: HFPreprocessor, engine: HFBackend, endless: tuple[tuple[int, float], ...]
 ) -> None:
     pool = engine._pool
@@ -189,6 +189,9 @@ def test_rows_whose_blocks_are_scattered_answer_as_alone(
         _item(pre, f"Scattered {i}.", [SQUARE] if i else [], i, max_tokens=24, logit_bias=endless) for i in range(2)
     ]
     alone = {item.key: _alone(engine, item) for item in items}
+    # the pool is not zeroed: attention must read only positions written, so NaN everywhere changes nothing
+    for tensor in (*pool.keys, *pool.values):
+        tensor.fill_(float("nan"))
     # every block of the pool taken, then every other one freed: new rows get no two consecutive blocks
     holders = [[] for _ in range(pool.blocks)]
     for table in holders:

@@ -56,8 +56,10 @@ class BlockPool:
         self.limit = capacity  # the most blocks rows may hold (0: no bound); the engine sets it from its KV budget
         blocks = capacity if capacity > 0 else 256
         shape = (blocks, block_size, kv_heads, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        # uninitialised: attention reads only a row's first ``length`` positions, each written before it is read
+        # (zeroing a GPU budget's pool cost a pass over gigabytes at start-up, a doubling twice the copy)
+        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
         self._is_free = np.ones(blocks, dtype=bool)
         self._free_count = blocks
 
@@ -118,7 +120,7 @@ class BlockPool:
         new = max(2 * old, old + need)
         for tensors in (self.keys, self.values):
             for i, pool in enumerate(tensors):
-                grown = torch.zeros((new, *pool.shape[1:]), dtype=pool.dtype, device=pool.device)
+                grown = torch.empty((new, *pool.shape[1:]), dtype=pool.dtype, device=pool.device)
                 grown[:old] = pool
                 tensors[i] = grown
         self._is_free = np.concatenate((self._is_free, np.ones(new - old, dtype=bool)))
