@@ -227,6 +227,12 @@ class FamilyStyle(abc.ABC):
             kwargs["image_sizes"] = inputs.image_sizes
         return kwargs
 
+    def encode_images(self, model: Any, pixels: torch.Tensor, grids: torch.Tensor) -> Sequence[torch.Tensor]:
+        """The vision tower's output for each image of ``pixels`` (``grids``: their patch grids), one tensor
+        of prompt embeddings per image, as the model scatters them into the prompt's image slots. Only the
+        families whose tower runs apart (``HFFamily.encoder_apart``) are asked; run under inference mode."""
+        raise NotImplementedError(f"{type(self).__name__} runs its vision tower inside the model's forward")
+
     def extra_inputs(self, layout: InputLayout, ids: torch.Tensor, prompt_tokens: int) -> dict[str, Any]:
         """Model arguments beside the ids, images and positions for a prefill of ``ids`` (token types)."""
         return {}

@@ -210,6 +210,11 @@ class MRope(FamilyStyle):
             inputs.second_per_grid_ts = torch.cat(seconds).to(device)
         return inputs
 
+    def encode_images(self, model: Any, pixels: torch.Tensor, grids: torch.Tensor) -> Sequence[torch.Tensor]:
+        # Qwen2-VL's and Qwen2.5-VL's tower with its patch merger: one output per image's grid
+        features: Sequence[torch.Tensor] = model.model.get_image_features(pixels, grids, return_dict=True).pooler_output
+        return features
+
     def positions(self, model: Any, layout: InputLayout, ids: torch.Tensor, inputs: ModelInputs) -> tuple[Any, int]:
         return mrope_positions(
             model, layout, ids, inputs.image_grid_thw, inputs.video_grid_thw, inputs.second_per_grid_ts

@@ -416,7 +416,7 @@ class HFBackend(GenerationEngine):
             starts = np.cumsum([0, *patches]).tolist()
             pixels = torch.cat([inputs.pixel_values[starts[i] : starts[i + 1]] for i in missing])
             grid = inputs.image_grid_thw[missing]
-            out = self.model.model.get_image_features(pixels, grid, return_dict=True).pooler_output
+            out = self._style.encode_images(self.model, pixels, grid)  # the family's tower, apart from the prompt
             self.stats.encoder_runs += 1
             for i, computed in zip(missing, out):
                 features[i] = computed
