@@ -506,8 +506,10 @@ def layouts(model_dir: Path, counts: list[int], decode_steps: int, threads: int,
         return step_s / decode_steps * 1000, (step_s - forward_s) / decode_steps * 1000, held / real
 
     out: dict[str, Any] = {"threads": torch.get_num_threads(), "clock": clock_name}
-    for kind in engines:  # warm-up: the first forward passes of a process are slower (kernels, allocator)
-        run(kind, 2)
+    # warm-up: the first forward passes of a process are slower (kernels, allocator), and the paged pool grows
+    # (doubling, a one-time copy) until it holds the most rows measured
+    for kind in engines:
+        run(kind, max(counts))
     for rows in counts:
         figures: dict[str, list[tuple[float, float, float]]] = {"padded": [], "paged": []}
         for kind in ("padded", "paged", "paged", "padded"):
