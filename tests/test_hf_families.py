@@ -148,6 +148,19 @@ def test_prompt_and_greedy_answer_equal_transformers(family_backend: tuple[HFPre
     assert (finish.prompt_tokens, finish.completion_tokens) == (ids.shape[1], out.shape[1] - ids.shape[1])
 
 
+# docs/MODELS.md's list: on CPU these families' KV is paged and their decoder layers run in the plain loop
+PAGED_ON_CPU = {"qwen2_vl", "qwen2_5_vl", "llava", "idefics3", "llava_next", "internvl", "smolvlm"}
+
+
+def test_on_cpu_the_kv_is_paged_for_the_families_the_plain_decoder_loop_serves(
+    family_backend: tuple[HFPreprocessor, HFBackend],
+) -> None:
+    backend = family_backend[1]
+    paged = backend._pool is not None
+    assert paged == (backend.model.config.model_type in PAGED_ON_CPU)
+    assert not paged or (backend._runner is not None and backend._runner.stack is not None)
+
+
 def test_an_image_fits_the_content_cache(family_backend: tuple[HFPreprocessor, HFBackend]) -> None:
     """A cached image is at most MAX_TENSORS tensors of at most MAX_NDIM axes (shared/cache_index.py)."""
     arrays = preprocess(family_backend[0], WIDE)
