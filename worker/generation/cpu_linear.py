@@ -8,8 +8,12 @@ project's 2-core CI machine, one thread, a 512x1376 weight, 40 of them so they c
 kernel-costs``). vLLM's CPU engine packs its weights the same way (its ``onednn_mm``).
 
 ``pack_linears`` swaps each ``nn.Linear`` under a module for a ``PackedLinear`` holding only the packed weight
-(the plain one is dropped, so the model's memory does not grow). The vision tower keeps its layers: it runs
-hundreds of patches at once, where sgemm is at its best. Results equal ``nn.Linear``'s to rounding (another
+(the plain one is dropped). Memory: the packed copy is the process's own; the checkpoint's file pages read to
+pack it stay mapped (transformers maps the whole file and the other weights still point into it), so they
+count in the worker's RSS as clean page cache, which the kernel reclaims under pressure and shares among
+the workers of one checkpoint (12-layer 1024-wide checkpoint: 770 MB anonymous and 613 MB file-backed
+after loading). The vision tower keeps its layers: it runs hundreds of patches at once, where sgemm is at
+its best. Results equal ``nn.Linear``'s to rounding (another
 summation order: ~1e-6 relative in float32).
 """
 
