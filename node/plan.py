@@ -50,6 +50,14 @@ def stall_timeout_for(model: str, flag: float | None) -> float:
     return HF_STALL_TIMEOUT_S if _loads_hf_weights(model) else DEFAULT_STALL_TIMEOUT_S
 
 
+def _serves_chat(model: str) -> bool:
+    """Is it a chat model (``hf:<dir>`` of a VLM), whose worker steps and streams every token?"""
+    try:
+        return parse_model_spec(model).kind is ModelKind.HF_CHAT
+    except ValueError:
+        return False
+
+
 def _loads_hf_weights(model: str) -> bool:
     """Does the worker load a Hugging Face checkpoint (GBs of weights, slow steps)?
 
@@ -144,9 +152,21 @@ def model_plans(models: list[ModelConfig]) -> list[tuple[ModelConfig, list[Place
     return plans
 
 
-def worker_threads(config: ServeConfig, n_workers: int) -> int:
-    """Torch threads per worker: the flag, else the usable CPUs shared among the workers."""
-    return int(config.placement.threads or max(1, usable_cpus() // max(1, n_workers)))
+def worker_threads(config: ServeConfig, n_workers: int, models: list[ModelConfig] | None = None) -> int:
+    """Torch threads per worker: the flag, else the usable CPUs shared among the workers. When a chat model
+    is served on CPU, one core is left to the frontends first (vLLM's CPU engine does the same): they
+    stream every token while the worker steps, and a team of torch threads that all cores' other work
+    preempts waits on its slowest member at every operation. On the 2-core machine, the 12-layer 1024-wide
+    checkpoint with other jobs on the cores: the worker's two threads got 0.50 + 0.33 of a core and served
+    146-171 tokens/s where vLLM's one-core worker got 0.95 and served 180-198; with the cores quieter, one
+    thread's mix TPOT was 8.6-9.8 ms against two threads' 11.0-11.4 (docs/BENCHMARKS.md, "round 2")."""
+    if config.placement.threads:
+        return int(config.placement.threads)
+    cpus = usable_cpus()
+    chat = any(_serves_chat(model.model) for model in models or ())
+    if chat and cpus > 1:
+        cpus -= 1
+    return max(1, cpus // max(1, n_workers))
 
 
 def gpu_misfits(
@@ -233,7 +253,7 @@ def worker_children(
 ) -> list[WorkerChild]:
     """Every worker of every model: the records of serve's options a worker reads, with each model's own
     batching and each placement's device, and one GPU visible to each CUDA worker."""
-    threads = worker_threads(config, sum(len(placements) for _, placements in plans))
+    threads = worker_threads(config, sum(len(placements) for _, placements in plans), [model for model, _ in plans])
     gateway = config.gateway
     base = WorkerConfig(
         model=gateway.model,

@@ -169,7 +169,7 @@ def summary(config: AnyNodeConfig, models: list[ModelConfig], instance_id: str, 
         model_spec = ", ".join(m.model for m in models)
     if isinstance(config, ServeConfig):
         placements = [p for _, model_placements in model_plans(models) for p in model_placements]
-        threads = worker_threads(config, len(placements))
+        threads = worker_threads(config, len(placements), models)
         gpus = sorted({p.visible for p in placements if p.visible is not None})
         where = f"GPU {', '.join(gpus)}" if gpus else ", ".join(sorted({p.device for p in placements}))
         cpu = all(p.device == "cpu" for p in placements)

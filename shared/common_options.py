@@ -74,7 +74,7 @@ class PlacementOptions:
     )
     threads: int = option(
         "torch threads per CPU worker; 0: the CPUs this process may use (cgroup limit included), "
-        "shared among serve's workers",
+        "shared among serve's workers, less one left to the frontends when a chat model is served",
         default="0",
         type=flag_types.non_negative_int,
     )
