@@ -45,14 +45,12 @@ LONGEST_FIRST = (
     "test_e2e.py",
     "test_fuzz.py",
     "test_hf_families.py",
-    "test_hf_serve.py",
-    "test_hangups_hf.py",
+    "tiny-qwen2-vl-server",
     "test_responses.py",
     "test_docs_examples.py",
     "test_wedged_hf.py",
     "test_batch_faults.py",
     "test_tools.py",
-    "test_schema_corpus.py",
     "test_hostile_inputs.py",
     "test_installed_namespace.py",
     "test_engine.py",
@@ -66,9 +64,29 @@ LONGEST_FIRST = (
 )
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+# Files whose tests all ask a server of the tiny Qwen2-VL with the default flags (``tiny_qwen2_vl_server``):
+# scripts/test.sh hands each group to one process as one unit (``pytest_xdist_make_scheduler``), one file
+# after the other, so the group's files start one server between them instead of one each (an hf: server's
+# start and stop cost a process ~15 s, most of it spent importing torch and transformers in each child).
+# A group is ranked in LONGEST_FIRST by its name, as a file is.
+SHARED_SERVER_GROUPS = {
+    "tiny-qwen2-vl-server": ("test_bench_tokens.py", "test_hangups_hf.py", "test_hf_serve.py", "test_schema_corpus.py"),
+}
+_GROUP_OF = {name: group for group, names in SHARED_SERVER_GROUPS.items() for name in names}
+
+
+def _unit(file_name: str) -> str:
+    """The unit a file is handed out in: its shared-server group, or itself."""
+    return _GROUP_OF.get(file_name, file_name)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
+    # stable: a file's tests keep their order, and a group's files stay side by side (in name order)
+    items.sort(key=lambda item: rank.get(_unit(item.path.name), len(rank)))
+    _SHARED.users = {item.path for item in items if SHARED_FIXTURE in item.fixturenames}
+    _write_serial_files(config, items)
 
 
 @pytest.fixture(scope="session")
@@ -99,6 +117,100 @@ def _serve(model: str, tmp_path_factory: pytest.TempPathFactory, *extra: str) ->
         yield server
     finally:
         stop_and_check(server)
+
+
+SHARED_FIXTURE = "tiny_qwen2_vl_server"
+
+
+class _SharedServer:
+    """The tiny Qwen2-VL server of this process, held while consecutive tests use it (``users``: the files
+    with a test that asks for it) and stopped, with the usual checks, as soon as the next test is in
+    another file: a server kept for a whole process would hold its share of the uid's message-queue
+    budget and its memory through every other file the process runs."""
+
+    def __init__(self) -> None:
+        self.server: Server | None = None
+        self.users: set[Path] = set()
+
+    def get(self, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Server:
+        if self.server is None:
+            self.server = start_server(
+                f"hf:{model_dir}",
+                tmp_path_factory.mktemp("serve"),
+                "--threads",
+                "1",
+                "--frontends",
+                "1",
+                "--server-timing",
+            )
+        return self.server
+
+    def stop(self) -> None:
+        server, self.server = self.server, None
+        if server is not None:
+            stop_and_check(server)
+
+
+_SHARED = _SharedServer()
+
+
+@pytest.fixture
+def tiny_qwen2_vl_server(tiny_qwen2_vl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Server:
+    """``shmgate serve`` of the tiny Qwen2-VL (1 frontend, 1 worker, 1 thread, Server-Timing on), shared by
+    the files of SHARED_SERVER_GROUPS one after the other. Its tests compare metric deltas, never totals,
+    and send images no other file sends where a cache's hit or miss is the point."""
+    return _SHARED.get(tiny_qwen2_vl_dir, tmp_path_factory)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """After the test's own teardown: stop the shared server unless the next test's file uses it too
+    (a failed check is this test's teardown error)."""
+    if _SHARED.server is not None and (nextitem is None or nextitem.path not in _SHARED.users):
+        _SHARED.stop()
+
+
+def pytest_sessionfinish() -> None:
+    _SHARED.stop()  # an interrupted run: never leave the server behind
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """``--dist loadfile``, with each SHARED_SERVER_GROUPS group handed out as one unit."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class GroupedFiles(LoadFileScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return _GROUP_OF.get(path.rsplit("/", 1)[-1], path)
+
+    return GroupedFiles(config, log)
+
+
+def _write_serial_files(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """SHMGATE_SERIAL_FILES_OUT names a file: write there the test files that hold a test marked serial,
+    one a line (scripts/test.sh's second phase collects only those; every process of the first phase
+    collects the same, so one of them writes it)."""
+    out = os.environ.get("SHMGATE_SERIAL_FILES_OUT")
+    worker = getattr(config, "workerinput", {}).get("workerid", "gw0")
+    if not out or worker != "gw0":
+        return
+    files = sorted({str(item.path) for item in items if item.get_closest_marker("serial")})
+    with open(out + ".tmp", "w") as f:
+        f.write("".join(name + "\n" for name in files))
+    os.replace(out + ".tmp", out)
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """SHMGATE_COLLECT_ONLY names a file written by _write_serial_files: test files not listed there are not
+    collected (importing all of them costs ~14 s of CPU a process)."""
+    listed = os.environ.get("SHMGATE_COLLECT_ONLY")
+    if not listed or not collection_path.name.startswith("test_") or collection_path.suffix != ".py":
+        return None
+    with open(listed) as f:
+        return str(collection_path) not in f.read().splitlines() or None
 
 
 @pytest.fixture(scope="module")
