@@ -46,7 +46,6 @@ LONGEST_FIRST = (
     "test_fuzz.py",
     "test_hf_families.py",
     "tiny-qwen2-vl-server",
-    "test_responses.py",
     "test_docs_examples.py",
     "test_wedged_hf.py",
     "test_batch_faults.py",
@@ -64,13 +63,19 @@ LONGEST_FIRST = (
 )
 
 
-# Files whose tests all ask a server of the tiny Qwen2-VL with the default flags (``tiny_qwen2_vl_server``):
+# Files whose tests ask one server of the same flags, the tiny Qwen2-VL's (``tiny_qwen2_vl_server``):
 # scripts/test.sh hands each group to one process as one unit (``pytest_xdist_make_scheduler``), one file
 # after the other, so the group's files start one server between them instead of one each (an hf: server's
 # start and stop cost a process ~15 s, most of it spent importing torch and transformers in each child).
 # A group is ranked in LONGEST_FIRST by its name, as a file is.
 SHARED_SERVER_GROUPS = {
-    "tiny-qwen2-vl-server": ("test_bench_tokens.py", "test_hangups_hf.py", "test_hf_serve.py", "test_schema_corpus.py"),
+    "tiny-qwen2-vl-server": (
+        "test_bench_tokens.py",
+        "test_hangups_hf.py",
+        "test_hf_serve.py",
+        "test_responses.py",
+        "test_schema_corpus.py",
+    ),
 }
 _GROUP_OF = {name: group for group, names in SHARED_SERVER_GROUPS.items() for name in names}
 
@@ -120,6 +125,7 @@ def _serve(model: str, tmp_path_factory: pytest.TempPathFactory, *extra: str) ->
 
 
 SHARED_FIXTURE = "tiny_qwen2_vl_server"
+SHARED_CLASSIFIER = "efficientnet-lite0"  # the second model of the shared server, listed after the tiny VLM
 
 
 class _SharedServer:
@@ -137,11 +143,8 @@ class _SharedServer:
             self.server = start_server(
                 f"hf:{model_dir}",
                 tmp_path_factory.mktemp("serve"),
-                "--threads",
-                "1",
-                "--frontends",
-                "1",
-                "--server-timing",
+                *("--model", SHARED_CLASSIFIER, "--workers", "1", "--frontends", "1", "--threads", "1"),
+                *("--queue-depth", "8", "--result-cache-mb", "8", "--server-timing"),
             )
         return self.server
 
@@ -156,8 +159,8 @@ _SHARED = _SharedServer()
 
 @pytest.fixture
 def tiny_qwen2_vl_server(tiny_qwen2_vl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Server:
-    """``shmgate serve`` of the tiny Qwen2-VL (1 frontend, 1 worker, 1 thread, Server-Timing on), shared by
-    the files of SHARED_SERVER_GROUPS one after the other. Its tests compare metric deltas, never totals,
+    """``shmgate serve`` of the tiny Qwen2-VL and the classifier (1 frontend, 1 worker each, 1 thread, a result
+    cache, Server-Timing on), shared by the files of SHARED_SERVER_GROUPS one after the other. Its tests compare metric deltas, never totals,
     and send images no other file sends where a cache's hit or miss is the point."""
     return _SHARED.get(tiny_qwen2_vl_dir, tmp_path_factory)
 
