@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import shutil
 import tempfile
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.hf_fixture import build_tiny_vlm
+from tests.hf_fixture import SMALL_VIDEO_PROCESSOR, build_tiny_vlm
 from tests.serving import Server, start_server, stop_and_check
 
 # The servers the tests start share one uid's POSIX message-queue memory (RLIMIT_MSGQUEUE, 800 KB by
@@ -33,7 +34,6 @@ if "XDG_STATE_HOME" not in os.environ:
 LONGEST_FIRST = (
     "test_selfheal.py",
     "test_chaos.py",
-    "test_video.py",
     "test_encoder_share_serve.py",
     "test_batch_api.py",
     "test_embeddings.py",
@@ -75,6 +75,7 @@ SHARED_SERVER_GROUPS = {
         "test_hf_serve.py",
         "test_responses.py",
         "test_schema_corpus.py",
+        "test_video.py",
     ),
 }
 _GROUP_OF = {name: group for group, names in SHARED_SERVER_GROUPS.items() for name in names}
@@ -138,8 +139,11 @@ class _SharedServer:
         self.server: Server | None = None
         self.users: set[Path] = set()
 
-    def get(self, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Server:
+    def get(self, tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Server:
         if self.server is None:
+            model_dir = tmp_path_factory.mktemp("shared-model") / tiny_dir.name  # the same served id
+            shutil.copytree(tiny_dir, model_dir)
+            (model_dir / "video_preprocessor_config.json").write_text(json.dumps(SMALL_VIDEO_PROCESSOR))
             self.server = start_server(
                 f"hf:{model_dir}",
                 tmp_path_factory.mktemp("serve"),
@@ -159,8 +163,9 @@ _SHARED = _SharedServer()
 
 @pytest.fixture
 def tiny_qwen2_vl_server(tiny_qwen2_vl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Server:
-    """``shmgate serve`` of the tiny Qwen2-VL and the classifier (1 frontend, 1 worker each, 1 thread, a result
-    cache, Server-Timing on), shared by the files of SHARED_SERVER_GROUPS one after the other. Its tests compare metric deltas, never totals,
+    """``shmgate serve`` of the tiny Qwen2-VL (with a video setting of its own, SMALL_VIDEO_PROCESSOR) and the
+    classifier (1 frontend, 1 worker each, 1 thread, a result cache, Server-Timing on), shared by the files
+    of SHARED_SERVER_GROUPS one after the other. Its tests compare metric deltas, never totals,
     and send images no other file sends where a cache's hit or miss is the point."""
     return _SHARED.get(tiny_qwen2_vl_dir, tmp_path_factory)
 
