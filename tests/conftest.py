@@ -63,10 +63,11 @@ LONGEST_FIRST = (
 )
 
 
-# Files whose tests ask one server of the same flags, the tiny Qwen2-VL's (``tiny_qwen2_vl_server``):
+# Files whose tests ask one server of the same flags (``tiny_qwen2_vl_server``, ``shared_checksum_server``):
 # scripts/test.sh hands each group to one process as one unit (``pytest_xdist_make_scheduler``), one file
 # after the other, so the group's files start one server between them instead of one each (an hf: server's
-# start and stop cost a process ~15 s, most of it spent importing torch and transformers in each child).
+# start and stop cost a process ~15 s, most of it spent importing torch and transformers in each child; a
+# checksum server's ~9 s).
 # A group is ranked in LONGEST_FIRST by its name, as a file is.
 SHARED_SERVER_GROUPS = {
     "tiny-qwen2-vl-server": (
@@ -76,6 +77,13 @@ SHARED_SERVER_GROUPS = {
         "test_responses.py",
         "test_schema_corpus.py",
         "test_video.py",
+    ),
+    "checksum-server": (
+        "test_contract.py",
+        "test_decode_memory.py",
+        "test_hangups.py",
+        "test_loadgen.py",
+        "test_soak.py",
     ),
 }
 _GROUP_OF = {name: group for group, names in SHARED_SERVER_GROUPS.items() for name in names}
@@ -91,7 +99,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     # stable: a file's tests keep their order, and a group's files stay side by side (in name order)
     items.sort(key=lambda item: rank.get(_unit(item.path.name), len(rank)))
-    _SHARED.users = {item.path for item in items if SHARED_FIXTURE in item.fixturenames}
+    for shared in _SHARED:
+        shared.users = {item.path for item in items if shared.fixture in item.fixturenames}
     _write_serial_files(config, items)
 
 
@@ -125,31 +134,23 @@ def _serve(model: str, tmp_path_factory: pytest.TempPathFactory, *extra: str) ->
         stop_and_check(server)
 
 
-SHARED_FIXTURE = "tiny_qwen2_vl_server"
-SHARED_CLASSIFIER = "efficientnet-lite0"  # the second model of the shared server, listed after the tiny VLM
+SHARED_CLASSIFIER = "efficientnet-lite0"  # the second model of the shared tiny VLM server, listed after it
 
 
 class _SharedServer:
-    """The tiny Qwen2-VL server of this process, held while consecutive tests use it (``users``: the files
-    with a test that asks for it) and stopped, with the usual checks, as soon as the next test is in
-    another file: a server kept for a whole process would hold its share of the uid's message-queue
-    budget and its memory through every other file the process runs."""
+    """A server of this process held while consecutive tests use it (``users``: the files with a test that
+    asks for its fixture) and stopped, with the usual checks, as soon as the next test is in another file:
+    a server kept for a whole process would hold its share of the uid's message-queue budget and its
+    memory through every other file the process runs."""
 
-    def __init__(self) -> None:
+    def __init__(self, fixture: str) -> None:
+        self.fixture = fixture
         self.server: Server | None = None
         self.users: set[Path] = set()
 
-    def get(self, tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Server:
+    def get(self, start: Callable[[], Server]) -> Server:
         if self.server is None:
-            model_dir = tmp_path_factory.mktemp("shared-model") / tiny_dir.name  # the same served id
-            shutil.copytree(tiny_dir, model_dir)
-            (model_dir / "video_preprocessor_config.json").write_text(json.dumps(SMALL_VIDEO_PROCESSOR))
-            self.server = start_server(
-                f"hf:{model_dir}",
-                tmp_path_factory.mktemp("serve"),
-                *("--model", SHARED_CLASSIFIER, "--workers", "1", "--frontends", "1", "--threads", "1"),
-                *("--queue-depth", "8", "--result-cache-mb", "8", "--server-timing"),
-            )
+            self.server = start()
         return self.server
 
     def stop(self) -> None:
@@ -158,28 +159,52 @@ class _SharedServer:
             stop_and_check(server)
 
 
-_SHARED = _SharedServer()
+_SHARED = (_SharedServer("tiny_qwen2_vl_server"), _SharedServer("shared_checksum_server"))
 
 
 @pytest.fixture
 def tiny_qwen2_vl_server(tiny_qwen2_vl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Server:
     """``shmgate serve`` of the tiny Qwen2-VL (with a video setting of its own, SMALL_VIDEO_PROCESSOR) and the
     classifier (1 frontend, 1 worker each, 1 thread, a result cache, Server-Timing on), shared by the files
-    of SHARED_SERVER_GROUPS one after the other. Its tests compare metric deltas, never totals,
+    of its SHARED_SERVER_GROUPS group one after the other. Their tests compare metric deltas, never totals,
     and send images no other file sends where a cache's hit or miss is the point."""
-    return _SHARED.get(tiny_qwen2_vl_dir, tmp_path_factory)
+
+    def start() -> Server:
+        model_dir = tmp_path_factory.mktemp("shared-model") / tiny_qwen2_vl_dir.name  # the same served id
+        shutil.copytree(tiny_qwen2_vl_dir, model_dir)
+        (model_dir / "video_preprocessor_config.json").write_text(json.dumps(SMALL_VIDEO_PROCESSOR))
+        return start_server(
+            f"hf:{model_dir}",
+            tmp_path_factory.mktemp("serve"),
+            *("--model", SHARED_CLASSIFIER, "--workers", "1", "--frontends", "1", "--threads", "1"),
+            *("--queue-depth", "8", "--result-cache-mb", "8", "--server-timing"),
+        )
+
+    return _SHARED[0].get(start)
+
+
+@pytest.fixture
+def shared_checksum_server(tmp_path_factory: pytest.TempPathFactory) -> Server:
+    """The ``checksum_server`` (2 workers, batches of up to 8) of the files of its SHARED_SERVER_GROUPS group,
+    one after the other (each overrides ``checksum_server`` with it). Their tests compare metric and log
+    deltas, and wait for the server to be idle before counting."""
+    return _SHARED[1].get(
+        lambda: start_server("checksum", tmp_path_factory.mktemp("serve"), "--workers", "2", "--max-batch-size", "8")
+    )
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    """After the test's own teardown: stop the shared server unless the next test's file uses it too
-    (a failed check is this test's teardown error)."""
-    if _SHARED.server is not None and (nextitem is None or nextitem.path not in _SHARED.users):
-        _SHARED.stop()
+    """After the test's own teardown: stop a shared server unless the next test's file uses it too (a failed
+    check is this test's teardown error)."""
+    for shared in _SHARED:
+        if shared.server is not None and (nextitem is None or nextitem.path not in shared.users):
+            shared.stop()
 
 
 def pytest_sessionfinish() -> None:
-    _SHARED.stop()  # an interrupted run: never leave the server behind
+    for shared in _SHARED:
+        shared.stop()  # an interrupted run: never leave a server behind
 
 
 @pytest.hookimpl(optionalhook=True)
