@@ -85,6 +85,7 @@ SHARED_SERVER_GROUPS = {
         "test_loadgen.py",
         "test_soak.py",
     ),
+    "spare-slot-server": ("test_forged_descriptors.py", "test_fuzz.py", "test_hostile.py"),
 }
 _GROUP_OF = {name: group for group, names in SHARED_SERVER_GROUPS.items() for name in names}
 
@@ -141,7 +142,9 @@ class _SharedServer:
     """A server of this process held while consecutive tests use it (``users``: the files with a test that
     asks for its fixture) and stopped, with the usual checks, as soon as the next test is in another file:
     a server kept for a whole process would hold its share of the uid's message-queue budget and its
-    memory through every other file the process runs."""
+    memory through every other file the process runs. Its fixture is module-scoped (a module's tests run
+    together, and the server outlives the module while the next one uses it too), so module-scoped
+    fixtures may ask for it."""
 
     def __init__(self, fixture: str) -> None:
         self.fixture = fixture
@@ -159,10 +162,14 @@ class _SharedServer:
             stop_and_check(server)
 
 
-_SHARED = (_SharedServer("tiny_qwen2_vl_server"), _SharedServer("shared_checksum_server"))
+_SHARED = (
+    _SharedServer("tiny_qwen2_vl_server"),
+    _SharedServer("shared_checksum_server"),
+    _SharedServer("spare_slot_server"),
+)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def tiny_qwen2_vl_server(tiny_qwen2_vl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Server:
     """``shmgate serve`` of the tiny Qwen2-VL (with a video setting of its own, SMALL_VIDEO_PROCESSOR) and the
     classifier (1 frontend, 1 worker each, 1 thread, a result cache, Server-Timing on), shared by the files
@@ -183,7 +190,7 @@ def tiny_qwen2_vl_server(tiny_qwen2_vl_dir: Path, tmp_path_factory: pytest.TempP
     return _SHARED[0].get(start)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def shared_checksum_server(tmp_path_factory: pytest.TempPathFactory) -> Server:
     """The ``checksum_server`` (2 workers, batches of up to 8) of the files of its SHARED_SERVER_GROUPS group,
     one after the other (each overrides ``checksum_server`` with it). Their tests compare metric and log
@@ -257,8 +264,14 @@ def efficientnet_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Se
 
 
 @pytest.fixture(scope="module")
-def spare_slot_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """One worker (so its pid identifies it) and one frontend slot no process uses, for a test to attach to."""
-    yield from _serve(
-        "checksum", tmp_path_factory, "--workers", "1", "--max-workers", "2", "--spare-frontend-slots", "1"
+def spare_slot_server(tmp_path_factory: pytest.TempPathFactory) -> Server:
+    """One worker (so its pid identifies it) and one frontend slot no process uses, for a test to attach to;
+    shared by the files of its SHARED_SERVER_GROUPS group one after the other (a test that attaches detaches
+    again; a check of a count compares deltas, or a total that must stay 0)."""
+    return _SHARED[2].get(
+        lambda: start_server(
+            "checksum",
+            tmp_path_factory.mktemp("serve"),
+            *("--workers", "1", "--max-workers", "2", "--spare-frontend-slots", "1"),
+        )
     )
