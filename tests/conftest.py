@@ -27,43 +27,44 @@ if "XDG_STATE_HOME" not in os.environ:
     os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="shmgate-tests-state-")
     atexit.register(shutil.rmtree, os.environ["XDG_STATE_HOME"], True)
 
-# The files that take longest (--durations=0 of a whole run, setup and teardown included), longest first.
+# The files that take longest, longest first (each alone, -p no:xdist, setup and teardown included; a
+# SHARED_SERVER_GROUPS group's files together, under its name).
 # scripts/test.sh hands files to its processes in collection order (--no-loadscope-reorder; pytest-xdist
 # would otherwise order them by their number of tests), and a long file handed out last leaves one process
 # running it alone at the end while the other idles. Files not named keep their order, after these.
 LONGEST_FIRST = (
     "test_selfheal.py",
-    "test_chaos.py",
-    "test_encoder_share_serve.py",
-    "test_batch_api.py",
-    "test_embeddings.py",
-    "test_efficientnet.py",
-    "test_decode_memory.py",
-    "test_pod_in_a_box.py",
+    "test_docs_examples.py",
+    "checksum-server",
+    "test_wedged_hf.py",
     "test_faults.py",
+    "test_tools.py",
+    "tiny-qwen2-vl-server",
+    "test_chaos.py",
+    "test_embeddings.py",
+    "test_pod_in_a_box.py",
+    "test_api_key.py",
+    "test_encoder_share_serve.py",
+    "spare-slot-server",
     "test_startup_log.py",
     "test_e2e.py",
-    "test_fuzz.py",
-    "test_hf_families.py",
-    "tiny-qwen2-vl-server",
-    "test_docs_examples.py",
-    "test_wedged_hf.py",
     "test_batch_faults.py",
-    "test_tools.py",
-    "test_hostile_inputs.py",
-    "test_installed_namespace.py",
-    "test_engine.py",
-    "test_soak.py",
-    "test_compose_local.py",
     "test_image_urls.py",
+    "test_compose_local.py",
+    "test_hf_families.py",
+    "test_batch_api.py",
+    "test_installed_namespace.py",
+    "test_hostile_inputs.py",
     "test_model_identity.py",
+    "test_efficientnet.py",
+    "test_engine.py",
     "test_scaleout.py",
-    "test_api_key.py",
     "test_arena_placement.py",
 )
 
 
-# Files whose tests ask one server of the same flags (``tiny_qwen2_vl_server``, ``shared_checksum_server``):
+# Files whose tests ask one server of the same flags (``tiny_qwen2_vl_server``, ``shared_checksum_server``,
+# ``spare_slot_server``):
 # scripts/test.sh hands each group to one process as one unit (``pytest_xdist_make_scheduler``), one file
 # after the other, so the group's files start one server between them instead of one each (an hf: server's
 # start and stop cost a process ~15 s, most of it spent importing torch and transformers in each child; a
