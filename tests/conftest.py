@@ -47,7 +47,6 @@ LONGEST_FIRST = (
     "test_encoder_share_serve.py",
     "spare-slot-server",
     "test_startup_log.py",
-    "test_e2e.py",
     "test_batch_faults.py",
     "test_image_urls.py",
     "test_compose_local.py",
@@ -82,6 +81,7 @@ SHARED_SERVER_GROUPS = {
     "checksum-server": (
         "test_contract.py",
         "test_decode_memory.py",
+        "test_e2e.py",
         "test_hangups.py",
         "test_loadgen.py",
         "test_soak.py",

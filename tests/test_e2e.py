@@ -24,6 +24,14 @@ from tests.serving import (
     noise_png,
 )
 
+
+@pytest.fixture
+def checksum_server(shared_checksum_server: Server) -> Server:
+    """The checksum server this file shares with the others of its group (tests/conftest.py); the killed
+    worker's test waits until the replacement is ready, so the next file finds the server whole."""
+    return shared_checksum_server
+
+
 LABELS = json.loads((IMAGES / "labels.json").read_text())["images"]
 
 
