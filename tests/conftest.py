@@ -5,7 +5,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -205,14 +205,23 @@ def shared_checksum_server(tmp_path_factory: pytest.TempPathFactory) -> Server:
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
     """After the test's own teardown: stop a shared server unless the next test's file uses it too (a failed
     check is this test's teardown error)."""
-    for shared in _SHARED:
-        if shared.server is not None and (nextitem is None or nextitem.path not in shared.users):
-            shared.stop()
+    _stop_all(shared for shared in _SHARED if nextitem is None or nextitem.path not in shared.users)
 
 
 def pytest_sessionfinish() -> None:
-    for shared in _SHARED:
-        shared.stop()  # an interrupted run: never leave a server behind
+    _stop_all(_SHARED)  # an interrupted run: never leave a server behind
+
+
+def _stop_all(servers: Iterable[_SharedServer]) -> None:
+    """Stop each (a failed check of one does not leave the others running); re-raise the first failure."""
+    failure: BaseException | None = None
+    for shared in servers:
+        try:
+            shared.stop()
+        except BaseException as exc:  # noqa: BLE001 (an assertion of stop_and_check, or an interrupt)
+            failure = failure or exc
+    if failure is not None:
+        raise failure
 
 
 @pytest.hookimpl(optionalhook=True)
