@@ -46,7 +46,6 @@ LONGEST_FIRST = (
     "test_api_key.py",
     "test_encoder_share_serve.py",
     "spare-slot-server",
-    "test_startup_log.py",
     "test_batch_faults.py",
     "test_image_urls.py",
     "test_compose_local.py",
@@ -85,6 +84,7 @@ SHARED_SERVER_GROUPS = {
         "test_hangups.py",
         "test_loadgen.py",
         "test_soak.py",
+        "test_startup_log.py",
     ),
     "spare-slot-server": ("test_forged_descriptors.py", "test_fuzz.py", "test_hostile.py"),
 }
