@@ -22,11 +22,26 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TINY_MAX_PIXELS", "TINY_MIN_PIXELS", "UNUSUAL", "build_tiny_vlm", "reference_processor"]
+__all__ = [
+    "SMALL_VIDEO_PROCESSOR",
+    "TINY_MAX_PIXELS",
+    "TINY_MIN_PIXELS",
+    "UNUSUAL",
+    "build_tiny_vlm",
+    "reference_processor",
+]
 
 # Small resize bounds: a 1024x681 photo becomes 8x12 patches of 14 px (24 image tokens).
 TINY_MIN_PIXELS = 28 * 28 * 4
 TINY_MAX_PIXELS = 28 * 28 * 32
+# A small video setting a checkpoint may carry (video_preprocessor_config.json; the tiny Qwen2-VL of the
+# shared test server has it, tests/conftest.py): 2 frames a second, 4 to 8 merged 28 px patches a frame.
+SMALL_VIDEO_PROCESSOR: dict[str, Any] = {
+    "fps": 2.0,
+    "min_frames": 2,
+    "max_frames": 16,
+    "size": {"shortest_edge": 4 * 28 * 28, "longest_edge": 8 * 28 * 28},
+}
 
 _SPECIAL_TOKENS = [
     "<|endoftext|>",

@@ -8,24 +8,17 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from shmgate.bench_client import loadgen
-from tests.serving import IMAGES, Server, start_server, stop_and_check
+from tests.serving import IMAGES, Server
 
 
-@pytest.fixture(scope="module")
-def hf_server(tiny_qwen2_vl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    server = start_server(
-        f"hf:{tiny_qwen2_vl_dir}", tmp_path_factory.mktemp("serve"), "--threads", "1", "--frontends", "1"
-    )
-    try:
-        yield server
-    finally:
-        stop_and_check(server)
+@pytest.fixture
+def hf_server(tiny_qwen2_vl_server: Server) -> Server:
+    """The tiny Qwen2-VL server this file shares with the others of its group (tests/conftest.py)."""
+    return tiny_qwen2_vl_server
 
 
 def _bench(server: Server, capsys: pytest.CaptureFixture[str], *extra: str) -> tuple[int, str]:

@@ -179,9 +179,10 @@ def test_the_supervisor_hands_its_frontends_the_host_default_for_its_own_listen_
 # -- the real server ----------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def server(checksum_server: Server) -> Server:
-    return checksum_server
+@pytest.fixture
+def server(shared_checksum_server: Server) -> Server:
+    """The checksum server this file shares with the others of its group (tests/conftest.py)."""
+    return shared_checksum_server
 
 
 def test_a_non_ascii_digit_in_logit_bias_is_a_400(server: Server) -> None:

@@ -33,6 +33,13 @@ from shmgate.shared.errors import ImageTooLarge, Overloaded
 from tests.decode_samples import SAMPLES, attack_png
 from tests.serving import IMAGES, Server, image_request, start_server, stop_and_check
 
+
+@pytest.fixture
+def checksum_server(shared_checksum_server: Server) -> Server:
+    """The checksum server this file shares with the others of its group (tests/conftest.py)."""
+    return shared_checksum_server
+
+
 ROOT = Path(__file__).resolve().parent.parent
 WIDTH, HEIGHT = 1600, 1200
 SLACK_BYTES = FIXED_BYTES  # the codecs' fixed state and allocator rounding, whatever the image size

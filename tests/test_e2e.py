@@ -24,6 +24,14 @@ from tests.serving import (
     noise_png,
 )
 
+
+@pytest.fixture
+def checksum_server(shared_checksum_server: Server) -> Server:
+    """The checksum server this file shares with the others of its group (tests/conftest.py); the killed
+    worker's test waits until the replacement is ready, so the next file finds the server whole."""
+    return shared_checksum_server
+
+
 LABELS = json.loads((IMAGES / "labels.json").read_text())["images"]
 
 
@@ -145,6 +153,22 @@ def test_a_repeated_image_is_a_cache_hit_not_a_second_decode(checksum_server: Se
 # -- bad input ------------------------------------------------------------------------------------------
 
 
+# The cases' names, for parametrize: their bodies (_bad_bodies, one an 81-megapixel PNG, ~3 s to encode) are
+# made when the first case runs, not when each test process imports this file.
+BAD_CASES = (
+    "invalid json",
+    "missing messages",
+    "bad base64",
+    "not an image",
+    "truncated jpeg",
+    "unsupported format",
+    "too many images",
+    "too many pixels",
+    "unknown model",
+    "http url",
+)
+
+
 @functools.cache  # one 81-megapixel PNG to encode, not one per case (6 s each)
 def _bad_bodies() -> dict[str, tuple[bytes, int]]:
     photo = (IMAGES / "coffee_640.jpg").read_bytes()
@@ -191,8 +215,9 @@ def _bad_bodies() -> dict[str, tuple[bytes, int]]:
     }
 
 
-@pytest.mark.parametrize("case", list(_bad_bodies()))
+@pytest.mark.parametrize("case", BAD_CASES)
 def test_bad_input_gets_an_openai_error_and_the_server_stays_healthy(checksum_server: Server, case: str) -> None:
+    assert tuple(_bad_bodies()) == BAD_CASES  # every body made is a case that runs
     body, status = _bad_bodies()[case]
     response = httpx.post(
         checksum_server.base_url + "/v1/chat/completions",

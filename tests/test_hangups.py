@@ -15,6 +15,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.serving import (
     Server,
     image_request,
@@ -26,6 +28,13 @@ from tests.serving import (
     stop_and_check,
     wait_until,
 )
+
+
+@pytest.fixture
+def checksum_server(shared_checksum_server: Server) -> Server:
+    """The checksum server this file shares with the others of its group (tests/conftest.py)."""
+    return shared_checksum_server
+
 
 HANG_GUARD_S = 30.0  # well under the 60 s request deadline, which would also free the holds
 

@@ -13,27 +13,21 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.hf_fixture import no_eos_bias
-from tests.serving import IMAGES, Server, data_url, start_server, stop_and_check, wait_until
+from tests.serving import IMAGES, Server, data_url, wait_until
 
 MAX_TOKENS = 8000
 HANG_GUARD_S = 60.0
 
 
-@pytest.fixture(scope="module")
-def hf_server(tiny_qwen2_vl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    server = start_server(
-        f"hf:{tiny_qwen2_vl_dir}", tmp_path_factory.mktemp("serve"), "--threads", "1", "--frontends", "1"
-    )
-    try:
-        yield server
-    finally:
-        stop_and_check(server)
+@pytest.fixture
+def hf_server(tiny_qwen2_vl_server: Server) -> Server:
+    """The tiny Qwen2-VL server this file shares with the others of its group (tests/conftest.py)."""
+    return tiny_qwen2_vl_server
 
 
 def _request(model_dir: Path, *, stream: bool) -> bytes:

@@ -7,7 +7,6 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -16,21 +15,13 @@ import pytest
 
 from shmgate.gateway.stages import parse_server_timing
 from tests.hf_fixture import no_eos_bias
-from tests.serving import IMAGES, Server, data_url, noise_png, start_server, wait_until
-from tests.shm_children import leftovers
+from tests.serving import IMAGES, Server, data_url, noise_png, wait_until
 
 
-@pytest.fixture(scope="module")
-def hf_server(tiny_qwen2_vl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    model_dir = tiny_qwen2_vl_dir
-    server = start_server(
-        f"hf:{model_dir}", tmp_path_factory.mktemp("serve"), "--threads", "1", "--frontends", "1", "--server-timing"
-    )
-    try:
-        yield server
-    finally:
-        assert server.stop() == 0
-        assert not leftovers(server.instance_id, slots=64)
+@pytest.fixture
+def hf_server(tiny_qwen2_vl_server: Server) -> Server:
+    """The tiny Qwen2-VL server this file shares with the others of its group (tests/conftest.py)."""
+    return tiny_qwen2_vl_server
 
 
 def _messages(photo: str, text: str) -> list[dict[str, object]]:

@@ -25,6 +25,14 @@ import pytest
 
 from shmgate.bench_client import loadgen
 from shmgate.shared.rawhttp import RawClient
+from tests.serving import Server
+
+
+@pytest.fixture
+def checksum_server(shared_checksum_server: Server) -> Server:
+    """The checksum server this file shares with the others of its group (tests/conftest.py)."""
+    return shared_checksum_server
+
 
 REPO = Path(__file__).resolve().parent.parent
 IMAGES = REPO / "tests" / "data" / "images"

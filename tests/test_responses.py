@@ -8,8 +8,6 @@ parses, the event order, the counts, and JSON that only the grammar can make.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import httpx
@@ -20,7 +18,7 @@ import pytest
 
 from shmgate.gateway.openapi import openapi_document
 from shmgate.gateway.stages import parse_server_timing
-from tests.serving import IMAGES, Server, data_url, start_server, stop_and_check
+from tests.serving import IMAGES, Server, data_url
 
 pytest.importorskip("llguidance")
 
@@ -47,33 +45,13 @@ class Pet(pydantic.BaseModel):
 PET_FORMAT = {"type": "json_schema", "name": "pet", "schema": PET_SCHEMA, "strict": True}
 
 
-@pytest.fixture(scope="module")
-def server(tiny_qwen2_vl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    # shallow queues: the per-uid message-queue budget is shared with the other servers of the suite
-    server = start_server(
-        f"hf:{tiny_qwen2_vl_dir}",
-        tmp_path_factory.mktemp("serve"),
-        "--model",
-        CLASSIFIER,
-        "--workers",
-        "1",
-        "--frontends",
-        "1",
-        "--threads",
-        "1",
-        "--queue-depth",
-        "8",
-        "--result-cache-mb",
-        "8",
-        "--server-timing",
-    )
-    try:
-        yield server
-    finally:
-        stop_and_check(server)
+@pytest.fixture
+def server(tiny_qwen2_vl_server: Server) -> Server:
+    """The tiny Qwen2-VL and classifier server this file shares with the others of its group (tests/conftest.py)."""
+    return tiny_qwen2_vl_server
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def client(server: Server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
 

@@ -6,14 +6,11 @@ carries, travels through the arena (shared/wire.py GRAMMAR_TENSOR) and is enforc
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import httpx
 import pytest
 
 from tests.schema_corpus import corpus, run, totals
-from tests.serving import Server, start_server, stop_and_check
+from tests.serving import Server
 
 pytest.importorskip("llguidance")
 
@@ -21,15 +18,10 @@ MODEL = "tiny-qwen2-vl"
 REFUSED = {"not_pattern": "not at /properties/username/not", "unique_pairs": "uniqueItems at /uniqueItems"}
 
 
-@pytest.fixture(scope="module")
-def server(tiny_qwen2_vl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    server = start_server(
-        f"hf:{tiny_qwen2_vl_dir}", tmp_path_factory.mktemp("serve"), "--workers", "1", "--frontends", "1"
-    )
-    try:
-        yield server
-    finally:
-        stop_and_check(server)
+@pytest.fixture
+def server(tiny_qwen2_vl_server: Server) -> Server:
+    """The tiny Qwen2-VL server this file shares with the others of its group (tests/conftest.py)."""
+    return tiny_qwen2_vl_server
 
 
 def test_every_schema_is_answered_validly_or_refused_naming_its_keyword(server: Server) -> None:

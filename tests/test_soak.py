@@ -16,12 +16,20 @@ import sys
 import threading
 from pathlib import Path
 
+import pytest
+
 from shmgate.gateway.images import _started_pool
 from shmgate.shared.instance import Instance
 from shmgate.shared.transport import PosixWorkerLink
 from shmgate.shared.wire import Released
 from tests.serving import Server
 from tests.shm_children import scratch_instance
+
+
+@pytest.fixture
+def checksum_server(shared_checksum_server: Server) -> Server:
+    """The checksum server this file shares with the others of its group (tests/conftest.py)."""
+    return shared_checksum_server
 
 
 def test_a_short_soak_of_hits_misses_and_bad_inputs_leaves_nothing_behind(checksum_server: Server) -> None:

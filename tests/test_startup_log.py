@@ -17,6 +17,14 @@ from tests.serving import Server, image_request, noise_png, start_server, stop_a
 VERSION = importlib.metadata.version("shmgate")
 
 
+@pytest.fixture
+def checksum_server(shared_checksum_server: Server) -> Server:
+    """The checksum server this file shares with the others of its group (tests/conftest.py): what these tests
+    read is the start of its log (the summary, the first lines of each kind) and the absence of access-log
+    lines, which no file of the group switches on."""
+    return shared_checksum_server
+
+
 def _lines(server: Server) -> list[str]:
     return server.log_path.read_text().splitlines()
 

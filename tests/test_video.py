@@ -6,11 +6,8 @@ from __future__ import annotations
 
 import base64
 import functools
-import json
 import resource
-import shutil
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +21,8 @@ from shmgate.gateway import video  # noqa: E402
 from shmgate.gateway.decode_budget import DecodeBudget  # noqa: E402
 from shmgate.gateway.preprocess import qwen_video  # noqa: E402
 from shmgate.shared.errors import ImageTooLarge, RequestError, UndecodableImage  # noqa: E402
-from tests.serving import Server, start_server, stop_and_check  # noqa: E402
+from tests.hf_fixture import SMALL_VIDEO_PROCESSOR  # noqa: E402
+from tests.serving import Server  # noqa: E402
 from tests.video_samples import MP4, MP4_MPEG4, WEBM, WEBM_VP8, frame_level, lying_video, make_video  # noqa: E402
 
 
@@ -192,24 +190,11 @@ def test_a_stalled_decode_is_stopped() -> None:
 # -- a real server ---------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def video_server(tiny_qwen2_vl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """The tiny Qwen2-VL with a small video processor setting of its own (a checkpoint's is read)."""
-    model_dir = tmp_path_factory.mktemp("video-model") / "tiny-qwen2-vl"
-    shutil.copytree(tiny_qwen2_vl_dir, model_dir)
-    side = 28
-    config = {
-        "fps": 2.0,
-        "min_frames": 2,
-        "max_frames": 16,
-        "size": {"shortest_edge": 4 * side * side, "longest_edge": 8 * side * side},
-    }
-    (model_dir / "video_preprocessor_config.json").write_text(json.dumps(config))
-    server = start_server(f"hf:{model_dir}", tmp_path_factory.mktemp("serve"), "--threads", "1", "--frontends", "1")
-    try:
-        yield server
-    finally:
-        stop_and_check(server)
+@pytest.fixture
+def video_server(tiny_qwen2_vl_server: Server) -> Server:
+    """The tiny Qwen2-VL server of the group (tests/conftest.py), whose checkpoint has a small video setting of its
+    own, SMALL_VIDEO_PROCESSOR (a checkpoint's is read)."""
+    return tiny_qwen2_vl_server
 
 
 def _body(data: bytes, mime: str, text: str = "What happens?") -> dict[str, Any]:
@@ -232,8 +217,9 @@ def test_serve_answers_mp4_and_webm_and_a_repeat_is_a_cache_hit(video_server: Se
             assert reply.status_code == 200, reply.text
             usages.append(reply.json()["usage"])
         # 3 s at 10 fps sampled at 2 fps: 6 frames, 3 temporal patches of 224 x 224 / 28 x 28 tokens
-        # (the size bounds above: 48 x 64 upscaled to at least 4 merged patches... of smart_resize's).
-        height, width = qwen_video.smart_resize(48, 64, 28, 4 * 784, 8 * 784)
+        # (SMALL_VIDEO_PROCESSOR's size bounds: 48 x 64 upscaled to at least 4 merged patches... of smart_resize's).
+        size = SMALL_VIDEO_PROCESSOR["size"]
+        height, width = qwen_video.smart_resize(48, 64, 28, size["shortest_edge"], size["longest_edge"])
         video_tokens = 3 * (height // 28) * (width // 28)
         tokenized = client.post(
             "/tokenize", json={k: v for k, v in _body(mp4, "video/mp4").items() if k in ("model", "messages")}
