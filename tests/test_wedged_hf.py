@@ -170,11 +170,6 @@ def test_a_sigstopped_stepping_worker_is_replaced_by_its_step_bound_and_the_wait
     )
 
 
-@pytest.mark.xfail(
-    reason="known open: the resumed worker's lapse check misses the rows it had claimed in most runs of the "
-    "merged tree (they then run to their max_tokens); docs/RELIABILITY.md",
-    strict=False,
-)
 def test_a_resumed_worker_drops_the_rows_its_frontends_gave_up_on_before_stepping_again(
     unwatched: Server, tiny_qwen2_vl_dir: Path
 ) -> None:

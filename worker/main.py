@@ -82,7 +82,7 @@ from shmgate.shared.models import parse_model_spec, resolve_model
 from shmgate.shared.parent_death import follow_supervisor
 from shmgate.shared.stages import Stamp, Stamps
 from shmgate.shared.transport import PosixWorkerLink, WorkerLink
-from shmgate.shared.vocabulary import SlotState, check_model_id, now_ns
+from shmgate.shared.vocabulary import DEAD_AFTER_S, SlotState, check_model_id, now_ns
 from shmgate.shared.wire import (
     GRAMMAR_TENSOR,
     INLINE_TENSOR,
@@ -622,20 +622,26 @@ class Worker:
                 self.spans.batch(done, ended, [job.item is not None and job.item.cancelled for job in done])
 
     def _drop_given_up(self, jobs: Iterable[_Job]) -> None:
-        """After a heartbeat lapse (a SIGSTOP, a starved process), end what was claimed before it, unstepped.
+        """After a heartbeat lapse (a SIGSTOP, a starved process), end what was claimed before the frontends
+        judged this worker dead, unstepped.
 
-        The frontends judged this worker dead during the lapse and retried those requests under new ids, or
-        failed them to their clients (gateway/replies.py): stepping them now would only delay the requests
-        that still wait, for output nobody reads. Each is aborted (its row leaves before the next step) and
-        answered with an error, in case a frontend did not give up after all.
+        The frontends judged it dead ``DEAD_AFTER_S`` into the lapse (its last beat that old) and retried what
+        it had claimed by then under new ids, or failed it to its clients (gateway/replies.py): stepping those
+        now would only delay the requests that still wait, for output nobody reads. Each is aborted (its row
+        leaves before the next step) and answered with an error, in case a frontend did not give up after all.
+        The cut is that judgement, not the lapse's start: a request claimed after the last beat before a
+        SIGSTOP (beats are ``HEARTBEAT_INTERVAL_S`` apart, and a stop often follows a claim closely) was given
+        up on all the same. A lapse is only noted once it outlasted the judgement (shared/segment.py
+        ``HEARTBEAT_LAPSE_S``), so a request claimed after the resume is never taken for one of them.
         """
         lapse = self.link.heartbeat_lapse_ns()
         if not lapse:
             return
+        judged_dead_ns = lapse + int(DEAD_AFTER_S * 1e9)
         ended = 0
         for job in list(jobs):
             item = job.item
-            if item is None or item.cancelled or job.claimed_ns >= lapse:
+            if item is None or item.cancelled or job.claimed_ns >= judged_dead_ns:
                 continue
             item.cancelled = True
             if self._jobs.pop(item.key, None) is not None:

@@ -172,7 +172,8 @@ class WorkerLink(Protocol):
 
     def heartbeat_lapse_ns(self) -> int:
         """When the latest gap of our heartbeat began, one long enough for frontends to judge us dead (0: none):
-        what we had claimed before it was retried or failed by them (shared/segment.py Heartbeat)."""
+        what we had claimed up to ``DEAD_AFTER_S`` into it was retried or failed by them (shared/segment.py
+        Heartbeat)."""
 
     def progress_stamper(self) -> Callable[[int], None]:
         """A cheap callable storing a progress stamp (ns) in our slot row."""
