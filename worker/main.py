@@ -127,6 +127,9 @@ NO_DIAGNOSTICS = DiagnosticOptions()  # production: no deliberate delays
 # supervisor are looked at (and an idle turn stamped) at most this often, not per batch (~5 µs a look).
 GET_TIMEOUT_S = 0.25
 LOOK_EVERY_S = 0.1
+# How long a worker that saw its gateway stop waits for a SIGTERM sent at the same moment (a pod's containers
+# are stopped together): with one, its exit is a clean 0; without, 1, for a restart policy to start another
+STOP_SIGNAL_GRACE_S = 1.0
 PREFETCH_JOIN_S = 10.0  # at stop: how long to wait for the prefetch thread's current batch
 # A generation engine's gauges and counters reach the worker's row (and /metrics) at most this often,
 # and when it runs dry.
@@ -340,8 +343,13 @@ class Worker:
                         return
                     if not link.instance_alive():
                         # the gateway is gone or stopping: exit so the supervisor (or compose's restart
-                        # policy) starts a worker that attaches to the new instance
+                        # policy) starts a worker that attaches to the new instance. A SIGTERM sent with the
+                        # gateway's (a pod's containers stop together) may land a moment after its death is
+                        # seen: wait for it briefly, so that a stop asked for exits cleanly.
                         log.warning("the gateway instance stopped; exiting")
+                        waited_until = time.monotonic() + STOP_SIGNAL_GRACE_S
+                        while not self._stop_request.asked and time.monotonic() < waited_until:
+                            time.sleep(0.02)
                         self.exit_code = 0 if self._stop.is_set() or self._stop_request.asked else EXIT_FAILURE
                         return
                     self.progress.idle_turn()
