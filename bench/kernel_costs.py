@@ -7,14 +7,19 @@
    one SDPA over the rows' blocks gathered into a padded batch (a copy) against one SDPA per row over a view
    of its consecutive blocks (worker/generation/paged.py).
 
-Times are this process's CPU time on one torch thread (the work itself, whatever else runs on the cores);
-each case runs twice, alternated, and both figures are printed.
+3. The packed linears' memory bandwidth on one torch thread against two (``--threads-compare``): wall clock,
+   the two alternated 12 times, the best and the median of each (run it on quiet cores: a second thread
+   that another job preempts stalls the first at every operation).
+
+Times of 1 and 2 are this process's CPU time on one torch thread (the work itself, whatever else runs on the
+cores); each case runs twice, alternated, and both figures are printed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -89,16 +94,52 @@ def attention_costs(rows_list: list[int], positions: int) -> dict[str, Any]:
     return out
 
 
+def thread_bandwidth(weights: int, rows_list: list[int]) -> dict[str, Any]:
+    import torch
+
+    from shmgate.worker.generation.cpu_linear import PackedLinear
+
+    layers = [PackedLinear(torch.nn.Linear(512, 1376, bias=False)) for _ in range(weights)]
+    size = 512 * 1376 * 4
+    out: dict[str, Any] = {}
+    with torch.inference_mode():
+        for rows in rows_list:
+            x = torch.randn(rows, 512)
+            seen: dict[int, list[float]] = {1: [], 2: []}
+            for _ in range(12):
+                for threads in (1, 2):
+                    torch.set_num_threads(threads)
+                    started = time.perf_counter()
+                    for _ in range(5):
+                        for layer in layers:
+                            layer(x)
+                    seen[threads].append((time.perf_counter() - started) / 5 / weights)
+            out[f"{rows} rows, GB/s best / median"] = {
+                f"{threads} thread{'s' if threads > 1 else ''}": [
+                    round(size / min(times) / 1e9, 1),
+                    round(size / sorted(times)[len(times) // 2] / 1e9, 1),
+                ]
+                for threads, times in seen.items()
+            }
+    torch.set_num_threads(1)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="1,8,32", help="rows per step, comma-separated")
     p.add_argument("--weights", type=int, default=40, help="distinct weights cycled (40: 113 MB)")
     p.add_argument("--positions", type=int, default=300, help="KV positions per row")
+    p.add_argument("--threads-compare", action="store_true", help="only the packed linears on 1 thread against 2")
     args = p.parse_args(argv)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the worker runs (worker/__main__.py); before torch
     import torch
 
     torch.set_num_threads(1)
     rows = [int(n) for n in args.rows.split(",")]
+    if args.threads_compare:
+        print(json.dumps({"clock": "wall", "bandwidth": thread_bandwidth(args.weights, rows)}))
+        return 0
     print(
         json.dumps(
             {

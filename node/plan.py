@@ -158,8 +158,9 @@ def worker_threads(config: ServeConfig, n_workers: int, models: list[ModelConfig
     stream every token while the worker steps, and a team of torch threads that all cores' other work
     preempts waits on its slowest member at every operation. On the 2-core machine, the 12-layer 1024-wide
     checkpoint with other jobs on the cores: the worker's two threads got 0.50 + 0.33 of a core and served
-    146-171 tokens/s where vLLM's one-core worker got 0.95 and served 180-198; with the cores quieter, one
-    thread's mix TPOT was 8.6-9.8 ms against two threads' 11.0-11.4 (docs/BENCHMARKS.md, "round 2")."""
+    146-171 tokens/s where vLLM's one-core worker got 0.95 and served 180-198; on quiet cores one thread
+    streams the packed weights faster than two (21-24 against 19 GB/s), since a decode step is bound by
+    memory, not arithmetic (docs/BENCHMARKS.md, "The engine against vLLM's CPU engine, round 2")."""
     if config.placement.threads:
         return int(config.placement.threads)
     cpus = usable_cpus()
