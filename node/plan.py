@@ -159,7 +159,7 @@ def worker_threads(config: ServeConfig, n_workers: int, models: list[ModelConfig
     preempts waits on its slowest member at every operation. On the 2-core machine, the 12-layer 1024-wide
     checkpoint with other jobs on the cores: the worker's two threads got 0.50 + 0.33 of a core and served
     146-171 tokens/s where vLLM's one-core worker got 0.95 and served 180-198; on quiet cores one thread
-    streams the packed weights faster than two (21-24 against 19 GB/s), since a decode step is bound by
+    streams the packed weights at least as fast as two (17.7-24.0 against 16.8-19.4 GB/s), since a decode step is bound by
     memory, not arithmetic (docs/BENCHMARKS.md, "The engine against vLLM's CPU engine, round 2")."""
     if config.placement.threads:
         return int(config.placement.threads)
