@@ -73,21 +73,38 @@ PHOTOS = sorted((REPO / "tests" / "data" / "images").glob("*.jpg"))
 TEXT = {"hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 8, "num_attention_heads": 8}
 
 
-def build(path: Path, vision: dict[str, Any] | None = None) -> None:
-    """The fixture's Qwen2-VL (tests/hf_fixture.py) with an 8-layer, 512-wide text model (``vision``: other
-    vision-tower settings, e.g. a real tower's depth and width; its output is merged to the text width)."""
+def text_size(size: str) -> dict[str, int]:
+    """``LAYERSxWIDTH`` (``8x512``, ``12x1024``) as a text model's settings: 64-wide heads, an MLP 2.6875x the
+    width (the 8x512 model's 1376, the 12x1024 one's 2752)."""
+    layers, width = (int(n) for n in size.lower().split("x"))
+    if width % 64:
+        raise ValueError(f"--size {size}: the width must be a multiple of 64 (the heads are 64 wide)")
+    return {
+        "hidden_size": width,
+        "intermediate_size": width * 43 // 16,
+        "num_hidden_layers": layers,
+        "num_attention_heads": width // 64,
+    }
+
+
+def build(path: Path, vision: dict[str, Any] | None = None, text: dict[str, int] | None = None) -> None:
+    """The fixture's Qwen2-VL (tests/hf_fixture.py) with an 8-layer, 512-wide text model unless ``text`` (see
+    ``text_size``) (``vision``: other vision-tower settings, e.g. a real tower's depth and width; its output is
+    merged to the text width)."""
     import torch
     import transformers
 
     from tests import hf_fixture
 
+    text = text or TEXT
+
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = hf_fixture._build_processor(path, "qwen2_vl")
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in hf_fixture._SPECIAL_TOKENS}
-    vision = {**hf_fixture._vision_config("qwen2_vl"), **(vision or {}), "hidden_size": TEXT["hidden_size"]}
+    vision = {**hf_fixture._vision_config("qwen2_vl"), **(vision or {}), "hidden_size": text["hidden_size"]}
     config = transformers.Qwen2VLConfig(
         text_config={
-            **TEXT,
+            **text,
             "vocab_size": len(tokenizer),
             "num_key_value_heads": 4,
             "head_dim": 64,
@@ -585,6 +602,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--build", type=Path, help="write the 8-layer model into this directory and exit")
     p.add_argument("--family", choices=("qwen2_vl", "llava"), default="qwen2_vl", help="the model --build writes")
     p.add_argument(
+        "--size", default="8x512", help="--build: the Qwen2-VL text model's LAYERSxWIDTH (8x512; 12x1024: 134 M)"
+    )
+    p.add_argument(
         "--server",
         choices=("shmgate", "transformers", "vllm"),
         default="shmgate",
@@ -627,7 +647,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     if args.build:
-        (build_llava if args.family == "llava" else build)(args.build)
+        if args.family == "llava":
+            build_llava(args.build)
+        else:
+            build(args.build, text=text_size(args.size))
         return 0
     if args.padding:
         print(json.dumps(padding(args.model_dir, args.seed, args.requests, args.time_every)))
