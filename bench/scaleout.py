@@ -75,6 +75,7 @@ class Unit:
     gateway: Container | None = None
     worker: Container | None = None
     starts: int = 0
+    failed_logs: list[str] = field(default_factory=list)
 
     def start(self, timeout_s: float = 180) -> float:
         """Start the pod and its two containers; the seconds until /ready."""
@@ -98,12 +99,16 @@ class Unit:
         return time.monotonic() - started
 
     def drain(self, timeout_s: float = 90) -> tuple[int, int, float]:
-        """SIGTERM to both containers at once; (gateway exit code, worker exit code, seconds to exit)."""
+        """SIGTERM to both containers at once; (gateway exit code, worker exit code, seconds to exit). A
+        container that exits other than 0 leaves its log's tail in ``self.failed_logs``."""
         assert self.pod and self.gateway and self.worker
         started = time.monotonic()
         terminate_together(self.gateway, self.worker)
         codes = (self.gateway.wait(timeout_s), self.worker.wait(timeout_s))
         took = time.monotonic() - started
+        for container, code in zip((self.gateway, self.worker), codes):
+            if code != 0:
+                self.failed_logs.append(container.log()[-1500:])
         self.pod.__exit__(None, None, None)
         self.pod = None
         return codes[0], codes[1], took
@@ -296,6 +301,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "worker_exit": worker_code,
                     "drain_s": round(drain_s, 2),
                     "ready_s": round(ready_s, 2),
+                    **({"failed_logs": unit.failed_logs} if unit.failed_logs else {}),
                 }
             )
             time.sleep(args.settle_s)

@@ -6,7 +6,7 @@
 #      longest first, the order tests/conftest.py LONGEST_FIRST gives them);
 #   2. the `serial` tests, alone on the machine: they diff all of /dev/shm, fill the per-uid message-queue
 #      budget on purpose, remove every dead instance (`shmgate cleanup`, a serve's start-up clean-up), or
-#      time a stall.
+#      time a stall, or restart pods under load (on saturated cores a worker's exit code races its SIGTERM).
 # mypy (scripts/typecheck.sh) runs beside phase 1, niced, and is waited for before phase 2: on a clean
 # clone it has no cache and takes ~30 s of CPU, which it takes from the gaps phase 1's waits leave.
 # Phase 2 collects only the files phase 1 found serial tests in (tests/conftest.py; importing every test

