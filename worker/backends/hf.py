@@ -66,7 +66,7 @@ from shmgate.worker.generation import (
     pick_token,
     sample_token,
 )
-from shmgate.worker.generation.cpu_linear import PackedLinear, can_pack, pack_linears
+from shmgate.worker.generation.cpu_linear import can_pack, pack_language_model
 from shmgate.worker.generation.decoder_stack import DecoderStack
 from shmgate.worker.generation.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_TOKENS
 from shmgate.worker.generation.kv import cache_field, kv_budget_from_free_memory
@@ -169,10 +169,7 @@ class HFBackend(GenerationEngine):
         )
         self.model: Any = model.to(device).eval()  # a no-op when it was loaded there
         if can_pack(device, self.dtype):  # the language model's few-row products through oneDNN (cpu_linear.py)
-            pack_linears(self.model.get_decoder())
-            head = self.model.get_output_embeddings()
-            if type(head) is torch.nn.Linear:
-                self.model.set_output_embeddings(PackedLinear(head))
+            pack_language_model(self.model)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self._style = family.style  # its input style's worker half (shared/families/)
         self._layout = input_layout(self._style, self.model.config)
@@ -323,7 +320,7 @@ class HFBackend(GenerationEngine):
         length = prompt_length(row)
         # a video's tower output is not scattered by _embed_prompt: a prompt with video runs whole, through
         # the model's own forward (which places the video's features and its positions)
-        if not self._chunks or row.inputs.video_grid_thw is not None:
+        if self._whole(row):
             logits, row.cache, row.delta = self._prefill(row)
             row.done_tokens = length
             return length, logits

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["PackedLinear", "can_pack", "pack_linears"]
+__all__ = ["PackedLinear", "can_pack", "pack_language_model", "pack_linears"]
 
 # rows the packing is tuned for: oneDNN picks its blocking for this batch, and serves any other
 _TUNED_ROWS = 32
@@ -57,6 +57,18 @@ class PackedLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+def pack_language_model(model: Any) -> int:
+    """Pack a transformers model's language model and output head (not its vision tower); return how many
+    layers were packed."""
+    checked: dict[tuple[Any, ...], bool] = {}
+    swapped = pack_linears(model.get_decoder(), checked)
+    head = model.get_output_embeddings()
+    if type(head) is torch.nn.Linear and (packed := _packed(head, checked)) is not None:
+        model.set_output_embeddings(packed)
+        swapped += 1
+    return swapped
+
+
 def pack_linears(module: torch.nn.Module, _checked: dict[tuple[Any, ...], bool] | None = None) -> int:
     """Swap every ``nn.Linear`` under ``module`` for a ``PackedLinear``; return how many were swapped. The first
     layer of each shape is checked against its plain self on a probe: a build or CPU whose oneDNN lacks the
@@ -65,19 +77,25 @@ def pack_linears(module: torch.nn.Module, _checked: dict[tuple[Any, ...], bool] 
     swapped = 0
     for name, child in list(module.named_children()):
         if type(child) is torch.nn.Linear:
-            kind = (child.in_features, child.out_features, child.weight.dtype, child.bias is not None)
-            try:
-                packed = PackedLinear(child)
-            except RuntimeError:
-                continue
-            if kind not in checked:
-                checked[kind] = _agrees(child, packed)
-            if checked[kind]:
+            packed = _packed(child, checked)
+            if packed is not None:
                 setattr(module, name, packed)
                 swapped += 1
         else:
             swapped += pack_linears(child, checked)
     return swapped
+
+
+def _packed(linear: torch.nn.Linear, checked: dict[tuple[Any, ...], bool]) -> PackedLinear | None:
+    """``linear`` packed, or None when oneDNN cannot pack it or the first of its shape disagreed with it."""
+    kind = (linear.in_features, linear.out_features, linear.weight.dtype, linear.bias is not None)
+    try:
+        packed = PackedLinear(linear)
+    except RuntimeError:
+        return None
+    if kind not in checked:
+        checked[kind] = _agrees(linear, packed)
+    return packed if checked[kind] else None
 
 
 def _agrees(linear: torch.nn.Linear, packed: PackedLinear) -> bool:
