@@ -50,25 +50,25 @@ def stall_timeout_for(model: str, flag: float | None) -> float:
     return HF_STALL_TIMEOUT_S if _loads_hf_weights(model) else DEFAULT_STALL_TIMEOUT_S
 
 
+def _kind(model: str) -> ModelKind | None:
+    """The spec's kind; None for an unknown spec (the children report it as a configuration error)."""
+    try:
+        return parse_model_spec(model).kind
+    except ValueError:
+        return None
+
+
 def _serves_chat(model: str) -> bool:
     """Is it a chat model (``hf:<dir>`` of a VLM), whose worker steps and streams every token?"""
-    try:
-        return parse_model_spec(model).kind is ModelKind.HF_CHAT
-    except ValueError:
-        return False
+    return _kind(model) is ModelKind.HF_CHAT
 
 
 def _loads_hf_weights(model: str) -> bool:
     """Does the worker load a Hugging Face checkpoint (GBs of weights, slow steps)?
 
-    ``checksum:hf:<dir>`` does not: it only preprocesses the way the checkpoint does. An unknown
-    spec counts as not: the children report it as a configuration error.
+    ``checksum:hf:<dir>`` does not: it only preprocesses the way the checkpoint does.
     """
-    try:
-        kind = parse_model_spec(model).kind
-    except ValueError:
-        return False
-    return kind in (ModelKind.HF_CHAT, ModelKind.HF_EMBED)
+    return _kind(model) in (ModelKind.HF_CHAT, ModelKind.HF_EMBED)
 
 
 def _gpu_count() -> int:
