@@ -1,13 +1,15 @@
 """One paged step through a language model's decoder layers, without transformers' per-module machinery.
 
-Why: on CPU a decode step of the bench's 8-layer checkpoint spends about 2.5-3.5 ms outside its kernels in
-transformers' forward (per layer: module calls and their hooks, keyword plumbing, the attention interface's
-lookup, output records; per step: the mask mapping and the rotary table). That is a third of a step at a
-few rows, where the kernels themselves (the weights streamed from memory) take 4-7 ms. ``DecoderStack`` runs
-the same weights and the same arithmetic in a plain loop: the model's own rotary module computes the step's
-cos and sin once (multimodal RoPE included: it is the family's module), each layer's projections are its own
-modules' ``forward`` (packed oneDNN weights on CPU, cpu_linear.py), attention is paged.py's over the rows'
-blocks. Only the logits the step samples from are computed.
+Why: transformers' forward does per-layer work beside the kernels (module calls and their hooks, keyword
+plumbing, the attention interface's lookup, output records; per step the mask mapping and the rotary table).
+``DecoderStack`` runs the same weights and the same arithmetic in a plain loop: the model's own rotary module
+computes the step's cos and sin once (multimodal RoPE included: it is the family's module), each layer's
+projections are its own modules' ``forward`` (packed oneDNN weights on CPU, cpu_linear.py), attention is
+paged.py's over the rows' blocks. Only the logits the step samples from are computed. Measured with the
+output processor's batched greedy picks that came with it (the 8-layer checkpoint, one thread, CPU time a
+paged step, A B B A against the tree before both): 1 row 6.20-6.32 -> 5.61-5.89 ms, 8 rows 10.1-10.3 ->
+9.4-10.9 ms (no difference in the noise), 32 rows 28.1-28.6 -> 23.1-23.6 ms (docs/BENCHMARKS.md, "The plain
+decoder loop, measured"). At a few rows the step is the weights streamed from memory, which no loop changes.
 
 It serves the decoder shape most chat families' text models share (Qwen2, Qwen2-VL, Qwen2.5-VL, Llama):
 RMSNorm before attention and MLP, q/k/v/o projections, rotary positions, a SiLU-gated MLP, every layer full

